@@ -1,0 +1,169 @@
+"""Cases run on every rank of a :class:`distributed.RankPool`: a ZeRO engine against torch's DDP.
+
+Each case trains two copies of one model from the same seed, one under ``DistributedDataParallel`` with a
+per-parameter ``torch.optim`` optimizer (the reference), one under zerorun's engine, on the same per-rank
+batches, and returns the largest relative differences of loss, global grad norm and final parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zerorun.zero import ZeroConfig, default_param_groups, initialize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gpt_module():
+    spec = importlib.util.spec_from_file_location("zerorun_test_gpt", os.path.join(ROOT, "recipes/models/gpt.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class MLP(nn.Module):
+    """Odd-sized MLP (numels not divisible by 2 or 3) with optional structures under test."""
+
+    def __init__(self, batchnorm: bool = False, frozen: bool = False, branch: bool = False) -> None:
+        super().__init__()
+        # A bias right before BatchNorm has an exactly-zero true gradient (BN removes the mean): its float
+        # noise would be normalized by Adam into lr-sized steps of random sign, in DDP as anywhere. Models
+        # drop it (bias=False), and so does this one.
+        self.inp = nn.Linear(7, 13, bias=not batchnorm)
+        self.norm = nn.BatchNorm1d(13) if batchnorm else nn.LayerNorm(13)
+        self.hidden = nn.Linear(13, 11)
+        self.branch = nn.Linear(11, 11) if branch else None
+        self.out = nn.Linear(11, 5)
+        if frozen:
+            self.inp.requires_grad_(False)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        h = F.gelu(self.norm(self.inp(batch["x"])))
+        h = F.gelu(self.hidden(h))
+        if self.branch is not None and batch["use_branch"]:
+            h = h + self.branch(h)
+        return F.cross_entropy(self.out(h), batch["y"])
+
+
+def _build(model: str, seed: int, **model_kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    if model == "gpt":
+        return _gpt_module().build_model(vocab_size=61, n_layer=2, n_head=2, d_model=18, max_seq_len=16,
+                                         **model_kwargs)
+    return MLP(**model_kwargs)
+
+
+def _batch(model: str, step: int, micro: int, rank: int, world_size: int, branch_pattern: str) -> object:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    if model == "gpt":
+        return torch.randint(0, 61, (4, 17), generator=g)
+    use = {"never": False, "always": True,
+           # taken on some ranks only, and on no rank at all in some steps
+           "mixed": (step % 3 == 0) or (step % 3 == 1 and rank == 0)}[branch_pattern]
+    return {"x": torch.randn(6, 7, generator=g), "y": torch.randint(0, 5, (6,), generator=g), "use_branch": use}
+
+
+def _loss(out) -> torch.Tensor:
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def _groups(model: nn.Module, kind: str, weight_decay: float) -> list[dict]:
+    if kind == "default":
+        return default_param_groups(model, weight_decay)
+    # "custom": three groups with their own lr and weight decay
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": params[0::3], "lr": 3e-3, "weight_decay": 0.2},
+            {"params": params[1::3], "lr": 1e-3, "weight_decay": 0.0},
+            {"params": params[2::3]}]
+
+
+def rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
+    """max |a - b| / max(max |b|, 1e-12): the difference relative to the reference's scale."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip: float | None = None,
+           optimizer: str = "AdamW", optimizer_kwargs: dict | None = None, groups: str = "default",
+           bucket_mb: float = 0.002, branch_pattern: str = "never", **model_kwargs) -> dict:
+    """Train DDP and the zerorun engine side by side; return the largest relative differences.
+
+    Also trains a second DDP (``floor_*`` keys) that differs from the first only in summation order: another
+    ``bucket_cap_mb``, and an all-reduce on every micro-step instead of ``no_sync`` accumulation. Its distance
+    to the first is the float32 floor of any comparison (Note [Summation-order floor] in test_zero_parity.py).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    kwargs = dict(optimizer_kwargs or {"lr": 1e-2, "weight_decay": 0.1})
+    wd = kwargs.pop("weight_decay", 0.0)
+    models = [_build(model, 0, **model_kwargs)]
+    models += [copy.deepcopy(models[0]) for _ in range(2)]
+    ref_model, alt_model, zero_model = models
+    opts = [getattr(torch.optim, optimizer)(_groups(m, groups, wd), **kwargs) for m in (ref_model, alt_model)]
+    unused = branch_pattern != "never"
+    ddps = [DDP(ref_model, find_unused_parameters=unused),
+            DDP(alt_model, find_unused_parameters=unused, bucket_cap_mb=0.0005)]
+    engine = initialize(zero_model, optimizer=optimizer, optimizer_kwargs=kwargs,
+                        param_groups=_groups(zero_model, groups, wd),
+                        config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, grad_accum_steps=accum, grad_clip=clip))
+    out = {k: 0.0 for k in ("loss", "grad_norm", "params", "buffers", "floor_loss", "floor_params")}
+    for step in range(steps):
+        losses, norms = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+        for micro in range(accum):
+            batch = _batch(model, step, micro, rank, world_size, branch_pattern)
+            for i, ddp in enumerate(ddps):
+                sync = micro == accum - 1 or i == 1
+                with (contextlib.nullcontext() if sync else ddp.no_sync()):
+                    loss = _loss(ddp(batch))
+                    (loss / accum).backward()
+                losses[i] += loss.item() / accum
+            zl = _loss(engine(batch))
+            engine.backward(zl)
+            losses[2] += zl.item() / accum
+        for i, (m, opt) in enumerate(zip((ref_model, alt_model), opts)):
+            params = [p for p in m.parameters() if p.requires_grad]
+            for p in params:  # zero-gradient semantics for parameters no rank used (Note [Collective order])
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if i == 0:
+                norms[i] = float(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")))
+            else:  # the same clipping, the norm summed in another (equally valid) order
+                norm = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in params]))
+                if clip:
+                    torch._foreach_mul_([p.grad for p in params], torch.clamp(clip / (norm + 1e-6), max=1.0))
+                norms[i] = float(norm)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        norms[2] = engine.step()
+        out["loss"] = max(out["loss"], rel(losses[2], losses[0]))
+        out["grad_norm"] = max(out["grad_norm"], rel(norms[2], norms[0]))
+        out["floor_loss"] = max(out["floor_loss"], rel(losses[1], losses[0]))
+    ref_state = ref_model.state_dict()
+    for prefix, other in (("", zero_model), ("floor_", alt_model)):
+        for (name, a), b in zip(ref_state.items(), other.state_dict().values()):
+            key = "buffers" if name.endswith(("running_mean", "running_var", "num_batches_tracked")) else "params"
+            if prefix == "floor_" and key == "buffers":
+                continue
+            out[prefix + key] = max(out[prefix + key], rel(b.float(), a.float()))
+    out["last_loss"] = losses[0]
+    return out
+
+
+def memory(stage: int, model: str = "gpt") -> dict:
+    """The engine's reported model-state bytes after one step, with Ψ and the padded numel."""
+    m = _build(model, 0)
+    engine = initialize(m, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
+                        config=ZeroConfig(stage=stage, bucket_mb=0.002))
+    engine.backward(_loss(engine(_batch(model, 0, 0, dist.get_rank(), dist.get_world_size(), "never"))))
+    engine.step()
+    return {"bytes": engine.memory_bytes(), "psi": engine.num_params,
+            "padded": sum(b.numel for b in engine.buffers), "world_size": dist.get_world_size(),
+            "comm": engine.comm_stats()}

@@ -1,0 +1,3 @@
+"""zerorun: a launcher and ZeRO runtime for data-parallel PyTorch training (Rajbhandari et al., arXiv:1910.02054)."""
+
+__version__ = "0.1.0"

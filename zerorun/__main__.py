@@ -1,0 +1,3 @@
+from zerorun.cli import main
+
+main()

@@ -1,0 +1,68 @@
+"""Training data: built-in byte-level text windows, or a user factory returning datasets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from zerorun.recipe import DataSpec, expand_data_paths
+from zerorun.userload import UserCodeError, call_factory
+
+
+class ByteWindows(Dataset):
+    """Non-overlapping windows over a byte string: item ``i`` is ``tokens[i*T : i*T + T + 1]`` as int64,
+    shape ``(T + 1,)`` (inputs and next-byte targets), vocabulary 256.
+
+    Args:
+        tokens: uint8 tensor, shape ``(n,)``.
+        seq_len: ``T``, tokens per sample.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        start = i * self.seq_len
+        return self.tokens[start:start + self.seq_len + 1].long()
+
+
+def read_corpus(patterns: list[str]) -> torch.Tensor:
+    """The bytes of every file matched by ``patterns`` (see :func:`zerorun.recipe.expand_data_paths`),
+    concatenated in path order: uint8 tensor, shape ``(total bytes,)``."""
+    chunks = []
+    for path in expand_data_paths(patterns):
+        with open(path, "rb") as f:
+            chunks.append(f.read())
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+def build_datasets(spec: DataSpec) -> tuple[Dataset, Dataset | None]:
+    """``(train, validation or None)`` for a recipe's ``data`` section.
+
+    ``text``: the last ``val_fraction`` of the corpus's bytes is the validation split.
+    ``module``: ``factory(**kwargs)`` returns a Dataset or a ``(train, val)`` pair.
+
+    Raises:
+        UserCodeError: the data factory fails or returns something that is not a Dataset.
+    """
+    if spec.kind == "text":
+        tokens = read_corpus(spec.paths)
+        n_val = int(len(tokens) * spec.val_fraction)
+        train = ByteWindows(tokens[:len(tokens) - n_val], spec.seq_len)
+        val = ByteWindows(tokens[len(tokens) - n_val:], spec.seq_len) if n_val > spec.seq_len else None
+        return train, val
+    out: Any = call_factory(spec.module, spec.factory, spec.kwargs)
+    train, val = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    for what, ds in (("train", train), ("validation", val)):
+        if ds is not None and not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+            raise UserCodeError(f"{spec.module}: {spec.factory}() returned a {what} set of type "
+                                f"{type(ds).__name__}, not a map-style Dataset")
+    return train, val

@@ -1,0 +1,94 @@
+"""The launch plan: which node runs how many ranks, and the exact torchrun command line and environment.
+
+Pure data, built before anything starts, so it can be printed (``--dry-run``) and tested.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from zerorun.hostfile import Host
+
+#: environment variable that marks every process of one job (teardown finds them by it).
+JOB_ENV = "ZERORUN_JOB_ID"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node of the job: ``host``, its ``node_rank``, ranks ``[first_rank, first_rank + nproc)``, and the
+    ``argv`` and extra ``env`` that start torch's launcher there."""
+
+    host: Host
+    node_rank: int
+    nproc: int
+    first_rank: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Every node of a job, the rendezvous address and port, the world size and the job id."""
+
+    nodes: list[NodeSpec]
+    world_size: int
+    master_addr: str
+    master_port: int
+    job_id: str
+
+    def node_of_rank(self, rank: int) -> NodeSpec | None:
+        """The node that runs global ``rank``."""
+        for node in self.nodes:
+            if node.first_rank <= rank < node.first_rank + node.nproc:
+                return node
+        return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now (bound to port 0 and released)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when ``port`` on ``host`` cannot be bound (someone listens there)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def build_plan(hosts: list[Host], recipe_json: str, job_id: str, master_port: int,
+               python: str | None = None, extra_env: dict[str, str] | None = None) -> LaunchPlan:
+    """One :class:`NodeSpec` per host, ranks numbered in hostfile order.
+
+    Args:
+        hosts: the nodes (a single local host when there is no hostfile).
+        recipe_json: the resolved recipe as JSON; it travels base64-encoded on the worker's command line.
+        job_id: marks every process of the job (:data:`JOB_ENV`).
+        master_port: the rendezvous port on the first host.
+        python: interpreter on the nodes (default: this one).
+        extra_env: the recipe's ``launch.env``.
+    """
+    master_addr = "127.0.0.1" if hosts[0].is_local else hosts[0].name
+    payload = base64.b64encode(recipe_json.encode()).decode()
+    nodes, first = [], 0
+    cores = os.cpu_count() or 1
+    for i, host in enumerate(hosts):
+        argv = [python or sys.executable, "-m", "torch.distributed.run",
+                f"--nnodes={len(hosts)}", f"--nproc-per-node={host.slots}", f"--node-rank={i}",
+                f"--master-addr={master_addr}", f"--master-port={master_port}", "--max-restarts=0",
+                "--monitor-interval=0.2", "-m", "zerorun.worker", "--recipe-b64", payload]
+        env = {JOB_ENV: job_id, "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": str(max(1, cores // host.slots)), **(extra_env or {})}
+        nodes.append(NodeSpec(host, i, host.slots, first, argv, env))
+        first += host.slots
+    return LaunchPlan(nodes, first, master_addr, master_port, job_id)

@@ -1,0 +1,77 @@
+"""Running one node's command and streaming its output lines.
+
+``LocalNode`` runs the node's torchrun command as a local subprocess in its own session (process group);
+every line it prints (stdout and stderr merged) is put on a shared queue as ``(node_rank, line)``, and its
+end as ``(node_rank, None, returncode)``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+
+import psutil
+
+from zerorun.launch.plan import JOB_ENV, NodeSpec
+
+
+class LocalNode:
+    """A node run on this machine without SSH."""
+
+    def __init__(self, spec: NodeSpec, lines: "queue.Queue", cwd: str | None = None) -> None:
+        self.spec = spec
+        self.lines = lines
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self.returncode: int | None = None
+
+    def start(self) -> None:
+        """Start the node's command; a reader thread streams its lines to the queue."""
+        env = {**os.environ, **self.spec.env}
+        self.proc = subprocess.Popen(self.spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, cwd=self.cwd, start_new_session=True,
+                                     text=True, errors="replace", bufsize=1)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put((self.spec.node_rank, line.rstrip("\n")))
+        self.returncode = self.proc.wait()
+        self.lines.put((self.spec.node_rank, None, self.returncode))
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the node's process group (torchrun and what stayed in its group)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def survivors(self) -> list[psutil.Process]:
+        """Processes on this machine marked with this job's id (:data:`JOB_ENV`), however they were started:
+        torchrun starts its workers in sessions of their own, so the process group alone misses them."""
+        job_id = self.spec.env[JOB_ENV]
+        found = []
+        for proc in psutil.process_iter(["pid"]):
+            if proc.pid == os.getpid():
+                continue
+            try:
+                if proc.environ().get(JOB_ENV) == job_id:
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+                continue
+        return found
+
+    def kill_survivors(self, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to every surviving process of the job; return how many there were."""
+        procs = self.survivors()
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        return len(procs)

@@ -1,0 +1,150 @@
+"""Supervising a job: start every node, stream its lines, and on the first failure, Ctrl-C or SIGTERM stop
+everything and verify that no process of the job is left.
+
+Note [Teardown]: torchrun starts its workers in sessions of their own, a SIGKILLed torchrun orphans them, and
+a surviving agent can wait in its exit barrier ignoring SIGTERM. So teardown does not rely on one signal path:
+SIGTERM to each node's process group, a grace period while the lines keep draining, then SIGKILL to the group
+and to every process marked with the job id (``JOB_ENV``), repeated until none is left.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from zerorun.launch.plan import LaunchPlan
+from zerorun.launch.runner import LocalNode
+from zerorun.telemetry.events import Event, parse_line
+
+_TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_TORCHRUN_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+@dataclass
+class JobResult:
+    """How a job ended: ``status`` ok | failed | interrupted; for failures the failing ``rank`` (or None),
+    its host, the ``exit_code`` zerorun exits with, and a one-line ``message``."""
+
+    status: str
+    exit_code: int
+    rank: int | None = None
+    host: str | None = None
+    message: str = ""
+    elapsed_s: float = 0.0
+
+
+class Supervisor:
+    """Runs ``nodes`` of ``plan``; calls ``on_event(event)`` for telemetry and ``on_line(node_rank, line)`` for
+    every other line."""
+
+    def __init__(self, plan: LaunchPlan, nodes: list[LocalNode], lines: "queue.Queue",
+                 on_event: Callable[[Event], None], on_line: Callable[[int, str], None],
+                 grace_s: float = 5.0) -> None:
+        self.plan, self.nodes, self.lines = plan, nodes, lines
+        self.on_event, self.on_line = on_event, on_line
+        self.grace_s = grace_s
+        self._stop: str | None = None
+        self._errors: dict[int, Event] = {}
+        self._torchrun_failure: dict[int, tuple[int | None, int | None]] = {}
+        self._ended: dict[int, int] = {}
+
+    def _handle_signal(self, signum, _frame) -> None:
+        self._stop = signal.Signals(signum).name
+
+    def run(self) -> JobResult:
+        """Start the nodes and wait until all end, one fails, or a signal arrives; always tears down."""
+        t0 = time.time()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._handle_signal)
+        try:
+            for node in self.nodes:
+                node.start()
+            result = self._watch()
+        finally:
+            self._teardown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        result.elapsed_s = time.time() - t0
+        return result
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            item = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return
+        node_rank, line = item[0], item[1]
+        if line is None:
+            self._ended[node_rank] = item[2]
+            return
+        event = parse_line(line)
+        if event is not None:
+            if event.kind == "error":
+                self._errors.setdefault(event.rank, event)
+            self.on_event(event)
+            return
+        m = _TORCHRUN_RANK.match(line)
+        if m:
+            self._torchrun_failure[node_rank] = (int(m.group(1)), None)
+        m = _TORCHRUN_EXIT.match(line)
+        if m and node_rank in self._torchrun_failure:
+            self._torchrun_failure[node_rank] = (self._torchrun_failure[node_rank][0], int(m.group(1)))
+        self.on_line(node_rank, line)
+
+    def _watch(self) -> JobResult:
+        while True:
+            if self._stop:
+                return JobResult("interrupted", 130 if self._stop == "SIGINT" else 143,
+                                 message=f"stopped by {self._stop}: every rank was terminated")
+            self._drain(0.1)
+            failed = [n for n, rc in self._ended.items() if rc != 0]
+            if failed or self._errors:
+                return self._failure(failed[0] if failed else None)
+            if len(self._ended) == len(self.nodes):
+                return JobResult("ok", 0)
+
+    def _failure(self, node_rank: int | None) -> JobResult:
+        # Give the failing node a moment to print its error event and torchrun's summary.
+        deadline = time.time() + 2.0
+        while time.time() < deadline and not self._errors:
+            self._drain(0.1)
+        if self._errors:
+            event = min(self._errors.values(), key=lambda e: e.time)
+            node = self.plan.node_of_rank(event.rank)
+            user = bool(event.data.get("user_error"))
+            msg = event.data.get("message", "")
+            if not user:
+                msg = f"{event.data.get('type', 'Error')}: {msg}"
+            return JobResult("failed", 2 if user else 1, event.rank, node.host.name if node else None, msg)
+        rank, code = self._torchrun_failure.get(node_rank, (None, None)) if node_rank is not None else (None, None)
+        node = self.plan.nodes[node_rank] if node_rank is not None else None
+        what = f"exit code {code}" if code is not None else f"node exit code {self._ended.get(node_rank)}"
+        if code is not None and code < 0:
+            what = f"killed by {signal.Signals(-code).name}" if -code in signal.Signals._value2member_map_ else what
+        return JobResult("failed", 1, rank, node.host.name if node else None, f"rank process ended ({what})")
+
+    def _teardown(self) -> None:
+        """Note [Teardown]."""
+        running = [n for n in self.nodes if n.spec.node_rank not in self._ended]
+        for node in running:
+            node.send_signal(signal.SIGTERM)
+        deadline = time.time() + self.grace_s
+        while time.time() < deadline and len(self._ended) < len(self.nodes):
+            self._drain(0.1)
+        for _ in range(20):
+            left = 0
+            for node in self.nodes:
+                node.send_signal(signal.SIGKILL)
+                left += node.kill_survivors(signal.SIGKILL)
+            if not left:
+                break
+            time.sleep(0.1)
+        deadline = time.time() + 10.0
+        while len(self._ended) < len(self.nodes) and time.time() < deadline:
+            self._drain(0.2)

@@ -1,0 +1,314 @@
+"""The YAML recipe: pydantic models, dotted command-line overrides, path resolution.
+
+A recipe names a model module and factory, data, training settings, the ZeRO stage, precision, launch and
+logging settings (see ``recipes/gpt-stdlib.yaml``). Every problem is a :class:`~zerorun.errors.ZerorunError`
+whose one-line message names the file, the line where YAML knows it, and the field.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from zerorun.errors import ZerorunError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    """``module``: a .py file path (relative to the working directory, else to the recipe's folder) or a dotted
+    module name; ``factory``: a callable in it, ``factory(**kwargs) -> torch.nn.Module``."""
+
+    module: str
+    factory: str = "build_model"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class DataSpec(_Strict):
+    """``kind: text``: byte-level windows (vocabulary 256) over the files matched by ``paths`` (glob patterns;
+    ``{stdlib}`` is the Python standard library's source folder, site-packages and dist-packages excluded,
+    files sorted by path); the last ``val_fraction`` of the bytes is the validation split.
+    ``kind: module``: ``factory(**kwargs)`` in ``module`` returns ``(train_dataset, val_dataset_or_None)``."""
+
+    kind: Literal["text", "module"] = "text"
+    paths: list[str] = Field(default_factory=list)
+    seq_len: int = Field(128, gt=0)
+    val_fraction: float = Field(0.01, ge=0.0, lt=1.0)
+    module: str | None = None
+    factory: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class OptimizerSpec(BaseModel):
+    """``name``: a ``torch.optim`` class; every other key is passed to it (``lr``, ``betas``, ...).
+    ``weight_decay`` applies to tensors of 2 or more dimensions only unless ``decay_1d: true``."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "AdamW"
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    decay_1d: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the optimizer class, ``weight_decay`` included (split into groups later)."""
+        return {k: v for k, v in self.model_dump().items() if k not in ("name", "decay_1d")}
+
+
+class ScheduleSpec(_Strict):
+    """Learning-rate multiplier: linear warm-up over ``warmup_steps``, then ``cosine``/``linear`` decay to
+    ``min_lr_ratio`` at the last step, or ``constant``."""
+
+    warmup_steps: int = Field(0, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+
+
+class TrainSpec(_Strict):
+    """Optimizer steps, per-rank micro-batch size (samples), gradient accumulation steps, clipping, seed and
+    evaluation cadence (``eval_every`` steps, 0 for never; ``eval_batches`` micro-batches per rank)."""
+
+    steps: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0)
+    grad_accum_steps: int = Field(1, gt=0)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    grad_clip: float | None = Field(None, ge=0)
+    seed: int = 1234
+    eval_every: int = Field(0, ge=0)
+    eval_batches: int = Field(8, gt=0)
+    activation_checkpointing: bool = False
+
+
+class ZeroSpec(_Strict):
+    """ZeRO stage (0 = DDP-equivalent), bucket size in MiB, stage-3 units (module class names)."""
+
+    stage: Literal[0, 1, 2, 3] = 0
+    bucket_mb: float = Field(25.0, gt=0)
+    units: list[str] = Field(default_factory=list)
+
+
+class LaunchSpec(_Strict):
+    """Ranks per node without a hostfile; Python interpreter and working directory on the nodes; extra
+    environment variables for every rank."""
+
+    procs_per_node: int = Field(1, gt=0)
+    python: str | None = None
+    workdir: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class CheckpointSpec(_Strict):
+    dir: str | None = None
+    every: int = Field(0, ge=0)
+    keep: int = Field(2, gt=0)
+
+
+class LogSpec(_Strict):
+    """Emit a step event every ``every`` steps; runs are written under ``dir/<name>/<timestamp>/``."""
+
+    every: int = Field(10, gt=0)
+    dir: str = "runs"
+
+
+class Recipe(_Strict):
+    """A whole training job. See DESIGN.md's recipe section and ``recipes/gpt-stdlib.yaml``."""
+
+    name: str = Field(min_length=1)
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec
+    zero: ZeroSpec = Field(default_factory=ZeroSpec)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    launch: LaunchSpec = Field(default_factory=LaunchSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    log: LogSpec = Field(default_factory=LogSpec)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_folder_name(cls, v: str) -> str:
+        if "/" in v or v in (".", ".."):
+            raise ValueError("must be usable as a folder name (no '/')")
+        return v
+
+
+# --------------------------------------------------------------------------------------------- loading
+def _line_of(root: yaml.Node | None, path: tuple) -> int | None:
+    """1-based line of the YAML node at ``path`` (keys and list indices), or of its nearest parent."""
+    node, line = root, None
+    for key in path:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            nxt = None
+            for k, v in node.value:
+                if k.value == str(key):
+                    nxt = v
+                    line = k.start_mark.line + 1
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+            line = node.start_mark.line + 1
+        else:
+            node = None
+    return line
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML: ``3``, ``1e-3``, ``true``, ``[1, 2]``) to ``data``.
+
+    Raises:
+        ZerorunError: an override without ``=`` or whose path crosses a non-mapping value.
+    """
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ZerorunError(f"override {item!r}: expected FIELD=VALUE, e.g. train.steps=50")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ZerorunError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def stdlib_dir() -> str:
+    """The Python standard library's source folder (``sysconfig``'s ``stdlib`` path)."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def expand_data_paths(patterns: list[str]) -> list[str]:
+    """Files matched by ``patterns`` (``{stdlib}`` expanded, ``**`` recursive), without site-packages and
+    dist-packages, de-duplicated and sorted by path so that every machine reads the same corpus in one order."""
+    files: set[str] = set()
+    for pattern in patterns:
+        pattern = pattern.replace("{stdlib}", stdlib_dir())
+        for f in glob.glob(os.path.expanduser(pattern), recursive=True):
+            parts = f.split(os.sep)
+            if os.path.isfile(f) and "site-packages" not in parts and "dist-packages" not in parts:
+                files.add(os.path.abspath(f))
+    return sorted(files)
+
+
+def _resolve_module(value: str, base: str) -> str:
+    """A file path made absolute (working directory first, then the recipe's folder); a dotted name as is."""
+    if not (value.endswith(".py") or os.sep in value):
+        return value
+    for root in (os.getcwd(), base):
+        candidate = os.path.abspath(os.path.join(root, os.path.expanduser(value)))
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(value)
+
+
+def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
+    """Read, override, validate and resolve the recipe at ``path``.
+
+    Returns:
+        A :class:`Recipe` whose module paths are absolute (so it can travel to other nodes as JSON).
+
+    Raises:
+        ZerorunError: unreadable file, invalid YAML, unknown keys, wrong types, missing model file, data
+            patterns that match nothing, unsupported options; the message names file, line and field.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ZerorunError(f"{path}: cannot read recipe: {e.strerror}") from None
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ZerorunError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(data, dict):
+        raise ZerorunError(f"{path}: a recipe must be a YAML mapping (name:, model:, train:, ...)")
+    data = apply_overrides(data, overrides or [])
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(err["loc"])
+        field = ".".join(str(p) for p in loc) or "(top level)"
+        line = _line_of(root, loc)
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        return_value = f"{path}{f':{line}' if line else ''}: {field}: {msg}"
+        more = len(e.errors()) - 1
+        raise ZerorunError(return_value + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
+    return resolve(recipe, path, root)
+
+
+def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
+    """The optimizer exists in torch.optim, is elementwise, and accepts every key given."""
+    import inspect
+
+    from zerorun.zero.engine import resolve_optimizer
+
+    try:
+        cls = resolve_optimizer(spec.name)
+    except ValueError as e:
+        raise ZerorunError(f"{where}.name: {e}") from None
+    accepted = inspect.signature(cls.__init__).parameters
+    for key in spec.kwargs():
+        if key not in accepted:
+            raise ZerorunError(f"{where}.{key}: {cls.__name__} has no argument {key!r}")
+
+
+def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None) -> Recipe:
+    """Make module paths absolute and check that they and the data exist (see :func:`load_recipe`)."""
+    base = os.path.dirname(os.path.abspath(path))
+
+    def where(*loc) -> str:
+        line = _line_of(root, loc)
+        return f"{path}{f':{line}' if line else ''}: {'.'.join(map(str, loc))}"
+
+    try:
+        recipe.model.module = _resolve_module(recipe.model.module, base)
+    except FileNotFoundError:
+        raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module}") from None
+    d = recipe.data
+    if d.kind == "text":
+        if not d.paths:
+            raise ZerorunError(f"{where('data', 'paths')}: kind 'text' needs at least one path pattern")
+        for i, pattern in enumerate(d.paths):
+            if not expand_data_paths([pattern]):
+                raise ZerorunError(f"{where('data', 'paths', i)}: pattern matches no files: {pattern}")
+    else:
+        if not d.module or not d.factory:
+            raise ZerorunError(f"{where('data')}: kind 'module' needs data.module and data.factory")
+        try:
+            d.module = _resolve_module(d.module, base)
+        except FileNotFoundError:
+            raise ZerorunError(f"{where('data', 'module')}: file not found: {d.module}") from None
+    _check_optimizer(recipe.train.optimizer, where("train", "optimizer"))
+    if recipe.precision != "fp32":
+        raise ZerorunError(f"{where('precision')}: {recipe.precision} is not supported yet; use fp32")
+    if recipe.zero.stage == 3:
+        raise ZerorunError(f"{where('zero', 'stage')}: stage 3 is not available yet; use 0, 1 or 2")
+    if recipe.checkpoint.every or recipe.checkpoint.dir:
+        raise ZerorunError(f"{where('checkpoint')}: checkpoints are not available yet; remove the section")
+    if recipe.train.activation_checkpointing:
+        raise ZerorunError(f"{where('train', 'activation_checkpointing')}: not available yet")
+    return recipe

@@ -1,0 +1,91 @@
+"""Plain line-by-line progress for the launcher (the live dashboard builds on the same events), and the run
+directory recorder: every event to ``metrics.jsonl``, every line to ``output.log``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TextIO
+
+from zerorun.telemetry.events import Event
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as KiB/MiB/GiB (powers of 1024), e.g. ``612.0 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_rate(n: float) -> str:
+    """A rate with k/M suffixes: ``24.3k``."""
+    if n >= 1e6:
+        return f"{n / 1e6:.2f}M"
+    if n >= 1e3:
+        return f"{n / 1e3:.1f}k"
+    return f"{n:.1f}"
+
+
+class RunRecorder:
+    """Writes ``metrics.jsonl`` (one event per line, as emitted) and ``output.log`` in ``run_dir``."""
+
+    def __init__(self, run_dir: str) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        self.log = open(os.path.join(run_dir, "output.log"), "a", encoding="utf-8")
+
+    def event(self, event: Event) -> None:
+        self.metrics.write(json.dumps(event.to_json(), separators=(",", ":")) + "\n")
+        self.metrics.flush()
+
+    def line(self, node_rank: int, line: str) -> None:
+        self.log.write(f"[node {node_rank}] {line}\n")
+        self.log.flush()
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.log.close()
+
+
+class PlainView:
+    """Readable one-line progress on ``out``: rank 0's step events, evaluations, and every rank's log lines."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.best_val: float | None = None
+        self.first_val: float | None = None
+        self.last_val: float | None = None
+
+    def event(self, e: Event) -> None:
+        d = e.data
+        if e.kind == "step" and e.rank == 0:
+            width = len(str(d["steps"]))
+            self.print(f"step {d['step']:>{width}}/{d['steps']}  loss {d['loss']:.4f}  lr {d['lr']:.2e}  "
+                       f"grad {d['grad_norm']:.3f}  {d['step_time_s'] * 1e3:.0f} ms/step  "
+                       f"{human_rate(d['job_samples_per_s'])} samples/s  {human_rate(d['job_tokens_per_s'])} tok/s  "
+                       f"rss {human_bytes(d['rss_bytes'])}")
+        elif e.kind == "eval":
+            v = d["val_loss"]
+            self.first_val = v if self.first_val is None else self.first_val
+            self.last_val = v
+            self.best_val = v if self.best_val is None else min(self.best_val, v)
+            self.print(f"eval step {d['step']}: validation loss {v:.4f}")
+        elif e.kind == "model_ready" and e.rank == 0:
+            self.print(f"model: {d['params']:,} parameters, ZeRO stage {d['stage']}")
+        elif e.kind == "start" and e.rank == 0:
+            self.print(f"{d['world_size']} ranks started (torch {d['torch']}, {d['device']})")
+        elif e.kind == "error":
+            self.print(f"[rank {e.rank}] error: {d.get('type')}: {d.get('message')}")
+            if d.get("traceback"):
+                for line in d["traceback"].splitlines()[-6:]:
+                    self.print(f"[rank {e.rank}]   {line}")
+
+    def line(self, node_rank: int, line: str) -> None:
+        if line.startswith("[rank "):
+            self.print(line)
+
+    def print(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()

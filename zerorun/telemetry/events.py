@@ -1,0 +1,74 @@
+"""Telemetry events: one JSON object per line on a rank's stdout, behind the fixed prefix ``@zerorun ``.
+
+Workers call :func:`emit`; the launcher calls :func:`parse_line` on every line it reads from a node, local
+or remote, so both paths are the same. Schema (version :data:`SCHEMA_VERSION`): every event has ``v``
+(schema version), ``event`` (kind, one of :data:`KINDS`), ``rank``, ``time`` (Unix seconds) and kind-specific
+fields (step events: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``, ``samples_per_s``,
+``tokens_per_s``, ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``, ``comm_bytes``, ``comm_wait_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+PREFIX = "@zerorun "
+SCHEMA_VERSION = 1
+KINDS = frozenset({"start", "model_ready", "step", "eval", "checkpoint", "finish", "error", "log"})
+
+_lock = threading.Lock()
+
+
+@dataclass
+class Event:
+    """A parsed telemetry event: ``kind``, ``rank`` and the remaining fields in ``data``."""
+
+    kind: str
+    rank: int
+    time: float
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The event as one JSON-ready dict (the form written to metrics.jsonl)."""
+        return {"v": SCHEMA_VERSION, "event": self.kind, "rank": self.rank, "time": self.time, **self.data}
+
+
+def format_event(kind: str, rank: int, **data: Any) -> str:
+    """The telemetry line (without newline) for an event of ``kind`` from ``rank``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown event kind {kind!r}")
+    payload = {"v": SCHEMA_VERSION, "event": kind, "rank": rank, "time": round(time.time(), 3), **data}
+    return PREFIX + json.dumps(payload, separators=(",", ":"), default=str)
+
+
+def emit(kind: str, rank: int, stream: TextIO | None = None, **data: Any) -> None:
+    """Write one event line to ``stream`` (default: the real stdout) in a single write, then flush, so lines
+    of different ranks sharing one pipe never interleave."""
+    line = format_event(kind, rank, **data) + "\n"
+    out = stream or sys.__stdout__
+    with _lock:
+        out.write(line)
+        out.flush()
+
+
+def parse_line(line: str) -> Event | None:
+    """The :class:`Event` on ``line``, or ``None`` when the line is not a well-formed event (ordinary output,
+    a truncated or malformed JSON object, an unknown schema version or kind): such lines are logs."""
+    start = line.find(PREFIX)
+    if start < 0:
+        return None
+    try:
+        payload = json.loads(line[start + len(PREFIX):])
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(payload, dict) or payload.get("v") != SCHEMA_VERSION:
+        return None
+    kind, rank, when = payload.pop("event", None), payload.pop("rank", None), payload.pop("time", 0.0)
+    payload.pop("v")
+    if kind not in KINDS or not isinstance(rank, int) or not isinstance(when, (int, float)):
+        return None
+    return Event(kind, rank, float(when), payload)

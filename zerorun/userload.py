@@ -1,0 +1,98 @@
+"""Loading the user's model and data modules: a ``.py`` file path or a dotted module name, and a factory."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from zerorun.errors import ZerorunError
+
+
+class UserCodeError(ZerorunError):
+    """The user's module could not be imported, lacks the factory, the factory failed or returned the wrong
+    thing, or the model's forward returned no loss. The message names the module and what is wrong."""
+
+
+def load_module(spec: str) -> Any:
+    """Import ``spec``: a path to a ``.py`` file (its folder is put on ``sys.path`` for its own imports) or a
+    dotted module name.
+
+    Raises:
+        UserCodeError: the file is missing or importing it raised (the exception type and message are given).
+    """
+    try:
+        if spec.endswith(".py") or os.sep in spec:
+            if not os.path.isfile(spec):
+                raise UserCodeError(f"{spec}: file not found")
+            folder = os.path.dirname(os.path.abspath(spec))
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+            name = "zerorun_user_" + os.path.splitext(os.path.basename(spec))[0]
+            module_spec = importlib.util.spec_from_file_location(name, spec)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            module_spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(spec)
+    except UserCodeError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
+        raise UserCodeError(f"{spec}: cannot import: {type(e).__name__}: {e}") from e
+
+
+def call_factory(spec: str, factory: str, kwargs: dict[str, Any]) -> Any:
+    """``factory(**kwargs)`` from the module ``spec`` (see :func:`load_module`).
+
+    Raises:
+        UserCodeError: no such callable, or calling it raised.
+    """
+    module = load_module(spec)
+    fn = getattr(module, factory, None)
+    if not callable(fn):
+        raise UserCodeError(f"{spec}: has no callable {factory!r}")
+    try:
+        return fn(**kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise UserCodeError(f"{spec}: {factory}(**{kwargs}) raised {type(e).__name__}: {e}") from e
+
+
+def build_model(spec: str, factory: str, kwargs: dict[str, Any]):
+    """The ``torch.nn.Module`` that ``factory(**kwargs)`` in ``spec`` builds.
+
+    Raises:
+        UserCodeError: as :func:`call_factory`, or the factory returned something that is not a module.
+    """
+    import torch
+
+    model = call_factory(spec, factory, kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise UserCodeError(f"{spec}: {factory}() returned {type(model).__name__}, not a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserCodeError(f"{spec}: {factory}() built a model with no trainable parameters")
+    return model
+
+
+def extract_loss(output: Any, module: str):
+    """The scalar loss tensor in a model's ``forward`` output: the tensor itself, ``output["loss"]`` or
+    ``output.loss`` (the Hugging Face convention).
+
+    Raises:
+        UserCodeError: no loss found, or the loss is not a scalar floating-point tensor.
+    """
+    import torch
+
+    loss = output
+    if isinstance(output, dict):
+        loss = output.get("loss")
+    elif not isinstance(output, torch.Tensor):
+        loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise UserCodeError(f"{module}: forward returned {type(output).__name__} with no loss: return the loss "
+                            "tensor, or a dict/object with a 'loss' field")
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise UserCodeError(f"{module}: forward's loss must be a scalar floating-point tensor, got shape "
+                            f"{tuple(loss.shape)} {loss.dtype}")
+    return loss

@@ -1,0 +1,227 @@
+"""The rank entry point, started on every rank by torch's launcher: ``python -m zerorun.worker --recipe-b64 ...``.
+
+It initializes the process group, loads the user's model and data, wraps the model in zerorun's ZeRO engine
+and trains, reporting to the launcher only through telemetry events on stdout (``telemetry/events.py``).
+Exit codes: 0 done, 1 crashed, 2 bad user input (model or data module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import os
+import resource
+import socket
+import sys
+import time
+import traceback
+from typing import TextIO
+
+from zerorun.errors import ZerorunError
+from zerorun.recipe import Recipe, ScheduleSpec
+from zerorun.telemetry.events import emit
+
+
+class RankStream:
+    """A text stream that prefixes each line with ``[rank R]`` and writes whole lines in one call, so output
+    of ranks sharing a pipe stays attributable and unbroken."""
+
+    def __init__(self, target: TextIO, rank: int) -> None:
+        self.target, self.prefix, self.pending = target, f"[rank {rank}] ", ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        if "\n" in self.pending:
+            *lines, self.pending = self.pending.split("\n")
+            self.target.write("".join(self.prefix + line + "\n" for line in lines))
+            self.target.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def lr_multiplier(spec: ScheduleSpec, steps: int):
+    """``f(step) -> multiplier of the base lr``: linear warm-up from ``1/warmup_steps`` to 1 over
+    ``warmup_steps``, then cosine or linear decay to ``min_lr_ratio`` at step ``steps - 1``, or constant."""
+
+    def f(step: int) -> float:
+        if step < spec.warmup_steps:
+            return (step + 1) / spec.warmup_steps
+        if spec.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - spec.warmup_steps) / max(1, steps - 1 - spec.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if spec.decay == "cosine" else 1 - progress
+        return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * shape
+
+    return f
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def train(recipe: Recipe, rank: int) -> None:
+    """Train ``recipe`` on this rank; emits start, model_ready, step, eval and finish events."""
+    import psutil
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from zerorun import zero
+    from zerorun.data import build_datasets
+    from zerorun.userload import UserCodeError, build_model, extract_loss
+
+    t_start = time.time()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world_size = dist.get_world_size()
+    emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=torch.__version__, device=str(device),
+         world_size=world_size, local_rank=local_rank)
+    t = recipe.train
+    torch.manual_seed(t.seed)
+    model = build_model(recipe.model.module, recipe.model.factory, recipe.model.kwargs).to(device)
+    train_set, val_set = build_datasets(recipe.data)
+    per_step = world_size * t.micro_batch_size
+    if len(train_set) < per_step:
+        raise UserCodeError(f"data: {len(train_set)} training samples, fewer than one micro-batch on every rank "
+                            f"({world_size} ranks x {t.micro_batch_size})")
+    opt = t.optimizer.kwargs()
+    groups = zero.default_param_groups(model, opt.pop("weight_decay"), t.optimizer.decay_1d)
+    engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
+                             config=zero.ZeroConfig(stage=recipe.zero.stage, bucket_mb=recipe.zero.bucket_mb,
+                                                    grad_accum_steps=t.grad_accum_steps, grad_clip=t.grad_clip))
+    n_params = sum(p.numel() for p in model.parameters())
+    emit("model_ready", rank, params=n_params, trainable=engine.num_params, stage=recipe.zero.stage,
+         model_state_bytes=engine.memory_bytes())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_multiplier(t.schedule, t.steps))
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=t.seed,
+                                 drop_last=True)
+    loader = DataLoader(train_set, batch_size=t.micro_batch_size, sampler=sampler, drop_last=True)
+    torch.manual_seed(t.seed + 1 + rank)  # dropout and other training randomness differ per rank
+
+    def batches():
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                yield batch
+            epoch += 1
+
+    def to_device(batch):
+        if isinstance(batch, torch.Tensor):
+            return batch.to(device, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(to_device(v) for v in batch)
+        return batch
+
+    def tokens_in(batch) -> int:
+        x = batch if isinstance(batch, torch.Tensor) else None
+        if isinstance(batch, dict):
+            x = batch.get("input_ids", next((v for v in batch.values() if isinstance(v, torch.Tensor)), None))
+        if x is None or x.dim() < 2:
+            return 0
+        return x.shape[0] * (x.shape[1] - 1 if recipe.data.kind == "text" else x.shape[1])
+
+    def evaluate(step: int) -> None:
+        if val_set is None or len(val_set) < world_size:
+            return
+        val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
+        val_loader = DataLoader(val_set, batch_size=t.micro_batch_size, sampler=val_sampler)
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            for i, batch in enumerate(val_loader):
+                if i == t.eval_batches:
+                    break
+                batch = to_device(batch)
+                n = len(batch) if isinstance(batch, torch.Tensor) else 1
+                total += torch.tensor([extract_loss(engine(batch), recipe.model.module).item() * n, n],
+                                      dtype=torch.float64, device=device)
+        model.train()
+        dist.all_reduce(total)
+        if rank == 0:
+            emit("eval", rank, step=step, val_loss=float(total[0] / total[1]), samples=int(total[1]))
+
+    it = batches()
+    model.train()
+    proc = psutil.Process()
+    comm_prev = engine.comm_stats()
+    first_step_s = None
+    if t.eval_every:
+        evaluate(0)
+    for step in range(1, t.steps + 1):
+        t0 = time.perf_counter()
+        loss_sum, tokens = 0.0, 0
+        for _ in range(t.grad_accum_steps):
+            batch = to_device(next(it))
+            tokens += tokens_in(batch)
+            loss = extract_loss(engine(batch), recipe.model.module)
+            engine.backward(loss)
+            loss_sum += loss.item()
+        grad_norm = engine.step()
+        lr = engine.optimizer.param_groups[0]["lr"]
+        scheduler.step()
+        step_s = time.perf_counter() - t0
+        if first_step_s is None:
+            first_step_s = time.time() - t_start
+        if step % recipe.log.every == 0 or step == t.steps or step == 1:
+            mean = torch.tensor([loss_sum / t.grad_accum_steps], dtype=torch.float64, device=device)
+            dist.all_reduce(mean)
+            comm = engine.comm_stats()
+            samples = t.micro_batch_size * t.grad_accum_steps
+            emit("step", rank, step=step, steps=t.steps, loss=float(mean) / world_size, lr=lr,
+                 grad_norm=grad_norm, step_time_s=step_s, samples_per_s=samples / step_s,
+                 tokens_per_s=tokens / step_s, job_samples_per_s=world_size * samples / step_s,
+                 job_tokens_per_s=world_size * tokens / step_s, rss_bytes=proc.memory_info().rss,
+                 peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
+                 comm_bytes=comm["bytes_sent"] - comm_prev["bytes_sent"],
+                 comm_wait_s=comm["wait_s"] - comm_prev["wait_s"])
+            comm_prev = comm
+        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            evaluate(step)
+    emit("finish", rank, steps=t.steps, elapsed_s=time.time() - t_start, time_to_first_step_s=first_step_s,
+         peak_rss_bytes=peak_rss_bytes())
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``--recipe-b64`` (the resolved recipe as base64 JSON), train, and return the exit code."""
+    parser = argparse.ArgumentParser(prog="zerorun.worker")
+    parser.add_argument("--recipe-b64", required=True)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    sys.stdout = RankStream(sys.__stdout__, rank)
+    sys.stderr = RankStream(sys.__stderr__, rank)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    try:
+        if threads:
+            import torch
+
+            torch.set_num_threads(int(threads))
+        recipe = Recipe.model_validate(json.loads(base64.b64decode(args.recipe_b64)))
+        train(recipe, rank)
+        return 0
+    except ZerorunError as e:
+        emit("error", rank, type=type(e).__name__, message=str(e), user_error=True)
+        return 2
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher, then re-signalled
+        tb = traceback.format_exc().strip().splitlines()
+        emit("error", rank, type=type(e).__name__, message=str(e), traceback="\n".join(tb[-12:]), user_error=False)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""The ZeRO engine for stages 0, 1 and 2 (Rajbhandari et al., arXiv:1910.02054, §5).
+
+One mechanism, the stage as policy (Note [Flat buffer layout] in ``flat.py``):
+
+- stage 0: every rank holds full parameters, gradients and optimizer states; gradients are all-reduced
+  bucket by bucket during backward (DDP-equivalent, the reference).
+- stage 1: full parameters and gradients; on the last micro-step of a step gradients are reduce-scattered
+  bucket by bucket during backward, each rank updates only its slice (optimizer states for the slice only),
+  and the updated slices are all-gathered into the full parameters.
+- stage 2: as stage 1, but on every micro-step each bucket's gradient is reduce-scattered as soon as it is
+  ready and the full bucket gradient is freed: a rank keeps only its gradient slice, accumulated over
+  micro-steps.
+
+Note [Collective order]: every rank must issue the same collectives in the same order. Buckets are launched in
+a fixed order (by the registration index of their first parameter, descending: roughly the order backward
+makes them ready); a bucket that is ready early waits for the buckets before it, and buckets whose
+parameters got no gradient are launched at the end of backward with zeros. A parameter that gets no
+gradient in a step thus gets a zero gradient, as in DeepSpeed and FSDP (DDP with ``find_unused_parameters``
+instead leaves its ``.grad`` at ``None``, and a stateful optimizer skips it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zerorun.zero.comm import Comm
+from zerorun.zero.flat import FlatBuffer, pack
+
+#: torch.optim classes whose update of one element depends on other elements: a flat slice changes their math.
+NON_ELEMENTWISE_OPTIMIZERS = frozenset({"LBFGS", "SparseAdam", "Adafactor", "Muon"})
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How the engine partitions and communicates.
+
+    Attributes:
+        stage: 0 (replicated, DDP-equivalent), 1 (optimizer states), 2 (+ gradients) partitioned.
+        bucket_mb: size of one flat buffer (the unit of communication) in MiB (2**20 bytes).
+        grad_accum_steps: micro-steps per optimizer step; ``backward`` scales the loss by ``1 / grad_accum_steps``.
+        grad_clip: clip the global gradient L2 norm to this value; ``None`` or ``0`` for no clipping.
+    """
+
+    stage: int = 0
+    bucket_mb: float = 25.0
+    grad_accum_steps: int = 1
+    grad_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2):
+            raise ValueError(f"zero.stage must be 0, 1 or 2 for this engine, got {self.stage}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"zero.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+
+
+def default_param_groups(model: nn.Module, weight_decay: float, decay_1d: bool = False) -> list[dict[str, Any]]:
+    """Two torch-style param groups over the trainable parameters of ``model``: tensors with 2 or more
+    dimensions (matrices, embeddings) get ``weight_decay``; 1-D tensors (biases, norm weights) get 0 unless
+    ``decay_1d`` (the GPT-2/nanoGPT convention). Empty groups are dropped."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 or decay_1d else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def resolve_optimizer(optimizer: str | type) -> type:
+    """The ``torch.optim`` class named ``optimizer`` (or the class itself).
+
+    Raises:
+        ValueError: unknown name, or an optimizer that is not elementwise (``NON_ELEMENTWISE_OPTIMIZERS``).
+    """
+    if isinstance(optimizer, str):
+        cls = getattr(torch.optim, optimizer, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"unknown optimizer {optimizer!r}: not a class in torch.optim")
+    else:
+        cls = optimizer
+    if cls.__name__ in NON_ELEMENTWISE_OPTIMIZERS:
+        raise ValueError(f"optimizer {cls.__name__} is not elementwise: ZeRO's flat partitions need an "
+                         "optimizer whose update of one element depends only on that element (Adam, AdamW, SGD, ...)")
+    return cls
+
+
+class ZeroEngine:
+    """Wraps ``model`` for ZeRO data-parallel training on a process group. Build it with :func:`initialize`.
+
+    Usage per optimizer step::
+
+        for _ in range(grad_accum_steps):
+            loss = engine(batch)["loss"]   # calls model.forward
+            engine.backward(loss)
+        grad_norm = engine.step()          # clip, optimizer step on this rank's slice, all-gather
+
+    ``engine.optimizer`` is the user's ``torch.optim`` optimizer over this rank's flat slices; attach an LR
+    scheduler to it as usual.
+    """
+
+    def __init__(self, model: nn.Module, *, optimizer: str | type, optimizer_kwargs: dict[str, Any],
+                 param_groups: list[dict[str, Any]] | None, config: ZeroConfig,
+                 process_group: dist.ProcessGroup | None) -> None:
+        self.module = model
+        self.config = config
+        self.stage = config.stage
+        self.comm = Comm(process_group)
+        self.world_size = self.comm.world_size
+        self.rank = self.comm.rank
+        optimizer_cls = resolve_optimizer(optimizer)
+        optimizer_kwargs = dict(optimizer_kwargs)
+        if param_groups is None:
+            param_groups = default_param_groups(model, optimizer_kwargs.pop("weight_decay", 0.0))
+        self._frozen = [p for p in model.parameters() if not p.requires_grad]
+        self._buffers = [b for b in model.buffers()]
+        self._broadcast_from_rank0([p.data for p in model.parameters()] + self._buffers)
+
+        names = {}
+        for i, (name, p) in enumerate(model.named_parameters()):
+            names[p] = (i, name)
+        seen: set[nn.Parameter] = set()
+        self.buffers: list[FlatBuffer] = []
+        bucket_bytes = int(config.bucket_mb * 2**20)
+        group_options = []
+        for g, group in enumerate(param_groups):
+            params = list(group["params"])
+            for p in params:
+                if p not in names:
+                    raise ValueError("param_groups holds a tensor that is not a parameter of the model")
+                if not p.requires_grad:
+                    raise ValueError(f"param_groups holds frozen parameter {names[p][1]!r}")
+                if p in seen:
+                    raise ValueError(f"parameter {names[p][1]!r} appears in more than one param group")
+                seen.add(p)
+            params.sort(key=lambda p: names[p][0])
+            named = [(names[p][1], p) for p in params]
+            for run in pack(named, bucket_bytes):
+                self.buffers.append(FlatBuffer(run, g, self.world_size, self.rank, order=names[run[0][1]][0]))
+            group_options.append({k: v for k, v in group.items() if k != "params"})
+        missing = [names[p][1] for p in names if p.requires_grad and p not in seen]
+        if missing:
+            raise ValueError(f"trainable parameters missing from param_groups: {', '.join(missing[:5])}")
+        self._slots = {p: buf.slots[p] for buf in self.buffers for p in buf.params}
+        # Note [Collective order]
+        self._launch_order = sorted(self.buffers, key=lambda b: b.order, reverse=True)
+
+        for buf in self.buffers:
+            buf.flatten_params()
+            if self.stage in (0, 1):
+                buf.grad = torch.zeros_like(buf.data)
+                for p in buf.params:
+                    p.grad = buf.view_of(buf.grad, p)
+            else:
+                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
+
+        # The optimizer sees one tensor per flat buffer: the whole buffer at stage 0, this rank's slice above.
+        self._opt_params: list[torch.Tensor] = []
+        groups = [dict(opts, params=[]) for opts in group_options]
+        for buf in self.buffers:
+            master = (buf.data if self.stage == 0 else buf.shard(buf.data)).detach().requires_grad_(True)
+            master.grad = {0: buf.grad, 1: buf.shard(buf.grad) if buf.grad is not None else None,
+                           2: buf.shard_grad}[self.stage]
+            self._opt_params.append(master)
+            groups[buf.group_index]["params"].append(master)
+        self.optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
+
+        self._micro_step = 0
+        self._sync = True
+        self._ready: set[FlatBuffer] = set()
+        self._ready_count: dict[FlatBuffer, int] = {b: 0 for b in self.buffers}
+        self._next_launch = 0
+        self._pending: list[tuple[FlatBuffer, Any, torch.Tensor | None]] = []
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                              for buf in self.buffers for p in buf.params]
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``model(*args, **kwargs)``. In training mode with grad enabled, module buffers (e.g. BatchNorm
+        running stats) are first broadcast from rank 0, as DDP does (``broadcast_buffers=True``)."""
+        if self._buffers and self.module.training and torch.is_grad_enabled():
+            self._broadcast_from_rank0(self._buffers)
+        return self.module(*args, **kwargs)
+
+    def _broadcast_from_rank0(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.comm.wait([self.comm.broadcast(t, 0) for t in tensors])
+
+    # ---------------------------------------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss / grad_accum_steps`` (scalar) and reduce gradients as the stage prescribes.
+
+        Raises:
+            RuntimeError: ``loss`` is not a scalar tensor, or more micro-steps than ``grad_accum_steps`` were
+                run without :meth:`step`.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise RuntimeError(f"backward needs a scalar loss tensor, got {type(loss).__name__}")
+        if self._micro_step >= self.config.grad_accum_steps:
+            raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); "
+                               f"grad_accum_steps is {self.config.grad_accum_steps}")
+        last = self._micro_step + 1 == self.config.grad_accum_steps
+        self._sync = last or self.stage == 2
+        (loss / self.config.grad_accum_steps).backward()
+        self._finish_backward()
+        self._micro_step += 1
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        buf = self._slots[p].buffer
+        if self.stage in (0, 1):
+            view = buf.view_of(buf.grad, p)
+            if p.grad.data_ptr() != view.data_ptr():  # grads were reset to None by someone: keep our layout
+                view.add_(p.grad)
+                p.grad = view
+            if not self._sync:
+                return
+        else:
+            if buf in self._ready:
+                raise RuntimeError(f"parameter {buf.names[buf.params.index(p)]!r} received a second gradient in "
+                                   "one backward after its bucket was reduced (reentrant activation checkpointing? "
+                                   "use torch.utils.checkpoint with use_reentrant=False)")
+            if buf.grad is None:
+                buf.grad = torch.zeros(buf.numel, dtype=buf.dtype, device=buf.device)
+            buf.view_of(buf.grad, p).add_(p.grad)
+            p.grad = None
+        self._ready_count[buf] += 1
+        if self._ready_count[buf] == len(buf.params):
+            self._ready.add(buf)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._launch_order) and self._launch_order[self._next_launch] in self._ready:
+            self._launch(self._launch_order[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, buf: FlatBuffer) -> None:
+        if buf.grad is None:  # stage 2, no parameter of the bucket got a gradient this micro-step
+            buf.grad = torch.zeros(buf.numel, dtype=buf.dtype, device=buf.device)
+        buf.grad.div_(self.world_size)
+        if self.stage == 0:
+            self._pending.append((buf, self.comm.all_reduce(buf.grad), None))
+        elif self.stage == 1:
+            self._pending.append((buf, self.comm.reduce_scatter(buf.shard(buf.grad), buf.grad), None))
+        else:
+            out = torch.empty(buf.shard_numel, dtype=buf.dtype, device=buf.device)
+            self._pending.append((buf, self.comm.reduce_scatter(out, buf.grad), out))
+
+    def _finish_backward(self) -> None:
+        if not self._sync:
+            return
+        self._ready.update(self.buffers)  # buckets with unused parameters go now, with zeros (Note [Collective order])
+        self._launch_ready()
+        self.comm.wait([work for _, work, _ in self._pending])
+        for buf, _, out in self._pending:
+            if out is not None:
+                buf.shard_grad.add_(out)
+                buf.grad = None
+        self._pending.clear()
+        self._ready.clear()
+        self._ready_count = dict.fromkeys(self.buffers, 0)
+        self._next_launch = 0
+
+    # -------------------------------------------------------------------------------------------------- step
+    def step(self) -> float:
+        """Finish the optimizer step after ``grad_accum_steps`` calls of :meth:`backward`: compute the global
+        gradient L2 norm over all ranks' slices, clip to ``grad_clip`` (as ``torch.nn.utils.clip_grad_norm_``),
+        step the optimizer on this rank's slices, all-gather the updated parameters, zero the gradients.
+
+        Returns:
+            The global gradient L2 norm before clipping (float), equal on every rank.
+
+        Raises:
+            RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step.
+        """
+        if self._micro_step != self.config.grad_accum_steps:
+            raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
+                               f"{self.config.grad_accum_steps}")
+        grads = [p.grad for p in self._opt_params]
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        for g in grads:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        if self.stage > 0:
+            self.comm.wait([self.comm.all_reduce(sq)])
+        norm = sq.sqrt()
+        if self.config.grad_clip:
+            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        if self.stage > 0:
+            self.comm.wait([self.comm.all_gather(buf.data, buf.shard(buf.data)) for buf in self.buffers])
+        for buf in self.buffers:
+            (buf.shard_grad if self.stage == 2 else buf.grad).zero_()
+        self._micro_step = 0
+        return float(norm)
+
+    # ------------------------------------------------------------------------------------------------ report
+    @property
+    def num_params(self) -> int:
+        """Trainable parameters Ψ managed by the engine (elements, shared parameters counted once)."""
+        return sum(buf.unpadded_numel for buf in self.buffers)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Model-state bytes this rank holds, counted from the tensors it owns.
+
+        Returns:
+            ``{"params": ..., "grads": ..., "optimizer": ...}`` in bytes. ``params`` includes frozen
+            parameters, flat padding included everywhere. Theory for fp32 Adam (ZeRO §5; Ψ params, N ranks):
+            stage 0 4Ψ + 4Ψ + 8Ψ; stage 1 4Ψ + 4Ψ + 8Ψ/N; stage 2 4Ψ + 4Ψ/N + 8Ψ/N.
+        """
+        params = sum(buf.data.nbytes for buf in self.buffers if buf.data is not None)
+        params += sum(p.nbytes for p in self._frozen)
+        if self.stage in (0, 1):
+            grads = sum(buf.grad.nbytes for buf in self.buffers)
+        else:
+            grads = sum(buf.shard_grad.nbytes for buf in self.buffers)
+        optim = 0
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    optim += v.nbytes
+        return {"params": params, "grads": grads, "optimizer": optim}
+
+    def comm_stats(self) -> dict[str, float]:
+        """Cumulative ``bytes_sent`` (bytes) and ``wait_s`` (seconds) of this rank's collectives."""
+        return {"bytes_sent": self.comm.bytes_sent, "wait_s": self.comm.wait_s}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full (unsharded) state dict; parameters are whole on every rank at stages 0-2."""
+        return self.module.state_dict()
+
+
+def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_kwargs: dict[str, Any] | None = None,
+               param_groups: list[dict[str, Any]] | None = None, config: ZeroConfig | None = None,
+               process_group: dist.ProcessGroup | None = None) -> ZeroEngine:
+    """Wrap ``model`` in a :class:`ZeroEngine` on ``process_group`` (default: the world).
+
+    Args:
+        model: the model, built identically on every rank (rank 0's values are broadcast).
+        optimizer: a ``torch.optim`` class or its name; it must be elementwise.
+        optimizer_kwargs: keyword arguments for the optimizer (``lr``, ``betas``, ``weight_decay``, ...).
+        param_groups: torch-style groups (dicts with ``params`` and per-group options); by default
+            :func:`default_param_groups` with ``optimizer_kwargs["weight_decay"]``.
+        config: :class:`ZeroConfig` (stage, bucket size, accumulation, clipping).
+
+    Raises:
+        ValueError: unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``.
+        RuntimeError: ``torch.distributed`` is not initialized.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
+    return ZeroEngine(model, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs or {},
+                      param_groups=param_groups, config=config or ZeroConfig(), process_group=process_group)

@@ -1,0 +1,103 @@
+"""Flat buffers: a group of parameters laid out in one contiguous 1-D tensor, padded to the world size.
+
+Note [Flat buffer layout]: parameters ``p_0 .. p_k`` (one optimizer param group, one dtype) are placed end to
+end at offsets ``o_i``; the buffer's numel is rounded up to a multiple of the world size ``N`` with zeros, so
+rank ``r`` owns the contiguous slice ``[r * n / N, (r + 1) * n / N)``. The padding is never read by a model,
+its gradient is zero, so optimizer updates leave it at zero (weight decay of zero is zero).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in its :class:`FlatBuffer`: elements ``[offset, offset + numel)``."""
+
+    buffer: "FlatBuffer"
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+class FlatBuffer:
+    """A padded flat fp32 (or the params' dtype) buffer for ``params``, of which this rank owns one slice.
+
+    Attributes:
+        params: the parameters, in layout order.
+        names: their qualified names in the model (first name of a shared parameter).
+        group_index: index of the optimizer param group the parameters belong to.
+        numel: padded length in elements (divisible by ``world_size``).
+        shard_numel: ``numel // world_size``; this rank's slice is ``[lo, lo + shard_numel)``.
+        data: the full flat parameter tensor, shape ``(numel,)``, or ``None`` while freed (stage 3).
+        grad: the full flat gradient, shape ``(numel,)``, or ``None`` when not held.
+        shard_grad: this rank's reduced gradient slice, shape ``(shard_numel,)``, or ``None``.
+        order: registration index of the first parameter, used to order collectives identically on all ranks.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group_index: int, world_size: int,
+                 rank: int, order: int) -> None:
+        if not named_params:
+            raise ValueError("a flat buffer needs at least one parameter")
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.group_index = group_index
+        self.order = order
+        dtypes = {p.dtype for p in self.params}
+        devices = {p.device for p in self.params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"parameters of one flat buffer must share dtype and device, got {dtypes}, {devices}")
+        self.dtype = dtypes.pop()
+        self.device = devices.pop()
+        self.slots: dict[nn.Parameter, Slot] = {}
+        offset = 0
+        for p in self.params:
+            self.slots[p] = Slot(self, offset, p.numel(), p.shape)
+            offset += p.numel()
+        self.unpadded_numel = offset
+        self.world_size = world_size
+        self.numel = math.ceil(offset / world_size) * world_size
+        self.shard_numel = self.numel // world_size
+        self.lo = rank * self.shard_numel
+        self.data: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None
+        self.shard_grad: torch.Tensor | None = None
+
+    def flatten_params(self) -> None:
+        """Copy the parameters into a new ``data`` tensor and make each parameter a view of it (in place, so
+        ``Parameter`` objects, ties and references held elsewhere stay valid)."""
+        self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p in self.params:
+                s = self.slots[p]
+                self.data[s.offset:s.offset + s.numel].copy_(p.data.reshape(-1))
+                p.data = self.data[s.offset:s.offset + s.numel].view(s.shape)
+
+    def shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full flat tensor ``flat`` (shape ``(numel,)``): a view, ``(shard_numel,)``."""
+        return flat[self.lo:self.lo + self.shard_numel]
+
+    def view_of(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        """The part of ``flat`` (shape ``(numel,)``) that belongs to ``p``, viewed with ``p``'s shape."""
+        s = self.slots[p]
+        return flat[s.offset:s.offset + s.numel].view(s.shape)
+
+
+def pack(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """Split ``named_params`` (in order) into consecutive runs of at most ``bucket_bytes`` bytes each; a
+    parameter larger than ``bucket_bytes`` gets a run of its own."""
+    runs: list[list[tuple[str, nn.Parameter]]] = []
+    size = 0
+    for name, p in named_params:
+        nbytes = p.numel() * p.element_size()
+        if not runs or size + nbytes > bucket_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append((name, p))
+        size += nbytes
+    return runs
