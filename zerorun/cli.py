@@ -75,7 +75,7 @@ def _run(recipe, plan) -> None:
     recorder, view = RunRecorder(run_dir), PlainView(sys.stdout)
     hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
     view.print(f"zerorun: {recipe.name}: {plan.world_size} ranks on {hosts}, ZeRO stage {recipe.zero.stage}, "
-               f"{recipe.precision}; run dir {run_dir}")
+               f"{recipe.precision}; job {plan.job_id}; run dir {run_dir}")
     lines: queue.Queue = queue.Queue()
     nodes = [LocalNode(spec, lines, cwd=recipe.launch.workdir) for spec in plan.nodes]
 

@@ -1,0 +1,29 @@
+import io
+import json
+
+from zerorun.telemetry.events import PREFIX, SCHEMA_VERSION, emit, format_event, parse_line
+
+
+def test_round_trip():
+    out = io.StringIO()
+    emit("step", 3, stream=out, step=7, loss=2.5, model_state_bytes={"params": 4})
+    line = out.getvalue()
+    assert line.endswith("\n") and line.count("\n") == 1 and line.startswith(PREFIX)
+    e = parse_line(line.rstrip("\n"))
+    assert (e.kind, e.rank, e.data) == ("step", 3, {"step": 7, "loss": 2.5, "model_state_bytes": {"params": 4}})
+    assert e.to_json()["v"] == SCHEMA_VERSION
+
+
+def test_malformed_and_foreign_lines_are_logs():
+    good = format_event("finish", 0, steps=1)
+    assert parse_line(good) is not None
+    for line in ["plain output", good[:-5], PREFIX + "{", PREFIX + "[1, 2]", PREFIX + "null",
+                 PREFIX + json.dumps({"v": 99, "event": "step", "rank": 0}),
+                 PREFIX + json.dumps({"v": SCHEMA_VERSION, "event": "bogus", "rank": 0}),
+                 PREFIX + json.dumps({"v": SCHEMA_VERSION, "event": "step", "rank": "0"}),
+                 PREFIX + "[" * 100000]:
+        assert parse_line(line) is None, line
+
+
+def test_event_behind_a_prefix_from_a_remote_shell():
+    assert parse_line("[node 1] " + format_event("start", 2)).rank == 2

@@ -1,0 +1,109 @@
+"""Recipe validation, overrides and path resolution: bad input is one line naming file, line and field."""
+
+import os
+import textwrap
+
+import pytest
+
+from zerorun.errors import ZerorunError
+from zerorun.recipe import apply_overrides, expand_data_paths, load_recipe, stdlib_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(tmp_path, text: str) -> str:
+    p = tmp_path / "r.yaml"
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+GOOD = """\
+name: t
+model:
+  module: {gpt}
+  kwargs: {{n_layer: 1}}
+data:
+  paths: ["{{stdlib}}/json/*.py"]
+  seq_len: 16
+train:
+  steps: 5
+  micro_batch_size: 2
+  optimizer: {{name: AdamW, lr: 1.0e-3, betas: [0.9, 0.95]}}
+"""
+
+
+def good(tmp_path, extra: str = "") -> str:
+    return write(tmp_path, GOOD.format(gpt=os.path.join(ROOT, "recipes/models/gpt.py")) + extra)
+
+
+def test_default_recipe_loads_and_resolves_paths():
+    r = load_recipe(os.path.join(ROOT, "recipes/gpt-stdlib.yaml"))
+    assert os.path.isabs(r.model.module) and r.model.module.endswith("recipes/models/gpt.py")
+    assert r.zero.stage == 2 and r.launch.procs_per_node == 2
+    assert r.train.optimizer.kwargs() == {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    r = load_recipe(good(tmp_path), ["train.steps=50", "zero.stage=1", "train.optimizer.lr=2e-3",
+                                     "model.kwargs.d_model=64", "train.grad_clip=0.5"])
+    assert (r.train.steps, r.zero.stage, r.train.optimizer.lr) == (50, 1, 2e-3)
+    assert r.model.kwargs == {"n_layer": 1, "d_model": 64} and r.train.grad_clip == 0.5
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["train.stepz=3"], r"r\.yaml:9: train\.stepz: unknown field"),
+    (["train.steps=-1"], r"r\.yaml:9: train\.steps: Input should be greater than 0"),
+    (["train.steps=many"], r"r\.yaml:9: train\.steps: Input should be a valid integer"),
+    (["zero.stage=5"], r"zero\.stage: Input should be 0, 1, 2 or 3"),
+    (["precision=fp8"], r"precision: Input should be 'fp32', 'bf16' or 'fp16'"),
+    (["nonsense"], r"override 'nonsense': expected FIELD=VALUE"),
+    (["name.x=1"], r"override 'name.x=1': name is not a mapping"),
+    (["train.optimizer.name=Adamm"], r"r\.yaml:11: train\.optimizer\.name: unknown optimizer 'Adamm'"),
+    (["train.optimizer.name=LBFGS"], r"optimizer LBFGS is not elementwise"),
+    (["train.optimizer.momentum=0.9"], r"train\.optimizer\.momentum: AdamW has no argument 'momentum'"),
+    (["model.module=nope.py"], r"r\.yaml:3: model\.module: file not found: nope\.py"),
+    (["data.paths=['/nonexistent/*.txt']"], r"data\.paths\.0: pattern matches no files"),
+    (["data.kind=module"], r"data: kind 'module' needs data\.module and data\.factory"),
+    (["precision=bf16"], r"precision: bf16 is not supported yet"),
+])
+def test_bad_fields_name_file_line_and_field(tmp_path, overrides, expected):
+    with pytest.raises(ZerorunError, match=expected) as info:
+        load_recipe(good(tmp_path), overrides)
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+def test_unknown_top_level_key_names_its_line(tmp_path):
+    with pytest.raises(ZerorunError, match=r"r\.yaml:12: trian: unknown field"):
+        load_recipe(good(tmp_path, "trian: {steps: 3}\n"))
+
+
+def test_missing_required_field(tmp_path):
+    path = write(tmp_path, "name: t\nmodel: {module: x.py}\n")
+    with pytest.raises(ZerorunError, match=r"train: required field is missing"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("name: [unclosed\n", r"r\.yaml:2: invalid YAML"),
+    ("- a\n- b\n", r"a recipe must be a YAML mapping"),
+    ("", r"a recipe must be a YAML mapping"),
+])
+def test_unparseable_recipes(tmp_path, text, expected):
+    with pytest.raises(ZerorunError, match=expected):
+        load_recipe(write(tmp_path, text))
+
+
+def test_missing_recipe_file(tmp_path):
+    with pytest.raises(ZerorunError, match=r"nope\.yaml: cannot read recipe"):
+        load_recipe(str(tmp_path / "nope.yaml"))
+
+
+def test_stdlib_corpus_excludes_site_packages_and_is_sorted():
+    files = expand_data_paths(["{stdlib}/**/*.py"])
+    assert len(files) > 500 and files == sorted(files)
+    assert all(f.startswith(stdlib_dir()) for f in files)
+    assert not any("site-packages" in f.split(os.sep) or "dist-packages" in f.split(os.sep) for f in files)
+
+
+def test_apply_overrides_creates_missing_sections():
+    assert apply_overrides({}, ["launch.env.FOO=a b"]) == {"launch": {"env": {"FOO": "a b"}}}

@@ -1,0 +1,161 @@
+"""End to end: ``zerorun train`` as a user runs it, with real torchrun-spawned ranks on gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "recipes/tiny.yaml")
+
+pytestmark = pytest.mark.slow
+
+
+def zerorun(*args: str, cwd: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerorun", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def job_id(output: str) -> str:
+    return re.search(r"job ([0-9a-f]{12})", output).group(1)
+
+
+def survivors(job: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("ZERORUN_JOB_ID") == job:
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
+def read_events(run_root) -> list[dict]:
+    [metrics] = list(run_root.glob("*/*/metrics.jsonl"))
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_tiny_recipe_trains_on_two_ranks(tmp_path):
+    out = zerorun("train", TINY, f"log.dir={tmp_path / 'runs'}", cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = read_events(tmp_path / "runs")
+    steps = {r: [e for e in events if e["event"] == "step" and e["rank"] == r] for r in (0, 1)}
+    for rank in (0, 1):
+        assert [e["step"] for e in steps[rank]] == [1, 5, 10, 15, 20, 25, 30]
+        assert {e["rank"] for e in events if e["event"] in ("start", "finish")} == {0, 1}
+        for e in steps[rank]:
+            assert e["rss_bytes"] > 0 and e["peak_rss_bytes"] >= e["rss_bytes"] * 0.5
+            assert e["samples_per_s"] > 0 and e["tokens_per_s"] == pytest.approx(e["samples_per_s"] * 32, rel=1e-6)
+            assert set(e["model_state_bytes"]) == {"params", "grads", "optimizer"}
+    assert steps[0][-1]["loss"] < steps[0][0]["loss"] - 1.0  # learned: 5.5 nats -> well below
+    assert steps[0][-1]["loss"] == steps[1][-1]["loss"]  # the job-wide mean, identical on every rank
+    evals = [e["val_loss"] for e in events if e["event"] == "eval"]
+    assert len(evals) == 3 and evals[-1] < evals[0] - 1.0
+    assert "validation loss" in out.stdout and survivors(job_id(out.stdout)) == []
+
+
+BROKEN_FORWARD = """
+import os, torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4)
+        self.calls = 0
+    def forward(self, batch):
+        self.calls += 1
+        {body}
+def build_model():
+    return M()
+"""
+
+
+def recipe_for(tmp_path, model_code: str, **train) -> str:
+    (tmp_path / "model.py").write_text(textwrap.dedent(model_code))
+    steps = train.get("steps", 6)
+    (tmp_path / "r.yaml").write_text(textwrap.dedent(f"""\
+        name: broken
+        model: {{module: {tmp_path / 'model.py'}}}
+        data: {{paths: ["{{stdlib}}/json/*.py"], seq_len: 8}}
+        train: {{steps: {steps}, micro_batch_size: 2}}
+        launch: {{procs_per_node: {train.get('procs', 2)}}}
+        log: {{every: 1, dir: {tmp_path / 'runs'}}}
+        """))
+    return str(tmp_path / "r.yaml")
+
+
+def test_failing_rank_stops_the_job_and_is_named(tmp_path):
+    body = ("if int(os.environ['RANK']) == 1 and self.calls == 3: raise RuntimeError('boom on purpose')\n"
+            "        return self.w(batch.float()[:, :4]).pow(2).mean()")
+    recipe = recipe_for(tmp_path, BROKEN_FORWARD.format(body=body), steps=200)
+    t0 = time.time()
+    out = zerorun("train", recipe, cwd=str(tmp_path))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "rank 1" in out.stderr and "RuntimeError: boom on purpose" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert time.time() - t0 < 60
+    assert survivors(job_id(out.stdout)) == []
+
+
+@pytest.mark.parametrize("code,expected", [
+    ("import torch\ndef build_model(:\n", r"model\.py: cannot import: SyntaxError"),
+    ("import no_such_module_xyz\n", r"model\.py: cannot import: ModuleNotFoundError"),
+    ("def other():\n    pass\n", r"model\.py: has no callable 'build_model'"),
+    ("def build_model():\n    raise ValueError('bad width')\n", r"build_model\(\*\*\{\}\) raised ValueError: bad width"),
+    ("def build_model():\n    return 3\n", r"build_model\(\) returned int, not a torch\.nn\.Module"),
+    (BROKEN_FORWARD.format(body="return {'logits': self.w(batch.float()[:, :4])}"),
+     r"model\.py: forward returned dict with no loss"),
+])
+def test_bad_model_module_is_one_clear_line(tmp_path, code, expected):
+    out = zerorun("train", recipe_for(tmp_path, code, procs=1), cwd=str(tmp_path))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert re.search(expected, out.stderr), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    body = "return self.w(batch.float()[:, :4]).pow(2).mean()"
+    recipe = recipe_for(tmp_path, BROKEN_FORWARD.format(body=body), steps=100000)
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", recipe], cwd=str(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    header = proc.stdout.readline()
+    job = job_id(header)
+    for line in proc.stdout:
+        if line.startswith("step"):
+            break
+    assert len(survivors(job)) >= 3  # torchrun and its two workers
+    proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    proc.wait(timeout=30)
+    assert proc.returncode == 130 and time.time() - t0 < 15
+    assert "stopped by SIGINT" in proc.stderr.read()
+    assert survivors(job) == []
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["train", "missing.yaml"], r"missing\.yaml: cannot read recipe"),
+    (["train", TINY, "train.steps=0"], r"tiny\.yaml:\d+: train\.steps: Input should be greater than 0"),
+    (["train", TINY, "-H", "nofile"], r"nofile: cannot read hostfile"),
+])
+def test_bad_cli_input_is_one_line_exit_2(tmp_path, args, expected):
+    out = zerorun(*args, cwd=ROOT)
+    assert out.returncode == 2 and re.search(expected, out.stderr), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_hostfile_with_local_host(tmp_path):
+    (tmp_path / "hosts").write_text("localhost slots=1\n")
+    out = zerorun("train", TINY, "-H", str(tmp_path / "hosts"), "train.steps=3", "train.eval_every=0",
+                  f"log.dir={tmp_path / 'runs'}", cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "1 ranks on localhostx1" in out.stdout
+    assert {e["rank"] for e in read_events(tmp_path / "runs")} == {0}
