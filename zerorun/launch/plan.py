@@ -16,6 +16,13 @@ from zerorun.hostfile import Host
 #: environment variable that marks every process of one job (teardown finds them by it).
 JOB_ENV = "ZERORUN_JOB_ID"
 
+#: Note [Returning freed memory]: glibc serves allocations below its mmap threshold from the heap and, by
+#: default, raises that threshold (up to 32 MiB) each time a larger mmapped block is freed; after that, freed
+#: multi-MB tensors (ZeRO's released gradient buckets and gathered parameters) stay in the heap and peak RSS
+#: never shows the saving. Setting MALLOC_MMAP_THRESHOLD_ fixes the threshold, so every block of 1 MiB or more
+#: is its own mapping and goes back to the OS when freed. benchmarks/zero_stages.py measures the effect.
+MMAP_THRESHOLD = 1 << 20
+
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -88,7 +95,9 @@ def build_plan(hosts: list[Host], recipe_json: str, job_id: str, master_port: in
                 f"--master-addr={master_addr}", f"--master-port={master_port}", "--max-restarts=0",
                 "--monitor-interval=0.2", "-m", "zerorun.worker", "--recipe-b64", payload]
         env = {JOB_ENV: job_id, "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": str(max(1, cores // host.slots)), **(extra_env or {})}
+               "OMP_NUM_THREADS": str(max(1, cores // host.slots)),
+               # Note [Returning freed memory]: a fixed threshold keeps glibc from raising it after large frees.
+               "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **(extra_env or {})}
         nodes.append(NodeSpec(host, i, host.slots, first, argv, env))
         first += host.slots
     return LaunchPlan(nodes, first, master_addr, master_port, job_id)

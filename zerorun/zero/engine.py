@@ -105,6 +105,9 @@ class ZeroEngine:
     scheduler to it as usual.
     """
 
+    #: stage 2: reduce-scatters in flight during backward before the oldest is waited for and its bucket freed.
+    MAX_INFLIGHT = 2
+
     def __init__(self, model: nn.Module, *, optimizer: str | type, optimizer_kwargs: dict[str, Any],
                  param_groups: list[dict[str, Any]] | None, config: ZeroConfig,
                  process_group: dist.ProcessGroup | None) -> None:
@@ -249,18 +252,24 @@ class ZeroEngine:
         else:
             out = torch.empty(buf.shard_numel, dtype=buf.dtype, device=buf.device)
             self._pending.append((buf, self.comm.reduce_scatter(out, buf.grad), out))
+            # Note [Bounded gradient memory]: a bucket's full gradient lives only until its reduce-scatter is
+            # done; at most MAX_INFLIGHT buckets are in flight, so stage 2 never holds the full gradients.
+            while len(self._pending) > self.MAX_INFLIGHT:
+                self._complete(*self._pending.pop(0))
+
+    def _complete(self, buf: FlatBuffer, work: Any, out: torch.Tensor | None) -> None:
+        self.comm.wait([work])
+        if out is not None:
+            buf.shard_grad.add_(out)
+            buf.grad = None
 
     def _finish_backward(self) -> None:
         if not self._sync:
             return
         self._ready.update(self.buffers)  # buckets with unused parameters go now, with zeros (Note [Collective order])
         self._launch_ready()
-        self.comm.wait([work for _, work, _ in self._pending])
-        for buf, _, out in self._pending:
-            if out is not None:
-                buf.shard_grad.add_(out)
-                buf.grad = None
-        self._pending.clear()
+        while self._pending:
+            self._complete(*self._pending.pop(0))
         self._ready.clear()
         self._ready_count = dict.fromkeys(self.buffers, 0)
         self._next_launch = 0
