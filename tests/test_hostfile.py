@@ -34,3 +34,9 @@ def test_missing_hostfile(tmp_path):
 def test_local_hosts():
     assert Host("localhost", 1).is_local and Host("127.0.0.1", 1).is_local
     assert not Host("127.0.0.2", 1).is_local and not Host("worker-9", 1).is_local
+
+
+def test_not_utf8_hostfile(tmp_path):
+    (tmp_path / "h").write_bytes(b"\xff\xfe slots=2\n")
+    with pytest.raises(ZerorunError, match=r"cannot read hostfile: not UTF-8 text"):
+        read_hostfile(str(tmp_path / "h"))

@@ -51,17 +51,17 @@ def test_overrides_are_typed_and_nested(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["train.stepz=3"], r"r\.yaml:9: train\.stepz: unknown field"),
-    (["train.steps=-1"], r"r\.yaml:9: train\.steps: Input should be greater than 0"),
-    (["train.steps=many"], r"r\.yaml:9: train\.steps: Input should be a valid integer"),
+    (["train.stepz=3"], r"^override 'train.stepz=3': train\.stepz: unknown field"),
+    (["train.steps=-1"], r"^override 'train.steps=-1': train\.steps: Input should be greater than 0"),
+    (["train.steps=many"], r"train\.steps: Input should be a valid integer"),
     (["zero.stage=5"], r"zero\.stage: Input should be 0, 1, 2 or 3"),
     (["precision=fp8"], r"precision: Input should be 'fp32', 'bf16' or 'fp16'"),
     (["nonsense"], r"override 'nonsense': expected FIELD=VALUE"),
     (["name.x=1"], r"override 'name.x=1': name is not a mapping"),
-    (["train.optimizer.name=Adamm"], r"r\.yaml:11: train\.optimizer\.name: unknown optimizer 'Adamm'"),
+    (["train.optimizer.name=Adamm"], r"^override 'train.optimizer.name=Adamm': train\.optimizer\.name: unknown optimizer"),
     (["train.optimizer.name=LBFGS"], r"optimizer LBFGS is not elementwise"),
     (["train.optimizer.momentum=0.9"], r"train\.optimizer\.momentum: AdamW has no argument 'momentum'"),
-    (["model.module=nope.py"], r"r\.yaml:3: model\.module: file not found: nope\.py"),
+    (["model.module=nope.py"], r"^override 'model.module=nope.py': model\.module: file not found: nope\.py"),
     (["data.paths=['/nonexistent/*.txt']"], r"data\.paths\.0: pattern matches no files"),
     (["data.kind=module"], r"data: kind 'module' needs data\.module and data\.factory"),
     (["precision=bf16"], r"precision: bf16 is not supported yet"),
@@ -70,6 +70,19 @@ def test_bad_fields_name_file_line_and_field(tmp_path, overrides, expected):
     with pytest.raises(ZerorunError, match=expected) as info:
         load_recipe(good(tmp_path), overrides)
     assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("replace,expected", [
+    (("steps: 5", "steps: -1"), r"r\.yaml:9: train\.steps: Input should be greater than 0"),
+    (("name: AdamW", "name: Adamm"), r"r\.yaml:11: train\.optimizer\.name: unknown optimizer 'Adamm'"),
+    (("module: /", "module: /nope/"), r"r\.yaml:3: model\.module: file not found"),
+    (("seq_len: 16", "seq_len: 16\n  stepz: 3"), r"r\.yaml:8: data\.stepz: unknown field"),
+])
+def test_bad_fields_in_the_file_name_its_line(tmp_path, replace, expected):
+    path = good(tmp_path)
+    (tmp_path / "r.yaml").write_text(open(path).read().replace(*replace, 1))
+    with pytest.raises(ZerorunError, match=expected):
+        load_recipe(path)
 
 
 def test_unknown_top_level_key_names_its_line(tmp_path):
@@ -107,3 +120,38 @@ def test_stdlib_corpus_excludes_site_packages_and_is_sorted():
 
 def test_apply_overrides_creates_missing_sections():
     assert apply_overrides({}, ["launch.env.FOO=a b"]) == {"launch": {"env": {"FOO": "a b"}}}
+
+
+def test_duplicate_keys_are_an_error(tmp_path):
+    with pytest.raises(ZerorunError, match=r"r\.yaml:12: name: duplicate key \(first on line 1\)"):
+        load_recipe(good(tmp_path, "name: again\n"))
+
+
+def test_typo_reports_the_unknown_field_not_the_missing_one(tmp_path):
+    path = good(tmp_path).replace("micro_batch_size", "micro_bach_size")
+    text = open(good(tmp_path)).read().replace("micro_batch_size", "micro_bach_size")
+    (tmp_path / "r.yaml").write_text(text)
+    with pytest.raises(ZerorunError, match=r"r\.yaml:10: train\.micro_bach_size: unknown field \(and 1 more problem\)"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.steps=abc", r"^override 'train.steps=abc': train\.steps: Input should be a valid integer"),
+    ("foo.bar=1", r"^override 'foo.bar=1': foo: unknown field"),
+    ("launch.workdir=/nonexistent/dir", r"^override 'launch.workdir=/nonexistent/dir': launch\.workdir: not a directory"),
+    ("launch.python=/nonexistent/python", r"launch\.python: no such executable: /nonexistent/python"),
+])
+def test_errors_from_overrides_name_the_override(tmp_path, override, expected):
+    with pytest.raises(ZerorunError, match=expected):
+        load_recipe(good(tmp_path), [override])
+
+
+def test_not_utf8_recipe(tmp_path):
+    (tmp_path / "r.yaml").write_bytes(b"\xff\xfe garbage \x00")
+    with pytest.raises(ZerorunError, match=r"r\.yaml: cannot read recipe: not UTF-8 text"):
+        load_recipe(str(tmp_path / "r.yaml"))
+
+
+def test_missing_module_says_where_it_looked(tmp_path):
+    with pytest.raises(ZerorunError, match=r"file not found: nope\.py \(looked in .* and .*\)"):
+        load_recipe(good(tmp_path), ["model.module=nope.py"])

@@ -106,6 +106,35 @@ def test_failing_rank_stops_the_job_and_is_named(tmp_path):
     assert survivors(job_id(out.stdout)) == []
 
 
+def test_rank_dying_without_an_exception_is_blamed_not_its_peer(tmp_path):
+    """Rank 1 exits with code 7 mid-step; rank 0 then fails inside a collective ("connection reset by peer").
+    The job must name rank 1 and its exit code, not rank 0 (Note [Blame])."""
+    body = ("if int(os.environ['RANK']) == 1 and self.calls == 3: os._exit(7)\n"
+            "        return self.w(batch.float()[:, :4]).pow(2).mean()")
+    out = zerorun("train", recipe_for(tmp_path, BROKEN_FORWARD.format(body=body), steps=200), cwd=str(tmp_path))
+    assert out.returncode == 1
+    assert "rank 1 on localhost: rank process ended (exit code 7)" in out.stderr, out.stderr
+    assert survivors(job_id(out.stdout)) == []
+
+
+def test_ranks_that_exit_before_training_are_a_failure(tmp_path):
+    out = zerorun("train", recipe_for(tmp_path, "import os\nos._exit(0)\n", procs=1), cwd=str(tmp_path))
+    assert out.returncode == 1 and "rank 0" in out.stderr and "exited before finishing" in out.stderr, out.stderr
+
+
+def test_diverged_loss_fails_the_job(tmp_path):
+    body = "return self.w(batch.float()[:, :4]).pow(2).mean() * float('nan')"
+    out = zerorun("train", recipe_for(tmp_path, BROKEN_FORWARD.format(body=body), procs=1), cwd=str(tmp_path))
+    assert out.returncode == 1 and "FloatingPointError: the loss is nan at step 1" in out.stderr, out.stderr
+
+
+def test_error_in_user_forward_names_its_line(tmp_path):
+    body = "raise RuntimeError('forward boom')"
+    out = zerorun("train", recipe_for(tmp_path, BROKEN_FORWARD.format(body=body), procs=1), cwd=str(tmp_path))
+    assert out.returncode == 1 and re.search(r"RuntimeError: forward boom \(at .*model\.py:\d+ in forward\)",
+                                             out.stderr), out.stderr
+
+
 @pytest.mark.parametrize("code,expected", [
     ("import torch\ndef build_model(:\n", r"model\.py: cannot import: SyntaxError"),
     ("import no_such_module_xyz\n", r"model\.py: cannot import: ModuleNotFoundError"),
@@ -143,8 +172,9 @@ def test_ctrl_c_stops_every_rank(tmp_path):
 
 @pytest.mark.parametrize("args,expected", [
     (["train", "missing.yaml"], r"missing\.yaml: cannot read recipe"),
-    (["train", TINY, "train.steps=0"], r"tiny\.yaml:\d+: train\.steps: Input should be greater than 0"),
+    (["train", TINY, "train.steps=0"], r"override 'train.steps=0': train\.steps: Input should be greater than 0"),
     (["train", TINY, "-H", "nofile"], r"nofile: cannot read hostfile"),
+    (["train", TINY, "log.dir=/proc/zerorun-test"], r"log\.dir: cannot create the run directory"),
 ])
 def test_bad_cli_input_is_one_line_exit_2(tmp_path, args, expected):
     out = zerorun(*args, cwd=ROOT)

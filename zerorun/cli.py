@@ -69,9 +69,12 @@ def _run(recipe, plan) -> None:
     from zerorun.telemetry.console import PlainView, RunRecorder
 
     run_dir = os.path.join(recipe.log.dir, recipe.name, time.strftime("%Y%m%d-%H%M%S") + f"-{plan.job_id[:4]}")
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
-        yaml.safe_dump(json.loads(recipe.model_dump_json()), f, sort_keys=False)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
+            yaml.safe_dump(json.loads(recipe.model_dump_json()), f, sort_keys=False)
+    except OSError as e:
+        raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
     recorder, view = RunRecorder(run_dir), PlainView(sys.stdout)
     hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
     view.print(f"zerorun: {recipe.name}: {plan.world_size} ranks on {hosts}, ZeRO stage {recipe.zero.stage}, "

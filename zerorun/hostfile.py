@@ -67,9 +67,6 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
 
 def read_hostfile(path: str) -> list[Host]:
     """Read and parse the hostfile at ``path`` (see :func:`parse_hostfile`)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ZerorunError(f"{path}: cannot read hostfile: {e.strerror}") from None
-    return parse_hostfile(text, path)
+    from zerorun.recipe import read_text
+
+    return parse_hostfile(read_text(path, "hostfile"), path)

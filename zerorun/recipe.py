@@ -96,12 +96,14 @@ class ZeroSpec(_Strict):
 
 class LaunchSpec(_Strict):
     """Ranks per node without a hostfile; Python interpreter and working directory on the nodes; extra
-    environment variables for every rank."""
+    environment variables for every rank; seconds a collective may wait for a silent peer before the job
+    fails (a hung rank ends the job instead of hanging it)."""
 
     procs_per_node: int = Field(1, gt=0)
     python: str | None = None
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
+    collective_timeout_s: float = Field(600.0, gt=0)
 
 
 class CheckpointSpec(_Strict):
@@ -227,13 +229,10 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
         ZerorunError: unreadable file, invalid YAML, unknown keys, wrong types, missing model file, data
             patterns that match nothing, unsupported options; the message names file, line and field.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ZerorunError(f"{path}: cannot read recipe: {e.strerror}") from None
+    text = read_text(path, "recipe")
     try:
         root = yaml.compose(text)
+        _check_duplicate_keys(root, path)
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -241,23 +240,72 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
         raise ZerorunError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(data, dict):
         raise ZerorunError(f"{path}: a recipe must be a YAML mapping (name:, model:, train:, ...)")
-    data = apply_overrides(data, overrides or [])
+    overrides = overrides or []
+    data = apply_overrides(data, overrides)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        # An unknown field explains the "missing" error that a typo causes too: report it first.
+        errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
+        err = errors[0]
         loc = tuple(err["loc"])
         field = ".".join(str(p) for p in loc) or "(top level)"
-        line = _line_of(root, loc)
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
         elif err["type"] == "missing":
             msg = "required field is missing"
-        return_value = f"{path}{f':{line}' if line else ''}: {field}: {msg}"
-        more = len(e.errors()) - 1
-        raise ZerorunError(return_value + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
-    return resolve(recipe, path, root)
+        source = _override_for(loc, overrides)
+        if source is not None:
+            where = f"override {source!r}: {field}: {msg}"
+        else:
+            line = _line_of(root, loc)
+            where = f"{path}{f':{line}' if line else ''}: {field}: {msg}"
+        more = len(errors) - 1
+        raise ZerorunError(where + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
+    return resolve(recipe, path, root, overrides)
+
+
+def read_text(path: str, what: str) -> str:
+    """The UTF-8 text of ``path``.
+
+    Raises:
+        ZerorunError: unreadable (missing, a directory, no permission) or not UTF-8 text.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ZerorunError(f"{path}: cannot read {what}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ZerorunError(f"{path}: cannot read {what}: not UTF-8 text (byte {e.start})") from None
+
+
+def _check_duplicate_keys(node: yaml.Node | None, path: str) -> None:
+    """YAML keeps the last of two equal keys silently; a recipe with both is almost always a mistake."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            key = getattr(k, "value", None)
+            if isinstance(key, str):
+                if key in seen:
+                    raise ZerorunError(f"{path}:{k.start_mark.line + 1}: {key}: duplicate key "
+                                       f"(first on line {seen[key]})")
+                seen[key] = k.start_mark.line + 1
+            _check_duplicate_keys(v, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for v in node.value:
+            _check_duplicate_keys(v, path)
+
+
+def _override_for(loc: tuple, overrides: list[str]) -> str | None:
+    """The last command-line override that set the field at ``loc`` or one of its parents, if any."""
+    field = ".".join(str(p) for p in loc)
+    for item in reversed(overrides):
+        key = item.partition("=")[0]
+        if field == key or field.startswith(key + ".") or key.startswith(field + "."):
+            return item
+    return None
 
 
 def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
@@ -276,18 +324,22 @@ def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
             raise ZerorunError(f"{where}.{key}: {cls.__name__} has no argument {key!r}")
 
 
-def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None) -> Recipe:
+def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides: list[str] | None = None) -> Recipe:
     """Make module paths absolute and check that they and the data exist (see :func:`load_recipe`)."""
     base = os.path.dirname(os.path.abspath(path))
 
     def where(*loc) -> str:
+        source = _override_for(loc, overrides or [])
+        if source is not None:
+            return f"override {source!r}: {'.'.join(map(str, loc))}"
         line = _line_of(root, loc)
         return f"{path}{f':{line}' if line else ''}: {'.'.join(map(str, loc))}"
 
+    looked = f"(looked in {os.getcwd()} and {base})"
     try:
         recipe.model.module = _resolve_module(recipe.model.module, base)
     except FileNotFoundError:
-        raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module}") from None
+        raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module} {looked}") from None
     d = recipe.data
     if d.kind == "text":
         if not d.paths:
@@ -301,7 +353,18 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None) -> Recipe:
         try:
             d.module = _resolve_module(d.module, base)
         except FileNotFoundError:
-            raise ZerorunError(f"{where('data', 'module')}: file not found: {d.module}") from None
+            raise ZerorunError(f"{where('data', 'module')}: file not found: {d.module} {looked}") from None
+    launch = recipe.launch
+    if launch.workdir is not None:
+        launch.workdir = os.path.abspath(os.path.expanduser(launch.workdir))
+        if not os.path.isdir(launch.workdir):
+            raise ZerorunError(f"{where('launch', 'workdir')}: not a directory: {launch.workdir}")
+    if launch.python is not None:
+        import shutil
+
+        found = shutil.which(launch.python)
+        if found is None:
+            raise ZerorunError(f"{where('launch', 'python')}: no such executable: {launch.python}")
     _check_optimizer(recipe.train.optimizer, where("train", "optimizer"))
     if recipe.precision != "fp32":
         raise ZerorunError(f"{where('precision')}: {recipe.precision} is not supported yet; use fp32")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import datetime
 import json
 import math
 import os
+import re
 import resource
 import socket
 import sys
@@ -44,6 +46,19 @@ class RankStream:
 
     def isatty(self) -> bool:
         return False
+
+
+_PEER_FAILURE = re.compile(r"connection (reset|closed) by peer|broken pipe|socket timeout|timed out|"
+                           r"connection refused|NCCL communicator was aborted|ProcessGroup.*(abort|shut ?down)", re.I)
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """True for an error raised inside a collective because another rank went away (Note [Blame] in
+    launch/supervisor.py): gloo's "Connection reset by peer", a timeout, an aborted communicator."""
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", ())
+    return isinstance(e, dist_error) or bool(_PEER_FAILURE.search(str(e)))
 
 
 def lr_multiplier(spec: ScheduleSpec, steps: int):
@@ -84,7 +99,8 @@ def train(recipe: Recipe, rank: int) -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo",
+                            timeout=datetime.timedelta(seconds=recipe.launch.collective_timeout_s))
     world_size = dist.get_world_size()
     emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=torch.__version__, device=str(device),
          world_size=world_size, local_rank=local_rank)
@@ -180,6 +196,9 @@ def train(recipe: Recipe, rank: int) -> None:
         if step % recipe.log.every == 0 or step == t.steps or step == 1:
             mean = torch.tensor([loss_sum / t.grad_accum_steps], dtype=torch.float64, device=device)
             dist.all_reduce(mean)
+            if not math.isfinite(float(mean)):
+                raise FloatingPointError(f"the loss is {float(mean) / world_size} at step {step} (diverged): "
+                                         "lower train.optimizer.lr or set train.grad_clip")
             comm = engine.comm_stats()
             samples = t.micro_batch_size * t.grad_accum_steps
             emit("step", rank, step=step, steps=t.steps, loss=float(mean) / world_size, lr=lr,
@@ -219,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher, then re-signalled
         tb = traceback.format_exc().strip().splitlines()
-        emit("error", rank, type=type(e).__name__, message=str(e), traceback="\n".join(tb[-12:]), user_error=False)
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+        emit("error", rank, type=type(e).__name__, message=str(e).strip().splitlines()[0] if str(e).strip() else "",
+             traceback="\n".join(tb[-12:]), user_error=False, peer_failure=is_peer_failure(e), where=where)
         return 130 if isinstance(e, KeyboardInterrupt) else 1
 
 

@@ -15,6 +15,7 @@ import threading
 
 import psutil
 
+from zerorun.errors import ZerorunError
 from zerorun.launch.plan import JOB_ENV, NodeSpec
 
 
@@ -31,9 +32,13 @@ class LocalNode:
     def start(self) -> None:
         """Start the node's command; a reader thread streams its lines to the queue."""
         env = {**os.environ, **self.spec.env}
-        self.proc = subprocess.Popen(self.spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, cwd=self.cwd, start_new_session=True,
-                                     text=True, errors="replace", bufsize=1)
+        try:
+            self.proc = subprocess.Popen(self.spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, cwd=self.cwd, start_new_session=True,
+                                         text=True, errors="replace", bufsize=1)
+        except OSError as e:
+            raise ZerorunError(f"node {self.spec.node_rank} ({self.spec.host.name}): cannot start "
+                               f"{self.spec.argv[0]} in {self.cwd or os.getcwd()}: {e.strerror}") from None
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

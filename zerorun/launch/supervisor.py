@@ -25,6 +25,16 @@ _TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _TORCHRUN_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 
+def describe_exit(code: int) -> str:
+    """``exit code 7`` or ``killed by SIGSEGV`` for a process exit status (negative: signal)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 @dataclass
 class JobResult:
     """How a job ended: ``status`` ok | failed | interrupted; for failures the failing ``rank`` (or None),
@@ -50,7 +60,9 @@ class Supervisor:
         self.grace_s = grace_s
         self._stop: str | None = None
         self._errors: dict[int, Event] = {}
-        self._torchrun_failure: dict[int, tuple[int | None, int | None]] = {}
+        self._rank_exits: dict[int, int] = {}  # global rank -> exit code, from torchrun's failure summary
+        self._last_rank: int | None = None
+        self._finished: set[int] = set()
         self._ended: dict[int, int] = {}
 
     def _handle_signal(self, signum, _frame) -> None:
@@ -87,14 +99,16 @@ class Supervisor:
         if event is not None:
             if event.kind == "error":
                 self._errors.setdefault(event.rank, event)
+            elif event.kind == "finish":
+                self._finished.add(event.rank)
             self.on_event(event)
             return
         m = _TORCHRUN_RANK.match(line)
         if m:
-            self._torchrun_failure[node_rank] = (int(m.group(1)), None)
+            self._last_rank = int(m.group(1))
         m = _TORCHRUN_EXIT.match(line)
-        if m and node_rank in self._torchrun_failure:
-            self._torchrun_failure[node_rank] = (self._torchrun_failure[node_rank][0], int(m.group(1)))
+        if m and self._last_rank is not None:
+            self._rank_exits.setdefault(self._last_rank, int(m.group(1)))
         self.on_line(node_rank, line)
 
     def _watch(self) -> JobResult:
@@ -107,27 +121,48 @@ class Supervisor:
             if failed or self._errors:
                 return self._failure(failed[0] if failed else None)
             if len(self._ended) == len(self.nodes):
+                missing = sorted(set(range(self.plan.world_size)) - self._finished)
+                if missing:
+                    node = self.plan.node_of_rank(missing[0])
+                    return JobResult("failed", 1, missing[0], node.host.name if node else None,
+                                     "rank exited before finishing training (no finish event)")
                 return JobResult("ok", 0)
 
     def _failure(self, node_rank: int | None) -> JobResult:
-        # Give the failing node a moment to print its error event and torchrun's summary.
-        deadline = time.time() + 2.0
-        while time.time() < deadline and not self._errors:
+        """Name the rank that failed first. Note [Blame]: when a rank dies, its peers fail too, inside a
+        collective ("connection reset by peer"); those errors are marked ``peer_failure`` by the worker and
+        blamed last. A rank that died without an error event (a crash, a signal, ``os._exit``) is found in
+        torchrun's failure summary, so the failing node is given a few seconds to end and print it."""
+        deadline = time.time() + 10.0
+        while time.time() < deadline and (node_rank is None or node_rank not in self._ended):
             self._drain(0.1)
-        if self._errors:
+            if node_rank is None:
+                failed = [n for n, rc in self._ended.items() if rc != 0]
+                node_rank = failed[0] if failed else None
+        own = [e for e in self._errors.values() if not e.data.get("peer_failure")]
+        silent = [r for r in sorted(self._rank_exits) if r not in self._errors]
+        if own:
+            event = min(own, key=lambda e: e.time)
+        elif silent:
+            rank = silent[0]
+            node = self.plan.node_of_rank(rank)
+            return JobResult("failed", 1, rank, node.host.name if node else None,
+                             f"rank process ended ({describe_exit(self._rank_exits[rank])})")
+        elif self._errors:
             event = min(self._errors.values(), key=lambda e: e.time)
-            node = self.plan.node_of_rank(event.rank)
-            user = bool(event.data.get("user_error"))
-            msg = event.data.get("message", "")
-            if not user:
-                msg = f"{event.data.get('type', 'Error')}: {msg}"
-            return JobResult("failed", 2 if user else 1, event.rank, node.host.name if node else None, msg)
-        rank, code = self._torchrun_failure.get(node_rank, (None, None)) if node_rank is not None else (None, None)
-        node = self.plan.nodes[node_rank] if node_rank is not None else None
-        what = f"exit code {code}" if code is not None else f"node exit code {self._ended.get(node_rank)}"
-        if code is not None and code < 0:
-            what = f"killed by {signal.Signals(-code).name}" if -code in signal.Signals._value2member_map_ else what
-        return JobResult("failed", 1, rank, node.host.name if node else None, f"rank process ended ({what})")
+        else:
+            node = self.plan.nodes[node_rank] if node_rank is not None else None
+            code = self._ended.get(node_rank) if node_rank is not None else None
+            what = describe_exit(code) if code is not None else "unknown cause"
+            return JobResult("failed", 1, None, node.host.name if node else None, f"node ended ({what})")
+        node = self.plan.node_of_rank(event.rank)
+        user = bool(event.data.get("user_error"))
+        msg = event.data.get("message", "")
+        if not user:
+            msg = f"{event.data.get('type', 'Error')}: {msg}"
+            if event.data.get("where"):
+                msg += f" (at {event.data['where']})"
+        return JobResult("failed", 2 if user else 1, event.rank, node.host.name if node else None, msg)
 
     def _teardown(self) -> None:
         """Note [Teardown]."""

@@ -45,16 +45,25 @@ class ZeroConfig:
         bucket_mb: size of one flat buffer (the unit of communication) in MiB (2**20 bytes).
         grad_accum_steps: micro-steps per optimizer step; ``backward`` scales the loss by ``1 / grad_accum_steps``.
         grad_clip: clip the global gradient L2 norm to this value; ``None`` or ``0`` for no clipping.
+        units: stage 3: names of module classes gathered and freed as one unit (e.g. ``("Block",)``); empty
+            to let zerorun pick units by parameter count.
+        activation_checkpointing: stage 3: recompute each unit's forward in backward
+            (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
+        prefetch: stage 3: all-gather the next unit (in the order recorded in the first step) while the
+            current one computes.
     """
 
     stage: int = 0
     bucket_mb: float = 25.0
     grad_accum_steps: int = 1
     grad_clip: float | None = None
+    units: tuple[str, ...] = ()
+    activation_checkpointing: bool = False
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2):
-            raise ValueError(f"zero.stage must be 0, 1 or 2 for this engine, got {self.stage}")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {self.stage}")
         if self.bucket_mb <= 0:
             raise ValueError(f"zero.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.grad_accum_steps < 1:
@@ -123,7 +132,7 @@ class ZeroEngine:
             param_groups = default_param_groups(model, optimizer_kwargs.pop("weight_decay", 0.0))
         self._frozen = [p for p in model.parameters() if not p.requires_grad]
         self._buffers = [b for b in model.buffers()]
-        self._broadcast_from_rank0([p.data for p in model.parameters()] + self._buffers)
+        self._sync_initial_state()
 
         names = {}
         for i, (name, p) in enumerate(model.named_parameters()):
@@ -144,7 +153,7 @@ class ZeroEngine:
                 seen.add(p)
             params.sort(key=lambda p: names[p][0])
             named = [(names[p][1], p) for p in params]
-            for run in pack(named, bucket_bytes):
+            for run in self._partition(named, bucket_bytes):
                 self.buffers.append(FlatBuffer(run, g, self.world_size, self.rank, order=names[run[0][1]][0]))
             group_options.append({k: v for k, v in group.items() if k != "params"})
         missing = [names[p][1] for p in names if p.requires_grad and p not in seen]
@@ -154,22 +163,13 @@ class ZeroEngine:
         # Note [Collective order]
         self._launch_order = sorted(self.buffers, key=lambda b: b.order, reverse=True)
 
-        for buf in self.buffers:
-            buf.flatten_params()
-            if self.stage in (0, 1):
-                buf.grad = torch.zeros_like(buf.data)
-                for p in buf.params:
-                    p.grad = buf.view_of(buf.grad, p)
-            else:
-                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
+        self._materialize()
 
         # The optimizer sees one tensor per flat buffer: the whole buffer at stage 0, this rank's slice above.
         self._opt_params: list[torch.Tensor] = []
         groups = [dict(opts, params=[]) for opts in group_options]
         for buf in self.buffers:
-            master = (buf.data if self.stage == 0 else buf.shard(buf.data)).detach().requires_grad_(True)
-            master.grad = {0: buf.grad, 1: buf.shard(buf.grad) if buf.grad is not None else None,
-                           2: buf.shard_grad}[self.stage]
+            master = self._master(buf)
             self._opt_params.append(master)
             groups[buf.group_index]["params"].append(master)
         self.optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
@@ -182,6 +182,38 @@ class ZeroEngine:
         self._pending: list[tuple[FlatBuffer, Any, torch.Tensor | None]] = []
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                               for buf in self.buffers for p in buf.params]
+
+    # ------------------------------------------------------------------------------------- stage policy hooks
+    def _sync_initial_state(self) -> None:
+        """Make every rank start from rank 0's parameters and buffers, as DDP does."""
+        self._broadcast_from_rank0([p.data for p in self.module.parameters()] + self._buffers)
+
+    def _partition(self, named: list[tuple[str, nn.Parameter]], bucket_bytes: int):
+        """Runs of consecutive parameters of one param group that form one flat buffer each."""
+        return pack(named, bucket_bytes)
+
+    def _materialize(self) -> None:
+        """Lay parameters out in their flat buffers and allocate the gradients the stage keeps."""
+        for buf in self.buffers:
+            buf.flatten_params()
+            if self.stage in (0, 1):
+                buf.grad = torch.zeros_like(buf.data)
+                for p in buf.params:
+                    p.grad = buf.view_of(buf.grad, p)
+            else:
+                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
+
+    def _master(self, buf: FlatBuffer) -> torch.Tensor:
+        """The tensor the optimizer updates for ``buf`` (a leaf aliasing the weights), its ``.grad`` set."""
+        master = (buf.data if self.stage == 0 else buf.shard(buf.data)).detach().requires_grad_(True)
+        master.grad = {0: buf.grad, 1: buf.shard(buf.grad) if buf.grad is not None else None,
+                       2: buf.shard_grad}[self.stage]
+        return master
+
+    def _after_step(self) -> None:
+        """Stages 1-2: all-gather the updated slices into the full parameters."""
+        if self.stage > 0:
+            self.comm.wait([self.comm.all_gather(buf.data, buf.shard(buf.data)) for buf in self.buffers])
 
     # ----------------------------------------------------------------------------------------------- forward
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -208,7 +240,7 @@ class ZeroEngine:
             raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); "
                                f"grad_accum_steps is {self.config.grad_accum_steps}")
         last = self._micro_step + 1 == self.config.grad_accum_steps
-        self._sync = last or self.stage == 2
+        self._sync = last or self.stage >= 2
         (loss / self.config.grad_accum_steps).backward()
         self._finish_backward()
         self._micro_step += 1
@@ -300,10 +332,9 @@ class ZeroEngine:
             coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
         self.optimizer.step()
-        if self.stage > 0:
-            self.comm.wait([self.comm.all_gather(buf.data, buf.shard(buf.data)) for buf in self.buffers])
+        self._after_step()
         for buf in self.buffers:
-            (buf.shard_grad if self.stage == 2 else buf.grad).zero_()
+            (buf.shard_grad if self.stage >= 2 else buf.grad).zero_()
         self._micro_step = 0
         return float(norm)
 
@@ -325,7 +356,7 @@ class ZeroEngine:
         params += sum(p.nbytes for p in self._frozen)
         if self.stage in (0, 1):
             grads = sum(buf.grad.nbytes for buf in self.buffers)
-        else:
+        else:  # stages 2-3: the gradient slices (full bucket gradients are transient)
             grads = sum(buf.shard_grad.nbytes for buf in self.buffers)
         optim = 0
         for state in self.optimizer.state.values():
