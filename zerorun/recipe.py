@@ -87,11 +87,15 @@ class TrainSpec(_Strict):
 
 
 class ZeroSpec(_Strict):
-    """ZeRO stage (0 = DDP-equivalent), bucket size in MiB, stage-3 units (module class names)."""
+    """ZeRO stage (0 = DDP-equivalent), bucket size in MiB; stage 3: units (module class names gathered and
+    freed as one; empty: chosen by parameter count), prefetch of the next unit, and whether the model is
+    built on the meta device so that no rank ever holds all of it (``meta_init``)."""
 
     stage: Literal[0, 1, 2, 3] = 0
     bucket_mb: float = Field(25.0, gt=0)
     units: list[str] = Field(default_factory=list)
+    prefetch: bool = True
+    meta_init: bool = True
 
 
 class LaunchSpec(_Strict):
@@ -368,10 +372,9 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
     _check_optimizer(recipe.train.optimizer, where("train", "optimizer"))
     if recipe.precision != "fp32":
         raise ZerorunError(f"{where('precision')}: {recipe.precision} is not supported yet; use fp32")
-    if recipe.zero.stage == 3:
-        raise ZerorunError(f"{where('zero', 'stage')}: stage 3 is not available yet; use 0, 1 or 2")
     if recipe.checkpoint.every or recipe.checkpoint.dir:
         raise ZerorunError(f"{where('checkpoint')}: checkpoints are not available yet; remove the section")
-    if recipe.train.activation_checkpointing:
-        raise ZerorunError(f"{where('train', 'activation_checkpointing')}: not available yet")
+    if recipe.train.activation_checkpointing and recipe.zero.stage != 3:
+        raise ZerorunError(f"{where('train', 'activation_checkpointing')}: needs zero.stage 3 (it checkpoints "
+                           "each unit); at stages 0-2 wrap blocks in torch.utils.checkpoint in the model")
     return recipe

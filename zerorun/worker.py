@@ -106,7 +106,12 @@ def train(recipe: Recipe, rank: int) -> None:
          world_size=world_size, local_rank=local_rank)
     t = recipe.train
     torch.manual_seed(t.seed)
-    model = build_model(recipe.model.module, recipe.model.factory, recipe.model.kwargs).to(device)
+    z = recipe.zero
+    if z.stage == 3 and z.meta_init and not cuda:
+        # built on the meta device; each rank materializes only its slices (zero/deferred.py)
+        model = zero.deferred_init(build_model, recipe.model.module, recipe.model.factory, recipe.model.kwargs)
+    else:
+        model = build_model(recipe.model.module, recipe.model.factory, recipe.model.kwargs).to(device)
     train_set, val_set = build_datasets(recipe.data)
     per_step = world_size * t.micro_batch_size
     if len(train_set) < per_step:
@@ -114,12 +119,18 @@ def train(recipe: Recipe, rank: int) -> None:
                             f"({world_size} ranks x {t.micro_batch_size})")
     opt = t.optimizer.kwargs()
     groups = zero.default_param_groups(model, opt.pop("weight_decay"), t.optimizer.decay_1d)
-    engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
-                             config=zero.ZeroConfig(stage=recipe.zero.stage, bucket_mb=recipe.zero.bucket_mb,
-                                                    grad_accum_steps=t.grad_accum_steps, grad_clip=t.grad_clip))
+    try:
+        config = zero.ZeroConfig(stage=z.stage, bucket_mb=z.bucket_mb, grad_accum_steps=t.grad_accum_steps,
+                                 grad_clip=t.grad_clip, units=tuple(z.units), prefetch=z.prefetch,
+                                 activation_checkpointing=t.activation_checkpointing)
+        engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
+                                 config=config)
+    except ValueError as e:  # the recipe asks for something this model cannot do (units, optimizer, groups)
+        raise ZerorunError(f"recipe: {e}") from None
     n_params = sum(p.numel() for p in model.parameters())
+    units = [u.name or "<root>" for u in getattr(engine, "units", [])]
     emit("model_ready", rank, params=n_params, trainable=engine.num_params, stage=recipe.zero.stage,
-         model_state_bytes=engine.memory_bytes())
+         model_state_bytes=engine.memory_bytes(), units=units)
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_multiplier(t.schedule, t.steps))
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=t.seed,
                                  drop_last=True)

@@ -74,6 +74,10 @@ class PlainView:
             self.print(f"eval step {d['step']}: validation loss {v:.4f}")
         elif e.kind == "model_ready" and e.rank == 0:
             self.print(f"model: {d['params']:,} parameters, ZeRO stage {d['stage']}")
+            if d.get("units"):
+                units = d["units"]
+                shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
+                self.print(f"stage 3 units: {shown}")
         elif e.kind == "start" and e.rank == 0:
             self.print(f"{d['world_size']} ranks started (torch {d['torch']}, {d['device']})")
         elif e.kind == "error":

@@ -1,5 +1,7 @@
 """zerorun's ZeRO runtime, usable as a library without the CLI: ``zerorun.zero.initialize(model, ...)``."""
 
+from zerorun.zero.deferred import deferred_init, materialize
 from zerorun.zero.engine import ZeroConfig, ZeroEngine, default_param_groups, initialize, resolve_optimizer
 
-__all__ = ["ZeroConfig", "ZeroEngine", "default_param_groups", "initialize", "resolve_optimizer"]
+__all__ = ["ZeroConfig", "ZeroEngine", "default_param_groups", "deferred_init", "initialize", "materialize",
+           "resolve_optimizer"]

@@ -30,24 +30,34 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.log: list[tuple[Any, tuple, dict, Any]] = []
+        self.rng: torch.Tensor | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs, out))[0]):
+            if self.rng is None:  # after any torch.manual_seed the factory itself calls first
+                self.rng = torch.get_rng_state()
             self.log.append((func, args, kwargs, out))
         return out
 
 
 def deferred_init(factory: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
     """``factory(*args, **kwargs)`` built on the meta device (no parameter memory), with the recording that
-    :func:`replay` needs attached. The generator state is saved first and restored after, so the replay
-    starts from the state normal construction would have started from."""
-    rng = torch.get_rng_state()
+    :func:`replay` needs attached. The generator state at the first recorded op (after any
+    ``torch.manual_seed`` the factory calls itself) is saved: the replay starts from it, as normal construction
+    would.
+
+    Raises:
+        RuntimeError: the factory consumed random numbers on real tensors, which a replay cannot reproduce.
+    """
     recorder = _Recorder()
     with torch.device("meta"), recorder:
         model = factory(*args, **kwargs)
-    torch.set_rng_state(rng)
+    rng = recorder.rng if recorder.rng is not None else torch.get_rng_state()
+    if not torch.equal(torch.get_rng_state(), rng):
+        raise RuntimeError("the model factory drew random numbers on real (non-meta) tensors while building: "
+                           "deferred initialization cannot reproduce them; build those tensors as parameters")
     if not isinstance(model, nn.Module):
         return model
     model._zerorun_deferred = (recorder.log, rng)  # type: ignore[attr-defined]
@@ -159,10 +169,14 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modu
     return model
 
 
-def swap_meta_tensors(model: nn.Module, value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def swap_meta_tensors(model: nn.Module, value_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
     """Replace every meta parameter and buffer of ``model`` by ``value_of(meta)`` (a real tensor; parameters
     are wrapped in new ``nn.Parameter`` objects with the same ``requires_grad``). A tensor shared by several
-    modules (tied weights) is replaced by one shared object. A meta tensor cannot take real data in place."""
+    modules (tied weights) is replaced by one shared object. A meta tensor cannot take real data in place.
+
+    Returns:
+        ``{id(meta tensor): its replacement}``.
+    """
     done: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for table, is_param in ((module._parameters, True), (module._buffers, False)):
@@ -173,3 +187,4 @@ def swap_meta_tensors(model: nn.Module, value_of: Callable[[torch.Tensor], torch
                     v = value_of(t)
                     done[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad) if is_param else v
                 table[name] = done[id(t)]
+    return done

@@ -380,7 +380,9 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     """Wrap ``model`` in a :class:`ZeroEngine` on ``process_group`` (default: the world).
 
     Args:
-        model: the model, built identically on every rank (rank 0's values are broadcast).
+        model: the model, built identically on every rank (rank 0's values are broadcast), or built by
+            :func:`~zerorun.zero.deferred.deferred_init` on the meta device: stage 3 then materializes only
+            this rank's slices, with the values normal construction would give.
         optimizer: a ``torch.optim`` class or its name; it must be elementwise.
         optimizer_kwargs: keyword arguments for the optimizer (``lr``, ``betas``, ``weight_decay``, ...).
         param_groups: torch-style groups (dicts with ``params`` and per-group options); by default
@@ -393,5 +395,18 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
-    return ZeroEngine(model, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs or {},
-                      param_groups=param_groups, config=config or ZeroConfig(), process_group=process_group)
+    from zerorun.zero.deferred import is_deferred, materialize
+
+    config = config or ZeroConfig()
+    kwargs = dict(optimizer=optimizer, optimizer_kwargs=optimizer_kwargs or {}, param_groups=param_groups,
+                  config=config, process_group=process_group)
+    if config.stage == 3:
+        from zerorun.zero.stage3 import Stage3Engine
+
+        return Stage3Engine(model, **kwargs)
+    if is_deferred(model):
+        if param_groups is not None:
+            raise ValueError("param_groups of a deferred model must be given at stage 3 only; at stages 0-2 "
+                             "materialize it first (zerorun.zero.materialize)")
+        materialize(model)
+    return ZeroEngine(model, **kwargs)

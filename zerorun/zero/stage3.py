@@ -1,0 +1,388 @@
+"""ZeRO stage 3: parameters partitioned too, gathered unit by unit just in time (ZeRO paper §5.3).
+
+Note [Units]: a unit is a module whose parameters are all-gathered and freed together: every instance of a
+class named in ``ZeroConfig.units`` (e.g. the GPT's ``Block``), plus a root unit (the model itself) for the
+parameters no unit owns. A parameter reached from two units (a weight tied across units) belongs to the root.
+Each unit holds one flat buffer per optimizer param group (and one for frozen parameters); at rest a rank
+keeps only its slice of each (``shard``), and the full flat tensor's storage is freed (``resize_(0)``): the
+parameters stay views of it, so autograd's saved references stay valid across free and re-gather.
+
+Note [Unit lifecycle]: forward pre-hook: all-gather (wait for a prefetch if one is in flight); forward
+post-hook: register pre-backward hooks on the outputs, then free. Pre-backward (the first gradient reaching an
+output): all-gather again. Post-backward: once every trainable parameter of the unit has its gradient (autograd
+accumulates a leaf once per backward, after all its uses), the unit is freed and its gradient buckets are
+reduce-scattered (Note [Collective order] in engine.py). Forward runs inside backward (activation checkpointing's
+recomputation) never free. At the end of the root's forward and of backward, whatever is still gathered (a
+mispredicted prefetch) is freed.
+
+Note [Prefetch]: the order in which units are gathered is recorded in the first step, for forward and for
+backward. From then on, gathering unit i issues the all-gather of unit i+1 of the recorded order, which runs
+(in gloo's or NCCL's own thread) while unit i computes. Observing another order re-records it; a wrong guess
+costs memory and time for one step, never correctness. All-gathers use a process group of their own, so they
+never wait behind a reduce-scatter in one queue.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from zerorun.zero.comm import Comm
+from zerorun.zero.deferred import is_deferred, replay, swap_meta_tensors
+from zerorun.zero.engine import ZeroEngine
+from zerorun.zero.flat import FlatBuffer
+
+
+class UnitState(enum.Enum):
+    FREE = "free"
+    GATHERING = "gathering"  # all-gather issued, not waited for
+    GATHERED = "gathered"
+
+
+class Unit:
+    """A module gathered and freed as one (Note [Units])."""
+
+    def __init__(self, name: str, module: nn.Module, is_root: bool) -> None:
+        self.name, self.module, self.is_root = name, module, is_root
+        self.buffers: list[FlatBuffer] = []
+        self.state = UnitState.FREE
+        self.works: list[Any] = []
+        self.ready_buffers = 0
+
+    @property
+    def trainable(self) -> list[FlatBuffer]:
+        return [b for b in self.buffers if b.group_index >= 0]
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name or '<root>'})"
+
+
+def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The unit modules of ``model`` (not the root), outermost first.
+
+    With ``class_names``: every module whose class name is listed. Without: Note [Automatic units] — modules
+    holding between 1/64 and 1/4 of the parameters, taken from the top down (a larger one is split into its
+    children); smaller modules stay in their parent's unit.
+
+    Raises:
+        ValueError: a listed class name matches no module.
+    """
+    if class_names:
+        found = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in class_names]
+        missing = set(class_names) - {type(m).__name__ for _, m in found}
+        if missing:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(f"zero.units: no module of class {', '.join(sorted(missing))} in the model "
+                             f"(its classes: {', '.join(classes)})")
+        outer = []
+        for n, m in found:  # a unit inside another listed unit stays a unit of its own
+            outer.append((n, m))
+        return outer
+    total = sum(p.numel() for p in model.parameters())
+    low, high = total / 64, total / 4
+    units: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            count = sum(p.numel() for p in child.parameters())
+            if count > high and any(True for _ in child.children()):
+                visit(full, child)
+            elif count >= low:
+                units.append((full, child))
+
+    visit("", model)
+    return units
+
+
+class Stage3Engine(ZeroEngine):
+    """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch]). Extra API:
+    :meth:`full_state_dict`, :attr:`units`."""
+
+    def __init__(self, model: nn.Module, *, param_groups, config, process_group, **kwargs) -> None:
+        self._deferred = is_deferred(model)
+        self._meta_of: dict[int, torch.Tensor] = {}  # id(new parameter) -> its meta original (deferred init)
+        if self._deferred:
+            param_groups = self._swap_meta_params(model, param_groups)
+        unit_modules = pick_units(model, tuple(config.units))
+        self.units = [Unit(n, m, False) for n, m in unit_modules] + [Unit("", model, True)]
+        self._unit_of_param = self._assign(model)
+        self._frozen_buffers: list[FlatBuffer] = []
+        self._ag_comm: Comm | None = None
+        super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        self._ag_comm = Comm(dist.new_group(ranks=ranks, backend=dist.get_backend(process_group)))
+        self.units = [u for u in self.units if u.buffers]
+        self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
+        self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
+        self._handles = []
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
+            self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+            if config.activation_checkpointing and not unit.is_root:
+                forward = unit.module.forward
+
+                def checkpointed(*args, _forward=forward, **kw):
+                    if not torch.is_grad_enabled():
+                        return _forward(*args, **kw)
+                    return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kw)
+
+                unit.module.forward = checkpointed
+
+    # ---------------------------------------------------------------------------------------- construction
+    def _assign(self, model: nn.Module) -> dict[nn.Parameter, Unit]:
+        """Each parameter's unit: the innermost unit around every module that holds it; a parameter held by
+        modules in different units (a weight tied across units) belongs to the root (Note [Units])."""
+        unit_of_module = {id(u.module): u for u in self.units}
+        holders: dict[nn.Parameter, set[int]] = {}
+
+        def visit(module: nn.Module, unit: Unit) -> None:
+            unit = unit_of_module.get(id(module), unit)
+            for p in module._parameters.values():
+                if p is not None:
+                    holders.setdefault(p, set()).add(id(unit))
+            for child in module.children():
+                visit(child, unit)
+
+        root = self.units[-1]
+        visit(model, root)
+        by_id = {id(u): u for u in self.units}
+        return {p: by_id[next(iter(ids))] if len(ids) == 1 else root for p, ids in holders.items()}
+
+    def _swap_meta_params(self, model: nn.Module, param_groups):
+        """Replace meta parameters by real ones of the same shape whose storage is empty (freed), remembering
+        each one's meta original for the replay; buffers become real zeros, filled by the replay. Returns
+        ``param_groups`` with its (meta) parameters replaced."""
+        self._meta_list = list(model.parameters()) + list(model.buffers())
+
+        def value_of(meta: torch.Tensor) -> torch.Tensor:
+            t = torch.zeros(meta.shape, dtype=meta.dtype)
+            if isinstance(meta, nn.Parameter):
+                t.untyped_storage().resize_(0)
+            return t
+
+        self._new_of = swap_meta_tensors(model, value_of)
+        if param_groups is None:
+            return None
+        return [dict(g, params=[self._new_of.get(id(p), p) for p in g["params"]]) for g in param_groups]
+
+    def _sync_initial_state(self) -> None:
+        if not self._deferred:
+            super()._sync_initial_state()
+
+    def _partition(self, named, bucket_bytes):
+        """One flat buffer per unit (within one param group), in unit order."""
+        by_unit: dict[int, list] = {}
+        for name, p in named:
+            by_unit.setdefault(id(self._unit_of_param[p]), []).append((name, p))
+        return list(by_unit.values())
+
+    def _materialize(self) -> None:
+        """Keep only this rank's slice of every flat buffer (Note [Units]); values come from the model's
+        parameters, or for a deferred model from the replay of its construction (Note [Record and replay])."""
+        model = self.module
+        names = {p: n for n, p in model.named_parameters()}
+        frozen_by_unit: dict[int, list] = {}
+        for p in self._frozen:
+            frozen_by_unit.setdefault(id(self._unit_of_param[p]), []).append((names[p], p))
+        for unit in self.units:
+            run = frozen_by_unit.get(id(unit))
+            if run:
+                self.frozen_buffers.append(FlatBuffer(run, -1, self.world_size, self.rank, order=-1))
+        for buf in self.buffers + self.frozen_buffers:
+            unit = self._unit_of_param[buf.params[0]]
+            unit.buffers.append(buf)
+            buf.unit = unit
+            buf.shard_data = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
+            if buf.group_index >= 0:
+                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
+        if self._deferred:
+            self._replay()
+        else:
+            with torch.no_grad():
+                for buf in self.buffers + self.frozen_buffers:
+                    for p in buf.params:
+                        self._keep_slice(buf, p, p.data)
+        for buf in self.buffers + self.frozen_buffers:  # views are made while the storage exists, then it goes
+            buf.data = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
+            for p in buf.params:
+                p.data = buf.view_of(buf.data, p)
+            buf.data.untyped_storage().resize_(0)
+
+    @property
+    def frozen_buffers(self) -> list[FlatBuffer]:
+        """Flat buffers of frozen parameters (sharded and gathered with their unit, never reduced)."""
+        return self._frozen_buffers
+
+    def _keep_slice(self, buf: FlatBuffer, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Copy the part of ``value`` (``p``'s full values) that falls in this rank's slice of ``buf``."""
+        slot = buf.slots[p]
+        lo = max(slot.offset, buf.lo)
+        hi = min(slot.offset + slot.numel, buf.lo + buf.shard_numel)
+        if lo < hi:
+            buf.shard_data[lo - buf.lo:hi - buf.lo].copy_(value.reshape(-1)[lo - slot.offset:hi - slot.offset])
+
+    def _replay(self) -> None:
+        where = {id(p): buf for buf in self.buffers + self.frozen_buffers for p in buf.params}
+
+        def keep(meta: torch.Tensor, value: torch.Tensor) -> None:
+            target = self._new_of[id(meta)]
+            buf = where.get(id(target))
+            with torch.no_grad():
+                if buf is not None:
+                    self._keep_slice(buf, target, value)
+                else:  # a module buffer (e.g. BatchNorm's running stats): kept whole
+                    target.copy_(value)
+
+        replay(self.module, keep, tensors=self._meta_list)
+
+    def _master(self, buf: FlatBuffer) -> torch.Tensor:
+        master = buf.shard_data.detach().requires_grad_(True)
+        master.grad = buf.shard_grad
+        return master
+
+    def _after_step(self) -> None:
+        """Nothing to gather: units are gathered from the updated slices when next used."""
+
+    # ------------------------------------------------------------------------------------ gather and free
+    def _gather(self, unit: Unit, wait: bool = True) -> None:
+        if unit.state is UnitState.FREE:
+            for buf in unit.buffers:
+                buf.data.untyped_storage().resize_(buf.numel * buf.data.element_size())
+            unit.works = [self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in unit.buffers]
+            unit.state = UnitState.GATHERING
+        if wait and unit.state is UnitState.GATHERING:
+            self._ag_comm.wait(unit.works)
+            unit.works = []
+            unit.state = UnitState.GATHERED
+
+    def _free(self, unit: Unit) -> None:
+        if unit.state is UnitState.FREE:
+            return
+        if unit.works:
+            self._ag_comm.wait(unit.works)
+            unit.works = []
+        for buf in unit.buffers:
+            buf.data.untyped_storage().resize_(0)
+        unit.state = UnitState.FREE
+
+    def _free_all(self) -> None:
+        for unit in self.units:
+            self._free(unit)
+
+    def _note_and_prefetch(self, unit: Unit, phase: str) -> None:
+        seen = self._seen[phase]
+        if seen and seen[-1] is unit:
+            return
+        seen.append(unit)
+        order = self._order[phase]
+        i = len(seen) - 1
+        if not self.config.prefetch or i >= len(order) or order[i] is not unit:
+            return
+        if i + 1 < len(order):
+            self._gather(order[i + 1], wait=False)
+
+    @staticmethod
+    def _in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        self._gather(unit)
+        if not self._in_backward() and torch.is_grad_enabled():
+            self._note_and_prefetch(unit, "forward")
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._in_backward():  # recomputation under activation checkpointing: the unit is still needed
+            return output
+        if torch.is_grad_enabled():
+            hook = functools.partial(self._pre_backward, unit)
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(hook)
+        if unit.is_root:
+            if torch.is_grad_enabled():
+                self._end_pass("forward")
+            self._free_all()
+        else:
+            self._free(unit)
+        return output
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._gather(unit)
+        self._note_and_prefetch(unit, "backward")
+
+    def _end_pass(self, phase: str) -> None:
+        if self._seen[phase] and self._seen[phase] != self._order[phase]:
+            self._order[phase] = self._seen[phase]
+        self._seen[phase] = []
+
+    # ---------------------------------------------------------------------------------------------- backward
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        super()._on_grad_ready(p)
+        buf = self._slots[p].buffer
+        if self._ready_count[buf] == len(buf.params):
+            unit = buf.unit
+            unit.ready_buffers += 1
+            if unit.ready_buffers == len(unit.trainable):
+                self._free(unit)
+
+    def _finish_backward(self) -> None:
+        super()._finish_backward()
+        self._end_pass("backward")
+        for unit in self.units:
+            unit.ready_buffers = 0
+        self._free_all()
+
+    # ------------------------------------------------------------------------------------------------ report
+    def memory_bytes(self) -> dict[str, int]:
+        """As :meth:`ZeroEngine.memory_bytes`, at rest: ``params`` counts this rank's slices only
+        (theory, fp32 Adam: 16Ψ/N in all, ZeRO §5)."""
+        out = super().memory_bytes()
+        out["params"] = sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers)
+        return out
+
+    def comm_stats(self) -> dict[str, float]:
+        """As :meth:`ZeroEngine.comm_stats`, all-gathers (their own process group) included."""
+        out = super().comm_stats()
+        if self._ag_comm is not None:
+            out["bytes_sent"] += self._ag_comm.bytes_sent
+            out["wait_s"] += self._ag_comm.wait_s
+        return out
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ordinary (unsharded) state dict, gathered unit by unit; every rank must call it.
+
+        Returns:
+            On rank 0 (or every rank unless ``rank0_only``): ``{name: tensor}`` with the keys and shapes of
+            ``model.state_dict()`` of the unsharded model (fp32 CPU clones); elsewhere an empty dict.
+        """
+        keep = not rank0_only or self.rank == 0
+        keyed = self.module.state_dict(keep_vars=True)
+        by_param: dict[int, list[str]] = {}
+        for key, t in keyed.items():
+            by_param.setdefault(id(t), []).append(key)
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            self._gather(unit)
+            if keep:
+                for buf in unit.buffers:
+                    for p in buf.params:
+                        for key in by_param.get(id(p), []):
+                            out[key] = p.detach().clone().cpu()
+            self._free(unit)
+        if keep:
+            for key, t in keyed.items():
+                if key not in out:
+                    out[key] = t.detach().clone().cpu()
+            out = {k: out[k] for k in keyed}
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state dict on every rank (see :meth:`full_state_dict`)."""
+        return self.full_state_dict(rank0_only=False)
