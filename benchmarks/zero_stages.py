@@ -1,4 +1,4 @@
-"""ZeRO stages 0-2 against torch's DistributedDataParallel, measured side by side in one run.
+"""ZeRO stages 0-3 against torch's DistributedDataParallel and FSDP2, measured side by side in one run.
 
     python benchmarks/zero_stages.py                 # 2 ranks, the ~55M-parameter GPT, fp32 AdamW
     python benchmarks/zero_stages.py --quick         # a small GPT, for a smoke check
@@ -8,7 +8,8 @@ Every mode runs in fresh processes (started by torchrun), so each rank's peak RS
 machines are shared and noisy. Reported per mode: median and p90 step time (s), ratio to DDP, peak RSS per
 rank (max over ranks, bytes), model-state bytes per rank (from the engine), the realized memory saving
 against stage 0 as a fraction of the model-state bytes the stage saves in theory, and bytes sent per rank per
-step against the ZeRO paper's 2Ψ(N-1)/N x 4 bytes (§7).
+step against the ZeRO paper's 2Ψ(N-1)/N x 4 bytes (stage 3: 3Ψ(N-1)/N x 4; §7). Stage 3 and FSDP2 shard
+the GPT's blocks and embeddings (units = Block, Embedding), FSDP2 with reshard_after_forward=True.
 """
 
 from __future__ import annotations
@@ -40,12 +41,31 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = build_model(os.path.join(ROOT, "recipes/models/gpt.py"), "build_model",
-                        dict(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
-                             max_seq_len=args.seq, tie_embeddings=not args.untied))
+    spec = (os.path.join(ROOT, "recipes/models/gpt.py"), "build_model",
+            dict(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
+                 max_seq_len=args.seq, tie_embeddings=not args.untied))
+    if args.worker == "3":  # built on the meta device, each rank materializing its slices only
+        model = zero.deferred_init(build_model, *spec)
+    else:
+        model = build_model(*spec)
     opt_kwargs = {"lr": 1e-4, "betas": (0.9, 0.95)}
     groups = zero.default_param_groups(model, 0.1)
-    if args.worker == "ddp":
+    if args.worker == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in [*model.blocks, model.tok_emb, model.pos_emb]:  # the same units as zerorun's stage 3
+            fully_shard(block, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True)
+        opt = torch.optim.AdamW(zero.default_param_groups(model, 0.1), **opt_kwargs)
+
+        def step(batch):
+            model(batch)["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        psi = sum(p.numel() for p in model.parameters()) * world  # DTensor local shards
+        comm = lambda: 0  # noqa: E731
+    elif args.worker == "ddp":
         ddp = DDP(model)
         opt = torch.optim.AdamW(groups, **opt_kwargs)
 
@@ -60,13 +80,14 @@ def worker(args) -> None:
     else:
         engine = zero.initialize(model, optimizer="AdamW", optimizer_kwargs=opt_kwargs, param_groups=groups,
                                  config=zero.ZeroConfig(stage=int(args.worker), bucket_mb=args.bucket_mb,
-                                                        grad_clip=1.0))
+                                                        grad_clip=1.0, units=("Block", "Embedding")))
 
         def step(batch):
             engine.backward(engine(batch)["loss"])
             engine.step()
         psi = engine.num_params
         comm = lambda: engine.comm_stats()["bytes_sent"]  # noqa: E731
+    states = None
     g = torch.Generator().manual_seed(rank)
     times, sent = [], []
     for i in range(args.warmup + args.steps):
@@ -78,7 +99,7 @@ def worker(args) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             sent.append(comm() - b0)
-    if args.worker != "ddp":
+    if args.worker not in ("ddp", "fsdp2"):
         states = engine.memory_bytes()
     out = {"mode": args.worker, "rank": rank, "world_size": world, "psi": psi, "times": times,
            "bytes_sent": statistics.median(sent), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -98,6 +119,8 @@ def run_mode(mode: str, args, extra: list[str]) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
     if args.malloc_mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    if args.thp:
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     rows = [json.loads(line[len(PREFIX):]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
     if proc.returncode or len(rows) != args.nproc:
@@ -108,7 +131,7 @@ def run_mode(mode: str, args, extra: list[str]) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--modes", default="ddp,0,1,2")
+    p.add_argument("--modes", default="ddp,fsdp2,0,1,2,3")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--d-model", type=int, default=512)
@@ -124,6 +147,8 @@ def main() -> None:
     p.add_argument("--malloc-mmap-threshold", type=int, default=1 << 20,
                    help="glibc's MALLOC_MMAP_THRESHOLD_ (bytes) for the ranks of every mode, DDP included, as "
                         "zerorun's launcher sets it; 0 leaves glibc's dynamic threshold")
+    p.add_argument("--thp", type=int, default=1, help="1: THP_MEM_ALLOC_ENABLE=1 for every mode, as zerorun's "
+                   "launcher sets it (2 MiB pages for large tensors: fewer page faults when memory is re-acquired)")
     p.add_argument("--quick", action="store_true", help="a small GPT (4 layers, d_model 128, vocab 256)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
@@ -157,7 +182,7 @@ def main() -> None:
     print(f"\n{n} ranks, GPT {args.layers}x{args.d_model}, vocab {args.vocab}, seq {args.seq}, micro-batch "
           f"{args.micro_batch}, Ψ = {psi:,} parameters, fp32 AdamW; {args.rounds} rounds x {args.steps} steps\n")
     print("| mode | median step (s) | p90 (s) | vs DDP | peak RSS/rank (MiB) | model states/rank (MiB) "
-          "| realized / theoretical saving vs stage 0 | sent/rank/step (MiB) | vs 2Ψ(N-1)/N·4 |")
+          "| realized / theoretical saving vs stage 0 | sent/rank/step (MiB) | vs ZeRO §7 (2Ψ, stage 3: 3Ψ)(N-1)/N·4 |")
     print("|---|---|---|---|---|---|---|---|---|")
     base = results.get("ddp", {}).get("step_s")
     s0 = results.get("0")
@@ -169,9 +194,10 @@ def main() -> None:
             theory = sum(s0["states"].values()) - states
             saving = f"{(s0['peak_rss'] - r['peak_rss']) / theory:.2f}" if theory > 0 else "-"
         comm = "-"
-        if mode != "ddp":
-            comm = f"{r['bytes_sent'] / (2 * psi * (n - 1) / n * 4):.3f}"
-        print(f"| {'DDP (torch)' if mode == 'ddp' else 'zerorun stage ' + mode} | {r['step_s']:.3f} | "
+        if mode not in ("ddp", "fsdp2"):
+            comm = f"{r['bytes_sent'] / ((3 if mode == '3' else 2) * psi * (n - 1) / n * 4):.3f}"
+        label = {"ddp": "DDP (torch)", "fsdp2": "FSDP2 (torch fully_shard)"}.get(mode, f"zerorun stage {mode}")
+        print(f"| {label} | {r['step_s']:.3f} | "
               f"{r['p90_s']:.3f} | {ratio} | {r['peak_rss'] / 2**20:.0f} | "
               f"{states / 2**20 if states else float('nan'):.0f} | {saving} | "
               f"{r['bytes_sent'] / 2**20:.1f} | {comm} |")

@@ -207,3 +207,27 @@ def deferred_equals_normal(world_size_check: bool = True) -> dict:
     ref = normal.state_dict()
     return {"keys": list(full) == list(ref), "equal": all(torch.equal(full[k], ref[k]) for k in ref),
             "rng": torch.equal(after_normal, after_meta), "units": [u.name for u in engine.units]}
+
+
+def prefetch_order() -> dict:
+    """Unit order recorded by stage 3 after two steps (Note [Prefetch]), and whether the step-2 gathers were
+    issued ahead of use (the all-gather of the next unit in flight when the current unit starts)."""
+    model = _build("gpt", 0)
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
+                        config=ZeroConfig(stage=3, units=("Block",)))
+    ahead = []
+    original = engine._gather
+
+    def spy(unit, wait=True):
+        if wait:
+            ahead.append((unit.name, unit.state.value))
+        original(unit, wait)
+
+    engine._gather = spy
+    for step in range(2):
+        ahead.clear()
+        engine.backward(_loss(engine(_batch("gpt", step, 0, dist.get_rank(), dist.get_world_size(), "never"))))
+        engine.step()
+    return {"forward": [u.name for u in engine._order["forward"]],
+            "backward": [u.name for u in engine._order["backward"]],
+            "states_at_use": ahead}

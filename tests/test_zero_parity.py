@@ -141,3 +141,12 @@ def test_stage3_options_match_ddp(ranks, world_size, options):
 def test_stage3_weight_tied_across_units(ranks):
     """With the embedding a unit of its own, the LM head (root) shares its weight: the weight goes to the root."""
     check(ranks(2).run(cases.parity, stage=3, model="gpt", units=("Embedding", "Block")))
+
+
+def test_stage3_records_unit_order_and_prefetches(ranks):
+    for r in ranks(2).run(cases.prefetch_order):
+        assert r["forward"] == ["", "blocks.0", "blocks.1"]
+        assert r["backward"] == ["", "blocks.1", "blocks.0"]
+        # in step 2 every block was already being gathered (prefetched) when its turn came
+        blocks = [state for name, state in r["states_at_use"] if name.startswith("blocks")]
+        assert blocks and all(state == "gathering" for state in blocks), r["states_at_use"]

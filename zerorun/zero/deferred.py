@@ -82,7 +82,7 @@ def _is_full_write(func, args) -> bool:
 
 
 def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None], device: torch.device | str = "cpu",
-           tensors: list[torch.Tensor] | None = None) -> None:
+           tensors: list[torch.Tensor] | None = None) -> int:
     """Replay ``model``'s recorded construction on ``device`` (Note [Record and replay]).
 
     ``keep(meta_tensor, real_tensor)`` is called once for every tensor of ``tensors`` (default: the meta
@@ -90,6 +90,9 @@ def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None],
     op of its storage, with its real values (shape and dtype of the meta tensor); after it returns the real
     storage is freed unless ``keep`` holds a reference. Generator state is restored to the recorded one first
     and left where normal construction would leave it.
+
+    Returns:
+        The peak bytes of real storage the replay held at once (the memory bound of Note [Record and replay]).
 
     Raises:
         RuntimeError: ``model`` was not built by :func:`deferred_init`.
@@ -135,6 +138,7 @@ def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None],
         return device if isinstance(v, torch.device) and v.type == "meta" else v
 
     torch.set_rng_state(rng)
+    peak = 0
     with torch.no_grad():
         for i, (func, args, kwargs, out) in enumerate(log):
             real_args = tree_map(to_real, args)
@@ -143,6 +147,7 @@ def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None],
             for m, r in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
                 if isinstance(m, torch.Tensor) and m.is_meta and isinstance(r, torch.Tensor):
                     real.setdefault(_key(m), r.untyped_storage())
+            peak = max(peak, sum(s.nbytes() for s in real.values()))
             for k in ends_life.get(i, ()):
                 if last_use[k] != i:
                     real.pop(k, None)
@@ -154,6 +159,7 @@ def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None],
         for t in tensors:
             keep(t, torch.zeros(t.shape, dtype=t.dtype, device=device))
     del model._zerorun_deferred  # type: ignore[attr-defined]
+    return peak
 
 
 def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 from zerorun.zero.comm import Comm
 from zerorun.zero.deferred import is_deferred, replay, swap_meta_tensors
 from zerorun.zero.engine import ZeroEngine
-from zerorun.zero.flat import FlatBuffer
+from zerorun.zero.flat import FlatBuffer, pack
 
 
 class UnitState(enum.Enum):
@@ -177,11 +177,14 @@ class Stage3Engine(ZeroEngine):
             super()._sync_initial_state()
 
     def _partition(self, named, bucket_bytes):
-        """One flat buffer per unit (within one param group), in unit order."""
+        """Per unit (within one param group), runs of at most ``bucket_bytes``: a unit is gathered whole, but
+        each of its buckets is reduce-scattered, and its full gradient freed, as soon as that bucket is
+        complete (a root unit holding both the embedding and the LM head does not keep the LM head's
+        gradient through the whole backward)."""
         by_unit: dict[int, list] = {}
         for name, p in named:
             by_unit.setdefault(id(self._unit_of_param[p]), []).append((name, p))
-        return list(by_unit.values())
+        return [run for params in by_unit.values() for run in pack(params, bucket_bytes)]
 
     def _materialize(self) -> None:
         """Keep only this rank's slice of every flat buffer (Note [Units]); values come from the model's
