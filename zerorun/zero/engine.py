@@ -180,6 +180,7 @@ class ZeroEngine:
         self._ready_count: dict[FlatBuffer, int] = {b: 0 for b in self.buffers}
         self._next_launch = 0
         self._pending: list[tuple[FlatBuffer, Any, torch.Tensor | None]] = []
+        self._written: dict[FlatBuffer, set[nn.Parameter]] = {}
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                               for buf in self.buffers for p in buf.params]
 
@@ -259,9 +260,11 @@ class ZeroEngine:
                 raise RuntimeError(f"parameter {buf.names[buf.params.index(p)]!r} received a second gradient in "
                                    "one backward after its bucket was reduced (reentrant activation checkpointing? "
                                    "use torch.utils.checkpoint with use_reentrant=False)")
-            if buf.grad is None:
-                buf.grad = torch.zeros(buf.numel, dtype=buf.dtype, device=buf.device)
-            buf.view_of(buf.grad, p).add_(p.grad)
+            if buf.grad is None:  # filled by copies; what no gradient reaches is zeroed at launch
+                buf.grad = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
+                self._written[buf] = set()
+            buf.view_of(buf.grad, p).copy_(p.grad)
+            self._written[buf].add(p)
             p.grad = None
         self._ready_count[buf] += 1
         if self._ready_count[buf] == len(buf.params):
@@ -276,6 +279,12 @@ class ZeroEngine:
     def _launch(self, buf: FlatBuffer) -> None:
         if buf.grad is None:  # stage 2, no parameter of the bucket got a gradient this micro-step
             buf.grad = torch.zeros(buf.numel, dtype=buf.dtype, device=buf.device)
+        elif self.stage >= 2:  # zero the padding and the parameters that got no gradient
+            written = self._written.pop(buf, set())
+            buf.grad[buf.unpadded_numel:].zero_()
+            for p in buf.params:
+                if p not in written:
+                    buf.view_of(buf.grad, p).zero_()
         buf.grad.div_(self.world_size)
         if self.stage == 0:
             self._pending.append((buf, self.comm.all_reduce(buf.grad), None))
