@@ -1,22 +1,11 @@
 """Deferred (meta-device) initialization: exact values, bounded memory, clear errors."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn as nn
 
+from parity_cases import _gpt_module as gpt_module
 from zerorun.zero.deferred import deferred_init, is_deferred, materialize, replay
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def gpt_module():
-    spec = importlib.util.spec_from_file_location("gpt_for_deferred", os.path.join(ROOT, "recipes/models/gpt.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("factory,kwargs", [
