@@ -64,7 +64,7 @@ class Unit:
 
 
 def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
-    """The unit modules of ``model`` (not the root), outermost first.
+    """The unit modules of ``model`` (not the root), in module order.
 
     With ``class_names``: every module whose class name is listed. Without: Note [Automatic units] — modules
     holding between 1/64 and 1/4 of the parameters, taken from the top down (a larger one is split into its
@@ -80,10 +80,7 @@ def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str
             classes = sorted({type(m).__name__ for m in model.modules()})
             raise ValueError(f"zero.units: no module of class {', '.join(sorted(missing))} in the model "
                              f"(its classes: {', '.join(classes)})")
-        outer = []
-        for n, m in found:  # a unit inside another listed unit stays a unit of its own
-            outer.append((n, m))
-        return outer
+        return found  # a unit inside another listed unit is a unit of its own (its parameters are its own)
     total = sum(p.numel() for p in model.parameters())
     low, high = total / 64, total / 4
     units: list[tuple[str, nn.Module]] = []
