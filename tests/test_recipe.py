@@ -155,3 +155,9 @@ def test_not_utf8_recipe(tmp_path):
 def test_missing_module_says_where_it_looked(tmp_path):
     with pytest.raises(ZerorunError, match=r"file not found: nope\.py \(looked in .* and .*\)"):
         load_recipe(good(tmp_path), ["model.module=nope.py"])
+
+
+def test_units_below_stage_3_are_refused(tmp_path):
+    with pytest.raises(ZerorunError, match=r"zero\.units: units are gathered and freed at zero\.stage 3 only"):
+        load_recipe(good(tmp_path), ["zero.stage=2", "zero.units=[Block]"])
+    assert load_recipe(good(tmp_path), ["zero.stage=3", "zero.units=[Block]"]).zero.units == ["Block"]

@@ -224,6 +224,7 @@ def train(recipe: Recipe, rank: int) -> None:
             evaluate(step)
     emit("finish", rank, steps=t.steps, elapsed_s=time.time() - t_start, time_to_first_step_s=first_step_s,
          peak_rss_bytes=peak_rss_bytes())
+    dist.barrier()  # no rank tears its process group down while a peer may still be using it
     dist.destroy_process_group()
 
 

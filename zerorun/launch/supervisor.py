@@ -62,6 +62,8 @@ class Supervisor:
         self._errors: dict[int, Event] = {}
         self._rank_exits: dict[int, int] = {}  # global rank -> exit code, from torchrun's failure summary
         self._last_rank: int | None = None
+        self._in_root_cause = False
+        self._root_causes: list[int] = []  # torchrun's "Root Cause (first observed failure)" rank per node
         self._finished: set[int] = set()
         self._ended: dict[int, int] = {}
 
@@ -103,9 +105,14 @@ class Supervisor:
                 self._finished.add(event.rank)
             self.on_event(event)
             return
+        if line.startswith("Root Cause"):
+            self._in_root_cause = True
         m = _TORCHRUN_RANK.match(line)
         if m:
             self._last_rank = int(m.group(1))
+            if self._in_root_cause:
+                self._root_causes.append(self._last_rank)
+                self._in_root_cause = False
         m = _TORCHRUN_EXIT.match(line)
         if m and self._last_rank is not None:
             self._rank_exits.setdefault(self._last_rank, int(m.group(1)))
@@ -140,7 +147,10 @@ class Supervisor:
                 failed = [n for n, rc in self._ended.items() if rc != 0]
                 node_rank = failed[0] if failed else None
         own = [e for e in self._errors.values() if not e.data.get("peer_failure")]
-        silent = [r for r in sorted(self._rank_exits) if r not in self._errors]
+        # torchrun's first observed failure first, then ranks that were not merely stopped by a teardown
+        silent = sorted((r for r in self._rank_exits if r not in self._errors),
+                        key=lambda r: (r not in self._root_causes,
+                                       self._rank_exits[r] in (-signal.SIGTERM, -signal.SIGKILL), r))
         if own:
             event = min(own, key=lambda e: e.time)
         elif silent:

@@ -80,7 +80,7 @@ class PlainView:
                 self.print(f"stage 3 units: {shown}")
         elif e.kind == "start" and e.rank == 0:
             self.print(f"{d['world_size']} ranks started (torch {d['torch']}, {d['device']})")
-        elif e.kind == "error":
+        elif e.kind == "error" and not d.get("user_error"):  # user errors: the launcher's one line says it
             self.print(f"[rank {e.rank}] error: {d.get('type')}: {d.get('message')}")
             if d.get("traceback"):
                 for line in d["traceback"].splitlines()[-6:]:

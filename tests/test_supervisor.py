@@ -1,0 +1,55 @@
+"""Failure attribution from what the nodes print (Note [Blame] in launch/supervisor.py), without processes."""
+
+import queue
+
+from zerorun.hostfile import Host
+from zerorun.launch.plan import build_plan
+from zerorun.launch.supervisor import Supervisor
+from zerorun.telemetry.events import format_event
+
+SUMMARY = """\
+Failures:
+[1]:
+  time      : 2026-11-30_05:00:01
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 101)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_05:00:00
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 102)
+"""
+
+
+def supervise(lines: list[str]):
+    plan = build_plan([Host("localhost", 2)], "{}", "job", 12345)
+    q: queue.Queue = queue.Queue()
+    sup = Supervisor(plan, [], q, lambda e: None, lambda n, l: None)
+    for line in lines:
+        q.put((0, line))
+    q.put((0, None, 1))
+    while not q.empty():
+        sup._drain(0.01)
+    return sup._failure(0)
+
+
+def test_torchrun_root_cause_is_blamed_not_the_rank_it_terminated():
+    result = supervise(SUMMARY.splitlines())
+    assert (result.rank, result.exit_code) == (1, 1)
+    assert result.message == "rank process ended (killed by SIGABRT)"
+
+
+def test_own_error_beats_peer_failure_and_silent_ranks():
+    peer = format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)
+    own = format_event("error", 1, type="ValueError", message="bad batch", peer_failure=False, where="m.py:3 in f")
+    result = supervise([peer, own] + SUMMARY.splitlines())
+    assert result.rank == 1 and result.message == "ValueError: bad batch (at m.py:3 in f)"
+
+
+def test_only_peer_failures_blame_the_earliest():
+    peer = format_event("error", 0, type="RuntimeError", message="Connection closed by peer", peer_failure=True)
+    result = supervise([peer])
+    assert result.rank == 0 and "Connection closed by peer" in result.message
