@@ -128,9 +128,8 @@ def test_duplicate_keys_are_an_error(tmp_path):
 
 
 def test_typo_reports_the_unknown_field_not_the_missing_one(tmp_path):
-    path = good(tmp_path).replace("micro_batch_size", "micro_bach_size")
-    text = open(good(tmp_path)).read().replace("micro_batch_size", "micro_bach_size")
-    (tmp_path / "r.yaml").write_text(text)
+    path = good(tmp_path)
+    (tmp_path / "r.yaml").write_text(open(path).read().replace("micro_batch_size", "micro_bach_size"))
     with pytest.raises(ZerorunError, match=r"r\.yaml:10: train\.micro_bach_size: unknown field \(and 1 more problem\)"):
         load_recipe(path)
 
