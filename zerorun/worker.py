@@ -122,7 +122,11 @@ def train(recipe: Recipe, rank: int) -> None:
     try:
         config = zero.ZeroConfig(stage=z.stage, bucket_mb=z.bucket_mb, grad_accum_steps=t.grad_accum_steps,
                                  grad_clip=t.grad_clip, units=tuple(z.units), prefetch=z.prefetch,
-                                 activation_checkpointing=t.activation_checkpointing)
+                                 activation_checkpointing=t.activation_checkpointing,
+                                 precision=recipe.precision, reduce_dtype=z.reduce_dtype,
+                                 loss_scale=zero.LossScaleConfig(**recipe.loss_scale.model_dump()),
+                                 offload_optimizer=z.offload_optimizer, offload_path=z.offload_path,
+                                 offload_buffer_mb=z.offload_buffer_mb)
         engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
                                  config=config)
     except ValueError as e:  # the recipe asks for something this model cannot do (units, optimizer, groups)
@@ -218,12 +222,14 @@ def train(recipe: Recipe, rank: int) -> None:
                  job_tokens_per_s=world_size * tokens / step_s, rss_bytes=proc.memory_info().rss,
                  peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
                  comm_bytes=comm["bytes_sent"] - comm_prev["bytes_sent"],
-                 comm_wait_s=comm["wait_s"] - comm_prev["wait_s"])
+                 comm_wait_s=comm["wait_s"] - comm_prev["wait_s"],
+                 loss_scale=engine.loss_scale, skipped=engine.last_step_skipped, skipped_steps=engine.skipped_steps)
             comm_prev = comm
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             evaluate(step)
     emit("finish", rank, steps=t.steps, elapsed_s=time.time() - t_start, time_to_first_step_s=first_step_s,
-         peak_rss_bytes=peak_rss_bytes())
+         peak_rss_bytes=peak_rss_bytes(), skipped_steps=engine.skipped_steps)
+    engine.close()  # removes the offload swap file (Note [Swap files])
     dist.barrier()  # no rank tears its process group down while a peer may still be using it
     dist.destroy_process_group()
 
