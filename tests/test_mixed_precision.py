@@ -152,3 +152,27 @@ def test_swap_files_removed_at_exit_and_after_a_crash(tmp_path):
     finally:
         live.kill()
         live.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_zerorun_train_fp16_with_disk_offload(tmp_path):
+    """The whole path: recipe fields -> worker -> engine; step events carry the loss scale and skips; the
+    swap folder is empty when the job ends."""
+    swap = tmp_path / "swap"
+    out = subprocess.run([sys.executable, "-m", "zerorun", "train", os.path.join(ROOT, "recipes/tiny.yaml"),
+                          f"log.dir={tmp_path / 'runs'}", "precision=fp16", "train.steps=12", "log.every=1",
+                          "train.eval_every=0", "zero.offload_optimizer=disk", f"zero.offload_path={swap}",
+                          "zero.offload_buffer_mb=0.05", "loss_scale.growth_interval=4"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [metrics] = list((tmp_path / "runs").glob("*/*/metrics.jsonl"))
+    import json
+
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step" and e["rank"] == 0]
+    assert [e["step"] for e in steps] == list(range(1, 13))
+    assert all(isinstance(e["skipped"], bool) and e["loss_scale"] >= 1.0 for e in steps)
+    assert steps[-1]["skipped_steps"] == sum(e["skipped"] for e in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert steps[0]["model_state_bytes"]["optimizer"] == 0  # all of it in the swap file
+    assert [f for f in os.listdir(swap) if not f.startswith(".")] == []
