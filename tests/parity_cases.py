@@ -323,7 +323,7 @@ def _reference_slices(engine, masters_by_name: dict[str, torch.Tensor]) -> list[
 def parity_mixed(stage: int, precision: str, model: str = "gpt", steps: int = 8, accum: int = 1,
                  clip: float | None = None, reduce_dtype: str | None = None, offload: str = "none",
                  offload_path: str | None = None, units: tuple = (), loss_scale: dict | None = None,
-                 **model_kwargs) -> dict:
+                 deferred: bool = False, **model_kwargs) -> dict:
     """The engine at ``precision`` (bf16 or fp16) against :class:`MixedReference`, step by step; also a
     second reference that differs only in summation order (another bucket size, all-reduce on every
     micro-step, a flat clipping norm): its distance to the first is the floor (``floor_*`` keys). Returns the
@@ -337,6 +337,8 @@ def parity_mixed(stage: int, precision: str, model: str = "gpt", steps: int = 8,
     refs = [MixedReference(copy.deepcopy(base), dtype, "AdamW", kwargs, 0.1, ls, reduce_fp32=reduce_dtype == "fp32"),
             MixedReference(copy.deepcopy(base), dtype, "AdamW", kwargs, 0.1, ls, flat_norm=True,
                            bucket_cap_mb=0.0005)]
+    if deferred:  # stage 3 from the meta device: each rank replays its slices, cast as they are kept
+        base = deferred_init(_build, model, 0, **model_kwargs)
     engine = initialize(base, optimizer="AdamW", optimizer_kwargs=kwargs,
                         param_groups=default_param_groups(base, 0.1),
                         config=ZeroConfig(stage=stage, bucket_mb=0.002, grad_accum_steps=accum, grad_clip=clip,

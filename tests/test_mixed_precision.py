@@ -46,6 +46,11 @@ def test_mixed_precision_matches_ddp_exactly_on_two_ranks(ranks, stage, precisio
         assert r["loss_scale"][1] == (r["loss_scale"][0] if precision == "fp16" else None)
 
 
+def test_stage3_meta_init_bf16_matches_ddp_exactly(ranks):
+    for r in ranks(2).run(cases.parity_mixed, stage=3, precision="bf16", units=("Block",), deferred=True):
+        assert r["params"] == r["masters"] == 0.0 and r["grad_norm"] <= 1e-6, r
+
+
 @pytest.mark.parametrize("stage,precision", [(2, "bf16"), (3, "bf16"), (1, "fp16")])
 def test_mixed_precision_three_ranks_accumulation_clipping(ranks, stage, precision):
     for rank, r in enumerate(ranks(3).run(cases.parity_mixed, stage=stage, precision=precision, accum=2,

@@ -335,10 +335,9 @@ class DiskMasters(Masters):
             for n in self.state_names:
                 self.file.write(c.offsets[n], state[n])
             c.small = {n: v for n, v in state.items() if n not in self.state_names}
-            self.slices[c.index][c.lo:c.lo + c.numel].copy_(p.data, non_blocking=self.pin)
+            # blocking: the host-buffer half is paged over two sub-groups later
+            self.slices[c.index][c.lo:c.lo + c.numel].copy_(p.data)
             p.data = torch.empty(0, dtype=torch.float32)
-        if self.pin:
-            torch.cuda.current_stream().synchronize()
 
     def master_slices(self) -> list[torch.Tensor]:
         """Read from the swap file: new fp32 CPU tensors, one per flat buffer."""
