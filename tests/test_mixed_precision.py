@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import parity_cases as cases
-from zerorun.zero.offload import SwapFile
+from zerorun.zero.offload import DiskMasters, SwapFile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPS = {"bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
@@ -123,7 +123,7 @@ def test_offload_equals_no_offload(ranks, tmp_path, stage, precision, offload):
 
 _SWAP_SCRIPT = """
 import sys, time
-from zerorun.zero.offload import SwapFile
+from zerorun.zero.offload import DiskMasters, SwapFile
 f = SwapFile(sys.argv[1], int(sys.argv[2]))
 f.write(f.allocate(64), __import__("torch").ones(16))
 print(f.path, flush=True)
@@ -181,3 +181,12 @@ def test_zerorun_train_fp16_with_disk_offload(tmp_path):
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert steps[0]["model_state_bytes"]["optimizer"] == 0  # all of it in the swap file
     assert [f for f in os.listdir(swap) if not f.startswith(".")] == []
+
+
+def test_disk_offload_bad_folder_or_buffer_is_a_one_line_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    args = ([torch.zeros(40)], [0], [{}], torch.optim.AdamW, {"lr": 1e-3})
+    with pytest.raises(ValueError, match=r"^zero\.offload_path: cannot create a swap file in .*file/sub: Not a directory$"):
+        DiskMasters(*args, folder=str(tmp_path / "file" / "sub"), buffer_bytes=2**16, rank=0)
+    with pytest.raises(ValueError, match=r"zero\.offload_buffer_mb: 100 bytes cannot page"):
+        DiskMasters(*args, folder=str(tmp_path / "swap"), buffer_bytes=100, rank=0)

@@ -274,8 +274,8 @@ class DiskMasters(Masters):
     ``buffer_bytes`` bytes in sub-groups (Note [Disk paging]). Other arguments as :class:`Masters`.
 
     Raises:
-        ValueError: ``buffer_bytes`` too small to hold one element's master and states twice.
-        OSError: the swap file cannot be created.
+        ValueError: ``buffer_bytes`` too small to hold one element's master and states twice, or the swap
+            file cannot be created in ``folder`` (message names ``zero.offload_path``).
     """
 
     def __init__(self, slices, group_of, group_options, optimizer_cls, optimizer_kwargs, *, folder: str,
@@ -292,7 +292,11 @@ class DiskMasters(Masters):
         half = self.chunk * per_element
         self.arena = torch.empty(2 * half, dtype=torch.uint8, pin_memory=self.pin)
         self.halves = [self.arena[:half], self.arena[half:]]
-        self.file = SwapFile(folder, rank)
+        try:
+            self.file = SwapFile(folder, rank)
+        except OSError as e:
+            raise ValueError(f"zero.offload_path: cannot create a swap file in {folder}: "
+                             f"{e.strerror or e}") from None
         self.chunks: list[_Chunk] = []
         empty = torch.empty(0, dtype=torch.float32)
         for i, s in enumerate(slices):
