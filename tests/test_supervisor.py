@@ -53,3 +53,16 @@ def test_only_peer_failures_blame_the_earliest():
     peer = format_event("error", 0, type="RuntimeError", message="Connection closed by peer", peer_failure=True)
     result = supervise([peer])
     assert result.rank == 0 and "Connection closed by peer" in result.message
+
+
+def test_node_that_ends_without_rank_output_is_named_with_its_last_line():
+    plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
+    q: queue.Queue = queue.Queue()
+    sup = Supervisor(plan, [], q, lambda e: None, lambda n, l: None)
+    q.put((1, "sh: 2: cd: can't cd to /nowhere"))
+    q.put((1, None, 2))
+    while not q.empty():
+        sup._drain(0.01)
+    result = sup._failure(1)
+    assert (result.rank, result.host) == (None, "127.0.0.2")
+    assert result.message == "node 1 ended (exit code 2): sh: 2: cd: can't cd to /nowhere"

@@ -41,11 +41,11 @@ _PREFLIGHT_S = typer.Option(15.0, "--preflight-timeout", min=1.0, help="Seconds 
 
 
 def _hosts(hostfile: str | None, default_slots: int, include, exclude, num_nodes, num_procs):
-    """The selected hosts: the hostfile's (or localhost with ``default_slots``) through --include/--exclude,
-    --num-nodes and --num-procs (hostfile.select_hosts)."""
+    """The selected hosts: the hostfile's (or localhost with --num-procs, else ``default_slots``, ranks)
+    through --include/--exclude, --num-nodes and --num-procs (hostfile.select_hosts)."""
     from zerorun.hostfile import Host, read_hostfile, select_hosts
 
-    hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", default_slots)]
+    hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", num_procs or default_slots)]
     return select_hosts(hosts, include, exclude, num_nodes, num_procs)
 
 

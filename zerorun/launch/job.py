@@ -45,18 +45,18 @@ def _is_loopback(address: str) -> bool:
 def master_address(hosts: list[Host], remote: dict[str, object]) -> str:
     """The first host's address as every other node reaches it.
 
-    A remote first host: its address from the SSH config (``HostName``, or the name itself). This machine
-    (a local first host, or one whose address is loopback): 127.0.0.1 when every node is on loopback, else
-    this machine's address on the route to the first non-loopback remote host (the local end of that SSH
-    connection), since 127.0.0.1 would be the remote node itself.
+    A remote first host: its address from the SSH config (``HostName``, or the name itself). This machine (a
+    local first host, or a remote one whose address is loopback): 127.0.0.1 (or that loopback address) when
+    every other node is on loopback too, else this machine's address on the route to the first other host
+    that is not (the local end of that SSH connection), since a loopback address there is that host itself.
     """
     first = hosts[0].name
-    if first in remote and not _is_loopback(remote[first].host):
+    far = [conn for name, conn in remote.items() if name != first and not _is_loopback(conn.host)]
+    if first in remote and (not far or not _is_loopback(remote[first].host)):
         return remote[first].host
-    for conn in remote.values():
-        if not _is_loopback(conn.host):
-            return conn.transport.sock.getsockname()[0]
-    return "127.0.0.1"
+    if not far:
+        return "127.0.0.1"
+    return far[0].transport.sock.getsockname()[0]
 
 
 def prepare_job(hosts: list[Host], job_id: str, *, recipe_json: str | None = None, program: list[str] | None = None,
