@@ -84,7 +84,7 @@ def prepare_job(hosts: list[Host], job_id: str, *, recipe_json: str | None = Non
     remote_hosts = [h for h in hosts if ssh_local or not h.is_local]
     first_remote = bool(remote_hosts) and remote_hosts[0] is hosts[0]
     checks = preflight(remote_hosts, ssh, python=python, workdir=workdir, modules=list(modules),
-                       env=forwarded, port=(master_port or 0) if first_remote else None,
+                       env={**forwarded, **extra_env}, port=(master_port or 0) if first_remote else None,
                        timeout=preflight_timeout) if remote_hosts else []
     conns = {c.host.name: c.conn for c in checks}
     if first_remote:
