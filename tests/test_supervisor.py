@@ -66,3 +66,17 @@ def test_node_that_ends_without_rank_output_is_named_with_its_last_line():
     result = sup._failure(1)
     assert (result.rank, result.host) == (None, "127.0.0.2")
     assert result.message == "node 1 ended (exit code 2): sh: 2: cd: can't cd to /nowhere"
+
+
+def test_lost_connection_is_blamed_over_the_peer_failures_it_causes():
+    plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
+    lost = type("Node", (), {"end_reason": "lost the SSH connection to 127.0.0.2"})()
+    q: queue.Queue = queue.Queue()
+    sup = Supervisor(plan, [object(), lost], q, lambda e: None, lambda n, l: None)
+    q.put((0, format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)))
+    q.put((1, None, 255))
+    while not q.empty():
+        sup._drain(0.01)
+    result = sup._failure(1)
+    assert (result.rank, result.host) == (None, "127.0.0.2")
+    assert result.message == "node 1 ended (lost the SSH connection to 127.0.0.2)"

@@ -15,6 +15,7 @@ connection lost while the node runs (exit status -1) is that node failing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import shlex
@@ -158,9 +159,8 @@ class RemoteNode:
             with self._lock:
                 try:
                     if attempt or not (self.conn.transport and self.conn.transport.is_active()):
-                        self.conn = connect(self.spec.host.name, SshOptions(**{**self.ssh.__dict__,
-                                                                              "connect_timeout": 3.0}))
-                    status, out = run_script(self.conn, script, timeout=5.0)
+                        self.conn = connect(self.spec.host.name, dataclasses.replace(self.ssh, connect_timeout=3.0))
+                    status, out = run_script(self.conn, script, timeout=8.0)
                 except Exception as e:  # noqa: BLE001 - unreachable, refused, timed out
                     self.unverified = f"{type(e).__name__}: {e}"
                     continue

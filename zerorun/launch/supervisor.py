@@ -162,20 +162,22 @@ class Supervisor:
         silent = sorted((r for r in self._rank_exits if r not in self._errors),
                         key=lambda r: (r not in self._root_causes,
                                        self._rank_exits[r] in (-signal.SIGTERM, -signal.SIGKILL), r))
+        # a node that ended for a reason of its own, e.g. a lost SSH connection (launch/remote.py): its ranks
+        # could not report, and what the others report is a consequence
+        reason = getattr(self.nodes[node_rank], "end_reason", None) if node_rank in range(len(self.nodes)) \
+            else None
         if own:
             event = min(own, key=lambda e: e.time)
-        elif silent:
+        elif silent and not reason:
             rank = silent[0]
             node = self.plan.node_of_rank(rank)
             return JobResult("failed", 1, rank, node.host.name if node else None,
                              f"rank process ended ({describe_exit(self._rank_exits[rank])})")
-        elif self._errors:
+        elif self._errors and not reason:
             event = min(self._errors.values(), key=lambda e: e.time)
         else:
             node = self.plan.nodes[node_rank] if node_rank is not None else None
             code = self._ended.get(node_rank) if node_rank is not None else None
-            reason = getattr(self.nodes[node_rank], "end_reason", None) if node_rank in range(len(self.nodes)) \
-                else None  # e.g. a lost SSH connection (launch/remote.py)
             what = reason or (describe_exit(code) if code is not None else "unknown cause")
             tail = self._tails.get(node_rank)
             return JobResult("failed", 1, None, node.host.name if node else None,
