@@ -36,8 +36,10 @@ def main(argv: list[str]) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
         return report_failure(e, rank)
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if getattr(stream, "pending", ""):
+                stream.write("\n")  # a last line without its newline is still shown
+            stream.flush()
     return 0
 
 
