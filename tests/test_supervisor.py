@@ -80,3 +80,26 @@ def test_lost_connection_is_blamed_over_the_peer_failures_it_causes():
     result = sup._failure(1)
     assert (result.rank, result.host) == (None, "127.0.0.2")
     assert result.message == "node 1 ended (lost the SSH connection to 127.0.0.2)"
+
+
+def test_peer_failures_on_one_node_wait_for_the_node_whose_rank_died():
+    """Two nodes: node 0 ends first, having seen only rank 0's peer failure; node 1's summary (rank 1 killed)
+    arrives a moment later. Rank 1 is blamed, not rank 0."""
+    import threading
+
+    plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
+    q: queue.Queue = queue.Queue()
+    sup = Supervisor(plan, [object(), object()], q, lambda e: None, lambda n, l: None)
+    q.put((0, format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)))
+    q.put((0, None, 1))
+
+    def later():
+        for line in ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 0)",
+                     "  exitcode  : -9 (pid: 7)"]:
+            q.put((1, line))
+        q.put((1, None, 1))
+
+    threading.Timer(0.5, later).start()
+    result = sup._failure(None)
+    assert (result.rank, result.host) == (1, "127.0.0.2")
+    assert result.message == "rank process ended (killed by SIGKILL)"

@@ -151,12 +151,17 @@ class Supervisor:
         collective ("connection reset by peer"); those errors are marked ``peer_failure`` by the worker and
         blamed last. A rank that died without an error event (a crash, a signal, ``os._exit``) is found in
         torchrun's failure summary, so the failing node is given a few seconds to end and print it."""
-        deadline = time.time() + 10.0
-        while time.time() < deadline and (node_rank is None or node_rank not in self._ended):
-            self._drain(0.1)
+        t0 = time.time()
+        while time.time() < t0 + 10.0:
             if node_rank is None:
                 failed = [n for n, rc in self._ended.items() if rc != 0]
                 node_rank = failed[0] if failed else None
+            if node_rank is not None and node_rank in self._ended:
+                # Multi-node: the first node to end may only have seen peer failures; the node of the rank that
+                # died prints its own summary moments later, so wait a little for a cause.
+                if self._has_cause(node_rank) or len(self._ended) >= len(self.nodes) or time.time() > t0 + 5.0:
+                    break
+            self._drain(0.1)
         own = [e for e in self._errors.values() if not e.data.get("peer_failure")]
         # torchrun's first observed failure first, then ranks that were not merely stopped by a teardown
         silent = sorted((r for r in self._rank_exits if r not in self._errors),
@@ -190,6 +195,13 @@ class Supervisor:
             if event.data.get("where"):
                 msg += f" (at {event.data['where']})"
         return JobResult("failed", 2 if user else 1, event.rank, node.host.name if node else None, msg)
+
+    def _has_cause(self, node_rank: int) -> bool:
+        """True once a failure is explained by more than peer failures (Note [Blame])."""
+        return (any(not e.data.get("peer_failure") for e in self._errors.values())
+                or any(r not in self._errors for r in self._rank_exits)
+                or bool(getattr(self.nodes[node_rank], "end_reason", None) if node_rank in range(len(self.nodes))
+                        else False))
 
     def _teardown(self) -> None:
         """Note [Teardown]."""
