@@ -13,6 +13,7 @@ from __future__ import annotations
 import getpass
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -24,6 +25,13 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the process that started it dies (a killed test run leaves no sshd)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class LoopbackSshd:
@@ -60,7 +68,8 @@ class LoopbackSshd:
             f.write(f"Host badkey\n  HostName {addresses[0]}\n{common}  IdentityFile {self.other_key}\n")
             f.write(f"Host down\n  HostName 127.0.0.1\n  Port {self.down_port}\n  User {user}\n")
         self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", sshd_config], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=open(os.path.join(folder, "sshd.log"), "w"))
+                                     stdout=subprocess.DEVNULL, stderr=open(os.path.join(folder, "sshd.log"), "w"),
+                                     preexec_fn=_die_with_parent)
         deadline = time.time() + 15
         for address in addresses:
             while True:
