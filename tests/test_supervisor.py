@@ -1,6 +1,7 @@
 """Failure attribution from what the nodes print (Note [Blame] in launch/supervisor.py), without processes."""
 
 import queue
+import signal
 
 from zerorun.hostfile import Host
 from zerorun.launch.plan import build_plan
@@ -103,3 +104,32 @@ def test_peer_failures_on_one_node_wait_for_the_node_whose_rank_died():
     result = sup._failure(None)
     assert (result.rank, result.host) == (1, "127.0.0.2")
     assert result.message == "rank process ended (killed by SIGKILL)"
+
+
+class FakeNode:
+    """A node that reports ``left`` surviving processes for its first kill calls, then none."""
+
+    def __init__(self, spec, left: int, unverified: str | None = None):
+        self.spec, self.left, self.unverified, self.signals = spec, left, unverified, []
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+    def kill_survivors(self, sig):
+        left, self.left = self.left, 0
+        return left
+
+
+def test_teardown_repeats_until_every_host_reports_none_left_and_names_unverified_hosts():
+    plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
+    q: queue.Queue = queue.Queue()
+    nodes = [FakeNode(plan.nodes[0], 2), FakeNode(plan.nodes[1], 1, unverified="TimeoutError: timed out")]
+    sup = Supervisor(plan, nodes, q, lambda e: None, lambda n, l: None, grace_s=0.1)
+    for i in range(2):
+        q.put((i, None, 0))
+    while not q.empty():
+        sup._drain(0.01)
+    sup._teardown()
+    # no SIGTERM to nodes that had ended; SIGKILL rounds until a round finds nothing left on any host
+    assert [n.signals for n in nodes] == [[signal.SIGKILL] * 2] * 2
+    assert sup.unverified == {"127.0.0.2": "TimeoutError: timed out"}
