@@ -251,16 +251,23 @@ def main(argv: list[str] | None = None) -> int:
         recipe = Recipe.model_validate(json.loads(base64.b64decode(args.recipe_b64)))
         train(recipe, rank)
         return 0
-    except ZerorunError as e:
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
+        return report_failure(e, rank)
+
+
+def report_failure(e: BaseException, rank: int) -> int:
+    """Emit the error event for ``e`` (raised on ``rank``) and return the rank's exit code: 2 for a
+    :class:`ZerorunError` (bad user input), 130 for Ctrl-C, else 1."""
+    if isinstance(e, ZerorunError):
         emit("error", rank, type=type(e).__name__, message=str(e), user_error=True)
         return 2
-    except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher, then re-signalled
-        tb = traceback.format_exc().strip().splitlines()
-        frames = traceback.extract_tb(e.__traceback__)
-        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
-        emit("error", rank, type=type(e).__name__, message=str(e).strip().splitlines()[0] if str(e).strip() else "",
-             traceback="\n".join(tb[-12:]), user_error=False, peer_failure=is_peer_failure(e), where=where)
-        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    tb = traceback.format_exception(type(e), e, e.__traceback__)
+    tb = "".join(tb).strip().splitlines()
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+    emit("error", rank, type=type(e).__name__, message=str(e).strip().splitlines()[0] if str(e).strip() else "",
+         traceback="\n".join(tb[-12:]), user_error=False, peer_failure=is_peer_failure(e), where=where)
+    return 130 if isinstance(e, KeyboardInterrupt) else 1
 
 
 if __name__ == "__main__":
