@@ -106,6 +106,83 @@ def _run(recipe, plan) -> None:
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
 
 
+@app.command(context_settings={"allow_extra_args": False})
+def estimate(
+    recipe: Optional[str] = typer.Argument(None, help="Recipe YAML file (or give --params)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides, e.g. train.micro_batch_size=4."),
+    hostfile: Optional[str] = typer.Option(None, "-H", "--hostfile", help="DeepSpeed-style hostfile."),
+    params: Optional[str] = typer.Option(None, "--params", help="Parameter count without a recipe: 7B, 350M."),
+    largest_layer: Optional[str] = typer.Option(None, "--largest-layer", help="With --params: parameters of the "
+                                                "largest layer (stage 3 gathers it), e.g. 0.5B."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes (default: the hostfile's, else 1)."),
+    procs_per_node: Optional[int] = typer.Option(None, "--procs-per-node", min=1,
+                                                 help="Ranks per node (default: hostfile slots or "
+                                                      "launch.procs_per_node)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16 or fp16 (fp32 master); "
+                                            "default: the recipe's, else fp32."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adam (2 states), sgd (momentum: 1), none, "
+                                            "or a torch.optim name; default: the recipe's, else adam."),
+    device_memory: Optional[str] = typer.Option(None, "--device-memory", help="Per rank: 80GiB, 80GB "
+                                                "(default: detected; on CPU host memory / ranks per node)."),
+    cpu_memory: Optional[str] = typer.Option(None, "--cpu-memory", help="Host memory per node (default: "
+                                             "this machine's)."),
+    bandwidth: str = typer.Option("100Gbps", "--bandwidth", help="Link speed per rank: 100Gbps, 12.5GB/s."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="Samples per micro-batch "
+                                              "(default: train.micro_batch_size, else 1)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (bytes, seconds) instead of tables."),
+) -> None:
+    """Estimate memory per rank and communication per step for ZeRO stages 0-3 before launching."""
+    from zerorun import estimate as est
+
+    if (recipe is None) == (params is None):
+        raise ZerorunError("estimate: give a recipe file or --params (not both)")
+    hosts = None
+    if hostfile:
+        from zerorun.hostfile import read_hostfile
+
+        hosts = read_hostfile(hostfile)
+    r = None
+    if recipe is not None:
+        from zerorun.recipe import load_recipe
+
+        r = load_recipe(recipe, overrides or [])
+        layout = est.layout_of_recipe(r)
+    else:
+        if overrides:
+            raise ZerorunError(f"estimate: overrides ({overrides[0]}) need a recipe")
+        largest = est.parse_count(largest_layer, "--largest-layer") if largest_layer else None
+        layout = est.layout_of_count(est.parse_count(params, "--params"), largest)
+    ppn = procs_per_node or (max(h.slots for h in hosts) if hosts else (r.launch.procs_per_node if r else 1))
+    n_nodes = nodes or (len(hosts) if hosts else 1)
+    world = sum(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else None
+    prec = precision or (r.precision if r else "fp32")
+    if prec not in est.PRECISIONS:
+        raise ZerorunError(f"--precision: {prec!r} is not one of fp32, bf16, fp16")
+    if optimizer is not None:
+        opt = est.optimizer_model(optimizer)
+    elif r is not None:
+        opt = est.optimizer_model(r.train.optimizer.name, r.train.optimizer.kwargs(), "train.optimizer.name")
+    else:
+        opt = est.optimizer_model("adam")
+    dev, kind, host = est.detect_memory(ppn)
+    if device_memory:
+        dev, kind = est.parse_bytes(device_memory, "--device-memory"), "given"
+    if cpu_memory:
+        host = est.parse_bytes(cpu_memory, "--cpu-memory")
+    setup = est.Setup(
+        nodes=n_nodes, procs_per_node=ppn, world_size=world, precision=est.PRECISIONS[prec], optimizer=opt,
+        device_memory=dev, device=kind, cpu_memory=host, bandwidth=est.parse_bandwidth(bandwidth, "--bandwidth"),
+        micro_batch=micro_batch or (r.train.micro_batch_size if r else 1),
+        seq_len=r.data.seq_len if r else None, grad_accum_steps=r.train.grad_accum_steps if r else 1,
+        bucket_mb=r.zero.bucket_mb if r else 25.0, prefetch=r.zero.prefetch if r else True,
+        activation_checkpointing=r.train.activation_checkpointing if r else False)
+    result = est.estimate(layout, setup)
+    if as_json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        est.render(result)
+
+
 def main() -> None:
     """Console entry point: run the typer app; a :class:`ZerorunError` becomes one line and its exit code."""
     try:
