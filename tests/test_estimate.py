@@ -69,7 +69,8 @@ def test_predictions_equal_what_the_engine_reports(ranks, world_size):
             layout = engine_layout(config, stage)
             want = est.model_states(layout, stage, world_size, FP32, est.optimizer_model(opt, opt_kwargs))
             sent = est.comm_bytes(layout, stage, world_size, FP32, accum)
-            for rank, r in enumerate(reports):
+            for rank, per_config in enumerate(reports):
+                r = per_config[i]
                 where = f"stage {stage}, {world_size} ranks, config {i}, rank {rank}"
                 assert r["bytes"] == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}, where
                 assert abs(r["sent"] - sent) <= 8, (where, r["sent"], sent)  # comm.py rounds each call

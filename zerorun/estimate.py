@@ -440,15 +440,21 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     reduce-scatter or all-gather, twice that per all-reduce; ZeRO paper §7): stage 0 all-reduces gradients once
     per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
     all-gather parameters (2Ψ); stage 3 all-gathers each unit in forward and in backward and reduce-scatters its
-    gradients, every micro-step (3Ψ). Stages 1-3 add an all-reduce of the squared gradient norm (4 bytes)."""
+    gradients, every micro-step (3Ψ). Stages 1-3 add an all-reduce of the squared gradient norm (4 bytes).
+    A stage-3 unit holding only frozen parameters is counted as gathered in forward only: it is gathered again
+    in backward only if a gradient flows through it, which the layout cannot tell (frozen layers usually come
+    first, as when fine-tuning the top of a model, and then none does)."""
     N = world_size
     if N == 1:
         return 0
     f = (N - 1) / N
     pb, gb = precision.param_bytes, precision.grad_bytes
-    bufs, frozen_bufs = _stage_buffers(layout, stage)
+    bufs = _stage_buffers(layout, stage)[0]
     trainable = sum(_pad(n, N) for n in bufs)
-    frozen = sum(_pad(n, N) for n in frozen_bufs) if stage == 3 else 0
+    frozen = frozen_only = 0
+    if stage == 3 and layout.exact:
+        frozen = sum(_pad(n, N) for u in layout.units if u.trainable for n in u.frozen)
+        frozen_only = sum(_pad(n, N) for u in layout.units if not u.trainable for n in u.frozen)
     norm = 2 * f * 4
     if stage == 0:
         sent = 2 * f * trainable * gb
@@ -457,7 +463,7 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     elif stage == 2:
         sent = grad_accum_steps * f * trainable * gb + f * trainable * pb + norm
     else:
-        sent = grad_accum_steps * f * (2 * (trainable + frozen) * pb + trainable * gb) + norm
+        sent = grad_accum_steps * f * ((2 * (trainable + frozen) + frozen_only) * pb + trainable * gb) + norm
     return int(round(sent))
 
 
