@@ -167,15 +167,21 @@ data: {kind: text, paths: ["{stdlib}/json/*.py"], seq_len: 4096}
 train: {steps: 1, micro_batch_size: 1}
 """ % (est.__file__.rsplit("/zerorun/", 1)[0] + "/recipes/models/gpt.py"))
     out = json.loads(run_cli(capsys, monkeypatch, str(recipe), "--precision", "bf16", "--procs-per-node", "8",
-                             "--device-memory", "80GiB", "--cpu-memory", "1TiB", "--json", "--optimizer", "adam"))
+                             "--device-memory", "80GiB", "--cpu-memory", "4TiB", "--json", "--optimizer", "adam"))
     assert 64e9 < out["params"]["total"] < 70e9
     assert not any(r["fits"] for r in out["stages"] if r["offload"] == "none")
     # automatic units leave the 80 blocks (1/80 of the model each) in the root unit, gathered whole
     assert "make smaller units, e.g. zero.units: [Block]" in out["recommendation"]
     out = json.loads(run_cli(capsys, monkeypatch, str(recipe), "zero.units=[Block]", "zero.stage=3", "--precision",
-                             "bf16", "--procs-per-node", "8", "--device-memory", "80GiB", "--cpu-memory", "1TiB",
+                             "bf16", "--procs-per-node", "8", "--device-memory", "80GiB", "--cpu-memory", "4TiB",
                              "--json"))
     assert "stage 3 with train.activation_checkpointing fits on 3 nodes (24 ranks)" in out["recommendation"]
+    # every rank builds the model in fp32 host memory before moving it to its device: 8 x 260 GB per node
+    out = json.loads(run_cli(capsys, monkeypatch, str(recipe), "zero.units=[Block]", "zero.stage=3",
+                             "train.activation_checkpointing=true", "--precision", "bf16", "--procs-per-node", "8",
+                             "--device-memory", "80GiB", "--cpu-memory", "1TiB", "--json"))
+    assert all(r["cpu_per_node"] >= 8 * 4 * out["params"]["total"] for r in out["stages"])
+    assert "host memory per node (have 1.00 TiB)" in out["recommendation"]
     text = run_cli(capsys, monkeypatch, str(recipe), "--precision", "bf16", "--procs-per-node", "8",
-                   "--device-memory", "80GiB", "--cpu-memory", "1TiB")
+                   "--device-memory", "80GiB", "--cpu-memory", "4TiB")
     assert "Recommendation" in text and "Korthikanti" in text

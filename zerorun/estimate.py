@@ -516,7 +516,7 @@ class StageRow:
     device_total: int
     headroom: int
     fits: bool
-    cpu_per_node: int
+    cpu_per_node: int  # at least the model built in fp32 by every rank at start (Note [Host memory at start])
     disk_per_node: int
     comm_bytes: int
     comm_s: float
@@ -544,6 +544,9 @@ class Estimate:
                 "activations": self.activations, "recommendation": self.recommendation, "notes": self.notes}
 
 
+# Note [Host memory at start]: on an accelerator every rank builds the whole model in fp32 host memory before
+# moving it to its device (worker.py; meta-device init is used on CPU only), so a node needs at least
+# ranks per node x 4 bytes x all parameters of host memory for a moment, at every stage.
 def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world_size: int | None = None) -> StageRow:
     N = world_size or setup.ranks
     p = setup.precision
@@ -559,6 +562,8 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
     host_rank = offloaded if offload == "cpu" else 0
     if setup.device == "cpu":
         host_rank += total  # the device is the host
+    else:  # Note [Host memory at start]
+        host_rank = max(host_rank, layout.total * 4)
     cpu = setup.procs_per_node * host_rank
     disk = setup.procs_per_node * offloaded if offload == "disk" else 0
     fits = headroom >= MIN_HEADROOM * setup.device_memory and cpu <= setup.cpu_memory
@@ -637,12 +642,11 @@ def _recommend(layout: Layout, setup: Setup, rows: list[StageRow], act: dict | N
         hints.append(f"activations take {format_bytes(s3.activations)} per rank: a smaller train.micro_batch_size "
                      f"({format_bytes(one)} per sample) or train.activation_checkpointing at stage 3 "
                      f"({format_bytes(act['checkpointed'])})")
-    off = [r for r in rows if r.offload != "none" and r.headroom >= MIN_HEADROOM * setup.device_memory]
-    if off:
-        r = off[0]
+    device_ok = [r for r in rows if r.headroom >= MIN_HEADROOM * setup.device_memory]
+    if device_ok:  # then host memory is what is short (Note [Host memory at start])
+        r = device_ok[0]
         hints.append(f"stage {r.label} fits the device but needs {format_bytes(r.cpu_per_node)} host memory per "
-                     f"node (have {format_bytes(setup.cpu_memory)})" if r.offload == "cpu" else
-                     f"stage {r.label} fits the device ({format_bytes(r.disk_per_node)} on disk per node)")
+                     f"node (have {format_bytes(setup.cpu_memory)}): fewer ranks per node or more host memory")
     best = min(rows, key=lambda r: r.device_total)
     head = (f"no stage fits {format_bytes(setup.device_memory)} per rank with {MIN_HEADROOM:.0%} headroom "
             f"(smallest: stage {best.label}, {format_bytes(best.device_total)})")
