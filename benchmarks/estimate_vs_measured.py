@@ -52,17 +52,8 @@ def main() -> None:
     import zero_stages
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--untied", type=int, default=1)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    zero_stages.add_model_args(p)
+    p.set_defaults(steps=3, warmup=1)
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--activation-run", type=int, default=1, help="1: also run stage 0 at micro-batch 1")
     p.add_argument("--json", help="also write the results here")
@@ -70,9 +61,7 @@ def main() -> None:
     run_args = argparse.Namespace(nproc=args.nproc, malloc_mmap_threshold=1 << 20, thp=1)
 
     def extra(micro_batch: int, a: argparse.Namespace = args) -> list[str]:
-        return [f"--layers={a.layers}", f"--d-model={a.d_model}", f"--heads={a.heads}", f"--vocab={a.vocab}",
-                f"--seq={a.seq}", f"--untied={a.untied}", f"--micro-batch={micro_batch}",
-                f"--bucket-mb={a.bucket_mb}", f"--steps={a.steps}", f"--warmup={a.warmup}"]
+        return zero_stages.worker_args(argparse.Namespace(**{**vars(a), "micro_batch": micro_batch}))
 
     tiny = argparse.Namespace(**{**vars(args), "layers": 2, "d_model": 64, "heads": 4, "vocab": 256})
     tiny_est = estimates(tiny)

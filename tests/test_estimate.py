@@ -8,7 +8,6 @@ import torch
 
 import estimate_cases as cases
 from zerorun import estimate as est
-from zerorun.errors import ZerorunError
 
 FP32, BF16 = est.PRECISIONS["fp32"], est.PRECISIONS["bf16"]
 ADAM = est.optimizer_model("adam")
