@@ -148,7 +148,9 @@ def test_recipe_with_hostfile_as_json(capsys, monkeypatch, tmp_path):
     assert [r["label"] for r in out["stages"]][:4] == ["0", "1", "2", "3"]
     assert out["params"]["largest_unit"]["name"].startswith("blocks.")
     acts = out["activations"]
-    assert out["stages"][0]["activations"] == acts["total"] > acts["checkpointed"] > 0
+    # the built-in GPT declares fused attention (F.scaled_dot_product_attention): no attention scores kept
+    assert acts["fused_attention"] and out["stages"][0]["activations"] == acts["total_fused"]
+    assert acts["total"] > acts["total_fused"] > acts["checkpointed_fused"] > 0
     assert out["recommendation"].startswith("stage 0:")
     s3 = out["stages"][3]
     assert s3["device_total"] == s3["model_states"] + s3["working_set"] + s3["activations"]

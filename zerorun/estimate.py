@@ -261,8 +261,9 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     frozen_by_unit: dict[int, int] = {}
     for p in frozen:
         frozen_by_unit[unit_index[p]] = frozen_by_unit.get(unit_index[p], 0) + p.numel()
-    counted = [UnitCount(n, tuple(per_unit.get(i, ())), tuple(v for v in [frozen_by_unit.get(i)] if v))
-               for i, n in [(i, n) for i, (n, _) in enumerate(unit_modules)] + [(-1, "<root>")]]
+    indexed = [(i, name) for i, (name, _) in enumerate(unit_modules)] + [(-1, "<root>")]
+    counted = [UnitCount(name, tuple(per_unit.get(i, ())), (frozen_by_unit[i],) if i in frozen_by_unit else ())
+               for i, name in indexed]
     total = sum(p.numel() for p in names)
     trainable = sum(flat)
     shape = getattr(model, "shape", None)
@@ -279,8 +280,7 @@ def suggest_unit_class(model) -> str | None:
     total = sum(p.numel() for p in model.parameters())
     by_class: dict[str, list[int]] = {}
     for m in model.modules():
-        if m is not model and not isinstance(m, (list, tuple)) and type(m).__name__ not in ("ModuleList",
-                                                                                           "Sequential", "ModuleDict"):
+        if m is not model and type(m).__name__ not in ("ModuleList", "Sequential", "ModuleDict"):
             by_class.setdefault(type(m).__name__, []).append(sum(p.numel() for p in m.parameters()))
     good = [(max(sizes), name) for name, sizes in by_class.items()
             if sum(sizes) >= total / 2 and max(sizes) <= total / 4 and len(sizes) > 1]
@@ -329,7 +329,8 @@ def activation_bytes(shape: dict, *, micro_batch: int, seq_len: int | None = Non
     time.
 
     Args:
-        shape: ``{"n_layer", "d_model", "n_head", "seq_len", "vocab_size"}`` (and optionally ``dropout``).
+        shape: ``{"n_layer", "d_model", "n_head", "seq_len", "vocab_size"}`` (and optionally ``dropout``, and
+            ``fused_attention``, which :func:`estimate` reads: the scores are not kept).
         micro_batch: samples per micro-batch ``b``; seq_len: tokens ``s`` (default ``shape["seq_len"]``).
 
     Returns:
@@ -590,10 +591,14 @@ def estimate(layout: Layout, setup: Setup, offload: bool = True) -> Estimate:
     if not layout.exact and not layout.units:
         notes.append("stage 3's gathered units not counted: pass --largest-layer")
 
-    def act_for(stage: int) -> int:
+    fused = "_fused" if layout.shape and layout.shape.get("fused_attention") else ""
+    if act is not None:
+        act["fused_attention"] = bool(fused)
+
+    def act_for(stage: int, checkpointed: bool = setup.activation_checkpointing) -> int:
         if act is None:
             return 0
-        return act["checkpointed"] if stage == 3 and setup.activation_checkpointing else act["total"]
+        return act[("checkpointed" if stage == 3 and checkpointed else "total") + fused]
 
     variants = [(s, "none") for s in range(4)]
     if offload and setup.device == "cpu":
@@ -601,7 +606,7 @@ def estimate(layout: Layout, setup: Setup, offload: bool = True) -> Estimate:
     elif offload:
         variants += [(s, o) for o in ("cpu", "disk") for s in (1, 2, 3)]
     rows = [_row(layout, setup, s, o, act_for(s)) for s, o in variants]
-    rec = _recommend(layout, setup, rows, act, act_for)
+    rec = _recommend(setup, layout, rows, act_for)
     largest = layout.largest_unit
     params = {"total": layout.total, "trainable": layout.trainable, "frozen": layout.frozen,
               "largest_unit": {"name": largest.name, "params": largest.numel} if largest else None,
@@ -611,13 +616,14 @@ def estimate(layout: Layout, setup: Setup, offload: bool = True) -> Estimate:
     info = {"nodes": s.nodes, "procs_per_node": s.procs_per_node, "world_size": s.ranks,
             "precision": s.precision.name, "optimizer": s.optimizer.name, "optimizer_states": s.optimizer.states,
             "device": s.device, "device_memory": s.device_memory, "cpu_memory_per_node": s.cpu_memory,
-            "bandwidth_bytes_per_s": s.bandwidth, "micro_batch": s.micro_batch, "seq_len": s.seq_len,
+            "bandwidth_bytes_per_s": s.bandwidth, "micro_batch": s.micro_batch,
+            "seq_len": s.seq_len or (layout.shape or {}).get("seq_len"),
             "grad_accum_steps": s.grad_accum_steps, "activation_checkpointing": s.activation_checkpointing,
             "min_headroom": MIN_HEADROOM}
     return Estimate(info, params, rows, act, rec, notes)
 
 
-def _recommend(layout: Layout, setup: Setup, rows: list[StageRow], act: dict | None, act_for) -> str:
+def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for) -> str:
     for row in rows:
         if row.fits:
             return (f"stage {row.label}: {format_bytes(row.device_total)} of {format_bytes(setup.device_memory)} "
@@ -626,8 +632,8 @@ def _recommend(layout: Layout, setup: Setup, rows: list[StageRow], act: dict | N
     hints = []
     s3 = rows[3]
     tries = [(act_for(3), "")]
-    if act is not None and not setup.activation_checkpointing:
-        tries.append((act["checkpointed"], " with train.activation_checkpointing"))
+    if layout.shape and not setup.activation_checkpointing:
+        tries.append((act_for(3, checkpointed=True), " with train.activation_checkpointing"))
     for activations, how in tries:
         nodes = _nodes_for_stage3(layout, setup, activations)
         if nodes is not None:
@@ -637,11 +643,11 @@ def _recommend(layout: Layout, setup: Setup, rows: list[StageRow], act: dict | N
     if gathered > 0.25 and layout.unit_hint:
         hints.append(f"stage 3 gathers {format_bytes(s3.working_set)} at once: make smaller units, e.g. "
                      f"zero.units: [{layout.unit_hint}]")
-    if act is not None and s3.activations > 0.25 * setup.device_memory:
-        one = act["total"] // max(setup.micro_batch, 1)
+    if s3.activations > 0.25 * setup.device_memory:
+        one = act_for(0) // max(setup.micro_batch, 1)
         hints.append(f"activations take {format_bytes(s3.activations)} per rank: a smaller train.micro_batch_size "
                      f"({format_bytes(one)} per sample) or train.activation_checkpointing at stage 3 "
-                     f"({format_bytes(act['checkpointed'])})")
+                     f"({format_bytes(act_for(3, checkpointed=True))})")
     device_ok = [r for r in rows if r.headroom >= MIN_HEADROOM * setup.device_memory]
     if device_ok:  # then host memory is what is short (Note [Host memory at start])
         r = device_ok[0]
@@ -706,8 +712,10 @@ def render(est: Estimate, console=None) -> None:
         console.print(f"[bold]Activations[/bold] per micro-batch ({s['micro_batch']} x {s['seq_len']} tokens; "
                       f"Korthikanti et al. 2022 §4): {format_bytes(a['total'])} without checkpointing "
                       f"({format_bytes(a['per_layer'])} per layer, {format_bytes(a['attention_scores'])} of it "
-                      f"attention scores that fused attention does not keep: {format_bytes(a['total_fused'])}); "
-                      f"{format_bytes(a['checkpointed'])} with activation checkpointing")
+                      f"attention scores), {format_bytes(a['checkpointed'])} with activation checkpointing; "
+                      + (f"the model declares fused attention, which keeps no scores: "
+                         f"{format_bytes(a['total_fused'])} and {format_bytes(a['checkpointed_fused'])}"
+                         if a["fused_attention"] else "the model does not declare fused attention"))
     for note in est.notes:
         console.print(f"note: {note}")
     console.print(f"[bold]Recommendation[/bold]: {est.recommendation}")
