@@ -186,3 +186,14 @@ train: {steps: 1, micro_batch_size: 1}
     text = run_cli(capsys, monkeypatch, str(recipe), "--precision", "bf16", "--procs-per-node", "8",
                    "--device-memory", "80GiB", "--cpu-memory", "4TiB")
     assert "Recommendation" in text and "Korthikanti" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="detects a CUDA device instead")
+def test_cpu_only_machine_uses_host_memory_per_rank(capsys, monkeypatch):
+    import psutil
+
+    out = json.loads(run_cli(capsys, monkeypatch, "--params", "350M", "--procs-per-node", "2", "--json"))
+    host = psutil.virtual_memory().total
+    assert out["setup"]["device"] == "cpu" and out["setup"]["device_memory"] == host // 2
+    assert [r["label"] for r in out["stages"]] == ["0", "1", "2", "3"]  # offloading to host memory moves nothing
+    assert out["stages"][0]["cpu_per_node"] == 2 * out["stages"][0]["device_total"]
