@@ -134,49 +134,10 @@ def estimate(
     """Estimate memory per rank and communication per step for ZeRO stages 0-3 before launching."""
     from zerorun import estimate as est
 
-    if (recipe is None) == (params is None):
-        raise ZerorunError("estimate: give a recipe file or --params (not both)")
-    hosts = None
-    if hostfile:
-        from zerorun.hostfile import read_hostfile
-
-        hosts = read_hostfile(hostfile)
-    r = None
-    if recipe is not None:
-        from zerorun.recipe import load_recipe
-
-        r = load_recipe(recipe, overrides or [])
-        layout = est.layout_of_recipe(r)
-    else:
-        if overrides:
-            raise ZerorunError(f"estimate: overrides ({overrides[0]}) need a recipe")
-        largest = est.parse_count(largest_layer, "--largest-layer") if largest_layer else None
-        layout = est.layout_of_count(est.parse_count(params, "--params"), largest)
-    ppn = procs_per_node or (max(h.slots for h in hosts) if hosts else (r.launch.procs_per_node if r else 1))
-    n_nodes = nodes or (len(hosts) if hosts else 1)
-    world = sum(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else None
-    prec = precision or (r.precision if r else "fp32")
-    if prec not in est.PRECISIONS:
-        raise ZerorunError(f"--precision: {prec!r} is not one of fp32, bf16, fp16")
-    if optimizer is not None:
-        opt = est.optimizer_model(optimizer)
-    elif r is not None:
-        opt = est.optimizer_model(r.train.optimizer.name, r.train.optimizer.kwargs(), "train.optimizer.name")
-    else:
-        opt = est.optimizer_model("adam")
-    dev, kind, host = est.detect_memory(ppn)
-    if device_memory:
-        dev, kind = est.parse_bytes(device_memory, "--device-memory"), "given"
-    if cpu_memory:
-        host = est.parse_bytes(cpu_memory, "--cpu-memory")
-    setup = est.Setup(
-        nodes=n_nodes, procs_per_node=ppn, world_size=world, precision=est.PRECISIONS[prec], optimizer=opt,
-        device_memory=dev, device=kind, cpu_memory=host, bandwidth=est.parse_bandwidth(bandwidth, "--bandwidth"),
-        micro_batch=micro_batch or (r.train.micro_batch_size if r else 1),
-        seq_len=r.data.seq_len if r else None, grad_accum_steps=r.train.grad_accum_steps if r else 1,
-        bucket_mb=r.zero.bucket_mb if r else 25.0, prefetch=r.zero.prefetch if r else True,
-        activation_checkpointing=r.train.activation_checkpointing if r else False)
-    result = est.estimate(layout, setup)
+    result = est.from_arguments(recipe=recipe, overrides=overrides or [], hostfile=hostfile, params=params,
+                                largest_layer=largest_layer, nodes=nodes, procs_per_node=procs_per_node,
+                                precision=precision, optimizer=optimizer, device_memory=device_memory,
+                                cpu_memory=cpu_memory, bandwidth=bandwidth, micro_batch=micro_batch)
     if as_json:
         print(json.dumps(result.to_json(), indent=1))
     else:
