@@ -27,7 +27,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 def estimates(args: argparse.Namespace) -> dict:
-    """The estimate for each stage (bytes per rank) for the benchmark's model and settings."""
+    """``zerorun estimate``'s rows for stages 0-3 (bytes per rank; CPU ranks on gloo) for the benchmark's
+    model and settings, with the activations and Ψ."""
     import torch
 
     from zerorun import estimate as est
@@ -38,14 +39,11 @@ def estimates(args: argparse.Namespace) -> dict:
                             dict(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads,
                                  d_model=args.d_model, max_seq_len=args.seq, tie_embeddings=not args.untied))
     layout = est.layout_of(model, bucket_mb=args.bucket_mb, units=("Block", "Embedding"), weight_decay=0.1)
-    fp32, adamw = est.PRECISIONS["fp32"], est.optimizer_model("AdamW")
-    act = est.activation_bytes(layout.shape, micro_batch=args.micro_batch, seq_len=args.seq, element_bytes=4)
-    out = {"psi": layout.trainable, "activations": act}
-    for stage in range(4):
-        ms = est.model_states(layout, stage, args.nproc, fp32, adamw)
-        out[stage] = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "states": ms.total,
-                      "working_set": est.working_set(layout, stage, args.nproc, fp32, bucket_mb=args.bucket_mb)}
-    return out
+    setup = est.Setup(nodes=1, procs_per_node=args.nproc, precision=est.PRECISIONS["fp32"],
+                      optimizer=est.optimizer_model("AdamW"), device_memory=2**50, device="cpu", cpu_memory=2**50,
+                      bandwidth=1e9, micro_batch=args.micro_batch, seq_len=args.seq, bucket_mb=args.bucket_mb)
+    result = est.estimate(layout, setup)
+    return {"psi": layout.trainable, "activations": result.activations, **{r.stage: r for r in result.rows}}
 
 
 def main() -> None:
@@ -57,28 +55,35 @@ def main() -> None:
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--activation-run", type=int, default=1, help="1: also run stage 0 at micro-batch 1")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--measured", help="re-estimate the measurements stored in this --json file instead of running")
     args = p.parse_args()
     run_args = argparse.Namespace(nproc=args.nproc, malloc_mmap_threshold=1 << 20, thp=1)
 
     def extra(micro_batch: int, a: argparse.Namespace = args) -> list[str]:
         return zero_stages.worker_args(argparse.Namespace(**{**vars(a), "micro_batch": micro_batch}))
 
-    tiny = argparse.Namespace(**{**vars(args), "layers": 2, "d_model": 64, "heads": 4, "vocab": 256})
-    tiny_est = estimates(tiny)
-    tiny_rows = zero_stages.run_mode("0", run_args, extra(args.micro_batch, tiny))
-    base = max(r["peak_rss"] for r in tiny_rows) - tiny_est[0]["states"] - tiny_est["activations"]["total_fused"]
+    if args.measured:
+        with open(args.measured) as f:
+            stored = json.load(f)
+        stored_args = stored["args"]
+        args = argparse.Namespace(**{**stored_args, "json": args.json, "measured": args.measured})
+        tiny_peak, act_measured = stored["tiny_peak_rss"], stored["activations_measured"]
+        measured = {int(k): {"peak_rss": v["peak_rss"], "states": v["states"]} for k, v in stored["stages"].items()}
+    else:
+        tiny = argparse.Namespace(**{**vars(args), "layers": 2, "d_model": 64, "heads": 4, "vocab": 256})
+        tiny_peak = max(r["peak_rss"] for r in zero_stages.run_mode("0", run_args, extra(args.micro_batch, tiny)))
+        measured = {}
+        for stage in args.stages.split(","):
+            rows = zero_stages.run_mode(stage, run_args, extra(args.micro_batch))
+            measured[int(stage)] = {"peak_rss": max(r["peak_rss"] for r in rows), "states": rows[0]["states"]}
+            print(f"stage {stage} done", file=sys.stderr, flush=True)
+        act_measured = None
+        if args.activation_run and args.micro_batch > 1 and 0 in measured:
+            one = max(r["peak_rss"] for r in zero_stages.run_mode("0", run_args, extra(1)))
+            act_measured = (measured[0]["peak_rss"] - one) * args.micro_batch / (args.micro_batch - 1)
+    tiny_est = estimates(argparse.Namespace(**{**vars(args), "layers": 2, "d_model": 64, "heads": 4, "vocab": 256}))
+    base = tiny_peak - tiny_est[0].device_total
     est = estimates(args)
-    measured = {}
-    for stage in args.stages.split(","):
-        rows = zero_stages.run_mode(stage, run_args, extra(args.micro_batch))
-        measured[int(stage)] = {"peak_rss": max(r["peak_rss"] for r in rows), "states": rows[0]["states"]}
-        print(f"stage {stage} done", file=sys.stderr, flush=True)
-    act_measured = None
-    if args.activation_run and args.micro_batch > 1:
-        rows = zero_stages.run_mode("0", run_args, extra(1))
-        one = max(r["peak_rss"] for r in rows)
-        b = args.micro_batch
-        act_measured = (measured[0]["peak_rss"] - one) * b / (b - 1) if 0 in measured else None
     a = est["activations"]
     mib = 2**20
     print(f"\n{args.nproc} ranks, GPT {args.layers}x{args.d_model}, vocab {args.vocab}, seq {args.seq}, micro-batch "
@@ -87,23 +92,24 @@ def main() -> None:
           f"MiB, fused attention {a['total_fused'] / mib:.1f} MiB"
           + (f"; measured from micro-batch {args.micro_batch} vs 1 at stage 0: {act_measured / mib:.1f} MiB"
              if act_measured is not None else "") + "\n")
-    print("| stage | measured peak RSS | model states (est = engine) | working set | activations (fused) "
-          "| estimate | baseline + estimate | gap | gap / measured |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| stage | measured peak RSS | model states (est = engine) | gathered units | backward transients "
+          "| activations | estimate (Note [Peak]) | baseline + estimate | gap | gap / measured |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     table = {}
     for stage, m in measured.items():
         e = est[stage]
-        assert m["states"] == {k: e[k] for k in ("params", "grads", "optimizer")}, (stage, m["states"], e)
-        total = e["states"] + e["working_set"] + a["total_fused"]
-        gap = m["peak_rss"] - base - total
-        table[stage] = {"peak_rss": m["peak_rss"], "estimate": total, "baseline": base, "gap": gap, **e}
-        print(f"| {stage} | {m['peak_rss'] / mib:.0f} | {e['states'] / mib:.0f} | {e['working_set'] / mib:.0f} | "
-              f"{a['total_fused'] / mib:.0f} | {total / mib:.0f} | {(base + total) / mib:.0f} | {gap / mib:+.0f} | "
-              f"{gap / m['peak_rss']:+.0%} |")
+        assert m["states"] == {"params": e.params, "grads": e.grads, "optimizer": e.optimizer}, (stage, m, e)
+        gap = m["peak_rss"] - base - e.device_total
+        table[stage] = {"peak_rss": m["peak_rss"], "states": m["states"], "estimate": e.device_total, "gap": gap,
+                        "model_states": e.model_states, "gathered": e.gathered, "backward": e.backward_transient,
+                        "activations": e.activations}
+        print(f"| {stage} | {m['peak_rss'] / mib:.0f} | {e.model_states / mib:.0f} | {e.gathered / mib:.0f} | "
+              f"{e.backward_transient / mib:.0f} | {e.activations / mib:.0f} | {e.device_total / mib:.0f} | "
+              f"{(base + e.device_total) / mib:.0f} | {gap / mib:+.0f} | {gap / m['peak_rss']:+.0%} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "baseline": base, "activations": a, "activations_measured": act_measured,
-                       "stages": table}, f, indent=1)
+            json.dump({"args": vars(args), "tiny_peak_rss": tiny_peak, "baseline": base, "activations": a,
+                       "activations_measured": act_measured, "stages": table}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,9 @@ def test_recipe_with_hostfile_as_json(capsys, monkeypatch, tmp_path):
     assert acts["total"] > acts["total_fused"] > acts["checkpointed_fused"] > 0
     assert out["recommendation"].startswith("stage 0:")
     s3 = out["stages"][3]
-    assert s3["device_total"] == s3["model_states"] + s3["working_set"] + s3["activations"]
+    # Note [Peak]: activations are freed in backward as gradient buckets fill
+    assert s3["device_total"] == s3["model_states"] + s3["gathered"] + max(s3["activations"], s3["backward_transient"])
+    assert s3["gathered"] > 0 and out["stages"][2]["gathered"] == 0
 
 
 def test_seventy_billion_on_meta_and_what_to_change(capsys, monkeypatch, tmp_path):
@@ -176,7 +178,7 @@ train: {steps: 1, micro_batch_size: 1}
     out = json.loads(run_cli(capsys, monkeypatch, str(recipe), "zero.units=[Block]", "zero.stage=3", "--precision",
                              "bf16", "--procs-per-node", "8", "--device-memory", "80GiB", "--cpu-memory", "4TiB",
                              "--json"))
-    assert "stage 3 with train.activation_checkpointing fits on 3 nodes (24 ranks)" in out["recommendation"]
+    assert "stage 3 with train.activation_checkpointing fits on 2 nodes (16 ranks)" in out["recommendation"]
     # every rank builds the model in fp32 host memory before moving it to its device: 8 x 260 GB per node
     out = json.loads(run_cli(capsys, monkeypatch, str(recipe), "zero.units=[Block]", "zero.stage=3",
                              "train.activation_checkpointing=true", "--precision", "bf16", "--procs-per-node", "8",
@@ -197,3 +199,5 @@ def test_cpu_only_machine_uses_host_memory_per_rank(capsys, monkeypatch):
     assert out["setup"]["device"] == "cpu" and out["setup"]["device_memory"] == host // 2
     assert [r["label"] for r in out["stages"]] == ["0", "1", "2", "3"]  # offloading to host memory moves nothing
     assert out["stages"][0]["cpu_per_node"] == 2 * out["stages"][0]["device_total"]
+    # gloo's pending reduce-scatters copy their buckets: at stage 1 all of them, at the end of backward
+    assert out["stages"][1]["backward_transient"] == out["stages"][1]["grads"]

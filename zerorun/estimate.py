@@ -37,6 +37,12 @@ MIN_HEADROOM = 0.10
 #: bucket being filled.
 INFLIGHT_BUCKETS = 2 + 1
 
+# Note [Peak]: a rank's memory peaks either at the end of forward (model states, all activations, at stage 3
+# the gathered units) or during backward, where activations are freed as gradient buckets fill and wait for
+# their reduce-scatters. The estimate is model states + gathered units + max(activations, backward transients)
+# (benchmarks/estimate_vs_measured.py: stage 1 on gloo, whose pending reduce-scatters copy every bucket, peaks
+# at the end of backward once activations are smaller than the gradients).
+
 # ------------------------------------------------------------------------------------------------- sizes
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -411,29 +417,55 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
     return ModelStates(params, grads, optim)
 
 
+@dataclass(frozen=True)
+class WorkingSet:
+    """Transient bytes per rank above the model states at rest (Note [Peak]).
+
+    Attributes:
+        gathered: stage 3: the gathered parameters (the root unit, the largest unit and, with prefetch, the
+            next largest), present while activations are.
+        backward: gradient buckets in flight (stages 2-3: ``INFLIGHT_BUCKETS`` of the largest) plus, on gloo,
+            the staging copy its reduce-scatter makes of each pending bucket (stage 1: every bucket, reduced
+            all at once at the end of backward; stages 2-3: ``MAX_INFLIGHT``).
+    """
+
+    gathered: int
+    backward: int
+
+    @property
+    def total(self) -> int:
+        return self.gathered + self.backward
+
+
 def working_set(layout: Layout, stage: int, world_size: int, precision: Precision, *,
-                bucket_mb: float = 25.0, prefetch: bool = True) -> int:
-    """Transient bytes above the model states at rest (Note [What is approximate]): at stages 2-3 the full
-    gradients of the buckets in flight (``INFLIGHT_BUCKETS`` of the largest); at stage 3 also the gathered
-    parameters: the root unit plus the largest unit, and the next largest with ``prefetch``."""
+                bucket_mb: float = 25.0, prefetch: bool = True, gloo: bool = False) -> WorkingSet:
+    """The :class:`WorkingSet` of ``stage`` on ``world_size`` ranks (Note [What is approximate]); ``gloo``: the
+    collectives run on gloo (CPU), whose ``reduce_scatter_tensor`` copies its whole input when it is issued
+    (measured: 10 pending reduce-scatters of 19 MiB hold 197 MiB; all-gathers 35 MiB; all-reduce nothing)."""
     N = world_size
-    if stage < 2:
-        return 0
+    if stage == 0 or world_size == 1:
+        return WorkingSet(0, 0)
     bufs = _stage_buffers(layout, stage)[0]
     if layout.exact:
-        grads = sorted((_pad(n, N) for n in bufs), reverse=True)[:INFLIGHT_BUCKETS]
+        largest = sorted((_pad(n, N) for n in bufs), reverse=True)
     else:  # one buffer of Ψ: the engine would cut it into buckets of bucket_mb
-        grads = [min(_pad(bufs[0], N), int(bucket_mb * 2**20) // precision.grad_bytes)] * INFLIGHT_BUCKETS
-    grads = sum(grads) * precision.grad_bytes
+        largest = [min(_pad(bufs[0], N), int(bucket_mb * 2**20) // precision.grad_bytes)] * INFLIGHT_BUCKETS
+    if stage == 1:
+        held = 0  # the full gradients are model states
+        staged = (sum(_pad(n, N) for n in bufs) if layout.exact else _pad(bufs[0], N)) if gloo else 0
+    else:
+        held = sum(largest[:INFLIGHT_BUCKETS])
+        staged = sum(largest[:INFLIGHT_BUCKETS - 1]) if gloo else 0
+    backward = (held + staged) * precision.grad_bytes
     if stage < 3:
-        return grads
+        return WorkingSet(0, backward)
     if not layout.exact:
-        return grads + sum(u.numel for u in layout.units) * (2 if prefetch else 1) * precision.param_bytes
+        return WorkingSet(sum(u.numel for u in layout.units) * (2 if prefetch else 1) * precision.param_bytes,
+                          backward)
     sizes = sorted((sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units if u.name != "<root>"),
                    reverse=True)
     root = sum(sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units if u.name == "<root>")
-    gathered = root + sum(sizes[:2 if prefetch else 1])
-    return grads + gathered * precision.param_bytes
+    return WorkingSet((root + sum(sizes[:2 if prefetch else 1])) * precision.param_bytes, backward)
 
 
 def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision, grad_accum_steps: int = 1) -> int:
@@ -512,7 +544,9 @@ class StageRow:
     grads: int
     optimizer: int
     model_states: int
-    working_set: int
+    working_set: int  # gathered + backward (Note [Peak])
+    gathered: int
+    backward_transient: int
     activations: int
     device_total: int
     headroom: int
@@ -557,8 +591,9 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
         shards = sum(_pad(n, N) // N for n in _stage_buffers(layout, stage)[0])
         offloaded = ms.optimizer + (4 - p.master_bytes) * shards
     on_device = ms.total - (ms.optimizer if offload != "none" else 0)
-    ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch)
-    total = on_device + ws + act
+    ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch,
+                     gloo=setup.device == "cpu")
+    total = on_device + ws.gathered + max(act, ws.backward)  # Note [Peak]
     headroom = setup.device_memory - total
     host_rank = offloaded if offload == "cpu" else 0
     if setup.device == "cpu":
@@ -569,8 +604,8 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
     disk = setup.procs_per_node * offloaded if offload == "disk" else 0
     fits = headroom >= MIN_HEADROOM * setup.device_memory and cpu <= setup.cpu_memory
     sent = comm_bytes(layout, stage, N, p, setup.grad_accum_steps)
-    return StageRow(stage, offload, ms.params, ms.grads, ms.optimizer, ms.total, ws, act, total, headroom, fits,
-                    cpu, disk, sent, sent / setup.bandwidth)
+    return StageRow(stage, offload, ms.params, ms.grads, ms.optimizer, ms.total, ws.total, ws.gathered,
+                    ws.backward, act, total, headroom, fits, cpu, disk, sent, sent / setup.bandwidth)
 
 
 def estimate(layout: Layout, setup: Setup, offload: bool = True) -> Estimate:
@@ -639,9 +674,8 @@ def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for) -> s
         if nodes is not None:
             hints.append(f"stage 3{how} fits on {nodes} nodes ({nodes * setup.procs_per_node} ranks)")
             break
-    gathered = s3.working_set / max(setup.device_memory, 1)
-    if gathered > 0.25 and layout.unit_hint:
-        hints.append(f"stage 3 gathers {format_bytes(s3.working_set)} at once: make smaller units, e.g. "
+    if s3.gathered > 0.25 * setup.device_memory and layout.unit_hint:
+        hints.append(f"stage 3 gathers {format_bytes(s3.gathered)} at once: make smaller units, e.g. "
                      f"zero.units: [{layout.unit_hint}]")
     if s3.activations > 0.25 * setup.device_memory:
         one = act_for(0) // max(setup.micro_batch, 1)
