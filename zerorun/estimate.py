@@ -622,7 +622,8 @@ def estimate(layout: Layout, setup: Setup, offload: bool = True) -> Estimate:
             notes.append("model.shape lacks n_layer, d_model, n_head, seq_len or vocab_size: activations not "
                          "estimated")
     if act is None:
-        notes.append("activations not counted: the model declares no transformer shape (model.shape)")
+        notes.append("activations not counted: no transformer shape (a recipe whose model sets `shape`: n_layer, "
+                     "d_model, n_head, seq_len, vocab_size)")
     if not layout.exact and not layout.units:
         notes.append("stage 3's gathered units not counted: pass --largest-layer")
 
