@@ -128,10 +128,8 @@ def run_mode(mode: str, args, extra: list[str]) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--modes", default="ddp,fsdp2,0,1,2,3")
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The GPT and run arguments a worker takes (also used by benchmarks/estimate_vs_measured.py)."""
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--d-model", type=int, default=512)
@@ -143,6 +141,20 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The command-line arguments that pass ``args``' model and run settings on to a worker."""
+    return [f"--layers={args.layers}", f"--d-model={args.d_model}", f"--heads={args.heads}", f"--vocab={args.vocab}",
+            f"--seq={args.seq}", f"--untied={args.untied}", f"--micro-batch={args.micro_batch}",
+            f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--modes", default="ddp,fsdp2,0,1,2,3")
+    add_model_args(p)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--malloc-mmap-threshold", type=int, default=1 << 20,
                    help="glibc's MALLOC_MMAP_THRESHOLD_ (bytes) for the ranks of every mode, DDP included, as "
@@ -157,9 +169,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    extra = [f"--layers={args.layers}", f"--d-model={args.d_model}", f"--heads={args.heads}",
-             f"--vocab={args.vocab}", f"--seq={args.seq}", f"--untied={args.untied}", f"--micro-batch={args.micro_batch}",
-             f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
+    extra = worker_args(args)
     modes = args.modes.split(",")
     per_round: dict[str, list[list[dict]]] = {m: [] for m in modes}
     for r in range(args.rounds):

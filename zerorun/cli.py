@@ -175,6 +175,44 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None) -> No
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
 
 
+@app.command(context_settings={"allow_extra_args": False})
+def estimate(
+    recipe: Optional[str] = typer.Argument(None, help="Recipe YAML file (or give --params)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides, e.g. train.micro_batch_size=4."),
+    hostfile: Optional[str] = typer.Option(None, "-H", "--hostfile", help="DeepSpeed-style hostfile."),
+    params: Optional[str] = typer.Option(None, "--params", help="Parameter count without a recipe: 7B, 350M."),
+    largest_layer: Optional[str] = typer.Option(None, "--largest-layer", help="With --params: parameters of the "
+                                                "largest layer (stage 3 gathers it), e.g. 0.5B."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes (default: the hostfile's, else 1)."),
+    procs_per_node: Optional[int] = typer.Option(None, "--procs-per-node", min=1,
+                                                 help="Ranks per node (default: hostfile slots or "
+                                                      "launch.procs_per_node)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16 or fp16 (fp32 master); "
+                                            "default: the recipe's, else fp32."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adam (2 states), sgd (momentum: 1), none, "
+                                            "or a torch.optim name; default: the recipe's, else adam."),
+    device_memory: Optional[str] = typer.Option(None, "--device-memory", help="Per rank: 80GiB, 80GB "
+                                                "(default: detected; on CPU host memory / ranks per node)."),
+    cpu_memory: Optional[str] = typer.Option(None, "--cpu-memory", help="Host memory per node (default: "
+                                             "this machine's)."),
+    bandwidth: str = typer.Option("100Gbps", "--bandwidth", help="Link speed per rank: 100Gbps, 12.5GB/s."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="Samples per micro-batch "
+                                              "(default: train.micro_batch_size, else 1)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (bytes, seconds) instead of tables."),
+) -> None:
+    """Estimate memory per rank and communication per step for ZeRO stages 0-3 before launching."""
+    from zerorun import estimate as est
+
+    result = est.from_arguments(recipe=recipe, overrides=overrides or [], hostfile=hostfile, params=params,
+                                largest_layer=largest_layer, nodes=nodes, procs_per_node=procs_per_node,
+                                precision=precision, optimizer=optimizer, device_memory=device_memory,
+                                cpu_memory=cpu_memory, bandwidth=bandwidth, micro_batch=micro_batch)
+    if as_json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        est.render(result)
+
+
 def main() -> None:
     """Console entry point: run the typer app; a :class:`ZerorunError` becomes one line and its exit code."""
     try:
