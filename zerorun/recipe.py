@@ -132,6 +132,9 @@ class Recipe(_Strict):
     train: TrainSpec
     zero: ZeroSpec = Field(default_factory=ZeroSpec)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    #: ``zero``: zerorun's ZeRO runtime; ``ddp``/``fsdp2``: torch's DistributedDataParallel or FSDP2
+    #: (``fully_shard`` on stage 3's units), the baselines of ``zerorun bench`` (zerorun/baselines.py).
+    runtime: Literal["zero", "ddp", "fsdp2"] = "zero"
     launch: LaunchSpec = Field(default_factory=LaunchSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     log: LogSpec = Field(default_factory=LogSpec)
@@ -374,9 +377,9 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         raise ZerorunError(f"{where('precision')}: {recipe.precision} is not supported yet; use fp32")
     if recipe.checkpoint.every or recipe.checkpoint.dir:
         raise ZerorunError(f"{where('checkpoint')}: checkpoints are not available yet; remove the section")
-    if recipe.zero.units and recipe.zero.stage != 3:
+    if recipe.zero.units and recipe.zero.stage != 3 and recipe.runtime != "fsdp2":
         raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only")
-    if recipe.train.activation_checkpointing and recipe.zero.stage != 3:
+    if recipe.train.activation_checkpointing and (recipe.zero.stage != 3 or recipe.runtime != "zero"):
         raise ZerorunError(f"{where('train', 'activation_checkpointing')}: needs zero.stage 3 (it checkpoints "
                            "each unit); at stages 0-2 wrap blocks in torch.utils.checkpoint in the model")
     return recipe
