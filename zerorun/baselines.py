@@ -10,7 +10,8 @@ scheduler), ``engine.num_params``, ``engine.units``, ``engine.memory_bytes()`` a
   backward (``bucket_cap_mb`` = ``zero.bucket_mb``); non-final micro-steps of a step run their forward under
   ``no_sync()``, as DDP's documentation recommends for gradient accumulation.
 - ``fsdp2``: ``fully_shard`` applied to the units zerorun's stage 3 would pick (``zero.units``, or chosen by
-  parameter count: :func:`zerorun.zero.stage3.pick_units`), innermost first, then to the root;
+  parameter count: :func:`zerorun.zero.stage3.pick_units`), innermost first, then to the root; a unit holding
+  a weight tied to a module outside it is left to the root (FSDP2 needs tied weights in one group);
   ``reshard_after_forward=True`` (parameters freed after forward and gathered again for backward, as zerorun's
   stage 3 does). Non-final micro-steps of a step run with ``set_requires_gradient_sync(False)`` (FSDP2's
   gradient accumulation without communication: unsharded gradients accumulate locally and are
@@ -158,7 +159,13 @@ class FSDP2Engine(BaselineEngine):
             dist.broadcast(t.data, 0)
         names = {p: n for n, p in model.named_parameters()}
         group_names = [[names[p] for p in g["params"]] for g in param_groups]
-        units = pick_units(model, tuple(config.units))
+        # a parameter reached from outside its unit (a weight tied across units) must live in the root's group,
+        # as zerorun's stage 3 keeps it (Note [Units] in zero/stage3.py): FSDP2 refuses it in two groups
+        reached: dict[nn.Parameter, list[str]] = {}
+        for qualified, p in model.named_parameters(remove_duplicate=False):
+            reached.setdefault(p, []).append(qualified)
+        units = [(name, unit) for name, unit in pick_units(model, tuple(config.units))
+                 if all(q.startswith(name + ".") for p in unit.parameters() for q in reached[p])]
         n = self.world_size
         engine = self
 

@@ -39,11 +39,50 @@ def train(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan and exit."),
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
-    from zerorun.hostfile import Host, read_hostfile
-    from zerorun.launch.plan import build_plan, free_port, port_in_use
     from zerorun.recipe import load_recipe
 
     r = load_recipe(recipe, overrides or [])
+    plan = _plan(r, hostfile, master_port)
+    if dry_run:
+        for node in plan.nodes:
+            print(f"node {node.node_rank} {node.host.name}: ranks {node.first_rank}..{node.first_rank + node.nproc - 1}")
+            print("  " + " ".join(node.argv[:-1]) + " <recipe>")
+        return
+    _run(r, plan)
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def bench(
+    recipe: str = typer.Argument(..., help="Recipe YAML file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides for every job."),
+    hostfile: Optional[List[str]] = typer.Option(None, "-H", "--hostfile",
+                                                 help="A hostfile to bench on; repeat for several."),
+    stages: str = typer.Option("0,1,2,3", "--stages", help="ZeRO stages, comma-separated."),
+    steps: int = typer.Option(30, "--steps", min=1, help="Measured optimizer steps per job."),
+    warmup: int = typer.Option(5, "--warmup", min=0, help="Optimizer steps left out before measuring."),
+    baseline: str = typer.Option("", "--baseline", help="Baselines to run too: ddp, fsdp2 (comma-separated)."),
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per combination; the median is reported."),
+) -> None:
+    """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,
+    bench.png in <log.dir>/<name>/bench-<timestamp>/. Exit code 1 when any combination failed."""
+    from zerorun.bench import parse_baselines, parse_stages, run_bench
+
+    failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], parse_stages(stages),
+                                         parse_baselines(baseline), steps, warmup, repeat)
+    if failed:
+        raise JobFailed(f"bench: {failed} of {total} combinations failed (reasons in {bench_dir}/bench.json)")
+
+
+def _plan(r, hostfile: str | None, master_port: int | None = None):
+    """The :class:`~zerorun.launch.plan.LaunchPlan` of one job of recipe ``r`` on the hosts of ``hostfile`` (or
+    localhost with ``launch.procs_per_node`` ranks), with a fresh job id; ``master_port`` None: a free port.
+
+    Raises:
+        ZerorunError: unreadable or invalid hostfile, remote hosts, or ``master_port`` already in use.
+    """
+    from zerorun.hostfile import Host, read_hostfile
+    from zerorun.launch.plan import build_plan, free_port, port_in_use
+
     hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", r.launch.procs_per_node)]
     remote = [h.name for h in hosts if not h.is_local]
     if remote:
@@ -54,16 +93,17 @@ def train(
     elif port_in_use(master_port):
         raise ZerorunError(f"--master-port {master_port}: the port is already in use on 127.0.0.1")
     job_id = uuid.uuid4().hex[:12]
-    plan = build_plan(hosts, r.model_dump_json(), job_id, master_port, r.launch.python, r.launch.env)
-    if dry_run:
-        for node in plan.nodes:
-            print(f"node {node.node_rank} {node.host.name}: ranks {node.first_rank}..{node.first_rank + node.nproc - 1}")
-            print("  " + " ".join(node.argv[:-1]) + " <recipe>")
-        return
-    _run(r, plan)
+    return build_plan(hosts, r.model_dump_json(), job_id, master_port, r.launch.python, r.launch.env)
 
 
-def _run(recipe, plan) -> None:
+def _run(recipe, plan, view=None) -> str:
+    """Launch the job of ``plan``, record it in a new run directory and return that directory's path.
+    ``view``: what shows progress (default: plain lines on stdout).
+
+    Raises:
+        ZerorunError: the run directory cannot be created.
+        JobFailed: a rank failed, a node was lost, or the job was interrupted (``exit_code`` 130).
+    """
     from zerorun.launch.runner import LocalNode
     from zerorun.launch.supervisor import Supervisor
     from zerorun.telemetry.console import PlainView, RunRecorder
@@ -75,7 +115,7 @@ def _run(recipe, plan) -> None:
             yaml.safe_dump(json.loads(recipe.model_dump_json()), f, sort_keys=False)
     except OSError as e:
         raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
-    recorder, view = RunRecorder(run_dir), PlainView(sys.stdout)
+    recorder, view = RunRecorder(run_dir), view or PlainView(sys.stdout)
     hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
     view.print(f"zerorun: {recipe.name}: {plan.world_size} ranks on {hosts}, ZeRO stage {recipe.zero.stage}, "
                f"{recipe.precision}; job {plan.job_id}; run dir {run_dir}")
@@ -104,6 +144,7 @@ def _run(recipe, plan) -> None:
     if view.last_val is not None:
         summary += f"; validation loss {view.first_val:.4f} -> {view.last_val:.4f} (best {view.best_val:.4f})"
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
+    return run_dir
 
 
 def main() -> None:
