@@ -30,17 +30,19 @@ def test_fsdp2_and_ddp_baselines_match_ddp(ranks):
 
 
 def test_baselines_clip_like_ddp(ranks):
-    """With clipping (active at every step), losses and grad norms within 1e-5 at
+    """With clipping (active at every step) and units chosen by size (tied weights included), losses and grad norms within 1e-5 at
     every step. Parameters are not held to 1e-5 here: FSDP2 sums the squared norm over shards in another
     order, the clipping coefficient differs in the last bit, and Adam amplifies that in the key bias of
     attention, whose true gradient is exactly zero (softmax ignores it): Note [Summation-order floor] in
     test_zero_parity.py. Without clipping the parameters agree (the test above)."""
-    for rank, r in enumerate(ranks(2).run(cases.fsdp2_vs_ddp, accum=1, clip=0.5)):
+    for rank, r in enumerate(ranks(2).run(cases.fsdp2_vs_ddp, accum=1, clip=0.5, units=())):
         for name in ("ddp", "fsdp2"):
             for key in ("loss", "grad_norm"):
                 assert r[f"{name}_{key}"] <= TOL, f"rank {rank}: {name} {key} differs from DDP: {r}"
         assert r["ddp_params"] <= TOL and r["fsdp2_params"] < 1e-3, r
         assert r["min_ref_norm"] > 0.5  # clipping acted at every step
+        # units chosen by size; the token embedding, tied to the LM head, stays in the root's group
+        assert "tok_emb" not in r["units"] and r["units"][-1] == "" and len(r["units"]) > 1, r["units"]
 
 
 def test_unknown_runtime(ranks):

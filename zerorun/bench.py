@@ -14,7 +14,8 @@ and every number is the median of the K runs, with their min and max.
 
 Results go to ``<log.dir>/<name>/bench-<timestamp>/``: ``bench.json`` (rewritten after every combination, so
 an interrupted bench keeps what it measured), ``bench.csv`` and ``bench.png`` (needs matplotlib: the
-``plot`` extra), plus one run directory per job under ``jobs/``.
+``plot`` extra), ``bench.md`` (the table in Markdown, with the command), and one run directory per job
+under ``jobs/``.
 """
 
 from __future__ import annotations
@@ -241,15 +242,19 @@ def write_png(path: str, rows: list[Row]) -> None:
         for i, host in enumerate(hosts):
             xs, ys, lo, hi = [], [], [], []
             for x, label in enumerate(labels):
-                r = next((r for r in measured if r.combo.label == label and r.combo.hostfile == host), None)
-                if r is not None:
+                r = next((r for r in rows if r.combo.label == label and r.combo.hostfile == host), None)
+                if r is not None and not r.metrics and r.status == "failed":
+                    ax.text(x + (i - (len(hosts) - 1) / 2) * width, 0, "failed", rotation=90, ha="center",
+                            va="bottom", color="red", fontsize=8)
+                elif r is not None and r.metrics:
                     m = r.metrics[metric]
                     xs.append(x + (i - (len(hosts) - 1) / 2) * width)
                     ys.append(m["median"] / scale)
                     lo.append((m["median"] - m["min"]) / scale)
                     hi.append((m["max"] - m["median"]) / scale)
             world = next((int(r.value("world_size")) for r in measured if r.combo.hostfile == host), None)
-            name = f"{os.path.basename(host) if host else 'localhost'}" + (f" ({world} ranks)" if world else "")
+            name = f"{os.path.basename(host) if host else 'localhost'}" + \
+                (f" ({world} rank{'s' * (world != 1)})" if world else "")
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name)
         ax.set_xticks(range(len(labels)), labels)
         ax.set_title(title)
@@ -304,7 +309,8 @@ def markdown_table(rows: list[Row], baselines: list[str]) -> str:
     for r in rows:
         host = os.path.basename(r.combo.hostfile) if r.combo.hostfile else "localhost"
         if not r.metrics:
-            lines.append(f"| {host} | | {r.combo.label} | failed: {r.reason} |" + " |" * (len(head) - 4))
+            reason = (r.reason or "").split(" (logs: ")[0]
+            lines.append(f"| {host} | | {r.combo.label} | failed: {reason} |" + " |" * (len(head) - 4))
             continue
         v = r.value
         cells = [host, str(int(v("world_size"))), r.combo.label, f"{v('step_time_s') * 1e3:.0f}",
@@ -370,7 +376,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
 
     Raises:
         ZerorunError: bad recipe, overrides or hostfile (checked before anything runs).
-        JobFailed: interrupted (Ctrl-C; exit code 130), after writing what was measured.
+        JobFailed: interrupted (Ctrl-C or SIGTERM; exit code 130 or 143), after writing what was measured.
     """
     from rich.console import Console, Group
     from rich.live import Live
@@ -380,17 +386,27 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     from zerorun.hostfile import read_hostfile
     from zerorun.recipe import load_recipe
 
-    base = load_recipe(recipe_path, overrides)  # bad input fails here, before any job
-    for h in hostfiles:
+    for h in hostfiles:  # bad input fails here, before any job
         read_hostfile(h)
     hosts: list[str | None] = list(hostfiles) or [None]
+    rows = [Row(c) for c in combinations(hosts, stages, baselines)]
+    # A recipe that no combination accepts is bad input; one that some combinations refuse (zero.units below
+    # stage 3, say) fails those combinations only, when their turn comes.
+    base, first_error = None, None
+    for row in rows:
+        try:
+            base = load_recipe(recipe_path, [*overrides, *row.combo.overrides(warmup + steps)])
+            break
+        except ZerorunError as e:
+            first_error = first_error or e
+    if base is None:
+        raise first_error
     bench_dir = os.path.join(base.log.dir, base.name, "bench-" + time.strftime("%Y%m%d-%H%M%S"))
     try:
         os.makedirs(bench_dir)
     except OSError as e:
         raise ZerorunError(f"log.dir: cannot create the bench directory {bench_dir}: {e.strerror}") from None
     jobs_dir = os.path.join(bench_dir, "jobs")
-    rows = [Row(c) for c in combinations(hosts, stages, baselines)]
     info = {"command": shlex.join(["zerorun", *sys.argv[1:]]),
             "recipe": os.path.abspath(recipe_path), "overrides": overrides, "steps": steps, "warmup": warmup,
             "repeat": repeat, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -418,7 +434,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
                     row.runs.append(measure(read_events(run_dir), warmup))
                 except (ZerorunError, ValueError, OSError) as e:
                     row.reason = row.reason or str(e)
-                    if isinstance(e, JobFailed) and e.exit_code == 130:
+                    if isinstance(e, JobFailed) and e.exit_code in (130, 143):  # Ctrl-C or SIGTERM: stop
                         interrupted = e
                 progress.advance(task)
                 if interrupted:
@@ -432,6 +448,8 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     if not console.is_terminal:  # the live view is transient off a terminal: print the final table once
         console.print(render_table(rows, baselines, repeat))
     write_csv(os.path.join(bench_dir, "bench.csv"), rows, baselines)
+    _atomic_write(os.path.join(bench_dir, "bench.md"),
+                  lambda f: f.write(f"`{info['command']}`\n\n{markdown_table(rows, baselines)}\n"))
     try:
         write_png(os.path.join(bench_dir, "bench.png"), rows)
     except ZerorunError as e:
