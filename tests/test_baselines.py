@@ -48,3 +48,20 @@ def test_baselines_clip_like_ddp(ranks):
 def test_unknown_runtime(ranks):
     with pytest.raises(AssertionError, match="unknown runtime 'deepspeed'"):
         ranks(2).run(cases.unknown_runtime)
+
+
+def test_recipe_runtime_field():
+    import os
+
+    from zerorun.errors import ZerorunError
+    from zerorun.recipe import load_recipe
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes/tiny.yaml")
+    assert load_recipe(tiny).runtime == "zero"
+    assert load_recipe(tiny, ["runtime=fsdp2", "zero.units=[Block]"]).zero.units == ["Block"]  # FSDP2's units
+    with pytest.raises(ZerorunError, match=r"zero\.units: units are gathered and freed at zero\.stage 3 only"):
+        load_recipe(tiny, ["runtime=ddp", "zero.units=[Block]"])
+    with pytest.raises(ZerorunError, match=r"override 'runtime=deepspeed': runtime: Input should be 'zero', 'ddp'"):
+        load_recipe(tiny, ["runtime=deepspeed"])
+    with pytest.raises(ZerorunError, match=r"activation_checkpointing: applies to zerorun's stage 3 only, not to runtime fsdp2"):
+        load_recipe(tiny, ["runtime=fsdp2", "zero.stage=3", "train.activation_checkpointing=true"])

@@ -51,28 +51,6 @@ def train(
     _run(r, plan)
 
 
-@app.command(context_settings={"allow_extra_args": False})
-def bench(
-    recipe: str = typer.Argument(..., help="Recipe YAML file."),
-    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides for every job."),
-    hostfile: Optional[List[str]] = typer.Option(None, "-H", "--hostfile",
-                                                 help="A hostfile to bench on; repeat for several."),
-    stages: str = typer.Option("0,1,2,3", "--stages", help="ZeRO stages, comma-separated."),
-    steps: int = typer.Option(30, "--steps", min=1, help="Measured optimizer steps per job."),
-    warmup: int = typer.Option(5, "--warmup", min=0, help="Optimizer steps left out before measuring."),
-    baseline: str = typer.Option("", "--baseline", help="Baselines to run too: ddp, fsdp2 (comma-separated)."),
-    repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per combination; the median is reported."),
-) -> None:
-    """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,
-    bench.png in <log.dir>/<name>/bench-<timestamp>/. Exit code 1 when any combination failed."""
-    from zerorun.bench import parse_baselines, parse_stages, run_bench
-
-    failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], parse_stages(stages),
-                                         parse_baselines(baseline), steps, warmup, repeat)
-    if failed:
-        raise JobFailed(f"bench: {failed} of {total} combinations failed (reasons in {bench_dir}/bench.json)")
-
-
 def _plan(r, hostfile: str | None, master_port: int | None = None):
     """The :class:`~zerorun.launch.plan.LaunchPlan` of one job of recipe ``r`` on the hosts of ``hostfile`` (or
     localhost with ``launch.procs_per_node`` ranks), with a fresh job id; ``master_port`` None: a free port.
@@ -145,6 +123,28 @@ def _run(recipe, plan, view=None) -> str:
         summary += f"; validation loss {view.first_val:.4f} -> {view.last_val:.4f} (best {view.best_val:.4f})"
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
     return run_dir
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def bench(
+    recipe: str = typer.Argument(..., help="Recipe YAML file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides for every job."),
+    hostfile: Optional[List[str]] = typer.Option(None, "-H", "--hostfile",
+                                                 help="A hostfile to bench on; repeat for several."),
+    stages: str = typer.Option("0,1,2,3", "--stages", help="ZeRO stages, comma-separated."),
+    steps: int = typer.Option(30, "--steps", min=1, help="Measured optimizer steps per job."),
+    warmup: int = typer.Option(5, "--warmup", min=0, help="Optimizer steps left out before measuring."),
+    baseline: str = typer.Option("", "--baseline", help="Baselines to run too: ddp, fsdp2 (comma-separated)."),
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per combination; the median is reported."),
+) -> None:
+    """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,
+    bench.png in <log.dir>/<name>/bench-<timestamp>/. Exit code 1 when any combination failed."""
+    from zerorun.bench import parse_baselines, parse_stages, run_bench
+
+    failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], parse_stages(stages),
+                                         parse_baselines(baseline), steps, warmup, repeat)
+    if failed:
+        raise JobFailed(f"bench: {failed} of {total} combinations failed (reasons in {bench_dir}/bench.json)")
 
 
 def main() -> None:

@@ -379,7 +379,10 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         raise ZerorunError(f"{where('checkpoint')}: checkpoints are not available yet; remove the section")
     if recipe.zero.units and recipe.zero.stage != 3 and recipe.runtime != "fsdp2":
         raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only")
-    if recipe.train.activation_checkpointing and (recipe.zero.stage != 3 or recipe.runtime != "zero"):
+    if recipe.train.activation_checkpointing and recipe.runtime != "zero":
+        raise ZerorunError(f"{where('train', 'activation_checkpointing')}: applies to zerorun's stage 3 only, not "
+                           f"to runtime {recipe.runtime}")
+    if recipe.train.activation_checkpointing and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('train', 'activation_checkpointing')}: needs zero.stage 3 (it checkpoints "
                            "each unit); at stages 0-2 wrap blocks in torch.utils.checkpoint in the model")
     return recipe
