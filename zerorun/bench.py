@@ -28,6 +28,7 @@ import shlex
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -369,7 +370,7 @@ def combinations(hostfiles: list[str | None], stages: list[int], baselines: list
 
 def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stages: list[int],
               baselines: list[str], steps: int, warmup: int, repeat: int, out=None) -> tuple[int, int, str]:
-    """Run every combination ``repeat`` times, show the live table, write bench.json/csv/png.
+    """Run every combination ``repeat`` times, show the live table, write bench.json/csv/md/png.
 
     Returns:
         ``(failed combinations, all combinations, bench directory)``.
@@ -401,7 +402,8 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
             first_error = first_error or e
     if base is None:
         raise first_error
-    bench_dir = os.path.join(base.log.dir, base.name, "bench-" + time.strftime("%Y%m%d-%H%M%S"))
+    bench_dir = os.path.join(base.log.dir, base.name,
+                             f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
     try:
         os.makedirs(bench_dir)
     except OSError as e:
