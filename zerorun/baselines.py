@@ -8,7 +8,9 @@ scheduler), ``engine.num_params``, ``engine.units``, ``engine.memory_bytes()`` a
 
 - ``ddp``: ``DistributedDataParallel`` over the whole model, gradients all-reduced bucket by bucket during
   backward (``bucket_cap_mb`` = ``zero.bucket_mb``); non-final micro-steps of a step run their forward under
-  ``no_sync()``, as DDP's documentation recommends for gradient accumulation.
+  ``no_sync()``, as DDP's documentation recommends for gradient accumulation. DDP's defaults otherwise
+  (``gradient_as_bucket_view=False``: its communication buckets, another 4Ψ bytes, are not counted in
+  ``memory_bytes``, which counts parameters, ``.grad`` and optimizer states only).
 - ``fsdp2``: ``fully_shard`` applied to the units zerorun's stage 3 would pick (``zero.units``, or chosen by
   parameter count: :func:`zerorun.zero.stage3.pick_units`), innermost first, then to the root; a unit holding
   a weight tied to a module outside it is left to the root (FSDP2 needs tied weights in one group);
@@ -21,6 +23,8 @@ Bytes sent are counted at each collective with the ring formulas of ``zerorun/ze
 DDP through a comm hook around torch's default all-reduce hook, FSDP2 through its custom all-gather and
 reduce-scatter hooks (``set_custom_all_gather``/``set_custom_reduce_scatter``) around torch's defaults.
 Time waited on collectives is not observable from outside these wrappers and is reported as ``None``.
+The FSDP2 hooks subclass torch's ``DefaultAllGather``/``DefaultReduceScatter`` from the private module
+``torch.distributed.fsdp._fully_shard._fsdp_collectives`` (torch 2.13, the version the project pins).
 """
 
 from __future__ import annotations
