@@ -76,7 +76,6 @@ def train(
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
-    from zerorun.launch.job import prepare_job
     from zerorun.launch.plan import build_plan
     from zerorun.recipe import load_recipe
 
@@ -90,11 +89,23 @@ def train(
             print(f"node {node.node_rank} {node.host.name}: ranks {node.first_rank}..{node.first_rank + node.nproc - 1}")
             print("  " + " ".join(node.argv[:-1]) + " <recipe>")
         return
+    _run(r, _job(r, hosts, job_id, master_port, ssh, ssh_local, preflight_timeout))
+
+
+def _job(r, hosts, job_id: str, master_port: int | None = None, ssh=None, ssh_local: bool = False,
+         preflight_timeout: float = 15.0):
+    """Preflight ``hosts`` and prepare the job of recipe ``r`` on them (launch/job.py ``prepare_job``):
+    nodes ready to start, master address and port settled (``master_port`` None: a free one on the first host).
+
+    Raises:
+        ZerorunError: a host fails preflight, or ``master_port`` is already in use.
+    """
+    from zerorun.launch.job import prepare_job
+
     modules = [r.model.module] + ([r.data.module] if r.data.kind == "module" else [])
-    job = prepare_job(hosts, job_id, recipe_json=r.model_dump_json(), python=r.launch.python,
-                      workdir=r.launch.workdir, env=r.launch.env, modules=modules, master_port=master_port,
-                      ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout)
-    _run(r, job)
+    return prepare_job(hosts, job_id, recipe_json=r.model_dump_json(), python=r.launch.python,
+                       workdir=r.launch.workdir, env=r.launch.env, modules=modules, master_port=master_port,
+                       ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
@@ -124,9 +135,15 @@ def launch(
     _run(None, job, name=os.path.splitext(os.path.basename(script))[0], log_dir=log_dir)
 
 
-def _run(recipe, job, name: str | None = None, log_dir: str | None = None) -> None:
-    """Run ``job`` (launch/job.py) under the supervisor, recording and showing its events; ``recipe`` is None
-    for ``zerorun launch`` (then ``name`` and ``log_dir`` say where the run goes)."""
+def _run(recipe, job, name: str | None = None, log_dir: str | None = None, view=None) -> str:
+    """Run ``job`` (launch/job.py) under the supervisor, recording and showing its events, and return the run
+    directory's path; ``recipe`` is None for ``zerorun launch`` (then ``name`` and ``log_dir`` say where the run
+    goes); ``view``: what shows progress (default: plain lines on stdout).
+
+    Raises:
+        ZerorunError: the run directory cannot be created.
+        JobFailed: a rank failed, a node was lost, or the job was interrupted (``exit_code`` 130).
+    """
     from zerorun.launch.supervisor import Supervisor
     from zerorun.telemetry.console import PlainView, RunRecorder
 
@@ -142,7 +159,7 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None) -> No
     except OSError as e:
         job.close()
         raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
-    recorder, view = RunRecorder(run_dir), PlainView(sys.stdout)
+    recorder, view = RunRecorder(run_dir), view or PlainView(sys.stdout)
     hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
     what = f"ZeRO stage {recipe.zero.stage}, {recipe.precision}" if recipe is not None else "user script"
     view.print(f"zerorun: {name}: {plan.world_size} ranks on {hosts}, {what}; job {plan.job_id}; run dir {run_dir}")
@@ -173,6 +190,29 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None) -> No
     if view.last_val is not None:
         summary += f"; validation loss {view.first_val:.4f} -> {view.last_val:.4f} (best {view.best_val:.4f})"
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
+    return run_dir
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def bench(
+    recipe: str = typer.Argument(..., help="Recipe YAML file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides for every job."),
+    hostfile: Optional[List[str]] = typer.Option(None, "-H", "--hostfile",
+                                                 help="A hostfile to bench on; repeat for several."),
+    stages: str = typer.Option("0,1,2,3", "--stages", help="ZeRO stages, comma-separated."),
+    steps: int = typer.Option(30, "--steps", min=1, help="Measured optimizer steps per job."),
+    warmup: int = typer.Option(5, "--warmup", min=0, help="Optimizer steps left out before measuring."),
+    baseline: str = typer.Option("", "--baseline", help="Baselines to run too: ddp, fsdp2 (comma-separated)."),
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per combination; the median is reported."),
+) -> None:
+    """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,
+    bench.png in <log.dir>/<name>/bench-<timestamp>/. Exit code 1 when any combination failed."""
+    from zerorun.bench import parse_baselines, parse_stages, run_bench
+
+    failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], parse_stages(stages),
+                                         parse_baselines(baseline), steps, warmup, repeat)
+    if failed:
+        raise JobFailed(f"bench: {failed} of {total} combinations failed (reasons in {bench_dir}/bench.json)")
 
 
 @app.command(context_settings={"allow_extra_args": False})
