@@ -110,20 +110,28 @@ def worker(args) -> None:
 
 
 def run_mode(mode: str, args, extra: list[str]) -> list[dict]:
-    sys.path.insert(0, ROOT)
-    from zerorun.launch.plan import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-           f"--master-port={free_port()}",
-           "--master-addr=127.0.0.1", os.path.abspath(__file__), "--worker", mode, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
+    """Run ``mode`` on ``args.nproc`` ranks of this script (see :func:`run_workers`)."""
+    env = {}
     if args.malloc_mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     if args.thp:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
+    return run_workers(os.path.abspath(__file__), mode, args.nproc, extra, env)
+
+
+def run_workers(script: str, mode: str, nproc: int, extra: list[str], env: dict[str, str]) -> list[dict]:
+    """Run ``script --worker MODE EXTRA...`` on ``nproc`` ranks under torchrun (one thread per core share, plus
+    ``env``) and return each rank's result dict, the JSON after ``PREFIX`` on its stdout; exits with the ranks'
+    output when the job fails or a rank reports nothing."""
+    sys.path.insert(0, ROOT)
+    from zerorun.launch.plan import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "--master-addr=127.0.0.1", script, "--worker", mode, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **env}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     rows = [json.loads(line[len(PREFIX):]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
-    if proc.returncode or len(rows) != args.nproc:
+    if proc.returncode or len(rows) != nproc:
         sys.exit(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return rows
 
