@@ -18,6 +18,7 @@ import threading
 import time
 from typing import TextIO
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
@@ -29,7 +30,7 @@ from zerorun.telemetry.console import PlainView, human_bytes, human_rate
 from zerorun.telemetry.events import Event
 from zerorun.telemetry.state import JobState, RankState, describe
 
-BAR_WIDTH = 10
+BAR_WIDTH = 8
 
 
 def human_duration(seconds: float | None) -> str:
@@ -54,7 +55,15 @@ def _pct(frac: float | None) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    return "-" if n is None else human_bytes(n)
+    """Bytes in binary units with three significant digits (``409 MiB``, ``8.04 MiB``); ``-`` when unknown."""
+    if n is None:
+        return "-"
+    text = human_bytes(n)  # one decimal: "408.7 MiB"
+    value, unit = text.split(" ")
+    if unit == "B":
+        return text
+    v = float(value) if float(value) < 1000 else round(float(value))
+    return f"{v:.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}"
 
 
 def memory_bar(r: RankState) -> Text:
@@ -107,11 +116,11 @@ def rank_table(state: JobState) -> Table:
     """One row per rank; the straggler and ranks near their memory limit are coloured and named in the status
     column (Note [Straggler and memory marks])."""
     cuda = any(r.cuda for r in state.ranks.values())
-    table = Table(expand=False, header_style="bold")
+    table = Table(box=box.SIMPLE_HEAD, header_style="bold", padding=(0, 1), pad_edge=False)
     for name, justify in (("host", "left"), ("rank", "right"), ("step", "right"), ("loss", "right"),
-                          ("samples/s", "right"), ("step time", "right"), ("comm wait", "right"),
-                          ("RSS now / peak", "right"), ("host memory", "left"), ("model states", "right"),
-                          *((("device mem", "right"),) if cuda else ()), ("status", "left")):
+                          ("samples\n/s", "right"), ("step\ntime", "right"), ("comm\nwait", "right"),
+                          ("RSS\nnow / peak", "right"), ("host\nmemory", "left"), ("model\nstates", "right"),
+                          *((("device mem\nalloc / reserved", "right"),) if cuda else ()), ("status", "left")):
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")
     straggler, alerts = state.straggler(), state.memory_alerts()
     for r in sorted(state.ranks.values(), key=lambda r: r.rank):

@@ -248,7 +248,7 @@ class JobState:
 
     def job_rate(self, key: str) -> float | None:
         """Job-wide ``samples_per_s``, ``tokens_per_s`` or ``tflops``: the sum of every rank's latest value."""
-        values = [getattr(r, key) for r in self.ranks.values() if r.status == "training"]
+        values = [getattr(r, key) for r in self.ranks.values() if r.status in ("training", "done")]
         values = [v for v in values if v is not None]
         return sum(values) if values else None
 
