@@ -129,13 +129,11 @@ def show(
                                                             "this image file (needs matplotlib)."),
 ) -> None:
     """Print the summary of a finished run again (from its metrics.jsonl); --plot draws loss and memory."""
-    from rich.console import Console
-
-    from zerorun.telemetry.dashboard import summary
+    from zerorun.telemetry.dashboard import print_summary
     from zerorun.telemetry.state import load_run
 
     state, events = load_run(run_dir)
-    Console().print(summary(state))
+    print_summary(state, sys.stdout)
     if plot:
         from zerorun.telemetry.plot import plot_run
 

@@ -121,12 +121,9 @@ class PlainView:
 
     def close(self) -> None:
         """Print the summary table (plain text when ``out`` is not a terminal)."""
-        from rich.console import Console
-
-        from zerorun.telemetry.dashboard import summary
+        from zerorun.telemetry.dashboard import print_summary
 
         if self.state.ended is None:
             self.state.end()
-        console = Console(file=self.out, width=None if self.out.isatty() else 160)
-        console.print(summary(self.state))
+        print_summary(self.state, self.out)
         self.out.flush()

@@ -109,7 +109,7 @@ def header(state: JobState, now: float | None = None) -> Panel:
     if state.checkpoints:
         facts.append(f"checkpoint step {state.checkpoints[-1].get('step', '?')}")
     body = Group(Text(" · ".join(p for p in plan if p)), progress, Text("   ".join(facts) or "waiting for ranks"))
-    return Panel(body, title=f"[bold]zerorun · {state.name}", title_align="left", border_style="blue")
+    return Panel(body, title=Text(f"zerorun · {state.name}", style="bold"), title_align="left", border_style="blue")
 
 
 def rank_table(state: JobState) -> Table:
@@ -139,7 +139,7 @@ def rank_table(state: JobState) -> Table:
         if cuda:
             cells.append(f"{_bytes(r.cuda.get('cuda_allocated_bytes'))} / {_bytes(r.cuda.get('cuda_reserved_bytes'))}"
                          if r.cuda else "-")
-        table.add_row(*cells, status, style=style)
+        table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells), status, style=style)
     return table
 
 
@@ -156,10 +156,11 @@ def render(state: JobState, now: float | None = None) -> Group:
 
 def summary(state: JobState) -> Group:
     """The end-of-job tables: per rank peak memory and mean throughput, job totals and losses."""
-    ranks = Table(title="per rank", title_justify="left", header_style="bold")
+    ranks = Table(title="per rank", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
     cuda = any(r.cuda for r in state.ranks.values())
-    for name in ("host", "rank", "status", "steps", "peak RSS", "model states (p/g/o)", *(("peak device",) if cuda
-                 else ()), "mean samples/s", "mean tokens/s", "mean step", "comm wait", "telemetry"):
+    for name in ("host", "rank", "status", "steps", "peak\nRSS", "model states\nparams/grads/optim",
+                 *(("peak\ndevice",) if cuda else ()), "mean\nsamples/s", "mean\ntokens/s", "mean\nstep",
+                 "comm\nwait", "telemetry\nper event"):
         ranks.add_column(name, justify="left" if name in ("host", "status") else "right", no_wrap=True)
     for r in sorted(state.ranks.values(), key=lambda r: r.rank):
         ms = r.model_state_bytes
@@ -171,7 +172,7 @@ def summary(state: JobState) -> Group:
         row += [mean(r.samples), mean(r.tokens), _seconds(r.train_s / r.train_steps if r.train_steps else None),
                 _pct(r.comm_wait_s / r.train_s if r.train_s else None),
                 _seconds(r.telemetry_s / r.telemetry_events if r.telemetry_events else None)]
-        ranks.add_row(*row)
+        ranks.add_row(*map(Text, row))
     job = Table.grid(padding=(0, 2))
     job.add_column(style="bold")
     job.add_column()
@@ -191,9 +192,11 @@ def summary(state: JobState) -> Group:
 class LiveView:
     """The live dashboard on ``console`` (a terminal), redrawn ``refresh_per_second`` times a second by rich's
     own thread; events and lines only update the :class:`JobState` (under a lock, so a redraw never sees it
-    half-changed)."""
+    half-changed). Once a second is enough for people and keeps the launcher's share of the CPU, which it
+    shares with the ranks on the first host, small: a frame costs about 10 ms of CPU with a few ranks
+    (``benchmarks/telemetry_overhead.py``)."""
 
-    def __init__(self, state: JobState, console: Console, refresh_per_second: float = 4) -> None:
+    def __init__(self, state: JobState, console: Console, refresh_per_second: float = 1) -> None:
         self.state, self.console = state, console
         self._lock = threading.Lock()
         self.live = Live(console=console, get_renderable=self._render, refresh_per_second=refresh_per_second,
@@ -235,3 +238,9 @@ def open_view(state: JobState, out: TextIO, dashboard: bool = True):
     if dashboard and console.is_terminal and not console.is_dumb_terminal:
         return LiveView(state, console)
     return PlainView(out, state)
+
+
+def print_summary(state: JobState, out: TextIO) -> None:
+    """Print :func:`summary` on ``out``: at the terminal's width, or 160 columns of plain text into a file or
+    pipe (rich would assume 80 and squeeze the table)."""
+    Console(file=out, width=None if out.isatty() else 160).print(summary(state))

@@ -313,9 +313,11 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
     zero = recipe.get("zero") if isinstance(recipe.get("zero"), dict) else {}
     started, ended = number(job, "started"), number(job, "ended")
     hosts = job.get("hosts") if isinstance(job.get("hosts"), list) else None
+    rank_hosts = job.get("rank_hosts") if isinstance(job.get("rank_hosts"), dict) else {}
     state = JobState(name=str(recipe.get("name", os.path.basename(os.path.dirname(os.path.abspath(run_dir))))),
                      stage=integer(zero, "stage"), precision=recipe.get("precision"), world_size=integer(job, "world_size"),
                      hosts=[str(h) for h in hosts or []], steps=integer(train, "steps"),
+                     rank_hosts={int(r): str(h) for r, h in rank_hosts.items() if str(r).isdigit()},
                      started=started if started is not None else min((e.time for e in events), default=0.0))
     replay(state, events)
     state.end(ended if ended is not None else max((e.time for e in events), default=state.started))
@@ -349,9 +351,11 @@ def _read_yaml(path: str) -> dict:
 
 
 def write_job_file(run_dir: str, state: JobState, status: str, exit_code: int, message: str = "") -> None:
-    """Write ``run_dir/job.json``: start and end (Unix s), world size, hosts, how the job ended."""
+    """Write ``run_dir/job.json``: start and end (Unix s), world size, hosts (and the host of each rank, as
+    the hostfile names it), how the job ended."""
     data = {"started": state.started, "ended": state.ended, "world_size": state.world_size, "hosts": state.hosts,
-            "status": status, "exit_code": exit_code, "message": message}
+            "rank_hosts": {str(r): h for r, h in state.rank_hosts.items()}, "status": status, "exit_code": exit_code,
+            "message": message}
     tmp = os.path.join(run_dir, "job.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)
