@@ -7,8 +7,8 @@ measurement itself needs) with plain output into a pipe.
 
 Everything else is the same in both modes (``train.eval_every=0`` in both). The modes alternate, round by
 round, because these machines are shared and noisy. Reported per mode: the mean step time of each run, from
-the wall-clock time between the step-1 and the last step event of each rank, ``(t_last - t_1) / (steps - 1)``,
-so every logging cost of the steps between is inside it; the median over rounds; the overhead (median on /
+each rank's ``finish`` event, ``(elapsed_s - time_to_first_step_s) / (steps - 1)``: the wall-clock time of
+steps 2 to the last, every logging cost in between included; the median over rounds; the overhead (median on /
 median off - 1) and the median of the paired per-round overheads. Also: the worker's own time per step event
 (``telemetry_s``: the loss all-reduce, memory probes and the write) and the launcher's CPU time per second of
 the job (the parsing, recording and drawing, competing with the ranks for the same cores). Results also go to
@@ -67,11 +67,9 @@ def run_once(recipe: str, steps: int, on: bool, workdir: str) -> dict:
         raise SystemExit(f"run failed (exit {proc.returncode}): {' '.join(cmd)}")
     [metrics] = [os.path.join(d, f) for d, _, files in os.walk(log_dir) for f in files if f == "metrics.jsonl"]
     events = [json.loads(line) for line in open(metrics, encoding="utf-8")]
-    step_times, tele = [], []
-    for rank in sorted({e["rank"] for e in events}):
-        mine = {e["step"]: e for e in events if e["event"] == "step" and e["rank"] == rank}
-        step_times.append((mine[steps]["time"] - mine[1]["time"]) / (steps - 1))
-        tele += [e["telemetry_s"] for s, e in mine.items() if s > 1]
+    step_times = [(e["elapsed_s"] - e["time_to_first_step_s"]) / (steps - 1) for e in events
+                  if e["event"] == "finish"]
+    tele = [e["telemetry_s"] for e in events if e["event"] == "step" and 1 < e["step"] < steps]
     return {"step_s": statistics.mean(step_times), "telemetry_s": statistics.median(tele) if tele else 0.0,
             "launcher_cpu_per_s": cpu / wall}
 

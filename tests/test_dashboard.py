@@ -88,7 +88,7 @@ def test_dashboard_shows_every_rank_marks_straggler_and_memory_with_units():
     assert "400 MiB / 450 MiB" in row_of(text, 0) and "10.0 MiB" in row_of(text, 0)  # RSS now/peak, model states
     assert "ZeRO stage 2 · fp32 · 3 ranks on node0x1, node1x1, node2x1" in text
     assert re.search(r"step 40/100 .* 40% elapsed 25 s\s+ETA ", text)
-    assert "job 160.0 samples/s · 20.5k tokens/s · 0.06 TFLOP/s" in text
+    assert "job 160.0 samples/s · 20.5k tokens/s · 60 GFLOP/s" in text
     assert "val 2.5000 (best 2.5000)" in text and "checkpoint step 40" in text
     assert "[rank 0] checkpoint step 40: runs/x/ckpt/step-40 (30.0 MiB, 1.5 s)" in text  # log panel
 
@@ -197,6 +197,13 @@ def test_summary_means_over_the_whole_run():
     assert "stopped" in row_of(text, 1)
     assert re.search(r"total time\s+42 s", text) and re.search(r"time to first step\s+10 s", text)
     assert re.search(r"final validation loss\s+2\.5000", text) and "last checkpoint" in text
+
+
+def test_flop_rates_in_readable_units():
+    from zerorun.telemetry.dashboard import human_flops
+
+    assert [human_flops(x) for x in (41.23, 0.06, 0.000815, 0.0)] == ["41.2 TFLOP/s", "60 GFLOP/s", "815 MFLOP/s",
+                                                                       "0 MFLOP/s"]
 
 
 def test_flops_per_token_6n_plus_attention():

@@ -25,6 +25,7 @@ from zerorun.errors import ZerorunError
 from zerorun.recipe import Recipe, ScheduleSpec
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import cuda_memory, flops_per_token, host_memory
+from zerorun.telemetry.steplog import StepLog
 
 
 class RankStream:
@@ -189,7 +190,8 @@ def train(recipe: Recipe, rank: int) -> None:
     comm_prev = engine.comm_stats()
     first_step_s = None
     shape = getattr(model, "shape", None)
-    interval_steps, interval_s, telemetry_s = 0, 0.0, 0.0  # training steps and time since the last step event
+    interval_steps, interval_s = 0, 0.0  # training steps and their time since the last step event
+    steplog = StepLog(rank, world_size, device)
     if t.eval_every:
         evaluate(0)
     for step in range(1, t.steps + 1):
@@ -208,30 +210,28 @@ def train(recipe: Recipe, rank: int) -> None:
         interval_steps, interval_s = interval_steps + 1, interval_s + step_s
         if first_step_s is None:
             first_step_s = time.time() - t_start
+        steplog.flush()  # the previous logged step's event (Note [Deferred loss] in telemetry/steplog.py)
         if step % recipe.log.every == 0 or step == t.steps or step == 1:
-            t_log = time.perf_counter()
-            mean = torch.tensor([loss_sum / t.grad_accum_steps], dtype=torch.float64, device=device)
-            dist.all_reduce(mean)
-            if not math.isfinite(float(mean)):
-                raise FloatingPointError(f"the loss is {float(mean) / world_size} at step {step} (diverged): "
-                                         "lower train.optimizer.lr or set train.grad_clip")
-            comm = engine.comm_stats()
-            samples = t.micro_batch_size * t.grad_accum_steps
-            tflops = flops_per_token(engine.num_params, shape, tokens / samples) * tokens / step_s / 1e12
-            emit("step", rank, step=step, steps=t.steps, loss=float(mean) / world_size, lr=lr,
-                 grad_norm=grad_norm, step_time_s=step_s, samples_per_s=samples / step_s,
-                 tokens_per_s=tokens / step_s, job_samples_per_s=world_size * samples / step_s,
-                 job_tokens_per_s=world_size * tokens / step_s, rss_bytes=proc.memory_info().rss,
-                 peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
-                 comm_bytes=comm["bytes_sent"] - comm_prev["bytes_sent"],
-                 comm_wait_s=comm["wait_s"] - comm_prev["wait_s"], interval_steps=interval_steps,
-                 interval_s=interval_s, tflops=tflops, job_tflops=world_size * tflops, telemetry_s=telemetry_s,
-                 **host_memory(), **cuda_memory(device))
+            with steplog.measuring():
+                comm = engine.comm_stats()
+                samples = t.micro_batch_size * t.grad_accum_steps
+                tflops = flops_per_token(engine.num_params, shape, tokens / samples) * tokens / step_s / 1e12
+                fields = dict(
+                    steps=t.steps, lr=lr, grad_norm=grad_norm, step_time_s=step_s, samples_per_s=samples / step_s,
+                    tokens_per_s=tokens / step_s, job_samples_per_s=world_size * samples / step_s,
+                    job_tokens_per_s=world_size * tokens / step_s, rss_bytes=proc.memory_info().rss,
+                    peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
+                    comm_bytes=comm["bytes_sent"] - comm_prev["bytes_sent"],
+                    comm_wait_s=comm["wait_s"] - comm_prev["wait_s"], interval_steps=interval_steps,
+                    interval_s=interval_s, tflops=tflops, job_tflops=world_size * tflops,
+                    **host_memory(), **cuda_memory(device))
+            steplog.log(step, loss_sum / t.grad_accum_steps, fields)
             comm_prev = comm
             interval_steps, interval_s = 0, 0.0
-            telemetry_s = time.perf_counter() - t_log  # reported with the next step event
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            steplog.flush()
             evaluate(step)
+    steplog.flush()
     emit("finish", rank, steps=t.steps, elapsed_s=time.time() - t_start, time_to_first_step_s=first_step_s,
          peak_rss_bytes=peak_rss_bytes(), **cuda_memory(device))
     dist.barrier()  # no rank tears its process group down while a peer may still be using it

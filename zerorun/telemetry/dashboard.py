@@ -50,6 +50,14 @@ def _seconds(s: float | None) -> str:
     return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def human_flops(tflops: float) -> str:
+    """A TFLOP/s figure in the unit that keeps it readable: ``41.2 TFLOP/s``, ``815 GFLOP/s``, ``3.1 MFLOP/s``."""
+    for scale, unit in ((1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s")):
+        if tflops >= scale:
+            return f"{tflops / scale:.3g} {unit}"
+    return f"{tflops * 1e6:.3g} MFLOP/s"
+
+
 def _pct(frac: float | None) -> str:
     return "-" if frac is None else f"{100 * frac:.0f}%"
 
@@ -100,7 +108,7 @@ def header(state: JobState, now: float | None = None) -> Panel:
              if v is not None]
     tflops = state.job_rate("tflops")
     if tflops is not None:
-        rates.append(f"{tflops:.3g} TFLOP/s")
+        rates.append(human_flops(tflops))
     facts = ["job " + " · ".join(rates)] if rates else []
     if state.last_loss is not None:
         facts.append(f"loss {state.last_loss:.4f}")

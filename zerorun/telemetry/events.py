@@ -16,7 +16,8 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
   ``probes.flops_per_token``), ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``,
   ``host_mem_bytes``, ``host_mem_used_bytes``; ``comm_bytes`` (sent) and ``comm_wait_s`` (waited in
   collectives) in total over the ``interval_steps`` steps since the previous step event, which took
-  ``interval_s`` of training time; ``telemetry_s``: time the previous step event's measurements took; on
+  ``interval_s`` of training time; ``telemetry_s``: seconds spent on telemetry since the previous step
+  event (measuring, the loss all-reduce, writing); written one step late (Note [Deferred loss]); on
   CUDA ``cuda_allocated_bytes``, ``cuda_reserved_bytes``, ``cuda_peak_bytes``, ``cuda_total_bytes``.
 - ``eval`` (rank 0): ``step``, ``val_loss``, ``samples``.
 - ``checkpoint``: ``step``, ``path``, ``seconds``, ``bytes``.
