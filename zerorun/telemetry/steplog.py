@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, TextIO
 
 
 class StepLog:
@@ -24,10 +24,11 @@ class StepLog:
         rank: this rank's global rank.
         world_size: ranks in the job.
         device: where the loss all-reduce runs (a ``torch.device``: CPU for gloo, CUDA for NCCL).
+        stream: where events are written (default: the real stdout, see ``events.emit``).
     """
 
-    def __init__(self, rank: int, world_size: int, device: Any) -> None:
-        self.rank, self.world_size, self.device = rank, world_size, device
+    def __init__(self, rank: int, world_size: int, device: Any, stream: TextIO | None = None) -> None:
+        self.rank, self.world_size, self.device, self.stream = rank, world_size, device, stream
         self.telemetry_s = 0.0  # seconds spent measuring and sending since the last queued event
         self._pending: tuple[Any, Any, int, dict[str, Any]] | None = None
 
@@ -71,4 +72,4 @@ class StepLog:
             if not math.isfinite(loss):
                 raise FloatingPointError(f"the loss is {loss} at step {step} (diverged): lower train.optimizer.lr "
                                          "or set train.grad_clip")
-            emit("step", self.rank, step=step, loss=loss, **fields)
+            emit("step", self.rank, stream=self.stream, step=step, loss=loss, **fields)
