@@ -266,3 +266,11 @@ def test_plot_draws_loss_and_memory(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     with pytest.raises(ZerorunError, match="cannot write the plot"):
         plot_run(*load_run(write_run(tmp_path, three_rank_events())), str(tmp_path / "no" / "dir" / "x.png"))
+
+
+def test_no_summary_for_a_job_that_never_sent_an_event():
+    out = io.StringIO()
+    PlainView(out, JobState(world_size=2, started=T0)).close()
+    console = Console(file=io.StringIO(), force_terminal=True, width=100, record=True)
+    LiveView(JobState(world_size=2, started=T0), console).close()
+    assert out.getvalue() == "" and "summary" not in console.export_text()

@@ -123,7 +123,5 @@ class PlainView:
         """Print the summary table (plain text when ``out`` is not a terminal)."""
         from zerorun.telemetry.dashboard import print_summary
 
-        if self.state.ended is None:
-            self.state.end()
         print_summary(self.state, self.out)
         self.out.flush()

@@ -236,7 +236,7 @@ class LiveView:
             if self.state.ended is None:
                 self.state.end()
         self.live.stop()
-        self.console.print(summary(self.state))
+        print_summary(self.state, console=self.console)
 
 
 def open_view(state: JobState, out: TextIO, dashboard: bool = True):
@@ -248,7 +248,11 @@ def open_view(state: JobState, out: TextIO, dashboard: bool = True):
     return PlainView(out, state)
 
 
-def print_summary(state: JobState, out: TextIO) -> None:
-    """Print :func:`summary` on ``out``: at the terminal's width, or 160 columns of plain text into a file or
-    pipe (rich would assume 80 and squeeze the table)."""
-    Console(file=out, width=None if out.isatty() else 160).print(summary(state))
+def print_summary(state: JobState, out: TextIO | None = None, console: Console | None = None) -> None:
+    """Print :func:`summary` on ``console``, or on ``out`` at the terminal's width, or in 160 columns of plain
+    text into a file or pipe (rich would assume 80 and squeeze the table). A job that never sent an event
+    has nothing to sum up: nothing is printed. An unfinished ``state`` is ended now."""
+    if state.ended is None:
+        state.end()
+    if state.received:
+        (console or Console(file=out, width=None if out.isatty() else 160)).print(summary(state))

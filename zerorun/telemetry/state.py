@@ -151,6 +151,7 @@ class JobState:
         self.checkpoints: list[dict[str, Any]] = []
         self.log: deque[str] = deque(maxlen=log_lines)
         self.last_loss: float | None = None
+        self.received = 0  # events folded in
         for r in range(world_size or 0):
             self.rank(r)
 
@@ -162,6 +163,7 @@ class JobState:
     # ------------------------------------------------------------------------------------------------ folding
     def update(self, e: Event) -> None:
         """Fold one event into the state."""
+        self.received += 1
         r, d = self.rank(e.rank), e.data
         if e.kind == "start":
             r.host = r.host or (d["host"] if isinstance(d.get("host"), str) else None)
