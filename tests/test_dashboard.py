@@ -93,6 +93,16 @@ def test_dashboard_shows_every_rank_marks_straggler_and_memory_with_units():
     assert "[rank 0] checkpoint step 40: runs/x/ckpt/step-40 (30.0 MiB, 1.5 s)" in text  # log panel
 
 
+def test_many_ranks_fit_the_terminal_marked_ones_first():
+    state = JobState(name="big", world_size=40, steps=100, started=T0)
+    for r in range(40):
+        state.update(step_event(r, 40, wait=0.005 if r == 35 else 0.060, host_used=15 * GiB if r == 20 else 8 * GiB))
+    text = rendered(render(state, now=T0 + 25, height=30))
+    shown = [r for r in range(40) if re.search(rf"\s{r}\s+40\s+2\.6000", text)]
+    assert shown == [0, 1, 2, 3, 4, 5, 6, 20, 35] and "31 more ranks not shown" in text
+    assert re.search(r"\s20\s+40\s.*memory 94%", text) and re.search(r"\s35\s+40\s.*straggler", text)
+
+
 def test_no_straggler_when_ranks_compute_alike():
     state = JobState(world_size=2, started=T0)
     for r in range(2):

@@ -120,18 +120,25 @@ def header(state: JobState, now: float | None = None) -> Panel:
     return Panel(body, title=Text(f"zerorun · {state.name}", style="bold"), title_align="left", border_style="blue")
 
 
-def rank_table(state: JobState) -> Table:
+def rank_table(state: JobState, max_rows: int | None = None) -> Table:
     """One row per rank; the straggler and ranks near their memory limit are coloured and named in the status
-    column (Note [Straggler and memory marks])."""
+    column (Note [Straggler and memory marks]). With more ranks than ``max_rows``, the marked and failed
+    ranks are shown first, then the others in rank order, and a caption counts those left out."""
     cuda = any(r.cuda for r in state.ranks.values())
-    table = Table(box=box.SIMPLE_HEAD, header_style="bold", padding=(0, 1), pad_edge=False)
+    straggler, alerts = state.straggler(), state.memory_alerts()
+    rows = sorted(state.ranks.values(), key=lambda r: r.rank)
+    if max_rows is not None and len(rows) > max_rows:
+        marked = [r for r in rows if r.rank == straggler or r.rank in alerts or r.status in ("error", "stopped")]
+        rows = sorted((marked + [r for r in rows if r not in marked])[:max_rows], key=lambda r: r.rank)
+    left_out = len(state.ranks) - len(rows)
+    table = Table(box=box.SIMPLE_HEAD, header_style="bold", padding=(0, 1), pad_edge=False,
+                  caption=f"{left_out} more ranks not shown" if left_out else None, caption_justify="left")
     for name, justify in (("host", "left"), ("rank", "right"), ("step", "right"), ("loss", "right"),
                           ("samples\n/s", "right"), ("step\ntime", "right"), ("comm\nwait", "right"),
                           ("RSS\nnow / peak", "right"), ("host\nmemory", "left"), ("model\nstates", "right"),
                           *((("device mem\nalloc / reserved", "right"),) if cuda else ()), ("status", "left")):
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")
-    straggler, alerts = state.straggler(), state.memory_alerts()
-    for r in sorted(state.ranks.values(), key=lambda r: r.rank):
+    for r in rows:
         status = Text(r.status, style={"error": "bold red", "done": "green", "stopped": "yellow"}.get(r.status, ""))
         style = ""
         if r.rank == straggler:
@@ -157,9 +164,11 @@ def log_panel(state: JobState) -> Panel:
     return Panel(text, title="log", title_align="left", border_style="dim")
 
 
-def render(state: JobState, now: float | None = None) -> Group:
-    """The whole live view for ``state`` at time ``now`` (Unix s)."""
-    return Group(header(state, now), rank_table(state), log_panel(state))
+def render(state: JobState, now: float | None = None, height: int | None = None) -> Group:
+    """The whole live view for ``state`` at time ``now`` (Unix s), fitting the rank table into ``height``
+    lines of terminal when given (the header and log panel take about 20)."""
+    max_rows = max(3, height - 21) if height else None
+    return Group(header(state, now), rank_table(state, max_rows), log_panel(state))
 
 
 def summary(state: JobState) -> Group:
@@ -213,7 +222,7 @@ class LiveView:
 
     def _render(self):
         with self._lock:
-            return render(self.state)
+            return render(self.state, height=self.console.size.height)
 
     def event(self, e: Event) -> None:
         with self._lock:
