@@ -5,6 +5,7 @@ matplotlib is an optional extra (``pip install 'zerorun[plot]'``), imported only
 
 from __future__ import annotations
 
+import math
 import os
 
 from zerorun.errors import ZerorunError
@@ -41,7 +42,7 @@ def plot_run(state: JobState, events: list[Event], path: str) -> None:
     for rank in sorted({e.rank for e in steps}):
         mine = [e for e in steps if e.rank == rank]
         x = [e.data["step"] for e in mine]
-        loss = [number(e.data, "loss") for e in mine]
+        loss = [number(e.data, "loss") if number(e.data, "loss") is not None else math.nan for e in mine]
         ax_loss.plot(x, loss, label=f"rank {rank}", linewidth=1)
         line, = ax_mem.plot(x, [(number(e.data, "rss_bytes") or 0) / MIB for e in mine], label=f"rank {rank} RSS")
         model = [sum(v for v in (e.data.get("model_state_bytes") or {}).values() if isinstance(v, (int, float))) / MIB

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from zerorun.errors import ZerorunError
+from zerorun.telemetry.console import human_bytes
 from zerorun.telemetry.events import Event, from_json
 
 STRAGGLER_RATIO = 1.10  # busy time per step this much above the other ranks' median marks the straggler
@@ -101,9 +102,7 @@ class RankState:
 
 def describe(e: Event) -> list[str]:
     """Human-readable lines for a lifecycle event (start, model_ready, eval, checkpoint, finish, error); none
-    for step events. Shared by the plain view, the dashboard's log panel and ``zerorun show``."""
-    from zerorun.telemetry.console import human_bytes
-
+    for step events. Shared by the plain view and the dashboard (its log panel and the scrollback)."""
     d, who = e.data, f"[rank {e.rank}]"
     if e.kind == "start":
         return [f"{who} started on {d.get('host', '?')} (pid {d.get('pid', '?')}, torch {d.get('torch', '?')}, "
