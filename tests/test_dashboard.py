@@ -256,6 +256,9 @@ def test_show_of_a_missing_run_is_one_line(tmp_path):
                          text=True)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "nope/metrics.jsonl: cannot read the run's metrics" in out.stderr
+    empty = write_run(tmp_path, [])
+    with pytest.raises(ZerorunError, match=r"metrics\.jsonl: no telemetry events in it"):
+        load_run(empty)
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):

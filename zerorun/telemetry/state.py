@@ -299,7 +299,7 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
     the launcher was killed) are skipped.
 
     Raises:
-        ZerorunError: ``run_dir`` has no readable ``metrics.jsonl``.
+        ZerorunError: ``run_dir`` has no readable ``metrics.jsonl``, or it holds no event.
     """
     path = os.path.join(run_dir, "metrics.jsonl")
     try:
@@ -308,6 +308,8 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
     except OSError as err:
         raise ZerorunError(f"{path}: cannot read the run's metrics ({err.strerror}); "
                            "is RUN_DIR a run directory (runs/<name>/<timestamp>)?") from None
+    if not events:
+        raise ZerorunError(f"{path}: no telemetry events in it (the job ended before any rank started)")
     job = _read_json(os.path.join(run_dir, "job.json"))
     recipe = _read_yaml(os.path.join(run_dir, "recipe.yaml"))
     train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
