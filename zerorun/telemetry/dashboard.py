@@ -28,7 +28,7 @@ from rich.text import Text
 
 from zerorun.telemetry.console import PlainView, human_bytes, human_rate
 from zerorun.telemetry.events import Event
-from zerorun.telemetry.state import JobState, RankState, describe
+from zerorun.telemetry.state import MEMORY_ALERT, JobState, RankState, describe
 
 BAR_WIDTH = 8
 
@@ -83,7 +83,7 @@ def memory_bar(r: RankState) -> Text:
     used = max(own, min(1.0, r.host_mem_frac or own))
     n_own = max(1 if r.rss_bytes else 0, round(own * BAR_WIDTH))
     n_used = max(n_own, round(used * BAR_WIDTH))
-    alert = (r.memory_frac or 0) > 0.9
+    alert = (r.memory_frac or 0) > MEMORY_ALERT
     bar = Text("█" * n_own, style="red" if alert else "cyan")
     bar.append("▒" * (n_used - n_own), style="red" if alert else "blue")
     bar.append("░" * (BAR_WIDTH - n_used), style="dim")
@@ -128,8 +128,8 @@ def rank_table(state: JobState, max_rows: int | None = None) -> Table:
     straggler, alerts = state.straggler(), state.memory_alerts()
     rows = sorted(state.ranks.values(), key=lambda r: r.rank)
     if max_rows is not None and len(rows) > max_rows:
-        marked = [r for r in rows if r.rank == straggler or r.rank in alerts or r.status in ("error", "stopped")]
-        rows = sorted((marked + [r for r in rows if r not in marked])[:max_rows], key=lambda r: r.rank)
+        marked = {r.rank for r in rows if r.rank == straggler or r.rank in alerts or r.status in ("error", "stopped")}
+        rows = sorted(sorted(rows, key=lambda r: r.rank not in marked)[:max_rows], key=lambda r: r.rank)
     left_out = len(state.ranks) - len(rows)
     table = Table(box=box.SIMPLE_HEAD, header_style="bold", padding=(0, 1), pad_edge=False,
                   caption=f"{left_out} more ranks not shown" if left_out else None, caption_justify="left")
