@@ -4,7 +4,8 @@ Note [Deferred loss]: a step event carries the loss averaged over all ranks, whi
 blocking all-reduce of one number costs little on a quiet machine but several milliseconds on a busy one
 (every rank must be scheduled to pass it along the ring), a few percent of a step when logging every step.
 So the all-reduce is started asynchronously when the step is logged and waited for after the *next* step,
-by which time it is done: the event goes out one step late, the training does not wait for it. Every rank
+by which time it is done: the event goes out one step late (its ``time`` is still when its step ended), the
+training does not wait for it. Every rank
 issues it at the same point of the same step, so collectives stay in the same order on every rank. A loss
 that is not finite still stops the job, one step later, naming the step it came from.
 """
@@ -51,7 +52,8 @@ class StepLog:
         with self.measuring():
             mean = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
             work = dist.all_reduce(mean, async_op=True)
-        self._pending = (work, mean, step, {**fields, "telemetry_s": self.telemetry_s})
+        fields = {**fields, "telemetry_s": self.telemetry_s, "time": round(time.time(), 3)}
+        self._pending = (work, mean, step, fields)
         self.telemetry_s = 0.0
 
     def flush(self) -> None:
