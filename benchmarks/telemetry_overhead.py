@@ -96,7 +96,8 @@ def main() -> None:
                 r = run_once(args.recipe, args.steps, mode == "on", workdir)
                 results[mode].append(r)
                 print(f"round {i + 1} {mode:>3}: {r['step_s'] * 1e3:.1f} ms/step, launcher "
-                      f"{100 * r['launcher_cpu_per_s']:.1f}% of a core, telemetry {r['telemetry_s'] * 1e3:.2f} ms/event",
+                      f"{100 * r['launcher_cpu_per_s']:.1f}% of a core, "
+                      f"telemetry {r['telemetry_s'] * 1e3:.2f} ms/event",
                       flush=True)
     on = statistics.median(r["step_s"] for r in results["on"])
     off = statistics.median(r["step_s"] for r in results["off"])

@@ -4,7 +4,6 @@ fed with hand-made events: no processes."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import queue
 import re
@@ -37,7 +36,8 @@ def step_event(rank: int, step: int, *, step_time=0.150, wait=0.060, every=20, r
         "step_time_s": step_time, "samples_per_s": 8 / step_time, "tokens_per_s": 1024 / step_time,
         "job_samples_per_s": 24 / step_time, "job_tokens_per_s": 3072 / step_time, "tflops": 0.02,
         "rss_bytes": rss, "peak_rss_bytes": rss + 50 * MiB, "host_mem_bytes": 16 * GiB,
-        "host_mem_used_bytes": host_used, "model_state_bytes": {"params": 4 * MiB, "grads": 2 * MiB, "optimizer": 4 * MiB},
+        "host_mem_used_bytes": host_used,
+        "model_state_bytes": {"params": 4 * MiB, "grads": 2 * MiB, "optimizer": 4 * MiB},
         "comm_bytes": 1000, "comm_wait_s": wait * n, "interval_steps": n, "interval_s": step_time * n,
         "telemetry_s": 0.001, **extra})
 
@@ -60,8 +60,8 @@ def three_rank_events() -> list[Event]:
 
 
 def make_state(**kw) -> JobState:
-    state = JobState(name="gpt-stdlib", stage=2, precision="fp32", world_size=3, hosts=["node0x1", "node1x1", "node2x1"],
-                     steps=100, started=T0, **kw)
+    state = JobState(name="gpt-stdlib", stage=2, precision="fp32", world_size=3,
+                     hosts=["node0x1", "node1x1", "node2x1"], steps=100, started=T0, **kw)
     for e in three_rank_events():
         state.update(e)
     return state
@@ -266,7 +266,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
 
     run_dir = write_run(tmp_path, three_rank_events())
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    with pytest.raises(ZerorunError, match=r"--plot needs matplotlib, an optional extra: pip install 'zerorun\[plot\]'"):
+    with pytest.raises(ZerorunError, match=r"--plot needs matplotlib, an optional extra: pip install 'zerorun\[plot"):
         plot_run(*load_run(run_dir), str(tmp_path / "loss.png"))
 
 

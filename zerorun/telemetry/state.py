@@ -318,7 +318,8 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
     hosts = job.get("hosts") if isinstance(job.get("hosts"), list) else None
     rank_hosts = job.get("rank_hosts") if isinstance(job.get("rank_hosts"), dict) else {}
     state = JobState(name=str(recipe.get("name", os.path.basename(os.path.dirname(os.path.abspath(run_dir))))),
-                     stage=integer(zero, "stage"), precision=recipe.get("precision"), world_size=integer(job, "world_size"),
+                     stage=integer(zero, "stage"), precision=recipe.get("precision"),
+                     world_size=integer(job, "world_size"),
                      hosts=[str(h) for h in hosts or []], steps=integer(train, "steps"),
                      rank_hosts={int(r): str(h) for r, h in rank_hosts.items() if str(r).isdigit()},
                      started=started if started is not None else min((e.time for e in events), default=0.0))
