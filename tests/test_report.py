@@ -24,7 +24,7 @@ def test_report_emits_step_events_with_rates_that_the_view_shows(monkeypatch, ca
     assert third.data["step_time_s"] == 1.0 and third.data["rss_bytes"] > 0 and third.data["peak_rss_bytes"] > 0
 
     out = io.StringIO()
-    view = PlainView(out)
+    view = PlainView(out, min_interval_s=0)  # every step event, not one line per 2 s
     for event in (first, second, third):
         event.rank = 0
         view.event(event)

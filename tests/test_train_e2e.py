@@ -57,11 +57,50 @@ def test_tiny_recipe_trains_on_two_ranks(tmp_path):
             assert e["rss_bytes"] > 0 and e["peak_rss_bytes"] >= e["rss_bytes"] * 0.5
             assert e["samples_per_s"] > 0 and e["tokens_per_s"] == pytest.approx(e["samples_per_s"] * 32, rel=1e-6)
             assert set(e["model_state_bytes"]) == {"params", "grads", "optimizer"}
+            assert e["tflops"] > 0 and e["host_mem_bytes"] >= e["host_mem_used_bytes"] > 0
+            assert e["interval_s"] >= e["step_time_s"] and 0 <= e["comm_wait_s"] <= e["interval_s"]
+        assert [e["interval_steps"] for e in steps[rank]] == [1, 4, 5, 5, 5, 5, 5]
     assert steps[0][-1]["loss"] < steps[0][0]["loss"] - 1.0  # learned: 5.5 nats -> well below
     assert steps[0][-1]["loss"] == steps[1][-1]["loss"]  # the job-wide mean, identical on every rank
     evals = [e["val_loss"] for e in events if e["event"] == "eval"]
     assert len(evals) == 3 and evals[-1] < evals[0] - 1.0
     assert "validation loss" in out.stdout and survivors(job_id(out.stdout)) == []
+    assert re.search(r"localhost\s+1\s+done\s+30\s", out.stdout)  # the summary table, not a terminal: plain
+    [run_dir] = list((tmp_path / "runs").glob("*/*/"))
+    shown = zerorun("show", str(run_dir), cwd=ROOT)
+    assert shown.returncode == 0 and re.search(r"steps\s+30/30", shown.stdout), shown.stdout + shown.stderr
+    assert re.search(r"localhost\s+0\s+done\s+30\s", shown.stdout) and "final validation loss" in shown.stdout
+
+
+def test_live_dashboard_in_a_terminal(tmp_path):
+    """Under a pseudo-terminal the launcher draws the live view, then leaves the summary in the scrollback."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", TINY, "train.steps=10", "train.eval_every=5",
+                             "log.every=2", f"log.dir={tmp_path / 'runs'}"], cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, env={**os.environ, "TERM": "xterm-256color"})
+    os.close(slave)
+    chunks = []
+    try:
+        while True:
+            chunk = os.read(master, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except OSError:  # EIO: the launcher closed the terminal
+        pass
+    assert proc.wait(timeout=240) == 0
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))
+    assert "zerorun · tiny" in text and "ZeRO stage 2 · fp32 · 2 ranks on localhostx2" in text
+    assert "step 10/10" in text and re.search(r"localhost\s+1\s+10\s+\d+\.\d{4}\s+[\d.k]+/s\s+\d+ ms", text)
+    assert "zerorun · tiny · summary" in text and "zerorun: done in" in text
+    events = read_events(tmp_path / "runs")
+    assert {e["rank"] for e in events if e["event"] == "step" and e["step"] == 10} == {0, 1}
 
 
 BROKEN_FORWARD = """

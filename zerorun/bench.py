@@ -326,9 +326,13 @@ def markdown_table(rows: list[Row], baselines: list[str]) -> str:
 
 # ---------------------------------------------------------------------------------------------------- run
 class QuietView(PlainView):
-    """The job view for bench: records validation losses like :class:`PlainView` but prints nothing."""
+    """The job view for bench: keeps the job's state like :class:`PlainView` but prints nothing, not even the
+    summary table at the end (the bench table says it)."""
 
     def print(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -433,7 +437,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
                                                        *row.combo.overrides(warmup + steps)])
                     hosts = _hosts(row.combo.hostfile, recipe.launch.procs_per_node, None, None, None, None)
                     job = _job(recipe, hosts, uuid.uuid4().hex[:12])
-                    run_dir = _run(recipe, job, view=QuietView(sys.stdout))
+                    run_dir = _run(recipe, job, make_view=lambda state: QuietView(sys.stdout, state))
                     row.run_dirs.append(run_dir)
                     row.runs.append(measure(read_events(run_dir), warmup))
                 except (ZerorunError, ValueError, OSError) as e:

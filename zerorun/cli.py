@@ -74,6 +74,8 @@ def train(
     num_nodes: Optional[int] = _NUM_NODES, num_procs: Optional[int] = _NUM_PROCS,
     ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
+    no_dashboard: bool = typer.Option(False, "--no-dashboard",
+                                      help="Plain one-line progress instead of the live dashboard."),
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
     from zerorun.launch.plan import build_plan
@@ -89,7 +91,7 @@ def train(
             print(f"node {node.node_rank} {node.host.name}: ranks {node.first_rank}..{node.first_rank + node.nproc - 1}")
             print("  " + " ".join(node.argv[:-1]) + " <recipe>")
         return
-    _run(r, _job(r, hosts, job_id, master_port, ssh, ssh_local, preflight_timeout))
+    _run(r, _job(r, hosts, job_id, master_port, ssh, ssh_local, preflight_timeout), dashboard=not no_dashboard)
 
 
 def _job(r, hosts, job_id: str, master_port: int | None = None, ssh=None, ssh_local: bool = False,
@@ -120,6 +122,8 @@ def launch(
     ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
     log_dir: str = typer.Option("runs", "--log-dir", help="Runs are written under LOG_DIR/<script>/<time>/."),
+    no_dashboard: bool = typer.Option(False, "--no-dashboard",
+                                      help="Plain one-line progress instead of the live dashboard."),
 ) -> None:
     """Run your own SCRIPT on every rank of the hostfile (or one local rank per --num-procs), with the same
     streaming and teardown as `train`; the script may report steps with zerorun.report()."""
@@ -132,20 +136,24 @@ def launch(
     job = prepare_job(hosts, uuid.uuid4().hex[:12], program=["-m", "zerorun.script_worker", script, *(args or [])],
                       modules=[script], master_port=master_port, ssh=_ssh(ssh_user, ssh_port, ssh_key, ssh_config),
                       ssh_local=ssh_local, preflight_timeout=preflight_timeout)
-    _run(None, job, name=os.path.splitext(os.path.basename(script))[0], log_dir=log_dir)
+    _run(None, job, name=os.path.splitext(os.path.basename(script))[0], log_dir=log_dir, dashboard=not no_dashboard)
 
 
-def _run(recipe, job, name: str | None = None, log_dir: str | None = None, view=None) -> str:
+def _run(recipe, job, name: str | None = None, log_dir: str | None = None, dashboard: bool = True,
+         make_view=None) -> str:
     """Run ``job`` (launch/job.py) under the supervisor, recording and showing its events, and return the run
     directory's path; ``recipe`` is None for ``zerorun launch`` (then ``name`` and ``log_dir`` say where the run
-    goes); ``view``: what shows progress (default: plain lines on stdout).
+    goes). Progress shows in the live dashboard on a terminal when ``dashboard``, else in plain lines;
+    ``make_view(state)`` replaces both (``zerorun bench``'s quiet view).
 
     Raises:
         ZerorunError: the run directory cannot be created.
         JobFailed: a rank failed, a node was lost, or the job was interrupted (``exit_code`` 130).
     """
     from zerorun.launch.supervisor import Supervisor
-    from zerorun.telemetry.console import PlainView, RunRecorder
+    from zerorun.telemetry.console import RunRecorder
+    from zerorun.telemetry.dashboard import open_view
+    from zerorun.telemetry.state import JobState, write_job_file
 
     plan, lines, nodes = job.plan, job.lines, job.nodes
     name = recipe.name if recipe is not None else name
@@ -159,25 +167,38 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None, view=
     except OSError as e:
         job.close()
         raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
-    recorder, view = RunRecorder(run_dir), view or PlainView(sys.stdout)
     hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
+    state = JobState(name=name, stage=recipe.zero.stage if recipe is not None else None,
+                     precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
+                     hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
+                     steps=recipe.train.steps if recipe is not None else None,
+                     rank_hosts={r: n.host.name for n in plan.nodes for r in range(n.first_rank, n.first_rank + n.nproc)})
+    recorder, view = RunRecorder(run_dir), (make_view or (lambda st: open_view(st, sys.stdout, dashboard)))(state)
     what = f"ZeRO stage {recipe.zero.stage}, {recipe.precision}" if recipe is not None else "user script"
     view.print(f"zerorun: {name}: {plan.world_size} ranks on {hosts}, {what}; job {plan.job_id}; run dir {run_dir}")
 
     def on_event(e):
         recorder.event(e)
-        view.event(e)
+        try:
+            view.event(e)
+        except Exception:  # noqa: BLE001 - an event the view cannot show is shown as a log line, never fatal
+            view.line(-1, f"[rank {e.rank}] unreadable event: {json.dumps(e.to_json(), default=str)}")
 
     def on_line(node_rank, line):
         recorder.line(node_rank, line)
         view.line(node_rank, line)
 
     supervisor = Supervisor(plan, nodes, lines, on_event, on_line, require_finish=recipe is not None)
+    result = None
     try:
         result = supervisor.run()
     finally:
         recorder.close()
         job.close()
+        state.end()
+        view.close()  # the summary table, also after a failure or Ctrl-C
+        if result is not None:
+            write_job_file(run_dir, state, result.status, result.exit_code, result.message)
     for host, why in supervisor.unverified.items():
         sys.stderr.write(f"zerorun: warning: {host}: could not check that the job's processes are gone: {why}\n")
     if result.status != "ok":
@@ -187,8 +208,8 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None, view=
         err.exit_code = result.exit_code
         raise err
     summary = f"done in {result.elapsed_s:.1f} s"
-    if view.last_val is not None:
-        summary += f"; validation loss {view.first_val:.4f} -> {view.last_val:.4f} (best {view.best_val:.4f})"
+    if state.evals:
+        summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
     return run_dir
 
@@ -251,6 +272,25 @@ def estimate(
         print(json.dumps(result.to_json(), indent=1))
     else:
         est.render(result)
+
+
+@app.command()
+def show(
+    run_dir: str = typer.Argument(..., help="A run directory: runs/<name>/<timestamp>."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Also draw loss and memory per rank over steps into "
+                                                            "this image file (needs matplotlib)."),
+) -> None:
+    """Print the summary of a finished run again (from its metrics.jsonl); --plot draws loss and memory."""
+    from zerorun.telemetry.dashboard import print_summary
+    from zerorun.telemetry.state import load_run
+
+    state, events = load_run(run_dir)
+    print_summary(state, sys.stdout)
+    if plot:
+        from zerorun.telemetry.plot import plot_run
+
+        plot_run(state, events, plot)
+        print(f"zerorun: wrote {plot}")
 
 
 def main() -> None:

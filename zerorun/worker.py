@@ -24,6 +24,8 @@ from typing import TextIO
 from zerorun.errors import ZerorunError
 from zerorun.recipe import Recipe, ScheduleSpec
 from zerorun.telemetry.events import emit
+from zerorun.telemetry.probes import cuda_memory, flops_per_token, host_memory
+from zerorun.telemetry.steplog import StepLog
 
 
 class RankStream:
@@ -103,7 +105,7 @@ def train(recipe: Recipe, rank: int) -> None:
                             timeout=datetime.timedelta(seconds=recipe.launch.collective_timeout_s))
     world_size = dist.get_world_size()
     emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=torch.__version__, device=str(device),
-         world_size=world_size, local_rank=local_rank)
+         world_size=world_size, local_rank=local_rank, **host_memory(), **cuda_memory(device))
     t = recipe.train
     torch.manual_seed(t.seed)
     z = recipe.zero
@@ -197,6 +199,9 @@ def train(recipe: Recipe, rank: int) -> None:
     proc = psutil.Process()
     comm_prev = engine.comm_stats()
     first_step_s = None
+    shape = getattr(model, "shape", None)
+    interval_steps, interval_s = 0, 0.0  # training steps and their time since the last step event
+    steplog = StepLog(rank, world_size, device)
     if t.eval_every:
         evaluate(0)
     for step in range(1, t.steps + 1):
@@ -212,29 +217,35 @@ def train(recipe: Recipe, rank: int) -> None:
         lr = engine.optimizer.param_groups[0]["lr"]
         scheduler.step()
         step_s = time.perf_counter() - t0
+        interval_steps, interval_s = interval_steps + 1, interval_s + step_s
         if first_step_s is None:
             first_step_s = time.time() - t_start
+        steplog.flush()  # the previous logged step's event (Note [Deferred loss] in telemetry/steplog.py)
         if step % recipe.log.every == 0 or step == t.steps or step == 1:
-            mean = torch.tensor([loss_sum / t.grad_accum_steps], dtype=torch.float64, device=device)
-            dist.all_reduce(mean)
-            if not math.isfinite(float(mean)):
-                raise FloatingPointError(f"the loss is {float(mean) / world_size} at step {step} (diverged): "
-                                         "lower train.optimizer.lr or set train.grad_clip")
-            comm = engine.comm_stats()
-            samples = t.micro_batch_size * t.grad_accum_steps
-            emit("step", rank, step=step, steps=t.steps, loss=float(mean) / world_size, lr=lr,
-                 grad_norm=grad_norm, step_time_s=step_s, samples_per_s=samples / step_s,
-                 tokens_per_s=tokens / step_s, job_samples_per_s=world_size * samples / step_s,
-                 job_tokens_per_s=world_size * tokens / step_s, rss_bytes=proc.memory_info().rss,
-                 peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
-                 comm_bytes=comm["bytes_sent"] - comm_prev["bytes_sent"],
-                 comm_wait_s=None if comm["wait_s"] is None else comm["wait_s"] - comm_prev["wait_s"],
-                 loss_scale=engine.loss_scale, skipped=engine.last_step_skipped, skipped_steps=engine.skipped_steps)
+            with steplog.measuring():
+                comm = engine.comm_stats()
+                samples = t.micro_batch_size * t.grad_accum_steps
+                tflops = flops_per_token(engine.num_params, shape, tokens / samples) * tokens / step_s / 1e12
+                fields = dict(
+                    steps=t.steps, lr=lr, grad_norm=grad_norm, step_time_s=step_s, samples_per_s=samples / step_s,
+                    tokens_per_s=tokens / step_s, job_samples_per_s=world_size * samples / step_s,
+                    job_tokens_per_s=world_size * tokens / step_s, rss_bytes=proc.memory_info().rss,
+                    peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
+                    comm_bytes=comm["bytes_sent"] - comm_prev["bytes_sent"],
+                    comm_wait_s=None if comm["wait_s"] is None else comm["wait_s"] - comm_prev["wait_s"],
+                    loss_scale=engine.loss_scale, skipped=engine.last_step_skipped,
+                    skipped_steps=engine.skipped_steps, interval_steps=interval_steps,
+                    interval_s=interval_s, tflops=tflops, job_tflops=world_size * tflops,
+                    **host_memory(), **cuda_memory(device))
+            steplog.log(step, loss_sum / t.grad_accum_steps, fields)
             comm_prev = comm
+            interval_steps, interval_s = 0, 0.0
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            steplog.flush()
             evaluate(step)
+    steplog.flush()
     emit("finish", rank, steps=t.steps, elapsed_s=time.time() - t_start, time_to_first_step_s=first_step_s,
-         peak_rss_bytes=peak_rss_bytes(), skipped_steps=engine.skipped_steps)
+         peak_rss_bytes=peak_rss_bytes(), skipped_steps=engine.skipped_steps, **cuda_memory(device))
     engine.close()  # removes the offload swap file (Note [Swap files])
     dist.barrier()  # no rank tears its process group down while a peer may still be using it
     dist.destroy_process_group()

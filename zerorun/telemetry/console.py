@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import TextIO
 
 from zerorun.telemetry.events import Event
@@ -50,51 +51,78 @@ class RunRecorder:
 
 
 class PlainView:
-    """Readable one-line progress on ``out``: rank 0's step events, evaluations, and every rank's log lines."""
+    """Plain one-line progress on ``out`` for when there is no terminal (CI, ``| tee``, ``--no-dashboard``):
+    a job line from rank 0's step events at most every ``min_interval_s`` seconds (the first and last step
+    always), lifecycle lines (``state.describe``), every rank's own output, and the summary table at the end.
+    The job's picture is kept in ``state`` (a :class:`~zerorun.telemetry.state.JobState`)."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, state=None, min_interval_s: float = 2.0) -> None:
+        from zerorun.telemetry.state import JobState
+
         self.out = out
-        self.best_val: float | None = None
-        self.first_val: float | None = None
-        self.last_val: float | None = None
+        self.state = state if state is not None else JobState()
+        self.min_interval_s = min_interval_s
+        self._last_print = 0.0
 
     def event(self, e: Event) -> None:
+        from zerorun.telemetry.state import describe
+
+        self.state.update(e)
         d = e.data
-        if e.kind == "step" and e.rank == 0:  # fields a user script's zerorun.report() left out are skipped
-            parts = [f"step {d['step']:>{len(str(d['steps']))}}/{d['steps']}" if "steps" in d else f"step {d['step']}"]
-            for key, show in (("loss", lambda v: f"loss {v:.4f}"), ("lr", lambda v: f"lr {v:.2e}"),
-                              ("grad_norm", lambda v: f"grad {v:.3f}"),
-                              ("step_time_s", lambda v: f"{v * 1e3:.0f} ms/step"),
-                              ("job_samples_per_s", lambda v: f"{human_rate(v)} samples/s"),
-                              ("job_tokens_per_s", lambda v: f"{human_rate(v)} tok/s"),
-                              ("rss_bytes", lambda v: f"rss {human_bytes(v)}")):
-                if isinstance(d.get(key), (int, float)):
-                    parts.append(show(d[key]))
-            self.print("  ".join(parts))
-        elif e.kind == "eval":
-            v = d["val_loss"]
-            self.first_val = v if self.first_val is None else self.first_val
-            self.last_val = v
-            self.best_val = v if self.best_val is None else min(self.best_val, v)
-            self.print(f"eval step {d['step']}: validation loss {v:.4f}")
+        if e.kind == "step" and e.rank == 0:
+            now = time.monotonic()
+            if now - self._last_print >= self.min_interval_s or d.get("step") in (1, d.get("steps")):
+                self._last_print = now
+                self.print(self.progress_line(e))
+        elif e.kind in ("eval", "checkpoint") or e.kind == "error" and not d.get("user_error"):
+            for line in describe(e):  # user errors: the launcher's one line says it
+                self.print(line)
         elif e.kind == "model_ready" and e.rank == 0:
-            self.print(f"model: {d['params']:,} parameters, ZeRO stage {d['stage']}")
-            if d.get("units"):
-                units = d["units"]
-                shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
-                self.print(f"stage 3 units: {shown}")
+            for line in describe(e):
+                self.print(line.replace(f"[rank {e.rank}] model ready: ", "model: "))
         elif e.kind == "start" and e.rank == 0:
-            self.print(f"{d['world_size']} ranks started (torch {d['torch']}, {d['device']})")
-        elif e.kind == "error" and not d.get("user_error"):  # user errors: the launcher's one line says it
-            self.print(f"[rank {e.rank}] error: {d.get('type')}: {d.get('message')}")
-            if d.get("traceback"):
-                for line in d["traceback"].splitlines()[-6:]:
-                    self.print(f"[rank {e.rank}]   {line}")
+            self.print(f"{d.get('world_size', '?')} ranks started (torch {d.get('torch', '?')}, "
+                       f"{d.get('device', '?')})")
+
+    def progress_line(self, e: Event) -> str:
+        """``step 20/400  loss 3.1927  lr 1.50e-03  grad 1.799  156 ms/step  102.5 samples/s ...``: rank
+        ``e.rank``'s step event, with the job-wide rates, ETA and any straggler or memory alert."""
+        from zerorun.telemetry.state import integer, number
+
+        d, s = e.data, self.state
+        steps = integer(d, "steps") or s.steps or "?"
+        parts = [f"step {integer(d, 'step') or '?':>{len(str(steps))}}/{steps}"]
+        for key, fmt in (("loss", "loss {:.4f}"), ("lr", "lr {:.2e}"), ("grad_norm", "grad {:.3f}")):
+            if number(d, key) is not None:
+                parts.append(fmt.format(number(d, key)))
+        if number(d, "step_time_s"):
+            parts.append(f"{number(d, 'step_time_s') * 1e3:.0f} ms/step")
+        for key, unit in (("job_samples_per_s", "samples/s"), ("job_tokens_per_s", "tok/s")):
+            if number(d, key) is not None:
+                parts.append(f"{human_rate(number(d, key))} {unit}")
+        if number(d, "rss_bytes") is not None:
+            parts.append(f"rss {human_bytes(number(d, 'rss_bytes'))}")
+        eta = s.eta_s()
+        if eta is not None:
+            parts.append(f"eta {eta:.0f} s")
+        if s.straggler() is not None:
+            parts.append(f"straggler: rank {s.straggler()}")
+        if s.memory_alerts():
+            parts.append("memory > 90%: rank " + ", ".join(map(str, sorted(s.memory_alerts()))))
+        return "  ".join(parts)
 
     def line(self, node_rank: int, line: str) -> None:
+        self.state.add_line(node_rank, line)
         if line.startswith("[rank "):
             self.print(line)
 
     def print(self, text: str) -> None:
         self.out.write(text + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        """Print the summary table (plain text when ``out`` is not a terminal)."""
+        from zerorun.telemetry.dashboard import print_summary
+
+        print_summary(self.state, self.out)
         self.out.flush()

@@ -3,9 +3,29 @@
 Workers call :func:`emit`; the launcher calls :func:`parse_line` on every line it reads from a node, local
 or remote, so both paths are the same. Schema (version :data:`SCHEMA_VERSION`): every event has ``v``
 (schema version), ``event`` (kind, one of :data:`KINDS`), ``rank``, ``time`` (Unix seconds) and kind-specific
-fields (step events: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``, ``samples_per_s``,
-``tokens_per_s``, ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``, ``comm_bytes``, ``comm_wait_s``,
-``loss_scale`` (fp16, else null), ``skipped`` (this step was skipped on an fp16 overflow), ``skipped_steps``).
+fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per second.
+
+- ``start``: ``host``, ``pid``, ``torch`` (version), ``device``, ``world_size``, ``local_rank``,
+  ``host_mem_bytes``, ``host_mem_used_bytes``, and on CUDA the ``cuda_*_bytes`` fields below.
+- ``model_ready``: ``params`` (all parameters), ``trainable`` (Ψ managed by the engine), ``stage``,
+  ``model_state_bytes`` (``{"params", "grads", "optimizer"}`` bytes this rank holds), ``units`` (stage 3).
+- ``step`` (every ``log.every`` steps, and the first and last): ``step``, ``steps`` (total), ``loss`` (the
+  job-wide mean), ``lr``, ``grad_norm`` (global, before clipping), ``step_time_s`` (this step on this rank),
+  ``samples_per_s``, ``tokens_per_s`` (this rank, this step), ``job_samples_per_s``, ``job_tokens_per_s``
+  (world size x this rank's), ``tflops``, ``job_tflops`` (achieved model TFLOP/s, see
+  ``probes.flops_per_token``), ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``,
+  ``host_mem_bytes``, ``host_mem_used_bytes``; ``comm_bytes`` (sent) and ``comm_wait_s`` (waited in
+  collectives) in total over the ``interval_steps`` steps since the previous step event, which took
+  ``interval_s`` of training time; ``telemetry_s``: seconds spent on telemetry since the previous step
+  event (measuring, the loss all-reduce, writing); written one step late (Note [Deferred loss]); on
+  CUDA ``cuda_allocated_bytes``, ``cuda_reserved_bytes``, ``cuda_peak_bytes``, ``cuda_total_bytes``;
+  ``loss_scale`` (fp16, else null), ``skipped`` (this step was skipped on an fp16 overflow), ``skipped_steps``;
+  ``comm_wait_s`` is null for the DDP/FSDP2 baselines (not observable).
+- ``eval`` (rank 0): ``step``, ``val_loss``, ``samples``.
+- ``checkpoint``: ``step``, ``path``, ``seconds``, ``bytes``.
+- ``finish``: ``steps``, ``elapsed_s``, ``time_to_first_step_s``, ``peak_rss_bytes`` (and ``cuda_*``).
+- ``error``: ``type``, ``message``, ``user_error``, and for crashes ``traceback`` (its last lines),
+  ``where`` (file:line in function), ``peer_failure``.
 """
 
 from __future__ import annotations
@@ -62,8 +82,14 @@ def parse_line(line: str) -> Event | None:
     start = line.find(PREFIX)
     if start < 0:
         return None
+    return from_json(line[start + len(PREFIX):])
+
+
+def from_json(text: str) -> Event | None:
+    """The :class:`Event` in one JSON object ``text`` (a line of metrics.jsonl, or an event line after its
+    prefix), or ``None`` when it is not a well-formed event of this schema version."""
     try:
-        payload = json.loads(line[start + len(PREFIX):])
+        payload = json.loads(text)
     except (ValueError, RecursionError):
         return None
     if not isinstance(payload, dict) or payload.get("v") != SCHEMA_VERSION:

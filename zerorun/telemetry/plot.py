@@ -1,0 +1,67 @@
+"""``zerorun show RUN_DIR --plot FILE``: loss and memory of every rank over steps, drawn with matplotlib.
+
+matplotlib is an optional extra (``pip install 'zerorun[plot]'``), imported only here, only when asked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from zerorun.errors import ZerorunError
+from zerorun.telemetry.events import Event
+from zerorun.telemetry.state import JobState, number
+
+MIB = 1024 ** 2
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ZerorunError("--plot needs matplotlib, an optional extra: pip install 'zerorun[plot]' "
+                           "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(state: JobState, events: list[Event], path: str) -> None:
+    """Draw into ``path`` (its extension picks the format: .png, .svg, .pdf): top, training loss per rank
+    and validation loss over steps; bottom, RSS (solid) and model-state bytes (dashed) per rank in MiB.
+
+    Raises:
+        ZerorunError: matplotlib is not installed, the run has no step events, or ``path`` cannot be written.
+    """
+    steps = [e for e in events if e.kind == "step" and number(e.data, "step") is not None]
+    if not steps:
+        raise ZerorunError(f"--plot {path}: the run has no step events to plot")
+    plt = _pyplot()
+    fig, (ax_loss, ax_mem) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for rank in sorted({e.rank for e in steps}):
+        mine = [e for e in steps if e.rank == rank]
+        x = [e.data["step"] for e in mine]
+        loss = [number(e.data, "loss") if number(e.data, "loss") is not None else math.nan for e in mine]
+        ax_loss.plot(x, loss, label=f"rank {rank}", linewidth=1)
+        line, = ax_mem.plot(x, [(number(e.data, "rss_bytes") or 0) / MIB for e in mine], label=f"rank {rank} RSS")
+        model = [sum(v for v in (e.data.get("model_state_bytes") or {}).values() if isinstance(v, (int, float))) / MIB
+                 for e in mine]
+        ax_mem.plot(x, model, linestyle="--", color=line.get_color(), label=f"rank {rank} model states")
+    if state.evals:
+        ax_loss.plot([s for s, _ in state.evals], [v for _, v in state.evals], "ko-", label="validation")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title(f"{state.name}: loss and memory per rank")
+    ax_loss.legend(fontsize="small")
+    ax_mem.set_ylabel("MiB")
+    ax_mem.set_xlabel("step")
+    ax_mem.legend(fontsize="small")
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as err:
+        raise ZerorunError(f"--plot {path}: cannot write the plot: {getattr(err, 'strerror', None) or err}") from None
+    finally:
+        plt.close(fig)
+    if not os.path.exists(path):
+        raise ZerorunError(f"--plot {path}: the plot was not written")

@@ -1,0 +1,366 @@
+"""The launcher's picture of a job, folded from telemetry events: what the live dashboard, the plain progress
+lines and ``zerorun show`` all display.
+
+No rich here and nothing that can raise on a strange event: a well-formed event whose fields have unexpected
+types (a newer worker, a hand-written line) only leaves the affected values unknown (``None``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from zerorun.errors import ZerorunError
+from zerorun.telemetry.console import human_bytes
+from zerorun.telemetry.events import Event, from_json
+
+STRAGGLER_RATIO = 1.10  # busy time per step this much above the other ranks' median marks the straggler
+MEMORY_ALERT = 0.90  # fraction of host (or device) memory in use above which a rank is marked
+
+
+def number(data: dict, key: str) -> float | None:
+    """``data[key]`` as a float, or ``None`` when it is missing or not a number (booleans are not numbers)."""
+    v = data.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def integer(data: dict, key: str) -> int | None:
+    """``data[key]`` as an int (truncated), or ``None`` like :func:`number`."""
+    v = number(data, key)
+    return int(v) if v is not None else None
+
+
+@dataclass
+class RankState:
+    """The latest values one rank reported (``None``: not reported yet) and its run totals.
+
+    Units: ``*_s`` seconds, ``*_bytes`` bytes, rates per second; ``comm_wait`` is the fraction of training
+    time spent waiting in collectives over the last logged interval.
+    """
+
+    rank: int
+    host: str | None = None
+    status: str = "starting"
+    step: int = 0
+    loss: float | None = None
+    step_time_s: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    tflops: float | None = None
+    comm_wait: float | None = None
+    rss_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    host_mem_bytes: int | None = None
+    host_mem_used_bytes: int | None = None
+    model_state_bytes: dict[str, int] = field(default_factory=dict)
+    cuda: dict[str, int] = field(default_factory=dict)
+    # run totals over every logged interval, for the summary's means
+    train_s: float = 0.0
+    train_steps: int = 0
+    samples: float = 0.0
+    tokens: float = 0.0
+    comm_wait_s: float = 0.0
+    telemetry_s: float = 0.0
+    telemetry_events: int = 0
+    first_step_time: float | None = None
+
+    @property
+    def busy_s(self) -> float | None:
+        """Seconds per step this rank computed rather than waited for its peers: the straggler's is longest."""
+        if self.step_time_s is None:
+            return None
+        return self.step_time_s * (1.0 - (self.comm_wait or 0.0))
+
+    @property
+    def host_mem_frac(self) -> float | None:
+        """Fraction of the host's memory in use (by every process on it)."""
+        if not self.host_mem_bytes or self.host_mem_used_bytes is None:
+            return None
+        return self.host_mem_used_bytes / self.host_mem_bytes
+
+    @property
+    def memory_frac(self) -> float | None:
+        """The highest of: host memory in use, this rank's RSS, this rank's CUDA reserved memory, each as a
+        fraction of its host's (device's) total."""
+        fracs = [self.host_mem_frac]
+        if self.host_mem_bytes and self.rss_bytes is not None:
+            fracs.append(self.rss_bytes / self.host_mem_bytes)
+        if self.cuda.get("cuda_total_bytes") and "cuda_reserved_bytes" in self.cuda:
+            fracs.append(self.cuda["cuda_reserved_bytes"] / self.cuda["cuda_total_bytes"])
+        known = [f for f in fracs if f is not None]
+        return max(known) if known else None
+
+    @property
+    def model_state_total(self) -> int | None:
+        return sum(self.model_state_bytes.values()) if self.model_state_bytes else None
+
+
+def describe(e: Event) -> list[str]:
+    """Human-readable lines for a lifecycle event (start, model_ready, eval, checkpoint, finish, error); none
+    for step events. Shared by the plain view and the dashboard (its log panel and the scrollback)."""
+    d, who = e.data, f"[rank {e.rank}]"
+    if e.kind == "start":
+        return [f"{who} started on {d.get('host', '?')} (pid {d.get('pid', '?')}, torch {d.get('torch', '?')}, "
+                f"{d.get('device', '?')})"]
+    if e.kind == "model_ready":
+        units = d.get("units") or []
+        shown = ", ".join(map(str, units[:6])) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
+        params = integer(d, "params")
+        return [f"{who} model ready: {params:,} parameters, ZeRO stage {d.get('stage', '?')}" if params is not None
+                else f"{who} model ready"] + ([f"{who} stage 3 units: {shown}"] if units else [])
+    if e.kind == "eval":
+        v = number(d, "val_loss")
+        return [f"eval step {d.get('step', '?')}: validation loss " + (f"{v:.4f}" if v is not None else "?")]
+    if e.kind == "checkpoint":
+        size, secs = number(d, "bytes"), number(d, "seconds")
+        extra = ", ".join(x for x in (human_bytes(size) if size is not None else "",
+                                      f"{secs:.1f} s" if secs is not None else "") if x)
+        return [f"{who} checkpoint step {d.get('step', '?')}: {d.get('path', '?')}" + (f" ({extra})" if extra else "")]
+    if e.kind == "finish":
+        return [f"{who} finished"]
+    if e.kind == "error":
+        lines = [f"{who} error: {d.get('type', 'Error')}: {d.get('message', '')}"]
+        if isinstance(d.get("traceback"), str) and not d.get("user_error"):
+            lines += [f"{who}   {line}" for line in d["traceback"].splitlines()[-6:]]
+        return lines
+    return []
+
+
+class JobState:
+    """Everything known about a job: the launcher's plan (``name``, ``stage``, ``precision``, ``world_size``,
+    ``hosts`` as ``"host x slots"`` strings, ``steps``), one :class:`RankState` per rank, evaluations,
+    checkpoints, and the last ``log_lines`` log lines of all ranks. ``started`` is the job's start (Unix s)."""
+
+    def __init__(self, *, name: str = "?", stage: int | None = None, precision: str | None = None,
+                 world_size: int | None = None, hosts: list[str] | None = None, steps: int | None = None,
+                 rank_hosts: dict[int, str] | None = None, started: float | None = None,
+                 log_lines: int = 8) -> None:
+        self.name, self.stage, self.precision = name, stage, precision
+        self.world_size, self.hosts, self.steps = world_size, list(hosts or []), steps
+        self.rank_hosts = dict(rank_hosts or {})
+        self.started = started if started is not None else time.time()
+        self.ended: float | None = None
+        self.ranks: dict[int, RankState] = {}
+        self.evals: list[tuple[int, float]] = []
+        self.checkpoints: list[dict[str, Any]] = []
+        self.log: deque[str] = deque(maxlen=log_lines)
+        self.last_loss: float | None = None
+        self.received = 0  # events folded in
+        for r in range(world_size or 0):
+            self.rank(r)
+
+    def rank(self, r: int) -> RankState:
+        if r not in self.ranks:
+            self.ranks[r] = RankState(r, host=self.rank_hosts.get(r))
+        return self.ranks[r]
+
+    # ------------------------------------------------------------------------------------------------ folding
+    def update(self, e: Event) -> None:
+        """Fold one event into the state."""
+        self.received += 1
+        r, d = self.rank(e.rank), e.data
+        if e.kind == "start":
+            r.host = r.host or (d["host"] if isinstance(d.get("host"), str) else None)
+            r.status = "started"
+            self._memory(r, d)
+        elif e.kind == "model_ready":
+            r.status = "ready"
+            if isinstance(d.get("model_state_bytes"), dict):
+                r.model_state_bytes = {k: v for k, v in d["model_state_bytes"].items() if isinstance(v, int)}
+        elif e.kind == "step":
+            self._step(r, e)
+        elif e.kind == "eval":
+            v, step = number(d, "val_loss"), integer(d, "step")
+            if v is not None and step is not None:
+                self.evals.append((step, v))
+        elif e.kind == "checkpoint":
+            self.checkpoints.append({"rank": e.rank, **d})
+        elif e.kind == "finish":
+            r.status = "done"
+            if integer(d, "peak_rss_bytes") is not None:
+                r.peak_rss_bytes = max(r.peak_rss_bytes or 0, integer(d, "peak_rss_bytes"))
+            self._memory(r, d)
+        elif e.kind == "error":
+            r.status = "error" if not d.get("peer_failure") else "stopped"
+        for line in describe(e):
+            self.log.append(line)
+
+    def add_line(self, node_rank: int, line: str) -> None:
+        """A line a node printed that is not an event: a rank's own output (already ``[rank R] ...``) or the
+        node's launcher (prefixed ``[node N]``)."""
+        self.log.append(line if line.startswith("[rank ") else f"[node {node_rank}] {line}")
+
+    def _memory(self, r: RankState, d: dict) -> None:
+        for key in ("rss_bytes", "peak_rss_bytes", "host_mem_bytes", "host_mem_used_bytes"):
+            if integer(d, key) is not None:
+                setattr(r, key, integer(d, key))
+        for key in ("cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_peak_bytes", "cuda_total_bytes"):
+            if integer(d, key) is not None:
+                r.cuda[key] = integer(d, key)
+
+    def _step(self, r: RankState, e: Event) -> None:
+        d = e.data
+        step = integer(d, "step")
+        if step is None:
+            return
+        r.status, r.step = "training", step
+        if r.first_step_time is None:
+            r.first_step_time = e.time
+        if integer(d, "steps"):
+            self.steps = self.steps or integer(d, "steps")
+        for key in ("loss", "step_time_s", "samples_per_s", "tokens_per_s", "tflops"):
+            setattr(r, key, number(d, key))
+        if r.loss is not None and r.rank == min(self.ranks):
+            self.last_loss = r.loss
+        self._memory(r, d)
+        if isinstance(d.get("model_state_bytes"), dict):
+            r.model_state_bytes = {k: v for k, v in d["model_state_bytes"].items() if isinstance(v, int)}
+        n = integer(d, "interval_steps") or 1
+        span = number(d, "interval_s") or (r.step_time_s or 0.0) * n
+        wait = number(d, "comm_wait_s")
+        r.comm_wait = min(1.0, wait / span) if wait is not None and span > 0 else None
+        if span > 0 and r.step_time_s:
+            r.train_s += span
+            r.train_steps += n
+            r.samples += (r.samples_per_s or 0.0) * r.step_time_s * n
+            r.tokens += (r.tokens_per_s or 0.0) * r.step_time_s * n
+            r.comm_wait_s += wait or 0.0
+        if number(d, "telemetry_s") is not None and step > 1:
+            r.telemetry_s += number(d, "telemetry_s")
+            r.telemetry_events += 1
+
+    def end(self, when: float | None = None) -> None:
+        """The job is over (at ``when``, Unix s): ranks that neither finished nor failed were stopped."""
+        self.ended = when if when is not None else time.time()
+        for r in self.ranks.values():
+            if r.status not in ("done", "error"):
+                r.status = "stopped"
+
+    # ------------------------------------------------------------------------------------------------ reading
+    @property
+    def step(self) -> int:
+        """The job's step: the lowest step every rank has reached."""
+        return min((r.step for r in self.ranks.values()), default=0)
+
+    def job_rate(self, key: str) -> float | None:
+        """Job-wide ``samples_per_s``, ``tokens_per_s`` or ``tflops``: the sum of every rank's latest value."""
+        values = [getattr(r, key) for r in self.ranks.values() if r.status in ("training", "done")]
+        values = [v for v in values if v is not None]
+        return sum(values) if values else None
+
+    def elapsed_s(self, now: float | None = None) -> float:
+        return (self.ended or now or time.time()) - self.started
+
+    def eta_s(self, now: float | None = None) -> float | None:
+        """Seconds left at the wall-clock pace since the first step (evaluations included)."""
+        first = min((r.first_step_time for r in self.ranks.values() if r.first_step_time), default=None)
+        step = self.step
+        if first is None or not self.steps or step <= 1:
+            return None
+        per_step = ((now or time.time()) - first) / (step - 1)
+        return max(0.0, per_step * (self.steps - step))
+
+    def straggler(self) -> int | None:
+        """The rank whose busy time per step (:attr:`RankState.busy_s`) exceeds the median of the other
+        training ranks' by more than :data:`STRAGGLER_RATIO`; ``None`` when no rank stands out. Its peers wait
+        for it in every collective, so its step time alone would not show it."""
+        busy = {r.rank: r.busy_s for r in self.ranks.values() if r.status == "training" and r.busy_s}
+        if len(busy) < 2:
+            return None
+        slowest = max(busy, key=busy.get)
+        others = statistics.median(v for k, v in busy.items() if k != slowest)
+        return slowest if busy[slowest] > STRAGGLER_RATIO * others else None
+
+    def memory_alerts(self) -> set[int]:
+        """Ranks whose :attr:`RankState.memory_frac` is above :data:`MEMORY_ALERT`."""
+        return {r.rank for r in self.ranks.values() if (r.memory_frac or 0.0) > MEMORY_ALERT}
+
+    def time_to_first_step_s(self) -> float | None:
+        firsts = [r.first_step_time for r in self.ranks.values() if r.first_step_time]
+        return max(firsts) - self.started if firsts else None
+
+    @property
+    def final_val(self) -> float | None:
+        return self.evals[-1][1] if self.evals else None
+
+    @property
+    def best_val(self) -> float | None:
+        return min(v for _, v in self.evals) if self.evals else None
+
+
+def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
+    """A finished (or stopped) run's :class:`JobState` and events, from ``run_dir``'s ``metrics.jsonl``,
+    ``recipe.yaml`` and ``job.json`` (the last two optional). Lines that are not events (a line cut short when
+    the launcher was killed) are skipped.
+
+    Raises:
+        ZerorunError: ``run_dir`` has no readable ``metrics.jsonl``, or it holds no event.
+    """
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            events = [e for e in map(from_json, f) if e is not None]
+    except OSError as err:
+        raise ZerorunError(f"{path}: cannot read the run's metrics ({err.strerror}); "
+                           "is RUN_DIR a run directory (runs/<name>/<timestamp>)?") from None
+    if not events:
+        raise ZerorunError(f"{path}: no telemetry events in it (the job ended before any rank started)")
+    job = _read_json(os.path.join(run_dir, "job.json"))
+    recipe = _read_yaml(os.path.join(run_dir, "recipe.yaml"))
+    train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
+    zero = recipe.get("zero") if isinstance(recipe.get("zero"), dict) else {}
+    started, ended = number(job, "started"), number(job, "ended")
+    hosts = job.get("hosts") if isinstance(job.get("hosts"), list) else None
+    rank_hosts = job.get("rank_hosts") if isinstance(job.get("rank_hosts"), dict) else {}
+    state = JobState(name=str(recipe.get("name", os.path.basename(os.path.dirname(os.path.abspath(run_dir))))),
+                     stage=integer(zero, "stage"), precision=recipe.get("precision"),
+                     world_size=integer(job, "world_size"),
+                     hosts=[str(h) for h in hosts or []], steps=integer(train, "steps"),
+                     rank_hosts={int(r): str(h) for r, h in rank_hosts.items() if str(r).isdigit()},
+                     started=started if started is not None else min((e.time for e in events), default=0.0))
+    replay(state, events)
+    state.end(ended if ended is not None else max((e.time for e in events), default=state.started))
+    return state, events
+
+
+def replay(state: JobState, events: Iterable[Event]) -> JobState:
+    for e in events:
+        state.update(e)
+    return state
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_job_file(run_dir: str, state: JobState, status: str, exit_code: int, message: str = "") -> None:
+    """Write ``run_dir/job.json``: start and end (Unix s), world size, hosts (and the host of each rank, as
+    the hostfile names it), how the job ended."""
+    data = {"started": state.started, "ended": state.ended, "world_size": state.world_size, "hosts": state.hosts,
+            "rank_hosts": {str(r): h for r, h in state.rank_hosts.items()}, "status": status, "exit_code": exit_code,
+            "message": message}
+    tmp = os.path.join(run_dir, "job.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, os.path.join(run_dir, "job.json"))
