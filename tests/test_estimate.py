@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -48,31 +49,49 @@ def test_communication_is_2psi_and_3psi_elements():
     assert est.comm_bytes(layout, 3, 1, BF16) == 0
 
 
-def engine_layout(config, stage):
+def engine_layout(config, stage, precision="fp32"):
     model, model_kwargs, units, _, opt_kwargs, bucket_mb, _ = config
     with torch.device("meta"):
         m = cases.build(model, model_kwargs)
-    return est.layout_of(m, bucket_mb=bucket_mb, units=units if stage == 3 else ())
+    return est.layout_of(m, bucket_mb=bucket_mb, units=units if stage == 3 else (), precision=precision)
+
+
+def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtype=None, offload="none",
+                          offload_path=None):
+    reports = pool.run(cases.engine_reports, stage=stage, precision=precision, reduce_dtype=reduce_dtype,
+                       offload=offload, offload_path=offload_path)
+    p = est.precision_of(precision, reduce_dtype)
+    for i, config in enumerate(cases.CONFIGS):
+        _, _, _, opt, opt_kwargs, _, accum = config
+        layout = engine_layout(config, stage, precision)
+        # the ranks are CPU processes: the engine's "device" is the host (cpu offload keeps its bytes there)
+        want = est.model_states(layout, stage, world_size, p, est.optimizer_model(opt, opt_kwargs), offload,
+                                buffer_mb=cases.BUFFER_MB, device_is_host=True)
+        sent = est.comm_bytes(layout, stage, world_size, p, accum)
+        for rank, per_config in enumerate(reports):
+            r = per_config[i]
+            where = f"stage {stage}, {world_size} ranks, {p.label}, offload {offload}, config {i}, rank {rank}"
+            assert not r["skipped"], where
+            assert r["bytes"] == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}, where
+            assert r["offload"] == {"host": want.host, "disk": want.disk}, where
+            assert abs(r["sent"] - sent) <= 8, (where, r["sent"], sent)  # comm.py rounds each call
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_predictions_equal_what_the_engine_reports(ranks, world_size):
-    """Model-state bytes per rank equal ZeroEngine.memory_bytes() at every stage (padding included; frozen
-    parameters, tied weights, several param groups, buckets and units), and bytes sent per step equal what
-    zero/comm.py counts. Stronger than the 1% the estimate promises: the layout is the engine's own."""
+def test_predictions_equal_what_the_engine_reports(ranks, world_size, tmp_path):
+    """Model-state bytes per rank equal ZeroEngine.memory_bytes() and offload_bytes() at every stage (padding
+    included; frozen parameters, tied weights, several param groups, buckets and units), and bytes sent per
+    step equal what zero/comm.py counts. Stronger than the 1% the estimate promises: the layout is the engine's
+    own. fp32 on 1-4 ranks; on 2 and 3 ranks also bf16, fp16, zero.reduce_dtype fp32 and cpu/disk offload
+    (estimate_cases.MODES)."""
     pool = ranks(world_size)
     for stage in range(4):
-        reports = pool.run(cases.engine_reports, stage=stage)
-        for i, config in enumerate(cases.CONFIGS):
-            _, _, _, opt, opt_kwargs, _, accum = config
-            layout = engine_layout(config, stage)
-            want = est.model_states(layout, stage, world_size, FP32, est.optimizer_model(opt, opt_kwargs))
-            sent = est.comm_bytes(layout, stage, world_size, FP32, accum)
-            for rank, per_config in enumerate(reports):
-                r = per_config[i]
-                where = f"stage {stage}, {world_size} ranks, config {i}, rank {rank}"
-                assert r["bytes"] == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}, where
-                assert abs(r["sent"] - sent) <= 8, (where, r["sent"], sent)  # comm.py rounds each call
+        assert_engine_reports(pool, stage, world_size)
+        for precision, reduce_dtype, offload in cases.MODES.get(world_size, []):
+            assert_engine_reports(pool, stage, world_size, precision, reduce_dtype, offload,
+                                  str(tmp_path / "swap") if offload == "disk" else None)
+    if world_size in cases.MODES:  # every engine was closed: no swap file is left
+        assert [f for f in os.listdir(tmp_path / "swap") if not f.startswith(".")] == []
 
 
 def test_layout_counts_and_largest_unit():
