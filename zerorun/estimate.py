@@ -32,7 +32,8 @@ Note [What is approximate]: the working set stage 3 adds (the root unit, which s
 and backward, plus the largest unit being computed and the next one being prefetched), the full gradient
 buckets stages 2-3 hold while their reduce-scatters are in flight, and activations (Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", §4, generalized to the element size and to
-models without dropout). Not counted: the Python/torch runtime (about 0.3-0.5 GiB per process on CPU), the
+models without dropout); host memory for cpu offload on an accelerator (the masters and states plus the pinned
+copies of every gradient and parameter slice its step stages). Not counted: the Python/torch runtime (about 0.3-0.5 GiB per process on CPU), the
 allocator's cache and fragmentation, activation gradients during backward, communication buffers.
 """
 
@@ -159,6 +160,7 @@ class Precision:
 
     @property
     def label(self) -> str:
+        """``name``, with ``" (reduce fp32)"`` when gradients are reduced wider than they are computed."""
         return self.name + (" (reduce fp32)" if self.reduce_bytes > self.grad_bytes else "")
 
 
