@@ -33,8 +33,9 @@ and backward, plus the largest unit being computed and the next one being prefet
 buckets stages 2-3 hold while their reduce-scatters are in flight, and activations (Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", §4, generalized to the element size and to
 models without dropout); host memory for cpu offload on an accelerator (the masters and states plus the pinned
-copies of every gradient and parameter slice its step stages). Not counted: the Python/torch runtime (about 0.3-0.5 GiB per process on CPU), the
-allocator's cache and fragmentation, activation gradients during backward, communication buffers.
+copies of every gradient and parameter slice its step stages). Not counted: the Python/torch runtime (about
+0.3-0.5 GiB per process on CPU), the allocator's cache and fragmentation, activation gradients during backward,
+communication buffers.
 """
 
 from __future__ import annotations
@@ -569,7 +570,8 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
     all-gather parameters (2Ψ); stage 3 all-gathers each unit in forward and in backward and reduce-scatters its
     gradients, every micro-step (3Ψ). Stages 1-3 add an all-reduce of the squared gradient norm (4 bytes).
-    Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``. A stage-3 unit holding only frozen parameters is counted as gathered in forward only: it is gathered again
+    Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``. A stage-3 unit
+    holding only frozen parameters is counted as gathered in forward only: it is gathered again
     in backward only if a gradient flows through it, which the layout cannot tell (frozen layers usually come
     first, as when fine-tuning the top of a model, and then none does)."""
     N = world_size
