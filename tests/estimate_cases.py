@@ -8,11 +8,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parity_cases import MLP, _batch, _build, _loss
-from zerorun.zero import ZeroConfig, initialize
+from zerorun.zero import LossScaleConfig, ZeroConfig, initialize
 
 #: (model, model kwargs, stage-3 units, optimizer, optimizer kwargs, bucket_mb, grad_accum_steps)
 CONFIGS = [
-    ("gpt", {}, ("Block",), "AdamW", {"lr": 1e-3}, 0.002, 1),                      # tied embedding -> root
+    # tied embedding -> root; buckets of 786 fp32 elements hold one parameter each, of 1572 2-byte ones two
+    ("gpt", {}, ("Block",), "AdamW", {"lr": 1e-3}, 0.003, 1),
     ("gpt", {"tie_embeddings": False}, (), "Adam", {"lr": 1e-3, "amsgrad": True}, 25.0, 2),  # automatic units
     ("mlp", {"frozen": True}, (), "SGD", {"lr": 0.1, "momentum": 0.9}, 0.0002, 1),  # frozen params, tiny buckets
     ("mlp", {"batchnorm": True}, (), "SGD", {"lr": 0.1}, 0.0002, 2),                 # no optimizer state
@@ -27,19 +28,34 @@ def build(model: str, model_kwargs: dict) -> nn.Module:
     return MLP(**model_kwargs)
 
 
-def engine_reports(stage: int) -> list[dict]:
-    """For every config in ``CONFIGS``: the engine's ``memory_bytes()`` after one optimizer step and the bytes
-    this rank sent during that step."""
+#: (precision, zero.reduce_dtype, zero.offload_optimizer) beyond fp32, split over world sizes 2 and 3 so that
+#: each runs every stage with a few of them: mixed precision packs 2-byte buckets; offload moves the masters.
+MODES = {2: [("bf16", None, "none"), ("fp16", None, "disk"), ("fp32", None, "cpu"), ("bf16", "fp32", "none")],
+         3: [("fp16", None, "none"), ("bf16", None, "cpu"), ("fp32", None, "disk"), ("bf16", "fp32", "disk")]}
+#: disk offload's host buffer in the cases (MiB): small, so that every slice pages through several sub-groups.
+BUFFER_MB = 0.002
+
+
+def engine_reports(stage: int, precision: str = "fp32", reduce_dtype: str | None = None, offload: str = "none",
+                   offload_path: str | None = None) -> list[dict]:
+    """For every config in ``CONFIGS``: the engine's ``memory_bytes()`` and ``offload_bytes()`` after one
+    optimizer step, the bytes this rank sent during that step, and whether the step was skipped (fp16: the
+    loss scale starts at 2**4, so the tiny models' first step does not overflow and the states exist)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = []
     for model, model_kwargs, units, opt, opt_kwargs, bucket_mb, accum in CONFIGS:
         m = build(model, model_kwargs)
         engine = initialize(m, optimizer=opt, optimizer_kwargs=dict(opt_kwargs),
                             config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, units=units if stage == 3 else (),
-                                              grad_accum_steps=accum))
+                                              grad_accum_steps=accum, precision=precision,
+                                              reduce_dtype=reduce_dtype, loss_scale=LossScaleConfig(2.0 ** 4),
+                                              offload_optimizer=offload, offload_path=offload_path,
+                                              offload_buffer_mb=BUFFER_MB))
         sent0 = engine.comm_stats()["bytes_sent"]
         for micro in range(accum):
             engine.backward(_loss(engine(_batch(model, 0, micro, rank, world_size, "never"))))
         engine.step()
-        out.append({"bytes": engine.memory_bytes(), "sent": engine.comm_stats()["bytes_sent"] - sent0})
+        out.append({"bytes": engine.memory_bytes(), "offload": engine.offload_bytes(),
+                    "sent": engine.comm_stats()["bytes_sent"] - sent0, "skipped": engine.last_step_skipped})
+        engine.close()
     return out

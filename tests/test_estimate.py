@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -48,31 +49,49 @@ def test_communication_is_2psi_and_3psi_elements():
     assert est.comm_bytes(layout, 3, 1, BF16) == 0
 
 
-def engine_layout(config, stage):
+def engine_layout(config, stage, precision="fp32"):
     model, model_kwargs, units, _, opt_kwargs, bucket_mb, _ = config
     with torch.device("meta"):
         m = cases.build(model, model_kwargs)
-    return est.layout_of(m, bucket_mb=bucket_mb, units=units if stage == 3 else ())
+    return est.layout_of(m, bucket_mb=bucket_mb, units=units if stage == 3 else (), precision=precision)
+
+
+def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtype=None, offload="none",
+                          offload_path=None):
+    reports = pool.run(cases.engine_reports, stage=stage, precision=precision, reduce_dtype=reduce_dtype,
+                       offload=offload, offload_path=offload_path)
+    p = est.precision_of(precision, reduce_dtype)
+    for i, config in enumerate(cases.CONFIGS):
+        _, _, _, opt, opt_kwargs, _, accum = config
+        layout = engine_layout(config, stage, precision)
+        # the ranks are CPU processes: the engine's "device" is the host (cpu offload keeps its bytes there)
+        want = est.model_states(layout, stage, world_size, p, est.optimizer_model(opt, opt_kwargs), offload,
+                                buffer_mb=cases.BUFFER_MB, device_is_host=True)
+        sent = est.comm_bytes(layout, stage, world_size, p, accum)
+        for rank, per_config in enumerate(reports):
+            r = per_config[i]
+            where = f"stage {stage}, {world_size} ranks, {p.label}, offload {offload}, config {i}, rank {rank}"
+            assert not r["skipped"], where
+            assert r["bytes"] == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}, where
+            assert r["offload"] == {"host": want.host, "disk": want.disk}, where
+            assert abs(r["sent"] - sent) <= 8, (where, r["sent"], sent)  # comm.py rounds each call
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_predictions_equal_what_the_engine_reports(ranks, world_size):
-    """Model-state bytes per rank equal ZeroEngine.memory_bytes() at every stage (padding included; frozen
-    parameters, tied weights, several param groups, buckets and units), and bytes sent per step equal what
-    zero/comm.py counts. Stronger than the 1% the estimate promises: the layout is the engine's own."""
+def test_predictions_equal_what_the_engine_reports(ranks, world_size, tmp_path):
+    """Model-state bytes per rank equal ZeroEngine.memory_bytes() and offload_bytes() at every stage (padding
+    included; frozen parameters, tied weights, several param groups, buckets and units), and bytes sent per
+    step equal what zero/comm.py counts. Stronger than the 1% the estimate promises: the layout is the engine's
+    own. fp32 on 1-4 ranks; on 2 and 3 ranks also bf16, fp16, zero.reduce_dtype fp32 and cpu/disk offload
+    (estimate_cases.MODES)."""
     pool = ranks(world_size)
     for stage in range(4):
-        reports = pool.run(cases.engine_reports, stage=stage)
-        for i, config in enumerate(cases.CONFIGS):
-            _, _, _, opt, opt_kwargs, _, accum = config
-            layout = engine_layout(config, stage)
-            want = est.model_states(layout, stage, world_size, FP32, est.optimizer_model(opt, opt_kwargs))
-            sent = est.comm_bytes(layout, stage, world_size, FP32, accum)
-            for rank, per_config in enumerate(reports):
-                r = per_config[i]
-                where = f"stage {stage}, {world_size} ranks, config {i}, rank {rank}"
-                assert r["bytes"] == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}, where
-                assert abs(r["sent"] - sent) <= 8, (where, r["sent"], sent)  # comm.py rounds each call
+        assert_engine_reports(pool, stage, world_size)
+        for precision, reduce_dtype, offload in cases.MODES.get(world_size, []):
+            assert_engine_reports(pool, stage, world_size, precision, reduce_dtype, offload,
+                                  str(tmp_path / "swap") if offload == "disk" else None)
+    if world_size in cases.MODES:  # every engine was closed: no swap file is left
+        assert [f for f in os.listdir(tmp_path / "swap") if not f.startswith(".")] == []
 
 
 def test_layout_counts_and_largest_unit():
@@ -197,7 +216,68 @@ def test_cpu_only_machine_uses_host_memory_per_rank(capsys, monkeypatch):
     out = json.loads(run_cli(capsys, monkeypatch, "--params", "350M", "--procs-per-node", "2", "--json"))
     host = psutil.virtual_memory().total
     assert out["setup"]["device"] == "cpu" and out["setup"]["device_memory"] == host // 2
-    assert [r["label"] for r in out["stages"]] == ["0", "1", "2", "3"]  # offloading to host memory moves nothing
+    # disk offload is offered (the engine runs it on CPU); cpu offload would move nothing off this "device"
+    assert [r["label"] for r in out["stages"]] == ["0", "1", "2", "3"] + [f"{s} + offload disk" for s in range(4)]
+    assert any("no cpu-offload rows" in n for n in out["notes"])
+    for none, disk in zip(out["stages"][:4], out["stages"][4:]):
+        assert disk["optimizer"] == 0 and disk["offload_disk"] > none["optimizer"] and disk["offload_host"] > 0
+        # the paging buffer is host memory, which is this machine's device memory
+        assert disk["device_total"] == none["device_total"] - none["optimizer"] + disk["offload_host"]
+        assert disk["disk_per_node"] == 2 * disk["offload_disk"]
     assert out["stages"][0]["cpu_per_node"] == 2 * out["stages"][0]["device_total"]
     # gloo's pending reduce-scatters copy their buckets: at stage 1 all of them, at the end of backward
     assert out["stages"][1]["backward_transient"] == out["stages"][1]["grads"]
+
+
+def test_recipe_gives_precision_and_offload_unless_flags_override(capsys, monkeypatch, tmp_path):
+    """`zerorun estimate recipe.yaml` estimates the recipe's precision, zero.reduce_dtype, zero.offload_optimizer
+    and zero.offload_buffer_mb; --precision and --offload override them; a recipe that does not choose an
+    offload gets every variant. On an accelerator cpu offload moves masters and states to host memory."""
+    from zerorun.recipe import load_recipe
+
+    recipe = ["recipes/tiny.yaml", "precision=bf16", "zero.reduce_dtype=fp32", "zero.offload_optimizer=disk",
+              f"zero.offload_path={tmp_path}", "zero.offload_buffer_mb=0.5"]
+    flags = ["--device-memory", "1GiB", "--cpu-memory", "8GiB", "--json"]
+    out = json.loads(run_cli(capsys, monkeypatch, *recipe, *flags))
+    s = out["setup"]
+    assert (s["precision"], s["reduce_dtype"], s["offload"], s["offload_buffer_mb"]) == ("bf16", "fp32", "disk", 0.5)
+    assert [r["label"] for r in out["stages"]] == [str(s) for s in range(4)] + [f"{s} + offload disk" for s in range(4)]
+    layout = est.layout_of_recipe(load_recipe(recipe[0], recipe[1:]))
+    adamw = est.optimizer_model("AdamW")
+    bf16_fp32 = est.precision_of("bf16", "fp32")
+    for r in out["stages"]:
+        want = est.model_states(layout, r["stage"], 2, bf16_fp32, adamw, r["offload"], buffer_mb=0.5)
+        got = (r["params"], r["grads"], r["optimizer"], r["offload_host"], r["offload_disk"])
+        assert got == (want.params, want.grads, want.optimizer, want.host, want.disk), r["label"]
+    # 2-byte parameters, gradients reduced and kept in fp32 at stage 2, fp32 master beside AdamW's states
+    padded = sum(n + n % 2 for n in layout.buffers)
+    assert (out["stages"][2]["params"], out["stages"][2]["grads"]) == (2 * padded, 4 * padded // 2)
+
+    out = json.loads(run_cli(capsys, monkeypatch, *recipe, "--precision", "fp32", "--offload", "cpu", *flags))
+    assert (out["setup"]["precision"], out["setup"]["offload"]) == ("fp32", "cpu")
+    assert [r["offload"] for r in out["stages"]] == ["none"] * 4 + ["cpu"] * 4
+    fp32_layout = est.layout_of_recipe(load_recipe(recipe[0], recipe[1:]), "fp32")
+    for none, cpu in zip(out["stages"][:4], out["stages"][4:]):
+        stage = cpu["stage"]
+        bufs = [n for u in fp32_layout.units for n in u.trainable] if stage == 3 else fp32_layout.buffers
+        elements = sum(n + n % 2 for n in bufs) // (1 if stage == 0 else 2)  # what this rank's optimizer updates
+        # the host keeps a separate fp32 master even at fp32 (on the device the parameters were their own)
+        assert cpu["optimizer"] == 0 and cpu["offload_host"] == none["optimizer"] + 4 * elements, cpu["label"]
+        assert cpu["cpu_per_node"] >= 2 * cpu["offload_host"] and cpu["disk_per_node"] == 0
+
+    out = json.loads(run_cli(capsys, monkeypatch, "recipes/tiny.yaml", *flags))
+    assert out["setup"]["offload"] == "all" and out["setup"]["precision"] == "fp32"
+    assert [r["offload"] for r in out["stages"]] == ["none"] * 4 + ["cpu"] * 4 + ["disk"] * 4
+    out = json.loads(run_cli(capsys, monkeypatch, "recipes/tiny.yaml", "--offload", "none", *flags))
+    assert [r["offload"] for r in out["stages"]] == ["none"] * 4
+
+
+def test_bad_offload_flag_is_one_line_exit_2(capsys, monkeypatch):
+    from zerorun import cli
+
+    monkeypatch.setattr("sys.argv", ["zerorun", "estimate", "--params", "7B", "--offload", "nvme"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("zerorun: error: --offload: 'nvme' is not one of") and \
+        err.count("\n") == 1, err

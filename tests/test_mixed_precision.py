@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import parity_cases as cases
-from zerorun.zero.offload import DiskMasters, SwapFile
+from zerorun.zero.offload import DiskMasters, Masters, SwapFile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPS = {"bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
@@ -181,6 +181,23 @@ def test_zerorun_train_fp16_with_disk_offload(tmp_path):
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert steps[0]["model_state_bytes"]["optimizer"] == 0  # all of it in the swap file
     assert [f for f in os.listdir(swap) if not f.startswith(".")] == []
+
+
+def test_disk_offload_with_a_stateless_optimizer_steps_like_no_offload(tmp_path):
+    """SGD without momentum keeps no state at all: paging it through the swap file must still step (it raised
+    KeyError) and give the same masters as no offload."""
+    grads = [torch.linspace(-1, 1, 40)]
+    masters = []
+    for make in (lambda s: Masters(s, [0], [{}], torch.optim.SGD, {"lr": 0.1}),
+                 lambda s: DiskMasters(s, [0], [{}], torch.optim.SGD, {"lr": 0.1}, folder=str(tmp_path),
+                                       buffer_bytes=2**8, rank=0)):
+        m = make([torch.arange(40, dtype=torch.float32)])
+        for _ in range(2):
+            m.step(grads, None)
+        masters.append(m.master_slices()[0])
+        assert m.state_slices() == [{}] * len(m.state_slices())
+        m.close()
+    assert torch.equal(masters[0], masters[1])
 
 
 def test_disk_offload_bad_folder_or_buffer_is_a_one_line_error(tmp_path):

@@ -259,6 +259,9 @@ def estimate(
     bandwidth: str = typer.Option("100Gbps", "--bandwidth", help="Link speed per rank: 100Gbps, 12.5GB/s."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="Samples per micro-batch "
                                               "(default: train.micro_batch_size, else 1)."),
+    offload: Optional[str] = typer.Option(None, "--offload", help="Optimizer offload rows besides none: none, "
+                                          "cpu, disk or all (default: the recipe's zero.offload_optimizer if "
+                                          "set, else all)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (bytes, seconds) instead of tables."),
 ) -> None:
     """Estimate memory per rank and communication per step for ZeRO stages 0-3 before launching."""
@@ -267,7 +270,8 @@ def estimate(
     result = est.from_arguments(recipe=recipe, overrides=overrides or [], hostfile=hostfile, params=params,
                                 largest_layer=largest_layer, nodes=nodes, procs_per_node=procs_per_node,
                                 precision=precision, optimizer=optimizer, device_memory=device_memory,
-                                cpu_memory=cpu_memory, bandwidth=bandwidth, micro_batch=micro_batch)
+                                cpu_memory=cpu_memory, bandwidth=bandwidth, micro_batch=micro_batch,
+                                offload=offload)
     if as_json:
         print(json.dumps(result.to_json(), indent=1))
     else:

@@ -7,9 +7,23 @@ Note [What is exact]: model-state bytes per rank (parameters, gradients, optimiz
 the same flat-buffer layout the engine builds (``zero/flat.py`` ``pack``, ``zero/stage3.py`` ``pick_units`` and
 ``unit_of_params``, ``zero/engine.py`` ``default_param_groups``): one buffer per run of at most ``bucket_mb`` of a
 param group (stage 3: per unit), each padded to a multiple of the world size N, a rank holding 1/N of it where
-the stage partitions. They match ``ZeroEngine.memory_bytes()`` (tests/test_estimate.py) for fp32, where the
-parameters are their own master copy. For bf16/fp16 the accounting is the ZeRO paper's (§5, mixed precision
-Adam: 2Ψ parameters + 2Ψ gradients + KΨ optimizer states with K = 12 = fp32 master 4 + momentum 4 + variance 4).
+the stage partitions. They equal ``ZeroEngine.memory_bytes()`` and ``offload_bytes()`` (tests/test_estimate.py)
+for every precision and ``zero.offload_optimizer``:
+
+- fp32: parameters and gradients 4 bytes; without offload the parameters are their own master (optimizer =
+  the states only: fp32 Adam 4Ψ + 4Ψ + 8Ψ, divided by the stage).
+- bf16/fp16 (Note [Mixed precision] in ``zero/precision.py``; ZeRO paper §5): parameters and gradients 2
+  bytes, and the buffers are packed in 2-byte elements (a ``bucket_mb`` bucket holds twice as many); the
+  optimizer keeps an fp32 master of its slice beside the states (Adam: 2Ψ + 2Ψ + 12Ψ with K = 12 = master 4 +
+  momentum 4 + variance 4). ``zero.reduce_dtype: fp32`` makes the stage 2-3 gradient slices, and every
+  gradient collective, 4 bytes.
+- ``offload_optimizer: cpu`` (``zero/offload.py`` ``CpuMasters``): a separate fp32 master always (fp32
+  included) plus the states, in host memory (``offload_bytes()["host"]``) on an accelerator; on a CPU-only
+  machine the host is the device and they stay in ``memory_bytes()["optimizer"]``.
+- ``disk`` (``DiskMasters``): nothing in device memory; a host buffer of ``offload_buffer_mb`` and, per
+  rank, a swap file holding master and states of each sub-group (Note [Disk paging]), each region rounded up
+  to 64 bytes.
+
 Communication per rank per step counts bytes sent as ``zero/comm.py`` does (ring algorithms: reduce-scatter
 and all-gather send (N-1)/N of the buffer, all-reduce twice that; ZeRO paper §7: 2Ψ elements for stages 0-2,
 3Ψ for stage 3). Without a recipe (``--params``), the layout is one buffer of Ψ elements.
@@ -18,15 +32,17 @@ Note [What is approximate]: the working set stage 3 adds (the root unit, which s
 and backward, plus the largest unit being computed and the next one being prefetched), the full gradient
 buckets stages 2-3 hold while their reduce-scatters are in flight, and activations (Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", §4, generalized to the element size and to
-models without dropout). Not counted: the Python/torch runtime (about 0.3-0.5 GiB per process on CPU), the
-allocator's cache and fragmentation, activation gradients during backward, communication buffers.
+models without dropout); host memory for cpu offload on an accelerator (the masters and states plus the pinned
+copies of every gradient and parameter slice its step stages). Not counted: the Python/torch runtime (about
+0.3-0.5 GiB per process on CPU), the allocator's cache and fragmentation, activation gradients during backward,
+communication buffers.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from zerorun.errors import ZerorunError
@@ -123,14 +139,17 @@ def format_count(n: int) -> str:
 # -------------------------------------------------------------------------------------- policies
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per element of what a rank holds (ZeRO paper §5).
+    """Bytes per element of what a rank holds (ZeRO paper §5; Note [Mixed precision] in ``zero/precision.py``).
 
     Attributes:
+        name: ``precision`` (fp32, bf16, fp16): the dtype the engine casts the model to before packing it.
         param_bytes: the parameters the model computes with (fp32 4, bf16/fp16 2).
-        grad_bytes: their gradients.
-        master_bytes: the fp32 master copy kept with the optimizer states (0 when the parameters are fp32:
-            they are their own master).
+        grad_bytes: their gradients as backward writes them (stages 0-1 keep them whole in this dtype).
+        master_bytes: the fp32 master copy kept with the optimizer states without offload (0 when the
+            parameters are fp32: they are their own master).
         activation_bytes: activations (the compute dtype).
+        reduce_bytes: gradients as they are reduced and kept as slices at stages 2-3 (``zero.reduce_dtype:
+            fp32``: 4; else ``grad_bytes``).
     """
 
     name: str
@@ -138,10 +157,30 @@ class Precision:
     grad_bytes: int
     master_bytes: int
     activation_bytes: int
+    reduce_bytes: int
+
+    @property
+    def label(self) -> str:
+        """``name``, with ``" (reduce fp32)"`` when gradients are reduced wider than they are computed."""
+        return self.name + (" (reduce fp32)" if self.reduce_bytes > self.grad_bytes else "")
 
 
-PRECISIONS = {"fp32": Precision("fp32", 4, 4, 0, 4), "bf16": Precision("bf16", 2, 2, 4, 2),
-              "fp16": Precision("fp16", 2, 2, 4, 2)}
+PRECISIONS = {"fp32": Precision("fp32", 4, 4, 0, 4, 4), "bf16": Precision("bf16", 2, 2, 4, 2, 2),
+              "fp16": Precision("fp16", 2, 2, 4, 2, 2)}
+#: ``zero.offload_optimizer`` values, and ``all`` (every variant the machine supports).
+OFFLOADS = ("none", "cpu", "disk", "all")
+
+
+def precision_of(name: str, reduce_dtype: str | None = None, flag: str = "--precision") -> Precision:
+    """The :class:`Precision` of ``precision: name`` with ``zero.reduce_dtype`` (``None`` or ``"fp32"``).
+
+    Raises:
+        ZerorunError: ``name`` is not fp32, bf16 or fp16; the message names ``flag``.
+    """
+    if name not in PRECISIONS:
+        raise ZerorunError(f"{flag}: {name!r} is not one of fp32, bf16, fp16")
+    p = PRECISIONS[name]
+    return replace(p, reduce_bytes=4) if reduce_dtype == "fp32" else p
 
 
 @dataclass(frozen=True)
@@ -215,6 +254,7 @@ class Layout:
         exact: the layout comes from a model (``False``: ``--params``, one buffer of Ψ).
         shape: the model's declared transformer shape (``model.shape``), if any.
         unit_hint: a module class that would make good stage-3 units (:func:`suggest_unit_class`).
+        precision: the ``precision`` the buffers were packed for (``None``: ``--params``, no packing).
     """
 
     total: int
@@ -226,6 +266,7 @@ class Layout:
     exact: bool = True
     shape: dict | None = None
     unit_hint: str | None = None
+    precision: str | None = None
 
     @property
     def largest_unit(self) -> UnitCount | None:
@@ -235,20 +276,31 @@ class Layout:
 
 
 def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), weight_decay: float = 0.0,
-              decay_1d: bool = False) -> Layout:
+              decay_1d: bool = False, precision: str = "fp32") -> Layout:
     """The :class:`Layout` the engine builds for ``model`` (any device, meta included) with the worker's param
-    groups (``default_param_groups``), ``bucket_mb`` buffers and stage-3 ``units`` (empty: picked by size).
+    groups (``default_param_groups``), ``bucket_mb`` buffers and stage-3 ``units`` (empty: picked by size), at
+    ``precision``: the engine casts floating-point parameters to it before packing, so ``bucket_mb`` counts
+    elements of that size (``model`` itself is not changed).
 
     Raises:
         ValueError: a name in ``units`` matches no module class (from ``pick_units``).
     """
+    import torch
+
     from zerorun.zero.engine import default_param_groups
-    from zerorun.zero.flat import pack
+    from zerorun.zero.flat import pack as pack_params
+    from zerorun.zero.precision import DTYPES
     from zerorun.zero.stage3 import pick_units, unit_of_params
 
     names = {}
     for i, (name, p) in enumerate(model.named_parameters()):
         names[p] = (i, name)
+    dtype = DTYPES[precision]
+    as_cast = {p: torch.empty(p.shape, dtype=dtype, device="meta") if p.is_floating_point() else p for p in names}
+
+    def pack(named, bucket_bytes):  # Note [Mixed precision]: runs of the cast parameters (numel is what counts)
+        return pack_params([(name, as_cast[p]) for name, p in named], bucket_bytes)
+
     bucket_bytes = int(bucket_mb * 2**20)
     groups = default_param_groups(model, weight_decay, decay_1d)
     unit_modules = pick_units(model, tuple(units))
@@ -276,7 +328,7 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     hint = suggest_unit_class(model)
     return Layout(unit_hint=hint, total=total, trainable=trainable, frozen=total - trainable, buffers=tuple(flat),
                   frozen_params=tuple(p.numel() for p in frozen), units=tuple(u for u in counted if u.numel),
-                  exact=True, shape=dict(shape) if isinstance(shape, dict) else None)
+                  exact=True, shape=dict(shape) if isinstance(shape, dict) else None, precision=precision)
 
 
 def suggest_unit_class(model) -> str | None:
@@ -301,8 +353,9 @@ def layout_of_count(params: int, largest_layer: int | None = None) -> Layout:
                   exact=False)
 
 
-def layout_of_recipe(recipe) -> Layout:
-    """Build ``recipe``'s model on the meta device (no parameter memory) and return its :class:`Layout`.
+def layout_of_recipe(recipe, precision: str | None = None) -> Layout:
+    """Build ``recipe``'s model on the meta device (no parameter memory) and return its :class:`Layout` at
+    ``precision`` (default: the recipe's).
 
     Raises:
         ZerorunError: the model module or factory fails, or ``zero.units`` names no module class.
@@ -316,7 +369,8 @@ def layout_of_recipe(recipe) -> Layout:
     opt = recipe.train.optimizer
     try:
         return layout_of(model, bucket_mb=recipe.zero.bucket_mb, units=tuple(recipe.zero.units),
-                         weight_decay=opt.weight_decay, decay_1d=opt.decay_1d)
+                         weight_decay=opt.weight_decay, decay_1d=opt.decay_1d,
+                         precision=precision or recipe.precision)
     except ValueError as e:
         raise ZerorunError(f"recipe: {e}") from None
 
@@ -377,44 +431,82 @@ def _stage_buffers(layout: Layout, stage: int) -> tuple[list[int], list[int]]:
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Model-state bytes one rank holds at rest (``ZeroEngine.memory_bytes()``'s keys)."""
+    """Model-state bytes one rank holds at rest: ``params``, ``grads``, ``optimizer`` (in device memory) are
+    ``ZeroEngine.memory_bytes()``'s keys; ``host`` and ``disk`` (optimizer bytes offloaded) are
+    ``ZeroEngine.offload_bytes()``'s."""
 
     params: int
     grads: int
     optimizer: int
+    host: int = 0
+    disk: int = 0
 
     @property
     def total(self) -> int:
+        """Bytes in device memory: parameters + gradients + optimizer."""
         return self.params + self.grads + self.optimizer
 
 
-def model_states(layout: Layout, stage: int, world_size: int, precision: Precision,
-                 optimizer: OptimizerModel) -> ModelStates:
+def _optimizer_slices(layout: Layout, stage: int, world_size: int) -> list[int]:
+    """Numel of each tensor this rank's optimizer updates: one per trainable flat buffer, the whole padded
+    buffer at stage 0, this rank's slice above (``ZeroEngine._param_slice``)."""
+    padded = [_pad(n, world_size) for n in _stage_buffers(layout, stage)[0]]
+    return padded if stage == 0 else [n // world_size for n in padded]
+
+
+def model_states(layout: Layout, stage: int, world_size: int, precision: Precision, optimizer: OptimizerModel,
+                 offload: str = "none", *, buffer_mb: float = 64.0, device_is_host: bool = False) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states per rank at ``stage`` on ``world_size`` ranks
     (Note [What is exact]; ZeRO paper §5: stage 1 partitions optimizer states, 2 also gradients, 3 also
-    parameters). The optimizer's states include the fp32 master copy in mixed precision.
+    parameters). The optimizer's bytes include the fp32 master copy where it is separate from the parameters
+    (mixed precision; ``cpu`` offload always).
+
+    Args:
+        offload: ``zero.offload_optimizer``: ``none``, ``cpu`` or ``disk``.
+        buffer_mb: ``zero.offload_buffer_mb`` (``disk``: the host buffer the states are paged through, MiB).
+        device_is_host: a CPU-only machine: ``cpu`` offload's masters and states count as ``optimizer``
+            (the engine's "device" is the host), else as ``host``.
 
     Raises:
-        ValueError: ``stage`` not in 0-3 or ``world_size`` < 1.
+        ValueError: ``stage`` not in 0-3, ``world_size`` < 1, an unknown ``offload``, or ``layout`` packed for
+            another precision.
+        ZerorunError: ``disk`` with a ``buffer_mb`` too small to page 16 elements (names
+            ``zero.offload_buffer_mb``).
     """
-    if stage not in (0, 1, 2, 3) or world_size < 1:
-        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
+    if stage not in (0, 1, 2, 3) or world_size < 1 or offload not in OFFLOADS[:3]:
+        raise ValueError(f"stage must be 0-3, world_size >= 1 and offload none, cpu or disk, got {stage}, "
+                         f"{world_size}, {offload!r}")
+    if layout.precision not in (None, precision.name):
+        raise ValueError(f"the layout was packed for {layout.precision}, not {precision.name}")
     N = world_size
-    per_element = 4 * optimizer.states + precision.master_bytes
-    scalars = optimizer.scalar_bytes if layout.exact else 0
     trainable, frozen = _stage_buffers(layout, stage)
-    if stage == 3:
-        shards = [_pad(n, N) // N for n in trainable]
-        params = (sum(shards) + sum(_pad(n, N) // N for n in frozen)) * precision.param_bytes
-        grads = sum(shards) * precision.grad_bytes
-        optim = sum(shards) * per_element + scalars * len(shards)
-        return ModelStates(params, grads, optim)
     padded = [_pad(n, N) for n in trainable]
     shards = [n // N for n in padded]
-    params = (sum(padded) + sum(frozen)) * precision.param_bytes
-    grads = (sum(padded) if stage < 2 else sum(shards)) * precision.grad_bytes
-    optim = (sum(padded) if stage == 0 else sum(shards)) * per_element + scalars * len(padded)
-    return ModelStates(params, grads, optim)
+    if stage == 3:
+        params = (sum(shards) + sum(_pad(n, N) // N for n in frozen)) * precision.param_bytes
+    else:
+        params = (sum(padded) + sum(frozen)) * precision.param_bytes
+    grads = sum(padded) * precision.grad_bytes if stage < 2 else sum(shards) * precision.reduce_bytes
+    slices = _optimizer_slices(layout, stage, N)
+    states = 4 * optimizer.states * sum(slices)
+    scalars = (optimizer.scalar_bytes if layout.exact else 0) * len(slices)  # one per optimizer tensor
+    if offload == "none":
+        return ModelStates(params, grads, states + scalars + precision.master_bytes * sum(slices))
+    if offload == "cpu":  # CpuMasters: never aliased, so an fp32 master even at fp32
+        held = states + scalars + 4 * sum(slices)
+        return ModelStates(params, grads, held) if device_is_host else ModelStates(params, grads, 0, host=held)
+    from zerorun.zero.offload import subgroup_elements, swap_region_bytes
+
+    chunk = subgroup_elements(int(buffer_mb * 2**20), optimizer.states)
+    if chunk < 16:
+        raise ZerorunError(f"zero.offload_buffer_mb: {buffer_mb} MiB cannot page even 16 elements of master and "
+                           f"{optimizer.states} optimizer state tensors twice")
+    regions = 1 + optimizer.states  # the master and each state, per sub-group (Note [Disk paging])
+    disk = 0
+    for n in slices:
+        full, rest = divmod(n, chunk)
+        disk += regions * (full * swap_region_bytes(4 * chunk) + (swap_region_bytes(4 * rest) if rest else 0))
+    return ModelStates(params, grads, 0, host=2 * chunk * 4 * regions, disk=disk)
 
 
 @dataclass(frozen=True)
@@ -441,22 +533,26 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
                 bucket_mb: float = 25.0, prefetch: bool = True, gloo: bool = False) -> WorkingSet:
     """The :class:`WorkingSet` of ``stage`` on ``world_size`` ranks (Note [What is approximate]); ``gloo``: the
     collectives run on gloo (CPU), whose ``reduce_scatter_tensor`` copies its whole input when it is issued
-    (measured: 10 pending reduce-scatters of 19 MiB hold 197 MiB; all-gathers 35 MiB; all-reduce nothing)."""
+    (measured: 10 pending reduce-scatters of 19 MiB hold 197 MiB; all-gathers 35 MiB; all-reduce nothing).
+    Under ``zero.reduce_dtype: fp32`` with 2-byte gradients, stage 0 keeps each bucket's reduced fp32 copy until
+    the step, and stage 1 reduces fp32 copies of its buckets, bounded as stage 2 is, keeping the fp32 slices."""
     N = world_size
-    if stage == 0 or world_size == 1:
-        return WorkingSet(0, 0)
     bufs = _stage_buffers(layout, stage)[0]
+    wide = precision.reduce_bytes > precision.grad_bytes
+    if stage == 0 or world_size == 1:
+        return WorkingSet(0, sum(_pad(n, N) for n in bufs) * precision.reduce_bytes if wide and stage == 0 else 0)
     if layout.exact:
         largest = sorted((_pad(n, N) for n in bufs), reverse=True)
     else:  # one buffer of Ψ: the engine would cut it into buckets of bucket_mb
-        largest = [min(_pad(bufs[0], N), int(bucket_mb * 2**20) // precision.grad_bytes)] * INFLIGHT_BUCKETS
-    if stage == 1:
-        held = 0  # the full gradients are model states
+        largest = [min(_pad(bufs[0], N), int(bucket_mb * 2**20) // precision.param_bytes)] * INFLIGHT_BUCKETS
+    if stage == 1 and not wide:  # the full gradients are model states
         staged = (sum(_pad(n, N) for n in bufs) if layout.exact else _pad(bufs[0], N)) if gloo else 0
+        backward = staged * precision.grad_bytes
     else:
         held = sum(largest[:INFLIGHT_BUCKETS])
         staged = sum(largest[:INFLIGHT_BUCKETS - 1]) if gloo else 0
-    backward = (held + staged) * precision.grad_bytes
+        kept = sum(_pad(n, N) // N for n in bufs) if stage == 1 else 0
+        backward = (held + staged + kept) * precision.reduce_bytes
     if stage < 3:
         return WorkingSet(0, backward)
     if not layout.exact:
@@ -474,14 +570,15 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
     all-gather parameters (2Ψ); stage 3 all-gathers each unit in forward and in backward and reduce-scatters its
     gradients, every micro-step (3Ψ). Stages 1-3 add an all-reduce of the squared gradient norm (4 bytes).
-    A stage-3 unit holding only frozen parameters is counted as gathered in forward only: it is gathered again
+    Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``. A stage-3 unit
+    holding only frozen parameters is counted as gathered in forward only: it is gathered again
     in backward only if a gradient flows through it, which the layout cannot tell (frozen layers usually come
     first, as when fine-tuning the top of a model, and then none does)."""
     N = world_size
     if N == 1:
         return 0
     f = (N - 1) / N
-    pb, gb = precision.param_bytes, precision.grad_bytes
+    pb, gb = precision.param_bytes, precision.reduce_bytes  # gradients travel in the reduce dtype
     bufs = _stage_buffers(layout, stage)[0]
     trainable = sum(_pad(n, N) for n in bufs)
     frozen = frozen_only = 0
@@ -511,6 +608,8 @@ class Setup:
         device_memory: bytes per rank; device: what it is (``"cpu"``: host memory shared by the node's ranks).
         cpu_memory: host bytes per node. bandwidth: bytes per second per rank.
         micro_batch, seq_len, grad_accum_steps, bucket_mb, prefetch, activation_checkpointing: as in a recipe.
+        offload: the ``zero.offload_optimizer`` variants to estimate besides no offload: ``none``, ``cpu``,
+            ``disk`` or ``all`` (both; on a CPU-only machine disk only). offload_buffer_mb: disk's host buffer.
     """
 
     nodes: int
@@ -528,6 +627,8 @@ class Setup:
     prefetch: bool = True
     activation_checkpointing: bool = False
     world_size: int | None = None
+    offload: str = "none"
+    offload_buffer_mb: float = 64.0
 
     @property
     def ranks(self) -> int:
@@ -542,7 +643,7 @@ class StageRow:
     offload: str  # "none", "cpu" (optimizer states + fp32 master slices in host memory) or "disk"
     params: int
     grads: int
-    optimizer: int
+    optimizer: int  # in device memory (memory_bytes()["optimizer"]); offloaded: offload_host, offload_disk
     model_states: int
     working_set: int  # gathered + backward (Note [Peak])
     gathered: int
@@ -555,6 +656,8 @@ class StageRow:
     disk_per_node: int
     comm_bytes: int
     comm_s: float
+    offload_host: int = 0  # per rank: offload_bytes()["host"] (cpu on an accelerator; disk's paging buffer)
+    offload_disk: int = 0  # per rank: offload_bytes()["disk"] (the swap file)
 
     @property
     def label(self) -> str:
@@ -585,33 +688,48 @@ class Estimate:
 def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world_size: int | None = None) -> StageRow:
     N = world_size or setup.ranks
     p = setup.precision
-    ms = model_states(layout, stage, N, p, setup.optimizer)
-    offloaded = 0
-    if offload != "none":  # optimizer states and fp32 master slices leave the device (fp32: a master copy)
-        shards = sum(_pad(n, N) // N for n in _stage_buffers(layout, stage)[0])
-        offloaded = ms.optimizer + (4 - p.master_bytes) * shards
-    on_device = ms.total - (ms.optimizer if offload != "none" else 0)
-    ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch,
-                     gloo=setup.device == "cpu")
-    total = on_device + ws.gathered + max(act, ws.backward)  # Note [Peak]
+    on_host = setup.device == "cpu"
+    ms = model_states(layout, stage, N, p, setup.optimizer, offload, buffer_mb=setup.offload_buffer_mb,
+                      device_is_host=on_host)
+    ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch, gloo=on_host)
+    total = ms.total + ws.gathered + max(act, ws.backward)  # Note [Peak]
+    if on_host:  # the device is the host: disk's paging buffer takes the same memory
+        total += ms.host
+        host_rank = total
+    else:  # Note [Host memory at start]; cpu offload also stages every gradient slice and parameter slice
+        slices = sum(_optimizer_slices(layout, stage, N))
+        staged = slices * (p.reduce_bytes + p.param_bytes) if offload == "cpu" else 0
+        host_rank = max(ms.host + staged, layout.total * 4)
     headroom = setup.device_memory - total
-    host_rank = offloaded if offload == "cpu" else 0
-    if setup.device == "cpu":
-        host_rank += total  # the device is the host
-    else:  # Note [Host memory at start]
-        host_rank = max(host_rank, layout.total * 4)
     cpu = setup.procs_per_node * host_rank
-    disk = setup.procs_per_node * offloaded if offload == "disk" else 0
     fits = headroom >= MIN_HEADROOM * setup.device_memory and cpu <= setup.cpu_memory
     sent = comm_bytes(layout, stage, N, p, setup.grad_accum_steps)
     return StageRow(stage, offload, ms.params, ms.grads, ms.optimizer, ms.total, ws.total, ws.gathered,
-                    ws.backward, act, total, headroom, fits, cpu, disk, sent, sent / setup.bandwidth)
+                    ws.backward, act, total, headroom, fits, cpu, setup.procs_per_node * ms.disk, sent,
+                    sent / setup.bandwidth, ms.host, ms.disk)
 
 
-def estimate(layout: Layout, setup: Setup, offload: bool = True) -> Estimate:
-    """Per-rank memory, per-node host memory and communication for stages 0-3 (and with ``offload`` their
-    optimizer-offload variants at stages 1-3), activations when ``layout.shape`` is declared, and a
-    recommendation: the lowest stage that fits with ``MIN_HEADROOM``, or what to change."""
+def offload_variants(setup: Setup) -> tuple[str, ...]:
+    """The offload modes :func:`estimate` adds rows for (at stages 0-3, after the rows without offload):
+    ``setup.offload``'s, where ``all`` is cpu and disk on an accelerator and disk alone on a CPU-only machine
+    (there ``cpu`` moves nothing off the device and adds an fp32 master at fp32; asked for by name it is
+    estimated all the same, as the engine runs it)."""
+    if setup.offload == "all":
+        return ("disk",) if setup.device == "cpu" else ("cpu", "disk")
+    return () if setup.offload == "none" else (setup.offload,)
+
+
+def estimate(layout: Layout, setup: Setup) -> Estimate:
+    """Per-rank memory, per-node host memory and communication for stages 0-3 (and, per
+    :func:`offload_variants`, with the optimizer offloaded), activations when ``layout.shape`` is declared,
+    and a recommendation: the lowest stage that fits with ``MIN_HEADROOM`` (no offload first), or what to
+    change.
+
+    Raises:
+        ValueError: ``setup.offload`` not one of :data:`OFFLOADS`; see :func:`model_states`.
+    """
+    if setup.offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {setup.offload!r}")
     act = None
     notes: list[str] = []
     if layout.shape:
@@ -636,11 +754,14 @@ def estimate(layout: Layout, setup: Setup, offload: bool = True) -> Estimate:
             return 0
         return act[("checkpointed" if stage == 3 and checkpointed else "total") + fused]
 
-    variants = [(s, "none") for s in range(4)]
-    if offload and setup.device == "cpu":
-        notes.append("no offload variants: on a CPU-only machine the device memory is host memory")
-    elif offload:
-        variants += [(s, o) for o in ("cpu", "disk") for s in (1, 2, 3)]
+    modes = offload_variants(setup)
+    if setup.offload == "all" and setup.device == "cpu":
+        notes.append("no cpu-offload rows: on a CPU-only machine the device memory is host memory (--offload cpu "
+                     "shows them)")
+    if "disk" in modes:
+        notes.append(f"disk offload: a host buffer of {setup.offload_buffer_mb:g} MiB per rank "
+                     "(zero.offload_buffer_mb) and the swap files under zero.offload_path (disk column)")
+    variants = [(s, "none") for s in range(4)] + [(s, o) for o in modes for s in range(4)]
     rows = [_row(layout, setup, s, o, act_for(s)) for s, o in variants]
     rec = _recommend(setup, layout, rows, act_for)
     largest = layout.largest_unit
@@ -650,7 +771,9 @@ def estimate(layout: Layout, setup: Setup, offload: bool = True) -> Estimate:
               "shape": layout.shape}
     s = setup
     info = {"nodes": s.nodes, "procs_per_node": s.procs_per_node, "world_size": s.ranks,
-            "precision": s.precision.name, "optimizer": s.optimizer.name, "optimizer_states": s.optimizer.states,
+            "precision": s.precision.name, "reduce_dtype": "fp32" if s.precision.reduce_bytes == 4 else
+            s.precision.name, "optimizer": s.optimizer.name, "optimizer_states": s.optimizer.states,
+            "offload": s.offload, "offload_buffer_mb": s.offload_buffer_mb,
             "device": s.device, "device_memory": s.device_memory, "cpu_memory_per_node": s.cpu_memory,
             "bandwidth_bytes_per_s": s.bandwidth, "micro_batch": s.micro_batch,
             "seq_len": s.seq_len or (layout.shape or {}).get("seq_len"),
@@ -725,7 +848,8 @@ def render(est: Estimate, console=None) -> None:
                   + (f"; largest unit {largest['name']} {largest['params']:,}" if largest else "")
                   + ("" if p["exact_layout"] else " (from --params)"))
     console.print(f"[bold]Setup[/bold]: {s['world_size']} ranks ({s['nodes']} nodes x {s['procs_per_node']}), "
-                  f"{s['precision']}, {s['optimizer']} ({s['optimizer_states']} states), device {s['device']} "
+                  f"{s['precision']}" + (" (reduce fp32)" if s["reduce_dtype"] != s["precision"] else "")
+                  + f", {s['optimizer']} ({s['optimizer_states']} states), device {s['device']} "
                   f"{format_bytes(s['device_memory'])} per rank, host {format_bytes(s['cpu_memory_per_node'])} "
                   f"per node, {s['bandwidth_bytes_per_s'] * 8 / 1e9:g} Gbit/s per rank")
     unit, size = ("GiB", 2**30) if max(r.device_total for r in est.rows) >= 2**30 else ("MiB", 2**20)
@@ -776,10 +900,12 @@ def detect_memory(procs_per_node: int) -> tuple[int, str, int]:
 def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | None, params: str | None,
                    largest_layer: str | None, nodes: int | None, procs_per_node: int | None, precision: str | None,
                    optimizer: str | None, device_memory: str | None, cpu_memory: str | None, bandwidth: str,
-                   micro_batch: int | None) -> Estimate:
+                   micro_batch: int | None, offload: str | None = None) -> Estimate:
     """The :class:`Estimate` for ``zerorun estimate``'s arguments (strings as typed; see ``zerorun estimate
     --help``): a recipe (with overrides) or ``params``, the hostfile or ``nodes`` x ``procs_per_node``, sizes
-    parsed with :func:`parse_count`, :func:`parse_bytes` and :func:`parse_bandwidth`.
+    parsed with :func:`parse_count`, :func:`parse_bytes` and :func:`parse_bandwidth`. A recipe gives the
+    precision, ``zero.reduce_dtype``, ``zero.offload_optimizer`` (when it sets it; else every variant, as
+    without a recipe: ``all``) and ``zero.offload_buffer_mb``; ``precision`` and ``offload`` override them.
 
     Raises:
         ZerorunError: neither or both of ``recipe`` and ``params``; a bad recipe, hostfile, model module or
@@ -792,23 +918,26 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         from zerorun.hostfile import read_hostfile
 
         hosts = read_hostfile(hostfile)
+    if offload is not None and offload not in OFFLOADS:
+        raise ZerorunError(f"--offload: {offload!r} is not one of {', '.join(OFFLOADS)}")
     r = None
     if recipe is not None:
         from zerorun.recipe import load_recipe
 
         r = load_recipe(recipe, overrides or [])
-        layout = layout_of_recipe(r)
+        prec = precision_of(precision or r.precision, r.zero.reduce_dtype)
+        layout = layout_of_recipe(r, prec.name)
+        if offload is None and "offload_optimizer" in r.zero.model_fields_set:
+            offload = r.zero.offload_optimizer
     else:
         if overrides:
             raise ZerorunError(f"estimate: overrides ({overrides[0]}) need a recipe")
         largest = parse_count(largest_layer, "--largest-layer") if largest_layer else None
         layout = layout_of_count(parse_count(params, "--params"), largest)
+        prec = precision_of(precision or "fp32")
     ppn = procs_per_node or (max(h.slots for h in hosts) if hosts else (r.launch.procs_per_node if r else 1))
     n_nodes = nodes or (len(hosts) if hosts else 1)
     world = sum(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else None
-    prec = precision or (r.precision if r else "fp32")
-    if prec not in PRECISIONS:
-        raise ZerorunError(f"--precision: {prec!r} is not one of fp32, bf16, fp16")
     if optimizer is not None:
         opt = optimizer_model(optimizer)
     elif r is not None:
@@ -821,10 +950,11 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
     if cpu_memory:
         host = parse_bytes(cpu_memory, "--cpu-memory")
     setup = Setup(
-        nodes=n_nodes, procs_per_node=ppn, world_size=world, precision=PRECISIONS[prec], optimizer=opt,
+        nodes=n_nodes, procs_per_node=ppn, world_size=world, precision=prec, optimizer=opt,
         device_memory=dev, device=kind, cpu_memory=host, bandwidth=parse_bandwidth(bandwidth, "--bandwidth"),
         micro_batch=micro_batch or (r.train.micro_batch_size if r else 1),
         seq_len=r.data.seq_len if r else None, grad_accum_steps=r.train.grad_accum_steps if r else 1,
         bucket_mb=r.zero.bucket_mb if r else 25.0, prefetch=r.zero.prefetch if r else True,
-        activation_checkpointing=r.train.activation_checkpointing if r else False)
+        activation_checkpointing=r.train.activation_checkpointing if r else False, offload=offload or "all",
+        offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0)
     return estimate(layout, setup)

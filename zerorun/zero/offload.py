@@ -36,6 +36,22 @@ from typing import Any, Sequence
 
 import torch
 
+#: Swap-file regions start at multiples of this many bytes (Note [Swap files]).
+SWAP_ALIGN = 64
+
+
+def swap_region_bytes(nbytes: int) -> int:
+    """Bytes a region of ``nbytes`` bytes takes in a swap file: rounded up to :data:`SWAP_ALIGN`."""
+    return (nbytes + SWAP_ALIGN - 1) // SWAP_ALIGN * SWAP_ALIGN
+
+
+def subgroup_elements(buffer_bytes: int, n_states: int) -> int:
+    """Elements of one disk-offload sub-group (Note [Disk paging]): each half of a host buffer of
+    ``buffer_bytes`` bytes holds that many elements of fp32 master and ``n_states`` fp32 optimizer states,
+    rounded down to a multiple of 16 (0: the buffer is too small)."""
+    return (buffer_bytes // 2 // (4 * (1 + n_states))) // 16 * 16
+
+
 def _group_params(params: list[torch.Tensor], group_of: list[int], group_options: list[dict]) -> list[dict]:
     groups = [dict(opts, params=[]) for opts in group_options]
     for p, g in zip(params, group_of):
@@ -225,7 +241,7 @@ class SwapFile:
     def allocate(self, nbytes: int) -> int:
         """A new region of ``nbytes`` bytes; returns its offset (64-byte aligned)."""
         offset = self.size
-        self.size += (nbytes + 63) // 64 * 64
+        self.size += swap_region_bytes(nbytes)
         os.ftruncate(self.fd, self.size)
         return offset
 
@@ -284,7 +300,7 @@ class DiskMasters(Masters):
         self.alias = False
         self.state_names = tensor_state_names(optimizer_cls, optimizer_kwargs)
         per_element = 4 * (1 + len(self.state_names))
-        self.chunk = (buffer_bytes // 2 // per_element) // 16 * 16
+        self.chunk = subgroup_elements(buffer_bytes, len(self.state_names))
         if self.chunk < 16:
             raise ValueError(f"zero.offload_buffer_mb: {buffer_bytes} bytes cannot page even 16 elements of master "
                              f"and {len(self.state_names)} optimizer state tensors twice")
@@ -334,7 +350,7 @@ class DiskMasters(Masters):
             p.grad = _fp32_grad(grads[c.index][c.lo:c.lo + c.numel], coef_cpu, cpu)
             self.optimizer.step()
             p.grad = None
-            state = self.optimizer.state.pop(p)
+            state = self.optimizer.state.pop(p, {})  # a stateless optimizer (SGD without momentum) keeps none
             self.file.write(c.offsets["master"], p.data)
             for n in self.state_names:
                 self.file.write(c.offsets[n], state[n])
