@@ -471,3 +471,11 @@ def offload_equal(stage: int, precision: str, offload: str, offload_path: str | 
         engine.close()
     out["swap_file_after_close"] = swap is not None and os.path.exists(swap.path)
     return out
+
+
+def paper_bytes(stage: int, padded: int, n: int, param_bytes: int, grad_bytes: int, optim_bytes: int):
+    """ZeRO §5's split of model-state bytes per rank, ``(params, grads, optimizer)``, for ``padded`` elements on
+    ``n`` ranks: stage 1 partitions the optimizer states, stage 2 also the gradients, stage 3 also the
+    parameters (``*_bytes``: bytes per element of each kind, e.g. 4, 4, 8 for fp32 AdamW)."""
+    p, g, o = param_bytes * padded, grad_bytes * padded, optim_bytes * padded
+    return {0: (p, g, o), 1: (p, g, o // n), 2: (p, g // n, o // n), 3: (p // n, g // n, o // n)}[stage]

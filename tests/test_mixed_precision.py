@@ -93,10 +93,7 @@ def test_mixed_precision_bytes_match_zero_paper(ranks, stage):
     sent per step: the fp32 case's elements (test_zero_parity.test_bytes_sent_per_step) at 2 bytes each."""
     for r in ranks(3).run(cases.memory, stage=stage, units=_units(stage), precision="bf16"):
         n, padded = r["world_size"], r["padded"]
-        expected = {0: (2 * padded, 2 * padded, 12 * padded),
-                    1: (2 * padded, 2 * padded, 12 * padded // n),
-                    2: (2 * padded, 2 * padded // n, 12 * padded // n),
-                    3: (2 * padded // n, 2 * padded // n, 12 * padded // n)}[stage]
+        expected = cases.paper_bytes(stage, padded, n, 2, 2, 12)
         got = r["bytes"]
         assert (got["params"], got["grads"]) == expected[:2]
         assert expected[2] <= got["optimizer"] <= expected[2] + 4 * 64  # plus AdamW's 4-byte step counters

@@ -97,10 +97,7 @@ def test_reported_bytes_match_zero_paper(ranks, world_size, stage):
     (Ψ with padding; at stage 3 the parameters at rest are this rank's slices only)."""
     for r in ranks(world_size).run(cases.memory, stage=stage, units=("Block",) if stage == 3 else ()):
         n, padded = r["world_size"], r["padded"]
-        expected = {0: (4 * padded, 4 * padded, 8 * padded),
-                    1: (4 * padded, 4 * padded, 8 * padded // n),
-                    2: (4 * padded, 4 * padded // n, 8 * padded // n),
-                    3: (4 * padded // n, 4 * padded // n, 8 * padded // n)}[stage]
+        expected = cases.paper_bytes(stage, padded, n, 4, 4, 8)
         got = r["bytes"]
         assert (got["params"], got["grads"]) == expected[:2]
         # plus one 4-byte step counter per optimizer tensor (AdamW keeps 'step' as a tensor)

@@ -80,11 +80,7 @@ def parse_count(text: str, flag: str = "--params") -> int:
     Raises:
         ZerorunError: not a positive count; the message names ``flag``.
     """
-    value, unit = _split(text, flag, "7B, 350M")
-    mult = _COUNT_UNITS.get(unit.upper())
-    if mult is None or value <= 0:
-        raise ZerorunError(f"{flag}: cannot read {text!r}: expected a positive count such as 7B, 350M or 125000")
-    return int(round(value * mult))
+    return _scaled(text, flag, _COUNT_UNITS, "7B, 350M", "a positive count such as 7B, 350M or 125000")
 
 
 def parse_bytes(text: str, flag: str = "--device-memory") -> int:
@@ -93,10 +89,14 @@ def parse_bytes(text: str, flag: str = "--device-memory") -> int:
     Raises:
         ZerorunError: not a positive size; the message names ``flag``.
     """
-    value, unit = _split(text, flag, "80GiB, 80GB")
-    mult = _BYTE_UNITS.get(unit.upper())
+    return _scaled(text, flag, _BYTE_UNITS, "80GiB, 80GB", "a positive size such as 80GiB, 80GB or 512MiB")
+
+
+def _scaled(text: str, flag: str, units: dict[str, float], example: str, expected: str) -> int:
+    value, unit = _split(text, flag, example)
+    mult = units.get(unit.upper())
     if mult is None or value <= 0:
-        raise ZerorunError(f"{flag}: cannot read {text!r}: expected a positive size such as 80GiB, 80GB or 512MiB")
+        raise ZerorunError(f"{flag}: cannot read {text!r}: expected {expected}")
     return int(round(value * mult))
 
 
