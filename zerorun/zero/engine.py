@@ -378,6 +378,18 @@ class ZeroEngine:
         """Cumulative ``bytes_sent`` (bytes) and ``wait_s`` (seconds) of this rank's collectives."""
         return {"bytes_sent": self.comm.bytes_sent, "wait_s": self.comm.wait_s}
 
+    def master_slices(self) -> list[torch.Tensor]:
+        """The values the optimizer updates, one 1-D tensor per trainable flat buffer (``self.buffers`` order):
+        the whole buffer at stage 0 (shape ``(numel,)``), this rank's slice above (``(shard_numel,)``). At fp32
+        they are the parameters' own storage. Checkpoints save and restore exactly these tensors (Note
+        [Checkpoint layout] in ``state.py``); a precision policy with separate fp32 masters overrides this."""
+        return self._opt_params
+
+    def refresh_params(self) -> None:
+        """Make the model's parameters equal the master slices again after these were overwritten (a
+        checkpoint load): stages 1-2 all-gather the slices; stage 0 and 3 have nothing to do. Collective."""
+        self._after_step()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full (unsharded) state dict; parameters are whole on every rank at stages 0-2."""
         return self.module.state_dict()

@@ -1,0 +1,89 @@
+"""Cases run on every rank of a :class:`distributed.RankPool`: sharded checkpoints of the ZeRO engine.
+
+Every step trains on one global batch of 12 sequences (seeded by the step), split evenly over the ranks, so
+runs on 2 and 3 ranks compute the same gradients up to float summation order and their losses can be
+compared step for step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from parity_cases import _build
+from zerorun import checkpoint
+from zerorun.errors import ZerorunError
+from zerorun.zero import ZeroConfig, default_param_groups, initialize
+
+GLOBAL_BATCH = 12
+
+
+def _engine(stage: int, seed: int, **model_kwargs):
+    model = _build("gpt", seed, **model_kwargs)
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 3e-3, "betas": (0.9, 0.95)},
+                        param_groups=default_param_groups(model, 0.1),
+                        config=ZeroConfig(stage=stage, bucket_mb=0.002, grad_clip=1.0,
+                                          units=("Block",) if stage == 3 else ()))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(1.0, (s + 1) / 3) * 0.97 ** s)
+    return engine, scheduler
+
+
+def _train(engine, scheduler, steps: range) -> list[float]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world_size
+    losses = []
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        batch = torch.randint(0, 61, (GLOBAL_BATCH, 17), generator=g)[rank * per_rank:(rank + 1) * per_rank]
+        loss = engine(batch)["loss"]
+        engine.backward(loss)
+        engine.step()
+        scheduler.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world_size)
+    return losses
+
+
+def _recipe() -> dict:
+    return {"train": {"micro_batch_size": GLOBAL_BATCH // dist.get_world_size()}}
+
+
+def save_and_continue(root: str, stage: int, save_at: int, steps: int, dropout: float = 0.0) -> dict:
+    """Train ``steps`` steps from seed 0, saving after step ``save_at``; return the losses after it, the
+    checkpoint path and (rank 0) the full state dict at the save."""
+    engine, scheduler = _engine(stage, 0, dropout=dropout)
+    torch.manual_seed(100 + dist.get_rank())
+    _train(engine, scheduler, range(1, save_at + 1))
+    path, seconds, nbytes = checkpoint.save(engine, root, save_at, scheduler=scheduler,
+                                            position=checkpoint.DataPosition(3, 5), recipe=_recipe(), keep=2)
+    full = engine.full_state_dict() if stage == 3 else engine.state_dict()
+    losses = _train(engine, scheduler, range(save_at + 1, steps + 1))
+    return {"path": path, "losses": losses, "bytes": nbytes, "seconds": seconds,
+            "full": {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None}
+
+
+def resume_and_continue(path: str, stage: int, steps: int, dropout: float = 0.0) -> dict:
+    """Build the engine from another seed, load ``path`` and train to ``steps``; return the losses."""
+    engine, scheduler = _engine(stage, 1, dropout=dropout)
+    torch.manual_seed(999)  # overwritten by the checkpoint's RNG state where the rank existed at the save
+    step, position = checkpoint.load(path, engine, scheduler=scheduler, micro_batch_size=GLOBAL_BATCH // dist.get_world_size())
+    return {"step": step, "position": (position.epoch, position.batch),
+            "losses": _train(engine, scheduler, range(step + 1, steps + 1)),
+            "lr": engine.optimizer.param_groups[0]["lr"]}
+
+
+def load_error(path: str, **model_kwargs) -> str:
+    """The one-line error of loading ``path`` into a GPT built with ``model_kwargs`` (stage 2)."""
+    engine, scheduler = _engine(2, 0, **model_kwargs)
+    try:
+        checkpoint.load(path, engine, scheduler=scheduler, micro_batch_size=1)
+    except ZerorunError as e:
+        return str(e)
+    return "no error"
+
+
+def file_sizes(path: str) -> dict:
+    return {n: os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)}
