@@ -414,7 +414,9 @@ def consolidate(path: str, out: str) -> tuple[int, int]:
     for key, b in layout["buffers"].items():
         targets[f"model/{key}"] = torch.empty(b["shape"], dtype=dtype_of(b["dtype"]))
     try:
-        dcp.load(targets, storage_reader=SafeReader(path), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(targets, storage_reader=SafeReader(path), no_dist=True)
     except (CheckpointException, RuntimeError, ValueError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ZerorunError(f"{path}: cannot read the checkpoint: {msg}") from None

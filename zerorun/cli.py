@@ -37,13 +37,21 @@ def train(
     master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
                                               help="Rendezvous port on the first host (default: a free one)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan and exit."),
+    resume: Optional[str] = typer.Option(None, "--resume", is_flag=False, flag_value="latest", metavar="[PATH]",
+                                         help="Resume from the latest checkpoint in checkpoint.dir, or from PATH."),
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
     from zerorun.hostfile import Host, read_hostfile
     from zerorun.launch.plan import build_plan, free_port, port_in_use
     from zerorun.recipe import load_recipe
 
-    r = load_recipe(recipe, overrides or [])
+    overrides = list(overrides or [])
+    if resume not in (None, "latest") and "=" in resume and not os.path.exists(resume):
+        overrides.insert(0, resume)  # `--resume zero.stage=1`: an override, not the checkpoint to resume from
+        resume = "latest"
+    r = load_recipe(recipe, overrides)
+    if resume is not None:
+        r.checkpoint.resume = _resume_path(r, resume)
     hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", r.launch.procs_per_node)]
     remote = [h.name for h in hosts if not h.is_local]
     if remote:
@@ -61,6 +69,36 @@ def train(
             print("  " + " ".join(node.argv[:-1]) + " <recipe>")
         return
     _run(r, plan)
+
+
+def _resume_path(recipe, resume: str) -> str:
+    """The checkpoint folder ``--resume`` names (``latest``: the latest in ``checkpoint.dir``), checked."""
+    from zerorun import checkpoint
+
+    if resume == "latest":
+        if not recipe.checkpoint.dir:
+            raise ZerorunError("--resume: checkpoint.dir is not set in the recipe, so there is no latest "
+                               "checkpoint; give --resume PATH")
+        found = checkpoint.latest(recipe.checkpoint.dir)
+        if found is None:
+            raise ZerorunError(f"--resume: no complete checkpoint in {recipe.checkpoint.dir}")
+        resume = found
+    path = checkpoint.resolve(resume)
+    checkpoint.check(path)
+    return path
+
+
+@app.command()
+def consolidate(
+    ckpt_dir: str = typer.Argument(..., help="A checkpoint folder (step-N), or a folder of them (the latest)."),
+    out: str = typer.Option(..., "--out", "-o", help="Output file: NAME.safetensors or NAME.pt."),
+) -> None:
+    """Write the model of a sharded checkpoint as one fp32 state dict (no training processes needed)."""
+    from zerorun.checkpoint import consolidate as run
+    from zerorun.telemetry.console import human_bytes
+
+    count, nbytes = run(ckpt_dir, out)
+    print(f"zerorun: wrote {count} tensors ({human_bytes(nbytes)}) to {out}")
 
 
 def _run(recipe, plan) -> None:

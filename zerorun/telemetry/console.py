@@ -78,6 +78,10 @@ class PlainView:
                 units = d["units"]
                 shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
                 self.print(f"stage 3 units: {shown}")
+        elif e.kind == "checkpoint" and e.rank == 0:
+            self.print(f"checkpoint step {d['step']}: {d['path']} ({human_bytes(d['bytes'])}, {d['seconds']:.1f} s)")
+        elif e.kind == "log" and e.rank == 0:
+            self.print(d.get("message", ""))
         elif e.kind == "start" and e.rank == 0:
             self.print(f"{d['world_size']} ranks started (torch {d['torch']}, {d['device']})")
         elif e.kind == "error" and not d.get("user_error"):  # user errors: the launcher's one line says it
