@@ -87,3 +87,13 @@ def load_error(path: str, **model_kwargs) -> str:
 
 def file_sizes(path: str) -> dict:
     return {n: os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)}
+
+
+def save_every_step(root: str, stage: int, steps: int, keep: int) -> list[str]:
+    """Save after each of ``steps`` steps with ``keep``; return the folders left in ``root``."""
+    engine, scheduler = _engine(stage, 0)
+    for step in range(1, steps + 1):
+        _train(engine, scheduler, range(step, step + 1))
+        checkpoint.save(engine, root, step, scheduler=scheduler, position=checkpoint.DataPosition(),
+                        recipe=_recipe(), keep=keep)
+    return sorted(os.listdir(root))

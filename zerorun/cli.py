@@ -37,7 +37,7 @@ def train(
     master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
                                               help="Rendezvous port on the first host (default: a free one)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan and exit."),
-    resume: Optional[str] = typer.Option(None, "--resume", is_flag=False, flag_value="latest", metavar="[PATH]",
+    resume: Optional[str] = typer.Option(None, "--resume", metavar="[PATH]",
                                          help="Resume from the latest checkpoint in checkpoint.dir, or from PATH."),
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
@@ -45,11 +45,7 @@ def train(
     from zerorun.launch.plan import build_plan, free_port, port_in_use
     from zerorun.recipe import load_recipe
 
-    overrides = list(overrides or [])
-    if resume not in (None, "latest") and "=" in resume and not os.path.exists(resume):
-        overrides.insert(0, resume)  # `--resume zero.stage=1`: an override, not the checkpoint to resume from
-        resume = "latest"
-    r = load_recipe(recipe, overrides)
+    r = load_recipe(recipe, overrides or [])
     if resume is not None:
         r.checkpoint.resume = _resume_path(r, resume)
     hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", r.launch.procs_per_node)]
@@ -144,10 +140,22 @@ def _run(recipe, plan) -> None:
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
 
 
+def optional_value(argv: list[str], option: str, default: str) -> list[str]:
+    """``argv`` with ``option`` given ``default`` where it has no value of its own (typer options always take
+    one): at the end, before another option, or before a ``FIELD=VALUE`` override that is not a path."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == option:
+            nxt = out[i + 1] if i + 1 < len(out) else None
+            if nxt is None or nxt.startswith("-") or ("=" in nxt and not os.path.exists(nxt)):
+                out[i] = f"{option}={default}"
+    return out
+
+
 def main() -> None:
     """Console entry point: run the typer app; a :class:`ZerorunError` becomes one line and its exit code."""
     try:
-        app(standalone_mode=False)
+        app(args=optional_value(sys.argv[1:], "--resume", "latest"), standalone_mode=False)
     except ZerorunError as e:
         _err(str(e))
         sys.exit(e.exit_code)
