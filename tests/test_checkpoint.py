@@ -138,3 +138,25 @@ def test_metadata_is_not_unpickled_freely(saved3, tmp_path):
     with pytest.raises(ZerorunError, match=r"\.metadata: unreadable checkpoint metadata .*refusing to load"):
         checkpoint.consolidate(path, str(tmp_path / "m.pt"))
     assert not os.path.exists(tmp_path / "pwned")
+
+
+def test_recipe_checkpoint_section(tmp_path):
+    from zerorun.recipe import load_recipe
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes/tiny.yaml")
+    assert load_recipe(tiny).checkpoint.dir is None  # no section: no checkpoints
+    r = load_recipe(tiny, ["checkpoint.every=5", f"log.dir={tmp_path}"])
+    assert r.checkpoint.dir == str(tmp_path / "tiny" / "checkpoints") and r.checkpoint.keep == 2
+    assert load_recipe(tiny, ["checkpoint.dir=ck"]).checkpoint.dir == os.path.abspath("ck")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ZerorunError, match=r"override 'checkpoint.dir=.*': checkpoint\.dir: not a directory"):
+        load_recipe(tiny, [f"checkpoint.dir={tmp_path / 'file'}"])
+
+
+def test_resume_takes_an_optional_path():
+    from zerorun.cli import optional_value
+
+    assert optional_value(["train", "r.yaml", "--resume"], "--resume", "latest") == ["train", "r.yaml", "--resume=latest"]
+    assert optional_value(["train", "r.yaml", "--resume", "zero.stage=1"], "--resume", "latest")[2] == "--resume=latest"
+    assert optional_value(["train", "r.yaml", "--resume", "--dry-run"], "--resume", "latest")[2] == "--resume=latest"
+    assert optional_value(["train", "r.yaml", "--resume", "ck/step-3"], "--resume", "latest")[2:] == ["--resume", "ck/step-3"]

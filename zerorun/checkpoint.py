@@ -246,8 +246,8 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
         recipe: the resolved recipe as JSON-able data.
 
     Returns:
-        ``(path, seconds, bytes)``: the checkpoint folder, wall time of the save (s) and its size on disk
-        (bytes, every rank's files).
+        ``(path, seconds, bytes)``: the checkpoint folder, wall time of the save (s) and, on rank 0, its size
+        on disk (bytes, every rank's files; 0 on other ranks).
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp

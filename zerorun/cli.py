@@ -48,6 +48,7 @@ def train(
     r = load_recipe(recipe, overrides or [])
     if resume is not None:
         r.checkpoint.resume = _resume_path(r, resume)
+        r.checkpoint.dir = r.checkpoint.dir or os.path.dirname(r.checkpoint.resume)  # keep saving beside it
     hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", r.launch.procs_per_node)]
     remote = [h.name for h in hosts if not h.is_local]
     if remote:
