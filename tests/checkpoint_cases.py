@@ -20,12 +20,12 @@ from zerorun.zero import ZeroConfig, default_param_groups, initialize
 GLOBAL_BATCH = 12
 
 
-def _engine(stage: int, seed: int, **model_kwargs):
-    model = _build("gpt", seed, **model_kwargs)
+def _engine(stage: int, seed: int, model: str = "gpt", **model_kwargs):
+    model = _build(model, seed, **model_kwargs)
     engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 3e-3, "betas": (0.9, 0.95)},
                         param_groups=default_param_groups(model, 0.1),
                         config=ZeroConfig(stage=stage, bucket_mb=0.002, grad_clip=1.0,
-                                          units=("Block",) if stage == 3 else ()))
+                                          units=("Block",) if stage == 3 and type(model).__name__ == "GPT" else ()))
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(1.0, (s + 1) / 3) * 0.97 ** s)
     return engine, scheduler
 
@@ -36,8 +36,14 @@ def _train(engine, scheduler, steps: range) -> list[float]:
     losses = []
     for step in steps:
         g = torch.Generator().manual_seed(step)
-        batch = torch.randint(0, 61, (GLOBAL_BATCH, 17), generator=g)[rank * per_rank:(rank + 1) * per_rank]
-        loss = engine(batch)["loss"]
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        if type(engine.module).__name__ == "GPT":
+            batch = torch.randint(0, 61, (GLOBAL_BATCH, 17), generator=g)[mine]
+        else:
+            batch = {"x": torch.randn(GLOBAL_BATCH, 7, generator=g)[mine],
+                     "y": torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)[mine]}
+        out = engine(batch)
+        loss = out["loss"] if isinstance(out, dict) else out
         engine.backward(loss)
         engine.step()
         scheduler.step()
@@ -51,10 +57,10 @@ def _recipe() -> dict:
     return {"train": {"micro_batch_size": GLOBAL_BATCH // dist.get_world_size()}}
 
 
-def save_and_continue(root: str, stage: int, save_at: int, steps: int, dropout: float = 0.0) -> dict:
+def save_and_continue(root: str, stage: int, save_at: int, steps: int, **model_kwargs) -> dict:
     """Train ``steps`` steps from seed 0, saving after step ``save_at``; return the losses after it, the
     checkpoint path and (rank 0) the full state dict at the save."""
-    engine, scheduler = _engine(stage, 0, dropout=dropout)
+    engine, scheduler = _engine(stage, 0, **model_kwargs)
     torch.manual_seed(100 + dist.get_rank())
     _train(engine, scheduler, range(1, save_at + 1))
     path, seconds, nbytes = checkpoint.save(engine, root, save_at, scheduler=scheduler,
@@ -65,9 +71,9 @@ def save_and_continue(root: str, stage: int, save_at: int, steps: int, dropout: 
             "full": {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None}
 
 
-def resume_and_continue(path: str, stage: int, steps: int, dropout: float = 0.0) -> dict:
+def resume_and_continue(path: str, stage: int, steps: int, **model_kwargs) -> dict:
     """Build the engine from another seed, load ``path`` and train to ``steps``; return the losses."""
-    engine, scheduler = _engine(stage, 1, dropout=dropout)
+    engine, scheduler = _engine(stage, 1, **model_kwargs)
     torch.manual_seed(999)  # overwritten by the checkpoint's RNG state where the rank existed at the save
     step, position = checkpoint.load(path, engine, scheduler=scheduler, micro_batch_size=GLOBAL_BATCH // dist.get_world_size())
     return {"step": step, "position": (position.epoch, position.batch),

@@ -56,6 +56,14 @@ def test_stage_0_checkpoint_resumes_on_3_ranks_at_stage_2(ranks, tmp_path):
         assert max(rel(a, b) for a, b in zip(r["losses"], saved["losses"])) <= 1e-5, (r["losses"], saved["losses"])
 
 
+def test_frozen_parameters_and_buffers_move_from_stage_3_to_stage_1(ranks, tmp_path):
+    """Frozen parameters are sharded at stage 3 and whole at stage 1; BatchNorm buffers are whole everywhere."""
+    kwargs = dict(model="mlp", frozen=True, batchnorm=True)
+    saved = ranks(3).run(cases.save_and_continue, root=str(tmp_path), stage=3, save_at=2, steps=4, **kwargs)[0]
+    for r in ranks(3).run(cases.resume_and_continue, path=saved["path"], stage=1, steps=4, **kwargs):
+        assert max(rel(a, b) for a, b in zip(r["losses"], saved["losses"])) <= 1e-5, (r["losses"], saved["losses"])
+
+
 def test_consolidate_round_trip_equals_full_state_dict(saved3, tmp_path):
     full = saved3["full"]
     for name in ("model.safetensors", "model.pt"):
