@@ -104,6 +104,7 @@ def test_kill_during_save_then_resume_exactly_and_at_another_stage(tmp_path):
 @pytest.mark.parametrize("args,expected", [
     (["--resume"], r"--resume: checkpoint\.dir is not set in the recipe"),
     (["--resume", "/no/such/ckpt"], r"/no/such/ckpt: no such checkpoint directory"),
+    (["checkpoint.dir=/proc/zerorun-ckpt"], r"checkpoint\.dir: cannot create /proc/zerorun-ckpt: "),
 ])
 def test_bad_resume_is_one_line_exit_2(args, expected):
     out = zerorun("train", TINY, *args, cwd=ROOT)

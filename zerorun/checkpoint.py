@@ -258,13 +258,21 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
     group = engine.comm.group
     final = step_dir(root, step)
     tmp = os.path.join(root, "." + os.path.basename(final) + ".tmp")
+    failed = torch.zeros(1, device=engine.master_slices()[0].device)
     if engine.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of saves that were killed
-            if name.startswith(".") and name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier(group)
+        try:
+            os.makedirs(root, exist_ok=True)
+            for name in os.listdir(root):  # leftovers of saves that were killed
+                if name.startswith(".") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            failed += 1
+            reason = e.strerror
+    dist.all_reduce(failed, group=group)  # every rank learns of rank 0's failure instead of hanging
+    if failed.item():
+        raise ZerorunError(f"checkpoint.dir: cannot create {tmp}" + (f": {reason}" if engine.rank == 0 else
+                                                                     " (on rank 0)"))
     tensors, layout = engine_state(engine)
     tensors.update(_rng_tensors(dist.get_rank(group)))
     with _quiet_sharded_tensor():

@@ -65,6 +65,11 @@ def train(
             print(f"node {node.node_rank} {node.host.name}: ranks {node.first_rank}..{node.first_rank + node.nproc - 1}")
             print("  " + " ".join(node.argv[:-1]) + " <recipe>")
         return
+    if r.checkpoint.dir:
+        try:
+            os.makedirs(r.checkpoint.dir, exist_ok=True)
+        except OSError as e:
+            raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
     _run(r, plan)
 
 

@@ -87,7 +87,7 @@ def train(recipe: Recipe, rank: int) -> None:
     import psutil
     import torch
     import torch.distributed as dist
-    from torch.utils.data import DistributedSampler
+    from torch.utils.data import DataLoader, DistributedSampler
 
     from zerorun import checkpoint, zero
     from zerorun.data import build_datasets

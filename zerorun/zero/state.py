@@ -178,6 +178,8 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
             continue
         master = masters[h.buffer_index]
         for key, value in engine.optimizer.state.get(master, {}).items():
+            if value is None:  # e.g. a state an optimizer declares but has not filled
+                continue
             kind = _state_kind(value, master)
             optim_state[key] = {"kind": kind, "dtype": _dtype_name(value.dtype), "shape": list(value.shape)}
             tensors[f"optim/{h.name}/{key}"] = (_dcp_tensor(h, value, engine.rank, group) if kind == "elementwise"
