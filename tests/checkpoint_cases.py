@@ -16,16 +16,23 @@ from parity_cases import _build
 from zerorun import checkpoint
 from zerorun.errors import ZerorunError
 from zerorun.zero import ZeroConfig, default_param_groups, initialize
+from zerorun.zero.precision import LossScaleConfig
 
 GLOBAL_BATCH = 12
 
 
-def _engine(stage: int, seed: int, model: str = "gpt", **model_kwargs):
+def _engine(stage: int, seed: int, model: str = "gpt", zero: dict | None = None, **model_kwargs):
+    """The engine under test; ``zero``: more :class:`ZeroConfig` fields (precision, offload, ``loss_scale`` as
+    a dict of :class:`LossScaleConfig` fields)."""
     model = _build(model, seed, **model_kwargs)
+    zero = dict(zero or {})
+    if "loss_scale" in zero:
+        zero["loss_scale"] = LossScaleConfig(**zero["loss_scale"])
     engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 3e-3, "betas": (0.9, 0.95)},
                         param_groups=default_param_groups(model, 0.1),
                         config=ZeroConfig(stage=stage, bucket_mb=0.002, grad_clip=1.0,
-                                          units=("Block",) if stage == 3 and type(model).__name__ == "GPT" else ()))
+                                          units=("Block",) if stage == 3 and type(model).__name__ == "GPT" else (),
+                                          **zero))
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(1.0, (s + 1) / 3) * 0.97 ** s)
     return engine, scheduler
 
@@ -57,28 +64,48 @@ def _recipe() -> dict:
     return {"train": {"micro_batch_size": GLOBAL_BATCH // dist.get_world_size()}}
 
 
-def save_and_continue(root: str, stage: int, save_at: int, steps: int, **model_kwargs) -> dict:
+def snapshot(engine) -> dict:
+    """Copies of this rank's fp32 master slices, optimizer states (per flat buffer), fp16 loss scaler state and
+    skipped steps."""
+    return {"masters": [m.clone() for m in engine.master_slices()],
+            "optim": [{k: v.clone() for k, v in s.items()} for s in engine.optimizer_states()],
+            "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+            "skipped": engine.skipped_steps}
+
+
+def save_and_continue(root: str, stage: int, save_at: int, steps: int, zero: dict | None = None,
+                      **model_kwargs) -> dict:
     """Train ``steps`` steps from seed 0, saving after step ``save_at``; return the losses after it, the
-    checkpoint path and (rank 0) the full state dict at the save."""
-    engine, scheduler = _engine(stage, 0, **model_kwargs)
+    checkpoint path, (rank 0) the full state dict at the save, and this rank's :func:`snapshot` at the save
+    (``saved``) and at the end (``end``)."""
+    engine, scheduler = _engine(stage, 0, zero=zero, **model_kwargs)
     torch.manual_seed(100 + dist.get_rank())
     _train(engine, scheduler, range(1, save_at + 1))
     path, seconds, nbytes = checkpoint.save(engine, root, save_at, scheduler=scheduler,
                                             position=checkpoint.DataPosition(3, 5), recipe=_recipe(), keep=2)
     full = engine.full_state_dict() if stage == 3 else engine.state_dict()
+    saved = snapshot(engine)
     losses = _train(engine, scheduler, range(save_at + 1, steps + 1))
-    return {"path": path, "losses": losses, "bytes": nbytes, "seconds": seconds,
-            "full": {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None}
+    end = snapshot(engine)
+    engine.close()
+    return {"path": path, "losses": losses, "bytes": nbytes, "seconds": seconds, "saved": saved, "end": end, "full": {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None}
 
 
-def resume_and_continue(path: str, stage: int, steps: int, **model_kwargs) -> dict:
-    """Build the engine from another seed, load ``path`` and train to ``steps``; return the losses."""
-    engine, scheduler = _engine(stage, 1, **model_kwargs)
+def resume_and_continue(path: str, stage: int, steps: int, zero: dict | None = None, **model_kwargs) -> dict:
+    """Build the engine from another seed, load ``path`` and train to ``steps``; return the losses, this
+    rank's :func:`snapshot` right after the load (``loaded``) and at the end (``end``), and (rank 0) the
+    model's state dict right after the load (``params``)."""
+    engine, scheduler = _engine(stage, 1, zero=zero, **model_kwargs)
     torch.manual_seed(999)  # overwritten by the checkpoint's RNG state where the rank existed at the save
     step, position = checkpoint.load(path, engine, scheduler=scheduler, micro_batch_size=GLOBAL_BATCH // dist.get_world_size())
-    return {"step": step, "position": (position.epoch, position.batch),
-            "losses": _train(engine, scheduler, range(step + 1, steps + 1)),
-            "lr": engine.optimizer.param_groups[0]["lr"]}
+    loaded = snapshot(engine)
+    full = engine.full_state_dict() if stage == 3 else engine.state_dict()
+    params = {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None
+    losses = _train(engine, scheduler, range(step + 1, steps + 1))
+    end = snapshot(engine)
+    engine.close()
+    return {"step": step, "position": (position.epoch, position.batch), "losses": losses, "loaded": loaded,
+            "end": end, "params": params, "lr": engine.optimizer.param_groups[0]["lr"]}
 
 
 def load_error(path: str, **model_kwargs) -> str:

@@ -6,6 +6,7 @@ losses equal the uninterrupted run's.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import shutil
@@ -78,6 +79,80 @@ def test_consolidate_round_trip_equals_full_state_dict(saved3, tmp_path):
         model.load_state_dict(state)  # strict: the unsharded model accepts it
     # a folder of checkpoints stands for its latest
     assert checkpoint.consolidate(os.path.dirname(saved3["path"]), str(tmp_path / "m.pt"))[0] == len(full)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    """Two :func:`checkpoint_cases.snapshot` s of one rank are equal bit for bit: fp32 master slices, every
+    optimizer state tensor, the fp16 loss scaler and the skipped steps."""
+    assert len(a["masters"]) == len(b["masters"]) and len(a["optim"]) == len(b["optim"])
+    for x, y in zip(a["masters"], b["masters"]):
+        assert x.dtype == y.dtype == torch.float32 and torch.equal(x, y)
+    for x, y in zip(a["optim"], b["optim"]):
+        assert sorted(x) == sorted(y) and x
+        for key in x:
+            assert torch.equal(x[key], y[key]), key
+    assert a["scaler"] == b["scaler"] and a["skipped"] == b["skipped"]
+
+
+# stage, extra ZeroConfig fields, save after, train to. fp16 starts at a scale whose gradients overflow
+# (2**17 * the loss > fp16's 65504): steps 1-2 are skipped, step 4 grows the scale (growth_interval 2) and
+# step 5 overflows again, so a resume that did not restore the scaler would skip other steps.
+MIXED = {
+    "bf16-stage2": (2, {"precision": "bf16"}, 3, 5),
+    "bf16-stage3": (3, {"precision": "bf16"}, 3, 5),
+    "fp16-stage2": (2, {"precision": "fp16", "loss_scale": {"initial_scale": 2.0 ** 17, "growth_interval": 2}}, 4, 6),
+    "bf16-cpu-offload-stage2": (2, {"precision": "bf16", "offload_optimizer": "cpu"}, 3, 5),
+    # a 1.5 KiB paging buffer: sub-groups of 64 elements, several per flat buffer slice
+    "fp32-disk-offload-stage2": (2, {"offload_optimizer": "disk", "offload_buffer_mb": 0.0015}, 3, 5),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXED))
+def test_resume_is_exact_under_mixed_precision_and_offload(ranks, tmp_path, case):
+    """Same world size and stage: the resumed run's losses, fp32 masters, optimizer states (wherever offload
+    keeps them) and loss scaler equal the uninterrupted run's, right after the load and at the end."""
+    stage, zero, save_at, steps = MIXED[case]
+    if zero.get("offload_optimizer") == "disk":
+        zero = dict(zero, offload_path=str(tmp_path / "swap"))
+    saved = ranks(2).run(cases.save_and_continue, root=str(tmp_path / "ckpt"), stage=stage, save_at=save_at,
+                         steps=steps, zero=zero)
+    resumed = ranks(2).run(cases.resume_and_continue, path=saved[0]["path"], stage=stage, steps=steps, zero=zero)
+    for s, r in zip(saved, resumed):
+        assert r["step"] == save_at and r["losses"] == s["losses"]  # bit for bit
+        _assert_same_state(r["loaded"], s["saved"])
+        _assert_same_state(r["end"], s["end"])
+    if "loss_scale" in zero:
+        assert saved[0]["saved"]["skipped"] == 2 and saved[0]["saved"]["scaler"] == {"scale": 2.0 ** 16,
+                                                                                      "good_steps": 0}
+        assert saved[0]["end"]["skipped"] == 3
+    if zero.get("offload_optimizer") == "disk":
+        assert os.listdir(tmp_path / "swap") == [".zerorun-offload-lock"]  # swap files removed at close
+
+
+def _sum_sq(snapshots: list[dict], key: str) -> float:
+    """Sum of squares over every rank's fp32 master slices (``key="masters"``) or Adam ``exp_avg_sq`` slices
+    (padding is zero in both)."""
+    if key == "masters":
+        return sum(float((m.double() ** 2).sum()) for s in snapshots for m in s["masters"])
+    return sum(float((o[key].double() ** 2).sum()) for s in snapshots for o in s["optim"])
+
+
+def test_bf16_stage_3_resumes_in_fp32_at_stage_1_from_the_fp32_masters(ranks, tmp_path):
+    """Saved in bf16 at stage 3, resumed in fp32 at stage 1: the parameters are the saved fp32 masters (not
+    their bf16 roundings), and masters and optimizer states carry over whole."""
+    saved = ranks(2).run(cases.save_and_continue, root=str(tmp_path / "ckpt"), stage=3, save_at=3, steps=3,
+                         zero={"precision": "bf16"})
+    resumed = ranks(2).run(cases.resume_and_continue, path=saved[0]["path"], stage=1, steps=5)
+    checkpoint.consolidate(saved[0]["path"], str(tmp_path / "m.safetensors"))
+    masters = load_file(str(tmp_path / "m.safetensors"))
+    params = resumed[0]["params"]
+    assert sorted(params) == sorted(masters)
+    for key, value in masters.items():
+        assert params[key].dtype == torch.float32 and torch.equal(params[key], value), key
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in masters.values())
+    for key in ("masters", "exp_avg", "exp_avg_sq"):
+        assert rel(_sum_sq([r["loaded"] for r in resumed], key), _sum_sq([s["saved"] for s in saved], key)) <= 1e-12
+    assert all(len(r["losses"]) == 2 and all(map(math.isfinite, r["losses"])) for r in resumed)
 
 
 def test_checkpoint_of_another_model_is_one_line_error(ranks, saved3):

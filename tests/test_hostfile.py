@@ -1,7 +1,7 @@
 import pytest
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import Host, parse_hostfile, read_hostfile
+from zerorun.hostfile import Host, parse_hostfile, read_hostfile, select_hosts
 
 
 def test_parses_deepspeed_format_with_comments_and_blank_lines():
@@ -40,3 +40,43 @@ def test_not_utf8_hostfile(tmp_path):
     (tmp_path / "h").write_bytes(b"\xff\xfe slots=2\n")
     with pytest.raises(ZerorunError, match=r"cannot read hostfile: not UTF-8 text"):
         read_hostfile(str(tmp_path / "h"))
+
+
+HOSTS = [Host("a", 2), Host("b", 4), Host("c", 1)]
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    ({"include": "b"}, [Host("b", 4)]),
+    ({"include": "a@b:1,3"}, [Host("a", 2), Host("b", 2, (1, 3))]),
+    ({"include": "c@a:1"}, [Host("a", 1, (1,)), Host("c", 1)]),  # hostfile order, not the flag's
+    ({"exclude": "a"}, [Host("b", 4), Host("c", 1)]),
+    ({"exclude": "b:0,2@c"}, [Host("a", 2), Host("b", 2, (1, 3))]),
+    ({"num_nodes": 2}, [Host("a", 2), Host("b", 4)]),
+    ({"num_procs": 1, "num_nodes": 2}, [Host("a", 1), Host("b", 1)]),
+    ({"include": "b:1,2,3", "num_procs": 2}, [Host("b", 2, (1, 2))]),
+])
+def test_include_exclude_num_nodes_num_procs(kwargs, expected):
+    assert select_hosts(HOSTS, **kwargs) == expected
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    ({"include": "a", "exclude": "b"}, r"^--include and --exclude are mutually exclusive"),
+    ({"include": "a@x"}, r"^--include 'a@x': unknown host 'x' \(hosts: a, b, c\)$"),
+    ({"exclude": "b:4"}, r"^--exclude 'b:4': b: unknown slot 4 \(it has slots 0\.\.3\)$"),
+    ({"include": "b:one"}, r"^--include 'b:one': b: slot 'one' is not a slot index$"),
+    ({"include": "@b"}, r"^--include '@b': empty host name"),
+    ({"exclude": "a@b@c"}, r"^--exclude 'a@b@c': no host or slot is left$"),
+    ({"num_nodes": 4}, r"^--num-nodes 4: only 3 host\(s\) selected$"),
+    ({"num_procs": 3}, r"^--num-procs 3: host a has only 2 slot\(s\)$"),
+])
+def test_bad_selection_is_one_line(kwargs, expected):
+    with pytest.raises(ZerorunError, match=expected):
+        select_hosts(HOSTS, **kwargs)
+
+
+def test_selected_slots_become_visible_devices():
+    from zerorun.launch.plan import build_plan
+
+    plan = build_plan(select_hosts(HOSTS, include="a@b:1,3"), "{}", "job", 1234)
+    assert [n.env.get("CUDA_VISIBLE_DEVICES") for n in plan.nodes] == [None, "1,3"]
+    assert [(n.first_rank, n.nproc) for n in plan.nodes] == [(0, 2), (2, 2)] and plan.world_size == 4

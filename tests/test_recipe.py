@@ -64,12 +64,27 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (["model.module=nope.py"], r"^override 'model.module=nope.py': model\.module: file not found: nope\.py"),
     (["data.paths=['/nonexistent/*.txt']"], r"data\.paths\.0: pattern matches no files"),
     (["data.kind=module"], r"data: kind 'module' needs data\.module and data\.factory"),
-    (["precision=bf16"], r"precision: bf16 is not supported yet"),
+    (["zero.offload_optimizer=disk"], r"^override 'zero.offload_optimizer=disk': zero\.offload_optimizer: disk "
+                                      r"needs zero\.offload_path"),
+    (["zero.offload_optimizer=nvme"], r"zero\.offload_optimizer: Input should be 'none', 'cpu' or 'disk'"),
+    (["zero.offload_path=/tmp"], r"zero\.offload_path: used by zero\.offload_optimizer disk only"),
+    (["zero.reduce_dtype=bf16"], r"zero\.reduce_dtype: Input should be 'fp32'"),
+    (["precision=bf16", "loss_scale.initial_scale=1024"], r"loss_scale: loss scaling applies to precision fp16 only"),
+    (["precision=fp16", "loss_scale.backoff=2"], r"loss_scale\.backoff: Input should be less than 1"),
 ])
 def test_bad_fields_name_file_line_and_field(tmp_path, overrides, expected):
     with pytest.raises(ZerorunError, match=expected) as info:
         load_recipe(good(tmp_path), overrides)
     assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+def test_mixed_precision_and_offload_fields(tmp_path):
+    r = load_recipe(good(tmp_path), ["precision=fp16", "loss_scale.growth_interval=100", "zero.reduce_dtype=fp32",
+                                     "zero.offload_optimizer=disk", f"zero.offload_path={tmp_path}/swap"])
+    assert (r.precision, r.loss_scale.growth_interval, r.zero.reduce_dtype) == ("fp16", 100, "fp32")
+    assert r.zero.offload_path == str(tmp_path / "swap")
+    with pytest.raises(ZerorunError, match=r"zero\.offload_path: not a directory"):
+        load_recipe(good(tmp_path), ["zero.offload_optimizer=disk", f"zero.offload_path={good(tmp_path)}"])
 
 
 @pytest.mark.parametrize("replace,expected", [

@@ -1,6 +1,7 @@
 """Failure attribution from what the nodes print (Note [Blame] in launch/supervisor.py), without processes."""
 
 import queue
+import signal
 
 from zerorun.hostfile import Host
 from zerorun.launch.plan import build_plan
@@ -53,3 +54,82 @@ def test_only_peer_failures_blame_the_earliest():
     peer = format_event("error", 0, type="RuntimeError", message="Connection closed by peer", peer_failure=True)
     result = supervise([peer])
     assert result.rank == 0 and "Connection closed by peer" in result.message
+
+
+def test_node_that_ends_without_rank_output_is_named_with_its_last_line():
+    plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
+    q: queue.Queue = queue.Queue()
+    sup = Supervisor(plan, [], q, lambda e: None, lambda n, l: None)
+    q.put((1, "sh: 2: cd: can't cd to /nowhere"))
+    q.put((1, None, 2))
+    while not q.empty():
+        sup._drain(0.01)
+    result = sup._failure(1)
+    assert (result.rank, result.host) == (None, "127.0.0.2")
+    assert result.message == "node 1 ended (exit code 2): sh: 2: cd: can't cd to /nowhere"
+
+
+def test_lost_connection_is_blamed_over_the_peer_failures_it_causes():
+    plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
+    lost = type("Node", (), {"end_reason": "lost the SSH connection to 127.0.0.2"})()
+    q: queue.Queue = queue.Queue()
+    sup = Supervisor(plan, [object(), lost], q, lambda e: None, lambda n, l: None)
+    q.put((0, format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)))
+    q.put((1, None, 255))
+    while not q.empty():
+        sup._drain(0.01)
+    result = sup._failure(1)
+    assert (result.rank, result.host) == (None, "127.0.0.2")
+    assert result.message == "node 1 ended (lost the SSH connection to 127.0.0.2)"
+
+
+def test_peer_failures_on_one_node_wait_for_the_node_whose_rank_died():
+    """Two nodes: node 0 ends first, having seen only rank 0's peer failure; node 1's summary (rank 1 killed)
+    arrives a moment later. Rank 1 is blamed, not rank 0."""
+    import threading
+
+    plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
+    q: queue.Queue = queue.Queue()
+    sup = Supervisor(plan, [object(), object()], q, lambda e: None, lambda n, l: None)
+    q.put((0, format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)))
+    q.put((0, None, 1))
+
+    def later():
+        for line in ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 0)",
+                     "  exitcode  : -9 (pid: 7)"]:
+            q.put((1, line))
+        q.put((1, None, 1))
+
+    threading.Timer(0.5, later).start()
+    result = sup._failure(None)
+    assert (result.rank, result.host) == (1, "127.0.0.2")
+    assert result.message == "rank process ended (killed by SIGKILL)"
+
+
+class FakeNode:
+    """A node that reports ``left`` surviving processes for its first kill calls, then none."""
+
+    def __init__(self, spec, left: int, unverified: str | None = None):
+        self.spec, self.left, self.unverified, self.signals = spec, left, unverified, []
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+    def kill_survivors(self, sig):
+        left, self.left = self.left, 0
+        return left
+
+
+def test_teardown_repeats_until_every_host_reports_none_left_and_names_unverified_hosts():
+    plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
+    q: queue.Queue = queue.Queue()
+    nodes = [FakeNode(plan.nodes[0], 2), FakeNode(plan.nodes[1], 1, unverified="TimeoutError: timed out")]
+    sup = Supervisor(plan, nodes, q, lambda e: None, lambda n, l: None, grace_s=0.1)
+    for i in range(2):
+        q.put((i, None, 0))
+    while not q.empty():
+        sup._drain(0.01)
+    sup._teardown()
+    # no SIGTERM to nodes that had ended; SIGKILL rounds until a round finds nothing left on any host
+    assert [n.signals for n in nodes] == [[signal.SIGKILL] * 2] * 2
+    assert sup.unverified == {"127.0.0.2": "TimeoutError: timed out"}

@@ -2,7 +2,8 @@
 
 A checkpoint is a folder ``<checkpoint.dir>/step-00000100/`` holding torch.distributed.checkpoint (DCP)
 files (every rank writes only its own shards: Note [Checkpoint layout] in ``zero/state.py``), ``zerorun.json``
-(step, scheduler, optimizer param-group options, data position, layout, resolved recipe) and the marker
+(step, scheduler, optimizer param-group options, fp16 loss scaler and skipped steps, data position, layout,
+resolved recipe) and the marker
 ``COMPLETE``.
 
 Note [Atomic checkpoints]: ranks write into ``.tmp-step-N``; once DCP's save has returned on every rank (its
@@ -13,7 +14,8 @@ marker: neither is ever picked as the latest, and the previous checkpoint is unt
 pruned only after the new one is complete.
 
 Note [Exact resume]: with the same world size the resumed run reproduces the uninterrupted one bit for bit:
-masters and optimizer states are restored exactly, the scheduler and param-group options (lr) too, every
+masters and optimizer states are restored exactly (wherever offload keeps them), the scheduler, the fp16
+loss scaler (scale, good steps since its last change, skipped steps) and param-group options (lr) too, every
 rank's RNG state (dropout) is restored after everything that consumes random numbers at start-up, and the
 data stream restarts at the same epoch and micro-batch (the sampler's order depends only on seed and epoch;
 the loader has its own generator, so creating it never draws from the global RNG). With another world
@@ -258,7 +260,7 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
     group = engine.comm.group
     final = step_dir(root, step)
     tmp = os.path.join(root, "." + os.path.basename(final) + ".tmp")
-    failed = torch.zeros(1, device=engine.master_slices()[0].device)
+    failed = torch.zeros(1, device=engine.buffers[0].device)  # where the collectives run
     if engine.rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
@@ -281,6 +283,8 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
         _write_json(os.path.join(tmp, META), {
             "format": FORMAT, "step": step, "world_size": engine.world_size, "stage": engine.stage,
             "layout": layout, "scheduler": scheduler.state_dict(),
+            "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+            "skipped_steps": engine.skipped_steps,
             "data": {"epoch": position.epoch, "batch": position.batch, "world_size": engine.world_size,
                      "micro_batch_size": recipe["train"]["micro_batch_size"]},
             "recipe": recipe})
@@ -345,6 +349,9 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
 
     load_engine_state(engine, meta["layout"], run)
     scheduler.load_state_dict(meta["scheduler"])
+    engine.skipped_steps = int(meta.get("skipped_steps", 0))
+    if engine.scaler is not None and meta.get("loss_scaler"):  # fp16 after fp16; else the recipe's initial scale
+        engine.scaler.load_state_dict(meta["loss_scaler"])
     for key, value in rng.items():
         if key.endswith("/cpu"):
             torch.set_rng_state(value)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import sys
 import time
 import uuid
@@ -20,8 +19,43 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 
 def _err(message: str) -> None:
-    sys.stderr.write(f"zerorun: error: {message}\n")
+    sys.stderr.write("".join(f"zerorun: error: {line}\n" for line in message.splitlines() or [""]))
     sys.stderr.flush()
+
+
+# Options shared by `train` and `launch` (hosts, selection, SSH).
+_HOSTFILE = typer.Option(None, "-H", "--hostfile", help="DeepSpeed-style hostfile.")
+_MASTER_PORT = typer.Option(None, "--master-port", min=1, max=65535,
+                            help="Rendezvous port on the first host (default: a free one found there).")
+_INCLUDE = typer.Option(None, "--include", help="Only these hosts/slots: 'host1@host2:0,1'.")
+_EXCLUDE = typer.Option(None, "--exclude", help="All but these hosts/slots: 'host1@host2:0,1'.")
+_NUM_NODES = typer.Option(None, "--num-nodes", min=1, help="Use the first N hosts.")
+_NUM_PROCS = typer.Option(None, "--num-procs", min=1, help="Ranks per node (at most its slots).")
+_SSH_USER = typer.Option(None, "--ssh-user", help="SSH user (default: from ~/.ssh/config, else yours).")
+_SSH_PORT = typer.Option(None, "--ssh-port", min=1, max=65535, help="SSH port (default: from ~/.ssh/config, 22).")
+_SSH_KEY = typer.Option(None, "--ssh-key", help="The only SSH private key to use (default: ~/.ssh/config's).")
+_SSH_CONFIG = typer.Option(None, "--ssh-config", help="SSH config file to read instead of ~/.ssh/config.")
+_SSH_LOCAL = typer.Option(False, "--ssh-local", help="Reach this machine's hosts (localhost) over SSH too.")
+_PREFLIGHT_S = typer.Option(15.0, "--preflight-timeout", min=1.0, help="Seconds preflight may take, all hosts.")
+
+
+def _hosts(hostfile: str | None, default_slots: int, include, exclude, num_nodes, num_procs):
+    """The selected hosts: the hostfile's (or localhost with --num-procs, else ``default_slots``, ranks)
+    through --include/--exclude, --num-nodes and --num-procs (hostfile.select_hosts)."""
+    from zerorun.hostfile import Host, read_hostfile, select_hosts
+
+    hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", num_procs or default_slots)]
+    return select_hosts(hosts, include, exclude, num_nodes, num_procs)
+
+
+def _ssh(user, port, key, config):
+    """SSH options from the flags; a key or config file that does not exist is an error."""
+    from zerorun.launch.remote import SshOptions
+
+    for flag, path in (("--ssh-key", key), ("--ssh-config", config)):
+        if path is not None and not os.path.isfile(path):
+            raise ZerorunError(f"{flag} {path}: no such file")
+    return SshOptions(user=user, port=port, key=key, config=config)
 
 
 @app.callback()
@@ -33,34 +67,30 @@ def _root() -> None:
 def train(
     recipe: str = typer.Argument(..., help="Recipe YAML file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides, e.g. zero.stage=2."),
-    hostfile: Optional[str] = typer.Option(None, "-H", "--hostfile", help="DeepSpeed-style hostfile."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
-                                              help="Rendezvous port on the first host (default: a free one)."),
+    hostfile: Optional[str] = _HOSTFILE,
+    master_port: Optional[int] = _MASTER_PORT,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan and exit."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="[PATH]",
                                          help="Resume from the latest checkpoint in checkpoint.dir, or from PATH."),
+    include: Optional[str] = _INCLUDE, exclude: Optional[str] = _EXCLUDE,
+    num_nodes: Optional[int] = _NUM_NODES, num_procs: Optional[int] = _NUM_PROCS,
+    ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
+    ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
-    from zerorun.hostfile import Host, read_hostfile
-    from zerorun.launch.plan import build_plan, free_port, port_in_use
+    from zerorun.launch.job import prepare_job
+    from zerorun.launch.plan import build_plan
     from zerorun.recipe import load_recipe
 
     r = load_recipe(recipe, overrides or [])
     if resume is not None:
         r.checkpoint.resume = _resume_path(r, resume)
         r.checkpoint.dir = r.checkpoint.dir or os.path.dirname(r.checkpoint.resume)  # keep saving beside it
-    hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", r.launch.procs_per_node)]
-    remote = [h.name for h in hosts if not h.is_local]
-    if remote:
-        raise ZerorunError(f"{hostfile}: remote hosts ({', '.join(remote)}) need the SSH launcher, which is not "
-                           "available yet; use local hosts only")
-    if master_port is None:
-        master_port = free_port()
-    elif port_in_use(master_port):
-        raise ZerorunError(f"--master-port {master_port}: the port is already in use on 127.0.0.1")
+    hosts = _hosts(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
+    ssh = _ssh(ssh_user, ssh_port, ssh_key, ssh_config)
     job_id = uuid.uuid4().hex[:12]
-    plan = build_plan(hosts, r.model_dump_json(), job_id, master_port, r.launch.python, r.launch.env)
-    if dry_run:
+    if dry_run:  # nothing is contacted: the master address and port are settled at launch
+        plan = build_plan(hosts, r.model_dump_json(), job_id, master_port or 0, r.launch.python, r.launch.env)
         for node in plan.nodes:
             print(f"node {node.node_rank} {node.host.name}: ranks {node.first_rank}..{node.first_rank + node.nproc - 1}")
             print("  " + " ".join(node.argv[:-1]) + " <recipe>")
@@ -70,7 +100,11 @@ def train(
             os.makedirs(r.checkpoint.dir, exist_ok=True)
         except OSError as e:
             raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
-    _run(r, plan)
+    modules = [r.model.module] + ([r.data.module] if r.data.kind == "module" else [])
+    job = prepare_job(hosts, job_id, recipe_json=r.model_dump_json(), python=r.launch.python,
+                      workdir=r.launch.workdir, env=r.launch.env, modules=modules, master_port=master_port,
+                      ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout)
+    _run(r, job)
 
 
 def _resume_path(recipe, resume: str) -> str:
@@ -103,24 +137,55 @@ def consolidate(
     print(f"zerorun: wrote {count} tensors ({human_bytes(nbytes)}) to {out}")
 
 
-def _run(recipe, plan) -> None:
-    from zerorun.launch.runner import LocalNode
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "allow_interspersed_args": False})
+def launch(
+    script: str = typer.Argument(..., help="Your training script, run on every rank by torchrun."),
+    args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script."),
+    hostfile: Optional[str] = _HOSTFILE,
+    master_port: Optional[int] = _MASTER_PORT,
+    include: Optional[str] = _INCLUDE, exclude: Optional[str] = _EXCLUDE,
+    num_nodes: Optional[int] = _NUM_NODES, num_procs: Optional[int] = _NUM_PROCS,
+    ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
+    ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
+    log_dir: str = typer.Option("runs", "--log-dir", help="Runs are written under LOG_DIR/<script>/<time>/."),
+) -> None:
+    """Run your own SCRIPT on every rank of the hostfile (or one local rank per --num-procs), with the same
+    streaming and teardown as `train`; the script may report steps with zerorun.report()."""
+    from zerorun.launch.job import prepare_job
+
+    if not os.path.isfile(script):
+        raise ZerorunError(f"{script}: no such script")
+    script = os.path.abspath(script)
+    hosts = _hosts(hostfile, 1, include, exclude, num_nodes, num_procs)
+    job = prepare_job(hosts, uuid.uuid4().hex[:12], program=["-m", "zerorun.script_worker", script, *(args or [])],
+                      modules=[script], master_port=master_port, ssh=_ssh(ssh_user, ssh_port, ssh_key, ssh_config),
+                      ssh_local=ssh_local, preflight_timeout=preflight_timeout)
+    _run(None, job, name=os.path.splitext(os.path.basename(script))[0], log_dir=log_dir)
+
+
+def _run(recipe, job, name: str | None = None, log_dir: str | None = None) -> None:
+    """Run ``job`` (launch/job.py) under the supervisor, recording and showing its events; ``recipe`` is None
+    for ``zerorun launch`` (then ``name`` and ``log_dir`` say where the run goes)."""
     from zerorun.launch.supervisor import Supervisor
     from zerorun.telemetry.console import PlainView, RunRecorder
 
-    run_dir = os.path.join(recipe.log.dir, recipe.name, time.strftime("%Y%m%d-%H%M%S") + f"-{plan.job_id[:4]}")
+    plan, lines, nodes = job.plan, job.lines, job.nodes
+    name = recipe.name if recipe is not None else name
+    run_dir = os.path.join(recipe.log.dir if recipe is not None else log_dir, name,
+                           time.strftime("%Y%m%d-%H%M%S") + f"-{plan.job_id[:4]}")
     try:
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
-            yaml.safe_dump(json.loads(recipe.model_dump_json()), f, sort_keys=False)
+        if recipe is not None:
+            with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
+                yaml.safe_dump(json.loads(recipe.model_dump_json()), f, sort_keys=False)
     except OSError as e:
+        job.close()
         raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
     recorder, view = RunRecorder(run_dir), PlainView(sys.stdout)
     hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
-    view.print(f"zerorun: {recipe.name}: {plan.world_size} ranks on {hosts}, ZeRO stage {recipe.zero.stage}, "
-               f"{recipe.precision}; job {plan.job_id}; run dir {run_dir}")
-    lines: queue.Queue = queue.Queue()
-    nodes = [LocalNode(spec, lines, cwd=recipe.launch.workdir) for spec in plan.nodes]
+    what = f"ZeRO stage {recipe.zero.stage}, {recipe.precision}" if recipe is not None else "user script"
+    view.print(f"zerorun: {name}: {plan.world_size} ranks on {hosts}, {what}; job {plan.job_id}; run dir {run_dir}")
 
     def on_event(e):
         recorder.event(e)
@@ -130,10 +195,14 @@ def _run(recipe, plan) -> None:
         recorder.line(node_rank, line)
         view.line(node_rank, line)
 
+    supervisor = Supervisor(plan, nodes, lines, on_event, on_line, require_finish=recipe is not None)
     try:
-        result = Supervisor(plan, nodes, lines, on_event, on_line).run()
+        result = supervisor.run()
     finally:
         recorder.close()
+        job.close()
+    for host, why in supervisor.unverified.items():
+        sys.stderr.write(f"zerorun: warning: {host}: could not check that the job's processes are gone: {why}\n")
     if result.status != "ok":
         where = f"rank {result.rank}" + (f" on {result.host}" if result.host else "") if result.rank is not None \
             else "job"

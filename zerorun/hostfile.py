@@ -20,10 +20,13 @@ _LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:\-\[\]]+)(?:\s+slots\s*=\s*(?P<slots
 
 @dataclass(frozen=True)
 class Host:
-    """One node: its address or SSH alias, and how many ranks (slots) it runs."""
+    """One node: its address or SSH alias, and how many ranks (slots) it runs; ``slot_ids``: which of the
+    hostfile's slots were selected (``--include host:0,2``; DeepSpeed's meaning: device indices), or None for
+    the first ``slots``."""
 
     name: str
     slots: int
+    slot_ids: tuple[int, ...] | None = None
 
     @property
     def is_local(self) -> bool:
@@ -70,3 +73,82 @@ def read_hostfile(path: str) -> list[Host]:
     from zerorun.recipe import read_text
 
     return parse_hostfile(read_text(path, "hostfile"), path)
+
+
+def _parse_selection(spec: str, flag: str, hosts: list[Host]) -> dict[str, list[int] | None]:
+    """DeepSpeed's ``host1@host2:0,1`` grammar: ``@`` separates hosts; ``:`` then comma-separated slot indices;
+    a host without slots means all of them. Returns host name -> slot indices (None: all)."""
+    by_name = {h.name: h for h in hosts}
+    chosen: dict[str, list[int] | None] = {}
+    for part in spec.split("@"):
+        name, colon, slots_text = part.strip().partition(":")
+        if not name:
+            raise ZerorunError(f"{flag} {spec!r}: empty host name (expected 'host1@host2:0,1')")
+        if name not in by_name:
+            raise ZerorunError(f"{flag} {spec!r}: unknown host {name!r} (hosts: {', '.join(by_name)})")
+        if not colon:
+            chosen[name] = None
+            continue
+        slots: list[int] = []
+        for item in slots_text.split(","):
+            if not item.strip().isdigit():
+                raise ZerorunError(f"{flag} {spec!r}: {name}: slot {item.strip()!r} is not a slot index")
+            index = int(item)
+            if index >= by_name[name].slots:
+                raise ZerorunError(f"{flag} {spec!r}: {name}: unknown slot {index} (it has slots "
+                                   f"0..{by_name[name].slots - 1})")
+            slots.append(index)
+        if name in chosen and chosen[name] is None:
+            continue  # already all of its slots
+        chosen[name] = sorted(set(chosen.get(name) or []) | set(slots))
+    return chosen
+
+
+def select_hosts(hosts: list[Host], include: str | None = None, exclude: str | None = None,
+                 num_nodes: int | None = None, num_procs: int | None = None) -> list[Host]:
+    """The hosts and slots a job uses, with DeepSpeed's launcher flags.
+
+    Args:
+        include: ``host1@host2:0,1``: only these hosts (and, with ``:``, only these slot indices).
+        exclude: the same grammar: drop these hosts (without ``:``) or these slots.
+        num_nodes: use the first ``num_nodes`` hosts left.
+        num_procs: ranks per node (at most each host's slots; the first ones of its selected slots).
+
+    Raises:
+        ZerorunError: both include and exclude, an unknown host or slot, a malformed spec, more nodes or procs
+            than there are, or nothing left.
+    """
+    if include and exclude:
+        raise ZerorunError("--include and --exclude are mutually exclusive; use one")
+    selected: list[Host] = []
+    if include:
+        chosen = _parse_selection(include, "--include", hosts)
+        for h in hosts:
+            if h.name in chosen:
+                ids = chosen[h.name]
+                selected.append(h if ids is None else Host(h.name, len(ids), tuple(ids)))
+    elif exclude:
+        dropped = _parse_selection(exclude, "--exclude", hosts)
+        for h in hosts:
+            if h.name not in dropped:
+                selected.append(h)
+            elif dropped[h.name] is not None:
+                ids = [i for i in range(h.slots) if i not in dropped[h.name]]
+                if ids:
+                    selected.append(Host(h.name, len(ids), tuple(ids)))
+    else:
+        selected = list(hosts)
+    if not selected:
+        raise ZerorunError(f"--exclude {exclude!r}: no host or slot is left")
+    if num_nodes is not None:
+        if num_nodes > len(selected):
+            raise ZerorunError(f"--num-nodes {num_nodes}: only {len(selected)} host(s) selected")
+        selected = selected[:num_nodes]
+    if num_procs is not None:
+        out = []
+        for h in selected:
+            if num_procs > h.slots:
+                raise ZerorunError(f"--num-procs {num_procs}: host {h.name} has only {h.slots} slot(s)")
+            out.append(Host(h.name, num_procs, h.slot_ids[:num_procs] if h.slot_ids else None))
+        selected = out
+    return selected

@@ -96,6 +96,24 @@ class ZeroSpec(_Strict):
     units: list[str] = Field(default_factory=list)
     prefetch: bool = True
     meta_init: bool = True
+    # Mixed precision and offload (zerorun/zero/precision.py, offload.py): reduce gradients in fp32 instead of
+    # the 2-byte precision; where the fp32 master slices and optimizer states live (none | cpu | disk), the
+    # folder for disk's swap files and the host buffer (MiB) they are paged through.
+    reduce_dtype: Literal["fp32"] | None = None
+    offload_optimizer: Literal["none", "cpu", "disk"] = "none"
+    offload_path: str | None = None
+    offload_buffer_mb: float = Field(64.0, gt=0)
+
+
+class LossScaleSpec(_Strict):
+    """fp16 dynamic loss scaling (Note [Loss scaling] in zerorun/zero/precision.py): the first scale, good
+    steps before it grows by ``growth_factor``, the factor applied on overflow, and its floor."""
+
+    initial_scale: float = Field(65536.0, gt=0)
+    growth_interval: int = Field(2000, gt=0)
+    backoff: float = Field(0.5, gt=0, lt=1)
+    min_scale: float = Field(1.0, gt=0)
+    growth_factor: float = Field(2.0, gt=1)
 
 
 class LaunchSpec(_Strict):
@@ -138,6 +156,7 @@ class Recipe(_Strict):
     train: TrainSpec
     zero: ZeroSpec = Field(default_factory=ZeroSpec)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec)
     launch: LaunchSpec = Field(default_factory=LaunchSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     log: LogSpec = Field(default_factory=LogSpec)
@@ -376,8 +395,20 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         if found is None:
             raise ZerorunError(f"{where('launch', 'python')}: no such executable: {launch.python}")
     _check_optimizer(recipe.train.optimizer, where("train", "optimizer"))
-    if recipe.precision != "fp32":
-        raise ZerorunError(f"{where('precision')}: {recipe.precision} is not supported yet; use fp32")
+    if "loss_scale" in recipe.model_fields_set and recipe.precision != "fp16":
+        raise ZerorunError(f"{where('loss_scale')}: loss scaling applies to precision fp16 only "
+                           f"(precision is {recipe.precision})")
+    z = recipe.zero
+    if z.offload_optimizer == "disk":
+        if not z.offload_path:
+            raise ZerorunError(f"{where('zero', 'offload_optimizer')}: disk needs zero.offload_path, a folder "
+                               "for the swap files")
+        z.offload_path = os.path.abspath(os.path.expanduser(z.offload_path))
+        if os.path.exists(z.offload_path) and not os.path.isdir(z.offload_path):
+            raise ZerorunError(f"{where('zero', 'offload_path')}: not a directory: {z.offload_path}")
+    elif z.offload_path:
+        raise ZerorunError(f"{where('zero', 'offload_path')}: used by zero.offload_optimizer disk only "
+                           f"(it is {z.offload_optimizer})")
     ckpt = recipe.checkpoint
     if ckpt.every or ckpt.dir:
         ckpt.dir = os.path.abspath(os.path.expanduser(ckpt.dir or os.path.join(recipe.log.dir, recipe.name,

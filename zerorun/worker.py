@@ -122,7 +122,11 @@ def train(recipe: Recipe, rank: int) -> None:
     try:
         config = zero.ZeroConfig(stage=z.stage, bucket_mb=z.bucket_mb, grad_accum_steps=t.grad_accum_steps,
                                  grad_clip=t.grad_clip, units=tuple(z.units), prefetch=z.prefetch,
-                                 activation_checkpointing=t.activation_checkpointing)
+                                 activation_checkpointing=t.activation_checkpointing,
+                                 precision=recipe.precision, reduce_dtype=z.reduce_dtype,
+                                 loss_scale=zero.LossScaleConfig(**recipe.loss_scale.model_dump()),
+                                 offload_optimizer=z.offload_optimizer, offload_path=z.offload_path,
+                                 offload_buffer_mb=z.offload_buffer_mb)
         engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
                                  config=config)
     except ValueError as e:  # the recipe asks for something this model cannot do (units, optimizer, groups)
@@ -215,7 +219,8 @@ def train(recipe: Recipe, rank: int) -> None:
                  job_tokens_per_s=world_size * tokens / step_s, rss_bytes=proc.memory_info().rss,
                  peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
                  comm_bytes=comm["bytes_sent"] - comm_prev["bytes_sent"],
-                 comm_wait_s=comm["wait_s"] - comm_prev["wait_s"])
+                 comm_wait_s=comm["wait_s"] - comm_prev["wait_s"],
+                 loss_scale=engine.loss_scale, skipped=engine.last_step_skipped, skipped_steps=engine.skipped_steps)
             comm_prev = comm
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             evaluate(step)
@@ -225,7 +230,8 @@ def train(recipe: Recipe, rank: int) -> None:
             if rank == 0:
                 emit("checkpoint", rank, step=step, path=path, seconds=seconds, bytes=nbytes)
     emit("finish", rank, steps=t.steps, elapsed_s=time.time() - t_start, time_to_first_step_s=first_step_s,
-         peak_rss_bytes=peak_rss_bytes())
+         peak_rss_bytes=peak_rss_bytes(), skipped_steps=engine.skipped_steps)
+    engine.close()  # removes the offload swap file (Note [Swap files])
     dist.barrier()  # no rank tears its process group down while a peer may still be using it
     dist.destroy_process_group()
 
@@ -247,16 +253,23 @@ def main(argv: list[str] | None = None) -> int:
         recipe = Recipe.model_validate(json.loads(base64.b64decode(args.recipe_b64)))
         train(recipe, rank)
         return 0
-    except ZerorunError as e:
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
+        return report_failure(e, rank)
+
+
+def report_failure(e: BaseException, rank: int) -> int:
+    """Emit the error event for ``e`` (raised on ``rank``) and return the rank's exit code: 2 for a
+    :class:`ZerorunError` (bad user input), 130 for Ctrl-C, else 1."""
+    if isinstance(e, ZerorunError):
         emit("error", rank, type=type(e).__name__, message=str(e), user_error=True)
         return 2
-    except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher, then re-signalled
-        tb = traceback.format_exc().strip().splitlines()
-        frames = traceback.extract_tb(e.__traceback__)
-        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
-        emit("error", rank, type=type(e).__name__, message=str(e).strip().splitlines()[0] if str(e).strip() else "",
-             traceback="\n".join(tb[-12:]), user_error=False, peer_failure=is_peer_failure(e), where=where)
-        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    tb = traceback.format_exception(type(e), e, e.__traceback__)
+    tb = "".join(tb).strip().splitlines()
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+    emit("error", rank, type=type(e).__name__, message=str(e).strip().splitlines()[0] if str(e).strip() else "",
+         traceback="\n".join(tb[-12:]), user_error=False, peer_failure=is_peer_failure(e), where=where)
+    return 130 if isinstance(e, KeyboardInterrupt) else 1
 
 
 if __name__ == "__main__":

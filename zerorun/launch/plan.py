@@ -73,8 +73,10 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
-def build_plan(hosts: list[Host], recipe_json: str, job_id: str, master_port: int,
-               python: str | None = None, extra_env: dict[str, str] | None = None) -> LaunchPlan:
+def build_plan(hosts: list[Host], recipe_json: str | None, job_id: str, master_port: int,
+               python: str | None = None, extra_env: dict[str, str] | None = None,
+               master_addr: str | None = None, program: list[str] | None = None,
+               cpus: dict[str, int] | None = None) -> LaunchPlan:
     """One :class:`NodeSpec` per host, ranks numbered in hostfile order.
 
     Args:
@@ -83,23 +85,34 @@ def build_plan(hosts: list[Host], recipe_json: str, job_id: str, master_port: in
         job_id: marks every process of the job (:data:`JOB_ENV`).
         master_port: the rendezvous port on the first host.
         python: interpreter on the nodes (default: this one).
-        extra_env: the recipe's ``launch.env``.
+        extra_env: the recipe's ``launch.env`` (and ``.zerorun_env``'s values, see launch/env.py).
+        master_addr: the first host's address as the other nodes reach it (default: 127.0.0.1 for a local
+            first host, else its name).
+        program: what torchrun runs on every rank (``["script.py", "arg", ...]`` for ``zerorun launch``);
+            default: ``-m zerorun.worker`` with the recipe.
+        cpus: CPU count per host name (from preflight), for each node's OMP_NUM_THREADS (default: this
+            machine's).
     """
-    master_addr = "127.0.0.1" if hosts[0].is_local else hosts[0].name
-    payload = base64.b64encode(recipe_json.encode()).decode()
+    if master_addr is None:
+        master_addr = "127.0.0.1" if hosts[0].is_local else hosts[0].name
+    if program is None:
+        program = ["-m", "zerorun.worker", "--recipe-b64", base64.b64encode(recipe_json.encode()).decode()]
     nodes, first = [], 0
-    cores = os.cpu_count() or 1
     for i, host in enumerate(hosts):
+        cores = (cpus or {}).get(host.name) or os.cpu_count() or 1
         argv = [python or sys.executable, "-m", "torch.distributed.run",
                 f"--nnodes={len(hosts)}", f"--nproc-per-node={host.slots}", f"--node-rank={i}",
                 f"--master-addr={master_addr}", f"--master-port={master_port}", "--max-restarts=0",
-                "--monitor-interval=0.2", "-m", "zerorun.worker", "--recipe-b64", payload]
+                "--monitor-interval=0.2", *program]
         env = {JOB_ENV: job_id, "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(max(1, cores // host.slots)),
                # Note [Returning freed memory]: a fixed threshold keeps glibc from raising it after large frees.
                "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
                # ... and with that, memory is re-acquired often: 2 MiB pages for large tensors fault 512x less.
                "THP_MEM_ALLOC_ENABLE": "1", **(extra_env or {})}
+        if host.slot_ids is not None:  # --include host:0,2 selects those devices, as DeepSpeed does
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.slot_ids))
+        env[JOB_ENV] = job_id  # never overridden: teardown finds the job's processes by it
         nodes.append(NodeSpec(host, i, host.slots, first, argv, env))
         first += host.slots
     return LaunchPlan(nodes, first, master_addr, master_port, job_id)

@@ -57,26 +57,35 @@ class LocalNode:
                 pass
 
     def survivors(self) -> list[psutil.Process]:
-        """Processes on this machine marked with this job's id (:data:`JOB_ENV`), however they were started:
-        torchrun starts its workers in sessions of their own, so the process group alone misses them."""
-        job_id = self.spec.env[JOB_ENV]
-        found = []
-        for proc in psutil.process_iter(["pid"]):
-            if proc.pid == os.getpid():
-                continue
-            try:
-                if proc.environ().get(JOB_ENV) == job_id:
-                    found.append(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-                continue
-        return found
+        """Processes on this machine marked with this job's id (:func:`marked_processes`)."""
+        return marked_processes(self.spec.env[JOB_ENV])
 
     def kill_survivors(self, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to every surviving process of the job; return how many there were."""
-        procs = self.survivors()
-        for proc in procs:
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        return len(procs)
+        return signal_marked(self.spec.env[JOB_ENV], sig)
+
+
+def marked_processes(job_id: str) -> list[psutil.Process]:
+    """Processes on this machine marked with ``job_id`` in their environment (:data:`JOB_ENV`), however they
+    were started: torchrun starts its workers in sessions of their own, so a process group alone misses them."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.environ().get(JOB_ENV) == job_id:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def signal_marked(job_id: str, sig: int) -> int:
+    """Send ``sig`` to every process marked with ``job_id``; return how many there were (0: none left)."""
+    procs = marked_processes(job_id)
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    return len(procs)

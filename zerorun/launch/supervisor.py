@@ -4,16 +4,20 @@ everything and verify that no process of the job is left.
 Note [Teardown]: torchrun starts its workers in sessions of their own, a SIGKILLed torchrun orphans them, and
 a surviving agent can wait in its exit barrier ignoring SIGTERM. So teardown does not rely on one signal path:
 SIGTERM to each node's process group, a grace period while the lines keep draining, then SIGKILL to the group
-and to every process marked with the job id (``JOB_ENV``), repeated until none is left.
+and to every process marked with the job id (``JOB_ENV``), repeated until none is left. Nodes are signalled
+in parallel (a remote node's signal is an SSH round trip, launch/remote.py), so teardown time does not grow
+with the number of hosts.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import re
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,14 +54,19 @@ class JobResult:
 
 class Supervisor:
     """Runs ``nodes`` of ``plan``; calls ``on_event(event)`` for telemetry and ``on_line(node_rank, line)`` for
-    every other line."""
+    every other line. Nodes are :class:`LocalNode` or ``launch.remote.RemoteNode`` objects. With
+    ``require_finish`` (training), a rank that ends without a finish event fails the job; without it (user
+    scripts, ``zerorun launch``), exit codes alone decide."""
 
     def __init__(self, plan: LaunchPlan, nodes: list[LocalNode], lines: "queue.Queue",
                  on_event: Callable[[Event], None], on_line: Callable[[int, str], None],
-                 grace_s: float = 5.0) -> None:
+                 grace_s: float = 5.0, require_finish: bool = True) -> None:
         self.plan, self.nodes, self.lines = plan, nodes, lines
         self.on_event, self.on_line = on_event, on_line
         self.grace_s = grace_s
+        self.require_finish = require_finish
+        self.unverified: dict[str, str] = {}  # host -> why teardown could not check it
+        self._tails: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=3))
         self._stop: str | None = None
         self._errors: dict[int, Event] = {}
         self._rank_exits: dict[int, int] = {}  # global rank -> exit code, from torchrun's failure summary
@@ -116,6 +125,8 @@ class Supervisor:
         m = _TORCHRUN_EXIT.match(line)
         if m and self._last_rank is not None:
             self._rank_exits.setdefault(self._last_rank, int(m.group(1)))
+        if line.strip() and not line.startswith("[rank "):
+            self._tails[node_rank].append(line.strip())
         self.on_line(node_rank, line)
 
     def _watch(self) -> JobResult:
@@ -129,7 +140,7 @@ class Supervisor:
                 return self._failure(failed[0] if failed else None)
             if len(self._ended) == len(self.nodes):
                 missing = sorted(set(range(self.plan.world_size)) - self._finished)
-                if missing:
+                if missing and self.require_finish:
                     node = self.plan.node_of_rank(missing[0])
                     return JobResult("failed", 1, missing[0], node.host.name if node else None,
                                      "rank exited before finishing training (no finish event)")
@@ -140,31 +151,42 @@ class Supervisor:
         collective ("connection reset by peer"); those errors are marked ``peer_failure`` by the worker and
         blamed last. A rank that died without an error event (a crash, a signal, ``os._exit``) is found in
         torchrun's failure summary, so the failing node is given a few seconds to end and print it."""
-        deadline = time.time() + 10.0
-        while time.time() < deadline and (node_rank is None or node_rank not in self._ended):
-            self._drain(0.1)
+        t0 = time.time()
+        while time.time() < t0 + 10.0:
             if node_rank is None:
                 failed = [n for n, rc in self._ended.items() if rc != 0]
                 node_rank = failed[0] if failed else None
+            if node_rank is not None and node_rank in self._ended:
+                # Multi-node: the first node to end may only have seen peer failures; the node of the rank that
+                # died prints its own summary moments later, so wait a little for a cause.
+                if self._has_cause(node_rank) or len(self._ended) >= len(self.nodes) or time.time() > t0 + 5.0:
+                    break
+            self._drain(0.1)
         own = [e for e in self._errors.values() if not e.data.get("peer_failure")]
         # torchrun's first observed failure first, then ranks that were not merely stopped by a teardown
         silent = sorted((r for r in self._rank_exits if r not in self._errors),
                         key=lambda r: (r not in self._root_causes,
                                        self._rank_exits[r] in (-signal.SIGTERM, -signal.SIGKILL), r))
+        # a node that ended for a reason of its own, e.g. a lost SSH connection (launch/remote.py): its ranks
+        # could not report, and what the others report is a consequence
+        reason = getattr(self.nodes[node_rank], "end_reason", None) if node_rank in range(len(self.nodes)) \
+            else None
         if own:
             event = min(own, key=lambda e: e.time)
-        elif silent:
+        elif silent and not reason:
             rank = silent[0]
             node = self.plan.node_of_rank(rank)
             return JobResult("failed", 1, rank, node.host.name if node else None,
                              f"rank process ended ({describe_exit(self._rank_exits[rank])})")
-        elif self._errors:
+        elif self._errors and not reason:
             event = min(self._errors.values(), key=lambda e: e.time)
         else:
             node = self.plan.nodes[node_rank] if node_rank is not None else None
             code = self._ended.get(node_rank) if node_rank is not None else None
-            what = describe_exit(code) if code is not None else "unknown cause"
-            return JobResult("failed", 1, None, node.host.name if node else None, f"node ended ({what})")
+            what = reason or (describe_exit(code) if code is not None else "unknown cause")
+            tail = self._tails.get(node_rank)
+            return JobResult("failed", 1, None, node.host.name if node else None,
+                             f"node {node_rank} ended ({what})" + (f": {tail[-1]}" if tail and not reason else ""))
         node = self.plan.node_of_rank(event.rank)
         user = bool(event.data.get("user_error"))
         msg = event.data.get("message", "")
@@ -174,22 +196,33 @@ class Supervisor:
                 msg += f" (at {event.data['where']})"
         return JobResult("failed", 2 if user else 1, event.rank, node.host.name if node else None, msg)
 
+    def _has_cause(self, node_rank: int) -> bool:
+        """True once a failure is explained by more than peer failures (Note [Blame])."""
+        return (any(not e.data.get("peer_failure") for e in self._errors.values())
+                or any(r not in self._errors for r in self._rank_exits)
+                or bool(getattr(self.nodes[node_rank], "end_reason", None) if node_rank in range(len(self.nodes))
+                        else False))
+
     def _teardown(self) -> None:
         """Note [Teardown]."""
         running = [n for n in self.nodes if n.spec.node_rank not in self._ended]
-        for node in running:
-            node.send_signal(signal.SIGTERM)
-        deadline = time.time() + self.grace_s
-        while time.time() < deadline and len(self._ended) < len(self.nodes):
-            self._drain(0.1)
-        for _ in range(20):
-            left = 0
-            for node in self.nodes:
+        if not self.nodes:
+            return
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            list(pool.map(lambda n: n.send_signal(signal.SIGTERM), running))
+            deadline = time.time() + self.grace_s
+            while time.time() < deadline and len(self._ended) < len(self.nodes):
+                self._drain(0.1)
+
+            def kill(node) -> int:
                 node.send_signal(signal.SIGKILL)
-                left += node.kill_survivors(signal.SIGKILL)
-            if not left:
-                break
-            time.sleep(0.1)
+                return node.kill_survivors(signal.SIGKILL)
+
+            for _ in range(20):
+                if not sum(pool.map(kill, self.nodes)):
+                    break
+                time.sleep(0.1)
+        self.unverified = {n.spec.host.name: n.unverified for n in self.nodes if getattr(n, "unverified", None)}
         deadline = time.time() + 10.0
         while len(self._ended) < len(self.nodes) and time.time() < deadline:
             self._drain(0.2)

@@ -60,12 +60,17 @@ class PlainView:
 
     def event(self, e: Event) -> None:
         d = e.data
-        if e.kind == "step" and e.rank == 0:
-            width = len(str(d["steps"]))
-            self.print(f"step {d['step']:>{width}}/{d['steps']}  loss {d['loss']:.4f}  lr {d['lr']:.2e}  "
-                       f"grad {d['grad_norm']:.3f}  {d['step_time_s'] * 1e3:.0f} ms/step  "
-                       f"{human_rate(d['job_samples_per_s'])} samples/s  {human_rate(d['job_tokens_per_s'])} tok/s  "
-                       f"rss {human_bytes(d['rss_bytes'])}")
+        if e.kind == "step" and e.rank == 0:  # fields a user script's zerorun.report() left out are skipped
+            parts = [f"step {d['step']:>{len(str(d['steps']))}}/{d['steps']}" if "steps" in d else f"step {d['step']}"]
+            for key, show in (("loss", lambda v: f"loss {v:.4f}"), ("lr", lambda v: f"lr {v:.2e}"),
+                              ("grad_norm", lambda v: f"grad {v:.3f}"),
+                              ("step_time_s", lambda v: f"{v * 1e3:.0f} ms/step"),
+                              ("job_samples_per_s", lambda v: f"{human_rate(v)} samples/s"),
+                              ("job_tokens_per_s", lambda v: f"{human_rate(v)} tok/s"),
+                              ("rss_bytes", lambda v: f"rss {human_bytes(v)}")):
+                if isinstance(d.get(key), (int, float)):
+                    parts.append(show(d[key]))
+            self.print("  ".join(parts))
         elif e.kind == "eval":
             v = d["val_loss"]
             self.first_val = v if self.first_val is None else self.first_val

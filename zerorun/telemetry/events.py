@@ -4,7 +4,8 @@ Workers call :func:`emit`; the launcher calls :func:`parse_line` on every line i
 or remote, so both paths are the same. Schema (version :data:`SCHEMA_VERSION`): every event has ``v``
 (schema version), ``event`` (kind, one of :data:`KINDS`), ``rank``, ``time`` (Unix seconds) and kind-specific
 fields (step events: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``, ``samples_per_s``,
-``tokens_per_s``, ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``, ``comm_bytes``, ``comm_wait_s``).
+``tokens_per_s``, ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``, ``comm_bytes``, ``comm_wait_s``,
+``loss_scale`` (fp16, else null), ``skipped`` (this step was skipped on an fp16 overflow), ``skipped_steps``).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from zerorun.zero.deferred import deferred_init, materialize
 from zerorun.zero.engine import ZeroConfig, ZeroEngine, default_param_groups, initialize, resolve_optimizer
+from zerorun.zero.precision import LossScaleConfig
 
-__all__ = ["ZeroConfig", "ZeroEngine", "default_param_groups", "deferred_init", "initialize", "materialize",
-           "resolve_optimizer"]
+__all__ = ["LossScaleConfig", "ZeroConfig", "ZeroEngine", "default_param_groups", "deferred_init", "initialize",
+           "materialize", "resolve_optimizer"]

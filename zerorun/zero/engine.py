@@ -31,6 +31,8 @@ import torch.nn as nn
 
 from zerorun.zero.comm import Comm
 from zerorun.zero.flat import FlatBuffer, pack
+from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
+from zerorun.zero.precision import DTYPES, DynamicLossScaler, LossScaleConfig, cast_inputs, cast_model
 
 #: torch.optim classes whose update of one element depends on other elements: a flat slice changes their math.
 NON_ELEMENTWISE_OPTIMIZERS = frozenset({"LBFGS", "SparseAdam", "Adafactor", "Muon"})
@@ -51,6 +53,14 @@ class ZeroConfig:
             (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
         prefetch: stage 3: all-gather the next unit (in the order recorded in the first step) while the
             current one computes.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: dtype of parameters, gradients and collectives; fp32
+            master slices and optimizer states either way (Note [Mixed precision] in ``precision.py``).
+        reduce_dtype: ``None`` (reduce gradients in ``precision``) or ``"fp32"`` (reduce an fp32 copy).
+        loss_scale: fp16 dynamic loss scaling (Note [Loss scaling]).
+        offload_optimizer: ``"none"``, ``"cpu"`` or ``"disk"``: where master slices and optimizer states
+            live and the step runs (``offload.py``).
+        offload_path: ``disk``: folder for the swap files (created if missing).
+        offload_buffer_mb: ``disk``: host buffer through which they are paged, in MiB.
     """
 
     stage: int = 0
@@ -60,10 +70,26 @@ class ZeroConfig:
     units: tuple[str, ...] = ()
     activation_checkpointing: bool = False
     prefetch: bool = True
+    precision: str = "fp32"
+    reduce_dtype: str | None = None
+    loss_scale: LossScaleConfig = LossScaleConfig()
+    offload_optimizer: str = "none"
+    offload_path: str | None = None
+    offload_buffer_mb: float = 64.0
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {self.stage}")
+        if self.precision not in DTYPES:
+            raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.reduce_dtype not in (None, "fp32"):
+            raise ValueError(f"zero.reduce_dtype must be fp32 or unset, got {self.reduce_dtype!r}")
+        if self.offload_optimizer not in ("none", "cpu", "disk"):
+            raise ValueError(f"zero.offload_optimizer must be none, cpu or disk, got {self.offload_optimizer!r}")
+        if self.offload_optimizer == "disk" and not self.offload_path:
+            raise ValueError("zero.offload_optimizer disk needs zero.offload_path (a folder for the swap files)")
+        if self.offload_buffer_mb <= 0:
+            raise ValueError(f"zero.offload_buffer_mb must be > 0, got {self.offload_buffer_mb}")
         if self.bucket_mb <= 0:
             raise ValueError(f"zero.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.grad_accum_steps < 1:
@@ -130,6 +156,14 @@ class ZeroEngine:
         optimizer_kwargs = dict(optimizer_kwargs)
         if param_groups is None:
             param_groups = default_param_groups(model, optimizer_kwargs.pop("weight_decay", 0.0))
+        # Note [Mixed precision]
+        self.param_dtype = DTYPES[config.precision]
+        self.reduce_dtype = torch.float32 if config.reduce_dtype == "fp32" else self.param_dtype
+        self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
+        self.last_step_skipped = False
+        self.skipped_steps = 0
+        self._reduced: dict[FlatBuffer, torch.Tensor] = {}  # reduce_dtype wider than the gradients (stages 0-1)
+        cast_model(model, self.param_dtype)
         self._frozen = [p for p in model.parameters() if not p.requires_grad]
         self._buffers = [b for b in model.buffers()]
         self._sync_initial_state()
@@ -165,14 +199,11 @@ class ZeroEngine:
 
         self._materialize()
 
-        # The optimizer sees one tensor per flat buffer: the whole buffer at stage 0, this rank's slice above.
-        self._opt_params: list[torch.Tensor] = []
-        groups = [dict(opts, params=[]) for opts in group_options]
-        for buf in self.buffers:
-            master = self._master(buf)
-            self._opt_params.append(master)
-            groups[buf.group_index]["params"].append(master)
-        self.optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
+        # The optimizer sees one fp32 master per flat buffer: the whole buffer at stage 0, this rank's slice
+        # above (offload.py; sub-groups of it with disk offload).
+        self.masters = self._build_masters(optimizer_cls, optimizer_kwargs, group_options)
+        self.optimizer = self.masters.optimizer
+        self._opt_params = self.masters.params
 
         self._micro_step = 0
         self._sync = True
@@ -202,14 +233,44 @@ class ZeroEngine:
                 for p in buf.params:
                     p.grad = buf.view_of(buf.grad, p)
             else:
-                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
+                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=self.reduce_dtype, device=buf.device)
 
-    def _master(self, buf: FlatBuffer) -> torch.Tensor:
-        """The tensor the optimizer updates for ``buf`` (a leaf aliasing the weights), its ``.grad`` set."""
-        master = (buf.data if self.stage == 0 else buf.shard(buf.data)).detach().requires_grad_(True)
-        master.grad = {0: buf.grad, 1: buf.shard(buf.grad) if buf.grad is not None else None,
-                       2: buf.shard_grad}[self.stage]
-        return master
+    def _param_slice(self, buf: FlatBuffer) -> torch.Tensor:
+        """The part of ``buf``'s parameters this rank's optimizer updates: all of it at stage 0, else the slice."""
+        return buf.data if self.stage == 0 else buf.shard(buf.data)
+
+    def _grad_slice(self, buf: FlatBuffer) -> torch.Tensor:
+        """This rank's reduced gradient for :meth:`_param_slice` (same shape; dtype ``reduce_dtype``)."""
+        if buf in self._reduced:
+            return self._reduced[buf]
+        return {0: buf.grad, 1: buf.shard(buf.grad) if buf.grad is not None else None, 2: buf.shard_grad}[self.stage]
+
+    def _build_masters(self, optimizer_cls: type, optimizer_kwargs: dict, group_options: list[dict]) -> Masters:
+        c = self.config
+        args = ([self._param_slice(b) for b in self.buffers], [b.group_index for b in self.buffers], group_options,
+                optimizer_cls, optimizer_kwargs)
+        if c.offload_optimizer == "cpu":
+            return CpuMasters(*args)
+        if c.offload_optimizer == "disk":
+            return DiskMasters(*args, folder=c.offload_path, buffer_bytes=int(c.offload_buffer_mb * 2**20),
+                               rank=dist.get_rank())
+        fp32 = self.param_dtype == torch.float32 and self.reduce_dtype == torch.float32
+        return Masters(*args, alias_grads=[self._grad_slice(b) for b in self.buffers] if fp32 else None)
+
+    def master_slices(self) -> list[torch.Tensor]:
+        """This rank's fp32 master values: one 1-D fp32 tensor per flat buffer of :attr:`buffers`, in that
+        order, of ``shard_numel`` elements (stage 0: ``numel``), padding included. fp32 without offload: views
+        of the parameters; ``cpu``: the host masters; ``disk``: read from the swap file. Do not modify."""
+        return self.masters.master_slices()
+
+    def close(self) -> None:
+        """Release the offload swap file and its reader thread (also done at process exit)."""
+        self.masters.close()
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the loss scale the next backward uses (Note [Loss scaling]); ``None`` otherwise."""
+        return self.scaler.scale if self.scaler is not None else None
 
     def _after_step(self) -> None:
         """Stages 1-2: all-gather the updated slices into the full parameters."""
@@ -222,6 +283,8 @@ class ZeroEngine:
         running stats) are first broadcast from rank 0, as DDP does (``broadcast_buffers=True``)."""
         if self._buffers and self.module.training and torch.is_grad_enabled():
             self._broadcast_from_rank0(self._buffers)
+        if self.param_dtype != torch.float32:  # Note [Mixed precision]: no autocast, inputs in the params' dtype
+            args, kwargs = cast_inputs((args, kwargs), self.param_dtype)
         return self.module(*args, **kwargs)
 
     def _broadcast_from_rank0(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -242,6 +305,8 @@ class ZeroEngine:
                                f"grad_accum_steps is {self.config.grad_accum_steps}")
         last = self._micro_step + 1 == self.config.grad_accum_steps
         self._sync = last or self.stage >= 2
+        if self.scaler is not None:  # Note [Loss scaling]
+            loss = loss.float() * self.scaler.scale
         (loss / self.config.grad_accum_steps).backward()
         self._finish_backward()
         self._micro_step += 1
@@ -261,7 +326,7 @@ class ZeroEngine:
                                    "one backward after its bucket was reduced (reentrant activation checkpointing? "
                                    "use torch.utils.checkpoint with use_reentrant=False)")
             if buf.grad is None:  # filled by copies; what no gradient reaches is zeroed at launch
-                buf.grad = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
+                buf.grad = torch.empty(buf.numel, dtype=self.reduce_dtype, device=buf.device)
                 self._written[buf] = set()
             buf.view_of(buf.grad, p).copy_(p.grad)
             self._written[buf].add(p)
@@ -278,21 +343,24 @@ class ZeroEngine:
 
     def _launch(self, buf: FlatBuffer) -> None:
         if buf.grad is None:  # stage 2, no parameter of the bucket got a gradient this micro-step
-            buf.grad = torch.zeros(buf.numel, dtype=buf.dtype, device=buf.device)
+            buf.grad = torch.zeros(buf.numel, dtype=self.reduce_dtype, device=buf.device)
         elif self.stage >= 2:  # zero the padding and the parameters that got no gradient
             written = self._written.pop(buf, set())
             buf.grad[buf.unpadded_numel:].zero_()
             for p in buf.params:
                 if p not in written:
                     buf.view_of(buf.grad, p).zero_()
-        buf.grad.div_(self.world_size)
+        grad = buf.grad
+        if grad.dtype != self.reduce_dtype:  # stages 0-1 under zero.reduce_dtype: reduce a wider copy
+            grad = grad.to(self.reduce_dtype)
+        grad.div_(self.world_size)
         if self.stage == 0:
-            self._pending.append((buf, self.comm.all_reduce(buf.grad), None))
-        elif self.stage == 1:
+            self._pending.append((buf, self.comm.all_reduce(grad), None if grad is buf.grad else grad))
+        elif self.stage == 1 and grad is buf.grad:
             self._pending.append((buf, self.comm.reduce_scatter(buf.shard(buf.grad), buf.grad), None))
         else:
-            out = torch.empty(buf.shard_numel, dtype=buf.dtype, device=buf.device)
-            self._pending.append((buf, self.comm.reduce_scatter(out, buf.grad), out))
+            out = torch.empty(buf.shard_numel, dtype=self.reduce_dtype, device=buf.device)
+            self._pending.append((buf, self.comm.reduce_scatter(out, grad), out))
             # Note [Bounded gradient memory]: a bucket's full gradient lives only until its reduce-scatter is
             # done; at most MAX_INFLIGHT buckets are in flight, so stage 2 never holds the full gradients.
             while len(self._pending) > self.MAX_INFLIGHT:
@@ -300,7 +368,9 @@ class ZeroEngine:
 
     def _complete(self, buf: FlatBuffer, work: Any, out: torch.Tensor | None) -> None:
         self.comm.wait([work])
-        if out is not None:
+        if out is not None and self.stage < 2:  # zero.reduce_dtype at stages 0-1: the reduced wider copy
+            self._reduced[buf] = out
+        elif out is not None:
             buf.shard_grad.add_(out)
             buf.grad = None
 
@@ -319,10 +389,14 @@ class ZeroEngine:
     def step(self) -> float:
         """Finish the optimizer step after ``grad_accum_steps`` calls of :meth:`backward`: compute the global
         gradient L2 norm over all ranks' slices, clip to ``grad_clip`` (as ``torch.nn.utils.clip_grad_norm_``),
-        step the optimizer on this rank's slices, all-gather the updated parameters, zero the gradients.
+        step the optimizer on this rank's fp32 master slices, write them into the parameters (cast to
+        ``precision``) and all-gather them, zero the gradients. fp16: the norm is of the unscaled gradients;
+        if it is not finite the step is skipped on every rank (:attr:`last_step_skipped`,
+        :attr:`skipped_steps`) and the loss scale lowered (Note [Loss scaling]).
 
         Returns:
-            The global gradient L2 norm before clipping (float), equal on every rank.
+            The global gradient L2 norm before clipping (float), equal on every rank (inf or nan on a
+            skipped step).
 
         Raises:
             RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step.
@@ -330,22 +404,39 @@ class ZeroEngine:
         if self._micro_step != self.config.grad_accum_steps:
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
                                f"{self.config.grad_accum_steps}")
-        grads = [p.grad for p in self._opt_params]
+        grads = [self._grad_slice(buf) for buf in self.buffers]
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
         if self.stage > 0:
             self.comm.wait([self.comm.all_reduce(sq)])
         norm = sq.sqrt()
+        coef = None
+        self.last_step_skipped = False
+        if self.scaler is not None:  # Note [Loss scaling]: the same verdict on every rank (sq is all-reduced)
+            scale = self.scaler.scale
+            norm = norm / scale
+            overflow = not bool(torch.isfinite(norm))
+            self.scaler.update(overflow)
+            if overflow:
+                self.last_step_skipped = True
+                self.skipped_steps += 1
+                self._zero_grads()
+                return float(norm)
+            coef = torch.full((), 1.0 / scale, dtype=torch.float32, device=norm.device)
         if self.config.grad_clip:
-            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
+            clip = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
+            coef = clip if coef is None else coef * clip
+        self.masters.step(grads, coef)
         self._after_step()
+        self._zero_grads()
+        return float(norm)
+
+    def _zero_grads(self) -> None:
         for buf in self.buffers:
             (buf.shard_grad if self.stage >= 2 else buf.grad).zero_()
+        self._reduced.clear()
         self._micro_step = 0
-        return float(norm)
 
     # ------------------------------------------------------------------------------------------------ report
     @property
@@ -358,8 +449,11 @@ class ZeroEngine:
 
         Returns:
             ``{"params": ..., "grads": ..., "optimizer": ...}`` in bytes. ``params`` includes frozen
-            parameters, flat padding included everywhere. Theory for fp32 Adam (ZeRO §5; Ψ params, N ranks):
-            stage 0 4Ψ + 4Ψ + 8Ψ; stage 1 4Ψ + 4Ψ + 8Ψ/N; stage 2 4Ψ + 4Ψ/N + 8Ψ/N.
+            parameters, flat padding included everywhere; ``optimizer`` is the optimizer states plus the fp32
+            master slices where they are separate from the parameters (mixed precision), in device memory
+            (offloaded bytes: :meth:`offload_bytes`). Theory for fp32 Adam (ZeRO §5; Ψ params, N ranks):
+            stage 0 4Ψ + 4Ψ + 8Ψ; stage 1 4Ψ + 4Ψ + 8Ψ/N; stage 2 4Ψ + 4Ψ/N + 8Ψ/N; mixed precision
+            (ZeRO §3.1, K = 12): stage 0 2Ψ + 2Ψ + 12Ψ; stage 1 2Ψ + 2Ψ + 12Ψ/N; stage 2 2Ψ + 2Ψ/N + 12Ψ/N.
         """
         params = sum(buf.data.nbytes for buf in self.buffers if buf.data is not None)
         params += sum(p.nbytes for p in self._frozen)
@@ -367,27 +461,37 @@ class ZeroEngine:
             grads = sum(buf.grad.nbytes for buf in self.buffers)
         else:  # stages 2-3: the gradient slices (full bucket gradients are transient)
             grads = sum(buf.shard_grad.nbytes for buf in self.buffers)
-        optim = 0
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    optim += v.nbytes
-        return {"params": params, "grads": grads, "optimizer": optim}
+        return {"params": params, "grads": grads, "optimizer": self.masters.memory_bytes()["optimizer"]}
+
+    def offload_bytes(self) -> dict[str, int]:
+        """Optimizer bytes held off the device: ``{"host": ..., "disk": ...}`` (``cpu`` offload on CUDA: the
+        pinned masters and states; ``disk``: the paging buffer and the swap file's size)."""
+        held = self.masters.memory_bytes()
+        return {"host": held["host"], "disk": held["disk"]}
 
     def comm_stats(self) -> dict[str, float]:
         """Cumulative ``bytes_sent`` (bytes) and ``wait_s`` (seconds) of this rank's collectives."""
         return {"bytes_sent": self.comm.bytes_sent, "wait_s": self.comm.wait_s}
 
-    def master_slices(self) -> list[torch.Tensor]:
-        """The values the optimizer updates, one 1-D tensor per trainable flat buffer (``self.buffers`` order):
-        the whole buffer at stage 0 (shape ``(numel,)``), this rank's slice above (``(shard_numel,)``). At fp32
-        they are the parameters' own storage. Checkpoints save and restore exactly these tensors (Note
-        [Checkpoint layout] in ``state.py``); a precision policy with separate fp32 masters overrides this."""
-        return self._opt_params
+    def optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's optimizer state per flat buffer of :attr:`buffers` (``{name: tensor}``; states with one
+        element per master element are 1-D of the master's shape, scalars such as Adam's ``step`` as they
+        are; empty before the first step). ``disk`` offload: read from the swap file (new CPU tensors)."""
+        return self.masters.buffer_states()
+
+    def load_master_slices(self, values: list[torch.Tensor],
+                           states: list[dict[str, torch.Tensor]] | None = None) -> None:
+        """Overwrite this rank's fp32 master slices with ``values`` (one 1-D fp32 tensor per flat buffer, shaped
+        as :meth:`master_slices`) and the optimizer state with ``states`` (as :meth:`optimizer_states`;
+        ``None``: none), wherever they live (device, host, swap file), then :meth:`refresh_params`. Used to
+        resume a checkpoint (Note [Checkpoint layout] in ``state.py``). Collective at stages 1-2."""
+        self.masters.load(values, states)
+        self._after_step()
 
     def refresh_params(self) -> None:
-        """Make the model's parameters equal the master slices again after these were overwritten (a
-        checkpoint load): stages 1-2 all-gather the slices; stage 0 and 3 have nothing to do. Collective."""
+        """Make the model's parameters equal the master slices again (cast to ``precision``): stages 1-2 then
+        all-gather the slices; stage 3 keeps only the slice. Collective at stages 1-2."""
+        self.masters.write_params()
         self._after_step()
 
     def state_dict(self) -> dict[str, torch.Tensor]:

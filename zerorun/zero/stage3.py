@@ -37,6 +37,7 @@ from zerorun.zero.comm import Comm
 from zerorun.zero.deferred import is_deferred, replay, swap_meta_tensors
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
+from zerorun.zero.precision import DTYPES
 
 
 class UnitState(enum.Enum):
@@ -106,7 +107,7 @@ class Stage3Engine(ZeroEngine):
         self._deferred = is_deferred(model)
         self._meta_of: dict[int, torch.Tensor] = {}  # id(new parameter) -> its meta original (deferred init)
         if self._deferred:
-            param_groups = self._swap_meta_params(model, param_groups)
+            param_groups = self._swap_meta_params(model, param_groups, DTYPES[config.precision])
         unit_modules = pick_units(model, tuple(config.units))
         self.units = [Unit(n, m, False) for n, m in unit_modules] + [Unit("", model, True)]
         self._unit_of_param = self._assign(model)
@@ -152,14 +153,15 @@ class Stage3Engine(ZeroEngine):
         by_id = {id(u): u for u in self.units}
         return {p: by_id[next(iter(ids))] if len(ids) == 1 else root for p, ids in holders.items()}
 
-    def _swap_meta_params(self, model: nn.Module, param_groups):
+    def _swap_meta_params(self, model: nn.Module, param_groups, dtype: torch.dtype):
         """Replace meta parameters by real ones of the same shape whose storage is empty (freed), remembering
-        each one's meta original for the replay; buffers become real zeros, filled by the replay. Returns
+        each one's meta original for the replay; buffers become real zeros, filled by the replay. Floating-point
+        tensors take ``dtype`` (Note [Mixed precision]: the replayed values are cast as they are kept). Returns
         ``param_groups`` with its (meta) parameters replaced."""
         self._meta_list = list(model.parameters()) + list(model.buffers())
 
         def value_of(meta: torch.Tensor) -> torch.Tensor:
-            t = torch.zeros(meta.shape, dtype=meta.dtype)
+            t = torch.zeros(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype)
             if isinstance(meta, nn.Parameter):
                 t.untyped_storage().resize_(0)
             return t
@@ -201,7 +203,7 @@ class Stage3Engine(ZeroEngine):
             buf.unit = unit
             buf.shard_data = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
             if buf.group_index >= 0:
-                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
+                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=self.reduce_dtype, device=buf.device)
         if self._deferred:
             self._replay()
         else:
@@ -242,10 +244,11 @@ class Stage3Engine(ZeroEngine):
 
         replay(self.module, keep, tensors=self._meta_list)
 
-    def _master(self, buf: FlatBuffer) -> torch.Tensor:
-        master = buf.shard_data.detach().requires_grad_(True)
-        master.grad = buf.shard_grad
-        return master
+    def _param_slice(self, buf: FlatBuffer) -> torch.Tensor:
+        return buf.shard_data
+
+    def _grad_slice(self, buf: FlatBuffer) -> torch.Tensor:
+        return buf.shard_grad
 
     def _after_step(self) -> None:
         """Nothing to gather: units are gathered from the updated slices when next used."""
@@ -360,7 +363,7 @@ class Stage3Engine(ZeroEngine):
 
         Returns:
             On rank 0 (or every rank unless ``rank0_only``): ``{name: tensor}`` with the keys and shapes of
-            ``model.state_dict()`` of the unsharded model (fp32 CPU clones); elsewhere an empty dict.
+            ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an empty dict.
         """
         keep = not rank0_only or self.rank == 0
         keyed = self.module.state_dict(keep_vars=True)

@@ -14,9 +14,12 @@ that holds a whole parameter (stage 0, frozen parameters at stages 0-2, a parame
 reads and writes a plain tensor; DCP writes replicated tensors once. Scalar optimizer states (``step``) are
 stored per parameter as plain tensors (``optim/<name>/step``); module buffers as ``model/<key>``.
 
-Model weights are stored once, as the master values: at fp32 they are the parameters themselves; a
-precision policy that trains low-precision copies recomputes them from the masters on load
-(:meth:`ZeroEngine.refresh_params`). Everything else (names, shapes, optimizer class and hyperparameters)
+Model weights are stored once, as the fp32 master values (:meth:`ZeroEngine.master_slices`): at fp32
+without offload they are the parameters themselves; under bf16/fp16 the 2-byte parameters are cast from
+the masters on load, and offloaded masters and states (host memory, swap file) are read through the engine
+and written back through it (:meth:`ZeroEngine.optimizer_states`, :meth:`ZeroEngine.load_master_slices`).
+A checkpoint is thus independent of the precision and the offload as well: a bf16 run resumes in fp32
+from the same masters. Everything else (names, shapes, optimizer class and hyperparameters)
 is described by the JSON-able ``layout`` of :func:`engine_state`.
 """
 
@@ -72,16 +75,16 @@ def _slice_ranges(buf, slot, world_size: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def holdings(engine) -> list[Holding]:
+def holdings(engine, masters: list[torch.Tensor] | None = None) -> list[Holding]:
     """What this rank holds of every parameter of ``engine.module`` (Note [Checkpoint layout]), trainable
     parameters first in ``engine.buffers`` order, then frozen ones.
 
-    Trainable values come from :meth:`ZeroEngine.master_slices`; frozen values from the stage-3 frozen
-    slices, or the parameters themselves at stages 0-2.
+    Trainable values come from ``masters`` (default :meth:`ZeroEngine.master_slices`); frozen values from
+    the stage-3 frozen slices, or the parameters themselves at stages 0-2.
     """
     names = {p: n for n, p in engine.module.named_parameters()}
     out: list[Holding] = []
-    masters = engine.master_slices()
+    masters = engine.master_slices() if masters is None else masters
     for i, (buf, master) in enumerate(zip(engine.buffers, masters)):
         out += _buffer_holdings(engine, buf, master, engine.stage == 0, i)
     for buf in getattr(engine, "frozen_buffers", []):  # stage 3: frozen parameters are sharded too
@@ -155,7 +158,7 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Returns:
         ``(tensors, layout)``: ``tensors`` maps DCP keys to plain tensors or ``ShardedTensor`` s (views of the
-        engine's own tensors, no copies); ``layout`` (JSON-able, equal on every rank) lists parameters
+        engine's own tensors, no copies, except with ``disk`` offload: read from the swap file); ``layout`` (JSON-able, equal on every rank) lists parameters
         (name, shape, trainable), module buffers (key, shape, dtype), ``state_dict`` keys in order (tied
         parameters appear under every key), the optimizer class, its state keys and its param groups'
         options (``params`` excluded).
@@ -166,9 +169,10 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
     group = engine.comm.group
     tensors: dict[str, Any] = {}
     masters = engine.master_slices()
+    states = engine.optimizer_states()
     optim_state: dict[str, dict[str, Any]] = {}
     params = []
-    for h in holdings(engine):
+    for h in holdings(engine, masters):
         params.append({"name": h.name, "shape": list(h.shape), "trainable": h.buffer_index is not None})
         entry = _dcp_tensor(h, h.tensor, engine.rank, group)
         if entry is None:
@@ -177,7 +181,7 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
         if h.buffer_index is None:
             continue
         master = masters[h.buffer_index]
-        for key, value in engine.optimizer.state.get(master, {}).items():
+        for key, value in states[h.buffer_index].items():
             if value is None:  # e.g. a state an optimizer declares but has not filled
                 continue
             kind = _state_kind(value, master)
@@ -248,8 +252,8 @@ def compare_layout(engine, layout: dict[str, Any]) -> str | None:
 
 def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, Any]], None]) -> None:
     """Fill ``engine``'s masters, frozen parameters, module buffers and optimizer states from a checkpoint
-    saved by :func:`engine_state` with ``layout`` (any world size and stage), then refresh the parameters
-    from the masters. Check :func:`compare_layout` first.
+    saved by :func:`engine_state` with ``layout`` (any world size, stage, precision and offload), then
+    refresh the parameters from the masters (:meth:`ZeroEngine.load_master_slices`). Check :func:`compare_layout` first.
 
     Args:
         load: called once with the DCP state dict of this rank's targets (views of the engine's tensors and of
@@ -267,7 +271,7 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
             else:
                 state[key] = torch.zeros(spec["shape"], dtype=dtype_of(spec["dtype"]), device=master.device)
                 targets[f"optim/{engine.buffers[i].names[0]}/{key}"] = state[key]
-    for h in holdings(engine):
+    for h in holdings(engine, masters):
         entry = _dcp_tensor(h, h.tensor, engine.rank, group)
         if entry is None:
             continue
@@ -281,13 +285,9 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
         if id(t) not in param_ids:
             targets[f"model/{key}"] = t.detach()
     load(targets)
-    engine.optimizer.state.clear()
-    if layout["optim_state"]:
-        for i, master in enumerate(masters):
-            engine.optimizer.state[master] = states[i]
     for group_options, saved in zip(engine.optimizer.param_groups, layout["param_groups"]):
         for k, v in saved.items():
             old = group_options.get(k)
             group_options[k] = tuple(v) if isinstance(old, tuple) and isinstance(v, list) else v
-    engine.refresh_params()
+    engine.load_master_slices(masters, [states[i] for i in range(len(masters))] if layout["optim_state"] else None)
 

@@ -1,0 +1,202 @@
+"""Nodes reached over SSH (fabric): one ``Connection`` per remote host, the node's torchrun started by a shell
+script sent on the channel's standard input, its lines streamed like a local node's.
+
+``RemoteNode`` has :class:`~zerorun.launch.runner.LocalNode`'s interface (``start``, ``send_signal``,
+``kill_survivors``, ``returncode``), so the supervisor treats both alike.
+
+Note [Remote processes]: without a pty, a remote process survives its SSH connection closing; with one it
+gets SIGHUP but its stdout and stderr are merged and rewritten (``\\r\\n``). So the channel has no pty, and
+signals do not travel through it: every process of a job carries the job id in its environment
+(``JOB_ENV``), and signalling a node, or verifying that nothing is left there, runs
+``python -m zerorun.launch.remote signal JOB SIG`` on the host over a fresh channel (a fresh connection if
+the first one is gone), which signals and counts the marked processes there (runner.signal_marked). A
+connection lost while the node runs (exit status -1) is that node failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import shlex
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from zerorun.errors import ZerorunError
+from zerorun.launch.plan import JOB_ENV, NodeSpec
+
+#: the exit code reported for a node whose SSH connection was lost (ssh's own code for a connection error).
+LOST_CONNECTION = 255
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """How to reach remote hosts. Unset fields come from the SSH config (``~/.ssh/config`` and
+    ``/etc/ssh/ssh_config``, or ``config`` alone when given), as ``ssh`` itself reads them; ``key``, when
+    given, is the only key tried. ``connect_timeout`` in seconds."""
+
+    user: str | None = None
+    port: int | None = None
+    key: str | None = None
+    config: str | None = None
+    connect_timeout: float = 10.0
+
+
+def connect(host: str, opts: SshOptions):
+    """An open ``fabric.Connection`` to ``host`` (an address or an SSH config alias).
+
+    Raises:
+        OSError, paramiko.SSHException (AuthenticationException included): as paramiko raises them; see
+            :func:`zerorun.launch.preflight.describe_connect_error` for the one-line causes.
+    """
+    from fabric import Config, Connection
+
+    config = Config(runtime_ssh_path=opts.config) if opts.config else Config()
+    connect_kwargs: dict = {}
+    if opts.key:
+        connect_kwargs = {"key_filename": [opts.key], "look_for_keys": False, "allow_agent": False}
+    conn = Connection(host, user=opts.user, port=opts.port, config=config, connect_timeout=opts.connect_timeout,
+                      connect_kwargs=connect_kwargs)
+    conn.open()
+    conn.transport.set_keepalive(5)  # a dead peer is noticed within seconds, not at the next write
+    return conn
+
+
+def shell_script(argv: list[str], env: Mapping[str, str], workdir: str | None = None) -> str:
+    """A POSIX shell script that changes to ``workdir``, exports ``env`` and replaces itself with ``argv``;
+    every value quoted with :func:`shlex.quote` (Note [Forwarded environment] in launch/env.py)."""
+    lines = ["set -e"]
+    if workdir:
+        lines.append(f"cd {shlex.quote(workdir)}")
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
+    lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
+    return "\n".join(lines) + "\n"
+
+
+def run_script(conn, script: str, timeout: float) -> tuple[int, str]:
+    """Run ``script`` with ``sh`` on ``conn``'s host; return its exit status (-1: the connection was lost or
+    ``timeout`` seconds passed) and its output (stdout and stderr merged)."""
+    channel = conn.create_session()
+    try:
+        channel.set_combine_stderr(True)
+        channel.settimeout(timeout)
+        channel.exec_command("sh -s")
+        channel.sendall(script.encode())
+        channel.shutdown_write()
+        deadline, chunks = time.monotonic() + timeout, []
+        while time.monotonic() < deadline:
+            chunk = channel.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        status = channel.recv_exit_status() if channel.exit_status_ready() or channel.closed else -1
+        return status, b"".join(chunks).decode(errors="replace")
+    except OSError:  # socket.timeout included
+        return -1, ""
+    finally:
+        channel.close()
+
+
+class RemoteNode:
+    """A node on a remote host: its torchrun runs over ``conn`` (a fabric ``Connection``).
+
+    Args:
+        spec: the node (its ``env`` holds zerorun's variables and the recipe's ``launch.env``).
+        lines: queue receiving ``(node_rank, line)`` and, at the end, ``(node_rank, None, returncode)``.
+        conn: an open connection to ``spec.host``.
+        ssh: options to reconnect with, for teardown after a lost connection.
+        forwarded: the launcher's variables that cross (launch/env.py), under ``spec.env``.
+        workdir: the directory torchrun starts in (default: the launcher's).
+    """
+
+    def __init__(self, spec: NodeSpec, lines: "queue.Queue", conn, ssh: SshOptions,
+                 forwarded: Mapping[str, str], workdir: str | None = None) -> None:
+        self.spec, self.lines, self.conn, self.ssh = spec, lines, conn, ssh
+        self.forwarded = dict(forwarded)
+        self.workdir = workdir or os.getcwd()
+        self.returncode: int | None = None
+        self.end_reason: str | None = None  # set when the node ended for a reason its exit code does not say
+        self.unverified: str | None = None  # set when teardown could not reach the host
+        self._channel = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the node's torchrun on the host; a reader thread streams its lines to the queue."""
+        script = shell_script(self.spec.argv, {**self.forwarded, **self.spec.env}, self.workdir)
+        try:
+            channel = self.conn.create_session()
+            channel.set_combine_stderr(True)
+            channel.exec_command("sh -s")
+            channel.sendall(script.encode())
+            channel.shutdown_write()
+        except Exception as e:  # noqa: BLE001 - paramiko raises SSHException, EOFError, OSError
+            raise ZerorunError(f"node {self.spec.node_rank} ({self.spec.host.name}): cannot start over SSH: "
+                               f"{type(e).__name__}: {e}") from None
+        self._channel = channel
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        channel = self._channel
+        for raw in channel.makefile("rb"):
+            self.lines.put((self.spec.node_rank, raw.decode(errors="replace").rstrip("\r\n")))
+        status = channel.recv_exit_status()
+        if status == -1:  # the channel closed without an exit status: the connection is gone
+            status = LOST_CONNECTION
+            self.end_reason = f"lost the SSH connection to {self.spec.host.name}"
+        self.returncode = status
+        self.lines.put((self.spec.node_rank, None, status))
+
+    def _signal_marked(self, sig: int) -> int:
+        """Run the signal helper on the host (Note [Remote processes]); return the count it printed, or 0
+        with ``unverified`` set when the host cannot be reached."""
+        argv = [self.spec.argv[0], "-m", "zerorun.launch.remote", "signal", self.spec.env[JOB_ENV], str(int(sig))]
+        script = shell_script(argv, self.forwarded)
+        for attempt in range(2):
+            with self._lock:
+                try:
+                    if attempt or not (self.conn.transport and self.conn.transport.is_active()):
+                        self.conn = connect(self.spec.host.name, dataclasses.replace(self.ssh, connect_timeout=3.0))
+                    status, out = run_script(self.conn, script, timeout=8.0)
+                except Exception as e:  # noqa: BLE001 - unreachable, refused, timed out
+                    self.unverified = f"{type(e).__name__}: {e}"
+                    continue
+            words = out.split()
+            if status == 0 and words and words[-1].isdigit():
+                self.unverified = None
+                return int(words[-1])
+            self.unverified = f"signal helper exited {status}: {out.strip()[-200:]}"
+        return 0
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to every process of the job on this host while the node runs (after it ended,
+        teardown reaches what is left with :meth:`kill_survivors`)."""
+        if self.returncode is None:
+            self._signal_marked(sig)
+
+    def kill_survivors(self, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` (0: none, only count) to every surviving process of the job on this host; return how
+        many there were (0 also when the host cannot be reached: see ``unverified``)."""
+        return self._signal_marked(sig)
+
+    def close(self) -> None:
+        """Close the SSH connection."""
+        self.conn.close()
+
+
+def _main(argv: list[str]) -> int:
+    """``signal JOB_ID SIG``: signal every process marked with JOB_ID on this host and print how many."""
+    from zerorun.launch.runner import signal_marked
+
+    if len(argv) != 3 or argv[0] != "signal" or not argv[2].isdigit():
+        print("usage: python -m zerorun.launch.remote signal JOB_ID SIGNAL", file=sys.stderr)
+        return 2
+    print(signal_marked(argv[1], int(argv[2])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,47 @@
+"""Runs a user's own training script on one rank for ``zerorun launch``: ``python -m zerorun.script_worker
+SCRIPT [ARGS...]``, started by torchrun like the built-in worker.
+
+The script runs as ``__main__`` with ``sys.argv == [SCRIPT, *ARGS]`` and its folder on ``sys.path``, as
+``python SCRIPT`` would run it; its output lines are prefixed with ``[rank R]`` and an uncaught exception is
+reported as an error event naming the file and line (the same path as the built-in worker), so the launcher
+blames the right rank. Scripts report progress with :func:`zerorun.report`.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from zerorun.worker import RankStream, report_failure
+
+
+def main(argv: list[str]) -> int:
+    """Run ``argv[0]`` with arguments ``argv[1:]``; return the rank's exit code (the script's own
+    ``sys.exit`` code, or :func:`zerorun.worker.report_failure`'s)."""
+    rank = int(os.environ.get("RANK", 0))
+    sys.stdout = RankStream(sys.__stdout__, rank)
+    sys.stderr = RankStream(sys.__stderr__, rank)
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
+        return report_failure(e, rank)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            if getattr(stream, "pending", ""):
+                stream.write("\n")  # a last line without its newline is still shown
+            stream.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,108 @@
+"""Mixed precision: 2-byte parameters and gradients, fp32 master slices, dynamic loss scaling for fp16.
+
+Note [Mixed precision]: with ``precision: bf16`` or ``fp16`` the model's floating-point parameters and buffers
+are cast to the 2-byte dtype once, before they are laid out in flat buffers; forward and backward run in that
+dtype (no autocast: on CPU, bf16 really computes in bf16), gradients are 2-byte in the flat buffers and the
+collectives move 2-byte data (``ZeroConfig.reduce_dtype = "fp32"`` reduces an fp32 copy instead). Each rank
+keeps an fp32 master copy of its own slice only, and the optimizer states for that slice; after the step the
+updated master slices are cast to the 2-byte dtype and all-gathered (stage 3: kept as the slice at rest). The
+master is made from the 2-byte parameters (as Megatron-LM and DeepSpeed do), so every copy starts equal.
+Model states per rank (ZeRO paper §3.1 and §5): 2Ψ parameters + 2Ψ gradients + KΨ optimizer (K = 12 for
+Adam: the fp32 master, momentum and variance), divided over ranks by the stage.
+
+Note [Loss scaling]: fp16 gradients underflow below 2**-24; the loss is multiplied by a scale before backward
+and the gradients divided by it in fp32 before the step (Micikevicius et al., "Mixed Precision Training",
+arXiv:1710.03740, §3.2). A step whose global gradient norm is not finite (an overflow on any rank, in any
+slice: the squared norm is all-reduced, so every rank sees the same inf or nan) is skipped on every rank and
+the scale multiplied by ``backoff`` (not below ``min_scale``); after ``growth_interval`` steps without
+overflow it is multiplied by ``growth_factor``. Scales stay powers of two with the defaults, so unscaling is
+exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+#: ``precision`` names and the dtype of parameters and gradients they stand for.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (Note [Loss scaling]).
+
+    Attributes:
+        initial_scale: the first scale (a power of two keeps unscaling exact).
+        growth_interval: consecutive steps without overflow before the scale grows.
+        backoff: factor applied to the scale on overflow, in (0, 1).
+        min_scale: the scale never goes below this.
+        growth_factor: factor applied after ``growth_interval`` good steps, > 1.
+    """
+
+    initial_scale: float = 2.0 ** 16
+    growth_interval: int = 2000
+    backoff: float = 0.5
+    min_scale: float = 1.0
+    growth_factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.initial_scale > 0 or not self.min_scale > 0:
+            raise ValueError("loss_scale: initial_scale and min_scale must be > 0")
+        if self.growth_interval < 1:
+            raise ValueError(f"loss_scale.growth_interval must be >= 1, got {self.growth_interval}")
+        if not 0 < self.backoff < 1:
+            raise ValueError(f"loss_scale.backoff must be in (0, 1), got {self.backoff}")
+        if not self.growth_factor > 1:
+            raise ValueError(f"loss_scale.growth_factor must be > 1, got {self.growth_factor}")
+
+
+class DynamicLossScaler:
+    """The current loss ``scale`` (float) and its update rule (Note [Loss scaling])."""
+
+    def __init__(self, config: LossScaleConfig) -> None:
+        self.config = config
+        self.scale = float(config.initial_scale)
+        self.good_steps = 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        """``{"scale": float, "good_steps": int}``: what :meth:`load_state_dict` restores (JSON-able)."""
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore the scale and the count of good steps since the last change (from :meth:`state_dict`)."""
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+
+    def update(self, overflow: bool) -> None:
+        """Back off after an overflowing (skipped) step; grow after ``growth_interval`` good steps in a row."""
+        c = self.config
+        if overflow:
+            self.scale = max(self.scale * c.backoff, c.min_scale)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps == c.growth_interval:
+            self.scale *= c.growth_factor
+            self.good_steps = 0
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``model``'s floating-point parameters (in place: the ``Parameter`` objects stay) and buffers to
+    ``dtype``; tensors already of ``dtype`` and integer tensors are left alone."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    module._buffers[name] = b.to(dtype)
+
+
+def cast_inputs(tree, dtype: torch.dtype):
+    """``tree`` (tensors in nested dicts, lists, tuples) with floating-point tensors cast to ``dtype``."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
