@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -77,19 +76,11 @@ def worker(args) -> None:
 
 
 def run_mode(mode: str, args, extra: list[str]) -> list[dict]:
-    sys.path.insert(0, ROOT)
-    from zerorun.launch.plan import free_port
+    """Run offload ``mode`` on ``args.nproc`` ranks of this script (zero_stages.run_workers)."""
+    from zero_stages import run_workers
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-           f"--master-port={free_port()}", "--master-addr=127.0.0.1", os.path.abspath(__file__), "--worker", mode,
-           *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc)),
-           "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    rows = [json.loads(line[len(PREFIX):]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
-    if proc.returncode or len(rows) != args.nproc:
-        sys.exit(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return rows
+    return run_workers(os.path.abspath(__file__), mode, args.nproc, extra,
+                       {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
 
 
 def main() -> None:

@@ -110,28 +110,34 @@ def worker(args) -> None:
 
 
 def run_mode(mode: str, args, extra: list[str]) -> list[dict]:
-    sys.path.insert(0, ROOT)
-    from zerorun.launch.plan import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-           f"--master-port={free_port()}",
-           "--master-addr=127.0.0.1", os.path.abspath(__file__), "--worker", mode, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
+    """Run ``mode`` on ``args.nproc`` ranks of this script (see :func:`run_workers`)."""
+    env = {}
     if args.malloc_mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     if args.thp:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
+    return run_workers(os.path.abspath(__file__), mode, args.nproc, extra, env)
+
+
+def run_workers(script: str, mode: str, nproc: int, extra: list[str], env: dict[str, str]) -> list[dict]:
+    """Run ``script --worker MODE EXTRA...`` on ``nproc`` ranks under torchrun (one thread per core share, plus
+    ``env``) and return each rank's result dict, the JSON after ``PREFIX`` on its stdout; exits with the ranks'
+    output when the job fails or a rank reports nothing."""
+    sys.path.insert(0, ROOT)
+    from zerorun.launch.plan import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "--master-addr=127.0.0.1", script, "--worker", mode, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **env}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     rows = [json.loads(line[len(PREFIX):]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
-    if proc.returncode or len(rows) != args.nproc:
+    if proc.returncode or len(rows) != nproc:
         sys.exit(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--modes", default="ddp,fsdp2,0,1,2,3")
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The GPT and run arguments a worker takes (also used by benchmarks/estimate_vs_measured.py)."""
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--d-model", type=int, default=512)
@@ -143,6 +149,20 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The command-line arguments that pass ``args``' model and run settings on to a worker."""
+    return [f"--layers={args.layers}", f"--d-model={args.d_model}", f"--heads={args.heads}", f"--vocab={args.vocab}",
+            f"--seq={args.seq}", f"--untied={args.untied}", f"--micro-batch={args.micro_batch}",
+            f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--modes", default="ddp,fsdp2,0,1,2,3")
+    add_model_args(p)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--malloc-mmap-threshold", type=int, default=1 << 20,
                    help="glibc's MALLOC_MMAP_THRESHOLD_ (bytes) for the ranks of every mode, DDP included, as "
@@ -157,9 +177,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    extra = [f"--layers={args.layers}", f"--d-model={args.d_model}", f"--heads={args.heads}",
-             f"--vocab={args.vocab}", f"--seq={args.seq}", f"--untied={args.untied}", f"--micro-batch={args.micro_batch}",
-             f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
+    extra = worker_args(args)
     modes = args.modes.split(",")
     per_round: dict[str, list[list[dict]]] = {m: [] for m in modes}
     for r in range(args.rounds):

@@ -234,6 +234,19 @@ def test_recipe_checkpoint_section(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ZerorunError, match=r"override 'checkpoint.dir=.*': checkpoint\.dir: not a directory"):
         load_recipe(tiny, [f"checkpoint.dir={tmp_path / 'file'}"])
+    with pytest.raises(ZerorunError, match=r"checkpoint: checkpoints are zerorun's .* the ddp baseline does not save"):
+        load_recipe(tiny, ["checkpoint.every=5", "runtime=ddp"])
+
+
+def test_bench_jobs_save_no_checkpoints():
+    """``zerorun bench`` runs many jobs from one recipe: none of them saves (or times) checkpoints."""
+    from zerorun.bench import Combination
+    from zerorun.recipe import load_recipe
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes/tiny.yaml")
+    for combo in (Combination(None, "zero", 2), Combination(None, "ddp")):
+        r = load_recipe(tiny, ["checkpoint.every=5", "checkpoint.dir=ck", *combo.overrides(9)])
+        assert r.checkpoint.dir is None and r.checkpoint.every == 0
 
 
 def test_resume_takes_an_optional_path():

@@ -78,7 +78,6 @@ def train(
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
-    from zerorun.launch.job import prepare_job
     from zerorun.launch.plan import build_plan
     from zerorun.recipe import load_recipe
 
@@ -100,11 +99,23 @@ def train(
             os.makedirs(r.checkpoint.dir, exist_ok=True)
         except OSError as e:
             raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
+    _run(r, _job(r, hosts, job_id, master_port, ssh, ssh_local, preflight_timeout))
+
+
+def _job(r, hosts, job_id: str, master_port: int | None = None, ssh=None, ssh_local: bool = False,
+         preflight_timeout: float = 15.0):
+    """Preflight ``hosts`` and prepare the job of recipe ``r`` on them (launch/job.py ``prepare_job``):
+    nodes ready to start, master address and port settled (``master_port`` None: a free one on the first host).
+
+    Raises:
+        ZerorunError: a host fails preflight, or ``master_port`` is already in use.
+    """
+    from zerorun.launch.job import prepare_job
+
     modules = [r.model.module] + ([r.data.module] if r.data.kind == "module" else [])
-    job = prepare_job(hosts, job_id, recipe_json=r.model_dump_json(), python=r.launch.python,
-                      workdir=r.launch.workdir, env=r.launch.env, modules=modules, master_port=master_port,
-                      ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout)
-    _run(r, job)
+    return prepare_job(hosts, job_id, recipe_json=r.model_dump_json(), python=r.launch.python,
+                       workdir=r.launch.workdir, env=r.launch.env, modules=modules, master_port=master_port,
+                       ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout)
 
 
 def _resume_path(recipe, resume: str) -> str:
@@ -164,9 +175,15 @@ def launch(
     _run(None, job, name=os.path.splitext(os.path.basename(script))[0], log_dir=log_dir)
 
 
-def _run(recipe, job, name: str | None = None, log_dir: str | None = None) -> None:
-    """Run ``job`` (launch/job.py) under the supervisor, recording and showing its events; ``recipe`` is None
-    for ``zerorun launch`` (then ``name`` and ``log_dir`` say where the run goes)."""
+def _run(recipe, job, name: str | None = None, log_dir: str | None = None, view=None) -> str:
+    """Run ``job`` (launch/job.py) under the supervisor, recording and showing its events, and return the run
+    directory's path; ``recipe`` is None for ``zerorun launch`` (then ``name`` and ``log_dir`` say where the run
+    goes); ``view``: what shows progress (default: plain lines on stdout).
+
+    Raises:
+        ZerorunError: the run directory cannot be created.
+        JobFailed: a rank failed, a node was lost, or the job was interrupted (``exit_code`` 130).
+    """
     from zerorun.launch.supervisor import Supervisor
     from zerorun.telemetry.console import PlainView, RunRecorder
 
@@ -182,7 +199,7 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None) -> No
     except OSError as e:
         job.close()
         raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
-    recorder, view = RunRecorder(run_dir), PlainView(sys.stdout)
+    recorder, view = RunRecorder(run_dir), view or PlainView(sys.stdout)
     hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
     what = f"ZeRO stage {recipe.zero.stage}, {recipe.precision}" if recipe is not None else "user script"
     view.print(f"zerorun: {name}: {plan.world_size} ranks on {hosts}, {what}; job {plan.job_id}; run dir {run_dir}")
@@ -213,6 +230,67 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None) -> No
     if view.last_val is not None:
         summary += f"; validation loss {view.first_val:.4f} -> {view.last_val:.4f} (best {view.best_val:.4f})"
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
+    return run_dir
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def bench(
+    recipe: str = typer.Argument(..., help="Recipe YAML file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides for every job."),
+    hostfile: Optional[List[str]] = typer.Option(None, "-H", "--hostfile",
+                                                 help="A hostfile to bench on; repeat for several."),
+    stages: str = typer.Option("0,1,2,3", "--stages", help="ZeRO stages, comma-separated."),
+    steps: int = typer.Option(30, "--steps", min=1, help="Measured optimizer steps per job."),
+    warmup: int = typer.Option(5, "--warmup", min=0, help="Optimizer steps left out before measuring."),
+    baseline: str = typer.Option("", "--baseline", help="Baselines to run too: ddp, fsdp2 (comma-separated)."),
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per combination; the median is reported."),
+) -> None:
+    """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,
+    bench.png in <log.dir>/<name>/bench-<timestamp>/. Exit code 1 when any combination failed."""
+    from zerorun.bench import parse_baselines, parse_stages, run_bench
+
+    failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], parse_stages(stages),
+                                         parse_baselines(baseline), steps, warmup, repeat)
+    if failed:
+        raise JobFailed(f"bench: {failed} of {total} combinations failed (reasons in {bench_dir}/bench.json)")
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def estimate(
+    recipe: Optional[str] = typer.Argument(None, help="Recipe YAML file (or give --params)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides, e.g. train.micro_batch_size=4."),
+    hostfile: Optional[str] = typer.Option(None, "-H", "--hostfile", help="DeepSpeed-style hostfile."),
+    params: Optional[str] = typer.Option(None, "--params", help="Parameter count without a recipe: 7B, 350M."),
+    largest_layer: Optional[str] = typer.Option(None, "--largest-layer", help="With --params: parameters of the "
+                                                "largest layer (stage 3 gathers it), e.g. 0.5B."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes (default: the hostfile's, else 1)."),
+    procs_per_node: Optional[int] = typer.Option(None, "--procs-per-node", min=1,
+                                                 help="Ranks per node (default: hostfile slots or "
+                                                      "launch.procs_per_node)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16 or fp16 (fp32 master); "
+                                            "default: the recipe's, else fp32."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adam (2 states), sgd (momentum: 1), none, "
+                                            "or a torch.optim name; default: the recipe's, else adam."),
+    device_memory: Optional[str] = typer.Option(None, "--device-memory", help="Per rank: 80GiB, 80GB "
+                                                "(default: detected; on CPU host memory / ranks per node)."),
+    cpu_memory: Optional[str] = typer.Option(None, "--cpu-memory", help="Host memory per node (default: "
+                                             "this machine's)."),
+    bandwidth: str = typer.Option("100Gbps", "--bandwidth", help="Link speed per rank: 100Gbps, 12.5GB/s."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="Samples per micro-batch "
+                                              "(default: train.micro_batch_size, else 1)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (bytes, seconds) instead of tables."),
+) -> None:
+    """Estimate memory per rank and communication per step for ZeRO stages 0-3 before launching."""
+    from zerorun import estimate as est
+
+    result = est.from_arguments(recipe=recipe, overrides=overrides or [], hostfile=hostfile, params=params,
+                                largest_layer=largest_layer, nodes=nodes, procs_per_node=procs_per_node,
+                                precision=precision, optimizer=optimizer, device_memory=device_memory,
+                                cpu_memory=cpu_memory, bandwidth=bandwidth, micro_batch=micro_batch)
+    if as_json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        est.render(result)
 
 
 def optional_value(argv: list[str], option: str, default: str) -> list[str]:

@@ -157,6 +157,9 @@ class Recipe(_Strict):
     zero: ZeroSpec = Field(default_factory=ZeroSpec)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec)
+    #: ``zero``: zerorun's ZeRO runtime; ``ddp``/``fsdp2``: torch's DistributedDataParallel or FSDP2
+    #: (``fully_shard`` on stage 3's units), the baselines of ``zerorun bench`` (zerorun/baselines.py).
+    runtime: Literal["zero", "ddp", "fsdp2"] = "zero"
     launch: LaunchSpec = Field(default_factory=LaunchSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     log: LogSpec = Field(default_factory=LogSpec)
@@ -415,8 +418,17 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
                                                                                 "checkpoints")))
         if os.path.exists(ckpt.dir) and not os.path.isdir(ckpt.dir):
             raise ZerorunError(f"{where('checkpoint', 'dir')}: not a directory: {ckpt.dir}")
-    if recipe.zero.units and recipe.zero.stage != 3:
+    if recipe.zero.units and recipe.zero.stage != 3 and recipe.runtime != "fsdp2":
         raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only")
+    if recipe.runtime != "zero" and (recipe.precision != "fp32" or z.offload_optimizer != "none"):
+        field = where("precision") if recipe.precision != "fp32" else where("zero", "offload_optimizer")
+        raise ZerorunError(f"{field}: the {recipe.runtime} baseline runs fp32 without offload only")
+    if recipe.runtime != "zero" and ckpt.dir:
+        raise ZerorunError(f"{where('checkpoint')}: checkpoints are zerorun's (runtime zero); the {recipe.runtime} "
+                           "baseline does not save them")
+    if recipe.train.activation_checkpointing and recipe.runtime != "zero":
+        raise ZerorunError(f"{where('train', 'activation_checkpointing')}: applies to zerorun's stage 3 only, not "
+                           f"to runtime {recipe.runtime}")
     if recipe.train.activation_checkpointing and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('train', 'activation_checkpointing')}: needs zero.stage 3 (it checkpoints "
                            "each unit); at stages 0-2 wrap blocks in torch.utils.checkpoint in the model")

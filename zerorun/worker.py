@@ -107,7 +107,7 @@ def train(recipe: Recipe, rank: int) -> None:
     t = recipe.train
     torch.manual_seed(t.seed)
     z = recipe.zero
-    if z.stage == 3 and z.meta_init and not cuda:
+    if z.stage == 3 and z.meta_init and not cuda and recipe.runtime == "zero":
         # built on the meta device; each rank materializes only its slices (zero/deferred.py)
         model = zero.deferred_init(build_model, recipe.model.module, recipe.model.factory, recipe.model.kwargs)
     else:
@@ -127,14 +127,20 @@ def train(recipe: Recipe, rank: int) -> None:
                                  loss_scale=zero.LossScaleConfig(**recipe.loss_scale.model_dump()),
                                  offload_optimizer=z.offload_optimizer, offload_path=z.offload_path,
                                  offload_buffer_mb=z.offload_buffer_mb)
-        engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
-                                 config=config)
+        if recipe.runtime == "zero":
+            engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
+                                     config=config)
+        else:  # a baseline for `zerorun bench`: torch's DDP or FSDP2 behind the same interface
+            from zerorun import baselines
+
+            engine = baselines.initialize(recipe.runtime, model, optimizer=t.optimizer.name, optimizer_kwargs=opt,
+                                          param_groups=groups, config=config)
     except ValueError as e:  # the recipe asks for something this model cannot do (units, optimizer, groups)
         raise ZerorunError(f"recipe: {e}") from None
     n_params = sum(p.numel() for p in model.parameters())
     units = [u.name or "<root>" for u in getattr(engine, "units", [])]
     emit("model_ready", rank, params=n_params, trainable=engine.num_params, stage=recipe.zero.stage,
-         model_state_bytes=engine.memory_bytes(), units=units)
+         runtime=recipe.runtime, model_state_bytes=engine.memory_bytes(), units=units)
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_multiplier(t.schedule, t.steps))
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=t.seed,
                                  drop_last=True)
@@ -219,7 +225,7 @@ def train(recipe: Recipe, rank: int) -> None:
                  job_tokens_per_s=world_size * tokens / step_s, rss_bytes=proc.memory_info().rss,
                  peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
                  comm_bytes=comm["bytes_sent"] - comm_prev["bytes_sent"],
-                 comm_wait_s=comm["wait_s"] - comm_prev["wait_s"],
+                 comm_wait_s=None if comm["wait_s"] is None else comm["wait_s"] - comm_prev["wait_s"],
                  loss_scale=engine.loss_scale, skipped=engine.last_step_skipped, skipped_steps=engine.skipped_steps)
             comm_prev = comm
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):

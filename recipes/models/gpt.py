@@ -89,8 +89,9 @@ class GPT(nn.Module):
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         # Transformer shape, read by zerorun's estimator and telemetry (FLOP/s, activation memory).
+        # fused_attention: F.scaled_dot_product_attention keeps no (B, H, T, T) attention scores.
         self.shape = {"n_layer": n_layer, "d_model": d_model, "n_head": n_head, "seq_len": max_seq_len,
-                      "vocab_size": vocab_size}
+                      "vocab_size": vocab_size, "dropout": dropout, "fused_attention": True}
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):

@@ -99,6 +99,25 @@ def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str
     return units
 
 
+def unit_of_params(model: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, int]:
+    """Each parameter's unit as an index into ``unit_modules`` (from :func:`pick_units`), ``-1`` for the root:
+    the innermost unit around every module that holds it; a parameter held by modules in different units (a
+    weight tied across units) belongs to the root (Note [Units])."""
+    index_of = {id(m): i for i, m in enumerate(unit_modules)}
+    holders: dict[nn.Parameter, set[int]] = {}
+
+    def visit(module: nn.Module, unit: int) -> None:
+        unit = index_of.get(id(module), unit)
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(p, set()).add(unit)
+        for child in module.children():
+            visit(child, unit)
+
+    visit(model, -1)
+    return {p: next(iter(ids)) if len(ids) == 1 else -1 for p, ids in holders.items()}
+
+
 class Stage3Engine(ZeroEngine):
     """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch]). Extra API:
     :meth:`full_state_dict`, :attr:`units`."""
@@ -135,23 +154,9 @@ class Stage3Engine(ZeroEngine):
 
     # ---------------------------------------------------------------------------------------- construction
     def _assign(self, model: nn.Module) -> dict[nn.Parameter, Unit]:
-        """Each parameter's unit: the innermost unit around every module that holds it; a parameter held by
-        modules in different units (a weight tied across units) belongs to the root (Note [Units])."""
-        unit_of_module = {id(u.module): u for u in self.units}
-        holders: dict[nn.Parameter, set[int]] = {}
-
-        def visit(module: nn.Module, unit: Unit) -> None:
-            unit = unit_of_module.get(id(module), unit)
-            for p in module._parameters.values():
-                if p is not None:
-                    holders.setdefault(p, set()).add(id(unit))
-            for child in module.children():
-                visit(child, unit)
-
-        root = self.units[-1]
-        visit(model, root)
-        by_id = {id(u): u for u in self.units}
-        return {p: by_id[next(iter(ids))] if len(ids) == 1 else root for p, ids in holders.items()}
+        """Each parameter's unit (:func:`unit_of_params`); the root unit is last in ``self.units``."""
+        index = unit_of_params(model, [u.module for u in self.units[:-1]])
+        return {p: self.units[i] for p, i in index.items()}
 
     def _swap_meta_params(self, model: nn.Module, param_groups, dtype: torch.dtype):
         """Replace meta parameters by real ones of the same shape whose storage is empty (freed), remembering

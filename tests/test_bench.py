@@ -1,0 +1,159 @@
+"""``zerorun bench``: metrics from telemetry (pure), and end to end through the ``zerorun train`` launch path."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zerorun.bench import (Combination, Row, combinations, measure, parse_baselines, parse_stages, percentile,
+                           summarize)
+from zerorun.errors import ZerorunError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "recipes/tiny.yaml")
+
+
+def step(rank, n, time_s, samples_per_s, comm, rss=100, states=(10, 20, 30)):
+    return {"event": "step", "rank": rank, "step": n, "step_time_s": time_s, "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * 31, "comm_bytes": comm, "peak_rss_bytes": rss,
+            "model_state_bytes": dict(zip(("params", "grads", "optimizer"), states))}
+
+
+def test_measure_takes_the_slowest_rank_after_warmup():
+    events = [{"event": "start", "rank": r, "world_size": 2} for r in (0, 1)]
+    events += [step(0, 1, 9.0, 1.0, 999, rss=500), step(1, 1, 9.0, 1.0, 999)]  # warm-up: left out, but RSS counts
+    for n, (t0, t1) in enumerate([(0.1, 0.2), (0.3, 0.1), (0.5, 0.4)], start=2):
+        events += [step(0, n, t0, 4 / t0, 100 + n), step(1, n, t1, 4 / t1, 200, states=(10, 20, 40))]
+    events += [{"event": "finish", "rank": 0, "time_to_first_step_s": 3.0, "peak_rss_bytes": 300},
+               {"event": "finish", "rank": 1, "time_to_first_step_s": 4.5, "peak_rss_bytes": 200}]
+    m = measure(events, warmup=1)
+    assert m["world_size"] == 2
+    assert m["step_time_s"] == pytest.approx(0.3)  # per step max over ranks: 0.2, 0.3, 0.5
+    assert m["step_time_p90_s"] == pytest.approx(0.5)
+    assert m["samples_per_s"] == pytest.approx(8 / 0.3)  # 4 samples per rank per step, 2 ranks
+    assert m["tokens_per_s"] == pytest.approx(8 * 31 / 0.3)
+    assert m["peak_rss_bytes"] == 500 and m["model_state_bytes"] == 70
+    assert m["comm_bytes_per_step"] == 200 and m["time_to_first_step_s"] == 4.5
+    with pytest.raises(ValueError, match="no step after the 5 warm-up steps"):
+        measure(events, warmup=5)
+
+
+def test_percentile_nearest_rank():
+    assert percentile([5, 1, 4, 2, 3], 0.9) == 5
+    assert percentile(list(range(1, 11)), 0.9) == 9
+    assert percentile([7], 0.9) == 7
+
+
+def run(world, time_s, **extra):
+    return {"world_size": world, "step_time_s": time_s, "step_time_p90_s": time_s, "samples_per_s": 4 * world / time_s,
+            "tokens_per_s": 1.0, "peak_rss_bytes": 1, "model_state_bytes": 1, "comm_bytes_per_step": 0,
+            "time_to_first_step_s": 1.0, **extra}
+
+
+def test_summarize_repeats_scaling_and_baseline_ratios():
+    rows = [Row(Combination("a", "ddp"), runs=[run(1, 0.2)]),
+            Row(Combination("a", "zero", 2), runs=[run(1, 0.1), run(1, 0.3), run(1, 0.2)]),
+            Row(Combination("b", "ddp"), runs=[run(2, 0.4)]),
+            Row(Combination("b", "zero", 2), runs=[run(2, 0.25)]),
+            Row(Combination("b", "zero", 3), status="failed", reason="boom")]
+    summarize(rows)
+    a2 = rows[1].metrics["step_time_s"]
+    assert (a2["median"], a2["min"], a2["max"]) == (0.2, 0.1, 0.3)
+    assert rows[1].scaling_efficiency == 1.0 and rows[0].scaling_efficiency == 1.0
+    assert rows[3].scaling_efficiency == pytest.approx(0.2 / 0.25)  # per-rank throughput against 1 rank
+    assert rows[2].scaling_efficiency == pytest.approx(0.5)
+    assert rows[1].time_vs == {"ddp": pytest.approx(1.0)} and rows[3].time_vs == {"ddp": pytest.approx(0.625)}
+    assert rows[0].time_vs == {} and rows[4].metrics == {} and rows[4].scaling_efficiency is None
+
+
+def test_combinations_and_flags():
+    combos = combinations(["a", "b"], [0, 2], ["ddp"])
+    assert [(c.hostfile, c.label) for c in combos] == [("a", "ddp"), ("a", "stage 0"), ("a", "stage 2"),
+                                                       ("b", "ddp"), ("b", "stage 0"), ("b", "stage 2")]
+    assert "zero.units=[]" in Combination(None, "zero", 2).overrides(9)
+    assert "zero.units=[]" not in Combination(None, "zero", 3).overrides(9)
+    assert "zero.units=[]" not in Combination(None, "fsdp2").overrides(9)
+    assert parse_stages("3,0, 3") == [3, 0] and parse_baselines("fsdp2,ddp") == ["fsdp2", "ddp"]
+    assert parse_baselines("") == []
+    with pytest.raises(ZerorunError, match=r"--stages 0,4: '4' is not a ZeRO stage"):
+        parse_stages("0,4")
+    with pytest.raises(ZerorunError, match=r"unknown baseline 'deepspeed'"):
+        parse_baselines("ddp,deepspeed")
+
+
+def zerorun(*args, timeout=600):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "zerorun", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def bench_result(root):
+    [bench_dir] = list((root / "tiny").glob("bench-*"))
+    return bench_dir, json.loads((bench_dir / "bench.json").read_text())
+
+
+def test_bad_flags_are_one_line_errors(tmp_path):
+    out = zerorun("bench", TINY, "-H", str(tmp_path / "missing"), f"log.dir={tmp_path}")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "missing: cannot read hostfile" in out.stderr
+    out = zerorun("bench", TINY, "--stages", "0,5", f"log.dir={tmp_path}")
+    assert out.returncode == 2 and "--stages 0,5: '5' is not a ZeRO stage" in out.stderr
+    out = zerorun("bench", TINY, "zero.stagee=1", f"log.dir={tmp_path}")  # refused by every combination
+    assert out.returncode == 2 and "zero.stagee: unknown field" in out.stderr and out.stderr.count("\n") == 1
+    assert not list(tmp_path.glob("*/bench-*"))  # nothing ran, nothing written
+
+
+@pytest.mark.slow
+def test_bench_two_hostfiles_two_stages(tmp_path):
+    (tmp_path / "one").write_text("localhost slots=1\n")
+    (tmp_path / "two").write_text("localhost slots=2\n")
+    out = zerorun("bench", TINY, f"log.dir={tmp_path / 'runs'}", "-H", str(tmp_path / "one"),
+                  "-H", str(tmp_path / "two"), "--stages", "0,2", "--steps", "2", "--warmup", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    bench_dir, result = bench_result(tmp_path / "runs")
+    rows = result["rows"]
+    assert [(os.path.basename(r["hostfile"]), r["label"], r["status"], r["metrics"]["world_size"]["median"])
+            for r in rows] == [("one", "stage 0", "ok", 1), ("one", "stage 2", "ok", 1),
+                               ("two", "stage 0", "ok", 2), ("two", "stage 2", "ok", 2)]
+    for r in rows:
+        m = {k: v["median"] for k, v in r["metrics"].items()}
+        assert m["step_time_s"] > 0 and m["step_time_p90_s"] >= m["step_time_s"]
+        assert m["samples_per_s"] == pytest.approx(4 * m["world_size"] / m["step_time_s"])
+        assert m["tokens_per_s"] == pytest.approx(32 * m["samples_per_s"])  # seq_len 32
+        assert m["peak_rss_bytes"] > 0 and m["time_to_first_step_s"] > 0
+        assert (m["comm_bytes_per_step"] > 0) == (m["world_size"] == 2)
+        assert r["scaling_efficiency"] > 0 and len(r["runs"]) == 1
+    by = {(os.path.basename(r["hostfile"]), r["label"]): r["metrics"] for r in rows}
+    # stage 2 partitions gradients and optimizer states over 2 ranks; over 1 rank it holds what stage 0 holds
+    assert by["two", "stage 2"]["model_state_bytes"]["median"] < by["two", "stage 0"]["model_state_bytes"]["median"]
+    assert by["one", "stage 2"]["model_state_bytes"] == by["one", "stage 0"]["model_state_bytes"]
+    with open(bench_dir / "bench.csv", newline="") as f:
+        lines = list(csv.DictReader(f))
+    assert [(line["runtime"], line["stage"], line["world_size"]) for line in lines] == \
+        [("zero", "0", "1"), ("zero", "2", "1"), ("zero", "0", "2"), ("zero", "2", "2")]
+    if importlib.util.find_spec("matplotlib"):
+        assert (bench_dir / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "needs matplotlib" in out.stdout
+    assert "4 of 4 combinations succeeded" in out.stdout and "stage 2" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_failing_combination_is_recorded_and_the_rest_run(tmp_path):
+    (tmp_path / "one").write_text("localhost slots=1\n")
+    out = zerorun("bench", TINY, f"log.dir={tmp_path / 'runs'}", "zero.units=[Nope]", "-H", str(tmp_path / "one"),
+                  "--stages", "0,3", "--baseline", "ddp", "--steps", "2", "--warmup", "1")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "bench: 1 of 3 combinations failed" in out.stderr and out.stderr.count("\n") == 1
+    _, result = bench_result(tmp_path / "runs")
+    rows = {r["label"]: r for r in result["rows"]}
+    assert list(rows) == ["ddp", "stage 0", "stage 3"]
+    assert rows["ddp"]["status"] == rows["stage 0"]["status"] == "ok"
+    assert rows["stage 3"]["status"] == "failed" and "no module of class Nope" in rows["stage 3"]["reason"]
+    assert rows["stage 3"]["metrics"] == {}
+    assert rows["stage 0"]["time_vs_ddp"] > 0

@@ -1,0 +1,203 @@
+"""zerorun estimate: the ZeRO paper's numbers, the engine's own reports, activations, sizes and the CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import estimate_cases as cases
+from zerorun import estimate as est
+
+FP32, BF16 = est.PRECISIONS["fp32"], est.PRECISIONS["bf16"]
+ADAM = est.optimizer_model("adam")
+
+
+def test_zero_paper_table_1():
+    """ZeRO paper §5 / table 1: Ψ = 7.5B, N = 64, mixed precision Adam (K = 12): 120, 31.4, 16.6, 1.9 GB."""
+    layout = est.layout_of_count(7_500_000_000)
+    got = [est.model_states(layout, s, 64, BF16, ADAM).total for s in range(4)]
+    psi = 7.5e9
+    assert got == [16 * psi, 4 * psi + 12 * psi / 64, 2 * psi + 14 * psi / 64, 16 * psi / 64]
+    # the paper rounds half up to 0.1 GB
+    assert [math.floor(b / 1e8 + 0.5) / 10 for b in got] == [120.0, 31.4, 16.6, 1.9]
+
+
+@pytest.mark.parametrize("stage,formula", [
+    (0, lambda p, n: 16 * p), (1, lambda p, n: 8 * p + 8 * p / n), (2, lambda p, n: 4 * p + 12 * p / n),
+    (3, lambda p, n: 16 * p / n)])
+def test_fp32_adam_formulas_of_the_design(stage, formula):
+    layout = est.layout_of_count(1_000_000 * 24)
+    for n in (1, 2, 3, 8):
+        assert est.model_states(layout, stage, n, FP32, ADAM).total == formula(24_000_000, n)
+
+
+def test_padding_rounds_each_buffer_up_to_the_world_size():
+    layout = est.Layout(total=10, trainable=10, frozen=0, buffers=(7, 3), frozen_params=(), units=(), exact=True)
+    s = est.model_states(layout, 2, 4, FP32, est.optimizer_model("none"))
+    assert s.params == (8 + 4) * 4 and s.grads == (2 + 1) * 4
+
+
+def test_communication_is_2psi_and_3psi_elements():
+    """ZeRO paper §7: 2Ψ elements per rank per step at stages 0-2, 3Ψ at stage 3, times the ring's (N-1)/N."""
+    psi, n = 64_000_000, 8
+    layout = est.layout_of_count(psi)
+    for stage, k in ((0, 2), (1, 2), (2, 2), (3, 3)):
+        norm = 0 if stage == 0 else 2 * 7 / 8 * 4  # the grad-norm all-reduce of one fp32 scalar
+        assert est.comm_bytes(layout, stage, n, BF16) == round(k * psi * 2 * (n - 1) / n + norm)
+    assert est.comm_bytes(layout, 3, 1, BF16) == 0
+
+
+def engine_layout(config, stage):
+    model, model_kwargs, units, _, opt_kwargs, bucket_mb, _ = config
+    with torch.device("meta"):
+        m = cases.build(model, model_kwargs)
+    return est.layout_of(m, bucket_mb=bucket_mb, units=units if stage == 3 else ())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_predictions_equal_what_the_engine_reports(ranks, world_size):
+    """Model-state bytes per rank equal ZeroEngine.memory_bytes() at every stage (padding included; frozen
+    parameters, tied weights, several param groups, buckets and units), and bytes sent per step equal what
+    zero/comm.py counts. Stronger than the 1% the estimate promises: the layout is the engine's own."""
+    pool = ranks(world_size)
+    for stage in range(4):
+        reports = pool.run(cases.engine_reports, stage=stage)
+        for i, config in enumerate(cases.CONFIGS):
+            _, _, _, opt, opt_kwargs, _, accum = config
+            layout = engine_layout(config, stage)
+            want = est.model_states(layout, stage, world_size, FP32, est.optimizer_model(opt, opt_kwargs))
+            sent = est.comm_bytes(layout, stage, world_size, FP32, accum)
+            for rank, per_config in enumerate(reports):
+                r = per_config[i]
+                where = f"stage {stage}, {world_size} ranks, config {i}, rank {rank}"
+                assert r["bytes"] == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}, where
+                assert abs(r["sent"] - sent) <= 8, (where, r["sent"], sent)  # comm.py rounds each call
+
+
+def test_layout_counts_and_largest_unit():
+    with torch.device("meta"):
+        m = cases.build("gpt", {})
+    layout = est.layout_of(m, units=("Block",))
+    assert layout.total == sum(p.numel() for p in m.parameters())
+    assert layout.largest_unit.name == "blocks.0" and layout.largest_unit.numel == sum(
+        p.numel() for p in m.blocks[0].parameters())
+    with torch.device("meta"):
+        frozen = cases.build("mlp", {"frozen": True})
+    layout = est.layout_of(frozen)
+    assert layout.frozen == 7 * 13 + 13 and layout.trainable + layout.frozen == layout.total
+
+
+def test_activations_reduce_to_korthikanti_with_16_bit_and_dropout():
+    """§4, eq. (1): s·b·h·(34 + 5·a·s/h) bytes per layer; full recomputation keeps 2·s·b·h per layer."""
+    s, b, h, a, L, V = 2048, 4, 4096, 32, 24, 50000
+    shape = {"n_layer": L, "d_model": h, "n_head": a, "seq_len": s, "vocab_size": V, "dropout": 0.1}
+    got = est.activation_bytes(shape, micro_batch=b, element_bytes=2)
+    assert got["per_layer"] == s * b * h * (34 + 5 * a * s / h)
+    assert got["checkpointed"] - got["per_layer"] - got["output"] == 2 * s * b * h * L
+    assert got["total_fused"] == got["total"] - L * 5 * a * s * s * b
+
+
+@pytest.mark.parametrize("text,flag,value", [
+    ("7B", "--params", 7 * 10**9), ("350M", "--params", 350 * 10**6), ("0.5B", "--largest-layer", 5 * 10**8),
+    ("125000", "--params", 125000),
+])
+def test_parse_count(text, flag, value):
+    assert est.parse_count(text, flag) == value
+
+
+def test_parse_sizes_and_bandwidth():
+    assert est.parse_bytes("80GiB") == 80 * 2**30 and est.parse_bytes("80GB") == 80 * 10**9
+    assert est.parse_bytes("512 MiB") == 512 * 2**20
+    assert est.parse_bandwidth("100Gbps") == 12.5e9 and est.parse_bandwidth("12.5GB/s") == 12.5e9
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--params", "7X"], "zerorun: error: --params: cannot read '7X'"),
+    (["--params", "7B", "--device-memory", "lots"], "zerorun: error: --device-memory: cannot read 'lots'"),
+    (["--params", "7B", "--bandwidth", "100Gb"], "zerorun: error: --bandwidth: cannot read '100Gb'"),
+    (["--params", "7B", "--largest-layer", "-1"], "zerorun: error: --largest-layer: cannot read '-1'"),
+    (["--params", "7B", "--precision", "fp8"], "zerorun: error: --precision: 'fp8' is not one of"),
+    (["--params", "7B", "--optimizer", "LBFGS"], "zerorun: error: --optimizer: no memory model for optimizer"),
+    ([], "zerorun: error: estimate: give a recipe file or --params"),
+])
+def test_bad_flags_are_one_line_exit_2(capsys, monkeypatch, args, expected):
+    from zerorun import cli
+
+    monkeypatch.setattr("sys.argv", ["zerorun", "estimate", *args])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(expected) and err.count("\n") == 1, err
+
+
+def run_cli(capsys, monkeypatch, *args):
+    from zerorun import cli
+
+    monkeypatch.setattr("sys.argv", ["zerorun", "estimate", *args])
+    cli.main()
+    return capsys.readouterr().out
+
+
+def test_recipe_with_hostfile_as_json(capsys, monkeypatch, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=3\n127.0.0.1 slots=1\n")
+    out = json.loads(run_cli(capsys, monkeypatch, "recipes/tiny.yaml", "train.micro_batch_size=2", "-H",
+                             str(hostfile), "--device-memory", "1GiB", "--cpu-memory", "8GiB", "--json"))
+    assert out["setup"]["world_size"] == 4 and out["setup"]["nodes"] == 2 and out["setup"]["procs_per_node"] == 3
+    assert [r["label"] for r in out["stages"]][:4] == ["0", "1", "2", "3"]
+    assert out["params"]["largest_unit"]["name"].startswith("blocks.")
+    acts = out["activations"]
+    # the built-in GPT declares fused attention (F.scaled_dot_product_attention): no attention scores kept
+    assert acts["fused_attention"] and out["stages"][0]["activations"] == acts["total_fused"]
+    assert acts["total"] > acts["total_fused"] > acts["checkpointed_fused"] > 0
+    assert out["recommendation"].startswith("stage 0:")
+    s3 = out["stages"][3]
+    # Note [Peak]: activations are freed in backward as gradient buckets fill
+    assert s3["device_total"] == s3["model_states"] + s3["gathered"] + max(s3["activations"], s3["backward_transient"])
+    assert s3["gathered"] > 0 and out["stages"][2]["gathered"] == 0
+
+
+def test_seventy_billion_on_meta_and_what_to_change(capsys, monkeypatch, tmp_path):
+    """A 70B-parameter GPT costs no memory to count; on 8 x 80 GiB no stage without offload fits, and the
+    recommendation says how many nodes stage 3 needs."""
+    recipe = tmp_path / "big.yaml"
+    recipe.write_text("""name: big
+model:
+  module: %s
+  kwargs: {vocab_size: 32000, n_layer: 80, n_head: 64, d_model: 8192, max_seq_len: 4096}
+data: {kind: text, paths: ["{stdlib}/json/*.py"], seq_len: 4096}
+train: {steps: 1, micro_batch_size: 1}
+""" % (est.__file__.rsplit("/zerorun/", 1)[0] + "/recipes/models/gpt.py"))
+    out = json.loads(run_cli(capsys, monkeypatch, str(recipe), "--precision", "bf16", "--procs-per-node", "8",
+                             "--device-memory", "80GiB", "--cpu-memory", "4TiB", "--json", "--optimizer", "adam"))
+    assert 64e9 < out["params"]["total"] < 70e9
+    assert not any(r["fits"] for r in out["stages"] if r["offload"] == "none")
+    # automatic units leave the 80 blocks (1/80 of the model each) in the root unit, gathered whole
+    assert "make smaller units, e.g. zero.units: [Block]" in out["recommendation"]
+    out = json.loads(run_cli(capsys, monkeypatch, str(recipe), "zero.units=[Block]", "zero.stage=3", "--precision",
+                             "bf16", "--procs-per-node", "8", "--device-memory", "80GiB", "--cpu-memory", "4TiB",
+                             "--json"))
+    assert "stage 3 with train.activation_checkpointing fits on 2 nodes (16 ranks)" in out["recommendation"]
+    # every rank builds the model in fp32 host memory before moving it to its device: 8 x 260 GB per node
+    out = json.loads(run_cli(capsys, monkeypatch, str(recipe), "zero.units=[Block]", "zero.stage=3",
+                             "train.activation_checkpointing=true", "--precision", "bf16", "--procs-per-node", "8",
+                             "--device-memory", "80GiB", "--cpu-memory", "1TiB", "--json"))
+    assert all(r["cpu_per_node"] >= 8 * 4 * out["params"]["total"] for r in out["stages"])
+    assert "host memory per node (have 1.00 TiB)" in out["recommendation"]
+    text = run_cli(capsys, monkeypatch, str(recipe), "--precision", "bf16", "--procs-per-node", "8",
+                   "--device-memory", "80GiB", "--cpu-memory", "4TiB")
+    assert "Recommendation" in text and "Korthikanti" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="detects a CUDA device instead")
+def test_cpu_only_machine_uses_host_memory_per_rank(capsys, monkeypatch):
+    import psutil
+
+    out = json.loads(run_cli(capsys, monkeypatch, "--params", "350M", "--procs-per-node", "2", "--json"))
+    host = psutil.virtual_memory().total
+    assert out["setup"]["device"] == "cpu" and out["setup"]["device_memory"] == host // 2
+    assert [r["label"] for r in out["stages"]] == ["0", "1", "2", "3"]  # offloading to host memory moves nothing
+    assert out["stages"][0]["cpu_per_node"] == 2 * out["stages"][0]["device_total"]
+    # gloo's pending reduce-scatters copy their buckets: at stage 1 all of them, at the end of backward
+    assert out["stages"][1]["backward_transient"] == out["stages"][1]["grads"]

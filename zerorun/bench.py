@@ -1,0 +1,467 @@
+"""``zerorun bench``: one recipe across hostfiles and ZeRO stages, beside torch's DDP and FSDP2.
+
+Every combination (hostfile x stage, plus a baseline runtime per hostfile when asked) is one ordinary job,
+launched in turn through the launch path of ``zerorun train`` (``cli._hosts``, ``cli._job`` and ``cli._run``) with quiet
+output; its numbers come from the run directory's ``metrics.jsonl``, i.e. from the ranks' own telemetry.
+Each job trains ``warmup + steps`` optimizer steps with a step event every step and no evaluation; the first
+``warmup`` steps are left out.
+
+Per combination (Note [Bench metrics]): world size; median and p90 step time; job samples/s and tokens/s;
+weak-scaling efficiency against the smallest world size of the same runtime and stage; peak RSS per rank;
+model-state bytes per rank; bytes sent per rank per step; time to first step; and for zerorun rows, the step
+time relative to each baseline row of the same hostfile. With ``--repeat K`` each combination runs K times
+and every number is the median of the K runs, with their min and max.
+
+Results go to ``<log.dir>/<name>/bench-<timestamp>/``: ``bench.json`` (rewritten after every combination, so
+an interrupted bench keeps what it measured), ``bench.csv`` and ``bench.png`` (needs matplotlib: the
+``plot`` extra), ``bench.md`` (the table in Markdown, with the command), and one run directory per job
+under ``jobs/``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from zerorun.errors import JobFailed, ZerorunError
+from zerorun.telemetry.console import PlainView, human_bytes, human_rate
+
+BASELINES = ("ddp", "fsdp2")
+
+#: Per-run metrics (Note [Bench metrics]) and their CSV/JSON names, in table order.
+METRICS = ("world_size", "step_time_s", "step_time_p90_s", "samples_per_s", "tokens_per_s", "peak_rss_bytes",
+           "model_state_bytes", "comm_bytes_per_step", "time_to_first_step_s")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One row of the bench: ``hostfile`` (None: localhost with ``launch.procs_per_node`` ranks) and either
+    zerorun's runtime at ZeRO ``stage`` or a baseline ``runtime`` (``ddp``/``fsdp2``, ``stage`` None)."""
+
+    hostfile: str | None
+    runtime: str
+    stage: int | None = None
+
+    @property
+    def label(self) -> str:
+        """``stage 2``, ``ddp`` or ``fsdp2``."""
+        return f"stage {self.stage}" if self.runtime == "zero" else self.runtime
+
+    def overrides(self, steps: int) -> list[str]:
+        """Recipe overrides for this combination's job of ``steps`` optimizer steps: the runtime and stage,
+        a step event every step, no evaluation, no checkpoints. ``zero.units`` is cleared where the recipe does not allow
+        it (zerorun stages 0-2 and DDP); FSDP2 shards the recipe's units, as stage 3 does."""
+        out = [f"train.steps={steps}", "log.every=1", "train.eval_every=0", f"runtime={self.runtime}",
+               "checkpoint.every=0", "checkpoint.dir=null"]
+        if self.runtime == "zero":
+            out.append(f"zero.stage={self.stage}")
+        if self.runtime == "ddp" or (self.runtime == "zero" and self.stage != 3):
+            out.append("zero.units=[]")
+        return out
+
+
+@dataclass
+class Row:
+    """The result of one combination: ``status`` ok | failed, the failure ``reason``, the per-run metrics
+    ``runs`` (one dict of :data:`METRICS` per successful repeat), the job run directories, and after
+    :func:`summarize` the aggregated ``metrics`` (name -> ``{"median", "min", "max"}``) and relative numbers."""
+
+    combo: Combination
+    status: str = "pending"
+    reason: str | None = None
+    runs: list[dict[str, float]] = field(default_factory=list)
+    run_dirs: list[str] = field(default_factory=list)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    scaling_efficiency: float | None = None
+    time_vs: dict[str, float] = field(default_factory=dict)
+
+    def value(self, name: str) -> float | None:
+        """The median over repeats of metric ``name``, or None."""
+        m = self.metrics.get(name)
+        return None if m is None else m["median"]
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.combo
+        return {"hostfile": c.hostfile, "runtime": c.runtime, "stage": c.stage, "label": c.label,
+                "status": self.status, "reason": self.reason, "metrics": self.metrics,
+                "scaling_efficiency": self.scaling_efficiency,
+                **{f"time_vs_{b}": v for b, v in self.time_vs.items()}, "runs": self.runs, "run_dirs": self.run_dirs}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` by the nearest-rank method (the smallest value with at least
+    ``q`` of the values at or below it)."""
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, int(-(-q * len(ordered) // 1)) - 1))
+    return ordered[k]
+
+
+def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, float]:
+    """Note [Bench metrics]: the metrics of one job from its telemetry events (``metrics.jsonl`` records).
+
+    Per optimizer step after ``warmup``: the job's step time is the slowest rank's ``step_time_s`` (seconds);
+    the step's samples and tokens are summed over ranks (each rank's rate times its step time). Reported:
+    ``step_time_s`` (median) and ``step_time_p90_s`` (nearest-rank p90) over steps; ``samples_per_s`` and
+    ``tokens_per_s`` of the whole job at the median step time; ``peak_rss_bytes``, the largest peak RSS of any
+    rank (bytes; ``ru_maxrss``, or the current RSS where that is larger); ``model_state_bytes``, the largest params + grads + optimizer-state bytes any rank holds;
+    ``comm_bytes_per_step``, the median over steps of the largest bytes any rank sent in the step (ring
+    formulas, ZeRO paper §7); ``time_to_first_step_s``, the slowest rank's seconds from its start to the end
+    of its first step; ``world_size``.
+
+    Raises:
+        ValueError: no step event after the warm-up (the job ran too few steps).
+    """
+    steps: dict[int, list[dict]] = {}
+    peak_rss, states, first_step, world = 0, 0, 0.0, 0
+    for e in events:
+        kind = e.get("event")
+        if kind == "start":
+            world = max(world, int(e.get("world_size", 0)))
+        elif kind == "step":
+            # ru_maxrss is sampled by the kernel and can trail the current RSS: the larger of the two
+            peak_rss = max(peak_rss, int(e.get("peak_rss_bytes", 0)), int(e.get("rss_bytes", 0)))
+            states = max(states, sum(e.get("model_state_bytes", {}).values()))
+            if e["step"] > warmup:
+                steps.setdefault(e["step"], []).append(e)
+        elif kind == "finish":
+            peak_rss = max(peak_rss, int(e.get("peak_rss_bytes", 0)))
+            first_step = max(first_step, float(e.get("time_to_first_step_s") or 0.0))
+    if not steps:
+        raise ValueError(f"no step after the {warmup} warm-up steps in the telemetry")
+    times = [max(e["step_time_s"] for e in ranks) for ranks in steps.values()]
+    samples = statistics.median(sum(e["samples_per_s"] * e["step_time_s"] for e in ranks) for ranks in steps.values())
+    tokens = statistics.median(sum(e["tokens_per_s"] * e["step_time_s"] for e in ranks) for ranks in steps.values())
+    median = statistics.median(times)
+    return {"world_size": world or len(next(iter(steps.values()))), "step_time_s": median,
+            "step_time_p90_s": percentile(times, 0.9), "samples_per_s": samples / median,
+            "tokens_per_s": tokens / median, "peak_rss_bytes": peak_rss, "model_state_bytes": states,
+            "comm_bytes_per_step": statistics.median(max(e["comm_bytes"] for e in ranks) for ranks in steps.values()),
+            "time_to_first_step_s": first_step}
+
+
+def read_events(run_dir: str) -> list[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl`` (one JSON object per line; a torn last line is skipped)."""
+    out = []
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def summarize(rows: list[Row]) -> None:
+    """Fill each row's ``metrics`` (median, min and max over its runs), its weak-scaling efficiency and its
+    step time relative to the baselines of the same hostfile.
+
+    Weak scaling (per-rank micro-batch fixed): efficiency = (samples/s at N ranks / N) / (samples/s at N0 ranks
+    / N0), N0 the smallest world size among the successful rows of the same runtime and stage (1.0 there).
+    ``time_vs[b]`` = median step time of the row / median step time of baseline ``b`` on the same hostfile
+    (below 1: faster than the baseline).
+    """
+    for row in rows:
+        row.metrics = {name: {"median": statistics.median(r[name] for r in row.runs),
+                              "min": min(r[name] for r in row.runs), "max": max(r[name] for r in row.runs)}
+                       for name in METRICS} if row.runs else {}
+    measured = [r for r in rows if r.metrics]
+    for row in measured:
+        same = [r for r in measured if r.combo.label == row.combo.label]
+        smallest = min(same, key=lambda r: r.value("world_size"))
+        per_rank = row.value("samples_per_s") / row.value("world_size")
+        row.scaling_efficiency = per_rank / (smallest.value("samples_per_s") / smallest.value("world_size"))
+        row.time_vs = {}
+        if row.combo.runtime == "zero":
+            for base in measured:
+                if base.combo.runtime != "zero" and base.combo.hostfile == row.combo.hostfile:
+                    row.time_vs[base.combo.runtime] = row.value("step_time_s") / base.value("step_time_s")
+
+
+# ------------------------------------------------------------------------------------------------- output
+def _atomic_write(path: str, write: Callable[[io.TextIOBase], None]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def write_json(path: str, rows: list[Row], info: dict[str, Any]) -> None:
+    """``bench.json``: ``info`` (command, recipe, steps, ...) and one record per combination."""
+    _atomic_write(path, lambda f: json.dump({**info, "rows": [r.to_json() for r in rows]}, f, indent=1))
+
+
+def write_csv(path: str, rows: list[Row], baselines: list[str]) -> None:
+    """``bench.csv``: one line per combination; each metric as its median with ``_min`` and ``_max``."""
+    header = ["hostfile", "runtime", "stage", "status", "reason"]
+    for name in METRICS:
+        header += [name, f"{name}_min", f"{name}_max"]
+    header += ["scaling_efficiency"] + [f"time_vs_{b}" for b in baselines]
+
+    def write(f):
+        w = csv.writer(f)
+        w.writerow(header)
+        for r in rows:
+            line = [r.combo.hostfile or "localhost", r.combo.runtime, "" if r.combo.stage is None else r.combo.stage,
+                    r.status, r.reason or ""]
+            for name in METRICS:
+                m = r.metrics.get(name)
+                line += [m["median"], m["min"], m["max"]] if m else ["", "", ""]
+            line += ["" if r.scaling_efficiency is None else r.scaling_efficiency]
+            line += [r.time_vs.get(b, "") for b in baselines]
+            w.writerow(line)
+
+    _atomic_write(path, write)
+
+
+def write_png(path: str, rows: list[Row]) -> None:
+    """``bench.png``: job samples/s and peak RSS per rank, grouped by runtime/stage, one bar per hostfile.
+
+    Raises:
+        ZerorunError: matplotlib is not installed (``pip install 'zerorun[plot]'``).
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ZerorunError("bench.png needs matplotlib, which is not installed: pip install 'zerorun[plot]' "
+                           "(bench.json and bench.csv are written)") from None
+    measured = [r for r in rows if r.metrics]
+    labels = list(dict.fromkeys(r.combo.label for r in rows))
+    hosts = list(dict.fromkeys(r.combo.hostfile for r in rows))
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2)
+    width = 0.8 / max(1, len(hosts))
+    for ax, (metric, scale, title) in zip(axes, (("samples_per_s", 1, "job throughput (samples/s)"),
+                                                 ("peak_rss_bytes", 2**20, "peak RSS per rank (MiB)"))):
+        for i, host in enumerate(hosts):
+            xs, ys, lo, hi = [], [], [], []
+            for x, label in enumerate(labels):
+                r = next((r for r in rows if r.combo.label == label and r.combo.hostfile == host), None)
+                if r is not None and not r.metrics and r.status == "failed":
+                    ax.text(x + (i - (len(hosts) - 1) / 2) * width, 0, "failed", rotation=90, ha="center",
+                            va="bottom", color="red", fontsize=8)
+                elif r is not None and r.metrics:
+                    m = r.metrics[metric]
+                    xs.append(x + (i - (len(hosts) - 1) / 2) * width)
+                    ys.append(m["median"] / scale)
+                    lo.append((m["median"] - m["min"]) / scale)
+                    hi.append((m["max"] - m["median"]) / scale)
+            world = next((int(r.value("world_size")) for r in measured if r.combo.hostfile == host), None)
+            name = f"{os.path.basename(host) if host else 'localhost'}" + \
+                (f" ({world} rank{'s' * (world != 1)})" if world else "")
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def render_table(rows: list[Row], baselines: list[str], repeat: int):
+    """The results as a rich Table (medians; ``min-max`` beside step time and samples/s when repeated), with
+    the reason of each failed combination below it."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="zerorun bench", show_lines=False)
+    for name in ("hostfile", "ranks", "runtime", "step ms", "p90 ms", "samples/s", "tokens/s", "weak eff.",
+                 "peak RSS/rank", "states/rank", "sent/rank/step", "1st step s", *[f"vs {b}" for b in baselines]):
+        table.add_column(name, justify="left" if name in ("hostfile", "runtime") else "right")
+
+    def spread(r: Row, name: str, fmt: Callable[[float], str]) -> str:
+        m = r.metrics[name]
+        return fmt(m["median"]) + (f" ({fmt(m['min'])}-{fmt(m['max'])})" if repeat > 1 else "")
+
+    for r in rows:
+        host = os.path.basename(r.combo.hostfile) if r.combo.hostfile else "localhost"
+        if not r.metrics:
+            status = {"pending": "[dim]pending[/]", "running": "[yellow]running[/]"}.get(r.status, "[red]failed[/]")
+            table.add_row(host, "", r.combo.label, status)
+            continue
+        v = r.value
+        cells = [host, str(int(v("world_size"))), r.combo.label + ("" if r.status == "ok" else " [red](failed)[/]"),
+                 spread(r, "step_time_s", lambda x: f"{x * 1e3:.0f}"), f"{v('step_time_p90_s') * 1e3:.0f}",
+                 spread(r, "samples_per_s", human_rate), human_rate(v("tokens_per_s")),
+                 f"{r.scaling_efficiency:.2f}", human_bytes(v("peak_rss_bytes")), human_bytes(v("model_state_bytes")),
+                 human_bytes(v("comm_bytes_per_step")), f"{v('time_to_first_step_s'):.1f}"]
+        cells += [f"{r.time_vs[b]:.2f}x" if b in r.time_vs else "" for b in baselines]
+        table.add_row(*cells)
+    reasons = [Text(f"{r.combo.label} on {r.combo.hostfile or 'localhost'} failed: {r.reason}", style="red",
+                    no_wrap=True, overflow="ellipsis") for r in rows if r.status == "failed"]
+    return Group(table, *reasons)
+
+
+def markdown_table(rows: list[Row], baselines: list[str]) -> str:
+    """The results as a Markdown table (medians), for READMEs and reports."""
+    head = ["hostfile", "ranks", "runtime", "median step (ms)", "p90 (ms)", "samples/s", "tokens/s", "weak eff.",
+            "peak RSS/rank (MiB)", "model states/rank (MiB)", "sent/rank/step (MiB)", "1st step (s)",
+            *[f"time vs {b}" for b in baselines]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        host = os.path.basename(r.combo.hostfile) if r.combo.hostfile else "localhost"
+        if not r.metrics:
+            reason = (r.reason or "").split(" (logs: ")[0]
+            lines.append(f"| {host} | | {r.combo.label} | failed: {reason} |" + " |" * (len(head) - 4))
+            continue
+        v = r.value
+        cells = [host, str(int(v("world_size"))), r.combo.label, f"{v('step_time_s') * 1e3:.0f}",
+                 f"{v('step_time_p90_s') * 1e3:.0f}", f"{v('samples_per_s'):.1f}", f"{v('tokens_per_s'):.0f}",
+                 f"{r.scaling_efficiency:.2f}", f"{v('peak_rss_bytes') / 2**20:.0f}",
+                 f"{v('model_state_bytes') / 2**20:.2f}", f"{v('comm_bytes_per_step') / 2**20:.2f}",
+                 f"{v('time_to_first_step_s'):.1f}"]
+        cells += [f"{r.time_vs[b]:.2f}x" if b in r.time_vs else "" for b in baselines]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- run
+class QuietView(PlainView):
+    """The job view for bench: records validation losses like :class:`PlainView` but prints nothing."""
+
+    def print(self, text: str) -> None:
+        pass
+
+
+def parse_stages(text: str) -> list[int]:
+    """``"0,1,2,3"`` -> ``[0, 1, 2, 3]``.
+
+    Raises:
+        ZerorunError: an item that is not a ZeRO stage (0-3), or none at all.
+    """
+    stages = []
+    for item in (t.strip() for t in text.split(",")):
+        if item not in ("0", "1", "2", "3"):
+            raise ZerorunError(f"--stages {text}: {item!r} is not a ZeRO stage (0, 1, 2 or 3)")
+        if int(item) not in stages:
+            stages.append(int(item))
+    return stages
+
+
+def parse_baselines(text: str | None) -> list[str]:
+    """``"ddp,fsdp2"`` -> ``["ddp", "fsdp2"]`` (``None`` or ``""``: none).
+
+    Raises:
+        ZerorunError: an unknown baseline.
+    """
+    out = []
+    for item in (t.strip() for t in (text or "").split(",") if t.strip()):
+        if item not in BASELINES:
+            raise ZerorunError(f"--baseline {text}: unknown baseline {item!r} (choose from {', '.join(BASELINES)})")
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def combinations(hostfiles: list[str | None], stages: list[int], baselines: list[str]) -> list[Combination]:
+    """Per hostfile (in the order given): the baselines, then zerorun at each stage."""
+    return [c for h in hostfiles
+            for c in [*(Combination(h, b) for b in baselines), *(Combination(h, "zero", s) for s in stages)]]
+
+
+def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stages: list[int],
+              baselines: list[str], steps: int, warmup: int, repeat: int, out=None) -> tuple[int, int, str]:
+    """Run every combination ``repeat`` times, show the live table, write bench.json/csv/md/png.
+
+    Returns:
+        ``(failed combinations, all combinations, bench directory)``.
+
+    Raises:
+        ZerorunError: bad recipe, overrides or hostfile (checked before anything runs).
+        JobFailed: interrupted (Ctrl-C or SIGTERM; exit code 130 or 143), after writing what was measured.
+    """
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from zerorun.cli import _hosts, _job, _run
+    from zerorun.hostfile import read_hostfile
+    from zerorun.recipe import load_recipe
+
+    for h in hostfiles:  # bad input fails here, before any job
+        read_hostfile(h)
+    hosts: list[str | None] = list(hostfiles) or [None]
+    rows = [Row(c) for c in combinations(hosts, stages, baselines)]
+    # A recipe that no combination accepts is bad input; one that some combinations refuse (zero.units below
+    # stage 3, say) fails those combinations only, when their turn comes.
+    base, first_error = None, None
+    for row in rows:
+        try:
+            base = load_recipe(recipe_path, [*overrides, *row.combo.overrides(warmup + steps)])
+            break
+        except ZerorunError as e:
+            first_error = first_error or e
+    if base is None:
+        raise first_error
+    bench_dir = os.path.join(base.log.dir, base.name,
+                             f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
+    try:
+        os.makedirs(bench_dir)
+    except OSError as e:
+        raise ZerorunError(f"log.dir: cannot create the bench directory {bench_dir}: {e.strerror}") from None
+    jobs_dir = os.path.join(bench_dir, "jobs")
+    info = {"command": shlex.join(["zerorun", *sys.argv[1:]]),
+            "recipe": os.path.abspath(recipe_path), "overrides": overrides, "steps": steps, "warmup": warmup,
+            "repeat": repeat, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    console = Console(file=out or sys.stdout)
+    if not console.is_terminal:  # a log file or a pipe: room for every column
+        console = Console(file=out or sys.stdout, width=220)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console)
+    task = progress.add_task("bench", total=len(rows) * repeat)
+    json_path = os.path.join(bench_dir, "bench.json")
+    interrupted = None
+    with Live(Group(render_table(rows, baselines, repeat), progress), console=console,
+              refresh_per_second=2, transient=not console.is_terminal) as live:
+        for row in rows:
+            row.status = "running"
+            for k in range(repeat):
+                progress.update(task, description=f"{row.combo.label} on "
+                                f"{os.path.basename(row.combo.hostfile or 'localhost')} ({k + 1}/{repeat})")
+                live.update(Group(render_table(rows, baselines, repeat), progress))
+                try:
+                    recipe = load_recipe(recipe_path, [*overrides, f"log.dir={jobs_dir}",
+                                                       *row.combo.overrides(warmup + steps)])
+                    hosts = _hosts(row.combo.hostfile, recipe.launch.procs_per_node, None, None, None, None)
+                    job = _job(recipe, hosts, uuid.uuid4().hex[:12])
+                    run_dir = _run(recipe, job, view=QuietView(sys.stdout))
+                    row.run_dirs.append(run_dir)
+                    row.runs.append(measure(read_events(run_dir), warmup))
+                except (ZerorunError, ValueError, OSError) as e:
+                    row.reason = row.reason or str(e)
+                    if isinstance(e, JobFailed) and e.exit_code in (130, 143):  # Ctrl-C or SIGTERM: stop
+                        interrupted = e
+                progress.advance(task)
+                if interrupted:
+                    break
+            row.status = "failed" if row.reason else "ok"
+            summarize(rows)
+            write_json(json_path, rows, info)
+            live.update(Group(render_table(rows, baselines, repeat), progress))
+            if interrupted:
+                break
+    if not console.is_terminal:  # the live view is transient off a terminal: print the final table once
+        console.print(render_table(rows, baselines, repeat))
+    write_csv(os.path.join(bench_dir, "bench.csv"), rows, baselines)
+    _atomic_write(os.path.join(bench_dir, "bench.md"),
+                  lambda f: f.write(f"`{info['command']}`\n\n{markdown_table(rows, baselines)}\n"))
+    try:
+        write_png(os.path.join(bench_dir, "bench.png"), rows)
+    except ZerorunError as e:
+        console.print(f"zerorun: note: {e}")
+    failed = [r for r in rows if r.status != "ok"]
+    console.print(f"zerorun: bench: {len(rows) - len(failed)} of {len(rows)} combinations succeeded; "
+                  f"results in {bench_dir}")
+    if interrupted:
+        raise interrupted
+    return len(failed), len(rows), bench_dir
