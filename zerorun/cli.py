@@ -70,6 +70,8 @@ def train(
     hostfile: Optional[str] = _HOSTFILE,
     master_port: Optional[int] = _MASTER_PORT,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan and exit."),
+    resume: Optional[str] = typer.Option(None, "--resume", metavar="[PATH]",
+                                         help="Resume from the latest checkpoint in checkpoint.dir, or from PATH."),
     include: Optional[str] = _INCLUDE, exclude: Optional[str] = _EXCLUDE,
     num_nodes: Optional[int] = _NUM_NODES, num_procs: Optional[int] = _NUM_PROCS,
     ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
@@ -82,6 +84,9 @@ def train(
     from zerorun.recipe import load_recipe
 
     r = load_recipe(recipe, overrides or [])
+    if resume is not None:
+        r.checkpoint.resume = _resume_path(r, resume)
+        r.checkpoint.dir = r.checkpoint.dir or os.path.dirname(r.checkpoint.resume)  # keep saving beside it
     hosts = _hosts(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
     ssh = _ssh(ssh_user, ssh_port, ssh_key, ssh_config)
     job_id = uuid.uuid4().hex[:12]
@@ -91,6 +96,11 @@ def train(
             print(f"node {node.node_rank} {node.host.name}: ranks {node.first_rank}..{node.first_rank + node.nproc - 1}")
             print("  " + " ".join(node.argv[:-1]) + " <recipe>")
         return
+    if r.checkpoint.dir:
+        try:
+            os.makedirs(r.checkpoint.dir, exist_ok=True)
+        except OSError as e:
+            raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
     _run(r, _job(r, hosts, job_id, master_port, ssh, ssh_local, preflight_timeout), dashboard=not no_dashboard)
 
 
@@ -108,6 +118,36 @@ def _job(r, hosts, job_id: str, master_port: int | None = None, ssh=None, ssh_lo
     return prepare_job(hosts, job_id, recipe_json=r.model_dump_json(), python=r.launch.python,
                        workdir=r.launch.workdir, env=r.launch.env, modules=modules, master_port=master_port,
                        ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout)
+
+
+def _resume_path(recipe, resume: str) -> str:
+    """The checkpoint folder ``--resume`` names (``latest``: the latest in ``checkpoint.dir``), checked."""
+    from zerorun import checkpoint
+
+    if resume == "latest":
+        if not recipe.checkpoint.dir:
+            raise ZerorunError("--resume: checkpoint.dir is not set in the recipe, so there is no latest "
+                               "checkpoint; give --resume PATH")
+        found = checkpoint.latest(recipe.checkpoint.dir)
+        if found is None:
+            raise ZerorunError(f"--resume: no complete checkpoint in {recipe.checkpoint.dir}")
+        resume = found
+    path = checkpoint.resolve(resume)
+    checkpoint.check(path)
+    return path
+
+
+@app.command()
+def consolidate(
+    ckpt_dir: str = typer.Argument(..., help="A checkpoint folder (step-N), or a folder of them (the latest)."),
+    out: str = typer.Option(..., "--out", "-o", help="Output file: NAME.safetensors or NAME.pt."),
+) -> None:
+    """Write the model of a sharded checkpoint as one fp32 state dict (no training processes needed)."""
+    from zerorun.checkpoint import consolidate as run
+    from zerorun.telemetry.console import human_bytes
+
+    count, nbytes = run(ckpt_dir, out)
+    print(f"zerorun: wrote {count} tensors ({human_bytes(nbytes)}) to {out}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
@@ -297,10 +337,22 @@ def show(
         print(f"zerorun: wrote {plot}")
 
 
+def optional_value(argv: list[str], option: str, default: str) -> list[str]:
+    """``argv`` with ``option`` given ``default`` where it has no value of its own (typer options always take
+    one): at the end, before another option, or before a ``FIELD=VALUE`` override that is not a path."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == option:
+            nxt = out[i + 1] if i + 1 < len(out) else None
+            if nxt is None or nxt.startswith("-") or ("=" in nxt and not os.path.exists(nxt)):
+                out[i] = f"{option}={default}"
+    return out
+
+
 def main() -> None:
     """Console entry point: run the typer app; a :class:`ZerorunError` becomes one line and its exit code."""
     try:
-        app(standalone_mode=False)
+        app(args=optional_value(sys.argv[1:], "--resume", "latest"), standalone_mode=False)
     except ZerorunError as e:
         _err(str(e))
         sys.exit(e.exit_code)

@@ -129,9 +129,15 @@ class LaunchSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
+    """Sharded checkpoints (``zerorun/checkpoint.py``): saved every ``every`` steps (0: only at the end) and
+    at the end into ``dir`` (default when only ``every`` is given: ``<log.dir>/<name>/checkpoints``; no
+    checkpoints when neither is set), keeping the ``keep`` most recent. ``resume``: the checkpoint folder to
+    resume from, set by ``zerorun train --resume``."""
+
     dir: str | None = None
     every: int = Field(0, ge=0)
     keep: int = Field(2, gt=0)
+    resume: str | None = None
 
 
 class LogSpec(_Strict):
@@ -406,13 +412,20 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
     elif z.offload_path:
         raise ZerorunError(f"{where('zero', 'offload_path')}: used by zero.offload_optimizer disk only "
                            f"(it is {z.offload_optimizer})")
-    if recipe.checkpoint.every or recipe.checkpoint.dir:
-        raise ZerorunError(f"{where('checkpoint')}: checkpoints are not available yet; remove the section")
+    ckpt = recipe.checkpoint
+    if ckpt.every or ckpt.dir:
+        ckpt.dir = os.path.abspath(os.path.expanduser(ckpt.dir or os.path.join(recipe.log.dir, recipe.name,
+                                                                                "checkpoints")))
+        if os.path.exists(ckpt.dir) and not os.path.isdir(ckpt.dir):
+            raise ZerorunError(f"{where('checkpoint', 'dir')}: not a directory: {ckpt.dir}")
     if recipe.zero.units and recipe.zero.stage != 3 and recipe.runtime != "fsdp2":
         raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only")
     if recipe.runtime != "zero" and (recipe.precision != "fp32" or z.offload_optimizer != "none"):
         field = where("precision") if recipe.precision != "fp32" else where("zero", "offload_optimizer")
         raise ZerorunError(f"{field}: the {recipe.runtime} baseline runs fp32 without offload only")
+    if recipe.runtime != "zero" and ckpt.dir:
+        raise ZerorunError(f"{where('checkpoint')}: checkpoints are zerorun's (runtime zero); the {recipe.runtime} "
+                           "baseline does not save them")
     if recipe.train.activation_checkpointing and recipe.runtime != "zero":
         raise ZerorunError(f"{where('train', 'activation_checkpointing')}: applies to zerorun's stage 3 only, not "
                            f"to runtime {recipe.runtime}")

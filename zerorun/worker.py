@@ -91,7 +91,7 @@ def train(recipe: Recipe, rank: int) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from zerorun import zero
+    from zerorun import checkpoint, zero
     from zerorun.data import build_datasets
     from zerorun.userload import UserCodeError, build_model, extract_loss
 
@@ -146,16 +146,13 @@ def train(recipe: Recipe, rank: int) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_multiplier(t.schedule, t.steps))
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=t.seed,
                                  drop_last=True)
-    loader = DataLoader(train_set, batch_size=t.micro_batch_size, sampler=sampler, drop_last=True)
     torch.manual_seed(t.seed + 1 + rank)  # dropout and other training randomness differ per rank
-
-    def batches():
-        epoch = 0
-        while True:
-            sampler.set_epoch(epoch)
-            for batch in loader:
-                yield batch
-            epoch += 1
+    ckpt = recipe.checkpoint
+    start, position = 0, checkpoint.DataPosition()
+    if ckpt.resume:  # after everything that draws random numbers: the checkpoint restores the RNG states
+        start, position = checkpoint.load(ckpt.resume, engine, scheduler=scheduler,
+                                          micro_batch_size=t.micro_batch_size)
+        emit("log", rank, message=f"resumed from {ckpt.resume} after step {start}")
 
     def to_device(batch):
         if isinstance(batch, torch.Tensor):
@@ -194,7 +191,7 @@ def train(recipe: Recipe, rank: int) -> None:
         if rank == 0:
             emit("eval", rank, step=step, val_loss=float(total[0] / total[1]), samples=int(total[1]))
 
-    it = batches()
+    it = checkpoint.batch_stream(train_set, sampler, t.micro_batch_size, position)
     model.train()
     proc = psutil.Process()
     comm_prev = engine.comm_stats()
@@ -202,9 +199,9 @@ def train(recipe: Recipe, rank: int) -> None:
     shape = getattr(model, "shape", None)
     interval_steps, interval_s = 0, 0.0  # training steps and their time since the last step event
     steplog = StepLog(rank, world_size, device)
-    if t.eval_every:
+    if t.eval_every and start == 0:
         evaluate(0)
-    for step in range(1, t.steps + 1):
+    for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
         loss_sum, tokens = 0.0, 0
         for _ in range(t.grad_accum_steps):
@@ -243,6 +240,12 @@ def train(recipe: Recipe, rank: int) -> None:
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             steplog.flush()
             evaluate(step)
+        if ckpt.dir and ((ckpt.every and step % ckpt.every == 0) or step == t.steps):
+            steplog.flush()
+            path, seconds, nbytes = checkpoint.save(engine, ckpt.dir, step, scheduler=scheduler, position=position,
+                                                    recipe=json.loads(recipe.model_dump_json()), keep=ckpt.keep)
+            if rank == 0:
+                emit("checkpoint", rank, step=step, path=path, seconds=seconds, bytes=nbytes)
     steplog.flush()
     emit("finish", rank, steps=t.steps, elapsed_s=time.time() - t_start, time_to_first_step_s=first_step_s,
          peak_rss_bytes=peak_rss_bytes(), skipped_steps=engine.skipped_steps, **cuda_memory(device))

@@ -101,7 +101,7 @@ class RankState:
 
 
 def describe(e: Event) -> list[str]:
-    """Human-readable lines for a lifecycle event (start, model_ready, eval, checkpoint, finish, error); none
+    """Human-readable lines for a lifecycle event (start, model_ready, eval, checkpoint, log, finish, error); none
     for step events. Shared by the plain view and the dashboard (its log panel and the scrollback)."""
     d, who = e.data, f"[rank {e.rank}]"
     if e.kind == "start":
@@ -121,6 +121,8 @@ def describe(e: Event) -> list[str]:
         extra = ", ".join(x for x in (human_bytes(size) if size is not None else "",
                                       f"{secs:.1f} s" if secs is not None else "") if x)
         return [f"{who} checkpoint step {d.get('step', '?')}: {d.get('path', '?')}" + (f" ({extra})" if extra else "")]
+    if e.kind == "log":
+        return [f"{who} {d.get('message', '')}"]
     if e.kind == "finish":
         return [f"{who} finished"]
     if e.kind == "error":

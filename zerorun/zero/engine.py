@@ -473,6 +473,27 @@ class ZeroEngine:
         """Cumulative ``bytes_sent`` (bytes) and ``wait_s`` (seconds) of this rank's collectives."""
         return {"bytes_sent": self.comm.bytes_sent, "wait_s": self.comm.wait_s}
 
+    def optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's optimizer state per flat buffer of :attr:`buffers` (``{name: tensor}``; states with one
+        element per master element are 1-D of the master's shape, scalars such as Adam's ``step`` as they
+        are; empty before the first step). ``disk`` offload: read from the swap file (new CPU tensors)."""
+        return self.masters.buffer_states()
+
+    def load_master_slices(self, values: list[torch.Tensor],
+                           states: list[dict[str, torch.Tensor]] | None = None) -> None:
+        """Overwrite this rank's fp32 master slices with ``values`` (one 1-D fp32 tensor per flat buffer, shaped
+        as :meth:`master_slices`) and the optimizer state with ``states`` (as :meth:`optimizer_states`;
+        ``None``: none), wherever they live (device, host, swap file), then :meth:`refresh_params`. Used to
+        resume a checkpoint (Note [Checkpoint layout] in ``state.py``). Collective at stages 1-2."""
+        self.masters.load(values, states)
+        self._after_step()
+
+    def refresh_params(self) -> None:
+        """Make the model's parameters equal the master slices again (cast to ``precision``): stages 1-2 then
+        all-gather the slices; stage 3 keeps only the slice. Collective at stages 1-2."""
+        self.masters.write_params()
+        self._after_step()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full (unsharded) state dict; parameters are whole on every rank at stages 0-2."""
         return self.module.state_dict()

@@ -122,6 +122,34 @@ class Masters:
         ``step``); empty before the first step."""
         return [dict(self.optimizer.state.get(m, {})) for m in self.params]
 
+    def buffer_states(self) -> list[dict[str, torch.Tensor]]:
+        """The optimizer state of each flat buffer's master, in :attr:`slices` order (``{name: tensor}``: states
+        with one element per master element are 1-D like the master; scalars such as ``step`` as they are);
+        empty dicts before the first step. In memory: the optimizer's own tensors (do not modify)."""
+        return self.state_slices()
+
+    def load(self, values: Sequence[torch.Tensor], states: Sequence[dict[str, torch.Tensor]] | None) -> None:
+        """Overwrite the masters with ``values`` (one 1-D fp32 tensor per flat buffer, shaped as
+        :meth:`master_slices`; may be those very tensors) and the optimizer state with ``states`` (per buffer,
+        as :meth:`buffer_states` gives them; ``None`` or empty dicts: no state, as before the first step), then
+        write the masters into the parameter slices (:meth:`write_params`). Used to resume a checkpoint."""
+        with torch.no_grad():
+            for m, v in zip(self.params, values):
+                m.copy_(v.reshape(m.shape))
+        self.optimizer.state.clear()
+        for m, state in zip(self.params, states or [{}] * len(self.params)):
+            if state:
+                self.optimizer.state[m] = {k: v.to(m.device) if v.shape == m.shape else v.clone()
+                                           for k, v in state.items()}
+        self.write_params()
+
+    def write_params(self) -> None:
+        """Write the masters into this rank's parameter slices, cast to the parameters' dtype (nothing to do
+        when they are the same tensors: fp32 without offload)."""
+        if not self.alias:
+            for m, s in zip(self.params, self.slices):
+                s.copy_(m.detach())
+
     def memory_bytes(self) -> dict[str, int]:
         """``{"optimizer": bytes of states and separate fp32 masters in device memory, "host": in host memory
         off the device, "disk": in files}``."""
@@ -378,6 +406,39 @@ class DiskMasters(Masters):
                     self.file.read_into(c.offsets[n], state[n])
             out.append(state)
         return out
+
+    def buffer_states(self) -> list[dict[str, torch.Tensor]]:
+        """Read from the swap file: the state of each flat buffer (new CPU tensors; sub-groups joined)."""
+        out: list[dict[str, torch.Tensor]] = [{} for _ in self.slices]
+        for c in self.chunks:
+            if c.small is None:
+                continue
+            state = out[c.index]
+            if not state:  # every sub-group of a buffer steps together: the first one's scalars stand for all
+                state.update({k: v.clone() for k, v in c.small.items()})
+                state.update({n: torch.empty(self.slices[c.index].numel(), dtype=torch.float32)
+                              for n in self.state_names})
+            for n in self.state_names:
+                self.file.read_into(c.offsets[n], state[n][c.lo:c.lo + c.numel])
+        return out
+
+    def load(self, values, states) -> None:
+        """As :meth:`Masters.load`, written to the swap file sub-group by sub-group."""
+        for c in self.chunks:
+            master = values[c.index].reshape(-1)[c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous()
+            self.file.write(c.offsets["master"], master)
+            state = states[c.index] if states else None
+            c.small = None
+            if state:
+                for n in self.state_names:
+                    self.file.write(c.offsets[n], state[n][c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous())
+                # scalars (Adam's step) are incremented in place: one tensor per sub-group
+                c.small = {k: v.detach().clone() for k, v in state.items() if k not in self.state_names}
+            self.slices[c.index][c.lo:c.lo + c.numel].copy_(master)
+
+    def write_params(self) -> None:
+        for s, master in zip(self.slices, self.master_slices()):
+            s.copy_(master)
 
     def memory_bytes(self) -> dict[str, int]:
         return {"optimizer": 0, "host": self.arena.nbytes, "disk": self.file.size}

@@ -68,6 +68,15 @@ class DynamicLossScaler:
         self.scale = float(config.initial_scale)
         self.good_steps = 0
 
+    def state_dict(self) -> dict[str, float | int]:
+        """``{"scale": float, "good_steps": int}``: what :meth:`load_state_dict` restores (JSON-able)."""
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore the scale and the count of good steps since the last change (from :meth:`state_dict`)."""
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+
     def update(self, overflow: bool) -> None:
         """Back off after an overflowing (skipped) step; grow after ``growth_interval`` good steps in a row."""
         c = self.config

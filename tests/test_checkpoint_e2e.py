@@ -1,0 +1,117 @@
+"""End to end: ``zerorun train`` saving checkpoints, killed in the middle of a save, resumed with
+``--resume`` (latest) and ``--resume PATH`` at another stage, and ``zerorun consolidate``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from parity_cases import rel
+from test_train_e2e import ROOT, TINY, zerorun
+
+pytestmark = pytest.mark.slow
+
+# The tiny GPT, with a DCP writer that kills rank 1 (SIGKILL) right after it wrote its shards of the
+# KILL_AT_SAVE-th checkpoint, while rank 0 waits to finish that save.
+MODEL = f"""
+import importlib.util, os, signal
+import torch.distributed.checkpoint.filesystem as fs
+
+_spec = importlib.util.spec_from_file_location("tiny_gpt", {os.path.join(ROOT, "recipes/models/gpt.py")!r})
+_gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_gpt)
+_write, _saves = fs.FileSystemWriter.write_data, [0]
+
+
+def write_data(self, plan, planner):
+    _saves[0] += 1
+    result = _write(self, plan, planner)
+    if os.environ["RANK"] == "1" and os.environ.get("KILL_AT_SAVE") == str(_saves[0]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+
+fs.FileSystemWriter.write_data = write_data
+build_model = _gpt.build_model
+"""
+
+
+def losses(run_root, after: int = 0) -> dict[int, float]:
+    out = {}
+    for metrics in run_root.glob("*/*/metrics.jsonl"):
+        for line in metrics.read_text().splitlines():
+            e = json.loads(line)
+            if e["event"] == "step" and e["rank"] == 0 and e["step"] > after:
+                out[e["step"]] = e["loss"]
+    return out
+
+
+def test_kill_during_save_then_resume_exactly_and_at_another_stage(tmp_path):
+    (tmp_path / "model.py").write_text(MODEL)
+    common = [f"model.module={tmp_path / 'model.py'}", "model.kwargs.dropout=0.1", "train.steps=8",
+              "train.eval_every=0", "zero.stage=3", "checkpoint.every=3", "checkpoint.keep=3", "log.every=1"]
+
+    def train(name: str, *extra: str):
+        return zerorun("train", TINY, *common, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
+                       f"log.dir={tmp_path / name / 'runs'}", *extra, cwd=ROOT)
+
+    full = train("full")  # uninterrupted: checkpoints after steps 3, 6 and 8
+    assert full.returncode == 0, full.stdout + full.stderr
+    assert sorted(os.listdir(tmp_path / "full" / "ckpt")) == ["step-00000003", "step-00000006", "step-00000008"]
+    assert "checkpoint step 3: " in full.stdout
+    reference = losses(tmp_path / "full" / "runs")
+    assert sorted(reference) == list(range(1, 9))
+    events = [json.loads(line) for line in next((tmp_path / "full" / "runs").glob("*/*/metrics.jsonl")).read_text()
+              .splitlines()]
+    saved = [e for e in events if e["event"] == "checkpoint"]
+    assert [e["step"] for e in saved] == [3, 6, 8] and all(e["bytes"] > 0 and e["seconds"] > 0 for e in saved)
+
+    killed = train("killed", 'launch.env.KILL_AT_SAVE="2"')  # rank 1 dies inside the save after step 6
+    assert killed.returncode == 1 and "rank 1" in killed.stderr, killed.stdout + killed.stderr
+    left = sorted(os.listdir(tmp_path / "killed" / "ckpt"))
+    assert left == [".step-00000006.tmp", "step-00000003"], left
+
+    resumed = train("killed", "--resume")  # the latest complete checkpoint: step 3
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from " + str(tmp_path / "killed" / "ckpt" / "step-00000003") in resumed.stdout
+    after = {s: v for s, v in losses(tmp_path / "killed" / "runs").items() if s > 3}
+    assert sorted(after) == [4, 5, 6, 7, 8]
+    assert max(rel(after[s], reference[s]) for s in after) <= 1e-6, (after, reference)
+
+    # saved at stage 3, resumed at stage 1 (same 2 ranks, same data order, same RNG states)
+    other = train("stage1", "--resume", str(tmp_path / "full" / "ckpt" / "step-00000006"), "zero.stage=1")
+    assert other.returncode == 0, other.stdout + other.stderr
+    after = losses(tmp_path / "stage1" / "runs")
+    assert sorted(after) == [7, 8] and max(rel(after[s], reference[s]) for s in after) <= 1e-5
+
+    out = zerorun("consolidate", str(tmp_path / "full" / "ckpt"), "--out", str(tmp_path / "model.safetensors"),
+                  cwd=ROOT)
+    assert out.returncode == 0 and "wrote " in out.stdout, out.stderr
+    spec = importlib.util.spec_from_file_location("gpt_for_test", os.path.join(ROOT, "recipes/models/gpt.py"))
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    model = gpt.build_model(vocab_size=256, n_layer=2, n_head=2, d_model=32, max_seq_len=32)
+    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--resume"], r"--resume: checkpoint\.dir is not set in the recipe"),
+    (["--resume", "/no/such/ckpt"], r"/no/such/ckpt: no such checkpoint directory"),
+    (["checkpoint.dir=/proc/zerorun-ckpt"], r"checkpoint\.dir: cannot create /proc/zerorun-ckpt: "),
+])
+def test_bad_resume_is_one_line_exit_2(args, expected):
+    out = zerorun("train", TINY, *args, cwd=ROOT)
+    assert out.returncode == 2 and re.search(expected, out.stderr), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_consolidate_missing_dir_is_one_line_exit_2(tmp_path):
+    out = zerorun("consolidate", str(tmp_path / "nope"), "--out", str(tmp_path / "m.pt"), cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.strip() == f"zerorun: error: {tmp_path / 'nope'}: no such checkpoint directory"

@@ -1,0 +1,461 @@
+"""Sharded checkpoints on disk: atomic save, latest lookup, resume, consolidation to one file.
+
+A checkpoint is a folder ``<checkpoint.dir>/step-00000100/`` holding torch.distributed.checkpoint (DCP)
+files (every rank writes only its own shards: Note [Checkpoint layout] in ``zero/state.py``), ``zerorun.json``
+(step, scheduler, optimizer param-group options, fp16 loss scaler and skipped steps, data position, layout,
+resolved recipe) and the marker
+``COMPLETE``.
+
+Note [Atomic checkpoints]: ranks write into ``.tmp-step-N``; once DCP's save has returned on every rank (its
+coordinator writes ``.metadata`` after gathering every rank's result), rank 0 writes ``zerorun.json``,
+renames the folder to ``step-N`` in one ``os.rename`` and only then writes ``COMPLETE`` (each file fsynced,
+then its folder). A run killed at any point leaves either a ``.tmp-*`` folder or a ``step-N`` without the
+marker: neither is ever picked as the latest, and the previous checkpoint is untouched. Old checkpoints are
+pruned only after the new one is complete.
+
+Note [Exact resume]: with the same world size the resumed run reproduces the uninterrupted one bit for bit:
+masters and optimizer states are restored exactly (wherever offload keeps them), the scheduler, the fp16
+loss scaler (scale, good steps since its last change, skipped steps) and param-group options (lr) too, every
+rank's RNG state (dropout) is restored after everything that consumes random numbers at start-up, and the
+data stream restarts at the same epoch and micro-batch (the sampler's order depends only on seed and epoch;
+the loader has its own generator, so creating it never draws from the global RNG). With another world
+size, micro-batch size or stage, model and optimizer states are resharded exactly; the data stream resumes
+at the same number of samples consumed in the epoch (its order differs, being split over other ranks) and
+ranks beyond the saved world size keep their fresh RNG state.
+
+Loading never unpickles arbitrary objects: DCP's tensor files are read with ``torch.load(weights_only=True)``
+and its ``.metadata`` with an unpickler that admits only DCP's metadata classes (:class:`SafeReader`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from zerorun.errors import ZerorunError
+
+MARKER = "COMPLETE"
+META = "zerorun.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@contextmanager
+def _quiet_sharded_tensor():
+    """DCP touches ShardedTensor attributes that warn of its deprecation (Note [Checkpoint layout] says why
+    zerorun uses it); the warning is not the user's concern."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*ShardedTensor.*")
+        yield
+
+
+def step_dir(root: str, step: int) -> str:
+    """The folder of the checkpoint of ``step`` under ``root``."""
+    return os.path.join(root, f"step-{step:08d}")
+
+
+# ----------------------------------------------------------------------------------------------- reading
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only the classes DCP's ``.metadata`` is made of (no arbitrary code on load)."""
+
+    _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"}
+    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+              ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in self._MODULES or (module, name) in self._NAMES or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with a restricted unpickler for ``.metadata`` (tensors are already read with
+    ``weights_only=True``), and :meth:`check_files` to name a truncated file before reading it."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = os.path.join(str(self.path), ".metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise ZerorunError(f"{path}: missing: not a DCP checkpoint") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
+            raise ZerorunError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        if not isinstance(metadata, Metadata):
+            raise ZerorunError(f"{path}: unreadable checkpoint metadata (not DCP metadata)")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def check_files(self) -> Any:
+        """Read the metadata and check that every data file exists and is long enough for every chunk.
+
+        Returns:
+            DCP's ``Metadata``.
+
+        Raises:
+            ZerorunError: naming the file and the first key whose bytes are missing.
+        """
+        metadata = self.read_metadata()
+        sizes: dict[str, int] = {}
+        for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[1].offset):
+            path = os.path.join(str(self.path), info.relative_path)
+            if path not in sizes:
+                try:
+                    sizes[path] = os.path.getsize(path)
+                except OSError:
+                    raise ZerorunError(f"{path}: missing (holds key {index.fqn!r})") from None
+            if info.offset + info.length > sizes[path]:
+                raise ZerorunError(f"{path}: truncated: {sizes[path]} bytes, key {index.fqn!r} needs bytes "
+                                   f"{info.offset}..{info.offset + info.length}")
+        return metadata
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """``zerorun.json`` of the checkpoint at ``path``, after checking that the checkpoint is complete.
+
+    Raises:
+        ZerorunError: no such folder, no ``COMPLETE`` marker (half-written), unreadable or malformed JSON.
+    """
+    if not os.path.isdir(path):
+        raise ZerorunError(f"{path}: no such checkpoint directory")
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise ZerorunError(f"{path}: not a complete checkpoint (no {MARKER} marker: its save did not finish)")
+    meta_path = os.path.join(path, META)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except OSError as e:
+        raise ZerorunError(f"{meta_path}: cannot read: {e.strerror}") from None
+    except ValueError as e:
+        raise ZerorunError(f"{meta_path}: not valid JSON ({e})") from None
+    missing = [k for k in ("format", "step", "world_size", "layout", "scheduler", "data") if k not in meta]
+    if not isinstance(meta, dict) or missing or meta.get("format") != FORMAT:
+        raise ZerorunError(f"{meta_path}: not a zerorun checkpoint of format {FORMAT}"
+                           + (f" (missing key {missing[0]!r})" if missing else ""))
+    return meta
+
+
+def list_complete(root: str) -> list[tuple[float, int, str]]:
+    """Complete checkpoints under ``root`` as ``(saved_at, step, path)``, oldest save first."""
+    found = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in names:
+        m = _STEP_DIR.match(name)
+        marker = os.path.join(root, name, MARKER)
+        if m and os.path.isfile(marker):
+            try:
+                with open(marker, encoding="utf-8") as f:
+                    saved_at = float(json.load(f)["saved_at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                saved_at = os.path.getmtime(marker)
+            found.append((saved_at, int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def latest(root: str) -> str | None:
+    """The most recently completed checkpoint under ``root`` (Note [Atomic checkpoints]), or ``None``."""
+    found = list_complete(root)
+    return found[-1][2] if found else None
+
+
+def resolve(path: str) -> str:
+    """``path`` made absolute; a folder of checkpoints (no ``zerorun.json`` of its own, ``step-*`` inside)
+    stands for its latest complete checkpoint.
+
+    Raises:
+        ZerorunError: missing folder, or a folder of checkpoints none of which is complete.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise ZerorunError(f"{path}: no such checkpoint directory")
+    if not os.path.exists(os.path.join(path, META)) and any(_STEP_DIR.match(n) for n in os.listdir(path)):
+        found = latest(path)
+        if found is None:
+            raise ZerorunError(f"{path}: no complete checkpoint in it (every step-* folder lacks its {MARKER} marker)")
+        return found
+    return path
+
+
+def check(path: str) -> dict[str, Any]:
+    """Everything about the checkpoint at ``path`` that can be checked without the model: complete, JSON
+    readable, DCP metadata readable, no data file truncated. Returns ``zerorun.json``'s content."""
+    meta = read_meta(path)
+    SafeReader(path).check_files()
+    return meta
+
+
+# ------------------------------------------------------------------------------------------------ saving
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
+    out = {f"rng/{rank}/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+@dataclass
+class DataPosition:
+    """Where a rank is in the training data: ``epoch`` and micro-batches of it consumed (``batch``)."""
+
+    epoch: int = 0
+    batch: int = 0
+
+
+def save(engine, root: str, step: int, *, scheduler, position: DataPosition, recipe: dict[str, Any],
+         keep: int) -> tuple[str, float, int]:
+    """Save a checkpoint of ``engine`` after ``step`` under ``root``, atomically (Note [Atomic checkpoints]),
+    and keep only the ``keep`` most recent complete ones. Collective: every rank of the engine calls it.
+
+    Args:
+        scheduler: the LR scheduler (its ``state_dict`` must be JSON-able, as LambdaLR's is).
+        position: this rank's data position after ``step`` (equal on every rank).
+        recipe: the resolved recipe as JSON-able data.
+
+    Returns:
+        ``(path, seconds, bytes)``: the checkpoint folder, wall time of the save (s) and, on rank 0, its size
+        on disk (bytes, every rank's files; 0 on other ranks).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from zerorun.zero.state import engine_state
+
+    t0 = time.perf_counter()
+    group = engine.comm.group
+    final = step_dir(root, step)
+    tmp = os.path.join(root, "." + os.path.basename(final) + ".tmp")
+    failed = torch.zeros(1, device=engine.buffers[0].device)  # where the collectives run
+    if engine.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            for name in os.listdir(root):  # leftovers of saves that were killed
+                if name.startswith(".") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            failed += 1
+            reason = e.strerror
+    dist.all_reduce(failed, group=group)  # every rank learns of rank 0's failure instead of hanging
+    if failed.item():
+        raise ZerorunError(f"checkpoint.dir: cannot create {tmp}" + (f": {reason}" if engine.rank == 0 else
+                                                                     " (on rank 0)"))
+    tensors, layout = engine_state(engine)
+    tensors.update(_rng_tensors(dist.get_rank(group)))
+    with _quiet_sharded_tensor():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+    if engine.rank == 0:
+        _write_json(os.path.join(tmp, META), {
+            "format": FORMAT, "step": step, "world_size": engine.world_size, "stage": engine.stage,
+            "layout": layout, "scheduler": scheduler.state_dict(),
+            "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+            "skipped_steps": engine.skipped_steps,
+            "data": {"epoch": position.epoch, "batch": position.batch, "world_size": engine.world_size,
+                     "micro_batch_size": recipe["train"]["micro_batch_size"]},
+            "recipe": recipe})
+        _fsync(tmp)
+        if os.path.exists(final):  # a step saved before, e.g. by a run resumed from an earlier checkpoint
+            old = os.path.join(root, "." + os.path.basename(final) + ".old.tmp")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync(root)
+        _write_json(os.path.join(final, MARKER), {"step": step, "saved_at": time.time()})
+        _fsync(final)
+        for _, _, path in list_complete(root)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+        for name in os.listdir(root):
+            if name.startswith(".") and name.endswith(".old.tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.barrier(group)
+    size = sum(os.path.getsize(os.path.join(final, n)) for n in os.listdir(final)) if engine.rank == 0 else 0
+    return final, time.perf_counter() - t0, size
+
+
+# ----------------------------------------------------------------------------------------------- resuming
+def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, DataPosition]:
+    """Restore ``engine`` (masters, optimizer states, frozen parameters, module buffers), ``scheduler``, the
+    param groups' options and this rank's RNG states from the checkpoint at ``path`` (any world size and
+    stage: Note [Checkpoint layout]). Collective.
+
+    Returns:
+        ``(step, position)``: the step the checkpoint was saved after and this rank's data position for the
+        current world size and ``micro_batch_size`` (Note [Exact resume]).
+
+    Raises:
+        ZerorunError: incomplete or unreadable checkpoint, or one of another model (the message names the
+            file and the key), identically on every rank.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from zerorun.zero.state import compare_layout, load_engine_state
+
+    meta = check(path)
+    problem = compare_layout(engine, meta["layout"])
+    if problem:
+        raise ZerorunError(f"{os.path.join(path, META)}: another model: {problem}")
+    group = engine.comm.group
+    rank = dist.get_rank(group)
+
+    # ranks beyond the saved world size keep their own RNG state (Note [Exact resume])
+    rng = {k: v.clone() for k, v in _rng_tensors(rank).items()} if rank < meta["world_size"] else {}
+
+    def run(targets: dict[str, Any]) -> None:
+        targets.update(rng)
+        try:
+            with _quiet_sharded_tensor():
+                dcp.load(targets, storage_reader=SafeReader(path), process_group=group)
+        except CheckpointException as e:
+            first = next(iter(e.failures.values()), e)
+            raise ZerorunError(f"{path}: cannot read the checkpoint: {type(first).__name__}: "
+                               f"{str(first).strip().splitlines()[0] if str(first).strip() else ''}") from None
+
+    load_engine_state(engine, meta["layout"], run)
+    scheduler.load_state_dict(meta["scheduler"])
+    engine.skipped_steps = int(meta.get("skipped_steps", 0))
+    if engine.scaler is not None and meta.get("loss_scaler"):  # fp16 after fp16; else the recipe's initial scale
+        engine.scaler.load_state_dict(meta["loss_scaler"])
+    for key, value in rng.items():
+        if key.endswith("/cpu"):
+            torch.set_rng_state(value)
+        else:
+            torch.cuda.set_rng_state(value)
+    data = meta["data"]
+    position = DataPosition(data["epoch"], data["batch"])
+    if (data["world_size"], data["micro_batch_size"]) != (engine.world_size, micro_batch_size):
+        samples = data["batch"] * data["micro_batch_size"] * data["world_size"]
+        position.batch = samples // (micro_batch_size * engine.world_size)
+    return int(meta["step"]), position
+
+
+class _SkipSampler(torch.utils.data.Sampler):
+    """``sampler``'s indices without the first ``skip``."""
+
+    def __init__(self, sampler, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)
+
+
+def batch_stream(dataset, sampler, micro_batch_size: int, position: DataPosition) -> Iterator[Any]:
+    """Endless micro-batches of ``micro_batch_size`` samples from ``dataset`` in ``sampler``'s order (a
+    ``DistributedSampler``: ``set_epoch`` is called at each epoch), starting at ``position``, which is kept
+    up to date as batches are yielded (Note [Exact resume])."""
+    from torch.utils.data import DataLoader
+
+    generator = torch.Generator()  # the loader's own: making its iterator draws no global random number
+    skip = position.batch
+    while True:
+        sampler.set_epoch(position.epoch)
+        loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=_SkipSampler(sampler, skip * micro_batch_size),
+                            drop_last=True, generator=generator)
+        for batch in loader:
+            position.batch += 1
+            yield batch
+        position.epoch += 1
+        position.batch = skip = 0
+
+
+# ------------------------------------------------------------------------------------------- consolidate
+def consolidate(path: str, out: str) -> tuple[int, int]:
+    """Write the model of the checkpoint at ``path`` (or the latest one in a folder of checkpoints) as one
+    ordinary state dict, without a process group: parameters as fp32 with their shapes, module buffers as
+    saved, every ``state_dict`` key of the unsharded model (tied parameters under each name). ``out`` ends in
+    ``.safetensors`` (safetensors) or ``.pt`` (``torch.save``); it is written under a temporary name and
+    renamed. Holds one copy of the model in memory.
+
+    Returns:
+        ``(tensors written, bytes of out)``.
+
+    Raises:
+        ZerorunError: bad output suffix, incomplete/truncated/unreadable checkpoint (naming file and key).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from zerorun.zero.state import dtype_of
+
+    if not out.endswith((".safetensors", ".pt")):
+        raise ZerorunError(f"--out {out}: the file name must end in .safetensors or .pt")
+    path = resolve(path)
+    meta = check(path)
+    layout = meta["layout"]
+    targets: dict[str, torch.Tensor] = {}
+    shapes = {}
+    for p in layout["params"]:
+        targets[f"model/{p['name']}"] = torch.empty(int(torch.Size(p["shape"]).numel()), dtype=torch.float32)
+        shapes[p["name"]] = p["shape"]
+    for key, b in layout["buffers"].items():
+        targets[f"model/{key}"] = torch.empty(b["shape"], dtype=dtype_of(b["dtype"]))
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(targets, storage_reader=SafeReader(path), no_dist=True)
+    except (CheckpointException, RuntimeError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ZerorunError(f"{path}: cannot read the checkpoint: {msg}") from None
+    state: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for key, name in layout["state_dict"]:
+        t = targets[f"model/{name}"]
+        if name in shapes:
+            t = t.view(shapes[name])
+        if name in used and out.endswith(".safetensors"):  # safetensors stores no shared tensors
+            t = t.clone()
+        used.add(name)
+        state[key] = t
+    directory = os.path.dirname(os.path.abspath(out))
+    tmp = os.path.join(directory, "." + os.path.basename(out) + ".tmp")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if out.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file(state, tmp, metadata={"format": "pt", "zerorun_step": str(meta["step"])})
+        else:
+            torch.save(state, tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ZerorunError(f"--out {out}: cannot write: {e.strerror}") from None
+    return len(state), os.path.getsize(out)
