@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -96,6 +97,16 @@ def zerorun(*args, timeout=600):
 def bench_result(root):
     [bench_dir] = list((root / "tiny").glob("bench-*"))
     return bench_dir, json.loads((bench_dir / "bench.json").read_text())
+
+
+@pytest.mark.parametrize("override,flag", [("train.steps=abc", "--steps"), ("zero.stage=banana", "--stages"),
+                                           ("runtime=ddp", "--baseline")])
+def test_overrides_of_fields_bench_sets_are_refused(override, flag):
+    """They used to be replaced silently by each job's own values, bad values included."""
+    from zerorun.bench import check_overrides
+
+    with pytest.raises(ZerorunError, match=re.escape(f"override '{override}': bench sets ") + ".*" + flag):
+        check_overrides(["log.dir=/tmp", override])
 
 
 def test_bad_flags_are_one_line_errors(tmp_path):

@@ -287,3 +287,17 @@ def test_no_summary_for_a_job_that_never_sent_an_event():
     console = Console(file=io.StringIO(), force_terminal=True, width=100, record=True)
     LiveView(JobState(world_size=2, started=T0), console).close()
     assert out.getvalue() == "" and "summary" not in console.export_text()
+
+
+@pytest.mark.parametrize("name", ["", "noext", "loss.txt"])
+def test_plot_path_without_an_image_extension_is_refused_before_writing(tmp_path, name):
+    """`--plot DIR` used to write DIR.png and report DIR; `--plot noext` wrote noext.png and then failed."""
+    from zerorun.telemetry.plot import check_plot_path
+
+    path = str(tmp_path / name) if name else str(tmp_path)
+    with pytest.raises(ZerorunError, match=re.escape(f"--plot {path}: give an image file name ending in .png")):
+        check_plot_path(path)
+    assert sorted(os.listdir(tmp_path)) == []
+    check_plot_path(str(tmp_path / "loss.png"))  # a good name passes
+    with pytest.raises(ZerorunError, match="no such folder"):
+        check_plot_path(str(tmp_path / "missing" / "loss.png"))

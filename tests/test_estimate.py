@@ -3,12 +3,14 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
 
 import estimate_cases as cases
 from zerorun import estimate as est
+from zerorun.errors import ZerorunError
 
 FP32, BF16 = est.PRECISIONS["fp32"], est.PRECISIONS["bf16"]
 ADAM = est.optimizer_model("adam")
@@ -281,3 +283,15 @@ def test_bad_offload_flag_is_one_line_exit_2(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("zerorun: error: --offload: 'nvme' is not one of") and \
         err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flag,text,expected", [
+    ("--params", "1e400", "'1e400' is too large"), ("--device-memory", "1e400GiB", "'1e400GiB' is too large"),
+    ("--bandwidth", "1e400Gbps", "'1e400Gbps' is too large"), ("--params", "0.5", "expected a positive count"),
+    ("--params", "1e-3", "expected a positive count"),
+])
+def test_sizes_out_of_range_are_one_line_errors(flag, text, expected):
+    """1e400 parsed as inf and overflowed int() (a traceback); 0.5 parameters rounded to a model of 0."""
+    parse = {"--params": est.parse_count, "--device-memory": est.parse_bytes, "--bandwidth": est.parse_bandwidth}
+    with pytest.raises(ZerorunError, match=re.escape(f"{flag}: ") + ".*" + re.escape(expected)):
+        parse[flag](text, flag)

@@ -1,6 +1,7 @@
 """Recipe validation, overrides and path resolution: bad input is one line naming file, line and field."""
 
 import os
+import re
 import textwrap
 
 import pytest
@@ -175,3 +176,14 @@ def test_units_below_stage_3_are_refused(tmp_path):
     with pytest.raises(ZerorunError, match=r"zero\.units: units are gathered and freed at zero\.stage 3 only"):
         load_recipe(good(tmp_path), ["zero.stage=2", "zero.units=[Block]"])
     assert load_recipe(good(tmp_path), ["zero.stage=3", "zero.units=[Block]"]).zero.units == ["Block"]
+
+
+@pytest.mark.parametrize("override", ["zero.bucket_mb=.inf", "launch.collective_timeout_s=.nan",
+                                      "train.grad_clip=-.inf"])
+def test_infinite_or_nan_numbers_are_refused(override):
+    """YAML's .inf and .nan used to pass and reach the ranks as null (JSON has no inf), where the rank's own
+    recipe check failed with a traceback."""
+    field = override.split("=")[0]
+    with pytest.raises(ZerorunError, match=rf"override '{re.escape(override)}': {re.escape(field)}: Input should "
+                                           r"be a finite number"):
+        load_recipe(os.path.join(ROOT, "recipes/tiny.yaml"), [override])

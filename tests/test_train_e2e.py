@@ -190,6 +190,24 @@ def test_bad_model_module_is_one_clear_line(tmp_path, code, expected):
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("override,expected", [
+    ("model.module=nonexistent_pkg.mod", r"nonexistent_pkg\.mod: cannot import: ModuleNotFoundError"),
+    ("model.factory=nope", r"gpt\.py: has no callable 'nope'"),
+    ("model.kwargs.bogus=3", r"raised TypeError: GPT\.__init__\(\) got an unexpected keyword argument 'bogus'"),
+    ("zero.units=[Nope]", r"recipe: zero\.units: no module of class Nope in the model"),
+])
+def test_model_errors_are_found_before_any_rank_starts(tmp_path, override, expected):
+    """The launcher builds the model on the meta device first: a broken model spec is one line, exit 2, with no
+    run directory and no rank started, also under --dry-run (it used to launch the ranks, or print the plan)."""
+    for extra in ([], ["--dry-run"]):
+        out = zerorun("train", TINY, override, "zero.stage=3", f"log.dir={tmp_path / 'runs'}", *extra, cwd=ROOT,
+                      timeout=60)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert re.search(expected, out.stderr), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "job " not in out.stdout
+        assert not (tmp_path / "runs").exists()
+
+
 def test_ctrl_c_stops_every_rank(tmp_path):
     body = "return self.w(batch.float()[:, :4]).pow(2).mean()"
     recipe = recipe_for(tmp_path, BROKEN_FORWARD.format(body=body), steps=100000)

@@ -337,6 +337,25 @@ class QuietView(PlainView):
         pass
 
 
+#: Recipe fields every bench job sets itself (Combo.overrides): the user sets them through the flags instead.
+CONTROLLED = {"train.steps": "--steps and --warmup", "zero.stage": "--stages", "runtime": "--baseline",
+              "log.every": "bench (a step event every step)", "train.eval_every": "bench (no evaluation)",
+              "checkpoint.every": "bench (no checkpoints)", "checkpoint.dir": "bench (no checkpoints)"}
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse ``FIELD=VALUE`` overrides of the fields bench sets for every job (:data:`CONTROLLED`): they
+    would be silently replaced, bad values included.
+
+    Raises:
+        ZerorunError: such an override, naming it and the flag that sets the field.
+    """
+    for item in overrides:
+        field = item.split("=", 1)[0].strip()
+        if field in CONTROLLED:
+            raise ZerorunError(f"override {item!r}: bench sets {field} for every job; use {CONTROLLED[field]}")
+
+
 def parse_stages(text: str) -> list[int]:
     """``"0,1,2,3"`` -> ``[0, 1, 2, 3]``.
 
@@ -394,6 +413,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
 
     for h in hostfiles:  # bad input fails here, before any job
         read_hostfile(h)
+    check_overrides(overrides)
     hosts: list[str | None] = list(hostfiles) or [None]
     rows = [Row(c) for c in combinations(hosts, stages, baselines)]
     # A recipe that no combination accepts is bad input; one that some combinations refuse (zero.units below

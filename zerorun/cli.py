@@ -87,6 +87,7 @@ def train(
     if resume is not None:
         r.checkpoint.resume = _resume_path(r, resume)
         r.checkpoint.dir = r.checkpoint.dir or os.path.dirname(r.checkpoint.resume)  # keep saving beside it
+    _check_model(r)
     hosts = _hosts(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
     ssh = _ssh(ssh_user, ssh_port, ssh_key, ssh_config)
     job_id = uuid.uuid4().hex[:12]
@@ -102,6 +103,27 @@ def train(
         except OSError as e:
             raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
     _run(r, _job(r, hosts, job_id, master_port, ssh, ssh_local, preflight_timeout), dashboard=not no_dashboard)
+
+
+def _check_model(r) -> None:
+    """Build recipe ``r``'s model on the meta device in the launcher (no parameter memory, about a second), so
+    that a missing or broken model module, a missing factory, model.kwargs it does not take, a factory that
+    returns no module, or ``zero.units`` naming no class of the model is one line before any rank starts.
+    A factory that raises on the meta device (it may compute with tensor values) is left to the ranks, which
+    build it for real and report what it raised; a TypeError (model.kwargs its classes do not take) is not
+    left to them.
+
+    Raises:
+        ZerorunError: as above, naming the module or the recipe field.
+    """
+    from zerorun.estimate import layout_of_recipe
+    from zerorun.userload import FactoryError
+
+    try:
+        layout_of_recipe(r)
+    except FactoryError as e:
+        if isinstance(e.__cause__, TypeError):  # a wrong argument (model.kwargs), not the meta device
+            raise
 
 
 def _job(r, hosts, job_id: str, master_port: int | None = None, ssh=None, ssh_local: bool = False,
@@ -328,6 +350,10 @@ def show(
     from zerorun.telemetry.dashboard import print_summary
     from zerorun.telemetry.state import load_run
 
+    if plot:
+        from zerorun.telemetry.plot import check_plot_path
+
+        check_plot_path(plot)  # before anything is printed or written
     state, events = load_run(run_dir)
     print_summary(state, sys.stdout)
     if plot:

@@ -71,7 +71,10 @@ def _split(text: str, flag: str, example: str) -> tuple[float, str]:
     m = _NUMBER.match(str(text))
     if not m:
         raise ZerorunError(f"{flag}: cannot read {text!r}: expected a number with a unit, e.g. {example}")
-    return float(m.group(1)), m.group(2)
+    value = float(m.group(1))
+    if not math.isfinite(value) or value > 1e30:  # 1e400 parses as inf; no model, memory or link is that big
+        raise ZerorunError(f"{flag}: {text!r} is too large")
+    return value, m.group(2)
 
 
 def parse_count(text: str, flag: str = "--params") -> int:
@@ -95,7 +98,7 @@ def parse_bytes(text: str, flag: str = "--device-memory") -> int:
 def _scaled(text: str, flag: str, units: dict[str, float], example: str, expected: str) -> int:
     value, unit = _split(text, flag, example)
     mult = units.get(unit.upper())
-    if mult is None or value <= 0:
+    if mult is None or value <= 0 or round(value * mult) < 1:
         raise ZerorunError(f"{flag}: cannot read {text!r}: expected {expected}")
     return int(round(value * mult))
 

@@ -19,7 +19,8 @@ from zerorun.errors import ZerorunError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: YAML's .inf/.nan would pass and then reach the ranks as null through JSON
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):

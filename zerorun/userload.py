@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import importlib.util
 import os
 import sys
@@ -14,6 +15,10 @@ from zerorun.errors import ZerorunError
 class UserCodeError(ZerorunError):
     """The user's module could not be imported, lacks the factory, the factory failed or returned the wrong
     thing, or the model's forward returned no loss. The message names the module and what is wrong."""
+
+
+class FactoryError(UserCodeError):
+    """The factory itself raised while building (as opposed to a missing module, factory or keyword)."""
 
 
 def load_module(spec: str) -> Any:
@@ -47,16 +52,26 @@ def call_factory(spec: str, factory: str, kwargs: dict[str, Any]) -> Any:
     """``factory(**kwargs)`` from the module ``spec`` (see :func:`load_module`).
 
     Raises:
-        UserCodeError: no such callable, or calling it raised.
+        UserCodeError: no such callable, or ``kwargs`` do not fit its signature.
+        FactoryError: calling it raised.
     """
     module = load_module(spec)
     fn = getattr(module, factory, None)
     if not callable(fn):
         raise UserCodeError(f"{spec}: has no callable {factory!r}")
     try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: let the call say
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**kwargs)
+        except TypeError as e:
+            raise UserCodeError(f"{spec}: {factory}() does not take model.kwargs {kwargs}: {e}") from None
+    try:
         return fn(**kwargs)
     except Exception as e:  # noqa: BLE001
-        raise UserCodeError(f"{spec}: {factory}(**{kwargs}) raised {type(e).__name__}: {e}") from e
+        raise FactoryError(f"{spec}: {factory}(**{kwargs}) raised {type(e).__name__}: {e}") from e
 
 
 def build_model(spec: str, factory: str, kwargs: dict[str, Any]):

@@ -27,6 +27,24 @@ def _pyplot():
     return plt
 
 
+PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
+def check_plot_path(path: str) -> None:
+    """Refuse, before anything is drawn or written, a ``--plot`` path that is a directory or whose extension
+    names no image format (matplotlib would otherwise append ``.png`` and write elsewhere).
+
+    Raises:
+        ZerorunError: ``path`` is a directory, has no image extension, or its folder does not exist.
+    """
+    ext = os.path.splitext(path)[1].lower()
+    if os.path.isdir(path) or ext not in PLOT_FORMATS:
+        raise ZerorunError(f"--plot {path}: give an image file name ending in {', '.join(PLOT_FORMATS)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ZerorunError(f"--plot {path}: no such folder: {folder}")
+
+
 def plot_run(state: JobState, events: list[Event], path: str) -> None:
     """Draw into ``path`` (its extension picks the format: .png, .svg, .pdf): top, training loss per rank
     and validation loss over steps; bottom, RSS (solid) and model-state bytes (dashed) per rank in MiB.
@@ -34,6 +52,7 @@ def plot_run(state: JobState, events: list[Event], path: str) -> None:
     Raises:
         ZerorunError: matplotlib is not installed, the run has no step events, or ``path`` cannot be written.
     """
+    check_plot_path(path)
     steps = [e for e in events if e.kind == "step" and number(e.data, "step") is not None]
     if not steps:
         raise ZerorunError(f"--plot {path}: the run has no step events to plot")
