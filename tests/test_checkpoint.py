@@ -183,6 +183,24 @@ def test_truncated_file_names_file_and_key(saved3, tmp_path):
     assert not os.path.exists(tmp_path / "m.pt")
 
 
+def test_corrupted_file_of_the_same_size_is_refused(saved3, tmp_path):
+    """Bytes flipped inside a data file used to load silently (consolidate wrote values like 853.39; a resume
+    trained on from them): every file's SHA-256 is kept in zerorun.json and checked before loading."""
+    path = _copy(saved3, tmp_path)
+    data = os.path.join(path, "__0_0.distcp")
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        block = f.read(64)
+        f.seek(os.path.getsize(data) // 2)
+        f.write(bytes(b ^ 0xFF for b in block))
+    with pytest.raises(ZerorunError, match=r"__0_0\.distcp: changed since it was saved .*corrupted or truncated"):
+        checkpoint.consolidate(path, str(tmp_path / "m.pt"))
+    assert not os.path.exists(tmp_path / "m.pt")
+    os.remove(os.path.join(path, "__1_0.distcp"))
+    with pytest.raises(ZerorunError, match=r"__1_0\.distcp: missing"):
+        checkpoint.check(path)
+
+
 def test_missing_and_half_written_checkpoints_are_errors(saved3, tmp_path):
     with pytest.raises(ZerorunError, match="no-such: no such checkpoint directory"):
         checkpoint.consolidate(str(tmp_path / "no-such"), str(tmp_path / "m.pt"))

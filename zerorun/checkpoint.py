@@ -30,6 +30,7 @@ and its ``.metadata`` with an unpickler that admits only DCP's metadata classes 
 from __future__ import annotations
 
 import itertools
+import hashlib
 import json
 import os
 import pickle
@@ -200,10 +201,30 @@ def resolve(path: str) -> str:
 
 def check(path: str) -> dict[str, Any]:
     """Everything about the checkpoint at ``path`` that can be checked without the model: complete, JSON
-    readable, DCP metadata readable, no data file truncated. Returns ``zerorun.json``'s content."""
+    readable, every file's size and SHA-256 as saved (``files`` in ``zerorun.json``), DCP metadata readable,
+    no data file truncated. Returns ``zerorun.json``'s content.
+
+    Raises:
+        ZerorunError: naming the file that is missing, truncated or changed since the save.
+    """
     meta = read_meta(path)
-    SafeReader(path).check_files()
+    SafeReader(path).check_files()  # first: it names the key a truncated file cuts, and refuses bad pickles
+    for name, want in (meta.get("files") or {}).items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ZerorunError(f"{file}: missing (the checkpoint was saved with it)")
+        if os.path.getsize(file) != want["bytes"] or _sha256(file) != want["sha256"]:
+            raise ZerorunError(f"{file}: changed since it was saved (size or SHA-256 differs): corrupted or "
+                               "truncated; resume from another checkpoint")
     return meta
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------ saving
@@ -287,7 +308,10 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
             "skipped_steps": engine.skipped_steps,
             "data": {"epoch": position.epoch, "batch": position.batch, "world_size": engine.world_size,
                      "micro_batch_size": recipe["train"]["micro_batch_size"]},
-            "recipe": recipe})
+            "recipe": recipe,
+            # every rank's files are complete once dcp.save returned (its coordinator gathered them all)
+            "files": {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
+                             "sha256": _sha256(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}})
         _fsync(tmp)
         if os.path.exists(final):  # a step saved before, e.g. by a run resumed from an earlier checkpoint
             old = os.path.join(root, "." + os.path.basename(final) + ".old.tmp")
