@@ -387,9 +387,11 @@ def main() -> None:
     except KeyboardInterrupt:
         _err("interrupted")
         sys.exit(130)
-    except Exception as e:  # click's (typer's) usage errors: they know how to show themselves
-        if hasattr(e, "show") and hasattr(e, "exit_code"):
-            e.show()
+    except Exception as e:  # click's (typer's) usage errors: one line, as every other bad input
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            _err(" ".join(e.format_message().split()) + hint)
             sys.exit(e.exit_code)
         if type(e).__name__ == "Abort":
             _err("aborted")
