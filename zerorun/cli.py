@@ -87,8 +87,9 @@ def train(
     if resume is not None:
         r.checkpoint.resume = _resume_path(r, resume)
         r.checkpoint.dir = r.checkpoint.dir or os.path.dirname(r.checkpoint.resume)  # keep saving beside it
-    _check_model(r)
     hosts = _hosts(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
+    if any(h.is_local for h in hosts):  # remote-only jobs: preflight looks for the module on each host
+        _check_model(r)
     ssh = _ssh(ssh_user, ssh_port, ssh_key, ssh_config)
     job_id = uuid.uuid4().hex[:12]
     if dry_run:  # nothing is contacted: the master address and port are settled at launch
@@ -106,24 +107,48 @@ def train(
 
 
 def _check_model(r) -> None:
-    """Build recipe ``r``'s model on the meta device in the launcher (no parameter memory, about a second), so
-    that a missing or broken model module, a missing factory, model.kwargs it does not take, a factory that
-    returns no module, or ``zero.units`` naming no class of the model is one line before any rank starts.
-    A factory that raises on the meta device (it may compute with tensor values) is left to the ranks, which
-    build it for real and report what it raised; a TypeError (model.kwargs its classes do not take) is not
-    left to them.
+    """Build recipe ``r``'s model on the meta device before launching (no parameter memory, a few seconds),
+    in a child process with the ranks' interpreter and working directory, so that the user's module-level code
+    runs outside the launcher: a missing or broken model module, a missing factory, model.kwargs it does not
+    take, a factory that returns no module, or ``zero.units`` naming no class of the model is one line before
+    any rank starts. Anything else the check meets (a factory that cannot run on the meta device, a module
+    that exits on import) is left to the ranks, which build the model for real and report it.
 
     Raises:
         ZerorunError: as above, naming the module or the recipe field.
     """
+    import subprocess
+
+    code = "import sys; from zerorun.cli import _check_model_here; _check_model_here(sys.stdin.read())"
+    try:
+        proc = subprocess.run([r.launch.python or sys.executable, "-c", code], input=r.model_dump_json(),
+                              capture_output=True, text=True, timeout=300, cwd=r.launch.workdir or None)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    if proc.returncode == 2 and last.startswith(_CHECK_PREFIX):
+        raise ZerorunError(last[len(_CHECK_PREFIX):])
+
+
+_CHECK_PREFIX = "zerorun-check: error: "
+
+
+def _check_model_here(recipe_json: str) -> None:
+    """The child of :func:`_check_model`: exit 2 with one ``zerorun-check: error:`` line on stderr when the
+    model cannot be what the recipe says, else exit 0."""
     from zerorun.estimate import layout_of_recipe
+    from zerorun.recipe import Recipe
     from zerorun.userload import FactoryError
 
     try:
-        layout_of_recipe(r)
+        layout_of_recipe(Recipe.model_validate_json(recipe_json))
     except FactoryError as e:
         if isinstance(e.__cause__, TypeError):  # a wrong argument (model.kwargs), not the meta device
-            raise
+            sys.stderr.write(f"{_CHECK_PREFIX}{e}\n")
+            sys.exit(2)
+    except ZerorunError as e:
+        sys.stderr.write(f"{_CHECK_PREFIX}{e}\n")
+        sys.exit(2)
 
 
 def _job(r, hosts, job_id: str, master_port: int | None = None, ssh=None, ssh_local: bool = False,
