@@ -49,15 +49,15 @@ from zerorun.errors import ZerorunError
 
 #: A stage fits when its device total leaves at least this fraction of the device memory free.
 MIN_HEADROOM = 0.10
-#: Reduce-scatters in flight at stages 2-3 before the oldest is waited for (``ZeroEngine.MAX_INFLIGHT``), plus the
-#: bucket being filled.
+#: Full bucket gradients held at once at stages 2-3 (``ZeroEngine.MAX_INFLIGHT + 1``, Note [Gradient buffer pool]
+#: in zero/engine.py): all of them may be in flight.
 INFLIGHT_BUCKETS = 2 + 1
 
 # Note [Peak]: a rank's memory peaks either at the end of forward (model states, all activations, at stage 3
 # the gathered units) or during backward, where activations are freed as gradient buckets fill and wait for
 # their reduce-scatters. The estimate is model states + gathered units + max(activations, backward transients)
-# (benchmarks/estimate_vs_measured.py: stage 1 on gloo, whose pending reduce-scatters copy every bucket, peaks
-# at the end of backward once activations are smaller than the gradients).
+# (benchmarks/estimate_vs_measured.py: stage 1 on gloo, whose pending reduce-scatters each hold a receive buffer
+# the size of their bucket, peaks at the end of backward once activations are smaller than the gradients).
 
 # ------------------------------------------------------------------------------------------------- sizes
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
@@ -520,8 +520,9 @@ class WorkingSet:
         gathered: stage 3: the gathered parameters (the root unit, the largest unit and, with prefetch, the
             next largest), present while activations are.
         backward: gradient buckets in flight (stages 2-3: ``INFLIGHT_BUCKETS`` of the largest) plus, on gloo,
-            the staging copy its reduce-scatter makes of each pending bucket (stage 1: every bucket, reduced
-            all at once at the end of backward; stages 2-3: ``MAX_INFLIGHT``).
+            the receive buffer of each pending reduce-scatter (Note [Reduce-scatter on gloo] in zero/comm.py;
+            stage 1: every bucket, reduced all at once at the end of backward; stages 2-3: up to
+            ``INFLIGHT_BUCKETS``).
     """
 
     gathered: int
@@ -535,8 +536,9 @@ class WorkingSet:
 def working_set(layout: Layout, stage: int, world_size: int, precision: Precision, *,
                 bucket_mb: float = 25.0, prefetch: bool = True, gloo: bool = False) -> WorkingSet:
     """The :class:`WorkingSet` of ``stage`` on ``world_size`` ranks (Note [What is approximate]); ``gloo``: the
-    collectives run on gloo (CPU), whose ``reduce_scatter_tensor`` copies its whole input when it is issued
-    (measured: 10 pending reduce-scatters of 19 MiB hold 197 MiB; all-gathers 35 MiB; all-reduce nothing).
+    collectives run on gloo (CPU), where each pending reduce-scatter holds a receive buffer of its input's size
+    (Note [Reduce-scatter on gloo] in zero/comm.py; gloo's own reduce-scatter held a staging copy of the same
+    size: 10 pending reduce-scatters of 19 MiB held 197 MiB; all-gathers 35 MiB; all-reduce nothing).
     Under ``zero.reduce_dtype: fp32`` with 2-byte gradients, stage 0 keeps each bucket's reduced fp32 copy until
     the step, and stage 1 reduces fp32 copies of its buckets, bounded as stage 2 is, keeping the fp32 slices."""
     N = world_size
@@ -553,7 +555,7 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
         backward = staged * precision.grad_bytes
     else:
         held = sum(largest[:INFLIGHT_BUCKETS])
-        staged = sum(largest[:INFLIGHT_BUCKETS - 1]) if gloo else 0
+        staged = sum(largest[:INFLIGHT_BUCKETS]) if gloo else 0
         kept = sum(_pad(n, N) // N for n in bufs) if stage == 1 else 0
         backward = (held + staged + kept) * precision.reduce_bytes
     if stage < 3:

@@ -11,6 +11,16 @@ One mechanism, the stage as policy (Note [Flat buffer layout] in ``flat.py``):
   ready and the full bucket gradient is freed: a rank keeps only its gradient slice, accumulated over
   micro-steps.
 
+Note [Gradient buffer pool]: at stages 2-3 a bucket's full gradient exists only from its first parameter's
+gradient until its reduce-scatter is done. It is taken from a pool (``comm.BufferPool``) that keeps at most
+``MAX_INFLIGHT + 1`` buffers, allocated in the first backward of a step, reused by every bucket that fits and
+every micro-step, and dropped when the optimizer step begins: a fresh allocation per bucket costs a page fault
+per page on every use (large blocks are mmapped, Note [Returning freed memory] in launch/plan.py), which made
+stage 2 1.14x DDP's step time on the 55M benchmark. When every buffer is in flight, finished reduce-scatters
+are collected, and only if none has finished does the backward hook wait for the oldest. The reduce-scatter
+runs in place (this rank's slice of the bucket receives the sum), and the slice is added, divided by N, to the
+gradient slice the rank keeps across micro-steps (fp16 divides before the sum instead, for its range, as DDP).
+
 Note [Collective order]: every rank must issue the same collectives in the same order. Buckets are launched in
 a fixed order (by the registration index of their first parameter, descending: roughly the order backward
 makes them ready); a bucket that is ready early waits for the buckets before it, and buckets whose
@@ -29,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerorun.zero.comm import Comm
+from zerorun.zero.comm import BufferPool, Comm
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
 from zerorun.zero.precision import DTYPES, DynamicLossScaler, LossScaleConfig, cast_inputs, cast_model
@@ -212,6 +222,11 @@ class ZeroEngine:
         self._next_launch = 0
         self._pending: list[tuple[FlatBuffer, Any, torch.Tensor | None]] = []
         self._written: dict[FlatBuffer, set[nn.Parameter]] = {}
+        # Note [Gradient buffer pool]
+        self._grad_pool = BufferPool(keep=self.MAX_INFLIGHT + 1)
+        # Stages 2-3 divide the reduced slice by N (1/N of the work of dividing the bucket) except in fp16,
+        # whose range needs the gradients divided before they are summed (as DDP always does).
+        self._predivide = self.reduce_dtype == torch.float16
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                               for buf in self.buffers for p in buf.params]
 
@@ -326,7 +341,7 @@ class ZeroEngine:
                                    "one backward after its bucket was reduced (reentrant activation checkpointing? "
                                    "use torch.utils.checkpoint with use_reentrant=False)")
             if buf.grad is None:  # filled by copies; what no gradient reaches is zeroed at launch
-                buf.grad = torch.empty(buf.numel, dtype=self.reduce_dtype, device=buf.device)
+                buf.grad = self._take_grad_buffer(buf)
                 self._written[buf] = set()
             buf.view_of(buf.grad, p).copy_(p.grad)
             self._written[buf].add(p)
@@ -341,9 +356,21 @@ class ZeroEngine:
             self._launch(self._launch_order[self._next_launch])
             self._next_launch += 1
 
+    def _take_grad_buffer(self, buf: FlatBuffer) -> torch.Tensor:
+        """Stages 2-3: a full gradient buffer for ``buf`` (1-D, ``buf.numel`` elements of ``reduce_dtype``,
+        uninitialized) from the pool (Note [Gradient buffer pool])."""
+        pool, args = self._grad_pool, (buf.numel, self.reduce_dtype, buf.device)
+        if not pool.fits(*args) and pool.taken >= self.MAX_INFLIGHT + 1:
+            while self._pending and self._pending[0][1].is_completed():  # finished: no wait
+                self._complete(*self._pending.pop(0))
+            while not pool.fits(*args) and pool.taken >= self.MAX_INFLIGHT + 1 and self._pending:
+                self._complete(*self._pending.pop(0))  # every buffer in flight: wait for the oldest
+        return pool.take(*args)
+
     def _launch(self, buf: FlatBuffer) -> None:
         if buf.grad is None:  # stage 2, no parameter of the bucket got a gradient this micro-step
-            buf.grad = torch.zeros(buf.numel, dtype=self.reduce_dtype, device=buf.device)
+            buf.grad = self._take_grad_buffer(buf)
+            buf.grad.zero_()
         elif self.stage >= 2:  # zero the padding and the parameters that got no gradient
             written = self._written.pop(buf, set())
             buf.grad[buf.unpadded_numel:].zero_()
@@ -353,26 +380,32 @@ class ZeroEngine:
         grad = buf.grad
         if grad.dtype != self.reduce_dtype:  # stages 0-1 under zero.reduce_dtype: reduce a wider copy
             grad = grad.to(self.reduce_dtype)
+        if self.stage >= 2:  # in place: this rank's slice of the bucket receives the sum, added to the kept slice
+            if self._predivide:
+                grad.div_(self.world_size)
+            self._pending.append((buf, self.comm.reduce_scatter(buf.shard(grad), grad), None))
+            return
         grad.div_(self.world_size)
         if self.stage == 0:
             self._pending.append((buf, self.comm.all_reduce(grad), None if grad is buf.grad else grad))
-        elif self.stage == 1 and grad is buf.grad:
+        elif grad is buf.grad:
             self._pending.append((buf, self.comm.reduce_scatter(buf.shard(buf.grad), buf.grad), None))
         else:
             out = torch.empty(buf.shard_numel, dtype=self.reduce_dtype, device=buf.device)
             self._pending.append((buf, self.comm.reduce_scatter(out, grad), out))
-            # Note [Bounded gradient memory]: a bucket's full gradient lives only until its reduce-scatter is
-            # done; at most MAX_INFLIGHT buckets are in flight, so stage 2 never holds the full gradients.
+            # stage 1 under zero.reduce_dtype holds at most MAX_INFLIGHT wide copies of its buckets at once
             while len(self._pending) > self.MAX_INFLIGHT:
                 self._complete(*self._pending.pop(0))
 
     def _complete(self, buf: FlatBuffer, work: Any, out: torch.Tensor | None) -> None:
         self.comm.wait([work])
-        if out is not None and self.stage < 2:  # zero.reduce_dtype at stages 0-1: the reduced wider copy
-            self._reduced[buf] = out
-        elif out is not None:
-            buf.shard_grad.add_(out)
+        if self.stage >= 2:
+            shard = buf.shard(buf.grad)
+            buf.shard_grad.add_(shard, alpha=1.0 if self._predivide else 1.0 / self.world_size)
+            self._grad_pool.give_back(buf.grad)
             buf.grad = None
+        elif out is not None:  # zero.reduce_dtype at stages 0-1: the reduced wider copy
+            self._reduced[buf] = out
 
     def _finish_backward(self) -> None:
         if not self._sync:
@@ -404,6 +437,8 @@ class ZeroEngine:
         if self._micro_step != self.config.grad_accum_steps:
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
                                f"{self.config.grad_accum_steps}")
+        self._grad_pool.clear()  # Note [Gradient buffer pool]: not held through the optimizer step
+        self.comm.release_buffers()
         grads = [self._grad_slice(buf) for buf in self.buffers]
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
         for g in grads:

@@ -1,0 +1,59 @@
+"""Rank-side cases for tests/test_comm.py (run by tests/distributed.py's RankPool)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zerorun.zero import ZeroConfig, initialize
+from zerorun.zero.comm import Comm
+
+
+def reduce_scatter_matches_native(dtype: str, in_place: bool, numel_per_rank: int = 3001) -> dict:
+    """Comm.reduce_scatter on gloo (all-to-all + local sum, Note [Reduce-scatter on gloo]) against torch's own
+    reduce_scatter_tensor on the same inputs; bytes counted as the ring's (N-1)/N of the input."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    dt = getattr(torch, dtype)
+    x = torch.randn(n * numel_per_rank, generator=torch.Generator().manual_seed(r)).to(dt)
+    expected = torch.empty(numel_per_rank, dtype=dt)
+    dist.reduce_scatter_tensor(expected, x.clone())
+    comm = Comm()
+    assert comm.reduce_scatter_via_all_to_all
+    inp = x.clone()
+    out = inp[r * numel_per_rank:(r + 1) * numel_per_rank] if in_place else torch.empty(numel_per_rank, dtype=dt)
+    work = comm.reduce_scatter(out, inp)
+    comm.wait([work])
+    return {"max_abs": (out.float() - expected.float()).abs().max().item(),
+            "scale": expected.float().abs().max().item(),
+            "bytes_sent": comm.bytes_sent, "expected_bytes": (n - 1) * numel_per_rank * dt.itemsize}
+
+
+class _Stack(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def gradient_buffer_pool(stage: int, accum: int, steps: int = 2) -> dict:
+    """Stage 2-3 engine over 8 buckets of 1 MiB (one 512x512 fp32 weight each): how many full-gradient
+    buffers its pool ever held at once and allocated (Note [Gradient buffer pool]), and how many receive
+    buffers the gloo reduce-scatter allocated."""
+    torch.manual_seed(0)
+    model = _Stack(512, 8)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=stage, bucket_mb=1.0, grad_accum_steps=accum,
+                                          units=("Linear",) if stage == 3 else ()))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        for _ in range(accum):
+            engine.backward(engine(torch.randn(16, 512, generator=g)))
+        engine.step()
+    pool = engine._grad_pool
+    return {"buckets": len(engine.buffers), "cap": engine.MAX_INFLIGHT + 1, "max_taken": pool.max_taken,
+            "allocated": pool.allocated, "recv_allocated": engine.comm.recv_pool.allocated, "taken": pool.taken}

@@ -1,0 +1,57 @@
+"""The runtime's collectives and scratch buffers: gloo's reduce-scatter as all-to-all + local sum equals
+torch's own, and the gradient buffers of stages 2-3 are reused within a step and bounded."""
+
+import pytest
+import torch
+
+import comm_cases as cases
+from zerorun.zero.comm import BufferPool, Comm
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_reduce_scatter_via_all_to_all_matches_torch(ranks, world_size, dtype, in_place):
+    for r in ranks(world_size).run(cases.reduce_scatter_matches_native, dtype=dtype, in_place=in_place):
+        # 2 ranks: one addition either way (exact); 3: another summation order (fp32 ulps; bf16 sums in fp32)
+        tol = 0.0 if world_size == 2 and dtype == "float32" else (1e-6 if dtype == "float32" else 1e-2)
+        assert r["max_abs"] <= tol * r["scale"], r
+        assert r["bytes_sent"] == r["expected_bytes"]
+
+
+@pytest.mark.parametrize("stage,accum", [(2, 1), (2, 3), (3, 3)])
+def test_gradient_buffers_are_bounded_and_reused(ranks, stage, accum):
+    steps = 2
+    for r in ranks(2).run(cases.gradient_buffer_pool, stage=stage, accum=accum, steps=steps):
+        assert r["buckets"] == 8
+        assert r["taken"] == 0
+        assert r["max_taken"] <= r["cap"], r  # never more full bucket gradients than MAX_INFLIGHT + 1
+        # allocated in the first micro-step of each step only (the pool is dropped when the optimizer step
+        # begins), not once per bucket and micro-step (8 x accum x steps)
+        assert r["allocated"] <= r["cap"] * steps, r
+        # gloo's reduce-scatter receive buffers: as many as are in flight, reused the same way
+        assert r["recv_allocated"] <= min(r["cap"], Comm.KEEP_BUFFERS) * steps, r
+
+
+def test_buffer_pool_reuses_keeps_and_drops():
+    pool = BufferPool(keep=2)
+    big = 1 << 20  # elements: 4 MiB of fp32
+    a = pool.take(big, torch.float32, torch.device("cpu"))
+    ptr = a.data_ptr()
+    pool.give_back(a)
+    b = pool.take(big - 10, torch.float32, torch.device("cpu"))  # a smaller request is served by the kept one
+    assert b.data_ptr() == ptr and b.numel() == big - 10 and pool.allocated == 1
+    assert not pool.fits(2 * big, torch.float32, torch.device("cpu"))  # none free that large
+    c = pool.take(2 * big, torch.float32, torch.device("cpu"))
+    d = pool.take(big, torch.bfloat16, torch.device("cpu"))  # another dtype is never served by fp32 memory
+    assert pool.allocated == 3 and pool.taken == 3 and pool.max_taken == 3
+    for t in (b, c, d):
+        pool.give_back(t)
+    assert pool.taken == 0 and pool.free == 2  # keep=2: the smallest (the bf16 one, 2 MiB) was dropped
+    assert pool.fits(2 * big, torch.float32, torch.device("cpu"))
+    assert not pool.fits(big, torch.bfloat16, torch.device("cpu"))
+    small = pool.take(100, torch.float32, torch.device("cpu"))  # below SMALL_BYTES: heap, not counted or kept
+    pool.give_back(small)
+    assert pool.taken == 0 and pool.free == 2
+    pool.clear()
+    assert pool.free == 0
