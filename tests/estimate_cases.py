@@ -10,13 +10,16 @@ import torch.nn as nn
 from parity_cases import MLP, _batch, _build, _loss
 from zerorun.zero import LossScaleConfig, ZeroConfig, initialize
 
-#: (model, model kwargs, stage-3 units, optimizer, optimizer kwargs, bucket_mb, grad_accum_steps)
+#: (model, model kwargs, stage-3 units, optimizer, optimizer kwargs, bucket_mb, grad_accum_steps,
+#: stage-3 persistence_threshold)
 CONFIGS = [
-    # tied embedding -> root; buckets of 786 fp32 elements hold one parameter each, of 1572 2-byte ones two
-    ("gpt", {}, ("Block",), "AdamW", {"lr": 1e-3}, 0.003, 1),
-    ("gpt", {"tie_embeddings": False}, (), "Adam", {"lr": 1e-3, "amsgrad": True}, 25.0, 2),  # automatic units
-    ("mlp", {"frozen": True}, (), "SGD", {"lr": 0.1, "momentum": 0.9}, 0.0002, 1),  # frozen params, tiny buckets
-    ("mlp", {"batchnorm": True}, (), "SGD", {"lr": 0.1}, 0.0002, 2),                 # no optimizer state
+    # tied embedding -> root; buckets of 786 fp32 elements hold one parameter each, of 1572 2-byte ones two;
+    # biases and norm weights (18-72 elements) persistent
+    ("gpt", {}, ("Block",), "AdamW", {"lr": 1e-3}, 0.003, 1, 100),
+    ("gpt", {"tie_embeddings": False}, (), "Adam", {"lr": 1e-3, "amsgrad": True}, 25.0, 2, 0),  # automatic units
+    # frozen params (the frozen bias persistent), tiny buckets
+    ("mlp", {"frozen": True}, (), "SGD", {"lr": 0.1, "momentum": 0.9}, 0.0002, 1, 20),
+    ("mlp", {"batchnorm": True}, (), "SGD", {"lr": 0.1}, 0.0002, 2, 0),                 # no optimizer state
 ]
 
 
@@ -43,14 +46,14 @@ def engine_reports(stage: int, precision: str = "fp32", reduce_dtype: str | None
     loss scale starts at 2**4, so the tiny models' first step does not overflow and the states exist)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = []
-    for model, model_kwargs, units, opt, opt_kwargs, bucket_mb, accum in CONFIGS:
+    for model, model_kwargs, units, opt, opt_kwargs, bucket_mb, accum, persistence in CONFIGS:
         m = build(model, model_kwargs)
         engine = initialize(m, optimizer=opt, optimizer_kwargs=dict(opt_kwargs),
                             config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, units=units if stage == 3 else (),
                                               grad_accum_steps=accum, precision=precision,
                                               reduce_dtype=reduce_dtype, loss_scale=LossScaleConfig(2.0 ** 4),
                                               offload_optimizer=offload, offload_path=offload_path,
-                                              offload_buffer_mb=BUFFER_MB))
+                                              offload_buffer_mb=BUFFER_MB, persistence_threshold=persistence))
         sent0 = engine.comm_stats()["bytes_sent"]
         for micro in range(accum):
             engine.backward(_loss(engine(_batch(model, 0, micro, rank, world_size, "never"))))

@@ -102,7 +102,8 @@ def rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
 def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip: float | None = None,
            optimizer: str = "AdamW", optimizer_kwargs: dict | None = None, groups: str = "default",
            bucket_mb: float = 0.002, branch_pattern: str = "never", units: tuple = (),
-           activation_checkpointing: bool = False, deferred: bool = False, **model_kwargs) -> dict:
+           activation_checkpointing: bool = False, deferred: bool = False, persistence_threshold: int = 0,
+           **model_kwargs) -> dict:
     """Train DDP and the zerorun engine side by side; return the largest relative differences.
 
     Also trains a second DDP (``floor_*`` keys) that differs from the first only in summation order: another
@@ -126,7 +127,8 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
     engine = initialize(zero_model, optimizer=optimizer, optimizer_kwargs=kwargs,
                         param_groups=_groups(zero_model, groups, wd),
                         config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, grad_accum_steps=accum, grad_clip=clip,
-                                          units=units, activation_checkpointing=activation_checkpointing))
+                                          units=units, activation_checkpointing=activation_checkpointing,
+                                          persistence_threshold=persistence_threshold))
     out = {k: 0.0 for k in ("loss", "grad_norm", "params", "buffers", "floor_loss", "floor_grad_norm",
                             "floor_params", "eval")}
     for step in range(steps):
@@ -179,16 +181,22 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
     return out
 
 
-def memory(stage: int, model: str = "gpt", units: tuple = (), precision: str = "fp32") -> dict:
-    """The engine's reported model-state bytes after one step, with Ψ and the padded numel."""
+def memory(stage: int, model: str = "gpt", units: tuple = (), precision: str = "fp32",
+           persistence_threshold: int = 0) -> dict:
+    """The engine's reported model-state bytes after one step, with Ψ and the padded numel (``persistent``:
+    of the stage-3 persistent parameters' buffers)."""
     m = _build(model, 0)
     engine = initialize(m, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
-                        config=ZeroConfig(stage=stage, bucket_mb=0.002, units=units, precision=precision))
+                        config=ZeroConfig(stage=stage, bucket_mb=0.002, units=units, precision=precision,
+                                          persistence_threshold=persistence_threshold))
     engine.backward(_loss(engine(_batch(model, 0, 0, dist.get_rank(), dist.get_world_size(), "never"))))
     engine.step()
     return {"bytes": engine.memory_bytes(), "psi": engine.num_params,
             "padded": sum(b.numel for b in engine.buffers), "world_size": dist.get_world_size(),
-            "comm": engine.comm_stats()}
+            "comm": engine.comm_stats(),
+            "persistent": sum(b.numel for b in getattr(engine, "_persistent_unit", None).buffers) if stage == 3 else 0,
+            "persistent_params": sorted(n for b in engine._persistent_unit.buffers for n in b.names)
+            if stage == 3 else []}
 
 
 def deferred_equals_normal(world_size_check: bool = True) -> dict:

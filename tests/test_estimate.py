@@ -52,10 +52,11 @@ def test_communication_is_2psi_and_3psi_elements():
 
 
 def engine_layout(config, stage, precision="fp32"):
-    model, model_kwargs, units, _, opt_kwargs, bucket_mb, _ = config
+    model, model_kwargs, units, _, opt_kwargs, bucket_mb, _, persistence = config
     with torch.device("meta"):
         m = cases.build(model, model_kwargs)
-    return est.layout_of(m, bucket_mb=bucket_mb, units=units if stage == 3 else (), precision=precision)
+    return est.layout_of(m, bucket_mb=bucket_mb, units=units if stage == 3 else (), precision=precision,
+                         persistence_threshold=persistence)
 
 
 def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtype=None, offload="none",
@@ -64,7 +65,7 @@ def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtyp
                        offload=offload, offload_path=offload_path)
     p = est.precision_of(precision, reduce_dtype)
     for i, config in enumerate(cases.CONFIGS):
-        _, _, _, opt, opt_kwargs, _, accum = config
+        _, _, _, opt, opt_kwargs, _, accum, _ = config
         layout = engine_layout(config, stage, precision)
         # the ranks are CPU processes: the engine's "device" is the host (cpu offload keeps its bytes there)
         want = est.model_states(layout, stage, world_size, p, est.optimizer_model(opt, opt_kwargs), offload,

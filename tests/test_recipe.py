@@ -178,6 +178,15 @@ def test_units_below_stage_3_are_refused(tmp_path):
     assert load_recipe(good(tmp_path), ["zero.stage=3", "zero.units=[Block]"]).zero.units == ["Block"]
 
 
+def test_persistence_threshold_is_a_stage_3_count(tmp_path):
+    with pytest.raises(ZerorunError, match=r"zero\.persistence_threshold: .* at zero\.stage 3 only"):
+        load_recipe(good(tmp_path), ["zero.stage=2", "zero.persistence_threshold=1000"])
+    with pytest.raises(ZerorunError, match=r"zero\.persistence_threshold"):
+        load_recipe(good(tmp_path), ["zero.stage=3", "zero.persistence_threshold=-1"])
+    assert load_recipe(good(tmp_path), ["zero.stage=3", "zero.persistence_threshold=100000"]).zero.persistence_threshold \
+        == 100000
+
+
 @pytest.mark.parametrize("override", ["zero.bucket_mb=.inf", "launch.collective_timeout_s=.nan",
                                       "train.grad_clip=-.inf"])
 def test_infinite_or_nan_numbers_are_refused(override):

@@ -147,3 +147,25 @@ def test_stage3_records_unit_order_and_prefetches(ranks):
         # in step 2 every block was already being gathered (prefetched) when its turn came
         blocks = [state for name, state in r["states_at_use"] if name.startswith("blocks")]
         assert blocks and all(state == "gathering" for state in blocks), r["states_at_use"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage3_persistent_parameters_match_ddp(ranks, world_size):
+    """zero.persistence_threshold: small parameters stay whole (Note [Persistent parameters]); training still
+    equals DDP, with meta-device construction, accumulation and clipping."""
+    check(ranks(world_size).run(cases.parity, stage=3, model="gpt", units=("Block",), persistence_threshold=100,
+                                deferred=True, accum=2, clip=0.05))
+
+
+def test_stage3_persistent_parameters_bytes(ranks):
+    """Persistent parameters are held whole (their bytes count N times a slice) and cost one all-gather per
+    step (after the optimizer step) instead of two; the others as in ZeRO §5 and §7."""
+    for r in ranks(3).run(cases.memory, stage=3, units=("Block",), persistence_threshold=100):
+        n, padded, pers = r["world_size"], r["padded"], r["persistent"]
+        assert pers > 0 and r["persistent_params"] and all(
+            name.endswith(("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "ln_f.weight", "ln_f.bias", ".bias"))
+            for name in r["persistent_params"]), r["persistent_params"]
+        assert r["bytes"]["params"] == (padded // n + pers) * 4
+        step = (3 * (padded - pers) + 2 * pers) * (n - 1) // n * 4 + round(2 * (n - 1) / n * 4)
+        construction = pers * (n - 1) // n * 4  # the persistent parameters are all-gathered once when built
+        assert r["comm"]["bytes_sent"] == step + construction

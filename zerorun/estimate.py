@@ -49,6 +49,8 @@ from zerorun.errors import ZerorunError
 
 #: A stage fits when its device total leaves at least this fraction of the device memory free.
 MIN_HEADROOM = 0.10
+#: The stage-3 unit of parameters held whole (``zero.persistence_threshold``; Note [Persistent parameters]).
+PERSISTENT = "<persistent>"
 #: Full bucket gradients held at once at stages 2-3 (``ZeroEngine.MAX_INFLIGHT + 1``, Note [Gradient buffer pool]
 #: in zero/engine.py): all of them may be in flight.
 INFLIGHT_BUCKETS = 2 + 1
@@ -274,16 +276,17 @@ class Layout:
     @property
     def largest_unit(self) -> UnitCount | None:
         """The largest non-root stage-3 unit, or ``None``."""
-        inner = [u for u in self.units if u.name != "<root>"]
+        inner = [u for u in self.units if u.name not in ("<root>", PERSISTENT)]
         return max(inner, key=lambda u: u.numel) if inner else None
 
 
 def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), weight_decay: float = 0.0,
-              decay_1d: bool = False, precision: str = "fp32") -> Layout:
+              decay_1d: bool = False, precision: str = "fp32", persistence_threshold: int = 0) -> Layout:
     """The :class:`Layout` the engine builds for ``model`` (any device, meta included) with the worker's param
     groups (``default_param_groups``), ``bucket_mb`` buffers and stage-3 ``units`` (empty: picked by size), at
     ``precision``: the engine casts floating-point parameters to it before packing, so ``bucket_mb`` counts
-    elements of that size (``model`` itself is not changed).
+    elements of that size (``model`` itself is not changed). Stage 3: parameters of at most
+    ``persistence_threshold`` elements form the unit ``PERSISTENT``, held whole (Note [Persistent parameters]).
 
     Raises:
         ValueError: a name in ``units`` matches no module class (from ``pick_units``).
@@ -308,6 +311,9 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     groups = default_param_groups(model, weight_decay, decay_1d)
     unit_modules = pick_units(model, tuple(units))
     unit_index = unit_of_params(model, [m for _, m in unit_modules])
+    for p in unit_index:  # Note [Persistent parameters] in zero/stage3.py
+        if p.numel() <= persistence_threshold:
+            unit_index[p] = -2
     flat: list[int] = []
     per_unit: dict[int, list[int]] = {}
     for group in groups:
@@ -322,7 +328,7 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     frozen_by_unit: dict[int, int] = {}
     for p in frozen:
         frozen_by_unit[unit_index[p]] = frozen_by_unit.get(unit_index[p], 0) + p.numel()
-    indexed = [(i, name) for i, (name, _) in enumerate(unit_modules)] + [(-1, "<root>")]
+    indexed = [(i, name) for i, (name, _) in enumerate(unit_modules)] + [(-1, "<root>"), (-2, PERSISTENT)]
     counted = [UnitCount(name, tuple(per_unit.get(i, ())), (frozen_by_unit[i],) if i in frozen_by_unit else ())
                for i, name in indexed]
     total = sum(p.numel() for p in names)
@@ -373,7 +379,8 @@ def layout_of_recipe(recipe, precision: str | None = None) -> Layout:
     try:
         return layout_of(model, bucket_mb=recipe.zero.bucket_mb, units=tuple(recipe.zero.units),
                          weight_decay=opt.weight_decay, decay_1d=opt.decay_1d,
-                         precision=precision or recipe.precision)
+                         precision=precision or recipe.precision,
+                         persistence_threshold=recipe.zero.persistence_threshold)
     except ValueError as e:
         raise ZerorunError(f"recipe: {e}") from None
 
@@ -487,6 +494,8 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
     shards = [n // N for n in padded]
     if stage == 3:
         params = (sum(shards) + sum(_pad(n, N) // N for n in frozen)) * precision.param_bytes
+        params += sum(_pad(n, N) for u in layout.units if u.name == PERSISTENT  # whole as well as sliced
+                      for n in u.trainable + u.frozen) * precision.param_bytes
     else:
         params = (sum(padded) + sum(frozen)) * precision.param_bytes
     grads = sum(padded) * precision.grad_bytes if stage < 2 else sum(shards) * precision.reduce_bytes
@@ -563,7 +572,8 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
     if not layout.exact:
         return WorkingSet(sum(u.numel for u in layout.units) * (2 if prefetch else 1) * precision.param_bytes,
                           backward)
-    sizes = sorted((sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units if u.name != "<root>"),
+    sizes = sorted((sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units
+                    if u.name not in ("<root>", PERSISTENT)),
                    reverse=True)
     root = sum(sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units if u.name == "<root>")
     return WorkingSet((root + sum(sizes[:2 if prefetch else 1])) * precision.param_bytes, backward)
@@ -574,7 +584,8 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     reduce-scatter or all-gather, twice that per all-reduce; ZeRO paper §7): stage 0 all-reduces gradients once
     per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
     all-gather parameters (2Ψ); stage 3 all-gathers each unit in forward and in backward and reduce-scatters its
-    gradients, every micro-step (3Ψ). Stages 1-3 add an all-reduce of the squared gradient norm (4 bytes).
+    gradients, every micro-step (3Ψ), except persistent parameters, all-gathered once per step after it
+    (Note [Persistent parameters]). Stages 1-3 add an all-reduce of the squared gradient norm (4 bytes).
     Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``. A stage-3 unit
     holding only frozen parameters is counted as gathered in forward only: it is gathered again
     in backward only if a gradient flows through it, which the layout cannot tell (frozen layers usually come
@@ -586,10 +597,12 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     pb, gb = precision.param_bytes, precision.reduce_bytes  # gradients travel in the reduce dtype
     bufs = _stage_buffers(layout, stage)[0]
     trainable = sum(_pad(n, N) for n in bufs)
-    frozen = frozen_only = 0
+    frozen = frozen_only = persistent = 0
     if stage == 3 and layout.exact:
-        frozen = sum(_pad(n, N) for u in layout.units if u.trainable for n in u.frozen)
-        frozen_only = sum(_pad(n, N) for u in layout.units if not u.trainable for n in u.frozen)
+        gathered = [u for u in layout.units if u.name != PERSISTENT]
+        frozen = sum(_pad(n, N) for u in gathered if u.trainable for n in u.frozen)
+        frozen_only = sum(_pad(n, N) for u in gathered if not u.trainable for n in u.frozen)
+        persistent = sum(_pad(n, N) for u in layout.units if u.name == PERSISTENT for n in u.trainable)
     norm = 2 * f * 4
     if stage == 0:
         sent = 2 * f * trainable * gb
@@ -598,7 +611,9 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     elif stage == 2:
         sent = grad_accum_steps * f * trainable * gb + f * trainable * pb + norm
     else:
-        sent = grad_accum_steps * f * ((2 * (trainable + frozen) + frozen_only) * pb + trainable * gb) + norm
+        gathered_twice = trainable - persistent + frozen  # persistent: all-gathered once per step, after it
+        sent = (grad_accum_steps * f * ((2 * gathered_twice + frozen_only) * pb + trainable * gb)
+                + f * persistent * pb + norm)
     return int(round(sent))
 
 

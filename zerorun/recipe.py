@@ -97,6 +97,8 @@ class ZeroSpec(_Strict):
     units: list[str] = Field(default_factory=list)
     prefetch: bool = True
     meta_init: bool = True
+    # Stage 3: parameters of at most this many elements stay whole on every rank (0: none).
+    persistence_threshold: int = Field(0, ge=0)
     # Mixed precision and offload (zerorun/zero/precision.py, offload.py): reduce gradients in fp32 instead of
     # the 2-byte precision; where the fp32 master slices and optimizer states live (none | cpu | disk), the
     # folder for disk's swap files and the host buffer (MiB) they are paged through.
@@ -421,6 +423,9 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
             raise ZerorunError(f"{where('checkpoint', 'dir')}: not a directory: {ckpt.dir}")
     if recipe.zero.units and recipe.zero.stage != 3 and recipe.runtime != "fsdp2":
         raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only")
+    if recipe.zero.persistence_threshold and (recipe.zero.stage != 3 or recipe.runtime != "zero"):
+        raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
+                           "at zero.stage 3 only")
     if recipe.runtime != "zero" and (recipe.precision != "fp32" or z.offload_optimizer != "none"):
         field = where("precision") if recipe.precision != "fp32" else where("zero", "offload_optimizer")
         raise ZerorunError(f"{field}: the {recipe.runtime} baseline runs fp32 without offload only")

@@ -63,6 +63,8 @@ class ZeroConfig:
             (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
         prefetch: stage 3: all-gather the next unit (in the order recorded in the first step) while the
             current one computes.
+        persistence_threshold: stage 3: parameters of at most this many elements stay whole on every rank
+            (Note [Persistent parameters] in ``stage3.py``); 0 for none.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: dtype of parameters, gradients and collectives; fp32
             master slices and optimizer states either way (Note [Mixed precision] in ``precision.py``).
         reduce_dtype: ``None`` (reduce gradients in ``precision``) or ``"fp32"`` (reduce an fp32 copy).
@@ -80,6 +82,7 @@ class ZeroConfig:
     units: tuple[str, ...] = ()
     activation_checkpointing: bool = False
     prefetch: bool = True
+    persistence_threshold: int = 0
     precision: str = "fp32"
     reduce_dtype: str | None = None
     loss_scale: LossScaleConfig = LossScaleConfig()
@@ -100,6 +103,8 @@ class ZeroConfig:
             raise ValueError("zero.offload_optimizer disk needs zero.offload_path (a folder for the swap files)")
         if self.offload_buffer_mb <= 0:
             raise ValueError(f"zero.offload_buffer_mb must be > 0, got {self.offload_buffer_mb}")
+        if self.persistence_threshold < 0:
+            raise ValueError(f"zero.persistence_threshold must be >= 0, got {self.persistence_threshold}")
         if self.bucket_mb <= 0:
             raise ValueError(f"zero.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.grad_accum_steps < 1:
