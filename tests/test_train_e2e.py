@@ -198,8 +198,9 @@ def test_bad_model_module_is_one_clear_line(tmp_path, code, expected):
 ])
 def test_model_errors_are_found_before_any_rank_starts(tmp_path, override, expected):
     """The launcher builds the model on the meta device first: a broken model spec is one line, exit 2, with no
-    run directory and no rank started, also under --dry-run (it used to launch the ranks, or print the plan)."""
-    for extra in ([], ["--dry-run"]):
+    run directory and no rank started, also under --dry-run (it used to launch the ranks, or print the plan;
+    the check is the same for every spec, so one spec is tried under --dry-run)."""
+    for extra in ([], ["--dry-run"]) if override.startswith("model.factory") else ([],):
         out = zerorun("train", TINY, override, "zero.stage=3", f"log.dir={tmp_path / 'runs'}", *extra, cwd=ROOT,
                       timeout=60)
         assert out.returncode == 2, out.stdout + out.stderr
