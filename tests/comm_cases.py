@@ -40,20 +40,30 @@ class _Stack(nn.Module):
         return x.square().mean()
 
 
-def gradient_buffer_pool(stage: int, accum: int, steps: int = 2) -> dict:
-    """Stage 2-3 engine over 8 buckets of 1 MiB (one 512x512 fp32 weight each): how many full-gradient
-    buffers its pool ever held at once and allocated (Note [Gradient buffer pool]), and how many receive
-    buffers the gloo reduce-scatter allocated."""
+def gradient_buffer_pool(stage: int, accum: int, steps: int = 2, width: int = 512) -> dict:
+    """Stage 2-3 engine over 8 buckets of one ``width`` x ``width`` fp32 weight each (512: 1 MiB, pooled;
+    64: 16 KiB, below the pool's SMALL_BYTES): how many full-gradient buffers its pool ever held at once and
+    allocated (Note [Gradient buffer pool]), how many receive buffers the gloo reduce-scatter allocated, and
+    the most reduce-scatters in flight at once."""
     torch.manual_seed(0)
-    model = _Stack(512, 8)
+    model = _Stack(width, 8)
     engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
-                        config=ZeroConfig(stage=stage, bucket_mb=1.0, grad_accum_steps=accum,
+                        config=ZeroConfig(stage=stage, bucket_mb=width * width * 4 / 2**20, grad_accum_steps=accum,
                                           units=("Linear",) if stage == 3 else ()))
+    in_flight = []
+    launch = engine._launch
+
+    def spy(buf):
+        launch(buf)
+        in_flight.append(len(engine._pending))
+
+    engine._launch = spy
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
         for _ in range(accum):
-            engine.backward(engine(torch.randn(16, 512, generator=g)))
+            engine.backward(engine(torch.randn(16, width, generator=g)))
         engine.step()
     pool = engine._grad_pool
     return {"buckets": len(engine.buffers), "cap": engine.MAX_INFLIGHT + 1, "max_taken": pool.max_taken,
-            "allocated": pool.allocated, "recv_allocated": engine.comm.recv_pool.allocated, "taken": pool.taken}
+            "allocated": pool.allocated, "recv_allocated": engine.comm.recv_pool.allocated, "taken": pool.taken,
+            "max_in_flight": max(in_flight), "launches": len(in_flight)}

@@ -31,6 +31,17 @@ def test_gradient_buffers_are_bounded_and_reused(ranks, stage, accum):
         assert r["allocated"] <= r["cap"] * steps, r
         # gloo's reduce-scatter receive buffers: as many as are in flight, reused the same way
         assert r["recv_allocated"] <= min(r["cap"], Comm.KEEP_BUFFERS) * steps, r
+        assert r["max_in_flight"] <= r["cap"], r
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_small_buckets_in_flight_are_bounded_too(ranks, stage):
+    """Buckets below 1 MiB bypass the pool (heap memory, no page faults to save), but their count in flight is
+    still bounded: with 8 tiny buckets, stage 2 must not hold every bucket's full gradient at once."""
+    for r in ranks(2).run(cases.gradient_buffer_pool, stage=stage, accum=2, width=64):
+        assert r["buckets"] == 8 and r["launches"] == 8 * 2 * 2
+        assert r["max_in_flight"] <= r["cap"], r
+        assert r["allocated"] == 0 and r["max_taken"] == 0  # never pooled
 
 
 def test_buffer_pool_reuses_keeps_and_drops():

@@ -16,8 +16,9 @@ gradient until its reduce-scatter is done. It is taken from a pool (``comm.Buffe
 ``MAX_INFLIGHT + 1`` buffers, allocated in the first backward of a step, reused by every bucket that fits and
 every micro-step, and dropped when the optimizer step begins: a fresh allocation per bucket costs a page fault
 per page on every use (large blocks are mmapped, Note [Returning freed memory] in launch/plan.py), which made
-stage 2 1.14x DDP's step time on the 55M benchmark. When every buffer is in flight, finished reduce-scatters
-are collected, and only if none has finished does the backward hook wait for the oldest. The reduce-scatter
+stage 2 1.14x DDP's step time on the 55M benchmark. When every buffer is in flight (or ``MAX_INFLIGHT + 1``
+reduce-scatters of buckets below 1 MiB, which the pool neither keeps nor counts), finished reduce-scatters are
+collected, and only if none has finished does the backward hook wait for the oldest. The reduce-scatter
 runs in place (this rank's slice of the bucket receives the sum), and the slice is added, divided by N, to the
 gradient slice the rank keeps across micro-steps (fp16 divides before the sum instead, for its range, as DDP).
 
@@ -364,12 +365,16 @@ class ZeroEngine:
     def _take_grad_buffer(self, buf: FlatBuffer) -> torch.Tensor:
         """Stages 2-3: a full gradient buffer for ``buf`` (1-D, ``buf.numel`` elements of ``reduce_dtype``,
         uninitialized) from the pool (Note [Gradient buffer pool])."""
-        pool, args = self._grad_pool, (buf.numel, self.reduce_dtype, buf.device)
-        if not pool.fits(*args) and pool.taken >= self.MAX_INFLIGHT + 1:
+        pool, args, cap = self._grad_pool, (buf.numel, self.reduce_dtype, buf.device), self.MAX_INFLIGHT + 1
+
+        def full() -> bool:  # no buffer without allocating past the cap, or as many in flight as the cap
+            return (not pool.fits(*args) and pool.taken >= cap) or len(self._pending) >= cap
+
+        if full():
             while self._pending and self._pending[0][1].is_completed():  # finished: no wait
                 self._complete(*self._pending.pop(0))
-            while not pool.fits(*args) and pool.taken >= self.MAX_INFLIGHT + 1 and self._pending:
-                self._complete(*self._pending.pop(0))  # every buffer in flight: wait for the oldest
+            while full() and self._pending:
+                self._complete(*self._pending.pop(0))  # wait for the oldest
         return pool.take(*args)
 
     def _launch(self, buf: FlatBuffer) -> None:
