@@ -63,7 +63,7 @@ def worker(args) -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
-        psi = sum(p.numel() for p in model.parameters()) * world  # DTensor local shards
+        psi = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
         comm = lambda: 0  # noqa: E731
     elif args.worker == "ddp":
         ddp = DDP(model)

@@ -103,7 +103,7 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
            optimizer: str = "AdamW", optimizer_kwargs: dict | None = None, groups: str = "default",
            bucket_mb: float = 0.002, branch_pattern: str = "never", units: tuple = (),
            activation_checkpointing: bool = False, deferred: bool = False, persistence_threshold: int = 0,
-           **model_kwargs) -> dict:
+           freeze: tuple = (), **model_kwargs) -> dict:
     """Train DDP and the zerorun engine side by side; return the largest relative differences.
 
     Also trains a second DDP (``floor_*`` keys) that differs from the first only in summation order: another
@@ -116,6 +116,9 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
     kwargs = dict(optimizer_kwargs or {"lr": 1e-3 if model == "gpt" else 1e-2, "weight_decay": 0.1})
     wd = kwargs.pop("weight_decay", 0.0)
     models = [_build(model, 0, **model_kwargs)]
+    for name, p in models[0].named_parameters():  # parameters whose names contain one of ``freeze``
+        if any(f in name for f in freeze):
+            p.requires_grad_(False)
     models += [copy.deepcopy(models[0]) for _ in range(2)]
     ref_model, alt_model, zero_model = models
     opts = [getattr(torch.optim, optimizer)(_groups(m, groups, wd), **kwargs) for m in (ref_model, alt_model)]
@@ -124,6 +127,9 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
             DDP(alt_model, find_unused_parameters=unused, bucket_cap_mb=0.0005)]
     if deferred:  # built on the meta device, each rank materializing its slices only
         zero_model = deferred_init(_build, model, 0, **model_kwargs)
+        for name, p in zero_model.named_parameters():
+            if any(f in name for f in freeze):
+                p.requires_grad_(False)
     engine = initialize(zero_model, optimizer=optimizer, optimizer_kwargs=kwargs,
                         param_groups=_groups(zero_model, groups, wd),
                         config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, grad_accum_steps=accum, grad_clip=clip,
@@ -487,3 +493,17 @@ def paper_bytes(stage: int, padded: int, n: int, param_bytes: int, grad_bytes: i
     parameters (``*_bytes``: bytes per element of each kind, e.g. 4, 4, 8 for fp32 AdamW)."""
     p, g, o = param_bytes * padded, grad_bytes * padded, optim_bytes * padded
     return {0: (p, g, o), 1: (p, g, o // n), 2: (p, g // n, o // n), 3: (p // n, g // n, o // n)}[stage]
+
+
+def root_left_empty(persistence_threshold: int) -> dict:
+    """Stage 3 on the untied tiny GPT with units = Block and a threshold that makes every root parameter
+    persistent: the forward order is still recorded (the root's hooks end the pass) and nothing piles up."""
+    model = _build("gpt", 0, tie_embeddings=False)
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
+                        config=ZeroConfig(stage=3, units=("Block",), persistence_threshold=persistence_threshold))
+    for step in range(3):
+        engine.backward(_loss(engine(_batch("gpt", step, 0, dist.get_rank(), dist.get_world_size(), "never"))))
+        engine.step()
+    root = next(u for u in engine.units if u.is_root)
+    return {"root_buffers": len(root.buffers), "forward": [u.name for u in engine._order["forward"]],
+            "seen": len(engine._seen["forward"]), "persistent": len(engine._persistent_unit.buffers)}

@@ -168,3 +168,14 @@ def test_a_failing_combination_is_recorded_and_the_rest_run(tmp_path):
     assert rows["stage 3"]["status"] == "failed" and "no module of class Nope" in rows["stage 3"]["reason"]
     assert rows["stage 3"]["metrics"] == {}
     assert rows["stage 0"]["time_vs_ddp"] > 0
+
+
+def test_stage_3_only_fields_are_cleared_for_the_other_combinations():
+    """A bench of a recipe with stage-3 settings (units, persistence_threshold) compares it with stages 0-2 and
+    the baselines: each combination's recipe must load (persistence_threshold used to fail every other one)."""
+    from zerorun.recipe import load_recipe
+
+    stage3 = ["zero.stage=3", "zero.units=[Block]", "zero.persistence_threshold=1000"]
+    for combo in combinations([None], [0, 1, 2, 3], ["ddp", "fsdp2"]):
+        r = load_recipe(TINY, stage3 + combo.overrides(3))
+        assert r.zero.persistence_threshold == (1000 if combo.label == "stage 3" else 0), combo.label

@@ -183,6 +183,8 @@ def test_persistence_threshold_is_a_stage_3_count(tmp_path):
         load_recipe(good(tmp_path), ["zero.stage=2", "zero.persistence_threshold=1000"])
     with pytest.raises(ZerorunError, match=r"zero\.persistence_threshold"):
         load_recipe(good(tmp_path), ["zero.stage=3", "zero.persistence_threshold=-1"])
+    with pytest.raises(ZerorunError, match=r"zero\.persistence_threshold: .* the fsdp2 baseline does not take it"):
+        load_recipe(good(tmp_path), ["zero.stage=3", "zero.persistence_threshold=10", "runtime=fsdp2"])
     assert load_recipe(good(tmp_path), ["zero.stage=3", "zero.persistence_threshold=100000"]).zero.persistence_threshold \
         == 100000
 

@@ -169,3 +169,18 @@ def test_stage3_persistent_parameters_bytes(ranks):
         step = (3 * (padded - pers) + 2 * pers) * (n - 1) // n * 4 + round(2 * (n - 1) / n * 4)
         construction = pers * (n - 1) // n * 4  # the persistent parameters are all-gathered once when built
         assert r["comm"]["bytes_sent"] == step + construction
+
+
+@pytest.mark.parametrize("freeze,threshold", [(("attn.qkv",), 500), (("ln1",), 0)])
+def test_stage3_frozen_parameters_used_after_the_units_last_gradient(ranks, freeze, threshold):
+    """A frozen weight used in backward after the unit's last trainable gradient (frozen qkv with the small
+    parameters persistent; a frozen first norm) must still be gathered then: such a unit is freed at the end
+    of backward (it used to be freed early, and backward then read freed storage)."""
+    check(ranks(2).run(cases.parity, stage=3, model="gpt", units=("Block",), persistence_threshold=threshold,
+                       freeze=freeze, steps=6))
+
+
+def test_stage3_root_left_empty_by_persistence_still_records_the_forward(ranks):
+    for r in ranks(2).run(cases.root_left_empty, persistence_threshold=1100):
+        assert r["root_buffers"] == 0 and r["persistent"] > 0, r
+        assert r["forward"] == ["", "blocks.0", "blocks.1"] and r["seen"] == 0, r

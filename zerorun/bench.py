@@ -59,13 +59,16 @@ class Combination:
     def overrides(self, steps: int) -> list[str]:
         """Recipe overrides for this combination's job of ``steps`` optimizer steps: the runtime and stage,
         a step event every step, no evaluation, no checkpoints. ``zero.units`` is cleared where the recipe does not allow
-        it (zerorun stages 0-2 and DDP); FSDP2 shards the recipe's units, as stage 3 does."""
+        it (zerorun stages 0-2 and DDP; FSDP2 shards the recipe's units, as stage 3 does), and
+        ``zero.persistence_threshold`` everywhere but zerorun's stage 3."""
         out = [f"train.steps={steps}", "log.every=1", "train.eval_every=0", f"runtime={self.runtime}",
                "checkpoint.every=0", "checkpoint.dir=null"]
         if self.runtime == "zero":
             out.append(f"zero.stage={self.stage}")
         if self.runtime == "ddp" or (self.runtime == "zero" and self.stage != 3):
             out.append("zero.units=[]")
+        if not (self.runtime == "zero" and self.stage == 3):
+            out.append("zero.persistence_threshold=0")
         return out
 
 

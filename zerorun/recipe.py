@@ -423,7 +423,10 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
             raise ZerorunError(f"{where('checkpoint', 'dir')}: not a directory: {ckpt.dir}")
     if recipe.zero.units and recipe.zero.stage != 3 and recipe.runtime != "fsdp2":
         raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only")
-    if recipe.zero.persistence_threshold and (recipe.zero.stage != 3 or recipe.runtime != "zero"):
+    if recipe.zero.persistence_threshold and recipe.runtime != "zero":
+        raise ZerorunError(f"{where('zero', 'persistence_threshold')}: zerorun's stage 3 knob; the "
+                           f"{recipe.runtime} baseline does not take it")
+    if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
                            "at zero.stage 3 only")
     if recipe.runtime != "zero" and (recipe.precision != "fp32" or z.offload_optimizer != "none"):

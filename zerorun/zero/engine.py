@@ -156,7 +156,8 @@ class ZeroEngine:
     scheduler to it as usual.
     """
 
-    #: stage 2: reduce-scatters in flight during backward before the oldest is waited for and its bucket freed.
+    #: stages 2-3: MAX_INFLIGHT + 1 full bucket gradients at most, all of which may be in flight (Note [Gradient
+    #: buffer pool]); stage 1 under zero.reduce_dtype: wide copies in flight.
     MAX_INFLIGHT = 2
 
     def __init__(self, model: nn.Module, *, optimizer: str | type, optimizer_kwargs: dict[str, Any],

@@ -11,7 +11,8 @@ Note [Unit lifecycle]: forward pre-hook: all-gather (wait for a prefetch if one 
 post-hook: register pre-backward hooks on the outputs, then free. Pre-backward (the first gradient reaching an
 output): all-gather again. Post-backward: once every trainable parameter of the unit has its gradient (autograd
 accumulates a leaf once per backward, after all its uses), the unit is freed and its gradient buckets are
-reduce-scattered (Note [Collective order] in engine.py). Forward runs inside backward (activation checkpointing's
+reduce-scattered (Note [Collective order] in engine.py); a unit holding frozen parameters, which no gradient
+signals, stays gathered until the end of backward. Forward runs inside backward (activation checkpointing's
 recomputation) never free. At the end of the root's forward and of backward, whatever is still gathered (a
 mispredicted prefetch) is freed.
 
@@ -19,8 +20,9 @@ Note [Persistent parameters]: parameters of at most ``ZeroConfig.persistence_thr
 weights, biases; DeepSpeed's ``stage3_param_persistence_threshold``) may stay whole on every rank, in a unit of
 their own that is never freed: they cost no all-gather in forward or backward, their gradients are
 reduce-scattered in buckets like every other, each rank updates its slice of them, and the slices are
-all-gathered after the optimizer step, as at stages 1-2. Memory: ``(N - 1) / N`` of their bytes more per rank;
-traffic: one all-gather of them per step instead of two. 0 (the default) keeps every parameter partitioned.
+all-gathered after the optimizer step, as at stages 1-2. Memory: their whole bytes more per rank (the whole
+tensor besides the slice the optimizer updates); traffic: one all-gather of them per step instead of two.
+0 (the default) keeps every parameter partitioned.
 
 Note [Prefetch]: the order in which units are gathered is recorded in the first step, for forward and for
 backward. From then on, gathering unit i issues the all-gather of unit i+1 of the recorded order, which runs
@@ -147,7 +149,8 @@ class Stage3Engine(ZeroEngine):
         super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         self._ag_comm = Comm(dist.new_group(ranks=ranks, backend=dist.get_backend(process_group)))
-        self.units = [u for u in self.units if u.buffers]
+        # the root stays even when persistence left it empty: its forward hooks end the recorded pass
+        self.units = [u for u in self.units if u.buffers or u.is_root]
         self._gather(self._persistent_unit)  # whole on every rank from now on (a no-op when it holds nothing)
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
@@ -356,7 +359,9 @@ class Stage3Engine(ZeroEngine):
         if self._ready_count[buf] == len(buf.params):
             unit = buf.unit
             unit.ready_buffers += 1
-            if unit.ready_buffers == len(unit.trainable):
+            # a frozen parameter's last use in backward can come after the unit's last gradient: such a unit
+            # is freed at the end of backward
+            if unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers):
                 self._free(unit)
 
     def _finish_backward(self) -> None:
