@@ -18,12 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
-PREFIX = "CUDA_STAGES "
+from zero_stages import PREFIX, ROOT, run_workers
 
 
 def worker(args) -> None:
@@ -45,7 +43,7 @@ def worker(args) -> None:
     spec = (os.path.join(ROOT, "recipes/models/gpt.py"), "build_model",
             dict(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
                  max_seq_len=args.seq, tie_embeddings=False))
-    stage = args.stage
+    stage = int(args.worker)
     if stage == 3 and not cuda:  # as the worker: meta-device construction on CPU only
         model = zero.deferred_init(build_model, *spec)
     else:
@@ -89,8 +87,7 @@ def theory(psi: int) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # the stage, in a rank (zero_stages.run_workers)
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
@@ -111,23 +108,17 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    sys.path.insert(0, ROOT)
-    from zerorun.launch.plan import free_port
-
     rows = []
     for precision in args.precisions.split(","):
         for stage in args.stages.split(","):
             extra = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("device", "layers", "d_model", "heads", "vocab", "seq", "micro_batch", "steps", "warmup")]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}",
-                   "--master-addr=127.0.0.1", os.path.abspath(__file__), "--worker", f"--stage={stage}",
-                   f"--precision={precision}", *extra]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            got = [json.loads(line[len(PREFIX):]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
-            if proc.returncode or not got:
-                print(f"stage {stage} {precision} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            try:  # one rank; NCCL or gloo as --device says
+                rows.append(run_workers(os.path.abspath(__file__), stage, 1, [f"--precision={precision}", *extra],
+                                        {})[0])
+            except SystemExit as e:  # run_workers exits with the rank's output: report it, run the others
+                print(f"stage {stage} {precision} failed: {e}")
                 continue
-            rows.append(got[0])
             print(f"stage {stage} {precision} done", file=sys.stderr, flush=True)
     if not rows:
         sys.exit("every run failed")
