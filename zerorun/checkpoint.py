@@ -23,8 +23,10 @@ size, micro-batch size or stage, model and optimizer states are resharded exactl
 at the same number of samples consumed in the epoch (its order differs, being split over other ranks) and
 ranks beyond the saved world size keep their fresh RNG state.
 
-Loading never unpickles arbitrary objects: DCP's tensor files are read with ``torch.load(weights_only=True)``
-and its ``.metadata`` with an unpickler that admits only DCP's metadata classes (:class:`SafeReader`).
+Loading never unpickles arbitrary objects: DCP's tensor files are read with ``torch.load(weights_only=True)``,
+its ``.metadata`` with an unpickler that admits only DCP's metadata classes (:class:`SafeReader`), every
+non-tensor entry is refused before any data is read, and the load planner never unpickles and checks that
+every target was written (Note [Untrusted checkpoints] in ``dcp_safety.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from zerorun.dcp_safety import SafeLoadPlanner, check_entries
 from zerorun.errors import ZerorunError
 
 MARKER = "COMPLETE"
@@ -86,7 +89,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class SafeReader(FileSystemReader):
     """DCP's file reader with a restricted unpickler for ``.metadata`` (tensors are already read with
-    ``weights_only=True``), and :meth:`check_files` to name a truncated file before reading it."""
+    ``weights_only=True``) that refuses every non-tensor entry before any data is read (Note [Untrusted
+    checkpoints] in ``dcp_safety.py``), and :meth:`check_files` to name a truncated file before reading it."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = os.path.join(str(self.path), ".metadata")
@@ -101,6 +105,7 @@ class SafeReader(FileSystemReader):
 
         if not isinstance(metadata, Metadata):
             raise ZerorunError(f"{path}: unreadable checkpoint metadata (not DCP metadata)")
+        check_entries(metadata, path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -363,13 +368,20 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
 
     def run(targets: dict[str, Any]) -> None:
         targets.update(rng)
+        planner = SafeLoadPlanner()
         try:
             with _quiet_sharded_tensor():
-                dcp.load(targets, storage_reader=SafeReader(path), process_group=group)
+                dcp.load(targets, storage_reader=SafeReader(path), planner=planner, process_group=group)
         except CheckpointException as e:
             first = next(iter(e.failures.values()), e)
             raise ZerorunError(f"{path}: cannot read the checkpoint: {type(first).__name__}: "
                                f"{str(first).strip().splitlines()[0] if str(first).strip() else ''}") from None
+        problem = planner.unwritten()  # every rank learns of any rank's unwritten target: the same error
+        flag = torch.tensor([1.0 if problem else 0.0], device=engine.buffers[0].device)
+        dist.all_reduce(flag, group=group)
+        if flag.item():
+            raise ZerorunError(f"{path}: the checkpoint does not hold all of "
+                               + (problem if problem else "the targets of another rank") + ": not resumed")
 
     load_engine_state(engine, meta["layout"], run)
     scheduler.load_state_dict(meta["scheduler"])
@@ -455,10 +467,14 @@ def consolidate(path: str, out: str) -> tuple[int, int]:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(targets, storage_reader=SafeReader(path), no_dist=True)
+            planner = SafeLoadPlanner()
+            dcp.load(targets, storage_reader=SafeReader(path), planner=planner, no_dist=True)
     except (CheckpointException, RuntimeError, ValueError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ZerorunError(f"{path}: cannot read the checkpoint: {msg}") from None
+    problem = planner.unwritten()
+    if problem:
+        raise ZerorunError(f"{path}: the checkpoint does not hold all of {problem}")
     state: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     for key, name in layout["state_dict"]:

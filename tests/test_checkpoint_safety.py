@@ -1,0 +1,157 @@
+"""Checkpoint folders are input (Note [Untrusted checkpoints] in zerorun/dcp_safety.py): a folder written by
+someone else must never run code, and loading must fill every target or fail in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpoint_cases as cases
+from zerorun import checkpoint
+from zerorun.errors import ZerorunError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def saved2(ranks, tmp_path_factory):
+    """A real checkpoint: 2 ranks, stage 1, GPT of checkpoint_cases, saved after step 1."""
+    root = str(tmp_path_factory.mktemp("ckpt2"))
+    return ranks(2).run(cases.save_and_continue, root=root, stage=1, save_at=1, steps=1)[0]["path"]
+
+
+def _rewrite(path: str, edit) -> None:
+    """Apply ``edit(metadata)`` to the folder's ``.metadata`` and re-write zerorun.json's SHA-256 list as an
+    attacker who writes the folder would."""
+    meta_file = os.path.join(path, ".metadata")
+    with open(meta_file, "rb") as f:
+        metadata = pickle.load(f)  # our own file, written by DCP a moment ago
+    edit(metadata)
+    with open(meta_file, "wb") as f:
+        pickle.dump(metadata, f)
+    info = json.loads(open(os.path.join(path, checkpoint.META)).read())
+    info["files"] = {n: {"bytes": os.path.getsize(os.path.join(path, n)),
+                         "sha256": hashlib.sha256(open(os.path.join(path, n), "rb").read()).hexdigest()}
+                     for n in sorted(os.listdir(path)) if n not in (checkpoint.META, checkpoint.MARKER)}
+    with open(os.path.join(path, checkpoint.META), "w") as f:
+        json.dump(info, f)
+
+
+class _Payload:
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.target}",))
+
+
+def _malicious(saved: str, tmp_path, victim: str = "model/") -> tuple[str, str]:
+    """A copy of ``saved`` whose first ``victim*`` key is a DCP BytesStorageMetadata entry holding a pickle
+    that creates a file when unpickled (what torch's default planner does, with weights_only=False).
+    Returns ``(folder, the file the payload would create)``."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved, path)
+    pwned = str(tmp_path / "pwned")
+    torch.save(_Payload(pwned), os.path.join(path, "__9_0.distcp"))
+
+    def edit(metadata):
+        key = next(k for k in metadata.state_dict_metadata if k.startswith(victim))
+        metadata.state_dict_metadata[key] = BytesStorageMetadata()
+        for index in [i for i in metadata.storage_data if i.fqn == key]:
+            del metadata.storage_data[index]
+        metadata.storage_data[MetadataIndex(key)] = _StorageInfo(
+            "__9_0.distcp", 0, os.path.getsize(os.path.join(path, "__9_0.distcp")))
+
+    _rewrite(path, edit)
+    return path, pwned
+
+
+def _zerorun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerorun", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_payload_would_run_under_torchs_default_planner(tmp_path):
+    """The test's payload is real: torch.load(weights_only=False), as DCP's default planner calls it, runs it."""
+    torch.save(_Payload(str(tmp_path / "ran")), tmp_path / "p.pt")
+    torch.load(tmp_path / "p.pt", weights_only=False)
+    assert os.path.exists(tmp_path / "ran")
+
+
+def test_non_tensor_entry_is_refused_before_any_read(ranks, saved2, tmp_path):
+    path, pwned = _malicious(saved2, tmp_path)
+    refused = r"\.metadata: key 'model/[^']+' holds a BytesStorageMetadata, not a tensor: .*refusing the checkpoint"
+    with pytest.raises(ZerorunError, match=refused):
+        checkpoint.consolidate(path, str(tmp_path / "m.pt"))
+    errors = ranks(2).run(cases.load_error, path=path)  # resume on the ranks, same model
+    assert all(e.count("\n") == 0 and "BytesStorageMetadata, not a tensor" in e for e in errors), errors
+    out = _zerorun("consolidate", path, "--out", str(tmp_path / "m.safetensors"))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "BytesStorageMetadata, not a tensor" in out.stderr
+    out = _zerorun("train", "recipes/tiny.yaml", f"log.dir={tmp_path / 'runs'}", "--resume", path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stdout + out.stderr
+    assert "BytesStorageMetadata, not a tensor" in out.stderr
+    assert not os.path.exists(pwned)
+    assert not os.path.exists(tmp_path / "m.pt") and not os.path.exists(tmp_path / "m.safetensors")
+
+
+def test_planner_never_unpickles_and_checks_every_target_was_written(saved2, tmp_path):
+    """Even past the metadata check (a plain reader), the planner refuses bytes entries; a key whose chunks
+    were dropped from the metadata leaves its target unwritten: named, not resumed silently."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from zerorun.dcp_safety import SafeLoadPlanner
+
+    os.makedirs(tmp_path / "a")
+    path, pwned = _malicious(saved2, tmp_path / "a")
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    key = next(k for k, v in md.state_dict_metadata.items() if type(v).__name__ == "BytesStorageMetadata")
+    with pytest.raises(CheckpointException, match="refusing to unpickle"):
+        dcp.load({key: torch.empty(1)}, storage_reader=FileSystemReader(path), planner=SafeLoadPlanner(),
+                 no_dist=True)
+    assert not os.path.exists(pwned)
+
+    path = str(tmp_path / "step-00000002")
+    shutil.copytree(saved2, path)
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    key, entry = next((k, v) for k, v in md.state_dict_metadata.items() if len(v.chunks) > 1)
+    dropped = entry.chunks.pop()
+    _rewrite(path, lambda m: m.state_dict_metadata[key].chunks.remove(dropped))
+    with pytest.raises(ZerorunError, match=rf"key '{key}': its chunks do not cover it"):
+        checkpoint.consolidate(path, str(tmp_path / "m.pt"))
+    planner = SafeLoadPlanner()
+    target = torch.zeros(entry.size)
+    dcp.load({key: target}, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+    assert planner.unwritten() == f"{key!r} ({target.numel() - dropped.sizes[0]} of {target.numel()} elements read)"
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda m, k: setattr(next(iter(m.storage_data.values())), "relative_path", "../../x.distcp"),
+     "not a data file of the checkpoint folder"),
+    (lambda m, k: setattr(next(iter(m.storage_data.values())), "transform_descriptors", ["zstd"]),
+     "stored with transforms"),
+    (lambda m, k: m.state_dict_metadata[k].chunks.append(m.state_dict_metadata[k].chunks[0]), "its chunks overlap"),
+])
+def test_metadata_that_zerorun_never_writes_is_refused(saved2, tmp_path, edit, expected):
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved2, path)
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        key = next(k for k, v in pickle.load(f).state_dict_metadata.items() if len(v.chunks) > 1)
+    _rewrite(path, lambda m: edit(m, key))
+    with pytest.raises(ZerorunError, match=expected):
+        checkpoint.check(path)

@@ -1,0 +1,135 @@
+"""Reading a DCP checkpoint folder without running code from it and without leaving a target unwritten.
+
+Note [Untrusted checkpoints]: a checkpoint folder is input: whoever wrote it chose every byte, the SHA-256
+list in ``zerorun.json`` included. Torch's distributed checkpoint (DCP) stores non-tensor values as
+``BytesStorageMetadata`` entries that its default load planner reads with ``torch.load(weights_only=False)``,
+i.e. an arbitrary pickle. zerorun saves tensors only, so:
+
+1. :func:`check_entries` refuses, as soon as ``.metadata`` is read and before any data file is opened, every
+   entry that is not a tensor, every chunk outside its tensor, chunks that overlap or leave elements of a
+   tensor uncovered, a chunk without a storage record, a storage record for no chunk, a data file outside
+   the folder and any stream transform (zerorun writes none).
+2. :class:`SafeLoadPlanner` is DCP's default load planner except that it never unpickles (``load_bytes``
+   raises) and counts the elements written into each target; :meth:`SafeLoadPlanner.unwritten` names the
+   first target not entirely written once ``dcp.load`` returned (a checkpoint with a key whose chunks were
+   dropped would otherwise leave that target at its fresh value, silently).
+
+Tensor data itself is read by DCP's ``FileSystemReader`` with ``torch.load(weights_only=True)``, and
+``.metadata`` by a restricted unpickler (``checkpoint.SafeReader``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from zerorun.errors import ZerorunError
+
+
+def _boxes_overlap(a_off, a_size, b_off, b_size) -> bool:
+    """Whether two n-dimensional boxes (offsets, sizes) share at least one element."""
+    return all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size))
+
+
+def _check_chunks(fqn: str, size: tuple[int, ...], chunks: list, where: str) -> None:
+    """The chunks of one tensor of shape ``size`` lie inside it, do not overlap and cover all of it."""
+    total = 0
+    for c in chunks:
+        off, sz = tuple(c.offsets), tuple(c.sizes)
+        if len(off) != len(size) or len(sz) != len(size) or any(
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(off, sz, size)):
+            raise ZerorunError(f"{where}: key {fqn!r}: chunk at {list(off)} of shape {list(sz)} lies outside the "
+                               f"tensor of shape {list(size)}: not a checkpoint zerorun wrote")
+        total += math.prod(sz)
+    nonempty = [c for c in chunks if math.prod(c.sizes) > 0]
+    if len(size) == 1:  # zerorun's sharded tensors are 1-D: sort and compare neighbours
+        spans = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in nonempty)
+        overlap = any(a[1] > b[0] for a, b in zip(spans, spans[1:]))
+    else:  # whole tensors: one chunk each
+        overlap = any(_boxes_overlap(a.offsets, a.sizes, b.offsets, b.sizes)
+                      for i, a in enumerate(nonempty) for b in nonempty[i + 1:])
+    if overlap or total != math.prod(size):
+        raise ZerorunError(f"{where}: key {fqn!r}: its chunks {'overlap' if overlap else 'do not cover it'} "
+                           f"({total} of {math.prod(size)} elements): not a checkpoint zerorun wrote")
+
+
+def check_entries(metadata: Any, where: str) -> None:
+    """Refuse DCP ``metadata`` (read from the file ``where``) unless it describes tensors only, each tiled
+    exactly by its chunks, each chunk stored in a plain file of the folder without transforms (Note
+    [Untrusted checkpoints]).
+
+    Raises:
+        ZerorunError: one line naming ``where`` and the first offending key.
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise ZerorunError(f"{where}: unreadable checkpoint metadata (no entries or storage records)")
+    wanted = set()
+    for fqn, md in entries.items():
+        if type(md) is not TensorStorageMetadata:
+            raise ZerorunError(f"{where}: key {fqn!r} holds a {type(md).__name__}, not a tensor: zerorun "
+                               "checkpoints hold tensors only, and reading it would unpickle arbitrary code; "
+                               "refusing the checkpoint")
+        _check_chunks(str(fqn), tuple(md.size), list(md.chunks), where)
+        for c in md.chunks:
+            index = MetadataIndex(fqn, c.offsets)
+            if math.prod(c.sizes) and index not in storage:
+                raise ZerorunError(f"{where}: key {fqn!r}: no stored data for its chunk at {list(c.offsets)}")
+            wanted.add(index)
+    for index, info in storage.items():
+        if index not in wanted:
+            raise ZerorunError(f"{where}: stored data for {getattr(index, 'fqn', index)!r}, which is no "
+                               "tensor chunk of the checkpoint: not a checkpoint zerorun wrote")
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel.startswith("."):
+            raise ZerorunError(f"{where}: key {index.fqn!r} is stored in {rel!r}, not a data file of the "
+                               "checkpoint folder")
+        if getattr(info, "transform_descriptors", None):
+            raise ZerorunError(f"{where}: key {index.fqn!r} is stored with transforms "
+                               f"{list(info.transform_descriptors)}: zerorun writes none")
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that never unpickles and counts what it writes (Note [Untrusted
+    checkpoints]). Use one instance per ``dcp.load`` call, then :meth:`unwritten`."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_partial_load=False)
+        self.written: dict[str, int] = {}
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """Refuse: a non-tensor entry would be unpickled with ``weights_only=False``.
+
+        Raises:
+            ZerorunError: always, naming the key.
+        """
+        raise ZerorunError(f"key {read_item.dest_index.fqn!r} is not a tensor: refusing to unpickle it")
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        """Count the elements written into the target of ``read_item``."""
+        fqn = read_item.dest_index.fqn
+        self.written[fqn] = self.written.get(fqn, 0) + math.prod(read_item.lengths)
+
+    def unwritten(self) -> str | None:
+        """After ``dcp.load``: the first target (key) not every element of which was written, with counts,
+        or ``None`` when every target was filled. Targets are tensors or ``ShardedTensor`` s (their local
+        shards count)."""
+        for fqn, target in self.state_dict.items():
+            if hasattr(target, "local_shards"):
+                want = sum(s.tensor.numel() for s in target.local_shards())
+            elif isinstance(target, torch.Tensor):
+                want = target.numel()
+            else:
+                return f"{fqn!r} (not a tensor)"
+            got = self.written.get(fqn, 0)
+            if got != want:
+                return f"{fqn!r} ({got} of {want} elements read)"
+        return None
