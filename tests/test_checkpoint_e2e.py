@@ -74,6 +74,11 @@ def test_kill_during_save_then_resume_exactly_and_at_another_stage(tmp_path):
 
     killed = train("killed", 'launch.env.KILL_AT_SAVE="2"')  # rank 1 dies inside the save after step 6
     assert killed.returncode == 1 and "rank 1" in killed.stderr, killed.stdout + killed.stderr
+    # launch.env values never reach the disk: masked in the run folder's recipe.yaml and in zerorun.json
+    [recipe_copy] = (tmp_path / "killed" / "runs").glob("*/*/recipe.yaml")
+    assert "KILL_AT_SAVE: <masked>" in recipe_copy.read_text()
+    saved_recipe = json.loads((tmp_path / "killed" / "ckpt" / "step-00000003" / "zerorun.json").read_text())["recipe"]
+    assert saved_recipe["launch"]["env"] == {"KILL_AT_SAVE": "<masked>"}
     left = sorted(os.listdir(tmp_path / "killed" / "ckpt"))
     assert left == [".step-00000006.tmp", "step-00000003"], left
 

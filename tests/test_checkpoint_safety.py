@@ -155,3 +155,36 @@ def test_metadata_that_zerorun_never_writes_is_refused(saved2, tmp_path, edit, e
     _rewrite(path, lambda m: edit(m, key))
     with pytest.raises(ZerorunError, match=expected):
         checkpoint.check(path)
+
+
+def test_launch_env_values_are_masked_in_the_checkpoint(ranks, tmp_path):
+    import safety_cases
+    from zerorun.recipe import MASK
+
+    path = ranks(2).run(safety_cases.save_with_env, root=str(tmp_path), env={"HF_TOKEN": "hf_s3cr3t_value"})[0]
+    meta = checkpoint.read_meta(path)
+    assert meta["recipe"]["launch"]["env"] == {"HF_TOKEN": MASK}
+    for name in os.listdir(path):
+        assert b"hf_s3cr3t_value" not in open(os.path.join(path, name), "rb").read(), name
+
+
+def test_save_that_runs_out_of_room_says_where_and_why(ranks, tmp_path):
+    """A file-size limit (EFBIG) during DCP's write and a full disk (ENOSPC) while rank 0 finishes: one line
+    naming the folder and the reason on every rank, no hang, nothing half-written left to be taken as a
+    checkpoint, the earlier complete save of the same step back in place."""
+    import safety_cases
+
+    root = tmp_path / "ckpt"
+    results = ranks(2).run(safety_cases.failing_saves, root=str(root), fsize_limit=16 * 1024)
+    r0 = results[0]
+    assert r0["first"] is None
+    tmp2 = root / ".step-00000002.tmp"
+    assert r0["fsize"].startswith(f"checkpoint.dir: cannot save step 2 into {tmp2}: File too large"), r0["fsize"]
+    assert "\n" not in r0["fsize"] and "CheckpointException" not in r0["fsize"]
+    assert results[1]["fsize"] == r0["fsize"]
+    assert r0["after_fsize"] == ["step-00000001"] and r0["latest_after_fsize"] == str(root / "step-00000001")
+    assert r0["enospc"] == (f"checkpoint.dir: cannot save step 1 into {root / '.step-00000001.tmp'}: "
+                            f"No space left on device ({root / 'step-00000001' / checkpoint.MARKER})")
+    assert results[1]["enospc"].endswith("failed on rank 0")
+    assert r0["after_enospc"] == ["step-00000001"]  # the first save of step 1, complete, back in place
+    assert r0["latest_after_enospc"] == str(root / "step-00000001") and r0["check_after_enospc"] == 1

@@ -31,6 +31,7 @@ every target was written (Note [Untrusted checkpoints] in ``dcp_safety.py``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import hashlib
 import json
@@ -242,10 +243,19 @@ def _fsync(path: str) -> None:
 
 
 def _write_json(path: str, value: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``value`` to ``path`` whole or not at all (a temporary name, fsynced, renamed): a marker cut
+    short by a full disk or a kill never exists under its name."""
+    tmp = path + ".part"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
@@ -253,6 +263,25 @@ def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
     if torch.cuda.is_available():
         out[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
     return out
+
+
+def _failures(e: BaseException) -> list[BaseException]:
+    """The exceptions inside DCP's ``CheckpointException`` (per rank, wrapped with their traceback), in rank
+    order; ``[e]`` when it holds none."""
+    found = [v[0] if isinstance(v, tuple) else v for _, v in sorted(getattr(e, "failures", {}).items())]
+    return [f for f in found if isinstance(f, BaseException)] or [e]
+
+
+def _why(e: BaseException) -> str:
+    """One line saying why DCP's save failed: the first ``OSError``'s reason and file ("No space left on
+    device", "File too large"), else the first failure's first line."""
+    failures = _failures(e)
+    for f in failures:
+        if isinstance(f, OSError) and f.strerror:
+            return f.strerror + (f" ({f.filename})" if f.filename else "")
+    first = failures[0]
+    text = str(first).strip()
+    return f"{type(first).__name__}: {text.splitlines()[0]}" if text else type(first).__name__
 
 
 @dataclass
@@ -279,7 +308,9 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    from zerorun.recipe import masked
     from zerorun.zero.state import engine_state
 
     t0 = time.perf_counter()
@@ -303,35 +334,55 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
                                                                      " (on rank 0)"))
     tensors, layout = engine_state(engine)
     tensors.update(_rng_tensors(dist.get_rank(group)))
-    with _quiet_sharded_tensor():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+    try:
+        with _quiet_sharded_tensor():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+    except CheckpointException as e:  # raised on every rank alike (DCP gathers and broadcasts the failures)
+        if engine.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: {_why(e)}") from None
+    reason = ""
     if engine.rank == 0:
-        _write_json(os.path.join(tmp, META), {
-            "format": FORMAT, "step": step, "world_size": engine.world_size, "stage": engine.stage,
-            "layout": layout, "scheduler": scheduler.state_dict(),
-            "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-            "skipped_steps": engine.skipped_steps,
-            "data": {"epoch": position.epoch, "batch": position.batch, "world_size": engine.world_size,
-                     "micro_batch_size": recipe["train"]["micro_batch_size"]},
-            "recipe": recipe,
-            # every rank's files are complete once dcp.save returned (its coordinator gathered them all)
-            "files": {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
-                             "sha256": _sha256(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}})
-        _fsync(tmp)
-        if os.path.exists(final):  # a step saved before, e.g. by a run resumed from an earlier checkpoint
-            old = os.path.join(root, "." + os.path.basename(final) + ".old.tmp")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _fsync(root)
-        _write_json(os.path.join(final, MARKER), {"step": step, "saved_at": time.time()})
-        _fsync(final)
-        for _, _, path in list_complete(root)[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
-        for name in os.listdir(root):
-            if name.startswith(".") and name.endswith(".old.tmp"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    dist.barrier(group)
+        moved = renamed = False
+        old = os.path.join(root, "." + os.path.basename(final) + ".old.tmp")
+        try:
+            _write_json(os.path.join(tmp, META), {
+                "format": FORMAT, "step": step, "world_size": engine.world_size, "stage": engine.stage,
+                "layout": layout, "scheduler": scheduler.state_dict(),
+                "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+                "skipped_steps": engine.skipped_steps,
+                "data": {"epoch": position.epoch, "batch": position.batch, "world_size": engine.world_size,
+                         "micro_batch_size": recipe["train"]["micro_batch_size"]},
+                "recipe": masked(recipe),  # launch.env values masked (Note [Masked environment values])
+                # every rank's files are complete once dcp.save returned (its coordinator gathered them all)
+                "files": {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
+                                 "sha256": _sha256(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}})
+            _fsync(tmp)
+            if os.path.exists(final):  # a step saved before, e.g. by a run resumed from an earlier checkpoint
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                moved = True
+            os.rename(tmp, final)
+            renamed = True
+            _fsync(root)
+            _write_json(os.path.join(final, MARKER), {"step": step, "saved_at": time.time()})
+            _fsync(final)
+        except OSError as e:  # a full disk or a file-size limit: nothing half-written is left to be taken
+            failed += 1
+            reason = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+            shutil.rmtree(final if renamed else tmp, ignore_errors=True)
+            if moved and not os.path.exists(final):
+                os.rename(old, final)  # the earlier save of this step, complete, back in place
+        else:
+            for _, _, path in list_complete(root)[:-keep]:
+                shutil.rmtree(path, ignore_errors=True)
+            for name in os.listdir(root):
+                if name.startswith(".") and name.endswith(".old.tmp"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.all_reduce(failed, group=group)  # also the barrier: every rank learns of rank 0's failure
+    if failed.item():
+        raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: "
+                           + (reason if engine.rank == 0 else "failed on rank 0"))
     size = sum(os.path.getsize(os.path.join(final, n)) for n in os.listdir(final)) if engine.rank == 0 else 0
     return final, time.perf_counter() - t0, size
 
@@ -373,7 +424,7 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
             with _quiet_sharded_tensor():
                 dcp.load(targets, storage_reader=SafeReader(path), planner=planner, process_group=group)
         except CheckpointException as e:
-            first = next(iter(e.failures.values()), e)
+            first = _failures(e)[0]
             raise ZerorunError(f"{path}: cannot read the checkpoint: {type(first).__name__}: "
                                f"{str(first).strip().splitlines()[0] if str(first).strip() else ''}") from None
         problem = planner.unwritten()  # every rank learns of any rank's unwritten target: the same error

@@ -10,9 +10,9 @@ import uuid
 from typing import List, Optional
 
 import typer
-import yaml
 
 from zerorun.errors import JobFailed, ZerorunError
+from zerorun.hostfile import MAX_SLOTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="zerorun: launch and run ZeRO data-parallel training jobs.")
@@ -30,7 +30,7 @@ _MASTER_PORT = typer.Option(None, "--master-port", min=1, max=65535,
 _INCLUDE = typer.Option(None, "--include", help="Only these hosts/slots: 'host1@host2:0,1'.")
 _EXCLUDE = typer.Option(None, "--exclude", help="All but these hosts/slots: 'host1@host2:0,1'.")
 _NUM_NODES = typer.Option(None, "--num-nodes", min=1, help="Use the first N hosts.")
-_NUM_PROCS = typer.Option(None, "--num-procs", min=1, help="Ranks per node (at most its slots).")
+_NUM_PROCS = typer.Option(None, "--num-procs", min=1, max=MAX_SLOTS, help="Ranks per node (at most its slots).")
 _SSH_USER = typer.Option(None, "--ssh-user", help="SSH user (default: from ~/.ssh/config, else yours).")
 _SSH_PORT = typer.Option(None, "--ssh-port", min=1, max=65535, help="SSH port (default: from ~/.ssh/config, 22).")
 _SSH_KEY = typer.Option(None, "--ssh-key", help="The only SSH private key to use (default: ~/.ssh/config's).")
@@ -238,6 +238,7 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None, dashb
         JobFailed: a rank failed, a node was lost, or the job was interrupted (``exit_code`` 130).
     """
     from zerorun.launch.supervisor import Supervisor
+    from zerorun.recipe import masked_yaml
     from zerorun.telemetry.console import RunRecorder
     from zerorun.telemetry.dashboard import open_view
     from zerorun.telemetry.state import JobState, write_job_file
@@ -250,7 +251,7 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None, dashb
         os.makedirs(run_dir, exist_ok=True)
         if recipe is not None:
             with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
-                yaml.safe_dump(json.loads(recipe.model_dump_json()), f, sort_keys=False)
+                f.write(masked_yaml(recipe))
     except OSError as e:
         job.close()
         raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None

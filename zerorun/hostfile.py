@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from zerorun.errors import ZerorunError
 
+#: The most ranks (slots) one host may run: more than any machine has cores or accelerators; a bound that
+#: keeps a typo such as ``slots=10**20`` or ``slots=100000000000000000000`` from filling the launcher's memory.
+MAX_SLOTS = 4096
 _LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:\-\[\]]+)(?:\s+slots\s*=\s*(?P<slots>\S+))?$")
 
 
@@ -38,7 +41,8 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
     """Parse hostfile ``text``; ``path`` names it in errors.
 
     Raises:
-        ZerorunError: a malformed line, slots that are not a positive integer, a duplicate host, or no hosts;
+        ZerorunError: a malformed line, slots that are not a positive integer or above :data:`MAX_SLOTS`, a
+            duplicate host, or no hosts;
             the message is ``path:LINE: ...``.
     """
     hosts: list[Host] = []
@@ -59,6 +63,9 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
             slots = 0
         if slots <= 0 or not slots_text.isdigit():
             raise ZerorunError(f"{path}:{lineno}: {name}: slots must be a positive integer, got {slots_text!r}")
+        if slots > MAX_SLOTS:
+            raise ZerorunError(f"{path}:{lineno}: {name}: slots={slots_text} is more than {MAX_SLOTS}, the most "
+                               "ranks zerorun runs on one host")
         if name in seen:
             raise ZerorunError(f"{path}:{lineno}: duplicate host {name!r} (first on line {seen[name]})")
         seen[name] = lineno

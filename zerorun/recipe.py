@@ -9,18 +9,48 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sysconfig
+import typing
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
+from zerorun.hostfile import MAX_SLOTS
+
+#: What a ``launch.env`` value is written as in a run folder's recipe.yaml and a checkpoint's zerorun.json
+#: (Note [Masked environment values]).
+MASK = "<masked>"
+#: A POSIX environment variable name: the only ``launch.env`` keys accepted (they reach a remote shell).
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: The most YAML nodes a recipe may stand for once its aliases are followed (a few hundred in practice): an
+#: "alias bomb" of a few lines stands for billions and would hang the loader.
+MAX_YAML_NODES = 100_000
+
+
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field of this type means to take ``true``/``false`` (bool, ``bool | None``, Any)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_admits_bool(a) for a in typing.get_args(annotation) if a is not type(None))
+
+
+def _refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
+    """pydantic takes ``true`` as 1 for an int, float or ``Literal[0, 1, ...]`` field: refuse it instead."""
+    if isinstance(value, bool) and info.field_name in cls.model_fields and \
+            not _admits_bool(cls.model_fields[info.field_name].annotation):
+        raise PydanticCustomError("bool_not_number", "expected a number, got a boolean ({value})",
+                                  {"value": str(value).lower()})
+    return value
 
 
 class _Strict(BaseModel):
     # allow_inf_nan=False: YAML's .inf/.nan would pass and then reach the ranks as null through JSON
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    _no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool))
 
 
 class ModelSpec(_Strict):
@@ -52,6 +82,7 @@ class OptimizerSpec(BaseModel):
     ``weight_decay`` applies to tensors of 2 or more dimensions only unless ``decay_1d: true``."""
 
     model_config = ConfigDict(extra="allow")
+    _no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool))
     name: str = "AdamW"
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -121,14 +152,28 @@ class LossScaleSpec(_Strict):
 
 class LaunchSpec(_Strict):
     """Ranks per node without a hostfile; Python interpreter and working directory on the nodes; extra
-    environment variables for every rank; seconds a collective may wait for a silent peer before the job
-    fails (a hung rank ends the job instead of hanging it)."""
+    environment variables for every rank (POSIX names; values as given, never :data:`MASK`); seconds a
+    collective may wait for a silent peer before the job fails (a hung rank ends the job instead of hanging
+    it)."""
 
-    procs_per_node: int = Field(1, gt=0)
+    procs_per_node: int = Field(1, gt=0, le=MAX_SLOTS)
     python: str | None = None
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     collective_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names_and_values(cls, env: dict[str, str]) -> dict[str, str]:
+        for key, value in env.items():
+            if not ENV_NAME.match(key):
+                raise PydanticCustomError("env_name", "key {key} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)",
+                                          {"key": repr(key)})
+            if value == MASK:
+                raise PydanticCustomError(
+                    "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "
+                    "and checkpoints: give the real value", {"key": key, "mask": repr(MASK)})
+        return env
 
 
 class CheckpointSpec(_Strict):
@@ -198,6 +243,89 @@ def _line_of(root: yaml.Node | None, path: tuple) -> int | None:
     return line
 
 
+def masked(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the recipe ``data`` (JSON-able, as ``model_dump``) with every ``launch.env`` value replaced by
+    :data:`MASK`.
+
+    Note [Masked environment values]: ``launch.env`` carries secrets (tokens, passwords), so the copies of the
+    recipe that stay on disk (the run folder's ``recipe.yaml``, a checkpoint's ``zerorun.json``) hold the
+    keys with the value :data:`MASK`. Nothing reads the values back from them: ``--resume`` takes
+    ``launch.env`` from the recipe given on its command line, never from the checkpoint, and a recipe whose
+    ``launch.env`` holds :data:`MASK` (one copied from a run folder) is refused at load, so a masked value
+    can never silently replace the real one.
+    """
+    launch = data.get("launch")
+    if not isinstance(launch, dict) or not isinstance(launch.get("env"), dict):
+        return data
+    return {**data, "launch": {**launch, "env": {k: MASK for k in launch["env"]}}}
+
+
+def masked_yaml(recipe: Recipe) -> str:
+    """``recipe`` as the YAML text of a run folder's ``recipe.yaml``: resolved, ``launch.env`` values masked
+    (Note [Masked environment values])."""
+    import json
+
+    return yaml.safe_dump(masked(json.loads(recipe.model_dump_json())), sort_keys=False)
+
+
+class _UnboundedYaml(ZerorunError):
+    """YAML that would take unbounded time or memory to load (an alias bomb, a recursive alias)."""
+
+
+def _yaml_size(root: yaml.Node | None, limit: int) -> int:
+    """Nodes the YAML graph at ``root`` stands for with aliases followed (shared nodes counted once per
+    reference), stopping past ``limit``; ``-1`` for a recursive alias. Linear in the graph's size."""
+    if root is None:
+        return 0
+    memo: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = [x for pair in node.value for x in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        if done:
+            open_.discard(id(node))
+            memo[id(node)] = min(limit + 1, 1 + sum(memo[id(k)] for k in kids))
+            continue
+        if id(node) in memo:
+            continue
+        if id(node) in open_:
+            return -1
+        open_.add(id(node))
+        stack.append((node, True))
+        for k in kids:
+            if id(k) in open_:
+                return -1
+            if id(k) not in memo:
+                stack.append((k, False))
+    return memo[id(root)]
+
+
+def load_yaml(text: str, path: str) -> tuple[Any, yaml.Node | None]:
+    """``(data, root node)`` of the YAML ``text`` read from ``path``, bounded: aliases may not make it stand
+    for more than :data:`MAX_YAML_NODES` nodes, nor refer to themselves; nesting too deep is an error too.
+
+    Raises:
+        ZerorunError: invalid YAML (naming the line), an alias bomb, a recursive alias, too deep.
+    """
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        size = _yaml_size(root, MAX_YAML_NODES)
+        if size < 0:
+            raise _UnboundedYaml(f"{path}: invalid YAML: an alias refers to itself (a recursive structure)")
+        if size > MAX_YAML_NODES:
+            raise _UnboundedYaml(f"{path}: invalid YAML: its aliases expand to more than {MAX_YAML_NODES} nodes "
+                               "(an alias bomb?)")
+        return yaml.safe_load(text), root
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ZerorunError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise _UnboundedYaml(f"{path}: invalid YAML: nested too deeply") from None
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``a.b.c=value`` overrides (value parsed as YAML: ``3``, ``1e-3``, ``true``, ``[1, 2]``) to ``data``.
 
@@ -209,8 +337,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if not sep or not key:
             raise ZerorunError(f"override {item!r}: expected FIELD=VALUE, e.g. train.steps=50")
         try:
-            value = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError:
+            value = load_yaml(raw, f"override {item!r}")[0] if raw else ""
+        except _UnboundedYaml:
+            raise
+        except ZerorunError:
             value = raw
         node = data
         parts = key.split(".")
@@ -265,14 +395,8 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
             patterns that match nothing, unsupported options; the message names file, line and field.
     """
     text = read_text(path, "recipe")
-    try:
-        root = yaml.compose(text)
-        _check_duplicate_keys(root, path)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise ZerorunError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    data, root = load_yaml(text, path)
+    _check_duplicate_keys(root, path)
     if not isinstance(data, dict):
         raise ZerorunError(f"{path}: a recipe must be a YAML mapping (name:, model:, train:, ...)")
     overrides = overrides or []
@@ -346,6 +470,7 @@ def _override_for(loc: tuple, overrides: list[str]) -> str | None:
 def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
     """The optimizer exists in torch.optim, is elementwise, and accepts every key given."""
     import inspect
+    import json
 
     from zerorun.zero.engine import resolve_optimizer
 
@@ -354,9 +479,14 @@ def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
     except ValueError as e:
         raise ZerorunError(f"{where}.name: {e}") from None
     accepted = inspect.signature(cls.__init__).parameters
-    for key in spec.kwargs():
+    for key, value in spec.kwargs().items():
         if key not in accepted:
             raise ZerorunError(f"{where}.{key}: {cls.__name__} has no argument {key!r}")
+        default = accepted[key].default
+        numeric = isinstance(default, (int, float, tuple)) and not isinstance(default, bool)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if numeric and any(isinstance(v, bool) for v in values):
+            raise ZerorunError(f"{where}.{key}: expected a number, got a boolean ({json.dumps(value)})")
 
 
 def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides: list[str] | None = None) -> Recipe:

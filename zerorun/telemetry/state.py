@@ -346,12 +346,12 @@ def _read_json(path: str) -> dict:
 
 
 def _read_yaml(path: str) -> dict:
-    import yaml
+    from zerorun.recipe import load_yaml  # bounded: a run folder's recipe.yaml may be an alias bomb
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
+            data = load_yaml(f.read(), path)[0]
+    except (OSError, UnicodeDecodeError, ZerorunError):
         return {}
     return data if isinstance(data, dict) else {}
 

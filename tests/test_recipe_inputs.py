@@ -1,0 +1,144 @@
+"""Hostile or mistaken recipe and hostfile input (issue 17): environment keys that would reach a shell,
+masked values copied back, alias bombs, booleans taken as numbers, absurd slot counts. Each is one line
+naming the file, line or field, exit code 2, and fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_recipe import good
+from zerorun.errors import ZerorunError
+from zerorun.hostfile import parse_hostfile
+from zerorun.recipe import MASK, load_recipe, masked
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("key", ["X=1; touch /tmp/p; Y", "A B", "1X", "X-Y", "", "X$(id)", "é"])
+def test_launch_env_keys_must_be_variable_names(tmp_path, key):
+    with pytest.raises(ZerorunError, match=r"launch\.env: key .* is not a variable name") as info:
+        load_recipe(good(tmp_path, "launch:\n  env:\n    " + repr(key).replace("'", '"') + ": '1'\n"))
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+    assert str(info.value).startswith(str(tmp_path / "r.yaml") + ":13: ")  # the env: line
+    with pytest.raises(ZerorunError, match=r"^override .*: launch\.env: key .* is not a variable name"):
+        load_recipe(good(tmp_path), ["launch.env={%s: '1'}" % json.dumps(key)])
+
+
+def test_launch_env_values_stay_as_given_and_are_masked_on_disk(tmp_path):
+    r = load_recipe(good(tmp_path, "launch:\n  env: {TOKEN: \"s3cret; $(id) 'q'\", _OK2: ''}\n"))
+    assert r.launch.env == {"TOKEN": "s3cret; $(id) 'q'", "_OK2": ""}
+    data = r.model_dump()
+    assert masked(data)["launch"]["env"] == {"TOKEN": MASK, "_OK2": MASK}
+    assert data["launch"]["env"]["TOKEN"] == "s3cret; $(id) 'q'"  # the original is left alone
+    with pytest.raises(ZerorunError, match=r"r\.yaml:13: launch\.env: TOKEN is '<masked>', the mask zerorun "
+                                           r"writes .*: give the real value"):
+        load_recipe(good(tmp_path, f"launch:\n  env: {{TOKEN: '{MASK}'}}\n"))
+
+
+BOMB = """\
+a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+
+
+@pytest.mark.parametrize("text,expected", [
+    (BOMB, r"r\.yaml: invalid YAML: its aliases expand to more than 100000 nodes"),
+    ("name: t\nmodel: {module: x.py, kwargs: {k: &k [1, *k]}}\n", r"r\.yaml: invalid YAML: an alias refers to itself"),
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", r"r\.yaml: invalid YAML: nested too deeply"),
+])
+def test_unbounded_yaml_is_refused_quickly(tmp_path, text, expected):
+    (tmp_path / "r.yaml").write_text(text)
+    t0 = time.perf_counter()
+    with pytest.raises(ZerorunError, match=expected):
+        load_recipe(str(tmp_path / "r.yaml"))
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_few_aliases_are_still_fine(tmp_path):
+    path = good(tmp_path, "zero: &z {stage: 2}\nlog: {every: 1, dir: runs}\n")
+    (tmp_path / "r.yaml").write_text(open(path).read().replace("steps: 5", "steps: &n 5").replace(
+        "micro_batch_size: 2", "micro_batch_size: *n"))
+    r = load_recipe(path)
+    assert r.zero.stage == 2 and r.train.steps == r.train.micro_batch_size == 5
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.steps=true", r"^override 'train.steps=true': train\.steps: expected a number, got a boolean \(true\)$"),
+    ("train.micro_batch_size=false", r"train\.micro_batch_size: expected a number, got a boolean \(false\)"),
+    ("zero.stage=true", r"zero\.stage: expected a number, got a boolean \(true\)"),
+    ("train.optimizer.lr=true", r"train\.optimizer\.lr: expected a number, got a boolean"),
+    ("train.grad_clip=true", r"train\.grad_clip: expected a number, got a boolean"),
+    ("zero.bucket_mb=true", r"zero\.bucket_mb: expected a number"),
+    ("launch.procs_per_node=true", r"launch\.procs_per_node: expected a number"),
+    ("checkpoint.every=true", r"checkpoint\.every: expected a number"),
+    ("train.optimizer.betas=[true, 0.9]", r"train\.optimizer\.betas: expected a number, got a boolean \(\[true, 0\.9\]\)"),
+    ("train.optimizer.eps=false", r"train\.optimizer\.eps: expected a number, got a boolean \(false\)"),
+    ("launch.procs_per_node=100000000000000000000", r"launch\.procs_per_node: Input should be less than or equal to 4096"),
+])
+def test_booleans_are_not_numbers(tmp_path, override, expected):
+    with pytest.raises(ZerorunError, match=expected) as info:
+        load_recipe(good(tmp_path), [override])
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)
+
+
+def test_booleans_where_booleans_belong(tmp_path):
+    r = load_recipe(good(tmp_path), ["train.optimizer.amsgrad=true", "zero.prefetch=false",
+                                     "train.optimizer.decay_1d=true"])
+    assert r.train.optimizer.kwargs()["amsgrad"] is True and r.zero.prefetch is False
+    (tmp_path / "r.yaml").write_text(open(good(tmp_path)).read().replace("steps: 5", "steps: true"))
+    with pytest.raises(ZerorunError, match=r"r\.yaml:9: train\.steps: expected a number, got a boolean \(true\)"):
+        load_recipe(str(tmp_path / "r.yaml"))
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("a slots=2\nb slots=100000000000000000000\n", r"^hf:2: b: slots=100000000000000000000 is more than 4096"),
+    ("a slots=10**20\n", r"^hf:1: a: slots must be a positive integer, got '10\*\*20'$"),
+    ("a slots=4097\n", r"^hf:1: a: slots=4097 is more than 4096"),
+])
+def test_absurd_slot_counts_are_refused(text, expected):
+    with pytest.raises(ZerorunError, match=expected):
+        parse_hostfile(text, "hf")
+    assert parse_hostfile("a slots=4096\n", "hf")[0].slots == 4096
+
+
+def test_cli_exit_2_for_each(tmp_path):
+    """Through the command line: one line on stderr and exit code 2 (--dry-run: nothing starts)."""
+    (tmp_path / "hf").write_text("localhost slots=100000000000000000000\n")
+    (tmp_path / "bomb.yaml").write_text(BOMB)
+    for args, expected in (
+            (["train", "recipes/tiny.yaml", "-H", str(tmp_path / "hf"), "--dry-run"], "hf:1: localhost: slots="),
+            (["train", str(tmp_path / "bomb.yaml"), "--dry-run"], "alias bomb"),
+            (["train", "recipes/tiny.yaml", "train.steps=true", "--dry-run"], "train.steps: expected a number"),
+            (["train", "recipes/tiny.yaml", "launch.env={'X=1; touch /tmp/p; Y': '1'}", "--dry-run"],
+             "is not a variable name"),
+            (["train", "recipes/tiny.yaml", "--num-procs", "100000000000000000000", "--dry-run"], "--num-procs")):
+        out = subprocess.run([sys.executable, "-m", "zerorun", *args], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and expected in out.stderr, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_run_folder_recipe_masks_env_values(tmp_path):
+    import yaml
+
+    from zerorun.recipe import masked_yaml
+
+    r = load_recipe(good(tmp_path, "launch:\n  env: {TOKEN: s3cret}\n"))
+    text = masked_yaml(r)
+    assert "s3cret" not in text and yaml.safe_load(text)["launch"]["env"] == {"TOKEN": MASK}
+    (tmp_path / "copied.yaml").write_text(text)  # a run folder's recipe.yaml used again is refused, not masked
+    with pytest.raises(ZerorunError, match=r"launch\.env: TOKEN is '<masked>'.*give the real value"):
+        load_recipe(str(tmp_path / "copied.yaml"))
