@@ -274,6 +274,7 @@ def render_table(rows: list[Row], baselines: list[str], repeat: int):
     """The results as a rich Table (medians; ``min-max`` beside step time and samples/s when repeated), with
     the reason of each failed combination below it."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -290,10 +291,11 @@ def render_table(rows: list[Row], baselines: list[str], repeat: int):
         host = os.path.basename(r.combo.hostfile) if r.combo.hostfile else "localhost"
         if not r.metrics:
             status = {"pending": "[dim]pending[/]", "running": "[yellow]running[/]"}.get(r.status, "[red]failed[/]")
-            table.add_row(host, "", r.combo.label, status)
+            table.add_row(Text(host), "", Text(r.combo.label), status)
             continue
         v = r.value
-        cells = [host, str(int(v("world_size"))), r.combo.label + ("" if r.status == "ok" else " [red](failed)[/]"),
+        cells = [Text(host), str(int(v("world_size"))),
+                 escape(r.combo.label) + ("" if r.status == "ok" else " [red](failed)[/]"),
                  spread(r, "step_time_s", lambda x: f"{x * 1e3:.0f}"), f"{v('step_time_p90_s') * 1e3:.0f}",
                  spread(r, "samples_per_s", human_rate), human_rate(v("tokens_per_s")),
                  f"{r.scaling_efficiency:.2f}", human_bytes(v("peak_rss_bytes")), human_bytes(v("model_state_bytes")),
@@ -408,7 +410,9 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     """
     from rich.console import Console, Group
     from rich.live import Live
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
     from zerorun.cli import _hosts, _job, _run
     from zerorun.hostfile import read_hostfile
@@ -453,8 +457,8 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
         for row in rows:
             row.status = "running"
             for k in range(repeat):
-                progress.update(task, description=f"{row.combo.label} on "
-                                f"{os.path.basename(row.combo.hostfile or 'localhost')} ({k + 1}/{repeat})")
+                progress.update(task, description=escape(f"{row.combo.label} on "
+                                f"{os.path.basename(row.combo.hostfile or 'localhost')} ({k + 1}/{repeat})"))
                 live.update(Group(render_table(rows, baselines, repeat), progress))
                 try:
                     recipe = load_recipe(recipe_path, [*overrides, f"log.dir={jobs_dir}",
@@ -485,10 +489,10 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     try:
         write_png(os.path.join(bench_dir, "bench.png"), rows)
     except ZerorunError as e:
-        console.print(f"zerorun: note: {e}")
+        console.print(Text(f"zerorun: note: {e}"))  # not markup: "pip install 'zerorun[plot]'" must survive
     failed = [r for r in rows if r.status != "ok"]
-    console.print(f"zerorun: bench: {len(rows) - len(failed)} of {len(rows)} combinations succeeded; "
-                  f"results in {bench_dir}")
+    console.print(Text(f"zerorun: bench: {len(rows) - len(failed)} of {len(rows)} combinations succeeded; "
+                       f"results in {bench_dir}"))
     if interrupted:
         raise interrupted
     return len(failed), len(rows), bench_dir

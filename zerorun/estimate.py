@@ -854,7 +854,9 @@ def _nodes_for_stage3(layout: Layout, setup: Setup, activations: int, max_nodes:
 def render(est: Estimate, console=None) -> None:
     """Print ``est`` as rich tables (bytes in binary units, time in seconds)."""
     from rich.console import Console
+    from rich.markup import escape as e
     from rich.table import Table
+    from rich.text import Text
 
     import sys
 
@@ -865,11 +867,11 @@ def render(est: Estimate, console=None) -> None:
     largest = p["largest_unit"]
     console.print(f"[bold]Model[/bold]: {p['total']:,} parameters ({format_count(p['total'])}): "
                   f"{p['trainable']:,} trainable, {p['frozen']:,} frozen"
-                  + (f"; largest unit {largest['name']} {largest['params']:,}" if largest else "")
+                  + (f"; largest unit {e(str(largest['name']))} {largest['params']:,}" if largest else "")
                   + ("" if p["exact_layout"] else " (from --params)"))
     console.print(f"[bold]Setup[/bold]: {s['world_size']} ranks ({s['nodes']} nodes x {s['procs_per_node']}), "
-                  f"{s['precision']}" + (" (reduce fp32)" if s["reduce_dtype"] != s["precision"] else "")
-                  + f", {s['optimizer']} ({s['optimizer_states']} states), device {s['device']} "
+                  f"{e(str(s['precision']))}" + (" (reduce fp32)" if s["reduce_dtype"] != s["precision"] else "")
+                  + f", {e(str(s['optimizer']))} ({s['optimizer_states']} states), device {e(str(s['device']))} "
                   f"{format_bytes(s['device_memory'])} per rank, host {format_bytes(s['cpu_memory_per_node'])} "
                   f"per node, {s['bandwidth_bytes_per_s'] * 8 / 1e9:g} Gbit/s per rank")
     unit, size = ("GiB", 2**30) if max(r.device_total for r in est.rows) >= 2**30 else ("MiB", 2**20)
@@ -882,7 +884,7 @@ def render(est: Estimate, console=None) -> None:
     for r in est.rows:
         fits = f"[green]yes[/green] {r.headroom / s['device_memory']:.0%}" if r.fits else \
             f"[red]no[/red] {r.headroom / s['device_memory']:.0%}"
-        t.add_row(r.label.replace(" + offload ", "+"), v(r.params), v(r.grads), v(r.optimizer), v(r.model_states),
+        t.add_row(Text(r.label.replace(" + offload ", "+")), v(r.params), v(r.grads), v(r.optimizer), v(r.model_states),
                   v(r.working_set), v(r.activations) if est.activations else "-", v(r.device_total), fits,
                   v(r.cpu_per_node), v(r.disk_per_node), v(r.comm_bytes), f"{r.comm_s:.3g} s")
     console.print(t)
@@ -896,8 +898,8 @@ def render(est: Estimate, console=None) -> None:
                          f"{format_bytes(a['total_fused'])} and {format_bytes(a['checkpointed_fused'])}"
                          if a["fused_attention"] else "the model does not declare fused attention"))
     for note in est.notes:
-        console.print(f"note: {note}")
-    console.print(f"[bold]Recommendation[/bold]: {est.recommendation}")
+        console.print(Text(f"note: {note}"))
+    console.print(f"[bold]Recommendation[/bold]: {e(est.recommendation)}")
 
 
 def detect_memory(procs_per_node: int) -> tuple[int, str, int]:

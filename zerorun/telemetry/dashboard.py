@@ -193,16 +193,18 @@ def summary(state: JobState) -> Group:
     job = Table.grid(padding=(0, 2))
     job.add_column(style="bold")
     job.add_column()
-    job.add_row("total time", human_duration(state.elapsed_s()))
-    job.add_row("time to first step", human_duration(state.time_to_first_step_s()))
-    job.add_row("steps", f"{state.step}/{state.steps or '?'}")
+    rows = [("total time", human_duration(state.elapsed_s())),
+            ("time to first step", human_duration(state.time_to_first_step_s())),
+            ("steps", f"{state.step}/{state.steps or '?'}")]
     if state.last_loss is not None:
-        job.add_row("final training loss", f"{state.last_loss:.4f}")
-    job.add_row("final validation loss", "-" if state.final_val is None else f"{state.final_val:.4f}")
-    job.add_row("best validation loss", "-" if state.best_val is None else f"{state.best_val:.4f}")
+        rows.append(("final training loss", f"{state.last_loss:.4f}"))
+    rows.append(("final validation loss", "-" if state.final_val is None else f"{state.final_val:.4f}"))
+    rows.append(("best validation loss", "-" if state.best_val is None else f"{state.best_val:.4f}"))
     if state.checkpoints:
         c = state.checkpoints[-1]
-        job.add_row("last checkpoint", f"step {c.get('step', '?')}: {c.get('path', '?')}")
+        rows.append(("last checkpoint", f"step {c.get('step', '?')}: {c.get('path', '?')}"))
+    for name, value in rows:
+        job.add_row(name, Text(value))  # values are not markup: a path may hold '[...]'
     return Group(Text(f"zerorun · {state.name} · summary", style="bold"), ranks, job)
 
 
