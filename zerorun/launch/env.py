@@ -2,8 +2,9 @@
 
 Note [Forwarded environment]: a remote node gets only what the user asked for, never the launcher's whole
 environment (DeepSpeed exports it all, secrets included): variables whose names start with one of
-:data:`ALLOWED_PREFIXES`, then ``KEY=VALUE`` lines of a ``.zerorun_env`` file (``~/.zerorun_env``, then
-``./.zerorun_env``, the later winning), then the recipe's ``launch.env``. Local nodes inherit the launcher's
+:data:`ALLOWED_PREFIXES`, then ``KEY=VALUE`` lines of environment files (:func:`env_file_paths`: DeepSpeed's
+``.deepspeed_env`` where DeepSpeed looks for it, then ``~/.zerorun_env`` and ``./.zerorun_env``, the later
+winning; a note on stderr names each file used), then the recipe's ``launch.env``. Local nodes inherit the launcher's
 environment as subprocesses do, plus the same file and recipe values, so a job behaves the same either way.
 Values are sent to the remote shell quoted with :func:`shlex.quote` on its standard input, not on a command
 line, so spaces, quotes, ``$``, ``;`` and newlines arrive byte for byte and nothing shows in ``ps``.
@@ -13,13 +14,17 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+import sys
+from typing import Callable, Mapping
 
 from zerorun.errors import ZerorunError
 
 #: names with these prefixes are forwarded from the launcher's environment (Note [Forwarded environment]).
 ALLOWED_PREFIXES = ("NCCL_", "PYTHON", "CUDA_VISIBLE_DEVICES", "GLOO_", "TORCH_", "OMP_NUM_THREADS")
 ENV_FILE = ".zerorun_env"
+#: DeepSpeed's environment file name; ``$DS_ENV_FILE`` replaces it, as in DeepSpeed's launcher/runner.py.
+DS_ENV_FILE = ".deepspeed_env"
+_noted: set[str] = set()
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -50,15 +55,45 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
     return env
 
 
-def env_file_values(paths: list[str] | None = None) -> dict[str, str]:
-    """Values of the ``.zerorun_env`` files that exist among ``paths`` (default: home, then the current
-    directory), later files overriding earlier ones."""
+def env_file_paths(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The environment files read, in order (later files override earlier ones): DeepSpeed's, with
+    DeepSpeed's rules (``$DS_ENV_FILE`` or ``.deepspeed_env``, joined to the home folder, then to the current
+    directory; an absolute ``$DS_ENV_FILE`` is that one file), then ``~/.zerorun_env`` and
+    ``./.zerorun_env``, so that zerorun's own files win over a DeepSpeed user's."""
+    environ = os.environ if environ is None else environ
+    home = os.path.expanduser("~")
+    ds_name = environ.get("DS_ENV_FILE") or DS_ENV_FILE
+    paths = [os.path.join(home, ds_name), os.path.abspath(ds_name), os.path.join(home, ENV_FILE),
+             os.path.abspath(ENV_FILE)]
+    return list(dict.fromkeys(paths))
+
+
+def env_file_values(paths: list[str] | None = None, note: Callable[[str], None] | None = None) -> dict[str, str]:
+    """Values of the environment files that exist among ``paths`` (default: :func:`env_file_paths`), later
+    files overriding earlier ones. ``note(message)`` is told of each file used (default: one line on stderr,
+    once per file and process).
+
+    Raises:
+        ZerorunError: an unreadable file or a bad line (``path:LINE: ...``).
+    """
     from zerorun.recipe import read_text
 
+    if note is None:
+        note = _note_once
     if paths is None:
-        paths = [os.path.join(os.path.expanduser("~"), ENV_FILE), os.path.abspath(ENV_FILE)]
+        paths = env_file_paths()
     env: dict[str, str] = {}
     for path in dict.fromkeys(paths):
         if os.path.isfile(path):
-            env.update(parse_env_file(read_text(path, "environment file"), path))
+            values = parse_env_file(read_text(path, "environment file"), path)
+            kind = "environment file" if os.path.basename(path) == ENV_FILE else "DeepSpeed's environment file"
+            note(f"zerorun: note: {len(values)} variable(s) for the ranks from {kind} {path}")
+            env.update(values)
     return env
+
+
+def _note_once(message: str) -> None:
+    if message not in _noted:
+        _noted.add(message)
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
