@@ -346,12 +346,12 @@ def _read_json(path: str) -> dict:
 
 
 def _read_yaml(path: str) -> dict:
-    from zerorun.recipe import load_yaml  # bounded: a run folder's recipe.yaml may be an alias bomb
+    import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = load_yaml(f.read(), path)[0]
-    except (OSError, UnicodeDecodeError, ZerorunError):
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
 
