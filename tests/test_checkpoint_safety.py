@@ -188,3 +188,26 @@ def test_save_that_runs_out_of_room_says_where_and_why(ranks, tmp_path):
     assert results[1]["enospc"].endswith("failed on rank 0")
     assert r0["after_enospc"] == ["step-00000001"]  # the first save of step 1, complete, back in place
     assert r0["latest_after_enospc"] == str(root / "step-00000001") and r0["check_after_enospc"] == 1
+
+
+def test_short_write_reported_by_torch_is_explained(tmp_path, monkeypatch):
+    """torch's zip writer turns a write cut short by the file-size limit or a full disk into "unexpected pos"
+    (seen with `prlimit --fsize=60000 zerorun train recipes/tiny.yaml checkpoint.every=1`): the reason is
+    found on the host instead."""
+    import resource
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    opaque = CheckpointException("ranks", {1: (RuntimeError("[enforce fail at inline_container.cc:672] . "
+                                                            "unexpected pos 704 vs 598"), None)})
+    (tmp_path / "__1_0.distcp").write_bytes(b"x" * 4096)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        why = checkpoint._why(opaque, str(tmp_path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert why == "File too large (the file-size limit, ulimit -f, is 4096 bytes)"
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=3, f_frsize=4096))
+    assert checkpoint._why(opaque, str(tmp_path)) == "No space left on device (12288 bytes free)"

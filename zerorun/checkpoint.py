@@ -272,13 +272,27 @@ def _failures(e: BaseException) -> list[BaseException]:
     return [f for f in found if isinstance(f, BaseException)] or [e]
 
 
-def _why(e: BaseException) -> str:
-    """One line saying why DCP's save failed: the first ``OSError``'s reason and file ("No space left on
-    device", "File too large"), else the first failure's first line."""
+def _why(e: BaseException, folder: str) -> str:
+    """One line saying why DCP's save into ``folder`` failed: the first ``OSError``'s reason and file ("No
+    space left on device", "File too large"); else, since torch's zip writer reports a short write only as
+    "unexpected pos", the cause found on this host (a file of ``folder`` at the file-size limit, less than
+    1 MiB free on its device); else the first failure's first line."""
+    import resource
+
     failures = _failures(e)
     for f in failures:
         if isinstance(f, OSError) and f.strerror:
             return f.strerror + (f" ({f.filename})" if f.filename else "")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    try:
+        sizes = [os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)]
+        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    except OSError:
+        sizes, free = [], None
+    if limit != resource.RLIM_INFINITY and sizes and max(sizes) >= limit:
+        return f"File too large (the file-size limit, ulimit -f, is {limit} bytes)"
+    if free is not None and free < 2**20:
+        return f"No space left on device ({free} bytes free)"
     first = failures[0]
     text = str(first).strip()
     return f"{type(first).__name__}: {text.splitlines()[0]}" if text else type(first).__name__
@@ -338,9 +352,11 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
         with _quiet_sharded_tensor():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
     except CheckpointException as e:  # raised on every rank alike (DCP gathers and broadcasts the failures)
+        why = _why(e, tmp)
+        dist.barrier(group)  # every rank has looked at the folder before rank 0 removes it
         if engine.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: {_why(e)}") from None
+        raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: {why}") from None
     reason = ""
     if engine.rank == 0:
         moved = renamed = False
