@@ -71,3 +71,12 @@ def test_ranks_get_deepspeed_env_values(places):
     assert "FROM_DS=value with spaces; $(no) 'expansion'" in out.stdout
     assert f"zerorun: note: 1 variable(s) for the ranks from DeepSpeed's environment file {home / '.deepspeed_env'}" \
         in out.stderr
+
+
+def test_forwarded_names_are_variable_names():
+    """A launcher environment may hold any name; one that is not a variable name would reach the remote
+    shell's export line unquoted, so it is not forwarded."""
+    from zerorun.launch.env import allowed_env
+
+    environ = {"NCCL_DEBUG": "INFO", "NCCL_X;touch /tmp/p;Y": "1", "TORCH_$(id)": "1", "HOME": "/root"}
+    assert allowed_env(environ) == {"NCCL_DEBUG": "INFO"}

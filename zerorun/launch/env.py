@@ -29,9 +29,11 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def allowed_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables of ``environ`` (default: ``os.environ``) whose names start with an allowed prefix."""
+    """The variables of ``environ`` (default: ``os.environ``) whose names start with an allowed prefix and
+    are variable names (an environment may hold any name, e.g. ``NCCL_X;touch /tmp/p``: such a name would
+    reach the remote shell's ``export`` unquoted, so it is not forwarded)."""
     environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items() if k.startswith(ALLOWED_PREFIXES)}
+    return {k: v for k, v in environ.items() if k.startswith(ALLOWED_PREFIXES) and _NAME.match(k)}
 
 
 def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
