@@ -36,7 +36,6 @@ import itertools
 import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import time
@@ -46,9 +45,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
-from zerorun.dcp_safety import SafeLoadPlanner, check_entries
+from zerorun.dcp_safety import SafeLoadPlanner, SafeReader, _failures, _why  # noqa: F401 (SafeReader: API)
 from zerorun.errors import ZerorunError
 
 MARKER = "COMPLETE"
@@ -72,70 +70,6 @@ def step_dir(root: str, step: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- reading
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only the classes DCP's ``.metadata`` is made of (no arbitrary code on load)."""
-
-    _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"}
-    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-              ("pathlib", "PureWindowsPath")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in self._MODULES or (module, name) in self._NAMES or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader with a restricted unpickler for ``.metadata`` (tensors are already read with
-    ``weights_only=True``) that refuses every non-tensor entry before any data is read (Note [Untrusted
-    checkpoints] in ``dcp_safety.py``), and :meth:`check_files` to name a truncated file before reading it."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = os.path.join(str(self.path), ".metadata")
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise ZerorunError(f"{path}: missing: not a DCP checkpoint") from None
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
-            raise ZerorunError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-        if not isinstance(metadata, Metadata):
-            raise ZerorunError(f"{path}: unreadable checkpoint metadata (not DCP metadata)")
-        check_entries(metadata, path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    def check_files(self) -> Any:
-        """Read the metadata and check that every data file exists and is long enough for every chunk.
-
-        Returns:
-            DCP's ``Metadata``.
-
-        Raises:
-            ZerorunError: naming the file and the first key whose bytes are missing.
-        """
-        metadata = self.read_metadata()
-        sizes: dict[str, int] = {}
-        for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[1].offset):
-            path = os.path.join(str(self.path), info.relative_path)
-            if path not in sizes:
-                try:
-                    sizes[path] = os.path.getsize(path)
-                except OSError:
-                    raise ZerorunError(f"{path}: missing (holds key {index.fqn!r})") from None
-            if info.offset + info.length > sizes[path]:
-                raise ZerorunError(f"{path}: truncated: {sizes[path]} bytes, key {index.fqn!r} needs bytes "
-                                   f"{info.offset}..{info.offset + info.length}")
-        return metadata
-
-
 def read_meta(path: str) -> dict[str, Any]:
     """``zerorun.json`` of the checkpoint at ``path``, after checking that the checkpoint is complete.
 
@@ -263,39 +197,6 @@ def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
     if torch.cuda.is_available():
         out[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
     return out
-
-
-def _failures(e: BaseException) -> list[BaseException]:
-    """The exceptions inside DCP's ``CheckpointException`` (per rank, wrapped with their traceback), in rank
-    order; ``[e]`` when it holds none."""
-    found = [v[0] if isinstance(v, tuple) else v for _, v in sorted(getattr(e, "failures", {}).items())]
-    return [f for f in found if isinstance(f, BaseException)] or [e]
-
-
-def _why(e: BaseException, folder: str) -> str:
-    """One line saying why DCP's save into ``folder`` failed: the first ``OSError``'s reason and file ("No
-    space left on device", "File too large"); else, since torch's zip writer reports a short write only as
-    "unexpected pos", the cause found on this host (a file of ``folder`` at the file-size limit, less than
-    1 MiB free on its device); else the first failure's first line."""
-    import resource
-
-    failures = _failures(e)
-    for f in failures:
-        if isinstance(f, OSError) and f.strerror:
-            return f.strerror + (f" ({f.filename})" if f.filename else "")
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    try:
-        sizes = [os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)]
-        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
-    except OSError:
-        sizes, free = [], None
-    if limit != resource.RLIM_INFINITY and sizes and max(sizes) >= limit:
-        return f"File too large (the file-size limit, ulimit -f, is {limit} bytes)"
-    if free is not None and free < 2**20:
-        return f"No space left on device ({free} bytes free)"
-    first = failures[0]
-    text = str(first).strip()
-    return f"{type(first).__name__}: {text.splitlines()[0]}" if text else type(first).__name__
 
 
 @dataclass

@@ -9,42 +9,21 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import sysconfig
-import typing
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
-
-#: What a ``launch.env`` value is written as in a run folder's recipe.yaml and a checkpoint's zerorun.json
-#: (Note [Masked environment values]).
-MASK = "<masked>"
-#: A POSIX environment variable name: the only ``launch.env`` keys accepted (they reach a remote shell).
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: The most YAML nodes a recipe may stand for once its aliases are followed (a few hundred in practice): an
-#: "alias bomb" of a few lines stands for billions and would hang the loader.
-MAX_YAML_NODES = 100_000
-
-
-def _admits_bool(annotation: Any) -> bool:
-    """Whether a field of this type means to take ``true``/``false`` (bool, ``bool | None``, Any)."""
-    if annotation is bool or annotation is Any:
-        return True
-    return any(_admits_bool(a) for a in typing.get_args(annotation) if a is not type(None))
-
-
-def _refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
-    """pydantic takes ``true`` as 1 for an int, float or ``Literal[0, 1, ...]`` field: refuse it instead."""
-    if isinstance(value, bool) and info.field_name in cls.model_fields and \
-            not _admits_bool(cls.model_fields[info.field_name].annotation):
-        raise PydanticCustomError("bool_not_number", "expected a number, got a boolean ({value})",
-                                  {"value": str(value).lower()})
-    return value
+from zerorun.recipe_text import (ENV_NAME, MASK, MAX_YAML_NODES, apply_overrides, load_yaml,  # noqa: F401
+                                 masked, read_text)
+from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
+from zerorun.recipe_text import line_of as _line_of
+from zerorun.recipe_text import override_for as _override_for
+from zerorun.recipe_text import refuse_bool as _refuse_bool
 
 
 class _Strict(BaseModel):
@@ -221,138 +200,12 @@ class Recipe(_Strict):
 
 
 # --------------------------------------------------------------------------------------------- loading
-def _line_of(root: yaml.Node | None, path: tuple) -> int | None:
-    """1-based line of the YAML node at ``path`` (keys and list indices), or of its nearest parent."""
-    node, line = root, None
-    for key in path:
-        if node is None:
-            break
-        line = node.start_mark.line + 1
-        if isinstance(node, yaml.MappingNode):
-            nxt = None
-            for k, v in node.value:
-                if k.value == str(key):
-                    nxt = v
-                    line = k.start_mark.line + 1
-            node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            node = node.value[key]
-            line = node.start_mark.line + 1
-        else:
-            node = None
-    return line
-
-
-def masked(data: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the recipe ``data`` (JSON-able, as ``model_dump``) with every ``launch.env`` value replaced by
-    :data:`MASK`.
-
-    Note [Masked environment values]: ``launch.env`` carries secrets (tokens, passwords), so the copies of the
-    recipe that stay on disk (the run folder's ``recipe.yaml``, a checkpoint's ``zerorun.json``) hold the
-    keys with the value :data:`MASK`. Nothing reads the values back from them: ``--resume`` takes
-    ``launch.env`` from the recipe given on its command line, never from the checkpoint, and a recipe whose
-    ``launch.env`` holds :data:`MASK` (one copied from a run folder) is refused at load, so a masked value
-    can never silently replace the real one.
-    """
-    launch = data.get("launch")
-    if not isinstance(launch, dict) or not isinstance(launch.get("env"), dict):
-        return data
-    return {**data, "launch": {**launch, "env": {k: MASK for k in launch["env"]}}}
-
-
 def masked_yaml(recipe: Recipe) -> str:
     """``recipe`` as the YAML text of a run folder's ``recipe.yaml``: resolved, ``launch.env`` values masked
     (Note [Masked environment values])."""
     import json
 
     return yaml.safe_dump(masked(json.loads(recipe.model_dump_json())), sort_keys=False)
-
-
-class _UnboundedYaml(ZerorunError):
-    """YAML that would take unbounded time or memory to load (an alias bomb, a recursive alias)."""
-
-
-def _yaml_size(root: yaml.Node | None, limit: int) -> int:
-    """Nodes the YAML graph at ``root`` stands for with aliases followed (shared nodes counted once per
-    reference), stopping past ``limit``; ``-1`` for a recursive alias. Linear in the graph's size."""
-    if root is None:
-        return 0
-    memo: dict[int, int] = {}
-    open_: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        kids = [x for pair in node.value for x in pair] if isinstance(node, yaml.MappingNode) else \
-            node.value if isinstance(node, yaml.SequenceNode) else []
-        if done:
-            open_.discard(id(node))
-            memo[id(node)] = min(limit + 1, 1 + sum(memo[id(k)] for k in kids))
-            continue
-        if id(node) in memo:
-            continue
-        if id(node) in open_:
-            return -1
-        open_.add(id(node))
-        stack.append((node, True))
-        for k in kids:
-            if id(k) in open_:
-                return -1
-            if id(k) not in memo:
-                stack.append((k, False))
-    return memo[id(root)]
-
-
-def load_yaml(text: str, path: str) -> tuple[Any, yaml.Node | None]:
-    """``(data, root node)`` of the YAML ``text`` read from ``path``, bounded: aliases may not make it stand
-    for more than :data:`MAX_YAML_NODES` nodes, nor refer to themselves; nesting too deep is an error too.
-
-    Raises:
-        ZerorunError: invalid YAML (naming the line), an alias bomb, a recursive alias, too deep.
-    """
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        size = _yaml_size(root, MAX_YAML_NODES)
-        if size < 0:
-            raise _UnboundedYaml(f"{path}: invalid YAML: an alias refers to itself (a recursive structure)")
-        if size > MAX_YAML_NODES:
-            raise _UnboundedYaml(f"{path}: invalid YAML: its aliases expand to more than {MAX_YAML_NODES} nodes "
-                               "(an alias bomb?)")
-        return yaml.safe_load(text), root
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise ZerorunError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
-    except RecursionError:
-        raise _UnboundedYaml(f"{path}: invalid YAML: nested too deeply") from None
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides (value parsed as YAML: ``3``, ``1e-3``, ``true``, ``[1, 2]``) to ``data``.
-
-    Raises:
-        ZerorunError: an override without ``=`` or whose path crosses a non-mapping value.
-    """
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ZerorunError(f"override {item!r}: expected FIELD=VALUE, e.g. train.steps=50")
-        try:
-            value = load_yaml(raw, f"override {item!r}")[0] if raw else ""
-        except _UnboundedYaml:
-            raise
-        except ZerorunError:
-            value = raw
-        node = data
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ZerorunError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a mapping")
-            node = child
-        node[parts[-1]] = value
-    return data
 
 
 def stdlib_dir() -> str:
@@ -423,48 +276,6 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
         more = len(errors) - 1
         raise ZerorunError(where + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
     return resolve(recipe, path, root, overrides)
-
-
-def read_text(path: str, what: str) -> str:
-    """The UTF-8 text of ``path``.
-
-    Raises:
-        ZerorunError: unreadable (missing, a directory, no permission) or not UTF-8 text.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise ZerorunError(f"{path}: cannot read {what}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise ZerorunError(f"{path}: cannot read {what}: not UTF-8 text (byte {e.start})") from None
-
-
-def _check_duplicate_keys(node: yaml.Node | None, path: str) -> None:
-    """YAML keeps the last of two equal keys silently; a recipe with both is almost always a mistake."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for k, v in node.value:
-            key = getattr(k, "value", None)
-            if isinstance(key, str):
-                if key in seen:
-                    raise ZerorunError(f"{path}:{k.start_mark.line + 1}: {key}: duplicate key "
-                                       f"(first on line {seen[key]})")
-                seen[key] = k.start_mark.line + 1
-            _check_duplicate_keys(v, path)
-    elif isinstance(node, yaml.SequenceNode):
-        for v in node.value:
-            _check_duplicate_keys(v, path)
-
-
-def _override_for(loc: tuple, overrides: list[str]) -> str | None:
-    """The last command-line override that set the field at ``loc`` or one of its parents, if any."""
-    field = ".".join(str(p) for p in loc)
-    for item in reversed(overrides):
-        key = item.partition("=")[0]
-        if field == key or field.startswith(key + ".") or key.startswith(field + "."):
-            return item
-    return None
 
 
 def _check_optimizer(spec: OptimizerSpec, where: str) -> None:

@@ -1,0 +1,211 @@
+"""Recipe text before it is a :class:`~zerorun.recipe.Recipe`: reading the file, YAML bounded against alias
+bombs, the line of a field, ``a.b=value`` overrides, booleans refused as numbers, and the masking of
+``launch.env`` values in the copies written to disk (Note [Masked environment values]).
+
+Split from ``recipe.py`` (pydantic models and resolution), which re-exports what it always offered.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Any
+
+import yaml
+from pydantic import ValidationInfo
+from pydantic_core import PydanticCustomError
+
+from zerorun.errors import ZerorunError
+
+#: What a ``launch.env`` value is written as in a run folder's recipe.yaml and a checkpoint's zerorun.json
+#: (Note [Masked environment values]).
+MASK = "<masked>"
+#: A POSIX environment variable name: the only ``launch.env`` keys accepted (they reach a remote shell).
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: The most YAML nodes a recipe may stand for once its aliases are followed (a few hundred in practice): an
+#: "alias bomb" of a few lines stands for billions and would hang the loader.
+MAX_YAML_NODES = 100_000
+
+
+def admits_bool(annotation: Any) -> bool:
+    """Whether a field of this type means to take ``true``/``false`` (bool, ``bool | None``, Any)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(admits_bool(a) for a in typing.get_args(annotation) if a is not type(None))
+
+
+def refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
+    """pydantic takes ``true`` as 1 for an int, float or ``Literal[0, 1, ...]`` field: refuse it instead."""
+    if isinstance(value, bool) and info.field_name in cls.model_fields and \
+            not admits_bool(cls.model_fields[info.field_name].annotation):
+        raise PydanticCustomError("bool_not_number", "expected a number, got a boolean ({value})",
+                                  {"value": str(value).lower()})
+    return value
+
+
+def line_of(root: yaml.Node | None, path: tuple) -> int | None:
+    """1-based line of the YAML node at ``path`` (keys and list indices), or of its nearest parent."""
+    node, line = root, None
+    for key in path:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            nxt = None
+            for k, v in node.value:
+                if k.value == str(key):
+                    nxt = v
+                    line = k.start_mark.line + 1
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+            line = node.start_mark.line + 1
+        else:
+            node = None
+    return line
+
+
+def masked(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the recipe ``data`` (JSON-able, as ``model_dump``) with every ``launch.env`` value replaced by
+    :data:`MASK`.
+
+    Note [Masked environment values]: ``launch.env`` carries secrets (tokens, passwords), so the copies of the
+    recipe that stay on disk (the run folder's ``recipe.yaml``, a checkpoint's ``zerorun.json``) hold the
+    keys with the value :data:`MASK`. Nothing reads the values back from them: ``--resume`` takes
+    ``launch.env`` from the recipe given on its command line, never from the checkpoint, and a recipe whose
+    ``launch.env`` holds :data:`MASK` (one copied from a run folder) is refused at load, so a masked value
+    can never silently replace the real one.
+    """
+    launch = data.get("launch")
+    if not isinstance(launch, dict) or not isinstance(launch.get("env"), dict):
+        return data
+    return {**data, "launch": {**launch, "env": {k: MASK for k in launch["env"]}}}
+
+
+class _UnboundedYaml(ZerorunError):
+    """YAML that would take unbounded time or memory to load (an alias bomb, a recursive alias)."""
+
+
+def _yaml_size(root: yaml.Node | None, limit: int) -> int:
+    """Nodes the YAML graph at ``root`` stands for with aliases followed (shared nodes counted once per
+    reference), stopping past ``limit``; ``-1`` for a recursive alias. Linear in the graph's size."""
+    if root is None:
+        return 0
+    memo: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = [x for pair in node.value for x in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        if done:
+            open_.discard(id(node))
+            memo[id(node)] = min(limit + 1, 1 + sum(memo[id(k)] for k in kids))
+            continue
+        if id(node) in memo:
+            continue
+        if id(node) in open_:
+            return -1
+        open_.add(id(node))
+        stack.append((node, True))
+        for k in kids:
+            if id(k) in open_:
+                return -1
+            if id(k) not in memo:
+                stack.append((k, False))
+    return memo[id(root)]
+
+
+def load_yaml(text: str, path: str) -> tuple[Any, yaml.Node | None]:
+    """``(data, root node)`` of the YAML ``text`` read from ``path``, bounded: aliases may not make it stand
+    for more than :data:`MAX_YAML_NODES` nodes, nor refer to themselves; nesting too deep is an error too.
+
+    Raises:
+        ZerorunError: invalid YAML (naming the line), an alias bomb, a recursive alias, too deep.
+    """
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        size = _yaml_size(root, MAX_YAML_NODES)
+        if size < 0:
+            raise _UnboundedYaml(f"{path}: invalid YAML: an alias refers to itself (a recursive structure)")
+        if size > MAX_YAML_NODES:
+            raise _UnboundedYaml(f"{path}: invalid YAML: its aliases expand to more than {MAX_YAML_NODES} nodes "
+                               "(an alias bomb?)")
+        return yaml.safe_load(text), root
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ZerorunError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise _UnboundedYaml(f"{path}: invalid YAML: nested too deeply") from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML: ``3``, ``1e-3``, ``true``, ``[1, 2]``) to ``data``.
+
+    Raises:
+        ZerorunError: an override without ``=`` or whose path crosses a non-mapping value.
+    """
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ZerorunError(f"override {item!r}: expected FIELD=VALUE, e.g. train.steps=50")
+        try:
+            value = load_yaml(raw, f"override {item!r}")[0] if raw else ""
+        except _UnboundedYaml:
+            raise
+        except ZerorunError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ZerorunError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def read_text(path: str, what: str) -> str:
+    """The UTF-8 text of ``path``.
+
+    Raises:
+        ZerorunError: unreadable (missing, a directory, no permission) or not UTF-8 text.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ZerorunError(f"{path}: cannot read {what}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ZerorunError(f"{path}: cannot read {what}: not UTF-8 text (byte {e.start})") from None
+
+
+def check_duplicate_keys(node: yaml.Node | None, path: str) -> None:
+    """YAML keeps the last of two equal keys silently; a recipe with both is almost always a mistake."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            key = getattr(k, "value", None)
+            if isinstance(key, str):
+                if key in seen:
+                    raise ZerorunError(f"{path}:{k.start_mark.line + 1}: {key}: duplicate key "
+                                       f"(first on line {seen[key]})")
+                seen[key] = k.start_mark.line + 1
+            check_duplicate_keys(v, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for v in node.value:
+            check_duplicate_keys(v, path)
+
+
+def override_for(loc: tuple, overrides: list[str]) -> str | None:
+    """The last command-line override that set the field at ``loc`` or one of its parents, if any."""
+    field = ".".join(str(p) for p in loc)
+    for item in reversed(overrides):
+        key = item.partition("=")[0]
+        if field == key or field.startswith(key + ".") or key.startswith(field + "."):
+            return item
+    return None
