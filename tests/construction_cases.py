@@ -73,6 +73,17 @@ def construction_suite() -> dict:
     e3 = initialize(meta, optimizer="AdamW", optimizer_kwargs=opt,
                     config=ZeroConfig(stage=3, units=("LlamaDecoderLayer",)))
     out["llama_init_equal"] = _mismatches(e3.full_state_dict(rank0_only=False), ref) == []
+    torch.manual_seed(1)
+    tied = _stage3(deferred_init(models.hf_llama, tie_word_embeddings=True), units=("LlamaDecoderLayer",))
+    torch.manual_seed(1)
+    tied_ref = models.hf_llama(tie_word_embeddings=True)
+    full = tied.full_state_dict(rank0_only=False)
+    out["llama_tied_init_equal"] = _mismatches(full, tied_ref.state_dict()) == []
+    fresh = models.hf_llama(tie_word_embeddings=True)  # the gathered weights load into a fresh HF model
+    fresh.load_state_dict(full, strict=True)
+    out["llama_tied_loads"] = fresh.lm.lm_head.weight is fresh.lm.model.embed_tokens.weight and \
+        torch.equal(fresh.lm.lm_head.weight, tied_ref.lm.lm_head.weight)
+    tied.close()
     losses = []
     for step in range(3):
         batch = _llama_batches(step)

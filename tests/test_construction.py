@@ -76,7 +76,7 @@ def test_stage3_deferred_construction_and_training_equal_stage0(ranks):
         assert r["forms"] == [], r["forms"]
         assert r["seed_by_rank"] == {"equal_to_rank0": True}, r["seed_by_rank"]
         assert "built a different model than rank 0" in r["constant_by_rank"], r["constant_by_rank"]
-        assert r["llama_init_equal"], r
+        assert r["llama_init_equal"] and r["llama_tied_init_equal"] and r["llama_tied_loads"], r
         for step, (l0, l3) in enumerate(r["llama_losses"]):
             assert abs(l0 - l3) <= 1e-5 * abs(l0), (step, l0, l3)
         assert r["llama_final_rel"] <= 1e-5, r["llama_final_rel"]
