@@ -73,6 +73,7 @@ class InPlaceAfter(nn.Module):
             self.c.weight.data[:, 1] = 7.0
             self.emb.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(5))
             self.emb.weight[self.emb.padding_idx].zero_()
+        self.c.bias.data = torch.tensor([9.0, 8.0, 7.0])  # .data replaced by real data
 
 
 def data_forms() -> nn.Module:
@@ -100,13 +101,6 @@ def trunc_normal() -> nn.Module:
     """``trunc_normal_`` samples by rejection in recent torch (a loop on the values): replayed or built normally."""
     model = nn.Linear(6, 6)
     nn.init.trunc_normal_(model.weight, std=0.02)
-    return model
-
-
-def replaces_data() -> nn.Module:
-    """``.data`` of a meta parameter replaced by real data (not an aten op: torch refuses it on meta)."""
-    model = nn.Linear(3, 3)
-    model.bias.data = torch.tensor([9.0, 8.0, 7.0])
     return model
 
 

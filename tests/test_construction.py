@@ -58,7 +58,6 @@ def test_value_dependent_init_is_replayed_or_built_normally():
 
 @pytest.mark.parametrize("build,reason", [
     (models.reads_values, "item"),
-    (models.replaces_data, "set_data"),
     (models.draws_real_random_numbers, "drew random numbers on real"),
 ])
 def test_construction_that_cannot_be_replayed_is_built_normally_with_a_warning(build, reason):

@@ -7,9 +7,10 @@ Note [What the recording sees]: :func:`record` runs the user's factory with two 
   device. Unlike ``with torch.device("meta")`` it leaves torch's default device alone, so construction code
   cannot tell it is being recorded: ``torch.tensor([]).device`` is still ``cpu`` (``transformers`` skips its
   ``_init_weights`` when it sees the meta device there). Factories that take *data* (``torch.tensor``,
-  ``as_tensor``, ``asarray``, ``from_numpy``, ``Tensor.new_tensor``) build real tensors: their values come
-  from Python or numpy, not from an aten op, so no replay could reproduce them. They are small (the data
-  already exists in Python), stay real in the model, and keep their values.
+  ``as_tensor``, ``asarray``, ``from_numpy``) build real tensors: their values come from Python or numpy,
+  not from an aten op, so no replay could reproduce them. They are small (the data already exists in
+  Python), stay real in the model, and keep their values. Real data going into a meta tensor
+  (``meta.new_tensor(data)``, ``param.data = real``) becomes a logged copy of it.
 * a dispatch mode (:class:`_Recorder`) that logs every aten op touching a meta tensor. A real tensor read
   by such an op is logged as a copy taken at that moment (a later in-place change of the real tensor does not
   leak into the replay) and the op runs on its meta image; an op that writes into a real tensor from meta
@@ -42,6 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 _DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy, torch.frombuffer,
                    torch.Tensor.new_tensor}
+_DATA_DESCRIPTOR = torch._C.TensorBase.__dict__["data"]
 _META_FACTORIES = {f for f in _device_constructors() if f not in _DATA_FACTORIES and "sparse" not in f.__name__
                    and f.__name__ not in ("nested_tensor", "empty_quantized")}
 
@@ -98,6 +100,9 @@ class _MetaFactories(TorchFunctionMode):
             dtype = kwargs.get("dtype") or args[0].dtype
             real = torch.tensor(*args[1:], dtype=dtype, requires_grad=kwargs.get("requires_grad", False))
             return real.to("meta")
+        elif getattr(func, "__self__", None) is _DATA_DESCRIPTOR and func.__name__ == "__set__" and \
+                _meta(args[0]) and isinstance(args[1], torch.Tensor) and not _meta(args[1]):
+            return func(args[0], args[1].to("meta"))  # ``p.data = real``: a logged copy the replay repeats
         elif func in _DATA_FACTORIES and isinstance(kwargs.get("device"), (str, torch.device)) and \
                 torch.device(kwargs["device"]).type == "meta":
             real = func(*args, **dict(kwargs, device="cpu"))
@@ -113,6 +118,12 @@ def _meta(x: Any) -> bool:
 def _snapshot(x):
     """A real tensor read by a recorded op, as it is at that moment (later in-place changes do not leak)."""
     return x.detach().clone() if isinstance(x, torch.Tensor) and not _meta(x) else x
+
+
+def _alias(x):
+    """A new tensor object on a meta tensor's storage: the log must not follow the user's object if its
+    storage is swapped later (``p.data = ...``)."""
+    return x.detach() if _meta(x) else x
 
 
 def _image(x):
@@ -149,10 +160,13 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         meta_out = [t for t in tree_flatten(out)[0] if _meta(t)]
         if meta_in or meta_out:
+            if not meta_in:  # real data copied to meta: as it is now
+                logged_args, logged_kwargs = tree_map(_snapshot, args), tree_map(_snapshot, kwargs)
             if self.rng is None:
                 self.rng = rng
             self.created.update(key(t) for t in meta_out)
-            self.log.append((func, logged_args, logged_kwargs, out))
+            self.log.append((func, tree_map(_alias, logged_args), tree_map(_alias, logged_kwargs),
+                             tree_map(_alias, out)))
         return out
 
 
