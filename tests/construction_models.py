@@ -89,11 +89,23 @@ def in_place_after() -> nn.Module:
 
 
 def reads_values() -> nn.Module:
-    """Construction that reads a tensor's value (a drop-path schedule): cannot run on meta tensors."""
+    """Construction that reads values made without random numbers (a drop-path schedule, a mask check)."""
     rates = torch.linspace(0, 0.2, 3)
     model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(3)])
     for layer, rate in zip(model, rates):
         layer.rate = float(rate.item())
+    mask = torch.tril(torch.ones(3, 3))
+    if bool((mask.sum(0) > 0).all()):  # a data-dependent branch on a deterministic tensor
+        model.register_buffer("mask", mask * torch.tensor(2.0))
+    idx = torch.nonzero(torch.arange(6) % 2)  # a data-dependent shape
+    model.register_buffer("odd", idx.flatten().float())
+    return model
+
+
+def reads_random_values() -> nn.Module:
+    """Construction that reads values made from random numbers: no shadow, built normally."""
+    model = nn.Linear(3, 3)
+    model.scale = float(model.weight.detach().abs().max())
     return model
 
 

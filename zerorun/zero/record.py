@@ -20,6 +20,15 @@ Construction code must not be able to tell that it is recorded: while recording,
 ``False`` (``torch.nn.init.trunc_normal_``, ``orthogonal_`` and ``sparse_`` return at once on a meta tensor,
 leaving torch's default values where normal construction has theirs).
 
+Note [Shadow values]: construction code may need values: a drop-path schedule ``[r.item() for r in
+torch.linspace(0, 0.1, depth)]``, a check ``if mask.any()``. The recorder keeps a real shadow (on the CPU) of
+every small storage (at most ``SHADOW_NUMEL`` elements) whose values follow from ops that draw no random
+numbers (an op tagged ``nondeterministic_seeded`` or one on a storage without a shadow drops the shadows of
+what it writes). An op that cannot run on meta tensors because it needs values runs on the shadows of its
+inputs instead, when they all have one; its result is what normal construction computes, and the op is
+logged like any other. Values that depend on random numbers have no shadow (reading them needs the draws in
+order), so such code (``trunc_normal_``'s rejection loop in recent torch) still makes the model build normally.
+
 The record is then verified rather than trusted (:func:`check_complete`): every meta parameter and buffer
 must have been created by a logged op (a meta tensor whose data came in some other way, e.g. an op that
 bypasses Python dispatch, is caught here), and the global generator must not have moved (random numbers
@@ -132,7 +141,10 @@ def _image(x):
 
 
 class _Recorder(TorchDispatchMode):
-    """Logs every aten op on a meta tensor (Note [What the recording sees])."""
+    """Logs every aten op on a meta tensor (Note [What the recording sees]); keeps real shadows of small
+    values that need no random numbers (Note [Shadow values])."""
+
+    SHADOW_NUMEL = 1 << 16  # the largest storage (elements) given a shadow
 
     def __init__(self) -> None:
         super().__init__()
@@ -140,33 +152,65 @@ class _Recorder(TorchDispatchMode):
         self.rng: dict[str, torch.Tensor] | None = None
         self.device = torch.get_default_device()
         self.created: set[int] = set()  # storages made by a logged op
+        self.shadow: dict[int, torch.UntypedStorage] = {}  # Note [Shadow values]
+
+    def _on_shadows(self, func, args, kwargs):
+        """``func`` run on the real shadows of its meta inputs (``None`` when one has none, or the op draws
+        random numbers, or it fails on them)."""
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return None
+        if any(_meta(t) and key(t) not in self.shadow for t in tree_flatten((args, kwargs))[0]):
+            return None
+
+        def real(x):
+            if _meta(x):
+                return torch.empty(0, dtype=x.dtype).set_(self.shadow[key(x)], x.storage_offset(), x.size(),
+                                                          x.stride())
+            return torch.device("cpu") if isinstance(x, torch.device) and x.type == "meta" else x
+
+        try:
+            return func(*tree_map(real, args), **tree_map(real, kwargs))
+        except Exception:  # noqa: BLE001 - no shadow then
+            return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         meta_in = any(_meta(t) for t in tree_flatten((args, kwargs))[0])
-        if meta_in:
-            for i, a in enumerate(func._schema.arguments):
-                if a.alias_info is not None and a.alias_info.is_write:
-                    target = args[i] if i < len(args) else kwargs.get(a.name)
-                    if isinstance(target, torch.Tensor) and not _meta(target):
-                        raise Unrecordable(f"{func} writes meta (deferred) data into a real tensor")
-            logged_args, logged_kwargs = tree_map(_snapshot, args), tree_map(_snapshot, kwargs)
-            args, kwargs = tree_map(_image, args), tree_map(_image, kwargs)
-        else:
-            logged_args, logged_kwargs = args, kwargs
+        written = []
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                target = args[i] if i < len(args) else kwargs.get(a.name)
+                if isinstance(target, torch.Tensor):
+                    written.append(target)
+        if meta_in and any(not _meta(t) for t in written):
+            raise Unrecordable(f"{func} writes meta (deferred) data into a real tensor")
         if self.rng is None and meta_in:  # after any torch.manual_seed the factory itself calls first
             self.rng = rng_states(self.device)
         rng = rng_states(self.device) if self.rng is None else None
-        out = func(*args, **kwargs)
+        try:
+            out = func(*tree_map(_image, args), **tree_map(_image, kwargs)) if meta_in else func(*args, **kwargs)
+            shadow = self._on_shadows(func, args, kwargs) if all(
+                t.untyped_storage().nbytes() <= self.SHADOW_NUMEL * t.element_size()
+                for t in tree_flatten(out)[0] if _meta(t)) else None
+        except Exception:  # needs values (.item(), a data-dependent shape): from the shadows, if there are
+            shadow = self._on_shadows(func, args, kwargs) if meta_in and not written else None
+            if shadow is None:
+                raise
+            out = tree_map(lambda r: r.to("meta") if isinstance(r, torch.Tensor) else r, shadow)
         meta_out = [t for t in tree_flatten(out)[0] if _meta(t)]
+        if shadow is None:
+            for t in written + meta_out:
+                self.shadow.pop(key(t), None)
+        else:  # written inputs: their shadows were updated in place
+            for m, r in zip(tree_flatten(out)[0], tree_flatten(shadow)[0]):
+                if _meta(m) and isinstance(r, torch.Tensor):
+                    self.shadow[key(m)] = r.untyped_storage()
         if meta_in or meta_out:
-            if not meta_in:  # real data copied to meta: as it is now
-                logged_args, logged_kwargs = tree_map(_snapshot, args), tree_map(_snapshot, kwargs)
             if self.rng is None:
                 self.rng = rng
             self.created.update(key(t) for t in meta_out)
-            self.log.append((func, tree_map(_alias, logged_args), tree_map(_alias, logged_kwargs),
-                             tree_map(_alias, out)))
+            self.log.append((func, tree_map(_alias, tree_map(_snapshot, args)),
+                             tree_map(_alias, tree_map(_snapshot, kwargs)), tree_map(_alias, out)))
         return out
 
 
