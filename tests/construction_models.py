@@ -76,6 +76,32 @@ class InPlaceAfter(nn.Module):
         self.c.bias.data = torch.tensor([9.0, 8.0, 7.0])  # .data replaced by real data
 
 
+def torch_layers() -> nn.Module:
+    """torch's own layers with their own init schemes (xavier, orthogonal-free RNN uniform, norms,
+    parametrizations computed from random weights)."""
+    from torch.nn.utils import parametrizations
+
+    return nn.ModuleDict({
+        "mha": nn.MultiheadAttention(8, 2),
+        "lstm": nn.LSTM(4, 6, num_layers=2),
+        "gru": nn.GRU(4, 3),
+        "conv": nn.Conv2d(3, 5, 3),
+        "bn": nn.BatchNorm1d(5),
+        "encoder": nn.TransformerEncoderLayer(8, 2, dim_feedforward=16),
+        "weight_norm": parametrizations.weight_norm(nn.Linear(4, 4)),
+        "spectral_norm": parametrizations.spectral_norm(nn.Linear(4, 4)),
+        "bilinear": nn.Bilinear(3, 4, 2),
+        "prelu": nn.PReLU(3),
+    })
+
+
+def hf_from_config(dtype=None) -> nn.Module:
+    """A transformers model as users build it from a config (AutoModel), optionally in another dtype."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(_llama_config(), **({"dtype": dtype} if dtype else {}))
+
+
 def data_forms() -> nn.Module:
     return DataForms()
 

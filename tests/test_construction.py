@@ -37,8 +37,10 @@ def _compare(build, deferred_expected=True):
 
 @pytest.mark.parametrize("build", [models.data_forms, models.factory_forms, models.in_place_after,
                                    models.hf_llama, lambda: models.hf_llama(tie_word_embeddings=True),
-                                   models.hf_gpt2],
-                         ids=["data", "factories", "in_place", "hf_llama", "hf_llama_tied", "hf_gpt2"])
+                                   models.hf_gpt2, models.hf_from_config,
+                                   lambda: models.hf_from_config(torch.bfloat16), models.torch_layers],
+                         ids=["data", "factories", "in_place", "hf_llama", "hf_llama_tied", "hf_gpt2",
+                              "hf_from_config", "hf_from_config_bf16", "torch_layers"])
 def test_deferred_equals_normal_construction_bit_for_bit(build):
     _compare(build)
 
