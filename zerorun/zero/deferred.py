@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from zerorun.zero.record import Record, Unrecordable, key, record, rng_states, set_rng_states
+from zerorun.zero.record import Record, key, record, rng_states, set_rng_states
 
 _FULL_WRITES = {"uniform_", "normal_", "zero_", "fill_", "copy_", "bernoulli_", "exponential_", "geometric_",
                 "log_normal_", "cauchy_", "random_", "trunc_normal_"}
