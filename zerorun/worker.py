@@ -117,7 +117,9 @@ def train(recipe: Recipe, rank: int) -> None:
             warnings.simplefilter("always")
             model = zero.deferred_init(build_model, recipe.model.module, recipe.model.factory, recipe.model.kwargs)
         for w in caught:
-            if rank == 0:
+            if not str(w.message).startswith("deferred_init:"):  # the user's own: as without the recording
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            elif rank == 0:
                 emit("log", rank, message=str(w.message))
         if zero.is_deferred(model):
             zero.place_on(model, device)
