@@ -18,7 +18,9 @@ Note [What the recording sees]: :func:`record` runs the user's factory with two 
 
 Construction code must not be able to tell that it is recorded: while recording, ``Tensor.is_meta`` says
 ``False`` (``torch.nn.init.trunc_normal_``, ``orthogonal_`` and ``sparse_`` return at once on a meta tensor,
-leaving torch's default values where normal construction has theirs).
+leaving torch's default values where normal construction has theirs). The property is patched on
+``torch.Tensor`` for the duration of the factory, process-wide: another thread building tensors at the same
+time would see it too.
 
 Note [Shadow values]: construction code may need values: a drop-path schedule ``[r.item() for r in
 torch.linspace(0, 0.1, depth)]``, a check ``if mask.any()``. The recorder keeps a real shadow (on the CPU) of
@@ -33,7 +35,8 @@ The record is then verified rather than trusted (:func:`check_complete`): every 
 must have been created by a logged op (a meta tensor whose data came in some other way, e.g. an op that
 bypasses Python dispatch, is caught here), and the global generator must not have moved (random numbers
 drawn on real tensors cannot be replayed). Anything that fails, including construction code that needs
-values (``.item()``, ``.tolist()``, ``.numpy()`` on a parameter) and so raises on meta tensors, makes
+values without a shadow (``.item()`` on a randomly initialized weight, ``.tolist()`` or ``.numpy()``, which
+bypass dispatch) and so raises on meta tensors, makes
 :func:`~zerorun.zero.deferred.deferred_init` build the model normally instead, with a warning: the values are
 then right, only the memory saving is lost.
 """
