@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from typing import TextIO
 
 from zerorun.errors import ZerorunError
@@ -109,9 +110,19 @@ def train(recipe: Recipe, rank: int) -> None:
     t = recipe.train
     torch.manual_seed(t.seed)
     z = recipe.zero
-    if z.stage == 3 and z.meta_init and not cuda and recipe.runtime == "zero":
-        # built on the meta device; each rank materializes only its slices (zero/deferred.py)
-        model = zero.deferred_init(build_model, recipe.model.module, recipe.model.factory, recipe.model.kwargs)
+    if z.stage == 3 and z.meta_init and recipe.runtime == "zero":
+        # built on the meta device; each rank materializes only its slices (zero/deferred.py), replayed on the
+        # CPU as the normal path below builds it, kept on this rank's device
+        with warnings.catch_warnings(record=True) as caught:  # a fallback to normal construction: say so
+            warnings.simplefilter("always")
+            model = zero.deferred_init(build_model, recipe.model.module, recipe.model.factory, recipe.model.kwargs)
+        for w in caught:
+            if not str(w.message).startswith("deferred_init:"):  # the user's own: as without the recording
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            elif rank == 0:
+                emit("log", rank, message=str(w.message))
+        if zero.is_deferred(model):
+            zero.place_on(model, device)
     else:
         model = build_model(recipe.model.module, recipe.model.factory, recipe.model.kwargs).to(device)
     train_set, val_set = build_datasets(recipe.data)

@@ -1,8 +1,8 @@
 """zerorun's ZeRO runtime, usable as a library without the CLI: ``zerorun.zero.initialize(model, ...)``."""
 
-from zerorun.zero.deferred import deferred_init, materialize
+from zerorun.zero.deferred import deferred_init, is_deferred, materialize, place_on
 from zerorun.zero.engine import ZeroConfig, ZeroEngine, default_param_groups, initialize, resolve_optimizer
 from zerorun.zero.precision import LossScaleConfig
 
 __all__ = ["LossScaleConfig", "ZeroConfig", "ZeroEngine", "default_param_groups", "deferred_init", "initialize",
-           "materialize", "resolve_optimizer"]
+           "is_deferred", "materialize", "place_on", "resolve_optimizer"]

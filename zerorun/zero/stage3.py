@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from zerorun.zero.comm import Comm
-from zerorun.zero.deferred import is_deferred, replay, swap_meta_tensors
+from zerorun.zero.deferred import is_deferred, placement, replay, swap_meta_tensors
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.precision import DTYPES
@@ -134,6 +134,7 @@ class Stage3Engine(ZeroEngine):
     def __init__(self, model: nn.Module, *, param_groups, config, process_group, **kwargs) -> None:
         self._deferred = is_deferred(model)
         self._meta_of: dict[int, torch.Tensor] = {}  # id(new parameter) -> its meta original (deferred init)
+        self._replay_group = process_group
         if self._deferred:
             param_groups = self._swap_meta_params(model, param_groups, DTYPES[config.precision])
         unit_modules = pick_units(model, tuple(config.units))
@@ -182,14 +183,16 @@ class Stage3Engine(ZeroEngine):
         tensors take ``dtype`` (Note [Mixed precision]: the replayed values are cast as they are kept). Returns
         ``param_groups`` with its (meta) parameters replaced."""
         self._meta_list = list(model.parameters()) + list(model.buffers())
+        device = placement(model)
 
         def value_of(meta: torch.Tensor) -> torch.Tensor:
-            t = torch.zeros(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype)
+            t = torch.zeros(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype, device=device)
             if isinstance(meta, nn.Parameter):
                 t.untyped_storage().resize_(0)
             return t
 
-        self._new_of = swap_meta_tensors(model, value_of)
+        # tensors built from data are real already (zero/record.py): they are swapped and replayed too
+        self._new_of = swap_meta_tensors(model, value_of, real_too=True)
         if param_groups is None:
             return None
         return [dict(g, params=[self._new_of.get(id(p), p) for p in g["params"]]) for g in param_groups]
@@ -265,7 +268,7 @@ class Stage3Engine(ZeroEngine):
                 else:  # a module buffer (e.g. BatchNorm's running stats): kept whole
                     target.copy_(value)
 
-        replay(self.module, keep, tensors=self._meta_list)
+        replay(self.module, keep, tensors=self._meta_list, process_group=self._replay_group)
 
     def _param_slice(self, buf: FlatBuffer) -> torch.Tensor:
         return buf.shard_data
