@@ -23,13 +23,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class HFModelSpec(_Strict):
+    """A Hugging Face ``transformers`` model from local files (zerorun/hf/model.py): ``pretrained``, a folder
+    with ``config.json`` and ``*.safetensors``, or ``config``, a ``config.json`` path or the mapping itself
+    (with ``model_type``). Paths are relative to the working directory, else to the recipe's folder."""
+
+    pretrained: str | None = None
+    config: str | dict[str, Any] | None = None
+
+
 class ModelSpec(_Strict):
     """``module``: a .py file path (relative to the working directory, else to the recipe's folder) or a dotted
-    module name; ``factory``: a callable in it, ``factory(**kwargs) -> torch.nn.Module``."""
+    module name; ``factory``: a callable in it, ``factory(**kwargs) -> torch.nn.Module``. Or ``hf`` (instead
+    of ``module``): a Hugging Face model for ``task`` (``causal-lm``), ``kwargs`` passed to
+    ``from_config``/``from_pretrained``."""
 
-    module: str
+    module: str | None = None
     factory: str = "build_model"
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    hf: HFModelSpec | None = None
+    task: Literal["causal-lm"] = "causal-lm"
+
+    def source(self) -> tuple[str, str, dict[str, Any]]:
+        """``(module, factory, kwargs)`` that build this model with :func:`zerorun.userload.build_model`; for
+        ``hf``: ``zerorun.hf.model.build_model`` with the spec's fields."""
+        if self.hf is None:
+            return self.module, self.factory, self.kwargs
+        spec = {k: v for k, v in self.hf.model_dump().items() if v is not None}
+        return "zerorun.hf.model", "build_model", {**self.kwargs, **spec, "task": self.task}
 
 
 class DataSpec(_Strict):
@@ -371,10 +392,18 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         return f"{path}{f':{line}' if line else ''}: {'.'.join(map(str, loc))}"
 
     looked = f"(looked in {os.getcwd()} and {base})"
-    try:
-        recipe.model.module = _resolve_module(recipe.model.module, base)
-    except FileNotFoundError:
-        raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module} {looked}") from None
+    if (recipe.model.module is None) == (recipe.model.hf is None):
+        raise ZerorunError(f"{where('model')}: give model.module (a model module) or model.hf (a Hugging Face "
+                           "model), one of them")
+    if recipe.model.hf is not None:
+        from zerorun.hf.recipe import resolve_hf_model
+
+        resolve_hf_model(recipe.model, base, where)
+    else:
+        try:
+            recipe.model.module = _resolve_module(recipe.model.module, base)
+        except FileNotFoundError:
+            raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module} {looked}") from None
     d = recipe.data
     if d.kind == "text":
         if not d.paths:

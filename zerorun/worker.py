@@ -109,11 +109,12 @@ def train(recipe: Recipe, rank: int) -> None:
     t = recipe.train
     torch.manual_seed(t.seed)
     z = recipe.zero
+    source = recipe.model.source()  # (module, factory, kwargs); model.hf: zerorun/hf/model.py
     if z.stage == 3 and z.meta_init and not cuda and recipe.runtime == "zero":
         # built on the meta device; each rank materializes only its slices (zero/deferred.py)
-        model = zero.deferred_init(build_model, recipe.model.module, recipe.model.factory, recipe.model.kwargs)
+        model = zero.deferred_init(build_model, *source)
     else:
-        model = build_model(recipe.model.module, recipe.model.factory, recipe.model.kwargs).to(device)
+        model = build_model(*source).to(device)
     train_set, val_set = build_datasets(recipe.data)
     per_step = world_size * t.micro_batch_size
     if len(train_set) < per_step:
@@ -140,6 +141,10 @@ def train(recipe: Recipe, rank: int) -> None:
                                           param_groups=groups, config=config)
     except ValueError as e:  # the recipe asks for something this model cannot do (units, optimizer, groups)
         raise ZerorunError(f"recipe: {e}") from None
+    if getattr(model, "pretrained", None) and recipe.model.hf is not None:  # Note [Pretrained at stage 3]
+        from zerorun.hf.load import load_pretrained_slices
+
+        load_pretrained_slices(model, engine)
     n_params = sum(p.numel() for p in model.parameters())
     units = [u.name or "<root>" for u in getattr(engine, "units", [])]
     emit("model_ready", rank, params=n_params, trainable=engine.num_params, stage=recipe.zero.stage,
@@ -185,7 +190,7 @@ def train(recipe: Recipe, rank: int) -> None:
                     break
                 batch = to_device(batch)
                 n = len(batch) if isinstance(batch, torch.Tensor) else 1
-                total += torch.tensor([extract_loss(engine(batch), recipe.model.module).item() * n, n],
+                total += torch.tensor([extract_loss(engine(batch), source[0]).item() * n, n],
                                       dtype=torch.float64, device=device)
         model.train()
         dist.all_reduce(total)
@@ -208,7 +213,7 @@ def train(recipe: Recipe, rank: int) -> None:
         for _ in range(t.grad_accum_steps):
             batch = to_device(next(it))
             tokens += tokens_in(batch)
-            loss = extract_loss(engine(batch), recipe.model.module)
+            loss = extract_loss(engine(batch), source[0])
             engine.backward(loss)
             loss_sum += loss.item()
         grad_norm = engine.step()

@@ -1,0 +1,160 @@
+"""model.hf / data.kind hf / consolidate --hf: a tiny Llama and GPT-2 made from configs and a BPE tokenizer
+trained with ``tokenizers`` on stdlib sources, saved with ``save_pretrained`` in a temporary folder (never a
+download; the HF offline flags are set)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import hf_cases as cases  # noqa: E402
+
+from zerorun.errors import ZerorunError  # noqa: E402
+from zerorun.recipe import load_recipe  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("make_hf_tiny", os.path.join(ROOT, "recipes/make_hf_tiny.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """``{"llama": folder, "gpt2": folder, "tok": folder, "jsonl": file, "root": tmp}``: models with tied
+    embeddings (odd sizes: slices cut rows), tokenizer files in the Llama folder too."""
+    make = _maker()
+    root = tmp_path_factory.mktemp("hf")
+    tok = str(root / "tok")
+    make.make_tokenizer(tok, vocab_size=300)
+    llama = make.make_model(str(root / "llama"), "llama", vocab_size=301, hidden_size=40, intermediate_size=70)
+    make.make_tokenizer(llama, vocab_size=300)
+    gpt2 = make.make_model(str(root / "gpt2"), "gpt2", vocab_size=301, n_embd=36, n_head=3)
+    jsonl = make.make_jsonl(str(root / "data.jsonl"))
+    return {"llama": llama, "gpt2": gpt2, "tok": tok, "jsonl": jsonl, "root": root}
+
+
+def _recipe(path, model: dict, data: dict | None = None, **extra) -> str:
+    doc = {"name": "hf", "model": model,
+           "data": data or {"kind": "text", "paths": ["{stdlib}/json/*.py"], "seq_len": 16},
+           "train": {"steps": 3, "micro_batch_size": 2}, **extra}
+    with open(path, "w") as f:
+        json.dump(doc, f)  # JSON is YAML
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------ recipe errors
+@pytest.mark.parametrize("model,pattern", [
+    ({"hf": {"pretrained": "no/such/folder"}}, r"^.*r\.yaml:1: model\.hf\.pretrained: not a folder: "),
+    ({"hf": {"config": "nope.json"}}, r"model\.hf\.config: file not found: "),
+    ({"hf": {"config": {"hidden_size": 8}}}, r"model\.hf\.config: the config has no model_type"),
+    ({"hf": {"config": {"model_type": "no-such-arch"}}}, r"model\.hf\.config: unknown model_type 'no-such-arch'"),
+    ({"hf": {"config": {"model_type": "vit"}}}, r"model\.hf\.config: model_type 'vit' has no causal-lm model"),
+    ({"hf": {"config": {"model_type": "llama"}, "weights": 1}}, r"model\.hf\.weights: unknown field"),
+    ({"hf": {"config": {"model_type": "llama"}}, "task": "seq2seq"}, r"model\.task: Input should be 'causal-lm'"),
+    ({"hf": {"config": {"model_type": "llama"}}, "module": "m.py"}, r"model: give model\.module .* one of them"),
+    ({"factory": "f"}, r"model: give model\.module .* one of them"),
+])
+def test_bad_hf_model_is_one_line(tmp_path, model, pattern):
+    with pytest.raises(ZerorunError, match=pattern) as e:
+        load_recipe(_recipe(tmp_path / "r.yaml", model))
+    assert "\n" not in str(e.value)
+
+
+def test_bad_config_files_are_one_line(tmp_path, hf_dir):
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ZerorunError, match=r"model\.hf\.config: .*bad\.json: config is not valid JSON"):
+        load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"config": str(tmp_path / "bad.json")}}))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(open(os.path.join(hf_dir["llama"], "config.json")).read())
+    with pytest.raises(ZerorunError, match=r"model\.hf\.pretrained: no \*\.safetensors files in "):
+        load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": str(empty)}}))
+
+
+def test_hf_recipe_resolves_and_builds_on_meta(tmp_path, hf_dir):
+    import torch
+
+    from zerorun.userload import build_model
+
+    r = load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": os.path.relpath(hf_dir["llama"])}}))
+    assert r.model.hf.pretrained == hf_dir["llama"]
+    module, factory, kwargs = r.model.source()
+    assert (module, factory, kwargs["task"]) == ("zerorun.hf.model", "build_model", "causal-lm")
+    with torch.device("meta"):
+        m = build_model(module, factory, kwargs)
+    assert m.pretrained == hf_dir["llama"] and next(m.parameters()).is_meta
+
+
+def test_bad_hf_recipe_exits_2_with_one_line(tmp_path):
+    path = _recipe(tmp_path / "r.yaml", {"hf": {"pretrained": str(tmp_path / "missing")}})
+    proc = subprocess.run([sys.executable, "-m", "zerorun", "train", path, "--no-dashboard"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and "model.hf.pretrained: not a folder" in lines[0], lines
+
+
+# ------------------------------------------------------------------------------------------ stage 3 parity
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,unit", [("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block")])
+def test_stage3_from_pretrained_matches_stage0(ranks, hf_dir, arch, unit):
+    for rank, r in enumerate(ranks(2).run(cases.stage3_matches_stage0, folder=hf_dir[arch], units=[unit])):
+        assert r["tied"], r
+        assert r["init_equal"], f"rank {rank}: stage 3 did not start from the pretrained weights: {r}"
+        assert r["changed"], r
+        for key in ("loss", "grad_norm", "params"):
+            assert r[key] <= TOL, f"rank {rank}: {key} differs from stage 0 by {r[key]:.3g} ({r})"
+        # each rank reads its half of the weights (plus partial rows at its slice ends), not the model
+        assert r["read_bytes"] < 0.6 * r["model_bytes"], r
+
+
+# ------------------------------------------------------------------------------------------ zerorun train + consolidate --hf
+@pytest.mark.slow
+def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir):
+    """One 2-rank `zerorun train` at stage 3 from the pretrained Llama; its checkpoint written as a HF folder
+    (sharded: small --max-shard-size) reloads with from_pretrained bit-equal to the plain consolidated state."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "ckpt"
+    path = _recipe(tmp_path / "r.yaml", {"hf": {"pretrained": hf_dir["llama"]}},
+                   zero={"stage": 3, "units": ["LlamaDecoderLayer"]}, launch={"procs_per_node": 2},
+                   checkpoint={"dir": str(ckpt)}, log={"every": 1, "dir": str(tmp_path / "runs")})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    train = subprocess.run([sys.executable, "-m", "zerorun", "train", path, "--no-dashboard"], capture_output=True,
+                           text=True, timeout=300, env=env, cwd=tmp_path)
+    assert train.returncode == 0, train.stdout + train.stderr
+    out = tmp_path / "export"
+    for args in (["--out", str(out), "--hf", "--max-shard-size", "100KB"], ["--out", str(tmp_path / "full.safetensors")]):
+        proc = subprocess.run([sys.executable, "-m", "zerorun", "consolidate", str(ckpt), *args], capture_output=True,
+                              text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = sorted(os.listdir(out))
+    assert "config.json" in files and "model.safetensors.index.json" in files, files
+    assert len([f for f in files if f.endswith(".safetensors")]) > 1, files
+    assert "tokenizer.json" not in files  # the recipe names no data.tokenizer
+    index = json.load(open(out / "model.safetensors.index.json"))["weight_map"]
+    assert "model.embed_tokens.weight" in index and "lm_head.weight" not in index  # tied weights once
+    full = load_file(str(tmp_path / "full.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    state = model.state_dict()
+    assert set(state) == {k[len("hf."):] for k in full}
+    for key, value in full.items():
+        assert torch.equal(state[key[len("hf."):]], value), key
+    pretrained = AutoModelForCausalLM.from_pretrained(hf_dir["llama"]).state_dict()
+    assert not torch.equal(pretrained["model.embed_tokens.weight"], state["model.embed_tokens.weight"])  # trained
