@@ -14,6 +14,8 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+pytest.importorskip("transformers")  # the 'hf' extra (in 'test' too)
+pytest.importorskip("pyarrow")
 
 import hf_cases as cases  # noqa: E402
 
@@ -107,6 +109,99 @@ def test_bad_hf_recipe_exits_2_with_one_line(tmp_path):
     assert len(lines) == 1 and "model.hf.pretrained: not a folder" in lines[0], lines
 
 
+# ------------------------------------------------------------------------------------------ data kind hf
+def _formats(root, jsonl: str) -> dict:
+    """The same records as JSONL, Parquet, a save_to_disk-layout folder (arrow stream + state.json)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [json.loads(line)["text"] for line in open(jsonl)]
+    table = pa.table({"text": texts, "n": list(range(len(texts)))})
+    pq.write_table(table, str(root / "d.parquet"), row_group_size=3)
+    folder = root / "saved"
+    folder.mkdir(exist_ok=True)
+    with pa.ipc.new_stream(str(folder / "data-00000-of-00001.arrow"), table.schema) as w:
+        w.write_table(table, max_chunksize=4)
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    return {"jsonl": jsonl, "parquet": str(root / "d.parquet"), "saved": str(folder)}
+
+
+def test_hf_data_formats_cache_and_streaming(tmp_path, hf_dir, monkeypatch):
+    import shutil
+
+    import torch
+
+    from zerorun.hf import data as hfdata
+    from zerorun.recipe import DataSpec
+
+    jsonl = shutil.copy(hf_dir["jsonl"], tmp_path / "d.jsonl")
+    paths = _formats(tmp_path, str(jsonl))
+    calls = []
+    encode = hfdata.Tokenizer.encode
+    monkeypatch.setattr(hfdata, "BATCH_BYTES", 5_000)  # streamed in batches, never the whole text at once
+    monkeypatch.setattr(hfdata.Tokenizer, "encode", lambda self, texts: calls.append(sum(map(len, texts))) or encode(self, texts))
+    blocks = {}
+    for fmt, path in paths.items():
+        train, val = hfdata.build_hf_datasets(DataSpec(kind="hf", path=path, tokenizer=hf_dir["tok"], seq_len=32,
+                                                       val_fraction=0.1))
+        blocks[fmt] = torch.stack([train[i] for i in range(len(train))])
+        assert val is not None and train[0].dtype == torch.int64 and train[0].shape == (32,)
+    assert torch.equal(blocks["jsonl"], blocks["parquet"]) and torch.equal(blocks["jsonl"], blocks["saved"])
+    assert blocks["jsonl"].max() < 300 and len(calls) >= 3 * len(paths) and 0 not in calls, calls
+    longest = max(len(json.loads(line)["text"]) for line in open(jsonl))
+    assert max(calls) < 5_000 + longest  # one batch: up to the batch size, plus the record that crosses it
+    # the cache is reused: no tokenizing the second time
+    folder, cache = hfdata.cache_paths(str(jsonl), "text", hfdata.Tokenizer(hf_dir["tok"]))
+    assert os.path.isfile(cache)
+    calls.clear()
+    again, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(jsonl), tokenizer=hf_dir["tok"], seq_len=32,
+                                                 val_fraction=0.1))
+    assert calls == [] and torch.equal(again[3], blocks["jsonl"][3])
+    # a changed file makes a new cache and removes the stale one
+    with open(jsonl, "a") as f:
+        f.write(json.dumps({"text": "def added():\n    return 1\n" * 50}) + "\n")
+    changed, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(jsonl), tokenizer=hf_dir["tok"], seq_len=32,
+                                                   val_fraction=0.1))
+    assert calls and not os.path.exists(cache) and len(os.listdir(folder)) == 2
+    # another tokenizer: another cache (byte-level without a tokenizer folder: vocabulary 256)
+    other, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(jsonl), seq_len=32))
+    assert other[0].max() < 256 and len(other) > len(changed)
+    # plain text: one document, byte-level
+    (tmp_path / "t.txt").write_text("hello world\n" * 100)
+    text, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(tmp_path / "t.txt"), seq_len=12, val_fraction=0))
+    assert len(text) == 100 and bytes(text[1].tolist()) == b"hello world\n"
+
+
+@pytest.mark.parametrize("data,pattern", [
+    ({"kind": "hf"}, r"r\.yaml:1: data: kind 'hf' needs data\.path"),
+    ({"kind": "hf", "path": "nope.jsonl"}, r"data\.path: not found: .*nope\.jsonl"),
+    ({"kind": "hf", "path": "JSONL", "text_field": "body"}, r"data\.text_field: 'body' is not a field of .* \(fields: text, path\)"),
+    ({"kind": "hf", "path": "PARQUET", "text_field": "body"}, r"data\.text_field: 'body' is not a field of .* \(fields: text, n\)"),
+    ({"kind": "hf", "path": "SAVED", "text_field": "body"}, r"data\.text_field: 'body' is not a field of "),
+    ({"kind": "hf", "path": "JSONL", "tokenizer": "nowhere"}, r"data\.tokenizer: not a folder: "),
+    ({"kind": "hf", "path": "r.yaml"}, r"data\.path: .*r\.yaml: unknown format"),
+])
+def test_bad_hf_data_is_one_line(tmp_path, hf_dir, data, pattern):
+    paths = _formats(tmp_path, hf_dir["jsonl"])
+    data = dict(data, seq_len=16)
+    data["path"] = {"JSONL": paths["jsonl"], "PARQUET": paths["parquet"], "SAVED": paths["saved"]}.get(
+        data.get("path"), data.get("path"))
+    if data["path"] is None:
+        del data["path"]
+    with pytest.raises(ZerorunError, match=pattern) as e:
+        load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": hf_dir["llama"]}}, data))
+    assert "\n" not in str(e.value)
+
+
+def test_bad_record_is_one_line(tmp_path, hf_dir):
+    from zerorun.hf.data import build_hf_datasets
+    from zerorun.recipe import DataSpec
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ZerorunError, match=r"d\.jsonl:2: data\.text_field 'text': missing$"):
+        build_hf_datasets(DataSpec(kind="hf", path=str(tmp_path / "d.jsonl"), seq_len=4))
+
+
 # ------------------------------------------------------------------------------------------ stage 3 parity
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,unit", [("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block")])
@@ -123,15 +218,17 @@ def test_stage3_from_pretrained_matches_stage0(ranks, hf_dir, arch, unit):
 
 # ------------------------------------------------------------------------------------------ zerorun train + consolidate --hf
 @pytest.mark.slow
-def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir):
-    """One 2-rank `zerorun train` at stage 3 from the pretrained Llama; its checkpoint written as a HF folder
-    (sharded: small --max-shard-size) reloads with from_pretrained bit-equal to the plain consolidated state."""
+def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir, monkeypatch):
+    """One 2-rank `zerorun train` at stage 3 from the pretrained Llama on data kind hf (JSONL, the folder's BPE
+    tokenizer); its checkpoint written as a HF folder (sharded: small --max-shard-size) reloads with
+    from_pretrained bit-equal to the plain consolidated state, tokenizer files beside it."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     ckpt = tmp_path / "ckpt"
-    path = _recipe(tmp_path / "r.yaml", {"hf": {"pretrained": hf_dir["llama"]}},
+    data = {"kind": "hf", "path": hf_dir["jsonl"], "tokenizer": hf_dir["llama"], "seq_len": 16}
+    path = _recipe(tmp_path / "r.yaml", {"hf": {"pretrained": hf_dir["llama"]}}, data,
                    zero={"stage": 3, "units": ["LlamaDecoderLayer"]}, launch={"procs_per_node": 2},
                    checkpoint={"dir": str(ckpt)}, log={"every": 1, "dir": str(tmp_path / "runs")})
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -139,14 +236,18 @@ def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir):
                            text=True, timeout=300, env=env, cwd=tmp_path)
     assert train.returncode == 0, train.stdout + train.stderr
     out = tmp_path / "export"
+    from zerorun.cli import main
+
     for args in (["--out", str(out), "--hf", "--max-shard-size", "100KB"], ["--out", str(tmp_path / "full.safetensors")]):
-        proc = subprocess.run([sys.executable, "-m", "zerorun", "consolidate", str(ckpt), *args], capture_output=True,
-                              text=True, timeout=120, env=env)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        monkeypatch.setattr(sys, "argv", ["zerorun", "consolidate", str(ckpt), *args])
+        main()  # in this process: returns on success, exits non-zero on an error
     files = sorted(os.listdir(out))
     assert "config.json" in files and "model.safetensors.index.json" in files, files
     assert len([f for f in files if f.endswith(".safetensors")]) > 1, files
-    assert "tokenizer.json" not in files  # the recipe names no data.tokenizer
+    assert "tokenizer.json" in files and "tokenizer_config.json" in files  # copied from data.tokenizer
+    log = open(next((tmp_path / "runs" / "hf").glob("*/metrics.jsonl"))).read()
+    assert "tokenized data.jsonl" in log  # the tokenizing progress reached the launcher
+    assert os.path.isdir(hf_dir["jsonl"] + ".zerorun-tokens")  # cached beside the data
     index = json.load(open(out / "model.safetensors.index.json"))["weight_map"]
     assert "model.embed_tokens.weight" in index and "lm_head.weight" not in index  # tied weights once
     full = load_file(str(tmp_path / "full.safetensors"))

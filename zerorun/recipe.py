@@ -57,10 +57,16 @@ class DataSpec(_Strict):
     """``kind: text``: byte-level windows (vocabulary 256) over the files matched by ``paths`` (glob patterns;
     ``{stdlib}`` is the Python standard library's source folder, site-packages and dist-packages excluded,
     files sorted by path); the last ``val_fraction`` of the bytes is the validation split.
-    ``kind: module``: ``factory(**kwargs)`` in ``module`` returns ``(train_dataset, val_dataset_or_None)``."""
+    ``kind: module``: ``factory(**kwargs)`` in ``module`` returns ``(train_dataset, val_dataset_or_None)``.
+    ``kind: hf``: ``path`` tokenized with ``tokenizer`` into ``seq_len`` blocks (zerorun/hf/data.py)."""
 
-    kind: Literal["text", "module"] = "text"
+    kind: Literal["text", "module", "hf"] = "text"
     paths: list[str] = Field(default_factory=list)
+    # kind hf (zerorun/hf/data.py): a .jsonl/.parquet/.txt file or a datasets.save_to_disk folder, the record
+    # field holding the text, and the tokenizer's folder (byte-level, vocabulary 256, when absent)
+    path: str | None = None
+    text_field: str = "text"
+    tokenizer: str | None = None
     seq_len: int = Field(128, gt=0)
     val_fraction: float = Field(0.01, ge=0.0, lt=1.0)
     module: str | None = None
@@ -405,7 +411,11 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         except FileNotFoundError:
             raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module} {looked}") from None
     d = recipe.data
-    if d.kind == "text":
+    if d.kind == "hf":
+        from zerorun.hf.recipe import resolve_hf_data
+
+        resolve_hf_data(d, base, where)
+    elif d.kind == "text":
         if not d.paths:
             raise ZerorunError(f"{where('data', 'paths')}: kind 'text' needs at least one path pattern")
         for i, pattern in enumerate(d.paths):

@@ -115,7 +115,7 @@ def train(recipe: Recipe, rank: int) -> None:
         model = zero.deferred_init(build_model, *source)
     else:
         model = build_model(*source).to(device)
-    train_set, val_set = build_datasets(recipe.data)
+    train_set, val_set = build_datasets(recipe.data, progress=lambda message: emit("log", rank, message=message))
     per_step = world_size * t.micro_batch_size
     if len(train_set) < per_step:
         raise UserCodeError(f"data: {len(train_set)} training samples, fewer than one micro-batch on every rank "

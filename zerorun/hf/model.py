@@ -46,6 +46,12 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf = hf
         self.pretrained = pretrained
+        cfg = hf.config
+        layers, width = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "hidden_size", None)
+        if isinstance(layers, int) and isinstance(width, int):
+            # read by telemetry's FLOP count (attention term); not the full shape, so zerorun estimate does
+            # not apply its GPT activation formula to another block design
+            self.shape = {"n_layer": layers, "d_model": width}
 
     def forward(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):

@@ -49,3 +49,34 @@ def resolve_hf_model(model, base: str, where: Callable[..., str]) -> None:
         raise ZerorunError(f"{prefix}: {msg}") from None
     if model.factory != "build_model":
         raise ZerorunError(f"{where('model', 'factory')}: a model module's factory; model.hf takes none")
+
+
+def resolve_hf_data(data, base: str, where: Callable[..., str]) -> None:
+    """``data.kind: hf``: make ``path`` and ``tokenizer`` absolute, check the source's format and that its
+    records have ``text_field`` (first record or schema only), and that the tokenizer folder exists.
+
+    Raises:
+        ZerorunError: ``<recipe>:<line>: data.<field>: <problem>``.
+    """
+    from zerorun.hf.data import columns_of
+
+    if data.path is None:
+        raise ZerorunError(f"{where('data')}: kind 'hf' needs data.path (a .jsonl/.parquet/.txt file or a "
+                           "save_to_disk folder)")
+    if data.paths:
+        raise ZerorunError(f"{where('data', 'paths')}: kind 'hf' reads data.path; paths are kind 'text''s")
+    data.path = _path(data.path, base)
+    try:
+        columns = columns_of(data.path)
+    except ZerorunError as e:
+        msg = str(e)
+        raise ZerorunError(f"{where('data', 'path')}: {msg[len('data.path: '):] if msg.startswith('data.path: ') else msg}") from None
+    if columns is not None and data.text_field not in columns:
+        raise ZerorunError(f"{where('data', 'text_field')}: {data.text_field!r} is not a field of {data.path} "
+                           f"(fields: {', '.join(columns) or 'none'})")
+    if data.tokenizer is not None:
+        data.tokenizer = _path(data.tokenizer, base)
+        if not os.path.isdir(data.tokenizer):
+            raise ZerorunError(f"{where('data', 'tokenizer')}: not a folder: {data.tokenizer}")
+        if not any(os.path.isfile(os.path.join(data.tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ZerorunError(f"{where('data', 'tokenizer')}: no tokenizer.json in {data.tokenizer}")
