@@ -206,6 +206,22 @@ def consolidate(
     print(f"zerorun: wrote {count} tensors ({human_bytes(nbytes)}) to {out}")
 
 
+@app.command("import-deepspeed")
+def import_deepspeed(
+    ds_config: str = typer.Argument(..., help="A DeepSpeed config (JSON)."),
+    hostfile: Optional[str] = typer.Option(None, "--hostfile", "-H", help="DeepSpeed hostfile: its slots split "
+                                           "train_batch_size and set launch.procs_per_node."),
+) -> None:
+    """Print a recipe made from a DeepSpeed config (ZeRO stage, offload, precision and loss scaling, clipping,
+    batch sizes, optimizer, scheduler, bucket sizes); the fields it drops are listed in it and on stderr."""
+    from zerorun.hf.deepspeed import import_deepspeed as run
+
+    text, dropped = run(ds_config, hostfile)
+    sys.stdout.write(text)
+    for line in dropped:
+        sys.stderr.write(f"zerorun: dropped {line}\n")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                "allow_interspersed_args": False})
 def launch(
