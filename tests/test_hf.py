@@ -109,6 +109,37 @@ def test_bad_hf_recipe_exits_2_with_one_line(tmp_path):
     assert len(lines) == 1 and "model.hf.pretrained: not a folder" in lines[0], lines
 
 
+def test_data_vocabulary_larger_than_the_model_is_one_line(tmp_path, hf_dir):
+    small = {"hf": {"config": {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+                               "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 200}}}
+    with pytest.raises(ZerorunError, match=r"r\.yaml:1: data\.tokenizer: the tokenizer in .* has 300 token ids, "
+                                           r"more than the model's vocab_size 200"):
+        load_recipe(_recipe(tmp_path / "r.yaml", small, {"kind": "hf", "path": hf_dir["jsonl"],
+                                                         "tokenizer": hf_dir["tok"]}))
+    small["hf"]["config"]["vocab_size"] = 100
+    with pytest.raises(ZerorunError, match=r"data\.kind: byte-level data \(256 ids\) has 256 token ids"):
+        load_recipe(_recipe(tmp_path / "r.yaml", small))
+    small["hf"]["config"]["vocab_size"] = 300
+    load_recipe(_recipe(tmp_path / "r.yaml", small, {"kind": "hf", "path": hf_dir["jsonl"], "tokenizer": hf_dir["tok"]}))
+
+
+def test_estimate_takes_model_hf(tmp_path):
+    """zerorun estimate builds a model.hf from its config on the meta device: every parameter, tied ones once."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from zerorun.estimate import layout_of_recipe
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "vocab_size": 1000, "tie_word_embeddings": True}
+    r = load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"config": cfg}},
+                            zero={"stage": 3, "units": ["LlamaDecoderLayer"]}))
+    layout = layout_of_recipe(r)
+    values = dict(cfg)
+    expected = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).num_parameters()
+    assert layout.total == layout.trainable == expected
+    assert len(layout.units) == 4  # three decoder layers and the root
+
+
 # ------------------------------------------------------------------------------------------ data kind hf
 def _formats(root, jsonl: str) -> dict:
     """The same records as JSONL, Parquet, a save_to_disk-layout folder (arrow stream + state.json)."""

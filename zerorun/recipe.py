@@ -428,6 +428,10 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
             d.module = _resolve_module(d.module, base)
         except FileNotFoundError:
             raise ZerorunError(f"{where('data', 'module')}: file not found: {d.module} {looked}") from None
+    if recipe.model.hf is not None:
+        from zerorun.hf.recipe import check_vocab
+
+        check_vocab(recipe.model, d, where)
     launch = recipe.launch
     if launch.workdir is not None:
         launch.workdir = os.path.abspath(os.path.expanduser(launch.workdir))

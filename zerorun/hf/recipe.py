@@ -47,6 +47,8 @@ def resolve_hf_model(model, base: str, where: Callable[..., str]) -> None:
             if msg.startswith(head):
                 msg = msg[len(head):]
         raise ZerorunError(f"{prefix}: {msg}") from None
+    vocab = getattr(cfg, "vocab_size", None)
+    model._hf_vocab_size = vocab if isinstance(vocab, int) else None  # for check_vocab, not serialized
     if model.factory != "build_model":
         raise ZerorunError(f"{where('model', 'factory')}: a model module's factory; model.hf takes none")
 
@@ -80,3 +82,26 @@ def resolve_hf_data(data, base: str, where: Callable[..., str]) -> None:
             raise ZerorunError(f"{where('data', 'tokenizer')}: not a folder: {data.tokenizer}")
         if not any(os.path.isfile(os.path.join(data.tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ZerorunError(f"{where('data', 'tokenizer')}: no tokenizer.json in {data.tokenizer}")
+
+
+def check_vocab(model, data, where: Callable[..., str]) -> None:
+    """A ``model.hf`` must embed every id its data yields: ``data.kind: text`` bytes (256), ``hf`` the
+    tokenizer's ids (``len(tokenizer)``, 256 byte-level); else ranks would fail inside the embedding.
+
+    Raises:
+        ZerorunError: the data's vocabulary is larger than the model config's ``vocab_size``.
+    """
+    vocab = getattr(model, "_hf_vocab_size", None)
+    if vocab is None or data.kind not in ("text", "hf"):
+        return
+    need, what = 256, "byte-level data (256 ids)"
+    if data.kind == "hf" and data.tokenizer is not None:
+        from zerorun.hf.data import Tokenizer
+
+        try:
+            need, what = Tokenizer(data.tokenizer).vocab_size, f"the tokenizer in {data.tokenizer}"
+        except ZerorunError as e:
+            raise ZerorunError(f"{where('data', 'tokenizer')}: {str(e).removeprefix('data.tokenizer: ')}") from None
+    if need > vocab:
+        field = where("data", "tokenizer") if data.kind == "hf" and data.tokenizer else where("data", "kind")
+        raise ZerorunError(f"{field}: {what} has {need} token ids, more than the model's vocab_size {vocab}")
