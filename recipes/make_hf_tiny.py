@@ -53,7 +53,7 @@ def make_model(out: str, model_type: str = "llama", vocab_size: int = 512, seed:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    values = dict(CONFIGS[model_type], vocab_size=vocab_size, **overrides)
+    values = {**CONFIGS[model_type], "vocab_size": vocab_size, **overrides}
     cfg = AutoConfig.for_model(values.pop("model_type"), **values)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

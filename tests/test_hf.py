@@ -44,8 +44,10 @@ def hf_dir(tmp_path_factory):
     llama = make.make_model(str(root / "llama"), "llama", vocab_size=301, hidden_size=40, intermediate_size=70)
     make.make_tokenizer(llama, vocab_size=300)
     gpt2 = make.make_model(str(root / "gpt2"), "gpt2", vocab_size=301, n_embd=36, n_head=3)
+    untied = make.make_model(str(root / "untied"), "llama", vocab_size=301, hidden_size=40, intermediate_size=70,
+                             tie_word_embeddings=False)
     jsonl = make.make_jsonl(str(root / "data.jsonl"))
-    return {"llama": llama, "gpt2": gpt2, "tok": tok, "jsonl": jsonl, "root": root}
+    return {"llama": llama, "gpt2": gpt2, "untied": untied, "tok": tok, "jsonl": jsonl, "root": root}
 
 
 def _recipe(path, model: dict, data: dict | None = None, **extra) -> str:
@@ -235,10 +237,11 @@ def test_bad_record_is_one_line(tmp_path, hf_dir):
 
 # ------------------------------------------------------------------------------------------ stage 3 parity
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,unit", [("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block")])
+@pytest.mark.parametrize("arch,unit", [("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block"),
+                                       ("untied", "LlamaDecoderLayer")])
 def test_stage3_from_pretrained_matches_stage0(ranks, hf_dir, arch, unit):
     for rank, r in enumerate(ranks(2).run(cases.stage3_matches_stage0, folder=hf_dir[arch], units=[unit])):
-        assert r["tied"], r
+        assert r["tied"] == (arch != "untied"), r
         assert r["init_equal"], f"rank {rank}: stage 3 did not start from the pretrained weights: {r}"
         assert r["changed"], r
         for key in ("loss", "grad_norm", "params"):
