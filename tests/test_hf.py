@@ -70,6 +70,7 @@ def _recipe(path, model: dict, data: dict | None = None, **extra) -> str:
     ({"hf": {"config": {"model_type": "llama"}}, "task": "seq2seq"}, r"model\.task: Input should be 'causal-lm'"),
     ({"hf": {"config": {"model_type": "llama"}}, "module": "m.py"}, r"model: give model\.module .* one of them"),
     ({"factory": "f"}, r"model: give model\.module .* one of them"),
+    ({"module": "recipes/models/gpt.py", "task": "causal-lm"}, r"model\.task: a model\.hf field"),
 ])
 def test_bad_hf_model_is_one_line(tmp_path, model, pattern):
     with pytest.raises(ZerorunError, match=pattern) as e:
@@ -213,6 +214,7 @@ def test_hf_data_formats_cache_and_streaming(tmp_path, hf_dir, monkeypatch):
     ({"kind": "hf", "path": "SAVED", "text_field": "body"}, r"data\.text_field: 'body' is not a field of "),
     ({"kind": "hf", "path": "JSONL", "tokenizer": "nowhere"}, r"data\.tokenizer: not a folder: "),
     ({"kind": "hf", "path": "r.yaml"}, r"data\.path: .*r\.yaml: unknown format"),
+    ({"kind": "text", "paths": ["{stdlib}/json/*.py"], "tokenizer": "tok"}, r"data\.tokenizer: a data\.kind 'hf' field"),
 ])
 def test_bad_hf_data_is_one_line(tmp_path, hf_dir, data, pattern):
     paths = _formats(tmp_path, hf_dir["jsonl"])

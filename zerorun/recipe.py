@@ -410,7 +410,12 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
             recipe.model.module = _resolve_module(recipe.model.module, base)
         except FileNotFoundError:
             raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module} {looked}") from None
+    if recipe.model.hf is None and "task" in recipe.model.model_fields_set:
+        raise ZerorunError(f"{where('model', 'task')}: a model.hf field; a model module's forward defines its task")
     d = recipe.data
+    stray = [f for f in ("path", "tokenizer", "text_field") if f in d.model_fields_set]
+    if d.kind != "hf" and stray:
+        raise ZerorunError(f"{where('data', stray[0])}: a data.kind 'hf' field (kind is {d.kind!r})")
     if d.kind == "hf":
         from zerorun.hf.recipe import resolve_hf_data
 
