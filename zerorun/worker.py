@@ -175,7 +175,7 @@ def train(recipe: Recipe, rank: int) -> None:
             x = batch.get("input_ids", next((v for v in batch.values() if isinstance(v, torch.Tensor)), None))
         if x is None or x.dim() < 2:
             return 0
-        return x.shape[0] * (x.shape[1] - 1 if recipe.data.kind == "text" else x.shape[1])
+        return x.shape[0] * (x.shape[1] - 1 if recipe.data.kind in ("text", "hf") else x.shape[1])
 
     def evaluate(step: int) -> None:
         if val_set is None or len(val_set) < world_size:
