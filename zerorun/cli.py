@@ -161,7 +161,7 @@ def _job(r, hosts, job_id: str, master_port: int | None = None, ssh=None, ssh_lo
     """
     from zerorun.launch.job import prepare_job
 
-    modules = [r.model.module] + ([r.data.module] if r.data.kind == "module" else [])
+    modules = [r.model.source()[0]] + ([r.data.module] if r.data.kind == "module" else [])
     return prepare_job(hosts, job_id, recipe_json=r.model_dump_json(), python=r.launch.python,
                        workdir=r.launch.workdir, env=r.launch.env, modules=modules, master_port=master_port,
                        ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout)
@@ -187,14 +187,39 @@ def _resume_path(recipe, resume: str) -> str:
 @app.command()
 def consolidate(
     ckpt_dir: str = typer.Argument(..., help="A checkpoint folder (step-N), or a folder of them (the latest)."),
-    out: str = typer.Option(..., "--out", "-o", help="Output file: NAME.safetensors or NAME.pt."),
+    out: str = typer.Option(..., "--out", "-o", help="Output file: NAME.safetensors or NAME.pt; with --hf a folder."),
+    hf: bool = typer.Option(False, "--hf", help="Write a Hugging Face folder (model.hf recipes): config.json, "
+                            "safetensors shards, tokenizer files; AutoModelForCausalLM.from_pretrained loads it."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="With --hf: largest weight file."),
 ) -> None:
     """Write the model of a sharded checkpoint as one fp32 state dict (no training processes needed)."""
     from zerorun.checkpoint import consolidate as run
     from zerorun.telemetry.console import human_bytes
 
+    if hf:
+        from zerorun.hf.export import export_hf
+
+        count, nbytes = export_hf(ckpt_dir, out, max_shard_size=max_shard_size)
+        print(f"zerorun: wrote {count} weight file{'s' * (count != 1)} ({human_bytes(nbytes)}) to {out}")
+        return
     count, nbytes = run(ckpt_dir, out)
     print(f"zerorun: wrote {count} tensors ({human_bytes(nbytes)}) to {out}")
+
+
+@app.command("import-deepspeed")
+def import_deepspeed(
+    ds_config: str = typer.Argument(..., help="A DeepSpeed config (JSON)."),
+    hostfile: Optional[str] = typer.Option(None, "--hostfile", "-H", help="DeepSpeed hostfile: its slots split "
+                                           "train_batch_size and set launch.procs_per_node."),
+) -> None:
+    """Print a recipe made from a DeepSpeed config (ZeRO stage, offload, precision and loss scaling, clipping,
+    batch sizes, optimizer, scheduler, bucket sizes); the fields it drops are listed in it and on stderr."""
+    from zerorun.hf.deepspeed import import_deepspeed as run
+
+    text, dropped = run(ds_config, hostfile)
+    sys.stdout.write(text)
+    for line in dropped:
+        sys.stderr.write(f"zerorun: dropped {line}\n")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

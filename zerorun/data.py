@@ -44,15 +44,22 @@ def read_corpus(patterns: list[str]) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
-def build_datasets(spec: DataSpec) -> tuple[Dataset, Dataset | None]:
+def build_datasets(spec: DataSpec, progress=None) -> tuple[Dataset, Dataset | None]:
     """``(train, validation or None)`` for a recipe's ``data`` section.
 
     ``text``: the last ``val_fraction`` of the corpus's bytes is the validation split.
     ``module``: ``factory(**kwargs)`` returns a Dataset or a ``(train, val)`` pair.
+    ``hf``: tokenized blocks (zerorun/hf/data.py), ``progress(message)`` called while tokenizing.
 
     Raises:
         UserCodeError: the data factory fails or returns something that is not a Dataset.
     """
+    if spec.kind == "hf":
+        import os
+
+        from zerorun.hf.data import build_hf_datasets
+
+        return build_hf_datasets(spec, progress, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     if spec.kind == "text":
         tokens = read_corpus(spec.paths)
         n_val = int(len(tokens) * spec.val_fraction)

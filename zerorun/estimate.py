@@ -374,7 +374,7 @@ def layout_of_recipe(recipe, precision: str | None = None) -> Layout:
     from zerorun.userload import build_model
 
     with torch.device("meta"):
-        model = build_model(recipe.model.module, recipe.model.factory, recipe.model.kwargs)
+        model = build_model(*recipe.model.source())
     opt = recipe.train.optimizer
     try:
         return layout_of(model, bucket_mb=recipe.zero.bucket_mb, units=tuple(recipe.zero.units),

@@ -32,23 +32,50 @@ class _Strict(BaseModel):
     _no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool))
 
 
+class HFModelSpec(_Strict):
+    """A Hugging Face ``transformers`` model from local files (zerorun/hf/model.py): ``pretrained``, a folder
+    with ``config.json`` and ``*.safetensors``, or ``config``, a ``config.json`` path or the mapping itself
+    (with ``model_type``). Paths are relative to the working directory, else to the recipe's folder."""
+
+    pretrained: str | None = None
+    config: str | dict[str, Any] | None = None
+
+
 class ModelSpec(_Strict):
     """``module``: a .py file path (relative to the working directory, else to the recipe's folder) or a dotted
-    module name; ``factory``: a callable in it, ``factory(**kwargs) -> torch.nn.Module``."""
+    module name; ``factory``: a callable in it, ``factory(**kwargs) -> torch.nn.Module``. Or ``hf`` (instead
+    of ``module``): a Hugging Face model for ``task`` (``causal-lm``), ``kwargs`` passed to
+    ``from_config``/``from_pretrained``."""
 
-    module: str
+    module: str | None = None
     factory: str = "build_model"
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    hf: HFModelSpec | None = None
+    task: Literal["causal-lm"] = "causal-lm"
+
+    def source(self) -> tuple[str, str, dict[str, Any]]:
+        """``(module, factory, kwargs)`` that build this model with :func:`zerorun.userload.build_model`; for
+        ``hf``: ``zerorun.hf.model.build_model`` with the spec's fields."""
+        if self.hf is None:
+            return self.module, self.factory, self.kwargs
+        spec = {k: v for k, v in self.hf.model_dump().items() if v is not None}
+        return "zerorun.hf.model", "build_model", {**self.kwargs, **spec, "task": self.task}
 
 
 class DataSpec(_Strict):
     """``kind: text``: byte-level windows (vocabulary 256) over the files matched by ``paths`` (glob patterns;
     ``{stdlib}`` is the Python standard library's source folder, site-packages and dist-packages excluded,
     files sorted by path); the last ``val_fraction`` of the bytes is the validation split.
-    ``kind: module``: ``factory(**kwargs)`` in ``module`` returns ``(train_dataset, val_dataset_or_None)``."""
+    ``kind: module``: ``factory(**kwargs)`` in ``module`` returns ``(train_dataset, val_dataset_or_None)``.
+    ``kind: hf``: ``path`` tokenized with ``tokenizer`` into ``seq_len`` blocks (zerorun/hf/data.py)."""
 
-    kind: Literal["text", "module"] = "text"
+    kind: Literal["text", "module", "hf"] = "text"
     paths: list[str] = Field(default_factory=list)
+    # kind hf (zerorun/hf/data.py): a .jsonl/.parquet/.txt file or a datasets.save_to_disk folder, the record
+    # field holding the text, and the tokenizer's folder (byte-level, vocabulary 256, when absent)
+    path: str | None = None
+    text_field: str = "text"
+    tokenizer: str | None = None
     seq_len: int = Field(128, gt=0)
     val_fraction: float = Field(0.01, ge=0.0, lt=1.0)
     module: str | None = None
@@ -312,12 +339,29 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         return f"{path}{f':{line}' if line else ''}: {'.'.join(map(str, loc))}"
 
     looked = f"(looked in {os.getcwd()} and {base})"
-    try:
-        recipe.model.module = _resolve_module(recipe.model.module, base)
-    except FileNotFoundError:
-        raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module} {looked}") from None
+    if (recipe.model.module is None) == (recipe.model.hf is None):
+        raise ZerorunError(f"{where('model')}: give model.module (a model module) or model.hf (a Hugging Face "
+                           "model), one of them")
+    if recipe.model.hf is not None:
+        from zerorun.hf.recipe import resolve_hf_model
+
+        resolve_hf_model(recipe.model, base, where)
+    else:
+        try:
+            recipe.model.module = _resolve_module(recipe.model.module, base)
+        except FileNotFoundError:
+            raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module} {looked}") from None
+    if recipe.model.hf is None and "task" in recipe.model.model_fields_set:
+        raise ZerorunError(f"{where('model', 'task')}: a model.hf field; a model module's forward defines its task")
     d = recipe.data
-    if d.kind == "text":
+    stray = [f for f in ("path", "tokenizer", "text_field") if f in d.model_fields_set]
+    if d.kind != "hf" and stray:
+        raise ZerorunError(f"{where('data', stray[0])}: a data.kind 'hf' field (kind is {d.kind!r})")
+    if d.kind == "hf":
+        from zerorun.hf.recipe import resolve_hf_data
+
+        resolve_hf_data(d, base, where)
+    elif d.kind == "text":
         if not d.paths:
             raise ZerorunError(f"{where('data', 'paths')}: kind 'text' needs at least one path pattern")
         for i, pattern in enumerate(d.paths):
@@ -330,6 +374,10 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
             d.module = _resolve_module(d.module, base)
         except FileNotFoundError:
             raise ZerorunError(f"{where('data', 'module')}: file not found: {d.module} {looked}") from None
+    if recipe.model.hf is not None:
+        from zerorun.hf.recipe import check_vocab
+
+        check_vocab(recipe.model, d, where)
     launch = recipe.launch
     if launch.workdir is not None:
         launch.workdir = os.path.abspath(os.path.expanduser(launch.workdir))

@@ -110,12 +110,13 @@ def train(recipe: Recipe, rank: int) -> None:
     t = recipe.train
     torch.manual_seed(t.seed)
     z = recipe.zero
+    source = recipe.model.source()  # (module, factory, kwargs); model.hf: zerorun/hf/model.py
     if z.stage == 3 and z.meta_init and recipe.runtime == "zero":
         # built on the meta device; each rank materializes only its slices (zero/deferred.py), replayed on the
         # CPU as the normal path below builds it, kept on this rank's device
         with warnings.catch_warnings(record=True) as caught:  # a fallback to normal construction: say so
             warnings.simplefilter("always")
-            model = zero.deferred_init(build_model, recipe.model.module, recipe.model.factory, recipe.model.kwargs)
+            model = zero.deferred_init(build_model, *source)
         for w in caught:
             if not str(w.message).startswith("deferred_init:"):  # the user's own: as without the recording
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)
@@ -124,8 +125,8 @@ def train(recipe: Recipe, rank: int) -> None:
         if zero.is_deferred(model):
             zero.place_on(model, device)
     else:
-        model = build_model(recipe.model.module, recipe.model.factory, recipe.model.kwargs).to(device)
-    train_set, val_set = build_datasets(recipe.data)
+        model = build_model(*source).to(device)
+    train_set, val_set = build_datasets(recipe.data, progress=lambda message: emit("log", rank, message=message))
     per_step = world_size * t.micro_batch_size
     if len(train_set) < per_step:
         raise UserCodeError(f"data: {len(train_set)} training samples, fewer than one micro-batch on every rank "
@@ -151,6 +152,10 @@ def train(recipe: Recipe, rank: int) -> None:
                                           param_groups=groups, config=config)
     except ValueError as e:  # the recipe asks for something this model cannot do (units, optimizer, groups)
         raise ZerorunError(f"recipe: {e}") from None
+    if getattr(model, "pretrained", None) and recipe.model.hf is not None:  # Note [Pretrained at stage 3]
+        from zerorun.hf.load import load_pretrained_slices
+
+        load_pretrained_slices(model, engine)
     n_params = sum(p.numel() for p in model.parameters())
     units = [u.name or "<root>" for u in getattr(engine, "units", [])]
     emit("model_ready", rank, params=n_params, trainable=engine.num_params, stage=recipe.zero.stage,
@@ -181,7 +186,7 @@ def train(recipe: Recipe, rank: int) -> None:
             x = batch.get("input_ids", next((v for v in batch.values() if isinstance(v, torch.Tensor)), None))
         if x is None or x.dim() < 2:
             return 0
-        return x.shape[0] * (x.shape[1] - 1 if recipe.data.kind == "text" else x.shape[1])
+        return x.shape[0] * (x.shape[1] - 1 if recipe.data.kind in ("text", "hf") else x.shape[1])
 
     def evaluate(step: int) -> None:
         if val_set is None or len(val_set) < world_size:
@@ -196,7 +201,7 @@ def train(recipe: Recipe, rank: int) -> None:
                     break
                 batch = to_device(batch)
                 n = len(batch) if isinstance(batch, torch.Tensor) else 1
-                total += torch.tensor([extract_loss(engine(batch), recipe.model.module).item() * n, n],
+                total += torch.tensor([extract_loss(engine(batch), source[0]).item() * n, n],
                                       dtype=torch.float64, device=device)
         model.train()
         dist.all_reduce(total)
@@ -219,7 +224,7 @@ def train(recipe: Recipe, rank: int) -> None:
         for _ in range(t.grad_accum_steps):
             batch = to_device(next(it))
             tokens += tokens_in(batch)
-            loss = extract_loss(engine(batch), recipe.model.module)
+            loss = extract_loss(engine(batch), source[0])
             engine.backward(loss)
             loss_sum += loss.item()
         grad_norm = engine.step()

@@ -1,0 +1,297 @@
+"""model.hf / data.kind hf / consolidate --hf: a tiny Llama and GPT-2 made from configs and a BPE tokenizer
+trained with ``tokenizers`` on stdlib sources, saved with ``save_pretrained`` in a temporary folder (never a
+download; the HF offline flags are set)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+pytest.importorskip("transformers")  # the 'hf' extra (in 'test' too)
+pytest.importorskip("pyarrow")
+
+import hf_cases as cases  # noqa: E402
+
+from zerorun.errors import ZerorunError  # noqa: E402
+from zerorun.recipe import load_recipe  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("make_hf_tiny", os.path.join(ROOT, "recipes/make_hf_tiny.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """``{"llama": folder, "gpt2": folder, "tok": folder, "jsonl": file, "root": tmp}``: models with tied
+    embeddings (odd sizes: slices cut rows), tokenizer files in the Llama folder too."""
+    make = _maker()
+    root = tmp_path_factory.mktemp("hf")
+    tok = str(root / "tok")
+    make.make_tokenizer(tok, vocab_size=300)
+    llama = make.make_model(str(root / "llama"), "llama", vocab_size=301, hidden_size=40, intermediate_size=70)
+    make.make_tokenizer(llama, vocab_size=300)
+    gpt2 = make.make_model(str(root / "gpt2"), "gpt2", vocab_size=301, n_embd=36, n_head=3)
+    untied = make.make_model(str(root / "untied"), "llama", vocab_size=301, hidden_size=40, intermediate_size=70,
+                             tie_word_embeddings=False)
+    jsonl = make.make_jsonl(str(root / "data.jsonl"))
+    return {"llama": llama, "gpt2": gpt2, "untied": untied, "tok": tok, "jsonl": jsonl, "root": root}
+
+
+def _recipe(path, model: dict, data: dict | None = None, **extra) -> str:
+    doc = {"name": "hf", "model": model,
+           "data": data or {"kind": "text", "paths": ["{stdlib}/json/*.py"], "seq_len": 16},
+           "train": {"steps": 3, "micro_batch_size": 2}, **extra}
+    with open(path, "w") as f:
+        json.dump(doc, f)  # JSON is YAML
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------ recipe errors
+@pytest.mark.parametrize("model,pattern", [
+    ({"hf": {"pretrained": "no/such/folder"}}, r"^.*r\.yaml:1: model\.hf\.pretrained: not a folder: "),
+    ({"hf": {"config": "nope.json"}}, r"model\.hf\.config: file not found: "),
+    ({"hf": {"config": {"hidden_size": 8}}}, r"model\.hf\.config: the config has no model_type"),
+    ({"hf": {"config": {"model_type": "no-such-arch"}}}, r"model\.hf\.config: unknown model_type 'no-such-arch'"),
+    ({"hf": {"config": {"model_type": "vit"}}}, r"model\.hf\.config: model_type 'vit' has no causal-lm model"),
+    ({"hf": {"config": {"model_type": "llama"}, "weights": 1}}, r"model\.hf\.weights: unknown field"),
+    ({"hf": {"config": {"model_type": "llama"}}, "task": "seq2seq"}, r"model\.task: Input should be 'causal-lm'"),
+    ({"hf": {"config": {"model_type": "llama"}}, "module": "m.py"}, r"model: give model\.module .* one of them"),
+    ({"factory": "f"}, r"model: give model\.module .* one of them"),
+    ({"module": "recipes/models/gpt.py", "task": "causal-lm"}, r"model\.task: a model\.hf field"),
+])
+def test_bad_hf_model_is_one_line(tmp_path, model, pattern):
+    with pytest.raises(ZerorunError, match=pattern) as e:
+        load_recipe(_recipe(tmp_path / "r.yaml", model))
+    assert "\n" not in str(e.value)
+
+
+def test_bad_config_files_are_one_line(tmp_path, hf_dir):
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ZerorunError, match=r"model\.hf\.config: .*bad\.json: config is not valid JSON"):
+        load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"config": str(tmp_path / "bad.json")}}))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(open(os.path.join(hf_dir["llama"], "config.json")).read())
+    with pytest.raises(ZerorunError, match=r"model\.hf\.pretrained: no \*\.safetensors files in "):
+        load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": str(empty)}}))
+
+
+def test_hf_recipe_resolves_and_builds_on_meta(tmp_path, hf_dir):
+    import torch
+
+    from zerorun.userload import build_model
+
+    r = load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": os.path.relpath(hf_dir["llama"])}}))
+    assert r.model.hf.pretrained == hf_dir["llama"]
+    module, factory, kwargs = r.model.source()
+    assert (module, factory, kwargs["task"]) == ("zerorun.hf.model", "build_model", "causal-lm")
+    with torch.device("meta"):
+        m = build_model(module, factory, kwargs)
+    assert m.pretrained == hf_dir["llama"] and next(m.parameters()).is_meta
+
+
+def test_bad_hf_recipe_exits_2_with_one_line(tmp_path):
+    path = _recipe(tmp_path / "r.yaml", {"hf": {"pretrained": str(tmp_path / "missing")}})
+    proc = subprocess.run([sys.executable, "-m", "zerorun", "train", path, "--no-dashboard"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and "model.hf.pretrained: not a folder" in lines[0], lines
+
+
+def test_data_vocabulary_larger_than_the_model_is_one_line(tmp_path, hf_dir):
+    small = {"hf": {"config": {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+                               "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 200}}}
+    with pytest.raises(ZerorunError, match=r"r\.yaml:1: data\.tokenizer: the tokenizer in .* has 300 token ids, "
+                                           r"more than the model's vocab_size 200"):
+        load_recipe(_recipe(tmp_path / "r.yaml", small, {"kind": "hf", "path": hf_dir["jsonl"],
+                                                         "tokenizer": hf_dir["tok"]}))
+    small["hf"]["config"]["vocab_size"] = 100
+    with pytest.raises(ZerorunError, match=r"data\.kind: byte-level data \(256 ids\) has 256 token ids"):
+        load_recipe(_recipe(tmp_path / "r.yaml", small))
+    small["hf"]["config"]["vocab_size"] = 300
+    load_recipe(_recipe(tmp_path / "r.yaml", small, {"kind": "hf", "path": hf_dir["jsonl"], "tokenizer": hf_dir["tok"]}))
+
+
+def test_estimate_takes_model_hf(tmp_path):
+    """zerorun estimate builds a model.hf from its config on the meta device: every parameter, tied ones once."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from zerorun.estimate import layout_of_recipe
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "vocab_size": 1000, "tie_word_embeddings": True}
+    r = load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"config": cfg}},
+                            zero={"stage": 3, "units": ["LlamaDecoderLayer"]}))
+    layout = layout_of_recipe(r)
+    values = dict(cfg)
+    expected = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).num_parameters()
+    assert layout.total == layout.trainable == expected
+    assert len(layout.units) == 4  # three decoder layers and the root
+
+
+# ------------------------------------------------------------------------------------------ data kind hf
+def _formats(root, jsonl: str) -> dict:
+    """The same records as JSONL, Parquet, a save_to_disk-layout folder (arrow stream + state.json)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [json.loads(line)["text"] for line in open(jsonl)]
+    table = pa.table({"text": texts, "n": list(range(len(texts)))})
+    pq.write_table(table, str(root / "d.parquet"), row_group_size=3)
+    folder = root / "saved"
+    folder.mkdir(exist_ok=True)
+    with pa.ipc.new_stream(str(folder / "data-00000-of-00001.arrow"), table.schema) as w:
+        w.write_table(table, max_chunksize=4)
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    return {"jsonl": jsonl, "parquet": str(root / "d.parquet"), "saved": str(folder)}
+
+
+def test_hf_data_formats_cache_and_streaming(tmp_path, hf_dir, monkeypatch):
+    import shutil
+
+    import torch
+
+    from zerorun.hf import data as hfdata
+    from zerorun.recipe import DataSpec
+
+    jsonl = shutil.copy(hf_dir["jsonl"], tmp_path / "d.jsonl")
+    paths = _formats(tmp_path, str(jsonl))
+    calls = []
+    encode = hfdata.Tokenizer.encode
+    monkeypatch.setattr(hfdata, "BATCH_BYTES", 5_000)  # streamed in batches, never the whole text at once
+    monkeypatch.setattr(hfdata.Tokenizer, "encode", lambda self, texts: calls.append(sum(map(len, texts))) or encode(self, texts))
+    blocks = {}
+    for fmt, path in paths.items():
+        train, val = hfdata.build_hf_datasets(DataSpec(kind="hf", path=path, tokenizer=hf_dir["tok"], seq_len=32,
+                                                       val_fraction=0.1))
+        blocks[fmt] = torch.stack([train[i] for i in range(len(train))])
+        assert val is not None and train[0].dtype == torch.int64 and train[0].shape == (32,)
+    assert torch.equal(blocks["jsonl"], blocks["parquet"]) and torch.equal(blocks["jsonl"], blocks["saved"])
+    assert blocks["jsonl"].max() < 300 and len(calls) >= 3 * len(paths) and 0 not in calls, calls
+    longest = max(len(json.loads(line)["text"]) for line in open(jsonl))
+    assert max(calls) < 5_000 + longest  # one batch: up to the batch size, plus the record that crosses it
+    # the cache is reused: no tokenizing the second time
+    folder, cache = hfdata.cache_paths(str(jsonl), "text", hfdata.Tokenizer(hf_dir["tok"]))
+    assert os.path.isfile(cache)
+    calls.clear()
+    again, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(jsonl), tokenizer=hf_dir["tok"], seq_len=32,
+                                                 val_fraction=0.1))
+    assert calls == [] and torch.equal(again[3], blocks["jsonl"][3])
+    # a changed file makes a new cache and removes the stale one
+    with open(jsonl, "a") as f:
+        f.write(json.dumps({"text": "def added():\n    return 1\n" * 50}) + "\n")
+    changed, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(jsonl), tokenizer=hf_dir["tok"], seq_len=32,
+                                                   val_fraction=0.1))
+    assert calls and not os.path.exists(cache) and len(os.listdir(folder)) == 2
+    # another tokenizer: another cache (byte-level without a tokenizer folder: vocabulary 256)
+    other, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(jsonl), seq_len=32))
+    assert other[0].max() < 256 and len(other) > len(changed)
+    # plain text: one document, byte-level
+    (tmp_path / "t.txt").write_text("hello world\n" * 100)
+    text, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(tmp_path / "t.txt"), seq_len=12, val_fraction=0))
+    assert len(text) == 100 and bytes(text[1].tolist()) == b"hello world\n"
+
+
+@pytest.mark.parametrize("data,pattern", [
+    ({"kind": "hf"}, r"r\.yaml:1: data: kind 'hf' needs data\.path"),
+    ({"kind": "hf", "path": "nope.jsonl"}, r"data\.path: not found: .*nope\.jsonl"),
+    ({"kind": "hf", "path": "JSONL", "text_field": "body"}, r"data\.text_field: 'body' is not a field of .* \(fields: text, path\)"),
+    ({"kind": "hf", "path": "PARQUET", "text_field": "body"}, r"data\.text_field: 'body' is not a field of .* \(fields: text, n\)"),
+    ({"kind": "hf", "path": "SAVED", "text_field": "body"}, r"data\.text_field: 'body' is not a field of "),
+    ({"kind": "hf", "path": "JSONL", "tokenizer": "nowhere"}, r"data\.tokenizer: not a folder: "),
+    ({"kind": "hf", "path": "r.yaml"}, r"data\.path: .*r\.yaml: unknown format"),
+    ({"kind": "text", "paths": ["{stdlib}/json/*.py"], "tokenizer": "tok"}, r"data\.tokenizer: a data\.kind 'hf' field"),
+])
+def test_bad_hf_data_is_one_line(tmp_path, hf_dir, data, pattern):
+    paths = _formats(tmp_path, hf_dir["jsonl"])
+    data = dict(data, seq_len=16)
+    data["path"] = {"JSONL": paths["jsonl"], "PARQUET": paths["parquet"], "SAVED": paths["saved"]}.get(
+        data.get("path"), data.get("path"))
+    if data["path"] is None:
+        del data["path"]
+    with pytest.raises(ZerorunError, match=pattern) as e:
+        load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": hf_dir["llama"]}}, data))
+    assert "\n" not in str(e.value)
+
+
+def test_bad_record_is_one_line(tmp_path, hf_dir):
+    from zerorun.hf.data import build_hf_datasets
+    from zerorun.recipe import DataSpec
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ZerorunError, match=r"d\.jsonl:2: data\.text_field 'text': missing$"):
+        build_hf_datasets(DataSpec(kind="hf", path=str(tmp_path / "d.jsonl"), seq_len=4))
+
+
+# ------------------------------------------------------------------------------------------ stage 3 parity
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,unit", [("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block"),
+                                       ("untied", "LlamaDecoderLayer")])
+def test_stage3_from_pretrained_matches_stage0(ranks, hf_dir, arch, unit):
+    for rank, r in enumerate(ranks(2).run(cases.stage3_matches_stage0, folder=hf_dir[arch], units=[unit])):
+        assert r["tied"] == (arch != "untied"), r
+        assert r["init_equal"], f"rank {rank}: stage 3 did not start from the pretrained weights: {r}"
+        assert r["changed"], r
+        for key in ("loss", "grad_norm", "params"):
+            assert r[key] <= TOL, f"rank {rank}: {key} differs from stage 0 by {r[key]:.3g} ({r})"
+        # each rank reads its half of the weights (plus partial rows at its slice ends), not the model
+        assert r["read_bytes"] < 0.6 * r["model_bytes"], r
+
+
+# ------------------------------------------------------------------------------------------ zerorun train + consolidate --hf
+@pytest.mark.slow
+def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir, monkeypatch):
+    """One 2-rank `zerorun train` at stage 3 from the pretrained Llama on data kind hf (JSONL, the folder's BPE
+    tokenizer); its checkpoint written as a HF folder (sharded: small --max-shard-size) reloads with
+    from_pretrained bit-equal to the plain consolidated state, tokenizer files beside it."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "ckpt"
+    data = {"kind": "hf", "path": hf_dir["jsonl"], "tokenizer": hf_dir["llama"], "seq_len": 16}
+    path = _recipe(tmp_path / "r.yaml", {"hf": {"pretrained": hf_dir["llama"]}}, data,
+                   zero={"stage": 3, "units": ["LlamaDecoderLayer"]}, launch={"procs_per_node": 2},
+                   checkpoint={"dir": str(ckpt)}, log={"every": 1, "dir": str(tmp_path / "runs")})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    train = subprocess.run([sys.executable, "-m", "zerorun", "train", path, "--no-dashboard"], capture_output=True,
+                           text=True, timeout=300, env=env, cwd=tmp_path)
+    assert train.returncode == 0, train.stdout + train.stderr
+    out = tmp_path / "export"
+    from zerorun.cli import main
+
+    for args in (["--out", str(out), "--hf", "--max-shard-size", "100KB"], ["--out", str(tmp_path / "full.safetensors")]):
+        monkeypatch.setattr(sys, "argv", ["zerorun", "consolidate", str(ckpt), *args])
+        main()  # in this process: returns on success, exits non-zero on an error
+    files = sorted(os.listdir(out))
+    assert "config.json" in files and "model.safetensors.index.json" in files, files
+    assert len([f for f in files if f.endswith(".safetensors")]) > 1, files
+    assert "tokenizer.json" in files and "tokenizer_config.json" in files  # copied from data.tokenizer
+    log = open(next((tmp_path / "runs" / "hf").glob("*/metrics.jsonl"))).read()
+    assert "tokenized data.jsonl" in log  # the tokenizing progress reached the launcher
+    assert os.path.isdir(hf_dir["jsonl"] + ".zerorun-tokens")  # cached beside the data
+    index = json.load(open(out / "model.safetensors.index.json"))["weight_map"]
+    assert "model.embed_tokens.weight" in index and "lm_head.weight" not in index  # tied weights once
+    full = load_file(str(tmp_path / "full.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    state = model.state_dict()
+    assert set(state) == {k[len("hf."):] for k in full}
+    for key, value in full.items():
+        assert torch.equal(state[key[len("hf."):]], value), key
+    pretrained = AutoModelForCausalLM.from_pretrained(hf_dir["llama"]).state_dict()
+    assert not torch.equal(pretrained["model.embed_tokens.weight"], state["model.embed_tokens.weight"])  # trained

@@ -1,0 +1,110 @@
+"""zerorun import-deepspeed: a DeepSpeed config becomes a recipe that validates; dropped fields are listed;
+bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from zerorun.errors import ZerorunError
+from zerorun.hf.deepspeed import import_deepspeed
+from zerorun.recipe import Recipe
+
+DS = {
+    "train_batch_size": 64, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "steps_per_print": 50,
+    "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500, "min_loss_scale": 2,
+             "hysteresis": 2, "loss_scale": 0},
+    "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                             "torch_adam": True}},
+    "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 100, "total_num_steps": 2000,
+                                                       "cos_min_ratio": 0.05}},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 1048576,
+                          "stage3_param_persistence_threshold": 1e4,
+                          "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True},
+                          "offload_param": {"device": "cpu"}},
+    "wall_clock_breakdown": False,
+}
+
+
+def _run(tmp_path, ds, hosts: str | None = "localhost slots=2\n127.0.0.1 slots=2\n"):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds) if isinstance(ds, dict) else ds)
+    hostfile = None
+    if hosts is not None:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text(hosts)
+    text, dropped = import_deepspeed(str(path), str(hostfile) if hostfile else None)
+    return yaml.safe_load(text), text, dropped
+
+
+def test_maps_the_fields_with_a_meaning_here(tmp_path):
+    data, text, dropped = _run(tmp_path, DS)
+    r = Recipe.model_validate(data)  # a valid recipe once model and data are filled in
+    t = r.train
+    assert (t.micro_batch_size, t.grad_accum_steps, t.steps, t.grad_clip) == (8, 2, 2000, 1.0)  # 64 = 8 x 2 x 4 ranks
+    assert t.optimizer.name == "AdamW" and t.optimizer.kwargs() == {"lr": 3e-4, "weight_decay": 0.1, "eps": 1e-8,
+                                                                     "betas": [0.9, 0.95]}
+    assert (t.schedule.warmup_steps, t.schedule.decay, t.schedule.min_lr_ratio) == (100, "cosine", 0.05)
+    assert r.precision == "fp16"
+    assert (r.loss_scale.initial_scale, r.loss_scale.growth_interval, r.loss_scale.min_scale) == (4096.0, 500, 2.0)
+    z = r.zero
+    assert (z.stage, z.offload_optimizer, z.offload_path, z.persistence_threshold) == (3, "disk", "/local_nvme", 10000)
+    assert z.bucket_mb == 2.0  # 1Mi elements of 2-byte gradients
+    assert r.launch.procs_per_node == 2 and r.log.every == 50
+    fields = {d.split(":")[0] for d in dropped}
+    assert fields == {"fp16.hysteresis", "optimizer.params.torch_adam", "zero_optimization.offload_param",
+                      "zero_optimization.overlap_comm", "zero_optimization.offload_optimizer.pin_memory",
+                      "wall_clock_breakdown"}, dropped
+    assert all(f"#   {d}" in text for d in dropped)
+
+
+def test_adam_without_decoupled_decay_and_auto_values(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4,
+          "optimizer": {"type": "Adam", "params": {"lr": "auto", "adam_w_mode": False}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-3}},
+          "bf16": {"enabled": True}, "zero_optimization": {"stage": 1, "reduce_bucket_size": 1048576}}
+    data, _, dropped = _run(tmp_path, ds, hosts=None)
+    r = Recipe.model_validate(data)
+    assert r.train.optimizer.name == "Adam" and r.train.optimizer.lr == 1e-3 and r.train.grad_accum_steps == 4
+    assert r.train.schedule.decay == "constant" and r.precision == "bf16" and r.zero.bucket_mb == 2.0
+    assert any(d.startswith("train_micro_batch_size_per_gpu: 'auto'") for d in dropped)
+    assert any(d.startswith("optimizer.params.lr: 'auto'") for d in dropped)
+
+
+@pytest.mark.parametrize("ds,hosts,pattern", [
+    ('{"zero_optimization": {"stage": 2,}}', None, r"ds\.json:1: not valid JSON"),
+    ("[1, 2]", None, r"ds\.json: a DeepSpeed config is a JSON object"),
+    ({"zero_optimization": {"stage": 5}}, None, r"ds\.json: zero_optimization\.stage: 5 is not a ZeRO stage"),
+    ({"zero_optimization": {"stage": "two"}}, None, r"zero_optimization\.stage: expected an integer, got 'two'"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "localhost slots=2\n",
+     r"train_batch_size: 30 is not micro-batch x accumulation x 2 ranks"),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     "localhost slots=2\n", r"train_batch_size: 32 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, None, r"bf16\.enabled and fp16\.enabled: both true"),
+])
+def test_bad_config_is_one_line(tmp_path, ds, hosts, pattern):
+    with pytest.raises(ZerorunError, match=pattern) as e:
+        _run(tmp_path, ds, hosts)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_prints_the_recipe_and_exits_2_on_bad_input(tmp_path, monkeypatch, capsys):
+    from zerorun.cli import main
+
+    (tmp_path / "ds.json").write_text(json.dumps(DS))
+    monkeypatch.setattr(sys, "argv", ["zerorun", "import-deepspeed", str(tmp_path / "ds.json")])
+    main()
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["zero"]["stage"] == 3
+    assert "zerorun: dropped zero_optimization.offload_param:" in err
+    # without a hostfile train_batch_size cannot be split: dropped, said so
+    assert "train_batch_size: needs the world size" in err
+    monkeypatch.setattr(sys, "argv", ["zerorun", "import-deepspeed", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.json: cannot read DeepSpeed config" in err[0], err

@@ -1,0 +1,290 @@
+"""``zerorun import-deepspeed ds_config.json [--hostfile H] > recipe.yaml``: a DeepSpeed config mapped to a
+zerorun recipe, so a DeepSpeed user starts from their own settings.
+
+Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.stage``;
+``offload_optimizer.device`` cpu/nvme -> ``zero.offload_optimizer`` cpu/disk (``nvme_path`` ->
+``zero.offload_path``); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
+size); ``stage3_param_persistence_threshold`` -> ``zero.persistence_threshold``; ``bf16``/``fp16.enabled`` ->
+``precision``; fp16's ``initial_scale_power``/``loss_scale_window``/``min_loss_scale`` -> ``loss_scale``;
+``communication_data_type`` fp32 -> ``zero.reduce_dtype``; ``gradient_clipping`` -> ``train.grad_clip``;
+``train_micro_batch_size_per_gpu``/``gradient_accumulation_steps`` (or derived from ``train_batch_size`` and
+the hostfile's slots) -> ``train.micro_batch_size``/``grad_accum_steps``; ``optimizer`` (Adam/AdamW/SGD and
+its params) -> ``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR -> ``train.schedule``
+(and ``train.steps`` from ``total_num_steps``); ``steps_per_print`` -> ``log.every``. Every other field is
+listed as dropped, with the reason, in the recipe's header comment and on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from zerorun.errors import ZerorunError
+
+#: fields zerorun always behaves as if set, or has no use for, with the reason given when dropped
+_ALWAYS = {
+    "overlap_comm": "always on (reduce-scatter overlaps backward at stages 2-3)",
+    "contiguous_gradients": "always on (flat buffers)",
+    "reduce_scatter": "always on at stages 2-3",
+    "allgather_partitions": "always on",
+    "allgather_bucket_size": "zerorun all-gathers per flat buffer / stage-3 unit",
+    "stage3_prefetch_bucket_size": "stage 3 prefetches the next unit (zero.prefetch)",
+    "stage3_max_live_parameters": "stage 3 holds the gathered unit and the prefetched one",
+    "stage3_max_reuse_distance": "stage 3 frees a unit after its forward and its backward",
+    "stage3_gather_16bit_weights_on_model_save": "zerorun consolidate writes full weights from any checkpoint",
+    "round_robin_gradients": "no equivalent",
+    "sub_group_size": "disk offload pages through zero.offload_buffer_mb instead",
+}
+
+
+class _Import:
+    def __init__(self, ds: dict, world_size: int | None) -> None:
+        self.ds, self.world = ds, world_size
+        self.dropped: list[str] = []
+        self.recipe: dict[str, Any] = {"name": "imported",
+                                       "model": {"module": "path/to/model.py", "factory": "build_model"},
+                                       "data": {"kind": "text", "paths": ["{stdlib}/**/*.py"], "seq_len": 128},
+                                       "train": {"steps": 1000, "micro_batch_size": 1}, "zero": {}}
+
+    def drop(self, field: str, why: str) -> None:
+        self.dropped.append(f"{field}: {why}")
+
+    def num(self, field: str, value: Any, kind=float) -> Any:
+        if value == "auto":
+            self.drop(field, "'auto' (filled in by the HF Trainer integration): set it in the recipe")
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ZerorunError(f"{field}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+        return kind(value)
+
+    def run(self) -> dict:
+        ds = dict(self.ds)
+        self.precision(ds)
+        self.batch(ds)
+        z = ds.pop("zero_optimization", None) or {}
+        if not isinstance(z, dict):
+            raise ZerorunError("zero_optimization: expected a mapping")
+        self.zero(dict(z))
+        self.optimizer(ds.pop("optimizer", None))
+        self.scheduler(ds.pop("scheduler", None))
+        train = self.recipe["train"]
+        if "gradient_clipping" in ds:
+            clip = self.num("gradient_clipping", ds.pop("gradient_clipping"))
+            if clip:
+                train["grad_clip"] = clip
+        if "steps_per_print" in ds:
+            every = self.num("steps_per_print", ds.pop("steps_per_print"), int)
+            if every:
+                self.recipe["log"] = {"every": every}
+        comm = ds.pop("communication_data_type", None)
+        if comm in ("fp32", "float32") and self.recipe.get("precision", "fp32") != "fp32":
+            self.recipe["zero"]["reduce_dtype"] = "fp32"
+        elif comm is not None:
+            self.drop("communication_data_type", f"{comm}: gradients are reduced in the parameters' precision")
+        if ds.pop("activation_checkpointing", None):
+            self.drop("activation_checkpointing", "set train.activation_checkpointing: true (stage 3 checkpoints "
+                                                  "each unit)")
+        for key in sorted(ds):
+            self.drop(key, "no zerorun equivalent")
+        if not self.recipe["zero"]:
+            del self.recipe["zero"]
+        return self.recipe
+
+    def precision(self, ds: dict) -> None:
+        bf16 = ds.pop("bf16", None) or ds.pop("bfloat16", None) or {}
+        fp16 = ds.pop("fp16", None) or {}
+        if bf16.get("enabled") is True and fp16.get("enabled") is True:
+            raise ZerorunError("bf16.enabled and fp16.enabled: both true; DeepSpeed refuses this too")
+        for key in sorted(set(bf16) - {"enabled"}):
+            self.drop(f"bf16.{key}", "no zerorun equivalent")
+        if bf16.get("enabled") is True:
+            self.recipe["precision"] = "bf16"
+        if fp16.get("enabled") is True:
+            self.recipe["precision"] = "fp16"
+            scale: dict[str, Any] = {}
+            if fp16.get("loss_scale", 0):
+                self.drop("fp16.loss_scale", "a static loss scale: zerorun scales dynamically (loss_scale.*)")
+            if "initial_scale_power" in fp16:
+                scale["initial_scale"] = float(2 ** self.num("fp16.initial_scale_power", fp16["initial_scale_power"], int))
+            if "loss_scale_window" in fp16:
+                scale["growth_interval"] = self.num("fp16.loss_scale_window", fp16["loss_scale_window"], int)
+            if "min_loss_scale" in fp16:
+                scale["min_scale"] = self.num("fp16.min_loss_scale", fp16["min_loss_scale"])
+            for key in sorted(set(fp16) - {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
+                                           "min_loss_scale"}):
+                self.drop(f"fp16.{key}", "no zerorun equivalent" if key != "hysteresis"
+                          else "zerorun backs off at the first overflow")
+            if scale:
+                self.recipe["loss_scale"] = scale
+        else:
+            for key in sorted(set(fp16) - {"enabled"}):
+                self.drop(f"fp16.{key}", "fp16 is not enabled")
+
+    def batch(self, ds: dict) -> None:
+        train = self.recipe["train"]
+        micro = ds.pop("train_micro_batch_size_per_gpu", None)
+        accum = ds.pop("gradient_accumulation_steps", None)
+        total = ds.pop("train_batch_size", None)
+        micro = None if micro is None else self.num("train_micro_batch_size_per_gpu", micro, int)
+        accum = None if accum is None else self.num("gradient_accumulation_steps", accum, int)
+        total = None if total is None else self.num("train_batch_size", total, int)
+        if total is not None and (micro is None or accum is None):
+            if self.world is None:
+                self.drop("train_batch_size", "needs the world size to split: pass --hostfile (or set "
+                                              "train.micro_batch_size and train.grad_accum_steps)")
+            elif micro is not None:
+                accum = total // (micro * self.world)
+            elif accum is not None:
+                micro = total // (accum * self.world)
+            else:
+                accum = 1
+                micro = total // self.world
+            if self.world is not None and (not micro or not accum or micro * accum * self.world != total):
+                raise ZerorunError(f"train_batch_size: {total} is not micro-batch x accumulation x {self.world} "
+                                   "ranks (the hostfile's slots)")
+        elif total is not None and self.world is not None and micro * accum * self.world != total:
+            raise ZerorunError(f"train_batch_size: {total} != train_micro_batch_size_per_gpu {micro} x "
+                               f"gradient_accumulation_steps {accum} x {self.world} ranks (the hostfile's slots)")
+        if micro:
+            train["micro_batch_size"] = micro
+        if accum:
+            train["grad_accum_steps"] = accum
+
+    def zero(self, z: dict) -> None:
+        out = self.recipe["zero"]
+        if "stage" in z:
+            stage = self.num("zero_optimization.stage", z.pop("stage"), int)
+            if stage not in (0, 1, 2, 3):
+                raise ZerorunError(f"zero_optimization.stage: {stage} is not a ZeRO stage (0-3)")
+            out["stage"] = stage
+        element = 4 if self.recipe.get("precision", "fp32") == "fp32" else 2
+        if "reduce_bucket_size" in z:
+            size = self.num("zero_optimization.reduce_bucket_size", z.pop("reduce_bucket_size"))
+            if size:
+                out["bucket_mb"] = round(size * element / 2**20, 3)
+        if "stage3_param_persistence_threshold" in z:
+            threshold = self.num("zero_optimization.stage3_param_persistence_threshold",
+                                 z.pop("stage3_param_persistence_threshold"), int)
+            if threshold and out.get("stage") == 3:
+                out["persistence_threshold"] = threshold
+            elif threshold:
+                self.drop("zero_optimization.stage3_param_persistence_threshold", "stage 3 only")
+        offload = z.pop("offload_optimizer", None) or {}
+        device = offload.get("device", "none")
+        if device in ("cpu", "nvme"):
+            out["offload_optimizer"] = "cpu" if device == "cpu" else "disk"
+            if device == "nvme":
+                out["offload_path"] = offload.get("nvme_path", "/tmp/zerorun-swap")
+        for key in sorted(set(offload) - {"device", "nvme_path"}):
+            self.drop(f"zero_optimization.offload_optimizer.{key}", "no zerorun equivalent")
+        param = z.pop("offload_param", None) or {}
+        if param.get("device", "none") != "none":
+            self.drop("zero_optimization.offload_param", "parameter offload is not supported; stage 3 keeps only "
+                                                         "each rank's slice")
+        for key in sorted(z):
+            self.drop(f"zero_optimization.{key}", _ALWAYS.get(key, "no zerorun equivalent"))
+
+    def optimizer(self, opt: Any) -> None:
+        if not opt:
+            return
+        kind = str(opt.get("type", "")).lower()
+        params = dict(opt.get("params") or {})
+        names = {"adam": "AdamW" if params.pop("adam_w_mode", True) else "Adam", "adamw": "AdamW", "sgd": "SGD",
+                 "adagrad": "Adagrad"}
+        if kind not in names:
+            self.drop("optimizer", f"type {opt.get('type')!r}: use a torch.optim class in train.optimizer.name")
+            return
+        out: dict[str, Any] = {"name": names[kind]}
+        for key in ("lr", "weight_decay", "eps", "momentum"):
+            if key in params:
+                value = self.num(f"optimizer.params.{key}", params.pop(key))
+                if value is not None:
+                    out[key] = value
+        if "betas" in params:
+            out["betas"] = [float(b) for b in params.pop("betas")]
+        for key in sorted(params):
+            self.drop(f"optimizer.params.{key}", "no torch.optim equivalent")
+        self.recipe["train"]["optimizer"] = out
+
+    def scheduler(self, sched: Any) -> None:
+        if not sched:
+            return
+        kind = sched.get("type")
+        p = dict(sched.get("params") or {})
+        schedule: dict[str, Any] = {}
+        train = self.recipe["train"]
+        if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+            self.drop("scheduler", f"type {kind!r}: train.schedule has linear warm-up, then cosine/linear/constant")
+            return
+        if "warmup_num_steps" in p:
+            schedule["warmup_steps"] = self.num("scheduler.params.warmup_num_steps", p.pop("warmup_num_steps"), int)
+        if "warmup_max_lr" in p:
+            lr = self.num("scheduler.params.warmup_max_lr", p.pop("warmup_max_lr"))
+            if lr:
+                train.setdefault("optimizer", {"name": "AdamW"})["lr"] = lr
+        if "total_num_steps" in p:
+            steps = self.num("scheduler.params.total_num_steps", p.pop("total_num_steps"), int)
+            if steps:
+                train["steps"] = steps
+        if kind == "WarmupLR":
+            schedule["decay"] = "constant"
+        elif kind == "WarmupDecayLR":
+            schedule.update(decay="linear", min_lr_ratio=0.0)
+        else:
+            schedule.update(decay="cosine", min_lr_ratio=self.num("scheduler.params.cos_min_ratio",
+                                                                  p.pop("cos_min_ratio", 0.0001)))
+        for key in ("warmup_min_lr", "warmup_min_ratio"):
+            if p.pop(key, 0):
+                self.drop(f"scheduler.params.{key}", "zerorun's warm-up starts at lr/warmup_steps")
+        if p.pop("warmup_type", "linear") != "linear":
+            self.drop("scheduler.params.warmup_type", "zerorun's warm-up is linear")
+        for key in sorted(p):
+            self.drop(f"scheduler.params.{key}", "no zerorun equivalent")
+        train["schedule"] = schedule
+
+
+def import_deepspeed(path: str, hostfile: str | None = None) -> tuple[str, list[str]]:
+    """``(recipe YAML text, dropped fields as "field: reason")`` for DeepSpeed config ``path``. The YAML starts
+    with comments naming the source and every dropped field; ``model`` and ``data`` are placeholders to fill in.
+
+    ``hostfile`` (DeepSpeed's format): its slots give the world size (to split ``train_batch_size``) and
+    ``launch.procs_per_node`` (the first host's slots).
+
+    Raises:
+        ZerorunError: unreadable file, not JSON, a field of the wrong type, a batch size that does not split;
+            one line naming the file and the field.
+    """
+    from zerorun.recipe import read_text
+
+    text = read_text(path, "DeepSpeed config")
+    try:
+        ds = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ZerorunError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+    if not isinstance(ds, dict):
+        raise ZerorunError(f"{path}: a DeepSpeed config is a JSON object")
+    world = procs = None
+    if hostfile:
+        from zerorun.hostfile import read_hostfile
+
+        hosts = read_hostfile(hostfile)
+        world, procs = sum(h.slots for h in hosts), hosts[0].slots
+    imp = _Import(ds, world)
+    try:
+        recipe = imp.run()
+    except ZerorunError as e:
+        raise ZerorunError(f"{path}: {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ZerorunError(f"{path}: a field has an unexpected value: {e}") from None
+    if procs:
+        recipe["launch"] = {"procs_per_node": procs}
+    head = [f"# Imported from {path} by zerorun import-deepspeed" + (f" (hostfile {hostfile})" if hostfile else ""),
+            "# Fill in model and data (a model module, or model.hf), then: zerorun train recipe.yaml"
+            + (f" -H {hostfile}" if hostfile else "")]
+    if imp.dropped:
+        head.append("# Dropped DeepSpeed fields:")
+        head += [f"#   {d}" for d in imp.dropped]
+    body = yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=110)
+    return "\n".join(head) + "\n" + body, imp.dropped

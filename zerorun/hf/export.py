@@ -1,0 +1,94 @@
+"""``zerorun consolidate CKPT --out DIR --hf``: a checkpoint of a ``model.hf`` recipe written as a Hugging Face
+folder that ``AutoModelForCausalLM.from_pretrained(DIR)`` loads.
+
+The checkpoint is first consolidated into one fp32 safetensors file (:func:`zerorun.checkpoint.consolidate`,
+in a temporary folder beside ``DIR``, removed afterwards); its tensors, memory-mapped, are assigned to a model built on the meta device
+from the recipe's config, and ``save_pretrained`` writes ``config.json``, ``generation_config.json`` and the
+weights (tied weights once; shards of at most ``max_shard_size`` with an index above it). The values are the
+checkpoint's fp32 master weights, bit for bit. The tokenizer files of the recipe's ``data.tokenizer`` folder
+are copied beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from zerorun.errors import ZerorunError
+
+#: files of a tokenizer folder copied into the export (those ``save_pretrained`` of a tokenizer writes)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, int]:
+    """Write the model of checkpoint ``ckpt`` (a step folder, or a folder of them: the latest) as a Hugging
+    Face folder ``out``: written complete in a temporary sibling folder first, then moved in (files of the same
+    names, and a previous export's weight files, are replaced), so a failed export leaves ``out`` as it was.
+
+    Returns:
+        ``(weight files written, total bytes of them)``.
+
+    Raises:
+        ZerorunError: the checkpoint's recipe has no ``model.hf``, or as :func:`zerorun.checkpoint.consolidate`.
+    """
+    import torch
+
+    from zerorun import checkpoint
+    from zerorun.hf import offline
+    from zerorun.hf.model import PREFIX, load_config
+
+    offline()
+    path = checkpoint.resolve(ckpt)
+    meta = checkpoint.check(path)
+    recipe = meta.get("recipe") or {}
+    hf = (recipe.get("model") or {}).get("hf")
+    if not hf:
+        raise ZerorunError(f"{path}: --hf needs a checkpoint of a model.hf recipe (this one trained "
+                           f"{(recipe.get('model') or {}).get('module')}); drop --hf for a plain state dict")
+    cfg = load_config(hf.get("pretrained"), hf.get("config"))
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ZerorunError(f"--out {out}: not a directory")
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{os.getpid()}.tmp")
+    try:
+        os.makedirs(tmp)
+        full = os.path.join(tmp, ".zerorun-full.safetensors")
+        checkpoint.consolidate(path, full)
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        state = {k[len(PREFIX):]: v for k, v in load_file(full).items() if k.startswith(PREFIX)}
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                                     **(recipe.get("model") or {}).get("kwargs", {}))
+        persistent = set(model.state_dict())
+        missing = sorted(persistent - set(state))
+        if missing:
+            raise ZerorunError(f"{path}: the checkpoint lacks {missing[0]} of the {cfg.model_type} model "
+                               f"({len(missing)} missing)")
+        model.load_state_dict({k: v for k, v in state.items() if k in persistent}, assign=True, strict=True)
+        model.tie_weights()
+        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
+        del model, state
+        os.remove(full)
+        tokenizer = (recipe.get("data") or {}).get("tokenizer")
+        if tokenizer and os.path.isdir(tokenizer):
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(tokenizer, name)):
+                    shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
+        # complete: now replace (a previous export's shards would mix with this one's)
+        if os.path.isdir(out):
+            for name in os.listdir(out):
+                if name.startswith("model") and name.endswith((".safetensors", ".index.json")):
+                    os.remove(os.path.join(out, name))
+            for name in os.listdir(tmp):
+                os.replace(os.path.join(tmp, name), os.path.join(out, name))
+        else:
+            os.replace(tmp, out)
+    except OSError as e:
+        raise ZerorunError(f"--out {out}: cannot write: {e.strerror}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    weights = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    return len(weights), sum(os.path.getsize(os.path.join(out, f)) for f in weights)

@@ -1,0 +1,170 @@
+"""``model.hf``: a ``transformers`` causal language model from a local config or a local pretrained folder,
+wrapped so that zerorun's batches reach it as ``input_ids``/``labels``/``attention_mask``.
+
+The recipe's ``model: {hf: {...}, task: causal-lm}`` is turned into the model source
+``("zerorun.hf.model", "build_model", {...})`` (:meth:`zerorun.recipe.ModelSpec.source`), so the worker, the
+launcher's model check and ``zerorun estimate`` build it the way they build any user module.
+
+Note [Pretrained at stage 3]: under ``torch.device("meta")`` (stage 3's deferred init, the model check,
+``zerorun estimate``) :func:`build_model` builds the architecture from the folder's ``config.json`` only and
+records the folder in :attr:`CausalLM.pretrained`; the worker then fills each rank's slices from the
+safetensors files (:func:`zerorun.hf.load.load_pretrained_slices`). Anywhere else it calls
+``from_pretrained`` and every rank holds the whole model, as stages 0-2 do anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from zerorun.errors import ZerorunError
+from zerorun.hf import offline
+
+#: the prefix of the Hugging Face model's parameter names inside :class:`CausalLM` (``hf.model.embed_tokens...``)
+PREFIX = "hf."
+
+
+class CausalLM(nn.Module):
+    """A ``transformers`` ``*ForCausalLM`` model whose ``forward(batch)`` takes zerorun's batch.
+
+    ``batch``: an int64 tensor ``(B, T)`` of token ids (inputs and labels: the model shifts labels itself), or
+    a dict with ``input_ids`` ``(B, T)`` and optionally ``attention_mask`` ``(B, T)`` (positions with 0 get
+    label -100, ignored by the loss) and ``labels`` ``(B, T)``. Returns the model's output, whose ``loss`` is
+    the mean cross-entropy over predicted tokens (a 0-dim float tensor).
+
+    Attributes:
+        hf: the wrapped ``PreTrainedModel``.
+        pretrained: the folder whose safetensors still have to be loaded into this model (built on the meta
+            device from that folder's config), else ``None`` (Note [Pretrained at stage 3]).
+    """
+
+    def __init__(self, hf: nn.Module, pretrained: str | None = None) -> None:
+        super().__init__()
+        self.hf = hf
+        self.pretrained = pretrained
+        cfg = hf.config
+        layers, width = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "hidden_size", None)
+        if isinstance(layers, int) and isinstance(width, int):
+            # read by telemetry's FLOP count (attention term); not the full shape, so zerorun estimate does
+            # not apply its GPT activation formula to another block design
+            self.shape = {"n_layer": layers, "d_model": width}
+
+    def forward(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            ids, mask, labels = batch, None, batch
+        elif isinstance(batch, dict) and "input_ids" in batch:
+            ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch.get("labels")
+            if labels is None:
+                labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+        else:
+            from zerorun.userload import UserCodeError
+
+            raise UserCodeError(f"model.hf: task causal-lm takes a tensor of token ids or a dict with input_ids, "
+                                f"got {type(batch).__name__}")
+        return self.hf(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ZerorunError(f"{path}: cannot read {what}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ZerorunError(f"{path}: {what} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ZerorunError(f"{path}: {what} must be a JSON object")
+    return data
+
+
+def load_config(pretrained: str | None = None, config: str | dict | None = None, where: str = "model.hf"):
+    """The ``transformers`` config of ``pretrained`` (a local folder with ``config.json``) or ``config`` (a
+    path to a ``config.json`` or the mapping itself, with ``model_type``), read offline.
+
+    Raises:
+        ZerorunError: one line naming ``where``: folder or file missing, not JSON, no or unknown
+            ``model_type``, or values the config class refuses.
+    """
+    offline()
+    if (pretrained is None) == (config is None):
+        raise ZerorunError(f"{where}: give exactly one of pretrained (a local folder) or config (a config.json "
+                           "path or mapping)")
+    if pretrained is not None:
+        if not os.path.isdir(pretrained):
+            raise ZerorunError(f"{where}.pretrained: not a folder: {pretrained}")
+        path = os.path.join(pretrained, "config.json")
+        if not os.path.isfile(path):
+            raise ZerorunError(f"{where}.pretrained: no config.json in {pretrained}")
+        data, field = _read_json(path, "config.json"), "pretrained"
+    elif isinstance(config, str):
+        if not os.path.isfile(config):
+            raise ZerorunError(f"{where}.config: file not found: {config}")
+        data, field = _read_json(config, "config"), "config"
+    else:
+        data, field = dict(config), "config"
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        raise ZerorunError(f"{where}.{field}: the config has no model_type (e.g. llama, gpt2)")
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ZerorunError(f"{where}.{field}: unknown model_type {model_type!r} for this transformers version")
+    values = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except Exception as e:  # noqa: BLE001 - the config class's own checks
+        raise ZerorunError(f"{where}.{field}: invalid {model_type} config: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def check_causal_lm(cfg, where: str = "model.hf") -> None:
+    """Raise :class:`ZerorunError` when ``AutoModelForCausalLM`` has no model class for ``cfg``."""
+    from transformers import AutoModelForCausalLM
+
+    if type(cfg) not in AutoModelForCausalLM._model_mapping:
+        raise ZerorunError(f"{where}: model_type {cfg.model_type!r} has no causal-lm model "
+                           "(AutoModelForCausalLM)")
+
+
+def safetensors_files(folder: str) -> list[str]:
+    """The ``*.safetensors`` files of ``folder``, sorted.
+
+    Raises:
+        ZerorunError: there is none (``pytorch_model.bin`` is not read: it would need unpickling).
+    """
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise ZerorunError(f"model.hf.pretrained: no *.safetensors files in {folder} (pickled .bin weights are "
+                           "not loaded; save with save_pretrained(safe_serialization=True))")
+    return [os.path.join(folder, f) for f in files]
+
+
+def build_model(*, pretrained: str | None = None, config: str | dict | None = None, task: str = "causal-lm",
+                **kwargs: Any) -> CausalLM:
+    """The :class:`CausalLM` of a local pretrained folder or a config, fp32, from local files only.
+
+    On the meta device a pretrained model is built from its config only (Note [Pretrained at stage 3]).
+    ``kwargs`` go to ``from_config``/``from_pretrained`` (e.g. ``attn_implementation: eager``).
+
+    Raises:
+        ZerorunError: as :func:`load_config`; an unknown task; a model type without a causal-lm head.
+    """
+    if task != "causal-lm":
+        raise ZerorunError(f"model.task: unknown task {task!r} (known: causal-lm)")
+    cfg = load_config(pretrained, config)
+    check_causal_lm(cfg)
+    from transformers import AutoModelForCausalLM
+
+    on_meta = torch.empty(0).device.type == "meta"
+    if pretrained is not None and not on_meta:
+        safetensors_files(pretrained)
+        hf = AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, dtype=torch.float32,
+                                                  local_files_only=True, **kwargs)
+        return CausalLM(hf)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **kwargs)
+    return CausalLM(hf, pretrained=pretrained)
