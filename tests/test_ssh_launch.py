@@ -5,12 +5,15 @@ Every host is this machine, so listing this machine's processes lists every host
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -44,24 +47,75 @@ def step_losses(run_root) -> list[float]:
 FAST = ["train.steps=4", "train.eval_every=0", "log.every=1", 'launch.env={OMP_NUM_THREADS: "1"}']
 
 
+def unbase64(text: str) -> str:
+    try:
+        return base64.b64decode(text.encode() + b"==").decode(errors="replace")
+    except ValueError:
+        return ""
+
+
+def watch_job(proc: subprocess.Popen, secret: str) -> dict:
+    """While ``proc`` (a launcher) runs, sample the processes that carry ``ZR_SECRET`` in their environment:
+    what their command lines and listening sockets are."""
+    seen = {"with_secret": set(), "secret_in_cmdline": [], "listen": set(), "master": None}
+    while proc.poll() is None:
+        for p in psutil.process_iter():
+            try:
+                if "ZR_SECRET" not in p.environ():
+                    continue
+                cmd = p.cmdline()
+                seen["with_secret"].add((p.pid, p.environ()["ZR_SECRET"] == secret))
+                if any(secret[:64] in a or secret[:64] in unbase64(a) for a in cmd):
+                    seen["secret_in_cmdline"].append(cmd)
+                if "--node-rank=0" in cmd:
+                    seen["master"] = [a for a in cmd if a.startswith(("--master-port=", "--master-addr="))]
+                    seen["listen"] |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections("tcp")
+                                       if c.status == psutil.CONN_LISTEN}
+            except (psutil.Error, OSError):
+                pass
+        time.sleep(0.5)
+    return seen
+
+
 def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tmp_path):
+    """Also: no env value or recipe on any command line (a 100 KB value works: on a command line it was over
+    the kernel's 128 KiB limit), node 0's rendezvous store listens on the master address only, and the
+    nodes' private folders are gone after the run."""
     hosts = hostfile(tmp_path, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
-    out = zerorun("train", TINY, *FAST, f"log.dir={tmp_path / 'ssh'}", "-H", hosts, "--ssh-config", sshd.config,
-                  cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "2 ranks on 127.0.0.2x1, 127.0.0.3x1" in out.stdout
+    secret = "s3cret-" + os.urandom(8).hex() + "x" * 100_000
+    recipe = tmp_path / "tiny.yaml"  # the secret in the recipe file, not on the launcher's command line
+    recipe.write_text(pathlib.Path(TINY).read_text().replace(
+        "launch: {procs_per_node: 2}", f"launch: {{procs_per_node: 2, env: {{ZR_SECRET: {secret}, OMP_NUM_THREADS: '1'}}}}"))
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", str(recipe), *FAST[:-1],
+                             f"log.dir={tmp_path / 'ssh'}", "-H", hosts, "--ssh-config", sshd.config],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = watch_job(proc, secret)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stdout + stderr
+    assert "2 ranks on 127.0.0.2x1, 127.0.0.3x1" in stdout
+    assert len(seen["with_secret"]) >= 2 and all(ok for _, ok in seen["with_secret"]), seen["with_secret"]
+    assert seen["secret_in_cmdline"] == []
+    assert not any(secret[:64] in line for line in open(next((tmp_path / "ssh").glob("*/*/output.log"))))
+    port = int(seen["master"][0].split("=")[1]) if seen["master"][0].startswith("--master-port") else \
+        int(seen["master"][1].split("=")[1])
+    assert {ip for ip, p in seen["listen"] if p == port} == {"127.0.0.2"}, seen
+    assert not list(pathlib.Path(tempfile.gettempdir()).glob(f"zerorun-{job_id(stdout)}-*"))
     local = zerorun("train", TINY, *FAST, f"log.dir={tmp_path / 'local'}", cwd=ROOT)
     assert local.returncode == 0, local.stderr
     remote_losses, local_losses = step_losses(tmp_path / "ssh"), step_losses(tmp_path / "local")
     assert len(remote_losses) == 4 and remote_losses == pytest.approx(local_losses, rel=1e-6, abs=0)
-    assert survivors(job_id(out.stdout)) == []
+    assert survivors(job_id(stdout)) == []
 
 
 def test_heterogeneous_local_plus_remote_world_size_3(sshd, tmp_path):
+    """Also: the local node leaves nothing in its temporary folder (torchrun's logs included)."""
     hosts = hostfile(tmp_path, "localhost slots=2\n127.0.0.2 slots=1\n")
-    out = zerorun("train", TINY, "train.steps=2", "train.eval_every=0", f"log.dir={tmp_path / 'runs'}", "-H", hosts,
-                  "--ssh-config", sshd.config, cwd=ROOT)
+    (tmp_path / "tmp").mkdir()
+    out = subprocess.run([sys.executable, "-m", "zerorun", "train", TINY, "train.steps=2", "train.eval_every=0",
+                          f"log.dir={tmp_path / 'runs'}", "-H", hosts, "--ssh-config", sshd.config], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     assert out.returncode == 0, out.stdout + out.stderr
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith(("torchelastic_", "zerorun-"))] == []
     events = read_events(tmp_path / "runs")
     starts = [e for e in events if e["event"] == "start"]
     assert sorted(e["rank"] for e in starts) == [0, 1, 2] and {e["world_size"] for e in starts} == {3}

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -182,6 +183,17 @@ def shell_script(argv: list[str], env: Mapping[str, str], workdir: str | None = 
     return "\n".join(lines) + "\n"
 
 
+def node_script(spec: NodeSpec, forwarded: Mapping[str, str], workdir: str | None) -> str:
+    """The shell script that starts ``spec``'s watcher (launch/node.py) with the launcher's ``forwarded``
+    variables exported and the node's spec as a here-document on fd 3 (one line of JSON, under a random
+    delimiter that cannot occur in it)."""
+    from zerorun.launch.runner import node_spec_json, watcher_argv
+
+    tag = f"ZERORUN_SPEC_{uuid.uuid4().hex}"
+    script = shell_script(watcher_argv(spec, spec_fd=3), forwarded, workdir)
+    return script.rstrip("\n") + f" 3<<'{tag}'\n{node_spec_json(spec)}\n{tag}\n"
+
+
 def run_script(conn, script: str, timeout: float) -> tuple[int, str]:
     """Run ``script`` with ``sh`` on ``conn``'s host; return its exit status (-1: the connection was lost or
     ``timeout`` seconds passed) and its output (stdout and stderr merged)."""
@@ -198,7 +210,9 @@ def run_script(conn, script: str, timeout: float) -> tuple[int, str]:
             if not chunk:
                 break
             chunks.append(chunk)
-        status = channel.recv_exit_status() if channel.exit_status_ready() or channel.closed else -1
+        # the exit status comes just after the end of the output: wait for it, within the time left
+        channel.status_event.wait(max(0.0, deadline - time.monotonic()))
+        status = channel.recv_exit_status() if channel.exit_status_ready() else -1
         return status, b"".join(chunks).decode(errors="replace")
     except OSError:  # socket.timeout included
         return -1, ""
@@ -230,14 +244,17 @@ class RemoteNode:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        """Start the node's torchrun on the host; a reader thread streams its lines to the queue."""
-        script = shell_script(self.spec.argv, {**self.forwarded, **self.spec.env}, self.workdir)
+        """Start the node's watcher on the host (Note [Node watcher] in launch/node.py), which starts torchrun;
+        a reader thread streams its lines to the queue. The script is sent on the channel's standard input
+        and the node's spec (its env and the recipe) follows as a here-document on the watcher's fd 3, so no
+        value is on a command line; the channel's input stays open: its end tells the watcher that the
+        launcher is gone."""
+        script = node_script(self.spec, self.forwarded, self.workdir)
         try:
             channel = self.conn.create_session()
             channel.set_combine_stderr(True)
             channel.exec_command("sh -s")
             channel.sendall(script.encode())
-            channel.shutdown_write()
         except Exception as e:  # noqa: BLE001 - paramiko raises SSHException, EOFError, OSError
             raise ZerorunError(f"node {self.spec.node_rank} ({self.spec.host.name}): cannot start over SSH: "
                                f"{type(e).__name__}: {e}") from None
