@@ -60,6 +60,7 @@ def stop_marked(mark: str, grace_s: float = GRACE_S) -> int:
     from zerorun.launch.runner import marked_processes
 
     procs = marked_processes(mark, NODE_ENV)
+    found = len(procs)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
         for p in procs:
             try:
@@ -72,7 +73,7 @@ def stop_marked(mark: str, grace_s: float = GRACE_S) -> int:
         procs = [p for p in procs if _alive(p)]
         if not procs:
             break
-    return len(procs)
+    return found
 
 
 def _alive(p) -> bool:
