@@ -37,7 +37,7 @@ import torch, torch.distributed as dist
 import zerorun
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 for step in range(1, 100000):
-    if step == int(os.environ.get("ZR_EXIT_AT", "0")) and dist.get_rank() == 1:
+    if step == int(sys.argv[1] if len(sys.argv) > 1 else 0) and dist.get_rank() == 1:
         sys.exit(0)
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -46,7 +46,7 @@ for step in range(1, 100000):
 """
 
 SAVE = """
-import os, time
+import os, sys, time
 import torch, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import zerorun
@@ -54,7 +54,7 @@ dist.init_process_group("gloo")
 state = {"w": torch.randn(4096, 4096)}  # 64 MiB per rank: a save takes a while
 for step in range(1, 100000):
     print("saving", flush=True)
-    dcp.save(state, checkpoint_id=os.path.join(os.environ["ZR_CKPT"], f"step-{step}"))
+    dcp.save(state, checkpoint_id=os.path.join(sys.argv[1], f"step-{step}"))
     zerorun.report(step, 0.0, steps=100000, samples=1)
 """
 
@@ -85,7 +85,7 @@ def rank_process(job: str, rank: int) -> psutil.Process:
     raise RuntimeError(f"rank {rank} of job {job} not found")
 
 
-def run_fault(name: str, fault, sshd: LoopbackSshd, folder: str, script: str = LOOP, env: dict | None = None,
+def run_fault(name: str, fault, sshd: LoopbackSshd, folder: str, script: str = LOOP, args: tuple = (),
               ready: str = "step") -> dict:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "job.py"), "w") as f:
@@ -93,9 +93,8 @@ def run_fault(name: str, fault, sshd: LoopbackSshd, folder: str, script: str = L
     with open(os.path.join(folder, "hosts"), "w") as f:
         f.write("127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
     proc = subprocess.Popen([sys.executable, "-m", "zerorun", "launch", "-H", "hosts", "--ssh-config", sshd.config,
-                             "--no-dashboard", "--log-dir", "runs", "job.py"], cwd=folder, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                             "--no-dashboard", "--log-dir", "runs", "job.py", *args], cwd=folder, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
     job = re.search(r"job ([0-9a-f]{12})", proc.stdout.readline()).group(1)
     for line in proc.stdout:
         if line.startswith(ready):
@@ -162,7 +161,7 @@ def main() -> None:
     faults = [
         ("kill -9 of rank 1", dict(fault=kill_rank(signal.SIGKILL))),
         ("SIGSTOP of rank 1 (30 s collective timeout)", dict(fault=kill_rank(signal.SIGSTOP))),
-        ("rank 1 exits 0 mid-run", dict(fault=lambda *a: None, env={"ZR_EXIT_AT": "8"})),
+        ("rank 1 exits 0 mid-run", dict(fault=lambda *a: None, args=("8",))),
         ("SIGKILL of node 1's torchrun agent", dict(fault=kill_agent)),
         ("launcher SIGINT", dict(fault=signal_launcher(signal.SIGINT))),
         ("launcher SIGTERM", dict(fault=signal_launcher(signal.SIGTERM))),
@@ -177,8 +176,9 @@ def main() -> None:
         for i, (name, kw) in enumerate(faults):
             if only and str(i) not in only:
                 continue
-            env = {**kw.pop("env", {}), "ZR_CKPT": os.path.join(folder, f"ckpt{i}")}
-            row = run_fault(name, sshd=sshd, folder=os.path.join(folder, f"f{i}"), env=env, **kw)
+            if kw.get("script") is SAVE:
+                kw["args"] = (os.path.join(folder, f"ckpt{i}"),)
+            row = run_fault(name, sshd=sshd, folder=os.path.join(folder, f"f{i}"), **kw)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -187,7 +187,8 @@ def main() -> None:
           "(127.0.0.2 / 127.0.0.3) |\n|---|---|---|---|---|---|")
     for r in rows:
         left = r["left_at_exit"]
-        print(f"| {r['fault']} | {r['launcher_exit_s']} | {r['all_gone_s']} | {r['exit_code']} | {r['named']} | "
+        named = r["named"] if len(r["named"]) < 120 else r["named"][:117] + "..."
+        print(f"| {r['fault']} | {r['launcher_exit_s']} | {r['all_gone_s']} | {r['exit_code']} | {named} | "
               f"{left['127.0.0.2']} / {left['127.0.0.3']} |")
     if args.out:
         with open(args.out, "w") as f:

@@ -1,5 +1,6 @@
-"""Nodes reached over SSH (fabric): one ``Connection`` per remote host, the node's torchrun started by a shell
-script sent on the channel's standard input, its lines streamed like a local node's.
+"""Nodes reached over SSH (fabric): one ``Connection`` per remote host (host keys checked as OpenSSH does,
+:func:`check_host_keys`), the node's watcher (launch/node.py, which starts torchrun) started by a shell script
+sent on the channel's standard input, its lines streamed like a local node's.
 
 ``RemoteNode`` has :class:`~zerorun.launch.runner.LocalNode`'s interface (``start``, ``send_signal``,
 ``kill_survivors``, ``returncode``), so the supervisor treats both alike.
