@@ -253,7 +253,7 @@ class Supervisor:
             what = f"rank {rank} exited (exit code 0) in the middle of the job"
         else:
             heard = self._heard.get(rank)
-            when = f"last heard {first_error - heard:.1f} s before" if heard is not None else "never heard before"
+            when = f"last heard {first_error - heard:.1f} s before" if heard is not None else "no word from it before"
             what = f"rank {rank} stopped responding ({when} rank {peer.rank} failed)"
         detail = f"{peer.data.get('type', 'Error')}: {peer.data.get('message', '')}"
         return JobResult("failed", 1, rank, node.host.name if node else None,
