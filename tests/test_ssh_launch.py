@@ -5,12 +5,16 @@ Every host is this machine, so listing this machine's processes lists every host
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pathlib
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -44,24 +48,77 @@ def step_losses(run_root) -> list[float]:
 FAST = ["train.steps=4", "train.eval_every=0", "log.every=1", 'launch.env={OMP_NUM_THREADS: "1"}']
 
 
+def unbase64(text: str) -> str:
+    try:
+        return base64.b64decode(text.encode() + b"==").decode(errors="replace")
+    except ValueError:
+        return ""
+
+
+def watch_job(proc: subprocess.Popen, secret: str) -> dict:
+    """While ``proc`` (a launcher) runs, sample the processes that carry ``ZR_SECRET`` in their environment:
+    what their command lines and listening sockets are."""
+    seen = {"with_secret": set(), "secret_in_cmdline": [], "listen": set(), "master": None}
+    while proc.poll() is None:
+        for p in psutil.process_iter():
+            try:
+                if "ZR_SECRET" not in p.environ():
+                    continue
+                cmd = p.cmdline()
+                seen["with_secret"].add((p.pid, p.environ()["ZR_SECRET"] == secret))
+                if any(secret[:64] in a or secret[:64] in unbase64(a) for a in cmd):
+                    seen["secret_in_cmdline"].append(cmd)
+                if "--node-rank=0" in cmd:
+                    seen["master"] = [a for a in cmd if a.startswith(("--master-port=", "--master-addr="))]
+                    seen["listen"] |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections("tcp")
+                                       if c.status == psutil.CONN_LISTEN}
+            except (psutil.Error, OSError):
+                pass
+        time.sleep(0.5)
+    return seen
+
+
 def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tmp_path):
+    """Also: no env value or recipe on any command line (a 100 KB value works: on a command line it was over
+    the kernel's 128 KiB limit), node 0's rendezvous store listens on the master address only, and the
+    nodes' private folders are gone after the run."""
     hosts = hostfile(tmp_path, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
-    out = zerorun("train", TINY, *FAST, f"log.dir={tmp_path / 'ssh'}", "-H", hosts, "--ssh-config", sshd.config,
-                  cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "2 ranks on 127.0.0.2x1, 127.0.0.3x1" in out.stdout
+    secret = "s3cret-" + os.urandom(8).hex() + "x" * 100_000
+    recipe = tmp_path / "tiny.yaml"  # the secret in the recipe file, not on the launcher's command line
+    recipe.write_text(pathlib.Path(TINY).read_text().replace(
+        "launch: {procs_per_node: 2}",
+        f"launch: {{procs_per_node: 2, env: {{ZR_SECRET: {secret}, OMP_NUM_THREADS: '1'}}}}"))
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", str(recipe), *FAST[:-1],
+                             f"log.dir={tmp_path / 'ssh'}", "-H", hosts, "--ssh-config", sshd.config],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = watch_job(proc, secret)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stdout + stderr
+    assert "2 ranks on 127.0.0.2x1, 127.0.0.3x1" in stdout and "warning" not in stderr, stderr
+    assert len(seen["with_secret"]) >= 2 and all(ok for _, ok in seen["with_secret"]), seen["with_secret"]
+    assert seen["secret_in_cmdline"] == []
+    assert not any(secret[:64] in line for line in open(next((tmp_path / "ssh").glob("*/*/output.log"))))
+    port = int(seen["master"][0].split("=")[1]) if seen["master"][0].startswith("--master-port") else \
+        int(seen["master"][1].split("=")[1])
+    assert {ip for ip, p in seen["listen"] if p == port} == {"127.0.0.2"}, seen
+    assert not list(pathlib.Path(tempfile.gettempdir()).glob(f"zerorun-{job_id(stdout)}-*"))
     local = zerorun("train", TINY, *FAST, f"log.dir={tmp_path / 'local'}", cwd=ROOT)
     assert local.returncode == 0, local.stderr
     remote_losses, local_losses = step_losses(tmp_path / "ssh"), step_losses(tmp_path / "local")
     assert len(remote_losses) == 4 and remote_losses == pytest.approx(local_losses, rel=1e-6, abs=0)
-    assert survivors(job_id(out.stdout)) == []
+    assert survivors(job_id(stdout)) == []
 
 
 def test_heterogeneous_local_plus_remote_world_size_3(sshd, tmp_path):
+    """Also: the local node leaves nothing in its temporary folder (torchrun's logs included)."""
     hosts = hostfile(tmp_path, "localhost slots=2\n127.0.0.2 slots=1\n")
-    out = zerorun("train", TINY, "train.steps=2", "train.eval_every=0", f"log.dir={tmp_path / 'runs'}", "-H", hosts,
-                  "--ssh-config", sshd.config, cwd=ROOT)
+    (tmp_path / "tmp").mkdir()
+    out = subprocess.run([sys.executable, "-m", "zerorun", "train", TINY, "train.steps=2", "train.eval_every=0",
+                          f"log.dir={tmp_path / 'runs'}", "-H", hosts, "--ssh-config", sshd.config], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     assert out.returncode == 0, out.stdout + out.stderr
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith(("torchelastic_", "zerorun-"))] == []
     events = read_events(tmp_path / "runs")
     starts = [e for e in events if e["event"] == "start"]
     assert sorted(e["rank"] for e in starts) == [0, 1, 2] and {e["world_size"] for e in starts} == {3}
@@ -71,23 +128,28 @@ def test_heterogeneous_local_plus_remote_world_size_3(sshd, tmp_path):
 
 
 LOOP = """
-import time
+import datetime, os, sys, time
 import torch, torch.distributed as dist
 import zerorun
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+exit_at = int(sys.argv[1]) if len(sys.argv) > 1 else 0  # rank 1 exits 0 at this step
+quiet_from = int(sys.argv[2]) if len(sys.argv) > 2 else 0  # no output from this step on
 for step in range(1, 100000):
+    if step == exit_at and dist.get_rank() == 1:
+        sys.exit(0)
     t = torch.ones(1)
     dist.all_reduce(t)
-    zerorun.report(step, float(t), steps=100000, samples=1)
+    if not quiet_from or step < quiet_from:
+        zerorun.report(step, float(t), steps=100000, samples=1)
     time.sleep(0.2)
 """
 
 
-def start_loop(tmp_path, sshd, hosts_text: str) -> tuple[subprocess.Popen, str]:
+def start_loop(tmp_path, sshd, hosts_text: str, *args: str) -> tuple[subprocess.Popen, str]:
     """``zerorun launch`` of a script that all-reduces forever; returns it once rank 0 reported a step."""
     (tmp_path / "loop.py").write_text(LOOP)
     proc = subprocess.Popen([sys.executable, "-m", "zerorun", "launch", "-H", hostfile(tmp_path, hosts_text),
-                             "--ssh-config", sshd.config, "--log-dir", str(tmp_path / "runs"), "loop.py"],
+                             "--ssh-config", sshd.config, "--log-dir", str(tmp_path / "runs"), "loop.py", *args],
                             cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     job = job_id(proc.stdout.readline())
     for line in proc.stdout:
@@ -118,6 +180,8 @@ def test_rank_killed_on_one_host_stops_every_host(sshd, tmp_path):
     err = proc.stderr.read()
     assert proc.returncode == 1, err
     assert "rank 1 on 127.0.0.3: rank process ended (killed by SIGKILL)" in err, err
+    out = proc.stdout.read()  # the summary shows what happened to each rank (issue 17 item 9)
+    assert re.search(r"127\.0\.0\.3\s+1\s+killed", out) and re.search(r"127\.0\.0\.2\s+0\s+stopped", out), out
     assert survivors(job) == []
     assert took < 20, f"teardown took {took:.1f} s"  # the target is 10 s (Note [Teardown]); generous under load
 
@@ -145,6 +209,65 @@ def test_lost_ssh_connection_is_a_node_failure(sshd, tmp_path):
     assert survivors(job) == []
 
 
+def agent_of(job: str, rank: int) -> psutil.Process:
+    agent = rank_process(job, rank).parent()
+    assert "zerorun.launch.torchrun" in agent.cmdline(), agent.cmdline()
+    return agent
+
+
+def wait_ended(proc: subprocess.Popen, job: str, bound: float = 15.0) -> tuple[float, str]:
+    """Wait for the launcher ``proc`` to exit and the job's processes (and nodes' folders) to be gone; return
+    the seconds that took and the launcher's stderr."""
+    t0 = time.time()
+    proc.wait(timeout=60)
+    while (survivors(job) or list(pathlib.Path(tempfile.gettempdir()).glob(f"zerorun-{job}-*"))) and \
+            time.time() < t0 + 30:
+        time.sleep(0.1)
+    return time.time() - t0, proc.stderr.read()
+
+
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_killed_torchrun_agent_stops_its_node_and_the_job(sshd, tmp_path, where):
+    """Issue 17 item 6: SIGKILL of a node's torchrun (which orphans its ranks) ends the job, naming the node."""
+    first = "127.0.0.2" if where == "remote" else "localhost"
+    proc, job = start_loop(tmp_path, sshd, f"{first} slots=1\n127.0.0.3 slots=1\n")
+    node, host = (1, "127.0.0.3") if where == "remote" else (0, "localhost")
+    agent_of(job, node).kill()
+    took, err = wait_ended(proc, job)
+    assert proc.returncode == 1, err
+    assert f"node {node} on {host} ended (its torchrun agent was killed by SIGKILL; 1 orphaned rank process " \
+           "stopped)" in err, err
+    assert survivors(job) == [] and took < 15, (took, survivors(job))
+
+
+def test_launcher_killed_stops_every_host(sshd, tmp_path):
+    """Issue 17 item 7: SIGKILL of the launcher: every node's watcher sees its input end and stops the node. The
+    ranks are quiet after their first step (a rank that writes dies of the closed pipe anyway)."""
+    proc, job = start_loop(tmp_path, sshd, "localhost slots=1\n127.0.0.2 slots=1\n", "0", "2")
+    assert len(survivors(job)) >= 4
+    proc.kill()
+    took, _ = wait_ended(proc, job)
+    assert survivors(job) == [] and took < 15, took
+    assert not list(pathlib.Path(tempfile.gettempdir()).glob(f"zerorun-{job}-*"))
+
+
+def test_hung_or_vanished_rank_is_blamed_not_its_peer(sshd, tmp_path):
+    """Issue 17 item 8: a rank stopped with SIGSTOP makes rank 0 time out (5 s here), a rank that exits 0 in
+    the middle makes rank 0 fail on a closed connection; either way rank 1 is named."""
+    proc, job = start_loop(tmp_path, sshd, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
+    rank_process(job, 1).suspend()
+    took, err = wait_ended(proc, job, 30)
+    assert proc.returncode == 1, err
+    # "last heard N s before rank 0 failed", or "no word from it before ..." when stopped before its first step
+    assert "rank 1 on 127.0.0.3: rank 1 stopped responding (" in err and " before rank 0 failed)" in err, err
+    assert survivors(job) == []
+    proc, job = start_loop(tmp_path, sshd, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n", "5")
+    took, err = wait_ended(proc, job)
+    assert proc.returncode == 1, err
+    assert "rank 1 on 127.0.0.3: rank 1 finished while its peers still needed it; rank 0 then failed" in err, err
+    assert survivors(job) == []
+
+
 ENV_SCRIPT = """
 import json, os, sys
 json.dump({k: os.environ.get(k) for k in sys.argv[2:]}, open(sys.argv[1], "w"))
@@ -165,6 +288,7 @@ def test_only_asked_for_env_crosses_byte_for_byte(sshd, tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 ranks on 127.0.0.2x1" in out.stdout
+    assert re.search(r"127\.0\.0\.2\s+0\s+done", out.stdout) and "warning" not in out.stderr, out.stdout + out.stderr
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen == {"SPACED": "two words", "QUOTED": "it's \"quoted\" \\", "DOLLAR": "$HOME;echo pwned `id` | x & y",
                     "NCCL_ZR_TEST": weird, "ZR_SECRET": None}

@@ -50,10 +50,20 @@ def test_own_error_beats_peer_failure_and_silent_ranks():
     assert result.rank == 1 and result.message == "ValueError: bad batch (at m.py:3 in f)"
 
 
-def test_only_peer_failures_blame_the_earliest():
+def test_only_peer_failures_blame_the_rank_that_went_quiet():
+    """Issue 17 item 8: rank 0 timed out waiting for rank 1, which said nothing since (hung, or exited): rank 1
+    is named, not rank 0; when every rank reports a peer failure, the earliest is named."""
+    step = format_event("step", 1, step=3)
     peer = format_event("error", 0, type="RuntimeError", message="Connection closed by peer", peer_failure=True)
-    result = supervise([peer])
+    result = supervise([step, peer])
+    assert result.rank == 1 and result.message.startswith("rank 1 stopped responding (last heard ")
+    assert result.message.endswith("rank 0 then failed: RuntimeError: Connection closed by peer")
+    both = format_event("error", 1, type="RuntimeError", message="timed out", peer_failure=True)
+    result = supervise([peer, both])
     assert result.rank == 0 and "Connection closed by peer" in result.message
+    finished = format_event("finish", 1)
+    result = supervise([finished, peer])
+    assert result.rank == 1 and result.message.startswith("rank 1 finished while its peers still needed it")
 
 
 def test_node_that_ends_without_rank_output_is_named_with_its_last_line():

@@ -308,6 +308,8 @@ def _run(recipe, job, name: str | None = None, log_dir: str | None = None, dashb
     finally:
         recorder.close()
         job.close()
+        for rank, code in supervisor.rank_exits.items():  # what happened to ranks that ended on their own
+            state.rank_exited(rank, code)
         state.end()
         view.close()  # the summary table, also after a failure or Ctrl-C
         if result is not None:

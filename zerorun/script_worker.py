@@ -13,12 +13,21 @@ import os
 import runpy
 import sys
 
+from zerorun.telemetry.events import emit
 from zerorun.worker import RankStream, report_failure
 
 
 def main(argv: list[str]) -> int:
     """Run ``argv[0]`` with arguments ``argv[1:]``; return the rank's exit code (the script's own
-    ``sys.exit`` code, or :func:`zerorun.worker.report_failure`'s)."""
+    ``sys.exit`` code, or :func:`zerorun.worker.report_failure`'s). A rank that ends with 0 emits a finish
+    event, so the launcher shows it done (and knows when it ended)."""
+    code = _run(argv)
+    if code == 0:
+        emit("finish", int(os.environ.get("RANK", 0)), exit_code=0)
+    return code
+
+
+def _run(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", 0))
     sys.stdout = RankStream(sys.__stdout__, rank)
     sys.stderr = RankStream(sys.__stderr__, rank)

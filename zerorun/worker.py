@@ -1,4 +1,4 @@
-"""The rank entry point, started on every rank by torch's launcher: ``python -m zerorun.worker --recipe-b64 ...``.
+"""The rank entry point, started on every rank by torch's launcher: ``python -m zerorun.worker --recipe-file F``.
 
 It initializes the process group, loads the user's model and data, wraps the model in zerorun's ZeRO engine
 and trains, reporting to the launcher only through telemetry events on stdout (``telemetry/events.py``).
@@ -8,7 +8,6 @@ Exit codes: 0 done, 1 crashed, 2 bad user input (model or data module).
 from __future__ import annotations
 
 import argparse
-import base64
 import datetime
 import json
 import math
@@ -272,9 +271,10 @@ def train(recipe: Recipe, rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``--recipe-b64`` (the resolved recipe as base64 JSON), train, and return the exit code."""
+    """Parse ``--recipe-file`` (the resolved recipe as JSON, in a 0600 file the node's watcher wrote: never on
+    a command line, Note [Node watcher] in launch/node.py), train, and return the exit code."""
     parser = argparse.ArgumentParser(prog="zerorun.worker")
-    parser.add_argument("--recipe-b64", required=True)
+    parser.add_argument("--recipe-file", required=True)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     sys.stdout = RankStream(sys.__stdout__, rank)
@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(int(threads))
-        recipe = Recipe.model_validate(json.loads(base64.b64decode(args.recipe_b64)))
+        with open(args.recipe_file, encoding="utf-8") as f:
+            recipe = Recipe.model_validate(json.loads(f.read()))
         train(recipe, rank)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher

@@ -5,13 +5,13 @@ Pure data, built before anything starts, so it can be printed (``--dry-run``) an
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
 import sys
 from dataclasses import dataclass, field
 
 from zerorun.hostfile import Host
+from zerorun.launch.node import NODE_DIR
 
 #: environment variable that marks every process of one job (teardown finds them by it).
 JOB_ENV = "ZERORUN_JOB_ID"
@@ -27,7 +27,9 @@ MMAP_THRESHOLD = 1 << 20
 @dataclass(frozen=True)
 class NodeSpec:
     """One node of the job: ``host``, its ``node_rank``, ranks ``[first_rank, first_rank + nproc)``, and the
-    ``argv`` and extra ``env`` that start torch's launcher there."""
+    ``argv`` and extra ``env`` that start torch's launcher there, and ``files`` (name -> text) written to the
+    node's private folder (:data:`~zerorun.launch.node.NODE_DIR` in ``argv``) by its watcher. ``env`` and
+    ``files`` reach the node through a pipe, never a command line (Note [Node watcher] in launch/node.py)."""
 
     host: Host
     node_rank: int
@@ -35,6 +37,7 @@ class NodeSpec:
     first_rank: int
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ def build_plan(hosts: list[Host], recipe_json: str | None, job_id: str, master_p
 
     Args:
         hosts: the nodes (a single local host when there is no hostfile).
-        recipe_json: the resolved recipe as JSON; it travels base64-encoded on the worker's command line.
+        recipe_json: the resolved recipe as JSON; each node's watcher writes it to a 0600 file that the
+            worker reads (``--recipe-file``), so no value of it is on a command line.
         job_id: marks every process of the job (:data:`JOB_ENV`).
         master_port: the rendezvous port on the first host.
         python: interpreter on the nodes (default: this one).
@@ -95,15 +99,19 @@ def build_plan(hosts: list[Host], recipe_json: str | None, job_id: str, master_p
     """
     if master_addr is None:
         master_addr = "127.0.0.1" if hosts[0].is_local else hosts[0].name
+    files = {}
     if program is None:
-        program = ["-m", "zerorun.worker", "--recipe-b64", base64.b64encode(recipe_json.encode()).decode()]
+        program = ["-m", "zerorun.worker", "--recipe-file", f"{NODE_DIR}/recipe.json"]
+        files = {"recipe.json": recipe_json}
     nodes, first = [], 0
     for i, host in enumerate(hosts):
         cores = (cpus or {}).get(host.name) or os.cpu_count() or 1
-        argv = [python or sys.executable, "-m", "torch.distributed.run",
+        # zerorun.launch.torchrun is torchrun with node 0's rendezvous store bound to the master address only
+        argv = [python or sys.executable, "-m", "zerorun.launch.torchrun",
                 f"--nnodes={len(hosts)}", f"--nproc-per-node={host.slots}", f"--node-rank={i}",
                 f"--master-addr={master_addr}", f"--master-port={master_port}", "--max-restarts=0",
-                "--monitor-interval=0.2", *program]
+                "--monitor-interval=0.2",
+                f"--log-dir={NODE_DIR}/torchelastic", *program]
         env = {JOB_ENV: job_id, "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(max(1, cores // host.slots)),
                # Note [Returning freed memory]: a fixed threshold keeps glibc from raising it after large frees.
@@ -113,6 +121,6 @@ def build_plan(hosts: list[Host], recipe_json: str | None, job_id: str, master_p
         if host.slot_ids is not None:  # --include host:0,2 selects those devices, as DeepSpeed does
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.slot_ids))
         env[JOB_ENV] = job_id  # never overridden: teardown finds the job's processes by it
-        nodes.append(NodeSpec(host, i, host.slots, first, argv, env))
+        nodes.append(NodeSpec(host, i, host.slots, first, argv, env, dict(files)))
         first += host.slots
     return LaunchPlan(nodes, first, master_addr, master_port, job_id)

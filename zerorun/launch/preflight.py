@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import Host
-from zerorun.launch.remote import SshOptions, connect, run_script, shell_script
+from zerorun.launch.remote import HostKeyError, SshOptions, connection, root_cause, run_script, shell_script
 
 #: run with ``python -c`` on each host; stdlib only, so that it can say what is missing.
 _PROBE = r"""
@@ -72,10 +72,19 @@ class HostCheck:
     facts: dict = field(default_factory=dict)
 
 
-def describe_connect_error(e: BaseException, host: str, opts: SshOptions) -> str:
-    """One line for why connecting to ``host`` failed: unknown host, unreachable, auth refused, SSH error."""
+def describe_connect_error(e: BaseException, host: str, opts: SshOptions, timeout: float | None = None) -> str:
+    """One line for why connecting to ``host`` failed: unknown host, unreachable, no answer within ``timeout``
+    seconds (the connection's ``ConnectTimeout``), auth refused, a host key refused, another SSH error."""
     import paramiko
 
+    timeout = timeout if timeout is not None else opts.connect_timeout
+    if isinstance(e, HostKeyError):
+        return f"host key refused: {e}"
+    if isinstance(e, paramiko.BadHostKeyException):
+        return (f"REMOTE HOST IDENTIFICATION HAS CHANGED: the host key of {e.hostname} is "
+                f"{e.key.get_name()} {e.key.fingerprint}, not the one in known_hosts "
+                f"({e.expected_key.fingerprint}); Host key verification failed (remove the old key from "
+                "known_hosts if the change is expected)")
     if isinstance(e, socket.gaierror):
         return f"unknown host (cannot resolve {host!r})"
     if isinstance(e, paramiko.AuthenticationException):
@@ -84,22 +93,42 @@ def describe_connect_error(e: BaseException, host: str, opts: SshOptions) -> str
         return f"authentication refused{who}{key} ({e})"
     if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
         return f"unreachable: connection refused ({', '.join(f'{a[0]}:{a[1]}' for a in e.errors)})"
-    if isinstance(e, (socket.timeout, TimeoutError)):
-        return f"unreachable: no answer within {opts.connect_timeout:g} s"
+    if isinstance(e, (socket.timeout, TimeoutError)) or (
+            isinstance(e, paramiko.SSHException) and "banner" in str(e).lower()):
+        return f"unreachable: no answer within {timeout:g} s (ConnectTimeout)"
     if isinstance(e, OSError):
         return f"unreachable: {e.strerror or e}"
     return f"SSH error: {type(e).__name__}: {e}"
 
 
-def _check(check: HostCheck, opts: SshOptions, python: str, ask: dict, env: dict, local: dict) -> None:
+def _check(check: HostCheck, opts: SshOptions, python: str, ask: dict, env: dict, local: dict,
+           timeout: float) -> None:
     name = check.host.name
+    conn, t0 = None, time.monotonic()
     try:
-        check.conn = connect(name, opts)
+        conn = connection(name, opts)
+        conn.open()
+        conn.transport.set_keepalive(5)
+        check.conn = conn
     except Exception as e:  # noqa: BLE001 - every connect failure becomes one line
-        check.problem = describe_connect_error(e, name, opts)
+        hop, via = conn, ""
+        if conn is not None:  # a ProxyJump host that failed is named (the first hop is opened first)
+            chain = [conn]
+            while chain[-1].gateway is not None and not isinstance(chain[-1].gateway, str):
+                chain.append(chain[-1].gateway)
+            for h in reversed(chain[1:]):
+                t = h.client.get_transport()
+                if t is None or not t.is_authenticated():
+                    hop, via = h, f"jump host {h.original_host}: "
+                    break
+        cause = root_cause(hop, e) if hop is not None else e
+        if hop is not None and "No existing session" in str(cause) and \
+                time.monotonic() - t0 >= 0.9 * hop.connect_timeout:
+            cause = TimeoutError()  # paramiko's transport gave up waiting for the SSH banner
+        check.problem = via + describe_connect_error(cause, name, opts, getattr(hop, "connect_timeout", None))
         return
     status, out = run_script(check.conn, shell_script([python, "-c", _PROBE, json.dumps(ask)], env),
-                             timeout=opts.connect_timeout)
+                             timeout=timeout)
     line = next((x for x in reversed(out.splitlines()) if x.startswith("@zerorun-probe ")), None)
     if line is None:
         last = out.strip().splitlines()[-1] if out.strip() else "no output"
@@ -152,7 +181,8 @@ def preflight(hosts: list[Host], opts: SshOptions, *, python: str, workdir: str,
     threads = []
     for i, check in enumerate(checks):
         ask = {"workdir": workdir, "modules": modules, "port": port if i == 0 else None}
-        t = threading.Thread(target=_check, args=(check, opts, python, ask, env, local), daemon=True)
+        t = threading.Thread(target=_check, args=(check, opts, python, ask, env, local, timeout),
+                             daemon=True)
         t.start()
         threads.append(t)
     deadline = time.monotonic() + timeout

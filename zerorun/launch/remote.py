@@ -1,5 +1,6 @@
-"""Nodes reached over SSH (fabric): one ``Connection`` per remote host, the node's torchrun started by a shell
-script sent on the channel's standard input, its lines streamed like a local node's.
+"""Nodes reached over SSH (fabric): one ``Connection`` per remote host (host keys checked as OpenSSH does,
+:func:`check_host_keys`), the node's watcher (launch/node.py, which starts torchrun) started by a shell script
+sent on the channel's standard input, its lines streamed like a local node's.
 
 ``RemoteNode`` has :class:`~zerorun.launch.runner.LocalNode`'s interface (``start``, ``send_signal``,
 ``kill_survivors``, ``returncode``), so the supervisor treats both alike.
@@ -23,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -37,30 +39,135 @@ LOST_CONNECTION = 255
 class SshOptions:
     """How to reach remote hosts. Unset fields come from the SSH config (``~/.ssh/config`` and
     ``/etc/ssh/ssh_config``, or ``config`` alone when given), as ``ssh`` itself reads them; ``key``, when
-    given, is the only key tried. ``connect_timeout`` in seconds."""
+    given, is the only key tried. ``connect_timeout`` in seconds (None: the config's ``ConnectTimeout``, else
+    :data:`DEFAULT_CONNECT_TIMEOUT`)."""
 
     user: str | None = None
     port: int | None = None
     key: str | None = None
     config: str | None = None
-    connect_timeout: float = 10.0
+    connect_timeout: float | None = None
 
 
-def connect(host: str, opts: SshOptions):
-    """An open ``fabric.Connection`` to ``host`` (an address or an SSH config alias).
+#: seconds to wait for a host's TCP connection and SSH banner when the SSH config sets no ``ConnectTimeout``.
+DEFAULT_CONNECT_TIMEOUT = 10.0
 
-    Raises:
-        OSError, paramiko.SSHException (AuthenticationException included): as paramiko raises them; see
-            :func:`zerorun.launch.preflight.describe_connect_error` for the one-line causes.
-    """
+
+class HostKeyError(Exception):
+    """A host key that the SSH config's ``StrictHostKeyChecking`` refuses (unknown, or changed); the message
+    is one line naming the host."""
+
+
+class _RefuseUnknown:
+    """paramiko missing-host-key policy for ``StrictHostKeyChecking yes`` (and ``ask``: there is no prompt)."""
+
+    def __init__(self, setting: str, files: list[str]) -> None:
+        self.setting, self.files = setting, files
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        raise HostKeyError(f"no host key is known for {hostname} ({key.get_name()} {key.fingerprint}) and "
+                           f"StrictHostKeyChecking is {self.setting}: add it to "
+                           f"{' or '.join(self.files) or '~/.ssh/known_hosts'} (ssh once, or ssh-keyscan), "
+                           "or set StrictHostKeyChecking accept-new")
+
+
+def known_hosts_files(ssh_config: Mapping) -> tuple[list[str], list[str]]:
+    """The user's and the global known-hosts files an SSH config names (``UserKnownHostsFile``,
+    ``GlobalKnownHostsFile``; OpenSSH's defaults when unset), ``~`` expanded."""
+    def files(key: str, default: str) -> list[str]:
+        value = ssh_config.get(key, default)
+        value = " ".join(value) if isinstance(value, list) else str(value)
+        return [os.path.expanduser(f) for f in value.split()]
+
+    return (files("userknownhostsfile", "~/.ssh/known_hosts ~/.ssh/known_hosts2"),
+            files("globalknownhostsfile", "/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2"))
+
+
+def check_host_keys(conn) -> None:
+    """Make ``conn`` (a fabric ``Connection``, its ``ProxyJump`` gateways too) check host keys as OpenSSH does
+    with the same config, instead of fabric's accept-anything: the known-hosts files are loaded, a changed key
+    is always refused (paramiko's ``BadHostKeyException``), and an unknown one is refused under
+    ``StrictHostKeyChecking`` ``yes`` or ``ask`` (the default), added to the user's file under ``accept-new``,
+    accepted under ``no``/``off``."""
+    import paramiko
+
+    setting = str(conn.ssh_config.get("stricthostkeychecking", "ask")).lower()
+    client = conn.client
+    if setting in ("no", "off", "false"):
+        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    else:
+        user_files, global_files = known_hosts_files(conn.ssh_config)
+        for path in global_files + user_files[1:]:
+            if os.path.isfile(path):
+                client.load_system_host_keys(path)
+        if user_files and os.path.isfile(user_files[0]):
+            client.load_host_keys(user_files[0])  # accept-new adds to this one
+        elif user_files and setting == "accept-new" and user_files[0] != os.devnull:
+            try:  # as ssh does, create the file to add to (paramiko reads it back before writing)
+                os.makedirs(os.path.dirname(user_files[0]) or ".", mode=0o700, exist_ok=True)
+                os.close(os.open(user_files[0], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+                client.load_host_keys(user_files[0])
+            except OSError:
+                pass  # accepted for this connection only
+        if setting == "accept-new":
+            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        else:
+            client.set_missing_host_key_policy(_RefuseUnknown(setting, user_files))
+    gateway = conn.gateway
+    if gateway is not None and not isinstance(gateway, str):
+        check_host_keys(gateway)
+
+
+def connection(host: str, opts: SshOptions):
+    """A fabric ``Connection`` to ``host`` (an address or an SSH config alias), not yet open, with host keys
+    checked (:func:`check_host_keys`), ``ProxyJump`` as the SSH config says, and ``connect_timeout`` (also the
+    SSH banner's timeout) from ``opts``, else the config's ``ConnectTimeout``, else
+    :data:`DEFAULT_CONNECT_TIMEOUT`."""
+    import logging
+
     from fabric import Config, Connection
 
+    logging.getLogger("paramiko").addHandler(logging.NullHandler())  # errors are reported as one line each
     config = Config(runtime_ssh_path=opts.config) if opts.config else Config()
     connect_kwargs: dict = {}
     if opts.key:
         connect_kwargs = {"key_filename": [opts.key], "look_for_keys": False, "allow_agent": False}
     conn = Connection(host, user=opts.user, port=opts.port, config=config, connect_timeout=opts.connect_timeout,
                       connect_kwargs=connect_kwargs)
+    hops = [conn]
+    while hops[-1].gateway is not None and not isinstance(hops[-1].gateway, str):
+        hops.append(hops[-1].gateway)
+    for hop in hops:
+        if hop.connect_timeout is None:
+            hop.connect_timeout = DEFAULT_CONNECT_TIMEOUT
+        hop.connect_kwargs.setdefault("banner_timeout", hop.connect_timeout)
+        hop.connect_kwargs.setdefault("auth_timeout", hop.connect_timeout)
+    check_host_keys(conn)
+    return conn
+
+
+def root_cause(conn, error: BaseException) -> BaseException:
+    """The exception that really ended ``conn``'s (or a gateway's) attempt to open: paramiko reports a
+    transport that died while reading the banner as a later "No existing session"; the transport keeps the
+    first one."""
+    hop = conn
+    while hop is not None and not isinstance(hop, str):
+        transport = hop.client.get_transport()
+        saved = getattr(transport, "saved_exception", None) if transport is not None else None
+        if saved is not None:
+            return saved
+        hop = hop.gateway
+    return error
+
+
+def connect(host: str, opts: SshOptions):
+    """An open ``fabric.Connection`` to ``host`` (:func:`connection`).
+
+    Raises:
+        OSError, paramiko.SSHException (AuthenticationException and BadHostKeyException included),
+            HostKeyError: see :func:`zerorun.launch.preflight.describe_connect_error` for the one-line causes.
+    """
+    conn = connection(host, opts)
     conn.open()
     conn.transport.set_keepalive(5)  # a dead peer is noticed within seconds, not at the next write
     return conn
@@ -75,6 +182,17 @@ def shell_script(argv: list[str], env: Mapping[str, str], workdir: str | None = 
     lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
     lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
     return "\n".join(lines) + "\n"
+
+
+def node_script(spec: NodeSpec, forwarded: Mapping[str, str], workdir: str | None) -> str:
+    """The shell script that starts ``spec``'s watcher (launch/node.py) with the launcher's ``forwarded``
+    variables exported and the node's spec as a here-document on fd 3 (one line of JSON, under a random
+    delimiter that cannot occur in it)."""
+    from zerorun.launch.runner import node_spec_json, watcher_argv
+
+    tag = f"ZERORUN_SPEC_{uuid.uuid4().hex}"
+    script = shell_script(watcher_argv(spec, spec_fd=3), forwarded, workdir)
+    return script.rstrip("\n") + f" 3<<'{tag}'\n{node_spec_json(spec)}\n{tag}\n"
 
 
 def run_script(conn, script: str, timeout: float) -> tuple[int, str]:
@@ -93,7 +211,9 @@ def run_script(conn, script: str, timeout: float) -> tuple[int, str]:
             if not chunk:
                 break
             chunks.append(chunk)
-        status = channel.recv_exit_status() if channel.exit_status_ready() or channel.closed else -1
+        # the exit status comes just after the end of the output: wait for it, within the time left
+        channel.status_event.wait(max(0.0, deadline - time.monotonic()))
+        status = channel.recv_exit_status() if channel.exit_status_ready() else -1
         return status, b"".join(chunks).decode(errors="replace")
     except OSError:  # socket.timeout included
         return -1, ""
@@ -125,14 +245,17 @@ class RemoteNode:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        """Start the node's torchrun on the host; a reader thread streams its lines to the queue."""
-        script = shell_script(self.spec.argv, {**self.forwarded, **self.spec.env}, self.workdir)
+        """Start the node's watcher on the host (Note [Node watcher] in launch/node.py), which starts torchrun;
+        a reader thread streams its lines to the queue. The script is sent on the channel's standard input
+        and the node's spec (its env and the recipe) follows as a here-document on the watcher's fd 3, so no
+        value is on a command line; the channel's input stays open: its end tells the watcher that the
+        launcher is gone."""
+        script = node_script(self.spec, self.forwarded, self.workdir)
         try:
             channel = self.conn.create_session()
             channel.set_combine_stderr(True)
             channel.exec_command("sh -s")
             channel.sendall(script.encode())
-            channel.shutdown_write()
         except Exception as e:  # noqa: BLE001 - paramiko raises SSHException, EOFError, OSError
             raise ZerorunError(f"node {self.spec.node_rank} ({self.spec.host.name}): cannot start over SSH: "
                                f"{type(e).__name__}: {e}") from None

@@ -7,6 +7,7 @@ end as ``(node_rank, None, returncode)``.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -30,12 +31,14 @@ class LocalNode:
         self.returncode: int | None = None
 
     def start(self) -> None:
-        """Start the node's command; a reader thread streams its lines to the queue."""
-        env = {**os.environ, **self.spec.env}
+        """Start the node's watcher (Note [Node watcher] in launch/node.py) with the node's spec on its standard
+        input, which stays open while this process lives; a reader thread streams its lines to the queue."""
         try:
-            self.proc = subprocess.Popen(self.spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, cwd=self.cwd, start_new_session=True,
+            self.proc = subprocess.Popen(watcher_argv(self.spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.PIPE, cwd=self.cwd, start_new_session=True,
                                          text=True, errors="replace", bufsize=1)
+            self.proc.stdin.write(node_spec_json(self.spec) + "\n")
+            self.proc.stdin.flush()
         except OSError as e:
             raise ZerorunError(f"node {self.spec.node_rank} ({self.spec.host.name}): cannot start "
                                f"{self.spec.argv[0]} in {self.cwd or os.getcwd()}: {e.strerror}") from None
@@ -65,15 +68,28 @@ class LocalNode:
         return signal_marked(self.spec.env[JOB_ENV], sig)
 
 
-def marked_processes(job_id: str) -> list[psutil.Process]:
-    """Processes on this machine marked with ``job_id`` in their environment (:data:`JOB_ENV`), however they
-    were started: torchrun starts its workers in sessions of their own, so a process group alone misses them."""
+def watcher_argv(spec: NodeSpec, spec_fd: int | None = None) -> list[str]:
+    """The command line of a node's watcher (launch/node.py), with the node's interpreter: no values in it."""
+    return [spec.argv[0], "-m", "zerorun.launch.node"] + (["--spec-fd", str(spec_fd)] if spec_fd is not None else [])
+
+
+def node_spec_json(spec: NodeSpec) -> str:
+    """The node's spec for its watcher, as one line of JSON: torchrun's argv, the node's env, its private files
+    (the recipe) and its mark (Note [Node watcher])."""
+    return json.dumps({"argv": spec.argv, "env": spec.env, "files": spec.files,
+                       "mark": f"{spec.env[JOB_ENV]}:{spec.node_rank}"})
+
+
+def marked_processes(job_id: str, key: str = JOB_ENV) -> list[psutil.Process]:
+    """Processes on this machine marked with ``job_id`` in their environment (variable ``key``, default
+    :data:`JOB_ENV`), however they were started: torchrun starts its workers in sessions of their own, so a
+    process group alone misses them."""
     found = []
     for proc in psutil.process_iter(["pid"]):
         if proc.pid == os.getpid():
             continue
         try:
-            if proc.environ().get(JOB_ENV) == job_id:
+            if proc.environ().get(key) == job_id:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue

@@ -12,6 +12,7 @@ with the number of hosts.
 from __future__ import annotations
 
 import collections
+import json
 import queue
 import re
 import signal
@@ -21,12 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from zerorun.launch.node import NOTE_PREFIX
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.runner import LocalNode
 from zerorun.telemetry.events import Event, parse_line
 
 _TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _TORCHRUN_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_RANK_LINE = re.compile(r"^\[rank (\d+)\]")
 
 
 def describe_exit(code: int) -> str:
@@ -75,6 +78,12 @@ class Supervisor:
         self._root_causes: list[int] = []  # torchrun's "Root Cause (first observed failure)" rank per node
         self._finished: set[int] = set()
         self._ended: dict[int, int] = {}
+        self._notes: dict[int, str] = {}  # node rank -> why its watcher says it ended (launch/node.py)
+        self._heard: dict[int, float] = {}  # global rank -> when its last line or event arrived (time.time())
+        self._finish_time: dict[int, float] = {}
+        self._error_arrival: dict[int, float] = {}
+        #: global rank -> exit code of ranks that ended on their own, before any teardown (torchrun's summary)
+        self.rank_exits: dict[int, int] = {}
 
     def _handle_signal(self, signum, _frame) -> None:
         self._stop = signal.Signals(signum).name
@@ -106,14 +115,26 @@ class Supervisor:
         if line is None:
             self._ended[node_rank] = item[2]
             return
+        if line.startswith(NOTE_PREFIX):
+            try:
+                self._notes[node_rank] = str(json.loads(line[len(NOTE_PREFIX):])["reason"])
+            except (ValueError, KeyError, TypeError):
+                pass
+            return
         event = parse_line(line)
         if event is not None:
+            self._heard[event.rank] = time.time()
             if event.kind == "error":
                 self._errors.setdefault(event.rank, event)
+                self._error_arrival.setdefault(event.rank, time.time())
             elif event.kind == "finish":
                 self._finished.add(event.rank)
+                self._finish_time[event.rank] = time.time()
             self.on_event(event)
             return
+        m = _RANK_LINE.match(line)
+        if m:
+            self._heard[int(m.group(1))] = time.time()
         if line.startswith("Root Cause"):
             self._in_root_cause = True
         m = _TORCHRUN_RANK.match(line)
@@ -162,15 +183,15 @@ class Supervisor:
                 if self._has_cause(node_rank) or len(self._ended) >= len(self.nodes) or time.time() > t0 + 5.0:
                     break
             self._drain(0.1)
+        self.rank_exits = dict(self._rank_exits)  # before teardown: what happened, not how it was stopped
         own = [e for e in self._errors.values() if not e.data.get("peer_failure")]
         # torchrun's first observed failure first, then ranks that were not merely stopped by a teardown
         silent = sorted((r for r in self._rank_exits if r not in self._errors),
                         key=lambda r: (r not in self._root_causes,
                                        self._rank_exits[r] in (-signal.SIGTERM, -signal.SIGKILL), r))
-        # a node that ended for a reason of its own, e.g. a lost SSH connection (launch/remote.py): its ranks
-        # could not report, and what the others report is a consequence
-        reason = getattr(self.nodes[node_rank], "end_reason", None) if node_rank in range(len(self.nodes)) \
-            else None
+        # a node that ended for a reason of its own, e.g. a lost SSH connection (launch/remote.py) or a killed
+        # torchrun agent (launch/node.py): its ranks could not report, and what the others report is a consequence
+        reason_node, reason = self._end_reason(node_rank)
         if own:
             event = min(own, key=lambda e: e.time)
         elif silent and not reason:
@@ -178,15 +199,21 @@ class Supervisor:
             node = self.plan.node_of_rank(rank)
             return JobResult("failed", 1, rank, node.host.name if node else None,
                              f"rank process ended ({describe_exit(self._rank_exits[rank])})")
-        elif self._errors and not reason:
+        elif reason:
+            node = self.plan.nodes[reason_node]
+            where = "" if node.host.name in reason else f" on {node.host.name}"
+            return JobResult("failed", 1, None, node.host.name, f"node {reason_node}{where} ended ({reason})")
+        elif self._errors and self._quiet_rank() is not None:
+            return self._quiet_rank()
+        elif self._errors:
             event = min(self._errors.values(), key=lambda e: e.time)
         else:
             node = self.plan.nodes[node_rank] if node_rank is not None else None
             code = self._ended.get(node_rank) if node_rank is not None else None
-            what = reason or (describe_exit(code) if code is not None else "unknown cause")
+            what = describe_exit(code) if code is not None else "unknown cause"
             tail = self._tails.get(node_rank)
             return JobResult("failed", 1, None, node.host.name if node else None,
-                             f"node {node_rank} ended ({what})" + (f": {tail[-1]}" if tail and not reason else ""))
+                             f"node {node_rank} ended ({what})" + (f": {tail[-1]}" if tail else ""))
         node = self.plan.node_of_rank(event.rank)
         user = bool(event.data.get("user_error"))
         msg = event.data.get("message", "")
@@ -196,12 +223,50 @@ class Supervisor:
                 msg += f" (at {event.data['where']})"
         return JobResult("failed", 2 if user else 1, event.rank, node.host.name if node else None, msg)
 
+    def _end_reason(self, node_rank: int | None) -> tuple[int | None, str | None]:
+        """The node that ended for a reason of its own (``node_rank`` first, then in order) and that reason."""
+        order = ([node_rank] if node_rank is not None else []) + list(range(len(self.nodes)))
+        for n in order:
+            if n not in range(len(self.nodes)):
+                continue
+            reason = getattr(self.nodes[n], "end_reason", None) or self._notes.get(n)
+            if reason:
+                return n, reason
+        return None, None
+
+    def _quiet_rank(self) -> JobResult | None:
+        """Note [Blame], continued: when every error is a peer failure (a timeout, a reset connection), the
+        rank to blame is one that went quiet first: one that reported no error and did not finish (hung, e.g.
+        SIGSTOP, or exited without a word), or that finished while its peers still needed it, the one last
+        heard from earliest."""
+        first_error = min(self._heard_error_times(), default=time.time())
+        quiet = [r for r in range(self.plan.world_size) if r not in self._errors and r not in self._rank_exits
+                 and (r not in self._finished or self._finish_time.get(r, first_error) < first_error)]
+        if not quiet:
+            return None
+        rank = min(quiet, key=lambda r: (r in self._finished, self._heard.get(r, 0.0), r))
+        node = self.plan.node_of_rank(rank)
+        peer = min(self._errors.values(), key=lambda e: e.time)
+        if rank in self._finished:
+            what = f"rank {rank} finished while its peers still needed it"
+        elif node is not None and self._ended.get(node.node_rank) == 0:
+            what = f"rank {rank} exited (exit code 0) in the middle of the job"
+        else:
+            heard = self._heard.get(rank)
+            when = f"last heard {first_error - heard:.1f} s before" if heard is not None else "no word from it before"
+            what = f"rank {rank} stopped responding ({when} rank {peer.rank} failed)"
+        detail = f"{peer.data.get('type', 'Error')}: {peer.data.get('message', '')}"
+        return JobResult("failed", 1, rank, node.host.name if node else None,
+                         f"{what}; rank {peer.rank} then failed: {detail}")
+
+    def _heard_error_times(self) -> list[float]:
+        return [self._error_arrival.get(r, e.time) for r, e in self._errors.items()]
+
     def _has_cause(self, node_rank: int) -> bool:
         """True once a failure is explained by more than peer failures (Note [Blame])."""
         return (any(not e.data.get("peer_failure") for e in self._errors.values())
                 or any(r not in self._errors for r in self._rank_exits)
-                or bool(getattr(self.nodes[node_rank], "end_reason", None) if node_rank in range(len(self.nodes))
-                        else False))
+                or self._end_reason(node_rank)[1] is not None)
 
     def _teardown(self) -> None:
         """Note [Teardown]."""

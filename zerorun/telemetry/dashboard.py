@@ -128,7 +128,7 @@ def rank_table(state: JobState, max_rows: int | None = None) -> Table:
     straggler, alerts = state.straggler(), state.memory_alerts()
     rows = sorted(state.ranks.values(), key=lambda r: r.rank)
     if max_rows is not None and len(rows) > max_rows:
-        marked = {r.rank for r in rows if r.rank == straggler or r.rank in alerts or r.status in ("error", "stopped")}
+        marked = {r.rank for r in rows if r.rank == straggler or r.rank in alerts or r.status in ("error", "stopped", "killed")}
         rows = sorted(sorted(rows, key=lambda r: r.rank not in marked)[:max_rows], key=lambda r: r.rank)
     left_out = len(state.ranks) - len(rows)
     table = Table(box=box.SIMPLE_HEAD, header_style="bold", padding=(0, 1), pad_edge=False,
@@ -139,7 +139,8 @@ def rank_table(state: JobState, max_rows: int | None = None) -> Table:
                           *((("device mem\nalloc / reserved", "right"),) if cuda else ()), ("status", "left")):
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")
     for r in rows:
-        status = Text(r.status, style={"error": "bold red", "done": "green", "stopped": "yellow"}.get(r.status, ""))
+        status = Text(r.status, style={"error": "bold red", "killed": "bold red", "done": "green",
+                                    "stopped": "yellow"}.get(r.status, ""))
         style = ""
         if r.rank == straggler:
             status.append(" straggler", style="bold yellow")

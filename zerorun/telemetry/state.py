@@ -236,11 +236,19 @@ class JobState:
             r.telemetry_s += number(d, "telemetry_s")
             r.telemetry_events += 1
 
+    def rank_exited(self, rank: int, code: int) -> None:
+        """``rank``'s process ended on its own with exit status ``code`` (negative: killed by that signal), as
+        torchrun reported it before any teardown: a rank that did not finish shows ``killed`` or ``exit N``."""
+        r = self.ranks.get(rank)
+        if r is None or r.status in ("done", "error"):
+            return
+        r.status = "killed" if code < 0 else f"exit {code}"
+
     def end(self, when: float | None = None) -> None:
         """The job is over (at ``when``, Unix s): ranks that neither finished nor failed were stopped."""
         self.ended = when if when is not None else time.time()
         for r in self.ranks.values():
-            if r.status not in ("done", "error"):
+            if r.status not in ("done", "error", "killed") and not r.status.startswith("exit "):
                 r.status = "stopped"
 
     # ------------------------------------------------------------------------------------------------ reading

@@ -1,0 +1,64 @@
+"""``python -m zerorun.launch.torchrun ARGS``: torch's launcher (``torch.distributed.run``, torchrun) with, on
+node rank 0, the rendezvous store listening on the master address only.
+
+Note [Rendezvous store address]: torchrun's static rendezvous makes node 0 host a ``TCPStore`` that listens on
+every interface, so anyone who can reach the machine can read and write the job's store. ``TCPStore`` with
+``multi_tenant=True`` shares one server per port within a process, so a store started first here, on a
+socket bound to ``--master-addr``, is the one torchrun then uses. When that address cannot be bound on this
+machine (e.g. a NAT address), torchrun's default is kept and a line says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import sys
+
+_stores: list = []  # kept alive for the life of the process
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg in ("-m",) or not arg.startswith("--"):
+            return None  # the program's own arguments start here
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def bind_store(master_addr: str, master_port: int) -> None:
+    """Start the job's rendezvous store server on ``master_addr:master_port`` only (Note [Rendezvous store
+    address]). Raises OSError when the address cannot be bound here."""
+    from torch.distributed import TCPStore
+
+    family, kind, proto, _, address = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    _stores.append(TCPStore(master_addr, master_port, None, True, datetime.timedelta(seconds=300),
+                            wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach()))
+
+
+def main(argv: list[str]) -> None:
+    """Bind node 0's store, then run torchrun with ``argv``."""
+    if _option(argv, "--node-rank") == "0" and _option(argv, "--master-addr") and _option(argv, "--master-port"):
+        addr, port = _option(argv, "--master-addr"), int(_option(argv, "--master-port"))
+        try:
+            bind_store(addr, port)
+        except OSError as e:
+            print(f"zerorun: cannot bind the rendezvous store to {addr}:{port} ({e.strerror}); torchrun's "
+                  "default (every interface) is used", flush=True)
+    from torch.distributed.run import main as torchrun
+
+    torchrun(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
