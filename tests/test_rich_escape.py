@@ -25,7 +25,8 @@ def test_bench_prints_the_install_hint_and_failures_whole(tmp_path, monkeypatch)
         raise ZerorunError("host [gpu-07] refused: see [logs]")
 
     monkeypatch.setattr(zerorun.cli, "_job", refuse)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails: the hint is printed
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # import matplotlib fails (imported or not): the hint is printed
     hostfile = tmp_path / "hosts[a]"
     hostfile.write_text("localhost slots=1\n")
     out = io.StringIO()
