@@ -3,6 +3,7 @@
 from zerorun.zero.deferred import deferred_init, materialize
 from zerorun.zero.engine import ZeroConfig, ZeroEngine, default_param_groups, initialize, resolve_optimizer
 from zerorun.zero.precision import LossScaleConfig
+from zerorun.zero.stage3_access import register_external_parameter
 
 __all__ = ["LossScaleConfig", "ZeroConfig", "ZeroEngine", "default_param_groups", "deferred_init", "initialize",
-           "materialize", "resolve_optimizer"]
+           "materialize", "register_external_parameter", "resolve_optimizer"]

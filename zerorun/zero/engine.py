@@ -32,6 +32,7 @@ instead leaves its ``.grad`` at ``None``, and a stateful optimizer skips it).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -236,6 +237,10 @@ class ZeroEngine:
         self._predivide = self.reduce_dtype == torch.float16
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                               for buf in self.buffers for p in buf.params]
+        # Note [The user's model stays the user's]: the parameter objects and their trainability are fixed here
+        self._param_slots = [(mod, key, f"{mname}.{key}" if mname else key, p, p.requires_grad)
+                             for mname, mod in model.named_modules() for key, p in mod._parameters.items()
+                             if p is not None]
 
     # ------------------------------------------------------------------------------------- stage policy hooks
     def _sync_initial_state(self) -> None:
@@ -299,10 +304,71 @@ class ZeroEngine:
         if self.stage > 0:
             self.comm.wait([self.comm.all_gather(buf.data, buf.shard(buf.data)) for buf in self.buffers])
 
+    def check_parameters(self) -> None:
+        """Note [The user's model stays the user's]: the engine partitions, reduces and updates the
+        ``nn.Parameter`` objects that were trainable when it was built. Called before every forward and
+        backward; O(number of parameters), no collective.
+
+        Raises:
+            RuntimeError: a parameter was replaced by another object, or its ``requires_grad`` changed, after
+                :func:`initialize` (either would otherwise be silently ignored); the message names it.
+        """
+        for mod, key, name, p, trainable in self._param_slots:
+            q = mod._parameters.get(key)
+            if q is not p:
+                raise RuntimeError(
+                    f"parameter {name!r} was replaced by another object after zerorun.initialize: the engine "
+                    "trains the Parameter objects it was given, so the new one would never be trained. Write the "
+                    "new values into the existing parameter in place instead (with torch.no_grad(): "
+                    "p.copy_(values); at stage 3 inside engine.gathered_parameters([p], modifier_rank=0))")
+            if q.requires_grad != trainable:
+                raise RuntimeError(
+                    f"parameter {name!r} was {'unfrozen' if q.requires_grad else 'frozen'} "
+                    f"(requires_grad={q.requires_grad}) after zerorun.initialize: the engine partitions the "
+                    "parameters trainable when it was built, so the change would be silently ignored. Set "
+                    "requires_grad before initialize (a parameter to train later can stay trainable in a param "
+                    "group of its own whose lr is 0 until then), or build a new engine")
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: Iterable[nn.Parameter], modifier_rank: int | None = None):
+        """Context manager: ``params`` whole inside the block (they always are at stages 0-2; stage 3 gathers
+        them, :meth:`Stage3Engine.gathered_parameters`). Every rank must enter it. With ``modifier_rank`` (a
+        rank of the engine's group), the values that rank holds on exit are broadcast to every rank and kept,
+        master slices included: in-place writes made there take effect everywhere."""
+        params = list(params)
+        bufs = [b for b in self.buffers if any(p in b.slots for p in params)]
+        before = {b: self._param_slice(b).clone() for b in bufs} if modifier_rank is not None else {}
+        yield
+        if modifier_rank is None:
+            return
+        tensors = [b.data for b in bufs] + [p.data for p in params if not p.requires_grad]
+        self.comm.wait([self.comm.broadcast(t, modifier_rank) for t in tensors])
+        self._masters_take(bufs, before)
+
+    def _masters_take(self, bufs: list[FlatBuffer], before: dict) -> None:
+        """The master slices of ``bufs`` take the elements of their parameter slices that differ from
+        ``before[buf]`` (their values before a user's write); nothing to do where masters are the slices."""
+        index = {b: i for i, b in enumerate(self.buffers)}
+        masters = self.master_slices()
+        changed = {}
+        for buf in bufs:
+            i = index.get(buf)
+            now = self._param_slice(buf)
+            if i is None or masters[i].data_ptr() == now.data_ptr():
+                continue
+            moved = now != before[buf]
+            if bool(moved.any()):
+                changed[i] = masters[i].clone()
+                changed[i][moved] = now[moved].to(changed[i].dtype)
+        if changed:
+            states = self.optimizer_states()
+            self.masters.load([changed.get(i, m) for i, m in enumerate(masters)], states if any(states) else None)
+
     # ----------------------------------------------------------------------------------------------- forward
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``model(*args, **kwargs)``. In training mode with grad enabled, module buffers (e.g. BatchNorm
         running stats) are first broadcast from rank 0, as DDP does (``broadcast_buffers=True``)."""
+        self.check_parameters()
         if self._buffers and self.module.training and torch.is_grad_enabled():
             self._broadcast_from_rank0(self._buffers)
         if self.param_dtype != torch.float32:  # Note [Mixed precision]: no autocast, inputs in the params' dtype
@@ -325,6 +391,7 @@ class ZeroEngine:
         if self._micro_step >= self.config.grad_accum_steps:
             raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); "
                                f"grad_accum_steps is {self.config.grad_accum_steps}")
+        self.check_parameters()
         last = self._micro_step + 1 == self.config.grad_accum_steps
         self._sync = last or self.stage >= 2
         if self.scaler is not None:  # Note [Loss scaling]
@@ -455,7 +522,7 @@ class ZeroEngine:
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
         if self.stage > 0:
-            self.comm.wait([self.comm.all_reduce(sq)])
+            sq = self._all_reduce_norm(sq)
         norm = sq.sqrt()
         coef = None
         self.last_step_skipped = False
@@ -477,6 +544,11 @@ class ZeroEngine:
         self._after_step()
         self._zero_grads()
         return float(norm)
+
+    def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
+        """The squared gradient norm ``sq`` (0-d fp32) summed over the ranks."""
+        self.comm.wait([self.comm.all_reduce(sq)])
+        return sq
 
     def _zero_grads(self) -> None:
         for buf in self.buffers:
@@ -579,5 +651,11 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
         if param_groups is not None:
             raise ValueError("param_groups of a deferred model must be given at stage 3 only; at stages 0-2 "
                              "materialize it first (zerorun.zero.materialize)")
+        metas = dict(model.named_parameters())
         materialize(model)
+        from zerorun.zero.stage3_checks import carry_hooks
+
+        for name, p in model.named_parameters():  # hooks the constructor registered move to the real parameters
+            if name in metas and metas[name] is not p:
+                carry_hooks(metas[name], p, name)
     return ZeroEngine(model, **kwargs)

@@ -33,98 +33,25 @@ never wait behind a reduce-scatter in one queue.
 
 from __future__ import annotations
 
-import enum
+import contextlib
 import functools
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zerorun.zero.comm import Comm
 from zerorun.zero.deferred import is_deferred, replay, swap_meta_tensors
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.precision import DTYPES
-
-
-class UnitState(enum.Enum):
-    FREE = "free"
-    GATHERING = "gathering"  # all-gather issued, not waited for
-    GATHERED = "gathered"
-
-
-class Unit:
-    """A module gathered and freed as one (Note [Units])."""
-
-    def __init__(self, name: str, module: nn.Module, is_root: bool, persistent: bool = False) -> None:
-        self.name, self.module, self.is_root, self.persistent = name, module, is_root, persistent
-        self.buffers: list[FlatBuffer] = []
-        self.state = UnitState.FREE
-        self.works: list[Any] = []
-        self.ready_buffers = 0
-
-    @property
-    def trainable(self) -> list[FlatBuffer]:
-        return [b for b in self.buffers if b.group_index >= 0]
-
-    def __repr__(self) -> str:
-        return f"Unit({self.name or '<root>'})"
-
-
-def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
-    """The unit modules of ``model`` (not the root), in module order.
-
-    With ``class_names``: every module whose class name is listed. Without: Note [Automatic units] — modules
-    holding between 1/64 and 1/4 of the parameters, taken from the top down (a larger one is split into its
-    children); smaller modules stay in their parent's unit.
-
-    Raises:
-        ValueError: a listed class name matches no module.
-    """
-    if class_names:
-        found = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in class_names]
-        missing = set(class_names) - {type(m).__name__ for _, m in found}
-        if missing:
-            classes = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"zero.units: no module of class {', '.join(sorted(missing))} in the model "
-                             f"(its classes: {', '.join(classes)})")
-        return found  # a unit inside another listed unit is a unit of its own (its parameters are its own)
-    total = sum(p.numel() for p in model.parameters())
-    low, high = total / 64, total / 4
-    units: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            full = f"{prefix}.{name}" if prefix else name
-            count = sum(p.numel() for p in child.parameters())
-            if count > high and any(True for _ in child.children()):
-                visit(full, child)
-            elif count >= low:
-                units.append((full, child))
-
-    visit("", model)
-    return units
-
-
-def unit_of_params(model: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, int]:
-    """Each parameter's unit as an index into ``unit_modules`` (from :func:`pick_units`), ``-1`` for the root:
-    the innermost unit around every module that holds it; a parameter held by modules in different units (a
-    weight tied across units) belongs to the root (Note [Units])."""
-    index_of = {id(m): i for i, m in enumerate(unit_modules)}
-    holders: dict[nn.Parameter, set[int]] = {}
-
-    def visit(module: nn.Module, unit: int) -> None:
-        unit = index_of.get(id(module), unit)
-        for p in module._parameters.values():
-            if p is not None:
-                holders.setdefault(p, set()).add(unit)
-        for child in module.children():
-            visit(child, unit)
-
-    visit(model, -1)
-    return {p: next(iter(ids)) if len(ids) == 1 else -1 for p, ids in holders.items()}
+from zerorun.zero.stage3_access import adopt, declared_externals, engine_ref, gathered, placeholder
+from zerorun.zero.stage3_checks import carry_hooks, check_gather_order
+from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, pick_units, tensors_in,  # noqa: F401
+                                unit_of_params)
 
 
 class Stage3Engine(ZeroEngine):
@@ -141,16 +68,23 @@ class Stage3Engine(ZeroEngine):
         self._unit_of_param = self._assign(model)
         self._persistent_unit = Unit("<persistent>", model, False, persistent=True)  # Note [Persistent parameters]
         for p in list(self._unit_of_param):
-            if p.numel() <= config.persistence_threshold:
+            if 0 < config.persistence_threshold and p.numel() <= config.persistence_threshold:
                 self._unit_of_param[p] = self._persistent_unit
         self.units.append(self._persistent_unit)
         self._frozen_buffers: list[FlatBuffer] = []
         self._ag_comm: Comm | None = None
         super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        self._ag_comm = Comm(dist.new_group(ranks=ranks, backend=dist.get_backend(process_group)))
+        # a group that is not the world: only its members create the all-gather group (new_group is otherwise
+        # collective over the whole world, which the other ranks never join)
+        self._ag_comm = Comm(dist.new_group(ranks=ranks, backend=dist.get_backend(process_group),
+                                            use_local_synchronization=ranks is not None))
         # the root stays even when persistence left it empty: its forward hooks end the recorded pass
         self.units = [u for u in self.units if u.buffers or u.is_root]
+        for i, unit in enumerate(self.units):
+            unit.index = i
+        self._root = next(u for u in self.units if u.is_root)
+        self._gather_log: list[int] = []  # Note [Same units on every rank]: units all-gathered since the last step
         self._gather(self._persistent_unit)  # whole on every rank from now on (a no-op when it holds nothing)
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
@@ -158,7 +92,8 @@ class Stage3Engine(ZeroEngine):
         for unit in self.units:
             if unit.persistent:
                 continue
-            self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit),
+                                                                       with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
             if config.activation_checkpointing and not unit.is_root:
                 forward = unit.module.forward
@@ -169,6 +104,21 @@ class Stage3Engine(ZeroEngine):
                     return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kw)
 
                 unit.module.forward = checkpointed
+        # Note [Parameters at rest]
+        self._active: list[Unit] = []
+        self._names = {p: n for n, p in model.named_parameters()}
+        self._warned: set = set()
+        for unit in self.units:
+            if not unit.persistent:
+                for buf in unit.buffers:
+                    for p in buf.params:
+                        adopt(p, self._use)
+        for module in model.modules():
+            module.__dict__["_zerorun_engine"] = engine_ref(self)
+        for module, param in declared_externals(model):
+            self.declare_external(module, self._new_of.get(id(param), param) if self._deferred else param)
+        self._in_full_state_dict = False
+        self._handles.append(model.register_state_dict_pre_hook(self._state_dict_guard))
 
     # ---------------------------------------------------------------------------------------- construction
     def _assign(self, model: nn.Module) -> dict[nn.Parameter, Unit]:
@@ -190,6 +140,11 @@ class Stage3Engine(ZeroEngine):
             return t
 
         self._new_of = swap_meta_tensors(model, value_of)
+        names = {id(t): n for n, t in model.named_parameters()}
+        for meta in self._meta_list:  # hooks the constructor registered on its (meta) parameters move along
+            new = self._new_of.get(id(meta))
+            if isinstance(new, nn.Parameter):
+                carry_hooks(meta, new, names.get(id(new), "?"))
         if param_groups is None:
             return None
         return [dict(g, params=[self._new_of.get(id(p), p) for p in g["params"]]) for g in param_groups]
@@ -236,8 +191,10 @@ class Stage3Engine(ZeroEngine):
                         self._keep_slice(buf, p, p.data)
         for buf in self.buffers + self.frozen_buffers:  # views are made while the storage exists, then it goes
             buf.data = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
-            for p in buf.params:
-                p.data = buf.view_of(buf.data, p)
+            buf.views = [buf.view_of(buf.data, p) for p in buf.params]
+            buf.placeholders = [placeholder(p) for p in buf.params]  # Note [Parameters at rest]
+            for p, rest in zip(buf.params, buf.placeholders):
+                p.data = rest
             buf.data.untyped_storage().resize_(0)
 
     @property
@@ -287,22 +244,40 @@ class Stage3Engine(ZeroEngine):
                 buf.data.untyped_storage().resize_(buf.numel * buf.data.element_size())
             unit.works = [self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in unit.buffers]
             unit.state = UnitState.GATHERING
+            if unit.index >= 0:
+                self._gather_log.append(unit.index)
+            for buf in unit.buffers:
+                for p, view in zip(buf.params, buf.views):
+                    p.data = view
+            for other in unit.external:  # Note [External parameters]
+                self._gather(other, wait=False)
+                other.pinned_by.add(unit)
         if wait and unit.state is UnitState.GATHERING:
+            for other in unit.external:
+                self._gather(other)
             self._ag_comm.wait(unit.works)
             unit.works = []
             unit.state = UnitState.GATHERED
 
     def _free(self, unit: Unit) -> None:
-        if unit.state is UnitState.FREE or unit.persistent:
+        if unit.state is UnitState.FREE or unit.persistent or unit.pinned_by:
             return
         if unit.works:
             self._ag_comm.wait(unit.works)
             unit.works = []
         for buf in unit.buffers:
+            for p, rest in zip(buf.params, buf.placeholders):
+                p.data = rest
             buf.data.untyped_storage().resize_(0)
         unit.state = UnitState.FREE
+        for other in unit.external:
+            other.pinned_by.discard(unit)
+            if other.active == 0:
+                self._free(other)
 
     def _free_all(self) -> None:
+        for unit in self.units:  # pins of units go; a gathered_parameters block keeps its own
+            unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
         for unit in self.units:
             self._free(unit)
 
@@ -322,18 +297,42 @@ class Stage3Engine(ZeroEngine):
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
         self._gather(unit)
-        if not self._in_backward() and torch.is_grad_enabled():
-            self._note_and_prefetch(unit, "forward")
+        if self._in_backward():
+            return None
+        if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
+            for u in self._active:
+                u.active = 0
+            self._active = []
+        unit.active += 1
+        self._active.append(unit)
+        if not torch.is_grad_enabled():
+            return None
+        self._note_and_prefetch(unit, "forward")
+        if unit.is_root:  # the end of backward ends the root's backward
+            return None
+        # Note [End of a unit's backward]
+        flat, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            return None
+        unit.open_calls += 1
+        out = UnitInputsDone.apply(functools.partial(self._unit_backward_done, unit), *(flat[i] for i in at))
+        for i, t in zip(at, out if len(at) > 1 else (out,)):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
         if self._in_backward():  # recomputation under activation checkpointing: the unit is still needed
             return output
+        unit.active -= 1
+        if self._active and self._active[-1] is unit:
+            self._active.pop()
         if torch.is_grad_enabled():
             hook = functools.partial(self._pre_backward, unit)
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in tensors_in(output):  # any structure: dataclasses, objects with a .loss, nested containers
+                if t.requires_grad:
                     t.register_hook(hook)
         if unit.is_root:
             if torch.is_grad_enabled():
@@ -364,12 +363,58 @@ class Stage3Engine(ZeroEngine):
             if unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers):
                 self._free(unit)
 
+    def _unit_backward_done(self, unit: Unit) -> None:
+        """Note [End of a unit's backward]: called when autograd has the gradients of one forward call's inputs
+        of ``unit``. After the last such call of the step, a bucket of the unit whose missing parameters will get
+        no gradient in this backward (an expert no token reached on this rank) is ready now, with zeros for
+        them, instead of at the end of backward: no rank then holds back a reduce-scatter that another rank
+        waits for inside a gradient hook while this one waits for that rank's all-gathers."""
+        unit.open_calls -= 1
+        if unit.open_calls > 0:
+            return
+        for buf in unit.trainable:
+            if self._ready_count[buf] == len(buf.params) or buf in self._ready:
+                continue
+            got = self._written.get(buf, set())
+            if any(p not in got and torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node)
+                   for p in buf.params):
+                continue  # a gradient is still coming (the parameter is also used outside the unit)
+            self._ready_count[buf] = len(buf.params)
+            self._ready.add(buf)
+            unit.ready_buffers += 1
+        self._launch_ready()
+        if unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers):
+            self._free(unit)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """As :meth:`ZeroEngine.backward`; the root unit is gathered first, whatever structure the forward
+        returned the loss in."""
+        if self._root.state is UnitState.FREE and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            self._pre_backward(self._root, None)
+        super().backward(loss)
+
     def _finish_backward(self) -> None:
         super()._finish_backward()
         self._end_pass("backward")
         for unit in self.units:
             unit.ready_buffers = 0
+            unit.open_calls = 0
         self._free_all()
+
+    def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
+        """Note [Same units on every rank]: the squared norm is all-reduced together with a digest of the
+        units this rank all-gathered since the last step; a difference between ranks raises on every rank."""
+        sq = check_gather_order(self, sq, self._gather_log)
+        self._gather_log = []
+        return sq
+
+    def load_master_slices(self, values, states=None) -> None:
+        """As :meth:`ZeroEngine.load_master_slices`; persistent parameters (Note [Persistent parameters]),
+        frozen ones included, are all-gathered again from the loaded slices."""
+        super().load_master_slices(values, states)
+        frozen = [b for b in self._persistent_unit.buffers if b.group_index < 0]
+        if frozen:
+            self._ag_comm.wait([self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in frozen])
 
     # ------------------------------------------------------------------------------------------------ report
     def memory_bytes(self) -> dict[str, int]:
@@ -419,3 +464,69 @@ class Stage3Engine(ZeroEngine):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full state dict on every rank (see :meth:`full_state_dict`)."""
         return self.full_state_dict(rank0_only=False)
+
+    # ------------------------------------------------------------------------- parameters outside their unit
+    def _use(self, p: nn.Parameter, func: Any) -> None:
+        """Note [Parameters at rest]: ``p``'s values are about to be read or written by ``func``."""
+        unit = self._unit_of_param.get(p)
+        if unit is None or unit.state is UnitState.GATHERED:
+            return
+        if unit.state is UnitState.GATHERING:  # a prefetch in flight
+            self._gather(unit)
+            return
+        if self._active or self._in_backward():
+            holder = self._active[-1] if self._active else self._root
+            if unit is not holder and unit not in holder.external:
+                holder.external.append(unit)
+                if p not in self._warned:
+                    self._warned.add(p)
+                    warnings.warn(f"stage 3: parameter {self._names.get(p, '?')!r} is used outside its unit "
+                                  f"({unit.name or '<root>'}) by {holder.name or 'the root module'}: it is "
+                                  "gathered with that unit from now on (declare it with "
+                                  "zerorun.zero.register_external_parameter to skip this discovery)", stacklevel=3)
+            self._gather(unit)
+            unit.pinned_by.add(holder)
+            return
+        name = self._names.get(p, "?")
+        raise RuntimeError(
+            f"stage 3: parameter {name!r} is partitioned (each rank holds 1/{self.world_size} of it between uses) "
+            f"and {getattr(func, '__name__', func)} used its values outside a forward or backward: read or write "
+            f"it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank (modifier_rank: "
+            "the rank whose writes are kept), or read engine.full_state_dict()")
+
+    def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Note [External parameters]: the unit running ``module`` gathers ``param``'s unit with itself."""
+        unit = self._unit_of_param.get(param)
+        holder = next((u for u in self.units if u.module is module), None)
+        if holder is None:  # the innermost unit around module
+            owners = [u for u in self.units if not u.persistent and not u.is_root
+                      and any(m is module for m in u.module.modules())]
+            holder = owners[-1] if owners else self._root
+        if unit is not None and unit is not holder and not unit.persistent and unit not in holder.external:
+            holder.external.append(unit)
+
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        """Context manager: ``params`` (an iterable of the model's parameters) whole on every rank inside the
+        block, as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``. Every rank of the
+        engine's group must enter it. With ``modifier_rank`` (a rank of that group), in-place writes that rank
+        makes inside the block are broadcast on exit and kept by every rank (master slices included); without
+        it, a write raises on exit (it would be lost). Shapes and dtypes as the parameters'.
+
+        Raises:
+            RuntimeError: a parameter was written inside the block without ``modifier_rank``.
+        """
+        return gathered(self, list(params), modifier_rank)
+
+    def write_back(self, bufs: list[FlatBuffer], before: dict) -> None:
+        """After a ``gathered_parameters`` block with a modifier: this rank's slice of each (gathered) buffer
+        in ``bufs`` becomes its kept slice; the master slices take the elements that changed."""
+        for buf in bufs:
+            buf.shard_data.copy_(buf.shard(buf.data))
+        self._masters_take([b for b in bufs if b.group_index >= 0], before)
+
+    def _state_dict_guard(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not keep_vars:
+            raise RuntimeError("stage 3: engine.module.state_dict() would hold partitioned parameters; call "
+                               "engine.full_state_dict() on every rank (rank 0 gets the full values) or read "
+                               "parameters inside engine.gathered_parameters(...)")
+
