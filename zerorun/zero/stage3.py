@@ -33,9 +33,7 @@ never wait behind a reduce-scatter in one queue.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
 from typing import Any
 
 import torch
@@ -48,13 +46,14 @@ from zerorun.zero.deferred import is_deferred, replay, swap_meta_tensors
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.precision import DTYPES
-from zerorun.zero.stage3_access import adopt, declared_externals, engine_ref, gathered, placeholder
-from zerorun.zero.stage3_checks import carry_hooks, check_gather_order
+from zerorun.zero.stage3_access import ParameterAccess, adopt, declared_externals, engine_ref, placeholder
+from zerorun.zero.stage3_backward import Stage3Backward
+from zerorun.zero.stage3_checks import carry_hooks
 from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, pick_units, tensors_in,  # noqa: F401
                                 unit_of_params)
 
 
-class Stage3Engine(ZeroEngine):
+class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
     """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch]). Extra API:
     :meth:`full_state_dict`, :attr:`units`."""
 
@@ -351,71 +350,6 @@ class Stage3Engine(ZeroEngine):
             self._order[phase] = self._seen[phase]
         self._seen[phase] = []
 
-    # ---------------------------------------------------------------------------------------------- backward
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        super()._on_grad_ready(p)
-        buf = self._slots[p].buffer
-        if self._ready_count[buf] == len(buf.params):
-            unit = buf.unit
-            unit.ready_buffers += 1
-            # a frozen parameter's last use in backward can come after the unit's last gradient: such a unit
-            # is freed at the end of backward
-            if unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers):
-                self._free(unit)
-
-    def _unit_backward_done(self, unit: Unit) -> None:
-        """Note [End of a unit's backward]: called when autograd has the gradients of one forward call's inputs
-        of ``unit``. After the last such call of the step, a bucket of the unit whose missing parameters will get
-        no gradient in this backward (an expert no token reached on this rank) is ready now, with zeros for
-        them, instead of at the end of backward: no rank then holds back a reduce-scatter that another rank
-        waits for inside a gradient hook while this one waits for that rank's all-gathers."""
-        unit.open_calls -= 1
-        if unit.open_calls > 0:
-            return
-        for buf in unit.trainable:
-            if self._ready_count[buf] == len(buf.params) or buf in self._ready:
-                continue
-            got = self._written.get(buf, set())
-            if any(p not in got and torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node)
-                   for p in buf.params):
-                continue  # a gradient is still coming (the parameter is also used outside the unit)
-            self._ready_count[buf] = len(buf.params)
-            self._ready.add(buf)
-            unit.ready_buffers += 1
-        self._launch_ready()
-        if unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers):
-            self._free(unit)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """As :meth:`ZeroEngine.backward`; the root unit is gathered first, whatever structure the forward
-        returned the loss in."""
-        if self._root.state is UnitState.FREE and isinstance(loss, torch.Tensor) and loss.requires_grad:
-            self._pre_backward(self._root, None)
-        super().backward(loss)
-
-    def _finish_backward(self) -> None:
-        super()._finish_backward()
-        self._end_pass("backward")
-        for unit in self.units:
-            unit.ready_buffers = 0
-            unit.open_calls = 0
-        self._free_all()
-
-    def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
-        """Note [Same units on every rank]: the squared norm is all-reduced together with a digest of the
-        units this rank all-gathered since the last step; a difference between ranks raises on every rank."""
-        sq = check_gather_order(self, sq, self._gather_log)
-        self._gather_log = []
-        return sq
-
-    def load_master_slices(self, values, states=None) -> None:
-        """As :meth:`ZeroEngine.load_master_slices`; persistent parameters (Note [Persistent parameters]),
-        frozen ones included, are all-gathered again from the loaded slices."""
-        super().load_master_slices(values, states)
-        frozen = [b for b in self._persistent_unit.buffers if b.group_index < 0]
-        if frozen:
-            self._ag_comm.wait([self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in frozen])
-
     # ------------------------------------------------------------------------------------------------ report
     def memory_bytes(self) -> dict[str, int]:
         """As :meth:`ZeroEngine.memory_bytes`, at rest: ``params`` counts this rank's slices, plus the whole
@@ -432,101 +366,3 @@ class Stage3Engine(ZeroEngine):
             out["bytes_sent"] += self._ag_comm.bytes_sent
             out["wait_s"] += self._ag_comm.wait_s
         return out
-
-    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The model's ordinary (unsharded) state dict, gathered unit by unit; every rank must call it.
-
-        Returns:
-            On rank 0 (or every rank unless ``rank0_only``): ``{name: tensor}`` with the keys and shapes of
-            ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an empty dict.
-        """
-        keep = not rank0_only or self.rank == 0
-        keyed = self.module.state_dict(keep_vars=True)
-        by_param: dict[int, list[str]] = {}
-        for key, t in keyed.items():
-            by_param.setdefault(id(t), []).append(key)
-        out: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            self._gather(unit)
-            if keep:
-                for buf in unit.buffers:
-                    for p in buf.params:
-                        for key in by_param.get(id(p), []):
-                            out[key] = p.detach().clone().cpu()
-            self._free(unit)
-        if keep:
-            for key, t in keyed.items():
-                if key not in out:
-                    out[key] = t.detach().clone().cpu()
-            out = {k: out[k] for k in keyed}
-        return out
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full state dict on every rank (see :meth:`full_state_dict`)."""
-        return self.full_state_dict(rank0_only=False)
-
-    # ------------------------------------------------------------------------- parameters outside their unit
-    def _use(self, p: nn.Parameter, func: Any) -> None:
-        """Note [Parameters at rest]: ``p``'s values are about to be read or written by ``func``."""
-        unit = self._unit_of_param.get(p)
-        if unit is None or unit.state is UnitState.GATHERED:
-            return
-        if unit.state is UnitState.GATHERING:  # a prefetch in flight
-            self._gather(unit)
-            return
-        if self._active or self._in_backward():
-            holder = self._active[-1] if self._active else self._root
-            if unit is not holder and unit not in holder.external:
-                holder.external.append(unit)
-                if p not in self._warned:
-                    self._warned.add(p)
-                    warnings.warn(f"stage 3: parameter {self._names.get(p, '?')!r} is used outside its unit "
-                                  f"({unit.name or '<root>'}) by {holder.name or 'the root module'}: it is "
-                                  "gathered with that unit from now on (declare it with "
-                                  "zerorun.zero.register_external_parameter to skip this discovery)", stacklevel=3)
-            self._gather(unit)
-            unit.pinned_by.add(holder)
-            return
-        name = self._names.get(p, "?")
-        raise RuntimeError(
-            f"stage 3: parameter {name!r} is partitioned (each rank holds 1/{self.world_size} of it between uses) "
-            f"and {getattr(func, '__name__', func)} used its values outside a forward or backward: read or write "
-            f"it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank (modifier_rank: "
-            "the rank whose writes are kept), or read engine.full_state_dict()")
-
-    def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
-        """Note [External parameters]: the unit running ``module`` gathers ``param``'s unit with itself."""
-        unit = self._unit_of_param.get(param)
-        holder = next((u for u in self.units if u.module is module), None)
-        if holder is None:  # the innermost unit around module
-            owners = [u for u in self.units if not u.persistent and not u.is_root
-                      and any(m is module for m in u.module.modules())]
-            holder = owners[-1] if owners else self._root
-        if unit is not None and unit is not holder and not unit.persistent and unit not in holder.external:
-            holder.external.append(unit)
-
-    def gathered_parameters(self, params, modifier_rank: int | None = None):
-        """Context manager: ``params`` (an iterable of the model's parameters) whole on every rank inside the
-        block, as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``. Every rank of the
-        engine's group must enter it. With ``modifier_rank`` (a rank of that group), in-place writes that rank
-        makes inside the block are broadcast on exit and kept by every rank (master slices included); without
-        it, a write raises on exit (it would be lost). Shapes and dtypes as the parameters'.
-
-        Raises:
-            RuntimeError: a parameter was written inside the block without ``modifier_rank``.
-        """
-        return gathered(self, list(params), modifier_rank)
-
-    def write_back(self, bufs: list[FlatBuffer], before: dict) -> None:
-        """After a ``gathered_parameters`` block with a modifier: this rank's slice of each (gathered) buffer
-        in ``bufs`` becomes its kept slice; the master slices take the elements that changed."""
-        for buf in bufs:
-            buf.shard_data.copy_(buf.shard(buf.data))
-        self._masters_take([b for b in bufs if b.group_index >= 0], before)
-
-    def _state_dict_guard(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not keep_vars:
-            raise RuntimeError("stage 3: engine.module.state_dict() would hold partitioned parameters; call "
-                               "engine.full_state_dict() on every rank (rank 0 gets the full values) or read "
-                               "parameters inside engine.gathered_parameters(...)")
-

@@ -28,11 +28,17 @@ without waiting for the first use to be discovered.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
+
+from zerorun.zero.units import UnitState
+
+if TYPE_CHECKING:
+    from zerorun.zero.flat import FlatBuffer
 
 #: torch functions that read only metadata (or manage hooks) and never the values.
 _METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "nelement", "element_size", "__hash__",
@@ -134,3 +140,105 @@ def gathered(engine, params: Iterable[nn.Parameter], modifier_rank: int | None) 
 
 def engine_ref(engine) -> weakref.ref:
     return weakref.ref(engine)
+
+
+class ParameterAccess:
+    """Stage 3's user-facing access to partitioned parameters (Notes [Parameters at rest], [External
+    parameters]); mixed into :class:`~zerorun.zero.stage3.Stage3Engine`."""
+
+    def _use(self, p: nn.Parameter, func: Any) -> None:
+        """Note [Parameters at rest]: ``p``'s values are about to be read or written by ``func``."""
+        unit = self._unit_of_param.get(p)
+        if unit is None or unit.state is UnitState.GATHERED:
+            return
+        if unit.state is UnitState.GATHERING:  # a prefetch in flight
+            self._gather(unit)
+            return
+        if self._active or self._in_backward():
+            holder = self._active[-1] if self._active else self._root
+            if unit is not holder and unit not in holder.external:
+                holder.external.append(unit)
+                if p not in self._warned:
+                    self._warned.add(p)
+                    warnings.warn(f"stage 3: parameter {self._names.get(p, '?')!r} is used outside its unit "
+                                  f"({unit.name or '<root>'}) by {holder.name or 'the root module'}: it is "
+                                  "gathered with that unit from now on (declare it with "
+                                  "zerorun.zero.register_external_parameter to skip this discovery)", stacklevel=3)
+            self._gather(unit)
+            unit.pinned_by.add(holder)
+            return
+        name = self._names.get(p, "?")
+        raise RuntimeError(
+            f"stage 3: parameter {name!r} is partitioned (each rank holds 1/{self.world_size} of it between uses) "
+            f"and {getattr(func, '__name__', func)} used its values outside a forward or backward: read or write "
+            f"it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank (modifier_rank: "
+            "the rank whose writes are kept), or read engine.full_state_dict()")
+
+    def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Note [External parameters]: the unit running ``module`` gathers ``param``'s unit with itself."""
+        unit = self._unit_of_param.get(param)
+        holder = next((u for u in self.units if u.module is module), None)
+        if holder is None:  # the innermost unit around module
+            owners = [u for u in self.units if not u.persistent and not u.is_root
+                      and any(m is module for m in u.module.modules())]
+            holder = owners[-1] if owners else self._root
+        if unit is not None and unit is not holder and not unit.persistent and unit not in holder.external:
+            holder.external.append(unit)
+
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        """Context manager: ``params`` (an iterable of the model's parameters) whole on every rank inside the
+        block, as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``. Every rank of the
+        engine's group must enter it. With ``modifier_rank`` (a rank of that group), in-place writes that rank
+        makes inside the block are broadcast on exit and kept by every rank (master slices included); without
+        it, a write raises on exit (it would be lost). Shapes and dtypes as the parameters'.
+
+        Raises:
+            RuntimeError: a parameter was written inside the block without ``modifier_rank``.
+        """
+        return gathered(self, list(params), modifier_rank)
+
+    def write_back(self, bufs: list[FlatBuffer], before: dict) -> None:
+        """After a ``gathered_parameters`` block with a modifier: this rank's slice of each (gathered) buffer
+        in ``bufs`` becomes its kept slice; the master slices take the elements that changed."""
+        for buf in bufs:
+            buf.shard_data.copy_(buf.shard(buf.data))
+        self._masters_take([b for b in bufs if b.group_index >= 0], before)
+
+    def _state_dict_guard(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not keep_vars:
+            raise RuntimeError("stage 3: engine.module.state_dict() would hold partitioned parameters; call "
+                               "engine.full_state_dict() on every rank (rank 0 gets the full values) or read "
+                               "parameters inside engine.gathered_parameters(...)")
+
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ordinary (unsharded) state dict, gathered unit by unit; every rank must call it.
+
+        Returns:
+            On rank 0 (or every rank unless ``rank0_only``): ``{name: tensor}`` with the keys and shapes of
+            ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an empty dict.
+        """
+        keep = not rank0_only or self.rank == 0
+        keyed = self.module.state_dict(keep_vars=True)
+        by_param: dict[int, list[str]] = {}
+        for key, t in keyed.items():
+            by_param.setdefault(id(t), []).append(key)
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            self._gather(unit)
+            if keep:
+                for buf in unit.buffers:
+                    for p in buf.params:
+                        for key in by_param.get(id(p), []):
+                            out[key] = p.detach().clone().cpu()
+            self._free(unit)
+        if keep:
+            for key, t in keyed.items():
+                if key not in out:
+                    out[key] = t.detach().clone().cpu()
+            out = {k: out[k] for k in keyed}
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state dict on every rank (see :meth:`full_state_dict`)."""
+        return self.full_state_dict(rank0_only=False)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from zerorun.zero.flat import FlatBuffer
 
 
 class UnitState(enum.Enum):
