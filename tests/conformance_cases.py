@@ -194,6 +194,8 @@ def train(kind: str, stage: int, steps: int = STEPS, group=None) -> dict:
                 if kind == "write_at_rest" and step == 1:
                     with torch.no_grad():
                         model.blocks[0].fc.weight.fill_(0.25)
+                if kind == "data_write_at_rest" and step == 1:
+                    model.blocks[0].fc.weight.data.fill_(0.25)
                 if kind == "gathered_write" and step == 1:
                     w = model.blocks[0].fc.weight
                     with engine.gathered_parameters([w], modifier_rank=0), torch.no_grad():
@@ -233,6 +235,7 @@ ERRORS = {
     "replace": ((1, 2, 3), "'head.weight' was replaced"),
     "write_at_rest": ((3,), "'blocks.0.fc.weight' is partitioned"),
     "read_at_rest": ((3,), "'blocks.1.fc.weight' is partitioned"),
+    "data_write_at_rest": ((3,), "'blocks.0.fc.weight' is partitioned"),
     "module_state_dict": ((3,), "full_state_dict"),
     "grad_hook_meta_capture": ((0, 1, 2, 3), "holds a tensor made there"),
 }

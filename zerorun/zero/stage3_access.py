@@ -15,9 +15,10 @@ parameter's unit is not gathered:
 - anywhere else (between steps, on one rank), raises a RuntimeError naming the parameter and the way out:
   :meth:`Stage3Engine.gathered_parameters` (every rank), or ``full_state_dict()``.
 
-Metadata (``shape``, ``dtype``, ``requires_grad``, ``numel()``, hooks) never needs the values and passes.
-A write through ``p.data`` bypasses ``__torch_function__``: it hits the placeholder and raises torch's own
-error (overlapping memory), never a silent loss or a crash.
+Metadata (``shape``, ``dtype``, ``requires_grad``, ``numel()``, hooks) never needs the values and passes;
+reading ``p.data`` counts as a use (what is done with the plain tensor it returns is not seen). A
+reference to ``p.data`` taken while the unit was gathered and used after it was freed reads the placeholder:
+NaN, and torch's own error (overlapping memory) on a write, never a silent loss or a crash.
 
 Note [External parameters]: ``register_external_parameter(module, param)`` declares, before or after
 ``initialize``, that ``module``'s forward reads ``param`` of another unit (DeepSpeed's name for the same):
@@ -45,6 +46,7 @@ _METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "nelement",
                        "is_floating_point", "is_complex", "requires_grad_", "register_hook",
                        "register_post_accumulate_grad_hook", "__len__", "stride", "is_contiguous"})
 _EXTERNAL_ATTR = "_zerorun_external_params"
+_DATA = torch.Tensor.data
 
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
@@ -71,7 +73,9 @@ class ZeroParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in _METADATA:
+        # reading ``p.data`` hands out the values (a write through it would bypass this guard)
+        name = getattr(func, "__name__", "")
+        if name not in _METADATA or (name == "__get__" and getattr(func, "__self__", None) is _DATA):
             for a in args:
                 if isinstance(a, ZeroParameter):
                     a._zerorun_use(a, func)
