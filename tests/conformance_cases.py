@@ -318,3 +318,24 @@ def _consolidate_zero_element(root: str, stage: int) -> dict:
 def consolidate_zero_element(root: str) -> dict:
     """:func:`_consolidate_zero_element` at stages 0-3 (in folders of ``root``): ``{stage: {key: diff}}``."""
     return {stage: _consolidate_zero_element(os.path.join(root, f"s{stage}"), stage) for stage in (0, 1, 2, 3)}
+
+
+def gathered_write_mixed(precision: str = "bf16") -> dict:
+    """Rank 0 writes a weight inside ``gathered_parameters(modifier_rank=0)`` under ``precision`` (separate
+    fp32 master slices) at every stage, then one step: ``{stage: that weight after the step}``. The write
+    must reach the masters, or the step would revert it."""
+    out = {}
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = Net("plain")
+        engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 1e-3},
+                            config=ZeroConfig(stage=stage, units=("Block",) if stage == 3 else (),
+                                              precision=precision))
+        w = model.blocks[0].fc.weight
+        with engine.gathered_parameters([w], modifier_rank=0), torch.no_grad():
+            if dist.get_rank() == 0:
+                w.fill_(0.25)
+        engine.backward(_loss(engine(_batch(0, dist.get_rank()))))
+        engine.step()
+        out[stage] = _full(engine)["blocks.0.fc.weight"]
+    return out

@@ -111,3 +111,15 @@ def test_zero_element_parameter_consolidates(ranks, tmp_path):
     and consolidated into the engine's full state dict at every stage."""
     for stage, diffs in ranks(3).run(cases.consolidate_zero_element, root=str(tmp_path))[0].items():
         assert diffs and all(d == 0.0 for d in diffs.values()), (stage, diffs)
+
+
+@pytest.mark.slow
+def test_gathered_write_reaches_the_masters(ranks):
+    """bf16 keeps fp32 master slices apart from the parameters: a write made in gathered_parameters with a
+    modifier rank is kept by the optimizer step at every stage (SGD lr 1e-3 moves it by about 1e-3)."""
+    import torch
+
+    for r in ranks(2).run(cases.gathered_write_mixed, precision="bf16"):
+        for stage, w in r.items():
+            assert torch.allclose(w, torch.full_like(w, 0.25), atol=5e-3), (stage, w)
+            assert torch.allclose(w, r[0], atol=2e-3), stage
