@@ -16,6 +16,11 @@ signals, stays gathered until the end of backward. Forward runs inside backward 
 recomputation) never free. At the end of the root's forward and of backward, whatever is still gathered (a
 mispredicted prefetch) is freed.
 
+Between uses the parameters hold placeholders, and their uses outside their unit are caught or served:
+Note [Parameters at rest] and Note [External parameters] in ``stage3_access.py``. The end of each unit's
+backward and the check that every rank gathered the same units: ``stage3_backward.py`` and Note [Same units
+on every rank] in ``stage3_checks.py``.
+
 Note [Persistent parameters]: parameters of at most ``ZeroConfig.persistence_threshold`` elements (norm
 weights, biases; DeepSpeed's ``stage3_param_persistence_threshold``) may stay whole on every rank, in a unit of
 their own that is never freed: they cost no all-gather in forward or backward, their gradients are
