@@ -142,6 +142,23 @@ def trunc_normal() -> nn.Module:
     return model
 
 
+def hook_holds_mask() -> nn.Module:
+    """A gradient hook that keeps a mask made during construction (the mask is not a parameter or buffer)."""
+    model = nn.Linear(4, 4)
+    mask = torch.ones(4, 4)
+    mask[:2] = 0
+    model.weight.register_hook(lambda g: g * mask)
+    return model
+
+
+def forward_hook_holds_tensor() -> nn.Module:
+    """A module forward hook that keeps a tensor made during construction."""
+    model = nn.Linear(4, 4)
+    shift = torch.full((4,), 0.5)
+    model.register_forward_hook(lambda module, args, out: out + shift)
+    return model
+
+
 def draws_real_random_numbers() -> nn.Module:
     first = nn.Linear(2, 2)
     noise = torch.rand(3, device="cpu")  # a real draw between recorded ops: a replay could not reproduce it

@@ -64,11 +64,25 @@ def test_value_dependent_init_is_replayed_or_built_normally():
 @pytest.mark.parametrize("build,reason", [
     (models.reads_random_values, "item"),
     (models.draws_real_random_numbers, "drew random numbers on real"),
+    (models.hook_holds_mask, "gradient hook on 'weight' holds a tensor"),
+    (models.forward_hook_holds_tensor, "hook on module 'the model' holds a tensor"),
 ])
 def test_construction_that_cannot_be_replayed_is_built_normally_with_a_warning(build, reason):
     caught = _compare(build, deferred_expected=False)
     messages = [str(w.message) for w in caught if "deferred_init" in str(w.message)]
     assert len(messages) == 1 and reason in messages[0] and "built normally" in messages[0], messages
+
+
+def test_hooks_of_a_fallback_build_hold_real_tensors():
+    """The hooks of a model built normally by the fallback work on real gradients and outputs."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        masked, shifted = deferred_init(models.hook_holds_mask), deferred_init(models.forward_hook_holds_tensor)
+    masked(torch.ones(2, 4)).sum().backward()
+    assert masked.weight.grad[:2].abs().max() == 0 and masked.weight.grad[2:].abs().min() > 0
+    x = torch.ones(1, 4)
+    assert torch.equal(shifted(x), torch.nn.functional.linear(x, shifted.weight, shifted.bias) + 0.5)
 
 
 @pytest.mark.slow

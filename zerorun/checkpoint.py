@@ -436,7 +436,9 @@ def consolidate(path: str, out: str) -> tuple[int, int]:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             planner = SafeLoadPlanner()
-            dcp.load(targets, storage_reader=SafeReader(path), planner=planner, no_dist=True)
+            # a tensor of zero elements has nothing to read (no rank holds a part of it, so none saved it)
+            dcp.load({k: t for k, t in targets.items() if t.numel()}, storage_reader=SafeReader(path),
+                     planner=planner, no_dist=True)
     except (CheckpointException, RuntimeError, ValueError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ZerorunError(f"{path}: cannot read the checkpoint: {msg}") from None

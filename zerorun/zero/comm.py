@@ -141,7 +141,7 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor):
         """Sum ``tensor`` (any shape) over all ranks, in place."""
-        if self.world_size == 1:
+        if self.world_size == 1 or tensor.numel() == 0:
             return _Done()
         self._count(2 * (self.world_size - 1) / self.world_size * tensor.nbytes)
         return dist.all_reduce(tensor, group=self.group, async_op=True)
@@ -149,7 +149,7 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
         """Sum ``input`` (1-D, ``N * k`` elements) over ranks; rank r receives elements ``[r*k, (r+1)*k)`` in
         ``output`` (1-D, ``k`` elements). ``output`` may be that slice of ``input`` (in place)."""
-        if self.world_size == 1:
+        if self.world_size == 1 or input.numel() == 0:  # nothing to send: a flat buffer of zero elements
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
@@ -167,7 +167,7 @@ class Comm:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """Concatenate every rank's ``input`` (1-D, ``k`` elements) into ``output`` (1-D, ``N * k``) in rank
         order. ``input`` may be rank r's slice of ``output`` (in place)."""
-        if self.world_size == 1:
+        if self.world_size == 1 or output.numel() == 0:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()

@@ -43,6 +43,7 @@ import torch.nn as nn
 from zerorun.zero.comm import BufferPool, Comm
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
+from zerorun.zero.user_model import UserModel
 from zerorun.zero.precision import DTYPES, DynamicLossScaler, LossScaleConfig, cast_inputs, cast_model
 
 #: torch.optim classes whose update of one element depends on other elements: a flat slice changes their math.
@@ -142,7 +143,7 @@ def resolve_optimizer(optimizer: str | type) -> type:
     return cls
 
 
-class ZeroEngine:
+class ZeroEngine(UserModel):
     """Wraps ``model`` for ZeRO data-parallel training on a process group. Build it with :func:`initialize`.
 
     Usage per optimizer step::
@@ -236,6 +237,10 @@ class ZeroEngine:
         self._predivide = self.reduce_dtype == torch.float16
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                               for buf in self.buffers for p in buf.params]
+        # Note [The user's model stays the user's]: the parameter objects and their trainability are fixed here
+        self._param_slots = [(mod, key, f"{mname}.{key}" if mname else key, p, p.requires_grad)
+                             for mname, mod in model.named_modules() for key, p in mod._parameters.items()
+                             if p is not None]
 
     # ------------------------------------------------------------------------------------- stage policy hooks
     def _sync_initial_state(self) -> None:
@@ -303,6 +308,7 @@ class ZeroEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``model(*args, **kwargs)``. In training mode with grad enabled, module buffers (e.g. BatchNorm
         running stats) are first broadcast from rank 0, as DDP does (``broadcast_buffers=True``)."""
+        self.check_parameters()
         if self._buffers and self.module.training and torch.is_grad_enabled():
             self._broadcast_from_rank0(self._buffers)
         if self.param_dtype != torch.float32:  # Note [Mixed precision]: no autocast, inputs in the params' dtype
@@ -325,6 +331,7 @@ class ZeroEngine:
         if self._micro_step >= self.config.grad_accum_steps:
             raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); "
                                f"grad_accum_steps is {self.config.grad_accum_steps}")
+        self.check_parameters()
         last = self._micro_step + 1 == self.config.grad_accum_steps
         self._sync = last or self.stage >= 2
         if self.scaler is not None:  # Note [Loss scaling]
@@ -455,7 +462,7 @@ class ZeroEngine:
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
         if self.stage > 0:
-            self.comm.wait([self.comm.all_reduce(sq)])
+            sq = self._all_reduce_norm(sq)
         norm = sq.sqrt()
         coef = None
         self.last_step_skipped = False
@@ -477,6 +484,11 @@ class ZeroEngine:
         self._after_step()
         self._zero_grads()
         return float(norm)
+
+    def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
+        """The squared gradient norm ``sq`` (0-d fp32) summed over the ranks."""
+        self.comm.wait([self.comm.all_reduce(sq)])
+        return sq
 
     def _zero_grads(self) -> None:
         for buf in self.buffers:
@@ -579,5 +591,11 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
         if param_groups is not None:
             raise ValueError("param_groups of a deferred model must be given at stage 3 only; at stages 0-2 "
                              "materialize it first (zerorun.zero.materialize)")
+        metas = dict(model.named_parameters())
         materialize(model)
+        from zerorun.zero.stage3_checks import carry_hooks
+
+        for name, p in model.named_parameters():  # hooks the constructor registered move to the real parameters
+            if name in metas and metas[name] is not p:
+                carry_hooks(metas[name], p, name)
     return ZeroEngine(model, **kwargs)

@@ -258,3 +258,40 @@ def check_complete(model: nn.Module, created: set[int]) -> None:
             list(model.named_buffers(remove_duplicate=False)):
         if t is not None and t.is_meta and key(t) not in created:
             raise Unrecordable(f"{name!r} got its values by an operation the meta-device recording cannot see")
+    # a hook that holds a tensor made during construction (a gradient mask) would run on a meta tensor: the
+    # replay gives parameters their values, not the tensors a hook keeps in its closure
+    for name, p in model.named_parameters(remove_duplicate=False):
+        for hook in parameter_hooks(p):
+            if holds_meta_tensor(hook):
+                raise Unrecordable(f"a gradient hook on {name!r} holds a tensor made during construction")
+    for name, m in model.named_modules():
+        for table in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks):
+            if any(holds_meta_tensor(h) for h in table.values()):
+                raise Unrecordable(f"a hook on module {name or 'the model'!r} holds a tensor made during "
+                                   "construction")
+
+
+def parameter_hooks(p: torch.Tensor) -> list[Callable]:
+    """The gradient hooks registered on ``p`` (``register_hook`` and ``register_post_accumulate_grad_hook``)."""
+    return [h for table in (getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None))
+            for h in (table or {}).values()]
+
+
+def holds_meta_tensor(fn: Callable) -> bool:
+    """Whether ``fn`` (a hook) keeps a meta tensor in its closure, its defaults or its bound object's
+    attributes (``functools.partial`` arguments too)."""
+    held: list[Any] = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _filled(c)]
+    held += list(getattr(fn, "__defaults__", None) or ())
+    held += list(getattr(fn, "args", ()) or ()) + list((getattr(fn, "keywords", None) or {}).values())
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, (nn.Module, torch.Tensor)):
+        held += list(getattr(owner, "__dict__", {}).values())
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(held)[0])
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True

@@ -16,6 +16,11 @@ signals, stays gathered until the end of backward. Forward runs inside backward 
 recomputation) never free. At the end of the root's forward and of backward, whatever is still gathered (a
 mispredicted prefetch) is freed.
 
+Between uses the parameters hold placeholders, and their uses outside their unit are caught or served:
+Note [Parameters at rest] and Note [External parameters] in ``stage3_access.py``. The end of each unit's
+backward and the check that every rank gathered the same units: ``stage3_backward.py`` and Note [Same units
+on every rank] in ``stage3_checks.py``.
+
 Note [Persistent parameters]: parameters of at most ``ZeroConfig.persistence_threshold`` elements (norm
 weights, biases; DeepSpeed's ``stage3_param_persistence_threshold``) may stay whole on every rank, in a unit of
 their own that is never freed: they cost no all-gather in forward or backward, their gradients are
@@ -33,101 +38,27 @@ never wait behind a reduce-scatter in one queue.
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zerorun.zero.comm import Comm
 from zerorun.zero.deferred import is_deferred, placement, replay, swap_meta_tensors
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.precision import DTYPES
+from zerorun.zero.stage3_access import ParameterAccess, adopt, declared_externals, engine_ref, placeholder
+from zerorun.zero.stage3_backward import Stage3Backward
+from zerorun.zero.stage3_checks import carry_hooks
+from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, pick_units, tensors_in,  # noqa: F401
+                                unit_of_params)
 
 
-class UnitState(enum.Enum):
-    FREE = "free"
-    GATHERING = "gathering"  # all-gather issued, not waited for
-    GATHERED = "gathered"
-
-
-class Unit:
-    """A module gathered and freed as one (Note [Units])."""
-
-    def __init__(self, name: str, module: nn.Module, is_root: bool, persistent: bool = False) -> None:
-        self.name, self.module, self.is_root, self.persistent = name, module, is_root, persistent
-        self.buffers: list[FlatBuffer] = []
-        self.state = UnitState.FREE
-        self.works: list[Any] = []
-        self.ready_buffers = 0
-
-    @property
-    def trainable(self) -> list[FlatBuffer]:
-        return [b for b in self.buffers if b.group_index >= 0]
-
-    def __repr__(self) -> str:
-        return f"Unit({self.name or '<root>'})"
-
-
-def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
-    """The unit modules of ``model`` (not the root), in module order.
-
-    With ``class_names``: every module whose class name is listed. Without: Note [Automatic units] — modules
-    holding between 1/64 and 1/4 of the parameters, taken from the top down (a larger one is split into its
-    children); smaller modules stay in their parent's unit.
-
-    Raises:
-        ValueError: a listed class name matches no module.
-    """
-    if class_names:
-        found = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in class_names]
-        missing = set(class_names) - {type(m).__name__ for _, m in found}
-        if missing:
-            classes = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"zero.units: no module of class {', '.join(sorted(missing))} in the model "
-                             f"(its classes: {', '.join(classes)})")
-        return found  # a unit inside another listed unit is a unit of its own (its parameters are its own)
-    total = sum(p.numel() for p in model.parameters())
-    low, high = total / 64, total / 4
-    units: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            full = f"{prefix}.{name}" if prefix else name
-            count = sum(p.numel() for p in child.parameters())
-            if count > high and any(True for _ in child.children()):
-                visit(full, child)
-            elif count >= low:
-                units.append((full, child))
-
-    visit("", model)
-    return units
-
-
-def unit_of_params(model: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, int]:
-    """Each parameter's unit as an index into ``unit_modules`` (from :func:`pick_units`), ``-1`` for the root:
-    the innermost unit around every module that holds it; a parameter held by modules in different units (a
-    weight tied across units) belongs to the root (Note [Units])."""
-    index_of = {id(m): i for i, m in enumerate(unit_modules)}
-    holders: dict[nn.Parameter, set[int]] = {}
-
-    def visit(module: nn.Module, unit: int) -> None:
-        unit = index_of.get(id(module), unit)
-        for p in module._parameters.values():
-            if p is not None:
-                holders.setdefault(p, set()).add(unit)
-        for child in module.children():
-            visit(child, unit)
-
-    visit(model, -1)
-    return {p: next(iter(ids)) if len(ids) == 1 else -1 for p, ids in holders.items()}
-
-
-class Stage3Engine(ZeroEngine):
+class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
     """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch]). Extra API:
     :meth:`full_state_dict`, :attr:`units`."""
 
@@ -142,16 +73,23 @@ class Stage3Engine(ZeroEngine):
         self._unit_of_param = self._assign(model)
         self._persistent_unit = Unit("<persistent>", model, False, persistent=True)  # Note [Persistent parameters]
         for p in list(self._unit_of_param):
-            if p.numel() <= config.persistence_threshold:
+            if 0 < config.persistence_threshold and p.numel() <= config.persistence_threshold:
                 self._unit_of_param[p] = self._persistent_unit
         self.units.append(self._persistent_unit)
         self._frozen_buffers: list[FlatBuffer] = []
         self._ag_comm: Comm | None = None
         super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        self._ag_comm = Comm(dist.new_group(ranks=ranks, backend=dist.get_backend(process_group)))
+        # a group that is not the world: only its members create the all-gather group (new_group is otherwise
+        # collective over the whole world, which the other ranks never join)
+        self._ag_comm = Comm(dist.new_group(ranks=ranks, backend=dist.get_backend(process_group),
+                                            use_local_synchronization=ranks is not None))
         # the root stays even when persistence left it empty: its forward hooks end the recorded pass
         self.units = [u for u in self.units if u.buffers or u.is_root]
+        for i, unit in enumerate(self.units):
+            unit.index = i
+        self._root = next(u for u in self.units if u.is_root)
+        self._gather_log: list[int] = []  # Note [Same units on every rank]: units all-gathered since the last step
         self._gather(self._persistent_unit)  # whole on every rank from now on (a no-op when it holds nothing)
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
@@ -159,7 +97,8 @@ class Stage3Engine(ZeroEngine):
         for unit in self.units:
             if unit.persistent:
                 continue
-            self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit),
+                                                                       with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
             if config.activation_checkpointing and not unit.is_root:
                 forward = unit.module.forward
@@ -170,6 +109,21 @@ class Stage3Engine(ZeroEngine):
                     return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kw)
 
                 unit.module.forward = checkpointed
+        # Note [Parameters at rest]
+        self._active: list[Unit] = []
+        self._names = {p: n for n, p in model.named_parameters()}
+        self._warned: set = set()
+        for unit in self.units:
+            if not unit.persistent:
+                for buf in unit.buffers:
+                    for p in buf.params:
+                        adopt(p, self._use)
+        for module in model.modules():
+            module.__dict__["_zerorun_engine"] = engine_ref(self)
+        for module, param in declared_externals(model):
+            self.declare_external(module, self._new_of.get(id(param), param) if self._deferred else param)
+        self._in_full_state_dict = False
+        self._handles.append(model.register_state_dict_pre_hook(self._state_dict_guard))
 
     # ---------------------------------------------------------------------------------------- construction
     def _assign(self, model: nn.Module) -> dict[nn.Parameter, Unit]:
@@ -193,6 +147,11 @@ class Stage3Engine(ZeroEngine):
 
         # tensors built from data are real already (zero/record.py): they are swapped and replayed too
         self._new_of = swap_meta_tensors(model, value_of, real_too=True)
+        names = {id(t): n for n, t in model.named_parameters()}
+        for meta in self._meta_list:  # hooks the constructor registered on its (meta) parameters move along
+            new = self._new_of.get(id(meta))
+            if isinstance(new, nn.Parameter):
+                carry_hooks(meta, new, names.get(id(new), "?"))
         if param_groups is None:
             return None
         return [dict(g, params=[self._new_of.get(id(p), p) for p in g["params"]]) for g in param_groups]
@@ -239,8 +198,10 @@ class Stage3Engine(ZeroEngine):
                         self._keep_slice(buf, p, p.data)
         for buf in self.buffers + self.frozen_buffers:  # views are made while the storage exists, then it goes
             buf.data = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
-            for p in buf.params:
-                p.data = buf.view_of(buf.data, p)
+            buf.views = [buf.view_of(buf.data, p) for p in buf.params]
+            buf.placeholders = [placeholder(p) for p in buf.params]  # Note [Parameters at rest]
+            for p, rest in zip(buf.params, buf.placeholders):
+                p.data = rest
             buf.data.untyped_storage().resize_(0)
 
     @property
@@ -290,22 +251,40 @@ class Stage3Engine(ZeroEngine):
                 buf.data.untyped_storage().resize_(buf.numel * buf.data.element_size())
             unit.works = [self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in unit.buffers]
             unit.state = UnitState.GATHERING
+            if unit.index >= 0:
+                self._gather_log.append(unit.index)
+            for buf in unit.buffers:
+                for p, view in zip(buf.params, buf.views):
+                    p.data = view
+            for other in unit.external:  # Note [External parameters]
+                self._gather(other, wait=False)
+                other.pinned_by.add(unit)
         if wait and unit.state is UnitState.GATHERING:
+            for other in unit.external:
+                self._gather(other)
             self._ag_comm.wait(unit.works)
             unit.works = []
             unit.state = UnitState.GATHERED
 
     def _free(self, unit: Unit) -> None:
-        if unit.state is UnitState.FREE or unit.persistent:
+        if unit.state is UnitState.FREE or unit.persistent or unit.pinned_by:
             return
         if unit.works:
             self._ag_comm.wait(unit.works)
             unit.works = []
         for buf in unit.buffers:
+            for p, rest in zip(buf.params, buf.placeholders):
+                p.data = rest
             buf.data.untyped_storage().resize_(0)
         unit.state = UnitState.FREE
+        for other in unit.external:
+            other.pinned_by.discard(unit)
+            if other.active == 0:
+                self._free(other)
 
     def _free_all(self) -> None:
+        for unit in self.units:  # pins of units go; a gathered_parameters block keeps its own
+            unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
         for unit in self.units:
             self._free(unit)
 
@@ -325,18 +304,42 @@ class Stage3Engine(ZeroEngine):
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
         self._gather(unit)
-        if not self._in_backward() and torch.is_grad_enabled():
-            self._note_and_prefetch(unit, "forward")
+        if self._in_backward():
+            return None
+        if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
+            for u in self._active:
+                u.active = 0
+            self._active = []
+        unit.active += 1
+        self._active.append(unit)
+        if not torch.is_grad_enabled():
+            return None
+        self._note_and_prefetch(unit, "forward")
+        if unit.is_root:  # the end of backward ends the root's backward
+            return None
+        # Note [End of a unit's backward]
+        flat, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            return None
+        unit.open_calls += 1
+        out = UnitInputsDone.apply(functools.partial(self._unit_backward_done, unit), *(flat[i] for i in at))
+        for i, t in zip(at, out if len(at) > 1 else (out,)):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
         if self._in_backward():  # recomputation under activation checkpointing: the unit is still needed
             return output
+        unit.active -= 1
+        if self._active and self._active[-1] is unit:
+            self._active.pop()
         if torch.is_grad_enabled():
             hook = functools.partial(self._pre_backward, unit)
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in tensors_in(output):  # any structure: dataclasses, objects with a .loss, nested containers
+                if t.requires_grad:
                     t.register_hook(hook)
         if unit.is_root:
             if torch.is_grad_enabled():
@@ -355,25 +358,6 @@ class Stage3Engine(ZeroEngine):
             self._order[phase] = self._seen[phase]
         self._seen[phase] = []
 
-    # ---------------------------------------------------------------------------------------------- backward
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        super()._on_grad_ready(p)
-        buf = self._slots[p].buffer
-        if self._ready_count[buf] == len(buf.params):
-            unit = buf.unit
-            unit.ready_buffers += 1
-            # a frozen parameter's last use in backward can come after the unit's last gradient: such a unit
-            # is freed at the end of backward
-            if unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers):
-                self._free(unit)
-
-    def _finish_backward(self) -> None:
-        super()._finish_backward()
-        self._end_pass("backward")
-        for unit in self.units:
-            unit.ready_buffers = 0
-        self._free_all()
-
     # ------------------------------------------------------------------------------------------------ report
     def memory_bytes(self) -> dict[str, int]:
         """As :meth:`ZeroEngine.memory_bytes`, at rest: ``params`` counts this rank's slices, plus the whole
@@ -390,35 +374,3 @@ class Stage3Engine(ZeroEngine):
             out["bytes_sent"] += self._ag_comm.bytes_sent
             out["wait_s"] += self._ag_comm.wait_s
         return out
-
-    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The model's ordinary (unsharded) state dict, gathered unit by unit; every rank must call it.
-
-        Returns:
-            On rank 0 (or every rank unless ``rank0_only``): ``{name: tensor}`` with the keys and shapes of
-            ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an empty dict.
-        """
-        keep = not rank0_only or self.rank == 0
-        keyed = self.module.state_dict(keep_vars=True)
-        by_param: dict[int, list[str]] = {}
-        for key, t in keyed.items():
-            by_param.setdefault(id(t), []).append(key)
-        out: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            self._gather(unit)
-            if keep:
-                for buf in unit.buffers:
-                    for p in buf.params:
-                        for key in by_param.get(id(p), []):
-                            out[key] = p.detach().clone().cpu()
-            self._free(unit)
-        if keep:
-            for key, t in keyed.items():
-                if key not in out:
-                    out[key] = t.detach().clone().cpu()
-            out = {k: out[k] for k in keyed}
-        return out
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full state dict on every rank (see :meth:`full_state_dict`)."""
-        return self.full_state_dict(rank0_only=False)

@@ -1,0 +1,248 @@
+"""Stage 3: parameters used outside their unit, and the user's ways to read and write partitioned parameters.
+
+Note [Parameters at rest]: between uses a stage-3 unit's flat storage is freed. Its parameters then hold a
+placeholder of their shape that reads as NaN and refuses in-place writes (a one-element NaN tensor expanded
+with stride 0): no access can touch freed memory (a read of a freed storage was a SIGSEGV). The parameter
+objects stay the user's (same ``nn.Parameter``, hooks and ``requires_grad``); only their class gains a
+``__torch_function__`` (:class:`ZeroParameter`) that sees every torch operation on them and, when the
+parameter's unit is not gathered:
+
+- inside a forward (or backward) of the model, gathers the unit (every rank runs the same forward, so every
+  rank issues the same all-gather) and records it as used by the unit running at that moment, which from
+  then on gathers it together with its own parameters, in forward and in backward (Note [External
+  parameters]): a weight penalty in the loss, a weight tied by attribute into another unit, a norm logged in
+  ``forward`` give stage 0's result;
+- anywhere else (between steps, on one rank), raises a RuntimeError naming the parameter and the way out:
+  :meth:`Stage3Engine.gathered_parameters` (every rank), or ``full_state_dict()``.
+
+Metadata (``shape``, ``dtype``, ``requires_grad``, ``numel()``, hooks) never needs the values and passes;
+reading ``p.data`` counts as a use (what is done with the plain tensor it returns is not seen). A
+reference to ``p.data`` taken while the unit was gathered and used after it was freed reads the placeholder:
+NaN, and torch's own error (overlapping memory) on a write, never a silent loss or a crash.
+
+Note [External parameters]: ``register_external_parameter(module, param)`` declares, before or after
+``initialize``, that ``module``'s forward reads ``param`` of another unit (DeepSpeed's name for the same):
+the unit of ``module`` then gathers ``param``'s unit along with itself, pinned until it frees itself,
+without waiting for the first use to be discovered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from zerorun.zero.units import UnitState
+
+if TYPE_CHECKING:
+    from zerorun.zero.flat import FlatBuffer
+
+#: torch functions that read only metadata (or manage hooks) and never the values.
+_METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "nelement", "element_size", "__hash__",
+                       "is_floating_point", "is_complex", "requires_grad_", "register_hook",
+                       "register_post_accumulate_grad_hook", "__len__", "stride", "is_contiguous"})
+_EXTERNAL_ATTR = "_zerorun_external_params"
+_DATA = torch.Tensor.data
+
+
+def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Declare that ``module``'s forward reads ``param``, a parameter of another stage-3 unit (Note [External
+    parameters]): at stage 3, ``module``'s unit gathers ``param``'s unit with itself. Call it in the model's
+    ``__init__`` or at any time; a no-op at stages 0-2."""
+    if not isinstance(param, nn.Parameter):
+        raise TypeError(f"register_external_parameter needs an nn.Parameter, got {type(param).__name__}")
+    module.__dict__.setdefault(_EXTERNAL_ATTR, []).append(param)
+    engine = getattr(module, "_zerorun_engine", None)
+    if engine is not None and engine() is not None:
+        engine().declare_external(module, param)
+
+
+def declared_externals(model: nn.Module) -> list[tuple[nn.Module, nn.Parameter]]:
+    """``(module, param)`` for every :func:`register_external_parameter` call on a module of ``model``."""
+    return [(m, p) for m in model.modules() for p in m.__dict__.get(_EXTERNAL_ATTR, [])]
+
+
+class ZeroParameter(nn.Parameter):
+    """The class a stage-3 parameter takes (Note [Parameters at rest]); behaves as ``nn.Parameter`` otherwise.
+    ``_zerorun_use(self)`` (set per parameter by the engine) is called before any value access."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # reading ``p.data`` hands out the values (a write through it would bypass this guard)
+        name = getattr(func, "__name__", "")
+        if name not in _METADATA or (name == "__get__" and getattr(func, "__self__", None) is _DATA):
+            for a in args:
+                if isinstance(a, ZeroParameter):
+                    a._zerorun_use(a, func)
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if isinstance(b, ZeroParameter):
+                            b._zerorun_use(b, func)
+            for a in kwargs.values():
+                if isinstance(a, ZeroParameter):
+                    a._zerorun_use(a, func)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def adopt(p: nn.Parameter, use) -> bool:
+    """Give ``p`` the class :class:`ZeroParameter` and the callback ``use(p, func)``; ``False`` (left as it is)
+    for a parameter subclass with a ``__torch_function__`` of its own."""
+    if type(p) is not nn.Parameter:
+        return type(p) is ZeroParameter
+    p.__class__ = ZeroParameter
+    p._zerorun_use = use
+    return True
+
+
+def placeholder(p: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``p``'s shape, dtype and device that reads as NaN (0 for integers) and refuses in-place
+    writes, backed by one element (Note [Parameters at rest])."""
+    one = torch.full((1,), float("nan") if p.is_floating_point() else 0, dtype=p.dtype, device=p.device)
+    return one.expand(p.shape) if p.dim() else one.view(())
+
+
+@contextlib.contextmanager
+def gathered(engine, params: Iterable[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
+    """:meth:`Stage3Engine.gathered_parameters`' body."""
+    units = sorted({engine._unit_of_param[p] for p in params if p in engine._unit_of_param},
+                   key=lambda u: u.index)
+    token = object()
+    were_free = [u for u in units if not u.pinned_by and u.active == 0]
+    before = {}
+    for u in units:
+        engine._gather(u)
+        u.pinned_by.add(token)
+        for buf in u.buffers:
+            before[buf] = buf.shard_data.clone() if modifier_rank is not None else None
+            for p in buf.params:
+                before[p] = p._version
+    try:
+        yield
+    finally:
+        for u in units:
+            u.pinned_by.discard(token)
+        changed = [p for u in units for buf in u.buffers for p in buf.params if p._version != before[p]]
+        if modifier_rank is not None:
+            bufs = [buf for u in units for buf in u.buffers]
+            engine.comm.wait([engine.comm.broadcast(buf.data, modifier_rank) for buf in bufs])
+            engine.write_back(bufs, before)
+        for u in were_free:
+            engine._free(u)
+        if changed and modifier_rank is None:
+            names = {p: n for n, p in engine.module.named_parameters()}
+            raise RuntimeError(
+                f"parameter {names.get(changed[0], '?')!r} was written inside gathered_parameters without "
+                "modifier_rank: the write is lost when the parameter is partitioned again; pass "
+                "modifier_rank=<the rank whose values to keep> (every rank then takes them)")
+
+
+def engine_ref(engine) -> weakref.ref:
+    return weakref.ref(engine)
+
+
+class ParameterAccess:
+    """Stage 3's user-facing access to partitioned parameters (Notes [Parameters at rest], [External
+    parameters]); mixed into :class:`~zerorun.zero.stage3.Stage3Engine`."""
+
+    def _use(self, p: nn.Parameter, func: Any) -> None:
+        """Note [Parameters at rest]: ``p``'s values are about to be read or written by ``func``."""
+        unit = self._unit_of_param.get(p)
+        if unit is None or unit.state is UnitState.GATHERED:
+            return
+        if unit.state is UnitState.GATHERING:  # a prefetch in flight
+            self._gather(unit)
+            return
+        if self._active or self._in_backward():
+            holder = self._active[-1] if self._active else self._root
+            if unit is not holder and unit not in holder.external:
+                holder.external.append(unit)
+                if p not in self._warned:
+                    self._warned.add(p)
+                    warnings.warn(f"stage 3: parameter {self._names.get(p, '?')!r} is used outside its unit "
+                                  f"({unit.name or '<root>'}) by {holder.name or 'the root module'}: it is "
+                                  "gathered with that unit from now on (declare it with "
+                                  "zerorun.zero.register_external_parameter to skip this discovery)", stacklevel=3)
+            self._gather(unit)
+            unit.pinned_by.add(holder)
+            return
+        name = self._names.get(p, "?")
+        raise RuntimeError(
+            f"stage 3: parameter {name!r} is partitioned (each rank holds 1/{self.world_size} of it between uses) "
+            f"and {getattr(func, '__name__', func)} used its values outside a forward or backward: read or write "
+            f"it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank (modifier_rank: "
+            "the rank whose writes are kept), or read engine.full_state_dict()")
+
+    def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Note [External parameters]: the unit running ``module`` gathers ``param``'s unit with itself."""
+        unit = self._unit_of_param.get(param)
+        holder = next((u for u in self.units if u.module is module), None)
+        if holder is None:  # the innermost unit around module
+            owners = [u for u in self.units if not u.persistent and not u.is_root
+                      and any(m is module for m in u.module.modules())]
+            holder = owners[-1] if owners else self._root
+        if unit is not None and unit is not holder and not unit.persistent and unit not in holder.external:
+            holder.external.append(unit)
+
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        """Context manager: ``params`` (an iterable of the model's parameters) whole on every rank inside the
+        block, as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``. Every rank of the
+        engine's group must enter it. With ``modifier_rank`` (a rank of that group), in-place writes that rank
+        makes inside the block are broadcast on exit and kept by every rank (master slices included); without
+        it, a write raises on exit (it would be lost). Shapes and dtypes as the parameters'.
+
+        Raises:
+            RuntimeError: a parameter was written inside the block without ``modifier_rank``.
+        """
+        return gathered(self, list(params), modifier_rank)
+
+    def write_back(self, bufs: list[FlatBuffer], before: dict) -> None:
+        """After a ``gathered_parameters`` block with a modifier: this rank's slice of each (gathered) buffer
+        in ``bufs`` becomes its kept slice; the master slices take the elements that changed."""
+        for buf in bufs:
+            buf.shard_data.copy_(buf.shard(buf.data))
+        self._masters_take([b for b in bufs if b.group_index >= 0], before)
+
+    def _state_dict_guard(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not keep_vars:
+            raise RuntimeError("stage 3: engine.module.state_dict() would hold partitioned parameters; call "
+                               "engine.full_state_dict() on every rank (rank 0 gets the full values) or read "
+                               "parameters inside engine.gathered_parameters(...)")
+
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ordinary (unsharded) state dict, gathered unit by unit; every rank must call it.
+
+        Returns:
+            On rank 0 (or every rank unless ``rank0_only``): ``{name: tensor}`` with the keys and shapes of
+            ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an empty dict.
+        """
+        keep = not rank0_only or self.rank == 0
+        keyed = self.module.state_dict(keep_vars=True)
+        by_param: dict[int, list[str]] = {}
+        for key, t in keyed.items():
+            by_param.setdefault(id(t), []).append(key)
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            self._gather(unit)
+            if keep:
+                for buf in unit.buffers:
+                    for p in buf.params:
+                        for key in by_param.get(id(p), []):
+                            out[key] = p.detach().clone().cpu()
+            self._free(unit)
+        if keep:
+            for key, t in keyed.items():
+                if key not in out:
+                    out[key] = t.detach().clone().cpu()
+            out = {k: out[k] for k in keyed}
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state dict on every rank (see :meth:`full_state_dict`)."""
+        return self.full_state_dict(rank0_only=False)

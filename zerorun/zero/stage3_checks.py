@@ -1,0 +1,83 @@
+"""Stage 3's checks that every rank runs the same units, at no extra collective per step.
+
+Note [Same units on every rank]: stage 3 all-gathers a unit on every rank together, and collectives pair up in
+the order they are issued. If ranks run different units in one step (an MoE layer whose rank 0 runs expert 0
+while rank 1 runs expert 1, both the same shape), the all-gathers pair one rank's expert 0 with the other's
+expert 1 and training is silently wrong. Each rank therefore keeps the indices of the units it all-gathered
+since the last step (prefetches included) and folds them into a digest ``h`` (a polynomial hash modulo a
+prime below 2**16). The step all-reduces the squared gradient norm anyway: it sends ``[sq, h, h*h]`` (float64,
+exact for these integers up to 1024 ranks) instead of ``sq`` alone. Every rank's ``h`` is the same exactly
+when ``N * sum(h*h) == sum(h) ** 2`` (their variance is zero), so every rank learns the verdict from the
+same sums and raises together, before the optimizer step. Only then, on the error path, the ranks exchange
+their unit lists to name the units. A collision (two different sequences with one digest) has a chance of
+1 in 65521 per step; a misrouted step that is not caught pairs the same-shaped units and is caught at the
+next step whose routing differs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zerorun.zero.record import holds_meta_tensor
+
+_PRIME = 65521
+
+
+def order_digest(indices: list[int]) -> int:
+    """A digest in ``[0, 65521)`` of a sequence of unit indices (order and length matter)."""
+    h = len(indices) % _PRIME
+    for i in indices:
+        h = (h * 257 + i + 1) % _PRIME
+    return h
+
+
+def check_gather_order(engine, sq: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """All-reduce ``sq`` (the squared gradient norm, a 0-d fp32 tensor) over ``engine.comm`` together with
+    the digest of ``indices`` (the units this rank all-gathered since the last step); return the summed ``sq``.
+
+    Raises:
+        RuntimeError: on every rank, when the ranks all-gathered different units; names the first difference.
+    """
+    n = engine.world_size
+    if n == 1:
+        return sq
+    h = float(order_digest(indices))
+    vec = torch.stack([sq.double(), torch.tensor(h, dtype=torch.float64, device=sq.device),
+                       torch.tensor(h * h, dtype=torch.float64, device=sq.device)])
+    engine.comm.wait([engine.comm.all_reduce(vec)])
+    if n * float(vec[2]) != float(vec[1]) ** 2:
+        _raise_mismatch(engine, indices)
+    return vec[0].to(sq.dtype)
+
+
+def _raise_mismatch(engine, indices: list[int]) -> None:
+    names = [u.name or "<root>" for u in engine.units]
+    every: list = [None] * engine.world_size
+    dist.all_gather_object(every, indices, group=engine.comm.group)
+    k = next((k for k in range(max(map(len, every))) if len({tuple(seq[k:k + 1]) for seq in every}) > 1), 0)
+    which = ", ".join(f"rank {r}: {names[seq[k]] if k < len(seq) else 'nothing'!r}" for r, seq in enumerate(every))
+    raise RuntimeError(
+        f"stage 3: ranks ran different units in one step (all-gather #{k + 1} of the step: {which}); "
+        "all-gathers pair up across ranks, so every rank must run the same units in the same order. Run every "
+        "unit on every rank (an MoE expert that gets no tokens on a rank still runs, on an empty batch), or "
+        "make the module that chooses between them one unit (zero.units), or use stage 2")
+
+
+def carry_hooks(meta: torch.Tensor, new: torch.Tensor, name: str) -> None:
+    """Register on ``new`` the gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) that
+    construction registered on its meta original ``meta`` (deferred init replaces every parameter object).
+
+    Raises:
+        ValueError: a hook holds a tensor built on the meta device (it could not run on real gradients).
+    """
+    for table, register in ((getattr(meta, "_backward_hooks", None), new.register_hook),
+                            (getattr(meta, "_post_accumulate_grad_hooks", None), new.register_post_accumulate_grad_hook)):
+        for hook in list((table or {}).values()):
+            if holds_meta_tensor(hook):
+                raise ValueError(
+                    f"parameter {name!r} has a gradient hook, registered while the model was built on the meta "
+                    "device, that holds a tensor made there: it cannot run on real gradients. Build the model "
+                    "with zerorun.zero.deferred_init (it builds such a model normally) or register the hook after "
+                    "zerorun.initialize")
+            register(hook)

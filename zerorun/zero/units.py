@@ -1,0 +1,136 @@
+"""Stage 3's units: which modules are gathered and freed as one (Note [Units] in ``stage3.py``), what a unit
+holds, and the structure walks its hooks need (outputs of any structure, the end of a unit's backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from zerorun.zero.flat import FlatBuffer
+
+
+class UnitState(enum.Enum):
+    FREE = "free"
+    GATHERING = "gathering"  # all-gather issued, not waited for
+    GATHERED = "gathered"
+
+
+class Unit:
+    """A module gathered and freed as one (Note [Units])."""
+
+    def __init__(self, name: str, module: nn.Module, is_root: bool, persistent: bool = False) -> None:
+        self.name, self.module, self.is_root, self.persistent = name, module, is_root, persistent
+        self.buffers: list = []  # FlatBuffer
+        self.state = UnitState.FREE
+        self.works: list[Any] = []
+        self.ready_buffers = 0
+        self.index = -1  # position in the engine's unit list, equal on every rank
+        self.open_calls = 0  # forward calls of this step whose backward has not reached the unit's inputs yet
+        self.external: list[Unit] = []  # units whose parameters this unit's forward reads (register_external_parameter)
+        self.pinned_by: set = set()  # gathered units (or gathered_parameters blocks) that need this one gathered
+        self.active = 0  # forward calls of this unit now on the stack
+
+    @property
+    def trainable(self) -> list[FlatBuffer]:
+        return [b for b in self.buffers if b.group_index >= 0]
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name or '<root>'})"
+
+
+def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The unit modules of ``model`` (not the root), in module order.
+
+    With ``class_names``: every module whose class name is listed. Without: Note [Automatic units] — modules
+    holding between 1/64 and 1/4 of the parameters, taken from the top down (a larger one is split into its
+    children); smaller modules stay in their parent's unit.
+
+    Raises:
+        ValueError: a listed class name matches no module.
+    """
+    if class_names:
+        found = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in class_names]
+        missing = set(class_names) - {type(m).__name__ for _, m in found}
+        if missing:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(f"zero.units: no module of class {', '.join(sorted(missing))} in the model "
+                             f"(its classes: {', '.join(classes)})")
+        return found  # a unit inside another listed unit is a unit of its own (its parameters are its own)
+    total = sum(p.numel() for p in model.parameters())
+    low, high = total / 64, total / 4
+    units: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            count = sum(p.numel() for p in child.parameters())
+            if count > high and any(True for _ in child.children()):
+                visit(full, child)
+            elif count >= low:
+                units.append((full, child))
+
+    visit("", model)
+    return units
+
+
+def unit_of_params(model: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, int]:
+    """Each parameter's unit as an index into ``unit_modules`` (from :func:`pick_units`), ``-1`` for the root:
+    the innermost unit around every module that holds it; a parameter held by modules in different units (a
+    weight tied across units) belongs to the root (Note [Units])."""
+    index_of = {id(m): i for i, m in enumerate(unit_modules)}
+    holders: dict[nn.Parameter, set[int]] = {}
+
+    def visit(module: nn.Module, unit: int) -> None:
+        unit = index_of.get(id(module), unit)
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(p, set()).add(unit)
+        for child in module.children():
+            visit(child, unit)
+
+    visit(model, -1)
+    return {p: next(iter(ids)) if len(ids) == 1 else -1 for p, ids in holders.items()}
+
+
+def tensors_in(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
+    """Every tensor inside ``obj``: a tensor, or (recursively, 32 levels deep at most) lists, tuples (named
+    tuples too), dicts (``transformers``' ``ModelOutput`` too), dataclass instances and plain objects' attributes
+    (an object with a ``.loss``). Used to find a unit's outputs, whatever structure holds them."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if _depth > 32 or obj is None or isinstance(obj, (str, bytes, int, float, bool, nn.Module)):
+        return []
+    if isinstance(obj, dict):
+        values = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        values = list(obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and not callable(obj):
+        values = list(vars(obj).values())
+    else:
+        return []
+    return [t for v in values for t in tensors_in(v, _depth + 1)]
+
+
+class UnitInputsDone(torch.autograd.Function):
+    """Identity on a unit's forward inputs whose backward calls ``callback()``: once autograd has computed the
+    gradients of a unit's inputs, the unit's backward is done (its parameters' gradient accumulators run as
+    soon as they are ready, before anything that depends on them: FSDP2 detects the end of a module's backward
+    the same way). Shapes and dtypes pass through unchanged."""
+
+    @staticmethod
+    def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor):
+        ctx.callback = callback
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)

@@ -1,0 +1,83 @@
+"""What keeps the user's model the user's at every stage: its parameter objects and their trainability are
+checked before every forward and backward, and parameters can be read and written whole in a block.
+
+Note [The user's model stays the user's]: the engine lays out, reduces and updates the ``nn.Parameter``
+objects trainable when it was built. A parameter unfrozen later would never be trained, one frozen later
+would still be updated (zero gradients, weight decay, momentum), and a Parameter object put in the place of
+another would never be trained: all silently. Each is a clear error instead, naming the parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterable
+
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from zerorun.zero.flat import FlatBuffer
+
+
+class UserModel:
+    """Mixed into :class:`~zerorun.zero.engine.ZeroEngine` (which provides ``_param_slots``, ``buffers``,
+    ``comm``, ``masters`` and the slice accessors)."""
+
+    def check_parameters(self) -> None:
+        """Note [The user's model stays the user's]: the engine partitions, reduces and updates the
+        ``nn.Parameter`` objects that were trainable when it was built. Called before every forward and
+        backward; O(number of parameters), no collective.
+
+        Raises:
+            RuntimeError: a parameter was replaced by another object, or its ``requires_grad`` changed, after
+                :func:`initialize` (either would otherwise be silently ignored); the message names it.
+        """
+        for mod, key, name, p, trainable in self._param_slots:
+            q = mod._parameters.get(key)
+            if q is not p:
+                raise RuntimeError(
+                    f"parameter {name!r} was replaced by another object after zerorun.initialize: the engine "
+                    "trains the Parameter objects it was given, so the new one would never be trained. Write the "
+                    "new values into the existing parameter in place instead (with torch.no_grad(): "
+                    "p.copy_(values); at stage 3 inside engine.gathered_parameters([p], modifier_rank=0))")
+            if q.requires_grad != trainable:
+                raise RuntimeError(
+                    f"parameter {name!r} was {'unfrozen' if q.requires_grad else 'frozen'} "
+                    f"(requires_grad={q.requires_grad}) after zerorun.initialize: the engine partitions the "
+                    "parameters trainable when it was built, so the change would be silently ignored. Set "
+                    "requires_grad before initialize (a parameter to train later can stay trainable in a param "
+                    "group of its own whose lr is 0 until then), or build a new engine")
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: Iterable[nn.Parameter], modifier_rank: int | None = None):
+        """Context manager: ``params`` whole inside the block (they always are at stages 0-2; stage 3 gathers
+        them, :meth:`Stage3Engine.gathered_parameters`). Every rank must enter it. With ``modifier_rank`` (a
+        rank of the engine's group), the values that rank holds on exit are broadcast to every rank and kept,
+        master slices included: in-place writes made there take effect everywhere."""
+        params = list(params)
+        bufs = [b for b in self.buffers if any(p in b.slots for p in params)]
+        before = {b: self._param_slice(b).clone() for b in bufs} if modifier_rank is not None else {}
+        yield
+        if modifier_rank is None:
+            return
+        tensors = [b.data for b in bufs] + [p.data for p in params if not p.requires_grad]
+        self.comm.wait([self.comm.broadcast(t, modifier_rank) for t in tensors])
+        self._masters_take(bufs, before)
+
+    def _masters_take(self, bufs: list[FlatBuffer], before: dict) -> None:
+        """The master slices of ``bufs`` take the elements of their parameter slices that differ from
+        ``before[buf]`` (their values before a user's write); nothing to do where masters are the slices."""
+        index = {b: i for i, b in enumerate(self.buffers)}
+        masters = self.master_slices()
+        changed = {}
+        for buf in bufs:
+            i = index.get(buf)
+            now = self._param_slice(buf)
+            if i is None or masters[i].data_ptr() == now.data_ptr():
+                continue
+            moved = now != before[buf]
+            if bool(moved.any()):
+                changed[i] = masters[i].clone()
+                changed[i][moved] = now[moved].to(changed[i].dtype)
+        if changed:
+            states = self.optimizer_states()
+            self.masters.load([changed.get(i, m) for i, m in enumerate(masters)], states if any(states) else None)
