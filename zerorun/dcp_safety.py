@@ -21,10 +21,12 @@ is explained in one line by :func:`_why`.
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import os
 import pickle
+import sys
 from typing import Any
 
 import torch
@@ -139,7 +141,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only the classes DCP's ``.metadata`` is made of (no arbitrary code on load)."""
+    """Admits only the classes DCP's ``.metadata`` is made of (no arbitrary code on load).
+
+    From DCP's own modules only the classes they define are admitted, by plain name: pickle protocol 4 looks
+    up a dotted name (``os.system``) attribute by attribute, and those modules import ``os``, ``torch`` and
+    ``io``, so admitting "any name of the module" admitted every function of those too.
+    """
 
     _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"}
     _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
@@ -148,9 +155,14 @@ class _MetadataUnpickler(pickle.Unpickler):
               ("pathlib", "PureWindowsPath")}
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in self._MODULES or (module, name) in self._NAMES or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
+        if "." not in name:
+            if module in self._MODULES:
+                found = getattr(sys.modules.get(module) or importlib.import_module(module), name, None)
+                if isinstance(found, type) and found.__module__ == module:
+                    return found
+            elif (module, name) in self._NAMES or (
+                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
 
 
