@@ -84,6 +84,34 @@ def test_strict_host_key_checking_settings(sshd, tmp_path):
     connect("127.0.0.2", SshOptions(config=write_config(tmp_path / "c-no", sshd, "no", str(tmp_path / "bad")))).close()
 
 
+def test_known_hosts_with_cert_authority_revoked_and_comment_lines(sshd, tmp_path):
+    """OpenSSH's known_hosts also holds `@cert-authority` and `@revoked` lines and comments: a host with a plain
+    key line is reached past them, a revoked key is refused (even listed as known), and accept-new appends one
+    line without rewriting the file."""
+    from zerorun.launch.preflight import describe_connect_error
+    from zerorun.launch.remote import SshOptions, connect
+
+    ca = tmp_path / "ca"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ca)], check=True)
+    kind, ca_key = (tmp_path / "ca.pub").read_text().split()[:2]
+    good = host_key_line(sshd, "127.0.0.2", sshd.folder + "/host_key.pub")
+    known = tmp_path / "known_hosts"
+    text = f"# my hosts\n@cert-authority *.example.org {kind} {ca_key}\n{good}"
+    known.write_text(text)
+    connect("127.0.0.2", SshOptions(config=write_config(tmp_path / "c-yes", sshd, "yes", str(known)))).close()
+    connect("127.0.0.3", SshOptions(config=write_config(tmp_path / "c-new", sshd, "accept-new", str(known)))).close()
+    after = known.read_text()
+    assert after.startswith(text) and after[len(text):].split()[1:] == good.split()[1:], after
+    server_kind, server_key = good.split()[1:3]
+    known.write_text(f"{good}@revoked * {server_kind} {server_key}\n")
+    for strict in ("yes", "accept-new"):
+        opts = SshOptions(config=write_config(tmp_path / f"c-rev-{strict}", sshd, strict, str(known)))
+        with pytest.raises(Exception) as e:
+            connect("127.0.0.2", opts)
+        line = describe_connect_error(e.value, "127.0.0.2", opts)
+        assert "is marked @revoked" in line and "127.0.0.2" in line and "\n" not in line, line
+
+
 def test_connect_timeout_from_ssh_config_and_proxy_jump(sshd, tmp_path):
     """A host that accepts TCP but never speaks SSH fails after the config's ConnectTimeout (not a fixed 10 s),
     named; a host behind ProxyJump is reached through the jump host (and a jump host that is down is named)."""

@@ -58,17 +58,66 @@ class HostKeyError(Exception):
     is one line naming the host."""
 
 
-class _RefuseUnknown:
-    """paramiko missing-host-key policy for ``StrictHostKeyChecking yes`` (and ``ask``: there is no prompt)."""
+class _UnknownKeyPolicy:
+    """paramiko missing-host-key policy for a ``StrictHostKeyChecking`` setting other than ``no``: a key marked
+    ``@revoked`` is refused always; ``accept-new`` adds an unknown key by appending one line to the user's
+    known-hosts file (never rewriting it: its comments and ``@`` lines stay); ``yes`` and ``ask`` (there is no
+    prompt) refuse it."""
 
-    def __init__(self, setting: str, files: list[str]) -> None:
-        self.setting, self.files = setting, files
+    def __init__(self, setting: str, files: list[str], revoked: set[str]) -> None:
+        self.setting, self.files, self.revoked = setting, files, revoked
 
     def missing_host_key(self, client, hostname, key) -> None:
-        raise HostKeyError(f"no host key is known for {hostname} ({key.get_name()} {key.fingerprint}) and "
-                           f"StrictHostKeyChecking is {self.setting}: add it to "
-                           f"{' or '.join(self.files) or '~/.ssh/known_hosts'} (ssh once, or ssh-keyscan), "
-                           "or set StrictHostKeyChecking accept-new")
+        if key.get_base64() in self.revoked:
+            raise HostKeyError(f"the host key of {hostname} ({key.get_name()} {key.fingerprint}) is marked "
+                               f"@revoked in {' or '.join(self.files) or 'known_hosts'}: Host key verification "
+                               "failed")
+        if self.setting != "accept-new":
+            raise HostKeyError(f"no host key is known for {hostname} ({key.get_name()} {key.fingerprint}) and "
+                               f"StrictHostKeyChecking is {self.setting}: add it to "
+                               f"{' or '.join(self.files) or '~/.ssh/known_hosts'} (ssh once, or ssh-keyscan), "
+                               "or set StrictHostKeyChecking accept-new")
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        if self.files and self.files[0] != os.devnull:
+            try:  # as ssh does: create the file (and its folder) if needed, append the one line
+                os.makedirs(os.path.dirname(self.files[0]) or ".", mode=0o700, exist_ok=True)
+                fd = os.open(self.files[0], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                with os.fdopen(fd, "a") as f:
+                    f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+            except OSError:
+                pass  # accepted for this connection only, as ssh does when it cannot write the file
+
+
+def read_known_hosts(paths: list[str]) -> tuple[list, set[str]]:
+    """The host-key entries of OpenSSH known-hosts files, read as ``ssh`` reads them: ``(entries, revoked)``,
+    ``entries`` as paramiko ``HostKeyEntry`` objects whose key is not revoked, ``revoked`` the base64 keys of
+    ``@revoked`` lines. ``@cert-authority`` lines are skipped (paramiko does not check host certificates: a
+    host behind one needs a plain key line), as are lines that do not parse and files that cannot be read."""
+    from paramiko.hostkeys import HostKeyEntry
+
+    entries, revoked = [], set()
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for lineno, line in enumerate(lines, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("@"):
+                fields = line.split()
+                if fields[0] == "@revoked" and len(fields) >= 4:
+                    revoked.add(fields[3])
+                continue
+            try:
+                entry = HostKeyEntry.from_line(line, lineno)
+            except Exception:  # noqa: BLE001 - paramiko raises several kinds for a line it cannot read
+                continue
+            if entry is not None and entry.key is not None:
+                entries.append(entry)
+    return [e for e in entries if e.key.get_base64() not in revoked], revoked
 
 
 def known_hosts_files(ssh_config: Mapping) -> tuple[list[str], list[str]]:
@@ -87,8 +136,9 @@ def check_host_keys(conn) -> None:
     """Make ``conn`` (a fabric ``Connection``, its ``ProxyJump`` gateways too) check host keys as OpenSSH does
     with the same config, instead of fabric's accept-anything: the known-hosts files are loaded, a changed key
     is always refused (paramiko's ``BadHostKeyException``), and an unknown one is refused under
-    ``StrictHostKeyChecking`` ``yes`` or ``ask`` (the default), added to the user's file under ``accept-new``,
-    accepted under ``no``/``off``."""
+    ``StrictHostKeyChecking`` ``yes`` or ``ask`` (the default), added to the user's file under ``accept-new``
+    (one line appended), accepted under ``no``/``off``; a key marked ``@revoked`` is refused, ``@cert-authority``
+    lines are skipped (:func:`read_known_hosts`)."""
     import paramiko
 
     setting = str(conn.ssh_config.get("stricthostkeychecking", "ask")).lower()
@@ -97,22 +147,12 @@ def check_host_keys(conn) -> None:
         client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
     else:
         user_files, global_files = known_hosts_files(conn.ssh_config)
-        for path in global_files + user_files[1:]:
-            if os.path.isfile(path):
-                client.load_system_host_keys(path)
-        if user_files and os.path.isfile(user_files[0]):
-            client.load_host_keys(user_files[0])  # accept-new adds to this one
-        elif user_files and setting == "accept-new" and user_files[0] != os.devnull:
-            try:  # as ssh does, create the file to add to (paramiko reads it back before writing)
-                os.makedirs(os.path.dirname(user_files[0]) or ".", mode=0o700, exist_ok=True)
-                os.close(os.open(user_files[0], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
-                client.load_host_keys(user_files[0])
-            except OSError:
-                pass  # accepted for this connection only
-        if setting == "accept-new":
-            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-        else:
-            client.set_missing_host_key_policy(_RefuseUnknown(setting, user_files))
+        entries, revoked = read_known_hosts(global_files + user_files)
+        known = client.get_host_keys()  # never saved back by paramiko: accept-new appends a line itself
+        for entry in entries:
+            for name in entry.hostnames:
+                known.add(name, entry.key.get_name(), entry.key)
+        client.set_missing_host_key_policy(_UnknownKeyPolicy(setting, user_files, revoked))
     gateway = conn.gateway
     if gateway is not None and not isinstance(gateway, str):
         check_host_keys(gateway)
