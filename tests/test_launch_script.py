@@ -30,5 +30,9 @@ def test_script_runs_on_every_rank_and_its_exception_is_named(tmp_path):
     assert "[rank 0] args ['--shard', '7']" in out.stdout  # options after the script are the script's
     assert out.stderr.startswith(f"zerorun: error: rank 1 on localhost: ValueError: bad shard 7 (at "
                                  f"{tmp_path / 's.py'}:8 in <module>)"), out.stderr
-    assert {e["rank"] for e in read_events(tmp_path / "runs") if e["event"] == "step"} == {0, 1}
+    events = read_events(tmp_path / "runs")
+    assert {e["rank"] for e in events if e["event"] == "step"} == {0, 1}
+    starts = [e for e in events if e["event"] == "start"]  # a script's ranks start like the built-in worker's
+    assert sorted(e["rank"] for e in starts) == [0, 1] and all(e["world_size"] == 2 for e in starts), starts
+    assert "2 ranks started (torch " in out.stdout
     assert survivors(job_id(out.stdout)) == []

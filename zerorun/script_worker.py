@@ -11,20 +11,35 @@ from __future__ import annotations
 
 import os
 import runpy
+import socket
 import sys
+from importlib import metadata
 
 from zerorun.telemetry.events import emit
+from zerorun.telemetry.probes import host_memory
 from zerorun.worker import RankStream, report_failure
 
 
 def main(argv: list[str]) -> int:
     """Run ``argv[0]`` with arguments ``argv[1:]``; return the rank's exit code (the script's own
     ``sys.exit`` code, or :func:`zerorun.worker.report_failure`'s). A rank that ends with 0 emits a finish
-    event, so the launcher shows it done (and knows when it ended)."""
+    event, so the launcher shows it done (and knows when it ended); every rank emits a start event first."""
+    rank = int(os.environ.get("RANK", 0))
+    emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=_torch_version(),
+         world_size=int(os.environ.get("WORLD_SIZE", 1)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+         **host_memory())  # the launcher and `zerorun show` see the rank start, whatever the script reports
     code = _run(argv)
     if code == 0:
         emit("finish", int(os.environ.get("RANK", 0)), exit_code=0)
     return code
+
+
+def _torch_version() -> str:
+    """torch's version without importing torch (the script imports it when it needs it)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "?"
 
 
 def _run(argv: list[str]) -> int:

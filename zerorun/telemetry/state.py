@@ -105,8 +105,9 @@ def describe(e: Event) -> list[str]:
     for step events. Shared by the plain view and the dashboard (its log panel and the scrollback)."""
     d, who = e.data, f"[rank {e.rank}]"
     if e.kind == "start":
-        return [f"{who} started on {d.get('host', '?')} (pid {d.get('pid', '?')}, torch {d.get('torch', '?')}, "
-                f"{d.get('device', '?')})"]
+        about = ", ".join([f"pid {d.get('pid', '?')}", f"torch {d.get('torch', '?')}"]
+                          + ([str(d["device"])] if d.get("device") else []))
+        return [f"{who} started on {d.get('host', '?')} ({about})"]
     if e.kind == "model_ready":
         units = d.get("units") or []
         shown = ", ".join(map(str, units[:6])) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
