@@ -81,8 +81,12 @@ class Block(nn.Module):
         self.expert = nn.Linear(d, d) if expert else None
         self.out = out
         self.borrow: list[nn.Module] = []  # another block whose weight this one reads (not a submodule)
+        self.clamp = False  # a max-norm style constraint written into the weight inside the forward
 
     def forward(self, h, use_expert: bool = True):
+        if self.clamp:
+            with torch.no_grad():
+                self.fc.weight.clamp_(-0.1, 0.1)
         y = h + torch.tanh(self.fc(h))
         if self.expert is not None and use_expert:
             y = y + self.expert(y)
@@ -113,6 +117,8 @@ class Net(nn.Module):
             self.inp.weight.register_hook(_mask_two_rows)
         if kind == "post_accumulate_hook":
             self.head.weight.register_post_accumulate_grad_hook(_halve_grad)
+        if kind == "clamp_in_forward":
+            self.blocks[1].clamp = True
         if kind == "tied_by_attribute":
             self.blocks[1].borrow.append(self.blocks[0])
         if kind == "penalty_declared":
@@ -238,6 +244,7 @@ ERRORS = {
     "read_at_rest": ((3,), "'blocks.1.fc.weight' is partitioned"),
     "data_write_at_rest": ((3,), "'blocks.0.fc.weight' is partitioned"),
     "module_state_dict": ((3,), "full_state_dict"),
+    "clamp_in_forward": ((3,), "'blocks.1.fc.weight' was written in place inside the forward of its unit"),
 }
 #: kinds whose stage 0 itself raises the same error (so there is no reference run to compare)
 STAGE0_ERRORS = {"unfreeze", "freeze_later", "replace"}

@@ -53,7 +53,7 @@ from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import ParameterAccess, adopt, declared_externals, engine_ref, placeholder
 from zerorun.zero.stage3_backward import Stage3Backward
-from zerorun.zero.stage3_checks import carry_hooks
+from zerorun.zero.stage3_checks import carry_hooks, check_no_writes, param_versions
 from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, pick_units, tensors_in,  # noqa: F401
                                 unit_of_params)
 
@@ -265,6 +265,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
             self._ag_comm.wait(unit.works)
             unit.works = []
             unit.state = UnitState.GATHERED
+            unit.versions = param_versions(unit)  # Note [Writes inside a unit's forward]
 
     def _free(self, unit: Unit) -> None:
         if unit.state is UnitState.FREE or unit.persistent or unit.pinned_by:
@@ -341,6 +342,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
             for t in tensors_in(output):  # any structure: dataclasses, objects with a .loss, nested containers
                 if t.requires_grad:
                     t.register_hook(hook)
+        check_no_writes(unit)
         if unit.is_root:
             if torch.is_grad_enabled():
                 self._end_pass("forward")

@@ -81,3 +81,34 @@ def carry_hooks(meta: torch.Tensor, new: torch.Tensor, name: str) -> None:
                     "with zerorun.zero.deferred_init (it builds such a model normally) or register the hook after "
                     "zerorun.initialize")
             register(hook)
+
+
+def param_versions(unit) -> list[int]:
+    """The version counters (bumped by every in-place write) of ``unit``'s parameters, in buffer order, read
+    without the at-rest guard (Note [Writes inside a unit's forward])."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return [p._version for buf in unit.buffers for p in buf.params]
+
+
+def check_no_writes(unit) -> None:
+    """Note [Writes inside a unit's forward]: at stage 3 a unit's parameters are a gathered copy from its
+    all-gather until the unit is freed after its forward; an in-place write to one of them there (a clamp or
+    max-norm constraint under ``torch.no_grad()``) would change only that copy and be lost when it is freed,
+    so the step would train from other values than stage 0's. It is noticed by the parameters' version
+    counters, read when the unit was gathered and again at the end of its forward (no collective).
+
+    Raises:
+        RuntimeError: naming the first parameter written and the ways out.
+    """
+    before = getattr(unit, "versions", None)
+    if before is None:
+        return
+    now = param_versions(unit)
+    names = [n for buf in unit.buffers for n in buf.names]
+    for name, a, b in zip(names, before, now):
+        if a != b:
+            raise RuntimeError(
+                f"stage 3: parameter {name!r} was written in place inside the forward of its unit "
+                f"{unit.name or '<root>'!r} (e.g. a clamp or max-norm constraint): at stage 3 the unit holds a "
+                "gathered copy only during its forward, so the write would be lost. Apply it outside the forward, "
+                "inside engine.gathered_parameters([...], modifier_rank=0), or use stage 0-2")
