@@ -115,11 +115,30 @@ def load_config(pretrained: str | None = None, config: str | dict | None = None,
     if model_type not in CONFIG_MAPPING:
         raise ZerorunError(f"{where}.{field}: unknown model_type {model_type!r} for this transformers version")
     values = {k: v for k, v in data.items() if k != "model_type"}
+    _check_known_keys(values, CONFIG_MAPPING[model_type], f"{where}.{field}", model_type)
     try:
         return AutoConfig.for_model(model_type, **values)
     except Exception as e:  # noqa: BLE001 - the config class's own checks
-        raise ZerorunError(f"{where}.{field}: invalid {model_type} config: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise ZerorunError(f"{where}.{field}: invalid {model_type} config: {type(e).__name__}: {reason}") from None
+
+
+def _check_known_keys(values: dict, config_class, where: str, model_type: str) -> None:
+    """Refuse a key the config class does not know (a typo such as ``hidden_sizee``: transformers keeps it as
+    an attribute and builds the default size instead, which can be far larger than meant).
+
+    Raises:
+        ZerorunError: naming the key and the closest known one.
+    """
+    import difflib
+    import inspect
+
+    known = set(config_class().to_dict()) | set(inspect.signature(config_class.__init__).parameters)
+    for key in values:
+        if key not in known and not key.startswith("_"):
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            raise ZerorunError(f"{where}: unknown {model_type} config key {key!r}"
+                               + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 def check_causal_lm(cfg, where: str = "model.hf") -> None:
