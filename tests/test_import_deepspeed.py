@@ -74,6 +74,19 @@ def test_adam_without_decoupled_decay_and_auto_values(tmp_path):
     assert any(d.startswith("optimizer.params.lr: 'auto'") for d in dropped)
 
 
+def test_auto_precision_is_listed_not_taken_as_disabled(tmp_path):
+    """The HF Trainer's usual `fp16: {enabled: auto}`: the precision and its loss-scale fields are listed as
+    'auto' for the recipe to set, never silently dropped as 'fp16 is not enabled'."""
+    ds = {"fp16": {"enabled": "auto", "initial_scale_power": 16, "loss_scale_window": 1000},
+          "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}
+    data, _, dropped = _run(tmp_path, ds, hosts=None)
+    assert "precision" not in data
+    assert any(d.startswith("fp16.enabled: 'auto'") and "precision: fp16" in d for d in dropped), dropped
+    assert any(d.startswith("bf16.enabled: 'auto'") and "precision: bf16" in d for d in dropped), dropped
+    scale = [d for d in dropped if d.startswith(("fp16.initial_scale_power", "fp16.loss_scale_window"))]
+    assert len(scale) == 2 and all("fp16.enabled is 'auto'" in d for d in scale), dropped
+
+
 @pytest.mark.parametrize("ds,hosts,pattern", [
     ('{"zero_optimization": {"stage": 2,}}', None, r"ds\.json:1: not valid JSON"),
     ("[1, 2]", None, r"ds\.json: a DeepSpeed config is a JSON object"),

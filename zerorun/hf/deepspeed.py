@@ -99,6 +99,10 @@ class _Import:
             raise ZerorunError("bf16.enabled and fp16.enabled: both true; DeepSpeed refuses this too")
         for key in sorted(set(bf16) - {"enabled"}):
             self.drop(f"bf16.{key}", "no zerorun equivalent")
+        for name, section in (("bf16", bf16), ("fp16", fp16)):
+            if section.get("enabled") == "auto":
+                self.drop(f"{name}.enabled", "'auto' (filled in by the HF Trainer integration): set precision: "
+                          f"{name} in the recipe to train in {name}")
         if bf16.get("enabled") is True:
             self.recipe["precision"] = "bf16"
         if fp16.get("enabled") is True:
@@ -119,8 +123,10 @@ class _Import:
             if scale:
                 self.recipe["loss_scale"] = scale
         else:
+            why = "fp16.enabled is 'auto': with precision: fp16, set loss_scale.* in the recipe" \
+                if fp16.get("enabled") == "auto" else "fp16 is not enabled"
             for key in sorted(set(fp16) - {"enabled"}):
-                self.drop(f"fp16.{key}", "fp16 is not enabled")
+                self.drop(f"fp16.{key}", why)
 
     def batch(self, ds: dict) -> None:
         train = self.recipe["train"]
