@@ -72,3 +72,14 @@ def test_master_address_is_reachable_from_the_other_nodes():
     # a first host on this machine reached over SSH (--ssh-local), others elsewhere
     assert master_address([Host("localhost", 1), Host("b", 1)],
                           {"localhost": FakeConn("localhost"), "b": FakeConn("10.0.0.9")}) == "10.0.0.5"
+
+
+def test_names_with_a_final_newline_are_not_names():
+    """``$`` matches before a final newline: ``NCCL_X\\n`` from the launcher's environment must not pass."""
+    assert allowed_env({"NCCL_X\n": "=/x.sh", "NCCL_OK": "1"}) == {"NCCL_OK": "1"}
+
+
+def test_env_file_value_with_a_nul_byte_is_refused_at_load():
+    with pytest.raises(ZerorunError, match=r"^f:2: X: the value holds a NUL byte, which no environment variable "
+                                           r"can carry$"):
+        parse_env_file("A=1\nX=a\0b\n", "f")

@@ -142,3 +142,17 @@ def test_run_folder_recipe_masks_env_values(tmp_path):
     (tmp_path / "copied.yaml").write_text(text)  # a run folder's recipe.yaml used again is refused, not masked
     with pytest.raises(ZerorunError, match=r"launch\.env: TOKEN is '<masked>'.*give the real value"):
         load_recipe(str(tmp_path / "copied.yaml"))
+
+
+@pytest.mark.parametrize("key", ["X\n", "X\r\n", "NCCL_X\n", "X\0"])
+def test_launch_env_key_with_a_final_newline_is_refused(tmp_path, key):
+    """``^...$`` let a name with a final newline through; the remote script then ran a line of its own."""
+    with pytest.raises(ZerorunError, match=r"launch\.env: key .* is not a variable name") as info:
+        load_recipe(good(tmp_path), ["launch.env={%s: '1'}" % json.dumps(key)])
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+def test_launch_env_value_with_a_nul_byte_is_refused_at_load(tmp_path):
+    with pytest.raises(ZerorunError, match=r"r\.yaml:13: launch\.env: X: the value holds a NUL byte") as info:
+        load_recipe(good(tmp_path, 'launch:\n  env: {X: "a\\0b"}\n'))
+    assert "\n" not in str(info.value) and info.value.exit_code == 2

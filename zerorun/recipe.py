@@ -172,9 +172,12 @@ class LaunchSpec(_Strict):
     @classmethod
     def _env_names_and_values(cls, env: dict[str, str]) -> dict[str, str]:
         for key, value in env.items():
-            if not ENV_NAME.match(key):
+            if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
                 raise PydanticCustomError("env_name", "key {key} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)",
                                           {"key": repr(key)})
+            if "\0" in value:
+                raise PydanticCustomError("env_nul", "{key}: the value holds a NUL byte, which no environment "
+                                          "variable can carry", {"key": key})
             if value == MASK:
                 raise PydanticCustomError(
                     "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "

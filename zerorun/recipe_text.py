@@ -21,7 +21,7 @@ from zerorun.errors import ZerorunError
 #: (Note [Masked environment values]).
 MASK = "<masked>"
 #: A POSIX environment variable name: the only ``launch.env`` keys accepted (they reach a remote shell).
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # use fullmatch: "$" also matches before a final "\n"
 #: The most YAML nodes a recipe may stand for once its aliases are followed (a few hundred in practice): an
 #: "alias bomb" of a few lines stands for billions and would hang the loader.
 MAX_YAML_NODES = 100_000
