@@ -156,3 +156,14 @@ def test_launch_env_value_with_a_nul_byte_is_refused_at_load(tmp_path):
     with pytest.raises(ZerorunError, match=r"r\.yaml:13: launch\.env: X: the value holds a NUL byte") as info:
         load_recipe(good(tmp_path, 'launch:\n  env: {X: "a\\0b"}\n'))
     assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+def test_launch_env_value_above_linux_limit_is_refused_at_load(tmp_path):
+    from zerorun.recipe import MAX_ENV_STRING
+
+    big = "x" * MAX_ENV_STRING
+    with pytest.raises(ZerorunError, match=rf"r\.yaml:13: launch\.env: BIG: KEY=VALUE is {MAX_ENV_STRING + 5} "
+                                           r"bytes, above Linux's limit .*\(MAX_ARG_STRLEN\)") as info:
+        load_recipe(good(tmp_path, f"launch:\n  env: {{BIG: {big}}}\n"))
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+    assert load_recipe(good(tmp_path, f"launch:\n  env: {{BIG: {big[:-6]}}}\n")).launch.env["BIG"] == big[:-6]

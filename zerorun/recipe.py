@@ -18,8 +18,8 @@ from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
-from zerorun.recipe_text import (ENV_NAME, MASK, MAX_YAML_NODES, apply_overrides, load_yaml,  # noqa: F401
-                                 masked, read_text)
+from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES, apply_overrides,  # noqa: F401
+                                 env_string_bytes, load_yaml, masked, read_text)
 from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
 from zerorun.recipe_text import line_of as _line_of
 from zerorun.recipe_text import override_for as _override_for
@@ -178,6 +178,11 @@ class LaunchSpec(_Strict):
             if "\0" in value:
                 raise PydanticCustomError("env_nul", "{key}: the value holds a NUL byte, which no environment "
                                           "variable can carry", {"key": key})
+            if env_string_bytes(key, value) > MAX_ENV_STRING:
+                raise PydanticCustomError(
+                    "env_too_long", "{key}: KEY=VALUE is {n} bytes, above Linux's limit of {limit} bytes for one "
+                    "environment string (MAX_ARG_STRLEN): the ranks could not start",
+                    {"key": key, "n": env_string_bytes(key, value), "limit": MAX_ENV_STRING})
             if value == MASK:
                 raise PydanticCustomError(
                     "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "

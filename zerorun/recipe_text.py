@@ -22,6 +22,18 @@ from zerorun.errors import ZerorunError
 MASK = "<masked>"
 #: A POSIX environment variable name: the only ``launch.env`` keys accepted (they reach a remote shell).
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # use fullmatch: "$" also matches before a final "\n"
+#: Linux's limit on one string of a new process's environment or arguments, ``KEY=VALUE`` and its final NUL
+#: included (MAX_ARG_STRLEN = 32 pages of 4 KiB, include/uapi/linux/binfmts.h): a longer one makes exec fail
+#: with "Argument list too long".
+MAX_ENV_STRING = 32 * 4096
+
+
+def env_string_bytes(key: str, value: str) -> int:
+    """Bytes of ``KEY=VALUE`` in a process's environment (UTF-8, final NUL included); compare with
+    :data:`MAX_ENV_STRING`."""
+    return len(key.encode()) + 1 + len(value.encode("utf-8", "surrogateescape")) + 1
+
+
 #: The most YAML nodes a recipe may stand for once its aliases are followed (a few hundred in practice): an
 #: "alias bomb" of a few lines stands for billions and would hang the loader.
 MAX_YAML_NODES = 100_000

@@ -18,6 +18,7 @@ import sys
 from typing import Callable, Mapping
 
 from zerorun.errors import ZerorunError
+from zerorun.recipe_text import MAX_ENV_STRING, env_string_bytes
 
 #: names with these prefixes are forwarded from the launcher's environment (Note [Forwarded environment]).
 ALLOWED_PREFIXES = ("NCCL_", "PYTHON", "CUDA_VISIBLE_DEVICES", "GLOO_", "TORCH_", "OMP_NUM_THREADS")
@@ -42,7 +43,8 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
     after the first ``=``, taken literally (no quotes are removed, nothing is expanded).
 
     Raises:
-        ZerorunError: a line without ``=`` or with an invalid name, or a value holding a NUL byte, as
+        ZerorunError: a line without ``=`` or with an invalid name, a value holding a NUL byte, or a
+            ``KEY=VALUE`` longer than Linux's limit for one environment string (``MAX_ENV_STRING``), as
             ``path:LINE: ...``.
     """
     env: dict[str, str] = {}
@@ -58,6 +60,10 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
         if "\0" in value:
             raise ZerorunError(f"{path}:{lineno}: {key}: the value holds a NUL byte, which no environment "
                                "variable can carry")
+        if env_string_bytes(key, value) > MAX_ENV_STRING:
+            raise ZerorunError(f"{path}:{lineno}: {key}: KEY=VALUE is {env_string_bytes(key, value)} bytes, above "
+                               f"Linux's limit of {MAX_ENV_STRING} bytes for one environment string "
+                               "(MAX_ARG_STRLEN): the ranks could not start")
         env[key] = value
     return env
 
