@@ -167,3 +167,27 @@ def test_launch_env_value_above_linux_limit_is_refused_at_load(tmp_path):
         load_recipe(good(tmp_path, f"launch:\n  env: {{BIG: {big}}}\n"))
     assert "\n" not in str(info.value) and info.value.exit_code == 2
     assert load_recipe(good(tmp_path, f"launch:\n  env: {{BIG: {big[:-6]}}}\n")).launch.env["BIG"] == big[:-6]
+
+
+def test_launch_env_numbers_are_taken_as_their_text(tmp_path):
+    """``OMP_NUM_THREADS: 1`` was refused with "Input should be a valid string": numbers are their text (as
+    written in the file; decimal text for an override), as docker-compose takes them."""
+    r = load_recipe(good(tmp_path, "launch:\n  env: {OMP_NUM_THREADS: 1, NCCL_DEBUG: 010, RATIO: 1.50, S: x}\n"))
+    assert r.launch.env == {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "010", "RATIO": "1.50", "S": "x"}
+    r = load_recipe(good(tmp_path), ["launch.env.NCCL_DEBUG=1", "launch.env.F=2.5", "launch.env.Z=007"])
+    assert r.launch.env == {"NCCL_DEBUG": "1", "F": "2.5", "Z": "007"}
+    assert load_recipe(good(tmp_path), ["launch.env={A: 3}"]).launch.env == {"A": "3"}
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("true", r"X: true is a YAML boolean, not text: quote the value: 'launch\.env\.X: \"true\"'"),
+    ("yes", r"X: true is a YAML boolean, not text: quote the value"),
+    ("null", r"X has no value \(null\): give its text"),
+    ("", r"X has no value \(null\)"),
+    ("[1, 2]", r"X is a list, not text: an environment value is one string; quote it"),
+    ("{a: 1}", r"X is a mapping, not text"),
+])
+def test_launch_env_values_that_are_not_text_say_how_to_quote(tmp_path, value, expected):
+    with pytest.raises(ZerorunError, match=r"r\.yaml:13: launch\.env: " + expected) as info:
+        load_recipe(good(tmp_path, f"launch:\n  env: {{X: {value}}}\n"))
+    assert "\n" not in str(info.value) and info.value.exit_code == 2

@@ -19,7 +19,8 @@ from pydantic_core import PydanticCustomError
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
 from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES, apply_overrides,  # noqa: F401
-                                 env_string_bytes, load_yaml, masked, read_text)
+                                 env_numbers_as_text, env_string_bytes, env_value_text, load_yaml,
+                                 masked, read_text)
 from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
 from zerorun.recipe_text import line_of as _line_of
 from zerorun.recipe_text import override_for as _override_for
@@ -168,6 +169,8 @@ class LaunchSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     collective_timeout_s: float = Field(600.0, gt=0)
 
+    _env_value_text = field_validator("env", mode="before")(classmethod(lambda cls, env: env_value_text(env)))
+
     @field_validator("env")
     @classmethod
     def _env_names_and_values(cls, env: dict[str, str]) -> dict[str, str]:
@@ -288,7 +291,7 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     if not isinstance(data, dict):
         raise ZerorunError(f"{path}: a recipe must be a YAML mapping (name:, model:, train:, ...)")
     overrides = overrides or []
-    data = apply_overrides(data, overrides)
+    data = apply_overrides(env_numbers_as_text(data, root), overrides)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
