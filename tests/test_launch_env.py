@@ -72,3 +72,36 @@ def test_master_address_is_reachable_from_the_other_nodes():
     # a first host on this machine reached over SSH (--ssh-local), others elsewhere
     assert master_address([Host("localhost", 1), Host("b", 1)],
                           {"localhost": FakeConn("localhost"), "b": FakeConn("10.0.0.9")}) == "10.0.0.5"
+
+
+def test_names_with_a_final_newline_are_not_names():
+    """``$`` matches before a final newline: ``NCCL_X\\n`` from the launcher's environment must not pass."""
+    assert allowed_env({"NCCL_X\n": "=/x.sh", "NCCL_OK": "1"}) == {"NCCL_OK": "1"}
+
+
+def test_env_file_value_with_a_nul_byte_is_refused_at_load():
+    with pytest.raises(ZerorunError, match=r"^f:2: X: the value holds a NUL byte, which no environment variable "
+                                           r"can carry$"):
+        parse_env_file("A=1\nX=a\0b\n", "f")
+
+
+def test_env_strings_above_linux_limit_are_refused_at_load(tmp_path):
+    """A ``KEY=VALUE`` above MAX_ARG_STRLEN made torchrun's exec fail with "Argument list too long" (exit 127):
+    the file and line are named at load instead. The limit is Linux's own: one byte less still starts."""
+    import os
+    from zerorun.recipe_text import MAX_ENV_STRING
+
+    fits = "x" * (MAX_ENV_STRING - len("BIG=") - 1)
+    assert subprocess.run(["true"], env={"BIG": fits}).returncode == 0
+    with pytest.raises(OSError, match="Argument list too long"):
+        subprocess.run(["true"], env={"BIG": fits + "x"})
+    assert parse_env_file(f"BIG={fits}\n", "f") == {"BIG": fits}
+    with pytest.raises(ZerorunError, match=rf"^f:2: BIG: KEY=VALUE is {MAX_ENV_STRING + 1} bytes, above Linux's "
+                                           rf"limit of {MAX_ENV_STRING} bytes .*could not start$") as info:
+        parse_env_file(f"A=1\nBIG={fits}x\n", "f")
+    assert info.value.exit_code == 2
+    path = tmp_path / ".deepspeed_env"
+    path.write_text(f"BIG={fits}é\n")
+    with pytest.raises(ZerorunError, match=rf"^{path}:1: BIG: KEY=VALUE is {MAX_ENV_STRING + 2} bytes"):
+        env_file_values([str(path)], note=lambda m: None)
+    assert os.path.exists(path)

@@ -142,3 +142,52 @@ def test_run_folder_recipe_masks_env_values(tmp_path):
     (tmp_path / "copied.yaml").write_text(text)  # a run folder's recipe.yaml used again is refused, not masked
     with pytest.raises(ZerorunError, match=r"launch\.env: TOKEN is '<masked>'.*give the real value"):
         load_recipe(str(tmp_path / "copied.yaml"))
+
+
+@pytest.mark.parametrize("key", ["X\n", "X\r\n", "NCCL_X\n", "X\0"])
+def test_launch_env_key_with_a_final_newline_is_refused(tmp_path, key):
+    """``^...$`` let a name with a final newline through; the remote script then ran a line of its own."""
+    with pytest.raises(ZerorunError, match=r"launch\.env: key .* is not a variable name") as info:
+        load_recipe(good(tmp_path), ["launch.env={%s: '1'}" % json.dumps(key)])
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+def test_launch_env_value_with_a_nul_byte_is_refused_at_load(tmp_path):
+    with pytest.raises(ZerorunError, match=r"r\.yaml:13: launch\.env: X: the value holds a NUL byte") as info:
+        load_recipe(good(tmp_path, 'launch:\n  env: {X: "a\\0b"}\n'))
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+def test_launch_env_value_above_linux_limit_is_refused_at_load(tmp_path):
+    from zerorun.recipe import MAX_ENV_STRING
+
+    big = "x" * MAX_ENV_STRING
+    with pytest.raises(ZerorunError, match=rf"r\.yaml:13: launch\.env: BIG: KEY=VALUE is {MAX_ENV_STRING + 5} "
+                                           r"bytes, above Linux's limit .*\(MAX_ARG_STRLEN\)") as info:
+        load_recipe(good(tmp_path, f"launch:\n  env: {{BIG: {big}}}\n"))
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+    assert load_recipe(good(tmp_path, f"launch:\n  env: {{BIG: {big[:-6]}}}\n")).launch.env["BIG"] == big[:-6]
+
+
+def test_launch_env_numbers_are_taken_as_their_text(tmp_path):
+    """``OMP_NUM_THREADS: 1`` was refused with "Input should be a valid string": numbers are their text (as
+    written in the file; decimal text for an override), as docker-compose takes them."""
+    r = load_recipe(good(tmp_path, "launch:\n  env: {OMP_NUM_THREADS: 1, NCCL_DEBUG: 010, RATIO: 1.50, S: x}\n"))
+    assert r.launch.env == {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "010", "RATIO": "1.50", "S": "x"}
+    r = load_recipe(good(tmp_path), ["launch.env.NCCL_DEBUG=1", "launch.env.F=2.5", "launch.env.Z=007"])
+    assert r.launch.env == {"NCCL_DEBUG": "1", "F": "2.5", "Z": "007"}
+    assert load_recipe(good(tmp_path), ["launch.env={A: 3}"]).launch.env == {"A": "3"}
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("true", r"X: true is a YAML boolean, not text: quote the value: 'launch\.env\.X: \"true\"'"),
+    ("yes", r"X: true is a YAML boolean, not text: quote the value"),
+    ("null", r"X has no value \(null\): give its text"),
+    ("", r"X has no value \(null\)"),
+    ("[1, 2]", r"X is a list, not text: an environment value is one string; quote it"),
+    ("{a: 1}", r"X is a mapping, not text"),
+])
+def test_launch_env_values_that_are_not_text_say_how_to_quote(tmp_path, value, expected):
+    with pytest.raises(ZerorunError, match=r"r\.yaml:13: launch\.env: " + expected) as info:
+        load_recipe(good(tmp_path, f"launch:\n  env: {{X: {value}}}\n"))
+    assert "\n" not in str(info.value) and info.value.exit_code == 2

@@ -240,6 +240,23 @@ def test_killed_torchrun_agent_stops_its_node_and_the_job(sshd, tmp_path, where)
     assert survivors(job) == [] and took < 15, (took, survivors(job))
 
 
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_killed_node_watcher_stops_its_node_and_the_job(sshd, tmp_path, where):
+    """SIGKILL of a node's watcher (``python -m zerorun.launch.node``): its torchrun gets SIGTERM from the kernel
+    and stops the ranks, and the launcher names the watcher's death, instead of ranks training on unsupervised
+    and the launcher waiting for them."""
+    first = "127.0.0.2" if where == "remote" else "localhost"
+    proc, job = start_loop(tmp_path, sshd, f"{first} slots=1\n127.0.0.3 slots=1\n")
+    node, host = (1, "127.0.0.3") if where == "remote" else (0, "localhost")
+    watcher = agent_of(job, node).parent()
+    assert "zerorun.launch.node" in watcher.cmdline(), watcher.cmdline()
+    watcher.kill()
+    took, err = wait_ended(proc, job)
+    assert proc.returncode == 1, err
+    assert f"node {node} on {host} ended (its watcher was killed by SIGKILL)" in err, err
+    assert survivors(job) == [] and took < 15, (took, survivors(job))
+
+
 def test_launcher_killed_stops_every_host(sshd, tmp_path):
     """Issue 17 item 7: SIGKILL of the launcher: every node's watcher sees its input end and stops the node. The
     ranks are quiet after their first step (a rank that writes dies of the closed pipe anyway)."""

@@ -52,7 +52,7 @@ from zerorun.errors import ZerorunError
 MARKER = "COMPLETE"
 META = "zerorun.json"
 FORMAT = 1
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"step-(\d+)")  # fullmatch
 
 
 @contextmanager
@@ -103,7 +103,7 @@ def list_complete(root: str) -> list[tuple[float, int, str]]:
     except OSError:
         return []
     for name in names:
-        m = _STEP_DIR.match(name)
+        m = _STEP_DIR.fullmatch(name)
         marker = os.path.join(root, name, MARKER)
         if m and os.path.isfile(marker):
             try:
@@ -131,7 +131,7 @@ def resolve(path: str) -> str:
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
         raise ZerorunError(f"{path}: no such checkpoint directory")
-    if not os.path.exists(os.path.join(path, META)) and any(_STEP_DIR.match(n) for n in os.listdir(path)):
+    if not os.path.exists(os.path.join(path, META)) and any(_STEP_DIR.fullmatch(n) for n in os.listdir(path)):
         found = latest(path)
         if found is None:
             raise ZerorunError(f"{path}: no complete checkpoint in it (every step-* folder lacks its {MARKER} marker)")

@@ -62,7 +62,7 @@ INFLIGHT_BUCKETS = 2 + 1
 # the size of their bucket, peaks at the end of backward once activations are smaller than the gradients).
 
 # ------------------------------------------------------------------------------------------------- sizes
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
+_NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*")  # fullmatch
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -70,7 +70,7 @@ _BIT_PREFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
 def _split(text: str, flag: str, example: str) -> tuple[float, str]:
-    m = _NUMBER.match(str(text))
+    m = _NUMBER.fullmatch(str(text))
     if not m:
         raise ZerorunError(f"{flag}: cannot read {text!r}: expected a number with a unit, e.g. {example}")
     value = float(m.group(1))

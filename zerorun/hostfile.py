@@ -18,7 +18,7 @@ from zerorun.errors import ZerorunError
 #: The most ranks (slots) one host may run: more than any machine has cores or accelerators; a bound that
 #: keeps a typo such as ``slots=10**20`` or ``slots=100000000000000000000`` from filling the launcher's memory.
 MAX_SLOTS = 4096
-_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:\-\[\]]+)(?:\s+slots\s*=\s*(?P<slots>\S+))?$")
+_LINE = re.compile(r"(?P<host>[A-Za-z0-9_.:\-\[\]]+)(?:\s+slots\s*=\s*(?P<slots>\S+))?")  # fullmatch
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        m = _LINE.match(line)
+        m = _LINE.fullmatch(line)
         if not m:
             raise ZerorunError(f"{path}:{lineno}: malformed line {raw.strip()!r}: expected 'HOST slots=N'")
         name, slots_text = m.group("host"), m.group("slots")

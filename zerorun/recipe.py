@@ -18,7 +18,8 @@ from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
-from zerorun.recipe_text import (ENV_NAME, MASK, MAX_YAML_NODES, apply_overrides, load_yaml,  # noqa: F401
+from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES, apply_overrides,  # noqa: F401
+                                 env_numbers_as_text, env_string_bytes, env_value_text, load_yaml,
                                  masked, read_text)
 from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
 from zerorun.recipe_text import line_of as _line_of
@@ -168,13 +169,23 @@ class LaunchSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     collective_timeout_s: float = Field(600.0, gt=0)
 
+    _env_value_text = field_validator("env", mode="before")(classmethod(lambda cls, env: env_value_text(env)))
+
     @field_validator("env")
     @classmethod
     def _env_names_and_values(cls, env: dict[str, str]) -> dict[str, str]:
         for key, value in env.items():
-            if not ENV_NAME.match(key):
+            if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
                 raise PydanticCustomError("env_name", "key {key} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)",
                                           {"key": repr(key)})
+            if "\0" in value:
+                raise PydanticCustomError("env_nul", "{key}: the value holds a NUL byte, which no environment "
+                                          "variable can carry", {"key": key})
+            if env_string_bytes(key, value) > MAX_ENV_STRING:
+                raise PydanticCustomError(
+                    "env_too_long", "{key}: KEY=VALUE is {n} bytes, above Linux's limit of {limit} bytes for one "
+                    "environment string (MAX_ARG_STRLEN): the ranks could not start",
+                    {"key": key, "n": env_string_bytes(key, value), "limit": MAX_ENV_STRING})
             if value == MASK:
                 raise PydanticCustomError(
                     "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "
@@ -280,7 +291,7 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     if not isinstance(data, dict):
         raise ZerorunError(f"{path}: a recipe must be a YAML mapping (name:, model:, train:, ...)")
     overrides = overrides or []
-    data = apply_overrides(data, overrides)
+    data = apply_overrides(env_numbers_as_text(data, root), overrides)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:

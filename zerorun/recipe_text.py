@@ -21,7 +21,19 @@ from zerorun.errors import ZerorunError
 #: (Note [Masked environment values]).
 MASK = "<masked>"
 #: A POSIX environment variable name: the only ``launch.env`` keys accepted (they reach a remote shell).
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # use fullmatch: "$" also matches before a final "\n"
+#: Linux's limit on one string of a new process's environment or arguments, ``KEY=VALUE`` and its final NUL
+#: included (MAX_ARG_STRLEN = 32 pages of 4 KiB, include/uapi/linux/binfmts.h): a longer one makes exec fail
+#: with "Argument list too long".
+MAX_ENV_STRING = 32 * 4096
+
+
+def env_string_bytes(key: str, value: str) -> int:
+    """Bytes of ``KEY=VALUE`` in a process's environment (UTF-8, final NUL included); compare with
+    :data:`MAX_ENV_STRING`."""
+    return len(key.encode()) + 1 + len(value.encode("utf-8", "surrogateescape")) + 1
+
+
 #: The most YAML nodes a recipe may stand for once its aliases are followed (a few hundred in practice): an
 #: "alias bomb" of a few lines stands for billions and would hang the loader.
 MAX_YAML_NODES = 100_000
@@ -165,8 +177,57 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ZerorunError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a mapping")
             node = child
+        if len(parts) == 3 and parts[:2] == ["launch", "env"] and isinstance(value, (int, float)) \
+                and not isinstance(value, bool):
+            value = raw.strip()  # a number for an environment variable: keep its text (``010`` stays ``010``)
         node[parts[-1]] = value
     return data
+
+
+def env_numbers_as_text(data: dict, root: yaml.Node | None) -> dict:
+    """``data`` with each number under ``launch.env`` (``OMP_NUM_THREADS: 1``) replaced by its text as written in
+    the YAML (``1``, ``010``, ``1.50``), as docker-compose takes numbers in ``environment:``; booleans, nulls,
+    lists and mappings are left for :func:`env_value_text` to refuse."""
+    launch = data.get("launch")
+    env = launch.get("env") if isinstance(launch, dict) else None
+    if not isinstance(env, dict):
+        return data
+    texts: dict[str, str] = {}
+    node = root
+    for key in ("launch", "env"):
+        node = next((v for k, v in node.value if k.value == key), None) \
+            if isinstance(node, yaml.MappingNode) else None
+    if isinstance(node, yaml.MappingNode):
+        texts = {k.value: v.value for k, v in node.value if isinstance(v, yaml.ScalarNode)}
+    for key, value in env.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(texts.get(key), str):
+            env[key] = texts[key]
+    return data
+
+
+def env_value_text(env: Any) -> Any:
+    """``launch.env`` with numbers as their decimal text (``1`` -> ``"1"``; those of a YAML file keep their
+    written text, :func:`env_numbers_as_text`).
+
+    Raises:
+        PydanticCustomError: a boolean, null, list or mapping value, with the hint to quote it.
+    """
+    if not isinstance(env, dict):
+        return env
+    out = {}
+    for key, value in env.items():
+        if isinstance(value, bool):
+            raise PydanticCustomError("env_value", "{key}: {value} is a YAML boolean, not text: quote the value: "
+                                      "'launch.env.{key}: \"{value}\"'", {"key": key, "value": str(value).lower()})
+        if value is None:
+            raise PydanticCustomError("env_value", "{key} has no value (null): give its text, e.g. "
+                                      "'launch.env.{key}: \"\"' for an empty one", {"key": key})
+        if isinstance(value, (list, dict)):
+            kind = "a list" if isinstance(value, list) else "a mapping"
+            raise PydanticCustomError("env_value", "{key} is {kind}, not text: an environment value is one string; "
+                                      "quote it: 'launch.env.{key}: \"...\"'", {"key": key, "kind": kind})
+        out[key] = str(value) if isinstance(value, (int, float)) else value
+    return out
 
 
 def read_text(path: str, what: str) -> str:

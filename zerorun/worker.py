@@ -50,13 +50,25 @@ class RankStream:
         return False
 
 
-_PEER_FAILURE = re.compile(r"connection (reset|closed) by peer|broken pipe|socket timeout|timed out|"
-                           r"connection refused|NCCL communicator was aborted|ProcessGroup.*(abort|shut ?down)", re.I)
+#: Wordings of a collective that failed because another rank went away or went quiet (Note [Blame] in
+#: launch/supervisor.py). gloo (third_party/gloo/gloo/transport/tcp/pair.cc, unbound_buffer.cc): "Connection
+#: closed by peer [addr]", "Read error [addr]: Connection reset by peer", "Socket Timeout", "Socket closed",
+#: "Timed out waiting 30000ms for recv operation to complete", "Application timeout caused pair closure";
+#: NCCL (ProcessGroupNCCL.cpp, nccl.h's ncclRemoteError): "Watchdog caught collective operation timeout:
+#: WorkNCCL(...) ran for 30000 milliseconds before timing out", "Some NCCL operations have failed or timed out",
+#: "NCCL communicator was aborted", "remote process exited or there was a network error"; the OS's
+#: ECONNRESET/EPIPE/ECONNREFUSED texts.
+_PEER_FAILURE = re.compile(
+    r"connection (reset|closed|refused)|broken pipe|socket (timeout|closed)|timed out|timing out|"
+    r"timeout caused pair closure|pair closure|collective operation timeout|"
+    r"NCCL communicator was aborted|remote process exited|network error|ncclRemoteError|"
+    r"ProcessGroup.*(abort|shut ?down)", re.I)
 
 
 def is_peer_failure(e: BaseException) -> bool:
     """True for an error raised inside a collective because another rank went away (Note [Blame] in
-    launch/supervisor.py): gloo's "Connection reset by peer", a timeout, an aborted communicator."""
+    launch/supervisor.py): gloo's and NCCL's reset or closed connections, timeouts, pair closures, an aborted
+    communicator (the wordings are listed at ``_PEER_FAILURE``)."""
     import torch.distributed as dist
 
     dist_error = getattr(dist, "DistError", ())

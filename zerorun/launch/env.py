@@ -18,6 +18,7 @@ import sys
 from typing import Callable, Mapping
 
 from zerorun.errors import ZerorunError
+from zerorun.recipe_text import MAX_ENV_STRING, env_string_bytes
 
 #: names with these prefixes are forwarded from the launcher's environment (Note [Forwarded environment]).
 ALLOWED_PREFIXES = ("NCCL_", "PYTHON", "CUDA_VISIBLE_DEVICES", "GLOO_", "TORCH_", "OMP_NUM_THREADS")
@@ -25,7 +26,8 @@ ENV_FILE = ".zerorun_env"
 #: DeepSpeed's environment file name; ``$DS_ENV_FILE`` replaces it, as in DeepSpeed's launcher/runner.py.
 DS_ENV_FILE = ".deepspeed_env"
 _noted: set[str] = set()
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: a POSIX variable name; always used with ``fullmatch`` (``$`` would also match before a final newline).
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def allowed_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -33,7 +35,7 @@ def allowed_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     are variable names (an environment may hold any name, e.g. ``NCCL_X;touch /tmp/p``: such a name would
     reach the remote shell's ``export`` unquoted, so it is not forwarded)."""
     environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items() if k.startswith(ALLOWED_PREFIXES) and _NAME.match(k)}
+    return {k: v for k, v in environ.items() if k.startswith(ALLOWED_PREFIXES) and _NAME.fullmatch(k)}
 
 
 def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
@@ -41,7 +43,9 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
     after the first ``=``, taken literally (no quotes are removed, nothing is expanded).
 
     Raises:
-        ZerorunError: a line without ``=`` or with an invalid name, as ``path:LINE: ...``.
+        ZerorunError: a line without ``=`` or with an invalid name, a value holding a NUL byte, or a
+            ``KEY=VALUE`` longer than Linux's limit for one environment string (``MAX_ENV_STRING``), as
+            ``path:LINE: ...``.
     """
     env: dict[str, str] = {}
     for lineno, line in enumerate(text.splitlines(), start=1):
@@ -51,8 +55,15 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
         key = key.strip()
         if key.startswith("export "):
             key = key[len("export "):].strip()
-        if not eq or not _NAME.match(key):
+        if not eq or not _NAME.fullmatch(key):
             raise ZerorunError(f"{path}:{lineno}: expected KEY=VALUE with a variable name, got {line.strip()!r}")
+        if "\0" in value:
+            raise ZerorunError(f"{path}:{lineno}: {key}: the value holds a NUL byte, which no environment "
+                               "variable can carry")
+        if env_string_bytes(key, value) > MAX_ENV_STRING:
+            raise ZerorunError(f"{path}:{lineno}: {key}: KEY=VALUE is {env_string_bytes(key, value)} bytes, above "
+                               f"Linux's limit of {MAX_ENV_STRING} bytes for one environment string "
+                               "(MAX_ARG_STRLEN): the ranks could not start")
         env[key] = value
     return env
 

@@ -17,12 +17,17 @@ Note [Node watcher]: what the launcher cannot see from its side, this process se
 - The launcher gone (SIGKILLed, its machine or SSH connection lost): standard input is the launcher's pipe or
   SSH channel, never written after the spec, so end of file on it means the launcher is gone, and the node's
   processes are killed at once.
+- The watcher itself killed (SIGKILL, OOM killer): torchrun gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``,
+  :func:`_die_with`) and stops its ranks, then removes the watcher's private folder (``ZERORUN_NODE_DIR``,
+  launch/torchrun.py); the launcher sees the watcher's own signal (a local exit status, or
+  SSH's ``exit-signal``) and names it: ``node 0 on HOST ended (its watcher was killed by SIGKILL)``.
 The watcher exits with torchrun's exit code (128 + N for a signal N, as a shell reports it).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -83,6 +88,24 @@ def _alive(p) -> bool:
         return False
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with(parent: int):
+    """``preexec_fn`` for torchrun: the kernel sends it SIGTERM when the watcher (pid ``parent``) dies, even by
+    SIGKILL (``PR_SET_PDEATHSIG``, prctl(2)); torchrun's SIGTERM handler then stops its ranks, which run in
+    sessions of their own, so nothing trains on unsupervised. A watcher that died before the call is caught by
+    the parent pid check."""
+
+    def preexec() -> None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 def write_private(folder: str, files: dict[str, str]) -> None:
     """Write ``files`` (name -> text) into ``folder``, each readable by this user only (0600)."""
     for name, text in files.items():
@@ -113,13 +136,13 @@ def main(argv: list[str]) -> int:
     try:
         write_private(folder, spec.get("files", {}))
         cmd = [a.replace(NODE_DIR, folder) for a in spec["argv"]]
-        env = {**os.environ, **spec["env"], NODE_ENV: mark}
+        env = {**os.environ, **spec["env"], NODE_ENV: mark, "ZERORUN_NODE_DIR": folder}
         # SIGTERM/SIGINT reach torchrun too (the launcher signals the node's process group, or the marked
         # processes); the watcher outlives it to clean up. A handler, not SIG_IGN, which torchrun would inherit.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)
         try:
-            child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+            child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()))
         except OSError as e:
             print(f"zerorun: cannot start {cmd[0]}: {e.strerror}", flush=True)
             return 127

@@ -213,6 +213,34 @@ def connect(host: str, opts: SshOptions):
     return conn
 
 
+def _record_exit_signal(channel) -> None:
+    """Keep the signal name of SSH's ``exit-signal`` request (RFC 4254 6.10: a remote command killed by a
+    signal) as ``channel.zerorun_exit_signal`` (``"KILL"``): paramiko drops the request, and without it a
+    killed watcher would look like a lost connection. Done in the transport's dispatch table (of this
+    transport only), which paramiko calls with the channel."""
+    from paramiko.common import MSG_CHANNEL_REQUEST
+
+    transport = channel.get_transport()
+    table = transport._channel_handler_table
+    handle = table[MSG_CHANNEL_REQUEST]
+    if getattr(handle, "zerorun", False):
+        return
+
+    def handle_request(chan, m):
+        start = m.packet.tell()
+        try:
+            if m.get_text() == "exit-signal":
+                m.get_boolean()  # want reply
+                chan.zerorun_exit_signal = m.get_text()
+        except Exception:  # noqa: BLE001 - a malformed request is paramiko's to refuse
+            pass
+        m.packet.seek(start)
+        return handle(chan, m)
+
+    handle_request.zerorun = True
+    transport._channel_handler_table = {**table, MSG_CHANNEL_REQUEST: handle_request}
+
+
 def shell_script(argv: list[str], env: Mapping[str, str], workdir: str | None = None) -> str:
     """A POSIX shell script that changes to ``workdir``, exports ``env`` and replaces itself with ``argv``;
     every value quoted with :func:`shlex.quote` (Note [Forwarded environment] in launch/env.py)."""
@@ -294,6 +322,7 @@ class RemoteNode:
         try:
             channel = self.conn.create_session()
             channel.set_combine_stderr(True)
+            _record_exit_signal(channel)
             channel.exec_command("sh -s")
             channel.sendall(script.encode())
         except Exception as e:  # noqa: BLE001 - paramiko raises SSHException, EOFError, OSError
@@ -307,7 +336,11 @@ class RemoteNode:
         for raw in channel.makefile("rb"):
             self.lines.put((self.spec.node_rank, raw.decode(errors="replace").rstrip("\r\n")))
         status = channel.recv_exit_status()
-        if status == -1:  # the channel closed without an exit status: the connection is gone
+        killed = getattr(channel, "zerorun_exit_signal", None)
+        if status == -1 and killed:  # the watcher itself was killed (the script execs it): SSH's exit-signal
+            self.end_reason = f"its watcher was killed by SIG{killed}"
+            status = 128 + getattr(signal.Signals, f"SIG{killed}", 0)
+        elif status == -1:  # the channel closed without an exit status: the connection is gone
             status = LOST_CONNECTION
             self.end_reason = f"lost the SSH connection to {self.spec.host.name}"
         self.returncode = status

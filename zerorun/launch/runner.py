@@ -17,6 +17,7 @@ import threading
 import psutil
 
 from zerorun.errors import ZerorunError
+from zerorun.launch.node import signal_name
 from zerorun.launch.plan import JOB_ENV, NodeSpec
 
 
@@ -29,6 +30,7 @@ class LocalNode:
         self.cwd = cwd
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
+        self.end_reason: str | None = None  # set when the node's watcher itself was killed
 
     def start(self) -> None:
         """Start the node's watcher (Note [Node watcher] in launch/node.py) with the node's spec on its standard
@@ -49,6 +51,8 @@ class LocalNode:
         for line in self.proc.stdout:
             self.lines.put((self.spec.node_rank, line.rstrip("\n")))
         self.returncode = self.proc.wait()
+        if self.returncode < 0:  # the watcher turns torchrun's signals into 128 + N: this one is its own
+            self.end_reason = f"its watcher was killed by {signal_name(-self.returncode)}"
         self.lines.put((self.spec.node_rank, None, self.returncode))
 
     def send_signal(self, sig: int) -> None:

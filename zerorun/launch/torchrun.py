@@ -11,9 +11,13 @@ machine (e.g. a NAT address), torchrun's default is kept and a line says so.
 from __future__ import annotations
 
 import datetime
+import os
+import shutil
 import socket
 import sys
 
+#: the node watcher's private folder (launch/node.py), removed here when the watcher was killed.
+NODE_DIR_ENV = "ZERORUN_NODE_DIR"
 _stores: list = []  # kept alive for the life of the process
 
 
@@ -57,7 +61,14 @@ def main(argv: list[str]) -> None:
                   "default (every interface) is used", flush=True)
     from torch.distributed.run import main as torchrun
 
-    torchrun(argv)
+    watcher = os.getppid()
+    try:
+        torchrun(argv)
+    finally:
+        # the watcher was killed (Note [Node watcher]): nobody else removes its private folder (the recipe)
+        folder = os.environ.get(NODE_DIR_ENV)
+        if folder and os.getppid() != watcher:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
