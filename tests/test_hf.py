@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -299,3 +300,22 @@ def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir, monkeypat
         assert torch.equal(state[key[len("hf."):]], value), key
     pretrained = AutoModelForCausalLM.from_pretrained(hf_dir["llama"]).state_dict()
     assert not torch.equal(pretrained["model.embed_tokens.weight"], state["model.embed_tokens.weight"])  # trained
+    # a checkpoint is input: code its zerorun.json names (auto_map + trust_remote_code, a module in the
+    # folder) is never imported by the export, which builds the architecture from model_type alone
+    step = sorted(p for p in ckpt.iterdir() if p.name.startswith("step-"))[-1]
+    evil = tmp_path / "evil" / step.name
+    shutil.copytree(step, evil)
+    pwned = tmp_path / "pwned"
+    (evil / "evilmod.py").write_text(f"import pathlib\npathlib.Path({str(pwned)!r}).touch()\n"
+                                     "from transformers import LlamaForCausalLM as Evil\n")
+    info = json.loads((evil / "zerorun.json").read_text())
+    config = json.load(open(os.path.join(hf_dir["llama"], "config.json")))
+    config.update(auto_map={"AutoModelForCausalLM": "evilmod.Evil"}, _name_or_path=str(evil))
+    info["recipe"]["model"] = {"hf": {"config": config}, "kwargs": {"trust_remote_code": True}}
+    (evil / "zerorun.json").write_text(json.dumps(info))
+    monkeypatch.chdir(evil)
+    monkeypatch.setattr(sys, "argv", ["zerorun", "consolidate", str(evil), "--out", str(tmp_path / "e"), "--hf"])
+    main()
+    assert not pwned.exists() and "evilmod" not in sys.modules
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "e")).state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in state.items())

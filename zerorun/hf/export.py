@@ -59,9 +59,13 @@ def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, in
         from transformers import AutoModelForCausalLM
 
         state = {k[len(PREFIX):]: v for k, v in load_file(full).items() if k.startswith(PREFIX)}
+        # Note [Untrusted checkpoints]: the recipe in zerorun.json is the checkpoint's, not the user's: the
+        # architecture comes from the config's model_type alone (no auto_map, no trust_remote_code, none of
+        # the recipe's model.kwargs), so no code named by the checkpoint is ever imported
+        if "auto_map" in vars(cfg):
+            delattr(cfg, "auto_map")
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
-                                                     **(recipe.get("model") or {}).get("kwargs", {}))
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
         persistent = set(model.state_dict())
         missing = sorted(persistent - set(state))
         if missing:

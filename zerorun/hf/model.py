@@ -133,7 +133,7 @@ def _check_known_keys(values: dict, config_class, where: str, model_type: str) -
     import difflib
     import inspect
 
-    known = set(config_class().to_dict()) | set(inspect.signature(config_class.__init__).parameters)
+    known = set(config_class().to_dict()) | set(inspect.signature(config_class.__init__).parameters) | {"auto_map"}
     for key in values:
         if key not in known and not key.startswith("_"):
             close = difflib.get_close_matches(key, sorted(known), n=1)
