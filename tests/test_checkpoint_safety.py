@@ -211,3 +211,24 @@ def test_short_write_reported_by_torch_is_explained(tmp_path, monkeypatch):
     assert why == "File too large (the file-size limit, ulimit -f, is 4096 bytes)"
     monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=3, f_frsize=4096))
     assert checkpoint._why(opaque, str(tmp_path)) == "No space left on device (12288 bytes free)"
+
+
+@pytest.mark.parametrize("shape,expected", [
+    ([1000000000000], r"layout\.params\[0\]\.shape \[1000000000000\] \(1000000000000 elements\) does not match"),
+    (["a"], r"layout\.params\[0\]\.shape: expected a list of non-negative integers, got \['a'\]"),
+    ([-5], r"layout\.params\[0\]\.shape: expected a list of non-negative integers, got \[-5\]"),
+    (None, r"layout\.params\[0\]\.shape: expected a list of non-negative integers, got None"),
+    ([True, 2], r"layout\.params\[0\]\.shape: expected a list of non-negative integers"),
+])
+def test_layout_that_disagrees_with_the_saved_tensors_is_one_line(saved2, tmp_path, shape, expected):
+    """zerorun.json is written by whoever wrote the folder too: its layout is checked against itself and
+    DCP's metadata before anything is allocated from it (a 4 TB allocation or a TypeError before)."""
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved2, path)
+    info = json.loads(open(os.path.join(path, checkpoint.META)).read())
+    info["layout"]["params"][0]["shape"] = shape
+    with open(os.path.join(path, checkpoint.META), "w") as f:
+        json.dump(info, f)
+    with pytest.raises(ZerorunError, match=r"zerorun\.json: " + expected) as e:
+        checkpoint.consolidate(path, str(tmp_path / "m.safetensors"))
+    assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "m.safetensors")

@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -148,7 +149,8 @@ def check(path: str) -> dict[str, Any]:
         ZerorunError: naming the file that is missing, truncated or changed since the save.
     """
     meta = read_meta(path)
-    SafeReader(path).check_files()  # first: it names the key a truncated file cuts, and refuses bad pickles
+    metadata = SafeReader(path).check_files()  # first: it names the key a truncated file cuts, refuses bad pickles
+    check_layout(meta, metadata, os.path.join(path, META))
     for name, want in (meta.get("files") or {}).items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -157,6 +159,42 @@ def check(path: str) -> dict[str, Any]:
             raise ZerorunError(f"{file}: changed since it was saved (size or SHA-256 differs): corrupted or "
                                "truncated; resume from another checkpoint")
     return meta
+
+
+def check_layout(meta: dict[str, Any], metadata: Any, where: str) -> None:
+    """The model part of ``zerorun.json``'s layout agrees with itself and with DCP's metadata before anything
+    is allocated from it: every parameter and buffer has a name and a shape of non-negative integers whose
+    element count is the saved tensor's, and every state-dict entry names one of them.
+
+    Raises:
+        ZerorunError: one line naming ``where`` and the field.
+    """
+    layout = meta.get("layout")
+    if not isinstance(layout, dict) or not isinstance(layout.get("params"), list) \
+            or not isinstance(layout.get("buffers", {}), dict) or not isinstance(layout.get("state_dict"), list):
+        raise ZerorunError(f"{where}: layout: not a zerorun checkpoint layout (params, buffers, state_dict)")
+    saved = metadata.state_dict_metadata
+    entries = [(f"layout.params[{i}]", p.get("name") if isinstance(p, dict) else None,
+                p.get("shape") if isinstance(p, dict) else None, True) for i, p in enumerate(layout["params"])]
+    entries += [(f"layout.buffers[{k!r}]", k, b.get("shape") if isinstance(b, dict) else None, False)
+                for k, b in layout.get("buffers", {}).items()]
+    names = set()
+    for field, name, shape, flat in entries:
+        if not isinstance(name, str):
+            raise ZerorunError(f"{where}: {field}.name: expected a name, got {name!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise ZerorunError(f"{where}: {field}.shape: expected a list of non-negative integers, got {shape!r}")
+        numel = math.prod(shape)
+        entry = saved.get(f"model/{name}")
+        size = getattr(entry, "size", None)
+        if numel and (size is None or math.prod(size) != numel):
+            raise ZerorunError(f"{where}: {field}.shape {shape} ({numel} elements) does not match the saved "
+                               f"tensor 'model/{name}' ({'absent' if size is None else list(size)})")
+        names.add(name)
+    for i, pair in enumerate(layout["state_dict"]):
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and pair[1] in names):
+            raise ZerorunError(f"{where}: layout.state_dict[{i}]: expected [key, a saved name], got {pair!r}")
 
 
 def _sha256(path: str) -> str:
