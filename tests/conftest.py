@@ -7,6 +7,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from distributed import RankPool  # noqa: E402
+from sshd import LoopbackSshd  # noqa: E402
 
 _pools: dict[int, RankPool] = {}
 
@@ -24,3 +25,11 @@ def ranks():
     yield get
     for pool in _pools.values():
         pool.close(kill=not pool.alive)
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """A :class:`LoopbackSshd` on 127.0.0.2 and 127.0.0.3 for one test module (a module may change its keys)."""
+    server = LoopbackSshd(str(tmp_path_factory.mktemp("sshd")), ["127.0.0.2", "127.0.0.3"])
+    yield server
+    server.stop()

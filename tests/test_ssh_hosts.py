@@ -19,13 +19,6 @@ pytestmark = [pytest.mark.ssh,
                                                                   "installs it)")]
 
 
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = LoopbackSshd(str(tmp_path_factory.mktemp("sshd")), ["127.0.0.2", "127.0.0.3"])
-    yield server
-    server.stop()
-
-
 def host_key_line(sshd: LoopbackSshd, address: str, pub: str) -> str:
     """A known_hosts line for ``address`` on the server's port with the public key in file ``pub``."""
     with open(pub) as f:

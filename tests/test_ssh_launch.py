@@ -20,19 +20,12 @@ import time
 import psutil
 import pytest
 
-from sshd import SSHD, LoopbackSshd
+from sshd import SSHD
 from test_train_e2e import ROOT, TINY, job_id, read_events, survivors, zerorun
 
 pytestmark = [pytest.mark.slow, pytest.mark.ssh,
               pytest.mark.skipif(not os.path.exists(SSHD), reason="openssh-server is not installed (.ci/run "
                                                                   "installs it)")]
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = LoopbackSshd(str(tmp_path_factory.mktemp("sshd")), ["127.0.0.2", "127.0.0.3"])
-    yield server
-    server.stop()
 
 
 def hostfile(tmp_path, text: str) -> str:
