@@ -18,13 +18,13 @@ TINY = os.path.join(ROOT, "recipes/tiny.yaml")
 def test_bench_prints_the_install_hint_and_failures_whole(tmp_path, monkeypatch):
     """The bench's own output: the plot extra's hint (matplotlib hidden), a failed combination's reason, a
     hostfile whose name has brackets and the results folder."""
-    import zerorun.cli
+    import zerorun.launch.run
     from zerorun.bench import run_bench
 
     def refuse(*args, **kwargs):
         raise ZerorunError("host [gpu-07] refused: see [logs]")
 
-    monkeypatch.setattr(zerorun.cli, "_job", refuse)
+    monkeypatch.setattr(zerorun.launch.run, "prepare", refuse)
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # import matplotlib fails (imported or not): the hint is printed
     hostfile = tmp_path / "hosts[a]"

@@ -196,17 +196,24 @@ def test_bad_model_module_is_one_clear_line(tmp_path, code, expected):
     ("model.kwargs.bogus=3", r"raised TypeError: GPT\.__init__\(\) got an unexpected keyword argument 'bogus'"),
     ("zero.units=[Nope]", r"recipe: zero\.units: no module of class Nope in the model"),
 ])
-def test_model_errors_are_found_before_any_rank_starts(tmp_path, override, expected):
-    """The launcher builds the model on the meta device first: a broken model spec is one line, exit 2, with no
-    run directory and no rank started, also under --dry-run (it used to launch the ranks, or print the plan;
-    the check is the same for every spec, so one spec is tried under --dry-run)."""
+def test_model_errors_are_one_line_and_stop_the_job(tmp_path, override, expected):
+    """The launcher builds the model on the meta device beside the launch (Note [Model check beside the launch]
+    in zerorun/modelcheck.py): a broken model spec is one line, exit 2, and no process of the job is left;
+    also under --dry-run, which starts nothing and makes no run folder (the check is the same for every spec,
+    so one spec is tried under --dry-run)."""
     for extra in ([], ["--dry-run"]) if override.startswith("model.factory") else ([],):
-        out = zerorun("train", TINY, override, "zero.stage=3", f"log.dir={tmp_path / 'runs'}", *extra, cwd=ROOT,
+        runs = tmp_path / f"runs{len(extra)}"
+        out = zerorun("train", TINY, override, "zero.stage=3", f"log.dir={runs}", *extra, cwd=ROOT,
                       timeout=60)
         assert out.returncode == 2, out.stdout + out.stderr
         assert re.search(expected, out.stderr), out.stderr
-        assert len(out.stderr.strip().splitlines()) == 1 and "job " not in out.stdout
-        assert not (tmp_path / "runs").exists()
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+        if extra:
+            assert not runs.exists()
+        else:
+            assert survivors(job_id(out.stdout)) == []
+            [job] = list(runs.glob("*/*/job.json"))
+            assert json.loads(job.read_text())["status"] == "failed"
 
 
 def test_ctrl_c_stops_every_rank(tmp_path):

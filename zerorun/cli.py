@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-import uuid
 from typing import List, Optional
 
 import typer
@@ -15,6 +13,7 @@ from zerorun.errors import JobFailed, ZerorunError
 from zerorun.hostfile import MAX_SLOTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="zerorun: launch and run ZeRO data-parallel training jobs.")
 
 
@@ -25,12 +24,19 @@ def _err(message: str) -> None:
 
 # Options shared by `train` and `launch` (hosts, selection, SSH).
 _HOSTFILE = typer.Option(None, "-H", "--hostfile", help="DeepSpeed-style hostfile.")
-_MASTER_PORT = typer.Option(None, "--master-port", min=1, max=65535,
+_MASTER_PORT = typer.Option(None, "--master-port", "--master_port", min=1, max=65535,
                             help="Rendezvous port on the first host (default: a free one found there).")
+_MASTER_ADDR = typer.Option(None, "--master-addr", "--master_addr",
+                            help="The first host's address as every node reaches it (default: found from the "
+                                 "hostfile and the SSH config).")
 _INCLUDE = typer.Option(None, "--include", help="Only these hosts/slots: 'host1@host2:0,1'.")
 _EXCLUDE = typer.Option(None, "--exclude", help="All but these hosts/slots: 'host1@host2:0,1'.")
 _NUM_NODES = typer.Option(None, "--num-nodes", min=1, help="Use the first N hosts.")
 _NUM_PROCS = typer.Option(None, "--num-procs", min=1, max=MAX_SLOTS, help="Ranks per node (at most its slots).")
+# `zerorun launch` takes torchrun's names too
+_NNODES = typer.Option(None, "--nnodes", "--num-nodes", min=1, help="Use the first N hosts (also --num-nodes).")
+_NPROC = typer.Option(None, "--nproc-per-node", "--nproc_per_node", "--num-procs", min=1, max=MAX_SLOTS,
+                      help="Ranks per node, at most its slots (also --num-procs).")
 _SSH_USER = typer.Option(None, "--ssh-user", help="SSH user (default: from ~/.ssh/config, else yours).")
 _SSH_PORT = typer.Option(None, "--ssh-port", min=1, max=65535, help="SSH port (default: from ~/.ssh/config, 22).")
 _SSH_KEY = typer.Option(None, "--ssh-key", help="The only SSH private key to use (default: ~/.ssh/config's).")
@@ -39,28 +45,34 @@ _SSH_LOCAL = typer.Option(False, "--ssh-local", help="Reach this machine's hosts
 _PREFLIGHT_S = typer.Option(15.0, "--preflight-timeout", min=1.0, help="Seconds preflight may take, all hosts.")
 
 
-def _hosts(hostfile: str | None, default_slots: int, include, exclude, num_nodes, num_procs):
-    """The selected hosts: the hostfile's (or localhost with --num-procs, else ``default_slots``, ranks)
-    through --include/--exclude, --num-nodes and --num-procs (hostfile.select_hosts)."""
-    from zerorun.hostfile import Host, read_hostfile, select_hosts
+def _version(value: bool) -> None:
+    if value:
+        import zerorun
 
-    hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", num_procs or default_slots)]
-    return select_hosts(hosts, include, exclude, num_nodes, num_procs)
-
-
-def _ssh(user, port, key, config):
-    """SSH options from the flags; a key or config file that does not exist is an error."""
-    from zerorun.launch.remote import SshOptions
-
-    for flag, path in (("--ssh-key", key), ("--ssh-config", config)):
-        if path is not None and not os.path.isfile(path):
-            raise ZerorunError(f"{flag} {path}: no such file")
-    return SshOptions(user=user, port=port, key=key, config=config)
+        print(f"zerorun {zerorun.__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print zerorun's version and exit.")) -> None:
     """zerorun: launch and run ZeRO data-parallel training jobs."""
+
+
+@app.command("env")
+def env_report(
+    hostfile: Optional[str] = typer.Option(None, "-H", "--hostfile", help="Also check that these hosts are "
+                                           "reachable (local ones without SSH, the others over SSH)."),
+    ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
+    ssh_config: Optional[str] = _SSH_CONFIG,
+) -> None:
+    """Print what a bug report needs: zerorun, python and torch versions, backends, CPU and GPUs, the
+    launcher's libraries (fabric, paramiko, ...), and with -H whether each host is reachable."""
+    from zerorun import envinfo
+    from zerorun.launch import ssh_options
+
+    ssh = ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
+    sys.stdout.write(envinfo.report(hostfile, ssh))
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -68,8 +80,8 @@ def train(
     recipe: str = typer.Argument(..., help="Recipe YAML file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides, e.g. zero.stage=2."),
     hostfile: Optional[str] = _HOSTFILE,
-    master_port: Optional[int] = _MASTER_PORT,
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan and exit."),
+    master_port: Optional[int] = _MASTER_PORT, master_addr: Optional[str] = _MASTER_ADDR,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print each node's launch command and exit."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="[PATH]",
                                          help="Resume from the latest checkpoint in checkpoint.dir, or from PATH."),
     include: Optional[str] = _INCLUDE, exclude: Optional[str] = _EXCLUDE,
@@ -80,91 +92,36 @@ def train(
                                       help="Plain one-line progress instead of the live dashboard."),
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
-    from zerorun.launch.plan import build_plan
+    from zerorun import launch as zlaunch
     from zerorun.recipe import load_recipe
 
-    r = load_recipe(recipe, overrides or [])
+    # the optimizer check imports torch: the model check does it beside the launch (zerorun/modelcheck.py)
+    r = load_recipe(recipe, overrides or [], check_optimizer=False)
     if resume is not None:
         r.checkpoint.resume = _resume_path(r, resume)
         r.checkpoint.dir = r.checkpoint.dir or os.path.dirname(r.checkpoint.resume)  # keep saving beside it
-    hosts = _hosts(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
-    if any(h.is_local for h in hosts):  # remote-only jobs: preflight looks for the module on each host
-        _check_model(r)
-    ssh = _ssh(ssh_user, ssh_port, ssh_key, ssh_config)
-    job_id = uuid.uuid4().hex[:12]
-    if dry_run:  # nothing is contacted: the master address and port are settled at launch
-        plan = build_plan(hosts, r.model_dump_json(), job_id, master_port or 0, r.launch.python, r.launch.env)
-        for node in plan.nodes:
-            print(f"node {node.node_rank} {node.host.name}: ranks {node.first_rank}..{node.first_rank + node.nproc - 1}")
-            print("  " + " ".join(node.argv[:-1]) + " <recipe>")
+    hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
+    ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
+    if dry_run:  # nothing is contacted; the commands run as printed
+        sys.stdout.write(zlaunch.dry_run(r, hosts, master_port=master_port, master_addr=master_addr))
+        sys.stdout.flush()
+        if any(h.is_local for h in hosts):
+            from zerorun import modelcheck
+
+            problem = modelcheck.start(r, recipe, overrides or []).wait()
+            if problem:
+                raise ZerorunError(problem)
         return
     if r.checkpoint.dir:
         try:
             os.makedirs(r.checkpoint.dir, exist_ok=True)
         except OSError as e:
             raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
-    _run(r, _job(r, hosts, job_id, master_port, ssh, ssh_local, preflight_timeout), dashboard=not no_dashboard)
-
-
-def _check_model(r) -> None:
-    """Build recipe ``r``'s model on the meta device before launching (no parameter memory, a few seconds),
-    in a child process with the ranks' interpreter and working directory, so that the user's module-level code
-    runs outside the launcher: a missing or broken model module, a missing factory, model.kwargs it does not
-    take, a factory that returns no module, or ``zero.units`` naming no class of the model is one line before
-    any rank starts. Anything else the check meets (a factory that cannot run on the meta device, a module
-    that exits on import) is left to the ranks, which build the model for real and report it.
-
-    Raises:
-        ZerorunError: as above, naming the module or the recipe field.
-    """
-    import subprocess
-
-    code = "import sys; from zerorun.cli import _check_model_here; _check_model_here(sys.stdin.read())"
-    try:
-        proc = subprocess.run([r.launch.python or sys.executable, "-c", code], input=r.model_dump_json(),
-                              capture_output=True, text=True, timeout=300, cwd=r.launch.workdir or None)
-    except (OSError, subprocess.TimeoutExpired):
-        return
-    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
-    if proc.returncode == 2 and last.startswith(_CHECK_PREFIX):
-        raise ZerorunError(last[len(_CHECK_PREFIX):])
-
-
-_CHECK_PREFIX = "zerorun-check: error: "
-
-
-def _check_model_here(recipe_json: str) -> None:
-    """The child of :func:`_check_model`: exit 2 with one ``zerorun-check: error:`` line on stderr when the
-    model cannot be what the recipe says, else exit 0."""
-    from zerorun.estimate import layout_of_recipe
-    from zerorun.recipe import Recipe
-    from zerorun.userload import FactoryError
-
-    try:
-        layout_of_recipe(Recipe.model_validate_json(recipe_json))
-    except FactoryError as e:
-        if isinstance(e.__cause__, TypeError):  # a wrong argument (model.kwargs), not the meta device
-            sys.stderr.write(f"{_CHECK_PREFIX}{e}\n")
-            sys.exit(2)
-    except ZerorunError as e:
-        sys.stderr.write(f"{_CHECK_PREFIX}{e}\n")
-        sys.exit(2)
-
-
-def _job(r, hosts, job_id: str, master_port: int | None = None, ssh=None, ssh_local: bool = False,
-         preflight_timeout: float = 15.0):
-    """Preflight ``hosts`` and prepare the job of recipe ``r`` on them (launch/job.py ``prepare_job``):
-    nodes ready to start, master address and port settled (``master_port`` None: a free one on the first host).
-
-    Raises:
-        ZerorunError: a host fails preflight, or ``master_port`` is already in use.
-    """
-    from zerorun.launch.job import prepare_job
-
-    modules = [r.model.source()[0]] + ([r.data.module] if r.data.kind == "module" else [])
-    return prepare_job(hosts, job_id, recipe_json=r.model_dump_json(), python=r.launch.python,
-                       workdir=r.launch.workdir, env=r.launch.env, modules=modules, master_port=master_port,
-                       ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout)
+    result = zlaunch.run_job(r, hosts, recipe_path=recipe, overrides=overrides or [], dashboard=not no_dashboard,
+                             master_port=master_port, master_addr=master_addr, ssh=ssh, ssh_local=ssh_local,
+                             preflight_timeout=preflight_timeout)
+    if not result.ok:
+        raise result.error()
 
 
 def _resume_path(recipe, resume: str) -> str:
@@ -222,111 +179,40 @@ def import_deepspeed(
         sys.stderr.write(f"zerorun: dropped {line}\n")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
-                               "allow_interspersed_args": False})
+@app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})
 def launch(
-    script: str = typer.Argument(..., help="Your training script, run on every rank by torchrun."),
+    script: str = typer.Argument(..., metavar="SCRIPT", help="Your training script (with -m: a module), run on "
+                                 "every rank by torchrun; options after it are the script's."),
     args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script."),
+    module: bool = typer.Option(False, "-m", "--module", help="SCRIPT is a module, run as python -m does."),
     hostfile: Optional[str] = _HOSTFILE,
-    master_port: Optional[int] = _MASTER_PORT,
+    master_port: Optional[int] = _MASTER_PORT, master_addr: Optional[str] = _MASTER_ADDR,
     include: Optional[str] = _INCLUDE, exclude: Optional[str] = _EXCLUDE,
-    num_nodes: Optional[int] = _NUM_NODES, num_procs: Optional[int] = _NUM_PROCS,
+    num_nodes: Optional[int] = _NNODES, num_procs: Optional[int] = _NPROC,
     ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
     log_dir: str = typer.Option("runs", "--log-dir", help="Runs are written under LOG_DIR/<script>/<time>/."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print each node's command and exit."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
                                       help="Plain one-line progress instead of the live dashboard."),
 ) -> None:
-    """Run your own SCRIPT on every rank of the hostfile (or one local rank per --num-procs), with the same
-    streaming and teardown as `train`; the script may report steps with zerorun.report()."""
-    from zerorun.launch.job import prepare_job
+    """Run your own SCRIPT on every rank of the hostfile (or one local rank per --nproc-per-node), with the same
+    streaming and teardown as `train`; the script may report steps with zerorun.report(). torchrun's habits
+    work: zerorun launch --nproc-per-node 2 -m pkg.train --lr 3e-4."""
+    from zerorun import launch as zlaunch
 
-    if not os.path.isfile(script):
+    if not module and not os.path.isfile(script):
         raise ZerorunError(f"{script}: no such script")
-    script = os.path.abspath(script)
-    hosts = _hosts(hostfile, 1, include, exclude, num_nodes, num_procs)
-    job = prepare_job(hosts, uuid.uuid4().hex[:12], program=["-m", "zerorun.script_worker", script, *(args or [])],
-                      modules=[script], master_port=master_port, ssh=_ssh(ssh_user, ssh_port, ssh_key, ssh_config),
-                      ssh_local=ssh_local, preflight_timeout=preflight_timeout)
-    _run(None, job, name=os.path.splitext(os.path.basename(script))[0], log_dir=log_dir, dashboard=not no_dashboard)
-
-
-def _run(recipe, job, name: str | None = None, log_dir: str | None = None, dashboard: bool = True,
-         make_view=None) -> str:
-    """Run ``job`` (launch/job.py) under the supervisor, recording and showing its events, and return the run
-    directory's path; ``recipe`` is None for ``zerorun launch`` (then ``name`` and ``log_dir`` say where the run
-    goes). Progress shows in the live dashboard on a terminal when ``dashboard``, else in plain lines;
-    ``make_view(state)`` replaces both (``zerorun bench``'s quiet view).
-
-    Raises:
-        ZerorunError: the run directory cannot be created.
-        JobFailed: a rank failed, a node was lost, or the job was interrupted (``exit_code`` 130).
-    """
-    from zerorun.launch.supervisor import Supervisor
-    from zerorun.recipe import masked_yaml
-    from zerorun.telemetry.console import RunRecorder
-    from zerorun.telemetry.dashboard import open_view
-    from zerorun.telemetry.state import JobState, write_job_file
-
-    plan, lines, nodes = job.plan, job.lines, job.nodes
-    name = recipe.name if recipe is not None else name
-    run_dir = os.path.join(recipe.log.dir if recipe is not None else log_dir, name,
-                           time.strftime("%Y%m%d-%H%M%S") + f"-{plan.job_id[:4]}")
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        if recipe is not None:
-            with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
-                f.write(masked_yaml(recipe))
-    except OSError as e:
-        job.close()
-        raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
-    hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
-    state = JobState(name=name, stage=recipe.zero.stage if recipe is not None else None,
-                     precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
-                     hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
-                     steps=recipe.train.steps if recipe is not None else None,
-                     rank_hosts={r: n.host.name for n in plan.nodes for r in range(n.first_rank, n.first_rank + n.nproc)})
-    recorder, view = RunRecorder(run_dir), (make_view or (lambda st: open_view(st, sys.stdout, dashboard)))(state)
-    what = f"ZeRO stage {recipe.zero.stage}, {recipe.precision}" if recipe is not None else "user script"
-    view.print(f"zerorun: {name}: {plan.world_size} ranks on {hosts}, {what}; job {plan.job_id}; run dir {run_dir}")
-
-    def on_event(e):
-        recorder.event(e)
-        try:
-            view.event(e)
-        except Exception:  # noqa: BLE001 - an event the view cannot show is shown as a log line, never fatal
-            view.line(-1, f"[rank {e.rank}] unreadable event: {json.dumps(e.to_json(), default=str)}")
-
-    def on_line(node_rank, line):
-        recorder.line(node_rank, line)
-        view.line(node_rank, line)
-
-    supervisor = Supervisor(plan, nodes, lines, on_event, on_line, require_finish=recipe is not None)
-    result = None
-    try:
-        result = supervisor.run()
-    finally:
-        recorder.close()
-        job.close()
-        for rank, code in supervisor.rank_exits.items():  # what happened to ranks that ended on their own
-            state.rank_exited(rank, code)
-        state.end()
-        view.close()  # the summary table, also after a failure or Ctrl-C
-        if result is not None:
-            write_job_file(run_dir, state, result.status, result.exit_code, result.message)
-    for host, why in supervisor.unverified.items():
-        sys.stderr.write(f"zerorun: warning: {host}: could not check that the job's processes are gone: {why}\n")
-    if result.status != "ok":
-        where = f"rank {result.rank}" + (f" on {result.host}" if result.host else "") if result.rank is not None \
-            else "job"
-        err = JobFailed(f"{where}: {result.message} (logs: {run_dir})")
-        err.exit_code = result.exit_code
-        raise err
-    summary = f"done in {result.elapsed_s:.1f} s"
-    if state.evals:
-        summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
-    view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
-    return run_dir
+    job = zlaunch.Script(script if module else os.path.abspath(script), tuple(args or ()), module, log_dir)
+    hosts = zlaunch.select(hostfile, 1, include, exclude, num_nodes, num_procs)
+    if dry_run:
+        sys.stdout.write(zlaunch.dry_run(job, hosts, master_port=master_port, master_addr=master_addr))
+        return
+    result = zlaunch.run_job(job, hosts, dashboard=not no_dashboard, master_port=master_port,
+                             master_addr=master_addr, ssh=zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config),
+                             ssh_local=ssh_local, preflight_timeout=preflight_timeout)
+    if not result.ok:
+        raise result.error()
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -441,6 +327,8 @@ def main() -> None:
         _err("interrupted")
         sys.exit(130)
     except Exception as e:  # click's (typer's) usage errors: one line, as every other bad input
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare `zerorun`: the help was printed, nothing failed
+            sys.exit(0)
         if hasattr(e, "format_message") and hasattr(e, "exit_code"):
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""

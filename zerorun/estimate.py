@@ -906,10 +906,15 @@ def render(est: Estimate, console=None) -> None:
 
 def detect_memory(procs_per_node: int) -> tuple[int, str, int]:
     """``(device bytes per rank, device description, host bytes per node)`` of this machine: the first CUDA
-    device's memory, or on a CPU-only machine host memory divided by ``procs_per_node``."""
+    device's memory, or on a CPU-only machine host memory divided by ``procs_per_node``. torch (seconds to
+    import) is asked only on a machine with a GPU driver's device files (NVIDIA's or AMD's)."""
+    import os
+
     import psutil
 
     host = psutil.virtual_memory().total
+    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/proc/driver/nvidia")):
+        return host // procs_per_node, "cpu", host
     try:
         import torch
 

@@ -251,17 +251,24 @@ def stdlib_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
+def _data_files(pattern: str):
+    pattern = pattern.replace("{stdlib}", stdlib_dir())
+    for f in glob.iglob(os.path.expanduser(pattern), recursive=True):
+        parts = f.split(os.sep)
+        if os.path.isfile(f) and "site-packages" not in parts and "dist-packages" not in parts:
+            yield os.path.abspath(f)
+
+
+def _matches_any(pattern: str) -> bool:
+    """True when data path ``pattern`` matches a file (as :func:`expand_data_paths` counts them); stops at
+    the first one (the whole standard library's glob takes half a second)."""
+    return next(_data_files(pattern), None) is not None
+
+
 def expand_data_paths(patterns: list[str]) -> list[str]:
     """Files matched by ``patterns`` (``{stdlib}`` expanded, ``**`` recursive), without site-packages and
     dist-packages, de-duplicated and sorted by path so that every machine reads the same corpus in one order."""
-    files: set[str] = set()
-    for pattern in patterns:
-        pattern = pattern.replace("{stdlib}", stdlib_dir())
-        for f in glob.glob(os.path.expanduser(pattern), recursive=True):
-            parts = f.split(os.sep)
-            if os.path.isfile(f) and "site-packages" not in parts and "dist-packages" not in parts:
-                files.add(os.path.abspath(f))
-    return sorted(files)
+    return sorted({f for pattern in patterns for f in _data_files(pattern)})
 
 
 def _resolve_module(value: str, base: str) -> str:
@@ -275,7 +282,7 @@ def _resolve_module(value: str, base: str) -> str:
     raise FileNotFoundError(value)
 
 
-def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
+def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimizer: bool = True) -> Recipe:
     """Read, override, validate and resolve the recipe at ``path``.
 
     Returns:
@@ -313,7 +320,7 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
             where = f"{path}{f':{line}' if line else ''}: {field}: {msg}"
         more = len(errors) - 1
         raise ZerorunError(where + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
-    return resolve(recipe, path, root, overrides)
+    return resolve(recipe, path, root, overrides, check_optimizer=check_optimizer)
 
 
 def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
@@ -338,8 +345,11 @@ def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
             raise ZerorunError(f"{where}.{key}: expected a number, got a boolean ({json.dumps(value)})")
 
 
-def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides: list[str] | None = None) -> Recipe:
-    """Make module paths absolute and check that they and the data exist (see :func:`load_recipe`)."""
+def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides: list[str] | None = None, *,
+            check_optimizer: bool = True) -> Recipe:
+    """Make module paths absolute and check that they and the data exist (see :func:`load_recipe`).
+    ``check_optimizer=False`` leaves out the optimizer check, which imports torch (seconds): the launcher's
+    model check does it beside the launch (Note [Model check beside the launch] in zerorun/modelcheck.py)."""
     base = os.path.dirname(os.path.abspath(path))
 
     def where(*loc) -> str:
@@ -376,7 +386,7 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         if not d.paths:
             raise ZerorunError(f"{where('data', 'paths')}: kind 'text' needs at least one path pattern")
         for i, pattern in enumerate(d.paths):
-            if not expand_data_paths([pattern]):
+            if not _matches_any(pattern):
                 raise ZerorunError(f"{where('data', 'paths', i)}: pattern matches no files: {pattern}")
     else:
         if not d.module or not d.factory:
@@ -400,7 +410,8 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         found = shutil.which(launch.python)
         if found is None:
             raise ZerorunError(f"{where('launch', 'python')}: no such executable: {launch.python}")
-    _check_optimizer(recipe.train.optimizer, where("train", "optimizer"))
+    if check_optimizer:
+        _check_optimizer(recipe.train.optimizer, where("train", "optimizer"))
     if "loss_scale" in recipe.model_fields_set and recipe.precision != "fp16":
         raise ZerorunError(f"{where('loss_scale')}: loss scaling applies to precision fp16 only "
                            f"(precision is {recipe.precision})")

@@ -1,5 +1,6 @@
 """Runs a user's own training script on one rank for ``zerorun launch``: ``python -m zerorun.script_worker
-SCRIPT [ARGS...]``, started by torchrun like the built-in worker.
+SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``, as ``python -m MODULE`` runs it), started by torchrun like the
+built-in worker.
 
 The script runs as ``__main__`` with ``sys.argv == [SCRIPT, *ARGS]`` and its folder on ``sys.path``, as
 ``python SCRIPT`` would run it; its output lines are prefixed with ``[rank R]`` and an uncaught exception is
@@ -46,11 +47,17 @@ def _run(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", 0))
     sys.stdout = RankStream(sys.__stdout__, rank)
     sys.stderr = RankStream(sys.__stderr__, rank)
-    script = argv[0]
+    module = argv[0] == "-m"
+    if module:
+        argv = argv[1:]
     sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:  # as `python -m MODULE`: the working directory first on sys.path, argv[0] the module's file
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         code = e.code
         if code is None or isinstance(code, int):

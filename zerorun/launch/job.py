@@ -27,6 +27,9 @@ class Job:
     plan: LaunchPlan
     nodes: list = field(default_factory=list)
     lines: "queue.Queue" = field(default_factory=queue.Queue)
+    workdir: str = ""
+    #: names of the variables from ``launch.env`` and environment files (values never printed)
+    user_env: frozenset = frozenset()
 
     def close(self) -> None:
         """Close the SSH connections."""
@@ -61,7 +64,8 @@ def master_address(hosts: list[Host], remote: dict[str, object]) -> str:
 
 def prepare_job(hosts: list[Host], job_id: str, *, recipe_json: str | None = None, program: list[str] | None = None,
                 python: str | None = None, workdir: str | None = None, env: dict[str, str] | None = None,
-                modules: list[str] = (), master_port: int | None = None, ssh: SshOptions = SshOptions(),
+                modules: list[str] = (), master_port: int | None = None, master_addr: str | None = None,
+                ssh: SshOptions = SshOptions(),
                 ssh_local: bool = False, preflight_timeout: float = 15.0) -> Job:
     """Plan a job on ``hosts`` and make its nodes; remote hosts are checked first (launch/preflight.py).
 
@@ -72,6 +76,7 @@ def prepare_job(hosts: list[Host], job_id: str, *, recipe_json: str | None = Non
         env: the recipe's ``launch.env``; ``.zerorun_env`` values go under it (launch/env.py).
         modules: files or dotted modules the ranks import, checked on every remote host.
         master_port: rendezvous port (default: a free one on the first host); a port in use is an error.
+        master_addr: the first host's address as every node reaches it (default: :func:`master_address`).
         ssh: how to reach remote hosts; ssh_local: reach this machine's hosts over SSH too.
 
     Raises:
@@ -94,9 +99,9 @@ def prepare_job(hosts: list[Host], job_id: str, *, recipe_json: str | None = Non
     elif port_in_use(master_port):
         raise ZerorunError(f"--master-port {master_port}: the port is already in use on {socket.gethostname()}")
     plan = build_plan(hosts, recipe_json, job_id, master_port, python, extra_env,
-                      master_addr=master_address(hosts, conns), program=program,
+                      master_addr=master_addr or master_address(hosts, conns), program=program,
                       cpus={c.host.name: c.facts.get("cpus") for c in checks})
-    job = Job(plan)
+    job = Job(plan, workdir=workdir, user_env=frozenset(extra_env))
     for spec in plan.nodes:
         name = spec.host.name
         if name in conns:

@@ -59,12 +59,16 @@ class Supervisor:
     """Runs ``nodes`` of ``plan``; calls ``on_event(event)`` for telemetry and ``on_line(node_rank, line)`` for
     every other line. Nodes are :class:`LocalNode` or ``launch.remote.RemoteNode`` objects. With
     ``require_finish`` (training), a rank that ends without a finish event fails the job; without it (user
-    scripts, ``zerorun launch``), exit codes alone decide."""
+    scripts, ``zerorun launch``), exit codes alone decide. ``check()``, polled while the job runs, returns a
+    one-line problem found beside the job (the model check, zerorun/modelcheck.py) or None: a problem stops the
+    job as bad input (exit code 2) unless a rank has failed already."""
 
     def __init__(self, plan: LaunchPlan, nodes: list[LocalNode], lines: "queue.Queue",
                  on_event: Callable[[Event], None], on_line: Callable[[int, str], None],
-                 grace_s: float = 5.0, require_finish: bool = True) -> None:
+                 grace_s: float = 5.0, require_finish: bool = True,
+                 check: Callable[[], str | None] | None = None) -> None:
         self.plan, self.nodes, self.lines = plan, nodes, lines
+        self.check = check
         self.on_event, self.on_line = on_event, on_line
         self.grace_s = grace_s
         self.require_finish = require_finish
@@ -159,6 +163,9 @@ class Supervisor:
             failed = [n for n, rc in self._ended.items() if rc != 0]
             if failed or self._errors:
                 return self._failure(failed[0] if failed else None)
+            problem = self.check() if self.check is not None else None
+            if problem:
+                return JobResult("failed", 2, message=problem)
             if len(self._ended) == len(self.nodes):
                 missing = sorted(set(range(self.plan.world_size)) - self._finished)
                 if missing and self.require_finish:

@@ -1,0 +1,269 @@
+"""Running a job: the public API that ``zerorun train``, ``zerorun launch`` and ``zerorun bench`` all call.
+
+::
+
+    hosts = launch.select(hostfile, recipe.launch.procs_per_node)
+    result = launch.run_job(recipe, hosts, recipe_path=path, overrides=overrides)   # or launch.Script(...)
+    if not result.ok:
+        raise result.error()
+
+:func:`run_job` goes plan -> nodes -> supervisor -> result: it checks the remote hosts (preflight) and prepares
+the nodes (launch/job.py), makes the run folder (``recipe.yaml``, ``commands.sh``), prints the job header at
+once, starts every node and, beside them, the model check (zerorun/modelcheck.py), shows the events in a view,
+and returns a :class:`RunResult`. Nothing here imports torch: the launcher's first line comes in a fraction of
+a second (``benchmarks/startup.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from zerorun.errors import JobFailed, ZerorunError
+from zerorun.hostfile import Host
+
+
+@dataclass(frozen=True)
+class Script:
+    """A user's own program for ``zerorun launch``: ``target`` is a script path (or, with ``module``, a dotted
+    module run as ``python -m``), ``args`` its arguments; runs go to ``log_dir/<name>/<time>/``."""
+
+    target: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    log_dir: str = "runs"
+
+    @property
+    def name(self) -> str:
+        """The run's name: the script's file name without ``.py``, or the module's last part."""
+        return self.target.rsplit(".", 1)[-1] if self.module else os.path.splitext(os.path.basename(self.target))[0]
+
+    def program(self) -> list[str]:
+        """What torchrun runs on every rank: zerorun's script worker around the script or module."""
+        return ["-m", "zerorun.script_worker", *(["-m"] if self.module else []), self.target, *self.args]
+
+
+@dataclass
+class RunResult:
+    """How a job ended: ``status`` ok | failed | interrupted, the ``exit_code`` zerorun exits with (0, 1 a
+    failure, 2 bad input found by a rank or the model check, 130/143 interrupted), a one-line ``message`` naming
+    the failing rank and host (empty when ok), ``elapsed_s`` (seconds from the nodes' start to the end),
+    ``run_dir`` (the run folder) and ``state`` (the job's :class:`~zerorun.telemetry.state.JobState`)."""
+
+    status: str
+    exit_code: int
+    run_dir: str
+    message: str = ""
+    elapsed_s: float = 0.0
+    state: object = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def error(self) -> JobFailed:
+        """The failure as a :class:`JobFailed` carrying ``exit_code`` (for the CLI's one line)."""
+        err = JobFailed(self.message)
+        err.exit_code = self.exit_code
+        return err
+
+
+def select(hostfile: str | None, default_slots: int, include: str | None = None, exclude: str | None = None,
+           num_nodes: int | None = None, num_procs: int | None = None) -> list[Host]:
+    """The hosts of a job: the hostfile's (or localhost with ``num_procs``, else ``default_slots``, ranks)
+    through ``include``/``exclude``, ``num_nodes`` and ``num_procs`` (hostfile.select_hosts, DeepSpeed's rules).
+
+    Raises:
+        ZerorunError: an unreadable or bad hostfile, or a selection that leaves no host.
+    """
+    from zerorun.hostfile import read_hostfile, select_hosts
+
+    hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", num_procs or default_slots)]
+    return select_hosts(hosts, include, exclude, num_nodes, num_procs)
+
+
+def ssh_options(user: str | None = None, port: int | None = None, key: str | None = None,
+                config: str | None = None):
+    """SSH options (launch/remote.py ``SshOptions``) from the CLI's flags.
+
+    Raises:
+        ZerorunError: ``key`` or ``config`` names no file.
+    """
+    from zerorun.launch.remote import SshOptions
+
+    for flag, path in (("--ssh-key", key), ("--ssh-config", config)):
+        if path is not None and not os.path.isfile(path):
+            raise ZerorunError(f"{flag} {path}: no such file")
+    return SshOptions(user=user, port=port, key=key, config=config)
+
+
+def _what(job) -> tuple[str | None, list[str], list[str] | None, dict]:
+    """(recipe JSON, modules the ranks import, program, recipe's launch fields) of a recipe or a Script."""
+    if isinstance(job, Script):
+        return None, [] if job.module else [job.target], job.program(), {}
+    modules = [job.model.source()[0]] + ([job.data.module] if job.data.kind == "module" else [])
+    launch = {"python": job.launch.python, "workdir": job.launch.workdir, "env": job.launch.env}
+    return job.model_dump_json(), modules, None, launch
+
+
+def prepare(job, hosts: list[Host], *, job_id: str | None = None, master_port: int | None = None,
+            master_addr: str | None = None, ssh=None, ssh_local: bool = False, preflight_timeout: float = 15.0):
+    """Preflight the remote ``hosts`` and make the nodes of ``job`` (a Recipe or a :class:`Script`), not
+    started: launch/job.py's ``prepare_job``. ``master_port`` None: a free one on the first host.
+
+    Raises:
+        ZerorunError: a host fails preflight (one line per host), or ``master_port`` is in use.
+    """
+    from zerorun.launch.job import prepare_job
+    from zerorun.launch.remote import SshOptions
+
+    recipe_json, modules, program, launch = _what(job)
+    return prepare_job(hosts, job_id or uuid.uuid4().hex[:12], recipe_json=recipe_json, program=program,
+                       modules=modules, master_port=master_port, master_addr=master_addr, ssh=ssh or SshOptions(), ssh_local=ssh_local,
+                       preflight_timeout=preflight_timeout, **launch)
+
+
+def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_addr: str | None = None,
+            job_id: str | None = None) -> str:
+    """The launch commands of ``job`` (a Recipe or a :class:`Script`) on ``hosts`` as a shell script's text
+    (Note [Printed commands] in launch/commands.py), contacting no host: each runs as printed. The master
+    address is ``master_addr``, else 127.0.0.1 for a local first host, else its name; the port is ``master_port``, else a free one
+    here (local first host) or torchrun's default 29500. The resolved recipe is written, as a node's watcher
+    writes it, to a 0600 ``recipe.json`` in a fresh private folder that the commands name.
+    """
+    import tempfile
+
+    from zerorun.launch.commands import render
+    from zerorun.launch.env import env_file_values
+    from zerorun.launch.node import write_private
+    from zerorun.launch.plan import build_plan, free_port
+
+    recipe_json, _, program, launch = _what(job)
+    extra_env = {**env_file_values(), **(launch.get("env") or {})}
+    if master_port is None:
+        master_port = free_port() if hosts[0].is_local else 29500
+    plan = build_plan(hosts, recipe_json, job_id or uuid.uuid4().hex[:12], master_port, launch.get("python"),
+                      extra_env, master_addr=master_addr, program=program)
+    folder = tempfile.mkdtemp(prefix=f"zerorun-{plan.job_id}-dry-run-")
+    write_private(folder, plan.nodes[0].files)
+    text = render(plan, launch.get("workdir") or os.getcwd(), {n.node_rank: folder for n in plan.nodes},
+                  set(extra_env))
+    if any(not n.host.is_local for n in plan.nodes):
+        text += f"# remote nodes: copy {folder} to the same path there first\n"
+    return text
+
+
+def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides: list[str] = (),
+            view: Callable | None = None, dashboard: bool = True, out=None, job_id: str | None = None,
+            master_port: int | None = None, master_addr: str | None = None, ssh=None, ssh_local: bool = False,
+            preflight_timeout: float = 15.0, model_check: bool = True) -> RunResult:
+    """Run ``job`` (a :class:`~zerorun.recipe.Recipe`, or a :class:`Script` for ``zerorun launch``) on
+    ``hosts`` (:func:`select`) and return how it ended.
+
+    Progress shows in the live dashboard when ``dashboard`` and ``out`` (default stdout) is a terminal, else in
+    plain lines; ``view(state)`` replaces both (``zerorun bench``'s quiet view). With ``model_check`` and a
+    recipe loaded from ``recipe_path`` with ``overrides`` (and a local host), the model check runs beside the
+    launch (Note [Model check beside the launch] in zerorun/modelcheck.py).
+
+    Raises:
+        ZerorunError: before anything starts: preflight, a master port in use, the run folder cannot be made.
+    """
+    from zerorun.launch import record
+    from zerorun.telemetry.dashboard import open_view
+    from zerorun.telemetry.state import JobState
+
+    out = out or sys.stdout
+    recipe = None if isinstance(job, Script) else job
+    check = None
+    if recipe is not None and model_check and recipe_path is not None and any(h.is_local for h in hosts):
+        from zerorun import modelcheck  # remote-only jobs: preflight looks for the module on each host
+
+        check = modelcheck.start(recipe, recipe_path, list(overrides))
+    try:
+        prepared = prepare(job, hosts, job_id=job_id, master_port=master_port, master_addr=master_addr, ssh=ssh,
+                           ssh_local=ssh_local, preflight_timeout=preflight_timeout)
+    except BaseException:
+        if check is not None:
+            check.stop()
+        raise
+    plan = prepared.plan
+    name = recipe.name if recipe is not None else job.name
+    run_dir = os.path.join(recipe.log.dir if recipe is not None else job.log_dir, name,
+                           time.strftime("%Y%m%d-%H%M%S") + f"-{plan.job_id[:4]}")
+    try:
+        record.write(run_dir, plan, recipe, prepared.workdir, prepared.user_env)
+    except OSError as e:
+        prepared.close()
+        if check is not None:
+            check.stop()
+        raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
+    state = JobState(name=name, stage=recipe.zero.stage if recipe is not None else None,
+                     precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
+                     hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
+                     steps=recipe.train.steps if recipe is not None else None,
+                     rank_hosts={r: n.host.name for n in plan.nodes for r in range(n.first_rank, n.first_rank + n.nproc)})
+    return _supervise(prepared, state, run_dir, recipe, check, (view or (lambda st: open_view(st, out, dashboard)))(state))
+
+
+def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
+    """Print the header, run the nodes under the supervisor with the model check beside them, record
+    everything, and return the :class:`RunResult`."""
+    from zerorun.launch.supervisor import Supervisor
+    from zerorun.telemetry.console import RunRecorder
+    from zerorun.telemetry.state import write_job_file
+
+    plan = prepared.plan
+    hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
+    what = f"ZeRO stage {recipe.zero.stage}, {recipe.precision}" if recipe is not None else "user script"
+    view.print(f"zerorun: {state.name}: {plan.world_size} ranks on {hosts}, {what}; job {plan.job_id}; "
+               f"run dir {run_dir}")
+    recorder = RunRecorder(run_dir)
+
+    def on_event(e):
+        recorder.event(e)
+        try:
+            view.event(e)
+        except Exception:  # noqa: BLE001 - an event the view cannot show is shown as a log line, never fatal
+            view.line(-1, f"[rank {e.rank}] unreadable event: {json.dumps(e.to_json(), default=str)}")
+
+    def on_line(node_rank, line):
+        recorder.line(node_rank, line)
+        view.line(node_rank, line)
+
+    supervisor = Supervisor(plan, prepared.nodes, prepared.lines, on_event, on_line,
+                            require_finish=recipe is not None, check=check.problem if check else None)
+    result = None
+    try:
+        result = supervisor.run()
+    finally:
+        if check is not None:
+            check.stop()
+        recorder.close()
+        prepared.close()
+        for rank, code in supervisor.rank_exits.items():  # what happened to ranks that ended on their own
+            state.rank_exited(rank, code)
+        state.end()
+        view.close()  # the summary table, also after a failure or Ctrl-C
+        if result is not None:
+            write_job_file(run_dir, state, result.status, result.exit_code, result.message)
+    for host, why in supervisor.unverified.items():
+        sys.stderr.write(f"zerorun: warning: {host}: could not check that the job's processes are gone: {why}\n")
+    if result.status != "ok":
+        if result.rank is not None:
+            where = f"rank {result.rank}" + (f" on {result.host}" if result.host else "")
+            message = f"{where}: {result.message} (logs: {run_dir})"
+        elif result.exit_code == 2:  # the model check: the recipe's own line, as before the launch
+            message = result.message
+        else:
+            message = f"job: {result.message} (logs: {run_dir})"
+        return RunResult(result.status, result.exit_code, run_dir, message, result.elapsed_s, state)
+    summary = f"done in {result.elapsed_s:.1f} s"
+    if state.evals:
+        summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
+    view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
+    return RunResult("ok", 0, run_dir, "", result.elapsed_s, state)
