@@ -152,6 +152,7 @@ def test_bench_two_hostfiles_two_stages(tmp_path):
     else:
         assert "needs matplotlib" in out.stdout
     assert "4 of 4 combinations succeeded" in out.stdout and "stage 2" in out.stdout
+    assert re.search(r"zerorun: bench 4/4: stage 2 on two: ok, 2 ranks, \d+ ms/step", out.stdout), out.stdout
 
 
 @pytest.mark.slow

@@ -37,6 +37,8 @@ def test_bench_prints_the_install_hint_and_failures_whole(tmp_path, monkeypatch)
     assert "pip install 'zerorun[plot]'" in text
     assert "host [gpu-07] refused: see [logs]" in text.replace("\n", "")
     assert "hosts[a]" in text and f"results in {bench_dir}" in text.replace("\n", "")
+    # off a terminal, a line per finished combination (issue 18)
+    assert "zerorun: bench 1/1: stage 0 on hosts[a]: failed: host [gpu-07] refused: see [logs]\n" in text
 
 
 def test_estimate_notes_and_names_keep_brackets():

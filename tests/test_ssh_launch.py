@@ -333,3 +333,23 @@ def test_preflight_detects_master_port_in_use_and_a_missing_module(sshd, tmp_pat
                   cwd=ROOT)
     assert out.returncode == 2 and out.stderr.splitlines() == [
         f"zerorun: error: preflight: {h}: module missing: no_such_model_module" for h in ("127.0.0.2", "127.0.0.3")]
+
+
+def test_env_reports_versions_backends_and_which_hosts_answer(sshd, tmp_path):
+    """``zerorun env`` (issue 18): what a bug report needs, and with -H each host reachable or not (loopback)."""
+    from importlib.metadata import version
+
+    hosts = hostfile(tmp_path, "localhost slots=2\n127.0.0.2 slots=1\ndown slots=1\n")
+    out = subprocess.run([sys.executable, "-m", "zerorun", "env", "-H", hosts, "--ssh-config", sshd.config],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in out.stdout.splitlines()}
+    import zerorun
+
+    assert rows["zerorun"].startswith(zerorun.__version__) and rows["python"].startswith(sys.version.split()[0])
+    assert rows["torch"].startswith(version("torch")) and "gloo" in rows["distributed backends"]
+    assert rows["fabric"] == version("fabric") and rows["paramiko"] == version("paramiko")
+    assert "cores" in rows["CPU"] and rows["GPUs"]
+    assert rows["host localhost (slots=2)"] == "local (no SSH)"
+    assert rows["host 127.0.0.2 (slots=1)"] == "reachable over SSH"
+    assert rows["host down (slots=1)"].startswith("unreachable: connection refused"), rows

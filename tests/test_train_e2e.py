@@ -255,7 +255,12 @@ def test_bad_cli_input_is_one_line_exit_2(tmp_path, args, expected):
 def test_hostfile_with_local_host(tmp_path):
     (tmp_path / "hosts").write_text("localhost slots=1\n")
     out = zerorun("train", TINY, "-H", str(tmp_path / "hosts"), "train.steps=3", "train.eval_every=0",
-                  f"log.dir={tmp_path / 'runs'}", cwd=ROOT)
+                  f"log.dir={tmp_path / 'runs'}", "launch.env={ZR_TOKEN: s3cret}", cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "1 ranks on localhostx1" in out.stdout
     assert {e["rank"] for e in read_events(tmp_path / "runs")} == {0}
+    # the run folder records the node's launch command (issue 18): real port, values of launch.env never
+    [commands] = list((tmp_path / "runs").glob("*/*/commands.sh"))
+    text = commands.read_text()
+    assert re.search(r"--nproc-per-node=1 --node-rank=0 --master-addr=127\.0\.0\.1 --master-port=[1-9]\d* ", text)
+    assert "ZR_TOKEN" in text and "s3cret" not in text and "-m zerorun.worker --recipe-file" in text
