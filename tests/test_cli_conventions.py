@@ -26,6 +26,10 @@ def test_the_launcher_never_imports_torch(tmp_path):
     """Every launcher step of train, launch, bench, show and estimate --params, in one process: importing torch
     took 2-5 s before the first line (the recipe's optimizer check imported it)."""
     (tmp_path / "s.py").write_text("print('hi')\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"v": 1, "event": "start", "rank": 0, "time": 1.0, "world_size": 1}\n'
+                                       '{"v": 1, "event": "step", "rank": 0, "time": 2.0, "step": 1, "loss": 2.5}\n')
     code = textwrap.dedent(f"""
         import io, sys, contextlib
         from zerorun import bench, cli, envinfo, launch, modelcheck
@@ -40,6 +44,7 @@ def test_the_launcher_never_imports_torch(tmp_path):
                     standalone_mode=False)
             cli.app(args=["launch", "--dry-run", "--nproc-per-node", "2", {str(tmp_path / 's.py')!r}],
                     standalone_mode=False)
+            cli.app(args=["show", {str(run)!r}], standalone_mode=False)
         print("torch" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

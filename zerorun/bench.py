@@ -306,7 +306,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     # the optimizer (which needs torch) is the same for every combination: checked once, in a child process;
     # each job's model is checked beside it (zerorun/modelcheck.py)
     problem = modelcheck.start(base, recipe_path, [*overrides, *rows[0].combo.overrides(warmup + steps)],
-                               model=False).wait()
+                               model=False, beside=False).wait()
     if problem:
         raise ZerorunError(problem)
     bench_dir = os.path.join(base.log.dir, base.name,

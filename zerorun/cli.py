@@ -108,7 +108,7 @@ def train(
         if any(h.is_local for h in hosts):
             from zerorun import modelcheck
 
-            problem = modelcheck.start(r, recipe, overrides or []).wait()
+            problem = modelcheck.start(r, recipe, overrides or [], beside=False).wait()
             if problem:
                 raise ZerorunError(problem)
         return

@@ -6,9 +6,10 @@ longer runs before the ranks start (it made every job wait for it, and the launc
 module-level code runs outside the launcher) at the moment the launch begins; the supervisor polls it
 (:meth:`ModelCheck.problem`) and, if it finds a problem before the ranks do, stops the job and reports the
 check's one line with exit status 2. A model that is fine costs the job nothing but the child's CPU time,
-which it spends mostly while torchrun's agent imports torch on another core; the child runs at a lower
-priority (``nice``), so that it never slows the ranks down. The ranks build the model themselves too, so a
-problem the check cannot see is still reported by them.
+which it spends mostly while torchrun's agent imports torch on another core; the child runs at the lowest
+priority (``nice 19``): it gets a CPU where the ranks leave one idle, and hardly any where they do not. The
+ranks build the model themselves too, so a problem the check cannot see (or finds later) is still reported by
+them, as one line with exit status 2.
 
 What the check reports (one line each): the recipe's optimizer (``train.optimizer``: not in ``torch.optim``,
 not elementwise, an argument it does not take: checked here because it needs torch, which the launcher does not
@@ -82,12 +83,13 @@ class ModelCheck:
             self._done = True
 
 
-def start(recipe, path: str, overrides: list[str], *, model: bool = True) -> ModelCheck:
+def start(recipe, path: str, overrides: list[str], *, model: bool = True, beside: bool = True) -> ModelCheck:
     """Start checking ``recipe`` (loaded from ``path`` with ``overrides``) in a child process; return at once.
 
     The child loads the recipe again with every check (the optimizer's needs torch), in this process's working
     directory so that the error names the same file, line or override, then builds the model on the meta device
-    in ``launch.workdir`` (not with ``model=False``: the optimizer only). A child that cannot start makes a
+    in ``launch.workdir`` (not with ``model=False``: the optimizer only). ``beside``: it runs beside the ranks,
+    at the lowest priority (else it is waited for, at normal priority). A child that cannot start makes a
     check that finds nothing.
     """
     ask = json.dumps({"model": model, "path": os.path.abspath(path), "overrides": list(overrides), "cwd": os.getcwd(),
@@ -96,7 +98,7 @@ def start(recipe, path: str, overrides: list[str], *, model: bool = True) -> Mod
     try:
         proc = subprocess.Popen([recipe.launch.python or sys.executable, "-m", "zerorun.modelcheck"],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
-                                preexec_fn=lambda: os.nice(10))
+                                preexec_fn=(lambda: os.nice(19)) if beside else None)
         proc.stdin.write(ask)
         proc.stdin.close()
     except OSError:

@@ -105,7 +105,7 @@ def ssh_options(user: str | None = None, port: int | None = None, key: str | Non
 def _what(job) -> tuple[str | None, list[str], list[str] | None, dict]:
     """(recipe JSON, modules the ranks import, program, recipe's launch fields) of a recipe or a Script."""
     if isinstance(job, Script):
-        return None, [] if job.module else [job.target], job.program(), {}
+        return None, [job.target], job.program(), {}  # preflight looks for a file or a dotted module
     modules = [job.model.source()[0]] + ([job.data.module] if job.data.kind == "module" else [])
     launch = {"python": job.launch.python, "workdir": job.launch.workdir, "env": job.launch.env}
     return job.model_dump_json(), modules, None, launch
@@ -124,17 +124,18 @@ def prepare(job, hosts: list[Host], *, job_id: str | None = None, master_port: i
 
     recipe_json, modules, program, launch = _what(job)
     return prepare_job(hosts, job_id or uuid.uuid4().hex[:12], recipe_json=recipe_json, program=program,
-                       modules=modules, master_port=master_port, master_addr=master_addr, ssh=ssh or SshOptions(), ssh_local=ssh_local,
-                       preflight_timeout=preflight_timeout, **launch)
+                       modules=modules, master_port=master_port, master_addr=master_addr, ssh=ssh or SshOptions(),
+                       ssh_local=ssh_local, preflight_timeout=preflight_timeout, **launch)
 
 
 def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_addr: str | None = None,
             job_id: str | None = None) -> str:
     """The launch commands of ``job`` (a Recipe or a :class:`Script`) on ``hosts`` as a shell script's text
     (Note [Printed commands] in launch/commands.py), contacting no host: each runs as printed. The master
-    address is ``master_addr``, else 127.0.0.1 for a local first host, else its name; the port is ``master_port``, else a free one
-    here (local first host) or torchrun's default 29500. The resolved recipe is written, as a node's watcher
-    writes it, to a 0600 ``recipe.json`` in a fresh private folder that the commands name.
+    address is ``master_addr``, else 127.0.0.1 for a local first host, else its name; the port is
+    ``master_port``, else a free one here (local first host) or torchrun's default 29500. The resolved recipe
+    is written, as a node's watcher writes it, to a 0600 ``recipe.json`` in a fresh private folder that the
+    commands name.
     """
     import tempfile
 
@@ -206,8 +207,10 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
                      precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
                      hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
                      steps=recipe.train.steps if recipe is not None else None,
-                     rank_hosts={r: n.host.name for n in plan.nodes for r in range(n.first_rank, n.first_rank + n.nproc)})
-    return _supervise(prepared, state, run_dir, recipe, check, (view or (lambda st: open_view(st, out, dashboard)))(state))
+                     rank_hosts={r: n.host.name for n in plan.nodes
+                                 for r in range(n.first_rank, n.first_rank + n.nproc)})
+    shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
+    return _supervise(prepared, state, run_dir, recipe, check, shown)
 
 
 def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
