@@ -116,6 +116,9 @@ def test_bad_flags_are_one_line_errors(tmp_path):
     assert out.returncode == 2 and "--stages 0,5: '5' is not a ZeRO stage" in out.stderr
     out = zerorun("bench", TINY, "zero.stagee=1", f"log.dir={tmp_path}")  # refused by every combination
     assert out.returncode == 2 and "zero.stagee: unknown field" in out.stderr and out.stderr.count("\n") == 1
+    out = zerorun("bench", TINY, "train.optimizer.bogus=1", f"log.dir={tmp_path}")  # torch's: checked in a child
+    assert out.returncode == 2 and "train.optimizer.bogus: AdamW has no argument 'bogus'" in out.stderr
+    assert out.stderr.count("\n") == 1
     assert not list(tmp_path.glob("*/bench-*"))  # nothing ran, nothing written
 
 

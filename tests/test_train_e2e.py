@@ -195,6 +195,9 @@ def test_bad_model_module_is_one_clear_line(tmp_path, code, expected):
     ("model.factory=nope", r"gpt\.py: has no callable 'nope'"),
     ("model.kwargs.bogus=3", r"raised TypeError: GPT\.__init__\(\) got an unexpected keyword argument 'bogus'"),
     ("zero.units=[Nope]", r"recipe: zero\.units: no module of class Nope in the model"),
+    # checked beside the launch too (it needs torch); the ranks alone would crash with a TypeError
+    ("train.optimizer.bogus=1", r"override 'train\.optimizer\.bogus=1': train\.optimizer\.bogus: AdamW has no "
+                                r"argument 'bogus'"),
 ])
 def test_model_errors_are_one_line_and_stop_the_job(tmp_path, override, expected):
     """The launcher builds the model on the meta device beside the launch (Note [Model check beside the launch]

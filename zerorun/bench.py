@@ -293,20 +293,19 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     rows = [Row(c) for c in combinations(hosts, stages, baselines)]
     # A recipe that no combination accepts is bad input; one that some combinations refuse (zero.units below
     # stage 3, say) fails those combinations only, when their turn comes.
-    base, first_error = None, None
+    base, base_overrides, first_error = None, [], None
     for row in rows:
         try:
-            base = load_recipe(recipe_path, [*overrides, *row.combo.overrides(warmup + steps)],
-                               check_optimizer=False)
+            base_overrides = [*overrides, *row.combo.overrides(warmup + steps)]
+            base = load_recipe(recipe_path, base_overrides, check_optimizer=False)
             break
         except ZerorunError as e:
             first_error = first_error or e
     if base is None:
         raise first_error
-    # the optimizer (which needs torch) is the same for every combination: checked once, in a child process;
-    # each job's model is checked beside it (zerorun/modelcheck.py)
-    problem = modelcheck.start(base, recipe_path, [*overrides, *rows[0].combo.overrides(warmup + steps)],
-                               model=False, beside=False).wait()
+    # the optimizer (which needs torch) is the same for every combination: checked once, in a child process
+    # (zerorun/modelcheck.py); a model that a stage refuses is reported by that job's ranks
+    problem = modelcheck.start(base, recipe_path, base_overrides, model=False, beside=False).wait()
     if problem:
         raise ZerorunError(problem)
     bench_dir = os.path.join(base.log.dir, base.name,

@@ -8,8 +8,10 @@ module-level code runs outside the launcher) at the moment the launch begins; th
 check's one line with exit status 2. A model that is fine costs the job nothing but the child's CPU time,
 which it spends mostly while torchrun's agent imports torch on another core; the child runs at the lowest
 priority (``nice 19``): it gets a CPU where the ranks leave one idle, and hardly any where they do not. The
-ranks build the model themselves too, so a problem the check cannot see (or finds later) is still reported by
-them, as one line with exit status 2.
+ranks build the model themselves too, so a problem the check cannot see is still reported by them. When a rank
+crashes (exit status 1) while the check still runs (a busy machine starves it), the launcher waits for the
+check, the CPUs free now, and reports what it finds instead: an unknown optimizer argument makes the ranks
+raise a TypeError, but its cause is the recipe's field.
 
 What the check reports (one line each): the recipe's optimizer (``train.optimizer``: not in ``torch.optim``,
 not elementwise, an argument it does not take: checked here because it needs torch, which the launcher does not

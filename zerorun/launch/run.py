@@ -243,6 +243,12 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
     result = None
     try:
         result = supervisor.run()
+        if result.status == "failed" and result.exit_code == 1 and check is not None and not check.done:
+            # a rank crashed before the check (at the lowest priority) was done: what the check finds, now that
+            # the CPUs are free, is the cause (an optimizer argument the recipe names, a model.kwargs typo)
+            problem = check.wait(timeout=60.0)
+            if problem:
+                result = type(result)("failed", 2, message=problem, elapsed_s=result.elapsed_s)
     finally:
         if check is not None:
             check.stop()
