@@ -97,10 +97,22 @@ def start(recipe, path: str, overrides: list[str], *, model: bool = True, beside
     ask = json.dumps({"model": model, "path": os.path.abspath(path), "overrides": list(overrides), "cwd": os.getcwd(),
                       "workdir": recipe.launch.workdir, "recipe": json.loads(recipe.model_dump_json())})
     stderr = tempfile.TemporaryFile()  # not a pipe: a child that writes much must never block on it
+
+    def preexec() -> None:  # the check ends with the launcher, even a SIGKILLed one (a hung import would not)
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, prctl(2): Linux
+        except AttributeError:
+            pass
+        if beside:
+            os.nice(19)
+
     try:
         proc = subprocess.Popen([recipe.launch.python or sys.executable, "-m", "zerorun.modelcheck"],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
-                                preexec_fn=(lambda: os.nice(19)) if beside else None)
+                                preexec_fn=preexec)
         proc.stdin.write(ask)
         proc.stdin.close()
     except OSError:
