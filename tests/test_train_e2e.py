@@ -267,3 +267,17 @@ def test_hostfile_with_local_host(tmp_path):
     text = commands.read_text()
     assert re.search(r"--nproc-per-node=1 --node-rank=0 --master-addr=127\.0\.0\.1 --master-port=[1-9]\d* ", text)
     assert "ZR_TOKEN" in text and "s3cret" not in text and "-m zerorun.worker --recipe-file" in text
+
+
+def test_a_rank_crash_caused_by_the_recipe_is_reported_as_the_recipe_error(tmp_path):
+    """A busy machine can starve the model check (it runs at the lowest priority, beside the ranks): when a rank
+    crashes first, the launcher waits for the check and reports the recipe's field, exit 2, not the ranks'
+    TypeError. The check is slowed here by an interpreter wrapper (launch.python) that sleeps for it only."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *zerorun.modelcheck*) sleep 12;; esac\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    out = zerorun("train", TINY, "train.optimizer.bogus=1", f"launch.python={wrapper}", "train.eval_every=0",
+                  f"log.dir={tmp_path / 'runs'}", "--no-dashboard", cwd=ROOT)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr == ("zerorun: error: override 'train.optimizer.bogus=1': train.optimizer.bogus: AdamW has no "
+                          "argument 'bogus'\n"), out.stderr
