@@ -284,6 +284,10 @@ def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir, monkeypat
         main()  # in this process: returns on success, exits non-zero on an error
     files = sorted(os.listdir(out))
     assert "config.json" in files and "model.safetensors.index.json" in files, files
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in files + ["../full.safetensors"]:  # the umask's permissions, as open() gives (safetensors: 0600)
+        assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~umask, (name, oct(os.stat(out / name).st_mode))
     assert len([f for f in files if f.endswith(".safetensors")]) > 1, files
     assert "tokenizer.json" in files and "tokenizer_config.json" in files  # copied from data.tokenizer
     log = open(next((tmp_path / "runs" / "hf").glob("*/metrics.jsonl"))).read()
