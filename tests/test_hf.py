@@ -75,7 +75,7 @@ def _recipe(path, model: dict, data: dict | None = None, **extra) -> str:
     ({"hf": {"config": {"model_type": "llama"}}, "task": "seq2seq"}, r"model\.task: Input should be 'causal-lm'"),
     ({"hf": {"config": {"model_type": "llama"}}, "module": "m.py"}, r"model: give model\.module .* one of them"),
     ({"factory": "f"}, r"model: give model\.module .* one of them"),
-    ({"module": "recipes/models/gpt.py", "task": "causal-lm"}, r"model\.task: a model\.hf field"),
+    ({"module": os.path.join(ROOT, "recipes/models/gpt.py"), "task": "causal-lm"}, r"model\.task: a model\.hf field"),
 ])
 def test_bad_hf_model_is_one_line(tmp_path, model, pattern):
     with pytest.raises(ZerorunError, match=pattern) as e:
@@ -99,7 +99,8 @@ def test_hf_recipe_resolves_and_builds_on_meta(tmp_path, hf_dir):
 
     from zerorun.userload import build_model
 
-    r = load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": os.path.relpath(hf_dir["llama"])}}))
+    # relative to the recipe's folder (Note [Recipe paths])
+    r = load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": os.path.relpath(hf_dir["llama"], tmp_path)}}))
     assert r.model.hf.pretrained == hf_dir["llama"]
     module, factory, kwargs = r.model.source()
     assert (module, factory, kwargs["task"]) == ("zerorun.hf.model", "build_model", "causal-lm")

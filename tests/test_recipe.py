@@ -167,9 +167,40 @@ def test_not_utf8_recipe(tmp_path):
         load_recipe(str(tmp_path / "r.yaml"))
 
 
-def test_missing_module_says_where_it_looked(tmp_path):
-    with pytest.raises(ZerorunError, match=r"file not found: nope\.py \(looked in .* and .*\)"):
-        load_recipe(good(tmp_path), ["model.module=nope.py"])
+def test_relative_paths_are_the_recipe_folders_and_overrides_the_working_directorys(tmp_path, monkeypatch):
+    """Note [Recipe paths]: what a recipe reads is relative to its folder (so it works from any directory),
+    what an override names is relative to the working directory, and what the job writes too."""
+    gpt = open(os.path.join(ROOT, "recipes/models/gpt.py")).read()
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    for folder in (proj / "models", proj / "data", elsewhere / "data"):
+        folder.mkdir(parents=True)
+    (proj / "models" / "gpt.py").write_text(gpt)
+    (proj / "data" / "a.txt").write_text("x" * 100)
+    (elsewhere / "m.py").write_text(gpt)
+    (elsewhere / "data" / "b.txt").write_text("y" * 100)
+    text = GOOD.format(gpt="models/gpt.py").replace('["{stdlib}/json/*.py"]', '["data/*.txt"]')
+    recipe = proj / "r.yaml"
+    recipe.write_text(text + "checkpoint: {every: 5}\n")
+    monkeypatch.chdir(elsewhere)
+    r = load_recipe(str(recipe))
+    assert r.model.module == str(proj / "models" / "gpt.py")
+    assert expand_data_paths(r.data.paths) == [str(proj / "data" / "a.txt")]  # not elsewhere/data/b.txt
+    assert r.checkpoint.dir == str(elsewhere / "runs" / "t" / "checkpoints")  # written where the command runs
+    for name in ("tiny", "gpt-stdlib"):  # the bundled recipes, from another directory
+        assert load_recipe(os.path.join(ROOT, "recipes", f"{name}.yaml")).model.module == \
+            os.path.join(ROOT, "recipes", "models", "gpt.py")
+    r = load_recipe(str(recipe), ["model.module=m.py", "data.paths=[data/*.txt]"])
+    assert r.model.module == str(elsewhere / "m.py")
+    assert expand_data_paths(r.data.paths) == [str(elsewhere / "data" / "b.txt")]
+    with pytest.raises(ZerorunError, match=r"^override 'model.module=nope.py': model\.module: file not found: "
+                       r"nope\.py \(relative to the working directory .*elsewhere, as command-line overrides are\)$"):
+        load_recipe(str(recipe), ["model.module=nope.py"])
+    # a recipe written for the working directory: the error names the path that would do
+    monkeypatch.chdir(tmp_path)
+    recipe.write_text(GOOD.format(gpt="proj/models/gpt.py"))
+    with pytest.raises(ZerorunError, match=r"r\.yaml:3: model\.module: file not found: proj/models/gpt\.py \(paths "
+                       r"in a recipe are relative to its folder .*proj; .* write models/gpt\.py or an absolute path\)"):
+        load_recipe(str(recipe))
 
 
 def test_units_below_stage_3_are_refused(tmp_path):

@@ -7,9 +7,7 @@ whose one-line message names the file, the line where YAML knows it, and the fie
 
 from __future__ import annotations
 
-import glob
 import os
-import sysconfig
 from typing import Any, Literal
 
 import yaml
@@ -18,6 +16,8 @@ from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
+from zerorun.recipe_paths import (absolute, absolute_pattern, expand_data_paths, is_file_path,  # noqa: F401
+                                  not_found_hint, stdlib_dir)
 from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES, apply_overrides,  # noqa: F401
                                  env_numbers_as_text, env_string_bytes, env_value_text, load_yaml,
                                  masked, read_text)
@@ -36,15 +36,15 @@ class _Strict(BaseModel):
 class HFModelSpec(_Strict):
     """A Hugging Face ``transformers`` model from local files (zerorun/hf/model.py): ``pretrained``, a folder
     with ``config.json`` and ``*.safetensors``, or ``config``, a ``config.json`` path or the mapping itself
-    (with ``model_type``). Paths are relative to the working directory, else to the recipe's folder."""
+    (with ``model_type``). Relative paths: Note [Recipe paths] in ``zerorun/recipe_paths.py``."""
 
     pretrained: str | None = None
     config: str | dict[str, Any] | None = None
 
 
 class ModelSpec(_Strict):
-    """``module``: a .py file path (relative to the working directory, else to the recipe's folder) or a dotted
-    module name; ``factory``: a callable in it, ``factory(**kwargs) -> torch.nn.Module``. Or ``hf`` (instead
+    """``module``: a .py file path (relative to the recipe's folder; an override's to the working directory:
+    Note [Recipe paths]) or a dotted module name; ``factory``: a callable in it, ``factory(**kwargs) -> torch.nn.Module``. Or ``hf`` (instead
     of ``module``): a Hugging Face model for ``task`` (``causal-lm``), ``kwargs`` passed to
     ``from_config``/``from_pretrained``."""
 
@@ -246,35 +246,6 @@ def masked_yaml(recipe: Recipe) -> str:
     return yaml.safe_dump(masked(json.loads(recipe.model_dump_json())), sort_keys=False)
 
 
-def stdlib_dir() -> str:
-    """The Python standard library's source folder (``sysconfig``'s ``stdlib`` path)."""
-    return sysconfig.get_paths()["stdlib"]
-
-
-def expand_data_paths(patterns: list[str]) -> list[str]:
-    """Files matched by ``patterns`` (``{stdlib}`` expanded, ``**`` recursive), without site-packages and
-    dist-packages, de-duplicated and sorted by path so that every machine reads the same corpus in one order."""
-    files: set[str] = set()
-    for pattern in patterns:
-        pattern = pattern.replace("{stdlib}", stdlib_dir())
-        for f in glob.glob(os.path.expanduser(pattern), recursive=True):
-            parts = f.split(os.sep)
-            if os.path.isfile(f) and "site-packages" not in parts and "dist-packages" not in parts:
-                files.add(os.path.abspath(f))
-    return sorted(files)
-
-
-def _resolve_module(value: str, base: str) -> str:
-    """A file path made absolute (working directory first, then the recipe's folder); a dotted name as is."""
-    if not (value.endswith(".py") or os.sep in value):
-        return value
-    for root in (os.getcwd(), base):
-        candidate = os.path.abspath(os.path.join(root, os.path.expanduser(value)))
-        if os.path.isfile(candidate):
-            return candidate
-    raise FileNotFoundError(value)
-
-
 def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     """Read, override, validate and resolve the recipe at ``path``.
 
@@ -341,6 +312,7 @@ def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
 def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides: list[str] | None = None) -> Recipe:
     """Make module paths absolute and check that they and the data exist (see :func:`load_recipe`)."""
     base = os.path.dirname(os.path.abspath(path))
+    cwd = os.getcwd()
 
     def where(*loc) -> str:
         source = _override_for(loc, overrides or [])
@@ -349,19 +321,35 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         line = _line_of(root, loc)
         return f"{path}{f':{line}' if line else ''}: {'.'.join(map(str, loc))}"
 
-    looked = f"(looked in {os.getcwd()} and {base})"
+    def in_file(*loc) -> bool:  # Note [Recipe paths] in zerorun/recipe_paths.py
+        return _override_for(loc, overrides or []) is None
+
+    def base_of(*loc) -> str:
+        return base if in_file(*loc) else cwd
+
+    def module_file(value: str, *loc) -> str:
+        if not is_file_path(value):
+            return value  # a dotted module name
+        full = absolute(value, base_of(*loc))
+        if not os.path.isfile(full):
+            hint = not_found_hint(value, base_of(*loc), in_file(*loc))
+            raise ZerorunError(f"{where(*loc)}: file not found: {value}{hint}")
+        return full
+
     if (recipe.model.module is None) == (recipe.model.hf is None):
         raise ZerorunError(f"{where('model')}: give model.module (a model module) or model.hf (a Hugging Face "
                            "model), one of them")
     if recipe.model.hf is not None:
         from zerorun.hf.recipe import resolve_hf_model
 
+        hf = recipe.model.hf
+        if hf.pretrained is not None:
+            hf.pretrained = absolute(hf.pretrained, base_of("model", "hf", "pretrained"))
+        if isinstance(hf.config, str):
+            hf.config = absolute(hf.config, base_of("model", "hf", "config"))
         resolve_hf_model(recipe.model, base, where)
     else:
-        try:
-            recipe.model.module = _resolve_module(recipe.model.module, base)
-        except FileNotFoundError:
-            raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module} {looked}") from None
+        recipe.model.module = module_file(recipe.model.module, "model", "module")
     if recipe.model.hf is None and "task" in recipe.model.model_fields_set:
         raise ZerorunError(f"{where('model', 'task')}: a model.hf field; a model module's forward defines its task")
     d = recipe.data
@@ -371,20 +359,22 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
     if d.kind == "hf":
         from zerorun.hf.recipe import resolve_hf_data
 
+        for field in ("path", "tokenizer"):
+            if getattr(d, field) is not None:
+                setattr(d, field, absolute(getattr(d, field), base_of("data", field)))
         resolve_hf_data(d, base, where)
     elif d.kind == "text":
         if not d.paths:
             raise ZerorunError(f"{where('data', 'paths')}: kind 'text' needs at least one path pattern")
         for i, pattern in enumerate(d.paths):
-            if not expand_data_paths([pattern]):
-                raise ZerorunError(f"{where('data', 'paths', i)}: pattern matches no files: {pattern}")
+            d.paths[i] = absolute_pattern(pattern, base_of("data", "paths", i))
+            if not expand_data_paths([d.paths[i]]):
+                raise ZerorunError(f"{where('data', 'paths', i)}: pattern matches no files: {pattern}"
+                                   f"{not_found_hint(pattern, base_of('data', 'paths', i), in_file('data', 'paths', i))}")
     else:
         if not d.module or not d.factory:
             raise ZerorunError(f"{where('data')}: kind 'module' needs data.module and data.factory")
-        try:
-            d.module = _resolve_module(d.module, base)
-        except FileNotFoundError:
-            raise ZerorunError(f"{where('data', 'module')}: file not found: {d.module} {looked}") from None
+        d.module = module_file(d.module, "data", "module")
     if recipe.model.hf is not None:
         from zerorun.hf.recipe import check_vocab
 
