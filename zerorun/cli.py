@@ -71,7 +71,9 @@ def train(
     master_port: Optional[int] = _MASTER_PORT,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan and exit."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="[PATH]",
-                                         help="Resume from the latest checkpoint in checkpoint.dir, or from PATH."),
+                                         help="Resume from the latest checkpoint in checkpoint.dir (default "
+                                         "<log.dir>/<name>/checkpoints), or start from step 0 when there is none; "
+                                         "or from PATH, which must exist."),
     include: Optional[str] = _INCLUDE, exclude: Optional[str] = _EXCLUDE,
     num_nodes: Optional[int] = _NUM_NODES, num_procs: Optional[int] = _NUM_PROCS,
     ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
@@ -82,11 +84,10 @@ def train(
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
     from zerorun.launch.plan import build_plan
     from zerorun.recipe import load_recipe
+    from zerorun.resume import prepare_resume
 
     r = load_recipe(recipe, overrides or [])
-    if resume is not None:
-        r.checkpoint.resume = _resume_path(r, resume)
-        r.checkpoint.dir = r.checkpoint.dir or os.path.dirname(r.checkpoint.resume)  # keep saving beside it
+    prepare_resume(r, resume)  # sets checkpoint.resume and .dir (Note [Resume lookup] in zerorun/resume.py)
     hosts = _hosts(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
     if any(h.is_local for h in hosts):  # remote-only jobs: preflight looks for the module on each host
         _check_model(r)
@@ -165,23 +166,6 @@ def _job(r, hosts, job_id: str, master_port: int | None = None, ssh=None, ssh_lo
     return prepare_job(hosts, job_id, recipe_json=r.model_dump_json(), python=r.launch.python,
                        workdir=r.launch.workdir, env=r.launch.env, modules=modules, master_port=master_port,
                        ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout)
-
-
-def _resume_path(recipe, resume: str) -> str:
-    """The checkpoint folder ``--resume`` names (``latest``: the latest in ``checkpoint.dir``), checked."""
-    from zerorun import checkpoint
-
-    if resume == "latest":
-        if not recipe.checkpoint.dir:
-            raise ZerorunError("--resume: checkpoint.dir is not set in the recipe, so there is no latest "
-                               "checkpoint; give --resume PATH")
-        found = checkpoint.latest(recipe.checkpoint.dir)
-        if found is None:
-            raise ZerorunError(f"--resume: no complete checkpoint in {recipe.checkpoint.dir}")
-        resume = found
-    path = checkpoint.resolve(resume)
-    checkpoint.check(path)
-    return path
 
 
 @app.command()
