@@ -2,7 +2,8 @@
 
 A recipe names a model module and factory, data, training settings, the ZeRO stage, precision, launch and
 logging settings (see ``recipes/gpt-stdlib.yaml``). Every problem is a :class:`~zerorun.errors.ZerorunError`
-whose one-line message names the file, the line where YAML knows it, and the field.
+whose one-line message names the file, the line where YAML knows it, and the field (several problems: one such
+line each). The recipe's text (YAML, overrides, error lines) is ``recipe_text.py``; its paths ``recipe_paths.py``.
 """
 
 from __future__ import annotations
@@ -12,19 +13,19 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
 from zerorun.recipe_paths import (absolute, absolute_pattern, expand_data_paths, is_file_path,  # noqa: F401
                                   not_found_hint, stdlib_dir)
 from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES, apply_overrides,  # noqa: F401
-                                 env_numbers_as_text, env_string_bytes, env_value_text, load_yaml,
-                                 masked, read_text)
+                                 check_env, env_numbers_as_text, env_string_bytes, env_value_text, load_yaml,
+                                 masked, masked_yaml, read_text)
 from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
 from zerorun.recipe_text import line_of as _line_of
 from zerorun.recipe_text import override_for as _override_for
 from zerorun.recipe_text import refuse_bool as _refuse_bool
+from zerorun.recipe_text import validation_problems
 
 
 class _Strict(BaseModel):
@@ -171,26 +172,7 @@ class LaunchSpec(_Strict):
 
     _env_value_text = field_validator("env", mode="before")(classmethod(lambda cls, env: env_value_text(env)))
 
-    @field_validator("env")
-    @classmethod
-    def _env_names_and_values(cls, env: dict[str, str]) -> dict[str, str]:
-        for key, value in env.items():
-            if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
-                raise PydanticCustomError("env_name", "key {key} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)",
-                                          {"key": repr(key)})
-            if "\0" in value:
-                raise PydanticCustomError("env_nul", "{key}: the value holds a NUL byte, which no environment "
-                                          "variable can carry", {"key": key})
-            if env_string_bytes(key, value) > MAX_ENV_STRING:
-                raise PydanticCustomError(
-                    "env_too_long", "{key}: KEY=VALUE is {n} bytes, above Linux's limit of {limit} bytes for one "
-                    "environment string (MAX_ARG_STRLEN): the ranks could not start",
-                    {"key": key, "n": env_string_bytes(key, value), "limit": MAX_ENV_STRING})
-            if value == MASK:
-                raise PydanticCustomError(
-                    "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "
-                    "and checkpoints: give the real value", {"key": key, "mask": repr(MASK)})
-        return env
+    _env_names_and_values = field_validator("env")(classmethod(lambda cls, env: check_env(env)))
 
 
 class CheckpointSpec(_Strict):
@@ -238,14 +220,6 @@ class Recipe(_Strict):
 
 
 # --------------------------------------------------------------------------------------------- loading
-def masked_yaml(recipe: Recipe) -> str:
-    """``recipe`` as the YAML text of a run folder's ``recipe.yaml``: resolved, ``launch.env`` values masked
-    (Note [Masked environment values])."""
-    import json
-
-    return yaml.safe_dump(masked(json.loads(recipe.model_dump_json())), sort_keys=False)
-
-
 def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     """Read, override, validate and resolve the recipe at ``path``.
 
@@ -254,7 +228,8 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
 
     Raises:
         ZerorunError: unreadable file, invalid YAML, unknown keys, wrong types, missing model file, data
-            patterns that match nothing, unsupported options; the message names file, line and field.
+            patterns that match nothing, unsupported options; the message names file, line and field. Type and
+            field problems are all reported, one line each (:func:`~zerorun.recipe_text.validation_problems`).
     """
     text = read_text(path, "recipe")
     data, root = load_yaml(text, path)
@@ -265,25 +240,8 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     data = apply_overrides(env_numbers_as_text(data, root), overrides)
     try:
         recipe = Recipe.model_validate(data)
-    except ValidationError as e:
-        # An unknown field explains the "missing" error that a typo causes too: report it first.
-        errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
-        err = errors[0]
-        loc = tuple(err["loc"])
-        field = ".".join(str(p) for p in loc) or "(top level)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field"
-        elif err["type"] == "missing":
-            msg = "required field is missing"
-        source = _override_for(loc, overrides)
-        if source is not None:
-            where = f"override {source!r}: {field}: {msg}"
-        else:
-            line = _line_of(root, loc)
-            where = f"{path}{f':{line}' if line else ''}: {field}: {msg}"
-        more = len(errors) - 1
-        raise ZerorunError(where + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
+    except ValidationError as e:  # every problem, one line each (an unknown field first: it explains a missing one)
+        raise ZerorunError("\n".join(validation_problems(e.errors(), path, root, overrides, Recipe))) from None
     return resolve(recipe, path, root, overrides)
 
 
