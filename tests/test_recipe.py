@@ -205,12 +205,13 @@ def test_relative_paths_are_the_recipe_folders_and_overrides_the_working_directo
     (elsewhere / "data" / "b.txt").write_text("y" * 100)
     text = GOOD.format(gpt="models/gpt.py").replace('["{stdlib}/json/*.py"]', '["data/*.txt"]')
     recipe = proj / "r.yaml"
-    recipe.write_text(text + "checkpoint: {every: 5}\n")
+    recipe.write_text(text + "checkpoint: {every: 5, resume: ck/step-00000005}\n")
     monkeypatch.chdir(elsewhere)
     r = load_recipe(str(recipe))
     assert r.model.module == str(proj / "models" / "gpt.py")
     assert expand_data_paths(r.data.paths) == [str(proj / "data" / "a.txt")]  # not elsewhere/data/b.txt
     assert r.checkpoint.dir == str(elsewhere / "runs" / "t" / "checkpoints")  # written where the command runs
+    assert r.checkpoint.resume == str(proj / "ck" / "step-00000005")  # read: the recipe's folder
     for name in ("tiny", "gpt-stdlib"):  # the bundled recipes, from another directory
         assert load_recipe(os.path.join(ROOT, "recipes", f"{name}.yaml")).model.module == \
             os.path.join(ROOT, "recipes", "models", "gpt.py")

@@ -71,6 +71,9 @@ def test_bare_resume_without_a_checkpoint_starts_from_step_0_in_the_default_fold
     assert len(said) == 1
     with pytest.raises(ZerorunError, match=r"no such checkpoint directory"):
         prepare_resume(r, str(tmp_path / "nope"))
+    r = load_recipe(TINY, [f"checkpoint.resume={tmp_path / 'gone'}"])  # the recipe's own is checked as a PATH
+    with pytest.raises(ZerorunError, match=rf"^{tmp_path / 'gone'}: no such checkpoint directory$"):
+        prepare_resume(r, None)
     with pytest.raises(ZerorunError, match=r"^--resume: checkpoints are zerorun's .* the fsdp2 baseline"):
         prepare_resume(load_recipe(TINY, ["runtime=fsdp2"]), LATEST)
 

@@ -179,7 +179,8 @@ class CheckpointSpec(_Strict):
     """Sharded checkpoints (``zerorun/checkpoint.py``): saved every ``every`` steps (0: only at the end) and
     at the end into ``dir`` (default when only ``every`` is given: ``<log.dir>/<name>/checkpoints``; no
     checkpoints when neither is set), keeping the ``keep`` most recent. ``resume``: the checkpoint folder to
-    resume from, set by ``zerorun train --resume``."""
+    resume from, set by ``zerorun train --resume`` (Note [Resume lookup] in ``zerorun/resume.py``); one written
+    in the recipe is relative to its folder and checked as ``--resume PATH``."""
 
     dir: str | None = None
     every: int = Field(0, ge=0)
@@ -364,6 +365,8 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         raise ZerorunError(f"{where('zero', 'offload_path')}: used by zero.offload_optimizer disk only "
                            f"(it is {z.offload_optimizer})")
     ckpt = recipe.checkpoint
+    if ckpt.resume:  # a checkpoint the recipe reads (zerorun/resume.py checks it before launching)
+        ckpt.resume = absolute(ckpt.resume, base_of("checkpoint", "resume"))
     if ckpt.every or ckpt.dir:
         ckpt.dir = os.path.abspath(os.path.expanduser(ckpt.dir or os.path.join(recipe.log.dir, recipe.name,
                                                                                 "checkpoints")))

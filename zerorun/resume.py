@@ -44,7 +44,8 @@ def _incomplete(root: str) -> int:
 
 
 def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None = None) -> None:
-    """Apply ``--resume`` (``None``: not given; :data:`LATEST`: bare; else a PATH) to the resolved ``recipe``:
+    """Apply ``--resume`` (``None``: not given, then the recipe's ``checkpoint.resume`` if set, taken as a
+    PATH; :data:`LATEST`: bare; else a PATH) to the resolved ``recipe``:
     set ``checkpoint.resume`` (the checkpoint folder the ranks load, or ``None`` to start from step 0) and
     ``checkpoint.dir`` (where the job saves), and ``say`` one line when the job starts fresh or the LR schedule
     differs from the checkpoint's (Note [Resume lookup]). ``say`` defaults to printing on stdout.
@@ -53,6 +54,7 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
         ZerorunError: a baseline runtime (no checkpoints), a PATH that does not exist or holds no complete
             checkpoint, a checkpoint that fails its checks, or one saved at or after ``train.steps``.
     """
+    resume = resume if resume is not None else recipe.checkpoint.resume  # the recipe's own: checked as PATH
     if resume is None:
         return
     say = say or (lambda line: print(line, file=sys.stdout, flush=True))
