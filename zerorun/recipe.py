@@ -45,9 +45,9 @@ class HFModelSpec(_Strict):
 
 class ModelSpec(_Strict):
     """``module``: a .py file path (relative to the recipe's folder; an override's to the working directory:
-    Note [Recipe paths]) or a dotted module name; ``factory``: a callable in it, ``factory(**kwargs) -> torch.nn.Module``. Or ``hf`` (instead
-    of ``module``): a Hugging Face model for ``task`` (``causal-lm``), ``kwargs`` passed to
-    ``from_config``/``from_pretrained``."""
+    Note [Recipe paths]) or a dotted module name; ``factory``: a callable in it, ``factory(**kwargs) ->
+    torch.nn.Module``. Or ``hf`` (instead of ``module``): a Hugging Face model for ``task`` (``causal-lm``),
+    ``kwargs`` passed to ``from_config``/``from_pretrained``."""
 
     module: str | None = None
     factory: str = "build_model"
@@ -328,8 +328,8 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         for i, pattern in enumerate(d.paths):
             d.paths[i] = absolute_pattern(pattern, base_of("data", "paths", i))
             if not expand_data_paths([d.paths[i]]):
-                raise ZerorunError(f"{where('data', 'paths', i)}: pattern matches no files: {pattern}"
-                                   f"{not_found_hint(pattern, base_of('data', 'paths', i), in_file('data', 'paths', i))}")
+                hint = not_found_hint(pattern, base_of("data", "paths", i), in_file("data", "paths", i))
+                raise ZerorunError(f"{where('data', 'paths', i)}: pattern matches no files: {pattern}{hint}")
     else:
         if not d.module or not d.factory:
             raise ZerorunError(f"{where('data')}: kind 'module' needs data.module and data.factory")
