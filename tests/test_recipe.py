@@ -196,7 +196,7 @@ def test_relative_paths_are_the_recipe_folders_and_overrides_the_working_directo
     """Note [Recipe paths]: what a recipe reads is relative to its folder (so it works from any directory),
     what an override names is relative to the working directory, and what the job writes too."""
     gpt = open(os.path.join(ROOT, "recipes/models/gpt.py")).read()
-    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    proj, elsewhere = tmp_path / "proj [1]", tmp_path / "elsewhere"  # glob's [] in the folder's name
     for folder in (proj / "models", proj / "data", elsewhere / "data"):
         folder.mkdir(parents=True)
     (proj / "models" / "gpt.py").write_text(gpt)
@@ -223,9 +223,12 @@ def test_relative_paths_are_the_recipe_folders_and_overrides_the_working_directo
         load_recipe(str(recipe), ["model.module=nope.py"])
     # a recipe written for the working directory: the error names the path that would do
     monkeypatch.chdir(tmp_path)
-    recipe.write_text(GOOD.format(gpt="proj/models/gpt.py"))
-    with pytest.raises(ZerorunError, match=r"r\.yaml:3: model\.module: file not found: proj/models/gpt\.py \(paths "
-                       r"in a recipe are relative to its folder .*proj; .* write models/gpt\.py or an absolute path\)"):
+    (tmp_path / "plain" / "models").mkdir(parents=True)
+    (tmp_path / "plain" / "models" / "gpt.py").write_text(gpt)
+    recipe = tmp_path / "plain" / "r.yaml"
+    recipe.write_text(GOOD.format(gpt="plain/models/gpt.py"))
+    with pytest.raises(ZerorunError, match=r"r\.yaml:3: model\.module: file not found: plain/models/gpt\.py \(paths "
+                       r"in a recipe are relative to its folder .*plain; .* write models/gpt\.py or an absolute path\)"):
         load_recipe(str(recipe))
 
 

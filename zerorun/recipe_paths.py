@@ -43,10 +43,12 @@ def absolute(value: str, base: str) -> str:
 
 
 def absolute_pattern(pattern: str, base: str) -> str:
-    """A data glob ``pattern`` made absolute against ``base``; one starting with ``{stdlib}`` is kept."""
+    """A data glob ``pattern`` made absolute against ``base`` (its ``*?[`` taken literally); one starting with
+    ``{stdlib}`` is kept."""
     if pattern.startswith("{stdlib}"):
         return pattern
-    return os.path.join(base, os.path.expanduser(pattern))
+    pattern = os.path.expanduser(pattern)
+    return pattern if os.path.isabs(pattern) else os.path.join(glob.escape(base), pattern)
 
 
 def is_file_path(value: str) -> bool:
