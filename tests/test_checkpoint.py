@@ -67,9 +67,14 @@ def test_frozen_parameters_and_buffers_move_from_stage_3_to_stage_1(ranks, tmp_p
 
 def test_consolidate_round_trip_equals_full_state_dict(saved3, tmp_path):
     full = saved3["full"]
-    for name in ("model.safetensors", "model.pt"):
+    for name, umask in (("model.safetensors", 0o027), ("model.pt", 0o002)):
         out = str(tmp_path / name)
-        count, nbytes = checkpoint.consolidate(saved3["path"], out)
+        old = os.umask(umask)
+        try:
+            count, nbytes = checkpoint.consolidate(saved3["path"], out)
+        finally:
+            os.umask(old)
+        assert os.stat(out).st_mode & 0o777 == 0o666 & ~umask, oct(os.stat(out).st_mode)  # as open() makes files
         assert count == len(full) and nbytes == os.path.getsize(out)
         state = load_file(out) if name.endswith(".safetensors") else torch.load(out, weights_only=True)
         assert (sorted(state) == sorted(full)) if name.endswith(".safetensors") else (list(state) == list(full))
@@ -79,6 +84,7 @@ def test_consolidate_round_trip_equals_full_state_dict(saved3, tmp_path):
         model.load_state_dict(state)  # strict: the unsharded model accepts it
     # a folder of checkpoints stands for its latest
     assert checkpoint.consolidate(os.path.dirname(saved3["path"]), str(tmp_path / "m.pt"))[0] == len(full)
+    assert sorted(os.listdir(tmp_path)) == ["m.pt", "model.pt", "model.safetensors"]  # no temporary file left
 
 
 def _assert_same_state(a: dict, b: dict) -> None:

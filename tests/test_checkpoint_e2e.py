@@ -107,7 +107,7 @@ def test_kill_during_save_then_resume_exactly_and_at_another_stage(tmp_path):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--resume"], r"--resume: checkpoint\.dir is not set in the recipe"),
+    (["--resume", "runtime=ddp"], r"--resume: checkpoints are zerorun's \(runtime zero\); the ddp baseline"),
     (["--resume", "/no/such/ckpt"], r"/no/such/ckpt: no such checkpoint directory"),
     (["checkpoint.dir=/proc/zerorun-ckpt"], r"checkpoint\.dir: cannot create /proc/zerorun-ckpt: "),
 ])

@@ -75,7 +75,7 @@ def _recipe(path, model: dict, data: dict | None = None, **extra) -> str:
     ({"hf": {"config": {"model_type": "llama"}}, "task": "seq2seq"}, r"model\.task: Input should be 'causal-lm'"),
     ({"hf": {"config": {"model_type": "llama"}}, "module": "m.py"}, r"model: give model\.module .* one of them"),
     ({"factory": "f"}, r"model: give model\.module .* one of them"),
-    ({"module": "recipes/models/gpt.py", "task": "causal-lm"}, r"model\.task: a model\.hf field"),
+    ({"module": os.path.join(ROOT, "recipes/models/gpt.py"), "task": "causal-lm"}, r"model\.task: a model\.hf field"),
 ])
 def test_bad_hf_model_is_one_line(tmp_path, model, pattern):
     with pytest.raises(ZerorunError, match=pattern) as e:
@@ -99,7 +99,8 @@ def test_hf_recipe_resolves_and_builds_on_meta(tmp_path, hf_dir):
 
     from zerorun.userload import build_model
 
-    r = load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": os.path.relpath(hf_dir["llama"])}}))
+    # relative to the recipe's folder (Note [Recipe paths])
+    r = load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": os.path.relpath(hf_dir["llama"], tmp_path)}}))
     assert r.model.hf.pretrained == hf_dir["llama"]
     module, factory, kwargs = r.model.source()
     assert (module, factory, kwargs["task"]) == ("zerorun.hf.model", "build_model", "causal-lm")
@@ -284,6 +285,10 @@ def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir, monkeypat
         main()  # in this process: returns on success, exits non-zero on an error
     files = sorted(os.listdir(out))
     assert "config.json" in files and "model.safetensors.index.json" in files, files
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in files + ["../full.safetensors"]:  # the umask's permissions, as open() gives (safetensors: 0600)
+        assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~umask, (name, oct(os.stat(out / name).st_mode))
     assert len([f for f in files if f.endswith(".safetensors")]) > 1, files
     assert "tokenizer.json" in files and "tokenizer_config.json" in files  # copied from data.tokenizer
     log = open(next((tmp_path / "runs" / "hf").glob("*/metrics.jsonl"))).read()

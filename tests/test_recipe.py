@@ -143,11 +143,36 @@ def test_duplicate_keys_are_an_error(tmp_path):
         load_recipe(good(tmp_path, "name: again\n"))
 
 
-def test_typo_reports_the_unknown_field_not_the_missing_one(tmp_path):
+def test_every_problem_is_shown_on_its_own_line_unknown_fields_first(tmp_path):
+    """A typo makes an unknown field and a missing one: both are shown, the unknown one first with the name it
+    was probably meant to be; every other problem of the file and the overrides too, one line each."""
     path = good(tmp_path)
-    (tmp_path / "r.yaml").write_text(open(path).read().replace("micro_batch_size", "micro_bach_size"))
-    with pytest.raises(ZerorunError, match=r"r\.yaml:10: train\.micro_bach_size: unknown field \(and 1 more problem\)"):
-        load_recipe(path)
+    (tmp_path / "r.yaml").write_text(open(path).read().replace("micro_batch_size", "micro_bach_size")
+                                     .replace("seq_len: 16", "seq_len: 0"))
+    with pytest.raises(ZerorunError) as e:
+        load_recipe(path, ["zero.stage=7", "train.grad_clip=-1", "model.hf.config=3"])
+    assert str(e.value).splitlines() == [
+        f"{path}:10: train.micro_bach_size: unknown field (did you mean 'micro_batch_size'?)",
+        "override 'model.hf.config=3': model.hf.config: Input should be a valid string or a valid dictionary",
+        "override 'train.grad_clip=-1': train.grad_clip: Input should be greater than or equal to 0",
+        "override 'zero.stage=7': zero.stage: Input should be 0, 1, 2 or 3",
+        f"{path}:7: data.seq_len: Input should be greater than 0",
+        f"{path}:9: train.micro_batch_size: required field is missing",  # the first line of train:
+    ]
+
+
+def test_cli_prints_every_problem_with_its_prefix_and_exits_2(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from zerorun.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["zerorun", "train", good(tmp_path), "train.steps=0", "zero.stage=9"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "zerorun: error: override 'train.steps=0': train.steps: Input should be greater than 0",
+        "zerorun: error: override 'zero.stage=9': zero.stage: Input should be 0, 1, 2 or 3"]
 
 
 @pytest.mark.parametrize("override,expected", [
@@ -167,9 +192,44 @@ def test_not_utf8_recipe(tmp_path):
         load_recipe(str(tmp_path / "r.yaml"))
 
 
-def test_missing_module_says_where_it_looked(tmp_path):
-    with pytest.raises(ZerorunError, match=r"file not found: nope\.py \(looked in .* and .*\)"):
-        load_recipe(good(tmp_path), ["model.module=nope.py"])
+def test_relative_paths_are_the_recipe_folders_and_overrides_the_working_directorys(tmp_path, monkeypatch):
+    """Note [Recipe paths]: what a recipe reads is relative to its folder (so it works from any directory),
+    what an override names is relative to the working directory, and what the job writes too."""
+    gpt = open(os.path.join(ROOT, "recipes/models/gpt.py")).read()
+    proj, elsewhere = tmp_path / "proj [1]", tmp_path / "elsewhere"  # glob's [] in the folder's name
+    for folder in (proj / "models", proj / "data", elsewhere / "data"):
+        folder.mkdir(parents=True)
+    (proj / "models" / "gpt.py").write_text(gpt)
+    (proj / "data" / "a.txt").write_text("x" * 100)
+    (elsewhere / "m.py").write_text(gpt)
+    (elsewhere / "data" / "b.txt").write_text("y" * 100)
+    text = GOOD.format(gpt="models/gpt.py").replace('["{stdlib}/json/*.py"]', '["data/*.txt"]')
+    recipe = proj / "r.yaml"
+    recipe.write_text(text + "checkpoint: {every: 5, resume: ck/step-00000005}\n")
+    monkeypatch.chdir(elsewhere)
+    r = load_recipe(str(recipe))
+    assert r.model.module == str(proj / "models" / "gpt.py")
+    assert expand_data_paths(r.data.paths) == [str(proj / "data" / "a.txt")]  # not elsewhere/data/b.txt
+    assert r.checkpoint.dir == str(elsewhere / "runs" / "t" / "checkpoints")  # written where the command runs
+    assert r.checkpoint.resume == str(proj / "ck" / "step-00000005")  # read: the recipe's folder
+    for name in ("tiny", "gpt-stdlib"):  # the bundled recipes, from another directory
+        assert load_recipe(os.path.join(ROOT, "recipes", f"{name}.yaml")).model.module == \
+            os.path.join(ROOT, "recipes", "models", "gpt.py")
+    r = load_recipe(str(recipe), ["model.module=m.py", "data.paths=[data/*.txt]"])
+    assert r.model.module == str(elsewhere / "m.py")
+    assert expand_data_paths(r.data.paths) == [str(elsewhere / "data" / "b.txt")]
+    with pytest.raises(ZerorunError, match=r"^override 'model.module=nope.py': model\.module: file not found: "
+                       r"nope\.py \(relative to the working directory .*elsewhere, as command-line overrides are\)$"):
+        load_recipe(str(recipe), ["model.module=nope.py"])
+    # a recipe written for the working directory: the error names the path that would do
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plain" / "models").mkdir(parents=True)
+    (tmp_path / "plain" / "models" / "gpt.py").write_text(gpt)
+    recipe = tmp_path / "plain" / "r.yaml"
+    recipe.write_text(GOOD.format(gpt="plain/models/gpt.py"))
+    with pytest.raises(ZerorunError, match=r"r\.yaml:3: model\.module: file not found: plain/models/gpt\.py \(paths "
+                       r"in a recipe are relative to its folder .*plain; .* write models/gpt\.py or an absolute path\)"):
+        load_recipe(str(recipe))
 
 
 def test_units_below_stage_3_are_refused(tmp_path):

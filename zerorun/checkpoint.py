@@ -444,8 +444,8 @@ def consolidate(path: str, out: str) -> tuple[int, int]:
     """Write the model of the checkpoint at ``path`` (or the latest one in a folder of checkpoints) as one
     ordinary state dict, without a process group: parameters as fp32 with their shapes, module buffers as
     saved, every ``state_dict`` key of the unsharded model (tied parameters under each name). ``out`` ends in
-    ``.safetensors`` (safetensors) or ``.pt`` (``torch.save``); it is written under a temporary name and
-    renamed. Holds one copy of the model in memory.
+    ``.safetensors`` (safetensors) or ``.pt`` (``torch.save``); it is written under a temporary name, given
+    the umask's permissions (``0666 & ~umask``) and renamed. Holds one copy of the model in memory.
 
     Returns:
         ``(tensors written, bytes of out)``.
@@ -456,6 +456,7 @@ def consolidate(path: str, out: str) -> tuple[int, int]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from zerorun.files import apply_umask
     from zerorun.zero.state import dtype_of
 
     if not out.endswith((".safetensors", ".pt")):
@@ -503,6 +504,7 @@ def consolidate(path: str, out: str) -> tuple[int, int]:
             save_file(state, tmp, metadata={"format": "pt", "zerorun_step": str(meta["step"])})
         else:
             torch.save(state, tmp)
+        apply_umask(tmp)  # safetensors writes 0600 (zerorun/files.py)
         os.replace(tmp, out)
     except OSError as e:
         raise ZerorunError(f"--out {out}: cannot write: {e.strerror}") from None

@@ -83,7 +83,9 @@ def train(
     master_port: Optional[int] = _MASTER_PORT, master_addr: Optional[str] = _MASTER_ADDR,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print each node's launch command and exit."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="[PATH]",
-                                         help="Resume from the latest checkpoint in checkpoint.dir, or from PATH."),
+                                         help="Resume from the latest checkpoint in checkpoint.dir (default "
+                                         "<log.dir>/<name>/checkpoints), or start from step 0 when there is none; "
+                                         "or from PATH, which must exist."),
     include: Optional[str] = _INCLUDE, exclude: Optional[str] = _EXCLUDE,
     num_nodes: Optional[int] = _NUM_NODES, num_procs: Optional[int] = _NUM_PROCS,
     ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
@@ -94,12 +96,11 @@ def train(
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
     from zerorun import launch as zlaunch
     from zerorun.recipe import load_recipe
+    from zerorun.resume import prepare_resume
 
     # the optimizer check imports torch: the model check does it beside the launch (zerorun/modelcheck.py)
     r = load_recipe(recipe, overrides or [], check_optimizer=False)
-    if resume is not None:
-        r.checkpoint.resume = _resume_path(r, resume)
-        r.checkpoint.dir = r.checkpoint.dir or os.path.dirname(r.checkpoint.resume)  # keep saving beside it
+    prepare_resume(r, resume)  # sets checkpoint.resume and .dir (Note [Resume lookup] in zerorun/resume.py)
     hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     if dry_run:  # nothing is contacted; the commands run as printed
@@ -122,23 +123,6 @@ def train(
                              preflight_timeout=preflight_timeout)
     if not result.ok:
         raise result.error()
-
-
-def _resume_path(recipe, resume: str) -> str:
-    """The checkpoint folder ``--resume`` names (``latest``: the latest in ``checkpoint.dir``), checked."""
-    from zerorun import checkpoint
-
-    if resume == "latest":
-        if not recipe.checkpoint.dir:
-            raise ZerorunError("--resume: checkpoint.dir is not set in the recipe, so there is no latest "
-                               "checkpoint; give --resume PATH")
-        found = checkpoint.latest(recipe.checkpoint.dir)
-        if found is None:
-            raise ZerorunError(f"--resume: no complete checkpoint in {recipe.checkpoint.dir}")
-        resume = found
-    path = checkpoint.resolve(resume)
-    checkpoint.check(path)
-    return path
 
 
 @app.command()

@@ -2,29 +2,30 @@
 
 A recipe names a model module and factory, data, training settings, the ZeRO stage, precision, launch and
 logging settings (see ``recipes/gpt-stdlib.yaml``). Every problem is a :class:`~zerorun.errors.ZerorunError`
-whose one-line message names the file, the line where YAML knows it, and the field.
+whose one-line message names the file, the line where YAML knows it, and the field (several problems: one such
+line each). The recipe's text (YAML, overrides, error lines) is ``recipe_text.py``; its paths ``recipe_paths.py``.
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import sysconfig
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
+from zerorun.recipe_paths import (absolute, absolute_pattern, expand_data_paths, is_file_path, matches_any,  # noqa: F401
+                                  not_found_hint, stdlib_dir)
 from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES, apply_overrides,  # noqa: F401
-                                 env_numbers_as_text, env_string_bytes, env_value_text, load_yaml,
-                                 masked, read_text)
+                                 check_env, env_numbers_as_text, env_string_bytes, env_value_text, load_yaml,
+                                 masked, masked_yaml, read_text)
 from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
 from zerorun.recipe_text import line_of as _line_of
 from zerorun.recipe_text import override_for as _override_for
 from zerorun.recipe_text import refuse_bool as _refuse_bool
+from zerorun.recipe_text import validation_problems
 
 
 class _Strict(BaseModel):
@@ -36,17 +37,17 @@ class _Strict(BaseModel):
 class HFModelSpec(_Strict):
     """A Hugging Face ``transformers`` model from local files (zerorun/hf/model.py): ``pretrained``, a folder
     with ``config.json`` and ``*.safetensors``, or ``config``, a ``config.json`` path or the mapping itself
-    (with ``model_type``). Paths are relative to the working directory, else to the recipe's folder."""
+    (with ``model_type``). Relative paths: Note [Recipe paths] in ``zerorun/recipe_paths.py``."""
 
     pretrained: str | None = None
     config: str | dict[str, Any] | None = None
 
 
 class ModelSpec(_Strict):
-    """``module``: a .py file path (relative to the working directory, else to the recipe's folder) or a dotted
-    module name; ``factory``: a callable in it, ``factory(**kwargs) -> torch.nn.Module``. Or ``hf`` (instead
-    of ``module``): a Hugging Face model for ``task`` (``causal-lm``), ``kwargs`` passed to
-    ``from_config``/``from_pretrained``."""
+    """``module``: a .py file path (relative to the recipe's folder; an override's to the working directory:
+    Note [Recipe paths]) or a dotted module name; ``factory``: a callable in it, ``factory(**kwargs) ->
+    torch.nn.Module``. Or ``hf`` (instead of ``module``): a Hugging Face model for ``task`` (``causal-lm``),
+    ``kwargs`` passed to ``from_config``/``from_pretrained``."""
 
     module: str | None = None
     factory: str = "build_model"
@@ -171,33 +172,15 @@ class LaunchSpec(_Strict):
 
     _env_value_text = field_validator("env", mode="before")(classmethod(lambda cls, env: env_value_text(env)))
 
-    @field_validator("env")
-    @classmethod
-    def _env_names_and_values(cls, env: dict[str, str]) -> dict[str, str]:
-        for key, value in env.items():
-            if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
-                raise PydanticCustomError("env_name", "key {key} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)",
-                                          {"key": repr(key)})
-            if "\0" in value:
-                raise PydanticCustomError("env_nul", "{key}: the value holds a NUL byte, which no environment "
-                                          "variable can carry", {"key": key})
-            if env_string_bytes(key, value) > MAX_ENV_STRING:
-                raise PydanticCustomError(
-                    "env_too_long", "{key}: KEY=VALUE is {n} bytes, above Linux's limit of {limit} bytes for one "
-                    "environment string (MAX_ARG_STRLEN): the ranks could not start",
-                    {"key": key, "n": env_string_bytes(key, value), "limit": MAX_ENV_STRING})
-            if value == MASK:
-                raise PydanticCustomError(
-                    "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "
-                    "and checkpoints: give the real value", {"key": key, "mask": repr(MASK)})
-        return env
+    _env_names_and_values = field_validator("env")(classmethod(lambda cls, env: check_env(env)))
 
 
 class CheckpointSpec(_Strict):
     """Sharded checkpoints (``zerorun/checkpoint.py``): saved every ``every`` steps (0: only at the end) and
     at the end into ``dir`` (default when only ``every`` is given: ``<log.dir>/<name>/checkpoints``; no
     checkpoints when neither is set), keeping the ``keep`` most recent. ``resume``: the checkpoint folder to
-    resume from, set by ``zerorun train --resume``."""
+    resume from, set by ``zerorun train --resume`` (Note [Resume lookup] in ``zerorun/resume.py``); one written
+    in the recipe is relative to its folder and checked as ``--resume PATH``."""
 
     dir: str | None = None
     every: int = Field(0, ge=0)
@@ -238,50 +221,6 @@ class Recipe(_Strict):
 
 
 # --------------------------------------------------------------------------------------------- loading
-def masked_yaml(recipe: Recipe) -> str:
-    """``recipe`` as the YAML text of a run folder's ``recipe.yaml``: resolved, ``launch.env`` values masked
-    (Note [Masked environment values])."""
-    import json
-
-    return yaml.safe_dump(masked(json.loads(recipe.model_dump_json())), sort_keys=False)
-
-
-def stdlib_dir() -> str:
-    """The Python standard library's source folder (``sysconfig``'s ``stdlib`` path)."""
-    return sysconfig.get_paths()["stdlib"]
-
-
-def _data_files(pattern: str):
-    pattern = pattern.replace("{stdlib}", stdlib_dir())
-    for f in glob.iglob(os.path.expanduser(pattern), recursive=True):
-        parts = f.split(os.sep)
-        if os.path.isfile(f) and "site-packages" not in parts and "dist-packages" not in parts:
-            yield os.path.abspath(f)
-
-
-def _matches_any(pattern: str) -> bool:
-    """True when data path ``pattern`` matches a file (as :func:`expand_data_paths` counts them); stops at
-    the first one (the whole standard library's glob takes half a second)."""
-    return next(_data_files(pattern), None) is not None
-
-
-def expand_data_paths(patterns: list[str]) -> list[str]:
-    """Files matched by ``patterns`` (``{stdlib}`` expanded, ``**`` recursive), without site-packages and
-    dist-packages, de-duplicated and sorted by path so that every machine reads the same corpus in one order."""
-    return sorted({f for pattern in patterns for f in _data_files(pattern)})
-
-
-def _resolve_module(value: str, base: str) -> str:
-    """A file path made absolute (working directory first, then the recipe's folder); a dotted name as is."""
-    if not (value.endswith(".py") or os.sep in value):
-        return value
-    for root in (os.getcwd(), base):
-        candidate = os.path.abspath(os.path.join(root, os.path.expanduser(value)))
-        if os.path.isfile(candidate):
-            return candidate
-    raise FileNotFoundError(value)
-
-
 def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimizer: bool = True) -> Recipe:
     """Read, override, validate and resolve the recipe at ``path``.
 
@@ -290,7 +229,8 @@ def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimize
 
     Raises:
         ZerorunError: unreadable file, invalid YAML, unknown keys, wrong types, missing model file, data
-            patterns that match nothing, unsupported options; the message names file, line and field.
+            patterns that match nothing, unsupported options; the message names file, line and field. Type and
+            field problems are all reported, one line each (:func:`~zerorun.recipe_text.validation_problems`).
     """
     text = read_text(path, "recipe")
     data, root = load_yaml(text, path)
@@ -301,25 +241,8 @@ def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimize
     data = apply_overrides(env_numbers_as_text(data, root), overrides)
     try:
         recipe = Recipe.model_validate(data)
-    except ValidationError as e:
-        # An unknown field explains the "missing" error that a typo causes too: report it first.
-        errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
-        err = errors[0]
-        loc = tuple(err["loc"])
-        field = ".".join(str(p) for p in loc) or "(top level)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field"
-        elif err["type"] == "missing":
-            msg = "required field is missing"
-        source = _override_for(loc, overrides)
-        if source is not None:
-            where = f"override {source!r}: {field}: {msg}"
-        else:
-            line = _line_of(root, loc)
-            where = f"{path}{f':{line}' if line else ''}: {field}: {msg}"
-        more = len(errors) - 1
-        raise ZerorunError(where + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")) from None
+    except ValidationError as e:  # every problem, one line each (an unknown field first: it explains a missing one)
+        raise ZerorunError("\n".join(validation_problems(e.errors(), path, root, overrides, Recipe))) from None
     return resolve(recipe, path, root, overrides, check_optimizer=check_optimizer)
 
 
@@ -351,6 +274,7 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
     ``check_optimizer=False`` leaves out the optimizer check, which imports torch (seconds): the launcher's
     model check does it beside the launch (Note [Model check beside the launch] in zerorun/modelcheck.py)."""
     base = os.path.dirname(os.path.abspath(path))
+    cwd = os.getcwd()
 
     def where(*loc) -> str:
         source = _override_for(loc, overrides or [])
@@ -359,19 +283,35 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         line = _line_of(root, loc)
         return f"{path}{f':{line}' if line else ''}: {'.'.join(map(str, loc))}"
 
-    looked = f"(looked in {os.getcwd()} and {base})"
+    def in_file(*loc) -> bool:  # Note [Recipe paths] in zerorun/recipe_paths.py
+        return _override_for(loc, overrides or []) is None
+
+    def base_of(*loc) -> str:
+        return base if in_file(*loc) else cwd
+
+    def module_file(value: str, *loc) -> str:
+        if not is_file_path(value):
+            return value  # a dotted module name
+        full = absolute(value, base_of(*loc))
+        if not os.path.isfile(full):
+            hint = not_found_hint(value, base_of(*loc), in_file(*loc))
+            raise ZerorunError(f"{where(*loc)}: file not found: {value}{hint}")
+        return full
+
     if (recipe.model.module is None) == (recipe.model.hf is None):
         raise ZerorunError(f"{where('model')}: give model.module (a model module) or model.hf (a Hugging Face "
                            "model), one of them")
     if recipe.model.hf is not None:
         from zerorun.hf.recipe import resolve_hf_model
 
+        hf = recipe.model.hf
+        if hf.pretrained is not None:
+            hf.pretrained = absolute(hf.pretrained, base_of("model", "hf", "pretrained"))
+        if isinstance(hf.config, str):
+            hf.config = absolute(hf.config, base_of("model", "hf", "config"))
         resolve_hf_model(recipe.model, base, where)
     else:
-        try:
-            recipe.model.module = _resolve_module(recipe.model.module, base)
-        except FileNotFoundError:
-            raise ZerorunError(f"{where('model', 'module')}: file not found: {recipe.model.module} {looked}") from None
+        recipe.model.module = module_file(recipe.model.module, "model", "module")
     if recipe.model.hf is None and "task" in recipe.model.model_fields_set:
         raise ZerorunError(f"{where('model', 'task')}: a model.hf field; a model module's forward defines its task")
     d = recipe.data
@@ -381,20 +321,22 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
     if d.kind == "hf":
         from zerorun.hf.recipe import resolve_hf_data
 
+        for field in ("path", "tokenizer"):
+            if getattr(d, field) is not None:
+                setattr(d, field, absolute(getattr(d, field), base_of("data", field)))
         resolve_hf_data(d, base, where)
     elif d.kind == "text":
         if not d.paths:
             raise ZerorunError(f"{where('data', 'paths')}: kind 'text' needs at least one path pattern")
         for i, pattern in enumerate(d.paths):
-            if not _matches_any(pattern):
-                raise ZerorunError(f"{where('data', 'paths', i)}: pattern matches no files: {pattern}")
+            d.paths[i] = absolute_pattern(pattern, base_of("data", "paths", i))
+            if not matches_any(d.paths[i]):
+                hint = not_found_hint(pattern, base_of("data", "paths", i), in_file("data", "paths", i))
+                raise ZerorunError(f"{where('data', 'paths', i)}: pattern matches no files: {pattern}{hint}")
     else:
         if not d.module or not d.factory:
             raise ZerorunError(f"{where('data')}: kind 'module' needs data.module and data.factory")
-        try:
-            d.module = _resolve_module(d.module, base)
-        except FileNotFoundError:
-            raise ZerorunError(f"{where('data', 'module')}: file not found: {d.module} {looked}") from None
+        d.module = module_file(d.module, "data", "module")
     if recipe.model.hf is not None:
         from zerorun.hf.recipe import check_vocab
 
@@ -427,6 +369,8 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         raise ZerorunError(f"{where('zero', 'offload_path')}: used by zero.offload_optimizer disk only "
                            f"(it is {z.offload_optimizer})")
     ckpt = recipe.checkpoint
+    if ckpt.resume:  # a checkpoint the recipe reads (zerorun/resume.py checks it before launching)
+        ckpt.resume = absolute(ckpt.resume, base_of("checkpoint", "resume"))
     if ckpt.every or ckpt.dir:
         ckpt.dir = os.path.abspath(os.path.expanduser(ckpt.dir or os.path.join(recipe.log.dir, recipe.name,
                                                                                 "checkpoints")))

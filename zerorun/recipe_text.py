@@ -94,6 +94,13 @@ def masked(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "launch": {**launch, "env": {k: MASK for k in launch["env"]}}}
 
 
+def masked_yaml(recipe) -> str:
+    """``recipe`` (a :class:`~zerorun.recipe.Recipe`) as the YAML text of a run folder's ``recipe.yaml``:
+    resolved, ``launch.env`` values masked (Note [Masked environment values])."""
+    import json
+
+    return yaml.safe_dump(masked(json.loads(recipe.model_dump_json())), sort_keys=False)
+
 class _UnboundedYaml(ZerorunError):
     """YAML that would take unbounded time or memory to load (an alias bomb, a recursive alias)."""
 
@@ -230,6 +237,32 @@ def env_value_text(env: Any) -> Any:
     return out
 
 
+def check_env(env: dict[str, str]) -> dict[str, str]:
+    """``launch.env`` after its values became text (:func:`env_value_text`): POSIX names, no NUL byte, each
+    ``KEY=VALUE`` within :data:`MAX_ENV_STRING` bytes, no :data:`MASK` value (Note [Masked environment values]).
+
+    Raises:
+        PydanticCustomError: naming the key and the problem (pydantic puts the field in front).
+    """
+    for key, value in env.items():
+        if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
+            raise PydanticCustomError("env_name", "key {key} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)",
+                                      {"key": repr(key)})
+        if "\0" in value:
+            raise PydanticCustomError("env_nul", "{key}: the value holds a NUL byte, which no environment "
+                                      "variable can carry", {"key": key})
+        if env_string_bytes(key, value) > MAX_ENV_STRING:
+            raise PydanticCustomError(
+                "env_too_long", "{key}: KEY=VALUE is {n} bytes, above Linux's limit of {limit} bytes for one "
+                "environment string (MAX_ARG_STRLEN): the ranks could not start",
+                {"key": key, "n": env_string_bytes(key, value), "limit": MAX_ENV_STRING})
+        if value == MASK:
+            raise PydanticCustomError(
+                "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "
+                "and checkpoints: give the real value", {"key": key, "mask": repr(MASK)})
+    return env
+
+
 def read_text(path: str, what: str) -> str:
     """The UTF-8 text of ``path``.
 
@@ -270,3 +303,57 @@ def override_for(loc: tuple, overrides: list[str]) -> str | None:
         if field == key or field.startswith(key + ".") or key.startswith(field + "."):
             return item
     return None
+
+
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    """Field names of the pydantic model reached from ``model`` by the keys ``loc`` (``[]`` when ``loc`` leads
+    to no model: a mapping of free keys, a list)."""
+    for key in loc:
+        field = getattr(model, "model_fields", {}).get(key)
+        if field is None:
+            return []
+        kinds = [a for a in (field.annotation, *typing.get_args(field.annotation)) if hasattr(a, "model_fields")]
+        if not kinds:
+            return []
+        model = kinds[0]
+    return list(getattr(model, "model_fields", {}))
+
+
+def validation_problems(errors: list[dict], path: str, root: yaml.Node | None, overrides: list[str],
+                        model: Any = None) -> list[str]:
+    """One line per problem pydantic found in a recipe (``ValidationError.errors()``), each naming where it
+    comes from (``path:line`` or the override) and the field: unknown fields first (with the closest known
+    name of their section when one is close: a typo also makes its field "missing"), then in file order.
+    ``model``: the pydantic class validated, for the known names."""
+    import difflib
+
+    lines: list[list] = []  # [not an unknown field, line, where and field, messages]
+    for err in errors:
+        loc = tuple(err["loc"])
+        if loc and isinstance(loc[-1], str) and _UNION_TAG.fullmatch(loc[-1]) and model is not None \
+                and loc[-1] not in _fields_at(model, loc[:-1]):
+            loc = loc[:-1]  # one member of a union (str | dict): said once for the field, members joined by "or"
+        field = ".".join(str(p) for p in loc) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+            close = difflib.get_close_matches(str(loc[-1]), _fields_at(model, loc[:-1]), n=1) if model else []
+            if close:
+                msg += f" (did you mean {close[0]!r}?)"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        source = override_for(loc, overrides)
+        line = line_of(root, loc) if source is None else None
+        where = f"override {source!r}" if source is not None else f"{path}{f':{line}' if line else ''}"
+        head = f"{where}: {field}"
+        same = next((entry for entry in lines if entry[2] == head), None)
+        if same is None:
+            lines.append([err["type"] != "extra_forbidden", line or 0, head, [msg]])
+        elif msg not in same[3]:
+            same[3].append(msg.removeprefix("Input should be ") if same[3][0].startswith("Input should be ") else msg)
+    return [f"{head}: {' or '.join(msgs)}" for *_, head, msgs in sorted(lines, key=lambda x: x[:2])]
+
+
+#: How pydantic names the member of a union in an error's location: ``str``, ``dict[str,any]``, ``literal['a']``.
+_UNION_TAG = re.compile(r"(str|int|float|bool|none|bytes|dict\[.*\]|list\[.*\]|tuple\[.*\]|literal\[.*\]|"
+                        r"function-\w+\[.*\]|[A-Z]\w*)")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import re
 import resource
@@ -22,7 +21,8 @@ import warnings
 from typing import TextIO
 
 from zerorun.errors import ZerorunError
-from zerorun.recipe import Recipe, ScheduleSpec
+from zerorun.recipe import Recipe
+from zerorun.schedule import continue_schedule, lr_multiplier  # noqa: F401 (lr_multiplier: API)
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import cuda_memory, flops_per_token, host_memory
 from zerorun.telemetry.steplog import StepLog
@@ -73,22 +73,6 @@ def is_peer_failure(e: BaseException) -> bool:
 
     dist_error = getattr(dist, "DistError", ())
     return isinstance(e, dist_error) or bool(_PEER_FAILURE.search(str(e)))
-
-
-def lr_multiplier(spec: ScheduleSpec, steps: int):
-    """``f(step) -> multiplier of the base lr``: linear warm-up from ``1/warmup_steps`` to 1 over
-    ``warmup_steps``, then cosine or linear decay to ``min_lr_ratio`` at step ``steps - 1``, or constant."""
-
-    def f(step: int) -> float:
-        if step < spec.warmup_steps:
-            return (step + 1) / spec.warmup_steps
-        if spec.decay == "constant":
-            return 1.0
-        progress = min(1.0, (step - spec.warmup_steps) / max(1, steps - 1 - spec.warmup_steps))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if spec.decay == "cosine" else 1 - progress
-        return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * shape
-
-    return f
 
 
 def peak_rss_bytes() -> int:
@@ -180,6 +164,7 @@ def train(recipe: Recipe, rank: int) -> None:
     if ckpt.resume:  # after everything that draws random numbers: the checkpoint restores the RNG states
         start, position = checkpoint.load(ckpt.resume, engine, scheduler=scheduler,
                                           micro_batch_size=t.micro_batch_size)
+        continue_schedule(scheduler)  # this recipe's schedule from the saved step (Note [LR schedule on resume])
         emit("log", rank, message=f"resumed from {ckpt.resume} after step {start}")
 
     def to_device(batch):

@@ -15,6 +15,7 @@ import os
 import shutil
 
 from zerorun.errors import ZerorunError
+from zerorun.files import apply_umask
 
 #: files of a tokenizer folder copied into the export (those ``save_pretrained`` of a tokenizer writes)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -81,6 +82,8 @@ def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, in
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(tokenizer, name)):
                     shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
+        for name in os.listdir(tmp):  # safetensors writes 0600: the umask's permissions (zerorun/files.py)
+            apply_umask(os.path.join(tmp, name))
         # complete: now replace (a previous export's shards would mix with this one's)
         if os.path.isdir(out):
             for name in os.listdir(out):

@@ -1,0 +1,113 @@
+"""``zerorun train --resume``: resume when there is a checkpoint, start from step 0 (and say so) when there is
+none, in the default folder ``<log.dir>/<name>/checkpoints``; a raised ``train.steps`` continues with the
+longer run's LR schedule (Note [Resume lookup] in zerorun/resume.py, Note [LR schedule on resume] in
+zerorun/schedule.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from test_train_e2e import TINY, zerorun
+from zerorun.errors import ZerorunError
+from zerorun.recipe import ScheduleSpec, load_recipe
+from zerorun.resume import LATEST, prepare_resume
+from zerorun.schedule import continue_schedule, lr_multiplier
+
+
+def _lrs(scheduler, steps: range) -> list[float]:
+    """The LR each optimizer step in ``steps`` uses (as the worker logs it: before ``scheduler.step()``)."""
+    out = []
+    for _ in steps:
+        out.append(scheduler.optimizer.param_groups[0]["lr"])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return out
+
+
+def _scheduler(spec, steps: int):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=3e-3)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(spec, steps))
+
+
+@pytest.mark.parametrize("old_steps,new_steps,warmup", [(4, 6, 3), (10, 10, 3), (4, 40, 8), (30, 60, 0)])
+def test_lr_after_resume_is_the_lr_of_an_uninterrupted_run_of_the_new_recipe(old_steps, new_steps, warmup):
+    """Saved after ``old_steps`` of an ``old_steps`` run, resumed with ``train.steps = new_steps``: every step
+    after the saved one uses exactly the LR of an uninterrupted ``new_steps`` run (same recipe: bit for bit);
+    warm-up beyond the saved step is finished, not restarted."""
+    spec = ScheduleSpec(warmup_steps=warmup, decay="cosine", min_lr_ratio=0.1)
+    reference = _lrs(_scheduler(spec, new_steps), range(new_steps))
+    first = _scheduler(spec, old_steps)
+    _lrs(first, range(old_steps))
+    saved_scheduler, saved_groups = first.state_dict(), [dict(g, params=None) for g in first.optimizer.param_groups]
+    resumed = _scheduler(spec, new_steps)
+    for group, saved in zip(resumed.optimizer.param_groups, saved_groups):  # as zero/state.py restores them
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    resumed.load_state_dict(saved_scheduler)
+    continue_schedule(resumed)
+    assert _lrs(resumed, range(old_steps, new_steps)) == reference[old_steps:]
+
+
+def test_bare_resume_without_a_checkpoint_starts_from_step_0_in_the_default_folder(tmp_path):
+    r = load_recipe(TINY, [f"log.dir={tmp_path}"])
+    said: list[str] = []
+    prepare_resume(r, LATEST, say=said.append)
+    default = str(tmp_path / "tiny" / "checkpoints")
+    assert r.checkpoint.dir == default and r.checkpoint.resume is None
+    assert said == [f"zerorun: no checkpoint in {default} yet: starting from step 0; it will be saved there at "
+                    "the end"]
+    os.makedirs(os.path.join(default, ".step-00000004.tmp"))  # saves that were cut short are no checkpoint
+    os.makedirs(os.path.join(default, "step-00000002"))
+    r = load_recipe(TINY, [f"log.dir={tmp_path}", "checkpoint.every=2"])
+    said.clear()
+    prepare_resume(r, LATEST, say=said.append)
+    assert r.checkpoint.resume is None and said == [
+        f"zerorun: no checkpoint in {default} yet (2 unfinished saves ignored): starting from step 0"]
+    prepare_resume(r, None, say=said.append)  # no --resume: nothing changes
+    assert len(said) == 1
+    with pytest.raises(ZerorunError, match=r"no such checkpoint directory"):
+        prepare_resume(r, str(tmp_path / "nope"))
+    r = load_recipe(TINY, [f"checkpoint.resume={tmp_path / 'gone'}"])  # the recipe's own is checked as a PATH
+    with pytest.raises(ZerorunError, match=rf"^{tmp_path / 'gone'}: no such checkpoint directory$"):
+        prepare_resume(r, None)
+    with pytest.raises(ZerorunError, match=r"^--resume: checkpoints are zerorun's .* the fsdp2 baseline"):
+        prepare_resume(load_recipe(TINY, ["runtime=fsdp2"]), LATEST)
+
+
+@pytest.mark.slow
+def test_resume_just_works_first_run_then_more_steps(tmp_path):
+    """The same command line twice, from a folder that is not the repository's: the first run finds no
+    checkpoint and starts from step 0, saving into runs/tiny/checkpoints; the second, with train.steps raised
+    from 4 to 6, resumes after step 4 from there, with the 6-step run's LR at steps 5 and 6. A third with
+    nothing left to train is an error. (1 rank: two short launches.)"""
+    args = ["train", TINY, "train.steps=4", "checkpoint.every=2", "log.every=1", "train.eval_every=0",
+            "launch.procs_per_node=1", "--no-dashboard", "--resume"]
+    default = tmp_path / "runs" / "tiny" / "checkpoints"
+    first = zerorun(*args, cwd=str(tmp_path))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"zerorun: no checkpoint in {default} yet: starting from step 0\n" in first.stdout
+    assert sorted(os.listdir(default)) == ["step-00000002", "step-00000004"]
+
+    second = zerorun(*args, "train.steps=6", cwd=str(tmp_path))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"resumed from {default / 'step-00000004'} after step 4" in second.stdout
+    assert ("zerorun: resuming after step 4 with train.steps 4 -> 6: the LR schedule is recomputed as for a run of "
+            "6 steps from the start (lr 0.003 at step 4, 0.00165 at step 5)\n") in second.stdout, second.stdout
+    runs = sorted(p for p in (tmp_path / "runs" / "tiny").iterdir() if p.name != "checkpoints")
+    assert len(runs) == 2  # one folder per run, one checkpoint folder for both
+    events = [json.loads(line) for run in runs for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lr = {e["step"]: e["lr"] for e in events if e["event"] == "step" and e["step"] > 4}
+    spec = load_recipe(TINY).train.schedule
+    assert sorted(lr) == [5, 6]
+    for step in (5, 6):
+        assert lr[step] == pytest.approx(3e-3 * lr_multiplier(spec, 6)(step - 1), rel=1e-12), (step, lr)
+    assert sorted(os.listdir(default)) == ["step-00000004", "step-00000006"]  # keep: 2
+
+    # the same line once more: nothing left to train (the launcher's check, here in this process)
+    with pytest.raises(ZerorunError) as e:
+        prepare_resume(load_recipe(TINY, ["train.steps=6", f"log.dir={tmp_path / 'runs'}"]), LATEST)
+    assert str(e.value) == (f"--resume: {default / 'step-00000006'} was saved after step 6 and train.steps is 6: "
+                            "nothing left to train (raise train.steps to train on)")

@@ -1,0 +1,116 @@
+"""``zerorun train --resume [PATH]``: which checkpoint a job resumes from, decided in the launcher.
+
+Note [Resume lookup]: ``--resume`` without a path means "resume if there is something to resume": it looks
+for the latest complete checkpoint (Note [Atomic checkpoints] in ``checkpoint.py``) in ``checkpoint.dir``, or,
+when the recipe sets none, in the default folder ``<log.dir>/<name>/checkpoints`` (what ``checkpoint.every``
+alone saves into; run folders are ``<log.dir>/<name>/<timestamp>-<job>``, so the default is the same for every
+run of a recipe name, as DeepSpeed's and Hugging Face's ``output_dir``). Found: the job resumes from it and
+keeps saving into that folder. None there (a first run, or only saves that were cut short): the job starts
+from step 0 and says so in one line, saving into that folder (at the end at least), so the same command line
+resumes next time. ``--resume PATH`` names a checkpoint, or a folder of them (its latest), that must exist:
+anything else is an error, as is a checkpoint that fails its checks (``checkpoint.check``). A checkpoint
+saved after ``train.steps`` or later leaves nothing to train: an error, not a job that does nothing. What a
+changed ``train.steps`` or ``train.schedule`` does to the LR: Note [LR schedule on resume] in ``schedule.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Callable
+
+from zerorun.errors import ZerorunError
+
+#: What the command line passes for a bare ``--resume`` (cli.optional_value).
+LATEST = "latest"
+
+
+def default_dir(recipe) -> str:
+    """``<log.dir>/<name>/checkpoints`` as an absolute path (``log.dir`` relative to the working directory)."""
+    return os.path.abspath(os.path.expanduser(os.path.join(recipe.log.dir, recipe.name, "checkpoints")))
+
+
+def _incomplete(root: str) -> int:
+    """Saves under ``root`` that never completed: ``step-N`` folders without their marker, ``.step-N.tmp``."""
+    from zerorun.checkpoint import MARKER
+
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    return sum(1 for n in names if re.fullmatch(r"\.step-\d+\.tmp", n) or
+               (re.fullmatch(r"step-\d+", n) and not os.path.isfile(os.path.join(root, n, MARKER))))
+
+
+def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None = None) -> None:
+    """Apply ``--resume`` (``None``: not given, then the recipe's ``checkpoint.resume`` if set, taken as a
+    PATH; :data:`LATEST`: bare; else a PATH) to the resolved ``recipe``:
+    set ``checkpoint.resume`` (the checkpoint folder the ranks load, or ``None`` to start from step 0) and
+    ``checkpoint.dir`` (where the job saves), and ``say`` one line when the job starts fresh or the LR schedule
+    differs from the checkpoint's (Note [Resume lookup]). ``say`` defaults to printing on stdout.
+
+    Raises:
+        ZerorunError: a baseline runtime (no checkpoints), a PATH that does not exist or holds no complete
+            checkpoint, a checkpoint that fails its checks, or one saved at or after ``train.steps``.
+    """
+    resume = resume if resume is not None else recipe.checkpoint.resume  # the recipe's own: checked as PATH
+    if resume is None:
+        return
+    say = say or (lambda line: print(line, file=sys.stdout, flush=True))
+    from zerorun import checkpoint
+
+    ckpt = recipe.checkpoint
+    if recipe.runtime != "zero":
+        raise ZerorunError(f"--resume: checkpoints are zerorun's (runtime zero); the {recipe.runtime} baseline "
+                           "does not save them")
+    if resume == LATEST:
+        ckpt.dir = ckpt.dir or default_dir(recipe)
+        path = checkpoint.latest(ckpt.dir)
+        if path is None:
+            cut = _incomplete(ckpt.dir)
+            say(f"zerorun: no checkpoint in {ckpt.dir} yet"
+                + (f" ({cut} unfinished save{'s' * (cut > 1)} ignored)" if cut else "")
+                + ": starting from step 0" + ("" if ckpt.every else "; it will be saved there at the end"))
+            ckpt.resume = None
+            return
+    else:
+        path = checkpoint.resolve(resume)
+    meta = checkpoint.check(path)
+    ckpt.resume = path
+    ckpt.dir = ckpt.dir or os.path.dirname(path)  # keep saving beside it
+    step, steps = int(meta["step"]), recipe.train.steps
+    if step >= steps:
+        raise ZerorunError(f"--resume: {path} was saved after step {step} and train.steps is {steps}: nothing "
+                           "left to train (raise train.steps to train on)")
+    line = schedule_change(meta, recipe, step)
+    if line:
+        say(line)
+
+
+def schedule_change(meta: dict, recipe, step: int) -> str | None:
+    """One line saying how the LR schedule of ``recipe`` differs from the one the checkpoint (``meta``, its
+    ``zerorun.json``) was saved under, with the LR before and after the resume point; ``None`` when it is the
+    same (Note [LR schedule on resume])."""
+    from zerorun.recipe import ScheduleSpec
+    from zerorun.schedule import lr_multiplier
+
+    saved = ((meta.get("recipe") or {}).get("train") or {})
+    try:
+        old_spec = ScheduleSpec.model_validate(saved.get("schedule") or {})
+        old_steps = int(saved["steps"])
+        base = float((saved.get("optimizer") or {}).get("lr", recipe.train.optimizer.lr))
+    except (KeyError, TypeError, ValueError):
+        return None  # a checkpoint without its recipe's schedule: nothing to compare with
+    new_spec, new_steps = recipe.train.schedule, recipe.train.steps
+    changes = [f"train.steps {old_steps} -> {new_steps}"] if old_steps != new_steps else []
+    for field, value in new_spec.model_dump().items():
+        if getattr(old_spec, field) != value:
+            changes.append(f"train.schedule.{field} {getattr(old_spec, field)} -> {value}")
+    if not changes:
+        return None
+    before = base * lr_multiplier(old_spec, old_steps)(step - 1)
+    after = base * lr_multiplier(new_spec, new_steps)(step)
+    return (f"zerorun: resuming after step {step} with {', '.join(changes)}: the LR schedule is recomputed as for "
+            f"a run of {new_steps} steps from the start (lr {before:.3g} at step {step}, {after:.3g} at step "
+            f"{step + 1})")
