@@ -21,7 +21,9 @@ def human_bytes(n: float) -> str:
 
 
 def human_rate(n: float) -> str:
-    """A rate with k/M suffixes: ``24.3k``."""
+    """A rate with k/M/G suffixes: ``24.3k``, ``1.58G``."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}G"
     if n >= 1e6:
         return f"{n / 1e6:.2f}M"
     if n >= 1e3:
@@ -44,7 +46,7 @@ def human_flops(tflops: float) -> str:
     """A TFLOP/s figure in the unit that keeps it readable: ``41.2 TFLOP/s``, ``815 GFLOP/s``, ``3.1 MFLOP/s``."""
     for scale, unit in ((1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s")):
         if tflops >= scale:
-            return f"{tflops / scale:.3g} {unit}"
+            return f"{tflops / scale:.3g} {unit}" if tflops / scale < 1000 else f"{tflops / scale:.0f} {unit}"
     return f"{tflops * 1e6:.3g} MFLOP/s"
 
 
@@ -64,12 +66,24 @@ def short_bytes(n: float | None) -> str:
     """Bytes in binary units with three significant digits (``409 MiB``, ``8.04 MiB``); ``-`` when unknown."""
     if n is None:
         return "-"
-    text = human_bytes(n)  # one decimal: "408.7 MiB"
-    value, unit = text.split(" ")
-    if unit == "B":
-        return text
-    v = float(value) if float(value) < 1000 else round(float(value))
-    return f"{v:.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if abs(n) < 999.5 or unit == "TiB":
+            break
+    return f"{n:.0f} {unit}" if abs(n) >= 99.95 else f"{n:.1f} {unit}" if abs(n) >= 9.995 else f"{n:.2f} {unit}"
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """Ranks as ``0-7, 9, 12-15``: runs of consecutive ranks shortened to their ends."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def pack(phrases: Iterable[str], width: int, sep: str = "   ") -> list[str]:

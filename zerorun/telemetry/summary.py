@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import TextIO
 
 from rich.console import Console, Group
-from rich.table import Table
 from rich.text import Text
 
-from zerorun.telemetry.format import human_duration, human_rate, pct, seconds, short_bytes
+from zerorun.telemetry.format import human_duration, human_rate, pct, rank_list, seconds, short_bytes
 from zerorun.telemetry.layout import Column, render_table
 from zerorun.telemetry.state import JobState, RankState
 
@@ -25,7 +24,7 @@ def host_groups(ranks: list[RankState]) -> list[tuple[str, list[int]]] | None:
         hosts.setdefault(r.host or "?", []).append(i)
     if len(hosts) < 2:
         return None
-    return [(f"{host}: rank{'s' * (len(rows) > 1)} {', '.join(str(ranks[i].rank) for i in rows)}", rows)
+    return [(f"{host}: rank{'s' * (len(rows) > 1)} {rank_list(ranks[i].rank for i in rows)}", rows)
             for host, rows in hosts.items()]
 
 
@@ -62,9 +61,6 @@ def summary(state: JobState, width: int = PLAIN_WIDTH) -> Group:
     ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
     table = render_table(rank_columns(ranks), width, groups=host_groups(ranks),
                          host=Column("host", [r.host or "?" for r in ranks], justify="left", priority=0))
-    job = Table.grid(padding=(0, 2))
-    job.add_column(style="bold", no_wrap=True)
-    job.add_column(overflow="fold")
     rows = [("total time", human_duration(state.elapsed_s())),
             ("time to first step", human_duration(state.time_to_first_step_s())),
             ("steps", f"{state.step}/{state.steps or '?'}")]
@@ -75,10 +71,21 @@ def summary(state: JobState, width: int = PLAIN_WIDTH) -> Group:
     if state.checkpoints:
         c = state.checkpoints[-1]
         rows.append(("last checkpoint", f"step {c.get('step', '?')}: {c.get('path', '?')}"))
-    for name, value in rows:
-        job.add_row(name, Text(value))  # values are not markup: a path may hold '[...]'
     return Group(Text(f"zerorun · {state.name} · summary", style="bold"), Text("per rank", style="italic"), table,
-                 Text(""), job)
+                 Text(""), *key_values(rows, width))
+
+
+def key_values(rows: list[tuple[str, str]], width: int) -> list[Text]:
+    """``name  value`` lines, names bold in one column; a value that does not fit beside its name goes on the
+    next line, indented (values are not markup: a path may hold ``[...]``)."""
+    pad = max((len(name) for name, _ in rows), default=0) + 2
+    lines = []
+    for name, value in rows:
+        if pad + len(value) <= width:
+            lines.append(Text.assemble((name.ljust(pad), "bold"), value))
+        else:
+            lines += [Text(name, style="bold"), Text("  " + value, overflow="fold")]
+    return lines
 
 
 def print_summary(state: JobState, out: TextIO | None = None, console: Console | None = None) -> None:
