@@ -226,6 +226,23 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert proc.returncode == 130 and time.time() - t0 < 15
     assert "stopped by SIGINT" in proc.stderr.read()
     assert survivors(job) == []
+    # issue 18: the views' log tail says the job was interrupted in one line, torchrun's traceback folded away;
+    # the run folder's output.log keeps it whole
+    from zerorun.telemetry.format import log_lines
+    from zerorun.telemetry.state import JobState
+
+    run_dir = re.search(r"run dir (\S+)", header).group(1)
+    with open(os.path.join(tmp_path, run_dir, "output.log")) as f:
+        logged = f.read().splitlines()
+    assert any("SignalException" in line for line in logged)
+    state = JobState(world_size=2)
+    for line in logged:
+        node, text = re.match(r"\[node (\d+)\] (.*)", line).groups()
+        state.add_line(int(node), text)
+    state.end()
+    tail = log_lines(state.log)
+    assert sum("job interrupted: torchrun got SIG" in line for line in tail) == 1, tail
+    assert not any(word in line for line in tail for word in ("Traceback", "SignalException", "closing signal"))
 
 
 @pytest.mark.parametrize("args,expected", [

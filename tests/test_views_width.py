@@ -108,6 +108,26 @@ def test_step_and_eta_move_between_step_events():
     assert PlainView(io.StringIO(), state).state.step == 37
 
 
+def test_rank_0_sends_a_progress_event_per_step_at_most_ten_a_second():
+    import time
+
+    from zerorun.telemetry.events import parse_line
+    from zerorun.telemetry.steplog import PROGRESS_EVERY_S, StepLog
+
+    out, other = io.StringIO(), io.StringIO()
+    log, log1 = StepLog(0, 2, None, stream=out), StepLog(1, 2, None, stream=other)
+    for step in range(1, 1001):
+        log.progress(step, 1000)
+        log1.progress(step, 1000)
+        if step == 500:
+            time.sleep(PROGRESS_EVERY_S)
+    sent = [parse_line(line) for line in out.getvalue().splitlines()]
+    steps = [e.data["step"] for e in sent]
+    assert all(e.kind == "progress" and e.rank == 0 and e.data["steps"] == 1000 for e in sent)
+    assert steps[0] == 1 and 501 in steps and steps[-1] == 1000 and len(steps) < 20
+    assert other.getvalue() == "" and log.telemetry_s > 0
+
+
 def test_recorder_leaves_progress_events_out_of_metrics(tmp_path):
     rec = RunRecorder(str(tmp_path))
     rec.event(Event("progress", 0, T0, {"step": 3, "steps": 10}))
@@ -190,9 +210,10 @@ def write_run(folder, name: str, status: str | None = "ok", rank=None, host=None
               events=None) -> str:
     run_dir = str(folder / name)
     rec = RunRecorder(run_dir)
-    for e in events if events is not None else big_state(cuda=False).ranks and [
-            Event("start", r, T0, {"host": "node1"}) for r in range(2)] + [
-            Event("step", r, T0 + 1, {"step": 5, "steps": 10, "loss": 2.0}) for r in range(2)]:
+    if events is None:
+        events = [Event("start", r, T0, {"host": "node1"}) for r in range(2)]
+        events += [Event("step", r, T0 + 1, {"step": 5, "steps": 10, "loss": 2.0}) for r in range(2)]
+    for e in events:
         rec.event(e)
     rec.close()
     if status is not None:

@@ -91,8 +91,9 @@ def render_table(columns: Sequence[Column], width: int, *, row_styles: Sequence[
         return _stacked(columns, width, row_styles, groups)
     widths = [c.width for c in cols]
     lines: list[Text] = []
-    for k in range(max(len(c.header.split("\n")) for c in cols)):
-        heads = [(c.header.split("\n") + [""] * 9)[k] for c in cols]  # headers are bottom-padded
+    depth = max(len(c.header.split("\n")) for c in cols)
+    for k in range(depth):
+        heads = [([""] * depth + c.header.split("\n"))[-depth:][k] for c in cols]  # headers sit on the rule
         line = Text(" " * GAP).join(_cell(c, Text(h), w) for c, h, w in zip(cols, heads, widths))
         line.stylize("bold")
         lines.append(line)
