@@ -101,7 +101,9 @@ def test_many_ranks_fit_the_terminal_marked_ones_first():
         state.update(step_event(r, 40, wait=0.005 if r == 35 else 0.060, host_used=15 * GiB if r == 20 else 8 * GiB))
     text = rendered(render(state, now=T0 + 25, height=30))
     shown = [r for r in range(40) if re.search(rf"\s{r}\s+40\s+2\.6000", text)]
-    assert shown == [0, 1, 2, 3, 4, 5, 6, 20, 35] and "31 more ranks not shown" in text
+    assert len(text.splitlines()) <= 29  # the header, the log panel, and as many ranks as the rest holds
+    assert shown == [*range(len(shown) - 2), 20, 35] and len(shown) >= 12, text
+    assert f"{40 - len(shown)} more ranks not shown" in text
     assert re.search(r"\s20\s+40\s.*memory 94%", text) and re.search(r"\s35\s+40\s.*straggler", text)
 
 

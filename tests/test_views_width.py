@@ -38,7 +38,7 @@ def big_state(cuda: bool = True) -> JobState:
             "params": 842 * MiB + r, "grads": 842 * MiB, "optimizer": 5052 * MiB}}))
     for step, t in ((1, T0 + 100), (1_234_560, T0 + 500_100)):
         for r in range(16):
-            cu = {"cuda_allocated_bytes": 61 * GiB + r * MiB, "cuda_reserved_bytes": 60 * GiB,
+            cu = {"cuda_allocated_bytes": 51 * GiB + r * MiB, "cuda_reserved_bytes": 60 * GiB,
                   "cuda_peak_bytes": 77 * GiB, "cuda_total_bytes": 80 * GiB} if cuda else {}
             state.update(Event("step", r, t, {
                 "step": step, "steps": 2_500_000, "loss": 12.3456 - r / 1000, "step_time_s": 0.4051,
@@ -63,6 +63,7 @@ def text_of(renderable, width: int) -> str:
 def test_views_fit_the_width_and_never_cut_a_number(width, view):
     """At 80 and 120 columns every column used to be cut to '…' (the summary needed ~127 columns)."""
     state = big_state()
+    state.ended = T0 + 500_400  # the elapsed time, without ending the ranks
     make = (lambda w: render(state, now=T0 + 500_400, width=w)) if view == "dashboard" else \
         (lambda w: summary(state, w))
     text, wide = text_of(make(width), width), text_of(make(400), 400)
@@ -87,6 +88,14 @@ def test_views_fit_the_width_and_never_cut_a_number(width, view):
         assert "loss 12.3456" in text and "ranks 0-7" in text
     else:
         assert re.search(r"steps\s+1234560/2500000", text) and "187 GiB" in text
+
+
+@pytest.mark.parametrize("width,height", [(80, 24), (100, 40), (160, 50)])
+def test_live_view_fits_the_terminal_height(width, height):
+    text = text_of(render(big_state(), now=T0 + 500_400, width=width, height=height), width)
+    assert len(text.splitlines()) <= height and "…" not in text
+    assert "straggler" in text and "memory 93%" in text
+    assert ("more ranks not shown" in text) == (height == 24)  # 16 ranks fit 40 lines
 
 
 def test_rows_stack_when_even_the_kept_columns_do_not_fit():

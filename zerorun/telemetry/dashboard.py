@@ -16,6 +16,7 @@ The view interface (shared with ``console.PlainView``): ``event(e)``, ``line(nod
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from typing import TextIO
@@ -162,7 +163,7 @@ def log_panel(state: JobState, width: int = WIDTH, height: int = LOG_HEIGHT) -> 
     inner = max(20, width - 4)
     lines, used = [], 0
     for line in reversed(log_lines(state.log)):
-        need = max(1, -(-len(line) // inner))
+        need = lines_of(Text(line, overflow="fold"), inner)
         if lines and used + need > height:
             break
         lines.insert(0, line)
@@ -171,11 +172,30 @@ def log_panel(state: JobState, width: int = WIDTH, height: int = LOG_HEIGHT) -> 
     return Panel(text, title="log", title_align="left", border_style="dim")
 
 
+def lines_of(renderable, width: int) -> int:
+    """Terminal lines ``renderable`` takes at ``width`` columns."""
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    return len(console.render_lines(renderable, console.options, pad=False))
+
+
 def render(state: JobState, now: float | None = None, height: int | None = None, width: int = WIDTH) -> Group:
-    """The whole live view for ``state`` at time ``now`` (Unix s), ``width`` columns wide, fitting the rank
-    table into ``height`` lines of terminal when given (the header and log panel take about 20)."""
-    max_rows = max(3, height - 21) if height else None
-    return Group(header(state, now, width), rank_table(state, max_rows, width), log_panel(state, width))
+    """The whole live view for ``state`` at time ``now`` (Unix s), ``width`` columns wide. With ``height``, it
+    fits that many lines of terminal: the log panel gets up to a quarter of them, and the rank table shows as
+    many ranks as the lines left after the header and the log hold (at least 3; more are counted in a line)."""
+    top = header(state, now, width)
+    if not height:
+        return Group(top, rank_table(state, None, width), log_panel(state, width))
+    log = log_panel(state, width, min(LOG_HEIGHT, max(2, height // 4)))
+    budget = height - lines_of(top, width) - lines_of(log, width) - 1  # one spare: rich's cursor line
+    if budget < 10:  # a small terminal: the rank table first (3 ranks, 2 host headings, its header)
+        log = log_panel(state, width, 2)
+        budget = height - lines_of(top, width) - lines_of(log, width) - 1
+    max_rows = max(3, budget - 3)
+    table = rank_table(state, max_rows, width)
+    while max_rows > 3 and lines_of(table, width) > budget:  # host headings, stacked rows: measure, shrink
+        max_rows = max(3, max_rows - (lines_of(table, width) - budget))
+        table = rank_table(state, max_rows, width)
+    return Group(top, table, log)
 
 
 class LiveView:
