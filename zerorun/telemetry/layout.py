@@ -11,6 +11,7 @@ each row is stacked: its cells as ``label value`` phrases on as many lines as it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from rich.console import Group
@@ -37,7 +38,7 @@ class Column:
         c = self.cells[i]
         return c if isinstance(c, Text) else Text(c)
 
-    @property
+    @cached_property
     def width(self) -> int:
         heads = [len(h) for h in self.header.split("\n")]
         return max([*heads, *(self.text(i).cell_len for i in range(len(self.cells)))], default=0)
