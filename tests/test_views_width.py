@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from rich.console import Console
@@ -114,11 +115,17 @@ def test_step_and_eta_move_between_step_events():
     assert state.step == 37 and "step 37/1000" in text_of(render(state, now=T0 + 28.1, width=100), 100)
     etas = [state.eta_s(now=T0 + 28 + dt) for dt in (0.0, 1.0, 5.0, 1000.0)]
     assert etas[0] == pytest.approx(0.5 * 963) and etas == sorted(etas, reverse=True) and etas[-1] == 0.0
-    assert PlainView(io.StringIO(), state).state.step == 37
+    out = io.StringIO()
+    view = PlainView(out, JobState(world_size=2, steps=1000, started=T0), quiet_s=3600.0)
+    now = time.time()
+    view.event(Event("progress", 0, now - 1, {"step": 1, "steps": 1000}))  # within quiet_s of the start
+    view._last_print -= 3600.0  # an hour without a line: the next progress event prints one
+    view.event(Event("progress", 0, now, {"step": 3, "steps": 1000}))
+    view.event(Event("progress", 0, now + 1, {"step": 5, "steps": 1000}))
+    assert out.getvalue().splitlines() == ["step 3/1000  eta 498 s"]  # 0.5 s/step x 997
 
 
 def test_rank_0_sends_a_progress_event_per_step_at_most_ten_a_second():
-    import time
 
     from zerorun.telemetry.events import parse_line
     from zerorun.telemetry.steplog import PROGRESS_EVERY_S, StepLog

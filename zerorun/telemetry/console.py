@@ -41,14 +41,16 @@ class RunRecorder:
 class PlainView:
     """Plain one-line progress on ``out`` for when there is no terminal (CI, ``| tee``, ``--no-dashboard``):
     a job line from rank 0's step events at most every ``min_interval_s`` seconds (the first and last step
-    always), lifecycle lines (``state.describe``), every rank's own output, and the summary table at the end.
-    The job's picture is kept in ``state`` (a :class:`~zerorun.telemetry.state.JobState`)."""
+    always), and when step events are sparse (a large ``log.every``) a short ``step N/M  eta`` line from rank 0's
+    progress events once no line was printed for ``quiet_s``; lifecycle lines (``format.describe``), every
+    rank's own output, and the summary table at the end. The job's picture is kept in ``state`` (a
+    :class:`~zerorun.telemetry.state.JobState`)."""
 
-    def __init__(self, out: TextIO, state=None, min_interval_s: float = 2.0) -> None:
+    def __init__(self, out: TextIO, state=None, min_interval_s: float = 2.0, quiet_s: float = 30.0) -> None:
         self.out = out
         self.state = state if state is not None else JobState()
-        self.min_interval_s = min_interval_s
-        self._last_print = 0.0
+        self.min_interval_s, self.quiet_s = min_interval_s, quiet_s
+        self._last_print = time.monotonic()  # when the last progress line was printed
 
     def event(self, e: Event) -> None:
         self.state.update(e)
@@ -58,6 +60,13 @@ class PlainView:
             if now - self._last_print >= self.min_interval_s or d.get("step") in (1, d.get("steps")):
                 self._last_print = now
                 self.print(self.progress_line(e))
+        elif e.kind == "progress" and e.rank == 0:
+            now = time.monotonic()
+            if now - self._last_print >= self.quiet_s and integer(d, "step") is not None:
+                self._last_print = now
+                eta = self.state.eta_s()
+                self.print(f"step {integer(d, 'step')}/{self.state.steps or '?'}"
+                           + (f"  eta {eta:.0f} s" if eta is not None else ""))
         elif e.kind in ("eval", "checkpoint") or e.kind == "error" and not d.get("user_error"):
             for line in describe(e):  # user errors: the launcher's one line says it
                 self.print(line)
