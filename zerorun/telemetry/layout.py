@@ -83,11 +83,11 @@ def render_table(columns: Sequence[Column], width: int, *, row_styles: Sequence[
     row (e.g. the straggler's colour)."""
     n = len(columns[0].cells) if columns else 0
     order = list(range(n))
-    cols = fit(([host] if host is not None else []) + list(columns), width) if host is not None else None
-    if cols is None or (host is not None and host not in cols):
-        cols = fit(columns, width)
-    else:
+    cols = fit([host, *columns], width) if host is not None else None
+    if cols is not None and any(c is host for c in cols):
         groups = None  # the host is a column: no headings
+    else:
+        cols = fit(columns, width)
     if cols is None:
         return _stacked(columns, width, row_styles, groups)
     widths = [c.width for c in cols]
@@ -105,7 +105,7 @@ def render_table(columns: Sequence[Column], width: int, *, row_styles: Sequence[
         for i in rows:
             line = Text(" " * GAP).join(_cell(c, c.text(i), w) for c, w in zip(cols, widths))
             if i < len(row_styles) and row_styles[i]:
-                line.stylize(row_styles[i])
+                line.stylize_before(row_styles[i])  # under the cells' own styles, as rich's row styles
             line.no_wrap = True
             lines.append(line)
     return Group(*lines)
