@@ -57,7 +57,7 @@ def test_estimate_notes_and_names_keep_brackets():
 
 
 def test_summary_keeps_brackets_in_paths():
-    from zerorun.telemetry.dashboard import print_summary
+    from zerorun.telemetry.summary import print_summary
     from zerorun.telemetry.state import JobState
 
     state = JobState(name="exp", world_size=1, steps=1)

@@ -70,6 +70,9 @@ def test_tiny_recipe_trains_on_two_ranks(tmp_path):
     shown = zerorun("show", str(run_dir), cwd=ROOT)
     assert shown.returncode == 0 and re.search(r"steps\s+30/30", shown.stdout), shown.stdout + shown.stderr
     assert re.search(r"localhost\s+0\s+done\s+30\s", shown.stdout) and "final validation loss" in shown.stdout
+    latest = zerorun("show", str(run_dir.parent), cwd=ROOT)  # runs/<name>: its latest run (issue 18)
+    assert latest.stdout.startswith(f"zerorun: the latest of 1 run in {run_dir.parent}: ")
+    assert latest.stdout.rstrip().endswith("zerorun: the job finished (exit status 0)"), latest.stdout
 
 
 def test_live_dashboard_in_a_terminal(tmp_path):
@@ -236,6 +239,26 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert proc.returncode == 130 and time.time() - t0 < 15
     assert "stopped by SIGINT" in proc.stderr.read()
     assert survivors(job) == []
+    # issue 18: the views' log tail says the job was interrupted in one line, torchrun's traceback folded away;
+    # the run folder's output.log keeps it whole
+    from zerorun.telemetry.format import log_lines
+    from zerorun.telemetry.state import JobState
+
+    run_dir = re.search(r"run dir (\S+)", header).group(1)
+    with open(os.path.join(tmp_path, run_dir, "output.log")) as f:
+        logged = f.read().splitlines()
+    assert any("death signal" in line for line in logged)  # torchrun's first words on SIGTERM (then its traceback)
+    state = JobState(world_size=2)
+    for line in logged:
+        node, text = re.match(r"\[node (\d+)\] (.*)", line).groups()
+        state.add_line(int(node), text)
+    state.end()
+    tail = log_lines(state.log)
+    assert sum("job interrupted: torchrun got SIG" in line for line in tail) == 1, tail
+    assert not any(word in line for line in tail for word in ("Traceback", "SignalException", "closing signal"))
+    shown = zerorun("show", os.path.join(tmp_path, run_dir), cwd=ROOT)
+    assert shown.stdout.rstrip().endswith("zerorun: the job was interrupted (exit status 130): stopped by SIGINT: "
+                                          "every rank was terminated"), shown.stdout + shown.stderr
 
 
 @pytest.mark.parametrize("args,expected", [

@@ -265,25 +265,16 @@ def estimate(
 
 @app.command()
 def show(
-    run_dir: str = typer.Argument(..., help="A run directory: runs/<name>/<timestamp>."),
+    run_dir: str = typer.Argument(..., help="A run folder (runs/<name>/<timestamp>), or runs/<name> for its "
+                                            "latest run."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Also draw loss and memory per rank over steps into "
                                                             "this image file (needs matplotlib)."),
 ) -> None:
-    """Print the summary of a finished run again (from its metrics.jsonl); --plot draws loss and memory."""
-    from zerorun.telemetry.dashboard import print_summary
-    from zerorun.telemetry.state import load_run
+    """Print the summary of a run again (from its metrics.jsonl) and how the job ended; --plot draws loss and
+    memory."""
+    from zerorun.telemetry.show import show as run
 
-    if plot:
-        from zerorun.telemetry.plot import check_plot_path
-
-        check_plot_path(plot)  # before anything is printed or written
-    state, events = load_run(run_dir)
-    print_summary(state, sys.stdout)
-    if plot:
-        from zerorun.telemetry.plot import plot_run
-
-        plot_run(state, events, plot)
-        print(f"zerorun: wrote {plot}")
+    run(run_dir, plot)
 
 
 def optional_value(argv: list[str], option: str, default: str) -> list[str]:

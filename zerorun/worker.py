@@ -231,6 +231,7 @@ def train(recipe: Recipe, rank: int) -> None:
         if first_step_s is None:
             first_step_s = time.time() - t_start
         steplog.flush()  # the previous logged step's event (Note [Deferred loss] in telemetry/steplog.py)
+        steplog.progress(step, t.steps)  # rank 0: the launcher's step count moves every step
         if step % recipe.log.every == 0 or step == t.steps or step == 1:
             with steplog.measuring():
                 comm = engine.comm_stats()

@@ -259,7 +259,8 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
         state.end()
         view.close()  # the summary table, also after a failure or Ctrl-C
         if result is not None:
-            write_job_file(run_dir, state, result.status, result.exit_code, result.message)
+            write_job_file(run_dir, state, result.status, result.exit_code, result.message, result.rank,
+                           result.host)
     for host, why in supervisor.unverified.items():
         sys.stderr.write(f"zerorun: warning: {host}: could not check that the job's processes are gone: {why}\n")
     if result.status != "ok":

@@ -1,5 +1,5 @@
 """Plain line-by-line progress for the launcher (the live dashboard builds on the same events), and the run
-directory recorder: every event to ``metrics.jsonl``, every line to ``output.log``."""
+directory recorder: every event but ``progress`` to ``metrics.jsonl``, every line to ``output.log``."""
 
 from __future__ import annotations
 
@@ -8,29 +8,15 @@ import os
 import time
 from typing import TextIO
 
-from zerorun.telemetry.events import Event
-
-
-def human_bytes(n: float) -> str:
-    """``n`` bytes as KiB/MiB/GiB (powers of 1024), e.g. ``612.0 MiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def human_rate(n: float) -> str:
-    """A rate with k/M suffixes: ``24.3k``."""
-    if n >= 1e6:
-        return f"{n / 1e6:.2f}M"
-    if n >= 1e3:
-        return f"{n / 1e3:.1f}k"
-    return f"{n:.1f}"
+from zerorun.telemetry.events import Event, integer, number
+from zerorun.telemetry.format import describe, human_bytes, human_rate  # noqa: F401 - human_*: also used by others
+from zerorun.telemetry.state import JobState
+from zerorun.telemetry.summary import print_summary
 
 
 class RunRecorder:
-    """Writes ``metrics.jsonl`` (one event per line, as emitted) and ``output.log`` in ``run_dir``."""
+    """Writes ``metrics.jsonl`` (one event per line, as emitted; not ``progress`` events, whose every field is in
+    the step events too) and ``output.log`` (every other line, prefixed ``[node N]``) in ``run_dir``."""
 
     def __init__(self, run_dir: str) -> None:
         os.makedirs(run_dir, exist_ok=True)
@@ -38,6 +24,8 @@ class RunRecorder:
         self.log = open(os.path.join(run_dir, "output.log"), "a", encoding="utf-8")
 
     def event(self, event: Event) -> None:
+        if event.kind == "progress":
+            return
         self.metrics.write(json.dumps(event.to_json(), separators=(",", ":")) + "\n")
         self.metrics.flush()
 
@@ -53,20 +41,18 @@ class RunRecorder:
 class PlainView:
     """Plain one-line progress on ``out`` for when there is no terminal (CI, ``| tee``, ``--no-dashboard``):
     a job line from rank 0's step events at most every ``min_interval_s`` seconds (the first and last step
-    always), lifecycle lines (``state.describe``), every rank's own output, and the summary table at the end.
-    The job's picture is kept in ``state`` (a :class:`~zerorun.telemetry.state.JobState`)."""
+    always), and when step events are sparse (a large ``log.every``) a short ``step N/M  eta`` line from rank 0's
+    progress events once no line was printed for ``quiet_s``; lifecycle lines (``format.describe``), every
+    rank's own output, and the summary table at the end. The job's picture is kept in ``state`` (a
+    :class:`~zerorun.telemetry.state.JobState`)."""
 
-    def __init__(self, out: TextIO, state=None, min_interval_s: float = 2.0) -> None:
-        from zerorun.telemetry.state import JobState
-
+    def __init__(self, out: TextIO, state=None, min_interval_s: float = 2.0, quiet_s: float = 30.0) -> None:
         self.out = out
         self.state = state if state is not None else JobState()
-        self.min_interval_s = min_interval_s
-        self._last_print = 0.0
+        self.min_interval_s, self.quiet_s = min_interval_s, quiet_s
+        self._last_print = time.monotonic()  # when the last progress line was printed
 
     def event(self, e: Event) -> None:
-        from zerorun.telemetry.state import describe
-
         self.state.update(e)
         d = e.data
         if e.kind == "step" and e.rank == 0:
@@ -74,6 +60,13 @@ class PlainView:
             if now - self._last_print >= self.min_interval_s or d.get("step") in (1, d.get("steps")):
                 self._last_print = now
                 self.print(self.progress_line(e))
+        elif e.kind == "progress" and e.rank == 0:
+            now = time.monotonic()
+            if now - self._last_print >= self.quiet_s and integer(d, "step") is not None:
+                self._last_print = now
+                eta = self.state.eta_s()
+                self.print(f"step {integer(d, 'step')}/{self.state.steps or '?'}"
+                           + (f"  eta {eta:.0f} s" if eta is not None else ""))
         elif e.kind in ("eval", "checkpoint") or e.kind == "error" and not d.get("user_error"):
             for line in describe(e):  # user errors: the launcher's one line says it
                 self.print(line)
@@ -90,8 +83,6 @@ class PlainView:
     def progress_line(self, e: Event) -> str:
         """``step 20/400  loss 3.1927  lr 1.50e-03  grad 1.799  156 ms/step  102.5 samples/s ...``: rank
         ``e.rank``'s step event, with the job-wide rates, ETA and any straggler or memory alert."""
-        from zerorun.telemetry.state import integer, number
-
         d, s = e.data, self.state
         steps = integer(d, "steps") or s.steps or "?"
         parts = [f"step {integer(d, 'step') or '?':>{len(str(steps))}}/{steps}"]
@@ -115,9 +106,9 @@ class PlainView:
         return "  ".join(parts)
 
     def line(self, node_rank: int, line: str) -> None:
-        self.state.add_line(node_rank, line)
-        if line.startswith("[rank "):
-            self.print(line)
+        for shown in self.state.add_line(node_rank, line):  # torchrun's stop traceback folded (telemetry/logtail.py)
+            if shown.startswith("[rank ") or " job interrupted: " in shown:
+                self.print(shown)
 
     def print(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -125,7 +116,5 @@ class PlainView:
 
     def close(self) -> None:
         """Print the summary table (plain text when ``out`` is not a terminal)."""
-        from zerorun.telemetry.dashboard import print_summary
-
         print_summary(self.state, self.out)
         self.out.flush()

@@ -1,5 +1,7 @@
 """The launcher's live dashboard (rich ``Live``): a job header, one row per rank, the last log lines, and the
-summary table printed when the job ends.
+summary table printed when the job ends; everything laid out for the terminal's width (Note [Fitting the
+width] in telemetry/layout.py). The job's picture is a :class:`~zerorun.telemetry.state.JobState`: this
+module reads it and never the other way round.
 
 Note [Straggler and memory marks]: in synchronous data parallelism every rank's step takes about as long,
 because the fast ranks wait for the slow one inside the collectives. So the straggler is found from the time
@@ -14,64 +16,28 @@ The view interface (shared with ``console.PlainView``): ``event(e)``, ``line(nod
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from typing import TextIO
 
-from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
-from rich.progress_bar import ProgressBar
-from rich.table import Table
 from rich.text import Text
 
-from zerorun.telemetry.console import PlainView, human_bytes, human_rate
+from zerorun.telemetry.console import PlainView
 from zerorun.telemetry.events import Event
-from zerorun.telemetry.state import MEMORY_ALERT, JobState, RankState, describe
+from zerorun.telemetry.format import (describe, human_duration, human_flops, human_rate, log_lines, pack, pct,
+                                      seconds, short_bytes)
+from zerorun.telemetry.layout import Column, render_table
+from zerorun.telemetry.state import MEMORY_ALERT, JobState, RankState
+from zerorun.telemetry.summary import host_groups, print_summary
 
-BAR_WIDTH = 8
-
-
-def human_duration(seconds: float | None) -> str:
-    """``seconds`` as ``42 s``, ``3:07`` (m:ss) or ``1:02:03`` (h:mm:ss); ``-`` when unknown."""
-    if seconds is None:
-        return "-"
-    s = int(round(seconds))
-    if s < 60:
-        return f"{seconds:.1f} s" if seconds < 10 else f"{s} s"
-    h, rem = divmod(s, 3600)
-    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
-
-
-def _seconds(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
-
-
-def human_flops(tflops: float) -> str:
-    """A TFLOP/s figure in the unit that keeps it readable: ``41.2 TFLOP/s``, ``815 GFLOP/s``, ``3.1 MFLOP/s``."""
-    for scale, unit in ((1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s")):
-        if tflops >= scale:
-            return f"{tflops / scale:.3g} {unit}"
-    return f"{tflops * 1e6:.3g} MFLOP/s"
-
-
-def _pct(frac: float | None) -> str:
-    return "-" if frac is None else f"{100 * frac:.0f}%"
-
-
-def _bytes(n: float | None) -> str:
-    """Bytes in binary units with three significant digits (``409 MiB``, ``8.04 MiB``); ``-`` when unknown."""
-    if n is None:
-        return "-"
-    text = human_bytes(n)  # one decimal: "408.7 MiB"
-    value, unit = text.split(" ")
-    if unit == "B":
-        return text
-    v = float(value) if float(value) < 1000 else round(float(value))
-    return f"{v:.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}"
+BAR_WIDTH = 8  # the host memory bar
+PROGRESS_BAR = 30  # the progress bar, on a terminal wide enough
+WIDTH = 150  # when no width is given
+LOG_HEIGHT = 8  # terminal lines of the log panel's text
 
 
 def memory_bar(r: RankState) -> Text:
@@ -87,22 +53,39 @@ def memory_bar(r: RankState) -> Text:
     bar = Text("█" * n_own, style="red" if alert else "cyan")
     bar.append("▒" * (n_used - n_own), style="red" if alert else "blue")
     bar.append("░" * (BAR_WIDTH - n_used), style="dim")
-    bar.append(f" {_pct(used)}")
+    bar.append(f" {pct(used)}")
     return bar
 
 
-def header(state: JobState, now: float | None = None) -> Panel:
+def progress_lines(state: JobState, width: int, now: float) -> list[Text]:
+    """``step 40/100 ━━━━━━━━━━━━━━━━━━ 40%  elapsed 25 s  ETA 37 s`` on one line of ``width``, the bar
+    shortened (to 10) or the times moved to a second line when it does not fit."""
+    total, step = state.steps or 0, state.step
+    label = f"step {step}/{total or '?'}"
+    done = f"{100 * step / total:.0f}%" if total else ""
+    times = f"elapsed {human_duration(state.elapsed_s(now))}  ETA {human_duration(state.eta_s(now))}"
+    fixed = len(label) + len(done) + 3
+    bar_width = min(PROGRESS_BAR, width - fixed - len(times) - 1)
+    one_line = bar_width >= 10
+    bar_width = bar_width if one_line else max(1, min(PROGRESS_BAR, width - fixed))
+    filled = round(bar_width * min(step, total) / total) if total else 0
+    line = Text(label + " ", style="bold")
+    line.append("━" * filled, style="magenta")
+    line.append("━" * (bar_width - filled), style="grey23")
+    line.append(f" {done}" if done else "")
+    if one_line:
+        line.append(" " + times)
+        return [line]
+    return [line, Text(times)]
+
+
+def header(state: JobState, now: float | None = None, width: int = WIDTH) -> Panel:
     """Recipe, stage, precision, world size and hosts; progress bar with elapsed time and ETA; job-wide
-    throughput, latest loss and validation loss, latest checkpoint."""
+    throughput, latest loss and validation loss, latest checkpoint. Lines wrap between facts, never inside one."""
     now = now or time.time()
+    inner = max(20, width - 4)  # the panel's border and padding
     plan = [f"ZeRO stage {state.stage}" if state.stage is not None else None, state.precision,
             f"{state.world_size or len(state.ranks)} ranks" + (f" on {', '.join(state.hosts)}" if state.hosts else "")]
-    total, step = state.steps or 0, state.step
-    progress = Table.grid(padding=(0, 1))
-    progress.add_row(Text(f"step {step}/{total or '?'}", style="bold"),
-                     ProgressBar(total=max(total, 1), completed=min(step, total or 1), width=30),
-                     Text(f"{100 * step / total:.0f}%" if total else ""),
-                     Text(f"elapsed {human_duration(state.elapsed_s(now))}  ETA {human_duration(state.eta_s(now))}"))
     rates = [f"{human_rate(v)} {unit}" for v, unit in ((state.job_rate("samples_per_s"), "samples/s"),
                                                       (state.job_rate("tokens_per_s"), "tokens/s"))
              if v is not None]
@@ -116,28 +99,46 @@ def header(state: JobState, now: float | None = None) -> Panel:
         facts.append(f"val {state.final_val:.4f} (best {state.best_val:.4f})")
     if state.checkpoints:
         facts.append(f"checkpoint step {state.checkpoints[-1].get('step', '?')}")
-    body = Group(Text(" · ".join(p for p in plan if p)), progress, Text("   ".join(facts) or "waiting for ranks"))
-    return Panel(body, title=Text(f"zerorun · {state.name}", style="bold"), title_align="left", border_style="blue")
+    body = [Text(" · ".join(p for p in plan if p)), *progress_lines(state, inner, now),
+            *(Text(line) for line in (pack(facts, inner) or ["waiting for ranks"]))]
+    return Panel(Group(*body), title=Text(f"zerorun · {state.name}", style="bold"), title_align="left",
+                 border_style="blue")
 
 
-def rank_table(state: JobState, max_rows: int | None = None) -> Table:
-    """One row per rank; the straggler and ranks near their memory limit are coloured and named in the status
-    column (Note [Straggler and memory marks]). With more ranks than ``max_rows``, the marked and failed
-    ranks are shown first, then the others in rank order, and a caption counts those left out."""
-    cuda = any(r.cuda for r in state.ranks.values())
+def rank_columns(ranks: list[RankState]) -> list[Column]:
+    """The live rank table's columns, highest priority kept longest (rank, step, loss and status always)."""
+    cuda = any(r.cuda for r in ranks)
+    cols = [Column("rank", [str(r.rank) for r in ranks]),
+            Column("step", [str(r.step) for r in ranks]),
+            Column("loss", ["-" if r.loss is None else f"{r.loss:.4f}" for r in ranks]),
+            Column("samples\n/s", ["-" if r.samples_per_s is None else f"{human_rate(r.samples_per_s)}/s"
+                                   for r in ranks], priority=8),
+            Column("step\ntime", [seconds(r.step_time_s) for r in ranks], priority=9),
+            Column("comm\nwait", [pct(r.comm_wait) for r in ranks], priority=4),
+            Column("RSS\nnow / peak", [f"{short_bytes(r.rss_bytes)} / {short_bytes(r.peak_rss_bytes)}" for r in ranks],
+                   priority=6, alt=Column("RSS\nnow", [short_bytes(r.rss_bytes) for r in ranks], priority=6)),
+            Column("host\nmemory", [memory_bar(r) for r in ranks], justify="left", priority=2),
+            Column("model\nstates", [short_bytes(r.model_state_total) for r in ranks], priority=3)]
+    if cuda:
+        alloc = [f"{short_bytes(r.cuda.get('cuda_allocated_bytes'))} / {short_bytes(r.cuda.get('cuda_reserved_bytes'))}"
+                 if r.cuda else "-" for r in ranks]
+        cols.append(Column("device mem\nalloc / reserved", alloc, priority=5,
+                           alt=Column("device\nreserved", [short_bytes(r.cuda.get("cuda_reserved_bytes"))
+                                                           for r in ranks], priority=5)))
+    return cols
+
+
+def rank_table(state: JobState, max_rows: int | None = None, width: int = WIDTH) -> Group:
+    """One row per rank, fitting ``width``; the straggler and ranks near their memory limit are coloured and
+    named in the status column (Note [Straggler and memory marks]). With more ranks than ``max_rows``, the
+    marked and failed ranks are shown first, then the others in rank order, and a line counts those left out."""
     straggler, alerts = state.straggler(), state.memory_alerts()
     rows = sorted(state.ranks.values(), key=lambda r: r.rank)
     if max_rows is not None and len(rows) > max_rows:
         marked = {r.rank for r in rows if r.rank == straggler or r.rank in alerts or r.status in ("error", "stopped", "killed")}
         rows = sorted(sorted(rows, key=lambda r: r.rank not in marked)[:max_rows], key=lambda r: r.rank)
     left_out = len(state.ranks) - len(rows)
-    table = Table(box=box.SIMPLE_HEAD, header_style="bold", padding=(0, 1), pad_edge=False,
-                  caption=f"{left_out} more ranks not shown" if left_out else None, caption_justify="left")
-    for name, justify in (("host", "left"), ("rank", "right"), ("step", "right"), ("loss", "right"),
-                          ("samples\n/s", "right"), ("step\ntime", "right"), ("comm\nwait", "right"),
-                          ("RSS\nnow / peak", "right"), ("host\nmemory", "left"), ("model\nstates", "right"),
-                          *((("device mem\nalloc / reserved", "right"),) if cuda else ()), ("status", "left")):
-        table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")
+    statuses, styles = [], []
     for r in rows:
         status = Text(r.status, style={"error": "bold red", "killed": "bold red", "done": "green",
                                     "stopped": "yellow"}.get(r.status, ""))
@@ -146,67 +147,55 @@ def rank_table(state: JobState, max_rows: int | None = None) -> Table:
             status.append(" straggler", style="bold yellow")
             style = "yellow"
         if r.rank in alerts:
-            status.append(f" memory {_pct(r.memory_frac)}", style="bold red")
+            status.append(f" memory {pct(r.memory_frac)}", style="bold red")
             style = "red"
-        cells = [r.host or "?", str(r.rank), str(r.step), "-" if r.loss is None else f"{r.loss:.4f}",
-                 "-" if r.samples_per_s is None else f"{human_rate(r.samples_per_s)}/s", _seconds(r.step_time_s),
-                 _pct(r.comm_wait), f"{_bytes(r.rss_bytes)} / {_bytes(r.peak_rss_bytes)}", memory_bar(r),
-                 _bytes(r.model_state_total)]
-        if cuda:
-            cells.append(f"{_bytes(r.cuda.get('cuda_allocated_bytes'))} / {_bytes(r.cuda.get('cuda_reserved_bytes'))}"
-                         if r.cuda else "-")
-        table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells), status, style=style)
-    return table
+        statuses.append(status)
+        styles.append(style)
+    columns = rank_columns(rows) + [Column("status", statuses, justify="left")]
+    table = render_table(columns, width, row_styles=styles, groups=host_groups(rows),
+                         host=Column("host", [r.host or "?" for r in rows], justify="left", priority=0))
+    return Group(table, Text(f"{left_out} more ranks not shown", style="dim")) if left_out else table
 
 
-def log_panel(state: JobState) -> Panel:
-    """The last log lines of all ranks (worker lines carry ``[rank R]``, launcher-side ones ``[node N]``)."""
-    text = Text("\n".join(state.log) if state.log else "(no output yet)", no_wrap=True, overflow="ellipsis")
+def log_panel(state: JobState, width: int = WIDTH, height: int = LOG_HEIGHT) -> Panel:
+    """The last log lines of all ranks (worker lines carry ``[rank R]``, launcher-side ones ``[node N]``),
+    wrapped rather than cut, as many of the newest as fill ``height`` lines of the panel's ``width``."""
+    inner = max(20, width - 4)
+    lines, used = [], 0
+    for line in reversed(log_lines(state.log)):
+        need = lines_of(Text(line, overflow="fold"), inner)
+        if lines and used + need > height:
+            break
+        lines.insert(0, line)
+        used += need
+    text = Text("\n".join(lines) if lines else "(no output yet)", overflow="fold")
     return Panel(text, title="log", title_align="left", border_style="dim")
 
 
-def render(state: JobState, now: float | None = None, height: int | None = None) -> Group:
-    """The whole live view for ``state`` at time ``now`` (Unix s), fitting the rank table into ``height``
-    lines of terminal when given (the header and log panel take about 20)."""
-    max_rows = max(3, height - 21) if height else None
-    return Group(header(state, now), rank_table(state, max_rows), log_panel(state))
+def lines_of(renderable, width: int) -> int:
+    """Terminal lines ``renderable`` takes at ``width`` columns."""
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    return len(console.render_lines(renderable, console.options, pad=False))
 
 
-def summary(state: JobState) -> Group:
-    """The end-of-job tables: per rank peak memory and mean throughput, job totals and losses."""
-    ranks = Table(title="per rank", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-    cuda = any(r.cuda for r in state.ranks.values())
-    for name in ("host", "rank", "status", "steps", "peak\nRSS", "model states\nparams/grads/optim",
-                 *(("peak\ndevice",) if cuda else ()), "mean\nsamples/s", "mean\ntokens/s", "mean\nstep",
-                 "comm\nwait", "telemetry\nper event"):
-        ranks.add_column(name, justify="left" if name in ("host", "status") else "right", no_wrap=True)
-    for r in sorted(state.ranks.values(), key=lambda r: r.rank):
-        ms = r.model_state_bytes
-        parts = "/".join(_bytes(ms.get(k)) for k in ("params", "grads", "optimizer")) if ms else "-"
-        mean = (lambda total: f"{human_rate(total / r.train_s)}/s") if r.train_s else (lambda total: "-")
-        row = [r.host or "?", str(r.rank), r.status, str(r.step), _bytes(r.peak_rss_bytes), parts]
-        if cuda:
-            row.append(_bytes(r.cuda.get("cuda_peak_bytes")))
-        row += [mean(r.samples), mean(r.tokens), _seconds(r.train_s / r.train_steps if r.train_steps else None),
-                _pct(r.comm_wait_s / r.train_s if r.train_s else None),
-                _seconds(r.telemetry_s / r.telemetry_events if r.telemetry_events else None)]
-        ranks.add_row(*map(Text, row))
-    job = Table.grid(padding=(0, 2))
-    job.add_column(style="bold")
-    job.add_column()
-    rows = [("total time", human_duration(state.elapsed_s())),
-            ("time to first step", human_duration(state.time_to_first_step_s())),
-            ("steps", f"{state.step}/{state.steps or '?'}")]
-    if state.last_loss is not None:
-        rows.append(("final training loss", f"{state.last_loss:.4f}"))
-    rows.append(("final validation loss", "-" if state.final_val is None else f"{state.final_val:.4f}"))
-    rows.append(("best validation loss", "-" if state.best_val is None else f"{state.best_val:.4f}"))
-    if state.checkpoints:
-        c = state.checkpoints[-1]
-        rows.append(("last checkpoint", f"step {c.get('step', '?')}: {c.get('path', '?')}"))
-    for name, value in rows:
-        job.add_row(name, Text(value))  # values are not markup: a path may hold '[...]'
-    return Group(Text(f"zerorun · {state.name} · summary", style="bold"), ranks, job)
+def render(state: JobState, now: float | None = None, height: int | None = None, width: int = WIDTH) -> Group:
+    """The whole live view for ``state`` at time ``now`` (Unix s), ``width`` columns wide. With ``height``, it
+    fits that many lines of terminal: the log panel gets up to a quarter of them, and the rank table shows as
+    many ranks as the lines left after the header and the log hold (at least 3; more are counted in a line)."""
+    top = header(state, now, width)
+    if not height:
+        return Group(top, rank_table(state, None, width), log_panel(state, width))
+    log = log_panel(state, width, min(LOG_HEIGHT, max(2, height // 4)))
+    budget = height - lines_of(top, width) - lines_of(log, width) - 1  # one spare: rich's cursor line
+    if budget < 10:  # a small terminal: the rank table first (3 ranks, 2 host headings, its header)
+        log = log_panel(state, width, 2)
+        budget = height - lines_of(top, width) - lines_of(log, width) - 1
+    max_rows = max(3, budget - 3)
+    table = rank_table(state, max_rows, width)
+    while max_rows > 3 and lines_of(table, width) > budget:  # host headings, stacked rows: measure, shrink
+        max_rows = max(3, max_rows - (lines_of(table, width) - budget))
+        table = rank_table(state, max_rows, width)
+    return Group(top, table, log)
 
 
 class LiveView:
@@ -225,7 +214,7 @@ class LiveView:
 
     def _render(self):
         with self._lock:
-            return render(self.state, height=self.console.size.height)
+            return render(self.state, height=self.console.size.height, width=self.console.size.width)
 
     def event(self, e: Event) -> None:
         with self._lock:
@@ -237,7 +226,7 @@ class LiveView:
 
     def line(self, node_rank: int, line: str) -> None:
         with self._lock:
-            self.state.add_line(node_rank, line)
+            self.state.add_line(node_rank, line)  # into the log panel, torchrun's noise folded (state.LogTail)
 
     def print(self, text: str) -> None:
         self.console.print(Text(text))
@@ -258,13 +247,3 @@ def open_view(state: JobState, out: TextIO, dashboard: bool = True):
     if dashboard and console.is_terminal and not console.is_dumb_terminal:
         return LiveView(state, console)
     return PlainView(out, state)
-
-
-def print_summary(state: JobState, out: TextIO | None = None, console: Console | None = None) -> None:
-    """Print :func:`summary` on ``console``, or on ``out`` at the terminal's width, or in 160 columns of plain
-    text into a file or pipe (rich would assume 80 and squeeze the table). A job that never sent an event
-    has nothing to sum up: nothing is printed. An unfinished ``state`` is ended now."""
-    if state.ended is None:
-        state.end()
-    if state.received:
-        (console or Console(file=out, width=None if out.isatty() else 160)).print(summary(state))

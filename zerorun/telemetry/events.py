@@ -21,6 +21,10 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
   CUDA ``cuda_allocated_bytes``, ``cuda_reserved_bytes``, ``cuda_peak_bytes``, ``cuda_total_bytes``;
   ``loss_scale`` (fp16, else null), ``skipped`` (this step was skipped on an fp16 overflow), ``skipped_steps``;
   ``comm_wait_s`` is null for the DDP/FSDP2 baselines (not observable).
+- ``progress`` (rank 0, after every step that ends at least ``steplog.PROGRESS_EVERY_S`` after the previous
+  progress event, and the last step): ``step``, ``steps`` (total); ``time`` is when the step ended. A few
+  dozen bytes, so the launcher's step count, progress bar and ETA move with every step it redraws, not only
+  every ``log.every`` steps. Not written to metrics.jsonl (the step events hold everything it says).
 - ``eval`` (rank 0): ``step``, ``val_loss``, ``samples``.
 - ``checkpoint``: ``step``, ``path``, ``seconds``, ``bytes``.
 - ``finish``: ``steps``, ``elapsed_s``, ``time_to_first_step_s``, ``peak_rss_bytes`` (and ``cuda_*``).
@@ -40,7 +44,7 @@ from typing import Any, TextIO
 
 PREFIX = "@zerorun "
 SCHEMA_VERSION = 1
-KINDS = frozenset({"start", "model_ready", "step", "eval", "checkpoint", "finish", "error", "log"})
+KINDS = frozenset({"start", "model_ready", "step", "progress", "eval", "checkpoint", "finish", "error", "log"})
 
 _lock = threading.Lock()
 
@@ -100,3 +104,15 @@ def from_json(text: str) -> Event | None:
     if kind not in KINDS or not isinstance(rank, int) or not isinstance(when, (int, float)):
         return None
     return Event(kind, rank, float(when), payload)
+
+
+def number(data: dict, key: str) -> float | None:
+    """``data[key]`` as a float, or ``None`` when it is missing or not a number (booleans are not numbers)."""
+    v = data.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def integer(data: dict, key: str) -> int | None:
+    """``data[key]`` as an int (truncated), or ``None`` like :func:`number`."""
+    v = number(data, key)
+    return int(v) if v is not None else None

@@ -1,6 +1,6 @@
 """``zerorun show RUN_DIR --plot FILE``: loss and memory of every rank over steps, drawn with matplotlib.
 
-matplotlib is an optional extra (``pip install 'zerorun[plot]'``), imported only here, only when asked.
+matplotlib (a dependency since issue 18) is imported only here, only when asked.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ZerorunError("--plot needs matplotlib, an optional extra: pip install 'zerorun[plot]' "
-                           "(or pip install matplotlib)") from None
+        raise ZerorunError("--plot needs matplotlib (a dependency of zerorun), which is not importable here: "
+                           "pip install matplotlib") from None
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 

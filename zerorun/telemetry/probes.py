@@ -6,9 +6,15 @@ allocator's counters, a few multiplications); ``benchmarks/telemetry_overhead.py
 
 from __future__ import annotations
 
+import resource
 from typing import Any, Mapping
 
 import psutil
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def host_memory() -> dict[str, int]:

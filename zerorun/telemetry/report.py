@@ -51,7 +51,7 @@ def report(step: int, loss: float, *, steps: int | None = None, samples: int | N
                 fields[f"job_{name}_per_s"] = world * count / step_s
     import psutil
 
-    from zerorun.worker import peak_rss_bytes
+    from zerorun.telemetry.probes import peak_rss_bytes  # telemetry takes nothing from worker.py (DESIGN.md)
 
     fields["rss_bytes"] = psutil.Process().memory_info().rss
     fields["peak_rss_bytes"] = peak_rss_bytes()

@@ -11,28 +11,15 @@ import json
 import os
 import statistics
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from zerorun.errors import ZerorunError
-from zerorun.telemetry.console import human_bytes
-from zerorun.telemetry.events import Event, from_json
+from zerorun.telemetry.events import Event, from_json, integer, number
+from zerorun.telemetry.logtail import LogTail
 
 STRAGGLER_RATIO = 1.10  # busy time per step this much above the other ranks' median marks the straggler
 MEMORY_ALERT = 0.90  # fraction of host (or device) memory in use above which a rank is marked
-
-
-def number(data: dict, key: str) -> float | None:
-    """``data[key]`` as a float, or ``None`` when it is missing or not a number (booleans are not numbers)."""
-    v = data.get(key)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def integer(data: dict, key: str) -> int | None:
-    """``data[key]`` as an int (truncated), or ``None`` like :func:`number`."""
-    v = number(data, key)
-    return int(v) if v is not None else None
 
 
 @dataclass
@@ -100,44 +87,17 @@ class RankState:
         return sum(self.model_state_bytes.values()) if self.model_state_bytes else None
 
 
-def describe(e: Event) -> list[str]:
-    """Human-readable lines for a lifecycle event (start, model_ready, eval, checkpoint, log, finish, error); none
-    for step events. Shared by the plain view and the dashboard (its log panel and the scrollback)."""
-    d, who = e.data, f"[rank {e.rank}]"
-    if e.kind == "start":
-        about = ", ".join([f"pid {d.get('pid', '?')}", f"torch {d.get('torch', '?')}"]
-                          + ([str(d["device"])] if d.get("device") else []))
-        return [f"{who} started on {d.get('host', '?')} ({about})"]
-    if e.kind == "model_ready":
-        units = d.get("units") or []
-        shown = ", ".join(map(str, units[:6])) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
-        params = integer(d, "params")
-        return [f"{who} model ready: {params:,} parameters, ZeRO stage {d.get('stage', '?')}" if params is not None
-                else f"{who} model ready"] + ([f"{who} stage 3 units: {shown}"] if units else [])
-    if e.kind == "eval":
-        v = number(d, "val_loss")
-        return [f"eval step {d.get('step', '?')}: validation loss " + (f"{v:.4f}" if v is not None else "?")]
-    if e.kind == "checkpoint":
-        size, secs = number(d, "bytes"), number(d, "seconds")
-        extra = ", ".join(x for x in (human_bytes(size) if size is not None else "",
-                                      f"{secs:.1f} s" if secs is not None else "") if x)
-        return [f"{who} checkpoint step {d.get('step', '?')}: {d.get('path', '?')}" + (f" ({extra})" if extra else "")]
-    if e.kind == "log":
-        return [f"{who} {d.get('message', '')}"]
-    if e.kind == "finish":
-        return [f"{who} finished"]
-    if e.kind == "error":
-        lines = [f"{who} error: {d.get('type', 'Error')}: {d.get('message', '')}"]
-        if isinstance(d.get("traceback"), str) and not d.get("user_error"):
-            lines += [f"{who}   {line}" for line in d["traceback"].splitlines()[-6:]]
-        return lines
-    return []
-
-
 class JobState:
     """Everything known about a job: the launcher's plan (``name``, ``stage``, ``precision``, ``world_size``,
     ``hosts`` as ``"host x slots"`` strings, ``steps``), one :class:`RankState` per rank, evaluations,
-    checkpoints, and the last ``log_lines`` log lines of all ranks. ``started`` is the job's start (Unix s)."""
+    checkpoints, and the last ``log_lines`` entries of all ranks' log (a :class:`LogTail`: lines and lifecycle
+    events; ``format.log_lines`` gives their text). ``started`` is the job's start (Unix s).
+
+    Note [Job progress]: the job's step and ETA come from the newest step any event reported: rank 0's
+    ``progress`` events (about every step, telemetry/events.py) and every rank's ``step`` events (every
+    ``log.every`` steps); ``progress`` is the pair (step, Unix s when it ended), ``first_progress`` the first
+    such pair. The ETA is the pace between those two pairs times the steps left, minus the time since the
+    newest one, so it counts down between events and never up."""
 
     def __init__(self, *, name: str = "?", stage: int | None = None, precision: str | None = None,
                  world_size: int | None = None, hosts: list[str] | None = None, steps: int | None = None,
@@ -151,7 +111,9 @@ class JobState:
         self.ranks: dict[int, RankState] = {}
         self.evals: list[tuple[int, float]] = []
         self.checkpoints: list[dict[str, Any]] = []
-        self.log: deque[str] = deque(maxlen=log_lines)
+        self.log = LogTail(log_lines)
+        self.progress: tuple[int, float] | None = None
+        self.first_progress: tuple[int, float] | None = None
         self.last_loss: float | None = None
         self.received = 0  # events folded in
         for r in range(world_size or 0):
@@ -177,6 +139,10 @@ class JobState:
                 r.model_state_bytes = {k: v for k, v in d["model_state_bytes"].items() if isinstance(v, int)}
         elif e.kind == "step":
             self._step(r, e)
+        elif e.kind == "progress":
+            self._progress(integer(d, "step"), e.time)
+            if integer(d, "steps"):
+                self.steps = self.steps or integer(d, "steps")
         elif e.kind == "eval":
             v, step = number(d, "val_loss"), integer(d, "step")
             if v is not None and step is not None:
@@ -190,13 +156,22 @@ class JobState:
             self._memory(r, d)
         elif e.kind == "error":
             r.status = "error" if not d.get("peer_failure") else "stopped"
-        for line in describe(e):
-            self.log.append(line)
+        if e.kind not in ("step", "progress"):
+            self.log.add_event(e)
 
-    def add_line(self, node_rank: int, line: str) -> None:
+    def add_line(self, node_rank: int, line: str) -> list[str]:
         """A line a node printed that is not an event: a rank's own output (already ``[rank R] ...``) or the
-        node's launcher (prefixed ``[node N]``)."""
-        self.log.append(line if line.startswith("[rank ") else f"[node {node_rank}] {line}")
+        node's launcher (prefixed ``[node N]``). Returns the lines this adds to the log tail now (Note
+        [Interrupted job] in telemetry/logtail.py)."""
+        return self.log.add_line(node_rank, line)
+
+    def _progress(self, step: int | None, when: float) -> None:
+        if step is None:
+            return
+        if self.first_progress is None:
+            self.first_progress = (step, when)
+        if self.progress is None or step > self.progress[0]:
+            self.progress = (step, when)
 
     def _memory(self, r: RankState, d: dict) -> None:
         for key in ("rss_bytes", "peak_rss_bytes", "host_mem_bytes", "host_mem_used_bytes"):
@@ -214,6 +189,7 @@ class JobState:
         r.status, r.step = "training", step
         if r.first_step_time is None:
             r.first_step_time = e.time
+        self._progress(step, e.time)
         if integer(d, "steps"):
             self.steps = self.steps or integer(d, "steps")
         for key in ("loss", "step_time_s", "samples_per_s", "tokens_per_s", "tflops"):
@@ -248,6 +224,7 @@ class JobState:
     def end(self, when: float | None = None) -> None:
         """The job is over (at ``when``, Unix s): ranks that neither finished nor failed were stopped."""
         self.ended = when if when is not None else time.time()
+        self.log.flush()
         for r in self.ranks.values():
             if r.status not in ("done", "error", "killed") and not r.status.startswith("exit "):
                 r.status = "stopped"
@@ -255,8 +232,10 @@ class JobState:
     # ------------------------------------------------------------------------------------------------ reading
     @property
     def step(self) -> int:
-        """The job's step: the lowest step every rank has reached."""
-        return min((r.step for r in self.ranks.values()), default=0)
+        """The job's step: the lowest step every rank has reported, or rank 0's newer ``progress`` (ranks
+        step together: no rank passes a step's collectives before every rank has reached them)."""
+        lowest = min((r.step for r in self.ranks.values()), default=0)
+        return max(lowest, self.progress[0]) if self.progress else lowest
 
     def job_rate(self, key: str) -> float | None:
         """Job-wide ``samples_per_s``, ``tokens_per_s`` or ``tflops``: the sum of every rank's latest value."""
@@ -268,13 +247,16 @@ class JobState:
         return (self.ended or now or time.time()) - self.started
 
     def eta_s(self, now: float | None = None) -> float | None:
-        """Seconds left at the wall-clock pace since the first step (evaluations included)."""
-        first = min((r.first_step_time for r in self.ranks.values() if r.first_step_time), default=None)
-        step = self.step
-        if first is None or not self.steps or step <= 1:
+        """Seconds left at the wall-clock pace (evaluations and checkpoints included) between the first and
+        the newest reported step, less the time since the newest (Note [Job progress]); ``None`` before two
+        steps are known."""
+        if self.first_progress is None or self.progress is None or not self.steps:
             return None
-        per_step = ((now or time.time()) - first) / (step - 1)
-        return max(0.0, per_step * (self.steps - step))
+        (s0, t0), (s1, t1) = self.first_progress, self.progress
+        if s1 <= s0:
+            return None
+        now = self.ended or now or time.time()
+        return max(0.0, (t1 - t0) / (s1 - s0) * (self.steps - s1) - max(0.0, now - t1))
 
     def straggler(self) -> int | None:
         """The rank whose busy time per step (:attr:`RankState.busy_s`) exceeds the median of the other
@@ -321,7 +303,7 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
                            "is RUN_DIR a run directory (runs/<name>/<timestamp>)?") from None
     if not events:
         raise ZerorunError(f"{path}: no telemetry events in it (the job ended before any rank started)")
-    job = _read_json(os.path.join(run_dir, "job.json"))
+    job = read_json(os.path.join(run_dir, "job.json"))
     recipe = _read_yaml(os.path.join(run_dir, "recipe.yaml"))
     train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
     zero = recipe.get("zero") if isinstance(recipe.get("zero"), dict) else {}
@@ -345,7 +327,8 @@ def replay(state: JobState, events: Iterable[Event]) -> JobState:
     return state
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
+    """The JSON object in ``path``; ``{}`` when it cannot be read or is not an object."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -365,12 +348,14 @@ def _read_yaml(path: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def write_job_file(run_dir: str, state: JobState, status: str, exit_code: int, message: str = "") -> None:
+def write_job_file(run_dir: str, state: JobState, status: str, exit_code: int, message: str = "",
+                   rank: int | None = None, host: str | None = None) -> None:
     """Write ``run_dir/job.json``: start and end (Unix s), world size, hosts (and the host of each rank, as
-    the hostfile names it), how the job ended."""
+    the hostfile names it), how the job ended: ``status`` (ok | failed | interrupted), the launcher's
+    ``exit_code``, a one-line ``message``, and for a failure the failing ``rank`` and ``host`` when known."""
     data = {"started": state.started, "ended": state.ended, "world_size": state.world_size, "hosts": state.hosts,
             "rank_hosts": {str(r): h for r, h in state.rank_hosts.items()}, "status": status, "exit_code": exit_code,
-            "message": message}
+            "message": message, "rank": rank, "host": host}
     tmp = os.path.join(run_dir, "job.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)

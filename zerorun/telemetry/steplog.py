@@ -17,6 +17,8 @@ import math
 import time
 from typing import Any, Iterator, TextIO
 
+PROGRESS_EVERY_S = 0.1  # at most ten progress events a second: the dashboard redraws once a second
+
 
 class StepLog:
     """Queues one rank's step events (Note [Deferred loss]) and counts the seconds spent on telemetry.
@@ -32,6 +34,7 @@ class StepLog:
         self.rank, self.world_size, self.device, self.stream = rank, world_size, device, stream
         self.telemetry_s = 0.0  # seconds spent measuring and sending since the last queued event
         self._pending: tuple[Any, Any, int, dict[str, Any]] | None = None
+        self._last_progress = float("-inf")  # time.monotonic() of the last progress event
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
@@ -55,6 +58,21 @@ class StepLog:
         fields = {**fields, "telemetry_s": self.telemetry_s, "time": round(time.time(), 3)}
         self._pending = (work, mean, step, fields)
         self.telemetry_s = 0.0
+
+    def progress(self, step: int, steps: int) -> None:
+        """On rank 0, send a ``progress`` event (telemetry/events.py) for ``step`` of ``steps`` when
+        :data:`PROGRESS_EVERY_S` have passed since the last one, and for the last step; other ranks send
+        nothing. Costs a clock read per step (0.15 us), and 13 us when it writes to a pipe (counted as telemetry)."""
+        if self.rank != 0:
+            return
+        now = time.monotonic()
+        if now - self._last_progress < PROGRESS_EVERY_S and step != steps:
+            return
+        from zerorun.telemetry.events import emit
+
+        with self.measuring():
+            self._last_progress = now
+            emit("progress", self.rank, stream=self.stream, step=step, steps=steps)
 
     def flush(self) -> None:
         """Wait for the queued event's loss and write the event.

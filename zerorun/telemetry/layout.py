@@ -1,0 +1,128 @@
+"""Tables laid out for the terminal's width, for the dashboard's rank table and the summary's.
+
+Note [Fitting the width]: rich's ``Table`` squeezes columns that do not fit and cuts their cells with ``…``,
+numbers included (at 80 columns every cell of the summary was cut). These tables never cut a cell. Every
+column is as wide as its widest cell; when they do not fit, the columns of lowest ``priority`` first take
+their narrower form (``alt``, e.g. RSS now instead of RSS now / peak) and then are left out, and the host
+column becomes a heading line above each host's rows. When even the columns that are always kept do not fit,
+each row is stacked: its cells as ``label value`` phrases on as many lines as it takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+from rich.console import Group
+from rich.text import Text
+
+from zerorun.telemetry.format import pack
+
+GAP = 2  # spaces between columns
+
+
+@dataclass
+class Column:
+    """A column: ``header`` (``\\n`` between its lines), one cell per row, ``justify`` ``left`` or ``right``.
+    ``priority``: ``None`` always kept, else columns with lower values go first; ``alt``: a narrower form of
+    this column tried before leaving it out."""
+
+    header: str
+    cells: Sequence[Text | str]
+    justify: str = "right"
+    priority: int | None = None
+    alt: "Column | None" = None
+
+    def text(self, i: int) -> Text:
+        c = self.cells[i]
+        return c if isinstance(c, Text) else Text(c)
+
+    @cached_property
+    def width(self) -> int:
+        heads = [len(h) for h in self.header.split("\n")]
+        return max([*heads, *(self.text(i).cell_len for i in range(len(self.cells)))], default=0)
+
+    @property
+    def label(self) -> str:
+        return " ".join(self.header.split())
+
+
+def table_width(columns: Sequence[Column]) -> int:
+    """Characters a row of ``columns`` takes."""
+    return sum(c.width for c in columns) + GAP * max(0, len(columns) - 1)
+
+
+def fit(columns: Sequence[Column], width: int) -> list[Column] | None:
+    """The columns that fit in ``width`` characters (Note [Fitting the width]), in their order; ``None`` when
+    even the always-kept ones do not."""
+    cols = list(columns)
+    for victim in sorted((c for c in columns if c.priority is not None), key=lambda c: c.priority):
+        if table_width(cols) <= width:
+            break
+        i = cols.index(victim)
+        if victim.alt is not None:
+            cols[i] = victim.alt
+            if table_width(cols) <= width:
+                break
+        del cols[i]
+    return cols if table_width(cols) <= width else None
+
+
+def _cell(col: Column, text: Text, width: int) -> Text:
+    pad = Text(" " * (width - text.cell_len))
+    return Text.assemble(pad, text) if col.justify == "right" else Text.assemble(text, pad)
+
+
+def render_table(columns: Sequence[Column], width: int, *, row_styles: Sequence[str] = (),
+                 groups: Sequence[tuple[str, Sequence[int]]] | None = None, host: Column | None = None) -> Group:
+    """``columns`` (all with one cell per row) as lines that fit ``width``: a bold header, a rule, the rows.
+
+    ``host``: a column shown first when it fits (lowest priority of all), else as ``groups`` headings: each
+    ``(heading, row indices)`` is a line with the heading followed by those rows. ``row_styles``: a style per
+    row (e.g. the straggler's colour)."""
+    n = len(columns[0].cells) if columns else 0
+    order = list(range(n))
+    cols = fit([host, *columns], width) if host is not None else None
+    if cols is not None and any(c is host for c in cols):
+        groups = None  # the host is a column: no headings
+    else:
+        cols = fit(columns, width)
+    if cols is None:
+        return _stacked(columns, width, row_styles, groups)
+    widths = [c.width for c in cols]
+    lines: list[Text] = []
+    depth = max(len(c.header.split("\n")) for c in cols)
+    for k in range(depth):
+        heads = [([""] * depth + c.header.split("\n"))[-depth:][k] for c in cols]  # headers sit on the rule
+        line = Text(" " * GAP).join(_cell(c, Text(h), w) for c, h, w in zip(cols, heads, widths))
+        line.stylize("bold")
+        lines.append(line)
+    lines.append(Text("─" * sum(widths) + "─" * GAP * (len(cols) - 1), style="dim"))
+    for heading, rows in groups or [(None, order)]:
+        if heading is not None:
+            lines.append(Text(heading, style="bold dim"))
+        for i in rows:
+            line = Text(" " * GAP).join(_cell(c, c.text(i), w) for c, w in zip(cols, widths))
+            if i < len(row_styles) and row_styles[i]:
+                line.stylize_before(row_styles[i])  # under the cells' own styles, as rich's row styles
+            line.no_wrap = True
+            lines.append(line)
+    return Group(*lines)
+
+
+def _stacked(columns: Sequence[Column], width: int, row_styles: Sequence[str],
+             groups: Sequence[tuple[str, Sequence[int]]] | None) -> Group:
+    """Each row as ``label value`` phrases packed into lines of ``width`` (Note [Fitting the width])."""
+    n = len(columns[0].cells) if columns else 0
+    lines: list[Text] = []
+    for heading, rows in groups or [(None, range(n))]:
+        if heading is not None:
+            lines.append(Text(heading, style="bold dim"))
+        for i in rows:
+            phrases = [f"{c.label} {c.text(i).plain}" for c in columns]
+            for j, line in enumerate(pack(phrases, width - 2, sep="  ")):
+                lines.append(Text(("" if j == 0 else "  ") + line,
+                                  style=row_styles[i] if i < len(row_styles) else ""))
+    return Group(*lines)
+
