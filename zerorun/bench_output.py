@@ -58,12 +58,12 @@ def write_png(path: str, rows: list["Row"]) -> None:
     """``bench.png``: job samples/s and peak RSS per rank, grouped by runtime/stage, one bar per hostfile.
 
     Raises:
-        ZerorunError: matplotlib is not installed (``pip install matplotlib``).
+        ZerorunError: matplotlib is not installed (``pip install 'zerorun[plot]'``).
     """
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ZerorunError("bench.png needs matplotlib, which is not importable here: pip install matplotlib "
+        raise ZerorunError("bench.png needs matplotlib, which is not importable here: pip install 'zerorun[plot]' "
                            "(bench.json and bench.csv are written)") from None
     measured = [r for r in rows if r.metrics]
     labels = list(dict.fromkeys(r.combo.label for r in rows))
