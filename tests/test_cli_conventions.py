@@ -106,7 +106,8 @@ def test_train_dry_run_prints_commands_that_run_as_printed(tmp_path):
     ``{node_dir}`` and ``<recipe>``); launch.env values are never printed, only their names."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text(open(TINY).read().replace("launch: {procs_per_node: 2}",
-                                                "launch: {procs_per_node: 2, env: {TOKEN: s3cret}}"))
+                                                "launch: {procs_per_node: 2, env: {TOKEN: s3cret}}")
+                      .replace("module: models/gpt.py", f"module: {os.path.join(ROOT, 'recipes/models/gpt.py')}"))
     out = zerorun("train", str(recipe), "--dry-run", timeout=120)
     [cmd] = dry_run_lines(out)
     assert "s3cret" not in out.stdout and "TOKEN" in out.stdout
