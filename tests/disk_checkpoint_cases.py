@@ -98,26 +98,31 @@ def peak_extra_bytes(root: str, swap: str, buffer_mb: float = 0.25, width: int =
             "restored": same}
 
 
+def _full(engine) -> dict:
+    return engine.full_state_dict() if engine.stage == 3 else engine.state_dict()
+
+
 def across_offload(root: str, swap: str) -> dict:
-    """Checkpoints move between disk offload and none, and disk offload at stage 0 (every rank holds whole
-    parameters): each load restores the saved masters and optimizer states bit for bit. Returns, per
+    """Checkpoints move between disk offload and none; disk offload at stage 0 (every rank holds whole
+    parameters) and stage 3: each load restores the saved masters and optimizer states bit for bit. Returns, per
     ``"<saved> -> <loaded>"``, whether it did."""
     tiny = {"offload_optimizer": "disk", "offload_path": swap, "offload_buffer_mb": 0.0015}
     runs = [("disk stage 2 -> none stage 2", (2, tiny), (2, {})),
             ("none stage 2 -> disk stage 2", (2, {}), (2, tiny)),
             ("disk stage 0 -> disk stage 0", (0, tiny), (0, tiny)),
-            ("disk stage 0 -> none stage 1", (0, tiny), (1, {}))]
+            ("disk stage 0 -> none stage 1", (0, tiny), (1, {})),
+            ("disk stage 3 -> disk stage 3", (3, tiny), (3, tiny))]
     out = {}
     for i, (name, (s_stage, s_zero), (l_stage, l_zero)) in enumerate(runs):
         engine, scheduler = _engine(s_stage, 0, zero=s_zero)
         _train(engine, scheduler, range(1, 3))
         path, _, _ = checkpoint.save(engine, os.path.join(root, str(i)), 2, scheduler=scheduler,
                                      position=checkpoint.DataPosition(), recipe=_recipe(), keep=1)
-        saved, saved_full = snapshot(engine), {k: v.clone() for k, v in engine.state_dict().items()}
+        saved, saved_full = snapshot(engine), {k: v.clone() for k, v in _full(engine).items()}
         engine.close()
         engine, scheduler = _engine(l_stage, 1, zero=l_zero)
         checkpoint.load(path, engine, scheduler=scheduler, micro_batch_size=_recipe()["train"]["micro_batch_size"])
-        loaded, loaded_full = snapshot(engine), engine.state_dict()
+        loaded, loaded_full = snapshot(engine), _full(engine)
         engine.close()
         same_model = all(torch.equal(v, loaded_full[k]) for k, v in saved_full.items())
         if s_stage != l_stage:  # another layout of the slices: the parameters are whole at stages 0-2
