@@ -34,7 +34,8 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
     --help``): a recipe (with overrides) or ``params``, the hostfile or ``nodes`` x ``procs_per_node``, sizes
     parsed with :func:`parse_count`, :func:`parse_bytes` and :func:`parse_bandwidth`. A recipe gives the
     precision, ``zero.reduce_dtype``, ``zero.offload_optimizer`` (when it sets it; else every variant, as
-    without a recipe: ``all``) and ``zero.offload_buffer_mb``; ``precision`` and ``offload`` override them.
+    without a recipe: ``all``), ``zero.offload_buffer_mb`` and ``zero.grad_accum_dtype`` (Note [Gradient
+    accumulation buffer]); ``precision`` and ``offload`` override them.
 
     Raises:
         ZerorunError: neither or both of ``recipe`` and ``params``; a bad recipe, hostfile, model module or
@@ -85,5 +86,7 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         seq_len=r.data.seq_len if r else None, grad_accum_steps=r.train.grad_accum_steps if r else 1,
         bucket_mb=r.zero.bucket_mb if r else 25.0, prefetch=r.zero.prefetch if r else True,
         activation_checkpointing=r.train.activation_checkpointing if r else False, offload=offload or "all",
-        offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0)
+        offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0,
+        # zero.grad_accum_dtype is added to the recipe by another change; absent, it is unset
+        grad_accum_dtype=getattr(r.zero, "grad_accum_dtype", None) if r else None)
     return estimate(layout, setup)

@@ -55,6 +55,25 @@ def precision_of(name: str, reduce_dtype: str | None = None, flag: str = "--prec
     return replace(p, reduce_bytes=4) if reduce_dtype == "fp32" else p
 
 
+#: Bytes per element of each ``zero.grad_accum_dtype`` value.
+GRAD_ACCUM_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def grad_accum_bytes(precision: Precision, grad_accum_steps: int, grad_accum_dtype: str | None = None) -> int:
+    """Bytes per element in which gradients are accumulated over micro-steps (``zero.grad_accum_dtype``,
+    DeepSpeed's ``data_types.grad_accum_dtype``): the given dtype; unset (``None``), fp32 when
+    ``grad_accum_steps`` > 1 under bf16/fp16 and the gradients' own dtype otherwise.
+
+    Raises:
+        ZerorunError: ``grad_accum_dtype`` not fp32, bf16 or fp16 (names ``zero.grad_accum_dtype``).
+    """
+    if grad_accum_dtype is None:
+        return 4 if grad_accum_steps > 1 and precision.name in ("bf16", "fp16") else precision.grad_bytes
+    if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+        raise ZerorunError(f"zero.grad_accum_dtype: {grad_accum_dtype!r} is not one of fp32, bf16, fp16")
+    return GRAD_ACCUM_DTYPES[grad_accum_dtype]
+
+
 @dataclass(frozen=True)
 class OptimizerModel:
     """What an optimizer keeps per element of the tensors it updates.

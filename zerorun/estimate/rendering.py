@@ -39,7 +39,7 @@ def render(est: Estimate, console=None) -> None:
     for r in est.rows:
         fits = f"[green]yes[/green] {r.headroom / s['device_memory']:.0%}" if r.fits else \
             f"[red]no[/red] {r.headroom / s['device_memory']:.0%}"
-        t.add_row(Text(r.label.replace(" + offload ", "+")), v(r.params), v(r.grads), v(r.optimizer), v(r.model_states),
+        t.add_row(Text(r.label.replace(" + offload ", "+")), v(r.params), v(r.grads + r.grad_accum), v(r.optimizer), v(r.model_states),
                   v(r.working_set), v(r.activations) if est.activations else "-", v(r.device_total), fits,
                   v(r.cpu_per_node), v(r.disk_per_node), v(r.comm_bytes), f"{r.comm_s:.3g} s")
     console.print(t)

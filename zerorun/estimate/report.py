@@ -8,7 +8,7 @@ from zerorun.estimate.activations import activation_bytes, working_set
 from zerorun.estimate.communication import comm_bytes
 from zerorun.estimate.layout import Layout
 from zerorun.estimate.states import _optimizer_slices, model_states
-from zerorun.estimate.policies import OFFLOADS, OptimizerModel, Precision
+from zerorun.estimate.policies import OFFLOADS, OptimizerModel, Precision, grad_accum_bytes
 from zerorun.estimate.sizes import format_bytes
 
 
@@ -33,6 +33,7 @@ class Setup:
         device_memory: bytes per rank; device: what it is (``"cpu"``: host memory shared by the node's ranks).
         cpu_memory: host bytes per node. bandwidth: bytes per second per rank.
         micro_batch, seq_len, grad_accum_steps, bucket_mb, prefetch, activation_checkpointing: as in a recipe.
+        grad_accum_dtype: ``zero.grad_accum_dtype`` (``None``: unset; Note [Gradient accumulation buffer]).
         offload: the ``zero.offload_optimizer`` variants to estimate besides no offload: ``none``, ``cpu``,
             ``disk`` or ``all`` (both; on a CPU-only machine disk only). offload_buffer_mb: disk's host buffer.
     """
@@ -54,6 +55,12 @@ class Setup:
     world_size: int | None = None
     offload: str = "none"
     offload_buffer_mb: float = 64.0
+    grad_accum_dtype: str | None = None
+
+    @property
+    def grad_accum_bytes(self) -> int:
+        """Bytes per element gradients are accumulated in (``policies.grad_accum_bytes``)."""
+        return grad_accum_bytes(self.precision, self.grad_accum_steps, self.grad_accum_dtype)
 
     @property
     def ranks(self) -> int:
@@ -83,6 +90,7 @@ class StageRow:
     comm_s: float
     offload_host: int = 0  # per rank: offload_bytes()["host"] (cpu on an accelerator; disk's paging buffer)
     offload_disk: int = 0  # per rank: offload_bytes()["disk"] (the swap file)
+    grad_accum: int = 0  # the fp32 gradient accumulation buffer, in model_states (Note [Gradient accumulation buffer])
 
     @property
     def label(self) -> str:
@@ -115,7 +123,7 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
     p = setup.precision
     on_host = setup.device == "cpu"
     ms = model_states(layout, stage, N, p, setup.optimizer, offload, buffer_mb=setup.offload_buffer_mb,
-                      device_is_host=on_host)
+                      device_is_host=on_host, grad_accum_bytes=setup.grad_accum_bytes)
     ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch, gloo=on_host)
     total = ms.total + ws.gathered + max(act, ws.backward)  # Note [Peak]
     if on_host:  # the device is the host: disk's paging buffer takes the same memory
@@ -131,7 +139,7 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
     sent = comm_bytes(layout, stage, N, p, setup.grad_accum_steps)
     return StageRow(stage, offload, ms.params, ms.grads, ms.optimizer, ms.total, ws.total, ws.gathered,
                     ws.backward, act, total, headroom, fits, cpu, setup.procs_per_node * ms.disk, sent,
-                    sent / setup.bandwidth, ms.host, ms.disk)
+                    sent / setup.bandwidth, ms.host, ms.disk, ms.grad_accum)
 
 
 def offload_variants(setup: Setup) -> tuple[str, ...]:
@@ -188,6 +196,13 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
                      "(zero.offload_buffer_mb) and the swap files under zero.offload_path (disk column)")
     variants = [(s, "none") for s in range(4)] + [(s, o) for o in modes for s in range(4)]
     rows = [_row(layout, setup, s, o, act_for(s)) for s, o in variants]
+    accum = {r.stage for r in rows if r.grad_accum}
+    if accum:  # only ever fp32: wider than 2-byte gradients (Note [Gradient accumulation buffer])
+        where = (["the whole model's at stages 0-1 (Ψ x 4 bytes)"] if accum & {0, 1} else []) + \
+            (["the rank's partition at stages 2-3 (Ψ/N x 4 bytes)"] if accum & {2, 3} else [])
+        notes.append("gradients accumulate in fp32 (zero.grad_accum_dtype; unset: fp32 when grad_accum_steps > 1 "
+                     "under bf16/fp16): assumed one fp32 buffer per rank beside the gradients, counted in grads "
+                     f"and states: {' and '.join(where)}")
     rec = _recommend(setup, layout, rows, act_for)
     largest = layout.largest_unit
     params = {"total": layout.total, "trainable": layout.trainable, "frozen": layout.frozen,
@@ -202,7 +217,8 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
             "device": s.device, "device_memory": s.device_memory, "cpu_memory_per_node": s.cpu_memory,
             "bandwidth_bytes_per_s": s.bandwidth, "micro_batch": s.micro_batch,
             "seq_len": s.seq_len or (layout.shape or {}).get("seq_len"),
-            "grad_accum_steps": s.grad_accum_steps, "activation_checkpointing": s.activation_checkpointing,
+            "grad_accum_steps": s.grad_accum_steps, "grad_accum_dtype": s.grad_accum_dtype,
+            "activation_checkpointing": s.activation_checkpointing,
             "min_headroom": MIN_HEADROOM}
     return Estimate(info, params, rows, act, rec, notes)
 

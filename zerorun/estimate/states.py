@@ -34,11 +34,22 @@ class ModelStates:
     optimizer: int
     host: int = 0
     disk: int = 0
+    grad_accum: int = 0  # the fp32 gradient accumulation buffer (Note [Gradient accumulation buffer])
 
     @property
     def total(self) -> int:
-        """Bytes in device memory: parameters + gradients + optimizer."""
-        return self.params + self.grads + self.optimizer
+        """Bytes in device memory: parameters + gradients (+ accumulation buffer) + optimizer."""
+        return self.params + self.grads + self.grad_accum + self.optimizer
+
+
+# Note [Gradient accumulation buffer]: gradients are accumulated over micro-steps in ``zero.grad_accum_dtype``
+# (``policies.grad_accum_bytes``: unset, fp32 when grad_accum_steps > 1 under bf16/fp16, as DeepSpeed's
+# ``data_types.grad_accum_dtype``). Where that is wider than the gradients the stage keeps across micro-steps
+# (stages 0-1: the whole gradients in the parameters' dtype; stages 2-3: this rank's gradient slice in the
+# reduce dtype, already 4 bytes under ``zero.reduce_dtype: fp32``), the estimate assumes the runtime keeps a
+# separate buffer of that width beside them, of the size of what the stage keeps: stages 0-1 the whole padded
+# model, Ψ x 4 bytes; stages 2-3 the rank's partition, Ψ/N x 4 bytes (padding included). It is counted in
+# ``ModelStates.grad_accum`` and the device total, not in ``grads`` (``ZeroEngine.memory_bytes()``'s).
 
 
 def _optimizer_slices(layout: Layout, stage: int, world_size: int) -> list[int]:
@@ -49,7 +60,8 @@ def _optimizer_slices(layout: Layout, stage: int, world_size: int) -> list[int]:
 
 
 def model_states(layout: Layout, stage: int, world_size: int, precision: Precision, optimizer: OptimizerModel,
-                 offload: str = "none", *, buffer_mb: float = 64.0, device_is_host: bool = False) -> ModelStates:
+                 offload: str = "none", *, buffer_mb: float = 64.0, device_is_host: bool = False,
+                 grad_accum_bytes: int | None = None) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states per rank at ``stage`` on ``world_size`` ranks
     (Note [What is exact]; ZeRO paper §5: stage 1 partitions optimizer states, 2 also gradients, 3 also
     parameters). The optimizer's bytes include the fp32 master copy where it is separate from the parameters
@@ -60,6 +72,9 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
         buffer_mb: ``zero.offload_buffer_mb`` (``disk``: the host buffer the states are paged through, MiB).
         device_is_host: a CPU-only machine: ``cpu`` offload's masters and states count as ``optimizer``
             (the engine's "device" is the host), else as ``host``.
+        grad_accum_bytes: bytes per element gradients are accumulated in (``policies.grad_accum_bytes``);
+            wider than what the stage keeps, a buffer of that width is counted in ``grad_accum`` (Note
+            [Gradient accumulation buffer]); ``None``: the gradients' own dtype, no buffer.
 
     Raises:
         ValueError: ``stage`` not in 0-3, ``world_size`` < 1, an unknown ``offload``, or ``layout`` packed for
@@ -83,14 +98,17 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
     else:
         params = (sum(padded) + sum(frozen)) * precision.param_bytes
     grads = sum(padded) * precision.grad_bytes if stage < 2 else sum(shards) * precision.reduce_bytes
+    kept = (sum(padded), precision.grad_bytes) if stage < 2 else (sum(shards), precision.reduce_bytes)
+    accum = kept[0] * grad_accum_bytes if grad_accum_bytes and grad_accum_bytes > kept[1] else 0
     slices = _optimizer_slices(layout, stage, N)
     states = 4 * optimizer.states * sum(slices)
     scalars = (optimizer.scalar_bytes if layout.exact else 0) * len(slices)  # one per optimizer tensor
     if offload == "none":
-        return ModelStates(params, grads, states + scalars + precision.master_bytes * sum(slices))
+        return ModelStates(params, grads, states + scalars + precision.master_bytes * sum(slices), grad_accum=accum)
     if offload == "cpu":  # CpuMasters: never aliased, so an fp32 master even at fp32
         held = states + scalars + 4 * sum(slices)
-        return ModelStates(params, grads, held) if device_is_host else ModelStates(params, grads, 0, host=held)
+        return (ModelStates(params, grads, held, grad_accum=accum) if device_is_host
+                else ModelStates(params, grads, 0, host=held, grad_accum=accum))
     from zerorun.zero.offload import subgroup_elements, swap_region_bytes
 
     chunk = subgroup_elements(int(buffer_mb * 2**20), optimizer.states)
@@ -102,4 +120,4 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
     for n in slices:
         full, rest = divmod(n, chunk)
         disk += regions * (full * swap_region_bytes(4 * chunk) + (swap_region_bytes(4 * rest) if rest else 0))
-    return ModelStates(params, grads, 0, host=2 * chunk * 4 * regions, disk=disk)
+    return ModelStates(params, grads, 0, host=2 * chunk * 4 * regions, disk=disk, grad_accum=accum)
