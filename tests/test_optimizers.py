@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import optimizer_cases as cases
+from zerorun import estimate as est
 from zerorun.errors import ZerorunError
 from zerorun.recipe import load_recipe
 from zerorun.zero import resolve_optimizer
@@ -18,6 +19,19 @@ TOL = 1e-5
 
 def test_the_cases_cover_every_allowed_class():
     assert {getattr(torch.optim, name) for name, _ in cases.ALLOWED} == set(ELEMENTWISE_OPTIMIZERS)
+
+
+@pytest.mark.parametrize("name,kwargs", cases.ALLOWED)
+def test_zerorun_estimate_models_every_allowed_class_exactly(name, kwargs):
+    """Per-element state tensors and scalar state bytes after one step, as torch keeps them (ASGD was missing)."""
+    p = torch.zeros(3, requires_grad=True)
+    opt = getattr(torch.optim, name)([p], **kwargs)
+    p.grad = torch.ones(3)
+    opt.step()
+    tensors = [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    model = est.optimizer_model(name, kwargs)
+    assert model.states == sum(v.shape == p.shape for v in tensors)
+    assert model.scalar_bytes == sum(v.nbytes for v in tensors if v.shape != p.shape)
 
 
 @pytest.mark.parametrize("cls", [cases.TrustRatio, cases.RenamedAdamW])

@@ -111,9 +111,11 @@ def optimizer_model(name: str, kwargs: dict[str, Any] | None = None, flag: str =
         return OptimizerModel(name, 2, 4)
     if key == "adagrad":
         return OptimizerModel(name, 1, 4)
+    if key == "asgd":
+        return OptimizerModel(name, 1, 12)  # ax; step, eta and mu
     if key == "rmsprop":
         return OptimizerModel(name, 1 + bool(kw.get("momentum")) + bool(kw.get("centered")), 4)
     if key == "sgd":
         return OptimizerModel(name, 1 if kw.get("momentum", 0.9 if name == "sgd" else 0) else 0, 0)
     raise ZerorunError(f"{flag}: no memory model for optimizer {name!r}; use adam, sgd, none or one of "
-                       "Adam, AdamW, NAdam, RAdam, Adamax, Adadelta, Adagrad, RMSprop, Rprop, SGD")
+                       "Adam, AdamW, NAdam, RAdam, Adamax, Adadelta, Adagrad, ASGD, RMSprop, Rprop, SGD")
