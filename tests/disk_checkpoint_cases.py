@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from checkpoint_cases import _engine, _recipe, _train, snapshot
 from zerorun import checkpoint
+from zerorun.errors import ZerorunError
 from zerorun.zero import ZeroConfig, initialize
 
 
@@ -132,3 +133,28 @@ def across_offload(root: str, swap: str) -> dict:
             all(torch.equal(a, b) for a, b in zip(saved["masters"], loaded["masters"]))
             and all(torch.equal(a[k], b[k]) for a, b in zip(saved["optim"], loaded["optim"]) for k in a))
     return out
+
+
+def another_optimizer_state(root: str, swap: str) -> str | None:
+    """Save a disk-offloaded AdamW(amsgrad) after one step, load it into AdamW without amsgrad (disk too):
+    the error message, or ``None`` when the load passed."""
+    path = None
+    for amsgrad in (True, False):
+        torch.manual_seed(0)
+        engine = initialize(Stack(32, 2), optimizer="AdamW", optimizer_kwargs={"lr": 1e-3, "amsgrad": amsgrad},
+                            config=ZeroConfig(stage=2, offload_optimizer="disk", offload_path=swap,
+                                              offload_buffer_mb=0.01))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0)
+        try:
+            if path is None:
+                engine.backward(engine(torch.randn(4, 32)))
+                engine.step()
+                path, _, _ = checkpoint.save(engine, root, 1, scheduler=scheduler, position=checkpoint.DataPosition(),
+                                             recipe={"train": {"micro_batch_size": 4}}, keep=1)
+            else:
+                checkpoint.load(path, engine, scheduler=scheduler, micro_batch_size=4)
+        except ZerorunError as e:
+            return str(e)
+        finally:
+            engine.close()
+    return None

@@ -75,8 +75,9 @@ def _train(optimizer, kwargs: dict, stage: int | None, steps: int, elementwise: 
             opt.step()
             opt.zero_grad(set_to_none=False)
         return [p.detach().clone() for p in model.parameters()]
-    engine = initialize(model, optimizer=optimizer, optimizer_kwargs=kwargs, param_groups=default_param_groups(model, wd),
-                        config=ZeroConfig(stage=stage, bucket_mb=0.002), elementwise=elementwise)
+    engine = initialize(model, optimizer=optimizer, optimizer_kwargs=kwargs,
+                        param_groups=default_param_groups(model, wd), config=ZeroConfig(stage=stage, bucket_mb=0.002),
+                        elementwise=elementwise)
     for step in range(steps):  # 2 KiB buckets: slices cut parameters and span several of them
         engine.backward(engine(_batch("mlp", step, 0, rank, world, "never")))
         engine.step()

@@ -17,3 +17,10 @@ def test_save_and_load_stay_within_the_paging_buffer(ranks, tmp_path):
 def test_disk_checkpoints_load_into_other_engines_and_back(ranks, tmp_path):
     for r in ranks(2).run(cases.across_offload, root=str(tmp_path / "ckpt"), swap=str(tmp_path / "swap")):
         assert all(r.values()), r
+
+
+def test_a_state_this_optimizer_does_not_keep_is_a_one_line_error(ranks, tmp_path):
+    for msg in ranks(2).run(cases.another_optimizer_state, root=str(tmp_path / "ckpt"), swap=str(tmp_path / "swap")):
+        assert msg is not None and "\n" not in msg and msg.endswith(
+            "zerorun.json: another optimizer: optimizer state 'max_exp_avg_sq' in the checkpoint is not one of this "
+            "optimizer's per-element states (exp_avg, exp_avg_sq)"), msg

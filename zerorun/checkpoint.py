@@ -364,7 +364,7 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from zerorun.zero.state import compare_layout, load_engine_state
+    from zerorun.zero.state import CheckpointMismatch, compare_layout, load_engine_state
 
     meta = check(path)
     problem = compare_layout(engine, meta["layout"])
@@ -393,7 +393,10 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
             raise ZerorunError(f"{path}: the checkpoint does not hold all of "
                                + (problem if problem else "the targets of another rank") + ": not resumed")
 
-    load_engine_state(engine, meta["layout"], run)
+    try:
+        load_engine_state(engine, meta["layout"], run)
+    except CheckpointMismatch as e:  # e.g. disk offload and an optimizer state this optimizer does not keep
+        raise ZerorunError(f"{os.path.join(path, META)}: another optimizer: {e}") from None
     scheduler.load_state_dict(meta["scheduler"])
     engine.skipped_steps = int(meta.get("skipped_steps", 0))
     if engine.scaler is not None and meta.get("loss_scaler"):  # fp16 after fp16; else the recipe's initial scale

@@ -47,8 +47,8 @@ communication buffers.
 from __future__ import annotations
 
 from zerorun.estimate.sizes import format_bytes, format_count, parse_bandwidth, parse_bytes, parse_count
-from zerorun.estimate.policies import (OFFLOADS, PRECISIONS, OptimizerModel, Precision, grad_accum_bytes, optimizer_model,
-                                       precision_of)
+from zerorun.estimate.policies import (OFFLOADS, PRECISIONS, OptimizerModel, Precision, grad_accum_bytes,
+                                       optimizer_model, precision_of)
 from zerorun.estimate.layout import (PERSISTENT, Layout, UnitCount, layout_of, layout_of_count, layout_of_recipe,
                                      suggest_unit_class)
 from zerorun.estimate.states import ModelStates, model_states
@@ -60,8 +60,8 @@ from zerorun.estimate.command import detect_memory, from_arguments
 
 __all__ = ["Estimate", "INFLIGHT_BUCKETS", "Layout", "MIN_HEADROOM", "ModelStates", "OFFLOADS", "OptimizerModel",
            "PERSISTENT", "PRECISIONS", "Precision", "Setup", "StageRow", "UnitCount", "WorkingSet", "activation_bytes",
-           "comm_bytes", "detect_memory", "estimate", "format_bytes", "format_count", "from_arguments", "grad_accum_bytes",
-           "layout_of",
+           "comm_bytes", "detect_memory", "estimate", "format_bytes", "format_count", "from_arguments",
+           "grad_accum_bytes", "layout_of",
            "layout_of_count", "layout_of_recipe", "model_states", "offload_variants", "optimizer_model",
            "parse_bandwidth", "parse_bytes", "parse_count", "precision_of", "render", "suggest_unit_class",
            "working_set"]

@@ -37,6 +37,10 @@ import torch.nn as nn
 from zerorun.zero.state_paging import Pager, PagedState, paged_masters, placeholder
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint that cannot be loaded into this engine (the message says why)."""
+
+
 @dataclass(frozen=True)
 class Holding:
     """This rank's part of one parameter: elements ``[lo, hi)`` of the flattened parameter (``numel`` elements
@@ -290,7 +294,7 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
             defers to ``targets.pager``'s ``resolve_tensor``/``commit_tensor`` (Note [Paged checkpoints]).
 
     Raises:
-        ValueError: ``disk`` offload and a per-element optimizer state this optimizer does not have.
+        CheckpointMismatch: ``disk`` offload and a per-element optimizer state this optimizer does not have.
     """
     group = engine.comm.group
     disk = paged_masters(engine)
@@ -302,7 +306,7 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
         unknown = [k for k, spec in layout["optim_state"].items()
                    if spec["kind"] == "elementwise" and k not in disk.state_names]
         if unknown:
-            raise ValueError(f"optimizer state {unknown[0]!r} in the checkpoint is not one of this optimizer's "
+            raise CheckpointMismatch(f"optimizer state {unknown[0]!r} in the checkpoint is not one of this optimizer's "
                              f"per-element states ({', '.join(disk.state_names) or 'none'})")
     states: dict[int, dict[str, torch.Tensor]] = {}
     for i, master in enumerate(masters):
