@@ -265,6 +265,7 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
 
     from zerorun.recipe import masked
     from zerorun.zero.state import engine_state
+    from zerorun.zero.state_paging import WRITER_OPTIONS
 
     t0 = time.perf_counter()
     group = engine.comm.group
@@ -287,9 +288,12 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
                                                                      " (on rank 0)"))
     tensors, layout = engine_state(engine)
     tensors.update(_rng_tensors(dist.get_rank(group)))
+    pager = getattr(tensors, "pager", None)  # disk offload: Note [Paged checkpoints] in zero/state_paging.py
     try:
         with _quiet_sharded_tensor():
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True,
+                                                                  **(WRITER_OPTIONS if pager else {})),
+                     planner=pager.save_planner() if pager else None, process_group=group)
     except CheckpointException as e:  # raised on every rank alike (DCP gathers and broadcasts the failures)
         why = _why(e, tmp)
         dist.barrier(group)  # every rank has looked at the folder before rank 0 removes it
@@ -360,7 +364,7 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from zerorun.zero.state import compare_layout, load_engine_state
+    from zerorun.zero.state import CheckpointMismatch, compare_layout, load_engine_state
 
     meta = check(path)
     problem = compare_layout(engine, meta["layout"])
@@ -374,7 +378,7 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
 
     def run(targets: dict[str, Any]) -> None:
         targets.update(rng)
-        planner = SafeLoadPlanner()
+        planner = SafeLoadPlanner(getattr(targets, "pager", None))
         try:
             with _quiet_sharded_tensor():
                 dcp.load(targets, storage_reader=SafeReader(path), planner=planner, process_group=group)
@@ -389,7 +393,10 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
             raise ZerorunError(f"{path}: the checkpoint does not hold all of "
                                + (problem if problem else "the targets of another rank") + ": not resumed")
 
-    load_engine_state(engine, meta["layout"], run)
+    try:
+        load_engine_state(engine, meta["layout"], run)
+    except CheckpointMismatch as e:  # e.g. disk offload and an optimizer state this optimizer does not keep
+        raise ZerorunError(f"{os.path.join(path, META)}: another optimizer: {e}") from None
     scheduler.load_state_dict(meta["scheduler"])
     engine.skipped_steps = int(meta.get("skipped_steps", 0))
     if engine.scaler is not None and meta.get("loss_scaler"):  # fp16 after fp16; else the recipe's initial scale

@@ -106,9 +106,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner that never unpickles and counts what it writes (Note [Untrusted
     checkpoints]). Use one instance per ``dcp.load`` call, then :meth:`unwritten`."""
 
-    def __init__(self) -> None:
+    def __init__(self, pager=None) -> None:
         super().__init__(allow_partial_load=False)
         self.written: dict[str, int] = {}
+        self.pager = pager  # disk offload: Note [Paged checkpoints] in zero/state_paging.py
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        """Where DCP copies ``read_item``'s data: the pager's buffer for paged entries, else the target."""
+        page = self.pager.resolve_tensor(read_item) if self.pager is not None else None
+        return super().resolve_tensor(read_item) if page is None else page
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         """Refuse: a non-tensor entry would be unpickled with ``weights_only=False``.
@@ -119,9 +125,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         raise ZerorunError(f"key {read_item.dest_index.fqn!r} is not a tensor: refusing to unpickle it")
 
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
-        """Count the elements written into the target of ``read_item``."""
+        """Count the elements written into the target of ``read_item``; paged ones go to the swap file."""
         fqn = read_item.dest_index.fqn
         self.written[fqn] = self.written.get(fqn, 0) + math.prod(read_item.lengths)
+        if self.pager is not None:
+            self.pager.commit_tensor(read_item, tensor)
 
     def unwritten(self) -> str | None:
         """After ``dcp.load``: the first target (key) not every element of which was written, with counts,

@@ -87,7 +87,9 @@ class DataSpec(_Strict):
 
 class OptimizerSpec(BaseModel):
     """``name``: a ``torch.optim`` class; every other key is passed to it (``lr``, ``betas``, ...).
-    ``weight_decay`` applies to tensors of 2 or more dimensions only unless ``decay_1d: true``."""
+    ``weight_decay`` applies to tensors of 2 or more dimensions only unless ``decay_1d: true``. ``elementwise:
+    true`` declares a class outside zerorun's checked list elementwise (Note [Elementwise optimizers] in
+    ``zero/optimizers.py``)."""
 
     model_config = ConfigDict(extra="allow")
     _no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool))
@@ -95,10 +97,11 @@ class OptimizerSpec(BaseModel):
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     decay_1d: bool = False
+    elementwise: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the optimizer class, ``weight_decay`` included (split into groups later)."""
-        return {k: v for k, v in self.model_dump().items() if k not in ("name", "decay_1d")}
+        return {k: v for k, v in self.model_dump().items() if k not in ("name", "decay_1d", "elementwise")}
 
 
 class ScheduleSpec(_Strict):
@@ -247,14 +250,15 @@ def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimize
 
 
 def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
-    """The optimizer exists in torch.optim, is elementwise, and accepts every key given."""
+    """The optimizer exists in torch.optim, is elementwise (or declared so: ``elementwise``), and accepts every
+    key given. The rule is :func:`zerorun.zero.optimizers.resolve_optimizer`'s, the engine's own."""
     import inspect
     import json
 
-    from zerorun.zero.engine import resolve_optimizer
+    from zerorun.zero.optimizers import resolve_optimizer
 
     try:
-        cls = resolve_optimizer(spec.name)
+        cls = resolve_optimizer(spec.name, elementwise=spec.elementwise)
     except ValueError as e:
         raise ZerorunError(f"{where}.name: {e}") from None
     accepted = inspect.signature(cls.__init__).parameters

@@ -139,7 +139,7 @@ def train(recipe: Recipe, rank: int) -> None:
                                  offload_buffer_mb=z.offload_buffer_mb)
         if recipe.runtime == "zero":
             engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
-                                     config=config)
+                                     config=config, elementwise=t.optimizer.elementwise)
         else:  # a baseline for `zerorun bench`: torch's DDP or FSDP2 behind the same interface
             from zerorun import baselines
 

@@ -43,11 +43,9 @@ import torch.nn as nn
 from zerorun.zero.comm import BufferPool, Comm
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
+from zerorun.zero.optimizers import NON_ELEMENTWISE_OPTIMIZERS, resolve_optimizer  # noqa: F401 (re-exported)
 from zerorun.zero.user_model import UserModel
 from zerorun.zero.precision import DTYPES, DynamicLossScaler, LossScaleConfig, cast_inputs, cast_model
-
-#: torch.optim classes whose update of one element depends on other elements: a flat slice changes their math.
-NON_ELEMENTWISE_OPTIMIZERS = frozenset({"LBFGS", "SparseAdam", "Adafactor", "Muon"})
 
 
 @dataclass(frozen=True)
@@ -125,24 +123,6 @@ def default_param_groups(model: nn.Module, weight_decay: float, decay_1d: bool =
     return [g for g in groups if g["params"]]
 
 
-def resolve_optimizer(optimizer: str | type) -> type:
-    """The ``torch.optim`` class named ``optimizer`` (or the class itself).
-
-    Raises:
-        ValueError: unknown name, or an optimizer that is not elementwise (``NON_ELEMENTWISE_OPTIMIZERS``).
-    """
-    if isinstance(optimizer, str):
-        cls = getattr(torch.optim, optimizer, None)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise ValueError(f"unknown optimizer {optimizer!r}: not a class in torch.optim")
-    else:
-        cls = optimizer
-    if cls.__name__ in NON_ELEMENTWISE_OPTIMIZERS:
-        raise ValueError(f"optimizer {cls.__name__} is not elementwise: ZeRO's flat partitions need an "
-                         "optimizer whose update of one element depends only on that element (Adam, AdamW, SGD, ...)")
-    return cls
-
-
 class ZeroEngine(UserModel):
     """Wraps ``model`` for ZeRO data-parallel training on a process group. Build it with :func:`initialize`.
 
@@ -163,14 +143,14 @@ class ZeroEngine(UserModel):
 
     def __init__(self, model: nn.Module, *, optimizer: str | type, optimizer_kwargs: dict[str, Any],
                  param_groups: list[dict[str, Any]] | None, config: ZeroConfig,
-                 process_group: dist.ProcessGroup | None) -> None:
+                 process_group: dist.ProcessGroup | None, elementwise: bool = False) -> None:
         self.module = model
         self.config = config
         self.stage = config.stage
         self.comm = Comm(process_group)
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
-        optimizer_cls = resolve_optimizer(optimizer)
+        optimizer_cls = resolve_optimizer(optimizer, elementwise=elementwise)
         optimizer_kwargs = dict(optimizer_kwargs)
         if param_groups is None:
             param_groups = default_param_groups(model, optimizer_kwargs.pop("weight_decay", 0.0))
@@ -559,18 +539,20 @@ class ZeroEngine(UserModel):
 
 def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_kwargs: dict[str, Any] | None = None,
                param_groups: list[dict[str, Any]] | None = None, config: ZeroConfig | None = None,
-               process_group: dist.ProcessGroup | None = None) -> ZeroEngine:
+               process_group: dist.ProcessGroup | None = None, elementwise: bool = False) -> ZeroEngine:
     """Wrap ``model`` in a :class:`ZeroEngine` on ``process_group`` (default: the world).
 
     Args:
         model: the model, built identically on every rank (rank 0's values are broadcast), or built by
             :func:`~zerorun.zero.deferred.deferred_init` on the meta device: stage 3 then materializes only
             this rank's slices, with the values normal construction would give.
-        optimizer: a ``torch.optim`` class or its name; it must be elementwise.
+        optimizer: a ``torch.optim`` class or its name; it must be elementwise (Note [Elementwise optimizers]
+            in ``optimizers.py``).
         optimizer_kwargs: keyword arguments for the optimizer (``lr``, ``betas``, ``weight_decay``, ...).
         param_groups: torch-style groups (dicts with ``params`` and per-group options); by default
             :func:`default_param_groups` with ``optimizer_kwargs["weight_decay"]``.
         config: :class:`ZeroConfig` (stage, bucket size, accumulation, clipping).
+        elementwise: declare an optimizer class outside ``optimizers.ELEMENTWISE_OPTIMIZERS`` elementwise.
 
     Raises:
         ValueError: unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``.
@@ -582,7 +564,7 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
 
     config = config or ZeroConfig()
     kwargs = dict(optimizer=optimizer, optimizer_kwargs=optimizer_kwargs or {}, param_groups=param_groups,
-                  config=config, process_group=process_group)
+                  config=config, process_group=process_group, elementwise=elementwise)
     if config.stage == 3:
         from zerorun.zero.stage3 import Stage3Engine
 

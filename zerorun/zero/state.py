@@ -17,7 +17,9 @@ stored per parameter as plain tensors (``optim/<name>/step``); module buffers as
 Model weights are stored once, as the fp32 master values (:meth:`ZeroEngine.master_slices`): at fp32
 without offload they are the parameters themselves; under bf16/fp16 the 2-byte parameters are cast from
 the masters on load, and offloaded masters and states (host memory, swap file) are read through the engine
-and written back through it (:meth:`ZeroEngine.optimizer_states`, :meth:`ZeroEngine.load_master_slices`).
+and written back through it (:meth:`ZeroEngine.optimizer_states`, :meth:`ZeroEngine.load_master_slices`);
+disk-offloaded ones are streamed through the paging buffer instead (Note [Paged checkpoints] in
+``state_paging.py``).
 A checkpoint is thus independent of the precision and the offload as well: a bf16 run resumes in fp32
 from the same masters. Everything else (names, shapes, optimizer class and hyperparameters)
 is described by the JSON-able ``layout`` of :func:`engine_state`.
@@ -31,6 +33,12 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+
+from zerorun.zero.state_paging import Pager, PagedState, paged_masters, placeholder
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that cannot be loaded into this engine (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ def holdings(engine, masters: list[torch.Tensor] | None = None) -> list[Holding]
     """
     names = {p: n for n, p in engine.module.named_parameters()}
     out: list[Holding] = []
-    masters = engine.master_slices() if masters is None else masters
+    masters = _masters(engine) if masters is None else masters
     for i, (buf, master) in enumerate(zip(engine.buffers, masters)):
         out += _buffer_holdings(engine, buf, master, engine.stage == 0, i)
     for buf in getattr(engine, "frozen_buffers", []):  # stage 3: frozen parameters are sharded too
@@ -94,6 +102,14 @@ def holdings(engine, masters: list[torch.Tensor] | None = None) -> list[Holding]
             flat = p.data.reshape(-1)
             out.append(Holding(names[p], tuple(p.shape), p.numel(), 0, p.numel(), 0, None, None, flat))
     return out
+
+
+def _masters(engine) -> list[torch.Tensor]:
+    """The engine's master slices; placeholders of their shapes (no memory) when they are on disk."""
+    disk = paged_masters(engine)
+    if disk is not None:
+        return [placeholder(s.numel()) for s in disk.slices]
+    return engine.master_slices()
 
 
 def _buffer_holdings(engine, buf, tensor: torch.Tensor, whole: bool, index: int | None) -> list[Holding]:
@@ -158,7 +174,10 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Returns:
         ``(tensors, layout)``: ``tensors`` maps DCP keys to plain tensors or ``ShardedTensor`` s (views of the
-        engine's own tensors, no copies, except with ``disk`` offload: read from the swap file); ``layout`` (JSON-able, equal on every rank) lists parameters
+        engine's own tensors, no copies); with ``disk`` offload a :class:`PagedState` whose trainable entries
+        are read piece by piece by ``tensors.pager.save_planner()`` (Note [Paged checkpoints]): pass it to
+        ``dcp.save`` with ``FileSystemWriter(**state_paging.WRITER_OPTIONS)``. ``layout`` (JSON-able, equal on
+        every rank) lists parameters
         (name, shape, trainable), module buffers (key, shape, dtype), ``state_dict`` keys in order (tied
         parameters appear under every key), the optimizer class, its state keys and its param groups'
         options (``params`` excluded).
@@ -167,14 +186,23 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
         ValueError: an optimizer state that is neither elementwise nor scalar.
     """
     group = engine.comm.group
-    tensors: dict[str, Any] = {}
-    masters = engine.master_slices()
-    states = engine.optimizer_states()
+    disk = paged_masters(engine)
+    pager = Pager(disk, engine.rank, group) if disk is not None else None
+    tensors: dict[str, Any] = {} if pager is None else PagedState()
+    masters = _masters(engine)
+    if pager is None:
+        states = engine.optimizer_states()
+    else:  # per-element states stay in the swap file: placeholders of the master's shape
+        states = [dict(scalars, **{n: m for n in disk.state_names}) if disk.has_state() else {}
+                  for scalars, m in zip(disk.buffer_scalars(), masters)]
+        tensors.pager = pager
     optim_state: dict[str, dict[str, Any]] = {}
     params = []
     for h in holdings(engine, masters):
         params.append({"name": h.name, "shape": list(h.shape), "trainable": h.buffer_index is not None})
-        entry = _dcp_tensor(h, h.tensor, engine.rank, group)
+        paged = pager is not None and h.buffer_index is not None
+        entry = (pager.entry(f"model/{h.name}", h, "master", load=False) if paged
+                 else _dcp_tensor(h, h.tensor, engine.rank, group))
         if entry is None:
             continue
         tensors[f"model/{h.name}"] = entry
@@ -186,8 +214,12 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
                 continue
             kind = _state_kind(value, master)
             optim_state[key] = {"kind": kind, "dtype": _dtype_name(value.dtype), "shape": list(value.shape)}
-            tensors[f"optim/{h.name}/{key}"] = (_dcp_tensor(h, value, engine.rank, group) if kind == "elementwise"
-                                               else value.detach())
+            if kind != "elementwise":
+                tensors[f"optim/{h.name}/{key}"] = value.detach()
+            elif paged:
+                tensors[f"optim/{h.name}/{key}"] = pager.entry(f"optim/{h.name}/{key}", h, key, load=False)
+            else:
+                tensors[f"optim/{h.name}/{key}"] = _dcp_tensor(h, value, engine.rank, group)
     keyed = engine.module.state_dict(keep_vars=True)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     order, buffers = [], {}
@@ -257,29 +289,49 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
 
     Args:
         load: called once with the DCP state dict of this rank's targets (views of the engine's tensors and of
-            newly allocated optimizer states); it must fill them in place (``dcp.load``). Collective.
+            newly allocated optimizer states); it must fill them in place (``dcp.load``). Collective. With
+            ``disk`` offload the targets are a :class:`PagedState`: ``load`` must use a load planner that
+            defers to ``targets.pager``'s ``resolve_tensor``/``commit_tensor`` (Note [Paged checkpoints]).
+
+    Raises:
+        CheckpointMismatch: ``disk`` offload and a per-element optimizer state this optimizer does not have.
     """
     group = engine.comm.group
-    masters = engine.master_slices()
-    targets: dict[str, Any] = {}
+    disk = paged_masters(engine)
+    pager = Pager(disk, engine.rank, group) if disk is not None else None
+    masters = _masters(engine)
+    targets: dict[str, Any] = {} if pager is None else PagedState()
+    if pager is not None:
+        targets.pager = pager
+        unknown = [k for k, spec in layout["optim_state"].items()
+                   if spec["kind"] == "elementwise" and k not in disk.state_names]
+        if unknown:
+            raise CheckpointMismatch(f"optimizer state {unknown[0]!r} in the checkpoint is not one of this optimizer's "
+                             f"per-element states ({', '.join(disk.state_names) or 'none'})")
     states: dict[int, dict[str, torch.Tensor]] = {}
     for i, master in enumerate(masters):
         state = states[i] = {}
         for key, spec in layout["optim_state"].items():
             if spec["kind"] == "elementwise":
-                state[key] = torch.zeros_like(master, dtype=dtype_of(spec["dtype"]), requires_grad=False)
+                if pager is None:
+                    state[key] = torch.zeros_like(master, dtype=dtype_of(spec["dtype"]), requires_grad=False)
             else:
                 state[key] = torch.zeros(spec["shape"], dtype=dtype_of(spec["dtype"]), device=master.device)
                 targets[f"optim/{engine.buffers[i].names[0]}/{key}"] = state[key]
     for h in holdings(engine, masters):
-        entry = _dcp_tensor(h, h.tensor, engine.rank, group)
+        paged = pager is not None and h.buffer_index is not None
+        entry = (pager.entry(f"model/{h.name}", h, "master", load=True) if paged
+                 else _dcp_tensor(h, h.tensor, engine.rank, group))
         if entry is None:
             continue
         targets[f"model/{h.name}"] = entry
         if h.buffer_index is not None:
             for key, spec in layout["optim_state"].items():
-                if spec["kind"] == "elementwise":
-                    targets[f"optim/{h.name}/{key}"] = _dcp_tensor(h, states[h.buffer_index][key], engine.rank, group)
+                if spec["kind"] != "elementwise":
+                    continue
+                targets[f"optim/{h.name}/{key}"] = (
+                    pager.entry(f"optim/{h.name}/{key}", h, key, load=True) if paged
+                    else _dcp_tensor(h, states[h.buffer_index][key], engine.rank, group))
     param_ids = {id(p) for p in engine.module.parameters()}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) not in param_ids:
@@ -289,5 +341,7 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
         for k, v in saved.items():
             old = group_options.get(k)
             group_options[k] = tuple(v) if isinstance(old, tuple) and isinstance(v, list) else v
-    engine.load_master_slices(masters, [states[i] for i in range(len(masters))] if layout["optim_state"] else None)
+    loaded = [states[i] for i in range(len(masters))] if layout["optim_state"] else None
+    # disk: the masters and per-element states are in the swap file already; ``loaded`` holds the scalars
+    engine.load_master_slices(None if pager is not None else masters, loaded)
 

@@ -1,0 +1,97 @@
+"""``zerorun estimate``'s entry point: arguments or a recipe to an :class:`Estimate`, and the machine's memory."""
+
+from __future__ import annotations
+
+from zerorun.errors import ZerorunError
+from zerorun.estimate.layout import layout_of_count, layout_of_recipe
+from zerorun.estimate.policies import OFFLOADS, optimizer_model, precision_of
+from zerorun.estimate.report import Estimate, Setup, estimate
+from zerorun.estimate.sizes import parse_bandwidth, parse_bytes, parse_count
+
+
+def detect_memory(procs_per_node: int) -> tuple[int, str, int]:
+    """``(device bytes per rank, device description, host bytes per node)`` of this machine: the first CUDA
+    device's memory, or on a CPU-only machine host memory divided by ``procs_per_node``. torch (seconds to
+    import) is asked only on a machine with a GPU driver's device files (NVIDIA's or AMD's)."""
+    import os
+
+    import psutil
+
+    host = psutil.virtual_memory().total
+    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/proc/driver/nvidia")):
+        return host // procs_per_node, "cpu", host
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return props.total_memory, f"cuda ({props.name}, detected)", host
+    except Exception:  # noqa: BLE001 - no usable CUDA: fall back to host memory
+        pass
+    return host // procs_per_node, "cpu", host
+
+
+def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | None, params: str | None,
+                   largest_layer: str | None, nodes: int | None, procs_per_node: int | None, precision: str | None,
+                   optimizer: str | None, device_memory: str | None, cpu_memory: str | None, bandwidth: str,
+                   micro_batch: int | None, offload: str | None = None) -> Estimate:
+    """The :class:`Estimate` for ``zerorun estimate``'s arguments (strings as typed; see ``zerorun estimate
+    --help``): a recipe (with overrides) or ``params``, the hostfile or ``nodes`` x ``procs_per_node``, sizes
+    parsed with :func:`parse_count`, :func:`parse_bytes` and :func:`parse_bandwidth`. A recipe gives the
+    precision, ``zero.reduce_dtype``, ``zero.offload_optimizer`` (when it sets it; else every variant, as
+    without a recipe: ``all``), ``zero.offload_buffer_mb`` and ``zero.grad_accum_dtype`` (Note [Gradient
+    accumulation buffer]); ``precision`` and ``offload`` override them.
+
+    Raises:
+        ZerorunError: neither or both of ``recipe`` and ``params``; a bad recipe, hostfile, model module or
+            flag value (the message names the file, field or flag).
+    """
+    if (recipe is None) == (params is None):
+        raise ZerorunError("estimate: give a recipe file or --params (not both)")
+    hosts = None
+    if hostfile:
+        from zerorun.hostfile import read_hostfile
+
+        hosts = read_hostfile(hostfile)
+    if offload is not None and offload not in OFFLOADS:
+        raise ZerorunError(f"--offload: {offload!r} is not one of {', '.join(OFFLOADS)}")
+    r = None
+    if recipe is not None:
+        from zerorun.recipe import load_recipe
+
+        r = load_recipe(recipe, overrides or [])
+        prec = precision_of(precision or r.precision, r.zero.reduce_dtype)
+        layout = layout_of_recipe(r, prec.name)
+        if offload is None and "offload_optimizer" in r.zero.model_fields_set:
+            offload = r.zero.offload_optimizer
+    else:
+        if overrides:
+            raise ZerorunError(f"estimate: overrides ({overrides[0]}) need a recipe")
+        largest = parse_count(largest_layer, "--largest-layer") if largest_layer else None
+        layout = layout_of_count(parse_count(params, "--params"), largest)
+        prec = precision_of(precision or "fp32")
+    ppn = procs_per_node or (max(h.slots for h in hosts) if hosts else (r.launch.procs_per_node if r else 1))
+    n_nodes = nodes or (len(hosts) if hosts else 1)
+    world = sum(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else None
+    if optimizer is not None:
+        opt = optimizer_model(optimizer)
+    elif r is not None:
+        opt = optimizer_model(r.train.optimizer.name, r.train.optimizer.kwargs(), "train.optimizer.name")
+    else:
+        opt = optimizer_model("adam")
+    dev, kind, host = detect_memory(ppn)
+    if device_memory:
+        dev, kind = parse_bytes(device_memory, "--device-memory"), "given"
+    if cpu_memory:
+        host = parse_bytes(cpu_memory, "--cpu-memory")
+    setup = Setup(
+        nodes=n_nodes, procs_per_node=ppn, world_size=world, precision=prec, optimizer=opt,
+        device_memory=dev, device=kind, cpu_memory=host, bandwidth=parse_bandwidth(bandwidth, "--bandwidth"),
+        micro_batch=micro_batch or (r.train.micro_batch_size if r else 1),
+        seq_len=r.data.seq_len if r else None, grad_accum_steps=r.train.grad_accum_steps if r else 1,
+        bucket_mb=r.zero.bucket_mb if r else 25.0, prefetch=r.zero.prefetch if r else True,
+        activation_checkpointing=r.train.activation_checkpointing if r else False, offload=offload or "all",
+        offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0,
+        # zero.grad_accum_dtype is added to the recipe by another change; absent, it is unset
+        grad_accum_dtype=getattr(r.zero, "grad_accum_dtype", None) if r else None)
+    return estimate(layout, setup)

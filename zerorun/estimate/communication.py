@@ -1,0 +1,47 @@
+"""Communication bytes per rank per step (ZeRO paper §7)."""
+
+from __future__ import annotations
+
+from zerorun.estimate.layout import PERSISTENT, Layout
+from zerorun.estimate.states import _pad, _stage_buffers
+from zerorun.estimate.policies import Precision
+
+
+def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision, grad_accum_steps: int = 1) -> int:
+    """Bytes one rank sends per optimizer step, as ``zero/comm.py`` counts them (ring: (N-1)/N of a buffer per
+    reduce-scatter or all-gather, twice that per all-reduce; ZeRO paper §7): stage 0 all-reduces gradients once
+    per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
+    all-gather parameters (2Ψ); stage 3 all-gathers each unit in forward and in backward and reduce-scatters its
+    gradients, every micro-step (3Ψ), except persistent parameters, all-gathered once per step after it
+    (Note [Persistent parameters]). Stages 1-2 add an all-reduce of the squared gradient norm (4 bytes); at
+    stage 3 it carries 24 bytes (fp64 norm and the digest of the units gathered, Note [Same units on every
+    rank] in ``zero/stage3_checks.py``).
+    Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``. A stage-3 unit
+    holding only frozen parameters is counted as gathered in forward only: it is gathered again
+    in backward only if a gradient flows through it, which the layout cannot tell (frozen layers usually come
+    first, as when fine-tuning the top of a model, and then none does)."""
+    N = world_size
+    if N == 1:
+        return 0
+    f = (N - 1) / N
+    pb, gb = precision.param_bytes, precision.reduce_bytes  # gradients travel in the reduce dtype
+    bufs = _stage_buffers(layout, stage)[0]
+    trainable = sum(_pad(n, N) for n in bufs)
+    frozen = frozen_only = persistent = 0
+    if stage == 3 and layout.exact:
+        gathered = [u for u in layout.units if u.name != PERSISTENT]
+        frozen = sum(_pad(n, N) for u in gathered if u.trainable for n in u.frozen)
+        frozen_only = sum(_pad(n, N) for u in gathered if not u.trainable for n in u.frozen)
+        persistent = sum(_pad(n, N) for u in layout.units if u.name == PERSISTENT for n in u.trainable)
+    norm = 2 * f * (24 if stage == 3 else 4)
+    if stage == 0:
+        sent = 2 * f * trainable * gb
+    elif stage == 1:
+        sent = f * trainable * (gb + pb) + norm
+    elif stage == 2:
+        sent = grad_accum_steps * f * trainable * gb + f * trainable * pb + norm
+    else:
+        gathered_twice = trainable - persistent + frozen  # persistent: all-gathered once per step, after it
+        sent = (grad_accum_steps * f * ((2 * gathered_twice + frozen_only) * pb + trainable * gb)
+                + f * persistent * pb + norm)
+    return int(round(sent))

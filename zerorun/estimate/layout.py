@@ -1,0 +1,163 @@
+"""The flat-buffer layout ``zerorun estimate`` counts from (Note [What is exact] in ``estimate/__init__.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerorun.errors import ZerorunError
+
+
+#: The stage-3 unit of parameters held whole (``zero.persistence_threshold``; Note [Persistent parameters]).
+PERSISTENT = "<persistent>"
+
+
+# ---------------------------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class UnitCount:
+    """A stage-3 unit: its name (``<root>`` for the root) and the unpadded numel of each of its flat buffers."""
+
+    name: str
+    trainable: tuple[int, ...]
+    frozen: tuple[int, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return sum(self.trainable) + sum(self.frozen)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parameter counts (elements) and the flat buffers the engine builds (Note [What is exact]).
+
+    Attributes:
+        total, trainable, frozen: parameters (shared ones counted once).
+        buffers: stages 0-2: unpadded numel of each trainable flat buffer.
+        frozen_params: stages 0-2: numel of each frozen parameter (held whole, not padded).
+        units: stage 3: the units, root last; their buffers are padded and sharded one by one.
+        exact: the layout comes from a model (``False``: ``--params``, one buffer of Ψ).
+        shape: the model's declared transformer shape (``model.shape``), if any.
+        unit_hint: a module class that would make good stage-3 units (:func:`suggest_unit_class`).
+        precision: the ``precision`` the buffers were packed for (``None``: ``--params``, no packing).
+    """
+
+    total: int
+    trainable: int
+    frozen: int
+    buffers: tuple[int, ...]
+    frozen_params: tuple[int, ...]
+    units: tuple[UnitCount, ...]
+    exact: bool = True
+    shape: dict | None = None
+    unit_hint: str | None = None
+    precision: str | None = None
+
+    @property
+    def largest_unit(self) -> UnitCount | None:
+        """The largest non-root stage-3 unit, or ``None``."""
+        inner = [u for u in self.units if u.name not in ("<root>", PERSISTENT)]
+        return max(inner, key=lambda u: u.numel) if inner else None
+
+
+def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), weight_decay: float = 0.0,
+              decay_1d: bool = False, precision: str = "fp32", persistence_threshold: int = 0) -> Layout:
+    """The :class:`Layout` the engine builds for ``model`` (any device, meta included) with the worker's param
+    groups (``default_param_groups``), ``bucket_mb`` buffers and stage-3 ``units`` (empty: picked by size), at
+    ``precision``: the engine casts floating-point parameters to it before packing, so ``bucket_mb`` counts
+    elements of that size (``model`` itself is not changed). Stage 3: parameters of at most
+    ``persistence_threshold`` elements form the unit ``PERSISTENT``, held whole (Note [Persistent parameters]).
+
+    Raises:
+        ValueError: a name in ``units`` matches no module class (from ``pick_units``).
+    """
+    import torch
+
+    from zerorun.zero.engine import default_param_groups
+    from zerorun.zero.flat import pack as pack_params
+    from zerorun.zero.precision import DTYPES
+    from zerorun.zero.stage3 import pick_units, unit_of_params
+
+    names = {}
+    for i, (name, p) in enumerate(model.named_parameters()):
+        names[p] = (i, name)
+    dtype = DTYPES[precision]
+    as_cast = {p: torch.empty(p.shape, dtype=dtype, device="meta") if p.is_floating_point() else p for p in names}
+
+    def pack(named, bucket_bytes):  # Note [Mixed precision]: runs of the cast parameters (numel is what counts)
+        return pack_params([(name, as_cast[p]) for name, p in named], bucket_bytes)
+
+    bucket_bytes = int(bucket_mb * 2**20)
+    groups = default_param_groups(model, weight_decay, decay_1d)
+    unit_modules = pick_units(model, tuple(units))
+    unit_index = unit_of_params(model, [m for _, m in unit_modules])
+    for p in unit_index:  # Note [Persistent parameters] in zero/stage3.py
+        if p.numel() <= persistence_threshold:
+            unit_index[p] = -2
+    flat: list[int] = []
+    per_unit: dict[int, list[int]] = {}
+    for group in groups:
+        named = sorted(((names[p][1], p) for p in group["params"]), key=lambda np_: names[np_[1]][0])
+        flat += [sum(p.numel() for _, p in run) for run in pack(named, bucket_bytes)]
+        by_unit: dict[int, list] = {}
+        for name, p in named:
+            by_unit.setdefault(unit_index[p], []).append((name, p))
+        for u, params in by_unit.items():
+            per_unit.setdefault(u, []).extend(sum(p.numel() for _, p in run) for run in pack(params, bucket_bytes))
+    frozen = [p for p in names if not p.requires_grad]
+    frozen_by_unit: dict[int, int] = {}
+    for p in frozen:
+        frozen_by_unit[unit_index[p]] = frozen_by_unit.get(unit_index[p], 0) + p.numel()
+    indexed = [(i, name) for i, (name, _) in enumerate(unit_modules)] + [(-1, "<root>"), (-2, PERSISTENT)]
+    counted = [UnitCount(name, tuple(per_unit.get(i, ())), (frozen_by_unit[i],) if i in frozen_by_unit else ())
+               for i, name in indexed]
+    total = sum(p.numel() for p in names)
+    trainable = sum(flat)
+    shape = getattr(model, "shape", None)
+    hint = suggest_unit_class(model)
+    return Layout(unit_hint=hint, total=total, trainable=trainable, frozen=total - trainable, buffers=tuple(flat),
+                  frozen_params=tuple(p.numel() for p in frozen), units=tuple(u for u in counted if u.numel),
+                  exact=True, shape=dict(shape) if isinstance(shape, dict) else None, precision=precision)
+
+
+def suggest_unit_class(model) -> str | None:
+    """A module class whose instances would make good stage-3 units: together they hold at least half of the
+    parameters, each at most a quarter; the largest such instances win (a transformer block rather than its
+    linear layers). ``None`` if no class qualifies."""
+    total = sum(p.numel() for p in model.parameters())
+    by_class: dict[str, list[int]] = {}
+    for m in model.modules():
+        if m is not model and type(m).__name__ not in ("ModuleList", "Sequential", "ModuleDict"):
+            by_class.setdefault(type(m).__name__, []).append(sum(p.numel() for p in m.parameters()))
+    good = [(max(sizes), name) for name, sizes in by_class.items()
+            if sum(sizes) >= total / 2 and max(sizes) <= total / 4 and len(sizes) > 1]
+    return max(good)[1] if good else None
+
+
+def layout_of_count(params: int, largest_layer: int | None = None) -> Layout:
+    """A :class:`Layout` from a parameter count alone (``--params``): one flat buffer of ``params`` elements; the
+    largest layer, if given, is the stage-3 unit gathered (twice, with prefetch)."""
+    units = (UnitCount("<largest layer>", (largest_layer,)),) if largest_layer else ()
+    return Layout(total=params, trainable=params, frozen=0, buffers=(params,), frozen_params=(), units=units,
+                  exact=False)
+
+
+def layout_of_recipe(recipe, precision: str | None = None) -> Layout:
+    """Build ``recipe``'s model on the meta device (no parameter memory) and return its :class:`Layout` at
+    ``precision`` (default: the recipe's).
+
+    Raises:
+        ZerorunError: the model module or factory fails, or ``zero.units`` names no module class.
+    """
+    import torch
+
+    from zerorun.userload import build_model
+
+    with torch.device("meta"):
+        model = build_model(*recipe.model.source())
+    opt = recipe.train.optimizer
+    try:
+        return layout_of(model, bucket_mb=recipe.zero.bucket_mb, units=tuple(recipe.zero.units),
+                         weight_decay=opt.weight_decay, decay_1d=opt.decay_1d,
+                         precision=precision or recipe.precision,
+                         persistence_threshold=recipe.zero.persistence_threshold)
+    except ValueError as e:
+        raise ZerorunError(f"recipe: {e}") from None

@@ -1,0 +1,272 @@
+"""The estimate for every stage and offload variant, and the recommendation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from zerorun.estimate.activations import activation_bytes, working_set
+from zerorun.estimate.communication import comm_bytes
+from zerorun.estimate.layout import Layout
+from zerorun.estimate.states import _optimizer_slices, model_states
+from zerorun.estimate.policies import OFFLOADS, OptimizerModel, Precision, grad_accum_bytes
+from zerorun.estimate.sizes import format_bytes
+
+
+#: A stage fits when its device total leaves at least this fraction of the device memory free.
+MIN_HEADROOM = 0.10
+
+# Note [Peak]: a rank's memory peaks either at the end of forward (model states, all activations, at stage 3
+# the gathered units) or during backward, where activations are freed as gradient buckets fill and wait for
+# their reduce-scatters. The estimate is model states + gathered units + max(activations, backward transients)
+# (benchmarks/estimate_vs_measured.py: stage 1 on gloo, whose pending reduce-scatters each hold a receive buffer
+# the size of their bucket, peaks at the end of backward once activations are smaller than the gradients).
+
+
+# --------------------------------------------------------------------------------------------- report
+@dataclass(frozen=True)
+class Setup:
+    """Everything an estimate depends on besides the model.
+
+    Attributes:
+        nodes, procs_per_node: the hosts; world size = ``nodes * procs_per_node`` unless ``world_size`` is set
+            (a hostfile whose nodes run different numbers of ranks).
+        device_memory: bytes per rank; device: what it is (``"cpu"``: host memory shared by the node's ranks).
+        cpu_memory: host bytes per node. bandwidth: bytes per second per rank.
+        micro_batch, seq_len, grad_accum_steps, bucket_mb, prefetch, activation_checkpointing: as in a recipe.
+        grad_accum_dtype: ``zero.grad_accum_dtype`` (``None``: unset; Note [Gradient accumulation buffer]).
+        offload: the ``zero.offload_optimizer`` variants to estimate besides no offload: ``none``, ``cpu``,
+            ``disk`` or ``all`` (both; on a CPU-only machine disk only). offload_buffer_mb: disk's host buffer.
+    """
+
+    nodes: int
+    procs_per_node: int
+    precision: Precision
+    optimizer: OptimizerModel
+    device_memory: int
+    device: str
+    cpu_memory: int
+    bandwidth: float
+    micro_batch: int = 1
+    seq_len: int | None = None
+    grad_accum_steps: int = 1
+    bucket_mb: float = 25.0
+    prefetch: bool = True
+    activation_checkpointing: bool = False
+    world_size: int | None = None
+    offload: str = "none"
+    offload_buffer_mb: float = 64.0
+    grad_accum_dtype: str | None = None
+
+    @property
+    def grad_accum_bytes(self) -> int:
+        """Bytes per element gradients are accumulated in (``policies.grad_accum_bytes``)."""
+        return grad_accum_bytes(self.precision, self.grad_accum_steps, self.grad_accum_dtype)
+
+    @property
+    def ranks(self) -> int:
+        return self.world_size or self.nodes * self.procs_per_node
+
+
+@dataclass
+class StageRow:
+    """One stage (and offload variant) of an :class:`Estimate`. Bytes per rank unless named per node."""
+
+    stage: int
+    offload: str  # "none", "cpu" (optimizer states + fp32 master slices in host memory) or "disk"
+    params: int
+    grads: int
+    optimizer: int  # in device memory (memory_bytes()["optimizer"]); offloaded: offload_host, offload_disk
+    model_states: int
+    working_set: int  # gathered + backward (Note [Peak])
+    gathered: int
+    backward_transient: int
+    activations: int
+    device_total: int
+    headroom: int
+    fits: bool
+    cpu_per_node: int  # at least the model built in fp32 by every rank at start (Note [Host memory at start])
+    disk_per_node: int
+    comm_bytes: int
+    comm_s: float
+    offload_host: int = 0  # per rank: offload_bytes()["host"] (cpu on an accelerator; disk's paging buffer)
+    offload_disk: int = 0  # per rank: offload_bytes()["disk"] (the swap file)
+    grad_accum: int = 0  # the fp32 gradient accumulation buffer, in model_states (Note [Gradient accumulation buffer])
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage}" + ("" if self.offload == "none" else f" + offload {self.offload}")
+
+
+@dataclass
+class Estimate:
+    """The result of :func:`estimate`: inputs, counts, one :class:`StageRow` per stage/offload variant,
+    activations (bytes per micro-batch, or ``None`` without a declared shape) and a recommendation."""
+
+    setup: dict
+    params: dict
+    rows: list[StageRow]
+    activations: dict | None
+    recommendation: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"setup": self.setup, "params": self.params, "stages": [asdict(r) | {"label": r.label}
+                                                                        for r in self.rows],
+                "activations": self.activations, "recommendation": self.recommendation, "notes": self.notes}
+
+
+# Note [Host memory at start]: on an accelerator every rank builds the whole model in fp32 host memory before
+# moving it to its device (worker.py; meta-device init is used on CPU only), so a node needs at least
+# ranks per node x 4 bytes x all parameters of host memory for a moment, at every stage.
+def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world_size: int | None = None) -> StageRow:
+    N = world_size or setup.ranks
+    p = setup.precision
+    on_host = setup.device == "cpu"
+    ms = model_states(layout, stage, N, p, setup.optimizer, offload, buffer_mb=setup.offload_buffer_mb,
+                      device_is_host=on_host, grad_accum_bytes=setup.grad_accum_bytes)
+    ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch, gloo=on_host)
+    total = ms.total + ws.gathered + max(act, ws.backward)  # Note [Peak]
+    if on_host:  # the device is the host: disk's paging buffer takes the same memory
+        total += ms.host
+        host_rank = total
+    else:  # Note [Host memory at start]; cpu offload also stages every gradient slice and parameter slice
+        slices = sum(_optimizer_slices(layout, stage, N))
+        staged = slices * (p.reduce_bytes + p.param_bytes) if offload == "cpu" else 0
+        host_rank = max(ms.host + staged, layout.total * 4)
+    headroom = setup.device_memory - total
+    cpu = setup.procs_per_node * host_rank
+    fits = headroom >= MIN_HEADROOM * setup.device_memory and cpu <= setup.cpu_memory
+    sent = comm_bytes(layout, stage, N, p, setup.grad_accum_steps)
+    return StageRow(stage, offload, ms.params, ms.grads, ms.optimizer, ms.total, ws.total, ws.gathered,
+                    ws.backward, act, total, headroom, fits, cpu, setup.procs_per_node * ms.disk, sent,
+                    sent / setup.bandwidth, ms.host, ms.disk, ms.grad_accum)
+
+
+def offload_variants(setup: Setup) -> tuple[str, ...]:
+    """The offload modes :func:`estimate` adds rows for (at stages 0-3, after the rows without offload):
+    ``setup.offload``'s, where ``all`` is cpu and disk on an accelerator and disk alone on a CPU-only machine
+    (there ``cpu`` moves nothing off the device and adds an fp32 master at fp32; asked for by name it is
+    estimated all the same, as the engine runs it)."""
+    if setup.offload == "all":
+        return ("disk",) if setup.device == "cpu" else ("cpu", "disk")
+    return () if setup.offload == "none" else (setup.offload,)
+
+
+def estimate(layout: Layout, setup: Setup) -> Estimate:
+    """Per-rank memory, per-node host memory and communication for stages 0-3 (and, per
+    :func:`offload_variants`, with the optimizer offloaded), activations when ``layout.shape`` is declared,
+    and a recommendation: the lowest stage that fits with ``MIN_HEADROOM`` (no offload first), or what to
+    change.
+
+    Raises:
+        ValueError: ``setup.offload`` not one of :data:`OFFLOADS`; see :func:`model_states`.
+    """
+    if setup.offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {setup.offload!r}")
+    act = None
+    notes: list[str] = []
+    if layout.shape:
+        try:
+            act = activation_bytes(layout.shape, micro_batch=setup.micro_batch, seq_len=setup.seq_len,
+                                   element_bytes=setup.precision.activation_bytes)
+        except (KeyError, TypeError, ValueError):
+            notes.append("model.shape lacks n_layer, d_model, n_head, seq_len or vocab_size: activations not "
+                         "estimated")
+    if act is None:
+        notes.append("activations not counted: no transformer shape (a recipe whose model sets `shape`: n_layer, "
+                     "d_model, n_head, seq_len, vocab_size)")
+    if not layout.exact and not layout.units:
+        notes.append("stage 3's gathered units not counted: pass --largest-layer")
+
+    fused = "_fused" if layout.shape and layout.shape.get("fused_attention") else ""
+    if act is not None:
+        act["fused_attention"] = bool(fused)
+
+    def act_for(stage: int, checkpointed: bool = setup.activation_checkpointing) -> int:
+        if act is None:
+            return 0
+        return act[("checkpointed" if stage == 3 and checkpointed else "total") + fused]
+
+    modes = offload_variants(setup)
+    if setup.offload == "all" and setup.device == "cpu":
+        notes.append("no cpu-offload rows: on a CPU-only machine the device memory is host memory (--offload cpu "
+                     "shows them)")
+    if "disk" in modes:
+        notes.append(f"disk offload: a host buffer of {setup.offload_buffer_mb:g} MiB per rank "
+                     "(zero.offload_buffer_mb) and the swap files under zero.offload_path (disk column)")
+    variants = [(s, "none") for s in range(4)] + [(s, o) for o in modes for s in range(4)]
+    rows = [_row(layout, setup, s, o, act_for(s)) for s, o in variants]
+    accum = {r.stage for r in rows if r.grad_accum}
+    if accum:  # only ever fp32: wider than 2-byte gradients (Note [Gradient accumulation buffer])
+        where = (["the whole model's at stages 0-1 (Ψ x 4 bytes)"] if accum & {0, 1} else []) + \
+            (["the rank's partition at stages 2-3 (Ψ/N x 4 bytes)"] if accum & {2, 3} else [])
+        notes.append("gradients accumulate in fp32 (zero.grad_accum_dtype; unset: fp32 when grad_accum_steps > 1 "
+                     "under bf16/fp16): assumed one fp32 buffer per rank beside the gradients, counted in grads "
+                     f"and states: {' and '.join(where)}")
+    rec = _recommend(setup, layout, rows, act_for)
+    largest = layout.largest_unit
+    params = {"total": layout.total, "trainable": layout.trainable, "frozen": layout.frozen,
+              "largest_unit": {"name": largest.name, "params": largest.numel} if largest else None,
+              "units": len([u for u in layout.units if u.name != "<root>"]), "exact_layout": layout.exact,
+              "shape": layout.shape}
+    s = setup
+    info = {"nodes": s.nodes, "procs_per_node": s.procs_per_node, "world_size": s.ranks,
+            "precision": s.precision.name, "reduce_dtype": "fp32" if s.precision.reduce_bytes == 4 else
+            s.precision.name, "optimizer": s.optimizer.name, "optimizer_states": s.optimizer.states,
+            "offload": s.offload, "offload_buffer_mb": s.offload_buffer_mb,
+            "device": s.device, "device_memory": s.device_memory, "cpu_memory_per_node": s.cpu_memory,
+            "bandwidth_bytes_per_s": s.bandwidth, "micro_batch": s.micro_batch,
+            "seq_len": s.seq_len or (layout.shape or {}).get("seq_len"),
+            "grad_accum_steps": s.grad_accum_steps, "grad_accum_dtype": s.grad_accum_dtype,
+            "activation_checkpointing": s.activation_checkpointing,
+            "min_headroom": MIN_HEADROOM}
+    return Estimate(info, params, rows, act, rec, notes)
+
+
+def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for) -> str:
+    for row in rows:
+        if row.fits:
+            return (f"stage {row.label}: {format_bytes(row.device_total)} of {format_bytes(setup.device_memory)} "
+                    f"per rank, headroom {format_bytes(row.headroom)} "
+                    f"({row.headroom / setup.device_memory:.0%})")
+    hints = []
+    s3 = rows[3]
+    tries = [(act_for(3), "")]
+    if layout.shape and not setup.activation_checkpointing:
+        tries.append((act_for(3, checkpointed=True), " with train.activation_checkpointing"))
+    for activations, how in tries:
+        nodes = _nodes_for_stage3(layout, setup, activations)
+        if nodes is not None:
+            hints.append(f"stage 3{how} fits on {nodes} nodes ({nodes * setup.procs_per_node} ranks)")
+            break
+    if s3.gathered > 0.25 * setup.device_memory and layout.unit_hint:
+        hints.append(f"stage 3 gathers {format_bytes(s3.gathered)} at once: make smaller units, e.g. "
+                     f"zero.units: [{layout.unit_hint}]")
+    if s3.activations > 0.25 * setup.device_memory:
+        one = act_for(0) // max(setup.micro_batch, 1)
+        hints.append(f"activations take {format_bytes(s3.activations)} per rank: a smaller train.micro_batch_size "
+                     f"({format_bytes(one)} per sample) or train.activation_checkpointing at stage 3 "
+                     f"({format_bytes(act_for(3, checkpointed=True))})")
+    device_ok = [r for r in rows if r.headroom >= MIN_HEADROOM * setup.device_memory]
+    if device_ok:  # then host memory is what is short (Note [Host memory at start])
+        r = device_ok[0]
+        hints.append(f"stage {r.label} fits the device but needs {format_bytes(r.cpu_per_node)} host memory per "
+                     f"node (have {format_bytes(setup.cpu_memory)}): fewer ranks per node or more host memory")
+    best = min(rows, key=lambda r: r.device_total)
+    head = (f"no stage fits {format_bytes(setup.device_memory)} per rank with {MIN_HEADROOM:.0%} headroom "
+            f"(smallest: stage {best.label}, {format_bytes(best.device_total)})")
+    return head + ("; " + "; ".join(hints) if hints else "; use more device memory per rank")
+
+
+def _nodes_for_stage3(layout: Layout, setup: Setup, activations: int, max_nodes: int = 1 << 20) -> int | None:
+    """The fewest nodes (of ``setup.procs_per_node`` ranks) on which stage 3 fits, or ``None``."""
+    def fits(nodes: int) -> bool:
+        return _row(layout, setup, 3, "none", activations, world_size=nodes * setup.procs_per_node).fits
+
+    if not fits(max_nodes):
+        return None
+    lo, hi = setup.nodes, max_nodes  # per-rank bytes shrink as ranks grow: bisect
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo

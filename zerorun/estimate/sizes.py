@@ -1,0 +1,88 @@
+"""Parsing and formatting of counts, bytes and bandwidths for ``zerorun estimate``."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from zerorun.errors import ZerorunError
+
+
+# ------------------------------------------------------------------------------------------------- sizes
+_NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*")  # fullmatch
+_COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_BIT_PREFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def _split(text: str, flag: str, example: str) -> tuple[float, str]:
+    m = _NUMBER.fullmatch(str(text))
+    if not m:
+        raise ZerorunError(f"{flag}: cannot read {text!r}: expected a number with a unit, e.g. {example}")
+    value = float(m.group(1))
+    if not math.isfinite(value) or value > 1e30:  # 1e400 parses as inf; no model, memory or link is that big
+        raise ZerorunError(f"{flag}: {text!r} is too large")
+    return value, m.group(2)
+
+
+def parse_count(text: str, flag: str = "--params") -> int:
+    """A count such as ``7B``, ``350M``, ``1.5K`` or ``1000`` (decimal prefixes: K 1e3, M 1e6, B/G 1e9, T 1e12).
+
+    Raises:
+        ZerorunError: not a positive count; the message names ``flag``.
+    """
+    return _scaled(text, flag, _COUNT_UNITS, "7B, 350M", "a positive count such as 7B, 350M or 125000")
+
+
+def parse_bytes(text: str, flag: str = "--device-memory") -> int:
+    """A size in bytes: ``80GiB`` (binary: KiB, MiB, GiB, TiB), ``80GB`` (decimal: KB, MB, GB, TB) or bytes.
+
+    Raises:
+        ZerorunError: not a positive size; the message names ``flag``.
+    """
+    return _scaled(text, flag, _BYTE_UNITS, "80GiB, 80GB", "a positive size such as 80GiB, 80GB or 512MiB")
+
+
+def _scaled(text: str, flag: str, units: dict[str, float], example: str, expected: str) -> int:
+    value, unit = _split(text, flag, example)
+    mult = units.get(unit.upper())
+    if mult is None or value <= 0 or round(value * mult) < 1:
+        raise ZerorunError(f"{flag}: cannot read {text!r}: expected {expected}")
+    return int(round(value * mult))
+
+
+def parse_bandwidth(text: str, flag: str = "--bandwidth") -> float:
+    """A link speed per rank: bits per second (``100Gbps``, ``400Mbps``) or bytes per second (``12.5GB/s``,
+    ``10GiB/s``). Returns bytes per second (float).
+
+    Raises:
+        ZerorunError: not a positive speed; the message names ``flag``.
+    """
+    value, unit = _split(text, flag, "100Gbps, 12.5GB/s")
+    u = unit.upper()
+    mult = None
+    if u.endswith("BPS") and unit[-3] == "b":  # bits: Gbps
+        prefix = _BIT_PREFIX.get(u[:-3])
+        mult = prefix / 8 if prefix else None
+    elif u.endswith("/S"):
+        mult = _BYTE_UNITS.get(u[:-2]) if u[:-2] else None
+    if mult is None or value <= 0:
+        raise ZerorunError(f"{flag}: cannot read {text!r}: expected a positive speed such as 100Gbps or 12.5GB/s")
+    return value * mult
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes with a binary unit: ``'1.50 GiB'``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_count(n: int) -> str:
+    """``n`` elements with a decimal suffix: ``'7.50B'``, ``'54.7M'``."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)

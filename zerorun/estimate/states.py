@@ -1,0 +1,123 @@
+"""Model-state bytes per rank and stage (Note [What is exact] in ``estimate/__init__.py``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zerorun.errors import ZerorunError
+from zerorun.estimate.layout import PERSISTENT, Layout
+from zerorun.estimate.policies import OFFLOADS, OptimizerModel, Precision
+
+
+# ------------------------------------------------------------------------------------------- per stage
+def _pad(n: int, world_size: int) -> int:
+    return math.ceil(n / world_size) * world_size
+
+
+def _stage_buffers(layout: Layout, stage: int) -> tuple[list[int], list[int]]:
+    """Unpadded numels of the trainable flat buffers and of the frozen tensors the engine holds at ``stage``
+    (stage 3: per unit, frozen ones in one flat buffer per unit; stages 0-2: frozen parameters whole)."""
+    if stage == 3 and layout.exact:
+        return [n for u in layout.units for n in u.trainable], [n for u in layout.units for n in u.frozen]
+    return list(layout.buffers), list(layout.frozen_params)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Model-state bytes one rank holds at rest: ``params``, ``grads``, ``optimizer`` (in device memory) are
+    ``ZeroEngine.memory_bytes()``'s keys; ``host`` and ``disk`` (optimizer bytes offloaded) are
+    ``ZeroEngine.offload_bytes()``'s."""
+
+    params: int
+    grads: int
+    optimizer: int
+    host: int = 0
+    disk: int = 0
+    grad_accum: int = 0  # the fp32 gradient accumulation buffer (Note [Gradient accumulation buffer])
+
+    @property
+    def total(self) -> int:
+        """Bytes in device memory: parameters + gradients (+ accumulation buffer) + optimizer."""
+        return self.params + self.grads + self.grad_accum + self.optimizer
+
+
+# Note [Gradient accumulation buffer]: gradients are accumulated over micro-steps in ``zero.grad_accum_dtype``
+# (``policies.grad_accum_bytes``: unset, fp32 when grad_accum_steps > 1 under bf16/fp16, as DeepSpeed's
+# ``data_types.grad_accum_dtype``). Where that is wider than the gradients the stage keeps across micro-steps
+# (stages 0-1: the whole gradients in the parameters' dtype; stages 2-3: this rank's gradient slice in the
+# reduce dtype, already 4 bytes under ``zero.reduce_dtype: fp32``), the estimate assumes the runtime keeps a
+# separate buffer of that width beside them, of the size of what the stage keeps: stages 0-1 the whole padded
+# model, Ψ x 4 bytes; stages 2-3 the rank's partition, Ψ/N x 4 bytes (padding included). It is counted in
+# ``ModelStates.grad_accum`` and the device total, not in ``grads`` (``ZeroEngine.memory_bytes()``'s).
+
+
+def _optimizer_slices(layout: Layout, stage: int, world_size: int) -> list[int]:
+    """Numel of each tensor this rank's optimizer updates: one per trainable flat buffer, the whole padded
+    buffer at stage 0, this rank's slice above (``ZeroEngine._param_slice``)."""
+    padded = [_pad(n, world_size) for n in _stage_buffers(layout, stage)[0]]
+    return padded if stage == 0 else [n // world_size for n in padded]
+
+
+def model_states(layout: Layout, stage: int, world_size: int, precision: Precision, optimizer: OptimizerModel,
+                 offload: str = "none", *, buffer_mb: float = 64.0, device_is_host: bool = False,
+                 grad_accum_bytes: int | None = None) -> ModelStates:
+    """Bytes of parameters, gradients and optimizer states per rank at ``stage`` on ``world_size`` ranks
+    (Note [What is exact]; ZeRO paper §5: stage 1 partitions optimizer states, 2 also gradients, 3 also
+    parameters). The optimizer's bytes include the fp32 master copy where it is separate from the parameters
+    (mixed precision; ``cpu`` offload always).
+
+    Args:
+        offload: ``zero.offload_optimizer``: ``none``, ``cpu`` or ``disk``.
+        buffer_mb: ``zero.offload_buffer_mb`` (``disk``: the host buffer the states are paged through, MiB).
+        device_is_host: a CPU-only machine: ``cpu`` offload's masters and states count as ``optimizer``
+            (the engine's "device" is the host), else as ``host``.
+        grad_accum_bytes: bytes per element gradients are accumulated in (``policies.grad_accum_bytes``);
+            wider than what the stage keeps, a buffer of that width is counted in ``grad_accum`` (Note
+            [Gradient accumulation buffer]); ``None``: the gradients' own dtype, no buffer.
+
+    Raises:
+        ValueError: ``stage`` not in 0-3, ``world_size`` < 1, an unknown ``offload``, or ``layout`` packed for
+            another precision.
+        ZerorunError: ``disk`` with a ``buffer_mb`` too small to page 16 elements (names
+            ``zero.offload_buffer_mb``).
+    """
+    if stage not in (0, 1, 2, 3) or world_size < 1 or offload not in OFFLOADS[:3]:
+        raise ValueError(f"stage must be 0-3, world_size >= 1 and offload none, cpu or disk, got {stage}, "
+                         f"{world_size}, {offload!r}")
+    if layout.precision not in (None, precision.name):
+        raise ValueError(f"the layout was packed for {layout.precision}, not {precision.name}")
+    N = world_size
+    trainable, frozen = _stage_buffers(layout, stage)
+    padded = [_pad(n, N) for n in trainable]
+    shards = [n // N for n in padded]
+    if stage == 3:
+        params = (sum(shards) + sum(_pad(n, N) // N for n in frozen)) * precision.param_bytes
+        params += sum(_pad(n, N) for u in layout.units if u.name == PERSISTENT  # whole as well as sliced
+                      for n in u.trainable + u.frozen) * precision.param_bytes
+    else:
+        params = (sum(padded) + sum(frozen)) * precision.param_bytes
+    grads = sum(padded) * precision.grad_bytes if stage < 2 else sum(shards) * precision.reduce_bytes
+    kept = (sum(padded), precision.grad_bytes) if stage < 2 else (sum(shards), precision.reduce_bytes)
+    accum = kept[0] * grad_accum_bytes if grad_accum_bytes and grad_accum_bytes > kept[1] else 0
+    slices = _optimizer_slices(layout, stage, N)
+    states = 4 * optimizer.states * sum(slices)
+    scalars = (optimizer.scalar_bytes if layout.exact else 0) * len(slices)  # one per optimizer tensor
+    if offload == "none":
+        return ModelStates(params, grads, states + scalars + precision.master_bytes * sum(slices), grad_accum=accum)
+    if offload == "cpu":  # CpuMasters: never aliased, so an fp32 master even at fp32
+        held = states + scalars + 4 * sum(slices)
+        return (ModelStates(params, grads, held, grad_accum=accum) if device_is_host
+                else ModelStates(params, grads, 0, host=held, grad_accum=accum))
+    from zerorun.zero.offload import subgroup_elements, swap_region_bytes
+
+    chunk = subgroup_elements(int(buffer_mb * 2**20), optimizer.states)
+    if chunk < 16:
+        raise ZerorunError(f"zero.offload_buffer_mb: {buffer_mb} MiB cannot page even 16 elements of master and "
+                           f"{optimizer.states} optimizer state tensors twice")
+    regions = 1 + optimizer.states  # the master and each state, per sub-group (Note [Disk paging])
+    disk = 0
+    for n in slices:
+        full, rest = divmod(n, chunk)
+        disk += regions * (full * swap_region_bytes(4 * chunk) + (swap_region_bytes(4 * rest) if rest else 0))
+    return ModelStates(params, grads, 0, host=2 * chunk * 4 * regions, disk=disk, grad_accum=accum)

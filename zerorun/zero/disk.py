@@ -1,0 +1,229 @@
+"""Disk offload: masters and optimizer states in a swap file, paged through a bounded host buffer (Note [Disk
+paging] and Note [Paged checkpoints] in ``offload.py``)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import torch
+
+from zerorun.zero.masters import Masters, _fp32_grad, _group_params
+from zerorun.zero.swap import SwapFile
+
+
+def subgroup_elements(buffer_bytes: int, n_states: int) -> int:
+    """Elements of one disk-offload sub-group (Note [Disk paging]): each half of a host buffer of
+    ``buffer_bytes`` bytes holds that many elements of fp32 master and ``n_states`` fp32 optimizer states,
+    rounded down to a multiple of 16 (0: the buffer is too small)."""
+    return (buffer_bytes // 2 // (4 * (1 + n_states))) // 16 * 16
+
+
+def tensor_state_names(optimizer_cls: type, optimizer_kwargs: dict[str, Any]) -> list[str]:
+    """Names of the optimizer's per-element state tensors (shaped like the parameter), found by stepping the
+    optimizer once on a 3-element probe: e.g. ``["exp_avg", "exp_avg_sq"]`` for Adam (its ``step`` is 0-d)."""
+    p = torch.zeros(3, requires_grad=True)
+    opt = optimizer_cls([p], **optimizer_kwargs)
+    p.grad = torch.zeros(3)
+    opt.step()
+    return [k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.shape == p.shape]
+
+
+class _Chunk:
+    """One sub-group: elements ``[lo, lo + numel)`` of master ``index``; its file regions and small state."""
+
+    def __init__(self, index: int, lo: int, numel: int, param: torch.Tensor, offsets: dict[str, int]) -> None:
+        self.index, self.lo, self.numel, self.param, self.offsets = index, lo, numel, param, offsets
+        self.small: dict[str, Any] | None = None  # state that is not per element (Adam's step); None: no state yet
+
+
+class DiskMasters(Masters):
+    """Masters and optimizer states in a swap file under ``folder``, paged through a host buffer of
+    ``buffer_bytes`` bytes in sub-groups (Note [Disk paging]). Other arguments as :class:`Masters`.
+
+    Raises:
+        ValueError: ``buffer_bytes`` too small to hold one element's master and states twice, or the swap
+            file cannot be created in ``folder`` (message names ``zero.offload_path``).
+    """
+
+    def __init__(self, slices, group_of, group_options, optimizer_cls, optimizer_kwargs, *, folder: str,
+                 buffer_bytes: int, rank: int) -> None:
+        self.slices = slices
+        self.alias = False
+        self.state_names = tensor_state_names(optimizer_cls, optimizer_kwargs)
+        per_element = 4 * (1 + len(self.state_names))
+        self.chunk = subgroup_elements(buffer_bytes, len(self.state_names))
+        if self.chunk < 16:
+            raise ValueError(f"zero.offload_buffer_mb: {buffer_bytes} bytes cannot page even 16 elements of master "
+                             f"and {len(self.state_names)} optimizer state tensors twice")
+        self.pin = slices[0].device.type == "cuda"
+        half = self.chunk * per_element
+        self.arena = torch.empty(2 * half, dtype=torch.uint8, pin_memory=self.pin)
+        self.halves = [self.arena[:half], self.arena[half:]]
+        try:
+            self.file = SwapFile(folder, rank)
+        except OSError as e:
+            raise ValueError(f"zero.offload_path: cannot create a swap file in {folder}: "
+                             f"{e.strerror or e}") from None
+        self.chunks: list[_Chunk] = []
+        empty = torch.empty(0, dtype=torch.float32)
+        for i, s in enumerate(slices):
+            for lo in range(0, s.numel(), self.chunk):
+                n = min(self.chunk, s.numel() - lo)
+                offsets = {name: self.file.allocate(4 * n) for name in ["master", *self.state_names]}
+                self.file.write(offsets["master"], s.detach()[lo:lo + n].to("cpu", torch.float32))
+                self.chunks.append(_Chunk(i, lo, n, empty.clone().requires_grad_(True), offsets))
+        self.params = [c.param for c in self.chunks]
+        self._chunks_of: list[list[_Chunk]] = [[] for _ in slices]
+        for c in self.chunks:
+            self._chunks_of[c.index].append(c)
+        self._arena_np = self.arena.numpy()
+        self._next_half = 0
+        self.optimizer = optimizer_cls(_group_params(self.params, [group_of[c.index] for c in self.chunks],
+                                                     group_options), **optimizer_kwargs)
+        self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerorun-swap")
+
+    def _read(self, c: _Chunk, half: int) -> dict[str, torch.Tensor]:
+        """Page chunk ``c`` into host-buffer half ``half``: ``{"master": ..., state name: ...}`` fp32 views."""
+        arena, out = self.halves[half], {}
+        names = ["master", *self.state_names] if c.small is not None else ["master"]
+        for k, name in enumerate(names):
+            out[name] = arena[k * 4 * self.chunk:k * 4 * self.chunk + 4 * c.numel].view(torch.float32)
+            self.file.read_into(c.offsets[name], out[name])
+        return out
+
+    def step(self, grads, coef) -> None:
+        cpu = torch.device("cpu")
+        coef_cpu = None if coef is None else coef.to(cpu)
+        pending = self._reader.submit(self._read, self.chunks[0], 0)
+        for k, c in enumerate(self.chunks):
+            views = pending.result()
+            if k + 1 < len(self.chunks):  # Note [Disk paging]: read the next sub-group while this one steps
+                pending = self._reader.submit(self._read, self.chunks[k + 1], (k + 1) % 2)
+            p = c.param
+            p.data = views["master"]
+            if c.small is not None:
+                self.optimizer.state[p] = {**c.small, **{n: views[n] for n in self.state_names}}
+            p.grad = _fp32_grad(grads[c.index][c.lo:c.lo + c.numel], coef_cpu, cpu)
+            self.optimizer.step()
+            p.grad = None
+            state = self.optimizer.state.pop(p, {})  # a stateless optimizer (SGD without momentum) keeps none
+            self.file.write(c.offsets["master"], p.data)
+            for n in self.state_names:
+                self.file.write(c.offsets[n], state[n])
+            c.small = {n: v for n, v in state.items() if n not in self.state_names}
+            # blocking: the host-buffer half is paged over two sub-groups later
+            self.slices[c.index][c.lo:c.lo + c.numel].copy_(p.data)
+            p.data = torch.empty(0, dtype=torch.float32)
+
+    def master_slices(self) -> list[torch.Tensor]:
+        """Read from the swap file: new fp32 CPU tensors, one per flat buffer."""
+        out = [torch.empty(s.numel(), dtype=torch.float32) for s in self.slices]
+        for c in self.chunks:
+            self.file.read_into(c.offsets["master"], out[c.index][c.lo:c.lo + c.numel])
+        return out
+
+    def state_slices(self) -> list[dict[str, torch.Tensor]]:
+        """Read from the swap file: the state of each sub-group (new CPU tensors), in ``optimizer`` order."""
+        out = []
+        for c in self.chunks:
+            state = {}
+            if c.small is not None:
+                state = dict(c.small)
+                for n in self.state_names:
+                    state[n] = torch.empty(c.numel, dtype=torch.float32)
+                    self.file.read_into(c.offsets[n], state[n])
+            out.append(state)
+        return out
+
+    def buffer_states(self) -> list[dict[str, torch.Tensor]]:
+        """Read from the swap file: the state of each flat buffer (new CPU tensors; sub-groups joined)."""
+        out: list[dict[str, torch.Tensor]] = [{} for _ in self.slices]
+        for c in self.chunks:
+            if c.small is None:
+                continue
+            state = out[c.index]
+            if not state:  # every sub-group of a buffer steps together: the first one's scalars stand for all
+                state.update({k: v.clone() for k, v in c.small.items()})
+                state.update({n: torch.empty(self.slices[c.index].numel(), dtype=torch.float32)
+                              for n in self.state_names})
+            for n in self.state_names:
+                self.file.read_into(c.offsets[n], state[n][c.lo:c.lo + c.numel])
+        return out
+
+    def load(self, values, states) -> None:
+        """As :meth:`Masters.load`, written to the swap file sub-group by sub-group. ``values=None``: the masters
+        and per-element states are in the swap file already (written by :meth:`write_range`, Note [Paged
+        checkpoints]); ``states`` then holds each buffer's scalar states only (``None``: no state)."""
+        if values is None:
+            for c in self.chunks:  # scalars (Adam's step) are incremented in place: one tensor per sub-group
+                c.small = None if states is None else {k: v.detach().clone() for k, v in states[c.index].items()}
+            self.write_params()
+            return
+        for c in self.chunks:
+            master = values[c.index].reshape(-1)[c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous()
+            self.file.write(c.offsets["master"], master)
+            state = states[c.index] if states else None
+            c.small = None
+            if state:
+                for n in self.state_names:
+                    self.file.write(c.offsets[n], state[n][c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous())
+                # scalars (Adam's step) are incremented in place: one tensor per sub-group
+                c.small = {k: v.detach().clone() for k, v in state.items() if k not in self.state_names}
+            self.slices[c.index][c.lo:c.lo + c.numel].copy_(master)
+
+    def write_params(self) -> None:
+        """Write the masters into the parameter slices sub-group by sub-group, through the host buffer."""
+        for c in self.chunks:
+            master = self.page(c.numel)
+            self.file.read_into(c.offsets["master"], master)
+            self.slices[c.index][c.lo:c.lo + c.numel].copy_(master)
+
+    # ------------------------------------------------------------- Note [Paged checkpoints]: ranges of a buffer
+    def page(self, numel: int) -> torch.Tensor:
+        """``numel`` fp32 elements of the host buffer (at most :attr:`chunk`), alternately in its two halves, as
+        a tensor whose storage is exactly those bytes (``torch.frombuffer``: no allocation). Its content is
+        valid until the next call but one."""
+        if numel > self.chunk:
+            raise ValueError(f"a page holds at most {self.chunk} elements, not {numel}")
+        start = self._next_half * (self.arena.numel() // 2)
+        self._next_half ^= 1
+        return torch.frombuffer(memoryview(self._arena_np[start:start + 4 * numel]), dtype=torch.float32)
+
+    def has_state(self) -> bool:
+        """Whether the optimizer has stepped (its per-element states are in the swap file)."""
+        return all(c.small is not None for c in self.chunks)
+
+    def buffer_scalars(self) -> list[dict[str, torch.Tensor]]:
+        """Each flat buffer's states that are not per element (Adam's ``step``), copies; empty dicts before the
+        first step. Every sub-group of a buffer steps together: the first one's stand for all."""
+        return [{k: v.clone() for k, v in (chunks[0].small or {}).items()} if chunks else {}
+                for chunks in self._chunks_of]
+
+    def _regions(self, index: int, name: str, lo: int, numel: int):
+        """``(file offset, position in the range, elements)`` of elements ``[lo, lo + numel)`` of buffer
+        ``index``'s master (``name="master"``) or per-element state ``name``, sub-group by sub-group."""
+        for c in self._chunks_of[index]:
+            a, b = max(lo, c.lo), min(lo + numel, c.lo + c.numel)
+            if a < b:
+                yield c.offsets[name] + 4 * (a - c.lo), a - lo, b - a
+
+    def read_range(self, index: int, name: str, lo: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (1-D fp32, contiguous CPU) with elements ``[lo, lo + out.numel())`` of buffer ``index``'s
+        master or state ``name``, read from the swap file."""
+        for offset, at, n in self._regions(index, name, lo, out.numel()):
+            self.file.read_into(offset, out[at:at + n])
+
+    def write_range(self, index: int, name: str, lo: int, values: torch.Tensor) -> None:
+        """Write ``values`` (1-D, any float dtype) as elements ``[lo, lo + values.numel())`` of buffer ``index``'s
+        master or state ``name`` in the swap file."""
+        values = values.to("cpu", torch.float32).contiguous()
+        for offset, at, n in self._regions(index, name, lo, values.numel()):
+            self.file.write(offset, values[at:at + n])
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {"optimizer": 0, "host": self.arena.nbytes, "disk": self.file.size}
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)
+        self.file.close()

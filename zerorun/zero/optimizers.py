@@ -1,0 +1,99 @@
+"""Which optimizers may run over ZeRO's flat slices.
+
+Note [Elementwise optimizers]: the engine builds the user's optimizer over one 1-D fp32 master per flat buffer
+(this rank's slice; the whole buffer at stage 0; sub-groups of it with disk offload), and a flat buffer holds
+several parameters, cut anywhere by the rank boundaries (Note [Flat buffer layout] in ``flat.py``). That gives
+the same numbers as stepping each parameter on its own only when the update of each element depends on that
+element's own parameter, gradient and state, and on scalars that are the same for every tensor of a param
+group (lr, betas, the step count). Optimizers that compute anything per tensor break this silently: a trust
+ratio ``||w|| / ||g||`` (LARS, LAMB), a factored second moment over rows and columns (Adafactor), a
+preconditioner or orthogonalization of the matrix (Shampoo, Muon), a line search over the whole model (LBFGS).
+
+So the engine accepts, without being told, exactly the ``torch.optim`` classes in
+:data:`ELEMENTWISE_OPTIMIZERS`, each checked against its algorithm in torch's documentation, with every option
+(momentum, nesterov, amsgrad, centered, maximize, decoupled weight decay, foreach/fused): SGD, Adam, AdamW,
+Adagrad (dense gradients), Adamax, NAdam (its ``mu_product`` is a per-tensor scalar that depends on the step
+only), RAdam (``rho_t`` likewise), RMSprop, Rprop (per-element step sizes from the signs of consecutive
+gradients), ASGD (``eta`` and ``mu`` depend on the step only) and Adadelta. The check is on the exact class,
+not ``issubclass``: a subclass may override ``step`` with per-tensor math. Any other class (a subclass, a
+user's optimizer, a ``torch.optim`` class added later) runs only when the caller declares it elementwise
+(``train.optimizer.elementwise: true`` in a recipe, ``initialize(..., elementwise=True)`` in code); the classes in
+:data:`NON_ELEMENTWISE_OPTIMIZERS` are known not to be and are refused even when declared.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: ``torch.optim`` classes whose update is elementwise (Note [Elementwise optimizers]); exact classes only.
+ELEMENTWISE_OPTIMIZERS: frozenset[type] = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
+    torch.optim.Adadelta,
+})
+
+#: ``torch.optim`` class names known not to be elementwise, with the reason; refused even when declared.
+NON_ELEMENTWISE_OPTIMIZERS: dict[str, str] = {
+    "LBFGS": "a line search over all parameters at once, with a closure",
+    "SparseAdam": "sparse gradients only",
+    "Adafactor": "a second moment factored over each matrix's rows and columns",
+    "Muon": "an orthogonalization of each whole matrix",
+}
+
+#: How a caller declares an optimizer elementwise, named in every refusal.
+WAY_OUT = "train.optimizer.elementwise: true in the recipe, or initialize(..., elementwise=True)"
+
+
+def optimizer_class(optimizer: str | type) -> type:
+    """The ``torch.optim`` class named ``optimizer`` (e.g. ``"AdamW"``), or ``optimizer`` itself when it is a
+    ``torch.optim.Optimizer`` subclass. No elementwise check (see :func:`resolve_optimizer`).
+
+    Raises:
+        ValueError: not a class of ``torch.optim``, or not an optimizer class.
+    """
+    if isinstance(optimizer, str):
+        cls = getattr(torch.optim, optimizer, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"unknown optimizer {optimizer!r}: not a class in torch.optim")
+        return cls
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer {optimizer!r} is not a torch.optim.Optimizer class")
+    return optimizer
+
+
+def _qualname(cls: type) -> str:
+    return cls.__name__ if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def resolve_optimizer(optimizer: str | type, *, elementwise: bool = False) -> type:
+    """The optimizer class for ZeRO's flat slices (Note [Elementwise optimizers]): ``optimizer`` is a
+    ``torch.optim`` class name or a ``torch.optim.Optimizer`` subclass.
+
+    Args:
+        elementwise: the caller declares that the class's update of each element depends only on that
+            element (and on per-group scalars); needed for any class outside :data:`ELEMENTWISE_OPTIMIZERS`.
+
+    Raises:
+        ValueError: unknown name or not an optimizer class; a class known not to be elementwise
+            (:data:`NON_ELEMENTWISE_OPTIMIZERS`, declared or not); any other class outside
+            :data:`ELEMENTWISE_OPTIMIZERS` that is not declared elementwise (one line naming the class and
+            :data:`WAY_OUT`).
+    """
+    cls = optimizer_class(optimizer)
+    if cls in ELEMENTWISE_OPTIMIZERS:
+        return cls
+    name = _qualname(cls)
+    known = NON_ELEMENTWISE_OPTIMIZERS.get(cls.__name__) if cls.__module__.startswith("torch.optim") else None
+    if known:
+        raise ValueError(f"optimizer {name} is not elementwise ({known}): ZeRO's flat partitions need an optimizer "
+                         "whose update of one element depends only on that element (Adam, AdamW, SGD, ...)")
+    if not elementwise:
+        base = next((b for b in cls.__mro__[1:] if b in ELEMENTWISE_OPTIMIZERS), None)
+        kind = (f"a subclass of {_qualname(base)}" if base is not None else
+                "a torch.optim class zerorun has not checked" if cls.__module__.startswith("torch.optim")
+                else "not a torch.optim class")
+        raise ValueError(f"optimizer {name} ({kind}) is not known to be elementwise: ZeRO steps it over flat slices "
+                         "that span several parameters, which silently changes any per-tensor math (trust "
+                         "ratios, norms, factored or matrix states); if its update of each element depends only "
+                         f"on that element, declare it with {WAY_OUT}")
+    return cls
