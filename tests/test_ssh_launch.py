@@ -80,7 +80,8 @@ def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tmp_path):
     recipe = tmp_path / "tiny.yaml"  # the secret in the recipe file, not on the launcher's command line
     recipe.write_text(pathlib.Path(TINY).read_text().replace(
         "launch: {procs_per_node: 2}",
-        f"launch: {{procs_per_node: 2, env: {{ZR_SECRET: {secret}, OMP_NUM_THREADS: '1'}}}}"))
+        f"launch: {{procs_per_node: 2, env: {{ZR_SECRET: {secret}, OMP_NUM_THREADS: '1'}}}}").replace(
+        "module: models/gpt.py", f"module: {os.path.join(os.path.dirname(TINY), 'models', 'gpt.py')}"))
     proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", str(recipe), *FAST[:-1],
                              f"log.dir={tmp_path / 'ssh'}", "-H", hosts, "--ssh-config", sshd.config],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
