@@ -53,7 +53,10 @@ def engine_reports(stage: int, precision: str = "fp32", reduce_dtype: str | None
                                               grad_accum_steps=accum, precision=precision,
                                               reduce_dtype=reduce_dtype, loss_scale=LossScaleConfig(2.0 ** 4),
                                               offload_optimizer=offload, offload_path=offload_path,
-                                              offload_buffer_mb=BUFFER_MB, persistence_threshold=persistence))
+                                              offload_buffer_mb=BUFFER_MB, persistence_threshold=persistence,
+                                              # pinned to the parameters' dtype until estimate.py counts
+                                              # zero.grad_accum_dtype's fp32 default (issue 16)
+                                              grad_accum_dtype=precision))
         sent0 = engine.comm_stats()["bytes_sent"]
         for micro in range(accum):
             engine.backward(_loss(engine(_batch(model, 0, micro, rank, world_size, "never"))))

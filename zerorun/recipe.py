@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import sysconfig
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -144,6 +144,9 @@ class ZeroSpec(_Strict):
     offload_optimizer: Literal["none", "cpu", "disk"] = "none"
     offload_path: str | None = None
     offload_buffer_mb: float = Field(64.0, gt=0)
+    # Dtype in which micro-step gradients are summed (DeepSpeed's name): None = fp32 when
+    # train.grad_accum_steps > 1 and precision is bf16/fp16, else the parameters' dtype (ZeroConfig).
+    grad_accum_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
 
 
 class LossScaleSpec(_Strict):
@@ -429,6 +432,9 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
     if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
                            "at zero.stage 3 only")
+    if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
+        raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "
+                           "baseline does not take it")
     if recipe.runtime != "zero" and (recipe.precision != "fp32" or z.offload_optimizer != "none"):
         field = where("precision") if recipe.precision != "fp32" else where("zero", "offload_optimizer")
         raise ZerorunError(f"{field}: the {recipe.runtime} baseline runs fp32 without offload only")
