@@ -29,9 +29,11 @@ def test_launch_order_is_rebuilt_from_backward(ranks, stage, reverse, unused):
         if unused:  # known unused: first, launched at the start of backward
             assert order[0] == "unused.weight", r
         assert order == r["ready_in_backward"], r  # the order backward makes them ready
-        assert r["launched_inside_backward"] == r["launches"], r  # none waits for the end of backward
-        if stage == 2:  # stage 3 never waits in a hook (Note [Waiting in hooks]): its bound depends on timing
+        if stage == 2:
+            assert r["launched_inside_backward"] == r["launches"], r  # none waits for the end of backward
             assert r["max_full_grads"] <= r["cap"], r
+        else:  # stage 3 never waits in a hook (Note [Waiting in hooks]): a launch finding no room may wait
+            assert r["launched_inside_backward"] >= r["launches"] - r["cap"], r  # for the end of backward
 
 
 @pytest.mark.parametrize("case", [{}, {"root_expert": True},
