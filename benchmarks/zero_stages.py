@@ -2,6 +2,7 @@
 
     python benchmarks/zero_stages.py                 # 2 ranks, the ~55M-parameter GPT, fp32 AdamW
     python benchmarks/zero_stages.py --quick         # a small GPT, for a smoke check
+    python benchmarks/zero_stages.py --reverse-registration 1   # modules registered opposite to their use
 
 Every mode runs in fresh processes (started by torchrun), so each rank's peak RSS is its own. Modes are run
 ``--rounds`` times in alternating order and the median of the per-round medians is reported, because these
@@ -48,6 +49,9 @@ def worker(args) -> None:
         model = zero.deferred_init(build_model, *spec)
     else:
         model = build_model(*spec)
+    if args.reverse_registration:  # parameters registered opposite to their use in forward (same math)
+        for module in [model, *model.blocks]:
+            module._modules = dict(reversed(list(module._modules.items())))
     opt_kwargs = {"lr": 1e-4, "betas": (0.9, 0.95)}
     groups = zero.default_param_groups(model, 0.1)
     if args.worker == "fsdp2":
@@ -149,13 +153,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reverse-registration", type=int, default=0,
+                   help="1: the GPT's modules (and each block's) registered in reverse order, as a model whose "
+                        "registration order is opposite to its backward's")
 
 
 def worker_args(args: argparse.Namespace) -> list[str]:
     """The command-line arguments that pass ``args``' model and run settings on to a worker."""
     return [f"--layers={args.layers}", f"--d-model={args.d_model}", f"--heads={args.heads}", f"--vocab={args.vocab}",
             f"--seq={args.seq}", f"--untied={args.untied}", f"--micro-batch={args.micro_batch}",
-            f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
+            f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+            f"--reverse-registration={args.reverse_registration}"]
 
 
 def main() -> None:

@@ -51,19 +51,20 @@ def gradient_buffer_pool(stage: int, accum: int, steps: int = 2, width: int = 51
                         config=ZeroConfig(stage=stage, bucket_mb=width * width * 4 / 2**20, grad_accum_steps=accum,
                                           units=("Linear",) if stage == 3 else ()))
     in_flight = []
-    launch = engine._launch
+    reducer = engine.reducer
+    launch = reducer._launch
 
     def spy(buf):
         launch(buf)
-        in_flight.append(len(engine._pending))
+        in_flight.append(len(reducer._pending))
 
-    engine._launch = spy
+    reducer._launch = spy
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
         for _ in range(accum):
             engine.backward(engine(torch.randn(16, width, generator=g)))
         engine.step()
-    pool = engine._grad_pool
+    pool = reducer.pool
     return {"buckets": len(engine.buffers), "cap": engine.MAX_INFLIGHT + 1, "max_taken": pool.max_taken,
             "allocated": pool.allocated, "recv_allocated": engine.comm.recv_pool.allocated, "taken": pool.taken,
             "max_in_flight": max(in_flight), "launches": len(in_flight)}

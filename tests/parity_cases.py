@@ -152,7 +152,7 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
             losses[2] += zl.item() / accum
         for i, (m, opt) in enumerate(zip((ref_model, alt_model), opts)):
             params = [p for p in m.parameters() if p.requires_grad]
-            for p in params:  # zero-gradient semantics for parameters no rank used (Note [Collective order])
+            for p in params:  # zero-gradient semantics for parameters no rank used (Note [Launch order] in zero/reducer.py)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             if i == 0:

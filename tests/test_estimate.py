@@ -69,13 +69,15 @@ def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtyp
         layout = engine_layout(config, stage, precision)
         # the ranks are CPU processes: the engine's "device" is the host (cpu offload keeps its bytes there)
         want = est.model_states(layout, stage, world_size, p, est.optimizer_model(opt, opt_kwargs), offload,
-                                buffer_mb=cases.BUFFER_MB, device_is_host=True)
+                                buffer_mb=cases.BUFFER_MB, device_is_host=True,
+                                grad_accum_bytes=est.grad_accum_bytes(p, accum))  # zero.grad_accum_dtype unset
         sent = est.comm_bytes(layout, stage, world_size, p, accum)
         for rank, per_config in enumerate(reports):
             r = per_config[i]
             where = f"stage {stage}, {world_size} ranks, {p.label}, offload {offload}, config {i}, rank {rank}"
             assert not r["skipped"], where
-            assert r["bytes"] == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}, where
+            assert r["bytes"] == {"params": want.params, "grads": want.grads + want.grad_accum,
+                                  "optimizer": want.optimizer}, where
             assert r["offload"] == {"host": want.host, "disk": want.disk}, where
             assert abs(r["sent"] - sent) <= 8, (where, r["sent"], sent)  # comm.py rounds each call
 

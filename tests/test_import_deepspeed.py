@@ -61,6 +61,13 @@ def test_maps_the_fields_with_a_meaning_here(tmp_path):
     assert all(f"#   {d}" in text for d in dropped)
 
 
+def test_grad_accum_dtype(tmp_path):
+    data, _, dropped = _run(tmp_path, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+    assert Recipe.model_validate(data).zero.grad_accum_dtype == "fp32" and not dropped
+    with pytest.raises(ZerorunError, match=r"ds\.json: data_types\.grad_accum_dtype: 'fp64' is not fp32, bf16"):
+        _run(tmp_path, {"data_types": {"grad_accum_dtype": "fp64"}})
+
+
 def test_adam_without_decoupled_decay_and_auto_values(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4,
           "optimizer": {"type": "Adam", "params": {"lr": "auto", "adam_w_mode": False}},

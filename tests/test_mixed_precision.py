@@ -165,7 +165,8 @@ def test_zerorun_train_fp16_with_disk_offload(tmp_path):
     out = subprocess.run([sys.executable, "-m", "zerorun", "train", os.path.join(ROOT, "recipes/tiny.yaml"),
                           f"log.dir={tmp_path / 'runs'}", "precision=fp16", "train.steps=12", "log.every=1",
                           "train.eval_every=0", "zero.offload_optimizer=disk", f"zero.offload_path={swap}",
-                          "zero.offload_buffer_mb=0.05", "loss_scale.growth_interval=4"],
+                          "zero.offload_buffer_mb=0.05", "loss_scale.growth_interval=4",
+                          "loss_scale.initial_scale=4194304"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     [metrics] = list((tmp_path / "runs").glob("*/*/metrics.jsonl"))
@@ -176,6 +177,14 @@ def test_zerorun_train_fp16_with_disk_offload(tmp_path):
     assert [e["step"] for e in steps] == list(range(1, 13))
     assert all(isinstance(e["skipped"], bool) and e["loss_scale"] >= 1.0 for e in steps)
     assert steps[-1]["skipped_steps"] == sum(e["skipped"] for e in steps)
+    # a skipped step does not advance the learning-rate schedule (recipes/tiny.yaml: lr 3e-3, 3 warm-up steps)
+    from zerorun.recipe import ScheduleSpec
+    from zerorun.worker import lr_multiplier
+
+    f = lr_multiplier(ScheduleSpec(warmup_steps=3), 12)
+    taken = [sum(not e["skipped"] for e in steps[:i]) for i in range(len(steps))]
+    assert 0 < steps[-1]["skipped_steps"] < 10, steps  # the large first scale overflows a few times
+    assert [e["lr"] for e in steps] == pytest.approx([3e-3 * f(k) for k in taken], rel=1e-6)
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert steps[0]["model_state_bytes"]["optimizer"] == 0  # all of it in the swap file
     assert [f for f in os.listdir(swap) if not f.startswith(".")] == []

@@ -258,3 +258,13 @@ def test_infinite_or_nan_numbers_are_refused(override):
     with pytest.raises(ZerorunError, match=rf"override '{re.escape(override)}': {re.escape(field)}: Input should "
                                            r"be a finite number"):
         load_recipe(os.path.join(ROOT, "recipes/tiny.yaml"), [override])
+
+
+def test_grad_accum_dtype_field(tmp_path):
+    """zero.grad_accum_dtype (DeepSpeed's name): fp32, bf16, fp16 or unset (the engine's default); zerorun's only."""
+    assert load_recipe(good(tmp_path), []).zero.grad_accum_dtype is None
+    assert load_recipe(good(tmp_path), ["zero.grad_accum_dtype=bf16"]).zero.grad_accum_dtype == "bf16"
+    with pytest.raises(ZerorunError, match=r"zero\.grad_accum_dtype"):
+        load_recipe(good(tmp_path), ["zero.grad_accum_dtype=fp8"])
+    with pytest.raises(ZerorunError, match=r"zero\.grad_accum_dtype: zerorun's engine knob; the ddp baseline"):
+        load_recipe(good(tmp_path), ["zero.grad_accum_dtype=fp32", "runtime=ddp"])

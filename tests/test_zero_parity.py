@@ -185,3 +185,13 @@ def test_stage3_root_left_empty_by_persistence_still_records_the_forward(ranks):
     for r in ranks(2).run(cases.root_left_empty, persistence_threshold=1100):
         assert r["root_buffers"] == 0 and r["persistent"] > 0, r
         assert r["forward"] == ["", "blocks.0", "blocks.1"] and r["seen"] == 0, r
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_default_bucket_size_and_sgd(ranks, stage):
+    """The default 25 MiB bucket (every model here fits one bucket: all of backward before one reduction), and
+    SGD at every stage, stage 0 included (Adam's normalisation hides a per-bucket scale error)."""
+    units = ("Block",) if stage == 3 else ()
+    check(ranks(2).run(cases.parity, stage=stage, model="gpt", bucket_mb=25.0, units=units))
+    check(ranks(3).run(cases.parity, stage=stage, model="gpt", bucket_mb=25.0, units=units, optimizer="SGD",
+                       optimizer_kwargs={"lr": 0.5, "momentum": 0.9}))

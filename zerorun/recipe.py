@@ -1,15 +1,13 @@
 """The YAML recipe: pydantic models, dotted command-line overrides, path resolution.
 
-A recipe names a model module and factory, data, training settings, the ZeRO stage, precision, launch and
-logging settings (see ``recipes/gpt-stdlib.yaml``). Every problem is a :class:`~zerorun.errors.ZerorunError`
-whose one-line message names the file, the line where YAML knows it, and the field (several problems: one such
-line each). The recipe's text (YAML, overrides, error lines) is ``recipe_text.py``; its paths ``recipe_paths.py``.
-"""
+A recipe names model, data, training, ZeRO stage, precision, launch and logging (``recipes/gpt-stdlib.yaml``).
+Each problem is a :class:`~zerorun.errors.ZerorunError` line naming the file, the YAML line and the field. The
+recipe's text (YAML, overrides, error lines) is ``recipe_text.py``; its paths ``recipe_paths.py``."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -148,6 +146,9 @@ class ZeroSpec(_Strict):
     offload_optimizer: Literal["none", "cpu", "disk"] = "none"
     offload_path: str | None = None
     offload_buffer_mb: float = Field(64.0, gt=0)
+    # Dtype in which micro-step gradients are summed (DeepSpeed's name): None = fp32 when
+    # train.grad_accum_steps > 1 and precision is bf16/fp16, else the parameters' dtype (ZeroConfig).
+    grad_accum_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
 
 
 class LossScaleSpec(_Strict):
@@ -250,26 +251,18 @@ def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimize
 
 
 def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
-    """The optimizer exists in torch.optim, is elementwise (or declared so: ``elementwise``), and accepts every
-    key given. The rule is :func:`zerorun.zero.optimizers.resolve_optimizer`'s, the engine's own."""
-    import inspect
-    import json
-
-    from zerorun.zero.optimizers import resolve_optimizer
+    """The engine's own rules (:mod:`zerorun.zero.optimizers`): the class exists, is elementwise (or declared so),
+    and takes every key given."""
+    from zerorun.zero.optimizers import check_arguments, resolve_optimizer
 
     try:
         cls = resolve_optimizer(spec.name, elementwise=spec.elementwise)
     except ValueError as e:
         raise ZerorunError(f"{where}.name: {e}") from None
-    accepted = inspect.signature(cls.__init__).parameters
-    for key, value in spec.kwargs().items():
-        if key not in accepted:
-            raise ZerorunError(f"{where}.{key}: {cls.__name__} has no argument {key!r}")
-        default = accepted[key].default
-        numeric = isinstance(default, (int, float, tuple)) and not isinstance(default, bool)
-        values = value if isinstance(value, (list, tuple)) else [value]
-        if numeric and any(isinstance(v, bool) for v in values):
-            raise ZerorunError(f"{where}.{key}: expected a number, got a boolean ({json.dumps(value)})")
+    try:
+        check_arguments(cls, spec.kwargs())
+    except ValueError as e:
+        raise ZerorunError(f"{where}.{e}") from None
 
 
 def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides: list[str] | None = None, *,
@@ -388,6 +381,9 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
     if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
                            "at zero.stage 3 only")
+    if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
+        raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "
+                           "baseline does not take it")
     if recipe.runtime != "zero" and (recipe.precision != "fp32" or z.offload_optimizer != "none"):
         field = where("precision") if recipe.precision != "fp32" else where("zero", "offload_optimizer")
         raise ZerorunError(f"{field}: the {recipe.runtime} baseline runs fp32 without offload only")

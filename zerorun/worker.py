@@ -136,7 +136,7 @@ def train(recipe: Recipe, rank: int) -> None:
                                  precision=recipe.precision, reduce_dtype=z.reduce_dtype,
                                  loss_scale=zero.LossScaleConfig(**recipe.loss_scale.model_dump()),
                                  offload_optimizer=z.offload_optimizer, offload_path=z.offload_path,
-                                 offload_buffer_mb=z.offload_buffer_mb)
+                                 offload_buffer_mb=z.offload_buffer_mb, grad_accum_dtype=z.grad_accum_dtype)
         if recipe.runtime == "zero":
             engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
                                      config=config, elementwise=t.optimizer.elementwise)
@@ -225,7 +225,8 @@ def train(recipe: Recipe, rank: int) -> None:
             loss_sum += loss.item()
         grad_norm = engine.step()
         lr = engine.optimizer.param_groups[0]["lr"]
-        scheduler.step()
+        if not engine.last_step_skipped:  # fp16: a skipped step (overflow) does not advance the schedule
+            scheduler.step()
         step_s = time.perf_counter() - t0
         interval_steps, interval_s = interval_steps + 1, interval_s + step_s
         if first_step_s is None:

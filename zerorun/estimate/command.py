@@ -92,6 +92,5 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         bucket_mb=r.zero.bucket_mb if r else 25.0, prefetch=r.zero.prefetch if r else True,
         activation_checkpointing=r.train.activation_checkpointing if r else False, offload=offload or "all",
         offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0,
-        # zero.grad_accum_dtype is added to the recipe by another change; absent, it is unset
-        grad_accum_dtype=getattr(r.zero, "grad_accum_dtype", None) if r else None)
+        grad_accum_dtype=r.zero.grad_accum_dtype if r else None)
     return estimate(layout, setup)

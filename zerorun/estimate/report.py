@@ -196,13 +196,11 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
                      "(zero.offload_buffer_mb) and the swap files under zero.offload_path (disk column)")
     variants = [(s, "none") for s in range(4)] + [(s, o) for o in modes for s in range(4)]
     rows = [_row(layout, setup, s, o, act_for(s)) for s, o in variants]
-    accum = {r.stage for r in rows if r.grad_accum}
-    if accum:  # only ever fp32: wider than 2-byte gradients (Note [Gradient accumulation buffer])
-        where = (["the whole model's at stages 0-1 (Ψ x 4 bytes)"] if accum & {0, 1} else []) + \
-            (["the rank's partition at stages 2-3 (Ψ/N x 4 bytes)"] if accum & {2, 3} else [])
+    wide = setup.grad_accum_bytes > setup.precision.grad_bytes
+    if wide:  # only ever fp32: wider than 2-byte gradients (Note [Gradient accumulation buffer])
         notes.append("gradients accumulate in fp32 (zero.grad_accum_dtype; unset: fp32 when grad_accum_steps > 1 "
-                     "under bf16/fp16): assumed one fp32 buffer per rank beside the gradients, counted in grads "
-                     f"and states: {' and '.join(where)}")
+                     "under bf16/fp16), counted in grads: a buffer of the whole model beside them at stages 0-1 "
+                     "(Ψ x 4 bytes), the rank's gradient partition kept in fp32 at stages 2-3 (Ψ/N x 4 bytes)")
     rec = _recommend(setup, layout, rows, act_for)
     largest = layout.largest_unit
     params = {"total": layout.total, "trainable": layout.trainable, "frozen": layout.frozen,

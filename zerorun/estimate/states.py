@@ -46,10 +46,10 @@ class ModelStates:
 # (``policies.grad_accum_bytes``: unset, fp32 when grad_accum_steps > 1 under bf16/fp16, as DeepSpeed's
 # ``data_types.grad_accum_dtype``). Where that is wider than the gradients the stage keeps across micro-steps
 # (stages 0-1: the whole gradients in the parameters' dtype; stages 2-3: this rank's gradient slice in the
-# reduce dtype, already 4 bytes under ``zero.reduce_dtype: fp32``), the estimate assumes the runtime keeps a
-# separate buffer of that width beside them, of the size of what the stage keeps: stages 0-1 the whole padded
-# model, Ψ x 4 bytes; stages 2-3 the rank's partition, Ψ/N x 4 bytes (padding included). It is counted in
-# ``ModelStates.grad_accum`` and the device total, not in ``grads`` (``ZeroEngine.memory_bytes()``'s).
+# reduce dtype, already 4 bytes under ``zero.reduce_dtype: fp32``), the runtime (``zero/reducer.py``) keeps,
+# at stages 0-1, a separate fp32 buffer of the whole padded model beside the gradients, Ψ x 4 bytes, counted
+# in ``ModelStates.grad_accum`` (``ZeroEngine.memory_bytes()`` counts it in "grads"); at stages 2-3 it keeps
+# the rank's gradient slice itself in that dtype, Ψ/N x 4 bytes (padding included), counted in ``grads``.
 
 
 def _optimizer_slices(layout: Layout, stage: int, world_size: int) -> list[int]:
@@ -97,9 +97,12 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
                       for n in u.trainable + u.frozen) * precision.param_bytes
     else:
         params = (sum(padded) + sum(frozen)) * precision.param_bytes
-    grads = sum(padded) * precision.grad_bytes if stage < 2 else sum(shards) * precision.reduce_bytes
-    kept = (sum(padded), precision.grad_bytes) if stage < 2 else (sum(shards), precision.reduce_bytes)
-    accum = kept[0] * grad_accum_bytes if grad_accum_bytes and grad_accum_bytes > kept[1] else 0
+    wide = grad_accum_bytes or 0  # Note [Gradient accumulation buffer]
+    if stage < 2:
+        grads = sum(padded) * precision.grad_bytes
+        accum = sum(padded) * wide if wide > precision.grad_bytes else 0
+    else:
+        grads, accum = sum(shards) * max(precision.reduce_bytes, wide), 0
     slices = _optimizer_slices(layout, stage, N)
     states = 4 * optimizer.states * sum(slices)
     scalars = (optimizer.scalar_bytes if layout.exact else 0) * len(slices)  # one per optimizer tensor

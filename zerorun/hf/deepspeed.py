@@ -6,7 +6,8 @@ Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.
 ``zero.offload_path``); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
 size); ``stage3_param_persistence_threshold`` -> ``zero.persistence_threshold``; ``bf16``/``fp16.enabled`` ->
 ``precision``; fp16's ``initial_scale_power``/``loss_scale_window``/``min_loss_scale`` -> ``loss_scale``;
-``communication_data_type`` fp32 -> ``zero.reduce_dtype``; ``gradient_clipping`` -> ``train.grad_clip``;
+``communication_data_type`` fp32 -> ``zero.reduce_dtype``; ``data_types.grad_accum_dtype`` ->
+``zero.grad_accum_dtype``; ``gradient_clipping`` -> ``train.grad_clip``;
 ``train_micro_batch_size_per_gpu``/``gradient_accumulation_steps`` (or derived from ``train_batch_size`` and
 the hostfile's slots) -> ``train.micro_batch_size``/``grad_accum_steps``; ``optimizer`` (Adam/AdamW/SGD and
 its params) -> ``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR -> ``train.schedule``
@@ -83,6 +84,14 @@ class _Import:
             self.recipe["zero"]["reduce_dtype"] = "fp32"
         elif comm is not None:
             self.drop("communication_data_type", f"{comm}: gradients are reduced in the parameters' precision")
+        data_types = ds.pop("data_types", None) or {}
+        accum = data_types.pop("grad_accum_dtype", None) if isinstance(data_types, dict) else None
+        if accum is not None:
+            if accum not in ("fp32", "bf16", "fp16"):
+                raise ZerorunError(f"data_types.grad_accum_dtype: {accum!r} is not fp32, bf16 or fp16")
+            self.recipe["zero"]["grad_accum_dtype"] = accum
+        for key in sorted(data_types) if isinstance(data_types, dict) else ["data_types"]:
+            self.drop(f"data_types.{key}" if isinstance(data_types, dict) else key, "no zerorun equivalent")
         if ds.pop("activation_checkpointing", None):
             self.drop("activation_checkpointing", "set train.activation_checkpointing: true (stage 3 checkpoints "
                                                   "each unit)")

@@ -139,11 +139,13 @@ class Comm:
     def _count(self, nbytes: float) -> None:
         self.bytes_sent += int(round(nbytes))
 
-    def all_reduce(self, tensor: torch.Tensor):
-        """Sum ``tensor`` (any shape) over all ranks, in place."""
+    def all_reduce(self, tensor: torch.Tensor, control: bool = False):
+        """Sum ``tensor`` (any shape) over all ranks, in place. ``control``: a few bytes of agreement between
+        ranks, not step traffic (not counted in ``bytes_sent``, as broadcasts)."""
         if self.world_size == 1 or tensor.numel() == 0:
             return _Done()
-        self._count(2 * (self.world_size - 1) / self.world_size * tensor.nbytes)
+        if not control:
+            self._count(2 * (self.world_size - 1) / self.world_size * tensor.nbytes)
         return dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):

@@ -1,114 +1,30 @@
 """The ZeRO engine for stages 0, 1 and 2 (Rajbhandari et al., arXiv:1910.02054, §5).
 
-One mechanism, the stage as policy (Note [Flat buffer layout] in ``flat.py``):
-
-- stage 0: every rank holds full parameters, gradients and optimizer states; gradients are all-reduced
-  bucket by bucket during backward (DDP-equivalent, the reference).
-- stage 1: full parameters and gradients; on the last micro-step of a step gradients are reduce-scattered
-  bucket by bucket during backward, each rank updates only its slice (optimizer states for the slice only),
-  and the updated slices are all-gathered into the full parameters.
-- stage 2: as stage 1, but on every micro-step each bucket's gradient is reduce-scattered as soon as it is
-  ready and the full bucket gradient is freed: a rank keeps only its gradient slice, accumulated over
-  micro-steps.
-
-Note [Gradient buffer pool]: at stages 2-3 a bucket's full gradient exists only from its first parameter's
-gradient until its reduce-scatter is done. It is taken from a pool (``comm.BufferPool``) that keeps at most
-``MAX_INFLIGHT + 1`` buffers, allocated in the first backward of a step, reused by every bucket that fits and
-every micro-step, and dropped when the optimizer step begins: a fresh allocation per bucket costs a page fault
-per page on every use (large blocks are mmapped, Note [Returning freed memory] in launch/plan.py), which made
-stage 2 1.14x DDP's step time on the 55M benchmark. When every buffer is in flight (or ``MAX_INFLIGHT + 1``
-reduce-scatters of buckets below 1 MiB, which the pool neither keeps nor counts), finished reduce-scatters are
-collected, and only if none has finished does the backward hook wait for the oldest. The reduce-scatter
-runs in place (this rank's slice of the bucket receives the sum), and the slice is added, divided by N, to the
-gradient slice the rank keeps across micro-steps (fp16 divides before the sum instead, for its range, as DDP).
-
-Note [Collective order]: every rank must issue the same collectives in the same order. Buckets are launched in
-a fixed order (by the registration index of their first parameter, descending: roughly the order backward
-makes them ready); a bucket that is ready early waits for the buckets before it, and buckets whose
-parameters got no gradient are launched at the end of backward with zeros. A parameter that gets no
-gradient in a step thus gets a zero gradient, as in DeepSpeed and FSDP (DDP with ``find_unused_parameters``
-instead leaves its ``.grad`` at ``None``, and a stateful optimizer skips it).
+One mechanism, the stage as policy: what each stage does is one row of ``policy.py`` (Note [Stage policies]);
+flat buffers: Note [Flat buffer layout] in ``flat.py``; the gradients' path (readiness, launch order,
+in-flight bound): ``reducer.py``; fp32 master slices and optimizer states: ``offload.py``; stage 3's
+sharded parameters: ``stage3.py``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerorun.zero.comm import BufferPool, Comm
+from zerorun.zero.comm import Comm
+from zerorun.zero.config import ZeroConfig
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
 from zerorun.zero.optimizers import NON_ELEMENTWISE_OPTIMIZERS, resolve_optimizer  # noqa: F401 (re-exported)
+from zerorun.zero.policy import POLICIES
+from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_inputs, cast_model
+from zerorun.zero.reducer import GradReducer
 from zerorun.zero.user_model import UserModel
-from zerorun.zero.precision import DTYPES, DynamicLossScaler, LossScaleConfig, cast_inputs, cast_model
 
-
-@dataclass(frozen=True)
-class ZeroConfig:
-    """How the engine partitions and communicates.
-
-    Attributes:
-        stage: 0 (replicated, DDP-equivalent), 1 (optimizer states), 2 (+ gradients) partitioned.
-        bucket_mb: size of one flat buffer (the unit of communication) in MiB (2**20 bytes).
-        grad_accum_steps: micro-steps per optimizer step; ``backward`` scales the loss by ``1 / grad_accum_steps``.
-        grad_clip: clip the global gradient L2 norm to this value; ``None`` or ``0`` for no clipping.
-        units: stage 3: names of module classes gathered and freed as one unit (e.g. ``("Block",)``); empty
-            to let zerorun pick units by parameter count.
-        activation_checkpointing: stage 3: recompute each unit's forward in backward
-            (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
-        prefetch: stage 3: all-gather the next unit (in the order recorded in the first step) while the
-            current one computes.
-        persistence_threshold: stage 3: parameters of at most this many elements stay whole on every rank
-            (Note [Persistent parameters] in ``stage3.py``); 0 for none.
-        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: dtype of parameters, gradients and collectives; fp32
-            master slices and optimizer states either way (Note [Mixed precision] in ``precision.py``).
-        reduce_dtype: ``None`` (reduce gradients in ``precision``) or ``"fp32"`` (reduce an fp32 copy).
-        loss_scale: fp16 dynamic loss scaling (Note [Loss scaling]).
-        offload_optimizer: ``"none"``, ``"cpu"`` or ``"disk"``: where master slices and optimizer states
-            live and the step runs (``offload.py``).
-        offload_path: ``disk``: folder for the swap files (created if missing).
-        offload_buffer_mb: ``disk``: host buffer through which they are paged, in MiB.
-    """
-
-    stage: int = 0
-    bucket_mb: float = 25.0
-    grad_accum_steps: int = 1
-    grad_clip: float | None = None
-    units: tuple[str, ...] = ()
-    activation_checkpointing: bool = False
-    prefetch: bool = True
-    persistence_threshold: int = 0
-    precision: str = "fp32"
-    reduce_dtype: str | None = None
-    loss_scale: LossScaleConfig = LossScaleConfig()
-    offload_optimizer: str = "none"
-    offload_path: str | None = None
-    offload_buffer_mb: float = 64.0
-
-    def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {self.stage}")
-        if self.precision not in DTYPES:
-            raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
-        if self.reduce_dtype not in (None, "fp32"):
-            raise ValueError(f"zero.reduce_dtype must be fp32 or unset, got {self.reduce_dtype!r}")
-        if self.offload_optimizer not in ("none", "cpu", "disk"):
-            raise ValueError(f"zero.offload_optimizer must be none, cpu or disk, got {self.offload_optimizer!r}")
-        if self.offload_optimizer == "disk" and not self.offload_path:
-            raise ValueError("zero.offload_optimizer disk needs zero.offload_path (a folder for the swap files)")
-        if self.offload_buffer_mb <= 0:
-            raise ValueError(f"zero.offload_buffer_mb must be > 0, got {self.offload_buffer_mb}")
-        if self.persistence_threshold < 0:
-            raise ValueError(f"zero.persistence_threshold must be >= 0, got {self.persistence_threshold}")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"zero.bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+__all__ = ["ZeroConfig", "ZeroEngine", "default_param_groups", "initialize", "resolve_optimizer"]
 
 
 def default_param_groups(model: nn.Module, weight_decay: float, decay_1d: bool = False) -> list[dict[str, Any]]:
@@ -137,8 +53,7 @@ class ZeroEngine(UserModel):
     scheduler to it as usual.
     """
 
-    #: stages 2-3: MAX_INFLIGHT + 1 full bucket gradients at most, all of which may be in flight (Note [Gradient
-    #: buffer pool]); stage 1 under zero.reduce_dtype: wide copies in flight.
+    #: stages 1-3: reductions in flight, each holding a bucket-sized buffer (Note [Waiting in hooks] in reducer.py)
     MAX_INFLIGHT = 2
 
     def __init__(self, model: nn.Module, *, optimizer: str | type, optimizer_kwargs: dict[str, Any],
@@ -147,6 +62,7 @@ class ZeroEngine(UserModel):
         self.module = model
         self.config = config
         self.stage = config.stage
+        self.policy = POLICIES[config.stage]  # Note [Stage policies]
         self.comm = Comm(process_group)
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
@@ -160,7 +76,6 @@ class ZeroEngine(UserModel):
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.last_step_skipped = False
         self.skipped_steps = 0
-        self._reduced: dict[FlatBuffer, torch.Tensor] = {}  # reduce_dtype wider than the gradients (stages 0-1)
         cast_model(model, self.param_dtype)
         self._frozen = [p for p in model.parameters() if not p.requires_grad]
         self._buffers = [b for b in model.buffers()]
@@ -192,10 +107,11 @@ class ZeroEngine(UserModel):
         if missing:
             raise ValueError(f"trainable parameters missing from param_groups: {', '.join(missing[:5])}")
         self._slots = {p: buf.slots[p] for buf in self.buffers for p in buf.params}
-        # Note [Collective order]
-        self._launch_order = sorted(self.buffers, key=lambda b: b.order, reverse=True)
 
         self._materialize()
+        self.reducer = GradReducer(self.buffers, self.comm, self.policy, reduce_dtype=self.reduce_dtype,
+                                   accum_dtype=config.accum_dtype, max_inflight=self.MAX_INFLIGHT)
+        self.reducer.allocate()
 
         # The optimizer sees one fp32 master per flat buffer: the whole buffer at stage 0, this rank's slice
         # above (offload.py; sub-groups of it with disk offload).
@@ -204,19 +120,6 @@ class ZeroEngine(UserModel):
         self._opt_params = self.masters.params
 
         self._micro_step = 0
-        self._sync = True
-        self._ready: set[FlatBuffer] = set()
-        self._ready_count: dict[FlatBuffer, int] = {b: 0 for b in self.buffers}
-        self._next_launch = 0
-        self._pending: list[tuple[FlatBuffer, Any, torch.Tensor | None]] = []
-        self._written: dict[FlatBuffer, set[nn.Parameter]] = {}
-        # Note [Gradient buffer pool]
-        self._grad_pool = BufferPool(keep=self.MAX_INFLIGHT + 1)
-        # Stages 2-3 divide the reduced slice by N (1/N of the work of dividing the bucket) except in fp16,
-        # whose range needs the gradients divided before they are summed (as DDP always does).
-        self._predivide = self.reduce_dtype == torch.float16
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                              for buf in self.buffers for p in buf.params]
         # Note [The user's model stays the user's]: the parameter objects and their trainability are fixed here
         self._param_slots = [(mod, key, f"{mname}.{key}" if mname else key, p, p.requires_grad)
                              for mname, mod in model.named_modules() for key, p in mod._parameters.items()
@@ -232,25 +135,17 @@ class ZeroEngine(UserModel):
         return pack(named, bucket_bytes)
 
     def _materialize(self) -> None:
-        """Lay parameters out in their flat buffers and allocate the gradients the stage keeps."""
+        """Lay parameters out in their flat buffers (the reducer allocates gradients)."""
         for buf in self.buffers:
             buf.flatten_params()
-            if self.stage in (0, 1):
-                buf.grad = torch.zeros_like(buf.data)
-                for p in buf.params:
-                    p.grad = buf.view_of(buf.grad, p)
-            else:
-                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=self.reduce_dtype, device=buf.device)
 
     def _param_slice(self, buf: FlatBuffer) -> torch.Tensor:
         """The part of ``buf``'s parameters this rank's optimizer updates: all of it at stage 0, else the slice."""
-        return buf.data if self.stage == 0 else buf.shard(buf.data)
+        return buf.shard(buf.data) if self.policy.partition_optimizer else buf.data
 
     def _grad_slice(self, buf: FlatBuffer) -> torch.Tensor:
         """This rank's reduced gradient for :meth:`_param_slice` (same shape; dtype ``reduce_dtype``)."""
-        if buf in self._reduced:
-            return self._reduced[buf]
-        return {0: buf.grad, 1: buf.shard(buf.grad) if buf.grad is not None else None, 2: buf.shard_grad}[self.stage]
+        return self.reducer.grad_slice(buf)
 
     def _build_masters(self, optimizer_cls: type, optimizer_kwargs: dict, group_options: list[dict]) -> Masters:
         c = self.config
@@ -281,7 +176,7 @@ class ZeroEngine(UserModel):
 
     def _after_step(self) -> None:
         """Stages 1-2: all-gather the updated slices into the full parameters."""
-        if self.stage > 0:
+        if self.policy.gather_after_step:
             self.comm.wait([self.comm.all_gather(buf.data, buf.shard(buf.data)) for buf in self.buffers])
 
     # ----------------------------------------------------------------------------------------------- forward
@@ -300,7 +195,8 @@ class ZeroEngine(UserModel):
 
     # ---------------------------------------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss / grad_accum_steps`` (scalar) and reduce gradients as the stage prescribes.
+        """Backpropagate ``loss / grad_accum_steps`` (scalar) and reduce gradients as the stage prescribes. After
+        the last micro-step ``p.grad`` is the reduced gradient at stage 0 and ``None`` above (Note [Stage policies]).
 
         Raises:
             RuntimeError: ``loss`` is not a scalar tensor, or more micro-steps than ``grad_accum_steps`` were
@@ -312,109 +208,15 @@ class ZeroEngine(UserModel):
             raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); "
                                f"grad_accum_steps is {self.config.grad_accum_steps}")
         self.check_parameters()
-        last = self._micro_step + 1 == self.config.grad_accum_steps
-        self._sync = last or self.stage >= 2
+        self.reducer.begin(last_micro_step=self._micro_step + 1 == self.config.grad_accum_steps)
         if self.scaler is not None:  # Note [Loss scaling]
             loss = loss.float() * self.scaler.scale
         (loss / self.config.grad_accum_steps).backward()
         self._finish_backward()
         self._micro_step += 1
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        buf = self._slots[p].buffer
-        if self.stage in (0, 1):
-            view = buf.view_of(buf.grad, p)
-            if p.grad.data_ptr() != view.data_ptr():  # grads were reset to None by someone: keep our layout
-                view.add_(p.grad)
-                p.grad = view
-            if not self._sync:
-                return
-        else:
-            if buf in self._ready:
-                raise RuntimeError(f"parameter {buf.names[buf.params.index(p)]!r} received a second gradient in "
-                                   "one backward after its bucket was reduced (reentrant activation checkpointing? "
-                                   "use torch.utils.checkpoint with use_reentrant=False)")
-            if buf.grad is None:  # filled by copies; what no gradient reaches is zeroed at launch
-                buf.grad = self._take_grad_buffer(buf)
-                self._written[buf] = set()
-            buf.view_of(buf.grad, p).copy_(p.grad)
-            self._written[buf].add(p)
-            p.grad = None
-        self._ready_count[buf] += 1
-        if self._ready_count[buf] == len(buf.params):
-            self._ready.add(buf)
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self._launch_order) and self._launch_order[self._next_launch] in self._ready:
-            self._launch(self._launch_order[self._next_launch])
-            self._next_launch += 1
-
-    def _take_grad_buffer(self, buf: FlatBuffer) -> torch.Tensor:
-        """Stages 2-3: a full gradient buffer for ``buf`` (1-D, ``buf.numel`` elements of ``reduce_dtype``,
-        uninitialized) from the pool (Note [Gradient buffer pool])."""
-        pool, args, cap = self._grad_pool, (buf.numel, self.reduce_dtype, buf.device), self.MAX_INFLIGHT + 1
-
-        def full() -> bool:  # no buffer without allocating past the cap, or as many in flight as the cap
-            return (not pool.fits(*args) and pool.taken >= cap) or len(self._pending) >= cap
-
-        if full():
-            while self._pending and self._pending[0][1].is_completed():  # finished: no wait
-                self._complete(*self._pending.pop(0))
-            while full() and self._pending:
-                self._complete(*self._pending.pop(0))  # wait for the oldest
-        return pool.take(*args)
-
-    def _launch(self, buf: FlatBuffer) -> None:
-        if buf.grad is None:  # stage 2, no parameter of the bucket got a gradient this micro-step
-            buf.grad = self._take_grad_buffer(buf)
-            buf.grad.zero_()
-        elif self.stage >= 2:  # zero the padding and the parameters that got no gradient
-            written = self._written.pop(buf, set())
-            buf.grad[buf.unpadded_numel:].zero_()
-            for p in buf.params:
-                if p not in written:
-                    buf.view_of(buf.grad, p).zero_()
-        grad = buf.grad
-        if grad.dtype != self.reduce_dtype:  # stages 0-1 under zero.reduce_dtype: reduce a wider copy
-            grad = grad.to(self.reduce_dtype)
-        if self.stage >= 2:  # in place: this rank's slice of the bucket receives the sum, added to the kept slice
-            if self._predivide:
-                grad.div_(self.world_size)
-            self._pending.append((buf, self.comm.reduce_scatter(buf.shard(grad), grad), None))
-            return
-        grad.div_(self.world_size)
-        if self.stage == 0:
-            self._pending.append((buf, self.comm.all_reduce(grad), None if grad is buf.grad else grad))
-        elif grad is buf.grad:
-            self._pending.append((buf, self.comm.reduce_scatter(buf.shard(buf.grad), buf.grad), None))
-        else:
-            out = torch.empty(buf.shard_numel, dtype=self.reduce_dtype, device=buf.device)
-            self._pending.append((buf, self.comm.reduce_scatter(out, grad), out))
-            # stage 1 under zero.reduce_dtype holds at most MAX_INFLIGHT wide copies of its buckets at once
-            while len(self._pending) > self.MAX_INFLIGHT:
-                self._complete(*self._pending.pop(0))
-
-    def _complete(self, buf: FlatBuffer, work: Any, out: torch.Tensor | None) -> None:
-        self.comm.wait([work])
-        if self.stage >= 2:
-            shard = buf.shard(buf.grad)
-            buf.shard_grad.add_(shard, alpha=1.0 if self._predivide else 1.0 / self.world_size)
-            self._grad_pool.give_back(buf.grad)
-            buf.grad = None
-        elif out is not None:  # zero.reduce_dtype at stages 0-1: the reduced wider copy
-            self._reduced[buf] = out
-
     def _finish_backward(self) -> None:
-        if not self._sync:
-            return
-        self._ready.update(self.buffers)  # buckets with unused parameters go now, with zeros (Note [Collective order])
-        self._launch_ready()
-        while self._pending:
-            self._complete(*self._pending.pop(0))
-        self._ready.clear()
-        self._ready_count = dict.fromkeys(self.buffers, 0)
-        self._next_launch = 0
+        self.reducer.finish()
 
     # -------------------------------------------------------------------------------------------------- step
     def step(self) -> float:
@@ -435,13 +237,13 @@ class ZeroEngine(UserModel):
         if self._micro_step != self.config.grad_accum_steps:
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
                                f"{self.config.grad_accum_steps}")
-        self._grad_pool.clear()  # Note [Gradient buffer pool]: not held through the optimizer step
+        self.reducer.pool.clear()  # Note [Gradient buffer pool]: not held through the optimizer step
         self.comm.release_buffers()
         grads = [self._grad_slice(buf) for buf in self.buffers]
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-        if self.stage > 0:
+        if self.policy.partition_optimizer:
             sq = self._all_reduce_norm(sq)
         norm = sq.sqrt()
         coef = None
@@ -471,9 +273,7 @@ class ZeroEngine(UserModel):
         return sq
 
     def _zero_grads(self) -> None:
-        for buf in self.buffers:
-            (buf.shard_grad if self.stage >= 2 else buf.grad).zero_()
-        self._reduced.clear()
+        self.reducer.zero_grads()
         self._micro_step = 0
 
     # ------------------------------------------------------------------------------------------------ report
@@ -495,10 +295,7 @@ class ZeroEngine(UserModel):
         """
         params = sum(buf.data.nbytes for buf in self.buffers if buf.data is not None)
         params += sum(p.nbytes for p in self._frozen)
-        if self.stage in (0, 1):
-            grads = sum(buf.grad.nbytes for buf in self.buffers)
-        else:  # stages 2-3: the gradient slices (full bucket gradients are transient)
-            grads = sum(buf.shard_grad.nbytes for buf in self.buffers)
+        grads = self.reducer.grad_bytes()  # stages 2-3: the slices (full bucket gradients are transient)
         return {"params": params, "grads": grads, "optimizer": self.masters.memory_bytes()["optimizer"]}
 
     def offload_bytes(self) -> dict[str, int]:

@@ -97,3 +97,24 @@ def resolve_optimizer(optimizer: str | type, *, elementwise: bool = False) -> ty
                          "ratios, norms, factored or matrix states); if its update of each element depends only "
                          f"on that element, declare it with {WAY_OUT}")
     return cls
+
+
+def check_arguments(cls: type, kwargs: dict) -> None:
+    """Every key of ``kwargs`` is an argument of optimizer class ``cls``, and a boolean is not given where the
+    argument is a number (YAML's ``yes`` for ``lr``).
+
+    Raises:
+        ValueError: ``"KEY: message"``, for the first key that fails.
+    """
+    import inspect
+    import json
+
+    accepted = inspect.signature(cls.__init__).parameters
+    for key, value in kwargs.items():
+        if key not in accepted:
+            raise ValueError(f"{key}: {cls.__name__} has no argument {key!r}")
+        default = accepted[key].default
+        numeric = isinstance(default, (int, float, tuple)) and not isinstance(default, bool)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if numeric and any(isinstance(v, bool) for v in values):
+            raise ValueError(f"{key}: expected a number, got a boolean ({json.dumps(value)})")

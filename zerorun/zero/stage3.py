@@ -11,7 +11,7 @@ Note [Unit lifecycle]: forward pre-hook: all-gather (wait for a prefetch if one 
 post-hook: register pre-backward hooks on the outputs, then free. Pre-backward (the first gradient reaching an
 output): all-gather again. Post-backward: once every trainable parameter of the unit has its gradient (autograd
 accumulates a leaf once per backward, after all its uses), the unit is freed and its gradient buckets are
-reduce-scattered (Note [Collective order] in engine.py); a unit holding frozen parameters, which no gradient
+reduce-scattered (Note [Launch order] in reducer.py); a unit holding frozen parameters, which no gradient
 signals, stays gathered until the end of backward. Forward runs inside backward (activation checkpointing's
 recomputation) never free. At the end of the root's forward and of backward, whatever is still gathered (a
 mispredicted prefetch) is freed.
@@ -54,6 +54,7 @@ from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import ParameterAccess, adopt, declared_externals, engine_ref, placeholder
 from zerorun.zero.stage3_backward import Stage3Backward
 from zerorun.zero.stage3_checks import carry_hooks, check_no_writes, param_versions
+from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, pick_units, tensors_in,  # noqa: F401
                                 unit_of_params)
 
@@ -79,6 +80,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
         self._frozen_buffers: list[FlatBuffer] = []
         self._ag_comm: Comm | None = None
         super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)
+        self.reducer.on_ready.append(self._on_bucket_ready)
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         # a group that is not the world: only its members create the all-gather group (new_group is otherwise
         # collective over the whole world, which the other ranks never join)
@@ -187,8 +189,6 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
             unit.buffers.append(buf)
             buf.unit = unit
             buf.shard_data = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
-            if buf.group_index >= 0:
-                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=self.reduce_dtype, device=buf.device)
         if self._deferred:
             self._replay()
         else:
@@ -301,13 +301,9 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
         if i + 1 < len(order):
             self._gather(order[i + 1], wait=False)
 
-    @staticmethod
-    def _in_backward() -> bool:
-        return torch._C._current_graph_task_id() != -1
-
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
         self._gather(unit)
-        if self._in_backward():
+        if in_backward():
             return None
         if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
             for u in self._active:
@@ -332,7 +328,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
         return tree_unflatten(flat, spec)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
-        if self._in_backward():  # recomputation under activation checkpointing: the unit is still needed
+        if in_backward():  # recomputation under activation checkpointing: the unit is still needed
             return output
         unit.active -= 1
         if self._active and self._active[-1] is unit:

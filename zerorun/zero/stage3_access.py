@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 import torch.nn as nn
 
+from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import UnitState
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ class ParameterAccess:
         if unit.state is UnitState.GATHERING:  # a prefetch in flight
             self._gather(unit)
             return
-        if self._active or self._in_backward():
+        if self._active or in_backward():
             holder = self._active[-1] if self._active else self._root
             if unit is not holder and unit not in holder.external:
                 holder.external.append(unit)

@@ -6,9 +6,9 @@ all-reduce (Note [Same units on every rank] in ``stage3_checks.py``).
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from zerorun.zero.stage3_checks import check_gather_order
+from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import Unit, UnitState
 
 
@@ -16,39 +16,31 @@ class Stage3Backward:
     """Mixed into :class:`~zerorun.zero.stage3.Stage3Engine` (ahead of ``ZeroEngine``, whose backward it
     extends)."""
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        super()._on_grad_ready(p)
-        buf = self._slots[p].buffer
-        if self._ready_count[buf] == len(buf.params):
-            unit = buf.unit
-            unit.ready_buffers += 1
-            # a frozen parameter's last use in backward can come after the unit's last gradient: such a unit
-            # is freed at the end of backward
-            if unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers):
-                self._free(unit)
+    def _on_bucket_ready(self, buf) -> None:
+        """The reducer found ``buf``'s gradient complete: once every trainable bucket of its unit is, and the
+        unit's backward has begun on this rank (a bucket known unused is complete before backward starts; the
+        unit must not be freed and gathered again, on this rank only), the unit is freed (a unit holding frozen
+        parameters, whose last use in backward no gradient signals, is freed at the end of backward)."""
+        unit = buf.unit
+        unit.ready_buffers += 1
+        self._free_if_done(unit)
+
+    def _free_if_done(self, unit: Unit) -> None:
+        if (unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers)
+                and in_backward() and unit in self._seen["backward"]):
+            self._free(unit)
 
     def _unit_backward_done(self, unit: Unit) -> None:
         """Note [End of a unit's backward]: called when autograd has the gradients of one forward call's inputs
         of ``unit``. After the last such call of the step, a bucket of the unit whose missing parameters will get
-        no gradient in this backward (an expert no token reached on this rank) is ready now, with zeros for
-        them, instead of at the end of backward: no rank then holds back a reduce-scatter that another rank
-        waits for inside a gradient hook while this one waits for that rank's all-gathers."""
+        no gradient in this backward (an expert no token reached on this rank) is complete now, with zeros for
+        them, instead of at the end of backward (``GradReducer.force_ready``)."""
         unit.open_calls -= 1
         if unit.open_calls > 0:
             return
         for buf in unit.trainable:
-            if self._ready_count[buf] == len(buf.params) or buf in self._ready:
-                continue
-            got = self._written.get(buf, set())
-            if any(p not in got and torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node)
-                   for p in buf.params):
-                continue  # a gradient is still coming (the parameter is also used outside the unit)
-            self._ready_count[buf] = len(buf.params)
-            self._ready.add(buf)
-            unit.ready_buffers += 1
-        self._launch_ready()
-        if unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers):
-            self._free(unit)
+            self.reducer.force_ready(buf)
+        self._free_if_done(unit)
 
     def backward(self, loss: torch.Tensor) -> None:
         """As :meth:`ZeroEngine.backward`; the root unit is gathered first, whatever structure the forward

@@ -1,0 +1,295 @@
+"""Cases run on every rank of a gloo group by tests/test_reducer.py (the gradient reducer, zero/reducer.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from zerorun.zero import ZeroConfig, initialize
+
+
+class Twice(nn.Module):
+    """One Linear applied twice, each use inside a reentrant checkpoint: its gradient accumulates twice in one
+    backward, from two graph tasks (the recomputations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = checkpoint(self.a, x, use_reentrant=True)
+        h = checkpoint(self.a, torch.tanh(h), use_reentrant=True)
+        return self.b(h).square().mean()
+
+
+class Stack(nn.Module):
+    """``depth`` square Linears (one bucket each at ``bucket_mb = width**2 * 4 / 2**20``); ``reverse``: registered
+    in the reverse of their use; ``unused``: one more, registered last, never used (e.g. a pooler)."""
+
+    def __init__(self, width: int, depth: int, reverse: bool = False, unused: bool = False) -> None:
+        super().__init__()
+        layers = [nn.Linear(width, width, bias=False) for _ in range(depth)]
+        self.layers = nn.ModuleList(layers[::-1] if reverse else layers)
+        self.reverse = reverse
+        self.unused = nn.Linear(width, width, bias=False) if unused else None
+
+    def forward(self, x):
+        for layer in (list(self.layers)[::-1] if self.reverse else self.layers):
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _params(engine, model) -> dict[str, torch.Tensor]:
+    if engine.stage == 3:
+        return {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _sgd_reference(model: nn.Module, batches: list, lr: float) -> list[dict[str, torch.Tensor]]:
+    """Plain SGD on ``model`` with gradients all-reduced (mean) by hand, one batch per step: params after each step."""
+    n = dist.get_world_size()
+    out = []
+    for x in batches:
+        model.zero_grad()
+        model(x).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(g)
+                p -= lr * g / n
+        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def reentrant_twice(stage: int, steps: int = 3) -> dict:
+    """Stage ``stage``, SGD lr 1 on :class:`Twice` against the hand-reduced reference: the largest absolute
+    difference of the parameters after each step, and the reducer's second reductions (late gradients)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Twice()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(4, 8, generator=g).requires_grad_(True) for _ in range(steps)]
+    expected = _sgd_reference(ref, batches, 1.0)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 1.0},
+                        config=ZeroConfig(stage=stage, units=("Linear",) if stage == 3 else ()))
+    diffs, fixups = [], []
+    for x, want in zip(batches, expected):
+        engine.backward(engine(x))
+        engine.step()
+        got = _params(engine, model)
+        diffs.append(max(float((got[k] - want[k]).abs().max()) for k in want))
+        fixups.append(engine.reducer.late_fixups)
+    return {"diffs": diffs, "late_fixups": fixups}
+
+
+def launch_order(stage: int, reverse: bool, unused: bool, steps: int = 3, width: int = 512, depth: int = 6) -> dict:
+    """:class:`Stack` with one bucket per layer: the launch order rebuilt after step 1, how many launches
+    happened inside backward (overlapped) in the last step, the most full bucket gradients held at once after
+    step 1, and the parameters against the hand-reduced SGD reference."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Stack(width, depth, reverse, unused)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(16, width, generator=g) for _ in range(steps)]
+    expected = _sgd_reference(ref, batches, 0.1)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=stage, bucket_mb=width * width * 4 / 2**20,
+                                          units=("Linear",) if stage == 3 else ()))
+    reducer = engine.reducer
+    names = {b: b.names[0] for b in reducer.buffers}
+    state = {"in_backward": False, "inside": 0, "launches": 0, "ready": []}
+    launch, ready = reducer._launch, reducer._bucket_ready
+
+    def spy_launch(buf):
+        state["launches"] += 1
+        state["inside"] += state["in_backward"]
+        launch(buf)
+
+    def spy_ready(buf):
+        if buf not in reducer._ready and state["in_backward"]:
+            state["ready"].append(names[buf])
+        ready(buf)
+
+    begin, finish = reducer.begin, reducer.finish
+
+    def spy_begin(**kw):
+        state["in_backward"] = True
+        begin(**kw)
+
+    def spy_finish():
+        state["in_backward"] = False
+        finish()
+
+    reducer._launch, reducer._bucket_ready, reducer.begin, reducer.finish = spy_launch, spy_ready, spy_begin, spy_finish
+    diffs = []
+    for step, (x, want) in enumerate(zip(batches, expected)):
+        if step == steps - 1:
+            state.update(inside=0, launches=0, ready=[])
+            reducer.pool.max_taken = reducer.pool.taken
+        engine.backward(engine(x))
+        engine.step()
+        got = _params(engine, model)
+        diffs.append(max(float((got[k] - want[k]).abs().max()) for k in want))
+    return {"order": [names[b] for b in reducer.order], "ready_in_backward": state["ready"],
+            "launched_inside_backward": state["inside"], "launches": state["launches"],
+            "max_full_grads": reducer.pool.max_taken, "cap": engine.MAX_INFLIGHT + 1, "diffs": diffs}
+
+
+class Expert(nn.Module):
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.a, self.b, self.expert = nn.Linear(w, w), nn.Linear(w, w), nn.Linear(w, w)
+
+    def forward(self, x, use_expert):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return h + self.expert(h) if use_expert else h
+
+
+class Experts(nn.Module):
+    def __init__(self, w: int = 32, depth: int = 6, reverse: bool = False, root_expert: bool = False) -> None:
+        super().__init__()
+        # in no unit (stage 3: the root's), used where the experts are
+        self.root_expert = nn.Linear(w, w) if root_expert else None
+        units = [Expert(w) for _ in range(depth)]
+        self.units = nn.ModuleList(units[::-1] if reverse else units)
+        self.reverse = reverse
+
+    def forward(self, batch):
+        x, use = batch
+        if use and self.root_expert is not None:
+            x = x + self.root_expert(x)
+        for u in (list(self.units)[::-1] if self.reverse else self.units):
+            x = u(x, use)
+        return x.square().mean()
+
+
+def expert_on_one_rank(stage: int, steps: int = 3, on_rank: int = 0, reverse: bool = False,
+                       alternate: bool = False, root_expert: bool = False) -> list[float]:
+    """Every unit runs on every rank, one Linear in each gets a gradient on rank ``on_rank`` only (an MoE expert
+    no token reached on the others; ``alternate``: the rank changes every step), 1 KiB buckets: the grad norms
+    of ``steps`` steps."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    engine = initialize(Experts(reverse=reverse, root_expert=root_expert), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=stage, bucket_mb=0.001, units=("Expert",) if stage == 3 else ()))
+    x = torch.randn(4, 32)
+    norms = []
+    for step in range(steps):
+        engine.backward(engine((x, rank == (on_rank + step * alternate) % dist.get_world_size())))
+        norms.append(engine.step())
+    return norms
+
+
+def peak_bytes(stage: int, reverse: bool = False, width: int = 512, depth: int = 8, bucket_mb: float | None = None,
+               optimizer: str = "AdamW") -> dict:
+    """Live CPU tensor bytes (the profiler's allocator events) in the second step of :class:`Stack` (one
+    bucket per layer by default), per phase: at the start of backward, the peak in backward, the peak in
+    the optimizer step, and the peak of the whole step, all relative to the bytes live before the forward;
+    plus Ψ (elements) and one bucket's bytes."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    rank = dist.get_rank()
+    x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
+    torch.manual_seed(0)
+    model = Stack(width, depth, reverse)
+    psi = sum(p.numel() for p in model.parameters())
+    bucket = width * width * 4
+    engine = initialize(model, optimizer=optimizer, optimizer_kwargs={"lr": 1e-3},
+                        config=ZeroConfig(stage=stage, bucket_mb=bucket_mb or bucket / 2**20,
+                                          units=("Linear",) if stage == 3 else ()))
+    engine.backward(engine(x))  # step 1: optimizer states created, launch order recorded
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("phase:forward"):
+            loss = engine(x)
+        with record_function("phase:backward"):
+            engine.backward(loss)
+        with record_function("phase:step"):
+            engine.step()
+    path = os.path.join(tempfile.mkdtemp(), f"trace{rank}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(path)
+    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    base = mem[0][1] - mem[0][2]
+    phases = {e["name"][6:]: (e["ts"], e["ts"] + e["dur"]) for e in events if str(e.get("name", "")).startswith("phase:")}
+    out = {"psi": psi, "bucket": bucket, "cap": engine.MAX_INFLIGHT + 1, "world_size": dist.get_world_size()}
+    t0, t1 = phases["backward"]
+    out["backward_start"] = max([b - base for t, b, _ in mem if t < t0] or [0])
+    for name, (t0, t1) in phases.items():
+        out["peak_" + name] = max([b - base for t, b, _ in mem if t0 <= t <= t1] or [0])
+    out["peak"] = max(out["peak_" + n] for n in phases)
+    out["at_rest"] = sum(engine.memory_bytes().values())
+    return out
+
+
+def accumulation_error(stage: int, grad_accum_dtype: str | None, accum: int = 32, reduce_dtype: str | None = "fp32") -> float:
+    """bf16, ``accum`` micro-steps, gradients reduced in fp32: the relative L2 error of this rank's reduced
+    gradient slices against the bf16 micro-step gradients summed in float64 and averaged over ranks."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 1)).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(8, 64, generator=g).to(torch.bfloat16) for _ in range(accum)]
+    total = [torch.zeros(p.shape, dtype=torch.float64) for p in ref.parameters()]
+    for x in xs:
+        ref.zero_grad()
+        (ref(x).float().square().mean() / accum).backward()
+        for t, p in zip(total, ref.parameters()):
+            t += p.grad.double()
+    for t in total:
+        dist.all_reduce(t)
+        t /= n
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 1.0},
+                        config=ZeroConfig(stage=stage, precision="bf16", reduce_dtype=reduce_dtype, grad_accum_steps=accum,
+                                          grad_accum_dtype=grad_accum_dtype,
+                                          units=("Linear",) if stage == 3 else ()))
+    for x in xs:
+        engine.backward(engine(x).float().square().mean())
+    num = den = 0.0
+    by_param = dict(zip(ref.parameters(), total))
+    index = {id(p): q for p, q in zip(model.parameters(), ref.parameters())}
+    for buf in engine.buffers:
+        want = torch.zeros(buf.numel, dtype=torch.float64)
+        for p in buf.params:
+            buf.view_of(want, p).copy_(by_param[index[id(p)]])
+        got = engine.reducer.grad_slice(buf).double()
+        want = want if got.numel() == buf.numel else buf.shard(want)
+        num += float((got - want).square().sum())
+        den += float(want.square().sum())
+    engine.step()
+    return (num / den) ** 0.5
+
+
+def stage_grads_after_backward(stage: int) -> dict:
+    """What ``p.grad`` holds right after the last backward of a step (the reduced mean gradient at stage 0;
+    ``None`` above) and after ``step`` (zeros)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    ref(x).square().mean().backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= n
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=ZeroConfig(stage=stage))
+    engine.backward(engine(x).square().mean())
+    after_backward = [None if p.grad is None else float((p.grad - r.grad).abs().max())
+                      for p, r in zip(model.parameters(), ref.parameters())]
+    engine.step()
+    after_step = [None if p.grad is None else float(p.grad.abs().max()) for p in model.parameters()]
+    return {"after_backward": after_backward, "after_step": after_step}

@@ -1,0 +1,354 @@
+"""The gradient reducer: when each bucket's gradient is complete, in which order buckets are reduced, and how
+many reductions are in flight. One mechanism for every stage; a :class:`~zerorun.zero.policy.StagePolicy`
+says what differs (Note [Stage policies]).
+
+Note [Per-parameter readiness]: a bucket is reduced once every one of its parameters is complete. A
+parameter is complete when its gradient has been accumulated as many times as in the last step that reduced
+(autograd accumulates a leaf once per graph task, so a layer used twice under reentrant
+``torch.utils.checkpoint``, whose recomputations run as graph tasks of their own, accumulates twice; the first
+step assumes once); a parameter that got no gradient in that step is complete at the start of backward (known
+unused: its bucket is reduced early, with zeros, or at stages 0-1 with the micro-steps' sum so far). A guess
+can be wrong (the graph changed): a gradient that arrives after its bucket was launched is kept aside
+(stages 0-1 detach ``p.grad`` from the bucket at launch, so autograd never writes into a buffer a collective
+is reading), and at the end of backward the ranks agree, with one all-reduce of one flag per bucket, which
+buckets got late gradients anywhere (a 4-byte all-reduce per reducing backward, control traffic not counted
+in ``bytes_sent``; the bucket mask only when some rank has one); those are reduced once more and added
+(reduction is linear). The result
+is the right gradient at every stage, whatever the graph does; a wrong guess costs one more collective.
+
+Note [Launch order]: every rank must issue the same collectives in the same order. In the first step,
+buckets are launched by the registration index of their first parameter, descending (the order backward
+usually makes them ready); a bucket that is ready waits for the buckets before it. At the end of the first
+step's backward, the order in which rank 0's buckets became ready is broadcast and becomes the launch order
+of every later step (DDP rebuilds its buckets after the first iteration the same way), with the buckets rank
+0 found unused first: they are launched at the start of backward. Buckets stay runs of consecutive parameters
+in registration order (they are the parameters' storage and the optimizer's partition); their launch order is
+what is rebuilt. A parameter that gets no gradient in a step gets a zero gradient, as in DeepSpeed and FSDP.
+
+Note [Gradient buffer pool]: at stages 2-3 a bucket's full gradient exists only from its first parameter's
+gradient until its reduce-scatter is done. It comes from a pool (``comm.BufferPool``) that keeps at most
+``MAX_INFLIGHT + 1`` buffers, allocated in the first backward of a step and reused by every bucket and
+micro-step (a fresh large block costs a page fault per page on every use: Note [Returning freed memory] in
+launch/plan.py), dropped when the optimizer step begins. The reduce-scatter runs in place and this rank's
+slice is added, divided by N, to the slice it keeps (fp16 divides first, for its range, as DDP).
+
+Note [Waiting in hooks]: with ``MAX_INFLIGHT + 1`` reductions in flight (each holds a bucket-sized buffer:
+the full gradient at stages 2-3, gloo's receive buffer at stage 1), finished ones are collected; if none has
+finished, stages 1-2 wait for the oldest inside the gradient hook. That is safe there because no other
+collective runs during their backward: every rank reaches the end of backward, where it launches everything.
+Stage 3 all-gathers units during backward, so a rank waiting inside a hook for a reduce-scatter that another
+rank has not launched yet, while that rank waits for this one's next all-gather, would hang: stage 3 never
+waits in a hook. A launch that finds no room is left for the next hook or the end of backward, and a bucket
+that must start filling then takes a buffer past the bound (only when communication falls behind compute).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from zerorun.zero.comm import BufferPool, Comm
+from zerorun.zero.flat import FlatBuffer
+from zerorun.zero.policy import StagePolicy
+from zerorun.zero.torch_internals import will_accumulate
+
+
+class GradReducer:
+    """Reduces the gradients of ``buffers`` over ``comm`` as ``policy`` prescribes (module Notes).
+
+    Args:
+        buffers: the trainable flat buffers (their ``data`` allocated unless ``policy.keep_full_grad`` is off).
+        comm: the collectives' process group.
+        policy: the stage (Note [Stage policies]).
+        reduce_dtype: dtype in which gradients are reduced.
+        accum_dtype: dtype in which micro-step gradients are summed (``zero.grad_accum_dtype``).
+        max_inflight: ``MAX_INFLIGHT`` (Note [Waiting in hooks]).
+
+    Attributes:
+        order: the launch order (Note [Launch order]).
+        late_fixups: buckets reduced a second time because a gradient came after their launch, in all.
+        on_ready: callbacks ``f(buf)`` run when a bucket's gradient is complete (stage 3 frees its unit).
+    """
+
+    def __init__(self, buffers: list[FlatBuffer], comm: Comm, policy: StagePolicy, *, reduce_dtype: torch.dtype,
+                 accum_dtype: torch.dtype, max_inflight: int) -> None:
+        self.buffers, self.comm, self.policy = buffers, comm, policy
+        self.world_size = comm.world_size
+        self.reduce_dtype, self.accum_dtype = reduce_dtype, accum_dtype
+        self.cap = max_inflight + 1
+        self.pool = BufferPool(keep=max_inflight + 1)
+        self.predivide = reduce_dtype == torch.float16
+        self.on_ready: list[Callable[[FlatBuffer], None]] = []
+        self.order = sorted(buffers, key=lambda b: b.order, reverse=True)
+        self.late_fixups = 0
+        self._index = {b: i for i, b in enumerate(buffers)}
+        self._slot = {p: b for b in buffers for p in b.params}
+        self._expected = dict.fromkeys(self._slot, 1)
+        self._count = dict.fromkeys(self._slot, 0)
+        self._recorded = False
+        self._pending: deque[tuple[FlatBuffer, Any, Any]] = deque()
+        self._result: dict[FlatBuffer, torch.Tensor] = {}
+        self._late: dict[FlatBuffer, torch.Tensor] = {}
+        self.sync = False
+        self._reset()
+        self.handles: list = []
+
+    # ------------------------------------------------------------------------------------------ allocation
+    def allocate(self) -> None:
+        """Allocate the gradients the stage keeps and register the gradient hooks."""
+        for buf in self.buffers:
+            buf.acc = None
+            if self.policy.keep_full_grad:
+                buf.grad = torch.zeros_like(buf.data)
+                for p in buf.params:
+                    p.grad = buf.view_of(buf.grad, p)
+                if self.accum_dtype != buf.dtype:  # zero.grad_accum_dtype wider than the gradients
+                    buf.acc = torch.zeros(buf.numel, dtype=self.accum_dtype, device=buf.device)
+            else:
+                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=torch.promote_types(self.reduce_dtype,
+                                                                                        self.accum_dtype),
+                                             device=buf.device)
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient this rank keeps across micro-steps (full gradients or slices, accumulators)."""
+        if self.policy.keep_full_grad:
+            return sum(b.grad.nbytes + (b.acc.nbytes if b.acc is not None else 0) for b in self.buffers)
+        return sum(b.shard_grad.nbytes for b in self.buffers)
+
+    def grad_slice(self, buf: FlatBuffer) -> torch.Tensor:
+        """This rank's reduced gradient for the part of ``buf`` its optimizer updates (1-D: ``numel`` elements
+        when the optimizer is not partitioned, else ``shard_numel``)."""
+        if buf in self._result:
+            return self._result[buf]
+        if not self.policy.keep_full_grad:
+            return buf.shard_grad
+        return buf.shard(buf.grad) if self.policy.partition_optimizer else buf.grad
+
+    # -------------------------------------------------------------------------------------------- backward
+    def _reset(self) -> None:
+        self._nready = dict.fromkeys(self.buffers, 0)
+        self._ready: set[FlatBuffer] = set()
+        self._ready_seq: list[FlatBuffer] = []
+        self._launched: set[FlatBuffer] = set()
+        self._written: dict[FlatBuffer, set] = {}
+        self._next = 0
+        for p in self._count:
+            self._count[p] = 0
+
+    def begin(self, last_micro_step: bool) -> None:
+        """Before a backward: whether it reduces; parameters known unused are complete now (Note
+        [Per-parameter readiness])."""
+        self.sync = last_micro_step or self.policy.reduce_every_micro_step
+        self._reset()
+        if not self.sync:
+            return
+        for p, n in self._expected.items():
+            if n == 0:
+                self._param_ready(self._slot[p])
+        self._launch_ready(in_hook=False)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        buf = self._slot[p]
+        if buf in self._launched:  # Note [Per-parameter readiness]: a gradient after the launch
+            late = self._late.get(buf)
+            if late is None:
+                late = self._late[buf] = torch.zeros(buf.numel, dtype=p.grad.dtype, device=buf.device)
+            buf.view_of(late, p).add_(p.grad)
+            p.grad = None
+            self._count[p] += 1
+            return
+        if self.policy.keep_full_grad:
+            view = buf.view_of(buf.grad, p)
+            if p.grad.data_ptr() != view.data_ptr():  # grads were set to None by someone: keep our layout
+                view.add_(p.grad)
+                p.grad = view
+            if not self.sync:
+                return
+        else:
+            if buf.grad is None:  # filled by copies; what no gradient reaches is zeroed at launch
+                self._make_room(need_buffer=buf, in_hook=True)
+                buf.grad = self.pool.take(buf.numel, self.reduce_dtype, buf.device)
+                self._written[buf] = set()
+            view = buf.view_of(buf.grad, p)
+            (view.add_ if p in self._written[buf] else view.copy_)(p.grad)
+            self._written[buf].add(p)
+            p.grad = None
+        self._count[p] += 1
+        if self._count[p] == self._expected[p]:
+            self._param_ready(buf)
+        self._launch_ready(in_hook=True)
+
+    def _param_ready(self, buf: FlatBuffer) -> None:
+        self._nready[buf] += 1
+        if self._nready[buf] == len(buf.params):
+            self._bucket_ready(buf)
+
+    def _bucket_ready(self, buf: FlatBuffer) -> None:
+        if buf in self._ready:
+            return
+        self._ready.add(buf)
+        self._ready_seq.append(buf)
+        for callback in self.on_ready:
+            callback(buf)
+
+    def is_ready(self, buf: FlatBuffer) -> bool:
+        """Whether ``buf``'s gradient is complete in the running backward."""
+        return buf in self._ready
+
+    def force_ready(self, buf: FlatBuffer) -> None:
+        """Stage 3, at the end of a unit's backward: ``buf`` is complete unless the running backward will still
+        accumulate into one of its incomplete parameters (a late one is reduced again: Note [Per-parameter
+        readiness])."""
+        if buf in self._ready or not self.sync:
+            return
+        if any(self._count[p] < self._expected[p] and will_accumulate(p)
+               for p in buf.params):
+            return
+        self._bucket_ready(buf)
+        self._launch_ready(in_hook=True)
+
+    def _make_room(self, need_buffer: FlatBuffer | None, in_hook: bool) -> bool:
+        """Note [Waiting in hooks]: collect finished reductions until one more fits; wait for the oldest only
+        where the policy allows. Returns whether there is room."""
+        def full() -> bool:
+            if need_buffer is not None and not self.pool.fits(need_buffer.numel, self.reduce_dtype,
+                                                              need_buffer.device) and self.pool.taken >= self.cap:
+                return True
+            return len(self._pending) >= self.cap
+
+        while full() and self._pending:
+            if not self._pending[0][1].is_completed() and in_hook and not self.policy.wait_in_hooks:
+                return False
+            self._complete(*self._pending.popleft())
+        return not full()
+
+    def _launch_ready(self, in_hook: bool) -> None:
+        while self._next < len(self.order) and self.order[self._next] in self._ready:
+            if self.policy.bound_in_flight and not self._make_room(None, in_hook):
+                return
+            self._launch(self.order[self._next])
+            self._next += 1
+
+    def _launch(self, buf: FlatBuffer) -> None:
+        self._launched.add(buf)
+        n = self.world_size
+        if not self.policy.keep_full_grad:
+            if buf.grad is None:  # no parameter of the bucket got a gradient this micro-step
+                buf.grad = self.pool.take(buf.numel, self.reduce_dtype, buf.device)
+                buf.grad.zero_()
+            else:  # zero the padding and the parameters that got no gradient
+                written = self._written.pop(buf, set())
+                buf.grad[buf.unpadded_numel:].zero_()
+                for p in buf.params:
+                    if p not in written:
+                        buf.view_of(buf.grad, p).zero_()
+            if self.predivide:
+                buf.grad.div_(n)
+            self._pending.append((buf, self.comm.reduce_scatter(buf.shard(buf.grad), buf.grad), None))
+            return
+        for p in buf.params:  # autograd never writes into a bucket a collective reads (Note [Per-parameter ...])
+            p.grad = None
+        src = buf.grad
+        if buf.acc is not None:
+            buf.acc.add_(buf.grad)
+            src = buf.acc
+        grad = src if src.dtype == self.reduce_dtype else src.to(self.reduce_dtype)
+        grad.div_(n)
+        if self.policy.all_reduce:
+            self._result[buf] = grad
+            self._pending.append((buf, self.comm.all_reduce(grad), None))
+        else:
+            out = buf.shard(grad) if grad is src else torch.empty(buf.shard_numel, dtype=grad.dtype,
+                                                                  device=buf.device)
+            self._result[buf] = out
+            self._pending.append((buf, self.comm.reduce_scatter(out, grad), grad))
+
+    def _complete(self, buf: FlatBuffer, work: Any, keepalive: Any) -> None:
+        self.comm.wait([work])
+        if not self.policy.keep_full_grad:
+            buf.shard_grad.add_(buf.shard(buf.grad), alpha=1.0 if self.predivide else 1.0 / self.world_size)
+            self.pool.give_back(buf.grad)
+            buf.grad = None
+
+    def finish(self) -> None:
+        """After a backward: launch what is left (unused parameters: zeros), wait for every reduction, reduce
+        late gradients again, learn readiness and (first step) the launch order."""
+        if not self.sync:
+            for buf in self.buffers:  # micro-steps summed in zero.grad_accum_dtype
+                if buf.acc is not None:
+                    buf.acc.add_(buf.grad)
+                    buf.grad.zero_()
+            return
+        unused = [b for b in self.order if b not in self._ready]
+        for buf in unused:
+            self._bucket_ready(buf)
+        self._launch_ready(in_hook=False)
+        while self._pending:
+            self._complete(*self._pending.popleft())
+        self._fix_late()
+        self._expected = dict(self._count)
+        if not self._recorded:
+            self._record_order(unused)
+        if self.policy.keep_full_grad and self.policy.reduced_grad_visible:
+            for buf in self.buffers:
+                result = self._result.get(buf)
+                if result is not None and result.data_ptr() != buf.grad.data_ptr():
+                    buf.grad.copy_(result)
+                for p in buf.params:
+                    p.grad = buf.view_of(buf.grad, p)
+
+    def _fix_late(self) -> None:
+        """Note [Per-parameter readiness]: the ranks agree on the buckets that got gradients after their launch;
+        each is reduced again and added."""
+        if self.world_size > 1:  # one 4-byte flag per reducing backward; the bucket mask only when needed
+            flag = torch.tensor([len(self._late)], dtype=torch.int32, device=self.buffers[0].device)
+            self.comm.wait([self.comm.all_reduce(flag, control=True)])
+            late = []
+            if int(flag):
+                flags = torch.zeros(len(self.buffers), dtype=torch.int32, device=self.buffers[0].device)
+                for buf in self._late:
+                    flags[self._index[buf]] = 1
+                self.comm.wait([self.comm.all_reduce(flags, control=True)])
+                late = [b for b, f in zip(self.buffers, flags.tolist()) if f]
+        else:
+            late = list(self._late)
+        for buf in late:
+            self.late_fixups += 1
+            delta = self._late.pop(buf, None)
+            delta = (torch.zeros(buf.numel, dtype=self.reduce_dtype, device=buf.device) if delta is None
+                     else delta.to(self.reduce_dtype))
+            delta.div_(self.world_size)
+            if self.policy.all_reduce:
+                self.comm.wait([self.comm.all_reduce(delta)])
+                self._result[buf].add_(delta)
+                continue
+            out = buf.shard(delta)
+            self.comm.wait([self.comm.reduce_scatter(out, delta)])
+            (self._result[buf] if self.policy.keep_full_grad else buf.shard_grad).add_(out)
+        self._late.clear()
+
+    def _record_order(self, unused: list[FlatBuffer]) -> None:
+        """Note [Launch order]: rank 0's ready order, its unused buckets first, on every rank."""
+        self._recorded = True
+        seq = unused + [b for b in self._ready_seq if b not in unused]
+        index = torch.tensor([self._index[b] for b in seq], dtype=torch.int64, device=self.buffers[0].device)
+        self.comm.wait([self.comm.broadcast(index, 0)])
+        self.order = [self.buffers[i] for i in index.tolist()]
+
+    def zero_grads(self) -> None:
+        """After the optimizer step (or a skipped one): zero the kept gradients; ``p.grad`` views again."""
+        self.pool.clear()
+        for buf in self.buffers:
+            if self.policy.keep_full_grad:
+                buf.grad.zero_()
+                if buf.acc is not None:
+                    buf.acc.zero_()
+                for p in buf.params:
+                    p.grad = buf.view_of(buf.grad, p)
+            else:
+                buf.shard_grad.zero_()
+        self._result.clear()

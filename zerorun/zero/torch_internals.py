@@ -1,0 +1,22 @@
+"""The only place zero/ touches private torch APIs; ``tests/test_reducer.py`` fails when torch changes them.
+
+- :func:`in_backward`: whether autograd's engine is running on this thread (stage 3 must not free a unit
+  whose forward runs again inside backward: activation checkpointing's recomputation).
+- :func:`will_accumulate`: whether the running backward will still accumulate a gradient into a leaf
+  (stage 3 decides at the end of a unit's backward whether a bucket waits for more gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def in_backward() -> bool:
+    """True while autograd's engine executes a backward on this thread (``torch._C._current_graph_task_id``)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def will_accumulate(p: torch.Tensor) -> bool:
+    """Inside a backward: whether the running graph task will execute ``p``'s gradient accumulator (``p`` a
+    leaf that requires grad) (``torch._C._will_engine_execute_node``). Must be called inside backward."""
+    return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node))
