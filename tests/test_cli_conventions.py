@@ -23,8 +23,9 @@ def zerorun(*args: str, cwd: str = ROOT, timeout: float = 60) -> subprocess.Comp
 
 
 def test_the_launcher_never_imports_torch(tmp_path):
-    """Every launcher step of train, launch, bench, show and estimate --params, in one process: importing torch
-    took 2-5 s before the first line (the recipe's optimizer check imported it)."""
+    """Every launcher step of train (also --resume with nothing to resume), launch, bench, show and estimate
+    --params (with its disk-offload rows), in one process: importing torch took 2-5 s before the first line
+    (the recipe's optimizer check imported it; estimate's disk rows and --resume's lookup too)."""
     (tmp_path / "s.py").write_text("print('hi')\n")
     run = tmp_path / "run"
     run.mkdir()
@@ -40,8 +41,11 @@ def test_the_launcher_never_imports_torch(tmp_path):
         launch.dry_run(launch.Script({str(tmp_path / 's.py')!r}), hosts)
         launch.run.prepare(r, hosts).close()
         with contextlib.redirect_stdout(io.StringIO()):
-            cli.app(args=["estimate", "--params", "7B", "--procs-per-node", "8", "--offload", "cpu"],
-                    standalone_mode=False)
+            cli.app(args=["estimate", "--params", "7B", "--procs-per-node", "8"], standalone_mode=False)  # + disk
+            from zerorun.resume import LATEST, prepare_resume  # --resume on a first run: nothing to load
+            first = load_recipe({TINY!r}, ["log.dir={tmp_path / 'runs'}", "checkpoint.every=2"], check_optimizer=False)
+            prepare_resume(first, LATEST)
+            assert first.checkpoint.resume is None and first.checkpoint.dir.endswith("checkpoints")
             cli.app(args=["launch", "--dry-run", "--nproc-per-node", "2", {str(tmp_path / 's.py')!r}],
                     standalone_mode=False)
             cli.app(args=["show", {str(run)!r}], standalone_mode=False)

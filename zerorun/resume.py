@@ -33,7 +33,7 @@ def default_dir(recipe) -> str:
 
 def _incomplete(root: str) -> int:
     """Saves under ``root`` that never completed: ``step-N`` folders without their marker, ``.step-N.tmp``."""
-    from zerorun.checkpoint import MARKER
+    from zerorun.checkpoint_files import MARKER
 
     try:
         names = os.listdir(root)
@@ -58,7 +58,7 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
     if resume is None:
         return
     say = say or (lambda line: print(line, file=sys.stdout, flush=True))
-    from zerorun import checkpoint
+    from zerorun import checkpoint_files as checkpoint
 
     ckpt = recipe.checkpoint
     if recipe.runtime != "zero":

@@ -112,7 +112,7 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
         held = states + scalars + 4 * sum(slices)
         return (ModelStates(params, grads, held, grad_accum=accum) if device_is_host
                 else ModelStates(params, grads, 0, host=held, grad_accum=accum))
-    from zerorun.zero.offload import subgroup_elements, swap_region_bytes
+    from zerorun.zero.paging_math import subgroup_elements, swap_region_bytes
 
     chunk = subgroup_elements(int(buffer_mb * 2**20), optimizer.states)
     if chunk < 16:

@@ -9,14 +9,8 @@ from typing import Any
 import torch
 
 from zerorun.zero.masters import Masters, _fp32_grad, _group_params
+from zerorun.zero.paging_math import subgroup_elements
 from zerorun.zero.swap import SwapFile
-
-
-def subgroup_elements(buffer_bytes: int, n_states: int) -> int:
-    """Elements of one disk-offload sub-group (Note [Disk paging]): each half of a host buffer of
-    ``buffer_bytes`` bytes holds that many elements of fp32 master and ``n_states`` fp32 optimizer states,
-    rounded down to a multiple of 16 (0: the buffer is too small)."""
-    return (buffer_bytes // 2 // (4 * (1 + n_states))) // 16 * 16
 
 
 def tensor_state_names(optimizer_cls: type, optimizer_kwargs: dict[str, Any]) -> list[str]:

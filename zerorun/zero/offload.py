@@ -30,7 +30,8 @@ and writes the updated values back into the parameter slices (cast to their dtyp
 
 from __future__ import annotations
 
-from zerorun.zero.disk import DiskMasters, subgroup_elements, tensor_state_names
+from zerorun.zero.disk import DiskMasters, tensor_state_names
+from zerorun.zero.paging_math import subgroup_elements
 from zerorun.zero.masters import CpuMasters, Masters
 from zerorun.zero.swap import SWAP_ALIGN, SwapFile, remove_stale_swap_files, swap_region_bytes
 

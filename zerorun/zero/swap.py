@@ -9,14 +9,7 @@ import weakref
 
 import torch
 
-#: Swap-file regions start at multiples of this many bytes (Note [Swap files]).
-SWAP_ALIGN = 64
-
-
-def swap_region_bytes(nbytes: int) -> int:
-    """Bytes a region of ``nbytes`` bytes takes in a swap file: rounded up to :data:`SWAP_ALIGN`."""
-    return (nbytes + SWAP_ALIGN - 1) // SWAP_ALIGN * SWAP_ALIGN
-
+from zerorun.zero.paging_math import SWAP_ALIGN, swap_region_bytes  # noqa: F401 (SWAP_ALIGN re-exported)
 
 _PREFIX = "zerorun-offload-"
 

@@ -1,0 +1,162 @@
+"""Checkpoint folders on disk, without the model: which ones are complete, the latest, and the checks that need
+no model (``zerorun.json``, file sizes and SHA-256, DCP metadata, layout). Saving and loading are
+``checkpoint.py``'s (Note [Atomic checkpoints] there says what makes a folder complete)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from typing import Any
+
+from zerorun.errors import ZerorunError
+
+MARKER = "COMPLETE"
+META = "zerorun.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"step-(\d+)")  # fullmatch
+
+
+
+def step_dir(root: str, step: int) -> str:
+    """The folder of the checkpoint of ``step`` under ``root``."""
+    return os.path.join(root, f"step-{step:08d}")
+
+
+# ----------------------------------------------------------------------------------------------- reading
+def read_meta(path: str) -> dict[str, Any]:
+    """``zerorun.json`` of the checkpoint at ``path``, after checking that the checkpoint is complete.
+
+    Raises:
+        ZerorunError: no such folder, no ``COMPLETE`` marker (half-written), unreadable or malformed JSON.
+    """
+    if not os.path.isdir(path):
+        raise ZerorunError(f"{path}: no such checkpoint directory")
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise ZerorunError(f"{path}: not a complete checkpoint (no {MARKER} marker: its save did not finish)")
+    meta_path = os.path.join(path, META)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except OSError as e:
+        raise ZerorunError(f"{meta_path}: cannot read: {e.strerror}") from None
+    except ValueError as e:
+        raise ZerorunError(f"{meta_path}: not valid JSON ({e})") from None
+    missing = [k for k in ("format", "step", "world_size", "layout", "scheduler", "data") if k not in meta]
+    if not isinstance(meta, dict) or missing or meta.get("format") != FORMAT:
+        raise ZerorunError(f"{meta_path}: not a zerorun checkpoint of format {FORMAT}"
+                           + (f" (missing key {missing[0]!r})" if missing else ""))
+    return meta
+
+
+def list_complete(root: str) -> list[tuple[float, int, str]]:
+    """Complete checkpoints under ``root`` as ``(saved_at, step, path)``, oldest save first."""
+    found = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in names:
+        m = _STEP_DIR.fullmatch(name)
+        marker = os.path.join(root, name, MARKER)
+        if m and os.path.isfile(marker):
+            try:
+                with open(marker, encoding="utf-8") as f:
+                    saved_at = float(json.load(f)["saved_at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                saved_at = os.path.getmtime(marker)
+            found.append((saved_at, int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def latest(root: str) -> str | None:
+    """The most recently completed checkpoint under ``root`` (Note [Atomic checkpoints]), or ``None``."""
+    found = list_complete(root)
+    return found[-1][2] if found else None
+
+
+def resolve(path: str) -> str:
+    """``path`` made absolute; a folder of checkpoints (no ``zerorun.json`` of its own, ``step-*`` inside)
+    stands for its latest complete checkpoint.
+
+    Raises:
+        ZerorunError: missing folder, or a folder of checkpoints none of which is complete.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise ZerorunError(f"{path}: no such checkpoint directory")
+    if not os.path.exists(os.path.join(path, META)) and any(_STEP_DIR.fullmatch(n) for n in os.listdir(path)):
+        found = latest(path)
+        if found is None:
+            raise ZerorunError(f"{path}: no complete checkpoint in it (every step-* folder lacks its {MARKER} marker)")
+        return found
+    return path
+
+
+def check(path: str) -> dict[str, Any]:
+    """Everything about the checkpoint at ``path`` that can be checked without the model: complete, JSON
+    readable, every file's size and SHA-256 as saved (``files`` in ``zerorun.json``), DCP metadata readable,
+    no data file truncated. Returns ``zerorun.json``'s content.
+
+    Raises:
+        ZerorunError: naming the file that is missing, truncated or changed since the save.
+    """
+    meta = read_meta(path)
+    from zerorun.dcp_safety import SafeReader
+
+    metadata = SafeReader(path).check_files()  # first: it names the key a truncated file cuts, refuses bad pickles
+    check_layout(meta, metadata, os.path.join(path, META))
+    for name, want in (meta.get("files") or {}).items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ZerorunError(f"{file}: missing (the checkpoint was saved with it)")
+        if os.path.getsize(file) != want["bytes"] or _sha256(file) != want["sha256"]:
+            raise ZerorunError(f"{file}: changed since it was saved (size or SHA-256 differs): corrupted or "
+                               "truncated; resume from another checkpoint")
+    return meta
+
+
+def check_layout(meta: dict[str, Any], metadata: Any, where: str) -> None:
+    """The model part of ``zerorun.json``'s layout agrees with itself and with DCP's metadata before anything
+    is allocated from it: every parameter and buffer has a name and a shape of non-negative integers whose
+    element count is the saved tensor's, and every state-dict entry names one of them.
+
+    Raises:
+        ZerorunError: one line naming ``where`` and the field.
+    """
+    layout = meta.get("layout")
+    if not isinstance(layout, dict) or not isinstance(layout.get("params"), list) \
+            or not isinstance(layout.get("buffers", {}), dict) or not isinstance(layout.get("state_dict"), list):
+        raise ZerorunError(f"{where}: layout: not a zerorun checkpoint layout (params, buffers, state_dict)")
+    saved = metadata.state_dict_metadata
+    entries = [(f"layout.params[{i}]", p.get("name") if isinstance(p, dict) else None,
+                p.get("shape") if isinstance(p, dict) else None, True) for i, p in enumerate(layout["params"])]
+    entries += [(f"layout.buffers[{k!r}]", k, b.get("shape") if isinstance(b, dict) else None, False)
+                for k, b in layout.get("buffers", {}).items()]
+    names = set()
+    for field, name, shape, flat in entries:
+        if not isinstance(name, str):
+            raise ZerorunError(f"{where}: {field}.name: expected a name, got {name!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise ZerorunError(f"{where}: {field}.shape: expected a list of non-negative integers, got {shape!r}")
+        numel = math.prod(shape)
+        entry = saved.get(f"model/{name}")
+        size = getattr(entry, "size", None)
+        if numel and (size is None or math.prod(size) != numel):
+            raise ZerorunError(f"{where}: {field}.shape {shape} ({numel} elements) does not match the saved "
+                               f"tensor 'model/{name}' ({'absent' if size is None else list(size)})")
+        names.add(name)
+    for i, pair in enumerate(layout["state_dict"]):
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and pair[1] in names):
+            raise ZerorunError(f"{where}: layout.state_dict[{i}]: expected [key, a saved name], got {pair!r}")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
