@@ -138,6 +138,9 @@ class Net(nn.Module):
         h = self.inp(x)
         if self.kind == "experts_per_rank":  # each rank runs another same-shaped unit
             h = unwrap(self.blocks[rank % 2](h), self.out)
+        elif self.kind == "experts_order_per_rank":  # every rank runs every unit, in a rank-dependent order
+            for b in (self.blocks if rank % 2 == 0 else list(self.blocks)[::-1]):
+                h = unwrap(b(h), self.out)
         else:
             for b in self.blocks:
                 h = unwrap(b(h, rank == 0) if self.kind == "expert_some_ranks" else b(h), self.out)
@@ -236,7 +239,8 @@ MATCH = ["plain", "grad_hook", "grad_hook_deferred", "grad_hook_meta_capture", "
          "gathered_read"]
 #: kinds that raise at the given stages (all other stages match stage 0), with a part of the message
 ERRORS = {
-    "experts_per_rank": ((3,), "ranks ran different units"),
+    "experts_per_rank": ((3,), "reaches the loss on some ranks only"),  # before backward: no hang
+    "experts_order_per_rank": ((3,), "ranks ran different units"),  # at the step's norm all-reduce
     "unfreeze": ((1, 2, 3), "'head.weight' was unfrozen"),
     "freeze_later": ((1, 2, 3), "'head.weight' was frozen"),
     "replace": ((1, 2, 3), "'head.weight' was replaced"),

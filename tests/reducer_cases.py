@@ -293,3 +293,36 @@ def stage_grads_after_backward(stage: int) -> dict:
     engine.step()
     after_step = [None if p.grad is None else float(p.grad.abs().max()) for p in model.parameters()]
     return {"after_backward": after_backward, "after_step": after_step}
+
+
+class SideHead(nn.Module):
+    """:class:`Experts` plus a unit ``side`` whose forward runs on every rank and whose output counts in the
+    loss where ``use_side`` (an auxiliary head one rank skips)."""
+
+    def __init__(self, w: int = 32) -> None:
+        super().__init__()
+        self.body, self.side = Experts(w, depth=2), Expert(w)
+
+    def forward(self, batch):
+        x, use_side, zero_side = batch
+        loss = self.body((x, True))
+        s = self.side(x, True).mean()
+        return loss + s if use_side else (loss + 0.0 * s if zero_side else loss)
+
+
+def side_head_on_one_rank(stage: int, zero_side: bool = False) -> tuple[str | None, list[float]]:
+    """:class:`SideHead` whose ``side`` output counts on rank 1 only (``zero_side``: times 0.0 on rank 0):
+    the error message (or ``None``) and the grad norms of two steps."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    engine = initialize(SideHead(), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=stage, bucket_mb=0.001, units=("Expert",) if stage == 3 else ()))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
+    norms = []
+    try:
+        for _ in range(2):
+            engine.backward(engine((x, rank == 1, zero_side)))
+            norms.append(engine.step())
+    except RuntimeError as e:
+        return str(e), norms
+    return None, norms

@@ -53,6 +53,25 @@ def test_expert_on_one_rank_does_not_hang_stage3(ranks, case):
     assert s3[0] == pytest.approx(s2[0], rel=1e-5) and s3[0] == s3[1]
 
 
+def test_unit_whose_output_counts_on_some_ranks_only_is_an_error_not_a_hang(ranks):
+    """Stage 3, a unit whose forward runs on every rank but whose output reaches the loss on rank 1 only: its
+    backward would all-gather on rank 1 alone (hung, or gloo aborted on mismatched sizes). Now every rank
+    raises before backward, naming the unit; with the output times 0.0 on rank 0, the numbers equal stage 2's."""
+    pool = ranks(2)
+    timeout, pool.timeout = pool.timeout, 120
+    try:
+        errors = pool.run(cases.side_head_on_one_rank, stage=3)
+        zeroed = pool.run(cases.side_head_on_one_rank, stage=3, zero_side=True)
+    finally:
+        pool.timeout = timeout
+    for message, norms in errors:
+        assert message is not None and norms == [], message
+        assert "unit 'side' on 1 of 2 ranks" in message and "0.0 * out.sum()" in message, message
+    s2 = pool.run(cases.side_head_on_one_rank, stage=2, zero_side=True)
+    assert zeroed[0] == zeroed[1] and zeroed[0][0] is None
+    assert zeroed[0][1] == pytest.approx(s2[0][1], rel=1e-5)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_peak_memory_per_stage(ranks, reverse):
     """Live tensor bytes in a steady step (profiler allocator events), fp32 AdamW, 2 ranks, one 1 MiB bucket per

@@ -309,6 +309,8 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
             for u in self._active:
                 u.active = 0
             self._active = []
+            for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
+                u.out_nodes = []
         unit.active += 1
         self._active.append(unit)
         if not torch.is_grad_enabled():
@@ -338,6 +340,8 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ZeroEngine):
             for t in tensors_in(output):  # any structure: dataclasses, objects with a .loss, nested containers
                 if t.requires_grad:
                     t.register_hook(hook)
+                    if t.grad_fn is not None:
+                        unit.out_nodes.append(t.grad_fn)
         check_no_writes(unit)
         if unit.is_root:
             if torch.is_grad_enabled():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from zerorun.zero.stage3_checks import check_gather_order
+from zerorun.zero.stage3_checks import check_backward_units, check_gather_order
 from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import Unit, UnitState
 
@@ -45,6 +45,8 @@ class Stage3Backward:
     def backward(self, loss: torch.Tensor) -> None:
         """As :meth:`ZeroEngine.backward`; the root unit is gathered first, whatever structure the forward
         returned the loss in."""
+        if isinstance(loss, torch.Tensor):
+            check_backward_units(self, loss)
         if self._root.state is UnitState.FREE and isinstance(loss, torch.Tensor) and loss.requires_grad:
             self._pre_backward(self._root, None)
         super().backward(loss)

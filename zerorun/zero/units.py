@@ -35,6 +35,7 @@ class Unit:
         self.external: list[Unit] = []  # units whose parameters this unit's forward reads (register_external_parameter)
         self.pinned_by: set = set()  # gathered units (or gathered_parameters blocks) that need this one gathered
         self.active = 0  # forward calls of this unit now on the stack
+        self.out_nodes: list = []  # grad_fn of its outputs since the last backward (Note [Backward on some ranks])
 
     @property
     def trainable(self) -> list[FlatBuffer]:
