@@ -83,7 +83,7 @@ def save_and_continue(root: str, stage: int, save_at: int, steps: int, zero: dic
     _train(engine, scheduler, range(1, save_at + 1))
     path, seconds, nbytes = checkpoint.save(engine, root, save_at, scheduler=scheduler,
                                             position=checkpoint.DataPosition(3, 5), recipe=_recipe(), keep=2)
-    full = engine.full_state_dict() if stage == 3 else engine.state_dict()
+    full = engine.full_state_dict(rank0_only=False)
     saved = snapshot(engine)
     losses = _train(engine, scheduler, range(save_at + 1, steps + 1))
     end = snapshot(engine)
@@ -99,7 +99,7 @@ def resume_and_continue(path: str, stage: int, steps: int, zero: dict | None = N
     torch.manual_seed(999)  # overwritten by the checkpoint's RNG state where the rank existed at the save
     step, position = checkpoint.load(path, engine, scheduler=scheduler, micro_batch_size=GLOBAL_BATCH // dist.get_world_size())
     loaded = snapshot(engine)
-    full = engine.full_state_dict() if stage == 3 else engine.state_dict()
+    full = engine.full_state_dict(rank0_only=False)
     params = {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None
     losses = _train(engine, scheduler, range(step + 1, steps + 1))
     end = snapshot(engine)

@@ -100,7 +100,7 @@ def peak_extra_bytes(root: str, swap: str, buffer_mb: float = 0.25, width: int =
 
 
 def _full(engine) -> dict:
-    return engine.full_state_dict() if engine.stage == 3 else engine.state_dict()
+    return engine.full_state_dict(rank0_only=False)
 
 
 def across_offload(root: str, swap: str) -> dict:

@@ -84,8 +84,8 @@ def test_launch_takes_torchruns_options(tmp_path):
     # options after the script are the script's
     assert cmd[cmd.index("zerorun.script_worker") + 1:] == [str(tmp_path / "s.py"), "--lr", "3e-4",
                                                            "--nproc-per-node", "9"]
-    out = zerorun("launch", "--nproc_per_node=2", "--master_port=29534", "--dry-run", "-m", "pkg.train", "-x",
-                  cwd=str(tmp_path))
+    out = zerorun("launch", "--standalone", "--nproc_per_node=2", "--master_port=29534", "--dry-run", "-m",
+                  "pkg.train", "-x", cwd=str(tmp_path))  # --standalone: torchrun's one-machine idiom (review)
     [cmd] = dry_run_lines(out)
     assert "--nproc-per-node=2" in cmd and "--master-port=29534" in cmd
     assert cmd[cmd.index("zerorun.script_worker") + 1:] == ["-m", "pkg.train", "-x"]
@@ -95,6 +95,7 @@ def test_launch_takes_torchruns_options(tmp_path):
     (["launch", "--bogus", "s.py"], r"No such option: --bogus"),  # was: "--bogus: no such script"
     (["launch", "--nproc-per-node", "0", "s.py"], r"^zerorun: error: Invalid value for '--nproc-per-node'"),
     (["launch", "missing.py"], r"missing\.py: no such script"),
+    (["launch", "--standalone", "-H", "hosts", "s.py"], r"--standalone runs on this machine alone"),
 ])
 def test_launch_options_before_the_script_are_never_the_script(tmp_path, args, expected):
     import re

@@ -62,6 +62,10 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (["train.optimizer.name=Adamm"], r"^override 'train.optimizer.name=Adamm': train\.optimizer\.name: unknown optimizer"),
     (["train.optimizer.name=LBFGS"], r"optimizer LBFGS is not elementwise"),
     (["train.optimizer.momentum=0.9"], r"train\.optimizer\.momentum: AdamW has no argument 'momentum'"),
+    (["train.optimizer.betas=[0.9]"], r"train\.optimizer: AdamW\(.*betas=\[0\.9\]\) refused these values: "
+                                      r"IndexError"),  # was the rank's traceback, exit 1 (review)
+    (["train.optimizer.eps=-1.0"], r"train\.optimizer\.eps: AdamW\(.*\) refused these values: ValueError: Invalid "
+                                   r"epsilon value: -1\.0"),
     (["model.module=nope.py"], r"^override 'model.module=nope.py': model\.module: file not found: nope\.py"),
     (["data.paths=['/nonexistent/*.txt']"], r"data\.paths\.0: pattern matches no files"),
     (["data.kind=module"], r"data: kind 'module' needs data\.module and data\.factory"),

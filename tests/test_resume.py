@@ -106,8 +106,14 @@ def test_resume_just_works_first_run_then_more_steps(tmp_path):
         assert lr[step] == pytest.approx(3e-3 * lr_multiplier(spec, 6)(step - 1), rel=1e-12), (step, lr)
     assert sorted(os.listdir(default)) == ["step-00000004", "step-00000006"]  # keep: 2
 
-    # the same line once more: nothing left to train (the launcher's check, here in this process)
+    # the same line once more (a requeued job): done, nothing to train, exit 0 (the launcher's check, here in
+    # this process); a checkpoint past train.steps is an error
+    said = []
+    assert prepare_resume(load_recipe(TINY, ["train.steps=6", f"log.dir={tmp_path / 'runs'}"]), LATEST,
+                          say=said.append) is False
+    assert said == [f"zerorun: {default / 'step-00000006'} was saved after step 6, the last of train.steps: the "
+                    "job is done, nothing to train (raise train.steps to train on)"]
     with pytest.raises(ZerorunError) as e:
-        prepare_resume(load_recipe(TINY, ["train.steps=6", f"log.dir={tmp_path / 'runs'}"]), LATEST)
-    assert str(e.value) == (f"--resume: {default / 'step-00000006'} was saved after step 6 and train.steps is 6: "
+        prepare_resume(load_recipe(TINY, ["train.steps=5", f"log.dir={tmp_path / 'runs'}"]), LATEST)
+    assert str(e.value) == (f"--resume: {default / 'step-00000006'} was saved after step 6 and train.steps is 5: "
                             "nothing left to train (raise train.steps to train on)")

@@ -100,7 +100,8 @@ def train(
 
     # the optimizer check imports torch: the model check does it beside the launch (zerorun/modelcheck.py)
     r = load_recipe(recipe, overrides or [], check_optimizer=False)
-    prepare_resume(r, resume)  # sets checkpoint.resume and .dir (Note [Resume lookup] in zerorun/resume.py)
+    if not prepare_resume(r, resume):  # sets checkpoint.resume and .dir (Note [Resume lookup] in zerorun/resume.py)
+        return  # the checkpoint is the last step's: done
     hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     if dry_run:  # nothing is contacted; the commands run as printed
@@ -177,6 +178,8 @@ def launch(
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
     log_dir: str = typer.Option("runs", "--log-dir", help="Runs are written under LOG_DIR/<script>/<time>/."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print each node's command and exit."),
+    standalone: bool = typer.Option(False, "--standalone", help="torchrun's: this machine alone, a local "
+                                    "rendezvous (what zerorun launch does without -H; refused with -H)."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
                                       help="Plain one-line progress instead of the live dashboard."),
 ) -> None:
@@ -185,6 +188,8 @@ def launch(
     work: zerorun launch --nproc-per-node 2 -m pkg.train --lr 3e-4."""
     from zerorun import launch as zlaunch
 
+    if standalone and hostfile:
+        raise ZerorunError("--standalone runs on this machine alone: drop it or -H")
     if not module and not os.path.isfile(script):
         raise ZerorunError(f"{script}: no such script")
     job = zlaunch.Script(script if module else os.path.abspath(script), tuple(args or ()), module, log_dir)

@@ -262,7 +262,8 @@ def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
     try:
         check_arguments(cls, spec.kwargs())
     except ValueError as e:
-        raise ZerorunError(f"{where}.{e}") from None
+        key, message = e.args
+        raise ZerorunError(f"{where}{'.' + key if key else ''}: {message}") from None
 
 
 def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides: list[str] | None = None, *,

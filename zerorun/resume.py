@@ -43,20 +43,25 @@ def _incomplete(root: str) -> int:
                (re.fullmatch(r"step-\d+", n) and not os.path.isfile(os.path.join(root, n, MARKER))))
 
 
-def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None = None) -> None:
+def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None = None) -> bool:
     """Apply ``--resume`` (``None``: not given, then the recipe's ``checkpoint.resume`` if set, taken as a
     PATH; :data:`LATEST`: bare; else a PATH) to the resolved ``recipe``:
     set ``checkpoint.resume`` (the checkpoint folder the ranks load, or ``None`` to start from step 0) and
     ``checkpoint.dir`` (where the job saves), and ``say`` one line when the job starts fresh or the LR schedule
     differs from the checkpoint's (Note [Resume lookup]). ``say`` defaults to printing on stdout.
 
+    Returns:
+        ``False`` when the checkpoint was saved after step ``train.steps`` (the job is done: a requeued job
+        or the same command run again; ``say`` says so and the launcher exits 0, as Hugging Face's Trainer
+        does), else ``True``.
+
     Raises:
         ZerorunError: a baseline runtime (no checkpoints), a PATH that does not exist or holds no complete
-            checkpoint, a checkpoint that fails its checks, or one saved at or after ``train.steps``.
+            checkpoint, a checkpoint that fails its checks, or one saved after a later step than ``train.steps``.
     """
     resume = resume if resume is not None else recipe.checkpoint.resume  # the recipe's own: checked as PATH
     if resume is None:
-        return
+        return True
     say = say or (lambda line: print(line, file=sys.stdout, flush=True))
     from zerorun import checkpoint_files as checkpoint
 
@@ -73,19 +78,24 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
                 + (f" ({cut} unfinished save{'s' * (cut > 1)} ignored)" if cut else "")
                 + ": starting from step 0" + ("" if ckpt.every else "; it will be saved there at the end"))
             ckpt.resume = None
-            return
+            return True
     else:
         path = checkpoint.resolve(resume)
     meta = checkpoint.check(path)
     ckpt.resume = path
     ckpt.dir = ckpt.dir or os.path.dirname(path)  # keep saving beside it
     step, steps = int(meta["step"]), recipe.train.steps
-    if step >= steps:
+    if step == steps:
+        say(f"zerorun: {path} was saved after step {step}, the last of train.steps: the job is done, nothing to "
+            "train (raise train.steps to train on)")
+        return False
+    if step > steps:
         raise ZerorunError(f"--resume: {path} was saved after step {step} and train.steps is {steps}: nothing "
                            "left to train (raise train.steps to train on)")
     line = schedule_change(meta, recipe, step)
     if line:
         say(line)
+    return True
 
 
 def schedule_change(meta: dict, recipe, step: int) -> str | None:

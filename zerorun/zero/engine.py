@@ -333,6 +333,13 @@ class ZeroEngine(UserModel):
         """The model's full (unsharded) state dict; parameters are whole on every rank at stages 0-2."""
         return self.module.state_dict()
 
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """As stage 3's: ``{name: tensor}`` of ``model.state_dict()`` (CPU clones) on rank 0, or on every rank
+        unless ``rank0_only``; elsewhere an empty dict. The same call at every stage; every rank calls it."""
+        if rank0_only and self.rank != 0:
+            return {}
+        return {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()}
+
 
 def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_kwargs: dict[str, Any] | None = None,
                param_groups: list[dict[str, Any]] | None = None, config: ZeroConfig | None = None,

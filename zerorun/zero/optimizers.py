@@ -100,11 +100,12 @@ def resolve_optimizer(optimizer: str | type, *, elementwise: bool = False) -> ty
 
 
 def check_arguments(cls: type, kwargs: dict) -> None:
-    """Every key of ``kwargs`` is an argument of optimizer class ``cls``, and a boolean is not given where the
-    argument is a number (YAML's ``yes`` for ``lr``).
+    """Every key of ``kwargs`` is an argument of optimizer class ``cls``, a boolean is not given where the
+    argument is a number (YAML's ``yes`` for ``lr``), and ``cls`` accepts the values (built once on a
+    2-element probe parameter: its own checks, e.g. ``betas`` of two numbers, ``lr >= 0``).
 
     Raises:
-        ValueError: ``"KEY: message"``, for the first key that fails.
+        ValueError: ``(key, message)`` for the first key that fails (``key`` None: the values together).
     """
     import inspect
     import json
@@ -112,9 +113,18 @@ def check_arguments(cls: type, kwargs: dict) -> None:
     accepted = inspect.signature(cls.__init__).parameters
     for key, value in kwargs.items():
         if key not in accepted:
-            raise ValueError(f"{key}: {cls.__name__} has no argument {key!r}")
+            raise ValueError(key, f"{cls.__name__} has no argument {key!r}")
         default = accepted[key].default
         numeric = isinstance(default, (int, float, tuple)) and not isinstance(default, bool)
         values = value if isinstance(value, (list, tuple)) else [value]
         if numeric and any(isinstance(v, bool) for v in values):
-            raise ValueError(f"{key}: expected a number, got a boolean ({json.dumps(value)})")
+            raise ValueError(key, f"expected a number, got a boolean ({json.dumps(value)})")
+    import torch
+
+    try:  # the values too (betas of one number, a negative lr): the class's own checks, on a 2-element probe
+        cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever the class raises is the user's one-line answer
+        key = next((k for k in kwargs if k in str(e)), None)
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(key, f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) refused "
+                         f"these values: {type(e).__name__}: {detail}") from None
