@@ -62,3 +62,23 @@ def test_a_recipe_with_bf16_accumulation_counts_the_buffer_and_says_so():
     assert any("gradients accumulate in fp32" in n and "Ψ/N x 4 bytes" in n for n in accum.notes), accum.notes
     assert not any("accumulate" in n for n in bf16.notes)
     assert accum.to_json()["setup"]["grad_accum_dtype"] is None and bf16.setup["grad_accum_dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("width", [80, 100, 120, 160])
+def test_the_table_never_cuts_a_number(width):
+    """zerorun estimate at 80-160 columns: every stage's total and fit shown whole (rich's table cut them to
+    '0.…' at 80 and 100 columns: review); lower-priority columns go first (Note [Fitting the width])."""
+    import io
+
+    from rich.console import Console
+
+    r = _from_recipe(["precision=bf16", "train.grad_accum_steps=4"])
+    out = io.StringIO()
+    est.render(r, Console(file=out, width=width, color_system=None))
+    text = out.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= width, text
+    size = 2**30 if max(row.device_total for row in r.rows) >= 2**30 else 2**20
+    for row in r.rows:
+        total = f"{row.device_total / size:.3g}"
+        line = next(ln for ln in text.splitlines() if ln.startswith(row.label.replace(" + offload ", "+") + " "))
+        assert total in line.split() and "%" in line, (width, line)

@@ -10,12 +10,10 @@ def render(est: Estimate, console=None) -> None:
     """Print ``est`` as rich tables (bytes in binary units, time in seconds)."""
     from rich.console import Console
     from rich.markup import escape as e
-    from rich.table import Table
     from rich.text import Text
 
     import sys
 
-    from rich import box
 
     console = console or Console(width=None if sys.stdout.isatty() else 120)
     s, p = est.setup, est.params
@@ -30,19 +28,28 @@ def render(est: Estimate, console=None) -> None:
                   f"{format_bytes(s['device_memory'])} per rank, host {format_bytes(s['cpu_memory_per_node'])} "
                   f"per node, {s['bandwidth_bytes_per_s'] * 8 / 1e9:g} Gbit/s per rank")
     unit, size = ("GiB", 2**30) if max(r.device_total for r in est.rows) >= 2**30 else ("MiB", 2**20)
-    t = Table(title=f"{unit} per rank (host, disk: per node; sent: per step), by ZeRO stage", box=box.SIMPLE_HEAD,
-              padding=(0, 1))
-    for col in ("stage", "params", "grads", "optim", "states", "working", "activ", "total", "fits", "host",
-                "disk", "sent", "comm"):
-        t.add_column(col, justify="left" if col == "stage" else "right")
+    from zerorun.telemetry.layout import Column, render_table
+
     v = lambda n: f"{n / size:.3g}" if n < 100 * size else f"{n / size:.0f}"  # noqa: E731
-    for r in est.rows:
-        fits = f"[green]yes[/green] {r.headroom / s['device_memory']:.0%}" if r.fits else \
-            f"[red]no[/red] {r.headroom / s['device_memory']:.0%}"
-        t.add_row(Text(r.label.replace(" + offload ", "+")), v(r.params), v(r.grads + r.grad_accum), v(r.optimizer), v(r.model_states),
-                  v(r.working_set), v(r.activations) if est.activations else "-", v(r.device_total), fits,
-                  v(r.cpu_per_node), v(r.disk_per_node), v(r.comm_bytes), f"{r.comm_s:.3g} s")
-    console.print(t)
+    rows = est.rows
+    fits = [Text.from_markup(f"[green]yes[/green] {r.headroom / s['device_memory']:.0%}" if r.fits else
+                             f"[red]no[/red] {r.headroom / s['device_memory']:.0%}") for r in rows]
+    # Note [Fitting the width] in telemetry/layout.py: no number is ever cut; the lowest priority goes first
+    columns = [Column("stage", [Text(r.label.replace(" + offload ", "+")) for r in rows], "left"),
+               Column("params", [v(r.params) for r in rows], priority=5),
+               Column("grads", [v(r.grads + r.grad_accum) for r in rows], priority=6),
+               Column("optim", [v(r.optimizer) for r in rows], priority=7),
+               Column("states", [v(r.model_states) for r in rows], priority=9),
+               Column("working", [v(r.working_set) for r in rows], priority=3),
+               Column("activ", [v(r.activations) if est.activations else "-" for r in rows], priority=4),
+               Column("total", [v(r.device_total) for r in rows]),
+               Column("fits", fits),
+               Column("host", [v(r.cpu_per_node) for r in rows], priority=8),
+               Column("disk", [v(r.disk_per_node) for r in rows], priority=2),
+               Column("sent", [v(r.comm_bytes) for r in rows], priority=1),
+               Column("comm", [f"{r.comm_s:.3g} s" for r in rows], priority=0)]
+    console.print(Text(f"{unit} per rank (host, disk: per node; sent: per step), by ZeRO stage", style="italic"))
+    console.print(render_table(columns, console.width))
     a = est.activations
     if a:
         console.print(f"[bold]Activations[/bold] per micro-batch ({s['micro_batch']} x {s['seq_len']} tokens; "
