@@ -145,3 +145,30 @@ def test_launch_dry_run_command_runs_as_printed(tmp_path):
     ran = subprocess.run(["sh", "-c", out.stdout], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "[rank 0] rank 0 ['--x', '1']" in ran.stdout and "[rank 1] rank 1 ['--x', '1']" in ran.stdout
+
+
+def test_a_crash_at_the_moment_the_model_check_ends_reports_the_checks_line(tmp_path):
+    """CI found the race: the ranks crashed on a bogus optimizer argument in the same poll as the model check
+    ended with its line; the supervisor saw the crash first and the check, already done, was never read: exit 1
+    with the rank's TypeError instead of exit 2 naming train.optimizer."""
+    import tempfile
+
+    from zerorun.launch.run import prefer_check
+    from zerorun.launch.supervisor import JobResult
+    from zerorun.modelcheck import PREFIX, ModelCheck
+
+    err = tempfile.TemporaryFile()
+    line = "train.optimizer.bogus: AdamW has no argument 'bogus'"
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.stderr.write({PREFIX + line!r}); sys.exit(2)"],
+                            stderr=err)
+    proc.wait()
+    check = ModelCheck(proc, err)
+    assert check.done  # ended before the supervisor looked at it
+    crash = JobResult("failed", 1, 0, "localhost", "TypeError: AdamW.__init__() got an unexpected keyword 'bogus'")
+    got = prefer_check(crash, check)
+    assert (got.exit_code, got.message, got.rank) == (2, line, None)
+    # a crash the check finds nothing about stays the rank's; other results are left as they are
+    quiet = tempfile.TemporaryFile()
+    fine = ModelCheck(subprocess.Popen([sys.executable, "-c", "pass"], stderr=quiet), quiet)
+    assert prefer_check(crash, fine) is crash
+    assert prefer_check(JobResult("ok", 0), None).status == "ok"

@@ -9,8 +9,9 @@ check's one line with exit status 2. A model that is fine costs the job nothing 
 which it spends mostly while torchrun's agent imports torch on another core; the child runs at the lowest
 priority (``nice 19``): it gets a CPU where the ranks leave one idle, and hardly any where they do not. The
 ranks build the model themselves too, so a problem the check cannot see is still reported by them. When a rank
-crashes (exit status 1) while the check still runs (a busy machine starves it), the launcher waits for the
-check, the CPUs free now, and reports what it finds instead: an unknown optimizer argument makes the ranks
+crashes (exit status 1) while the check still runs (a busy machine starves it), or in the same moment as it
+ends (the supervisor sees the crash first), the launcher waits for the check, the CPUs free now, and reports
+what it finds instead (``launch.run.prefer_check``): an unknown optimizer argument makes the ranks
 raise a TypeError, but its cause is the recipe's field.
 
 What the check reports (one line each): the recipe's optimizer (``train.optimizer``: not in ``torch.optim``,

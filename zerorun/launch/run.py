@@ -213,6 +213,28 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     return _supervise(prepared, state, run_dir, recipe, check, shown)
 
 
+def prefer_check(result, check):
+    """The job's result, or the model check's one line when a rank crashed (exit status 1) and the check finds
+    a problem: the check's line names the recipe's field that caused the crash (an optimizer argument the recipe
+    names, a ``model.kwargs`` typo) where the ranks only raise a TypeError.
+
+    The check is waited for (up to 60 s, the CPUs are free now) whether it still runs, at the lowest priority,
+    or ended in the same moment as the ranks: the supervisor sees the crash first in both cases.
+
+    Args:
+        result: the supervisor's ``JobResult``.
+        check: the :class:`zerorun.modelcheck.ModelCheck` or None.
+    Returns:
+        ``result``, or a failed result with exit status 2 and the check's line.
+    """
+    if result.status != "failed" or result.exit_code != 1 or check is None:
+        return result
+    problem = check.wait(timeout=60.0)  # returns at once when the check is done
+    if problem:
+        return type(result)("failed", 2, message=problem, elapsed_s=result.elapsed_s)
+    return result
+
+
 def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
     """Print the header, run the nodes under the supervisor with the model check beside them, record
     everything, and return the :class:`RunResult`."""
@@ -242,13 +264,7 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
                             require_finish=recipe is not None, check=check.problem if check else None)
     result = None
     try:
-        result = supervisor.run()
-        if result.status == "failed" and result.exit_code == 1 and check is not None and not check.done:
-            # a rank crashed before the check (at the lowest priority) was done: what the check finds, now that
-            # the CPUs are free, is the cause (an optimizer argument the recipe names, a model.kwargs typo)
-            problem = check.wait(timeout=60.0)
-            if problem:
-                result = type(result)("failed", 2, message=problem, elapsed_s=result.elapsed_s)
+        result = prefer_check(supervisor.run(), check)
     finally:
         if check is not None:
             check.stop()
