@@ -136,6 +136,9 @@ class ZeroSpec(_Strict):
     bucket_mb: float = Field(25.0, gt=0)
     units: list[str] = Field(default_factory=list)
     prefetch: bool = True
+    # Stage 3: bytes all-gathered ahead of use at most (DeepSpeed: stage3_prefetch_bucket_size /
+    # stage3_max_live_parameters, in elements); unset: the runtime's default (zerorun.zero.config.PREFETCH_BYTES).
+    prefetch_bytes: int | None = Field(None, ge=0)
     meta_init: bool = True
     # Stage 3: parameters of at most this many elements stay whole on every rank (0: none).
     persistence_threshold: int = Field(0, ge=0)
@@ -379,6 +382,9 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
     if recipe.zero.persistence_threshold and recipe.runtime != "zero":
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: zerorun's stage 3 knob; the "
                            f"{recipe.runtime} baseline does not take it")
+    if recipe.zero.prefetch_bytes is not None and (recipe.zero.stage != 3 or recipe.runtime != "zero"):
+        raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: zerorun's stage-3 knob (units all-gathered ahead "
+                           "of use); it needs zero.stage 3")
     if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
                            "at zero.stage 3 only")
