@@ -92,6 +92,9 @@ def train(
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
                                       help="Plain one-line progress instead of the live dashboard."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Write the run into this folder (made if "
+                                          "missing) instead of a new <log.dir>/<name>/<time> (zerorun submit's "
+                                          "batch script uses it)."),
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
     from zerorun import launch as zlaunch
@@ -121,9 +124,51 @@ def train(
             raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
     result = zlaunch.run_job(r, hosts, recipe_path=recipe, overrides=overrides or [], dashboard=not no_dashboard,
                              master_port=master_port, master_addr=master_addr, ssh=ssh, ssh_local=ssh_local,
-                             preflight_timeout=preflight_timeout)
+                             preflight_timeout=preflight_timeout, run_dir=run_dir)
     if not result.ok:
         raise result.error()
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def submit(
+    ctx: typer.Context,
+    recipe: str = typer.Argument(..., help="Recipe YAML file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides, as zerorun train takes "
+                                                    "them; after '--': more sbatch arguments."),
+    nodes: int = typer.Option(1, "--nodes", "-N", min=1, help="Nodes to allocate (one torchrun agent on each)."),
+    procs_per_node: Optional[int] = typer.Option(None, "--procs-per-node", min=1, max=MAX_SLOTS,
+                                                 help="Ranks per node (default: launch.procs_per_node)."),
+    time_limit: Optional[str] = typer.Option(None, "--time", "-t", help="sbatch's --time, e.g. 01:00:00."),
+    partition: Optional[str] = typer.Option(None, "--partition", "-p", help="sbatch's --partition."),
+    account: Optional[str] = typer.Option(None, "--account", "-A", help="sbatch's --account."),
+    job_name: Optional[str] = typer.Option(None, "--job-name", "-J", help="sbatch's --job-name (default: the "
+                                           "recipe's name)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write the batch script into the run folder and print "
+                                 "it; do not submit."),
+) -> None:
+    """Submit RECIPE as a SLURM batch job: the run folder is made first, the batch script written into it
+    (submit.sbatch: edit and resubmit it with sbatch) and submitted; prints the job id and the run folder.
+    Example: zerorun submit recipe.yaml zero.stage=3 --nodes 2 --time 01:00:00 -- --gres=gpu:8"""
+    from zerorun.launch.slurm_submit import SubmitOptions, submit as run
+
+    options = SubmitOptions(nodes=nodes, procs_per_node=procs_per_node, time=time_limit, partition=partition,
+                            account=account, job_name=job_name, sbatch_args=tuple((ctx.obj or {}).get("sbatch_args", ())))
+    run(recipe, overrides or [], options, dry_run=dry_run, command=["zerorun", *sys.argv[1:]])
+
+
+@app.command()
+def attach(
+    job_id: str = typer.Argument(..., metavar="JOBID", help="A SLURM job id (zerorun submit prints it)."),
+    no_dashboard: bool = typer.Option(False, "--no-dashboard",
+                                      help="Plain one-line progress instead of the live dashboard."),
+) -> None:
+    """Follow a SLURM job's metrics with the live dashboard until it ends (a pending job: waits for it; an ended
+    one: its summary). Exits with the job's exit status; Ctrl-C stops following, not the job."""
+    from zerorun.launch.slurm_attach import attach as run
+
+    code = run(job_id, dashboard=not no_dashboard)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -277,9 +322,14 @@ def show(
 ) -> None:
     """Print the summary of a run again (from its metrics.jsonl) and how the job ended; --plot draws loss and
     memory."""
+    from zerorun.launch.slurm_attach import follow_submitted
     from zerorun.telemetry.show import show as run
 
-    run(run_dir, plot)
+    code = None if plot else follow_submitted(run_dir)  # a zerorun submit job still queued or running
+    if code is None:
+        run(run_dir, plot)
+    elif code:
+        raise typer.Exit(code)
 
 
 def optional_value(argv: list[str], option: str, default: str) -> list[str]:
@@ -294,10 +344,22 @@ def optional_value(argv: list[str], option: str, default: str) -> list[str]:
     return out
 
 
+def split_sbatch_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``zerorun submit``'s arguments and, after its ``--``, the extra sbatch arguments (click would mix them
+    into the overrides); other commands' ``argv`` unchanged, with no sbatch arguments."""
+    if argv[:1] == ["submit"] and "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
 def main() -> None:
     """Console entry point: run the typer app; a :class:`ZerorunError` becomes one line and its exit code."""
     try:
-        app(args=optional_value(sys.argv[1:], "--resume", "latest"), standalone_mode=False)
+        argv, sbatch_args = split_sbatch_args(optional_value(sys.argv[1:], "--resume", "latest"))
+        code = app(args=argv, standalone_mode=False, obj={"sbatch_args": sbatch_args})
+        if isinstance(code, int) and code:  # typer.Exit(code): attach passes on the job's exit status
+            sys.exit(code)
     except ZerorunError as e:
         _err(str(e))
         sys.exit(e.exit_code)

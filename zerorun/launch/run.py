@@ -162,14 +162,16 @@ def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_ad
 def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides: list[str] = (),
             view: Callable | None = None, dashboard: bool = True, out=None, job_id: str | None = None,
             master_port: int | None = None, master_addr: str | None = None, ssh=None, ssh_local: bool = False,
-            preflight_timeout: float = 15.0, model_check: bool = True) -> RunResult:
+            preflight_timeout: float = 15.0, model_check: bool = True, run_dir: str | None = None) -> RunResult:
     """Run ``job`` (a :class:`~zerorun.recipe.Recipe`, or a :class:`Script` for ``zerorun launch``) on
     ``hosts`` (:func:`select`) and return how it ended.
 
     Progress shows in the live dashboard when ``dashboard`` and ``out`` (default stdout) is a terminal, else in
     plain lines; ``view(state)`` replaces both (``zerorun bench``'s quiet view). With ``model_check`` and a
     recipe loaded from ``recipe_path`` with ``overrides`` (and a local host), the model check runs beside the
-    launch (Note [Model check beside the launch] in zerorun/modelcheck.py).
+    launch (Note [Model check beside the launch] in zerorun/modelcheck.py). The run folder is ``run_dir``
+    (made if missing; ``zerorun submit`` makes it before the job starts) or a new :func:`new_run_dir`. Inside a
+    SLURM allocation the folder is recorded under the job's id for ``zerorun attach`` (launch/slurm_jobs.py).
 
     Raises:
         ZerorunError: before anything starts: preflight, a master port in use, the run folder cannot be made.
@@ -194,15 +196,20 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
         raise
     plan = prepared.plan
     name = recipe.name if recipe is not None else job.name
-    run_dir = os.path.join(recipe.log.dir if recipe is not None else job.log_dir, name,
-                           time.strftime("%Y%m%d-%H%M%S") + f"-{plan.job_id[:4]}")
+    run_dir = run_dir or new_run_dir(recipe.log.dir if recipe is not None else job.log_dir, name, plan.job_id)
     try:
         record.write(run_dir, plan, recipe, prepared.workdir, prepared.user_env)
+        if os.path.exists(os.path.join(run_dir, "job.json")):  # a folder given again (a requeued batch job)
+            os.remove(os.path.join(run_dir, "job.json"))  # says how an earlier job ended, not this one
     except OSError as e:
         prepared.close()
         if check is not None:
             check.stop()
         raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
+    if os.environ.get("SLURM_JOB_ID"):
+        from zerorun.launch.slurm_jobs import remember
+
+        remember(os.environ["SLURM_JOB_ID"], run_dir)
     state = JobState(name=name, stage=recipe.zero.stage if recipe is not None else None,
                      precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
                      hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
@@ -211,6 +218,12 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
                                  for r in range(n.first_rank, n.first_rank + n.nproc)})
     shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
     return _supervise(prepared, state, run_dir, recipe, check, shown)
+
+
+def new_run_dir(log_dir: str, name: str, job_id: str) -> str:
+    """A new run folder's path (not made): ``log_dir/name/YYYYmmdd-HHMMSS-xxxx``, ``xxxx`` the first four
+    characters of ``job_id`` (``zerorun show`` orders runs by this name)."""
+    return os.path.join(log_dir, name, time.strftime("%Y%m%d-%H%M%S") + f"-{job_id[:4]}")
 
 
 def prefer_check(result, check):
