@@ -179,8 +179,8 @@ def job_info(job_id: str) -> JobInfo | None:
 
 
 def script_run_dir(script: str) -> str | None:
-    """The ``RUN_DIR=...`` a batch script written by ``zerorun submit`` sets (shell-unquoted; ``$HOME``,
-    ``${VAR}`` and ``~`` expanded from this environment), or None."""
+    """The ``RUN_DIR=...`` a batch script written by ``zerorun submit`` sets (shell-unquoted; where a user's
+    edit wrote ``$HOME``, ``${VAR}`` or ``~`` outside single quotes, expanded from this environment), or None."""
     for line in script.splitlines():
         m = re.match(r"^\s*(?:export\s+)?RUN_DIR=(.*)$", line)
         if m:
@@ -188,8 +188,32 @@ def script_run_dir(script: str) -> str | None:
                 words = shlex.split(m.group(1), comments=True)
             except ValueError:
                 return None
-            return os.path.expanduser(os.path.expandvars(words[0])) if len(words) == 1 else None
+            if len(words) != 1:
+                return None
+            if _expands(m.group(1)):
+                return os.path.expanduser(os.path.expandvars(words[0]))
+            return words[0]
     return None
+
+
+def _expands(text: str) -> bool:
+    """Whether bash would expand something in the word ``text``: a ``$`` outside single quotes (and not after
+    a backslash), or a leading ``~``."""
+    quote, escaped = None, False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif c == "\\" and quote != "'":
+            escaped = True
+        elif quote == "'":
+            quote = None if c == "'" else quote
+        elif c in "'\"" and quote is None:
+            quote = c
+        elif c == '"' and quote == '"':
+            quote = None
+        elif c == "$":
+            return True
+    return text.startswith("~")
 
 
 def find_run_dir(job_id: str, info: JobInfo | None) -> str:
