@@ -296,7 +296,9 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
         recorder.line(node_rank, line)
         view.line(node_rank, line)
 
+    # SLURM (Note [Slurm teardown]): 10 s between SIGTERM and SIGKILL, for the ranks' checkpoint on SIGTERM
     supervisor = Supervisor(plan, prepared.nodes, prepared.lines, on_event, on_line,
+                            grace_s=10.0 if prepared.srun else 5.0,
                             require_finish=recipe is not None, check=check.problem if check else None)
     result = None
     try:

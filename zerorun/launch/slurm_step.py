@@ -33,6 +33,11 @@ from zerorun.launch.slurm_task import TASK_PREFIX
 
 #: srun --label: ``N: text`` (the task number right-aligned when there are 10 tasks or more)
 _LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
+#: Note [Long lines through srun]: slurmstepd forwards a task's output in messages of at most 1024 bytes (SLURM's
+#: MAX_MSG_LEN, src/common/io_hdr.h), and srun --label prints each as a line of its own, so a longer line (a
+#: rank's error event with its traceback) arrives cut into 1024-byte pieces. A labelled piece of exactly that
+#: size is joined to the task's next one (a line of exactly 1024 bytes is joined to the next line too: rare).
+SLURM_IO_CHUNK = 1024
 #: srun's own report of a task: ``srun: error: HOST: task N: Killed`` / ``...: Exited with exit code 3``
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.*)$")
 
@@ -83,6 +88,7 @@ class SlurmStep:
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
+        partial: dict[int, str] = {}  # task -> the start of a line srun split
         for raw in self.proc.stdout:
             line = raw.rstrip("\n")
             m = _LABEL.match(line)
@@ -93,7 +99,10 @@ class SlurmStep:
                     self.end_reasons.setdefault(node, f"its srun task on {t.group(1)}: {t.group(3)}")
                 self.lines.put((0, line))
                 continue
-            task, text = int(m.group(1)), m.group(2)
+            task, text = int(m.group(1)), partial.pop(int(m.group(1)), "") + m.group(2)
+            if len(m.group(2).encode()) == SLURM_IO_CHUNK:  # Note [Long lines through srun]
+                partial[task] = text
+                continue
             if text.startswith(TASK_PREFIX):
                 try:
                     note = json.loads(text[len(TASK_PREFIX):])
