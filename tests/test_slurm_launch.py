@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm,
               pytest.mark.skipif(bool(missing_binaries()), reason="SLURM not installed (.ci/run installs "
                                                                     "slurmctld slurmd slurm-client munge)")]
 
-STEPS = 120
+STEPS = 80
 #: the tiny recipe, long enough to be stopped in the middle, no evaluation, a step event every step
 RECIPE = [f"train.steps={STEPS}", "train.eval_every=0", "log.every=1", 'launch.env={OMP_NUM_THREADS: "1"}']
 ZR = [sys.executable, "-m", "zerorun"]

@@ -38,6 +38,9 @@ _LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
 #: rank's error event with its traceback) arrives cut into 1024-byte pieces. A labelled piece of exactly that
 #: size is joined to the task's next one (a line of exactly 1024 bytes is joined to the next line too: rare).
 SLURM_IO_CHUNK = 1024
+#: slurmstepd's line when SLURM ends a step: ``slurmstepd-NODE: error: *** STEP 5.0 ON NODE CANCELLED AT <time>
+#: [DUE TO TIME LIMIT] ***`` (also after --kill-on-bad-exit and the launcher's own scancel: then not SLURM's doing)
+_CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED AT .*\*\*\*")
 #: srun's own report of a task: ``srun: error: HOST: task N: Killed`` / ``...: Exited with exit code 3``
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.*)$")
 
@@ -59,6 +62,10 @@ class SlurmStep:
         self.ended: dict[int, int] = {}
         self.end_reasons: dict[int, str] = {}
         self.unverified: str | None = None
+        #: slurmstepd's line when SLURM itself ended the step (time limit, scancel, preemption), else None
+        self.cancelled: str | None = None
+        self._task_failed = False
+        self._srun_killed = False  # then SLURM is asked whether the step is gone (srun no longer waits for it)
         self._lock = threading.Lock()
         self._signalled: set[int] = set()
         self._checked = (0.0, 0)
@@ -94,6 +101,7 @@ class SlurmStep:
             m = _LABEL.match(line)
             if m is None:  # srun's own line
                 t = _SRUN_TASK.match(line)
+                self._task_failed |= bool(t) or "Terminating StepId" in line
                 node = self.task_node.get(int(t.group(2))) if t else None
                 if node is not None and node not in self.ended:  # it could not report its end itself
                     self.end_reasons.setdefault(node, f"its srun task on {t.group(1)}: {t.group(3)}")
@@ -103,6 +111,9 @@ class SlurmStep:
             if len(m.group(2).encode()) == SLURM_IO_CHUNK:  # Note [Long lines through srun]
                 partial[task] = text
                 continue
+            c = _CANCELLED.search(text)
+            if c and self.cancelled is None and not self._signalled and not self._task_failed:
+                self.cancelled = c.group(0)
             if text.startswith(TASK_PREFIX):
                 try:
                     note = json.loads(text[len(TASK_PREFIX):])
@@ -130,7 +141,7 @@ class SlurmStep:
         if self.step is None:
             return
         try:
-            subprocess.run(["scancel", f"--signal={sig}", self.step], capture_output=True, timeout=15)
+            subprocess.run(["scancel", f"--signal={sig}", self.step], capture_output=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired) as e:
             self.unverified = f"scancel --signal={sig} {self.step}: {e}"
 
@@ -143,6 +154,7 @@ class SlurmStep:
             self._signalled.add(sig)
         if sig == signal.SIGKILL:
             if self.running:
+                self._srun_killed = True
                 self._scancel("KILL")
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
@@ -188,12 +200,13 @@ class SlurmStep:
             count = 0
             if self.running:
                 count += 1
+                self._srun_killed = True
+                self._scancel("KILL")
                 try:
                     os.killpg(self.proc.pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
-            finished = not self.running and len(self.ended) == len(self.specs) and self.end_reasons == {}
-            if not finished and self.step_alive():
+            elif self._srun_killed and self.step_alive():  # srun ended on its own only after every task
                 count += 1
                 self._scancel("KILL")
             count += signal_marked(self.specs[0].env[JOB_ENV], sig)
@@ -216,7 +229,10 @@ class SlurmNode:
 
     @property
     def end_reason(self) -> str | None:
-        """Why the node ended when it could not say itself (srun's report of its task), else None."""
+        """Why the node ended when it could not say itself: SLURM ended the step (its time limit, scancel), or
+        srun's report of its task; else None."""
+        if self.step.cancelled:
+            return f"SLURM ended the job step: {self.step.cancelled}"
         return self.step.end_reasons.get(self.spec.node_rank)
 
     @property
