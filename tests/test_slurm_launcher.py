@@ -98,3 +98,38 @@ def test_slurm_commands_text_runs_each_node_by_name(monkeypatch):
     assert script.startswith('case "$SLURMD_NODENAME" in\nn1) ') and script.endswith("esac")
     assert "--node-rank=0 --master-addr=n1 --master-port=29600" in script.split("\n")[1]
     assert "--node-rank=1 --master-addr=n1 --master-port=29600" in script.split("\n")[2]
+
+
+def test_step_output_is_split_by_node_and_long_lines_joined(tmp_path):
+    """launch/slurm_step.py reads srun --label output: each task's first line maps it to its node (task 0 may run
+    node 1), a line srun cut into 1024-byte pieces is one line again (a rank's error event), a node's end line
+    gives its exit code, and a node killed before it could say so is named from srun's report."""
+    import json
+    import queue
+
+    from zerorun.launch.slurm_step import SlurmNode, SlurmStep
+    from zerorun.launch.slurm_task import TASK_PREFIX
+    from zerorun.telemetry.events import format_event, parse_line
+
+    plan = build_plan([Host("n1", 1), Host("n2", 1)], "{}", "abc", 29600, master_addr="n1")
+    event = format_event("error", 1, type="RuntimeError", message="x" * 3000, peer_failure=False)
+    pieces = [event[i:i + 1024] for i in range(0, len(event), 1024)]
+    out = [f"0: {TASK_PREFIX}" + json.dumps({"node_rank": 1, "step": "7.0"}),
+           f"1: {TASK_PREFIX}" + json.dumps({"node_rank": 0, "step": "7.0"}),
+           *[f"0: {p}" for p in pieces], "1: [rank 0] hello",
+           f"0: {TASK_PREFIX}" + json.dumps({"node_rank": 1, "exit": 1}),
+           "srun: error: n1: task 1: Killed"]
+    printer = tmp_path / "out.txt"
+    printer.write_text("\n".join(out) + "\n")
+    lines: queue.Queue = queue.Queue()
+    step = SlurmStep(["cat", str(printer)], plan.nodes, lines)  # stands in for srun: prints its output
+    nodes = [SlurmNode(spec, step) for spec in plan.nodes]
+    nodes[0].start()
+    got = []
+    while len([item for item in got if item[1] is None]) < 2:
+        got.append(lines.get(timeout=10))
+    text = [item for item in got if item[1] is not None]
+    assert text[0] == (1, event) and parse_line(text[0][1]).data["message"] == "x" * 3000
+    assert text[1] == (0, "[rank 0] hello") and text[2] == (0, "srun: error: n1: task 1: Killed")
+    assert step.step == "7.0" and nodes[1].returncode == 1 and nodes[1].end_reason is None
+    assert nodes[0].returncode == -9 and nodes[0].end_reason == "its srun task on n1: Killed"
