@@ -78,6 +78,23 @@ def test_srun_command_for_two_nodes(monkeypatch):
                     "--nodelist=n1,n2", "--cpus-per-task=4", "--chdir=/work dir",
                     "/py/python", "-m", "zerorun.launch.slurm_task"]
     assert "--cpus-per-task" not in " ".join(slurm.srun_argv(hosts, "/w", "/py", job_id="7"))
+    with_gpus = slurm.srun_argv(hosts, "/w", "/py", job_id="7", gpus=4)
+    assert with_gpus[with_gpus.index("--chdir=/w") - 1] == "--gpus-per-node=4"
+
+
+def test_launcher_flag_errors_are_one_line_exit_2(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from test_train_e2e import ROOT, TINY
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "-m", "zerorun", "train", TINY, "--launcher", "slurm", "--dry-run"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr == (
+        "zerorun: error: --launcher slurm: not inside a SLURM allocation (SLURM_JOB_ID is not set): run it under "
+        "salloc or in an sbatch script\n")
 
 
 def test_slurm_commands_text_runs_each_node_by_name(monkeypatch):

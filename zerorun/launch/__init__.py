@@ -1,4 +1,5 @@
-"""The launcher: plan a job, start its nodes (locally, over SSH, or with srun in a SLURM allocation), supervise them, and return how it ended.
+"""The launcher: plan a job, start its nodes (locally, over SSH, or with srun in a SLURM allocation), supervise
+them, and return how it ended.
 
 The public API is :func:`run_job` (``zerorun train``, ``launch`` and ``bench`` all call it) with
 :func:`select` (the hosts), :func:`ssh_options`, :func:`dry_run`, :class:`Script` and :class:`RunResult`

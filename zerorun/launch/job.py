@@ -126,7 +126,7 @@ def prepare_slurm_job(hosts: list[Host], job_id: str, *, recipe_json: str | None
     Raises:
         ZerorunError: ``master_port`` is in use on this machine when it is the first node.
     """
-    from zerorun.launch.slurm import srun_argv
+    from zerorun.launch.slurm import gpus_per_node, srun_argv
     from zerorun.launch.slurm_step import SlurmNode, SlurmStep
 
     python = python or sys.executable
@@ -138,7 +138,7 @@ def prepare_slurm_job(hosts: list[Host], job_id: str, *, recipe_json: str | None
         raise ZerorunError(f"--master-port {master_port}: the port is already in use on {socket.gethostname()}")
     plan = build_plan(hosts, recipe_json, job_id, master_port, python, extra_env,
                       master_addr=master_addr or hosts[0].name, program=program, cpus=cpus)
-    argv = srun_argv(hosts, workdir, python, cpus=cpus, job_name=f"zerorun-{job_id}")
+    argv = srun_argv(hosts, workdir, python, cpus=cpus, job_name=f"zerorun-{job_id}", gpus=gpus_per_node(os.environ))
     job = Job(plan, workdir=workdir, user_env=frozenset(extra_env), srun=argv)
     step = SlurmStep(argv, plan.nodes, job.lines, cwd=workdir)
     job.nodes = [SlurmNode(spec, step) for spec in plan.nodes]

@@ -94,7 +94,10 @@ def select(hostfile: str | None, default_slots: int, include: str | None = None,
                          f"{'s' if len(hosts) > 1 else ''} ({', '.join(h.name for h in hosts)}), "
                          f"{hosts[0].slots} rank{'s' if hosts[0].slots > 1 else ''} per node (from {source})\n")
         return hosts
-    hosts = read_hostfile(hostfile) if hostfile and launcher != "local" else [Host("localhost", num_procs or default_slots)]
+    if hostfile and launcher != "local":
+        hosts = read_hostfile(hostfile)
+    else:
+        hosts = [Host("localhost", num_procs or default_slots)]
     return select_hosts(hosts, include, exclude, num_nodes, num_procs)
 
 
@@ -183,9 +186,10 @@ def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_ad
     workdir = launch.get("workdir") or os.getcwd()
     node_dirs = {n.node_rank: folder for n in plan.nodes}
     if slurm:
-        from zerorun.launch.slurm import srun_argv
+        from zerorun.launch.slurm import gpus_per_node, srun_argv
 
-        srun = srun_argv(hosts, workdir, launch.get("python"), cpus=cpus, job_name=f"zerorun-{plan.job_id}")
+        srun = srun_argv(hosts, workdir, launch.get("python"), cpus=cpus, job_name=f"zerorun-{plan.job_id}",
+                         gpus=gpus_per_node(os.environ))
         return render_slurm(plan, workdir, node_dirs, set(extra_env), srun) + (
             f"# nodes without a shared {os.path.dirname(folder)}: copy {folder} to the same path there first\n")
     text = render(plan, workdir, node_dirs, set(extra_env))

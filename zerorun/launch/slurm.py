@@ -203,11 +203,12 @@ def allocation_cpus(environ=None) -> dict[str, int]:
 
 
 def srun_argv(hosts: list[Host], workdir: str, python: str | None = None, job_id: str | None = None,
-              cpus: dict[str, int] | None = None, job_name: str | None = None) -> list[str]:
+              cpus: dict[str, int] | None = None, job_name: str | None = None, gpus: int | None = None) -> list[str]:
     """The ``srun`` command that starts one node watcher per host (Note [Slurm launcher]): one task per node of
     ``hosts`` (the allocation's node names), in ``workdir``, with the nodes' ``python``, in job ``job_id``
-    (default: ``SLURM_JOB_ID``), asking for the smallest of the ``cpus`` counts of those nodes per task.
-    No value of the recipe or of ``launch.env`` is on it."""
+    (default: ``SLURM_JOB_ID``), asking for the smallest of the ``cpus`` counts of those nodes per task and,
+    with ``gpus``, that many GPUs per node (the allocation's, :func:`gpus_per_node`). No value of the recipe
+    or of ``launch.env`` is on it."""
     argv = [shutil.which("srun") or "srun"]
     job = job_id or os.environ.get("SLURM_JOB_ID")
     if job:
@@ -219,6 +220,8 @@ def srun_argv(hosts: list[Host], workdir: str, python: str | None = None, job_id
     counts = [(cpus or {}).get(h.name) for h in hosts]
     if counts and all(counts):
         argv.append(f"--cpus-per-task={min(counts)}")
+    if gpus:
+        argv.append(f"--gpus-per-node={gpus}")
     argv += [f"--chdir={workdir}", python or sys.executable, "-m", "zerorun.launch.slurm_task"]
     return argv
 
