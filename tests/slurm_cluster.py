@@ -14,7 +14,8 @@ Facts of these machines (Debian 12, slurm 22.05, munge 0.5.15, as root, no syste
   127.0.0.1 on its own free port. ``hostname`` is the same in every task: tell nodes apart by
   ``SLURMD_NODENAME`` / ``SLURM_NODEID``.
 - munged's socket folder and every folder above it must be o+x (pytest's tmp folders are 0700): the socket lives
-  in its own 0755 folder under /tmp (a short path, too: socket paths are limited to 107 bytes). slurmd does not create its spool folder; slurmctld takes 2-3 s to exit.
+  in its own 0755 folder under /tmp (a short path, too: socket paths are limited to 107 bytes).
+  slurmd does not create its spool folder; slurmctld takes 2-3 s to exit.
 - Ports are chosen free at start (bind to 0 on 127.0.0.1), so two clusters can run at once.
 """
 

@@ -42,6 +42,10 @@ _SSH_PORT = typer.Option(None, "--ssh-port", min=1, max=65535, help="SSH port (d
 _SSH_KEY = typer.Option(None, "--ssh-key", help="The only SSH private key to use (default: ~/.ssh/config's).")
 _SSH_CONFIG = typer.Option(None, "--ssh-config", help="SSH config file to read instead of ~/.ssh/config.")
 _SSH_LOCAL = typer.Option(False, "--ssh-local", help="Reach this machine's hosts (localhost) over SSH too.")
+_LAUNCHER = typer.Option(None, "--launcher", metavar="ssh|slurm|local",
+                         help="How nodes start: ssh (the hostfile's hosts; this machine without -H), slurm (the "
+                              "allocation's nodes through srun), local (this machine). Default: slurm inside a SLURM "
+                              "allocation (SLURM_JOB_ID) without -H, else ssh.")
 _PREFLIGHT_S = typer.Option(15.0, "--preflight-timeout", min=1.0, help="Seconds preflight may take, all hosts.")
 
 
@@ -92,6 +96,7 @@ def train(
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
                                       help="Plain one-line progress instead of the live dashboard."),
+    launcher: Optional[str] = _LAUNCHER,
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Write the run into this folder (made if "
                                           "missing) instead of a new <log.dir>/<name>/<time> (zerorun submit's "
                                           "batch script uses it)."),
@@ -102,13 +107,15 @@ def train(
     from zerorun.resume import prepare_resume
 
     # the optimizer check imports torch: the model check does it beside the launch (zerorun/modelcheck.py)
+    launcher = zlaunch.choose_launcher(launcher, hostfile)
     r = load_recipe(recipe, overrides or [], check_optimizer=False)
     if not prepare_resume(r, resume):  # sets checkpoint.resume and .dir (Note [Resume lookup] in zerorun/resume.py)
         return  # the checkpoint is the last step's: done
-    hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
+    hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     if dry_run:  # nothing is contacted; the commands run as printed
-        sys.stdout.write(zlaunch.dry_run(r, hosts, master_port=master_port, master_addr=master_addr))
+        sys.stdout.write(zlaunch.dry_run(r, hosts, master_port=master_port, master_addr=master_addr,
+                                         launcher=launcher))
         sys.stdout.flush()
         if any(h.is_local for h in hosts):
             from zerorun import modelcheck
@@ -124,7 +131,8 @@ def train(
             raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
     result = zlaunch.run_job(r, hosts, recipe_path=recipe, overrides=overrides or [], dashboard=not no_dashboard,
                              master_port=master_port, master_addr=master_addr, ssh=ssh, ssh_local=ssh_local,
-                             preflight_timeout=preflight_timeout, run_dir=run_dir)
+                             preflight_timeout=preflight_timeout, run_dir=run_dir,
+                             launcher=launcher)
     if not result.ok:
         raise result.error()
 
@@ -227,6 +235,7 @@ def launch(
                                     "rendezvous (what zerorun launch does without -H; refused with -H)."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
                                       help="Plain one-line progress instead of the live dashboard."),
+    launcher: Optional[str] = _LAUNCHER,
 ) -> None:
     """Run your own SCRIPT on every rank of the hostfile (or one local rank per --nproc-per-node), with the same
     streaming and teardown as `train`; the script may report steps with zerorun.report(). torchrun's habits
@@ -235,16 +244,20 @@ def launch(
 
     if standalone and hostfile:
         raise ZerorunError("--standalone runs on this machine alone: drop it or -H")
+    launcher = zlaunch.choose_launcher("local" if standalone and launcher is None else launcher, hostfile)
+    if standalone and launcher != "local":
+        raise ZerorunError(f"--standalone runs on this machine alone: drop it or --launcher {launcher}")
     if not module and not os.path.isfile(script):
         raise ZerorunError(f"{script}: no such script")
     job = zlaunch.Script(script if module else os.path.abspath(script), tuple(args or ()), module, log_dir)
-    hosts = zlaunch.select(hostfile, 1, include, exclude, num_nodes, num_procs)
+    hosts = zlaunch.select(hostfile, 1, include, exclude, num_nodes, num_procs, launcher)
     if dry_run:
-        sys.stdout.write(zlaunch.dry_run(job, hosts, master_port=master_port, master_addr=master_addr))
+        sys.stdout.write(zlaunch.dry_run(job, hosts, master_port=master_port, master_addr=master_addr,
+                                         launcher=launcher))
         return
     result = zlaunch.run_job(job, hosts, dashboard=not no_dashboard, master_port=master_port,
                              master_addr=master_addr, ssh=zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config),
-                             ssh_local=ssh_local, preflight_timeout=preflight_timeout)
+                             ssh_local=ssh_local, preflight_timeout=preflight_timeout, launcher=launcher)
     if not result.ok:
         raise result.error()
 

@@ -130,6 +130,12 @@ def main(argv: list[str]) -> int:
                 break
             line += chunk
         spec = json.loads(line)
+    return run_node(spec)
+
+
+def run_node(spec: dict) -> int:
+    """Run the node of ``spec`` (``argv``, ``env``, ``files``, ``mark``: Note [Node watcher]) with the rest of
+    standard input as the launcher's watch; return the node's exit code (128 + N for a signal N)."""
     mark = spec["mark"]
     folder = tempfile.mkdtemp(prefix=f"zerorun-{mark.replace(':', '-')}-")
     launcher_gone = threading.Event()

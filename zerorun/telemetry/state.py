@@ -156,6 +156,8 @@ class JobState:
             self._memory(r, d)
         elif e.kind == "error":
             r.status = "error" if not d.get("peer_failure") else "stopped"
+        elif e.kind == "stopped":  # SIGTERM, checkpoint saved (zerorun/stopsignal.py)
+            r.status = "stopped"
         if e.kind not in ("step", "progress"):
             self.log.add_event(e)
 
