@@ -51,3 +51,48 @@ def test_refused_unknown_and_pending_jobs(slurm_cluster, tmp_path):
         assert job_id in slurm_cluster.jobs()
     finally:
         slurm_cluster.run("scancel", job_id, check=False)
+
+
+def test_submit_trains_on_two_nodes_and_attach_and_show_follow_it(slurm_cluster, tmp_path):
+    """One batch job (2 nodes x 1 rank, 6 steps) from ``zerorun submit``: show on its run folder and attach,
+    both started at once, wait for it and follows the steps of both ranks to the summary and exits 0; the job's metrics are in
+    the run folder submit printed (a log.dir with a space and a % in it); show prints the same summary."""
+    runs = tmp_path / "runs dir %x"
+    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--procs-per-node", "1",
+                  "train.steps=6", "log.every=1", f"log.dir={runs}", "--time", "00:05:00", "--", "-J", "zr e2e")
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    job_id = first.split("submitted job ", 1)[1].split(":", 1)[0]
+    run_dir = first.split("; run dir ", 1)[1]
+    assert run_dir.startswith(str(runs / "tiny")) and second == f"zerorun: follow it with: zerorun attach {job_id}"
+    env = slurm_cluster.client_env(XDG_STATE_HOME=str(tmp_path / "state"))
+    follow = subprocess.Popen([sys.executable, "-m", "zerorun", "show", run_dir], cwd=str(tmp_path), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # show follows it too
+    try:
+        attach = zerorun(slurm_cluster, tmp_path, "attach", job_id, timeout=150)
+        followed, err = follow.communicate(timeout=30)
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+        follow.kill()
+    assert follow.returncode == 0 and "step 6/6  loss" in followed, followed + err
+    assert followed.splitlines()[-1] == "zerorun: the job finished (exit status 0)"
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    lines = attach.stdout.splitlines()
+    assert f"zerorun: attached to job {job_id} (RUNNING on 127.0.0.[11-12]); run dir {run_dir}" in lines
+    assert any(line.startswith("step 6/6  loss") for line in lines)
+    assert lines[-1] == "zerorun: the job finished (exit status 0)"
+    table = "\n".join(lines[lines.index("zerorun · tiny · summary"):])
+    assert "127.0.0.11     0  done        6" in table and "127.0.0.12     1  done        6" in table
+
+    info = slurm_cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+    assert "JobName=zr e2e" in info and "JobState=COMPLETED" in info and "NumNodes=2" in info
+    events = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = {(e["rank"], e["step"]) for e in events if e["event"] == "step"}
+    assert steps == {(r, s) for r in (0, 1) for s in range(1, 7)}
+    job = json.load(open(os.path.join(run_dir, "job.json")))
+    assert job["status"] == "ok" and job["rank_hosts"] == {"0": "127.0.0.11", "1": "127.0.0.12"}
+    assert os.path.isfile(os.path.join(run_dir, f"slurm-{job_id}.out"))  # #SBATCH --output, % kept literal
+
+    show = zerorun(slurm_cluster, tmp_path, "show", run_dir)
+    assert show.returncode == 0 and show.stdout.splitlines()[-1] == "zerorun: the job finished (exit status 0)"
+    assert table.splitlines()[:8] == show.stdout.splitlines()[:8]

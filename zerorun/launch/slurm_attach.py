@@ -82,6 +82,18 @@ def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
     return exit_status(info, run_dir)
 
 
+def _hosts_from_job_file(state, run_dir: str) -> None:
+    """Each rank's host as the launcher named it (the allocation's node names, in ``job.json`` once the job
+    ended) instead of the host name the rank reported, as ``zerorun show`` has them."""
+    from zerorun.telemetry.state import read_json
+
+    rank_hosts = read_json(os.path.join(run_dir, "job.json")).get("rank_hosts")
+    if isinstance(rank_hosts, dict):
+        for rank, host in rank_hosts.items():
+            if str(rank).isdigit() and int(rank) in state.ranks:
+                state.ranks[int(rank)].host = str(host)
+
+
 def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bool = True, out=None,
                poll_s: float = POLL_S) -> int:
     """Follow job ``job_id`` writing into ``run_dir`` (``info``: what SLURM said of it last) until it ends;
@@ -123,6 +135,7 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
             live.stop()
         out.write(f"\nzerorun: stopped following; job {job_id} goes on (zerorun attach {job_id})\n")
         return 130
+    _hosts_from_job_file(state, run_dir)
     view.close()  # the summary table
     if os.path.isfile(os.path.join(run_dir, "job.json")):
         view.print(f"zerorun: {outcome(run_dir, state)}")
