@@ -273,13 +273,16 @@ def bench(
     warmup: int = typer.Option(5, "--warmup", min=0, help="Optimizer steps left out before measuring."),
     baseline: str = typer.Option("", "--baseline", help="Baselines to run too: ddp, fsdp2 (comma-separated)."),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per combination; the median is reported."),
+    nodes: Optional[str] = typer.Option(None, "--nodes", help="Inside a SLURM allocation, instead of -H: node "
+                                        "counts, comma-separated (1,2: the allocation's first node, then its first "
+                                        "two), each run through the slurm launcher."),
 ) -> None:
     """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,
     bench.png in <log.dir>/<name>/bench-<timestamp>/. Exit code 1 when any combination failed."""
-    from zerorun.bench import parse_baselines, parse_stages, run_bench
+    from zerorun.bench import parse_baselines, parse_nodes, parse_stages, run_bench
 
     failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], parse_stages(stages),
-                                         parse_baselines(baseline), steps, warmup, repeat)
+                                         parse_baselines(baseline), steps, warmup, repeat, nodes=parse_nodes(nodes))
     if failed:
         raise JobFailed(f"bench: {failed} of {total} combinations failed (reasons in {bench_dir}/bench.json)")
 
