@@ -32,6 +32,7 @@ def test_node_counts_and_where_they_may_run(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.slurm
 def test_bench_on_one_then_two_nodes_of_an_allocation(slurm_cluster, tmp_path):
     env = slurm_cluster.client_env(OMP_NUM_THREADS="1", XDG_STATE_HOME=str(tmp_path / "state"))
     out = subprocess.run(["salloc", "-N2", sys.executable, "-m", "zerorun", "bench", TINY, "--nodes", "1,3"],
@@ -49,3 +50,6 @@ def test_bench_on_one_then_two_nodes_of_an_allocation(slurm_cluster, tmp_path):
         ("1 node", 1, "ok", 1), ("2 nodes", 2, "ok", 2)]
     hosts = [json.load(open(os.path.join(r["run_dirs"][0], "job.json")))["rank_hosts"] for r in rows]
     assert hosts == [{"0": "127.0.0.11"}, {"0": "127.0.0.11", "1": "127.0.0.12"}]
+    # every zerorun job inside an allocation records its run folder under the job's id, for zerorun attach
+    (record,) = (tmp_path / "state" / "zerorun" / "slurm-jobs").iterdir()
+    assert json.load(open(record))["run_dir"] == os.path.abspath(rows[-1]["run_dirs"][0])

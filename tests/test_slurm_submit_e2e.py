@@ -16,7 +16,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "recipes/tiny.yaml")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 
 def zerorun(cluster, tmp_path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
