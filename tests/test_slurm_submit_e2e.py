@@ -36,6 +36,14 @@ def test_refused_unknown_and_pending_jobs(slurm_cluster, tmp_path):
     assert out.returncode == 2 and out.stderr.startswith("zerorun: error: job 987654: unknown to SLURM")
     assert len(out.stderr.splitlines()) == 1
 
+    # a job of your own sbatch script: attach waits for a zerorun train in it to record its run folder; this one
+    # runs none, so once it ends that is one line
+    other = slurm_cluster.run("sbatch", "--parsable", "-o", "/dev/null", "--wrap", "sleep 1").stdout.strip()
+    out = zerorun(slurm_cluster, tmp_path, "attach", other, timeout=60)
+    assert out.stdout.startswith(f"zerorun: job {other} is ") and "waiting for zerorun train" in out.stdout
+    assert out.returncode == 2 and out.stderr == (f"zerorun: error: job {other} ended (COMPLETED) and no zerorun "
+                                                  "train in it recorded a run folder\n")
+
     out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--", "--hold")
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.split("submitted job ", 1)[1].split(":", 1)[0]

@@ -30,8 +30,41 @@ def attach(job_id: str, *, dashboard: bool = True, out=None, poll_s: float = POL
             scontrol missing or failing (one line each).
     """
     job_id = check_job_id(job_id)
+    out = out or sys.stdout
     info = job_info(job_id)
-    return follow_job(job_id, find_run_dir(job_id, info), info, dashboard=dashboard, out=out, poll_s=poll_s)
+    try:
+        run_dir = find_run_dir(job_id, info)
+    except ZerorunError:
+        if info is None or not info.active:
+            raise
+        # your own sbatch script or salloc: zerorun train records the folder once it runs
+        out.write(f"zerorun: job {job_id} is {info.state.lower()} ({info.reason or 'no reason given'}); waiting "
+                  "for zerorun train in it to record its run folder (Ctrl-C stops waiting, not the job)\n")
+        out.flush()
+        try:
+            run_dir = _wait_for_record(job_id, poll_s)
+        except KeyboardInterrupt:
+            out.write(f"\nzerorun: stopped waiting; job {job_id} goes on (zerorun attach {job_id})\n")
+            return 130
+        info = job_info(job_id)
+    return follow_job(job_id, run_dir, info, dashboard=dashboard, out=out, poll_s=poll_s)
+
+
+def _wait_for_record(job_id: str, poll_s: float) -> str:
+    """The run folder of ``job_id`` once a ``zerorun train`` in it recorded one (launch/slurm_jobs.py).
+
+    Raises:
+        ZerorunError: the job ended (or SLURM forgot it) before any did.
+    """
+    while True:
+        time.sleep(poll_s)
+        info = job_info(job_id)
+        try:
+            return find_run_dir(job_id, info)
+        except ZerorunError:
+            if info is None or not info.active:
+                raise ZerorunError(f"job {job_id} ended ({info.state if info else 'SLURM no longer knows it'}) "
+                                   "and no zerorun train in it recorded a run folder") from None
 
 
 def follow_submitted(run_dir: str, *, dashboard: bool = True, out=None, poll_s: float = POLL_S) -> int | None:
