@@ -223,3 +223,20 @@ def test_follow_feeds_appended_lines_to_the_view(tmp_path):
     assert seen == [("event", "start", 0), ("line", 1, "[rank 2] hello"), ("event", "step", 1)]
     tail = Tail(str(tmp_path / "missing"))
     assert tail.read() == []
+
+
+def test_estimate_for_nodes_equals_the_same_hostfile(capsys, monkeypatch, tmp_path):
+    """``zerorun estimate --nodes 2 --procs-per-node 8`` (the layout of ``zerorun submit --nodes 2
+    --procs-per-node 8``) gives the numbers of a hostfile of two hosts with 8 slots each."""
+    from zerorun import cli
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node01 slots=8\nnode02 slots=8\n")
+    common = ["--device-memory", "80GiB", "--cpu-memory", "1TiB", "--json"]
+    results = []
+    for args in (["--nodes", "2", "--procs-per-node", "8"], ["-H", str(hostfile)]):
+        monkeypatch.setattr("sys.argv", ["zerorun", "estimate", TINY, *args, *common])
+        cli.main()
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[0] == results[1]
+    assert results[0]["setup"]["world_size"] == 16 and results[0]["setup"]["nodes"] == 2
