@@ -115,12 +115,19 @@ def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
     return exit_status(info, run_dir)
 
 
-def _hosts_from_job_file(state, run_dir: str) -> None:
-    """Each rank's host as the launcher named it (the allocation's node names, in ``job.json`` once the job
-    ended) instead of the host name the rank reported, as ``zerorun show`` has them."""
+def _from_job_file(state, run_dir: str) -> None:
+    """What ``job.json`` says once the job ended, as ``zerorun show`` has it: each rank's host as the launcher
+    named it (the allocation's node names, not the host name the rank reported), and the job's start and end
+    (not the moment attach started)."""
     from zerorun.telemetry.state import read_json
 
-    rank_hosts = read_json(os.path.join(run_dir, "job.json")).get("rank_hosts")
+    job = read_json(os.path.join(run_dir, "job.json"))
+    started, ended = (job.get(k) if isinstance(job.get(k), (int, float)) else None for k in ("started", "ended"))
+    if started is not None:
+        state.started = float(started)
+    if ended is not None:
+        state.end(float(ended))
+    rank_hosts = job.get("rank_hosts")
     if isinstance(rank_hosts, dict):
         for rank, host in rank_hosts.items():
             if str(rank).isdigit() and int(rank) in state.ranks:
@@ -168,7 +175,7 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
             live.stop()
         out.write(f"\nzerorun: stopped following; job {job_id} goes on (zerorun attach {job_id})\n")
         return 130
-    _hosts_from_job_file(state, run_dir)
+    _from_job_file(state, run_dir)
     view.close()  # the summary table
     if os.path.isfile(os.path.join(run_dir, "job.json")):
         view.print(f"zerorun: {outcome(run_dir, state)}")
