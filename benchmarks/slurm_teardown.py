@@ -39,7 +39,8 @@ LOOP = textwrap.dedent("""\
         zerorun.report(step, 1.0, steps=100000)
         time.sleep(0.05)
     """)
-FAULTS = ["kill -9 of rank 1", "launcher SIGINT", "launcher SIGTERM", "scancel of the job (as the time limit)"]
+FAULTS = ["kill -9 of rank 1", "launcher SIGINT", "launcher SIGTERM", "launcher SIGKILL",
+          "scancel of the job (as the time limit)"]
 
 
 def _env(p) -> dict:
@@ -75,23 +76,27 @@ def one(cluster, folder: str, fault: str) -> dict:
         launcher.send_signal(signal.SIGINT)
     elif fault == "launcher SIGTERM":
         launcher.send_signal(signal.SIGTERM)
+    elif fault == "launcher SIGKILL":
+        launcher.send_signal(signal.SIGKILL)
     else:
         cluster.run("scancel", cluster.jobs()[0])
     launcher.wait(120)
     exited = time.time() - t0
+    code = proc.wait(60)  # salloc: the launcher's exit code (or -9's 137)
     left_at_exit = len(marked(job))
     while marked(job) or cluster.run("squeue", "-h", "--steps", "-o", "%i").stdout.split():
         time.sleep(0.1)
     gone = time.time() - t0
-    out, err = proc.communicate(timeout=60)  # salloc exits with the launcher's exit code
+    out, err = proc.communicate(timeout=60)
     line = next((x for x in err.splitlines() if x.startswith("zerorun: error:")), "-")
     return {"fault": fault, "launcher_exited_s": round(exited, 2), "all_gone_s": round(gone, 2),
-            "exit_code": proc.returncode, "left_at_exit": left_at_exit, "line": line}
+            "exit_code": code, "left_at_exit": left_at_exit, "line": line}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--only", default=None, help="run only the faults whose names contain this text")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="zr-slurm-bench-") as folder:
         with open(os.path.join(folder, "loop.py"), "w") as f:
@@ -99,7 +104,7 @@ def main() -> None:
         cluster = start_cluster(os.path.join(folder, "cluster"), nodes=2, cpus_per_node=2)
         rows = []
         try:
-            for fault in FAULTS:
+            for fault in [f for f in FAULTS if args.only is None or args.only in f]:
                 rows.append(one(cluster, folder, fault))
                 print(json.dumps(rows[-1]), flush=True)
         finally:
