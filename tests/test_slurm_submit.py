@@ -132,6 +132,23 @@ def test_dry_run_writes_the_script_into_a_new_run_folder(tmp_path):
     assert not (run / "slurm-job.json").exists()
 
 
+def test_resume_goes_to_the_jobs_train(tmp_path):
+    """``zerorun submit --resume`` makes the job's zerorun train resume (the latest checkpoint, or a given one
+    as an absolute path), so the same script submitted again or requeued continues; a missing path is one
+    line."""
+    def train_line(*args):
+        out = zerorun("submit", TINY, f"log.dir={tmp_path}/runs", "--dry-run", *args, cwd=str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        return next(line for line in out.stdout.splitlines() if "--run-dir" in line)
+
+    assert "--no-dashboard --resume --run-dir" in train_line("--resume")
+    (tmp_path / "ck" / "step-1").mkdir(parents=True)
+    assert f"--resume={tmp_path}/ck/step-1 --run-dir" in train_line("--resume", "ck/step-1")
+    assert "--resume" not in train_line()
+    out = zerorun("submit", TINY, "--dry-run", "--resume", "nope/step-3", cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr == "zerorun: error: --resume nope/step-3: no such checkpoint\n"
+
+
 def test_split_sbatch_args():
     from zerorun.cli import split_sbatch_args
 

@@ -149,10 +149,10 @@ def submit(
     time_limit: Optional[str] = typer.Option(None, "--time", "-t", help="sbatch's --time, e.g. 01:00:00."),
     partition: Optional[str] = typer.Option(None, "--partition", "-p", help="sbatch's --partition."),
     account: Optional[str] = typer.Option(None, "--account", "-A", help="sbatch's --account."),
-    job_name: Optional[str] = typer.Option(None, "--job-name", "-J", help="sbatch's --job-name (default: the "
-                                           "recipe's name)."),
+    job_name: Optional[str] = typer.Option(None, "--job-name", "-J", help="Default: the recipe's name."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the batch script into the run folder and print "
                                  "it; do not submit."),
+    resume: Optional[str] = typer.Option(None, "--resume", metavar="[PATH]", help="As zerorun train's, in the job."),
 ) -> None:
     """Submit RECIPE as a SLURM batch job: the run folder is made first, the batch script written into it
     (submit.sbatch: edit and resubmit it with sbatch) and submitted; prints the job id and the run folder.
@@ -160,7 +160,8 @@ def submit(
     from zerorun.launch.slurm_submit import SubmitOptions, submit as run
 
     options = SubmitOptions(nodes=nodes, procs_per_node=procs_per_node, time=time_limit, partition=partition,
-                            account=account, job_name=job_name, sbatch_args=tuple((ctx.obj or {}).get("sbatch_args", ())))
+                            account=account, job_name=job_name, resume=resume,
+                            sbatch_args=tuple((ctx.obj or {}).get("sbatch_args", ())))
     run(recipe, overrides or [], options, dry_run=dry_run, command=["zerorun", *sys.argv[1:]])
 
 

@@ -38,8 +38,8 @@ _SBATCH_TIMEOUT_S = 120.0
 class SubmitOptions:
     """What ``zerorun submit`` asks of SLURM: ``nodes``, ``procs_per_node`` (ranks per node; None: the recipe's
     ``launch.procs_per_node``), ``time`` (sbatch's ``--time``, e.g. ``01:00:00``), ``partition``, ``account``,
-    ``job_name`` (default: the recipe's name) and ``sbatch_args`` (more sbatch arguments, as given after
-    ``--``)."""
+    ``job_name`` (default: the recipe's name), ``sbatch_args`` (more sbatch arguments, as given after
+    ``--``) and ``resume`` (``zerorun train``'s ``--resume``: ``"latest"`` or a checkpoint path; None: none)."""
 
     nodes: int = 1
     procs_per_node: int | None = None
@@ -48,6 +48,7 @@ class SubmitOptions:
     account: str | None = None
     job_name: str | None = None
     sbatch_args: tuple[str, ...] = field(default_factory=tuple)
+    resume: str | None = None
 
 
 def directive_value(value: str) -> str:
@@ -83,11 +84,14 @@ def group_args(args: list[str] | tuple[str, ...]) -> list[list[str]]:
     return groups
 
 
-def train_argv(recipe_path: str, overrides: list[str], procs_per_node: int, python: str) -> list[str]:
+def train_argv(recipe_path: str, overrides: list[str], procs_per_node: int, python: str,
+               resume: str | None = None) -> list[str]:
     """The job's command (before ``--run-dir``): zerorun train of the recipe (absolute path), with the slurm
-    launcher, ``procs_per_node`` ranks per node and the plain progress lines (a batch job has no terminal)."""
+    launcher, ``procs_per_node`` ranks per node and the plain progress lines (a batch job has no terminal),
+    then ``--resume`` (``latest``: bare, the latest checkpoint or step 0; else that path, made absolute)."""
+    again = [] if resume is None else ["--resume"] if resume == "latest" else [f"--resume={os.path.abspath(resume)}"]
     return [python, "-m", "zerorun", "train", os.path.abspath(recipe_path), "--launcher", "slurm",
-            "--num-procs", str(procs_per_node), "--no-dashboard", *overrides]
+            "--num-procs", str(procs_per_node), "--no-dashboard", *again, *overrides]
 
 
 def render_script(*, recipe, recipe_path: str, overrides: list[str], options: SubmitOptions, run_dir: str,
@@ -120,7 +124,8 @@ def render_script(*, recipe, recipe_path: str, overrides: list[str], options: Su
         "# (--launcher slurm; the first node is the rendezvous host) and --num-procs ranks on each. Every event goes",
         "# to RUN_DIR/metrics.jsonl, every line of the ranks to RUN_DIR/output.log, zerorun's own progress to",
         "# RUN_DIR/slurm-JOBID.out. A job submitted again appends to the same run folder (set RUN_DIR and --output",
-        "# to another folder to keep runs apart; with checkpoint.dir in the recipe, add --resume to continue).",
+        "# to another folder to keep runs apart). With --resume (zerorun submit --resume) a job submitted again, or",
+        "# requeued, continues from the latest checkpoint of checkpoint.dir (SLURM's time limit saves one).",
         f"#SBATCH --job-name={directive_value(options.job_name or recipe.name)}",
         f"#SBATCH --nodes={options.nodes}",
         f"#SBATCH --ntasks-per-node={procs}",
@@ -134,7 +139,8 @@ def render_script(*, recipe, recipe_path: str, overrides: list[str], options: Su
     if groups:
         lines.append("# given after '--' to zerorun submit (later lines win where an option repeats):")
         lines += ["#SBATCH " + " ".join(directive_value(w) for w in g) for g in groups]
-    argv = train_argv(recipe_path, overrides, procs, python)
+    argv = train_argv(recipe_path, overrides, procs, python, options.resume)
+    cut = options.resume is not None  # --resume goes on the options' line
     lines += [
         "",
         "# where the job writes (the same folder as --output above)",
@@ -143,10 +149,10 @@ def render_script(*, recipe, recipe_path: str, overrides: list[str], options: Su
         f"cd {q(workdir)} || exit 1",
         "# the Python that ran zerorun submit: every node must see it at this path (a shared file system)",
         "exec " + shlex.join(argv[:5]) + " \\",
-        "    " + shlex.join(argv[5:10]) + ' --run-dir "$RUN_DIR"' + (" \\" if argv[10:] else ""),
+        "    " + shlex.join(argv[5:10 + cut]) + ' --run-dir "$RUN_DIR"' + (" \\" if argv[10 + cut:] else ""),
     ]
-    if argv[10:]:
-        lines.append("    " + shlex.join(argv[10:]))
+    if argv[10 + cut:]:
+        lines.append("    " + shlex.join(argv[10 + cut:]))
     return "\n".join(lines) + "\n"
 
 
@@ -171,6 +177,8 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
             raise ZerorunError(f"override {item.split('=', 1)[0]!r}: its values would be written into the batch "
                                "script; set launch.env in the recipe or in an environment file (.zerorun_env)")
     recipe = load_recipe(recipe_path, overrides, check_optimizer=False)
+    if options.resume not in (None, "latest") and not os.path.exists(options.resume):
+        raise ZerorunError(f"--resume {options.resume}: no such checkpoint")
     if options.procs_per_node is None and recipe.launch.procs_per_node < 1:
         raise ZerorunError("launch.procs_per_node: must be at least 1")
     sbatch = None if dry_run else shutil.which("sbatch")
