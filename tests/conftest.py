@@ -47,3 +47,16 @@ def slurm_cluster(tmp_path_factory):
     cluster = start_cluster(str(tmp_path_factory.mktemp("slurm")), nodes=2, cpus_per_node=2)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _job_records_in_tmp(tmp_path_factory):
+    """Jobs inside a SLURM allocation record their run folder for ``zerorun attach`` under $XDG_STATE_HOME
+    (launch/slurm_jobs.py): in the tests, a folder of the session, never the user's home."""
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old

@@ -9,7 +9,6 @@ import shlex
 import stat
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -85,7 +84,8 @@ def test_the_body_runs_zerorun_train_with_the_exact_arguments(tmp_path):
     work = tmp_path / "work dir"
     work.mkdir()
     fake = tmp_path / "fake python"
-    fake.write_text("#!/bin/sh\nexec \"$REAL\" -c 'import json, os, sys; print(json.dumps([os.getcwd(), *sys.argv[1:]]))' \"$@\"\n")
+    fake.write_text("#!/bin/sh\nexec \"$REAL\" -c "
+                    "'import json, os, sys; print(json.dumps([os.getcwd(), *sys.argv[1:]]))' \"$@\"\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     overrides = ["log.dir=my runs/x", "name=a'b\"c", "zero.stage=3"]
     recipe = load_recipe(TINY, overrides, check_optimizer=False)
@@ -249,10 +249,10 @@ def test_estimate_for_nodes_equals_the_same_hostfile(capsys, monkeypatch, tmp_pa
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node01 slots=8\nnode02 slots=8\n")
-    common = ["--device-memory", "80GiB", "--cpu-memory", "1TiB", "--json"]
+    common = ["--params", "350M", "--device-memory", "80GiB", "--cpu-memory", "1TiB", "--json"]  # no torch
     results = []
     for args in (["--nodes", "2", "--procs-per-node", "8"], ["-H", str(hostfile)]):
-        monkeypatch.setattr("sys.argv", ["zerorun", "estimate", TINY, *args, *common])
+        monkeypatch.setattr("sys.argv", ["zerorun", "estimate", *args, *common])
         cli.main()
         results.append(json.loads(capsys.readouterr().out))
     assert results[0] == results[1]

@@ -30,7 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerorun.bench_args import BASELINES, CONTROLLED, check_overrides, parse_baselines, parse_nodes, parse_stages  # noqa: F401
+from zerorun.bench_args import (BASELINES, CONTROLLED, check_overrides, parse_baselines,  # noqa: F401
+                                parse_nodes, parse_stages)
 from zerorun.bench_output import METRICS, _atomic_write, markdown_table, render_table, write_csv, write_json, write_png
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.console import PlainView

@@ -98,7 +98,7 @@ def exit_status(info: JobInfo | None, run_dir: str) -> int:
         return int(status)
     if sig.isdigit() and int(sig):
         return 128 + int(sig)
-    return 0 if info.state == "COMPLETED" else 1
+    return 0 if info.state in ("COMPLETED", "COMPLETING") else 1
 
 
 def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
@@ -147,8 +147,9 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
         return _ended(job_id, run_dir, info, out)
     try:
         if info.pending:
-            out.write(f"zerorun: job {job_id} is pending ({info.reason or info.state}); waiting for it to start "
-                      f"(Ctrl-C stops waiting, the job stays queued); run dir {run_dir}\n")
+            why = info.reason or "no reason given yet"
+            out.write(f"zerorun: job {job_id} is pending ({why}); waiting for it to start (Ctrl-C stops waiting, "
+                      f"the job stays queued); run dir {run_dir}\n")
             out.flush()
             while info is not None and info.pending:
                 time.sleep(poll_s)

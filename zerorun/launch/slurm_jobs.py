@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 from zerorun.errors import ZerorunError
 
-#: SLURM job states in which the job has not ended (squeue's long names)
-ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+#: SLURM job states in which the job's batch script may still run (squeue's long names). Not COMPLETING: the
+#: script has ended, so its run folder is final; SLURM may still be cleaning up its nodes (for a minute when a
+#: process does not end with SIGKILL: UnkillableStepTimeout), which no one following the job need wait for.
+ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
                     "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"})
 JOB_FILE = "slurm-job.json"  # in the run folder
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
@@ -112,7 +114,8 @@ def recorded_run_dir(job_id: str, info: JobInfo | None = None) -> str | None:
     run_dir, made = data.get("run_dir"), data.get("submitted")
     if not isinstance(run_dir, str):
         return None
-    if info is not None and info.submitted is not None and isinstance(made, (int, float)) and made < info.submitted - 60:
+    older = info is not None and info.submitted is not None and isinstance(made, (int, float))
+    if older and made < info.submitted - 60:
         return None
     return run_dir
 
