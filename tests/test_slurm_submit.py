@@ -102,6 +102,17 @@ def test_the_body_runs_zerorun_train_with_the_exact_arguments(tmp_path):
     assert argv == ["-m", "zerorun", "train", TINY, "--launcher", "slurm", "--num-procs", "2", "--no-dashboard",
                     "--run-dir", run_dir, *overrides]
     assert slurm_jobs.script_run_dir(text) == run_dir  # what attach reads back from the job's script
+    # a line break in an override stays inside its quotes and out of the header comment
+    overrides = ["name=two\nlines"]
+    recipe = load_recipe(TINY, overrides, check_optimizer=False)
+    text = render_script(recipe=recipe, recipe_path=TINY, overrides=overrides, options=SubmitOptions(),
+                         run_dir=run_dir, workdir=str(work), python=str(fake),
+                         command=["zerorun", "submit", *overrides])
+    assert all(line.startswith("#") for line in text.split("\n#SBATCH")[0].splitlines())
+    path.write_text(text)
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "REAL": sys.executable})
+    assert json.loads(out.stdout)[-1] == "name=two\nlines"
 
 
 def test_submit_errors_are_one_line(tmp_path):

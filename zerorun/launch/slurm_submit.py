@@ -94,6 +94,11 @@ def train_argv(recipe_path: str, overrides: list[str], procs_per_node: int, pyth
             "--num-procs", str(procs_per_node), "--no-dashboard", *again, *overrides]
 
 
+def _comment(text: str) -> str:
+    """``text`` on one comment line: a line break in it (an override's value) would end the comment."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def render_script(*, recipe, recipe_path: str, overrides: list[str], options: SubmitOptions, run_dir: str,
                   workdir: str, python: str | None = None, command: list[str] | None = None) -> str:
     """The text of ``submit.sbatch`` (Note [Submitted job]).
@@ -113,9 +118,10 @@ def render_script(*, recipe, recipe_path: str, overrides: list[str], options: Su
     q = shlex.quote
     lines = [
         "#!/bin/bash",
-        f"# zerorun submit: {recipe.name} on {options.nodes} node{'s' * (options.nodes != 1)} x {procs} "
-        f"rank{'s' * (procs != 1)}, ZeRO stage {recipe.zero.stage}, {recipe.precision}",
-        f"# written {time.strftime('%Y-%m-%d %H:%M:%S %Z')}" + (f" by: {shlex.join(command)}" if command else ""),
+        _comment(f"# zerorun submit: {recipe.name} on {options.nodes} node{'s' * (options.nodes != 1)} x {procs} "
+                 f"rank{'s' * (procs != 1)}, ZeRO stage {recipe.zero.stage}, {recipe.precision}"),
+        _comment(f"# written {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+                 + (f" by: {shlex.join(command)}" if command else "")),
         "#",
         "# Submit it again (edit it first if you like):  sbatch " + q(os.path.join(run_dir, SCRIPT_NAME)),
         "# Follow the job:                               zerorun attach JOBID   (or: zerorun show " + q(run_dir) + ")",
