@@ -24,6 +24,11 @@ JOB_ENV = "ZERORUN_JOB_ID"
 MMAP_THRESHOLD = 1 << 20
 
 
+def rank_env() -> dict[str, str]:
+    """The allocator environment variables the launcher gives every rank (Note [Returning freed memory])."""
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "THP_MEM_ALLOC_ENABLE": "1"}
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     """One node of the job: ``host``, its ``node_rank``, ranks ``[first_rank, first_rank + nproc)``, and the
@@ -114,10 +119,7 @@ def build_plan(hosts: list[Host], recipe_json: str | None, job_id: str, master_p
                 f"--log-dir={NODE_DIR}/torchelastic", *program]
         env = {JOB_ENV: job_id, "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(max(1, cores // host.slots)),
-               # Note [Returning freed memory]: a fixed threshold keeps glibc from raising it after large frees.
-               "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
-               # ... and with that, memory is re-acquired often: 2 MiB pages for large tensors fault 512x less.
-               "THP_MEM_ALLOC_ENABLE": "1", **(extra_env or {})}
+               **rank_env(), **(extra_env or {})}
         if host.slot_ids is not None:  # --include host:0,2 selects those devices, as DeepSpeed does
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.slot_ids))
         env[JOB_ENV] = job_id  # never overridden: teardown finds the job's processes by it
