@@ -15,7 +15,7 @@ needs more, as a container or a batch scheduler's limit would. A probe passes wh
 fails when the OOM killer ended a rank; any other failure stops the benchmark with the ranks' output.
 
 The search starts from a guess (the budget over the per-block model-state bytes each method holds per rank),
-doubles or halves until it brackets the answer, then bisects down to ``--resolution`` of the depth.
+goes up by 2x or down by 1/4 until it brackets the answer, then bisects down to ``--resolution`` of the depth.
 
 Methods (``--methods``):
 - ``zerorun-s3``: ``zero.initialize(stage=3)``, units = Block and Embedding, model built with
@@ -228,7 +228,8 @@ def search(method: str, budget: int, args, log) -> dict | None:
         elif bad - lo <= max(1, int(lo * args.resolution)):
             return ok
         else:
-            depth = (lo + bad) // 2 if ok else max(1, bad // 2) if bad > 1 else 0
+            # bisect a bracket; without a passing depth yet, step down by a quarter (the guess is near)
+            depth = (lo + bad) // 2 if ok else (bad * 3) // 4
             if depth == 0 or depth == lo:
                 return ok
 

@@ -94,8 +94,6 @@ def worker(args) -> None:
     states = None
     from zerorun.zero import allocator
     policy = ENVS[args.env][1]
-    if policy == "mallopt":
-        allocator.configure_rank()
     g = torch.Generator().manual_seed(rank)
     times, sent, end_rss, cpu, sys_s, faults = [], [], [], [], [], []
     for i in range(args.warmup + args.steps):
@@ -131,7 +129,6 @@ ENVS = {
     "alloc": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
     "default": ({}, None),
     "trim": ({}, "trim"),
-    "mallopt": ({}, "mallopt"),
     "mmap4": ({"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
     "mmap16": ({"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
     "nothp": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, None),

@@ -50,3 +50,61 @@ def test_rss_bytes_is_this_process_resident_size():
              "print(json.dumps({'rss': allocator.rss_bytes(), "
              "'max': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
     assert 0 < r["rss"] <= r["max"] * 1.05
+
+
+# After an 8 MiB block is mmapped and freed, glibc's dynamic threshold serves 2 MiB blocks from the heap,
+# where freeing them (below a live block) returns nothing; configure() fixes the threshold at 1 MiB first.
+RAISED = """
+import json, os, sys
+from zerorun.zero import allocator
+set_here = allocator.configure() if sys.argv[1] == "configure" else None
+big = bytearray(8 << 20)
+del big
+base = allocator.rss_bytes()
+blocks = [bytearray(2 << 20) for _ in range(48)]
+pin = bytearray(100 << 10)
+full = allocator.rss_bytes()
+del blocks
+print(json.dumps({"base": base, "full": full, "freed": allocator.rss_bytes(), "set_here": set_here,
+                  "thp": os.environ.get("THP_MEM_ALLOC_ENABLE")}))
+"""
+
+
+def _env_without_allocator_vars() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")}
+
+
+def _run_raised(arg: str, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", RAISED, arg], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_configure_returns_freed_large_blocks_to_the_os():
+    mib = 1 << 20
+    env = _env_without_allocator_vars()
+    plain = _run_raised("plain", env)  # glibc's default: the 96 MiB stay resident after the free
+    assert plain["full"] - plain["base"] > 90 * mib and plain["freed"] - plain["base"] > 80 * mib, plain
+    tuned = _run_raised("configure", env)
+    assert tuned["set_here"] is True and tuned["thp"] == "1"
+    assert tuned["full"] - tuned["base"] > 90 * mib, tuned
+    assert tuned["freed"] - tuned["base"] < 16 * mib, f"configure() left freed blocks resident: {tuned}"
+
+
+def test_configure_leaves_a_threshold_set_in_the_environment():
+    env = {**_env_without_allocator_vars(), "MALLOC_MMAP_THRESHOLD_": str(64 << 20), "THP_MEM_ALLOC_ENABLE": "0"}
+    r = _run_raised("configure", env)
+    assert r["set_here"] is False and r["thp"] == "0"
+    assert r["freed"] - r["base"] > 80 << 20, r  # the user's 64 MiB threshold governs: blocks stay in the heap
+
+
+def test_launcher_gives_ranks_the_allocator_environment():
+    from zerorun.hostfile import Host
+    from zerorun.launch.plan import build_plan, rank_env
+    from zerorun.zero import allocator
+
+    assert rank_env() == allocator.ENV
+    plan = build_plan([Host("localhost", 2)], "{}", "job", 29500)
+    assert {k: plan.nodes[0].env[k] for k in allocator.ENV} == allocator.ENV

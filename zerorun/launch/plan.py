@@ -16,11 +16,9 @@ from zerorun.launch.node import NODE_DIR
 #: environment variable that marks every process of one job (teardown finds them by it).
 JOB_ENV = "ZERORUN_JOB_ID"
 
-#: Note [Returning freed memory]: glibc serves allocations below its mmap threshold from the heap and, by
-#: default, raises that threshold (up to 32 MiB) each time a larger mmapped block is freed; after that, freed
-#: multi-MB tensors (ZeRO's released gradient buckets and gathered parameters) stay in the heap and peak RSS
-#: never shows the saving. Setting MALLOC_MMAP_THRESHOLD_ fixes the threshold, so every block of 1 MiB or more
-#: is its own mapping and goes back to the OS when freed. benchmarks/zero_stages.py measures the effect.
+#: Note [Returning freed memory] (zerorun/zero/allocator.py, with the figures): a fixed glibc mmap threshold,
+#: so freed tensors of 1 MiB or more go back to the OS instead of staying in the heap, and 2 MiB pages for them.
+#: Kept equal to zerorun.zero.allocator.ENV (tests/test_allocator.py), which launch/ does not import.
 MMAP_THRESHOLD = 1 << 20
 
 
