@@ -25,12 +25,14 @@ Methods (``--methods``):
 - ``fsdp2``: torch's ``fully_shard`` per block and embedding, then the root, on a model built on the meta
   device (``to_empty`` + initialization of the local shards: the way FSDP2 trains models that do not fit one
   rank), ``reshard_after_forward=True``, fp32 AdamW.
+- ``fsdp2-zerorun-env``: the same, its ranks in zerorun's rank environment (FSDP2 frees much more with it:
+  README, "The allocator").
 - ``deepspeed-z3`` / ``deepspeed-z3-offload``: DeepSpeed ZeRO-3 (optimizer offload off/on), when DeepSpeed is
   installed; skipped with a line otherwise.
 
-Every rank runs in the environment zerorun's launcher gives its ranks (``zerorun.launch.plan.rank_env``) for
-the zerorun methods, and in the default environment (as torchrun starts them) for the peers, unless
-``--peer-env zerorun``.
+The zerorun methods' ranks run in the environment zerorun's launcher gives its ranks
+(``zerorun.launch.plan.rank_env``); the peers' in the default environment (as torchrun starts them), except
+``fsdp2-zerorun-env`` (and every peer with ``--peer-env zerorun``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
-METHODS = ("zerorun-s3", "zerorun-s3-disk", "fsdp2", "deepspeed-z3", "deepspeed-z3-offload")
+METHODS = ("zerorun-s3", "zerorun-s3-disk", "fsdp2", "fsdp2-zerorun-env", "deepspeed-z3", "deepspeed-z3-offload")
 
 
 def join_cgroup() -> None:
@@ -78,7 +80,7 @@ def worker(args) -> None:
             dict(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
                  max_seq_len=args.seq, tie_embeddings=False))
     opt_kwargs = {"lr": 1e-4, "betas": (0.9, 0.95)}
-    if args.worker == "fsdp2":
+    if args.worker.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
         with torch.device("meta"):
@@ -134,7 +136,8 @@ def rank_env(method: str, args) -> dict[str, str]:
     sys.path.insert(0, ROOT)
     from zerorun.launch.plan import rank_env as zerorun_env
 
-    return zerorun_env() if method.startswith("zerorun") or args.peer_env == "zerorun" else {}
+    zerorun_like = method.startswith("zerorun") or method.endswith("zerorun-env") or args.peer_env == "zerorun"
+    return zerorun_env() if zerorun_like else {}
 
 
 def probe(method: str, layers: int, budget: int, args) -> dict:
