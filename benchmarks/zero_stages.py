@@ -3,6 +3,15 @@
     python benchmarks/zero_stages.py                 # 2 ranks, the ~55M-parameter GPT, fp32 AdamW
     python benchmarks/zero_stages.py --quick         # a small GPT, for a smoke check
     python benchmarks/zero_stages.py --reverse-registration 1   # modules registered opposite to their use
+    python benchmarks/zero_stages.py --modes ddp,1,2 --envs alloc,default   # zerorun's rank env vs torchrun's
+
+Environments (``--envs``, interleaved with the modes; Note [Returning freed memory] in zerorun/zero/allocator.py):
+``alloc`` is the environment zerorun's launcher gives its ranks (MALLOC_MMAP_THRESHOLD_=1 MiB,
+THP_MEM_ALLOC_ENABLE=1), ``default`` none (as plain torchrun runs DDP and FSDP2), ``trim`` none but
+``malloc_trim(0)`` after every step, ``mmap4``/``mmap16`` fixed 4/16 MiB thresholds, ``nothp`` 1 MiB without
+THP. Without ``--envs`` every mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default
+zerorun's). Besides step time, each rank's CPU seconds (user + kernel, all threads) and minor page faults
+per step are reported: steadier than wall-clock time on a shared machine.
 
 Every mode runs in fresh processes (started by torchrun), so each rank's peak RSS is its own. Modes are run
 ``--rounds`` times in alternating order and the median of the per-round medians is reported, because these
@@ -93,7 +102,7 @@ def worker(args) -> None:
         comm = lambda: engine.comm_stats()["bytes_sent"]  # noqa: E731
     states = None
     from zerorun.zero import allocator
-    policy = ENVS[args.env][1]
+    policy = ENVS.get(args.env, ({}, None))[1]
     g = torch.Generator().manual_seed(rank)
     times, sent, end_rss, cpu, sys_s, faults = [], [], [], [], [], []
     for i in range(args.warmup + args.steps):
@@ -142,7 +151,7 @@ def run_mode(mode: str, args, extra: list[str], env_name: str | None = None) -> 
     if env_name is not None:
         env = dict(ENVS[env_name][0])
     else:
-        env_name = "default"
+        env_name = "flags"  # --malloc-mmap-threshold and --thp
         if args.malloc_mmap_threshold:
             env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
         if args.thp:
@@ -197,7 +206,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--modes", default="ddp,fsdp2,0,1,2,3")
-    p.add_argument("--env", default="default", choices=sorted(ENVS), help=argparse.SUPPRESS)
+    p.add_argument("--env", default="default", help=argparse.SUPPRESS)
     p.add_argument("--envs", default=None, help="comma-separated environments each mode runs in, "
                    "interleaved (" + ", ".join(ENVS) + ")")
     add_model_args(p)
@@ -229,7 +238,7 @@ def main() -> None:
         peaks = [max(row["peak_rss"] for row in rows) for rows in rounds]
         all_times = sorted(t for rows in rounds for row in rows for t in row["times"])
         results[f"{mode}@{env}" if env else mode] = {
-            "mode": mode, "env": env or "default",
+            "mode": mode, "env": env or ("alloc" if (args.malloc_mmap_threshold, args.thp) == (1 << 20, 1) else "flags"),
             "step_s": statistics.median(medians), "step_s_range": [min(medians), max(medians)],
             "p90_s": all_times[int(0.9 * (len(all_times) - 1))],
             "peak_rss": statistics.median(peaks), "peak_rss_range": [min(peaks), max(peaks)],
