@@ -294,7 +294,8 @@ def main() -> None:
             results.append({"budget": budget, "method": method, **(best or {"layers": 0})})
     print(f"\n{args.nproc} ranks, GPT d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, seq "
           f"{args.seq}, micro-batch {args.micro_batch}, fp32 AdamW, {args.steps} steps; budget = memory cgroup "
-          f"limit per rank; peers in the {args.peer_env} environment (-zerorun-env: zerorun's); search {time.perf_counter() - t_start:.0f} s\n")
+          f"limit per rank; peers in the {args.peer_env} environment (-zerorun-env: zerorun's); "
+          f"search {time.perf_counter() - t_start:.0f} s\n")
     print("| budget/rank | method | largest depth | parameters | peak RSS/rank (MiB) | cgroup peak/rank (MiB) "
           "| step (s) | vs best peer |")
     print("|---|---|---|---|---|---|---|---|")

@@ -238,7 +238,8 @@ def main() -> None:
         peaks = [max(row["peak_rss"] for row in rows) for rows in rounds]
         all_times = sorted(t for rows in rounds for row in rows for t in row["times"])
         results[f"{mode}@{env}" if env else mode] = {
-            "mode": mode, "env": env or ("alloc" if (args.malloc_mmap_threshold, args.thp) == (1 << 20, 1) else "flags"),
+            "mode": mode,
+            "env": env or ("alloc" if (args.malloc_mmap_threshold, args.thp) == (1 << 20, 1) else "flags"),
             "step_s": statistics.median(medians), "step_s_range": [min(medians), max(medians)],
             "p90_s": all_times[int(0.9 * (len(all_times) - 1))],
             "peak_rss": statistics.median(peaks), "peak_rss_range": [min(peaks), max(peaks)],
@@ -291,7 +292,8 @@ def print_table(results: dict, args) -> None:
         default = f"{r['step_s'] / ddp_default:.3f}x" if ddp_default else "-"
         print(f"| {label} | {r['env']} | {r['step_s']:.3f} ({lo:.2f}-{hi:.2f}) | {same} | {default} | "
               f"{r['peak_rss'] / 2**20:.0f} ({plo / 2**20:.0f}-{phi / 2**20:.0f}) | {r['end_rss'] / 2**20:.0f} | "
-              f"{r['cpu_s']:.2f} ({r['sys_s']:.2f}) | {r['faults']:.0f} | {states / 2**20 if states else float('nan'):.0f} | {saving} | {comm} |")
+              f"{r['cpu_s']:.2f} ({r['sys_s']:.2f}) | {r['faults']:.0f} | "
+              f"{states / 2**20 if states else float('nan'):.0f} | {saving} | {comm} |")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ BASELINES = ("ddp", "fsdp2")
 #: Every job, the baselines' included, is launched as ``zerorun train`` launches it, so its ranks get zerorun's
 #: allocator environment (Note [Returning freed memory] in zerorun/zero/allocator.py): part of the comparison.
 ENV_NOTE = ("Every row, DDP and FSDP2 included, ran with zerorun's rank environment "
-            + " ".join(f"{k}={v}" for k, v in rank_env().items()) + " (plain torchrun leaves glibc's defaults: less memory freed, less kernel "
-            "time; benchmarks/zero_stages.py --envs alloc,default measures both).")
+            + " ".join(f"{k}={v}" for k, v in rank_env().items())
+            + " (plain torchrun leaves glibc's defaults: less memory freed, less kernel time; "
+            "benchmarks/zero_stages.py --envs alloc,default measures both).")
 
 
 @dataclass(frozen=True)
