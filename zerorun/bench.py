@@ -34,8 +34,16 @@ from zerorun.bench_args import (BASELINES, CONTROLLED, check_overrides, parse_ba
                                 parse_nodes, parse_stages)
 from zerorun.bench_output import METRICS, _atomic_write, markdown_table, render_table, write_csv, write_json, write_png
 from zerorun.errors import ZerorunError
+from zerorun.launch.plan import rank_env
 from zerorun.telemetry.console import PlainView
 
+
+#: Every job, the baselines' included, is launched as ``zerorun train`` launches it, so its ranks get zerorun's
+#: allocator environment (Note [Returning freed memory] in zerorun/zero/allocator.py): part of the comparison.
+ENV_NOTE = ("Every row, DDP and FSDP2 included, ran with zerorun's rank environment "
+            + " ".join(f"{k}={v}" for k, v in rank_env().items())
+            + " (plain torchrun leaves glibc's defaults: less memory freed, less kernel time; "
+            "benchmarks/zero_stages.py --envs alloc,default measures both).")
 
 
 @dataclass(frozen=True)
@@ -300,7 +308,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     jobs_dir = os.path.join(bench_dir, "jobs")
     info = {"command": shlex.join(["zerorun", *sys.argv[1:]]),
             "recipe": os.path.abspath(recipe_path), "overrides": overrides, "steps": steps, "warmup": warmup,
-            "repeat": repeat, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "repeat": repeat, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rank_env": ENV_NOTE}
     console = Console(file=out or sys.stdout)
     if not console.is_terminal:  # a log file or a pipe: room for every column
         console = Console(file=out or sys.stdout, width=220)
@@ -351,7 +359,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
         console.print(render_table(rows, baselines, repeat))
     write_csv(os.path.join(bench_dir, "bench.csv"), rows, baselines)
     _atomic_write(os.path.join(bench_dir, "bench.md"),
-                  lambda f: f.write(f"`{info['command']}`\n\n{markdown_table(rows, baselines)}\n"))
+                  lambda f: f.write(f"`{info['command']}`\n\n{markdown_table(rows, baselines)}\n\n{ENV_NOTE}\n"))
     try:
         write_png(os.path.join(bench_dir, "bench.png"), rows)
     except ZerorunError as e:

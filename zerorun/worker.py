@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zerorun.worker")
     parser.add_argument("--recipe-file", required=True)
     args = parser.parse_args(argv)
+    from zerorun.zero import allocator
+
+    allocator.configure()  # Note [Returning freed memory]: every runtime, baselines included, before torch allocates
     rank = int(os.environ.get("RANK", 0))
     sys.stdout = RankStream(sys.__stdout__, rank)
     sys.stderr = RankStream(sys.__stderr__, rank)
