@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from zerorun.errors import ZerorunError
+from zerorun.telemetry.state import read_json
 
 #: SLURM job states in which the job's batch script may still run (squeue's long names). Not COMPLETING: the
 #: script has ended, so its run folder is final; SLURM may still be cleaning up its nodes (for a minute when a
@@ -98,19 +99,10 @@ def remember(job_id: str, run_dir: str, *, in_run_dir: bool = False) -> None:
             pass
 
 
-def _read(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def recorded_run_dir(job_id: str, info: JobInfo | None = None) -> str | None:
     """The run folder recorded for ``job_id``, or None; a record made before SLURM's job was submitted (another
     cluster's job of the same id) is not this job's."""
-    data = _read(os.path.join(state_dir(), f"{job_id}.json"))
+    data = read_json(os.path.join(state_dir(), f"{job_id}.json"))
     run_dir, made = data.get("run_dir"), data.get("submitted")
     if not isinstance(run_dir, str):
         return None
@@ -122,7 +114,7 @@ def recorded_run_dir(job_id: str, info: JobInfo | None = None) -> str | None:
 
 def submitted_job(run_dir: str) -> str | None:
     """The SLURM job id ``zerorun submit`` recorded in ``run_dir`` (its ``slurm-job.json``), or None."""
-    job_id = _read(os.path.join(run_dir, JOB_FILE)).get("job_id")
+    job_id = read_json(os.path.join(run_dir, JOB_FILE)).get("job_id")
     return str(job_id) if isinstance(job_id, (str, int)) and _JOB_ID.match(str(job_id)) else None
 
 

@@ -19,21 +19,11 @@ import sys
 TASK_PREFIX = "@zerorun-slurm "
 
 
-def _first_line() -> bytes:
-    line = b""
-    while not line.endswith(b"\n"):  # unbuffered: the rest of stdin is the launcher watch's
-        chunk = os.read(0, 1)
-        if not chunk:
-            break
-        line += chunk
-    return line
-
-
 def main() -> int:
     """Run this task's node; return its exit code (2 when this node is not one of the job's)."""
-    from zerorun.launch.node import run_node
+    from zerorun.launch.node import read_stdin_line, run_node
 
-    payload = json.loads(_first_line() or b"{}")
+    payload = json.loads(read_stdin_line() or b"{}")
     name = os.environ.get("SLURMD_NODENAME", "")
     entry = payload.get("nodes", {}).get(name)
     if entry is None:
