@@ -3,6 +3,15 @@
     python benchmarks/zero_stages.py                 # 2 ranks, the ~55M-parameter GPT, fp32 AdamW
     python benchmarks/zero_stages.py --quick         # a small GPT, for a smoke check
     python benchmarks/zero_stages.py --reverse-registration 1   # modules registered opposite to their use
+    python benchmarks/zero_stages.py --modes ddp,1,2 --envs alloc,default   # zerorun's rank env vs torchrun's
+
+Environments (``--envs``, interleaved with the modes; Note [Returning freed memory] in zerorun/zero/allocator.py):
+``alloc`` is the environment zerorun's launcher gives its ranks (MALLOC_MMAP_THRESHOLD_=1 MiB,
+THP_MEM_ALLOC_ENABLE=1), ``default`` none (as plain torchrun runs DDP and FSDP2), ``trim`` none but
+``malloc_trim(0)`` after every step, ``mmap4``/``mmap16`` fixed 4/16 MiB thresholds, ``nothp`` 1 MiB without
+THP. Without ``--envs`` every mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default
+zerorun's). Besides step time, each rank's CPU seconds (user + kernel, all threads) and minor page faults
+per step are reported: steadier than wall-clock time on a shared machine.
 
 Every mode runs in fresh processes (started by torchrun), so each rank's peak RSS is its own. Modes are run
 ``--rounds`` times in alternating order and the median of the per-round medians is reported, because these
@@ -98,35 +107,62 @@ def worker(args) -> None:
         psi = engine.num_params
         comm = lambda: engine.comm_stats()["bytes_sent"]  # noqa: E731
     states = None
+    from zerorun.zero import allocator
+    policy = ENVS.get(args.env, ({}, None))[1]
     g = torch.Generator().manual_seed(rank)
-    times, sent = [], []
+    times, sent, end_rss, cpu, sys_s, faults = [], [], [], [], [], []
     for i in range(args.warmup + args.steps):
         batch = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g)
         dist.barrier()
-        b0, t0 = comm(), time.perf_counter()
+        b0, t0, u0 = comm(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         step(batch)
+        if policy == "trim":
+            allocator.trim()
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             sent.append(comm() - b0)
+            end_rss.append(allocator.rss_bytes())
+            u1 = resource.getrusage(resource.RUSAGE_SELF)  # CPU seconds and page faults of the step, all threads
+            cpu.append(u1.ru_utime - u0.ru_utime + u1.ru_stime - u0.ru_stime)
+            sys_s.append(u1.ru_stime - u0.ru_stime)
+            faults.append(u1.ru_minflt - u0.ru_minflt)
     if args.worker not in ("ddp", "fsdp2"):
         states = engine.memory_bytes()
     out = {"mode": args.worker, "rank": rank, "world_size": world, "psi": psi, "times": times,
            "bytes_sent": statistics.median(sent), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "end_rss": statistics.median(end_rss), "cpu_s": statistics.median(cpu),
+           "sys_s": statistics.median(sys_s), "faults": statistics.median(faults),
            "states": states}
     sys.stdout.write(PREFIX + json.dumps(out) + "\n")
     sys.stdout.flush()
     dist.destroy_process_group()
 
 
-def run_mode(mode: str, args, extra: list[str]) -> list[dict]:
-    """Run ``mode`` on ``args.nproc`` ranks of this script (see :func:`run_workers`)."""
+#: environments a mode can run in: name -> (variables for the ranks, what the rank does itself).
+ENVS = {
+    "alloc": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
+    "default": ({}, None),
+    "trim": ({}, "trim"),
+    "mmap4": ({"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
+    "mmap16": ({"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
+    "nothp": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, None),
+}
+
+
+def run_mode(mode: str, args, extra: list[str], env_name: str | None = None) -> list[dict]:
+    """Run ``mode`` on ``args.nproc`` ranks of this script in environment ``env_name`` (a key of
+    :data:`ENVS`; None: ``args.malloc_mmap_threshold``/``args.thp``) (see :func:`run_workers`)."""
     env = {}
-    if args.malloc_mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    if args.thp:
-        env["THP_MEM_ALLOC_ENABLE"] = "1"
-    return run_workers(os.path.abspath(__file__), mode, args.nproc, extra, env)
+    if env_name is not None:
+        env = dict(ENVS[env_name][0])
+    else:
+        env_name = "flags"  # --malloc-mmap-threshold and --thp
+        if args.malloc_mmap_threshold:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+        if args.thp:
+            env["THP_MEM_ALLOC_ENABLE"] = "1"
+    return run_workers(os.path.abspath(__file__), mode, args.nproc, [*extra, f"--env={env_name}"], env)
 
 
 def run_workers(script: str, mode: str, nproc: int, extra: list[str], env: dict[str, str]) -> list[dict]:
@@ -177,6 +213,9 @@ def main() -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--modes", default="ddp,fsdp2,0,1,2,3",
                    help="comma-separated: ddp, fsdp2, 0-3 (zerorun's stages), 3:MIB (stage 3, zero.prefetch_bytes MiB)")
+    p.add_argument("--env", default="default", help=argparse.SUPPRESS)
+    p.add_argument("--envs", default=None, help="comma-separated environments each mode runs in, "
+                   "interleaved (" + ", ".join(ENVS) + ")")
     add_model_args(p)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--malloc-mmap-threshold", type=int, default=1 << 20,
@@ -193,35 +232,59 @@ def main() -> None:
         worker(args)
         return
     extra = worker_args(args)
-    modes = args.modes.split(",")
-    per_round: dict[str, list[list[dict]]] = {m: [] for m in modes}
+    envs = args.envs.split(",") if args.envs else [None]
+    modes = [(m, e) for m in args.modes.split(",") for e in envs]
+    per_round: dict = {m: [] for m in modes}
     for r in range(args.rounds):
-        for mode in (modes if r % 2 == 0 else modes[::-1]):
-            per_round[mode].append(run_mode(mode, args, extra))
-            print(f"round {r + 1}: {mode} done", file=sys.stderr, flush=True)
+        for mode, env in (modes if r % 2 == 0 else modes[::-1]):
+            per_round[mode, env].append(run_mode(mode, args, extra, env))
+            print(f"round {r + 1}: {mode} {env or ''} done", file=sys.stderr, flush=True)
     results = {}
-    for mode, rounds in per_round.items():
+    for (mode, env), rounds in per_round.items():
         medians = [statistics.median(t for row in rows for t in row["times"]) for rows in rounds]
+        peaks = [max(row["peak_rss"] for row in rows) for rows in rounds]
         all_times = sorted(t for rows in rounds for row in rows for t in row["times"])
-        results[mode] = {
-            "step_s": statistics.median(medians),
+        results[f"{mode}@{env}" if env else mode] = {
+            "mode": mode,
+            "env": env or ("alloc" if (args.malloc_mmap_threshold, args.thp) == (1 << 20, 1) else "flags"),
+            "step_s": statistics.median(medians), "step_s_range": [min(medians), max(medians)],
             "p90_s": all_times[int(0.9 * (len(all_times) - 1))],
-            "peak_rss": statistics.median(max(row["peak_rss"] for row in rows) for rows in rounds),
+            "peak_rss": statistics.median(peaks), "peak_rss_range": [min(peaks), max(peaks)],
+            "end_rss": statistics.median(max(row["end_rss"] for row in rows) for rows in rounds),
+            "cpu_s": statistics.median(statistics.median(row["cpu_s"] for row in rows) for rows in rounds),
+            "sys_s": statistics.median(statistics.median(row["sys_s"] for row in rows) for rows in rounds),
+            "faults": statistics.median(statistics.median(row["faults"] for row in rows) for rows in rounds),
             "states": rounds[0][0]["states"], "psi": rounds[0][0]["psi"],
             "bytes_sent": max(row["bytes_sent"] for row in rounds[0]),
         }
+    print_table(results, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+def print_table(results: dict, args) -> None:
+    """The markdown table of ``results`` (key -> row of :func:`main`): step time against DDP in the same
+    environment and against DDP in the default environment (as torchrun runs it)."""
     n = args.nproc
     psi = next(iter(results.values()))["psi"]
     print(f"\n{n} ranks, GPT {args.layers}x{args.d_model}, vocab {args.vocab}, seq {args.seq}, micro-batch "
-          f"{args.micro_batch}, Ψ = {psi:,} parameters, fp32 AdamW; {args.rounds} rounds x {args.steps} steps\n")
-    print("| mode | median step (s) | p90 (s) | vs DDP | peak RSS/rank (MiB) | model states/rank (MiB) "
-          "| realized / theoretical saving vs stage 0 | sent/rank/step (MiB) | vs ZeRO §7 (2Ψ, stage 3: 3Ψ)(N-1)/N·4 |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    base = results.get("ddp", {}).get("step_s")
-    s0 = results.get("0")
-    for mode, r in results.items():
+          f"{args.micro_batch}, Ψ = {psi:,} parameters, fp32 AdamW; {args.rounds} rounds x {args.steps} steps; "
+          f"step time and peak RSS: median of the rounds' medians (range over rounds)\n")
+    for name, (env, how) in ENVS.items():
+        print(f"environment {name}: {' '.join(f'{k}={v}' for k, v in env.items()) or 'none set'}"
+              f"{', rank calls ' + how if how else ''}")
+    print("\n| mode | env | median step (s) | vs DDP same env | vs DDP default env | peak RSS/rank (MiB) "
+          "| RSS at step end (MiB) | CPU s/step/rank (kernel) | page faults/step/rank | model states/rank (MiB) "
+          "| realized / theoretical saving vs stage 0 | sent/rank/step vs ZeRO §7 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ddp_default = next((r["step_s"] for r in results.values() if r["mode"] == "ddp" and r["env"] == "default"),
+                       None)
+    for r in results.values():
+        base = next((b["step_s"] for b in results.values() if b["mode"] == "ddp" and b["env"] == r["env"]), None)
+        s0 = next((b for b in results.values() if b["mode"] == "0" and b["env"] == r["env"]), None)
+        mode = r["mode"]
         states = sum(r["states"].values()) if r["states"] else None
-        ratio = f"{r['step_s'] / base:.3f}x" if base else "-"
         saving = "-"
         if s0 and r["states"] and mode not in ("0", "ddp"):
             theory = sum(s0["states"].values()) - states
@@ -232,13 +295,14 @@ def main() -> None:
         label = {"ddp": "DDP (torch)", "fsdp2": "FSDP2 (torch fully_shard)"}.get(mode, f"zerorun stage {mode}")
         if ":" in mode:
             label = f"zerorun stage {mode[0]}, prefetch {mode.partition(':')[2]} MiB"
-        print(f"| {label} | {r['step_s']:.3f} | "
-              f"{r['p90_s']:.3f} | {ratio} | {r['peak_rss'] / 2**20:.0f} | "
-              f"{states / 2**20 if states else float('nan'):.0f} | {saving} | "
-              f"{r['bytes_sent'] / 2**20:.1f} | {comm} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+        lo, hi = r["step_s_range"]
+        plo, phi = r["peak_rss_range"]
+        same = f"{r['step_s'] / base:.3f}x" if base else "-"
+        default = f"{r['step_s'] / ddp_default:.3f}x" if ddp_default else "-"
+        print(f"| {label} | {r['env']} | {r['step_s']:.3f} ({lo:.2f}-{hi:.2f}) | {same} | {default} | "
+              f"{r['peak_rss'] / 2**20:.0f} ({plo / 2**20:.0f}-{phi / 2**20:.0f}) | {r['end_rss'] / 2**20:.0f} | "
+              f"{r['cpu_s']:.2f} ({r['sys_s']:.2f}) | {r['faults']:.0f} | "
+              f"{states / 2**20 if states else float('nan'):.0f} | {saving} | {comm} |")
 
 
 if __name__ == "__main__":

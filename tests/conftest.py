@@ -7,6 +7,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from distributed import RankPool  # noqa: E402
+from slurm_cluster import missing_binaries, start_cluster  # noqa: E402
 from sshd import LoopbackSshd  # noqa: E402
 
 _pools: dict[int, RankPool] = {}
@@ -33,3 +34,29 @@ def sshd(tmp_path_factory):
     server = LoopbackSshd(str(tmp_path_factory.mktemp("sshd")), ["127.0.0.2", "127.0.0.3"])
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A two-node :class:`slurm_cluster.SlurmCluster` (2 CPUs per node) on loopback, shared by the session;
+    skipped only when the SLURM/munge programs are missing (.ci/run installs them)."""
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"SLURM not installed (missing {', '.join(missing)}): apt-get install --no-install-recommends "
+                    "slurmctld slurmd slurm-client munge")
+    cluster = start_cluster(str(tmp_path_factory.mktemp("slurm")), nodes=2, cpus_per_node=2)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _job_records_in_tmp(tmp_path_factory):
+    """Jobs inside a SLURM allocation record their run folder for ``zerorun attach`` under $XDG_STATE_HOME
+    (launch/slurm_jobs.py): in the tests, a folder of the session, never the user's home."""
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old

@@ -143,3 +143,17 @@ def test_teardown_repeats_until_every_host_reports_none_left_and_names_unverifie
     # no SIGTERM to nodes that had ended; SIGKILL rounds until a round finds nothing left on any host
     assert [n.signals for n in nodes] == [[signal.SIGKILL] * 2] * 2
     assert sup.unverified == {"127.0.0.2": "TimeoutError: timed out"}
+
+
+def test_every_rank_stopped_on_sigterm_is_an_interruption_naming_the_checkpoint():
+    """Note [Checkpoint on SIGTERM]: ranks that saved and exited 143 are not a failure to blame on a rank."""
+    plan = build_plan([Host("localhost", 2)], "{}", "job", 12345)
+    q: queue.Queue = queue.Queue()
+    sup = Supervisor(plan, [object()], q, lambda e: None, lambda n, l: None)
+    for rank in (0, 1):
+        q.put((0, format_event("stopped", rank, step=7, steps=80, signal="SIGTERM", path="/ck/step-00000007")))
+    q.put((0, None, 143))
+    result = sup._watch()
+    assert (result.status, result.exit_code, result.rank) == ("interrupted", 143, None)
+    assert result.message == ("stopped by SIGTERM after step 7: every rank saved checkpoint /ck/step-00000007 and "
+                              "exited; continue with zerorun train ... --resume")

@@ -30,21 +30,33 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerorun.bench_args import (BASELINES, CONTROLLED, check_overrides, parse_baselines,  # noqa: F401
+                                parse_nodes, parse_stages)
 from zerorun.bench_output import METRICS, _atomic_write, markdown_table, render_table, write_csv, write_json, write_png
 from zerorun.errors import ZerorunError
+from zerorun.launch.plan import rank_env
 from zerorun.telemetry.console import PlainView
 
-BASELINES = ("ddp", "fsdp2")
+
+#: Every job, the baselines' included, is launched as ``zerorun train`` launches it, so its ranks get zerorun's
+#: allocator environment (Note [Returning freed memory] in zerorun/zero/allocator.py): part of the comparison.
+ENV_NOTE = ("Every row, DDP and FSDP2 included, ran with zerorun's rank environment "
+            + " ".join(f"{k}={v}" for k, v in rank_env().items())
+            + " (plain torchrun leaves glibc's defaults: less memory freed, less kernel time; "
+            "benchmarks/zero_stages.py --envs alloc,default measures both).")
 
 
 @dataclass(frozen=True)
 class Combination:
     """One row of the bench: ``hostfile`` (None: localhost with ``launch.procs_per_node`` ranks) and either
-    zerorun's runtime at ZeRO ``stage`` or a baseline ``runtime`` (``ddp``/``fsdp2``, ``stage`` None)."""
+    zerorun's runtime at ZeRO ``stage`` or a baseline ``runtime`` (``ddp``/``fsdp2``, ``stage`` None). With
+    ``nodes`` (``zerorun bench --nodes`` in a SLURM allocation), the job runs on the allocation's first
+    ``nodes`` nodes through the slurm launcher and ``hostfile`` only names them (``2 nodes``)."""
 
     hostfile: str | None
     runtime: str
     stage: int | None = None
+    nodes: int | None = None
 
     @property
     def label(self) -> str:
@@ -89,7 +101,7 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         c = self.combo
-        return {"hostfile": c.hostfile, "runtime": c.runtime, "stage": c.stage, "label": c.label,
+        return {"hostfile": c.hostfile, "nodes": c.nodes, "runtime": c.runtime, "stage": c.stage, "label": c.label,
                 "status": self.status, "reason": self.reason, "metrics": self.metrics,
                 "scaling_efficiency": self.scaling_efficiency,
                 **{f"time_vs_{b}": v for b, v in self.time_vs.items()}, "runs": self.runs, "run_dirs": self.run_dirs}
@@ -196,59 +208,36 @@ class QuietView(PlainView):
         pass
 
 
-#: Recipe fields every bench job sets itself (Combo.overrides): the user sets them through the flags instead.
-CONTROLLED = {"train.steps": "--steps and --warmup", "zero.stage": "--stages", "runtime": "--baseline",
-              "log.every": "bench (a step event every step)", "train.eval_every": "bench (no evaluation)",
-              "checkpoint.every": "bench (no checkpoints)", "checkpoint.dir": "bench (no checkpoints)"}
+def combinations(hostfiles: list[str | None], stages: list[int], baselines: list[str],
+                 nodes: list[int] = ()) -> list[Combination]:
+    """Per hostfile, then per node count of ``nodes`` (in the order given): the baselines, then zerorun at each
+    stage."""
+    places = [(h, None) for h in hostfiles] + [(f"{n} node{'s' * (n != 1)}", n) for n in nodes]
+    return [c for h, n in places
+            for c in [*(Combination(h, b, nodes=n) for b in baselines),
+                      *(Combination(h, "zero", s, nodes=n) for s in stages)]]
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Refuse ``FIELD=VALUE`` overrides of the fields bench sets for every job (:data:`CONTROLLED`): they
-    would be silently replaced, bad values included.
-
-    Raises:
-        ZerorunError: such an override, naming it and the flag that sets the field.
-    """
-    for item in overrides:
-        field = item.split("=", 1)[0].strip()
-        if field in CONTROLLED:
-            raise ZerorunError(f"override {item!r}: bench sets {field} for every job; use {CONTROLLED[field]}")
-
-
-def parse_stages(text: str) -> list[int]:
-    """``"0,1,2,3"`` -> ``[0, 1, 2, 3]``.
+def check_allocation(nodes: list[int], hostfiles: list[str]) -> None:
+    """``--nodes`` needs a SLURM allocation with that many nodes, and no hostfile beside it.
 
     Raises:
-        ZerorunError: an item that is not a ZeRO stage (0-3), or none at all.
+        ZerorunError: ``--nodes`` with ``-H``, outside an allocation, or above its node count.
     """
-    stages = []
-    for item in (t.strip() for t in text.split(",")):
-        if item not in ("0", "1", "2", "3"):
-            raise ZerorunError(f"--stages {text}: {item!r} is not a ZeRO stage (0, 1, 2 or 3)")
-        if int(item) not in stages:
-            stages.append(int(item))
-    return stages
+    if not nodes:
+        return
+    if hostfiles:
+        raise ZerorunError("--nodes and -H: bench either the allocation's nodes (--nodes, inside SLURM) or "
+                           "hostfiles (-H), not both")
+    if not os.environ.get("SLURM_JOB_ID"):
+        raise ZerorunError("--nodes: counts nodes of a SLURM allocation, and SLURM_JOB_ID is not set (run it "
+                           "inside salloc or an sbatch script; elsewhere give hostfiles with -H)")
+    from zerorun.launch.slurm import allocation_hosts
 
-
-def parse_baselines(text: str | None) -> list[str]:
-    """``"ddp,fsdp2"`` -> ``["ddp", "fsdp2"]`` (``None`` or ``""``: none).
-
-    Raises:
-        ZerorunError: an unknown baseline.
-    """
-    out = []
-    for item in (t.strip() for t in (text or "").split(",") if t.strip()):
-        if item not in BASELINES:
-            raise ZerorunError(f"--baseline {text}: unknown baseline {item!r} (choose from {', '.join(BASELINES)})")
-        if item not in out:
-            out.append(item)
-    return out
-
-
-def combinations(hostfiles: list[str | None], stages: list[int], baselines: list[str]) -> list[Combination]:
-    """Per hostfile (in the order given): the baselines, then zerorun at each stage."""
-    return [c for h in hostfiles
-            for c in [*(Combination(h, b) for b in baselines), *(Combination(h, "zero", s) for s in stages)]]
+    try:
+        allocation_hosts(1, max(nodes))
+    except ZerorunError as e:
+        raise ZerorunError(str(e).replace("--num-nodes", "--nodes", 1)) from None
 
 
 def progress_line(row: Row, done: int, total: int) -> str:
@@ -266,7 +255,8 @@ def progress_line(row: Row, done: int, total: int) -> str:
 
 
 def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stages: list[int],
-              baselines: list[str], steps: int, warmup: int, repeat: int, out=None) -> tuple[int, int, str]:
+              baselines: list[str], steps: int, warmup: int, repeat: int, out=None,
+              nodes: list[int] = ()) -> tuple[int, int, str]:
     """Run every combination ``repeat`` times, show the live table, write bench.json/csv/md/png.
 
     Returns:
@@ -288,9 +278,10 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
 
     for h in hostfiles:  # bad input fails here, before any job
         read_hostfile(h)
+    check_allocation(list(nodes), hostfiles)
     check_overrides(overrides)
-    hosts: list[str | None] = list(hostfiles) or [None]
-    rows = [Row(c) for c in combinations(hosts, stages, baselines)]
+    hosts: list[str | None] = list(hostfiles) or ([] if nodes else [None])
+    rows = [Row(c) for c in combinations(hosts, stages, baselines, list(nodes))]
     # A recipe that no combination accepts is bad input; one that some combinations refuse (zero.units below
     # stage 3, say) fails those combinations only, when their turn comes.
     base, base_overrides, first_error = None, [], None
@@ -317,7 +308,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     jobs_dir = os.path.join(bench_dir, "jobs")
     info = {"command": shlex.join(["zerorun", *sys.argv[1:]]),
             "recipe": os.path.abspath(recipe_path), "overrides": overrides, "steps": steps, "warmup": warmup,
-            "repeat": repeat, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "repeat": repeat, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rank_env": ENV_NOTE}
     console = Console(file=out or sys.stdout)
     if not console.is_terminal:  # a log file or a pipe: room for every column
         console = Console(file=out or sys.stdout, width=220)
@@ -337,11 +328,14 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
                 try:
                     job_overrides = [*overrides, f"log.dir={jobs_dir}", *row.combo.overrides(warmup + steps)]
                     recipe = load_recipe(recipe_path, job_overrides, check_optimizer=False)
-                    hosts = launch.select(row.combo.hostfile, recipe.launch.procs_per_node)
+                    launcher = "slurm" if row.combo.nodes else "ssh"
+                    hosts = launch.select(None if row.combo.nodes else row.combo.hostfile,
+                                          recipe.launch.procs_per_node, num_nodes=row.combo.nodes,
+                                          launcher=launcher)
                     # no model check beside each job: its ranks report a model the stage refuses, and the
                     # check's CPU time would count in the job's time to first step
                     result = launch.run_job(recipe, hosts, view=lambda state: QuietView(sys.stdout, state),
-                                            model_check=False)
+                                            model_check=False, launcher=launcher)
                     if not result.ok:
                         raise result.error()
                     row.run_dirs.append(result.run_dir)
@@ -365,7 +359,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
         console.print(render_table(rows, baselines, repeat))
     write_csv(os.path.join(bench_dir, "bench.csv"), rows, baselines)
     _atomic_write(os.path.join(bench_dir, "bench.md"),
-                  lambda f: f.write(f"`{info['command']}`\n\n{markdown_table(rows, baselines)}\n"))
+                  lambda f: f.write(f"`{info['command']}`\n\n{markdown_table(rows, baselines)}\n\n{ENV_NOTE}\n"))
     try:
         write_png(os.path.join(bench_dir, "bench.png"), rows)
     except ZerorunError as e:

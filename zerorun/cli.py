@@ -42,6 +42,10 @@ _SSH_PORT = typer.Option(None, "--ssh-port", min=1, max=65535, help="SSH port (d
 _SSH_KEY = typer.Option(None, "--ssh-key", help="The only SSH private key to use (default: ~/.ssh/config's).")
 _SSH_CONFIG = typer.Option(None, "--ssh-config", help="SSH config file to read instead of ~/.ssh/config.")
 _SSH_LOCAL = typer.Option(False, "--ssh-local", help="Reach this machine's hosts (localhost) over SSH too.")
+_LAUNCHER = typer.Option(None, "--launcher", metavar="ssh|slurm|local",
+                         help="How nodes start: ssh (the hostfile's hosts; this machine without -H), slurm (the "
+                              "allocation's nodes through srun), local (this machine). Default: slurm inside a SLURM "
+                              "allocation (SLURM_JOB_ID) without -H, else ssh.")
 _PREFLIGHT_S = typer.Option(15.0, "--preflight-timeout", min=1.0, help="Seconds preflight may take, all hosts.")
 
 
@@ -92,6 +96,10 @@ def train(
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
                                       help="Plain one-line progress instead of the live dashboard."),
+    launcher: Optional[str] = _LAUNCHER,
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Write the run into this folder (made if "
+                                          "missing) instead of a new <log.dir>/<name>/<time> (zerorun submit's "
+                                          "batch script uses it)."),
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
     from zerorun import launch as zlaunch
@@ -99,13 +107,15 @@ def train(
     from zerorun.resume import prepare_resume
 
     # the optimizer check imports torch: the model check does it beside the launch (zerorun/modelcheck.py)
+    launcher = zlaunch.choose_launcher(launcher, hostfile)
     r = load_recipe(recipe, overrides or [], check_optimizer=False)
     if not prepare_resume(r, resume):  # sets checkpoint.resume and .dir (Note [Resume lookup] in zerorun/resume.py)
         return  # the checkpoint is the last step's: done
-    hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs)
+    hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     if dry_run:  # nothing is contacted; the commands run as printed
-        sys.stdout.write(zlaunch.dry_run(r, hosts, master_port=master_port, master_addr=master_addr))
+        sys.stdout.write(zlaunch.dry_run(r, hosts, master_port=master_port, master_addr=master_addr,
+                                         launcher=launcher))
         sys.stdout.flush()
         if any(h.is_local for h in hosts):
             from zerorun import modelcheck
@@ -121,9 +131,53 @@ def train(
             raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
     result = zlaunch.run_job(r, hosts, recipe_path=recipe, overrides=overrides or [], dashboard=not no_dashboard,
                              master_port=master_port, master_addr=master_addr, ssh=ssh, ssh_local=ssh_local,
-                             preflight_timeout=preflight_timeout)
+                             preflight_timeout=preflight_timeout, run_dir=run_dir,
+                             launcher=launcher)
     if not result.ok:
         raise result.error()
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def submit(
+    ctx: typer.Context,
+    recipe: str = typer.Argument(..., help="Recipe YAML file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides, as zerorun train takes "
+                                                    "them; after '--': more sbatch arguments."),
+    nodes: int = typer.Option(1, "--nodes", "-N", min=1, help="Nodes to allocate (one torchrun agent on each)."),
+    procs_per_node: Optional[int] = typer.Option(None, "--procs-per-node", min=1, max=MAX_SLOTS,
+                                                 help="Ranks per node (default: launch.procs_per_node)."),
+    time_limit: Optional[str] = typer.Option(None, "--time", "-t", help="sbatch's --time, e.g. 01:00:00."),
+    partition: Optional[str] = typer.Option(None, "--partition", "-p", help="sbatch's --partition."),
+    account: Optional[str] = typer.Option(None, "--account", "-A", help="sbatch's --account."),
+    job_name: Optional[str] = typer.Option(None, "--job-name", "-J", help="Default: the recipe's name."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write the batch script into the run folder and print "
+                                 "it; do not submit."),
+    resume: Optional[str] = typer.Option(None, "--resume", metavar="[PATH]", help="As zerorun train's, in the job."),
+) -> None:
+    """Submit RECIPE as a SLURM batch job: the run folder is made first, the batch script written into it
+    (submit.sbatch: edit and resubmit it with sbatch) and submitted; prints the job id and the run folder.
+    Example: zerorun submit recipe.yaml zero.stage=3 --nodes 2 --time 01:00:00 -- --gres=gpu:8"""
+    from zerorun.launch.slurm_submit import SubmitOptions, submit as run
+
+    options = SubmitOptions(nodes=nodes, procs_per_node=procs_per_node, time=time_limit, partition=partition,
+                            account=account, job_name=job_name, resume=resume,
+                            sbatch_args=tuple((ctx.obj or {}).get("sbatch_args", ())))
+    run(recipe, overrides or [], options, dry_run=dry_run, command=["zerorun", *sys.argv[1:]])
+
+
+@app.command()
+def attach(
+    job_id: str = typer.Argument(..., metavar="JOBID", help="A SLURM job id (zerorun submit prints it)."),
+    no_dashboard: bool = typer.Option(False, "--no-dashboard",
+                                      help="Plain one-line progress instead of the live dashboard."),
+) -> None:
+    """Follow a SLURM job's metrics with the live dashboard until it ends (a pending job: waits for it; an ended
+    one: its summary). Exits with the job's exit status; Ctrl-C stops following, not the job."""
+    from zerorun.launch.slurm_attach import attach as run
+
+    code = run(job_id, dashboard=not no_dashboard)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -182,6 +236,7 @@ def launch(
                                     "rendezvous (what zerorun launch does without -H; refused with -H)."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
                                       help="Plain one-line progress instead of the live dashboard."),
+    launcher: Optional[str] = _LAUNCHER,
 ) -> None:
     """Run your own SCRIPT on every rank of the hostfile (or one local rank per --nproc-per-node), with the same
     streaming and teardown as `train`; the script may report steps with zerorun.report(). torchrun's habits
@@ -190,16 +245,20 @@ def launch(
 
     if standalone and hostfile:
         raise ZerorunError("--standalone runs on this machine alone: drop it or -H")
+    launcher = zlaunch.choose_launcher("local" if standalone and launcher is None else launcher, hostfile)
+    if standalone and launcher != "local":
+        raise ZerorunError(f"--standalone runs on this machine alone: drop it or --launcher {launcher}")
     if not module and not os.path.isfile(script):
         raise ZerorunError(f"{script}: no such script")
     job = zlaunch.Script(script if module else os.path.abspath(script), tuple(args or ()), module, log_dir)
-    hosts = zlaunch.select(hostfile, 1, include, exclude, num_nodes, num_procs)
+    hosts = zlaunch.select(hostfile, 1, include, exclude, num_nodes, num_procs, launcher)
     if dry_run:
-        sys.stdout.write(zlaunch.dry_run(job, hosts, master_port=master_port, master_addr=master_addr))
+        sys.stdout.write(zlaunch.dry_run(job, hosts, master_port=master_port, master_addr=master_addr,
+                                         launcher=launcher))
         return
     result = zlaunch.run_job(job, hosts, dashboard=not no_dashboard, master_port=master_port,
                              master_addr=master_addr, ssh=zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config),
-                             ssh_local=ssh_local, preflight_timeout=preflight_timeout)
+                             ssh_local=ssh_local, preflight_timeout=preflight_timeout, launcher=launcher)
     if not result.ok:
         raise result.error()
 
@@ -215,13 +274,16 @@ def bench(
     warmup: int = typer.Option(5, "--warmup", min=0, help="Optimizer steps left out before measuring."),
     baseline: str = typer.Option("", "--baseline", help="Baselines to run too: ddp, fsdp2 (comma-separated)."),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per combination; the median is reported."),
+    nodes: Optional[str] = typer.Option(None, "--nodes", help="Inside a SLURM allocation, instead of -H: node "
+                                        "counts, comma-separated (1,2: the allocation's first node, then its first "
+                                        "two), each run through the slurm launcher."),
 ) -> None:
     """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,
     bench.png in <log.dir>/<name>/bench-<timestamp>/. Exit code 1 when any combination failed."""
-    from zerorun.bench import parse_baselines, parse_stages, run_bench
+    from zerorun.bench import parse_baselines, parse_nodes, parse_stages, run_bench
 
     failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], parse_stages(stages),
-                                         parse_baselines(baseline), steps, warmup, repeat)
+                                         parse_baselines(baseline), steps, warmup, repeat, nodes=parse_nodes(nodes))
     if failed:
         raise JobFailed(f"bench: {failed} of {total} combinations failed (reasons in {bench_dir}/bench.json)")
 
@@ -277,9 +339,14 @@ def show(
 ) -> None:
     """Print the summary of a run again (from its metrics.jsonl) and how the job ended; --plot draws loss and
     memory."""
+    from zerorun.launch.slurm_attach import follow_submitted
     from zerorun.telemetry.show import show as run
 
-    run(run_dir, plot)
+    code = None if plot else follow_submitted(run_dir)  # a zerorun submit job still queued or running
+    if code is None:
+        run(run_dir, plot)
+    elif code:
+        raise typer.Exit(code)
 
 
 def optional_value(argv: list[str], option: str, default: str) -> list[str]:
@@ -294,10 +361,22 @@ def optional_value(argv: list[str], option: str, default: str) -> list[str]:
     return out
 
 
+def split_sbatch_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``zerorun submit``'s arguments and, after its ``--``, the extra sbatch arguments (click would mix them
+    into the overrides); other commands' ``argv`` unchanged, with no sbatch arguments."""
+    if argv[:1] == ["submit"] and "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
 def main() -> None:
     """Console entry point: run the typer app; a :class:`ZerorunError` becomes one line and its exit code."""
     try:
-        app(args=optional_value(sys.argv[1:], "--resume", "latest"), standalone_mode=False)
+        argv, sbatch_args = split_sbatch_args(optional_value(sys.argv[1:], "--resume", "latest"))
+        code = app(args=argv, standalone_mode=False, obj={"sbatch_args": sbatch_args})
+        if isinstance(code, int) and code:  # typer.Exit(code): attach passes on the job's exit status
+            sys.exit(code)
     except ZerorunError as e:
         _err(str(e))
         sys.exit(e.exit_code)

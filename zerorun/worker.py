@@ -23,6 +23,7 @@ from typing import TextIO
 from zerorun.errors import ZerorunError
 from zerorun.recipe import Recipe
 from zerorun.schedule import continue_schedule, lr_multiplier  # noqa: F401 (lr_multiplier: API)
+from zerorun.stopsignal import STOPPED_EXIT, Stopped, StopRequest
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import cuda_memory, flops_per_token, host_memory
 from zerorun.telemetry.steplog import StepLog
@@ -213,6 +214,7 @@ def train(recipe: Recipe, rank: int) -> None:
     shape = getattr(model, "shape", None)
     interval_steps, interval_s = 0, 0.0  # training steps and their time since the last step event
     steplog = StepLog(rank, world_size, device)
+    stop = StopRequest() if ckpt.dir else None  # Note [Checkpoint on SIGTERM] in zerorun/stopsignal.py
     if t.eval_every and start == 0:
         evaluate(0)
     for step in range(start + 1, t.steps + 1):
@@ -262,6 +264,19 @@ def train(recipe: Recipe, rank: int) -> None:
                                                     recipe=json.loads(recipe.model_dump_json()), keep=ckpt.keep)
             if rank == 0:
                 emit("checkpoint", rank, step=step, path=path, seconds=seconds, bytes=nbytes)
+        if stop is not None and step < t.steps and stop.agreed(device):
+            steplog.flush()
+            if not (ckpt.every and step % ckpt.every == 0):  # not saved above
+                path, seconds, nbytes = checkpoint.save(engine, ckpt.dir, step, scheduler=scheduler,
+                                                        position=position, keep=ckpt.keep,
+                                                        recipe=json.loads(recipe.model_dump_json()))
+            else:
+                path = checkpoint.step_dir(ckpt.dir, step)
+            emit("stopped", rank, step=step, steps=t.steps, signal="SIGTERM", path=path)
+            engine.close()
+            dist.barrier()
+            dist.destroy_process_group()
+            raise Stopped(step)
     steplog.flush()
     emit("finish", rank, steps=t.steps, elapsed_s=time.time() - t_start, time_to_first_step_s=first_step_s,
          peak_rss_bytes=peak_rss_bytes(), skipped_steps=engine.skipped_steps, **cuda_memory(device))
@@ -276,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zerorun.worker")
     parser.add_argument("--recipe-file", required=True)
     args = parser.parse_args(argv)
+    from zerorun.zero import allocator
+
+    allocator.configure()  # Note [Returning freed memory]: every runtime, baselines included, before torch allocates
     rank = int(os.environ.get("RANK", 0))
     sys.stdout = RankStream(sys.__stdout__, rank)
     sys.stderr = RankStream(sys.__stderr__, rank)
@@ -289,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             recipe = Recipe.model_validate(json.loads(f.read()))
         train(recipe, rank)
         return 0
+    except Stopped:  # SIGTERM, checkpoint saved (Note [Checkpoint on SIGTERM])
+        return STOPPED_EXIT
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
         return report_failure(e, rank)
 

@@ -47,3 +47,27 @@ def render(plan: LaunchPlan, workdir: str, node_dirs: dict[int, str], hidden: se
                      f"{spec.first_rank + spec.nproc - 1}, run {where}")
         lines.append(node_command(spec, workdir, node_dirs[spec.node_rank], hidden))
     return "\n".join(lines) + "\n"
+
+
+def render_slurm(plan: LaunchPlan, workdir: str, node_dirs: dict[int, str], hidden: set[str],
+                 srun: list[str]) -> str:
+    """The SLURM launcher's step as a shell script's text: the exact ``srun`` command zerorun runs (as a comment:
+    its tasks read the nodes' specs from standard input, Note [Slurm launcher] in launch/slurm.py), then the
+    same step as one srun line that runs as printed: the same options, each task running its node's
+    :func:`node_command`, chosen by ``SLURMD_NODENAME``."""
+    lines = [f"# job {plan.job_id}: {plan.world_size} ranks, master {plan.master_addr}:{plan.master_port}"]
+    if hidden:
+        lines.append("# values not shown (launch.env, environment files): set them in the shell first: "
+                     + ", ".join(sorted(hidden)))
+    program = srun.index("-m") - 1  # srun's options end where the nodes' python starts
+    lines.append("# zerorun runs (every task reads the nodes' specs, the commands below, on standard input):")
+    lines.append("#   " + " ".join(shlex.quote(a) for a in srun))
+    cases = []
+    for spec in plan.nodes:
+        lines.append(f"# node {spec.node_rank} ({spec.host.name}): ranks {spec.first_rank}.."
+                     f"{spec.first_rank + spec.nproc - 1}, srun's task on {spec.host.name}")
+        cases.append(f"{shlex.quote(spec.host.name)}) {node_command(spec, workdir, node_dirs[spec.node_rank], hidden)}"
+                     " ;;")
+    script = 'case "$SLURMD_NODENAME" in\n' + "\n".join(cases) + "\nesac"
+    lines.append(" ".join(shlex.quote(a) for a in srun[:program]) + " bash -c " + shlex.quote(script))
+    return "\n".join(lines) + "\n"

@@ -30,6 +30,8 @@ class Job:
     workdir: str = ""
     #: names of the variables from ``launch.env`` and environment files (values never printed)
     user_env: frozenset = frozenset()
+    #: the SLURM launcher's srun command (launch/slurm.py), None for the SSH and local launchers
+    srun: list[str] | None = None
 
     def close(self) -> None:
         """Close the SSH connections."""
@@ -108,4 +110,36 @@ def prepare_job(hosts: list[Host], job_id: str, *, recipe_json: str | None = Non
             job.nodes.append(RemoteNode(spec, job.lines, conns[name], ssh, forwarded, workdir))
         else:
             job.nodes.append(LocalNode(spec, job.lines, cwd=workdir))
+    return job
+
+
+def prepare_slurm_job(hosts: list[Host], job_id: str, *, recipe_json: str | None = None,
+                      program: list[str] | None = None, python: str | None = None, workdir: str | None = None,
+                      env: dict[str, str] | None = None, master_port: int | None = None,
+                      master_addr: str | None = None, cpus: dict[str, int] | None = None) -> Job:
+    """Plan a job on the SLURM allocation's ``hosts`` and make its nodes: one srun step (Note [Slurm launcher]
+    in launch/slurm.py), no SSH, no preflight. The master address is the first node's name (or
+    ``master_addr``); the port ``master_port``, else one free here (the launcher runs on the first node in a
+    batch script; elsewhere, a port free here is a guess: pass ``--master-port``). ``cpus``: the allocation's
+    CPUs per node name (each node's OMP_NUM_THREADS, srun's ``--cpus-per-task``).
+
+    Raises:
+        ZerorunError: ``master_port`` is in use on this machine when it is the first node.
+    """
+    from zerorun.launch.slurm import gpus_per_node, srun_argv
+    from zerorun.launch.slurm_step import SlurmNode, SlurmStep
+
+    python = python or sys.executable
+    workdir = workdir or os.getcwd()
+    extra_env = {**env_file_values(), **(env or {})}
+    if master_port is None:
+        master_port = free_port()
+    elif hosts[0].is_local and port_in_use(master_port):
+        raise ZerorunError(f"--master-port {master_port}: the port is already in use on {socket.gethostname()}")
+    plan = build_plan(hosts, recipe_json, job_id, master_port, python, extra_env,
+                      master_addr=master_addr or hosts[0].name, program=program, cpus=cpus)
+    argv = srun_argv(hosts, workdir, python, cpus=cpus, job_name=f"zerorun-{job_id}", gpus=gpus_per_node(os.environ))
+    job = Job(plan, workdir=workdir, user_env=frozenset(extra_env), srun=argv)
+    step = SlurmStep(argv, plan.nodes, job.lines, cwd=workdir)
+    job.nodes = [SlurmNode(spec, step) for spec in plan.nodes]
     return job

@@ -114,6 +114,18 @@ def write_private(folder: str, files: dict[str, str]) -> None:
             f.write(text)
 
 
+def read_stdin_line() -> bytes:
+    """The first line of stdin (bytes, with its newline; shorter at end of input), read unbuffered, one byte at a
+    time: the rest of stdin belongs to the launcher's watch and must stay unread."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(0, 1)
+        if not chunk:
+            break
+        line += chunk
+    return line
+
+
 def main(argv: list[str]) -> int:
     """Run one node (Note [Node watcher]); return its exit code."""
     parser = argparse.ArgumentParser(prog="zerorun.launch.node")
@@ -123,13 +135,13 @@ def main(argv: list[str]) -> int:
         with os.fdopen(args.spec_fd, "rb") as f:
             spec = json.loads(f.readline())
     else:
-        line = b""
-        while not line.endswith(b"\n"):  # unbuffered: the rest of stdin is the launcher watch's
-            chunk = os.read(0, 1)
-            if not chunk:
-                break
-            line += chunk
-        spec = json.loads(line)
+        spec = json.loads(read_stdin_line())
+    return run_node(spec)
+
+
+def run_node(spec: dict) -> int:
+    """Run the node of ``spec`` (``argv``, ``env``, ``files``, ``mark``: Note [Node watcher]) with the rest of
+    standard input as the launcher's watch; return the node's exit code (128 + N for a signal N)."""
     mark = spec["mark"]
     folder = tempfile.mkdtemp(prefix=f"zerorun-{mark.replace(':', '-')}-")
     launcher_gone = threading.Event()

@@ -16,12 +16,15 @@ from zerorun.launch.node import NODE_DIR
 #: environment variable that marks every process of one job (teardown finds them by it).
 JOB_ENV = "ZERORUN_JOB_ID"
 
-#: Note [Returning freed memory]: glibc serves allocations below its mmap threshold from the heap and, by
-#: default, raises that threshold (up to 32 MiB) each time a larger mmapped block is freed; after that, freed
-#: multi-MB tensors (ZeRO's released gradient buckets and gathered parameters) stay in the heap and peak RSS
-#: never shows the saving. Setting MALLOC_MMAP_THRESHOLD_ fixes the threshold, so every block of 1 MiB or more
-#: is its own mapping and goes back to the OS when freed. benchmarks/zero_stages.py measures the effect.
+#: Note [Returning freed memory] (zerorun/zero/allocator.py, with the figures): a fixed glibc mmap threshold,
+#: so freed tensors of 1 MiB or more go back to the OS instead of staying in the heap, and 2 MiB pages for them.
+#: Kept equal to zerorun.zero.allocator.ENV (tests/test_allocator.py), which launch/ does not import.
 MMAP_THRESHOLD = 1 << 20
+
+
+def rank_env() -> dict[str, str]:
+    """The allocator environment variables the launcher gives every rank (Note [Returning freed memory])."""
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "THP_MEM_ALLOC_ENABLE": "1"}
 
 
 @dataclass(frozen=True)
@@ -114,10 +117,7 @@ def build_plan(hosts: list[Host], recipe_json: str | None, job_id: str, master_p
                 f"--log-dir={NODE_DIR}/torchelastic", *program]
         env = {JOB_ENV: job_id, "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(max(1, cores // host.slots)),
-               # Note [Returning freed memory]: a fixed threshold keeps glibc from raising it after large frees.
-               "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
-               # ... and with that, memory is re-acquired often: 2 MiB pages for large tensors fault 512x less.
-               "THP_MEM_ALLOC_ENABLE": "1", **(extra_env or {})}
+               **rank_env(), **(extra_env or {})}
         if host.slot_ids is not None:  # --include host:0,2 selects those devices, as DeepSpeed does
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.slot_ids))
         env[JOB_ENV] = job_id  # never overridden: teardown finds the job's processes by it

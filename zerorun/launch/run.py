@@ -74,16 +74,30 @@ class RunResult:
 
 
 def select(hostfile: str | None, default_slots: int, include: str | None = None, exclude: str | None = None,
-           num_nodes: int | None = None, num_procs: int | None = None) -> list[Host]:
+           num_nodes: int | None = None, num_procs: int | None = None, launcher: str = "ssh") -> list[Host]:
     """The hosts of a job: the hostfile's (or localhost with ``num_procs``, else ``default_slots``, ranks)
     through ``include``/``exclude``, ``num_nodes`` and ``num_procs`` (hostfile.select_hosts, DeepSpeed's rules).
+    ``launcher``: ``ssh`` (that), ``local`` (this machine, no hostfile), ``slurm`` (the allocation's nodes and
+    slots, launch/slurm.py ``allocation_hosts``; a note on stderr says where the slot count comes from).
 
     Raises:
-        ZerorunError: an unreadable or bad hostfile, or a selection that leaves no host.
+        ZerorunError: an unreadable or bad hostfile, a bad allocation, or a selection that leaves no host.
     """
     from zerorun.hostfile import read_hostfile, select_hosts
 
-    hosts = read_hostfile(hostfile) if hostfile else [Host("localhost", num_procs or default_slots)]
+    if launcher == "slurm":
+        from zerorun.launch.slurm import allocation_hosts
+
+        hosts, source = allocation_hosts(default_slots, num_nodes, num_procs)
+        hosts = select_hosts(hosts, include, exclude, None, None)
+        sys.stderr.write(f"zerorun: SLURM job {os.environ.get('SLURM_JOB_ID')}: {len(hosts)} node"
+                         f"{'s' if len(hosts) > 1 else ''} ({', '.join(h.name for h in hosts)}), "
+                         f"{hosts[0].slots} rank{'s' if hosts[0].slots > 1 else ''} per node (from {source})\n")
+        return hosts
+    if hostfile and launcher != "local":
+        hosts = read_hostfile(hostfile)
+    else:
+        hosts = [Host("localhost", num_procs or default_slots)]
     return select_hosts(hosts, include, exclude, num_nodes, num_procs)
 
 
@@ -112,48 +126,73 @@ def _what(job) -> tuple[str | None, list[str], list[str] | None, dict]:
 
 
 def prepare(job, hosts: list[Host], *, job_id: str | None = None, master_port: int | None = None,
-            master_addr: str | None = None, ssh=None, ssh_local: bool = False, preflight_timeout: float = 15.0):
+            master_addr: str | None = None, ssh=None, ssh_local: bool = False, preflight_timeout: float = 15.0,
+            launcher: str = "ssh"):
     """Preflight the remote ``hosts`` and make the nodes of ``job`` (a Recipe or a :class:`Script`), not
-    started: launch/job.py's ``prepare_job``. ``master_port`` None: a free one on the first host.
+    started: launch/job.py's ``prepare_job``, or ``prepare_slurm_job`` for ``launcher="slurm"`` (one srun
+    step, no SSH). ``master_port`` None: a free one on the first host.
 
     Raises:
         ZerorunError: a host fails preflight (one line per host), or ``master_port`` is in use.
     """
-    from zerorun.launch.job import prepare_job
+    from zerorun.launch.job import prepare_job, prepare_slurm_job
     from zerorun.launch.remote import SshOptions
 
     recipe_json, modules, program, launch = _what(job)
-    return prepare_job(hosts, job_id or uuid.uuid4().hex[:12], recipe_json=recipe_json, program=program,
+    job_id = job_id or uuid.uuid4().hex[:12]
+    if launcher == "slurm":
+        from zerorun.launch.slurm import allocation_cpus
+
+        return prepare_slurm_job(hosts, job_id, recipe_json=recipe_json, program=program, master_port=master_port,
+                                 master_addr=master_addr, cpus=allocation_cpus(), **launch)
+    return prepare_job(hosts, job_id, recipe_json=recipe_json, program=program,
                        modules=modules, master_port=master_port, master_addr=master_addr, ssh=ssh or SshOptions(),
                        ssh_local=ssh_local, preflight_timeout=preflight_timeout, **launch)
 
 
 def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_addr: str | None = None,
-            job_id: str | None = None) -> str:
+            job_id: str | None = None, launcher: str = "ssh") -> str:
     """The launch commands of ``job`` (a Recipe or a :class:`Script`) on ``hosts`` as a shell script's text
     (Note [Printed commands] in launch/commands.py), contacting no host: each runs as printed. The master
     address is ``master_addr``, else 127.0.0.1 for a local first host, else its name; the port is
-    ``master_port``, else a free one here (local first host) or torchrun's default 29500. The resolved recipe
-    is written, as a node's watcher writes it, to a 0600 ``recipe.json`` in a fresh private folder that the
-    commands name.
+    ``master_port``, else a free one here (local first host, or the SLURM launcher) or torchrun's default
+    29500. The resolved recipe is written, as a node's watcher writes it, to a 0600 ``recipe.json`` in a fresh
+    private folder that the commands name. With ``launcher="slurm"`` the text is the srun command zerorun runs
+    and the same step as one srun line that runs as printed (launch/commands.py ``render_slurm``).
     """
     import tempfile
 
-    from zerorun.launch.commands import render
+    from zerorun.launch.commands import render, render_slurm
     from zerorun.launch.env import env_file_values
     from zerorun.launch.node import write_private
     from zerorun.launch.plan import build_plan, free_port
 
     recipe_json, _, program, launch = _what(job)
     extra_env = {**env_file_values(), **(launch.get("env") or {})}
+    slurm = launcher == "slurm"
+    cpus = None
+    if slurm:
+        from zerorun.launch.slurm import allocation_cpus
+
+        cpus = allocation_cpus()
     if master_port is None:
-        master_port = free_port() if hosts[0].is_local else 29500
+        master_port = free_port() if hosts[0].is_local or slurm else 29500
+    if master_addr is None and slurm:
+        master_addr = hosts[0].name
     plan = build_plan(hosts, recipe_json, job_id or uuid.uuid4().hex[:12], master_port, launch.get("python"),
-                      extra_env, master_addr=master_addr, program=program)
+                      extra_env, master_addr=master_addr, program=program, cpus=cpus)
     folder = tempfile.mkdtemp(prefix=f"zerorun-{plan.job_id}-dry-run-")
     write_private(folder, plan.nodes[0].files)
-    text = render(plan, launch.get("workdir") or os.getcwd(), {n.node_rank: folder for n in plan.nodes},
-                  set(extra_env))
+    workdir = launch.get("workdir") or os.getcwd()
+    node_dirs = {n.node_rank: folder for n in plan.nodes}
+    if slurm:
+        from zerorun.launch.slurm import gpus_per_node, srun_argv
+
+        srun = srun_argv(hosts, workdir, launch.get("python"), cpus=cpus, job_name=f"zerorun-{plan.job_id}",
+                         gpus=gpus_per_node(os.environ))
+        return render_slurm(plan, workdir, node_dirs, set(extra_env), srun) + (
+            f"# nodes without a shared {os.path.dirname(folder)}: copy {folder} to the same path there first\n")
+    text = render(plan, workdir, node_dirs, set(extra_env))
     if any(not n.host.is_local for n in plan.nodes):
         text += f"# remote nodes: copy {folder} to the same path there first\n"
     return text
@@ -162,14 +201,19 @@ def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_ad
 def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides: list[str] = (),
             view: Callable | None = None, dashboard: bool = True, out=None, job_id: str | None = None,
             master_port: int | None = None, master_addr: str | None = None, ssh=None, ssh_local: bool = False,
-            preflight_timeout: float = 15.0, model_check: bool = True) -> RunResult:
+            preflight_timeout: float = 15.0, model_check: bool = True, launcher: str = "ssh",
+            run_dir: str | None = None) -> RunResult:
     """Run ``job`` (a :class:`~zerorun.recipe.Recipe`, or a :class:`Script` for ``zerorun launch``) on
     ``hosts`` (:func:`select`) and return how it ended.
 
     Progress shows in the live dashboard when ``dashboard`` and ``out`` (default stdout) is a terminal, else in
     plain lines; ``view(state)`` replaces both (``zerorun bench``'s quiet view). With ``model_check`` and a
     recipe loaded from ``recipe_path`` with ``overrides`` (and a local host), the model check runs beside the
-    launch (Note [Model check beside the launch] in zerorun/modelcheck.py).
+    launch (Note [Model check beside the launch] in zerorun/modelcheck.py). ``launcher``: ``ssh`` and ``local``
+    as ever, ``slurm``: every node through one srun step in the allocation (Note [Slurm launcher]).
+    The run folder is ``run_dir``
+    (made if missing; ``zerorun submit`` makes it before the job starts) or a new :func:`new_run_dir`. Inside a
+    SLURM allocation the folder is recorded under the job's id for ``zerorun attach`` (launch/slurm_jobs.py).
 
     Raises:
         ZerorunError: before anything starts: preflight, a master port in use, the run folder cannot be made.
@@ -187,22 +231,27 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
         check = modelcheck.start(recipe, recipe_path, list(overrides))
     try:
         prepared = prepare(job, hosts, job_id=job_id, master_port=master_port, master_addr=master_addr, ssh=ssh,
-                           ssh_local=ssh_local, preflight_timeout=preflight_timeout)
+                           ssh_local=ssh_local, preflight_timeout=preflight_timeout, launcher=launcher)
     except BaseException:
         if check is not None:
             check.stop()
         raise
     plan = prepared.plan
     name = recipe.name if recipe is not None else job.name
-    run_dir = os.path.join(recipe.log.dir if recipe is not None else job.log_dir, name,
-                           time.strftime("%Y%m%d-%H%M%S") + f"-{plan.job_id[:4]}")
+    run_dir = run_dir or new_run_dir(recipe.log.dir if recipe is not None else job.log_dir, name, plan.job_id)
     try:
-        record.write(run_dir, plan, recipe, prepared.workdir, prepared.user_env)
+        record.write(run_dir, plan, recipe, prepared.workdir, prepared.user_env, prepared.srun)
+        if os.path.exists(os.path.join(run_dir, "job.json")):  # a folder given again (a requeued batch job)
+            os.remove(os.path.join(run_dir, "job.json"))  # says how an earlier job ended, not this one
     except OSError as e:
         prepared.close()
         if check is not None:
             check.stop()
         raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
+    if os.environ.get("SLURM_JOB_ID"):
+        from zerorun.launch.slurm_jobs import remember
+
+        remember(os.environ["SLURM_JOB_ID"], run_dir)
     state = JobState(name=name, stage=recipe.zero.stage if recipe is not None else None,
                      precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
                      hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
@@ -211,6 +260,12 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
                                  for r in range(n.first_rank, n.first_rank + n.nproc)})
     shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
     return _supervise(prepared, state, run_dir, recipe, check, shown)
+
+
+def new_run_dir(log_dir: str, name: str, job_id: str) -> str:
+    """A new run folder's path (not made): ``log_dir/name/YYYYmmdd-HHMMSS-xxxx``, ``xxxx`` the first four
+    characters of ``job_id`` (``zerorun show`` orders runs by this name)."""
+    return os.path.join(log_dir, name, time.strftime("%Y%m%d-%H%M%S") + f"-{job_id[:4]}")
 
 
 def prefer_check(result, check):
@@ -260,7 +315,9 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
         recorder.line(node_rank, line)
         view.line(node_rank, line)
 
+    # SLURM (Note [Slurm teardown]): 10 s between SIGTERM and SIGKILL, for the ranks' checkpoint on SIGTERM
     supervisor = Supervisor(plan, prepared.nodes, prepared.lines, on_event, on_line,
+                            grace_s=10.0 if prepared.srun else 5.0,
                             require_finish=recipe is not None, check=check.problem if check else None)
     result = None
     try:

@@ -81,6 +81,7 @@ class Supervisor:
         self._in_root_cause = False
         self._root_causes: list[int] = []  # torchrun's "Root Cause (first observed failure)" rank per node
         self._finished: set[int] = set()
+        self._stopped: dict[int, Event] = {}  # ranks that saved a checkpoint on SIGTERM (zerorun/stopsignal.py)
         self._ended: dict[int, int] = {}
         self._notes: dict[int, str] = {}  # node rank -> why its watcher says it ended (launch/node.py)
         self._heard: dict[int, float] = {}  # global rank -> when its last line or event arrived (time.time())
@@ -107,8 +108,17 @@ class Supervisor:
             self._teardown()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if result.status == "interrupted" and self._stopped and "checkpoint" not in result.message:
+            result.message = self._stopped_message(self._stop or "SIGTERM")  # the ranks saved during the teardown
         result.elapsed_s = time.time() - t0
         return result
+
+    def _stopped_message(self, sig: str) -> str:
+        """What the ranks that stopped on SIGTERM saved (Note [Checkpoint on SIGTERM] in zerorun/stopsignal.py):
+        the step, the checkpoint, and how to continue."""
+        e = self._stopped.get(0) or next(iter(self._stopped.values()))  # the save is collective: one is enough
+        return (f"stopped by {sig} after step {e.data.get('step')}: every rank saved checkpoint {e.data.get('path')}"
+                " and exited; continue with zerorun train ... --resume")
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -134,6 +144,8 @@ class Supervisor:
             elif event.kind == "finish":
                 self._finished.add(event.rank)
                 self._finish_time[event.rank] = time.time()
+            elif event.kind == "stopped":
+                self._stopped[event.rank] = event
             self.on_event(event)
             return
         m = _RANK_LINE.match(line)
@@ -161,6 +173,12 @@ class Supervisor:
                                  message=f"stopped by {self._stop}: every rank was terminated")
             self._drain(0.1)
             failed = [n for n, rc in self._ended.items() if rc != 0]
+            if failed and self._stopped and not self._errors:  # the other ranks' events may still be on the way
+                deadline = time.time() + 5.0
+                while len(self._stopped) < self.plan.world_size and not self._errors and time.time() < deadline:
+                    self._drain(0.1)
+            if len(self._stopped) == self.plan.world_size and not self._errors:
+                return JobResult("interrupted", 143, message=self._stopped_message("SIGTERM"))
             if failed or self._errors:
                 return self._failure(failed[0] if failed else None)
             problem = self.check() if self.check is not None else None

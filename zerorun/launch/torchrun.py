@@ -50,6 +50,24 @@ def bind_store(master_addr: str, master_port: int) -> None:
                             wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach()))
 
 
+def _terminate_once() -> None:
+    """Note [One SIGTERM]: torchrun's handler raises on every SIGTERM; a second one (SLURM's time limit and the
+    launcher's teardown both send one, launch/slurm_step.py) would interrupt its shutdown, which waits for the
+    ranks to save their checkpoint (zerorun/stopsignal.py), and leave them to the watcher's quicker SIGKILL.
+    Here only the first SIGTERM/SIGINT/... raises; torchrun still sends its ranks SIGTERM and waits (30 s)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api._terminate_process_handler
+    seen: list[int] = []
+
+    def once(signum, frame) -> None:
+        if not seen:
+            seen.append(signum)
+            original(signum, frame)
+
+    api._terminate_process_handler = once  # looked up when torchrun installs its handlers
+
+
 def main(argv: list[str]) -> None:
     """Bind node 0's store, then run torchrun with ``argv``."""
     if _option(argv, "--node-rank") == "0" and _option(argv, "--master-addr") and _option(argv, "--master-port"):
@@ -59,6 +77,7 @@ def main(argv: list[str]) -> None:
         except OSError as e:
             print(f"zerorun: cannot bind the rendezvous store to {addr}:{port} ({e.strerror}); torchrun's "
                   "default (every interface) is used", flush=True)
+    _terminate_once()
     from torch.distributed.run import main as torchrun
 
     watcher = os.getppid()

@@ -73,7 +73,7 @@ class PlainView:
         elif e.kind == "model_ready" and e.rank == 0:
             for line in describe(e):
                 self.print(line.replace(f"[rank {e.rank}] model ready: ", "model: "))
-        elif e.kind == "log" and e.rank == 0:
+        elif e.kind in ("log", "stopped") and e.rank == 0:
             for line in describe(e):
                 self.print(line)
         elif e.kind == "start" and e.rank == 0:

@@ -219,7 +219,8 @@ class LiveView:
     def event(self, e: Event) -> None:
         with self._lock:
             self.state.update(e)
-        milestone = e.kind in ("eval", "checkpoint") or (e.kind in ("model_ready", "log") and e.rank == 0)
+        milestone = e.kind in ("eval", "checkpoint") or (e.kind in ("model_ready", "log", "stopped")
+                                                          and e.rank == 0)
         if milestone or (e.kind == "error" and not e.data.get("user_error")):  # user errors: the launcher's line
             for line in describe(e):  # milestones also go to the scrollback above the live view
                 self.print(line)

@@ -44,7 +44,8 @@ from typing import Any, TextIO
 
 PREFIX = "@zerorun "
 SCHEMA_VERSION = 1
-KINDS = frozenset({"start", "model_ready", "step", "progress", "eval", "checkpoint", "finish", "error", "log"})
+KINDS = frozenset({"start", "model_ready", "step", "progress", "eval", "checkpoint", "finish", "error", "log",
+                   "stopped"})
 
 _lock = threading.Lock()
 

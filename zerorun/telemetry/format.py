@@ -126,6 +126,9 @@ def describe(e: Event) -> list[str]:
         return [f"{who} {d.get('message', '')}"]
     if e.kind == "finish":
         return [f"{who} finished"]
+    if e.kind == "stopped":  # Note [Checkpoint on SIGTERM] in zerorun/stopsignal.py
+        return [f"{who} stopped by {d.get('signal', 'a signal')} after step {d.get('step', '?')}"
+                + (f"; checkpoint {d['path']}" if d.get("path") else "")]
     if e.kind == "error":
         if d.get("type") == "KeyboardInterrupt":
             return [f"{who} interrupted (Ctrl-C)"]

@@ -156,6 +156,8 @@ class JobState:
             self._memory(r, d)
         elif e.kind == "error":
             r.status = "error" if not d.get("peer_failure") else "stopped"
+        elif e.kind == "stopped":  # SIGTERM, checkpoint saved (zerorun/stopsignal.py)
+            r.status = "stopped"
         if e.kind not in ("step", "progress"):
             self.log.add_event(e)
 
@@ -304,21 +306,26 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
     if not events:
         raise ZerorunError(f"{path}: no telemetry events in it (the job ended before any rank started)")
     job = read_json(os.path.join(run_dir, "job.json"))
-    recipe = _read_yaml(os.path.join(run_dir, "recipe.yaml"))
-    train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
-    zero = recipe.get("zero") if isinstance(recipe.get("zero"), dict) else {}
     started, ended = number(job, "started"), number(job, "ended")
     hosts = job.get("hosts") if isinstance(job.get("hosts"), list) else None
     rank_hosts = job.get("rank_hosts") if isinstance(job.get("rank_hosts"), dict) else {}
-    state = JobState(name=str(recipe.get("name", os.path.basename(os.path.dirname(os.path.abspath(run_dir))))),
-                     stage=integer(zero, "stage"), precision=recipe.get("precision"),
-                     world_size=integer(job, "world_size"),
-                     hosts=[str(h) for h in hosts or []], steps=integer(train, "steps"),
+    state = JobState(**run_header(run_dir), world_size=integer(job, "world_size"),
+                     hosts=[str(h) for h in hosts or []],
                      rank_hosts={int(r): str(h) for r, h in rank_hosts.items() if str(r).isdigit()},
                      started=started if started is not None else min((e.time for e in events), default=0.0))
     replay(state, events)
     state.end(ended if ended is not None else max((e.time for e in events), default=state.started))
     return state, events
+
+
+def run_header(run_dir: str) -> dict:
+    """``name``, ``stage``, ``precision`` and ``steps`` of the run in ``run_dir`` from its ``recipe.yaml``
+    (the name of the folder above when there is none), as :class:`JobState`'s keyword arguments."""
+    recipe = _read_yaml(os.path.join(run_dir, "recipe.yaml"))
+    train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
+    zero = recipe.get("zero") if isinstance(recipe.get("zero"), dict) else {}
+    return {"name": str(recipe.get("name", os.path.basename(os.path.dirname(os.path.abspath(run_dir))))),
+            "stage": integer(zero, "stage"), "precision": recipe.get("precision"), "steps": integer(train, "steps")}
 
 
 def replay(state: JobState, events: Iterable[Event]) -> JobState:

@@ -39,7 +39,7 @@ class _Done:
 class BufferPool:
     """1-D scratch tensors kept for reuse, because a fresh large block costs a page fault per page on every
     use on CPU (blocks of 1 MiB or more are mmapped and returned at free: Note [Returning freed memory] in
-    launch/plan.py). Tensors below ``SMALL_BYTES`` come from the heap and are neither kept nor counted. At
+    zero/allocator.py). Tensors below ``SMALL_BYTES`` come from the heap and are neither kept nor counted. At
     most ``keep`` free tensors are kept; :meth:`clear` drops them.
 
     Attributes:

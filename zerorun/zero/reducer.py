@@ -29,7 +29,7 @@ Note [Gradient buffer pool]: at stages 2-3 a bucket's full gradient exists only 
 gradient until its reduce-scatter is done. It comes from a pool (``comm.BufferPool``) that keeps at most
 ``MAX_INFLIGHT + 1`` buffers, allocated in the first backward of a step and reused by every bucket and
 micro-step (a fresh large block costs a page fault per page on every use: Note [Returning freed memory] in
-launch/plan.py), dropped when the optimizer step begins. The reduce-scatter runs in place and this rank's
+zero/allocator.py), dropped when the optimizer step begins. The reduce-scatter runs in place and this rank's
 slice is added, divided by N, to the slice it keeps (fp16 divides first, for its range, as DDP).
 
 Note [Waiting in hooks]: with ``MAX_INFLIGHT + 1`` reductions in flight (each holds a bucket-sized buffer:

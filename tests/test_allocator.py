@@ -1,0 +1,110 @@
+"""zerorun.zero.allocator: glibc's malloc_trim and mallopt from inside a rank (Note [Returning freed memory])."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="glibc's allocator only")
+
+# A fresh interpreter: 96 MiB in 64 KiB blocks (below glibc's mmap threshold: served from the heap), then a
+# small block above them so that freeing them leaves a hole in the middle of the heap, which glibc keeps
+# resident (only a free top is returned by itself).
+HOLE = """
+import json, sys
+from zerorun.zero import allocator
+base = allocator.rss_bytes()
+blocks = [bytearray(64 << 10) for _ in range(1536)]
+pin = bytearray(100 << 10)
+full = allocator.rss_bytes()
+del blocks
+freed = allocator.rss_bytes()
+released = allocator.trim()
+trimmed = allocator.rss_bytes()
+print(json.dumps({"base": base, "full": full, "freed": freed, "trimmed": trimmed, "released": released}))
+"""
+
+
+def _run(code: str, env: dict | None = None) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_trim_returns_a_freed_hole_in_the_heap():
+    r = _run(HOLE)
+    mib = 1 << 20
+    assert r["full"] - r["base"] > 90 * mib, r
+    assert r["freed"] - r["base"] > 80 * mib, f"glibc returned the hole by itself: {r}"
+    assert r["released"] is True
+    assert r["freed"] - r["trimmed"] > 80 * mib, f"trim() did not give the hole back: {r}"
+
+
+def test_rss_bytes_is_this_process_resident_size():
+    r = _run("import json, resource\nfrom zerorun.zero import allocator\n"
+             "print(json.dumps({'rss': allocator.rss_bytes(), "
+             "'max': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
+    assert 0 < r["rss"] <= r["max"] * 1.05
+
+
+# After an 8 MiB block is mmapped and freed, glibc's dynamic threshold serves 2 MiB blocks from the heap,
+# where freeing them (below a live block) returns nothing; configure() fixes the threshold at 1 MiB first.
+RAISED = """
+import json, os, sys
+from zerorun.zero import allocator
+set_here = allocator.configure() if sys.argv[1] == "configure" else None
+big = bytearray(8 << 20)
+del big
+base = allocator.rss_bytes()
+blocks = [bytearray(2 << 20) for _ in range(48)]
+pin = bytearray(100 << 10)
+full = allocator.rss_bytes()
+del blocks
+print(json.dumps({"base": base, "full": full, "freed": allocator.rss_bytes(), "set_here": set_here,
+                  "thp": os.environ.get("THP_MEM_ALLOC_ENABLE")}))
+"""
+
+
+def _env_without_allocator_vars() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")}
+
+
+def _run_raised(arg: str, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", RAISED, arg], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_configure_returns_freed_large_blocks_to_the_os():
+    mib = 1 << 20
+    env = _env_without_allocator_vars()
+    plain = _run_raised("plain", env)  # glibc's default: the 96 MiB stay resident after the free
+    assert plain["full"] - plain["base"] > 90 * mib and plain["freed"] - plain["base"] > 80 * mib, plain
+    tuned = _run_raised("configure", env)
+    assert tuned["set_here"] is True and tuned["thp"] == "1"
+    assert tuned["full"] - tuned["base"] > 90 * mib, tuned
+    assert tuned["freed"] - tuned["base"] < 16 * mib, f"configure() left freed blocks resident: {tuned}"
+
+
+def test_configure_leaves_a_threshold_set_in_the_environment():
+    env = {**_env_without_allocator_vars(), "MALLOC_MMAP_THRESHOLD_": str(64 << 20), "THP_MEM_ALLOC_ENABLE": "0"}
+    r = _run_raised("configure", env)
+    assert r["set_here"] is False and r["thp"] == "0"
+    assert r["freed"] - r["base"] > 80 << 20, r  # the user's 64 MiB threshold governs: blocks stay in the heap
+
+
+def test_launcher_gives_ranks_the_allocator_environment():
+    from zerorun.hostfile import Host
+    from zerorun.launch.plan import build_plan, rank_env
+    from zerorun.zero import allocator
+
+    assert rank_env() == allocator.ENV
+    plan = build_plan([Host("localhost", 2)], "{}", "job", 29500)
+    assert {k: plan.nodes[0].env[k] for k in allocator.ENV} == allocator.ENV

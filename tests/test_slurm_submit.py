@@ -1,0 +1,270 @@
+"""``zerorun submit`` and ``zerorun attach`` (issue 19): the batch script's text, how attach finds a job's run
+folder, and following a run folder. Fast: no cluster here (tests/test_slurm_submit_e2e.py runs a real job)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from zerorun.errors import ZerorunError
+from zerorun.launch import slurm_jobs
+from zerorun.launch.slurm_submit import SubmitOptions, directive_value, group_args, render_script
+from zerorun.recipe import load_recipe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "recipes/tiny.yaml")
+
+
+def zerorun(*args: str, cwd: str = ROOT, env: dict | None = None, timeout: float = 60):
+    return subprocess.run([sys.executable, "-m", "zerorun", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def directives(text: str) -> list[str]:
+    """The #SBATCH lines sbatch reads: those before the first line that is neither a comment nor blank."""
+    out = []
+    for line in text.splitlines()[1:]:
+        if line.startswith("#SBATCH"):
+            out.append(line[len("#SBATCH "):])
+        elif line.strip() and not line.startswith("#"):
+            break
+    return out
+
+
+def script(tmp_path, overrides=(), run_dir=None, **options) -> str:
+    recipe = load_recipe(TINY, list(overrides), check_optimizer=False)
+    return render_script(recipe=recipe, recipe_path=TINY, overrides=list(overrides),
+                         options=SubmitOptions(**options), run_dir=run_dir or str(tmp_path / "run"),
+                         workdir=str(tmp_path), python=sys.executable)
+
+
+def test_script_asks_for_the_nodes_and_the_options(tmp_path):
+    text = script(tmp_path, nodes=3, procs_per_node=4, time="01:00:00", partition="gpu", account="proj1",
+                  job_name="my job")
+    assert directives(text) == ['--job-name="my job"', "--nodes=3", "--ntasks-per-node=4", "--time=01:00:00",
+                                "--partition=gpu", "--account=proj1",
+                                f"--output={tmp_path / 'run' / 'slurm-%j.out'}"]
+    # the defaults: the recipe's name and launch.procs_per_node (tiny.yaml: 2), no time/partition/account
+    text = script(tmp_path)
+    assert directives(text)[:3] == ["--job-name=tiny", "--nodes=1", "--ntasks-per-node=2"]
+    assert not any(d.startswith(("--time", "--partition", "--account")) for d in directives(text))
+    assert text.startswith("#!/bin/bash\n# zerorun submit: tiny on 1 node x 2 ranks, ZeRO stage")
+
+
+def test_extra_sbatch_args_become_directives_after_zeroruns(tmp_path):
+    text = script(tmp_path, time="00:10:00", sbatch_args=("--time=00:20:00", "-C", "volta a100", "--exclusive",
+                                                           "--comment", 'say "hi" \\o/'))
+    d = directives(text)
+    assert d[-4:] == ["--time=00:20:00", '-C "volta a100"', "--exclusive", '--comment "say \\"hi\\" \\\\o/"']
+    assert d.index("--time=00:10:00") < d.index("--time=00:20:00")  # sbatch keeps the last: the user's wins
+    assert group_args(["--qos=high", "-N", "2"]) == [["--qos=high"], ["-N", "2"]]
+    with pytest.raises(ZerorunError, match="expected an option"):
+        group_args(["volta"])
+
+
+def test_directive_values_are_quoted_as_sbatch_reads_them():
+    # checked against sbatch 22.05: a quoted value keeps its spaces, \" and \\ are a quote and a backslash
+    assert directive_value("plain-value_1:2") == "plain-value_1:2"
+    assert directive_value("a b") == '"a b"'
+    assert directive_value('x\\y "q" $HOME') == '"x\\\\y \\"q\\" $HOME"'
+    with pytest.raises(ZerorunError, match="line break"):
+        directive_value("a\nb")
+
+
+def test_the_body_runs_zerorun_train_with_the_exact_arguments(tmp_path):
+    """Paths with spaces, quotes, ``$`` and ``%`` reach zerorun train unchanged: the script runs under bash with
+    a stand-in interpreter that prints its arguments."""
+    run_dir = str(tmp_path / "runs dir" / "50% it's $HOME")
+    work = tmp_path / "work dir"
+    work.mkdir()
+    fake = tmp_path / "fake python"
+    fake.write_text("#!/bin/sh\nexec \"$REAL\" -c "
+                    "'import json, os, sys; print(json.dumps([os.getcwd(), *sys.argv[1:]]))' \"$@\"\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    overrides = ["log.dir=my runs/x", "name=a'b\"c", "zero.stage=3"]
+    recipe = load_recipe(TINY, overrides, check_optimizer=False)
+    text = render_script(recipe=recipe, recipe_path=TINY, overrides=overrides, options=SubmitOptions(nodes=2),
+                         run_dir=run_dir, workdir=str(work), python=str(fake))
+    assert "%%" in directives(text)[-1]  # --output: sbatch's file name patterns need a literal % doubled
+    path = tmp_path / "submit.sbatch"
+    path.write_text(text)
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "REAL": sys.executable})
+    assert out.returncode == 0, out.stderr
+    cwd, *argv = json.loads(out.stdout)
+    assert cwd == str(work)
+    assert argv == ["-m", "zerorun", "train", TINY, "--launcher", "slurm", "--num-procs", "2", "--no-dashboard",
+                    "--run-dir", run_dir, *overrides]
+    assert slurm_jobs.script_run_dir(text) == run_dir  # what attach reads back from the job's script
+    # a line break in an override stays inside its quotes and out of the header comment
+    overrides = ["name=two\nlines"]
+    recipe = load_recipe(TINY, overrides, check_optimizer=False)
+    text = render_script(recipe=recipe, recipe_path=TINY, overrides=overrides, options=SubmitOptions(),
+                         run_dir=run_dir, workdir=str(work), python=str(fake),
+                         command=["zerorun", "submit", *overrides])
+    assert all(line.startswith("#") for line in text.split("\n#SBATCH")[0].splitlines())
+    path.write_text(text)
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "REAL": sys.executable})
+    assert json.loads(out.stdout)[-1] == "name=two\nlines"
+
+
+def test_submit_errors_are_one_line(tmp_path):
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no sbatch there
+    runs = tmp_path / "runs"
+    out = zerorun("submit", TINY, "--nodes", "2", f"log.dir={runs}", env=env, cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr.startswith("zerorun: error: sbatch: not found on PATH")
+    assert len(out.stderr.splitlines()) == 1 and not runs.exists()  # nothing made before the check
+    out = zerorun("submit", TINY, "train.steps=0", "--dry-run", env=env, cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr == ("zerorun: error: override 'train.steps=0': train.steps: Input "
+                                                  "should be greater than 0\n")
+    out = zerorun("submit", TINY, "launch.env={TOKEN: s3cret}", "--dry-run", env=env, cwd=str(tmp_path))
+    assert out.returncode == 2 and "launch.env" in out.stderr and "s3cret" not in out.stderr + out.stdout
+    out = zerorun("submit", TINY, "--dry-run", "--", "volta", env=env, cwd=str(tmp_path))
+    assert out.returncode == 2 and "expected an option" in out.stderr
+
+
+def test_dry_run_writes_the_script_into_a_new_run_folder(tmp_path):
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no sbatch needed
+    out = zerorun("submit", TINY, "zero.stage=1", f"log.dir={tmp_path}/runs", "--nodes", "2", "--dry-run", "--",
+                  "--qos=low", env=env, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    (run,) = (tmp_path / "runs" / "tiny").iterdir()
+    written = (run / "submit.sbatch").read_text()
+    assert out.stdout.startswith(written) and "#SBATCH --qos=low\n" in written
+    assert f"sbatch {shlex.quote(str(run / 'submit.sbatch'))}" in out.stdout.splitlines()[-1]
+    assert "stage: 1" in (run / "recipe.yaml").read_text()  # the resolved recipe, before the job runs
+    assert not (run / "slurm-job.json").exists()
+
+
+def test_resume_goes_to_the_jobs_train(tmp_path):
+    """``zerorun submit --resume`` makes the job's zerorun train resume (the latest checkpoint, or a given one
+    as an absolute path), so the same script submitted again or requeued continues; a missing path is one
+    line."""
+    def train_line(*args):
+        out = zerorun("submit", TINY, f"log.dir={tmp_path}/runs", "--dry-run", *args, cwd=str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        return next(line for line in out.stdout.splitlines() if "--run-dir" in line)
+
+    assert "--no-dashboard --resume --run-dir" in train_line("--resume")
+    (tmp_path / "ck" / "step-1").mkdir(parents=True)
+    assert f"--resume={tmp_path}/ck/step-1 --run-dir" in train_line("--resume", "ck/step-1")
+    assert "--resume" not in train_line()
+    out = zerorun("submit", TINY, "--dry-run", "--resume", "nope/step-3", cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr == "zerorun: error: --resume nope/step-3: no such checkpoint\n"
+
+
+def test_split_sbatch_args():
+    from zerorun.cli import split_sbatch_args
+
+    assert split_sbatch_args(["submit", "r.yaml", "a=1", "--", "--qos=x", "a=2"]) == (
+        ["submit", "r.yaml", "a=1"], ["--qos=x", "a=2"])
+    assert split_sbatch_args(["launch", "s.py", "--", "x"]) == (["launch", "s.py", "--", "x"], [])
+
+
+# ------------------------------------------------------------------------------------------------ attach
+SCONTROL_LINE = ("JobId=12 JobName=q test UserId=root(0) GroupId=root(0) Priority=1 JobState=PENDING "
+                 "Reason=Resources Dependency=(null) ExitCode=0:0 SubmitTime=2026-12-01T00:06:46 "
+                 "NodeList=(null) Command=/tmp/a b/submit.sbatch WorkDir=/tmp/x Comment=hello world 50%")
+
+
+def test_parse_scontrol_show_job():
+    info = slurm_jobs.parse_job("12", SCONTROL_LINE)
+    assert (info.state, info.reason, info.exit_code, info.nodes) == ("PENDING", "Resources", "0:0", None)
+    assert info.active and info.pending and info.submitted is not None
+    done = slurm_jobs.parse_job("12", SCONTROL_LINE.replace("JobState=PENDING", "JobState=FAILED")
+                                .replace("Reason=Resources", "Reason=NonZeroExitCode")
+                                .replace("NodeList=(null)", "NodeList=127.0.0.[11-12]"))
+    assert not done.active and done.nodes == "127.0.0.[11-12]"
+    with pytest.raises(ZerorunError, match="not a SLURM job id"):
+        slurm_jobs.check_job_id("12; rm -rf /")
+    assert slurm_jobs.check_job_id(" 123_4 ") == "123_4"
+
+
+def test_run_folder_from_the_script_and_the_records(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert slurm_jobs.script_run_dir("#!/bin/bash\n#SBATCH -N 2\nRUN_DIR='/a b/c'\nexec x\n") == "/a b/c"
+    assert slurm_jobs.script_run_dir('RUN_DIR="$HOME/runs/x"  # edited\n') == str(tmp_path / "home/runs/x")
+    assert slurm_jobs.script_run_dir("#!/bin/bash\nzerorun train r.yaml\n") is None
+    run = tmp_path / "run"
+    run.mkdir()
+    slurm_jobs.remember("41", str(run), in_run_dir=True)
+    assert slurm_jobs.submitted_job(str(run)) == "41"
+    assert slurm_jobs.recorded_run_dir("41") == str(run)
+    assert slurm_jobs.recorded_run_dir("42") is None
+    later = slurm_jobs.JobInfo("41", "RUNNING", submitted=json.load(open(run / "slurm-job.json"))["submitted"] + 3600)
+    assert slurm_jobs.recorded_run_dir("41", later) is None  # a record older than the job: not this job's
+    # unknown to SLURM and never recorded: one line naming the id
+    with pytest.raises(ZerorunError, match="job 42: unknown to SLURM"):
+        slurm_jobs.find_run_dir("42", None)
+    assert slurm_jobs.find_run_dir("41", None) == str(run)  # ended long ago: the record
+
+
+def test_exit_status_from_the_run_or_from_slurm(tmp_path):
+    from zerorun.launch.slurm_attach import exit_status
+
+    info = slurm_jobs.JobInfo("1", "CANCELLED", exit_code="0:15")
+    assert exit_status(info, str(tmp_path)) == 143
+    assert exit_status(slurm_jobs.JobInfo("1", "FAILED", exit_code="3:0"), str(tmp_path)) == 3
+    assert exit_status(slurm_jobs.JobInfo("1", "COMPLETED"), str(tmp_path)) == 0
+    assert exit_status(slurm_jobs.JobInfo("1", "TIMEOUT"), str(tmp_path)) == 1
+    (tmp_path / "job.json").write_text('{"exit_code": 2}')
+    assert exit_status(info, str(tmp_path)) == 2  # zerorun train's own status wins
+
+
+def test_follow_feeds_appended_lines_to_the_view(tmp_path):
+    from zerorun.telemetry.follow import Tail, follow
+
+    metrics, log = tmp_path / "metrics.jsonl", tmp_path / "output.log"
+    seen: list = []
+
+    class View:
+        def event(self, e):
+            seen.append(("event", e.kind, e.rank))
+
+        def line(self, node_rank, text):
+            seen.append(("line", node_rank, text))
+
+    chunks = [(metrics, '{"v": 1, "event": "start", "rank": 0, "time": 1.0}\n{"v": 1, "event": "st'),
+              (log, "[node 1] [rank 2] hello\n"),
+              (metrics, 'ep", "rank": 1, "time": 2.0, "step": 1, "loss": 2.5}\nnot json\n')]
+    polls = []
+
+    def sleep(_):  # each poll appends the next chunk
+        if chunks:
+            path, text = chunks.pop(0)
+            with open(path, "a") as f:
+                f.write(text)
+
+    def running():
+        polls.append(1)
+        return bool(chunks)
+
+    follow(str(tmp_path), View(), running, poll_s=0, check_s=0, sleep=sleep)
+    assert seen == [("event", "start", 0), ("line", 1, "[rank 2] hello"), ("event", "step", 1)]
+    tail = Tail(str(tmp_path / "missing"))
+    assert tail.read() == []
+
+
+def test_estimate_for_nodes_equals_the_same_hostfile(capsys, monkeypatch, tmp_path):
+    """``zerorun estimate --nodes 2 --procs-per-node 8`` (the layout of ``zerorun submit --nodes 2
+    --procs-per-node 8``) gives the numbers of a hostfile of two hosts with 8 slots each."""
+    from zerorun import cli
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node01 slots=8\nnode02 slots=8\n")
+    common = ["--params", "350M", "--device-memory", "80GiB", "--cpu-memory", "1TiB", "--json"]  # no torch
+    results = []
+    for args in (["--nodes", "2", "--procs-per-node", "8"], ["-H", str(hostfile)]):
+        monkeypatch.setattr("sys.argv", ["zerorun", "estimate", *args, *common])
+        cli.main()
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[0] == results[1]
+    assert results[0]["setup"]["world_size"] == 16 and results[0]["setup"]["nodes"] == 2

@@ -1,0 +1,107 @@
+"""``zerorun submit`` / ``attach`` / ``show`` against a real SLURM cluster on loopback (tests/slurm_cluster.py:
+slurmctld + two slurmd, the session's ``slurm_cluster`` fixture). One batch job of 2 nodes x 1 rank trains and
+serves the asserts of submit, attach and show; the other cases submit nothing that runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "recipes/tiny.yaml")
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+
+def zerorun(cluster, tmp_path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = cluster.client_env(XDG_STATE_HOME=str(tmp_path / "state"), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "zerorun", *args], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_refused_unknown_and_pending_jobs(slurm_cluster, tmp_path):
+    """sbatch's refusal and an unknown job id are one line each; attach on a held job says it is pending and
+    Ctrl-C leaves the job queued."""
+    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--partition", "nope")
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("zerorun: error: sbatch refused the job: ") and "partition" in out.stderr
+    assert "submit.sbatch)" in out.stderr  # the script stays, to edit and resubmit
+    out = zerorun(slurm_cluster, tmp_path, "attach", "987654")
+    assert out.returncode == 2 and out.stderr.startswith("zerorun: error: job 987654: unknown to SLURM")
+    assert len(out.stderr.splitlines()) == 1
+
+    # a job of your own sbatch script: attach waits for a zerorun train in it to record its run folder; this one
+    # runs none, so once it ends that is one line
+    other = slurm_cluster.run("sbatch", "--parsable", "-o", "/dev/null", "--wrap", "sleep 1").stdout.strip()
+    out = zerorun(slurm_cluster, tmp_path, "attach", other, timeout=60)
+    assert out.stdout.startswith(f"zerorun: job {other} is ") and "waiting for zerorun train" in out.stdout
+    assert out.returncode == 2 and out.stderr == (f"zerorun: error: job {other} ended (COMPLETED) and no zerorun "
+                                                  "train in it recorded a run folder\n")
+
+    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--", "--hold")
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+    try:
+        env = slurm_cluster.client_env(XDG_STATE_HOME=str(tmp_path / "state"))
+        attach = subprocess.Popen([sys.executable, "-m", "zerorun", "attach", job_id], cwd=str(tmp_path), env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = attach.stdout.readline()
+        assert first.startswith(f"zerorun: job {job_id} is pending (JobHeldUser); waiting for it to start"), first
+        attach.send_signal(signal.SIGINT)
+        rest, err = attach.communicate(timeout=30)
+        assert attach.returncode == 130 and "still queued" in rest, (rest, err)
+        assert job_id in slurm_cluster.jobs()
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+
+
+def test_submit_trains_on_two_nodes_and_attach_and_show_follow_it(slurm_cluster, tmp_path):
+    """One batch job (2 nodes x 1 rank, 6 steps) from ``zerorun submit``: show on its run folder and attach,
+    both started at once, wait for it and follow the steps of both ranks to the summary and exit 0; the job's
+    metrics are in the run folder submit printed (a log.dir with a space and a % in it); show prints the same
+    summary."""
+    runs = tmp_path / "runs dir %x"
+    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--procs-per-node", "1",
+                  "train.steps=6", "log.every=1", f"log.dir={runs}", "--time", "00:05:00", "--", "-J", "zr e2e")
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    job_id = first.split("submitted job ", 1)[1].split(":", 1)[0]
+    run_dir = first.split("; run dir ", 1)[1]
+    assert run_dir.startswith(str(runs / "tiny")) and second == f"zerorun: follow it with: zerorun attach {job_id}"
+    env = slurm_cluster.client_env(XDG_STATE_HOME=str(tmp_path / "state"))
+    follow = subprocess.Popen([sys.executable, "-m", "zerorun", "show", run_dir], cwd=str(tmp_path), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # show follows it too
+    try:
+        attach = zerorun(slurm_cluster, tmp_path, "attach", job_id, timeout=150)
+        followed, err = follow.communicate(timeout=30)
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+        follow.kill()
+    assert follow.returncode == 0 and "step 6/6  loss" in followed, followed + err
+    assert followed.splitlines()[-1] == "zerorun: the job finished (exit status 0)"
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    lines = attach.stdout.splitlines()
+    assert f"zerorun: attached to job {job_id} (RUNNING on 127.0.0.[11-12]); run dir {run_dir}" in lines
+    assert any(line.startswith("step 6/6  loss") for line in lines)
+    assert lines[-1] == "zerorun: the job finished (exit status 0)"
+    table = "\n".join(lines[lines.index("zerorun · tiny · summary"):])
+    assert "127.0.0.11     0  done        6" in table and "127.0.0.12     1  done        6" in table
+
+    info = slurm_cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+    assert "JobName=zr e2e" in info and re.search(r"JobState=COMPLET(ED|ING) ", info) and "NumNodes=2" in info
+    events = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = {(e["rank"], e["step"]) for e in events if e["event"] == "step"}
+    assert steps == {(r, s) for r in (0, 1) for s in range(1, 7)}
+    job = json.load(open(os.path.join(run_dir, "job.json")))
+    assert job["status"] == "ok" and job["rank_hosts"] == {"0": "127.0.0.11", "1": "127.0.0.12"}
+    assert os.path.isfile(os.path.join(run_dir, f"slurm-{job_id}.out"))  # #SBATCH --output, % kept literal
+
+    show = zerorun(slurm_cluster, tmp_path, "show", run_dir)
+    assert show.returncode == 0 and show.stdout.splitlines()[-1] == "zerorun: the job finished (exit status 0)"
+    assert table.splitlines() == show.stdout.splitlines()  # the same summary, times and hosts included

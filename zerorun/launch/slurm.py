@@ -1,0 +1,231 @@
+"""The SLURM launcher, its allocation side: which launcher a job uses, the hosts and slots of the allocation,
+and the ``srun`` command that starts one node watcher per node (launch/slurm_step.py runs it).
+
+Note [Slurm launcher]: inside an allocation (``SLURM_JOB_ID`` set by ``salloc`` or an sbatch script) the nodes
+are the allocation's, ``SLURM_JOB_NODELIST`` expanded by ``scontrol show hostnames`` (SLURM's own order), and
+one job step runs them all: ``srun --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1 --input=all
+--label ... python -m zerorun.launch.slurm_task``. Each task is a node watcher (launch/node.py) that picks its
+node's spec by ``SLURMD_NODENAME`` from the one JSON line the launcher writes on srun's standard input
+(broadcast to every task by ``--input=all``; env values and the recipe never on a command line), so node rank
+0, and with it the master address (the first node's name), is the first node whatever order SLURM numbers
+tasks in. ``--label`` prefixes every line with the task's number; each task's first line maps it to its node.
+No SSH is used. Ranks per node (slots), the first of these that is set wins:
+``--num-procs`` / ``--nproc-per-node``; the allocation's GPUs per node (``SLURM_GPUS_ON_NODE``, else
+``SLURM_GPUS_PER_NODE``: one rank per GPU); ``SLURM_NTASKS_PER_NODE`` (``--ntasks-per-node``); the recipe's
+``launch.procs_per_node`` (``zerorun launch``: 1). The step asks for the CPUs the allocation has on each node
+(``--cpus-per-task``, from ``SLURM_JOB_CPUS_PER_NODE``), so a node's torchrun and ranks are not confined to one
+CPU where SLURM binds tasks to CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from zerorun.errors import ZerorunError
+from zerorun.hostfile import MAX_SLOTS, Host
+
+LAUNCHERS = ("ssh", "slurm", "local")
+
+#: the srun options zerorun always passes (Note [Slurm launcher]); the node count, node list, CPUs and working
+#: folder are added per job.
+SRUN_FIXED = ("--ntasks-per-node=1", "--kill-on-bad-exit=1", "--input=all", "--label", "--mpi=none")
+
+
+def choose_launcher(launcher: str | None, hostfile: str | None, environ=None) -> str:
+    """The launcher a job uses: ``launcher`` when given (``ssh``, ``slurm`` or ``local``), else ``slurm`` inside
+    a SLURM allocation (``SLURM_JOB_ID`` set) without a hostfile, else ``ssh`` (the hostfile's hosts, or this
+    machine without one: today's behaviour).
+
+    Raises:
+        ZerorunError: an unknown launcher; ``slurm`` outside an allocation or with a hostfile; ``local`` with a
+            hostfile.
+    """
+    env = os.environ if environ is None else environ
+    if launcher is None:
+        return "slurm" if env.get("SLURM_JOB_ID") and not hostfile else "ssh"
+    if launcher not in LAUNCHERS:
+        raise ZerorunError(f"--launcher {launcher}: expected one of {', '.join(LAUNCHERS)}")
+    if launcher == "slurm" and hostfile:
+        raise ZerorunError("--launcher slurm takes its hosts from the SLURM allocation: drop -H/--hostfile")
+    if launcher == "slurm" and not env.get("SLURM_JOB_ID"):
+        raise ZerorunError("--launcher slurm: not inside a SLURM allocation (SLURM_JOB_ID is not set): run it "
+                           "under salloc or in an sbatch script")
+    if launcher == "local" and hostfile:
+        raise ZerorunError("--launcher local runs on this machine alone: drop -H/--hostfile")
+    return launcher
+
+
+def expand_counts(text: str, name: str = "SLURM_JOB_CPUS_PER_NODE") -> list[int]:
+    """SLURM's compressed per-node counts as a list: ``"72(x2),36"`` -> ``[72, 72, 36]``.
+
+    Raises:
+        ZerorunError: ``text`` is not in that form (``name`` names the variable).
+    """
+    counts: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ZerorunError(f"{name}={text!r}: expected counts like '2(x3),1'")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def gpus_per_node(environ) -> int | None:
+    """GPUs of the allocation on each node, or None when it has none: ``SLURM_GPUS_ON_NODE`` (set in batch
+    scripts and steps), else ``SLURM_GPUS_PER_NODE`` (``4``, ``a100:4`` or ``a100:2,v100:2``: the counts summed).
+
+    Raises:
+        ZerorunError: a value that is not in that form.
+    """
+    on_node = environ.get("SLURM_GPUS_ON_NODE")
+    if on_node:
+        if not on_node.strip().isdigit():
+            raise ZerorunError(f"SLURM_GPUS_ON_NODE={on_node!r}: expected a number")
+        return int(on_node) or None
+    per_node = environ.get("SLURM_GPUS_PER_NODE")
+    if not per_node:
+        return None
+    total = 0
+    for part in per_node.split(","):
+        m = re.fullmatch(r"\s*(?:[\w.-]+:)*(\d+)\s*", part)
+        if not m:
+            raise ZerorunError(f"SLURM_GPUS_PER_NODE={per_node!r}: expected a count like '4' or 'a100:4'")
+        total += int(m.group(1))
+    return total or None
+
+
+def slots_per_node(environ, recipe_slots: int, num_procs: int | None = None) -> tuple[int, str]:
+    """Ranks per node in the allocation and where that number comes from (Note [Slurm launcher]'s order:
+    ``--num-procs``, GPUs per node, ``SLURM_NTASKS_PER_NODE``, the recipe's ``launch.procs_per_node``).
+
+    Raises:
+        ZerorunError: ``SLURM_NTASKS_PER_NODE`` is not a number, or a count above :data:`MAX_SLOTS`.
+    """
+    if num_procs is not None:
+        slots, source = num_procs, "--num-procs"
+    elif gpus_per_node(environ):
+        slots, source = gpus_per_node(environ), "the allocation's GPUs per node"
+    elif environ.get("SLURM_NTASKS_PER_NODE"):
+        text = environ["SLURM_NTASKS_PER_NODE"]
+        if not text.strip().isdigit() or int(text) < 1:
+            raise ZerorunError(f"SLURM_NTASKS_PER_NODE={text!r}: expected a positive number")
+        slots, source = int(text), "SLURM_NTASKS_PER_NODE"
+    else:
+        slots, source = recipe_slots, "launch.procs_per_node"
+    if slots > MAX_SLOTS:
+        raise ZerorunError(f"{source}: {slots} ranks per node, more than {MAX_SLOTS}")
+    return slots, source
+
+
+def scontrol() -> str:
+    """The path of ``scontrol``.
+
+    Raises:
+        ZerorunError: SLURM's client commands are not installed here.
+    """
+    found = shutil.which("scontrol")
+    if not found:
+        raise ZerorunError("SLURM_JOB_ID is set but scontrol is not on PATH: the SLURM launcher needs SLURM's "
+                           "client commands (srun, scontrol, scancel)")
+    return found
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Node names of a SLURM node list (``node[01-03],gpu7``) in SLURM's order: ``scontrol show hostnames``.
+
+    Raises:
+        ZerorunError: scontrol is missing, fails, or prints no name (its message included).
+    """
+    try:
+        out = subprocess.run([scontrol(), "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=30)
+    except subprocess.TimeoutExpired:
+        raise ZerorunError(f"SLURM_JOB_NODELIST={nodelist}: scontrol show hostnames did not answer in 30 s") from None
+    names = out.stdout.split()
+    if out.returncode != 0 or not names:
+        why = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        raise ZerorunError(f"SLURM_JOB_NODELIST={nodelist}: scontrol show hostnames failed: {why}")
+    return names
+
+
+def allocation_nodelist(environ=None) -> str:
+    """The allocation's node list (``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``).
+
+    Raises:
+        ZerorunError: neither is set.
+    """
+    env = os.environ if environ is None else environ
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ZerorunError("SLURM_JOB_ID is set but SLURM_JOB_NODELIST is not: run zerorun in the allocation's "
+                           "shell or batch script")
+    return nodelist
+
+
+def allocation_hosts(recipe_slots: int, num_nodes: int | None = None, num_procs: int | None = None,
+                     environ=None) -> tuple[list[Host], str]:
+    """The allocation's nodes as hosts, in SLURM's order, and the source of their slot count
+    (:func:`slots_per_node`). ``num_nodes``: the first N nodes only.
+
+    Raises:
+        ZerorunError: no node list, ``num_nodes`` above the allocation's nodes, or a bad SLURM variable (named).
+    """
+    env = os.environ if environ is None else environ
+    nodelist = allocation_nodelist(env)
+    names = expand_nodelist(nodelist)
+    if num_nodes is not None:
+        if num_nodes > len(names):
+            raise ZerorunError(f"--num-nodes {num_nodes}: the allocation has {len(names)} node"
+                               f"{'s' if len(names) > 1 else ''} ({nodelist})")
+        names = names[:num_nodes]
+    slots, source = slots_per_node(env, recipe_slots, num_procs)
+    return [Host(name, slots) for name in names], source
+
+
+def allocation_cpus(environ=None) -> dict[str, int]:
+    """CPUs the allocation has on each node (name -> count) from ``SLURM_JOB_CPUS_PER_NODE``; empty when it is
+    unset or does not match the node list.
+
+    Raises:
+        ZerorunError: a malformed ``SLURM_JOB_CPUS_PER_NODE``.
+    """
+    env = os.environ if environ is None else environ
+    if not env.get("SLURM_JOB_CPUS_PER_NODE"):
+        return {}
+    names = expand_nodelist(allocation_nodelist(env))
+    counts = expand_counts(env["SLURM_JOB_CPUS_PER_NODE"])
+    return dict(zip(names, counts)) if len(counts) == len(names) else {}
+
+
+def srun_argv(hosts: list[Host], workdir: str, python: str | None = None, job_id: str | None = None,
+              cpus: dict[str, int] | None = None, job_name: str | None = None, gpus: int | None = None) -> list[str]:
+    """The ``srun`` command that starts one node watcher per host (Note [Slurm launcher]): one task per node of
+    ``hosts`` (the allocation's node names), in ``workdir``, with the nodes' ``python``, in job ``job_id``
+    (default: ``SLURM_JOB_ID``), asking for the smallest of the ``cpus`` counts of those nodes per task and,
+    with ``gpus``, that many GPUs per node (the allocation's, :func:`gpus_per_node`). No value of the recipe
+    or of ``launch.env`` is on it."""
+    argv = [shutil.which("srun") or "srun"]
+    job = job_id or os.environ.get("SLURM_JOB_ID")
+    if job:
+        argv.append(f"--jobid={job}")
+    if job_name:
+        argv.append(f"--job-name={job_name}")
+    argv += [f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}", *SRUN_FIXED,
+             f"--nodelist={','.join(h.name for h in hosts)}"]
+    counts = [(cpus or {}).get(h.name) for h in hosts]
+    if counts and all(counts):
+        argv.append(f"--cpus-per-task={min(counts)}")
+    if gpus:
+        argv.append(f"--gpus-per-node={gpus}")
+    argv += [f"--chdir={workdir}", python or sys.executable, "-m", "zerorun.launch.slurm_task"]
+    return argv
+
+
+def render_srun(argv: list[str]) -> str:
+    """``argv`` as one shell line."""
+    return " ".join(shlex.quote(a) for a in argv)

@@ -1,0 +1,188 @@
+"""``zerorun attach JOBID`` (and ``zerorun show RUN_DIR`` on a ``zerorun submit`` run folder whose job has not
+ended): follow a SLURM job's run folder with the launcher's own views until the job ends.
+
+A pending job: one line says so (and why it waits), then it is polled until it starts. A running job: its
+``metrics.jsonl`` and ``output.log`` are followed (telemetry/follow.py) in the live dashboard, or in plain
+lines without a terminal, until SLURM says it ended; then the summary and how it ended, as ``zerorun show``
+prints them. An ended job: ``zerorun show``'s summary at once. The exit status is the job's: the one its
+``zerorun train`` recorded in ``job.json``, else SLURM's (``ExitCode``), so ``zerorun attach`` can wait for a
+job in a script. Ctrl-C stops following (exit status 130), never the job.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+from zerorun.errors import ZerorunError
+from zerorun.launch.slurm_jobs import JobInfo, check_job_id, find_run_dir, job_info, submitted_job
+
+POLL_S = 1.0  # how often SLURM is asked whether the job still waits or runs
+
+
+def attach(job_id: str, *, dashboard: bool = True, out=None, poll_s: float = POLL_S) -> int:
+    """Follow SLURM job ``job_id`` (module docstring) and return its exit status (130 after Ctrl-C).
+
+    Raises:
+        ZerorunError: not a job id, unknown to SLURM and to zerorun's records, no run folder known for it, or
+            scontrol missing or failing (one line each).
+    """
+    job_id = check_job_id(job_id)
+    out = out or sys.stdout
+    info = job_info(job_id)
+    try:
+        run_dir = find_run_dir(job_id, info)
+    except ZerorunError:
+        if info is None or not info.active:
+            raise
+        # your own sbatch script or salloc: zerorun train records the folder once it runs
+        out.write(f"zerorun: job {job_id} is {info.state.lower()} ({info.reason or 'no reason given'}); waiting "
+                  "for zerorun train in it to record its run folder (Ctrl-C stops waiting, not the job)\n")
+        out.flush()
+        try:
+            run_dir = _wait_for_record(job_id, poll_s)
+        except KeyboardInterrupt:
+            out.write(f"\nzerorun: stopped waiting; job {job_id} goes on (zerorun attach {job_id})\n")
+            return 130
+        info = job_info(job_id)
+    return follow_job(job_id, run_dir, info, dashboard=dashboard, out=out, poll_s=poll_s)
+
+
+def _wait_for_record(job_id: str, poll_s: float) -> str:
+    """The run folder of ``job_id`` once a ``zerorun train`` in it recorded one (launch/slurm_jobs.py).
+
+    Raises:
+        ZerorunError: the job ended (or SLURM forgot it) before any did.
+    """
+    while True:
+        time.sleep(poll_s)
+        info = job_info(job_id)
+        try:
+            return find_run_dir(job_id, info)
+        except ZerorunError:
+            if info is None or not info.active:
+                raise ZerorunError(f"job {job_id} ended ({info.state if info else 'SLURM no longer knows it'}) "
+                                   "and no zerorun train in it recorded a run folder") from None
+
+
+def follow_submitted(run_dir: str, *, dashboard: bool = True, out=None, poll_s: float = POLL_S) -> int | None:
+    """For ``zerorun show RUN_DIR``: when ``run_dir`` is a ``zerorun submit`` run folder whose job SLURM still
+    knows as queued or running (or that ended before any rank wrote a metric), follow it as :func:`attach`
+    does and return the exit status; else None (the folder is shown as any run is)."""
+    job_id = submitted_job(run_dir)
+    if job_id is None or shutil.which("scontrol") is None:
+        return None
+    try:
+        info = job_info(job_id)
+    except ZerorunError:
+        return None
+    if (info is None or not info.active) and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        return None
+    return follow_job(job_id, run_dir, info, dashboard=dashboard, out=out, poll_s=poll_s)
+
+
+def exit_status(info: JobInfo | None, run_dir: str) -> int:
+    """The job's exit status: its ``zerorun train``'s (``job.json``), else SLURM's ``ExitCode`` ("status:signal";
+    a signal N gives 128 + N), else 0 for ``COMPLETED`` and 1 for any other end."""
+    from zerorun.telemetry.state import read_json
+
+    code = read_json(os.path.join(run_dir, "job.json")).get("exit_code")
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code
+    if info is None:
+        return 1
+    status, _, sig = info.exit_code.partition(":")
+    if status.isdigit() and int(status):
+        return int(status)
+    if sig.isdigit() and int(sig):
+        return 128 + int(sig)
+    return 0 if info.state in ("COMPLETED", "COMPLETING") else 1
+
+
+def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
+    """An ended job: ``zerorun show``'s summary, or one line when no rank wrote a metric."""
+    from zerorun.telemetry.show import show
+
+    if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        show(run_dir, out=out)
+    else:
+        how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
+        out.write(f"zerorun: job {job_id} ended ({how}) before any rank wrote a metric; its output: "
+                  f"{os.path.join(run_dir, f'slurm-{job_id}.out')}\n")
+    out.flush()
+    return exit_status(info, run_dir)
+
+
+def _from_job_file(state, run_dir: str) -> None:
+    """What ``job.json`` says once the job ended, as ``zerorun show`` has it: each rank's host as the launcher
+    named it (the allocation's node names, not the host name the rank reported), and the job's start and end
+    (not the moment attach started)."""
+    from zerorun.telemetry.state import read_json
+
+    job = read_json(os.path.join(run_dir, "job.json"))
+    started, ended = (job.get(k) if isinstance(job.get(k), (int, float)) else None for k in ("started", "ended"))
+    if started is not None:
+        state.started = float(started)
+    if ended is not None:
+        state.end(float(ended))
+    rank_hosts = job.get("rank_hosts")
+    if isinstance(rank_hosts, dict):
+        for rank, host in rank_hosts.items():
+            if str(rank).isdigit() and int(rank) in state.ranks:
+                state.ranks[int(rank)].host = str(host)
+
+
+def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bool = True, out=None,
+               poll_s: float = POLL_S) -> int:
+    """Follow job ``job_id`` writing into ``run_dir`` (``info``: what SLURM said of it last) until it ends;
+    returns its exit status (:func:`exit_status`), 130 when Ctrl-C stopped following."""
+    from zerorun.telemetry.dashboard import open_view
+    from zerorun.telemetry.follow import follow, new_state
+    from zerorun.telemetry.show import outcome
+
+    out = out or sys.stdout
+    if info is None or not info.active:
+        return _ended(job_id, run_dir, info, out)
+    try:
+        if info.pending:
+            why = info.reason or "no reason given yet"
+            out.write(f"zerorun: job {job_id} is pending ({why}); waiting for it to start (Ctrl-C stops waiting, "
+                      f"the job stays queued); run dir {run_dir}\n")
+            out.flush()
+            while info is not None and info.pending:
+                time.sleep(poll_s)
+                info = job_info(job_id)
+            if info is None or not info.active:
+                return _ended(job_id, run_dir, info, out)
+    except KeyboardInterrupt:
+        out.write(f"\nzerorun: stopped waiting; job {job_id} is still queued (zerorun attach {job_id})\n")
+        return 130
+    state = new_state(run_dir)
+    view = open_view(state, out, dashboard)
+    view.print(f"zerorun: attached to job {job_id} ({info.state} on {info.nodes or '?'}); run dir {run_dir}")
+    last = [info]
+
+    def running() -> bool:
+        last[0] = job_info(job_id)
+        return last[0] is not None and last[0].active
+
+    try:
+        follow(run_dir, view, running, poll_s=min(0.5, poll_s), check_s=poll_s)
+    except KeyboardInterrupt:
+        live = getattr(view, "live", None)
+        if live is not None:
+            live.stop()
+        out.write(f"\nzerorun: stopped following; job {job_id} goes on (zerorun attach {job_id})\n")
+        return 130
+    _from_job_file(state, run_dir)
+    view.close()  # the summary table
+    if os.path.isfile(os.path.join(run_dir, "job.json")):
+        view.print(f"zerorun: {outcome(run_dir, state)}")
+    else:
+        info = last[0]
+        how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
+        view.print(f"zerorun: job {job_id} ended ({how}) before zerorun train recorded how; its output: "
+                   f"{os.path.join(run_dir, f'slurm-{job_id}.out')}")
+    return exit_status(last[0], run_dir)

@@ -1,0 +1,46 @@
+"""A rank's SIGTERM, turned into a checkpoint at a step boundary.
+
+Note [Checkpoint on SIGTERM]: SLURM ends a job at its time limit (and on scancel or preemption) with SIGTERM to
+every process of its steps, then SIGKILL ``KillWait`` seconds later (30 s by default); the launcher's own
+teardown sends SIGTERM before SIGKILL too (launch/supervisor.py). With ``checkpoint.dir`` set, each rank's
+SIGTERM handler only records the signal; after every optimizer step the ranks agree on it (one int32
+all-reduce, MAX, so that a rank signalled a moment later stops at the same step as the others), then every
+rank saves the checkpoint of that step (torch.distributed.checkpoint, written to a temporary folder and renamed
+when complete: never half-written, zerorun/checkpoint.py), reports a ``stopped`` event and exits with 143
+(128 + SIGTERM). ``zerorun train --resume`` then continues from that step, with the same numbers as an
+uninterrupted run. Without ``checkpoint.dir`` SIGTERM keeps its default action (the rank ends at once).
+"""
+
+from __future__ import annotations
+
+import signal
+
+#: the exit code of a rank that stopped on SIGTERM after saving (128 + SIGTERM, as a shell reports it)
+STOPPED_EXIT = 128 + signal.SIGTERM
+
+
+class Stopped(Exception):
+    """Raised on every rank after the checkpoint of a SIGTERM was saved; the worker exits with
+    :data:`STOPPED_EXIT`."""
+
+
+class StopRequest:
+    """Records SIGTERM (Note [Checkpoint on SIGTERM]); :meth:`agreed` says, on every rank alike, whether any
+    rank got it."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        signal.signal(signal.SIGTERM, self._record)
+
+    def _record(self, signum, _frame) -> None:
+        if self.signal is None:
+            self.signal = signum
+
+    def agreed(self, device) -> bool:
+        """True on every rank when any rank got SIGTERM (one int32 all-reduce with MAX, on ``device``)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if self.signal is not None else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
