@@ -72,7 +72,13 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (["zero.offload_optimizer=disk"], r"^override 'zero.offload_optimizer=disk': zero\.offload_optimizer: disk "
                                       r"needs zero\.offload_path"),
     (["zero.offload_optimizer=nvme"], r"zero\.offload_optimizer: Input should be 'none', 'cpu' or 'disk'"),
-    (["zero.offload_path=/tmp"], r"zero\.offload_path: used by zero\.offload_optimizer disk only"),
+    (["zero.offload_path=/tmp"], r"zero\.offload_path: used by zero\.offload_optimizer or zero\.offload_params "
+                                 r"disk only \(both are none\)"),
+    (["zero.offload_params=disk"], r"^override 'zero.offload_params=disk': zero\.offload_params: disk needs "
+                                   r"zero\.offload_path"),
+    (["zero.offload_params=disk", "zero.offload_path=/tmp/x"], r"zero\.offload_params: parameters are "
+                                                                r"partitioned, and offloaded, at zerorun's zero\.stage 3"),
+    (["zero.offload_params=cpu"], r"zero\.offload_params: Input should be 'none' or 'disk'"),
     (["zero.reduce_dtype=bf16"], r"zero\.reduce_dtype: Input should be 'fp32'"),
     (["precision=bf16", "loss_scale.initial_scale=1024"], r"loss_scale: loss scaling applies to precision fp16 only"),
     (["precision=fp16", "loss_scale.backoff=2"], r"loss_scale\.backoff: Input should be less than 1"),

@@ -147,6 +147,7 @@ class ZeroSpec(_Strict):
     # folder for disk's swap files and the host buffer (MiB) they are paged through.
     reduce_dtype: Literal["fp32"] | None = None
     offload_optimizer: Literal["none", "cpu", "disk"] = "none"
+    offload_params: Literal["none", "disk"] = "none"  # stage 3: parameter slices in a file (param_offload.py)
     offload_path: str | None = None
     offload_buffer_mb: float = Field(64.0, gt=0)
     # Dtype in which micro-step gradients are summed (DeepSpeed's name): None = fp32 when
@@ -359,16 +360,19 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         raise ZerorunError(f"{where('loss_scale')}: loss scaling applies to precision fp16 only "
                            f"(precision is {recipe.precision})")
     z = recipe.zero
-    if z.offload_optimizer == "disk":
-        if not z.offload_path:
-            raise ZerorunError(f"{where('zero', 'offload_optimizer')}: disk needs zero.offload_path, a folder "
-                               "for the swap files")
+    disk = [f for f in ("offload_optimizer", "offload_params") if getattr(z, f) == "disk"]
+    if disk and not z.offload_path:
+        raise ZerorunError(f"{where('zero', disk[0])}: disk needs zero.offload_path, a folder for the swap files")
+    if z.offload_path and not disk:
+        raise ZerorunError(f"{where('zero', 'offload_path')}: used by zero.offload_optimizer or "
+                           "zero.offload_params disk only (both are none)")
+    if z.offload_path:
         z.offload_path = os.path.abspath(os.path.expanduser(z.offload_path))
         if os.path.exists(z.offload_path) and not os.path.isdir(z.offload_path):
             raise ZerorunError(f"{where('zero', 'offload_path')}: not a directory: {z.offload_path}")
-    elif z.offload_path:
-        raise ZerorunError(f"{where('zero', 'offload_path')}: used by zero.offload_optimizer disk only "
-                           f"(it is {z.offload_optimizer})")
+    if z.offload_params != "none" and (z.stage != 3 or recipe.runtime != "zero"):
+        raise ZerorunError(f"{where('zero', 'offload_params')}: parameters are partitioned, and offloaded, at "
+                           "zerorun's zero.stage 3 only")
     ckpt = recipe.checkpoint
     if ckpt.resume:  # a checkpoint the recipe reads (zerorun/resume.py checks it before launching)
         ckpt.resume = absolute(ckpt.resume, base_of("checkpoint", "resume"))

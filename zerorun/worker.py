@@ -137,7 +137,8 @@ def train(recipe: Recipe, rank: int) -> None:
                                  activation_checkpointing=t.activation_checkpointing,
                                  precision=recipe.precision, reduce_dtype=z.reduce_dtype,
                                  loss_scale=zero.LossScaleConfig(**recipe.loss_scale.model_dump()),
-                                 offload_optimizer=z.offload_optimizer, offload_path=z.offload_path,
+                                 offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
+                                 offload_path=z.offload_path,
                                  offload_buffer_mb=z.offload_buffer_mb, grad_accum_dtype=z.grad_accum_dtype)
         if recipe.runtime == "zero":
             engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,

@@ -40,6 +40,9 @@ class ZeroConfig:
         loss_scale: fp16 dynamic loss scaling (Note [Loss scaling]).
         offload_optimizer: ``"none"``, ``"cpu"`` or ``"disk"``: where master slices and optimizer states
             live and the step runs (``offload.py``).
+        offload_params: stage 3: ``"none"`` or ``"disk"``: this rank's parameter slices in a file under
+            ``offload_path``, in memory only while their unit is all-gathered or stepped (Note [Parameter
+            offload] in ``param_offload.py``; CPU devices).
         offload_path: ``disk``: folder for the swap files (created if missing).
         offload_buffer_mb: ``disk``: host buffer through which they are paged, in MiB.
         grad_accum_dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``None``: dtype in which micro-step gradients
@@ -63,6 +66,7 @@ class ZeroConfig:
     reduce_dtype: str | None = None
     loss_scale: LossScaleConfig = LossScaleConfig()
     offload_optimizer: str = "none"
+    offload_params: str = "none"
     offload_path: str | None = None
     offload_buffer_mb: float = 64.0
     grad_accum_dtype: str | None = None
@@ -78,6 +82,11 @@ class ZeroConfig:
             raise ValueError(f"zero.offload_optimizer must be none, cpu or disk, got {self.offload_optimizer!r}")
         if self.offload_optimizer == "disk" and not self.offload_path:
             raise ValueError("zero.offload_optimizer disk needs zero.offload_path (a folder for the swap files)")
+        if self.offload_params not in ("none", "disk"):
+            raise ValueError(f"zero.offload_params must be none or disk, got {self.offload_params!r}")
+        if self.offload_params == "disk" and (self.stage != 3 or not self.offload_path):
+            raise ValueError("zero.offload_params disk needs zero.stage 3 (parameters partitioned) and "
+                             "zero.offload_path (a folder for the swap files)")
         if self.offload_buffer_mb <= 0:
             raise ValueError(f"zero.offload_buffer_mb must be > 0, got {self.offload_buffer_mb}")
         if self.prefetch_bytes < 0:

@@ -47,6 +47,7 @@ from zerorun.zero.comm import Comm
 from zerorun.zero.deferred import is_deferred, placement, replay, swap_meta_tensors
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
+from zerorun.zero.param_offload import ParamOffload
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import ParameterAccess, adopt, declared_externals, engine_ref, placeholder
 from zerorun.zero.stage3_backward import Stage3Backward
@@ -57,7 +58,7 @@ from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, complete_units,
                                 shared_holders, tensors_in, unit_of_params)
 
 
-class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ZeroEngine):
+class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ParamOffload, ZeroEngine):
     """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch]). Extra API:
     :meth:`full_state_dict`, :attr:`units`."""
 
@@ -196,6 +197,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ZeroEngine):
             unit.buffers.append(buf)
             buf.unit = unit
             buf.shard_data = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
+        self._offload_params()  # Note [Parameter offload]: the slices become views of a file-backed mapping
         if self._deferred:
             self._replay()
         else:
@@ -210,6 +212,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ZeroEngine):
             for p, rest in zip(buf.params, buf.placeholders):
                 p.data = rest
             buf.data.untyped_storage().resize_(0)
+        self._release_slices(None)
 
     @property
     def frozen_buffers(self) -> list[FlatBuffer]:
@@ -250,6 +253,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ZeroEngine):
         trainable = self._persistent_unit.trainable  # frozen ones never change: gathered once, at construction
         if trainable:
             self._ag_comm.wait([self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in trainable])
+        self._release_slices(None)  # the step wrote every slice
 
     # ------------------------------------------------------------------------------------ gather and free
     def _gather(self, unit: Unit, wait: bool = True) -> None:
@@ -271,6 +275,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ZeroEngine):
                 self._gather(other)
             self._ag_comm.wait(unit.works)
             unit.works = []
+            self._release_slices(unit)
             unit.state = UnitState.GATHERED
             unit.versions = param_versions(unit)  # Note [Writes inside a unit's forward]
 
@@ -283,6 +288,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ZeroEngine):
         if unit.works:
             self._ag_comm.wait(unit.works)
             unit.works = []
+            self._release_slices(unit)
         for buf in unit.buffers:
             for p, rest in zip(buf.params, buf.placeholders):
                 p.data = rest
@@ -374,6 +380,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ZeroEngine):
         out = super().memory_bytes()
         out["params"] = sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers)
         out["params"] += sum(b.data.nbytes for b in self._persistent_unit.buffers)  # whole as well
+        out["params"] -= self._offloaded_param_bytes()  # Note [Parameter offload]: in the file
         return out
 
     def comm_stats(self) -> dict[str, float]:

@@ -46,7 +46,8 @@ def _close_and_remove(fd: int, path: str) -> None:
 
 
 class SwapFile:
-    """One rank's swap file under ``folder`` (Note [Swap files]): fixed regions allocated by
+    """One rank's swap file under ``folder`` (Note [Swap files]; ``tag`` tells the parameters' file,
+    ``"params-"``, from the optimizer's): fixed regions allocated by
     :meth:`allocate`, read and written with positional I/O (``os.preadv``/``os.pwrite``), so the page cache,
     not this process's resident memory, holds what was written.
 
@@ -54,7 +55,7 @@ class SwapFile:
         OSError: ``folder`` cannot be created or written.
     """
 
-    def __init__(self, folder: str, rank: int) -> None:
+    def __init__(self, folder: str, rank: int, tag: str = "") -> None:
         os.makedirs(folder, exist_ok=True)
         # The scan and the creation of our locked file happen under one folder lock, so a rank starting at
         # the same moment never takes our new file for a stale one.
@@ -62,7 +63,7 @@ class SwapFile:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self.removed_stale = remove_stale_swap_files(folder)
-            self.path = os.path.join(folder, f"{_PREFIX}rank{rank}-{os.getpid()}.bin")
+            self.path = os.path.join(folder, f"{_PREFIX}{tag}rank{rank}-{os.getpid()}.bin")
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:

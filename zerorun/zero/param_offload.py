@@ -1,0 +1,140 @@
+"""Stage 3's parameter offload to disk (``zero.offload_params: disk``): this rank's parameter slices live in a
+file and are in memory only while a unit is all-gathered or the optimizer steps them.
+
+Note [Parameter offload]: ZeRO-Infinity (Rajbhandari et al., arXiv:2104.07857, §5.1 "infinity offload
+engine") keeps the partitioned parameters of stage 3 in NVMe and brings a unit's slices in just before its
+all-gather. Here the slices of every sharded unit (trainable and frozen; not the persistent parameters, which
+stay whole on every rank) are views of one shared, file-backed mapping of a per-rank swap file under
+``zero.offload_path`` (the same naming, ``flock`` and removal rules as the optimizer's: Note [Swap files] in
+``offload.py``). Every reader and writer of a slice (the all-gather, the optimizer step, checkpoints, the
+replay of a deferred model's construction) works on them unchanged; the kernel pages them in on use. After a
+unit's all-gather is done and after the optimizer step, the slices' pages are dropped from this process
+(``madvise(MADV_DONTNEED)``; written data stays in the file through the page cache, which the kernel writes
+back and reclaims under memory pressure, as for the optimizer's swap file); a unit all-gathered ahead by the
+prefetcher (Note [Prefetch]) is paged in by that all-gather. Resident memory for parameter slices is then
+what the units in flight hold (one unit plus ``zero.prefetch_bytes``), whatever the model size: at rest
+stage 3 holds 4Ψ/N (fp32 gradient slices) with ``offload_optimizer: disk`` instead of 8Ψ/N
+(``zerorun estimate`` counts it). CPU devices only: on CUDA the slices would need a pinned host staging
+buffer (not built; the engine raises).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+from zerorun.zero.flat import FlatBuffer
+from zerorun.zero.swap import SwapFile
+
+
+def _pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (``mmap.PAGESIZE``, 4096 bytes here)."""
+    return (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+class ParamStore:
+    """This rank's parameter slices of ``buffers`` in a file-backed mapping (Note [Parameter offload]).
+
+    Sets each buffer's ``shard_data`` (1-D, ``shard_numel`` elements of the buffer's dtype, zeros) to a view of
+    the mapping; regions are page-aligned so that each buffer's pages can be dropped alone.
+
+    Raises:
+        ValueError: a buffer is not on the CPU, or the swap file cannot be created in ``folder`` (the message
+            names ``zero.offload_params`` or ``zero.offload_path``).
+    """
+
+    def __init__(self, buffers: list[FlatBuffer], folder: str, rank: int) -> None:
+        for buf in buffers:
+            if buf.device.type != "cpu":
+                raise ValueError(f"zero.offload_params: disk offload of parameters runs on CPU devices only (a "
+                                 f"parameter is on {buf.device})")
+        try:
+            self.file = SwapFile(folder, rank, tag="params-")
+        except OSError as e:
+            raise ValueError(f"zero.offload_path: cannot create a parameter swap file in {folder}: "
+                             f"{e.strerror or e}") from None
+        self.regions: dict[int, tuple[int, int]] = {}  # id(buffer) -> (offset, bytes), page-aligned
+        size = 0
+        for buf in buffers:
+            length = _pages(buf.shard_numel * torch.empty((), dtype=buf.dtype).element_size())
+            self.regions[id(buf)] = (size, length)
+            size += length
+        self.size = size
+        self.map = None
+        if size == 0:
+            return
+        os.ftruncate(self.file.fd, size)
+        self.map = mmap.mmap(self.file.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        for buf in buffers:
+            offset, _ = self.regions[id(buf)]
+            buf.shard_data = torch.frombuffer(self.map, dtype=buf.dtype, count=buf.shard_numel, offset=offset)
+
+    def release(self, buffers) -> None:
+        """Drop the pages of ``buffers``' slices from this process (their values stay in the file)."""
+        for buf in buffers:
+            region = self.regions.get(id(buf))
+            if region is not None and region[1]:
+                self.map.madvise(mmap.MADV_DONTNEED, *region)
+
+    def release_all(self) -> None:
+        """Drop every slice's pages from this process."""
+        if self.map is not None:
+            self.map.madvise(mmap.MADV_DONTNEED, 0, self.size)
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of the mapping resident in this process now (``/proc/self/smaps``), for tests and reports;
+        ``None`` when there is no mapping (or it is not found)."""
+        if self.map is None:
+            return None
+        found = False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if len(head) >= 6 and "-" in head[0] and self.file.path in line:
+                    found = True
+                elif found and head[0] == "Rss:":
+                    return int(head[1]) * 1024
+        return None
+
+    def close(self) -> None:
+        """Remove the swap file (also done at process exit); the mapping stays valid until the process ends."""
+        self.file.close()
+
+
+class ParamOffload:
+    """Mixed into :class:`~zerorun.zero.stage3.Stage3Engine`: owns its :class:`ParamStore` when
+    ``zero.offload_params`` is ``disk`` (Note [Parameter offload])."""
+
+    _param_store: ParamStore | None = None
+
+    def _offload_params(self) -> None:
+        """Called once the flat buffers exist, before their slices get values."""
+        if self.config.offload_params == "disk":
+            self._param_store = ParamStore([b for b in self.buffers + self.frozen_buffers if not b.unit.persistent],
+                                           self.config.offload_path, self.rank)
+
+    def _release_slices(self, unit) -> None:
+        """Drop ``unit``'s slices (``None``: every unit's) from memory; a no-op without parameter offload."""
+        if self._param_store is not None:
+            self._param_store.release(unit.buffers) if unit is not None else self._param_store.release_all()
+
+    def _offloaded_param_bytes(self) -> int:
+        """Bytes of parameter slices held in the file instead of memory (0 without parameter offload)."""
+        if self._param_store is None:
+            return 0
+        return sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers if not b.unit.persistent)
+
+    def offload_bytes(self) -> dict[str, int]:
+        """As :meth:`ZeroEngine.offload_bytes`; ``disk`` includes the parameter swap file's size (bytes)."""
+        out = super().offload_bytes()
+        if self._param_store is not None:
+            out["disk"] += self._param_store.size
+        return out
+
+    def close(self) -> None:
+        """As :meth:`ZeroEngine.close`, and removes the parameter swap file."""
+        super().close()
+        if self._param_store is not None:
+            self._param_store.close()
