@@ -40,7 +40,7 @@ BUFFER_MB = 0.002
 
 
 def engine_reports(stage: int, precision: str = "fp32", reduce_dtype: str | None = None, offload: str = "none",
-                   offload_path: str | None = None) -> list[dict]:
+                   offload_path: str | None = None, offload_params: str = "none") -> list[dict]:
     """For every config in ``CONFIGS``: the engine's ``memory_bytes()`` and ``offload_bytes()`` after one
     optimizer step, the bytes this rank sent during that step, and whether the step was skipped (fp16: the
     loss scale starts at 2**4, so the tiny models' first step does not overflow and the states exist)."""
@@ -53,6 +53,7 @@ def engine_reports(stage: int, precision: str = "fp32", reduce_dtype: str | None
                                               grad_accum_steps=accum, precision=precision,
                                               reduce_dtype=reduce_dtype, loss_scale=LossScaleConfig(2.0 ** 4),
                                               offload_optimizer=offload, offload_path=offload_path,
+                                              offload_params=offload_params,
                                               offload_buffer_mb=BUFFER_MB, persistence_threshold=persistence))
         sent0 = engine.comm_stats()["bytes_sent"]
         for micro in range(accum):

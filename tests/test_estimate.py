@@ -60,9 +60,9 @@ def engine_layout(config, stage, precision="fp32"):
 
 
 def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtype=None, offload="none",
-                          offload_path=None):
+                          offload_path=None, offload_params=False):
     reports = pool.run(cases.engine_reports, stage=stage, precision=precision, reduce_dtype=reduce_dtype,
-                       offload=offload, offload_path=offload_path)
+                       offload=offload, offload_path=offload_path, offload_params="disk" if offload_params else "none")
     p = est.precision_of(precision, reduce_dtype)
     for i, config in enumerate(cases.CONFIGS):
         _, _, _, opt, opt_kwargs, _, accum, _ = config
@@ -70,11 +70,13 @@ def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtyp
         # the ranks are CPU processes: the engine's "device" is the host (cpu offload keeps its bytes there)
         want = est.model_states(layout, stage, world_size, p, est.optimizer_model(opt, opt_kwargs), offload,
                                 buffer_mb=cases.BUFFER_MB, device_is_host=True,
-                                grad_accum_bytes=est.grad_accum_bytes(p, accum))  # zero.grad_accum_dtype unset
+                                grad_accum_bytes=est.grad_accum_bytes(p, accum),  # zero.grad_accum_dtype unset
+                                offload_params=offload_params)
         sent = est.comm_bytes(layout, stage, world_size, p, accum)
         for rank, per_config in enumerate(reports):
             r = per_config[i]
-            where = f"stage {stage}, {world_size} ranks, {p.label}, offload {offload}, config {i}, rank {rank}"
+            where = (f"stage {stage}, {world_size} ranks, {p.label}, offload {offload}, params offloaded "
+                     f"{offload_params}, config {i}, rank {rank}")
             assert not r["skipped"], where
             assert r["bytes"] == {"params": want.params, "grads": want.grads + want.grad_accum,
                                   "optimizer": want.optimizer}, where
@@ -88,13 +90,16 @@ def test_predictions_equal_what_the_engine_reports(ranks, world_size, tmp_path):
     included; frozen parameters, tied weights, several param groups, buckets and units), and bytes sent per
     step equal what zero/comm.py counts. Stronger than the 1% the estimate promises: the layout is the engine's
     own. fp32 on 1-4 ranks; on 2 and 3 ranks also bf16, fp16, zero.reduce_dtype fp32 and cpu/disk offload
-    (estimate_cases.MODES)."""
+    (estimate_cases.MODES), and stage 3 with its parameters offloaded to disk."""
     pool = ranks(world_size)
     for stage in range(4):
         assert_engine_reports(pool, stage, world_size)
         for precision, reduce_dtype, offload in cases.MODES.get(world_size, []):
             assert_engine_reports(pool, stage, world_size, precision, reduce_dtype, offload,
                                   str(tmp_path / "swap") if offload == "disk" else None)
+    if world_size in cases.MODES:  # zero.offload_params disk (Note [Parameter offload]), optimizer disk / none
+        assert_engine_reports(pool, 3, world_size, "fp32", None, "disk" if world_size == 2 else "none",
+                              str(tmp_path / "swap"), offload_params=True)
     if world_size in cases.MODES:  # every engine was closed: no swap file is left
         assert [f for f in os.listdir(tmp_path / "swap") if not f.startswith(".")] == []
 
@@ -222,7 +227,8 @@ def test_cpu_only_machine_uses_host_memory_per_rank(capsys, monkeypatch):
     host = psutil.virtual_memory().total
     assert out["setup"]["device"] == "cpu" and out["setup"]["device_memory"] == host // 2
     # disk offload is offered (the engine runs it on CPU); cpu offload would move nothing off this "device"
-    assert [r["label"] for r in out["stages"]] == ["0", "1", "2", "3"] + [f"{s} + offload disk" for s in range(4)]
+    assert [r["label"] for r in out["stages"]] == ["0", "1", "2", "3"] + [f"{s} + offload disk" for s in range(4)] + [
+        "3 + offload disk+params"]
     assert any("no cpu-offload rows" in n for n in out["notes"])
     for none, disk in zip(out["stages"][:4], out["stages"][4:]):
         assert disk["optimizer"] == 0 and disk["offload_disk"] > none["optimizer"] and disk["offload_host"] > 0
@@ -246,14 +252,26 @@ def test_recipe_gives_precision_and_offload_unless_flags_override(capsys, monkey
     out = json.loads(run_cli(capsys, monkeypatch, *recipe, *flags))
     s = out["setup"]
     assert (s["precision"], s["reduce_dtype"], s["offload"], s["offload_buffer_mb"]) == ("bf16", "fp32", "disk", 0.5)
-    assert [r["label"] for r in out["stages"]] == [str(s) for s in range(4)] + [f"{s} + offload disk" for s in range(4)]
+    assert [r["label"] for r in out["stages"]] == [str(s) for s in range(4)] + [
+        f"{s} + offload disk" for s in range(4)] + ["3 + offload disk+params"]  # zero.offload_params disk too
     layout = est.layout_of_recipe(load_recipe(recipe[0], recipe[1:]))
     adamw = est.optimizer_model("AdamW")
     bf16_fp32 = est.precision_of("bf16", "fp32")
     for r in out["stages"]:
-        want = est.model_states(layout, r["stage"], 2, bf16_fp32, adamw, r["offload"], buffer_mb=0.5)
+        want = est.model_states(layout, r["stage"], 2, bf16_fp32, adamw, r["offload"].removesuffix("+params"),
+                                buffer_mb=0.5, offload_params=r["offload"].endswith("params"))
         got = (r["params"], r["grads"], r["optimizer"], r["offload_host"], r["offload_disk"])
         assert got == (want.params, want.grads, want.optimizer, want.host, want.disk), r["label"]
+    offloaded = out["stages"][-1]  # the parameter slices move to disk, in whole pages
+    assert offloaded["params"] == 0 and offloaded["offload_disk"] > out["stages"][7]["offload_disk"]
+
+    # a recipe with zero.offload_params disk and no optimizer offload gets its own row
+    params_only = ["recipes/tiny.yaml", "zero.stage=3", "zero.offload_optimizer=none", "zero.offload_params=disk",
+                   f"zero.offload_path={tmp_path}"]
+    rows = json.loads(run_cli(capsys, monkeypatch, *params_only, *flags))["stages"]
+    assert [r["label"] for r in rows] == [str(s) for s in range(4)] + ["3 + offload params"]
+    assert rows[-1]["params"] == 0 and rows[-1]["offload_disk"] >= rows[3]["params"] and rows[-1]["optimizer"] == \
+        rows[3]["optimizer"]
     # 2-byte parameters, gradients reduced and kept in fp32 at stage 2, fp32 master beside AdamW's states
     padded = sum(n + n % 2 for n in layout.buffers)
     assert (out["stages"][2]["params"], out["stages"][2]["grads"]) == (2 * padded, 4 * padded // 2)
@@ -272,7 +290,7 @@ def test_recipe_gives_precision_and_offload_unless_flags_override(capsys, monkey
 
     out = json.loads(run_cli(capsys, monkeypatch, "recipes/tiny.yaml", *flags))
     assert out["setup"]["offload"] == "all" and out["setup"]["precision"] == "fp32"
-    assert [r["offload"] for r in out["stages"]] == ["none"] * 4 + ["cpu"] * 4 + ["disk"] * 4
+    assert [r["offload"] for r in out["stages"]] == ["none"] * 4 + ["cpu"] * 4 + ["disk"] * 4 + ["disk+params"]
     out = json.loads(run_cli(capsys, monkeypatch, "recipes/tiny.yaml", "--offload", "none", *flags))
     assert [r["offload"] for r in out["stages"]] == ["none"] * 4
 

@@ -93,5 +93,6 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         **({"prefetch_bytes": r.zero.prefetch_bytes} if r and r.zero.prefetch_bytes is not None else {}),
         activation_checkpointing=r.train.activation_checkpointing if r else False, offload=offload or "all",
         offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0,
-        grad_accum_dtype=r.zero.grad_accum_dtype if r else None)
+        grad_accum_dtype=r.zero.grad_accum_dtype if r else None,
+        offload_params=bool(r) and r.zero.offload_params == "disk")
     return estimate(layout, setup)

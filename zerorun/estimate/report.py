@@ -37,6 +37,9 @@ class Setup:
         grad_accum_dtype: ``zero.grad_accum_dtype`` (``None``: unset; Note [Gradient accumulation buffer]).
         offload: the ``zero.offload_optimizer`` variants to estimate besides no offload: ``none``, ``cpu``,
             ``disk`` or ``all`` (both; on a CPU-only machine disk only). offload_buffer_mb: disk's host buffer.
+        offload_params: the recipe sets ``zero.offload_params: disk``: a stage-3 row with the parameters
+            offloaded (``params``, or ``disk+params`` with the optimizer's disk offload, which is added
+            whenever disk is estimated).
     """
 
     nodes: int
@@ -58,6 +61,7 @@ class Setup:
     offload: str = "none"
     offload_buffer_mb: float = 64.0
     grad_accum_dtype: str | None = None
+    offload_params: bool = False
 
     @property
     def grad_accum_bytes(self) -> int:
@@ -124,8 +128,10 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
     N = world_size or setup.ranks
     p = setup.precision
     on_host = setup.device == "cpu"
-    ms = model_states(layout, stage, N, p, setup.optimizer, offload, buffer_mb=setup.offload_buffer_mb,
-                      device_is_host=on_host, grad_accum_bytes=setup.grad_accum_bytes)
+    optimizer_offload = offload.removesuffix("params").removesuffix("+") or "none"  # "params", "disk+params"
+    ms = model_states(layout, stage, N, p, setup.optimizer, optimizer_offload, buffer_mb=setup.offload_buffer_mb,
+                      device_is_host=on_host, grad_accum_bytes=setup.grad_accum_bytes,
+                      offload_params=offload.endswith("params"))
     ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch, gloo=on_host,
                      prefetch_bytes=setup.prefetch_bytes)
     total = ms.total + ws.gathered + max(act, ws.backward)  # Note [Peak]
@@ -134,7 +140,7 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
         host_rank = total
     else:  # Note [Host memory at start]; cpu offload also stages every gradient slice and parameter slice
         slices = sum(_optimizer_slices(layout, stage, N))
-        staged = slices * (p.reduce_bytes + p.param_bytes) if offload == "cpu" else 0
+        staged = slices * (p.reduce_bytes + p.param_bytes) if optimizer_offload == "cpu" else 0
         host_rank = max(ms.host + staged, layout.total * 4)
     headroom = setup.device_memory - total
     cpu = setup.procs_per_node * host_rank
@@ -198,6 +204,12 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
         notes.append(f"disk offload: a host buffer of {setup.offload_buffer_mb:g} MiB per rank "
                      "(zero.offload_buffer_mb) and the swap files under zero.offload_path (disk column)")
     variants = [(s, "none") for s in range(4)] + [(s, o) for o in modes for s in range(4)]
+    if setup.offload_params and "disk" not in modes:  # Note [Parameter offload] in zero/param_offload.py
+        variants.append((3, "params"))
+    if "disk" in modes:
+        variants.append((3, "disk+params"))
+        notes.append("disk+params: stage 3 with zero.offload_params disk too (the parameter slices in the swap "
+                     "files, in memory only while their unit is gathered)")
     rows = [_row(layout, setup, s, o, act_for(s)) for s, o in variants]
     wide = setup.grad_accum_bytes > setup.precision.grad_bytes
     if wide:  # only ever fp32: wider than 2-byte gradients (Note [Gradient accumulation buffer])

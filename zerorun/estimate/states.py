@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zerorun.errors import ZerorunError
 from zerorun.estimate.layout import PERSISTENT, Layout
@@ -61,7 +61,7 @@ def _optimizer_slices(layout: Layout, stage: int, world_size: int) -> list[int]:
 
 def model_states(layout: Layout, stage: int, world_size: int, precision: Precision, optimizer: OptimizerModel,
                  offload: str = "none", *, buffer_mb: float = 64.0, device_is_host: bool = False,
-                 grad_accum_bytes: int | None = None) -> ModelStates:
+                 grad_accum_bytes: int | None = None, offload_params: bool = False) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states per rank at ``stage`` on ``world_size`` ranks
     (Note [What is exact]; ZeRO paper §5: stage 1 partitions optimizer states, 2 also gradients, 3 also
     parameters). The optimizer's bytes include the fp32 master copy where it is separate from the parameters
@@ -75,6 +75,9 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
         grad_accum_bytes: bytes per element gradients are accumulated in (``policies.grad_accum_bytes``);
             wider than what the stage keeps, a buffer of that width is counted in ``grad_accum`` (Note
             [Gradient accumulation buffer]); ``None``: the gradients' own dtype, no buffer.
+        offload_params: stage 3, ``zero.offload_params: disk``: the parameter slices of every unit but the
+            persistent one move from ``params`` to ``disk``, each buffer's region rounded up to whole 4096-byte
+            pages (Note [Parameter offload] in ``zero/param_offload.py``).
 
     Raises:
         ValueError: ``stage`` not in 0-3, ``world_size`` < 1, an unknown ``offload``, or ``layout`` packed for
@@ -82,9 +85,29 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
         ZerorunError: ``disk`` with a ``buffer_mb`` too small to page 16 elements (names
             ``zero.offload_buffer_mb``).
     """
-    if stage not in (0, 1, 2, 3) or world_size < 1 or offload not in OFFLOADS[:3]:
-        raise ValueError(f"stage must be 0-3, world_size >= 1 and offload none, cpu or disk, got {stage}, "
-                         f"{world_size}, {offload!r}")
+    if stage not in (0, 1, 2, 3) or world_size < 1 or offload not in OFFLOADS[:3] or (offload_params and stage != 3):
+        raise ValueError(f"stage must be 0-3, world_size >= 1, offload none, cpu or disk and offload_params at stage "
+                         f"3 only, got {stage}, {world_size}, {offload!r}, {offload_params}")
+    states = _model_states(layout, stage, world_size, precision, optimizer, offload, buffer_mb=buffer_mb,
+                           device_is_host=device_is_host, grad_accum_bytes=grad_accum_bytes)
+    if not offload_params:
+        return states
+    N, size = world_size, precision.param_bytes
+    units = [u for u in layout.units if u.name != PERSISTENT] if layout.exact else []
+    slices = ([_pad(n, N) // N for u in units for n in u.trainable + u.frozen] if layout.exact
+              else [_pad(n, N) // N for n in list(layout.buffers) + list(layout.frozen_params)])
+    moved = sum(n * size for n in slices)
+    return replace(states, params=states.params - moved,
+                   disk=states.disk + sum(-(-n * size // PAGE) * PAGE for n in slices))
+
+
+#: the page size parameter offload rounds each buffer's region up to (``mmap.PAGESIZE`` on these machines)
+PAGE = 4096
+
+
+def _model_states(layout: Layout, stage: int, world_size: int, precision: Precision, optimizer: OptimizerModel,
+                  offload: str, *, buffer_mb: float, device_is_host: bool,
+                  grad_accum_bytes: int | None) -> ModelStates:
     if layout.precision not in (None, precision.name):
         raise ValueError(f"the layout was packed for {layout.precision}, not {precision.name}")
     N = world_size
