@@ -24,6 +24,8 @@ Methods (``--methods``):
   ``zero.deferred_init`` (each rank materializes its slices only), fp32 AdamW.
 - ``zerorun-s3-disk``: the same with ``zero.offload_optimizer="disk"`` (optimizer states and the step on
   disk, paged through a ``zero.offload_buffer_mb`` host buffer; files in a temporary folder).
+- ``zerorun-s3-disk-params``: the same with ``zero.offload_params="disk"`` too (the parameter slices in a
+  file-backed mapping, in memory only while their unit is gathered: Note [Parameter offload]).
 - ``fsdp2``: torch's ``fully_shard`` per block and embedding, then the root, on a model built on the meta
   device (``to_empty`` + initialization of the local shards: the way FSDP2 trains models that do not fit one
   rank), ``reshard_after_forward=True``, fp32 AdamW.
@@ -52,7 +54,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
-METHODS = ("zerorun-s3", "zerorun-s3-disk", "fsdp2", "fsdp2-zerorun-env", "deepspeed-z3", "deepspeed-z3-offload")
+METHODS = ("zerorun-s3", "zerorun-s3-disk", "zerorun-s3-disk-params", "fsdp2", "fsdp2-zerorun-env", "deepspeed-z3",
+           "deepspeed-z3-offload")
 
 
 def join_cgroup() -> None:
@@ -110,7 +113,8 @@ def worker(args) -> None:
         engine = zero.initialize(
             model, optimizer="AdamW", optimizer_kwargs=opt_kwargs, param_groups=zero.default_param_groups(model, 0.1),
             config=zero.ZeroConfig(stage=3, grad_clip=1.0, units=("Block", "Embedding"),
-                                   offload_optimizer="disk" if args.worker == "zerorun-s3-disk" else "none",
+                                   offload_optimizer="disk" if "disk" in args.worker else "none",
+                                   offload_params="disk" if args.worker.endswith("params") else "none",
                                    offload_path=args.offload_path))
 
         def step(batch):
@@ -208,8 +212,9 @@ def _remove_cgroup(cg: str) -> None:
 def guess(method: str, budget: int, args) -> int:
     """A first depth to probe: the budget (less 600 MiB for torch and the embeddings) over the model-state
     bytes per block per rank (16 bytes per parameter over N ranks for fp32 AdamW, ZeRO §5; 8 with the
-    optimizer on disk)."""
-    per_block = 12 * args.d_model ** 2 * (8 if method.endswith("disk") or method.endswith("offload") else 16)
+    optimizer on disk, 4 with the parameters too)."""
+    per_param = 4 if method.endswith("params") else 8 if method.endswith(("disk", "offload")) else 16
+    per_block = 12 * args.d_model ** 2 * per_param
     return max(1, int((budget - (600 << 20)) / (per_block / args.nproc)))
 
 
