@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
+from zerorun.recipe_checks import check_engine_fields
 from zerorun.recipe_paths import (absolute, absolute_pattern, expand_data_paths, is_file_path, matches_any,  # noqa: F401
                                   not_found_hint, stdlib_dir)
 from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES, apply_overrides,  # noqa: F401
@@ -359,20 +360,6 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
     if "loss_scale" in recipe.model_fields_set and recipe.precision != "fp16":
         raise ZerorunError(f"{where('loss_scale')}: loss scaling applies to precision fp16 only "
                            f"(precision is {recipe.precision})")
-    z = recipe.zero
-    disk = [f for f in ("offload_optimizer", "offload_params") if getattr(z, f) == "disk"]
-    if disk and not z.offload_path:
-        raise ZerorunError(f"{where('zero', disk[0])}: disk needs zero.offload_path, a folder for the swap files")
-    if z.offload_path and not disk:
-        raise ZerorunError(f"{where('zero', 'offload_path')}: used by zero.offload_optimizer or "
-                           "zero.offload_params disk only (both are none)")
-    if z.offload_path:
-        z.offload_path = os.path.abspath(os.path.expanduser(z.offload_path))
-        if os.path.exists(z.offload_path) and not os.path.isdir(z.offload_path):
-            raise ZerorunError(f"{where('zero', 'offload_path')}: not a directory: {z.offload_path}")
-    if z.offload_params != "none" and (z.stage != 3 or recipe.runtime != "zero"):
-        raise ZerorunError(f"{where('zero', 'offload_params')}: parameters are partitioned, and offloaded, at "
-                           "zerorun's zero.stage 3 only")
     ckpt = recipe.checkpoint
     if ckpt.resume:  # a checkpoint the recipe reads (zerorun/resume.py checks it before launching)
         ckpt.resume = absolute(ckpt.resume, base_of("checkpoint", "resume"))
@@ -381,30 +368,5 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
                                                                                 "checkpoints")))
         if os.path.exists(ckpt.dir) and not os.path.isdir(ckpt.dir):
             raise ZerorunError(f"{where('checkpoint', 'dir')}: not a directory: {ckpt.dir}")
-    if recipe.zero.units and recipe.zero.stage != 3 and recipe.runtime != "fsdp2":
-        raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only")
-    if recipe.zero.persistence_threshold and recipe.runtime != "zero":
-        raise ZerorunError(f"{where('zero', 'persistence_threshold')}: zerorun's stage 3 knob; the "
-                           f"{recipe.runtime} baseline does not take it")
-    if recipe.zero.prefetch_bytes is not None and (recipe.zero.stage != 3 or recipe.runtime != "zero"):
-        raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: zerorun's stage-3 knob (units all-gathered ahead "
-                           "of use); it needs zero.stage 3")
-    if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
-        raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
-                           "at zero.stage 3 only")
-    if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
-        raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "
-                           "baseline does not take it")
-    if recipe.runtime != "zero" and (recipe.precision != "fp32" or z.offload_optimizer != "none"):
-        field = where("precision") if recipe.precision != "fp32" else where("zero", "offload_optimizer")
-        raise ZerorunError(f"{field}: the {recipe.runtime} baseline runs fp32 without offload only")
-    if recipe.runtime != "zero" and ckpt.dir:
-        raise ZerorunError(f"{where('checkpoint')}: checkpoints are zerorun's (runtime zero); the {recipe.runtime} "
-                           "baseline does not save them")
-    if recipe.train.activation_checkpointing and recipe.runtime != "zero":
-        raise ZerorunError(f"{where('train', 'activation_checkpointing')}: applies to zerorun's stage 3 only, not "
-                           f"to runtime {recipe.runtime}")
-    if recipe.train.activation_checkpointing and recipe.zero.stage != 3:
-        raise ZerorunError(f"{where('train', 'activation_checkpointing')}: needs zero.stage 3 (it checkpoints "
-                           "each unit); at stages 0-2 wrap blocks in torch.utils.checkpoint in the model")
+    check_engine_fields(recipe, where)
     return recipe

@@ -1,0 +1,56 @@
+"""Cross-field checks of a recipe's ``zero``, ``precision``, ``train`` and ``runtime`` fields: which engine
+knobs go together (called by :func:`zerorun.recipe.resolve`, after paths are resolved)."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from zerorun.errors import ZerorunError
+
+
+def check_engine_fields(recipe, where: Callable[..., str]) -> None:
+    """Raise :class:`ZerorunError` (one line naming the recipe's file, line and field through ``where``, exit
+    2) for engine fields that do not go together: offload without ``zero.offload_path``, stage-3 knobs at
+    other stages, zerorun knobs on the DDP/FSDP2 baselines. Makes ``zero.offload_path`` absolute."""
+    z = recipe.zero
+    ckpt = recipe.checkpoint
+    disk = [f for f in ("offload_optimizer", "offload_params") if getattr(z, f) == "disk"]
+    if disk and not z.offload_path:
+        raise ZerorunError(f"{where('zero', disk[0])}: disk needs zero.offload_path, a folder for the swap files")
+    if z.offload_path and not disk:
+        raise ZerorunError(f"{where('zero', 'offload_path')}: used by zero.offload_optimizer or "
+                           "zero.offload_params disk only (both are none)")
+    if z.offload_path:
+        z.offload_path = os.path.abspath(os.path.expanduser(z.offload_path))
+        if os.path.exists(z.offload_path) and not os.path.isdir(z.offload_path):
+            raise ZerorunError(f"{where('zero', 'offload_path')}: not a directory: {z.offload_path}")
+    if z.offload_params != "none" and (z.stage != 3 or recipe.runtime != "zero"):
+        raise ZerorunError(f"{where('zero', 'offload_params')}: parameters are partitioned, and offloaded, at "
+                           "zerorun's zero.stage 3 only")
+    if recipe.zero.units and recipe.zero.stage != 3 and recipe.runtime != "fsdp2":
+        raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only")
+    if recipe.zero.persistence_threshold and recipe.runtime != "zero":
+        raise ZerorunError(f"{where('zero', 'persistence_threshold')}: zerorun's stage 3 knob; the "
+                           f"{recipe.runtime} baseline does not take it")
+    if recipe.zero.prefetch_bytes is not None and (recipe.zero.stage != 3 or recipe.runtime != "zero"):
+        raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: zerorun's stage-3 knob (units all-gathered ahead "
+                           "of use); it needs zero.stage 3")
+    if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
+        raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
+                           "at zero.stage 3 only")
+    if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
+        raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "
+                           "baseline does not take it")
+    if recipe.runtime != "zero" and (recipe.precision != "fp32" or z.offload_optimizer != "none"):
+        field = where("precision") if recipe.precision != "fp32" else where("zero", "offload_optimizer")
+        raise ZerorunError(f"{field}: the {recipe.runtime} baseline runs fp32 without offload only")
+    if recipe.runtime != "zero" and ckpt.dir:
+        raise ZerorunError(f"{where('checkpoint')}: checkpoints are zerorun's (runtime zero); the {recipe.runtime} "
+                           "baseline does not save them")
+    if recipe.train.activation_checkpointing and recipe.runtime != "zero":
+        raise ZerorunError(f"{where('train', 'activation_checkpointing')}: applies to zerorun's stage 3 only, not "
+                           f"to runtime {recipe.runtime}")
+    if recipe.train.activation_checkpointing and recipe.zero.stage != 3:
+        raise ZerorunError(f"{where('train', 'activation_checkpointing')}: needs zero.stage 3 (it checkpoints "
+                           "each unit); at stages 0-2 wrap blocks in torch.utils.checkpoint in the model")
