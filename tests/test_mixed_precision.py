@@ -159,6 +159,25 @@ def test_swap_files_removed_at_exit_and_after_a_crash(tmp_path):
         live.wait(timeout=60)
 
 
+@pytest.mark.parametrize("tag", ["", "params-"])
+def test_two_swap_files_of_one_process_and_rank_keep_their_data(tmp_path, tag):
+    """Two engines of one process and rank (a notebook, a test) offloading into one folder: the second gets
+    its own file; it used to reopen the first's with O_TRUNC (a mapped parameter file then faults with
+    SIGBUS) and fail on the lock."""
+    import torch
+
+    first = SwapFile(str(tmp_path), 0, tag=tag)
+    offset = first.allocate(64)
+    first.write(offset, torch.arange(16, dtype=torch.float32))
+    second = SwapFile(str(tmp_path), 0, tag=tag)
+    back = torch.zeros(16)
+    first.read_into(offset, back)
+    assert second.path != first.path and torch.equal(back, torch.arange(16, dtype=torch.float32))
+    second.close()
+    first.close()
+    assert not os.path.exists(first.path) and not os.path.exists(second.path)
+
+
 @pytest.mark.slow
 def test_zerorun_train_fp16_with_disk_offload(tmp_path):
     """The whole path: recipe fields -> worker -> engine; step events carry the loss scale and skips; the

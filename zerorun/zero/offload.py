@@ -22,7 +22,8 @@ and writes the updated values back into the parameter slices (cast to their dtyp
   writes it back. Host memory for optimizer states is the buffer, whatever the model size. Between steps the
   optimizer's parameters are empty tensors and ``optimizer.state`` holds nothing: the states are in the file
   (read them with :meth:`Masters.state_slices`). Note [Swap files]: one file per rank, named
-  ``zerorun-offload-rank<R>-<pid>.bin``, held under an exclusive ``flock`` while the process lives; it is
+  ``zerorun-offload-rank<R>-<pid>.bin`` (a second engine of the same process and rank: ``-2``, ``-3``, ...;
+  parameter offload's: ``zerorun-offload-params-...``), held under an exclusive ``flock`` while the process lives; it is
   removed when the engine is closed or the process exits, and a file left by a crashed run (its lock died
   with it) is removed by the next run that uses the folder. Checkpoints of a disk-offloaded engine are paged
   through the same buffer (Note [Paged checkpoints] in ``state_paging.py``).

@@ -63,8 +63,14 @@ class SwapFile:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self.removed_stale = remove_stale_swap_files(folder)
-            self.path = os.path.join(folder, f"{_PREFIX}{tag}rank{rank}-{os.getpid()}.bin")
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            for n in range(1, 1 << 16):  # a second engine of this process and rank gets its own file
+                name = f"{_PREFIX}{tag}rank{rank}-{os.getpid()}{'' if n == 1 else f'-{n}'}.bin"
+                self.path = os.path.join(folder, name)
+                try:
+                    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    break
+                except FileExistsError:
+                    continue
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(lock)
