@@ -124,6 +124,13 @@ def settled(job_id: str, run_dir: str, info: JobInfo | None, poll_s: float) -> J
     return info
 
 
+def _output(run_dir: str, job_id: str) -> str:
+    """``"; its output: PATH"`` when the job's ``slurm-JOBID.out`` exists (a job cancelled before it ran has
+    none), else ``""``."""
+    path = os.path.join(run_dir, f"slurm-{job_id}.out")
+    return f"; its output: {path}" if os.path.isfile(path) else ""
+
+
 def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
     """An ended job: ``zerorun show``'s summary, or one line when no rank wrote a metric."""
     from zerorun.telemetry.show import show
@@ -138,8 +145,7 @@ def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
         show(run_dir, out=out)
     else:
         how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
-        out.write(f"zerorun: job {job_id} ended ({how}) before any rank wrote a metric; its output: "
-                  f"{os.path.join(run_dir, f'slurm-{job_id}.out')}\n")
+        out.write(f"zerorun: job {job_id} ended ({how}) before any rank wrote a metric{_output(run_dir, job_id)}\n")
     out.flush()
     return exit_status(info, run_dir, job_id)
 
@@ -216,6 +222,5 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
     else:
         info = last[0]
         how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
-        view.print(f"zerorun: job {job_id} ended ({how}) before zerorun train recorded how; its output: "
-                   f"{os.path.join(run_dir, f'slurm-{job_id}.out')}")
+        view.print(f"zerorun: job {job_id} ended ({how}) before zerorun train recorded how{_output(run_dir, job_id)}")
     return exit_status(last[0], run_dir, job_id)
