@@ -3,7 +3,10 @@ command; and the dry-run and run folder texts. The real cluster runs are in test
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +15,8 @@ from zerorun.hostfile import Host
 from zerorun.launch import slurm
 from zerorun.launch.commands import render_slurm
 from zerorun.launch.plan import build_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_choose_launcher_default_and_explicit():
@@ -29,6 +34,21 @@ def test_choose_launcher_default_and_explicit():
         slurm.choose_launcher("local", "hosts", {})
     with pytest.raises(ZerorunError, match="--launcher pbs: expected one of ssh, slurm, local"):
         slurm.choose_launcher("pbs", None, {})
+
+
+def test_zerorun_under_srun_is_a_one_line_error():
+    """`srun zerorun train` (SLURM_STEP_ID set): its own srun step would wait for the CPUs the enclosing step
+    holds, silently, for ever (review); --launcher local still runs one machine's job per task."""
+    step = {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0"}
+    for launcher in (None, "slurm"):
+        with pytest.raises(ZerorunError, match=r"started inside a SLURM job step \(SLURM_STEP_ID=0: under srun\)"):
+            slurm.choose_launcher(launcher, None, step)
+    assert slurm.choose_launcher("local", None, step) == "local"
+    assert slurm.choose_launcher(None, "hosts", step) == "ssh"
+    env = dict(os.environ, **step)
+    out = subprocess.run([sys.executable, "-m", "zerorun", "train", os.path.join(ROOT, "recipes/tiny.yaml"),
+                          "--dry-run"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "SLURM_STEP_ID=0" in out.stderr, out.stderr
 
 
 def test_expand_counts():

@@ -210,13 +210,42 @@ def test_run_folder_from_the_script_and_the_records(tmp_path, monkeypatch):
 def test_exit_status_from_the_run_or_from_slurm(tmp_path):
     from zerorun.launch.slurm_attach import exit_status
 
+    run = str(tmp_path)
     info = slurm_jobs.JobInfo("1", "CANCELLED", exit_code="0:15")
-    assert exit_status(info, str(tmp_path)) == 143
-    assert exit_status(slurm_jobs.JobInfo("1", "FAILED", exit_code="3:0"), str(tmp_path)) == 3
-    assert exit_status(slurm_jobs.JobInfo("1", "COMPLETED"), str(tmp_path)) == 0
-    assert exit_status(slurm_jobs.JobInfo("1", "TIMEOUT"), str(tmp_path)) == 1
+    assert exit_status(info, run, "1") == 143
+    assert exit_status(slurm_jobs.JobInfo("1", "FAILED", exit_code="3:0"), run, "1") == 3
+    assert exit_status(slurm_jobs.JobInfo("1", "COMPLETED"), run, "1") == 0
+    # stopped from outside (scancel, the time limit) with SLURM's ExitCode 0:0: not a success (review: was 0/1)
+    assert exit_status(slurm_jobs.JobInfo("1", "TIMEOUT"), run, "1") == 143
+    assert exit_status(slurm_jobs.JobInfo("1", "CANCELLED"), run, "1") == 143
+    assert exit_status(slurm_jobs.JobInfo("1", "COMPLETING"), run, "1") == 1  # never final: was 0
     (tmp_path / "job.json").write_text('{"exit_code": 2}')
-    assert exit_status(info, str(tmp_path)) == 2  # zerorun train's own status wins
+    assert exit_status(info, run, "1") == 2  # zerorun train's own status wins
+    (tmp_path / "job.json").write_text('{"exit_code": 0, "slurm_job_id": "2"}')  # the folder submitted again
+    assert exit_status(info, run, "1") == 143 and exit_status(info, run, "2") == 0
+
+
+def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
+    """SLURM shows COMPLETING as soon as it signals a job, while zerorun train still saves and writes its
+    record: attach waits for the record or the final state (review: it reported COMPLETING, exit 0)."""
+    from zerorun.launch import slurm_attach
+
+    states = iter([slurm_jobs.JobInfo("7", "COMPLETING"), slurm_jobs.JobInfo("7", "CANCELLED", exit_code="0:15")])
+    monkeypatch.setattr(slurm_attach, "job_info", lambda job_id: next(states))
+    done = slurm_attach.settled("7", str(tmp_path), slurm_jobs.JobInfo("7", "COMPLETING"), 0.01)
+    assert done.state == "CANCELLED" and slurm_attach.exit_status(done, str(tmp_path), "7") == 143
+    (tmp_path / "job.json").write_text('{"exit_code": 143, "slurm_job_id": "7"}')
+    waiting = slurm_jobs.JobInfo("7", "COMPLETING")
+    assert slurm_attach.settled("7", str(tmp_path), waiting, 0.01) is waiting  # its record is there: no wait
+
+
+def test_job_ids_that_scontrol_reads_otherwise_are_refused(monkeypatch):
+    with pytest.raises(ZerorunError, match="'0' is not a SLURM job id"):  # scontrol show job 0 lists every job
+        slurm_jobs.check_job_id("0")
+    assert slurm_jobs.check_job_id(" 9_1 ") == "9_1"
+    said = subprocess.CompletedProcess([], 1, stdout="slurm_load_jobs error: Invalid job id specified\n", stderr="")
+    monkeypatch.setattr(slurm_jobs, "_scontrol", lambda *a: said)
+    assert slurm_jobs.job_info("9_1") is None  # scontrol said it on stdout (review: "(no message)")
 
 
 def test_follow_feeds_appended_lines_to_the_view(tmp_path):

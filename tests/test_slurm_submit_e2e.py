@@ -100,8 +100,38 @@ def test_submit_trains_on_two_nodes_and_attach_and_show_follow_it(slurm_cluster,
     assert steps == {(r, s) for r in (0, 1) for s in range(1, 7)}
     job = json.load(open(os.path.join(run_dir, "job.json")))
     assert job["status"] == "ok" and job["rank_hosts"] == {"0": "127.0.0.11", "1": "127.0.0.12"}
+    assert job["slurm_job_id"] == job_id  # whose run this was: a folder submitted again holds another's
     assert os.path.isfile(os.path.join(run_dir, f"slurm-{job_id}.out"))  # #SBATCH --output, % kept literal
 
     show = zerorun(slurm_cluster, tmp_path, "show", run_dir)
     assert show.returncode == 0 and show.stdout.splitlines()[-1] == "zerorun: the job finished (exit status 0)"
     assert table.splitlines() == show.stdout.splitlines()  # the same summary, times and hosts included
+
+
+def test_attach_to_a_job_that_scancel_stops_exits_143(slurm_cluster, tmp_path):
+    """scancel puts the job in COMPLETING at once, while its zerorun train still stops and records how: attach
+    follows until then and exits 143 (review: it reported "COMPLETING, exit code 0:0" and exited 0)."""
+    import time
+
+    runs = tmp_path / "runs"
+    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "1", "--procs-per-node", "1",
+                  "train.steps=100000", "log.every=1", f"log.dir={runs}")
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+    run_dir = out.stdout.splitlines()[0].split("; run dir ", 1)[1]
+    env = slurm_cluster.client_env(XDG_STATE_HOME=str(tmp_path / "state"), OMP_NUM_THREADS="1")
+    attach = subprocess.Popen([sys.executable, "-m", "zerorun", "attach", job_id, "--no-dashboard"],
+                              cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (os.path.isfile(metrics) and '"step"' in open(metrics).read()):
+            time.sleep(0.5)
+        slurm_cluster.run("scancel", job_id, check=False)
+        rest, err = attach.communicate(timeout=90)
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+        attach.kill()
+    assert attach.returncode == 143, rest[-2000:] + err
+    assert rest.splitlines()[-1].startswith("zerorun: the job was interrupted"), rest[-500:]
+    assert json.load(open(os.path.join(run_dir, "job.json")))["slurm_job_id"] == job_id

@@ -42,12 +42,20 @@ def choose_launcher(launcher: str | None, hostfile: str | None, environ=None) ->
     machine without one: today's behaviour).
 
     Raises:
-        ZerorunError: an unknown launcher; ``slurm`` outside an allocation or with a hostfile; ``local`` with a
-            hostfile.
+        ZerorunError: an unknown launcher; ``slurm`` outside an allocation, with a hostfile, or inside a job step
+            (``SLURM_STEP_ID`` set: ``srun zerorun train``, whose own srun step would wait for ever); ``local``
+            with a hostfile.
     """
     env = os.environ if environ is None else environ
     if launcher is None:
-        return "slurm" if env.get("SLURM_JOB_ID") and not hostfile else "ssh"
+        launcher = "slurm" if env.get("SLURM_JOB_ID") and not hostfile else "ssh"
+        if launcher == "ssh":
+            return launcher
+    if launcher == "slurm" and env.get("SLURM_STEP_ID") is not None:  # inside `srun zerorun train`: its own
+        # srun step would wait for the CPUs the enclosing step holds, silently, for ever
+        raise ZerorunError(f"started inside a SLURM job step (SLURM_STEP_ID={env['SLURM_STEP_ID']}: under srun): "
+                           "zerorun starts its own srun step, so run it directly in the salloc shell or the sbatch "
+                           "script, not under srun (or give --launcher local to run one machine's job per task)")
     if launcher not in LAUNCHERS:
         raise ZerorunError(f"--launcher {launcher}: expected one of {', '.join(LAUNCHERS)}")
     if launcher == "slurm" and hostfile:

@@ -83,12 +83,26 @@ def follow_submitted(run_dir: str, *, dashboard: bool = True, out=None, poll_s: 
     return follow_job(job_id, run_dir, info, dashboard=dashboard, out=out, poll_s=poll_s)
 
 
-def exit_status(info: JobInfo | None, run_dir: str) -> int:
-    """The job's exit status: its ``zerorun train``'s (``job.json``), else SLURM's ``ExitCode`` ("status:signal";
-    a signal N gives 128 + N), else 0 for ``COMPLETED`` and 1 for any other end."""
+#: final SLURM states of a job that was stopped from outside: 128 + SIGTERM, as zerorun train exits then
+STOPPED = frozenset({"CANCELLED", "TIMEOUT", "PREEMPTED", "DEADLINE"})
+
+
+def job_record(run_dir: str, job_id: str) -> dict:
+    """``run_dir/job.json`` when it records job ``job_id``'s run, else ``{}``: a folder submitted again
+    (``sbatch RUN_DIR/submit.sbatch``) holds the last job's record (its ``slurm_job_id``); a record without
+    one (no SLURM, or an older zerorun) is taken as this job's."""
     from zerorun.telemetry.state import read_json
 
-    code = read_json(os.path.join(run_dir, "job.json")).get("exit_code")
+    job = read_json(os.path.join(run_dir, "job.json"))
+    owner = job.get("slurm_job_id")
+    return job if owner is None or str(owner) == job_id else {}
+
+
+def exit_status(info: JobInfo | None, run_dir: str, job_id: str) -> int:
+    """The job's exit status: its ``zerorun train``'s (:func:`job_record`), else SLURM's ``ExitCode``
+    ("status:signal"; a signal N gives 128 + N), else 0 for ``COMPLETED``, 143 for a job stopped from outside
+    (:data:`STOPPED`: scancel, time limit, preemption) and 1 for any other end."""
+    code = job_record(run_dir, job_id).get("exit_code")
     if isinstance(code, int) and not isinstance(code, bool):
         return code
     if info is None:
@@ -98,21 +112,42 @@ def exit_status(info: JobInfo | None, run_dir: str) -> int:
         return int(status)
     if sig.isdigit() and int(sig):
         return 128 + int(sig)
-    return 0 if info.state in ("COMPLETED", "COMPLETING") else 1
+    return 0 if info.state == "COMPLETED" else 143 if info.state in STOPPED else 1
+
+
+def settled(job_id: str, run_dir: str, info: JobInfo | None, poll_s: float) -> JobInfo | None:
+    """``info`` once the job is no longer COMPLETING without its record: SLURM signalled it, and its
+    ``zerorun train`` may still be saving (Note on ``slurm_jobs.ACTIVE``)."""
+    while info is not None and info.state == "COMPLETING" and not job_record(run_dir, job_id):
+        time.sleep(poll_s)
+        info = job_info(job_id)
+    return info
+
+
+def _output(run_dir: str, job_id: str) -> str:
+    """``"; its output: PATH"`` when the job's ``slurm-JOBID.out`` exists (a job cancelled before it ran has
+    none), else ``""``."""
+    path = os.path.join(run_dir, f"slurm-{job_id}.out")
+    return f"; its output: {path}" if os.path.isfile(path) else ""
 
 
 def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
     """An ended job: ``zerorun show``'s summary, or one line when no rank wrote a metric."""
     from zerorun.telemetry.show import show
+    from zerorun.telemetry.state import read_json
 
-    if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+    other = read_json(os.path.join(run_dir, "job.json")).get("slurm_job_id")
+    if not job_record(run_dir, job_id) and other is not None:  # the folder was submitted again
+        how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
+        out.write(f"zerorun: job {job_id} ended ({how}); its run folder now holds job {other}'s run: "
+                  f"zerorun attach {other} ({run_dir})\n")
+    elif os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         show(run_dir, out=out)
     else:
         how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
-        out.write(f"zerorun: job {job_id} ended ({how}) before any rank wrote a metric; its output: "
-                  f"{os.path.join(run_dir, f'slurm-{job_id}.out')}\n")
+        out.write(f"zerorun: job {job_id} ended ({how}) before any rank wrote a metric{_output(run_dir, job_id)}\n")
     out.flush()
-    return exit_status(info, run_dir)
+    return exit_status(info, run_dir, job_id)
 
 
 def _from_job_file(state, run_dir: str) -> None:
@@ -143,6 +178,7 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
     from zerorun.telemetry.show import outcome
 
     out = out or sys.stdout
+    info = settled(job_id, run_dir, info, poll_s)
     if info is None or not info.active:
         return _ended(job_id, run_dir, info, out)
     try:
@@ -154,6 +190,7 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
             while info is not None and info.pending:
                 time.sleep(poll_s)
                 info = job_info(job_id)
+            info = settled(job_id, run_dir, info, poll_s)
             if info is None or not info.active:
                 return _ended(job_id, run_dir, info, out)
     except KeyboardInterrupt:
@@ -164,9 +201,10 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
     view.print(f"zerorun: attached to job {job_id} ({info.state} on {info.nodes or '?'}); run dir {run_dir}")
     last = [info]
 
-    def running() -> bool:
+    def running() -> bool:  # a COMPLETING job runs until its record is written (Note on slurm_jobs.ACTIVE)
         last[0] = job_info(job_id)
-        return last[0] is not None and last[0].active
+        now = last[0]
+        return now is not None and (now.active or (now.state == "COMPLETING" and not job_record(run_dir, job_id)))
 
     try:
         follow(run_dir, view, running, poll_s=min(0.5, poll_s), check_s=poll_s)
@@ -176,13 +214,13 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
             live.stop()
         out.write(f"\nzerorun: stopped following; job {job_id} goes on (zerorun attach {job_id})\n")
         return 130
+    last[0] = settled(job_id, run_dir, last[0], poll_s)
     _from_job_file(state, run_dir)
     view.close()  # the summary table
-    if os.path.isfile(os.path.join(run_dir, "job.json")):
+    if job_record(run_dir, job_id):
         view.print(f"zerorun: {outcome(run_dir, state)}")
     else:
         info = last[0]
         how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
-        view.print(f"zerorun: job {job_id} ended ({how}) before zerorun train recorded how; its output: "
-                   f"{os.path.join(run_dir, f'slurm-{job_id}.out')}")
-    return exit_status(last[0], run_dir)
+        view.print(f"zerorun: job {job_id} ended ({how}) before zerorun train recorded how{_output(run_dir, job_id)}")
+    return exit_status(last[0], run_dir, job_id)

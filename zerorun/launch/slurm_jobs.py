@@ -28,13 +28,15 @@ from dataclasses import dataclass
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.state import read_json
 
-#: SLURM job states in which the job's batch script may still run (squeue's long names). Not COMPLETING: the
-#: script has ended, so its run folder is final; SLURM may still be cleaning up its nodes (for a minute when a
-#: process does not end with SIGKILL: UnkillableStepTimeout), which no one following the job need wait for.
+#: SLURM job states in which the job's batch script may still run (squeue's long names). Not COMPLETING: SLURM
+#: enters it as soon as it signals the job (scancel, time limit), while ``zerorun train`` in the batch script
+#: may still save a checkpoint and write ``job.json``; and it lasts while SLURM cleans up the nodes (a minute
+#: when a process does not end with SIGKILL: UnkillableStepTimeout). ``zerorun attach`` follows a COMPLETING
+#: job until that job's ``job.json`` appears or SLURM settles on the final state (launch/slurm_attach.py).
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
                     "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"})
 JOB_FILE = "slurm-job.json"  # in the run folder
-_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+_JOB_ID = re.compile(r"^[1-9]\d*(_\d+)?$")  # not 0: "scontrol show job 0" lists every job
 _SCONTROL_TIMEOUT_S = 30.0
 
 
@@ -167,9 +169,10 @@ def job_info(job_id: str) -> JobInfo | None:
     """
     out = _scontrol("show", "job", "-o", job_id)
     if out.returncode != 0:
-        if "Invalid job id" in out.stderr:
+        said = out.stderr.strip() or out.stdout.strip()  # scontrol says some of it on stdout
+        if "Invalid job id" in said:
             return None
-        raise ZerorunError(f"scontrol show job {job_id}: {one_line(out.stderr)}")
+        raise ZerorunError(f"scontrol show job {job_id}: {one_line(said)}")
     return parse_job(job_id, out.stdout)
 
 

@@ -359,10 +359,12 @@ def write_job_file(run_dir: str, state: JobState, status: str, exit_code: int, m
                    rank: int | None = None, host: str | None = None) -> None:
     """Write ``run_dir/job.json``: start and end (Unix s), world size, hosts (and the host of each rank, as
     the hostfile names it), how the job ended: ``status`` (ok | failed | interrupted), the launcher's
-    ``exit_code``, a one-line ``message``, and for a failure the failing ``rank`` and ``host`` when known."""
+    ``exit_code``, a one-line ``message``, for a failure the failing ``rank`` and ``host`` when known, and the
+    SLURM job it ran in (``slurm_job_id``, ``SLURM_JOB_ID``; None outside SLURM)."""
     data = {"started": state.started, "ended": state.ended, "world_size": state.world_size, "hosts": state.hosts,
             "rank_hosts": {str(r): h for r, h in state.rank_hosts.items()}, "status": status, "exit_code": exit_code,
-            "message": message, "rank": rank, "host": host}
+            "message": message, "rank": rank, "host": host,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}  # whose run this was (zerorun attach JOBID)
     tmp = os.path.join(run_dir, "job.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)
