@@ -49,7 +49,7 @@ def gradient_buffer_pool(stage: int, accum: int, steps: int = 2, width: int = 51
     model = _Stack(width, 8)
     engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
                         config=ZeroConfig(stage=stage, bucket_mb=width * width * 4 / 2**20, grad_accum_steps=accum,
-                                          units=("Linear",) if stage == 3 else (), prefetch_bytes=int(__import__("os").environ.get("PFB", 16 << 20))))
+                                          units=("Linear",) if stage == 3 else ()))
     in_flight = []
     reducer = engine.reducer
     launch = reducer._launch

@@ -28,7 +28,6 @@ class ZeroConfig:
         prefetch: stage 3: all-gather the next unit (in the order recorded in the first step) while the
             current one computes.
         prefetch_bytes: stage 3: with ``prefetch``, the units next in the recorded order are all-gathered ahead
-            (in forward; in backward the next unit only)
             while their total gathered bytes (in the parameters' dtype) fit in this bound; a unit larger than
             what is left waits for its turn (DeepSpeed's ``stage3_prefetch_bucket_size`` and
             ``stage3_max_live_parameters`` bound the same, in elements). Note [Prefetch] in ``stage3_prefetch.py``.

@@ -2,15 +2,10 @@
 use within a bound in bytes.
 
 Note [Prefetch]: the order in which units are gathered is recorded in the first step, for forward and for
-backward. From then on, gathering unit i in forward issues the all-gathers of units i+1, i+2, ... of the
-recorded order while their gathered bytes (with the units they gather along) fit in
-``ZeroConfig.prefetch_bytes``; the first that does not fit, and all after it, wait for their turn. In backward
-only unit i+1 is gathered ahead (when it fits): there every unit's reduce-scatter shares the links with the
-all-gathers, and gathering deeper made the reduce-scatters fall behind, each late one keeping a full
-gradient alive past the pool's bound (tests/test_comm.py::test_gradient_buffers_are_bounded_and_reused[3-3]
-saw 4-6 full gradients against MAX_INFLIGHT + 1 = 3 with eight 1 MiB units and 16 MiB ahead). The bytes
-gathered at once are thus at most one unit (with its externals) plus ``prefetch_bytes``
-(tests/test_stage3_peak.py). The all-gathers run (in
+backward. From then on, gathering unit i issues the all-gathers of units i+1, i+2, ... of the recorded order
+while their gathered bytes (with the units they gather along) fit in ``ZeroConfig.prefetch_bytes``; the first
+that does not fit, and all after it, wait for their turn. The bytes gathered at once are thus at most one
+unit (with its externals) plus ``prefetch_bytes`` (tests/test_stage3_peak.py). The all-gathers run (in
 gloo's or NCCL's own thread) while unit i computes. Observing another order re-records it; a wrong guess
 costs memory and time for one step, never correctness. All-gathers use a process group of their own, so they
 never wait behind a reduce-scatter in one queue.
@@ -34,13 +29,11 @@ class Prefetcher:
         if not self.config.prefetch or i >= len(order) or order[i] is not unit:
             return
         budget = self.config.prefetch_bytes  # Note [Prefetch]
-        units = len(order) if phase == "forward" else 1  # backward: the next unit only
         for ahead in order[i + 1:]:
             if ahead is unit or ahead.is_root:  # the root's own parameters are gathered per use
                 continue
             budget -= self._unit_bytes(ahead)
-            units -= 1
-            if budget < 0 or units < 0:
+            if budget < 0:
                 return
             self._gather(ahead, wait=False)
 
