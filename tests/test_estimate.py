@@ -316,11 +316,3 @@ def test_sizes_out_of_range_are_one_line_errors(flag, text, expected):
     parse = {"--params": est.parse_count, "--device-memory": est.parse_bytes, "--bandwidth": est.parse_bandwidth}
     with pytest.raises(ZerorunError, match=re.escape(f"{flag}: ") + ".*" + re.escape(expected)):
         parse[flag](text, flag)
-
-
-def test_prefetch_default_agrees_with_the_runtime():
-    """estimate counts stage 3's default zero.prefetch_bytes without importing torch: the same number."""
-    from zerorun.estimate.activations import PREFETCH_BYTES
-    from zerorun.zero.config import PREFETCH_BYTES as RUNTIME
-
-    assert PREFETCH_BYTES == RUNTIME == 16 * 2**20

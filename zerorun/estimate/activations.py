@@ -14,7 +14,7 @@ from zerorun.estimate.policies import Precision
 INFLIGHT_BUCKETS = 2 + 1
 #: stage 3's default ``zero.prefetch_bytes`` (``zerorun.zero.config.PREFETCH_BYTES``, which needs torch to import;
 #: tests/test_estimate.py checks that they agree).
-PREFETCH_BYTES = 16 * 2**20
+PREFETCH_BYTES = 32 * 2**20
 
 
 # ------------------------------------------------------------------------------------------ activations

@@ -9,7 +9,7 @@ import torch
 from zerorun.zero.precision import DTYPES, LossScaleConfig
 
 #: stage 3's default bound on the bytes all-gathered ahead of use (Note [Prefetch] in ``stage3_prefetch.py``).
-PREFETCH_BYTES = 16 * 2**20
+PREFETCH_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
