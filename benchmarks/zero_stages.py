@@ -19,8 +19,7 @@ machines are shared and noisy. Reported per mode: median and p90 step time (s), 
 rank (max over ranks, bytes), model-state bytes per rank (from the engine), the realized memory saving
 against stage 0 as a fraction of the model-state bytes the stage saves in theory, and bytes sent per rank per
 step against the ZeRO paper's 2Ψ(N-1)/N x 4 bytes (stage 3: 3Ψ(N-1)/N x 4; §7). Stage 3 and FSDP2 shard
-the same units: each of the GPT's blocks, its embeddings, final norm and LM head (zerorun: ``units = Block``,
-the rest units of their own by default), FSDP2 with reshard_after_forward=True.
+the GPT's blocks and embeddings (units = Block, Embedding), FSDP2 with reshard_after_forward=True.
 """
 
 from __future__ import annotations
@@ -52,11 +51,10 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    stage, _, prefetch_mib = args.worker.partition(":")  # "3:16": stage 3 with zero.prefetch_bytes = 16 MiB
     spec = (os.path.join(ROOT, "recipes/models/gpt.py"), "build_model",
             dict(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
                  max_seq_len=args.seq, tie_embeddings=not args.untied))
-    if stage == "3":  # built on the meta device, each rank materializing its slices only
+    if args.worker == "3":  # built on the meta device, each rank materializing its slices only
         model = zero.deferred_init(build_model, *spec)
     else:
         model = build_model(*spec)
@@ -68,10 +66,7 @@ def worker(args) -> None:
     if args.worker == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        # the same units as zerorun's stage 3 (units = Block; the embeddings, final norm and head are units
-        # of their own there by default); the LM head and the embedding are one module when tied
-        for block in dict.fromkeys([*model.blocks, model.tok_emb, model.pos_emb, model.ln_f,
-                                    *([model.lm_head] if args.untied else [])]):
+        for block in [*model.blocks, model.tok_emb, model.pos_emb]:  # the same units as zerorun's stage 3
             fully_shard(block, reshard_after_forward=True)
         fully_shard(model, reshard_after_forward=True)
         opt = torch.optim.AdamW(zero.default_param_groups(model, 0.1), **opt_kwargs)
@@ -96,10 +91,9 @@ def worker(args) -> None:
         psi = sum(p.numel() for p in model.parameters())
         comm = lambda: 0  # noqa: E731
     else:
-        prefetch = {"prefetch_bytes": int(float(prefetch_mib) * 2**20)} if prefetch_mib else {}
         engine = zero.initialize(model, optimizer="AdamW", optimizer_kwargs=opt_kwargs, param_groups=groups,
-                                 config=zero.ZeroConfig(stage=int(stage), bucket_mb=args.bucket_mb,
-                                                        grad_clip=1.0, units=("Block",), **prefetch))
+                                 config=zero.ZeroConfig(stage=int(args.worker), bucket_mb=args.bucket_mb,
+                                                        grad_clip=1.0, units=("Block", "Embedding")))
 
         def step(batch):
             engine.backward(engine(batch)["loss"])
@@ -211,8 +205,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--modes", default="ddp,fsdp2,0,1,2,3",
-                   help="comma-separated: ddp, fsdp2, 0-3 (zerorun's stages), 3:MIB (stage 3, zero.prefetch_bytes MiB)")
+    p.add_argument("--modes", default="ddp,fsdp2,0,1,2,3")
     p.add_argument("--env", default="default", help=argparse.SUPPRESS)
     p.add_argument("--envs", default=None, help="comma-separated environments each mode runs in, "
                    "interleaved (" + ", ".join(ENVS) + ")")
@@ -291,10 +284,8 @@ def print_table(results: dict, args) -> None:
             saving = f"{(s0['peak_rss'] - r['peak_rss']) / theory:.2f}" if theory > 0 else "-"
         comm = "-"
         if mode not in ("ddp", "fsdp2"):
-            comm = f"{r['bytes_sent'] / ((3 if mode[0] == '3' else 2) * psi * (n - 1) / n * 4):.3f}"
+            comm = f"{r['bytes_sent'] / ((3 if mode == '3' else 2) * psi * (n - 1) / n * 4):.3f}"
         label = {"ddp": "DDP (torch)", "fsdp2": "FSDP2 (torch fully_shard)"}.get(mode, f"zerorun stage {mode}")
-        if ":" in mode:
-            label = f"zerorun stage {mode[0]}, prefetch {mode.partition(':')[2]} MiB"
         lo, hi = r["step_s_range"]
         plo, phi = r["peak_rss_range"]
         same = f"{r['step_s'] / base:.3f}x" if base else "-"

@@ -125,9 +125,6 @@ class Net(nn.Module):
             register_external_parameter(self, self.blocks[0].fc.weight)
         if kind in ("unfreeze", "freeze_later"):
             self.head.requires_grad_(kind == "freeze_later")
-        if kind in ("root_params", "root_params_view"):  # registered on the root itself (the root unit)
-            self.mix = nn.Parameter(torch.randn(16, 16) * 0.1)
-            self.gain = nn.Parameter(torch.ones(16))
         if kind == "zero_element":
             self.empty = nn.Parameter(torch.randn(0, 16))  # zero elements
             self.scale = nn.Parameter(torch.ones(1))  # a param group of one element
@@ -147,10 +144,6 @@ class Net(nn.Module):
         else:
             for b in self.blocks:
                 h = unwrap(b(h, rank == 0) if self.kind == "expert_some_ranks" else b(h), self.out)
-        if self.kind == "root_params":  # each use gathers the root unit and frees it after (Note [Root parameters])
-            h = F.linear(h, self.mix) + h * self.gain
-        if self.kind == "root_params_view":  # views of root parameters, read by operations after the use
-            h = h @ self.mix.t() + h * self.gain.expand(h.shape[0], 16)
         if self.kind == "zero_element":
             h = (h + (h @ self.empty.t()).sum(-1, keepdim=True)) * self.scale
         logits = self.head(h)
@@ -243,7 +236,7 @@ MATCH = ["plain", "grad_hook", "grad_hook_deferred", "grad_hook_meta_capture", "
          "penalty_declared", "tied_by_attribute",
          "norm_in_forward", "unit_out_dataclass", "unit_out_object", "unit_out_namedtuple", "unit_out_nested",
          "root_out_dataclass", "root_out_object", "expert_some_ranks", "zero_element", "gathered_write",
-         "gathered_read", "root_params", "root_params_view"]
+         "gathered_read"]
 #: kinds that raise at the given stages (all other stages match stage 0), with a part of the message
 ERRORS = {
     "experts_per_rank": ((3,), "reaches the loss on some ranks only"),  # before backward: no hang

@@ -90,11 +90,6 @@ def test_tied_and_untied_embedding(ranks, tie):
     check(ranks(2).run(cases.parity, stage=2, model="gpt", tie_embeddings=tie))
 
 
-def TIED_PADDED(n: int) -> int:
-    """Elements of the test GPT's tied embedding/head weight (vocab 61 x d 18), padded to a multiple of ``n``."""
-    return -(-61 * 18 // n) * n
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_reported_bytes_match_zero_paper(ranks, world_size, stage):
@@ -120,8 +115,6 @@ def test_bytes_sent_per_step(ranks, stage):
         n, padded = r["world_size"], r["padded"]
         expected = (3 if stage == 3 else 2) * padded * (n - 1) // n * 4
         extra = 0 if stage == 0 else round(2 * (n - 1) / n * (24 if stage == 3 else 4))
-        if stage == 3:  # the LM head gathers the embedding's unit (its tied weight) in forward and backward
-            extra += 2 * TIED_PADDED(n) * (n - 1) // n * 4
         assert r["comm"]["bytes_sent"] == expected + extra
 
 
@@ -129,8 +122,7 @@ def test_bytes_sent_per_step(ranks, stage):
 def test_stage3_meta_construction_equals_normal(ranks, world_size):
     for r in ranks(world_size).run(cases.deferred_equals_normal):
         assert r["keys"] and r["equal"] and r["rng"], r
-        # the listed Blocks, and every part outside them a unit of its own (the head shares tok_emb's weight)
-        assert r["units"] == ["tok_emb", "pos_emb", "blocks.0", "blocks.1", "blocks.2", "ln_f", "lm_head", ""]
+        assert r["units"] == ["blocks.0", "blocks.1", "blocks.2", ""]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -151,8 +143,8 @@ def test_stage3_weight_tied_across_units(ranks):
 
 def test_stage3_records_unit_order_and_prefetches(ranks):
     for r in ranks(2).run(cases.prefetch_order):
-        assert r["forward"] == ["", "tok_emb", "pos_emb", "blocks.0", "blocks.1", "ln_f", "lm_head"]
-        assert r["backward"] == ["", "lm_head", "ln_f", "blocks.1", "blocks.0", "pos_emb", "tok_emb"]
+        assert r["forward"] == ["", "blocks.0", "blocks.1"]
+        assert r["backward"] == ["", "blocks.1", "blocks.0"]
         # in step 2 every block was already being gathered (prefetched) when its turn came
         blocks = [state for name, state in r["states_at_use"] if name.startswith("blocks")]
         assert blocks and all(state == "gathering" for state in blocks), r["states_at_use"]
@@ -176,7 +168,6 @@ def test_stage3_persistent_parameters_bytes(ranks):
             for name in r["persistent_params"]), r["persistent_params"]
         assert r["bytes"]["params"] == (padded // n + pers) * 4
         step = (3 * (padded - pers) + 2 * pers) * (n - 1) // n * 4 + round(2 * (n - 1) / n * 24)  # norm + unit digest
-        step += 2 * TIED_PADDED(n) * (n - 1) // n * 4  # Note [Tied parameters]: tok_emb gathered with lm_head too
         construction = pers * (n - 1) // n * 4  # the persistent parameters are all-gathered once when built
         assert r["comm"]["bytes_sent"] == step + construction
 

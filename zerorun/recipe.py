@@ -137,9 +137,6 @@ class ZeroSpec(_Strict):
     bucket_mb: float = Field(25.0, gt=0)
     units: list[str] = Field(default_factory=list)
     prefetch: bool = True
-    # Stage 3: bytes all-gathered ahead of use at most (DeepSpeed: stage3_prefetch_bucket_size /
-    # stage3_max_live_parameters, in elements); unset: the runtime's default (zerorun.zero.config.PREFETCH_BYTES).
-    prefetch_bytes: int | None = Field(None, ge=0)
     meta_init: bool = True
     # Stage 3: parameters of at most this many elements stay whole on every rank (0: none).
     persistence_threshold: int = Field(0, ge=0)

@@ -33,9 +33,6 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
     if recipe.zero.persistence_threshold and recipe.runtime != "zero":
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: zerorun's stage 3 knob; the "
                            f"{recipe.runtime} baseline does not take it")
-    if recipe.zero.prefetch_bytes is not None and (recipe.zero.stage != 3 or recipe.runtime != "zero"):
-        raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: zerorun's stage-3 knob (units all-gathered ahead "
-                           "of use); it needs zero.stage 3")
     if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
                            "at zero.stage 3 only")

@@ -33,11 +33,8 @@ Communication per rank per step counts bytes sent as ``zero/comm.py`` does (ring
 and all-gather send (N-1)/N of the buffer, all-reduce twice that; ZeRO paper §7: 2Ψ elements for stages 0-2,
 3Ψ for stage 3). Without a recipe (``--params``), the layout is one buffer of Ψ elements.
 
-Note [What is approximate]: the working set stage 3 adds (the parameters registered on the root itself,
-counted as gathered throughout although the engine gathers them per use, plus, at the worst moment of a pass
-in module order, one unit with the units it gathers along and the units after it that fit in
-``zero.prefetch_bytes``: exactly the engine's peak when the forward runs the units in module order,
-tests/test_stage3_peak.py), the full gradient
+Note [What is approximate]: the working set stage 3 adds (the root unit, which stays gathered through forward
+and backward, plus the largest unit being computed and the next one being prefetched), the full gradient
 buckets stages 2-3 hold while their reduce-scatters are in flight, and activations (Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", §4, generalized to the element size and to
 models without dropout); host memory for cpu offload on an accelerator (the masters and states plus the pinned

@@ -12,9 +12,6 @@ from zerorun.estimate.policies import Precision
 #: Full bucket gradients held at once at stages 2-3 (``ZeroEngine.MAX_INFLIGHT + 1``, Note [Gradient buffer pool]
 #: in zero/engine.py): all of them may be in flight.
 INFLIGHT_BUCKETS = 2 + 1
-#: stage 3's default ``zero.prefetch_bytes`` (``zerorun.zero.config.PREFETCH_BYTES``, which needs torch to import;
-#: tests/test_estimate.py checks that they agree).
-PREFETCH_BYTES = 32 * 2**20
 
 
 # ------------------------------------------------------------------------------------------ activations
@@ -64,9 +61,8 @@ class WorkingSet:
     """Transient bytes per rank above the model states at rest (Note [Peak]).
 
     Attributes:
-        gathered: stage 3: the gathered parameters at most at once (the root unit's own parameters, one unit
-            with the units it gathers along, and with prefetch the units after it that fit in
-            ``zero.prefetch_bytes``), present while activations are.
+        gathered: stage 3: the gathered parameters (the root unit, the largest unit and, with prefetch, the
+            next largest), present while activations are.
         backward: gradient buckets in flight (stages 2-3: ``INFLIGHT_BUCKETS`` of the largest) plus, on gloo,
             the receive buffer of each pending reduce-scatter (Note [Reduce-scatter on gloo] in zero/comm.py;
             stage 1: every bucket, reduced all at once at the end of backward; stages 2-3: up to
@@ -82,8 +78,7 @@ class WorkingSet:
 
 
 def working_set(layout: Layout, stage: int, world_size: int, precision: Precision, *,
-                bucket_mb: float = 25.0, prefetch: bool = True, gloo: bool = False,
-                prefetch_bytes: int = PREFETCH_BYTES) -> WorkingSet:
+                bucket_mb: float = 25.0, prefetch: bool = True, gloo: bool = False) -> WorkingSet:
     """The :class:`WorkingSet` of ``stage`` on ``world_size`` ranks (Note [What is approximate]); ``gloo``: the
     collectives run on gloo (CPU), where each pending reduce-scatter holds a receive buffer of its input's size
     (Note [Reduce-scatter on gloo] in zero/comm.py; gloo's own reduce-scatter held a staging copy of the same
@@ -112,24 +107,8 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
     if not layout.exact:
         return WorkingSet(sum(u.numel for u in layout.units) * (2 if prefetch else 1) * precision.param_bytes,
                           backward)
-    own = {u.name: sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units}
-    sizes = [(own[u.name] + sum(own.get(e, 0) for e in u.external)) * precision.param_bytes
-             for u in layout.units if u.name not in ("<root>", PERSISTENT)]
-    root = own.get("<root>", 0) * precision.param_bytes
-    return WorkingSet(root + _peak_gathered(sizes, prefetch_bytes if prefetch else 0), backward)
-
-
-def _peak_gathered(sizes: list[int], budget: int) -> int:
-    """The most bytes gathered at once when units of ``sizes`` bytes (module order, taken as the forward's)
-    run one after another, forward then backward, each all-gathering the next ones ahead while their bytes fit
-    in ``budget`` (Note [Prefetch] in zero/stage3_prefetch.py)."""
-    peak = 0
-    for order in (sizes, sizes[::-1]):
-        for i, size in enumerate(order):
-            ahead = 0
-            for nxt in order[i + 1:]:
-                if ahead + nxt > budget:
-                    break
-                ahead += nxt
-            peak = max(peak, size + ahead)
-    return peak
+    sizes = sorted((sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units
+                    if u.name not in ("<root>", PERSISTENT)),
+                   reverse=True)
+    root = sum(sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units if u.name == "<root>")
+    return WorkingSet((root + sum(sizes[:2 if prefetch else 1])) * precision.param_bytes, backward)

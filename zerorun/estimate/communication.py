@@ -13,8 +13,7 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
     all-gather parameters (2Ψ); stage 3 all-gathers each unit in forward and in backward and reduce-scatters its
     gradients, every micro-step (3Ψ), except persistent parameters, all-gathered once per step after it
-    (Note [Persistent parameters]); a unit holding a weight tied into another unit is all-gathered again, in
-    forward and backward, with that unit (Note [Tied parameters]). Stages 1-2 add an all-reduce of the squared gradient norm (4 bytes); at
+    (Note [Persistent parameters]). Stages 1-2 add an all-reduce of the squared gradient norm (4 bytes); at
     stage 3 it carries 24 bytes (fp64 norm and the digest of the units gathered, Note [Same units on every
     rank] in ``zero/stage3_checks.py``).
     Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``. A stage-3 unit
@@ -28,10 +27,8 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     pb, gb = precision.param_bytes, precision.reduce_bytes  # gradients travel in the reduce dtype
     bufs = _stage_buffers(layout, stage)[0]
     trainable = sum(_pad(n, N) for n in bufs)
-    frozen = frozen_only = persistent = again = 0
+    frozen = frozen_only = persistent = 0
     if stage == 3 and layout.exact:
-        own = {u.name: sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units}
-        again = sum(own.get(e, 0) for u in layout.units for e in u.external)  # Note [Tied parameters]
         gathered = [u for u in layout.units if u.name != PERSISTENT]
         frozen = sum(_pad(n, N) for u in gathered if u.trainable for n in u.frozen)
         frozen_only = sum(_pad(n, N) for u in gathered if not u.trainable for n in u.frozen)
@@ -45,6 +42,6 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
         sent = grad_accum_steps * f * trainable * gb + f * trainable * pb + norm
     else:
         gathered_twice = trainable - persistent + frozen  # persistent: all-gathered once per step, after it
-        sent = (grad_accum_steps * f * ((2 * gathered_twice + 2 * again + frozen_only) * pb + trainable * gb)
+        sent = (grad_accum_steps * f * ((2 * gathered_twice + frozen_only) * pb + trainable * gb)
                 + f * persistent * pb + norm)
     return int(round(sent))

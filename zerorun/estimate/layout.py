@@ -19,8 +19,6 @@ class UnitCount:
     name: str
     trainable: tuple[int, ...]
     frozen: tuple[int, ...] = ()
-    #: names of the units this one gathers along with itself (a weight tied into it: Note [Tied parameters])
-    external: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -76,7 +74,7 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     from zerorun.zero.engine import default_param_groups
     from zerorun.zero.flat import pack as pack_params
     from zerorun.zero.precision import DTYPES
-    from zerorun.zero.stage3 import complete_units, pick_units, shared_holders, unit_of_params
+    from zerorun.zero.stage3 import pick_units, unit_of_params
 
     names = {}
     for i, (name, p) in enumerate(model.named_parameters()):
@@ -89,17 +87,11 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
 
     bucket_bytes = int(bucket_mb * 2**20)
     groups = default_param_groups(model, weight_decay, decay_1d)
-    unit_modules = complete_units(model, pick_units(model, tuple(units)))
+    unit_modules = pick_units(model, tuple(units))
     unit_index = unit_of_params(model, [m for _, m in unit_modules])
     for p in unit_index:  # Note [Persistent parameters] in zero/stage3.py
         if p.numel() <= persistence_threshold:
             unit_index[p] = -2
-    unit_name = {i: name for i, (name, _) in enumerate(unit_modules)} | {-1: "<root>", -2: PERSISTENT}
-    external: dict[int, list[str]] = {}  # Note [Tied parameters] in zero/stage3.py
-    for p, others in shared_holders(model, [m for _, m in unit_modules]).items():
-        for i in others:
-            if unit_index[p] != -2 and unit_name[unit_index[p]] not in external.setdefault(i, []):
-                external[i].append(unit_name[unit_index[p]])
     flat: list[int] = []
     per_unit: dict[int, list[int]] = {}
     for group in groups:
@@ -115,14 +107,14 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     for p in frozen:
         frozen_by_unit[unit_index[p]] = frozen_by_unit.get(unit_index[p], 0) + p.numel()
     indexed = [(i, name) for i, (name, _) in enumerate(unit_modules)] + [(-1, "<root>"), (-2, PERSISTENT)]
-    counted = [UnitCount(name, tuple(per_unit.get(i, ())), (frozen_by_unit[i],) if i in frozen_by_unit else (),
-                         tuple(external.get(i, ()))) for i, name in indexed]
+    counted = [UnitCount(name, tuple(per_unit.get(i, ())), (frozen_by_unit[i],) if i in frozen_by_unit else ())
+               for i, name in indexed]
     total = sum(p.numel() for p in names)
     trainable = sum(flat)
     shape = getattr(model, "shape", None)
     hint = suggest_unit_class(model)
     return Layout(unit_hint=hint, total=total, trainable=trainable, frozen=total - trainable, buffers=tuple(flat),
-                  frozen_params=tuple(p.numel() for p in frozen), units=tuple(u for u in counted if u.numel or u.external),
+                  frozen_params=tuple(p.numel() for p in frozen), units=tuple(u for u in counted if u.numel),
                   exact=True, shape=dict(shape) if isinstance(shape, dict) else None, precision=precision)
 
 

@@ -31,9 +31,8 @@ _ALWAYS = {
     "reduce_scatter": "always on at stages 2-3",
     "allgather_partitions": "always on",
     "allgather_bucket_size": "zerorun all-gathers per flat buffer / stage-3 unit",
-    "stage3_prefetch_bucket_size": "zero.prefetch_bytes bounds what stage 3 all-gathers ahead, in bytes (set it "
-                                   "in the recipe: elements x 4 in fp32, x 2 in bf16/fp16)",
-    "stage3_max_live_parameters": "stage 3 holds one unit plus zero.prefetch_bytes gathered at most",
+    "stage3_prefetch_bucket_size": "stage 3 prefetches the next unit (zero.prefetch)",
+    "stage3_max_live_parameters": "stage 3 holds the gathered unit and the prefetched one",
     "stage3_max_reuse_distance": "stage 3 frees a unit after its forward and its backward",
     "stage3_gather_16bit_weights_on_model_save": "zerorun consolidate writes full weights from any checkpoint",
     "round_robin_gradients": "no equivalent",

@@ -8,9 +8,6 @@ import torch
 
 from zerorun.zero.precision import DTYPES, LossScaleConfig
 
-#: stage 3's default bound on the bytes all-gathered ahead of use (Note [Prefetch] in ``stage3_prefetch.py``).
-PREFETCH_BYTES = 32 * 2**20
-
 
 @dataclass(frozen=True)
 class ZeroConfig:
@@ -27,10 +24,6 @@ class ZeroConfig:
             (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
         prefetch: stage 3: all-gather the next unit (in the order recorded in the first step) while the
             current one computes.
-        prefetch_bytes: stage 3: with ``prefetch``, the units next in the recorded order are all-gathered ahead
-            while their total gathered bytes (in the parameters' dtype) fit in this bound; a unit larger than
-            what is left waits for its turn (DeepSpeed's ``stage3_prefetch_bucket_size`` and
-            ``stage3_max_live_parameters`` bound the same, in elements). Note [Prefetch] in ``stage3_prefetch.py``.
         persistence_threshold: stage 3: parameters of at most this many elements stay whole on every rank
             (Note [Persistent parameters] in ``stage3.py``); 0 for none.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: dtype of parameters, gradients and collectives; fp32
@@ -59,7 +52,6 @@ class ZeroConfig:
     units: tuple[str, ...] = ()
     activation_checkpointing: bool = False
     prefetch: bool = True
-    prefetch_bytes: int = PREFETCH_BYTES
     persistence_threshold: int = 0
     precision: str = "fp32"
     reduce_dtype: str | None = None
@@ -88,8 +80,6 @@ class ZeroConfig:
                              "zero.offload_path (a folder for the swap files)")
         if self.offload_buffer_mb <= 0:
             raise ValueError(f"zero.offload_buffer_mb must be > 0, got {self.offload_buffer_mb}")
-        if self.prefetch_bytes < 0:
-            raise ValueError(f"zero.prefetch_bytes must be >= 0, got {self.prefetch_bytes}")
         if self.persistence_threshold < 0:
             raise ValueError(f"zero.persistence_threshold must be >= 0, got {self.persistence_threshold}")
         if self.bucket_mb <= 0:

@@ -1,10 +1,9 @@
 """ZeRO stage 3: parameters partitioned too, gathered unit by unit just in time (ZeRO paper §5.3).
 
 Note [Units]: a unit is a module whose parameters are all-gathered and freed together: every instance of a
-class named in ``ZeroConfig.units`` (e.g. the GPT's ``Block``; without names, modules picked by size), every
-part of the model outside them (the embeddings, the final norm, the LM head: Note [Units outside the listed
-ones] in ``units.py``), and a root unit (the model itself) for the parameters registered directly on the root
-or on a container. A weight tied between units belongs to the first of them (Note [Tied parameters]). Each unit holds one flat buffer per optimizer param group (and one for frozen parameters); at rest a rank
+class named in ``ZeroConfig.units`` (e.g. the GPT's ``Block``), plus a root unit (the model itself) for the
+parameters no unit owns. A parameter reached from two units (a weight tied across units) belongs to the root.
+Each unit holds one flat buffer per optimizer param group (and one for frozen parameters); at rest a rank
 keeps only its slice of each (``shard``), and the full flat tensor's storage is freed (``resize_(0)``): the
 parameters stay views of it, so autograd's saved references stay valid across free and re-gather.
 
@@ -30,7 +29,11 @@ all-gathered after the optimizer step, as at stages 1-2. Memory: their whole byt
 tensor besides the slice the optimizer updates); traffic: one all-gather of them per step instead of two.
 0 (the default) keeps every parameter partitioned.
 
-Note [Prefetch] (the order recorded, the bytes gathered ahead): ``stage3_prefetch.py``.
+Note [Prefetch]: the order in which units are gathered is recorded in the first step, for forward and for
+backward. From then on, gathering unit i issues the all-gather of unit i+1 of the recorded order, which runs
+(in gloo's or NCCL's own thread) while unit i computes. Observing another order re-records it; a wrong guess
+costs memory and time for one step, never correctness. All-gathers use a process group of their own, so they
+never wait behind a reduce-scatter in one queue.
 """
 
 from __future__ import annotations
@@ -51,14 +54,13 @@ from zerorun.zero.param_offload import ParamOffload
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import ParameterAccess, adopt, declared_externals, engine_ref, placeholder
 from zerorun.zero.stage3_backward import Stage3Backward
-from zerorun.zero.stage3_prefetch import Prefetcher
 from zerorun.zero.stage3_checks import carry_hooks, check_no_writes, param_versions
 from zerorun.zero.torch_internals import in_backward
-from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, complete_units, pick_units,  # noqa: F401
-                                shared_holders, tensors_in, unit_of_params)
+from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, pick_units, tensors_in,  # noqa: F401
+                                unit_of_params)
 
 
-class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ParamOffload, ZeroEngine):
+class Stage3Engine(ParameterAccess, Stage3Backward, ParamOffload, ZeroEngine):
     """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch]). Extra API:
     :meth:`full_state_dict`, :attr:`units`."""
 
@@ -68,19 +70,13 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ParamOffload, Ze
         self._replay_group = process_group
         if self._deferred:
             param_groups = self._swap_meta_params(model, param_groups, DTYPES[config.precision])
-        unit_modules = complete_units(model, pick_units(model, tuple(config.units)))
+        unit_modules = pick_units(model, tuple(config.units))
         self.units = [Unit(n, m, False) for n, m in unit_modules] + [Unit("", model, True)]
         self._unit_of_param = self._assign(model)
         self._persistent_unit = Unit("<persistent>", model, False, persistent=True)  # Note [Persistent parameters]
         for p in list(self._unit_of_param):
             if 0 < config.persistence_threshold and p.numel() <= config.persistence_threshold:
                 self._unit_of_param[p] = self._persistent_unit
-        for p, others in shared_holders(model, [u.module for u in self.units[:-1]]).items():  # Note [Tied parameters]
-            owner = self._unit_of_param[p]
-            for i in others:
-                holder = self.units[i]
-                if not owner.persistent and owner is not holder and owner not in holder.external:
-                    holder.external.append(owner)
         self.units.append(self._persistent_unit)
         self._frozen_buffers: list[FlatBuffer] = []
         self._ag_comm: Comm | None = None
@@ -92,7 +88,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ParamOffload, Ze
         self._ag_comm = Comm(dist.new_group(ranks=ranks, backend=dist.get_backend(process_group),
                                             use_local_synchronization=ranks is not None))
         # the root stays even when persistence left it empty: its forward hooks end the recorded pass
-        self.units = [u for u in self.units if u.buffers or u.is_root or u.external]
+        self.units = [u for u in self.units if u.buffers or u.is_root]
         for i, unit in enumerate(self.units):
             unit.index = i
         self._root = next(u for u in self.units if u.is_root)
@@ -125,9 +121,6 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ParamOffload, Ze
                 for buf in unit.buffers:
                     for p in buf.params:
                         adopt(p, self._use)
-        self._root_pending: dict = {}  # Note [Root parameters]: root parameters whose use's backward is running
-        for p in (p for b in self._root.trainable for p in b.params):
-            self._handles.append(p.register_post_accumulate_grad_hook(self._root_accumulated))
         for module in model.modules():
             module.__dict__["_zerorun_engine"] = engine_ref(self)
         for module, param in declared_externals(model):
@@ -279,10 +272,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ParamOffload, Ze
             unit.state = UnitState.GATHERED
             unit.versions = param_versions(unit)  # Note [Writes inside a unit's forward]
 
-    def _free(self, unit: Unit, release_externals: bool = True) -> None:
-        """Free ``unit``'s gathered storage unless it is pinned; with ``release_externals``, the units it
-        gathered along (Note [External parameters]) lose its pin and are freed too when nothing else holds
-        them (a root parameter's use frees the root alone: Note [Root parameters])."""
+    def _free(self, unit: Unit) -> None:
         if unit.state is UnitState.FREE or unit.persistent or unit.pinned_by:
             return
         if unit.works:
@@ -294,17 +284,10 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ParamOffload, Ze
                 p.data = rest
             buf.data.untyped_storage().resize_(0)
         unit.state = UnitState.FREE
-        for other in (unit.external if release_externals else ()):
+        for other in unit.external:
             other.pinned_by.discard(unit)
             if other.active == 0:
                 self._free(other)
-
-    def _gather_externals(self, unit: Unit) -> None:
-        """Gather the units ``unit`` gathers along (Note [External parameters]), pinned by it until the end of
-        the pass (the root, whose own parameters are gathered per use: Note [Root parameters])."""
-        for other in unit.external:
-            self._gather(other)
-            other.pinned_by.add(unit)
 
     def _free_all(self) -> None:
         for unit in self.units:  # pins of units go; a gathered_parameters block keeps its own
@@ -312,15 +295,23 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ParamOffload, Ze
         for unit in self.units:
             self._free(unit)
 
+    def _note_and_prefetch(self, unit: Unit, phase: str) -> None:
+        seen = self._seen[phase]
+        if seen and seen[-1] is unit:
+            return
+        seen.append(unit)
+        order = self._order[phase]
+        i = len(seen) - 1
+        if not self.config.prefetch or i >= len(order) or order[i] is not unit:
+            return
+        if i + 1 < len(order):
+            self._gather(order[i + 1], wait=False)
+
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        if not unit.is_root or in_backward():
-            self._gather(unit)
-        else:  # the root's own parameters: gathered per use (Note [Root parameters]); its externals now
-            self._gather_externals(unit)
+        self._gather(unit)
         if in_backward():
             return None
         if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
-            unit.aliased = False
             for u in self._active:
                 u.active = 0
             self._active = []
@@ -367,11 +358,13 @@ class Stage3Engine(ParameterAccess, Stage3Backward, Prefetcher, ParamOffload, Ze
         return output
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
-        if not unit.is_root or unit.aliased:  # Note [Root parameters]: else gathered by their uses' results
-            self._gather(unit)
-        else:
-            self._gather_externals(unit)
+        self._gather(unit)
         self._note_and_prefetch(unit, "backward")
+
+    def _end_pass(self, phase: str) -> None:
+        if self._seen[phase] and self._seen[phase] != self._order[phase]:
+            self._order[phase] = self._seen[phase]
+        self._seen[phase] = []
 
     # ------------------------------------------------------------------------------------------------ report
     def memory_bytes(self) -> dict[str, int]:

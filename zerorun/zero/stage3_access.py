@@ -20,19 +20,6 @@ reading ``p.data`` counts as a use (what is done with the plain tensor it return
 reference to ``p.data`` taken while the unit was gathered and used after it was freed reads the placeholder:
 NaN, and torch's own error (overlapping memory) on a write, never a silent loss or a crash.
 
-Note [Root parameters]: parameters registered directly on the root module or on a container (Note [Units
-outside the listed ones] in ``units.py``) form the root unit, which is gathered for each operation of the
-forward that uses one of them and freed right after it (issue 21: it stayed gathered through the whole
-forward and backward). The operation's result gets a gradient hook that gathers the root again in backward,
-just before the operation's backward runs; it is freed again when the gradient of every root parameter whose
-use was so reached has been accumulated (autograd accumulates a leaf once per backward, after all its uses;
-a node that reads a parameter is the node that computes its gradient), so the LM head's weight is gathered
-for the head's backward and the embedding's for the embedding's. A frozen root parameter, which no
-accumulation signals, keeps the root gathered to the end of backward once its use is reached. A result that is a view of a root
-parameter (``self.pos[:T]``, ``expand``, ``.t()``) is read later, by operations that are not seen: it keeps
-the root gathered until the end of the forward, and from the start of backward until the root's gradients
-are complete (the root's behaviour before). Uses inside backward (recomputation) gather and pin.
-
 Note [External parameters]: ``register_external_parameter(module, param)`` declares, before or after
 ``initialize``, that ``module``'s forward reads ``param`` of another unit (DeepSpeed's name for the same):
 the unit of ``module`` then gathers ``param``'s unit along with itself, pinned until it frees itself,
@@ -42,7 +29,6 @@ without waiting for the first use to be discovered.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -51,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from zerorun.zero.torch_internals import in_backward
-from zerorun.zero.units import UnitState, tensors_in
+from zerorun.zero.units import UnitState
 
 if TYPE_CHECKING:
     from zerorun.zero.flat import FlatBuffer
@@ -90,20 +76,19 @@ class ZeroParameter(nn.Parameter):
         kwargs = kwargs or {}
         # reading ``p.data`` hands out the values (a write through it would bypass this guard)
         name = getattr(func, "__name__", "")
-        after = []  # callbacks on the result (Note [Root parameters])
         if name not in _METADATA or (name == "__get__" and getattr(func, "__self__", None) is _DATA):
-            used = [a for a in args if isinstance(a, ZeroParameter)]
-            used += [b for a in args if isinstance(a, (list, tuple)) for b in a if isinstance(b, ZeroParameter)]
-            used += [a for a in kwargs.values() if isinstance(a, ZeroParameter)]
-            for a in used:
-                done = a._zerorun_use(a, func)
-                if done is not None and done not in after:
-                    after.append(done)
+            for a in args:
+                if isinstance(a, ZeroParameter):
+                    a._zerorun_use(a, func)
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if isinstance(b, ZeroParameter):
+                            b._zerorun_use(b, func)
+            for a in kwargs.values():
+                if isinstance(a, ZeroParameter):
+                    a._zerorun_use(a, func)
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        for done in after:
-            done(out)
-        return out
+            return func(*args, **kwargs)
 
 
 def adopt(p: nn.Parameter, use) -> bool:
@@ -166,15 +151,11 @@ class ParameterAccess:
     """Stage 3's user-facing access to partitioned parameters (Notes [Parameters at rest], [External
     parameters]); mixed into :class:`~zerorun.zero.stage3.Stage3Engine`."""
 
-    def _use(self, p: nn.Parameter, func: Any):
-        """Note [Parameters at rest]: ``p``'s values are about to be read or written by ``func``. Returns
-        ``None``, or for a root parameter in a forward a callback to run on ``func``'s result (Note [Root
-        parameters])."""
+    def _use(self, p: nn.Parameter, func: Any) -> None:
+        """Note [Parameters at rest]: ``p``'s values are about to be read or written by ``func``."""
         unit = self._unit_of_param.get(p)
-        if unit is not None and unit.is_root and self._active and not in_backward():
-            return self._use_root(unit, p)
         if unit is None or unit.state is UnitState.GATHERED:
-            return None
+            return
         if unit.state is UnitState.GATHERING:  # a prefetch in flight
             self._gather(unit)
             return
@@ -197,46 +178,6 @@ class ParameterAccess:
             f"and {getattr(func, '__name__', func)} used its values outside a forward or backward: read or write "
             f"it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank (modifier_rank: "
             "the rank whose writes are kept), or read engine.full_state_dict()")
-
-    def _use_root(self, unit, p: nn.Parameter):
-        """Note [Root parameters]: gather the root unit for one operation of the forward on ``p``; the callback
-        returned frees it after the operation unless the result is a view of it (then it stays until the end
-        of the forward), and hooks the result's gradient to gather it again in backward."""
-        was_free = unit.state is not UnitState.GATHERED
-        self._gather(unit)
-
-        def done(out) -> None:
-            storages = {b.data.untyped_storage().data_ptr() for b in unit.buffers}
-            tensors = tensors_in(out)
-            aliased = any(t.untyped_storage().data_ptr() in storages for t in tensors
-                          if t.layout is torch.strided and t.untyped_storage().nbytes())
-            if torch.is_grad_enabled():
-                for t in tensors:
-                    if t.requires_grad:
-                        t.register_hook(functools.partial(self._root_grad_hook, p))
-            if aliased:
-                unit.aliased = True
-                unit.pinned_by.add(self._active[-1])
-            elif was_free:
-                self._free(unit, release_externals=False)
-        return done
-
-    def _root_grad_hook(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """Note [Root parameters]: the gradient of the result of an operation on ``p`` (a root parameter) is
-        here: the operation's backward, which runs next, needs the root whole until ``p``'s gradient is
-        accumulated (:meth:`_root_accumulated`)."""
-        self._gather(self._root)
-        self._note_and_prefetch(self._root, "backward")
-        self._root_pending[p] = self._root_pending.get(p, 0) + 1
-
-    def _root_accumulated(self, p: nn.Parameter) -> None:
-        """Note [Root parameters]: autograd accumulated ``p``'s gradient (once per backward, after every use of
-        ``p`` ran its backward): once no use of a root parameter is waiting, the root is freed."""
-        self._root_pending.pop(p, None)
-        root = self._root
-        if (in_backward() and not self._root_pending and not root.aliased and root.state is not UnitState.FREE
-                and not root.pinned_by):
-            self._free(root, release_externals=False)
 
     def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """Note [External parameters]: the unit running ``module`` gathers ``param``'s unit with itself."""

@@ -54,7 +54,6 @@ class Stage3Backward:
     def _finish_backward(self) -> None:
         super()._finish_backward()
         self._end_pass("backward")
-        self._root_pending.clear()
         for unit in self.units:
             unit.ready_buffers = 0
             unit.open_calls = 0

@@ -1,21 +1,5 @@
 """Stage 3's units: which modules are gathered and freed as one (Note [Units] in ``stage3.py``), what a unit
 holds, and the structure walks its hooks need (outputs of any structure, the end of a unit's backward).
-
-Note [Units outside the listed ones]: a part of the model outside every listed (or picked) unit is a unit of
-its own: walking from the root, each child module holding parameters with no unit inside it (the GPT's
-``tok_emb``, ``pos_emb``, ``ln_f``, ``lm_head``, or a ``Sequential`` stem) is gathered just before its own
-forward and backward and freed right after, like any unit. Before (issue 21) they formed the root unit, which
-stayed gathered through the whole forward and backward: with the embedding and the LM head of a 55M GPT (a
-third of its parameters) it cost 0.12 of stage 3's saving. Only parameters registered directly on the root or
-on a module with a unit inside it (a container) stay in the root unit. ``zero.units`` changes the listed
-units; the rest follows from it.
-
-Note [Tied parameters]: a parameter held by modules in several units (the LM head sharing the token
-embedding's weight) is stored once, in the first of those units in module order (the root if the root holds
-it too): one slice per rank, one gradient, accumulated over its uses and reduce-scattered once. Each other
-unit holding it gathers that unit along with itself (Note [External parameters] in ``stage3_access.py``), so
-the head's forward and backward see the weight whole and free it after. Traffic: the owning unit is
-all-gathered twice more per micro-step (``zerorun estimate`` counts it).
 """
 
 from __future__ import annotations
@@ -51,7 +35,6 @@ class Unit:
         self.external: list[Unit] = []  # units whose parameters this unit's forward reads (register_external_parameter)
         self.pinned_by: set = set()  # gathered units (or gathered_parameters blocks) that need this one gathered
         self.active = 0  # forward calls of this unit now on the stack
-        self.aliased = False  # the root: a view of its parameters was made in this forward (Note [Root parameters])
         self.out_nodes: list = []  # grad_fn of its outputs since the last backward (Note [Backward on some ranks])
 
     @property
@@ -97,62 +80,10 @@ def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str
     return units
 
 
-def complete_units(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """``units`` (from :func:`pick_units`) plus a unit for every part of the model outside them (Note [Units
-    outside the listed ones] in ``stage3.py``): each child module, from the root down, that holds parameters
-    and has no unit inside it is a unit of its own (the GPT's ``tok_emb``, ``pos_emb``, ``ln_f`` and
-    ``lm_head`` beside its ``Block`` s); a module with a unit inside it (a container, the root) is walked
-    into, and only the parameters registered on it directly stay in the root unit. In module order."""
-    chosen = {id(m) for _, m in units}
-    inside = set()  # ids of modules with a unit at or below them
-    for name, m in model.named_modules():
-        if id(m) in chosen:
-            inside.add(id(model))
-            parts = name.split(".")
-            for i in range(1, len(parts)):
-                inside.add(id(model.get_submodule(".".join(parts[:i]))))
-            inside.add(id(m))
-    extra: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            full = f"{prefix}.{name}" if prefix else name
-            if id(child) in chosen:
-                continue
-            if id(child) in inside:
-                visit(full, child)
-            elif any(True for _ in child.parameters()):
-                extra.append((full, child))
-
-    visit("", model)
-    if not extra:
-        return list(units)
-    order: dict[int, int] = {}
-    for i, (_, m) in enumerate(model.named_modules(remove_duplicate=False)):
-        order.setdefault(id(m), i)
-    return sorted([*units, *extra], key=lambda nm: order[id(nm[1])])
-
-
 def unit_of_params(model: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, int]:
-    """Each parameter's unit as an index into ``unit_modules`` (from :func:`complete_units`), ``-1`` for the
-    root: the innermost unit around every module that holds it. A parameter held in several units (a weight
-    tied between the embedding and the LM head) belongs to the first of them (the root when the root holds it
-    too); the others gather that unit with themselves (:func:`shared_holders`, Note [Tied parameters])."""
-    return {p: (-1 if -1 in ids else min(ids)) for p, ids in _holders(model, unit_modules).items()}
-
-
-def shared_holders(model: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, list[int]]:
-    """For each parameter held in several units: the indices of the units that hold it besides its own
-    (:func:`unit_of_params`), in order (Note [Tied parameters])."""
-    out = {}
-    for p, ids in _holders(model, unit_modules).items():
-        owner = -1 if -1 in ids else min(ids)
-        if len(ids) > 1:
-            out[p] = sorted(i for i in ids if i != owner)
-    return out
-
-
-def _holders(model: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, set[int]]:
+    """Each parameter's unit as an index into ``unit_modules`` (from :func:`pick_units`), ``-1`` for the root:
+    the innermost unit around every module that holds it; a parameter held by modules in different units (a
+    weight tied across units) belongs to the root (Note [Units])."""
     index_of = {id(m): i for i, m in enumerate(unit_modules)}
     holders: dict[nn.Parameter, set[int]] = {}
 
@@ -165,7 +96,7 @@ def _holders(model: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Paramet
             visit(child, unit)
 
     visit(model, -1)
-    return holders
+    return {p: next(iter(ids)) if len(ids) == 1 else -1 for p, ids in holders.items()}
 
 
 def tensors_in(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
