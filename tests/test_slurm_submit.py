@@ -237,6 +237,10 @@ def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
     (tmp_path / "job.json").write_text('{"exit_code": 143, "slurm_job_id": "7"}')
     waiting = slurm_jobs.JobInfo("7", "COMPLETING")
     assert slurm_attach.settled("7", str(tmp_path), waiting, 0.01) is waiting  # its record is there: no wait
+    # a node stuck in SLURM's clean-up: attach stops waiting after COMPLETING_WAIT_S (review: no bound)
+    monkeypatch.setattr(slurm_attach, "job_info", lambda job_id: slurm_jobs.JobInfo("8", "COMPLETING"))
+    stuck = slurm_attach.settled("8", str(tmp_path), slurm_jobs.JobInfo("8", "COMPLETING"), 0.01, limit_s=0.1)
+    assert stuck.state == "COMPLETING" and slurm_attach.exit_status(stuck, str(tmp_path), "8") == 1
 
 
 def test_job_ids_that_scontrol_reads_otherwise_are_refused(monkeypatch):
