@@ -144,8 +144,8 @@ def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
     from zerorun.telemetry.show import show
     from zerorun.telemetry.state import read_json
 
-    other = read_json(os.path.join(run_dir, "job.json")).get("slurm_job_id")
-    if not job_record(run_dir, job_id) and other is not None:  # the folder was submitted again
+    other = read_json(os.path.join(run_dir, "job.json")).get("slurm_job_id") or submitted_job(run_dir)
+    if not job_record(run_dir, job_id) and other is not None and str(other) != job_id:  # submitted again
         how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
         out.write(f"zerorun: job {job_id} ended ({how}); its run folder now holds job {other}'s run: "
                   f"zerorun attach {other} ({run_dir})\n")
