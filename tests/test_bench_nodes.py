@@ -29,6 +29,10 @@ def test_node_counts_and_where_they_may_run(monkeypatch):
         check_allocation([1], [])
     with pytest.raises(ZerorunError, match="--nodes and -H"):
         check_allocation([1], ["hosts"])
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # `srun zerorun bench --nodes 1` (review: hung silently)
+    with pytest.raises(ZerorunError, match=r"started inside a SLURM job step \(SLURM_STEP_ID=0: under srun\)"):
+        check_allocation([1], [])
 
 
 @pytest.mark.slow

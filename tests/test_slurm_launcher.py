@@ -45,6 +45,10 @@ def test_zerorun_under_srun_is_a_one_line_error():
             slurm.choose_launcher(launcher, None, step)
     assert slurm.choose_launcher("local", None, step) == "local"
     assert slurm.choose_launcher(None, "hosts", step) == "ssh"
+    # SLURM's own steps are not srun's: the shell of salloc under LaunchParameters=use_interactive_step
+    # (SLURM_STEP_ID=4294967290; review: refused, though srun works from it) and the batch script
+    for special in ("4294967290", "4294967291"):
+        assert slurm.choose_launcher(None, None, {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": special}) == "slurm"
     env = dict(os.environ, **step)
     out = subprocess.run([sys.executable, "-m", "zerorun", "train", os.path.join(ROOT, "recipes/tiny.yaml"),
                           "--dry-run"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -135,6 +139,30 @@ def test_slurm_commands_text_runs_each_node_by_name(monkeypatch):
     assert script.startswith('case "$SLURMD_NODENAME" in\nn1) ') and script.endswith("esac")
     assert "--node-rank=0 --master-addr=n1 --master-port=29600" in script.split("\n")[1]
     assert "--node-rank=1 --master-addr=n1 --master-port=29600" in script.split("\n")[2]
+
+
+def test_an_srun_that_ends_before_reading_its_input_reports_its_own_error():
+    """srun refusing the step exits without reading the nodes' specs on its stdin: the write's broken pipe used
+    to stop the launcher with "cannot start srun: Broken pipe" (seen 1 run in 10 in the test below, where cat
+    reads no input), hiding srun's line. The specs here exceed a pipe's 64 KiB, so the write must break."""
+    import queue
+
+    from zerorun.launch.slurm_step import SlurmNode, SlurmStep
+
+    plan = build_plan([Host(f"node{i:04d}", 1) for i in range(400)], "{}", "abc", 29600, master_addr="node0000")
+    lines: queue.Queue = queue.Queue()
+    refuse = ["sh", "-c", "exec 0<&-; echo 'srun: error: Unable to create step for job 12: Invalid'; exit 1"]
+    step = SlurmStep(refuse, plan.nodes, lines)
+    nodes = [SlurmNode(spec, step) for spec in plan.nodes]
+    nodes[0].start()  # raised ZerorunError before
+    got = [lines.get(timeout=30)]
+    assert got[0] == (0, "srun: error: Unable to create step for job 12: Invalid"), got
+    step.proc.wait(timeout=30)
+    for _ in range(300):
+        if len(step.ended) == len(nodes):
+            break
+        __import__("time").sleep(0.1)
+    assert all(node.returncode == 1 for node in nodes)
 
 
 def test_step_output_is_split_by_node_and_long_lines_joined(tmp_path):

@@ -225,6 +225,25 @@ def test_exit_status_from_the_run_or_from_slurm(tmp_path):
     assert exit_status(info, run, "1") == 143 and exit_status(info, run, "2") == 0
 
 
+def test_attach_to_an_old_job_while_its_folder_runs_again(tmp_path, monkeypatch):
+    """`sbatch RUN/submit.sbatch` (job 4) while attach asks for job 3: the new launcher removed job.json and its
+    metrics are appended, so the old job is named as ended with SLURM's status and the folder's new job pointed
+    at (review: a summary mixing both runs, "did not record how it ended")."""
+    import io
+
+    from zerorun.launch import slurm_attach
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"v": 1, "event": "start", "rank": 0, "time": 1.0}\n')
+    slurm_jobs.remember("4", str(run), in_run_dir=True)  # what the new job's zerorun train records
+    out = io.StringIO()
+    code = slurm_attach._ended("3", str(run), slurm_jobs.JobInfo("3", "CANCELLED", exit_code="143:0"), out)
+    assert code == 143 and out.getvalue() == (f"zerorun: job 3 ended (CANCELLED, exit code 143:0); its run folder "
+                                              f"now holds job 4's run: zerorun attach 4 ({run})\n")
+
+
 def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
     """SLURM shows COMPLETING as soon as it signals a job, while zerorun train still saves and writes its
     record: attach waits for the record or the final state (review: it reported COMPLETING, exit 0)."""
@@ -237,6 +256,10 @@ def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
     (tmp_path / "job.json").write_text('{"exit_code": 143, "slurm_job_id": "7"}')
     waiting = slurm_jobs.JobInfo("7", "COMPLETING")
     assert slurm_attach.settled("7", str(tmp_path), waiting, 0.01) is waiting  # its record is there: no wait
+    # a node stuck in SLURM's clean-up: attach stops waiting after COMPLETING_WAIT_S (review: no bound)
+    monkeypatch.setattr(slurm_attach, "job_info", lambda job_id: slurm_jobs.JobInfo("8", "COMPLETING"))
+    stuck = slurm_attach.settled("8", str(tmp_path), slurm_jobs.JobInfo("8", "COMPLETING"), 0.01, limit_s=0.1)
+    assert stuck.state == "COMPLETING" and slurm_attach.exit_status(stuck, str(tmp_path), "8") == 1
 
 
 def test_job_ids_that_scontrol_reads_otherwise_are_refused(monkeypatch):

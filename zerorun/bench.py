@@ -232,8 +232,9 @@ def check_allocation(nodes: list[int], hostfiles: list[str]) -> None:
     if not os.environ.get("SLURM_JOB_ID"):
         raise ZerorunError("--nodes: counts nodes of a SLURM allocation, and SLURM_JOB_ID is not set (run it "
                            "inside salloc or an sbatch script; elsewhere give hostfiles with -H)")
-    from zerorun.launch.slurm import allocation_hosts
+    from zerorun.launch.slurm import allocation_hosts, refuse_inside_step
 
+    refuse_inside_step()  # `srun zerorun bench --nodes`: its jobs' srun steps would wait for ever
     try:
         allocation_hosts(1, max(nodes))
     except ZerorunError as e:

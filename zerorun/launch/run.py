@@ -249,9 +249,10 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
             check.stop()
         raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
     if os.environ.get("SLURM_JOB_ID"):
-        from zerorun.launch.slurm_jobs import remember
+        from zerorun.launch.slurm_jobs import JOB_FILE, remember
 
-        remember(os.environ["SLURM_JOB_ID"], run_dir)
+        # a zerorun submit folder submitted again: its slurm-job.json names the job now writing into it
+        remember(os.environ["SLURM_JOB_ID"], run_dir, in_run_dir=os.path.isfile(os.path.join(run_dir, JOB_FILE)))
     state = JobState(name=name, stage=recipe.zero.stage if recipe is not None else None,
                      precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
                      hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],

@@ -51,11 +51,8 @@ def choose_launcher(launcher: str | None, hostfile: str | None, environ=None) ->
         launcher = "slurm" if env.get("SLURM_JOB_ID") and not hostfile else "ssh"
         if launcher == "ssh":
             return launcher
-    if launcher == "slurm" and env.get("SLURM_STEP_ID") is not None:  # inside `srun zerorun train`: its own
-        # srun step would wait for the CPUs the enclosing step holds, silently, for ever
-        raise ZerorunError(f"started inside a SLURM job step (SLURM_STEP_ID={env['SLURM_STEP_ID']}: under srun): "
-                           "zerorun starts its own srun step, so run it directly in the salloc shell or the sbatch "
-                           "script, not under srun (or give --launcher local to run one machine's job per task)")
+    if launcher == "slurm":
+        refuse_inside_step(env)
     if launcher not in LAUNCHERS:
         raise ZerorunError(f"--launcher {launcher}: expected one of {', '.join(LAUNCHERS)}")
     if launcher == "slurm" and hostfile:
@@ -66,6 +63,29 @@ def choose_launcher(launcher: str | None, hostfile: str | None, environ=None) ->
     if launcher == "local" and hostfile:
         raise ZerorunError("--launcher local runs on this machine alone: drop -H/--hostfile")
     return launcher
+
+
+#: SLURM_STEP_ID values at or above this are SLURM's special steps, not srun's: 0xfffffffa the interactive step
+#: (the shell of salloc with LaunchParameters=use_interactive_step), 0xfffffffb the batch script, 0xfffffffc
+#: the extern step (slurm/slurm.h: SLURM_INTERACTIVE_STEP, SLURM_BATCH_SCRIPT, SLURM_EXTERN_CONT).
+SPECIAL_STEPS = 0xFFFFFFF0
+
+
+def refuse_inside_step(environ=None) -> None:
+    """Refuse to start a SLURM-launched job from inside an srun job step (``srun zerorun train``): its own srun
+    step would wait, silently and for ever, for the CPUs the enclosing step holds. SLURM's special steps
+    (:data:`SPECIAL_STEPS`: an interactive salloc shell, the batch script) are not srun's and pass.
+
+    Raises:
+        ZerorunError: ``SLURM_STEP_ID`` is an srun step's id.
+    """
+    env = os.environ if environ is None else environ
+    step = env.get("SLURM_STEP_ID")
+    if step is None or (step.isdigit() and int(step) >= SPECIAL_STEPS):
+        return
+    raise ZerorunError(f"started inside a SLURM job step (SLURM_STEP_ID={step}: under srun): zerorun starts its own "
+                       "srun step, so run it directly in the salloc shell or the sbatch script, not under srun (or "
+                       "give --launcher local to run one machine's job per task)")
 
 
 def expand_counts(text: str, name: str = "SLURM_JOB_CPUS_PER_NODE") -> list[int]:

@@ -115,10 +115,18 @@ def exit_status(info: JobInfo | None, run_dir: str, job_id: str) -> int:
     return 0 if info.state == "COMPLETED" else 143 if info.state in STOPPED else 1
 
 
-def settled(job_id: str, run_dir: str, info: JobInfo | None, poll_s: float) -> JobInfo | None:
-    """``info`` once the job is no longer COMPLETING without its record: SLURM signalled it, and its
-    ``zerorun train`` may still be saving (Note on ``slurm_jobs.ACTIVE``)."""
-    while info is not None and info.state == "COMPLETING" and not job_record(run_dir, job_id):
+#: seconds attach waits for a COMPLETING job's record at most (a node stuck in SLURM's clean-up: then SLURM's
+#: state is the answer)
+COMPLETING_WAIT_S = 180.0
+
+
+def settled(job_id: str, run_dir: str, info: JobInfo | None, poll_s: float,
+            limit_s: float = COMPLETING_WAIT_S) -> JobInfo | None:
+    """``info`` once the job is no longer COMPLETING without its record (SLURM signalled it, and its ``zerorun
+    train`` may still be saving: Note on ``slurm_jobs.ACTIVE``), or after ``limit_s`` seconds of that."""
+    deadline = time.monotonic() + limit_s
+    while (info is not None and info.state == "COMPLETING" and not job_record(run_dir, job_id)
+           and time.monotonic() < deadline):
         time.sleep(poll_s)
         info = job_info(job_id)
     return info
@@ -136,8 +144,8 @@ def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
     from zerorun.telemetry.show import show
     from zerorun.telemetry.state import read_json
 
-    other = read_json(os.path.join(run_dir, "job.json")).get("slurm_job_id")
-    if not job_record(run_dir, job_id) and other is not None:  # the folder was submitted again
+    other = read_json(os.path.join(run_dir, "job.json")).get("slurm_job_id") or submitted_job(run_dir)
+    if not job_record(run_dir, job_id) and other is not None and str(other) != job_id:  # submitted again
         how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
         out.write(f"zerorun: job {job_id} ended ({how}); its run folder now holds job {other}'s run: "
                   f"zerorun attach {other} ({run_dir})\n")
@@ -201,10 +209,17 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
     view.print(f"zerorun: attached to job {job_id} ({info.state} on {info.nodes or '?'}); run dir {run_dir}")
     last = [info]
 
+    completing: list[float] = []  # when the job was first seen COMPLETING
+
     def running() -> bool:  # a COMPLETING job runs until its record is written (Note on slurm_jobs.ACTIVE)
         last[0] = job_info(job_id)
         now = last[0]
-        return now is not None and (now.active or (now.state == "COMPLETING" and not job_record(run_dir, job_id)))
+        if now is None or now.active:
+            return now is not None
+        if now.state != "COMPLETING" or job_record(run_dir, job_id):
+            return False
+        completing[:1] = completing[:1] or [time.monotonic()]
+        return time.monotonic() - completing[0] < COMPLETING_WAIT_S
 
     try:
         follow(run_dir, view, running, poll_s=min(0.5, poll_s), check_s=poll_s)
@@ -214,7 +229,8 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
             live.stop()
         out.write(f"\nzerorun: stopped following; job {job_id} goes on (zerorun attach {job_id})\n")
         return 130
-    last[0] = settled(job_id, run_dir, last[0], poll_s)
+    last[0] = settled(job_id, run_dir, last[0], poll_s, COMPLETING_WAIT_S - (time.monotonic() - completing[0]
+                                                                             if completing else 0.0))
     _from_job_file(state, run_dir)
     view.close()  # the summary table
     if job_record(run_dir, job_id):

@@ -82,8 +82,11 @@ class SlurmStep:
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, cwd=self.cwd, start_new_session=True,
                                              text=True, errors="replace", bufsize=1, preexec_fn=_die_with_launcher)
-                self.proc.stdin.write(json.dumps(payload) + "\n")
-                self.proc.stdin.flush()
+                try:
+                    self.proc.stdin.write(json.dumps(payload) + "\n")
+                    self.proc.stdin.flush()
+                except BrokenPipeError:  # srun ended before it read its input (it refused the step): its own
+                    pass  # output, read below, says why, and its exit ends every node
             except OSError as e:
                 raise ZerorunError(f"cannot start {self.argv[0]}: {e.strerror}") from None
         threading.Thread(target=self._read, daemon=True).start()
