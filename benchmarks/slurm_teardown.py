@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 
 import psutil
@@ -25,20 +24,8 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from slurm_cluster import start_cluster  # noqa: E402
+from slurm_cluster import ENDLESS_SCRIPT, start_cluster  # noqa: E402
 
-LOOP = textwrap.dedent("""\
-    import time
-    import torch
-    import torch.distributed as dist
-    import zerorun
-    dist.init_process_group("gloo")
-    for step in range(1, 100000):
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        zerorun.report(step, 1.0, steps=100000)
-        time.sleep(0.05)
-    """)
 FAULTS = ["kill -9 of rank 1", "launcher SIGINT", "launcher SIGTERM", "launcher SIGKILL",
           "scancel of the job (as the time limit)"]
 
@@ -100,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="zr-slurm-bench-") as folder:
         with open(os.path.join(folder, "loop.py"), "w") as f:
-            f.write(LOOP)
+            f.write(ENDLESS_SCRIPT)
         cluster = start_cluster(os.path.join(folder, "cluster"), nodes=2, cpus_per_node=2)
         rows = []
         try:

@@ -35,6 +35,22 @@ BINARIES = ("slurmctld", "slurmd", "srun", "salloc", "sbatch", "scontrol", "sinf
 _SBIN = ("/usr/sbin", "/usr/bin", "/sbin")
 
 
+#: A ``zerorun launch`` script that all-reduces and reports a step every 50 ms until it is stopped: the job that
+#: the teardown tests (tests/test_slurm_launch.py) and benchmarks/slurm_teardown.py kill in various ways.
+ENDLESS_SCRIPT = """\
+import time
+import torch
+import torch.distributed as dist
+import zerorun
+dist.init_process_group("gloo")
+for step in range(1, 100000):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    zerorun.report(step, 1.0, steps=100000)
+    time.sleep(0.05)
+"""
+
+
 def _which(name: str) -> str | None:
     found = shutil.which(name)
     if found:

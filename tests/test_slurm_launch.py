@@ -14,13 +14,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
 import pytest
 
-from slurm_cluster import missing_binaries
+from slurm_cluster import ENDLESS_SCRIPT, missing_binaries
 from test_train_e2e import ROOT, TINY, job_id, survivors
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm,
@@ -129,25 +128,13 @@ def test_salloc_job_equals_local_job(slurm_cluster, local_losses, tmp_path):
     assert "srun" not in open(tmp_path / "local.txt").read()
 
 
-SCRIPT = textwrap.dedent("""\
-    import time
-    import torch
-    import torch.distributed as dist
-    import zerorun
-    dist.init_process_group("gloo")
-    for step in range(1, 100000):
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        zerorun.report(step, 1.0, steps=100000)
-        time.sleep(0.05)
-    """)
 
 
 def test_killed_rank_ends_the_step_naming_rank_and_node(slurm_cluster, tmp_path):
     """SIGKILL of rank 1 (node 127.0.0.12): the launcher names rank 1 on 127.0.0.12, exits 1, and the step is gone
     on every node within 15 s, nothing of the job left."""
     script = tmp_path / "loop.py"
-    script.write_text(SCRIPT)
+    script.write_text(ENDLESS_SCRIPT)
     proc = salloc(slurm_cluster, [*ZR, "launch", "--nproc-per-node", "1", "--log-dir", str(tmp_path / "runs"),
                                   "--no-dashboard", str(script)])
     wait_for_step(tmp_path / "runs", 3, proc)
