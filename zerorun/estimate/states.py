@@ -76,8 +76,8 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
             wider than what the stage keeps, a buffer of that width is counted in ``grad_accum`` (Note
             [Gradient accumulation buffer]); ``None``: the gradients' own dtype, no buffer.
         offload_params: stage 3, ``zero.offload_params: disk``: the parameter slices of every unit but the
-            persistent one move from ``params`` to ``disk``, each buffer's region rounded up to whole 4096-byte
-            pages (Note [Parameter offload] in ``zero/param_offload.py``).
+            persistent one move from ``params`` to ``disk``, each buffer's region rounded up to whole pages
+            (``paging_math.page_region_bytes``) (Note [Parameter offload] in ``zero/param_offload.py``).
 
     Raises:
         ValueError: ``stage`` not in 0-3, ``world_size`` < 1, an unknown ``offload``, or ``layout`` packed for
@@ -93,16 +93,13 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
     if not offload_params:
         return states
     N, size = world_size, precision.param_bytes
-    units = [u for u in layout.units if u.name != PERSISTENT] if layout.exact else []
-    slices = ([_pad(n, N) // N for u in units for n in u.trainable + u.frozen] if layout.exact
-              else [_pad(n, N) // N for n in list(layout.buffers) + list(layout.frozen_params)])
-    moved = sum(n * size for n in slices)
-    return replace(states, params=states.params - moved,
-                   disk=states.disk + sum(-(-n * size // PAGE) * PAGE for n in slices))
+    held = ([n for u in layout.units if u.name != PERSISTENT for n in u.trainable + u.frozen] if layout.exact
+            else [*layout.buffers, *layout.frozen_params])
+    slices = [_pad(n, N) // N for n in held]
+    from zerorun.zero.paging_math import page_region_bytes
 
-
-#: the page size parameter offload rounds each buffer's region up to (``mmap.PAGESIZE`` on these machines)
-PAGE = 4096
+    return replace(states, params=states.params - sum(n * size for n in slices),
+                   disk=states.disk + sum(page_region_bytes(n * size) for n in slices))
 
 
 def _model_states(layout: Layout, stage: int, world_size: int, precision: Precision, optimizer: OptimizerModel,

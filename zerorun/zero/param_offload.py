@@ -21,17 +21,12 @@ buffer (not built; the engine raises).
 from __future__ import annotations
 
 import mmap
-import os
 
 import torch
 
 from zerorun.zero.flat import FlatBuffer
+from zerorun.zero.paging_math import page_region_bytes
 from zerorun.zero.swap import SwapFile
-
-
-def _pages(nbytes: int) -> int:
-    """``nbytes`` rounded up to whole pages (``mmap.PAGESIZE``, 4096 bytes here)."""
-    return (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
 class ParamStore:
@@ -56,17 +51,14 @@ class ParamStore:
             raise ValueError(f"zero.offload_path: cannot create a parameter swap file in {folder}: "
                              f"{e.strerror or e}") from None
         self.regions: dict[int, tuple[int, int]] = {}  # id(buffer) -> (offset, bytes), page-aligned
-        size = 0
-        for buf in buffers:
-            length = _pages(buf.shard_numel * torch.empty((), dtype=buf.dtype).element_size())
-            self.regions[id(buf)] = (size, length)
-            size += length
-        self.size = size
+        for buf in buffers:  # each a whole number of pages, so every offset is page-aligned too
+            length = page_region_bytes(buf.shard_numel * torch.empty((), dtype=buf.dtype).element_size())
+            self.regions[id(buf)] = (self.file.allocate(length), length)
+        self.size = self.file.size
         self.map = None
-        if size == 0:
+        if self.size == 0:
             return
-        os.ftruncate(self.file.fd, size)
-        self.map = mmap.mmap(self.file.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.map = mmap.mmap(self.file.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         for buf in buffers:
             offset, _ = self.regions[id(buf)]
             buf.shard_data = torch.frombuffer(self.map, dtype=buf.dtype, count=buf.shard_numel, offset=offset)
