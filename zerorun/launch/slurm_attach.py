@@ -18,6 +18,7 @@ import time
 
 from zerorun.errors import ZerorunError
 from zerorun.launch.slurm_jobs import JobInfo, check_job_id, find_run_dir, job_info, submitted_job
+from zerorun.telemetry.state import read_json
 
 POLL_S = 1.0  # how often SLURM is asked whether the job still waits or runs
 
@@ -91,8 +92,6 @@ def job_record(run_dir: str, job_id: str) -> dict:
     """``run_dir/job.json`` when it records job ``job_id``'s run, else ``{}``: a folder submitted again
     (``sbatch RUN_DIR/submit.sbatch``) holds the last job's record (its ``slurm_job_id``); a record without
     one (no SLURM, or an older zerorun) is taken as this job's."""
-    from zerorun.telemetry.state import read_json
-
     job = read_json(os.path.join(run_dir, "job.json"))
     owner = job.get("slurm_job_id")
     return job if owner is None or str(owner) == job_id else {}
@@ -132,6 +131,11 @@ def settled(job_id: str, run_dir: str, info: JobInfo | None, poll_s: float,
     return info
 
 
+def _how(info: JobInfo | None) -> str:
+    """How SLURM says a job ended: ``"CANCELLED, exit code 0:15"``."""
+    return f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
+
+
 def _output(run_dir: str, job_id: str) -> str:
     """``"; its output: PATH"`` when the job's ``slurm-JOBID.out`` exists (a job cancelled before it ran has
     none), else ``""``."""
@@ -142,18 +146,16 @@ def _output(run_dir: str, job_id: str) -> str:
 def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
     """An ended job: ``zerorun show``'s summary, or one line when no rank wrote a metric."""
     from zerorun.telemetry.show import show
-    from zerorun.telemetry.state import read_json
-
-    other = read_json(os.path.join(run_dir, "job.json")).get("slurm_job_id") or submitted_job(run_dir)
-    if not job_record(run_dir, job_id) and other is not None and str(other) != job_id:  # submitted again
-        how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
-        out.write(f"zerorun: job {job_id} ended ({how}); its run folder now holds job {other}'s run: "
+    other = None if job_record(run_dir, job_id) else (
+        read_json(os.path.join(run_dir, "job.json")).get("slurm_job_id") or submitted_job(run_dir))
+    if other is not None and str(other) != job_id:  # the folder was submitted again
+        out.write(f"zerorun: job {job_id} ended ({_how(info)}); its run folder now holds job {other}'s run: "
                   f"zerorun attach {other} ({run_dir})\n")
     elif os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         show(run_dir, out=out)
     else:
-        how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
-        out.write(f"zerorun: job {job_id} ended ({how}) before any rank wrote a metric{_output(run_dir, job_id)}\n")
+        out.write(f"zerorun: job {job_id} ended ({_how(info)}) before any rank wrote a metric"
+                  f"{_output(run_dir, job_id)}\n")
     out.flush()
     return exit_status(info, run_dir, job_id)
 
@@ -162,8 +164,6 @@ def _from_job_file(state, run_dir: str) -> None:
     """What ``job.json`` says once the job ended, as ``zerorun show`` has it: each rank's host as the launcher
     named it (the allocation's node names, not the host name the rank reported), and the job's start and end
     (not the moment attach started)."""
-    from zerorun.telemetry.state import read_json
-
     job = read_json(os.path.join(run_dir, "job.json"))
     started, ended = (job.get(k) if isinstance(job.get(k), (int, float)) else None for k in ("started", "ended"))
     if started is not None:
@@ -236,7 +236,6 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
     if job_record(run_dir, job_id):
         view.print(f"zerorun: {outcome(run_dir, state)}")
     else:
-        info = last[0]
-        how = f"{info.state}, exit code {info.exit_code}" if info is not None else "SLURM no longer knows it"
-        view.print(f"zerorun: job {job_id} ended ({how}) before zerorun train recorded how{_output(run_dir, job_id)}")
+        view.print(f"zerorun: job {job_id} ended ({_how(last[0])}) before zerorun train recorded how"
+                   f"{_output(run_dir, job_id)}")
     return exit_status(last[0], run_dir, job_id)
