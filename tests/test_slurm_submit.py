@@ -244,6 +244,23 @@ def test_attach_to_an_old_job_while_its_folder_runs_again(tmp_path, monkeypatch)
                                               f"now holds job 4's run: zerorun attach 4 ({run})\n")
 
 
+def test_a_job_that_never_ran_is_not_sent_to_a_missing_output_file(tmp_path):
+    """A job cancelled while pending has no slurm-N.out: attach says it ended without pointing at one (review:
+    "its output: .../slurm-11.out", a file that does not exist); once the file exists it is named."""
+    import io
+
+    from zerorun.launch import slurm_attach
+
+    cancelled = slurm_jobs.JobInfo("11", "CANCELLED", exit_code="0:0")
+    out = io.StringIO()
+    assert slurm_attach._ended("11", str(tmp_path), cancelled, out) == 143
+    assert out.getvalue() == "zerorun: job 11 ended (CANCELLED, exit code 0:0) before any rank wrote a metric\n"
+    (tmp_path / "slurm-11.out").write_text("srun: error\n")
+    out = io.StringIO()
+    slurm_attach._ended("11", str(tmp_path), cancelled, out)
+    assert out.getvalue().endswith(f"; its output: {tmp_path / 'slurm-11.out'}\n")
+
+
 def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
     """SLURM shows COMPLETING as soon as it signals a job, while zerorun train still saves and writes its
     record: attach waits for the record or the final state (review: it reported COMPLETING, exit 0)."""
