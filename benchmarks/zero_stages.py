@@ -93,7 +93,7 @@ def worker(args) -> None:
     else:
         engine = zero.initialize(model, optimizer="AdamW", optimizer_kwargs=opt_kwargs, param_groups=groups,
                                  config=zero.ZeroConfig(stage=int(args.worker), bucket_mb=args.bucket_mb,
-                                                        grad_clip=1.0, units=("Block", "Embedding")))
+                                                        grad_clip=1.0, units=tuple(args.units.split(","))))
 
         def step(batch):
             engine.backward(engine(batch)["loss"])
@@ -186,6 +186,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--untied", type=int, default=1, help="1: separate LM head (the ~55M model), 0: tied")
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--units", default="Block,Embedding",
+                   help="zerorun stage 3's zero.units (FSDP2 always shards the blocks and the embeddings); "
+                        "'Block' leaves the embeddings and the head to outer units (Note [Outer units])")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -198,7 +201,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     """The command-line arguments that pass ``args``' model and run settings on to a worker."""
     return [f"--layers={args.layers}", f"--d-model={args.d_model}", f"--heads={args.heads}", f"--vocab={args.vocab}",
             f"--seq={args.seq}", f"--untied={args.untied}", f"--micro-batch={args.micro_batch}",
-            f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+            f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--units={args.units}",
             f"--reverse-registration={args.reverse_registration}"]
 
 

@@ -25,10 +25,14 @@ def test_gradient_buffers_are_bounded_and_reused(ranks, stage, accum):
     for r in ranks(2).run(cases.gradient_buffer_pool, stage=stage, accum=accum, steps=steps):
         assert r["buckets"] == 8
         assert r["taken"] == 0
-        assert r["max_taken"] <= r["cap"], r  # never more full bucket gradients than MAX_INFLIGHT + 1
-        # allocated in the first micro-step of each step only (the pool is dropped when the optimizer step
-        # begins), not once per bucket and micro-step (8 x accum x steps)
-        assert r["allocated"] <= r["cap"] * steps, r
+        if stage == 3 and r["deferred"]:  # Note [Waiting in hooks]: stage 3 never waits in a hook, so when
+            # communication falls behind compute (a loaded machine), a bucket may take a buffer past the bound
+            assert r["max_taken"] <= r["buckets"], r
+        else:
+            assert r["max_taken"] <= r["cap"], r  # never more full bucket gradients than MAX_INFLIGHT + 1
+            # allocated in the first micro-step of each step only (the pool is dropped when the optimizer step
+            # begins), not once per bucket and micro-step (8 x accum x steps)
+            assert r["allocated"] <= r["cap"] * steps, r
         # gloo's reduce-scatter receive buffers: as many as are in flight, reused the same way
         assert r["recv_allocated"] <= min(r["cap"], Comm.KEEP_BUFFERS) * steps, r
         assert r["max_in_flight"] <= r["cap"], r

@@ -81,7 +81,10 @@ def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtyp
             assert r["bytes"] == {"params": want.params, "grads": want.grads + want.grad_accum,
                                   "optimizer": want.optimizer}, where
             assert r["offload"] == {"host": want.host, "disk": want.disk}, where
-            assert abs(r["sent"] - sent) <= 8, (where, r["sent"], sent)  # comm.py rounds each call
+            # comm.py rounds each call; the first step's norm all-reduce also carries 48 bytes of windows per
+            # outer unit (Note [Outer units]), which estimate's steady step does not
+            first = 2 * (world_size - 1) / world_size * 48 * r["outer_units"]
+            assert abs(r["sent"] - first - sent) <= 8, (where, r["sent"], sent)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

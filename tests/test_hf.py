@@ -146,7 +146,8 @@ def test_estimate_takes_model_hf(tmp_path):
     values = dict(cfg)
     expected = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).num_parameters()
     assert layout.total == layout.trainable == expected
-    assert len(layout.units) == 4  # three decoder layers and the root
+    # three decoder layers, the final norm (an outer unit: Note [Outer units]; the embedding is tied) and the root
+    assert len(layout.units) == 5 and [u.name for u in layout.units if u.outer] == ["hf.model.norm"]
 
 
 # ------------------------------------------------------------------------------------------ data kind hf

@@ -110,11 +110,12 @@ def test_bytes_sent_per_step(ranks, stage):
     """Ring collectives, ZeRO §7: stage 0 all-reduce, stages 1-2 reduce-scatter + all-gather: 2Ψ(N-1)/N x 4 bytes;
     stage 3 all-gathers twice (forward, backward) and reduce-scatters once: 3Ψ(N-1)/N x 4 bytes (plus the
     4-byte global-norm all-reduce at stages 1-2; at stage 3 that all-reduce carries 24 bytes: the squared norm
-    and the digest of the units gathered, Note [Same units on every rank])."""
+    and the digest of the units gathered, Note [Same units on every rank]; in the first step, 48 more per outer
+    unit: its windows, Note [Outer units])."""
     for r in ranks(3).run(cases.memory, stage=stage, units=("Block",) if stage == 3 else ()):
         n, padded = r["world_size"], r["padded"]
         expected = (3 if stage == 3 else 2) * padded * (n - 1) // n * 4
-        extra = 0 if stage == 0 else round(2 * (n - 1) / n * (24 if stage == 3 else 4))
+        extra = 0 if stage == 0 else round(2 * (n - 1) / n * (24 + 48 * r["outer_units"] if stage == 3 else 4))
         assert r["comm"]["bytes_sent"] == expected + extra
 
 
@@ -122,7 +123,8 @@ def test_bytes_sent_per_step(ranks, stage):
 def test_stage3_meta_construction_equals_normal(ranks, world_size):
     for r in ranks(world_size).run(cases.deferred_equals_normal):
         assert r["keys"] and r["equal"] and r["rng"], r
-        assert r["units"] == ["blocks.0", "blocks.1", "blocks.2", ""]
+        # the listed units, the outer units (Note [Outer units]; the tied embedding and head stay the root's), the root
+        assert r["units"] == ["blocks.0", "blocks.1", "blocks.2", "pos_emb", "ln_f", ""]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -167,7 +169,8 @@ def test_stage3_persistent_parameters_bytes(ranks):
             name.endswith(("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "ln_f.weight", "ln_f.bias", ".bias"))
             for name in r["persistent_params"]), r["persistent_params"]
         assert r["bytes"]["params"] == (padded // n + pers) * 4
-        step = (3 * (padded - pers) + 2 * pers) * (n - 1) // n * 4 + round(2 * (n - 1) / n * 24)  # norm + unit digest
+        # norm + unit digest + the outer units' windows (first step)
+        step = (3 * (padded - pers) + 2 * pers) * (n - 1) // n * 4 + round(2 * (n - 1) / n * (24 + 48 * r["outer_units"]))
         construction = pers * (n - 1) // n * 4  # the persistent parameters are all-gathered once when built
         assert r["comm"]["bytes_sent"] == step + construction
 

@@ -61,8 +61,8 @@ class WorkingSet:
     """Transient bytes per rank above the model states at rest (Note [Peak]).
 
     Attributes:
-        gathered: stage 3: the gathered parameters (the root unit, the largest unit and, with prefetch, the
-            next largest), present while activations are.
+        gathered: stage 3: the gathered parameters (the root unit, the largest outer unit, the largest
+            listed unit and, with prefetch, the next largest), present while activations are.
         backward: gradient buckets in flight (stages 2-3: ``INFLIGHT_BUCKETS`` of the largest) plus, on gloo,
             the receive buffer of each pending reduce-scatter (Note [Reduce-scatter on gloo] in zero/comm.py;
             stage 1: every bucket, reduced all at once at the end of backward; stages 2-3: up to
@@ -107,8 +107,11 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
     if not layout.exact:
         return WorkingSet(sum(u.numel for u in layout.units) * (2 if prefetch else 1) * precision.param_bytes,
                           backward)
-    sizes = sorted((sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units
-                    if u.name not in ("<root>", PERSISTENT)),
+    def padded(u) -> int:
+        return sum(_pad(n, N) for n in u.trainable + u.frozen)
+
+    sizes = sorted((padded(u) for u in layout.units if u.name not in ("<root>", PERSISTENT) and not u.outer),
                    reverse=True)
-    root = sum(sum(_pad(n, N) for n in u.trainable + u.frozen) for u in layout.units if u.name == "<root>")
-    return WorkingSet((root + sum(sizes[:2 if prefetch else 1])) * precision.param_bytes, backward)
+    root = sum(padded(u) for u in layout.units if u.name == "<root>")
+    outer = max((padded(u) for u in layout.units if u.outer), default=0)  # Note [Outer units]: one at a time
+    return WorkingSet((root + outer + sum(sizes[:2 if prefetch else 1])) * precision.param_bytes, backward)

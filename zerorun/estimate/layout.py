@@ -14,11 +14,13 @@ PERSISTENT = "<persistent>"
 # ---------------------------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
 class UnitCount:
-    """A stage-3 unit: its name (``<root>`` for the root) and the unpadded numel of each of its flat buffers."""
+    """A stage-3 unit: its name (``<root>`` for the root), the unpadded numel of each of its flat buffers, and
+    whether it is an outer unit (Note [Outer units] in zero/stage3_outer.py)."""
 
     name: str
     trainable: tuple[int, ...]
     frozen: tuple[int, ...] = ()
+    outer: bool = False
 
     @property
     def numel(self) -> int:
@@ -53,8 +55,8 @@ class Layout:
 
     @property
     def largest_unit(self) -> UnitCount | None:
-        """The largest non-root stage-3 unit, or ``None``."""
-        inner = [u for u in self.units if u.name not in ("<root>", PERSISTENT)]
+        """The largest listed stage-3 unit (not the root, an outer or the persistent unit), or ``None``."""
+        inner = [u for u in self.units if u.name not in ("<root>", PERSISTENT) and not u.outer]
         return max(inner, key=lambda u: u.numel) if inner else None
 
 
@@ -74,7 +76,7 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     from zerorun.zero.engine import default_param_groups
     from zerorun.zero.flat import pack as pack_params
     from zerorun.zero.precision import DTYPES
-    from zerorun.zero.stage3 import pick_units, unit_of_params
+    from zerorun.zero.stage3 import outer_modules, pick_units, unit_of_params
 
     names = {}
     for i, (name, p) in enumerate(model.named_parameters()):
@@ -88,7 +90,8 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     bucket_bytes = int(bucket_mb * 2**20)
     groups = default_param_groups(model, weight_decay, decay_1d)
     unit_modules = pick_units(model, tuple(units))
-    unit_index = unit_of_params(model, [m for _, m in unit_modules])
+    outer = outer_modules(model, [m for _, m in unit_modules])  # Note [Outer units] in zero/stage3_outer.py
+    unit_index = unit_of_params(model, [m for _, m in unit_modules], [m for _, m in outer])
     for p in unit_index:  # Note [Persistent parameters] in zero/stage3.py
         if p.numel() <= persistence_threshold:
             unit_index[p] = -2
@@ -106,8 +109,9 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     frozen_by_unit: dict[int, int] = {}
     for p in frozen:
         frozen_by_unit[unit_index[p]] = frozen_by_unit.get(unit_index[p], 0) + p.numel()
-    indexed = [(i, name) for i, (name, _) in enumerate(unit_modules)] + [(-1, "<root>"), (-2, PERSISTENT)]
-    counted = [UnitCount(name, tuple(per_unit.get(i, ())), (frozen_by_unit[i],) if i in frozen_by_unit else ())
+    indexed = [(i, name) for i, (name, _) in enumerate(unit_modules + outer)] + [(-1, "<root>"), (-2, PERSISTENT)]
+    counted = [UnitCount(name, tuple(per_unit.get(i, ())), (frozen_by_unit[i],) if i in frozen_by_unit else (),
+                         outer=i >= len(unit_modules))
                for i, name in indexed]
     total = sum(p.numel() for p in names)
     trainable = sum(flat)

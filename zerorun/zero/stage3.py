@@ -1,8 +1,10 @@
 """ZeRO stage 3: parameters partitioned too, gathered unit by unit just in time (ZeRO paper §5.3).
 
 Note [Units]: a unit is a module whose parameters are all-gathered and freed together: every instance of a
-class named in ``ZeroConfig.units`` (e.g. the GPT's ``Block``), plus a root unit (the model itself) for the
-parameters no unit owns. A parameter reached from two units (a weight tied across units) belongs to the root.
+class named in ``ZeroConfig.units`` (e.g. the GPT's ``Block``), the outer units (the largest modules outside
+those holding parameters: embeddings, final norm, LM head; gathered on a learned schedule, Note [Outer
+units] in ``stage3_outer.py``), plus a root unit (the model itself) for the parameters no unit owns. A
+parameter reached from two units (a weight tied across units) belongs to the root.
 Each unit holds one flat buffer per optimizer param group (and one for frozen parameters); at rest a rank
 keeps only its slice of each (``shard``), and the full flat tensor's storage is freed (``resize_(0)``): the
 parameters stay views of it, so autograd's saved references stay valid across free and re-gather.
@@ -55,13 +57,14 @@ from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import ParameterAccess, adopt, declared_externals, engine_ref, placeholder
 from zerorun.zero.stage3_backward import Stage3Backward
 from zerorun.zero.stage3_checks import carry_hooks, check_no_writes, param_versions
+from zerorun.zero.stage3_outer import OuterUnits
 from zerorun.zero.torch_internals import in_backward
-from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, pick_units, tensors_in,  # noqa: F401
-                                unit_of_params)
+from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, outer_modules, pick_units,  # noqa: F401
+                                tensors_in, unit_of_params)
 
 
-class Stage3Engine(ParameterAccess, Stage3Backward, ParamOffload, ZeroEngine):
-    """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch]). Extra API:
+class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, ZeroEngine):
+    """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch], [Outer units]). Extra API:
     :meth:`full_state_dict`, :attr:`units`."""
 
     def __init__(self, model: nn.Module, *, param_groups, config, process_group, **kwargs) -> None:
@@ -71,7 +74,9 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ParamOffload, ZeroEngine):
         if self._deferred:
             param_groups = self._swap_meta_params(model, param_groups, DTYPES[config.precision])
         unit_modules = pick_units(model, tuple(config.units))
-        self.units = [Unit(n, m, False) for n, m in unit_modules] + [Unit("", model, True)]
+        outer = outer_modules(model, [m for _, m in unit_modules])  # Note [Outer units]
+        self.units = ([Unit(n, m, False) for n, m in unit_modules] + [Unit(n, m, False, outer=True) for n, m in outer]
+                      + [Unit("", model, True)])
         self._unit_of_param = self._assign(model)
         self._persistent_unit = Unit("<persistent>", model, False, persistent=True)  # Note [Persistent parameters]
         for p in list(self._unit_of_param):
@@ -100,6 +105,12 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ParamOffload, ZeroEngine):
         for unit in self.units:
             if unit.persistent:
                 continue
+            if unit.outer:  # Note [Outer units]
+                self._handles.append(unit.module.register_forward_pre_hook(
+                    functools.partial(self._outer_pre_forward, unit)))
+                self._handles.append(unit.module.register_forward_hook(
+                    functools.partial(self._outer_post_forward, unit)))
+                continue
             self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit),
                                                                        with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
@@ -126,12 +137,15 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ParamOffload, ZeroEngine):
         for module, param in declared_externals(model):
             self.declare_external(module, self._new_of.get(id(param), param) if self._deferred else param)
         self._in_full_state_dict = False
+        self._outer_setup()
         self._handles.append(model.register_state_dict_pre_hook(self._state_dict_guard))
 
     # ---------------------------------------------------------------------------------------- construction
     def _assign(self, model: nn.Module) -> dict[nn.Parameter, Unit]:
-        """Each parameter's unit (:func:`unit_of_params`); the root unit is last in ``self.units``."""
-        index = unit_of_params(model, [u.module for u in self.units[:-1]])
+        """Each parameter's unit (:func:`unit_of_params`); the root unit is last in ``self.units``, after the
+        listed units and the outer units (Note [Outer units])."""
+        listed = [u.module for u in self.units[:-1] if not u.outer]
+        index = unit_of_params(model, listed, [u.module for u in self.units[:-1] if u.outer])
         return {p: self.units[i] for p, i in index.items()}
 
     def _swap_meta_params(self, model: nn.Module, param_groups, dtype: torch.dtype):
@@ -286,7 +300,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ParamOffload, ZeroEngine):
         unit.state = UnitState.FREE
         for other in unit.external:
             other.pinned_by.discard(unit)
-            if other.active == 0:
+            if other.active == 0 and not (other.outer and in_backward()):  # an outer unit: when its own gradient is
                 self._free(other)
 
     def _free_all(self) -> None:
@@ -308,10 +322,13 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ParamOffload, ZeroEngine):
             self._gather(order[i + 1], wait=False)
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
+        if not unit.is_root and not in_backward():
+            self._outer_listed_call()  # Note [Outer units]
         self._gather(unit)
         if in_backward():
             return None
         if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
+            self._outer_pass_start()
             for u in self._active:
                 u.active = 0
             self._active = []
@@ -352,6 +369,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ParamOffload, ZeroEngine):
         if unit.is_root:
             if torch.is_grad_enabled():
                 self._end_pass("forward")
+            self._outer_pass_end()
             self._free_all()
         else:
             self._free(unit)
@@ -359,7 +377,10 @@ class Stage3Engine(ParameterAccess, Stage3Backward, ParamOffload, ZeroEngine):
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._gather(unit)
+        seen = len(self._seen["backward"])
         self._note_and_prefetch(unit, "backward")
+        if not unit.is_root and len(self._seen["backward"]) > seen:
+            self._outer_listed_backward()  # Note [Outer units]
 
     def _end_pass(self, phase: str) -> None:
         if self._seen[phase] and self._seen[phase] != self._order[phase]:

@@ -154,7 +154,9 @@ class ParameterAccess:
     def _use(self, p: nn.Parameter, func: Any) -> None:
         """Note [Parameters at rest]: ``p``'s values are about to be read or written by ``func``."""
         unit = self._unit_of_param.get(p)
-        if unit is None or unit.state is UnitState.GATHERED:
+        if unit is None or (unit.state is UnitState.GATHERED and not unit.outer):
+            return
+        if unit.outer and self._outer_use(unit, func):  # Note [Outer units]
             return
         if unit.state is UnitState.GATHERING:  # a prefetch in flight
             self._gather(unit)
@@ -189,6 +191,8 @@ class ParameterAccess:
             holder = owners[-1] if owners else self._root
         if unit is not None and unit is not holder and not unit.persistent and unit not in holder.external:
             holder.external.append(unit)
+        if unit is not None and unit.outer and holder.is_root:  # Note [Outer units]: stays with the root
+            unit.declared, unit.scheduled = True, False
 
     def gathered_parameters(self, params, modifier_rank: int | None = None):
         """Context manager: ``params`` (an iterable of the model's parameters) whole on every rank inside the

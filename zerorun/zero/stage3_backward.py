@@ -27,7 +27,7 @@ class Stage3Backward:
 
     def _free_if_done(self, unit: Unit) -> None:
         if (unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers)
-                and in_backward() and unit in self._seen["backward"]):
+                and in_backward() and (unit in self._seen["backward"] or unit.outer)):
             self._free(unit)
 
     def _unit_backward_done(self, unit: Unit) -> None:
@@ -49,11 +49,13 @@ class Stage3Backward:
             check_backward_units(self, loss)
         if self._root.state is UnitState.FREE and isinstance(loss, torch.Tensor) and loss.requires_grad:
             self._pre_backward(self._root, None)
+        self._outer_backward_start()  # Note [Outer units]
         super().backward(loss)
 
     def _finish_backward(self) -> None:
         super()._finish_backward()
         self._end_pass("backward")
+        self._outer_backward_end()
         for unit in self.units:
             unit.ready_buffers = 0
             unit.open_calls = 0
@@ -62,8 +64,11 @@ class Stage3Backward:
     def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
         """Note [Same units on every rank]: the squared norm is all-reduced together with a digest of the
         units this rank all-gathered since the last step; a difference between ranks raises on every rank."""
-        sq = check_gather_order(self, sq, self._gather_log)
+        codes = self._outer_codes() if self._learning else []  # Note [Outer units]: the first step's windows
+        sq, sums, squares = check_gather_order(self, sq, self._gather_log, codes)
         self._gather_log = []
+        if self._learning:
+            self._outer_agree(sums, squares)
         return sq
 
     def load_master_slices(self, values, states=None) -> None:

@@ -32,23 +32,32 @@ def order_digest(indices: list[int]) -> int:
     return h
 
 
-def check_gather_order(engine, sq: torch.Tensor, indices: list[int]) -> torch.Tensor:
+def check_gather_order(engine, sq: torch.Tensor, indices: list[int],
+                       values: list[float] = ()) -> tuple[torch.Tensor, list[float], list[float]]:
     """All-reduce ``sq`` (the squared gradient norm, a 0-d fp32 tensor) over ``engine.comm`` together with
-    the digest of ``indices`` (the units this rank all-gathered since the last step); return the summed ``sq``.
+    the digest of ``indices`` (the units this rank all-gathered since the last step) and ``values`` (small
+    integers to compare across ranks: Note [Outer units]).
+
+    Returns:
+        The summed ``sq``; the sums over ranks of ``values`` and of their squares (float64, exact below 2**53:
+        a value is the same on every rank exactly when ``N * sum(x*x) == sum(x)**2``).
 
     Raises:
         RuntimeError: on every rank, when the ranks all-gathered different units; names the first difference.
     """
     n = engine.world_size
+    values = [float(v) for v in values]
     if n == 1:
-        return sq
+        return sq, values, [v * v for v in values]
     h = float(order_digest(indices))
-    vec = torch.stack([sq.double(), torch.tensor(h, dtype=torch.float64, device=sq.device),
-                       torch.tensor(h * h, dtype=torch.float64, device=sq.device)])
+    extra = [x for v in values for x in (v, v * v)]
+    vec = torch.cat([sq.double().reshape(1), torch.tensor([h, h * h] + extra, dtype=torch.float64,
+                                                          device=sq.device)])
     engine.comm.wait([engine.comm.all_reduce(vec)])
     if n * float(vec[2]) != float(vec[1]) ** 2:
         _raise_mismatch(engine, indices)
-    return vec[0].to(sq.dtype)
+    sums = vec[3:].tolist()
+    return vec[0].to(sq.dtype), sums[0::2], sums[1::2]
 
 
 def _raise_mismatch(engine, indices: list[int]) -> None:
@@ -135,7 +144,7 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     Raises:
         RuntimeError: on every rank, naming the units and how many ranks reach them.
     """
-    units = [u for u in engine.units if not u.is_root]
+    units = [u for u in engine.units if not u.is_root and not u.outer]
     recorded = [u.out_nodes for u in units]
     for u in units:
         u.out_nodes = []

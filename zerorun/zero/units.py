@@ -24,8 +24,10 @@ class UnitState(enum.Enum):
 class Unit:
     """A module gathered and freed as one (Note [Units])."""
 
-    def __init__(self, name: str, module: nn.Module, is_root: bool, persistent: bool = False) -> None:
+    def __init__(self, name: str, module: nn.Module, is_root: bool, persistent: bool = False,
+                 outer: bool = False) -> None:
         self.name, self.module, self.is_root, self.persistent = name, module, is_root, persistent
+        self.outer = outer  # Note [Outer units]: a module outside the listed units, gathered on a learned schedule
         self.buffers: list = []  # FlatBuffer
         self.state = UnitState.FREE
         self.works: list[Any] = []
@@ -36,6 +38,14 @@ class Unit:
         self.pinned_by: set = set()  # gathered units (or gathered_parameters blocks) that need this one gathered
         self.active = 0  # forward calls of this unit now on the stack
         self.out_nodes: list = []  # grad_fn of its outputs since the last backward (Note [Backward on some ranks])
+        # Note [Outer units]: where the first step used it (listed units' forward calls / backward entries
+        # before it), whether it was used outside its own forward, and the schedule every rank agreed on
+        self.first: int | None = None
+        self.last: int | None = None
+        self.bfirst: int | None = None
+        self.used_outside = False
+        self.declared = False  # register_external_parameter(model, one of its parameters): stays with the root
+        self.scheduled = False
 
     @property
     def trainable(self) -> list[FlatBuffer]:
@@ -80,11 +90,48 @@ def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str
     return units
 
 
-def unit_of_params(model: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, int]:
-    """Each parameter's unit as an index into ``unit_modules`` (from :func:`pick_units`), ``-1`` for the root:
-    the innermost unit around every module that holds it; a parameter held by modules in different units (a
-    weight tied across units) belongs to the root (Note [Units])."""
+def outer_modules(model: nn.Module, unit_modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Note [Outer units]: the largest modules of ``model`` that hold parameters and neither are, hold nor lie
+    inside one of ``unit_modules`` (a GPT's token and position embeddings, final norm and LM head), in module
+    order; none when ``unit_modules`` is empty (the root is then the only unit)."""
+    if not unit_modules:
+        return []
+    ids = {id(m) for m in unit_modules}
+    holds_unit: set[int] = set()
+
+    def mark(module: nn.Module) -> bool:  # does module hold a unit (itself excluded)?
+        inside = False
+        for child in module.children():
+            inside |= mark(child) or id(child) in ids
+        if inside:
+            holds_unit.add(id(module))
+        return inside
+
+    mark(model)
+    found: dict[int, tuple[str, nn.Module]] = {}
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if id(child) in ids or id(child) in found:
+                continue
+            if id(child) in holds_unit:
+                visit(full, child)
+            elif any(True for _ in child.parameters()):
+                found[id(child)] = (full, child)
+
+    visit("", model)
+    return list(found.values())
+
+
+def unit_of_params(model: nn.Module, unit_modules: list[nn.Module],
+                   outer: list[nn.Module] = ()) -> dict[nn.Parameter, int]:
+    """Each parameter's unit as an index into ``unit_modules`` (from :func:`pick_units`) followed by ``outer``
+    (from :func:`outer_modules`), ``-1`` for the root: the innermost unit around every module that holds it;
+    a parameter held by modules in different units (a weight tied across units, or between an outer module
+    and the rest of the model) belongs to the root (Note [Units])."""
     index_of = {id(m): i for i, m in enumerate(unit_modules)}
+    index_of.update({id(m): len(unit_modules) + j for j, m in enumerate(outer)})
     holders: dict[nn.Parameter, set[int]] = {}
 
     def visit(module: nn.Module, unit: int) -> None:

@@ -1,0 +1,76 @@
+"""Stage 3's outer units (Note [Outer units] in zerorun/zero/stage3_outer.py): the embeddings, final norm and
+LM head outside the listed units are gathered only around their own use, on a schedule every rank learned in
+the first step; the numbers stay stage 0's, and a module that leaves its schedule is an error, never a hang
+or a read of freed memory."""
+
+import pytest
+
+import outer_cases as cases
+
+pytestmark = pytest.mark.slow
+
+
+def test_outer_units_are_gathered_only_around_their_use(ranks):
+    """From the second step on, the token embedding is not gathered while any block runs forward or while the
+    last three blocks run backward, the final norm and head only around the last block's forward; the most
+    parameter bytes gathered at once drops by at least the embedding's share. (Before: the whole root, these
+    three included, was gathered through the whole forward and backward.)"""
+    r = ranks(2).run(cases.gathered_at_points)[0]
+    later = r["steps"][1:]
+    for step in later:
+        points = dict(step["points"])
+        for i in range(4):
+            assert "wte" not in points[f"forward {i}"], step
+        assert {"ln_f", "head"} <= set(points["forward 3"]), step
+        for i in range(3):
+            assert not {"ln_f", "head"} & set(points[f"forward {i}"]), step
+        for i in (1, 2, 3):
+            assert "wte" not in points[f"backward {i}"], step
+        assert step["max_bytes"] <= r["steps"][0]["max_bytes"] - r["sizes"]["wte"], r
+    first = dict(r["steps"][0]["points"])  # the first step learns: the outer units are gathered with the root
+    assert {"wte", "ln_f", "head"} <= set(first["forward 1"])
+
+
+@pytest.mark.parametrize("kw", [{}, {"accum": 2}, {"checkpointing": True}, {"tied": True},
+                                {"head_by_weight": True}, {"evaluate": True},
+                                {"extras": ["start"]}, {"extras": [{0: "start", 1: None}]},
+                                {"extras": ["end", {0: "end", 1: None}, {0: None, 1: "end"}]}],
+                         ids=["plain", "accum", "checkpointing", "tied", "head-by-weight", "evaluate",
+                              "extra-everywhere", "extra-on-rank0", "extra-later-on-one-rank"])
+def test_stage3_with_outer_units_equals_stage0(ranks, kw):
+    """Losses and grad norms equal stage 0's (fp32, 1e-5 relative) on 2 ranks; what the first step showed on
+    every rank is scheduled, the rest (a head read by weight, a module one rank skipped, a tied weight) stays
+    with the root."""
+    pool = ranks(2)
+    s3 = pool.run(cases.train, stage=3, **kw)
+    s0 = pool.run(cases.train, stage=0, **kw)
+    for a, b in zip(s3, s0):
+        assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+        assert a["norms"] == pytest.approx(b["norms"], rel=1e-5)
+    schedule = s3[0]["schedule"]
+    assert s3[0]["schedule"] == s3[1]["schedule"]
+    if kw.get("tied"):  # the tied weight is the root's: neither module holds a parameter of its own
+        assert "wte" not in schedule and "head" not in schedule, schedule
+    else:
+        assert schedule["wte"][:2] == (True, 0), schedule
+        assert schedule["head"][0] == (not kw.get("head_by_weight")), schedule
+    extras = kw.get("extras", [None])
+    assert schedule["extra"][0] == (extras[0] in ("start", "end"))
+
+
+def test_a_module_that_leaves_its_schedule_is_an_error_and_declaring_it_keeps_it_with_the_root(ranks):
+    """``extra`` runs before the blocks in the first step and after them in the second, on both ranks: each
+    raises, naming the module and register_external_parameter; declared so, it stays with the root and the
+    numbers are stage 0's."""
+    pool = ranks(2)
+    moved = pool.run(cases.train, stage=3, steps=3, extras=["start", "end"])
+    for r in moved:
+        assert r["error"] is not None and "'extra'" in r["error"], r
+        assert "register_external_parameter(model, param)" in r["error"], r
+        assert len(r["norms"]) == 1, r
+    declared = pool.run(cases.train, stage=3, steps=3, extras=["start", "end"], declare=True)
+    s0 = pool.run(cases.train, stage=0, steps=3, extras=["start", "end"])
+    for a, b in zip(declared, s0):
+        assert a["error"] is None and a["schedule"]["extra"][0] is False, a
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
