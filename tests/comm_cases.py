@@ -12,7 +12,8 @@ from zerorun.zero.comm import Comm
 
 def reduce_scatter_matches_native(dtype: str, in_place: bool, numel_per_rank: int = 3001) -> dict:
     """Comm.reduce_scatter on gloo (all-to-all + local sum, Note [Reduce-scatter on gloo]) against torch's own
-    reduce_scatter_tensor on the same inputs; bytes counted as the ring's (N-1)/N of the input."""
+    reduce_scatter_tensor on the same inputs; bytes counted as the ring's (N-1)/N of the input; the elements of
+    the receive buffer it took."""
     n, r = dist.get_world_size(), dist.get_rank()
     dt = getattr(torch, dtype)
     x = torch.randn(n * numel_per_rank, generator=torch.Generator().manual_seed(r)).to(dt)
@@ -23,8 +24,10 @@ def reduce_scatter_matches_native(dtype: str, in_place: bool, numel_per_rank: in
     inp = x.clone()
     out = inp[r * numel_per_rank:(r + 1) * numel_per_rank] if in_place else torch.empty(numel_per_rank, dtype=dt)
     work = comm.reduce_scatter(out, inp)
+    recv = work.recv.numel()
     comm.wait([work])
-    return {"max_abs": (out.float() - expected.float()).abs().max().item(),
+    return {"max_abs": (out.float() - expected.float()).abs().max().item(), "recv_numel": recv,
+            "chunk": numel_per_rank,
             "scale": expected.float().abs().max().item(),
             "bytes_sent": comm.bytes_sent, "expected_bytes": (n - 1) * numel_per_rank * dt.itemsize}
 

@@ -17,6 +17,8 @@ def test_reduce_scatter_via_all_to_all_matches_torch(ranks, world_size, dtype, i
         tol = 0.0 if world_size == 2 and dtype == "float32" else (1e-6 if dtype == "float32" else 1e-2)
         assert r["max_abs"] <= tol * r["scale"], r
         assert r["bytes_sent"] == r["expected_bytes"]
+        # 2 ranks: only the other rank's chunk is received (half the input; before: all of it)
+        assert r["recv_numel"] == (1 if world_size == 2 else world_size) * r["chunk"], r
 
 
 @pytest.mark.parametrize("stage,accum", [(2, 1), (2, 3), (3, 3)])

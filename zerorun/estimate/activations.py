@@ -80,8 +80,8 @@ class WorkingSet:
 def working_set(layout: Layout, stage: int, world_size: int, precision: Precision, *,
                 bucket_mb: float = 25.0, prefetch: bool = True, gloo: bool = False) -> WorkingSet:
     """The :class:`WorkingSet` of ``stage`` on ``world_size`` ranks (Note [What is approximate]); ``gloo``: the
-    collectives run on gloo (CPU), where each pending reduce-scatter holds a receive buffer of its input's size
-    (Note [Reduce-scatter on gloo] in zero/comm.py; gloo's own reduce-scatter held a staging copy of the same
+    collectives run on gloo (CPU), where each pending reduce-scatter holds a receive buffer of its input's size,
+    half of it on 2 ranks (Note [Reduce-scatter on gloo] in zero/comm.py; gloo's own reduce-scatter held a staging copy of the same
     size: 10 pending reduce-scatters of 19 MiB held 197 MiB; all-gathers 35 MiB; all-reduce nothing).
     Under ``zero.reduce_dtype: fp32`` with 2-byte gradients, stage 0 keeps each bucket's reduced fp32 copy until
     the step, and stage 1 reduces fp32 copies of its buckets, bounded as stage 2 is, keeping the fp32 slices."""
@@ -94,12 +94,13 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
         largest = sorted((_pad(n, N) for n in bufs), reverse=True)
     else:  # one buffer of Ψ: the engine would cut it into buckets of bucket_mb
         largest = [min(_pad(bufs[0], N), int(bucket_mb * 2**20) // precision.param_bytes)] * INFLIGHT_BUCKETS
+    received = 1 / N if N == 2 else 1  # of each reduce-scatter's input: 2 ranks receive the other's chunk only
     if stage == 1 and not wide:  # the full gradients are model states
         staged = (sum(_pad(n, N) for n in bufs) if layout.exact else _pad(bufs[0], N)) if gloo else 0
-        backward = staged * precision.grad_bytes
+        backward = int(staged * received) * precision.grad_bytes
     else:
         held = sum(largest[:INFLIGHT_BUCKETS])
-        staged = sum(largest[:INFLIGHT_BUCKETS]) if gloo else 0
+        staged = int(sum(largest[:INFLIGHT_BUCKETS]) * received) if gloo else 0
         kept = sum(_pad(n, N) // N for n in bufs) if stage == 1 else 0
         backward = (held + staged + kept) * precision.reduce_bytes
     if stage < 3:
