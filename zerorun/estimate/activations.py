@@ -81,8 +81,9 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
                 bucket_mb: float = 25.0, prefetch: bool = True, gloo: bool = False) -> WorkingSet:
     """The :class:`WorkingSet` of ``stage`` on ``world_size`` ranks (Note [What is approximate]); ``gloo``: the
     collectives run on gloo (CPU), where each pending reduce-scatter holds a receive buffer of its input's size,
-    half of it on 2 ranks (Note [Reduce-scatter on gloo] in zero/comm.py; gloo's own reduce-scatter held a staging copy of the same
-    size: 10 pending reduce-scatters of 19 MiB held 197 MiB; all-gathers 35 MiB; all-reduce nothing).
+    half of it on 2 ranks (Note [Reduce-scatter on gloo] in zero/comm.py; gloo's own reduce-scatter held a
+    staging copy of the same size: 10 pending reduce-scatters of 19 MiB held 197 MiB; all-gathers 35 MiB;
+    all-reduce nothing).
     Under ``zero.reduce_dtype: fp32`` with 2-byte gradients, stage 0 keeps each bucket's reduced fp32 copy until
     the step, and stage 1 reduces fp32 copies of its buckets, bounded as stage 2 is, keeping the fp32 slices."""
     N = world_size

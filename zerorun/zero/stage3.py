@@ -103,13 +103,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._handles = []
         for unit in self.units:
-            if unit.persistent:
-                continue
-            if unit.outer:  # Note [Outer units]
-                self._handles.append(unit.module.register_forward_pre_hook(
-                    functools.partial(self._outer_pre_forward, unit)))
-                self._handles.append(unit.module.register_forward_hook(
-                    functools.partial(self._outer_post_forward, unit)))
+            if unit.persistent or unit.outer:  # outer units: hooked in _outer_setup (Note [Outer units])
                 continue
             self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit),
                                                                        with_kwargs=True))

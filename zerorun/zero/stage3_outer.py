@@ -34,6 +34,8 @@ Evaluation (a forward with gradients off) gathers the scheduled units with the r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from zerorun.zero.torch_internals import in_backward
@@ -53,6 +55,9 @@ class OuterUnits:
         for unit in self._outers:  # gathered with the root until the first step agrees on a schedule
             if unit not in self._root.external:
                 self._root.external.append(unit)
+            self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._outer_pre_forward,
+                                                                                         unit)))
+            self._handles.append(unit.module.register_forward_hook(functools.partial(self._outer_post_forward, unit)))
 
     def _scheduled(self) -> list[Unit]:
         return [u for u in self._outers if u.scheduled]
