@@ -2,8 +2,8 @@
 
 Note [Units]: a unit is a module whose parameters are all-gathered and freed together: every instance of a
 class named in ``ZeroConfig.units`` (e.g. the GPT's ``Block``), the outer units (the largest modules outside
-those holding parameters: embeddings, final norm, LM head; gathered on a learned schedule, Note [Outer
-units] in ``stage3_outer.py``), plus a root unit (the model itself) for the parameters no unit owns. A
+those holding parameters: embeddings, final norm, LM head; freed early where every rank agreed to, Note
+[Outer units] in ``stage3_outer.py``), plus a root unit (the model itself) for the parameters no unit owns. A
 parameter reached from two units (a weight tied across units) belongs to the root.
 Each unit holds one flat buffer per optimizer param group (and one for frozen parameters); at rest a rank
 keeps only its slice of each (``shard``), and the full flat tensor's storage is freed (``resize_(0)``): the
