@@ -22,15 +22,29 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
+class Latents(nn.Module):
+    """Returns a view of its own parameter (as Hugging Face's Perceiver does), used by the blocks after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(1, SEQ, WIDTH) * 0.02)
+
+    def forward(self, batch_size: int):
+        return self.table.expand(batch_size, -1, -1)
+
+
 class TinyGPT(nn.Module):
     """Token embedding, a position table on the root, ``depth`` blocks, final norm and LM head; ``tied``: the
     head's weight is the embedding's; ``head_by_weight``: the root reads the head's weight itself instead of
     calling it; ``extra``: a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or
-    ``None``: not at all)."""
+    ``None``: not at all); ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
 
-    def __init__(self, depth: int = 4, tied: bool = False, head_by_weight: bool = False) -> None:
+    def __init__(self, depth: int = 4, tied: bool = False, head_by_weight: bool = False, max_norm: bool = False,
+                 root_writes: bool = False, latents: bool = False) -> None:
         super().__init__()
-        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wte = nn.Embedding(VOCAB, WIDTH, max_norm=0.5 if max_norm else None)
+        self.latents = Latents() if latents else None
+        self.root_writes = root_writes
         self.wpe = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
         self.blocks = nn.ModuleList(Block() for _ in range(depth))
         self.extra = nn.Linear(WIDTH, WIDTH)
@@ -41,12 +55,18 @@ class TinyGPT(nn.Module):
         self.head_by_weight = head_by_weight
 
     def forward(self, batch):
-        ids, extra = batch
+        ids, extra, *skip = batch
         x = self.wte(ids) + self.wpe[: ids.shape[1]]
+        if self.latents is not None:
+            x = x + self.latents(x.shape[0])
+        if self.root_writes:
+            with torch.no_grad():
+                self.ln_f.weight.clamp_(max=0.9)
         if extra == "start":
             x = x + self.extra(x)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            if not skip or i not in skip[0]:
+                x = block(x)
         if extra == "end":
             x = x + self.extra(x)
         x = self.ln_f(x)
@@ -71,13 +91,14 @@ def _batches(steps: int, accum: int) -> list:
 
 
 def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpointing: bool = False,
-          declare: bool = False, evaluate: bool = False, **model_kw) -> dict:
+          declare: bool = False, evaluate: bool = False, skips=None, hook_after: bool = False,
+          **model_kw) -> dict:
     """Losses and grad norms of ``steps`` steps of :class:`TinyGPT` (``extras[step]``, per rank: a dict
-    ``{rank: where}`` or one value for all, says where ``extra`` runs; the last entry repeats), the outer
-    units' schedules, and the error of the first step that raised (``None``)."""
+    ``{rank: where}`` or one value for all, says where ``extra`` runs; the last entry repeats; ``skips[step]``:
+    the blocks LayerDrop skips), the outer units' schedules, and the error of the first step that raised."""
     engine = _engine(stage, accum, checkpointing, declare, **model_kw)
     batches = _batches(steps, accum)
-    out = {"losses": [], "norms": [], "error": None}
+    out = {"losses": [], "norms": [], "error": None, "reads": []}
     rank = dist.get_rank()
     try:
         for step in range(steps):
@@ -85,28 +106,36 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
             where = where.get(rank) if isinstance(where, dict) else where
             if evaluate:  # before the step (the first: while the schedule is learned) and after it
                 with torch.no_grad():
-                    out["losses"].append(float(engine((batches[0], where))))
+                    out["losses"].append(float(engine((batches[0], None))))
+            if hook_after and step == 1:  # a forward hook reading the embedding's weight, added after step 1
+                engine.module.wte.register_forward_hook(
+                    lambda m, a, o: out["reads"].append(float(m.weight.detach().norm())))
             for i in range(accum):
-                loss = engine((batches[step * accum + i], where))
+                here = where[i] if isinstance(where, list) else where  # a list: where, per micro-step
+                batch = (batches[step * accum + i], here) + ((set(skips[step]),) if skips else ())
+                loss = engine(batch)
                 engine.backward(loss)
                 out["losses"].append(float(loss))
             out["norms"].append(engine.step())
             if evaluate:
                 with torch.no_grad():
-                    out["losses"].append(float(engine((batches[0], where))))
+                    out["losses"].append(float(engine((batches[0], None))))
     except RuntimeError as e:
         out["error"] = str(e)
     if stage == 3:
-        out["schedule"] = {u.name: (u.scheduled, u.first, u.last, u.bfirst) for u in engine.units if u.outer}
+        out["schedule"] = {u.name: (u.scheduled, u.bfirst) for u in engine.units if u.outer}
     return out
 
 
-def gathered_at_points(steps: int = 3) -> list[dict]:
+def gathered_at_points(steps: int = 3, with_root: bool = False) -> dict:
     """Stage 3, :class:`TinyGPT` with 4 blocks, ``steps`` steps: which outer units are gathered (or being
-    gathered) when each block's forward begins and when each block's backward
-    begins; and the most parameter bytes gathered at once (outer, root and listed units together), per step."""
+    gathered) when each block's forward and each block's backward begins, and the most parameter bytes
+    gathered at those points (outer, root and listed units together: what sits beside the activations), per
+    step. ``with_root``: the embedding declared read by the root, so kept with it (as before outer units)."""
     engine = _engine(3)
     model = engine.module
+    if with_root:
+        register_external_parameter(model, model.wte.weight)
     watched = {name: getattr(model, name).weight for name in ("wte", "ln_f", "head")}
     record: list[tuple[str, list[str]]] = []
     top = {"bytes": 0}
@@ -114,17 +143,9 @@ def gathered_at_points(steps: int = 3) -> list[dict]:
     def now(tag: str) -> None:  # whole: the storage holds every element (at rest: a 1-element placeholder)
         with torch._C.DisableTorchFunctionSubclass():  # not a use of the values (Note [Parameters at rest])
             record.append((tag, [n for n, p in watched.items() if p.untyped_storage().nbytes() >= p.nbytes]))
+        gathered = sum(b.data.untyped_storage().nbytes() for u in engine.units if not u.persistent for b in u.buffers)
+        top["bytes"] = max(top["bytes"], gathered)
 
-    def bytes_gathered() -> int:
-        return sum(b.data.untyped_storage().nbytes() for u in engine.units if not u.persistent for b in u.buffers)
-
-    gather = engine._gather
-
-    def counting_gather(unit, wait=True):
-        gather(unit, wait)
-        top["bytes"] = max(top["bytes"], bytes_gathered())
-
-    engine._gather = counting_gather
     for i, block in enumerate(engine.module.blocks):
         block.register_forward_pre_hook(lambda m, a, i=i: now(f"forward {i}") if torch.is_grad_enabled() else None)
         block.register_full_backward_pre_hook(lambda m, g, i=i: now(f"backward {i}"))
@@ -135,5 +156,4 @@ def gathered_at_points(steps: int = 3) -> list[dict]:
         engine.backward(engine((ids, None)))
         engine.step()
         out.append({"points": list(record), "max_bytes": top["bytes"]})
-    sizes = {name: p.nbytes for name, p in watched.items()}
-    return {"steps": out, "sizes": sizes}
+    return {"steps": out, "sizes": {name: p.nbytes for name, p in watched.items()}}

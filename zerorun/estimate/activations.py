@@ -61,8 +61,10 @@ class WorkingSet:
     """Transient bytes per rank above the model states at rest (Note [Peak]).
 
     Attributes:
-        gathered: stage 3: the gathered parameters (the root unit, the largest outer unit, the largest
-            listed unit and, with prefetch, the next largest), present while activations are.
+        gathered: stage 3: the gathered parameters (the root unit, the outer units but embeddings, the largest
+            listed unit and, with prefetch, the next largest), present while activations are (Note [Outer
+            units] in zero/stage3_outer.py: an embedding that runs before the first listed unit is freed then;
+            the first step, which holds no optimizer states yet, gathers every outer unit with the root).
         backward: gradient buckets in flight (stages 2-3: ``INFLIGHT_BUCKETS`` of the largest) plus, on gloo,
             the receive buffer of each pending reduce-scatter (Note [Reduce-scatter on gloo] in zero/comm.py;
             stage 1: every bucket, reduced all at once at the end of backward; stages 2-3: up to
@@ -115,5 +117,5 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
     sizes = sorted((padded(u) for u in layout.units if u.name not in ("<root>", PERSISTENT) and not u.outer),
                    reverse=True)
     root = sum(padded(u) for u in layout.units if u.name == "<root>")
-    outer = max((padded(u) for u in layout.units if u.outer), default=0)  # Note [Outer units]: one at a time
+    outer = sum(padded(u) for u in layout.units if u.outer and not u.embedding)  # Note [Outer units]
     return WorkingSet((root + outer + sum(sizes[:2 if prefetch else 1])) * precision.param_bytes, backward)

@@ -14,13 +14,15 @@ PERSISTENT = "<persistent>"
 # ---------------------------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
 class UnitCount:
-    """A stage-3 unit: its name (``<root>`` for the root), the unpadded numel of each of its flat buffers, and
-    whether it is an outer unit (Note [Outer units] in zero/stage3_outer.py)."""
+    """A stage-3 unit: its name (``<root>`` for the root), the unpadded numel of each of its flat buffers,
+    whether it is an outer unit (Note [Outer units] in zero/stage3_outer.py) and whether it is an embedding
+    (``nn.Embedding``: taken to run before the first listed unit, so freed before the peak)."""
 
     name: str
     trainable: tuple[int, ...]
     frozen: tuple[int, ...] = ()
     outer: bool = False
+    embedding: bool = False
 
     @property
     def numel(self) -> int:
@@ -110,8 +112,9 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     for p in frozen:
         frozen_by_unit[unit_index[p]] = frozen_by_unit.get(unit_index[p], 0) + p.numel()
     indexed = [(i, name) for i, (name, _) in enumerate(unit_modules + outer)] + [(-1, "<root>"), (-2, PERSISTENT)]
+    modules = [m for _, m in unit_modules + outer]
     counted = [UnitCount(name, tuple(per_unit.get(i, ())), (frozen_by_unit[i],) if i in frozen_by_unit else (),
-                         outer=i >= len(unit_modules))
+                         outer=i >= len(unit_modules), embedding=i >= 0 and isinstance(modules[i], torch.nn.Embedding))
                for i, name in indexed]
     total = sum(p.numel() for p in names)
     trainable = sum(flat)

@@ -2,8 +2,8 @@
 
 Note [Units]: a unit is a module whose parameters are all-gathered and freed together: every instance of a
 class named in ``ZeroConfig.units`` (e.g. the GPT's ``Block``), the outer units (the largest modules outside
-those holding parameters: embeddings, final norm, LM head; gathered on a learned schedule, Note [Outer
-units] in ``stage3_outer.py``), plus a root unit (the model itself) for the parameters no unit owns. A
+those holding parameters: embeddings, final norm, LM head; freed early where every rank agreed to, Note
+[Outer units] in ``stage3_outer.py``), plus a root unit (the model itself) for the parameters no unit owns. A
 parameter reached from two units (a weight tied across units) belongs to the root.
 Each unit holds one flat buffer per optimizer param group (and one for frozen parameters); at rest a rank
 keeps only its slice of each (``shard``), and the full flat tensor's storage is freed (``resize_(0)``): the
@@ -317,7 +317,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
         if not unit.is_root and not in_backward():
-            self._outer_listed_call()  # Note [Outer units]
+            self._outer_listed_call(unit)  # Note [Outer units]
         self._gather(unit)
         if in_backward():
             return None
@@ -371,10 +371,9 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._gather(unit)
-        seen = len(self._seen["backward"])
         self._note_and_prefetch(unit, "backward")
-        if not unit.is_root and len(self._seen["backward"]) > seen:
-            self._outer_listed_backward()  # Note [Outer units]
+        if not unit.is_root:
+            self._outer_listed_backward(unit)  # Note [Outer units]
 
     def _end_pass(self, phase: str) -> None:
         if self._seen[phase] and self._seen[phase] != self._order[phase]:

@@ -28,7 +28,7 @@ class Stage3Backward:
     def _free_if_done(self, unit: Unit) -> None:
         if (unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers)
                 and in_backward() and (unit in self._seen["backward"] or unit.outer)):
-            self._free(unit)
+            self._outer_free_if_done(unit) if unit.outer else self._free(unit)
 
     def _unit_backward_done(self, unit: Unit) -> None:
         """Note [End of a unit's backward]: called when autograd has the gradients of one forward call's inputs
@@ -55,7 +55,6 @@ class Stage3Backward:
     def _finish_backward(self) -> None:
         super()._finish_backward()
         self._end_pass("backward")
-        self._outer_backward_end()
         for unit in self.units:
             unit.ready_buffers = 0
             unit.open_calls = 0

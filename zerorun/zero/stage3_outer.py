@@ -3,31 +3,29 @@
 Note [Outer units]: the modules outside every listed unit (a GPT's embeddings, final norm and LM head; found
 by ``units.outer_modules``) were the root unit's, gathered from the start of the forward to its end and
 again through the whole backward: for a 55M GPT with a 16k vocabulary a third of the parameters, whole on
-every rank at the peak (the start of backward), which is most of what stage 3 fell short of its promised
-saving (ZeRO paper §5.3: only the parameters in use are whole). Each such module is now a unit of its own, an
-outer unit. It cannot simply be gathered when it runs, as the listed units are: an outer module may run on
-some ranks only (an expert on the root that no token reached on one rank), and an all-gather issued by some
-ranks alone hangs. So the all-gathers of an outer unit are tied to points every rank reaches together, the
-forward calls and backward entries of the listed units (every rank runs the same ones: Note [Same units on
-every rank]):
+every rank at the peak (the end of forward, the start of backward), which is most of what stage 3 fell short
+of its promised saving (ZeRO paper §5.3: only the parameters in use are whole). Each such module is now a
+unit of its own, an outer unit. It cannot simply be gathered when it runs, as the listed units are: an outer
+module may run on some ranks only (an expert on the root that no token reached on one rank), and an
+all-gather issued by some ranks alone hangs. Its all-gathers are therefore tied to points every rank reaches
+together: the start of the root's forward, the first listed unit's forward call, the start of backward and
+the first backward entry of the unit that made that first call (every rank runs the same listed units: Note
+[Same units on every rank]). Counting calls instead would break models whose depth changes between steps
+(LayerDrop, early exit); "the first call" does not.
 
-- First step (learning): outer units are gathered with the root, as before. Each records the window in which
-  it ran: ``first``/``last``, the number of listed-unit forward calls before its first call and at the end of
-  its last one, and ``bfirst``, the number of listed-unit backward entries before the gradient of its output
-  first arrived; a use of its parameters outside its own forward (a weight read by the root or by another
-  unit, a backward hook) marks it ``used_outside``.
-- The first step's norm all-reduce carries every rank's windows (``[x, x*x]`` per value, as the gather digest:
-  equal on every rank exactly when ``N * sum(x*x) == sum(x)**2``). An outer unit whose windows are the same on
-  every rank and that was not used outside is ``scheduled``; the others stay with the root for good.
-- From then on a scheduled unit is all-gathered (asynchronously) when listed-unit call ``first`` begins (0:
-  the root's forward), freed when call ``last + 1`` begins (or at the end of the forward), all-gathered again
-  at backward entry ``bfirst`` (0: the start of backward; none when its output took no gradient) and freed
-  as soon as its gradient buckets are complete, as a listed unit is. Whether it runs on a rank no longer
-  matters: every rank gathers it at the same point.
-- A scheduled unit that runs, or whose parameters are used, where the first step did not show it (its
-  forward outside its window, its output's gradient arriving while it is free, its parameters read by other
-  code) is an error on that rank, never a silent read of the freed placeholder; the message names the way out:
-  ``zerorun.zero.register_external_parameter(model, param)`` keeps the module's unit with the root.
+- Every outer unit is gathered with the root: at the start of the forward and again at the start of backward,
+  as before, and in backward freed as soon as its own gradient buckets are complete (the LM head early in
+  backward, not with the root at its end).
+- An outer unit that, in the first step, ran only before the first listed unit's call, on every rank, and
+  whose parameters nothing else read (a GPT's token and position embeddings) is also freed when that first
+  call begins, and in backward gathered only when the first call's unit begins its backward (or at the start
+  of backward if, in the first step, its output's gradient came earlier). The first step records this (the
+  outer units are gathered with the root meanwhile); its norm all-reduce compares the records across ranks
+  (``[x, x*x]`` per value, as the gather digest: the same on every rank exactly when
+  ``N * sum(x*x) == sum(x)**2``), and only a unit every rank agrees on is scheduled so.
+- A scheduled unit that later runs after the first call, whose output's gradient arrives before its
+  all-gather, or whose parameters other code reads, raises on that rank (never a read of the freed
+  placeholder), naming ``zerorun.zero.register_external_parameter(model, param)``, which keeps it with the root.
 
 Evaluation (a forward with gradients off) gathers the scheduled units with the root, as before.
 """
@@ -38,6 +36,7 @@ import functools
 
 import torch
 
+from zerorun.zero.stage3_checks import check_no_writes
 from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import Unit, UnitState, tensors_in
 
@@ -49,11 +48,10 @@ class OuterUnits:
         self._outers = [u for u in self.units if u.outer]
         self._learning = bool(self._outers)
         self._pass = False  # a forward of the root with gradients on is running
-        self._calls = 0  # listed units' forward calls since the root's forward began
-        self._bcalls = 0  # listed units' backward entries since backward began
-        self._traced = {"forward": False, "backward": False}
-        for unit in self._outers:  # gathered with the root until the first step agrees on a schedule
-            if unit not in self._root.external:
+        self._first_call: Unit | None = None  # the unit of this pass's first listed-unit call
+        self._anchor_entered = False  # that unit's backward has begun
+        for unit in self._outers:
+            if unit not in self._root.external:  # Note [External parameters]: gathered with the root
                 self._root.external.append(unit)
             self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._outer_pre_forward,
                                                                                          unit)))
@@ -66,39 +64,36 @@ class OuterUnits:
     def _outer_pass_start(self) -> None:
         """The root's forward begins (not a recomputation); the root is gathered."""
         self._pass = torch.is_grad_enabled()
-        self._calls = 0
+        self._first_call = None
         for unit in self._scheduled():
-            if not self._pass or unit.first == 0:  # evaluation: with the root, as before
-                self._gather(unit, wait=False)
+            self._gather(unit, wait=False)
 
     def _outer_pass_end(self) -> None:
-        if self._pass and self._learning:
-            self._traced["forward"] = True
         self._pass = False
+        for unit in self._outers:  # Note [Writes inside a unit's forward]: the root's forward may write them too
+            if unit.state is UnitState.GATHERED:
+                check_no_writes(unit)
 
-    def _outer_listed_call(self) -> None:
+    def _outer_listed_call(self, unit: Unit) -> None:
         """A listed unit's forward call begins (before its all-gather is issued)."""
-        if not self._pass:
+        if not self._pass or self._first_call is not None:
             return
-        self._calls += 1
-        for unit in self._scheduled():
-            if unit.last + 1 == self._calls and unit.active == 0:
-                self._free(unit)
-            if unit.first == self._calls:
-                self._gather(unit, wait=False)
+        self._first_call = unit
+        for outer in self._scheduled():
+            if outer.active == 0:
+                self._free(outer)
 
     def _outer_pre_forward(self, unit: Unit, module, args) -> None:
         if in_backward() or not self._pass:
             if self._learning and in_backward():
                 unit.used_outside = True  # recomputed in backward: no window to learn
             return
-        if self._learning:
-            if not self._traced["forward"]:
-                unit.first = self._calls if unit.first is None else unit.first
-                unit.last = self._calls
+        after = self._first_call is not None
+        if self._learning:  # every forward of the first step counts
+            unit.first = int(after) if unit.first is None else max(unit.first, int(after))
         elif unit.scheduled:
             if unit.state is UnitState.FREE:
-                raise self._outer_deviation(unit, f"ran after {self._calls} forward calls of the listed units")
+                raise self._outer_deviation(unit, "ran after the first listed unit's forward call")
             self._gather(unit)
         unit.active += 1
         self._active.append(unit)
@@ -109,50 +104,62 @@ class OuterUnits:
         unit.active -= 1
         if self._active and self._active[-1] is unit:
             self._active.pop()
-        if self._learning and not self._traced["forward"]:
-            unit.last = self._calls  # a listed unit called from inside it widens its window
-        if torch.is_grad_enabled():
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(lambda grad, unit=unit: self._outer_pre_backward(unit))
+        if self._learning and self._first_call is not None:
+            unit.first = 1  # a listed unit called from inside it: it runs past the first call
+        check_no_writes(unit)  # Note [Writes inside a unit's forward]
+        storages = {b.data.untyped_storage().data_ptr() for b in unit.buffers}
+        for t in tensors_in(output):
+            if t.untyped_storage().data_ptr() in storages:  # a view of its parameters: read after it is freed
+                if self._learning:
+                    unit.used_outside = True
+                elif unit.scheduled:
+                    raise self._outer_deviation(unit, "returned a view of its parameters")
+            if torch.is_grad_enabled() and t.requires_grad:
+                t.register_hook(lambda grad, unit=unit: self._outer_pre_backward(unit))
         return output
 
     # ------------------------------------------------------------------------------------------ backward
     def _outer_backward_start(self) -> None:
-        """Backward begins; the root is gathered."""
-        self._bcalls = 0
+        """Backward begins; the root (and with it every outer unit not scheduled) is gathered."""
+        self._anchor_entered = False
         for unit in self._scheduled():
-            if unit.bfirst == 0:
+            if unit.bfirst == 0 or self._first_call is None:
                 self._gather(unit, wait=False)
 
-    def _outer_listed_backward(self) -> None:
-        """A listed unit's backward begins (a new entry in the backward order)."""
-        self._bcalls += 1
-        for unit in self._scheduled():
-            if unit.bfirst == self._bcalls:
-                self._gather(unit, wait=False)
+    def _outer_listed_backward(self, unit: Unit) -> None:
+        """A listed unit's backward begins."""
+        if unit is not self._first_call or self._anchor_entered:
+            return
+        self._anchor_entered = True
+        for outer in self._scheduled():
+            if outer.bfirst == 1:
+                self._gather(outer, wait=False)
 
     def _outer_pre_backward(self, unit: Unit) -> None:
-        if self._learning:
-            if not self._traced["backward"] and unit.bfirst is None:
-                unit.bfirst = self._bcalls
+        if self._learning:  # every backward of the first step counts: before the anchor once is before
+            unit.bfirst = int(self._anchor_entered) if unit.bfirst is None else min(unit.bfirst,
+                                                                                    int(self._anchor_entered))
             return
         if unit.scheduled:
             if unit.state is UnitState.FREE:
-                raise self._outer_deviation(unit, f"took a gradient after {self._bcalls} backward entries of the "
-                                                  "listed units")
+                raise self._outer_deviation(unit, "took a gradient before the first listed unit's backward began")
             self._gather(unit)
 
-    def _outer_backward_end(self) -> None:
-        if self._learning:
-            self._traced["backward"] = True
+    def _outer_free_if_done(self, unit: Unit) -> None:
+        """In backward, ``unit``'s gradient buckets are complete: it is freed, even while the root, gathered
+        with it at the start of backward, is not."""
+        unit.pinned_by.discard(self._root)
+        self._free(unit)
 
     # ------------------------------------------------------------------------------------- parameter use
     def _outer_use(self, unit: Unit, func) -> bool:
         """A parameter of the outer unit ``unit`` is about to be read by ``func`` (Note [Parameters at rest]):
         ``True`` when it may be, ``False`` to go on as for any unit."""
         holder = self._active[-1] if self._active else None
-        if holder is not unit and (self._pass or in_backward()):  # an evaluation's forward decides nothing
+        # an evaluation's forward decides nothing; a read that autograd does not record (detach, no_grad) is
+        # not needed in backward
+        recorded = torch.is_grad_enabled() and getattr(func, "__name__", "") != "detach"
+        if holder is not unit and (self._pass or in_backward()) and recorded:
             if self._learning:
                 unit.used_outside = True
             elif unit.scheduled:
@@ -163,34 +170,32 @@ class OuterUnits:
         return unit.state is UnitState.GATHERED
 
     def _outer_codes(self) -> list[float]:
-        """This rank's windows, three values per outer unit (0: not schedulable), for the first step's
-        all-reduce."""
+        """This rank's record, two values per outer unit (0: not to be scheduled), for the first step's
+        all-reduce: 1 when it ran only before the first listed call, and whether its output's gradient came
+        after that call's unit began its backward (2) or before (1)."""
         out: list[float] = []
         for u in self._outers:
-            ok = u.first is not None and not u.used_outside and not u.declared
-            out += [u.first + 1 if ok else 0, u.last + 1 if ok else 0,
-                    u.bfirst + 1 if ok and u.bfirst is not None else 0]
+            ok = u.first == 0 and not u.used_outside and not u.declared
+            out += [1 if ok else 0, (u.bfirst + 1 if u.bfirst is not None else 0) if ok else 0]
         return out
 
     def _outer_agree(self, sums: list[float], squares: list[float]) -> None:
-        """After the first step's all-reduce: schedule the outer units whose windows every rank shares."""
+        """After the first step's all-reduce: schedule the outer units every rank recorded alike."""
         n = self.world_size
         for i, unit in enumerate(self._outers):
-            same = all(n * squares[3 * i + j] == sums[3 * i + j] ** 2 for j in range(3))
-            if same and sums[3 * i] > 0:
+            same = all(n * squares[2 * i + j] == sums[2 * i + j] ** 2 for j in range(2))
+            if same and sums[2 * i] > 0:
                 unit.scheduled = True
-                unit.bfirst = None if sums[3 * i + 2] == 0 else unit.bfirst
-                if unit in self._root.external:
-                    self._root.external.remove(unit)
+                unit.bfirst = unit.bfirst if sums[2 * i + 1] > 0 else 0  # no gradient seen: at the start
+                self._root.external.remove(unit)
                 unit.pinned_by.discard(self._root)
-            else:  # stays with the root: its windows were this rank's alone
-                unit.first = unit.last = unit.bfirst = None
+            else:  # stays with the root: its record was this rank's alone
+                unit.first = unit.bfirst = None
         self._learning = False
 
     def _outer_deviation(self, unit: Unit, what: str) -> RuntimeError:
         return RuntimeError(
-            f"stage 3: module {unit.name!r} (outside the units of zero.units) {what}, where the first step did "
-            f"not (forward calls {unit.first}-{unit.last}, backward entry {unit.bfirst}); its all-gathers are "
-            "scheduled from the first step on every rank (Note [Outer units]), so it cannot be gathered here on "
-            "this rank alone. Keep its parameters with the root unit: "
+            f"stage 3: module {unit.name!r} (outside the units of zero.units) {what}, unlike in the first step; "
+            "its all-gathers are scheduled from the first step on every rank (Note [Outer units]), so it cannot "
+            "be gathered here on this rank alone. Keep its parameters with the root unit: "
             "zerorun.zero.register_external_parameter(model, param) for each, before the first step")

@@ -38,10 +38,10 @@ class Unit:
         self.pinned_by: set = set()  # gathered units (or gathered_parameters blocks) that need this one gathered
         self.active = 0  # forward calls of this unit now on the stack
         self.out_nodes: list = []  # grad_fn of its outputs since the last backward (Note [Backward on some ranks])
-        # Note [Outer units]: where the first step used it (listed units' forward calls / backward entries
-        # before it), whether it was used outside its own forward, and the schedule every rank agreed on
+        # Note [Outer units]: in the first step, whether it ran after the first listed unit's call (first: 0
+        # or 1) and whether its output's gradient came after that unit's backward began (bfirst: 0 or 1),
+        # whether its parameters were read outside its own forward; and whether every rank agreed to schedule it
         self.first: int | None = None
-        self.last: int | None = None
         self.bfirst: int | None = None
         self.used_outside = False
         self.declared = False  # register_external_parameter(model, one of its parameters): stays with the root
