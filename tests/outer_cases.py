@@ -45,6 +45,9 @@ class TinyGPT(nn.Module):
         self.wte = nn.Embedding(VOCAB, WIDTH, max_norm=0.5 if max_norm else None)
         self.latents = Latents() if latents else None
         self.root_writes = root_writes
+        self.fail_at: int | None = None  # a forward that raises before this block (interrupted, caught)
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))  # on the root: one outer unit
+        self.use_experts: tuple = ()  # which of them run after the blocks
         self.wpe = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
         self.blocks = nn.ModuleList(Block() for _ in range(depth))
         self.extra = nn.Linear(WIDTH, WIDTH)
@@ -65,10 +68,14 @@ class TinyGPT(nn.Module):
         if extra == "start":
             x = x + self.extra(x)
         for i, block in enumerate(self.blocks):
+            if i == self.fail_at:
+                raise ValueError("interrupted")
             if not skip or i not in skip[0]:
                 x = block(x)
         if extra == "end":
             x = x + self.extra(x)
+        for i in self.use_experts:
+            x = x + self.experts[i](x)
         x = self.ln_f(x)
         logits = F.linear(x, self.head.weight) if self.head_by_weight else self.head(x)
         return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
@@ -92,10 +99,12 @@ def _batches(steps: int, accum: int) -> list:
 
 def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpointing: bool = False,
           declare: bool = False, evaluate: bool = False, skips=None, hook_after: bool = False,
-          **model_kw) -> dict:
+          interrupt: bool = False, experts=None, **model_kw) -> dict:
     """Losses and grad norms of ``steps`` steps of :class:`TinyGPT` (``extras[step]``, per rank: a dict
     ``{rank: where}`` or one value for all, says where ``extra`` runs; the last entry repeats; ``skips[step]``:
-    the blocks LayerDrop skips), the outer units' schedules, and the error of the first step that raised."""
+    the blocks LayerDrop skips; ``interrupt``: before each optimizer step, a forward that raises half way,
+    caught; ``experts[step][micro_step]``: the root experts that run), the outer units' schedules, and the error
+    of the first step that raised."""
     engine = _engine(stage, accum, checkpointing, declare, **model_kw)
     batches = _batches(steps, accum)
     out = {"losses": [], "norms": [], "error": None, "reads": []}
@@ -112,10 +121,19 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
                     lambda m, a, o: out["reads"].append(float(m.weight.detach().norm())))
             for i in range(accum):
                 here = where[i] if isinstance(where, list) else where  # a list: where, per micro-step
+                if experts:
+                    engine.module.use_experts = experts[min(step, len(experts) - 1)][i]
                 batch = (batches[step * accum + i], here) + ((set(skips[step]),) if skips else ())
                 loss = engine(batch)
                 engine.backward(loss)
                 out["losses"].append(float(loss))
+            if interrupt:
+                engine.module.fail_at = 2
+                try:
+                    engine((batches[0], None))
+                except ValueError:
+                    pass
+                engine.module.fail_at = None
             out["norms"].append(engine.step())
             if evaluate:
                 with torch.no_grad():

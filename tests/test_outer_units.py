@@ -37,17 +37,20 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
                                 {"extras": ["end", {0: "end", 1: None}, {0: None, 1: "end"}]},
                                 {"extras": ["start"], "skips": [[1], [0, 3], [], [0, 1, 2, 3]]},
                                 {"latents": True}, {"hook_after": True},
-                                {"accum": 2, "extras": [["start", "end"], "start"]}],
+                                {"accum": 2, "extras": [["start", "end"], "start"]}, {"interrupt": True},
+                                {"accum": 2, "experts": [[(0, 1, 2), (0, 1, 2)], [(2,), (0, 2)], [(0, 2), (2,)]]}],
                          ids=["plain", "accum", "checkpointing", "tied", "head-by-weight", "evaluate",
                               "extra-everywhere", "extra-on-rank0", "extra-later-on-one-rank", "layerdrop",
-                              "returns-a-view", "hook-added-later", "moves-between-micro-steps"])
+                              "returns-a-view", "hook-added-later", "moves-between-micro-steps",
+                              "forward-interrupted-before-step", "root-experts-vary-by-micro-step"])
 def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     """Losses and grad norms equal stage 0's (fp32, 1e-5 relative) on 2 ranks, also when the blocks that run
     change from step to step (LayerDrop, the first block included); a module that ran before the first block
     on every rank (in every micro-step) is scheduled, the rest (the head, a module one rank skipped, a tied
     weight, a module that returns a view of its parameter: read after its unit would be freed) stays with the
     root; a forward hook that reads the embedding's weight detached, added after the first step, reads stage
-    0's values."""
+    0's values; a forward that raises half way before the optimizer step leaves no stale gathered copy; root
+    experts (one outer unit) that change between micro-steps are not freed while one still needs its weight."""
     pool = ranks(2)
     s3 = pool.run(cases.train, stage=3, **kw)
     s0 = pool.run(cases.train, stage=0, **kw)

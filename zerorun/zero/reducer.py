@@ -199,6 +199,10 @@ class GradReducer:
         """Whether ``buf``'s gradient is complete in the running backward."""
         return buf in self._ready
 
+    def accumulates_later(self, p: nn.Parameter) -> bool:
+        """Inside a backward: whether ``p``'s gradient has not been accumulated yet but will be."""
+        return self._count[p] == 0 and will_accumulate(p)
+
     def force_ready(self, buf: FlatBuffer) -> None:
         """Stage 3, at the end of a unit's backward: ``buf`` is complete unless the running backward will still
         accumulate into one of its incomplete parameters (a late one is reduced again: Note [Per-parameter

@@ -249,8 +249,9 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         return buf.shard_grad
 
     def _after_step(self) -> None:
-        """Units are gathered from the updated slices when next used; persistent parameters (Note
-        [Persistent parameters]) are all-gathered now."""
+        """Units are gathered from the updated slices when next used (one left gathered by a forward that raised
+        is freed: stale); persistent parameters (Note [Persistent parameters]) are all-gathered now."""
+        self._free_all()
         trainable = self._persistent_unit.trainable  # frozen ones never change: gathered once, at construction
         if trainable:
             self._ag_comm.wait([self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in trainable])

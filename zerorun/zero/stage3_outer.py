@@ -147,7 +147,11 @@ class OuterUnits:
 
     def _outer_free_if_done(self, unit: Unit) -> None:
         """In backward, ``unit``'s gradient buckets are complete: it is freed, even while the root, gathered
-        with it at the start of backward, is not."""
+        with it at the start of backward, is not; unless a parameter of it that was unused last time (so
+        complete at once: Note [Per-parameter readiness]) still gets its gradient in this backward (an expert
+        that runs in this micro-step only), whose computation may need the weights: then at the end."""
+        if any(self.reducer.accumulates_later(p) for buf in unit.trainable for p in buf.params):
+            return
         unit.pinned_by.discard(self._root)
         self._free(unit)
 
