@@ -8,8 +8,8 @@
 Environments (``--envs``, interleaved with the modes; Note [Returning freed memory] in zerorun/zero/allocator.py):
 ``alloc`` is glibc tuned as zerorun's launcher gives it to ranks on a node without tcmalloc
 (MALLOC_MMAP_THRESHOLD_=1 MiB, THP_MEM_ALLOC_ENABLE=1), ``default`` none (as plain torchrun runs DDP and
-FSDP2), ``trim`` none but ``malloc_trim(0)`` after every step, ``mmap4``/``mmap16`` fixed 4/16 MiB thresholds, ``nothp`` 1 MiB without
-THP, ``tcmalloc`` gperftools' tcmalloc preloaded (what zerorun's launcher gives ranks where the node has it: Note
+FSDP2), ``trim`` none but ``malloc_trim(0)`` after every step, ``mmap4``/``mmap16`` fixed 4/16 MiB thresholds,
+``nothp`` 1 MiB without THP, ``tcmalloc`` gperftools' tcmalloc preloaded (what zerorun's launcher gives ranks where the node has it: Note
 [Rank allocator]; Debian package libtcmalloc-minimal4), ``jemalloc`` jemalloc preloaded (libjemalloc2).
 Without ``--envs`` every mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default
 glibc tuned). Besides step time, each rank's CPU seconds (user + kernel, all threads) and minor page faults
