@@ -22,6 +22,8 @@ goes up by 2x or down by 1/4 until it brackets the answer, then bisects down to 
 Methods (``--methods``):
 - ``zerorun-s3``: ``zero.initialize(stage=3)``, units = Block and Embedding, model built with
   ``zero.deferred_init`` (each rank materializes its slices only), fp32 AdamW.
+- ``zerorun-s3-glibc``: the same, its ranks under glibc tuned (``ZERORUN_ALLOCATOR=glibc``) where
+  ``zerorun-s3``'s get tcmalloc if this machine has it (Note [Rank allocator]).
 - ``zerorun-s3-disk``: the same with ``zero.offload_optimizer="disk"`` (optimizer states and the step on
   disk, paged through a ``zero.offload_buffer_mb`` host buffer; files in a temporary folder).
 - ``zerorun-s3-disk-params``: the same with ``zero.offload_params="disk"`` too (the parameter slices in a
@@ -34,8 +36,9 @@ Methods (``--methods``):
 - ``deepspeed-z3`` / ``deepspeed-z3-offload``: DeepSpeed ZeRO-3 (optimizer offload off/on), when DeepSpeed is
   installed; skipped with a line otherwise.
 
-The zerorun methods' ranks run in the environment zerorun's launcher gives its ranks
-(``zerorun.launch.plan.rank_env``); the peers' in the default environment (as torchrun starts them), except
+The zerorun methods' ranks run in the environment zerorun's launcher gives its ranks on this machine
+(``zerorun.launch.plan.allocator_env``: tcmalloc where installed, else glibc tuned; Note [Rank allocator]);
+the peers' in the default environment (as torchrun starts them), except
 ``fsdp2-zerorun-env`` (and every peer with ``--peer-env zerorun``).
 """
 
@@ -54,7 +57,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
-METHODS = ("zerorun-s3", "zerorun-s3-disk", "zerorun-s3-disk-params", "fsdp2", "fsdp2-zerorun-env", "deepspeed-z3",
+METHODS = ("zerorun-s3", "zerorun-s3-glibc", "zerorun-s3-disk", "zerorun-s3-disk-params", "fsdp2", "fsdp2-zerorun-env",
+           "deepspeed-z3",
            "deepspeed-z3-offload")
 
 
@@ -140,10 +144,12 @@ def rank_env(method: str, args) -> dict[str, str]:
     """The environment variables of ``method``'s ranks: zerorun's launcher's for zerorun (and for the peers with
     ``--peer-env zerorun``), none for the peers (as torchrun starts them)."""
     sys.path.insert(0, ROOT)
-    from zerorun.launch.plan import rank_env as zerorun_env
+    from zerorun.launch.plan import allocator_env, find_tcmalloc, rank_env as zerorun_env
 
     zerorun_like = method.startswith("zerorun") or method.endswith("zerorun-env") or args.peer_env == "zerorun"
-    return zerorun_env() if zerorun_like else {}
+    if method.endswith("-glibc"):
+        return allocator_env({**zerorun_env(), "ZERORUN_ALLOCATOR": "glibc"}, None)
+    return allocator_env(zerorun_env(), find_tcmalloc()) if zerorun_like else {}
 
 
 def probe(method: str, layers: int, budget: int, args) -> dict:

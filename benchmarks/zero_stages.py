@@ -6,11 +6,13 @@
     python benchmarks/zero_stages.py --modes ddp,1,2 --envs alloc,default   # zerorun's rank env vs torchrun's
 
 Environments (``--envs``, interleaved with the modes; Note [Returning freed memory] in zerorun/zero/allocator.py):
-``alloc`` is the environment zerorun's launcher gives its ranks (MALLOC_MMAP_THRESHOLD_=1 MiB,
-THP_MEM_ALLOC_ENABLE=1), ``default`` none (as plain torchrun runs DDP and FSDP2), ``trim`` none but
-``malloc_trim(0)`` after every step, ``mmap4``/``mmap16`` fixed 4/16 MiB thresholds, ``nothp`` 1 MiB without
-THP. Without ``--envs`` every mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default
-zerorun's). Besides step time, each rank's CPU seconds (user + kernel, all threads) and minor page faults
+``alloc`` is glibc tuned as zerorun's launcher gives it to ranks on a node without tcmalloc
+(MALLOC_MMAP_THRESHOLD_=1 MiB, THP_MEM_ALLOC_ENABLE=1), ``default`` none (as plain torchrun runs DDP and
+FSDP2), ``trim`` none but ``malloc_trim(0)`` after every step, ``mmap4``/``mmap16`` fixed 4/16 MiB thresholds,
+``nothp`` 1 MiB without THP, ``tcmalloc`` gperftools' tcmalloc preloaded (what zerorun's launcher gives ranks where the node has it: Note
+[Rank allocator]; Debian package libtcmalloc-minimal4), ``jemalloc`` jemalloc preloaded (libjemalloc2).
+Without ``--envs`` every mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default
+glibc tuned). Besides step time, each rank's CPU seconds (user + kernel, all threads) and minor page faults
 per step are reported: steadier than wall-clock time on a shared machine.
 
 Every mode runs in fresh processes (started by torchrun), so each rank's peak RSS is its own. Modes are run
@@ -141,6 +143,10 @@ ENVS = {
     "mmap4": ({"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
     "mmap16": ({"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
     "nothp": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, None),
+    # Note [Rank allocator]: what zerorun's launcher gives ranks where the node has tcmalloc (zerorun.launch.plan)
+    "tcmalloc": ({"LD_PRELOAD": "libtcmalloc_minimal.so.4", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)},
+                 None),
+    "jemalloc": ({"LD_PRELOAD": "libjemalloc.so.2"}, None),
 }
 
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from zerorun.zero import allocator
+
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="glibc's allocator only")
 
@@ -102,9 +104,67 @@ def test_configure_leaves_a_threshold_set_in_the_environment():
 
 def test_launcher_gives_ranks_the_allocator_environment():
     from zerorun.hostfile import Host
-    from zerorun.launch.plan import build_plan, rank_env
+    from zerorun.launch.plan import GLIBC_ENV, build_plan, rank_env
     from zerorun.zero import allocator
 
-    assert rank_env() == allocator.ENV
+    assert GLIBC_ENV == allocator.ENV
     plan = build_plan([Host("localhost", 2)], "{}", "job", 29500)
-    assert {k: plan.nodes[0].env[k] for k in allocator.ENV} == allocator.ENV
+    assert plan.nodes[0].env["ZERORUN_ALLOCATOR"] == "auto" and rank_env() == {"ZERORUN_ALLOCATOR": "auto"}
+    plan = build_plan([Host("localhost", 2)], "{}", "job", 29500, extra_env={"ZERORUN_ALLOCATOR": "glibc"})
+    assert plan.nodes[0].env["ZERORUN_ALLOCATOR"] == "glibc"  # the recipe's launch.env wins
+
+
+TC = "libtcmalloc_minimal.so.4"
+
+
+@pytest.mark.parametrize("env,tcmalloc,expected", [
+    ({"ZERORUN_ALLOCATOR": "auto"}, TC, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc",
+                                         "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}),  # no alloc lines
+    ({}, TC, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc"}),
+    ({"ZERORUN_ALLOCATOR": "auto"}, None, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),  # not on this node
+    ({"ZERORUN_ALLOCATOR": "glibc"}, TC, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),
+    # the job's own choices win: its own preload, its own threshold (kept), its own THP setting (kept)
+    ({"LD_PRELOAD": "libjemalloc.so.2"}, TC, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, TC, {"MALLOC_MMAP_THRESHOLD_": "65536", "ZERORUN_ALLOCATOR": "glibc"}),
+    ({"ZERORUN_ALLOCATOR": "glibc", "THP_MEM_ALLOC_ENABLE": "0"}, TC, {"THP_MEM_ALLOC_ENABLE": "0"}),
+    ({"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "1024"}, TC, {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "1024"}),
+])
+def test_each_node_resolves_the_rank_allocator(env, tcmalloc, expected):
+    """Note [Rank allocator]: tcmalloc where the node has it, glibc tuned otherwise or when asked."""
+    from zerorun.launch.plan import allocator_env
+
+    got = allocator_env(env, tcmalloc)
+    for key, value in expected.items():
+        assert got.get(key) == value, (key, got)
+    if got["ZERORUN_ALLOCATOR"] == "tcmalloc":
+        assert not any(k in got for k in allocator.ENV), got  # glibc's tuning means nothing under tcmalloc
+
+
+def test_a_bad_allocator_choice_is_a_one_line_error(tmp_path):
+    from test_recipe import good
+    from zerorun.errors import ZerorunError
+    from zerorun.launch.plan import allocator_env
+    from zerorun.recipe import load_recipe
+
+    with pytest.raises(ValueError, match="ZERORUN_ALLOCATOR='jemalloc': expected one of auto, glibc"):
+        allocator_env({"ZERORUN_ALLOCATOR": "jemalloc"}, TC)
+    with pytest.raises(ZerorunError, match=r"launch\.env: ZERORUN_ALLOCATOR is 'tcmalloc': expected auto") as info:
+        load_recipe(good(tmp_path, "launch:\n  env:\n    ZERORUN_ALLOCATOR: tcmalloc\n"))
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+    assert str(info.value).startswith(str(tmp_path / "r.yaml") + ":")
+    recipe = load_recipe(good(tmp_path), ["launch.env.ZERORUN_ALLOCATOR=glibc"])
+    assert recipe.launch.env["ZERORUN_ALLOCATOR"] == "glibc"
+
+
+@pytest.mark.skipif(not __import__("ctypes.util").util.find_library("tcmalloc_minimal"),
+                    reason="libtcmalloc-minimal4 is not installed (.ci/run installs it)")
+def test_configure_leaves_a_tcmalloc_process_alone():
+    from zerorun.launch.plan import find_tcmalloc
+
+    env = {**_env_without_allocator_vars(), "LD_PRELOAD": find_tcmalloc()}
+    r = _run("import json, os\nfrom zerorun.zero import allocator\n"
+             "print(json.dumps({'name': allocator.name(), 'set': allocator.configure(), "
+             "'thp': os.environ.get('THP_MEM_ALLOC_ENABLE')}))", env)
+    assert r == {"name": "tcmalloc", "set": False, "thp": None}
+    assert _run("import json\nfrom zerorun.zero import allocator\nprint(json.dumps(allocator.name()))",
+                _env_without_allocator_vars()) == "glibc"

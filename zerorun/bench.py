@@ -34,16 +34,17 @@ from zerorun.bench_args import (BASELINES, CONTROLLED, check_overrides, parse_ba
                                 parse_nodes, parse_stages)
 from zerorun.bench_output import METRICS, _atomic_write, markdown_table, render_table, write_csv, write_json, write_png
 from zerorun.errors import ZerorunError
-from zerorun.launch.plan import rank_env
+from zerorun.launch.plan import GLIBC_ENV
 from zerorun.telemetry.console import PlainView
 
 
 #: Every job, the baselines' included, is launched as ``zerorun train`` launches it, so its ranks get zerorun's
-#: allocator environment (Note [Returning freed memory] in zerorun/zero/allocator.py): part of the comparison.
-ENV_NOTE = ("Every row, DDP and FSDP2 included, ran with zerorun's rank environment "
-            + " ".join(f"{k}={v}" for k, v in rank_env().items())
-            + " (plain torchrun leaves glibc's defaults: less memory freed, less kernel time; "
-            "benchmarks/zero_stages.py --envs alloc,default measures both).")
+#: allocator (Note [Rank allocator] in zerorun/zero/allocator.py): part of the comparison.
+ENV_NOTE = ("Every row, DDP and FSDP2 included, ran with zerorun's rank allocator (ZERORUN_ALLOCATOR=auto: "
+            "tcmalloc preloaded where the node has it, else glibc with "
+            + " ".join(f"{k}={v}" for k, v in GLIBC_ENV.items())
+            + "; each rank's start event names the one it had). Plain torchrun leaves glibc's defaults: "
+            "benchmarks/zero_stages.py --envs default,alloc,tcmalloc measures all three.")
 
 
 @dataclass(frozen=True)

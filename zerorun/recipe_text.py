@@ -239,7 +239,8 @@ def env_value_text(env: Any) -> Any:
 
 def check_env(env: dict[str, str]) -> dict[str, str]:
     """``launch.env`` after its values became text (:func:`env_value_text`): POSIX names, no NUL byte, each
-    ``KEY=VALUE`` within :data:`MAX_ENV_STRING` bytes, no :data:`MASK` value (Note [Masked environment values]).
+    ``KEY=VALUE`` within :data:`MAX_ENV_STRING` bytes, no :data:`MASK` value (Note [Masked environment values]),
+    ``ZERORUN_ALLOCATOR`` ``auto`` or ``glibc`` (Note [Rank allocator] in zerorun/zero/allocator.py).
 
     Raises:
         PydanticCustomError: naming the key and the problem (pydantic puts the field in front).
@@ -256,6 +257,9 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
                 "env_too_long", "{key}: KEY=VALUE is {n} bytes, above Linux's limit of {limit} bytes for one "
                 "environment string (MAX_ARG_STRLEN): the ranks could not start",
                 {"key": key, "n": env_string_bytes(key, value), "limit": MAX_ENV_STRING})
+        if key == "ZERORUN_ALLOCATOR" and value not in ("auto", "glibc"):  # zerorun.launch.plan.ALLOCATORS
+            raise PydanticCustomError("env_allocator", "ZERORUN_ALLOCATOR is {value}: expected auto (tcmalloc where "
+                                      "the node has it, else glibc) or glibc", {"value": repr(value)})
         if value == MASK:
             raise PydanticCustomError(
                 "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "

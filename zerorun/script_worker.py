@@ -18,6 +18,7 @@ from importlib import metadata
 
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import host_memory
+from zerorun.zero import allocator
 from zerorun.worker import RankStream, report_failure
 
 
@@ -27,7 +28,8 @@ def main(argv: list[str]) -> int:
     event, so the launcher shows it done (and knows when it ended); every rank emits a start event first."""
     rank = int(os.environ.get("RANK", 0))
     emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=_torch_version(),
-         world_size=int(os.environ.get("WORLD_SIZE", 1)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+         allocator=allocator.name(), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
          **host_memory())  # the launcher and `zerorun show` see the rank start, whatever the script reports
     code = _run(argv)
     if code == 0:

@@ -101,8 +101,11 @@ def train(recipe: Recipe, rank: int) -> None:
     dist.init_process_group("nccl" if cuda else "gloo",
                             timeout=datetime.timedelta(seconds=recipe.launch.collective_timeout_s))
     world_size = dist.get_world_size()
+    from zerorun.zero import allocator
+
     emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=torch.__version__, device=str(device),
-         world_size=world_size, local_rank=local_rank, **host_memory(), **cuda_memory(device))
+         allocator=allocator.name(), world_size=world_size, local_rank=local_rank, **host_memory(),
+         **cuda_memory(device))
     t = recipe.train
     torch.manual_seed(t.seed)
     z = recipe.zero

@@ -7,7 +7,9 @@ torchrun command as a shell would run it: ``cd WORKDIR && env NAME=VALUE ... PYT
 ... -m zerorun.worker --recipe-file FOLDER/recipe.json``, with the resolved master address and port. The values
 of ``launch.env`` and of environment files (launch/env.py) may be secrets, so they are never printed: a comment
 names them, and the line takes them from the shell's environment (``NAME="$NAME"``). The variables zerorun sets
-itself (job id, threads, allocator settings) are printed with their values.
+itself (job id, threads, allocator choice) are printed with their values; ``ZERORUN_ALLOCATOR=auto`` is what the
+watcher resolves on its node (Note [Rank allocator]: ``LD_PRELOAD`` of tcmalloc where the node has it), so the
+line run by hand gives its ranks glibc tuned unless ``LD_PRELOAD=libtcmalloc_minimal.so.4`` is put in front.
 """
 
 from __future__ import annotations

@@ -11,20 +11,64 @@ import sys
 from dataclasses import dataclass, field
 
 from zerorun.hostfile import Host
-from zerorun.launch.node import NODE_DIR
+from zerorun.launch.node import ALLOCATOR_VAR, NODE_DIR
 
 #: environment variable that marks every process of one job (teardown finds them by it).
 JOB_ENV = "ZERORUN_JOB_ID"
 
-#: Note [Returning freed memory] (zerorun/zero/allocator.py, with the figures): a fixed glibc mmap threshold,
-#: so freed tensors of 1 MiB or more go back to the OS instead of staying in the heap, and 2 MiB pages for them.
-#: Kept equal to zerorun.zero.allocator.ENV (tests/test_allocator.py), which launch/ does not import.
+#: Note [Rank allocator] (zerorun/zero/allocator.py, with the figures): the variable that chooses each rank's
+#: malloc (``launch.env``: ``auto``, the default: gperftools' tcmalloc where the node has it, else glibc tuned;
+#: ``glibc``: glibc tuned); its values. Resolved on each node by its watcher (:func:`allocator_env`), not here.
+ALLOCATORS = ("auto", "glibc")
+#: glibc's tuning (Note [Returning freed memory]): a fixed mmap threshold, so freed tensors of 1 MiB or more
+#: go back to the OS instead of staying in the heap, and 2 MiB pages for them. Kept equal to
+#: zerorun.zero.allocator.ENV (tests/test_allocator.py), which launch/ does not import.
 MMAP_THRESHOLD = 1 << 20
+GLIBC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "THP_MEM_ALLOC_ENABLE": "1"}
+#: sonames of gperftools' tcmalloc, preferred first (Debian/Ubuntu: libtcmalloc-minimal4, libgoogle-perftools4).
+TCMALLOC_SONAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+#: tcmalloc prints a line for every allocation above this many bytes (default 1 GiB): never, for a rank.
+TCMALLOC_QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
 
 
 def rank_env() -> dict[str, str]:
-    """The allocator environment variables the launcher gives every rank (Note [Returning freed memory])."""
-    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "THP_MEM_ALLOC_ENABLE": "1"}
+    """The allocator variable the launcher gives every rank (Note [Rank allocator]); each node's watcher turns it
+    into that node's variables with :func:`allocator_env`."""
+    return {ALLOCATOR_VAR: "auto"}
+
+
+def find_tcmalloc() -> str | None:
+    """The soname of a tcmalloc this machine's dynamic loader finds (its ``ldconfig`` cache), or None."""
+    import ctypes.util
+
+    for soname in TCMALLOC_SONAMES:
+        name = soname[3:].split(".so")[0]
+        if ctypes.util.find_library(name) == soname:
+            return soname
+    return None
+
+
+def allocator_env(env: dict[str, str], tcmalloc: str | None) -> dict[str, str]:
+    """The variables that carry out Note [Rank allocator] for ranks whose environment is ``env`` (this node's
+    variables with the job's on top), on a node where ``tcmalloc`` (a soname, or None: none) is found.
+
+    ``auto`` preloads tcmalloc (``LD_PRELOAD``, and :data:`TCMALLOC_QUIET`) unless the job (or the node)
+    preloads a library itself or sets ``MALLOC_MMAP_THRESHOLD_``; otherwise, and for ``glibc``, glibc's
+    tuning (:data:`GLIBC_ENV`) where the job does not set those variables. The result also names the choice
+    made (``ZERORUN_ALLOCATOR=tcmalloc`` or ``glibc``).
+
+    Raises:
+        ValueError: ``ZERORUN_ALLOCATOR`` is neither ``auto`` nor ``glibc`` (a recipe's ``launch.env`` is checked
+            before launch: :func:`zerorun.recipe_text.check_env`).
+    """
+    choice = env.get(ALLOCATOR_VAR, "auto")
+    if choice not in ALLOCATORS:
+        raise ValueError(f"{ALLOCATOR_VAR}={choice!r}: expected one of {', '.join(ALLOCATORS)}")
+    own = "MALLOC_MMAP_THRESHOLD_" in env or bool(env.get("LD_PRELOAD"))
+    if choice == "auto" and tcmalloc and not own:
+        return {**TCMALLOC_QUIET, **{k: env[k] for k in TCMALLOC_QUIET if k in env}, "LD_PRELOAD": tcmalloc,
+                ALLOCATOR_VAR: "tcmalloc"}
+    return {**GLIBC_ENV, **{k: env[k] for k in GLIBC_ENV if k in env}, ALLOCATOR_VAR: "glibc"}
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class PlainView:
                 self.print(line)
         elif e.kind == "start" and e.rank == 0:
             self.print(f"{d.get('world_size', '?')} ranks started (torch {d.get('torch', '?')}"
-                       + (f", {d['device']})" if d.get("device") else ")"))
+                       + "".join(f", {d[k]}" for k in ("device", "allocator") if d.get(k)) + ")")
 
     def progress_line(self, e: Event) -> str:
         """``step 20/400  loss 3.1927  lr 1.50e-03  grad 1.799  156 ms/step  102.5 samples/s ...``: rank
