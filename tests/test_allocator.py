@@ -124,7 +124,8 @@ TC = "libtcmalloc_minimal.so.4"
     ({"ZERORUN_ALLOCATOR": "auto"}, None, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),  # not on this node
     ({"ZERORUN_ALLOCATOR": "glibc"}, TC, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),
     # the job's own choices win: its own preload, its own threshold (kept), its own THP setting (kept)
-    ({"LD_PRELOAD": "libjemalloc.so.2"}, TC, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),
+    ({"LD_PRELOAD": "libjemalloc.so.2"}, TC, {**allocator.ENV, "LD_PRELOAD": None, "ZERORUN_ALLOCATOR": "preload"}),
+    ({"LD_PRELOAD": TC}, None, {"ZERORUN_ALLOCATOR": "preload", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}),
     ({"MALLOC_MMAP_THRESHOLD_": "65536"}, TC, {"MALLOC_MMAP_THRESHOLD_": "65536", "ZERORUN_ALLOCATOR": "glibc"}),
     ({"ZERORUN_ALLOCATOR": "glibc", "THP_MEM_ALLOC_ENABLE": "0"}, TC, {"THP_MEM_ALLOC_ENABLE": "0"}),
     ({"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "1024"}, TC, {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "1024"}),
@@ -141,6 +142,7 @@ def test_each_node_resolves_the_rank_allocator(env, tcmalloc, expected):
 
 
 def test_a_bad_allocator_choice_is_a_one_line_error(tmp_path):
+    """Wherever the choice comes from: the recipe, an override, an environment file, the launcher's shell."""
     from test_recipe import good
     from zerorun.errors import ZerorunError
     from zerorun.launch.plan import allocator_env
@@ -154,6 +156,16 @@ def test_a_bad_allocator_choice_is_a_one_line_error(tmp_path):
     assert str(info.value).startswith(str(tmp_path / "r.yaml") + ":")
     recipe = load_recipe(good(tmp_path), ["launch.env.ZERORUN_ALLOCATOR=glibc"])
     assert recipe.launch.env["ZERORUN_ALLOCATOR"] == "glibc"
+    from zerorun.launch.env import parse_env_file
+    from zerorun.launch.plan import rank_env
+
+    with pytest.raises(ZerorunError, match=r"^\.zerorun_env:2: ZERORUN_ALLOCATOR is 'jemalloc': expected auto"):
+        parse_env_file("A=1\nZERORUN_ALLOCATOR=jemalloc\n", ".zerorun_env")
+    assert parse_env_file("ZERORUN_ALLOCATOR=glibc\n") == {"ZERORUN_ALLOCATOR": "glibc"}
+    with pytest.raises(ZerorunError, match=r"^environment: ZERORUN_ALLOCATOR is 'tcmalloc': expected auto"):
+        rank_env({"ZERORUN_ALLOCATOR": "tcmalloc"})
+    assert rank_env({"ZERORUN_ALLOCATOR": "glibc"}) == {"ZERORUN_ALLOCATOR": "glibc"}  # the shell's choice counts
+    assert rank_env({"ZERORUN_ALLOCATOR": ""}) == rank_env({}) == {"ZERORUN_ALLOCATOR": "auto"}
 
 
 @pytest.mark.skipif(not __import__("ctypes.util").util.find_library("tcmalloc_minimal"),
@@ -166,5 +178,25 @@ def test_configure_leaves_a_tcmalloc_process_alone():
              "print(json.dumps({'name': allocator.name(), 'set': allocator.configure(), "
              "'thp': os.environ.get('THP_MEM_ALLOC_ENABLE')}))", env)
     assert r == {"name": "tcmalloc", "set": False, "thp": None}
-    assert _run("import json\nfrom zerorun.zero import allocator\nprint(json.dumps(allocator.name()))",
-                _env_without_allocator_vars()) == "glibc"
+    name = "import json\nfrom zerorun.zero import allocator\nprint(json.dumps(allocator.name()))"
+    assert _run(name, _env_without_allocator_vars()) == "glibc"
+    if __import__("ctypes.util").util.find_library("jemalloc"):  # a job's own preload is named as it is
+        assert _run(name, {**_env_without_allocator_vars(), "LD_PRELOAD": "libjemalloc.so.2"}) == "jemalloc"
+
+
+def test_console_names_ranks_whose_allocator_is_not_rank_0s():
+    """Each node preloads tcmalloc only if it has it: a mixed job says so (once per rank), a uniform one not."""
+    import io
+
+    from zerorun.telemetry.console import PlainView
+    from zerorun.telemetry.events import Event
+
+    out = io.StringIO()
+    view = PlainView(out)
+    start = {"world_size": 3, "torch": "2.13", "device": "cpu"}
+    for rank, host, name in [(2, "b", "glibc"), (0, "a", "tcmalloc"), (1, "a", "tcmalloc"), (2, "b", "glibc")]:
+        view.event(Event("start", rank, 1.0, {**start, "host": host, "allocator": name}))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "3 ranks started (torch 2.13, cpu, tcmalloc)"
+    assert lines[1:] == ["rank 2 on b runs under glibc, rank 0 under tcmalloc (install the same allocator on every "
+                         "node for comparable memory and speed)"], lines

@@ -18,7 +18,7 @@ import sys
 from typing import Callable, Mapping
 
 from zerorun.errors import ZerorunError
-from zerorun.recipe_text import MAX_ENV_STRING, env_string_bytes
+from zerorun.recipe_text import MAX_ENV_STRING, allocator_problem, env_string_bytes
 
 #: names with these prefixes are forwarded from the launcher's environment (Note [Forwarded environment]).
 ALLOWED_PREFIXES = ("NCCL_", "PYTHON", "CUDA_VISIBLE_DEVICES", "GLOO_", "TORCH_", "OMP_NUM_THREADS")
@@ -44,8 +44,8 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
 
     Raises:
         ZerorunError: a line without ``=`` or with an invalid name, a value holding a NUL byte, or a
-            ``KEY=VALUE`` longer than Linux's limit for one environment string (``MAX_ENV_STRING``), as
-            ``path:LINE: ...``.
+            ``KEY=VALUE`` longer than Linux's limit for one environment string (``MAX_ENV_STRING``), a
+            ``ZERORUN_ALLOCATOR`` that is neither ``auto`` nor ``glibc``, as ``path:LINE: ...``.
     """
     env: dict[str, str] = {}
     for lineno, line in enumerate(text.splitlines(), start=1):
@@ -64,6 +64,8 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
             raise ZerorunError(f"{path}:{lineno}: {key}: KEY=VALUE is {env_string_bytes(key, value)} bytes, above "
                                f"Linux's limit of {MAX_ENV_STRING} bytes for one environment string "
                                "(MAX_ARG_STRLEN): the ranks could not start")
+        if key == "ZERORUN_ALLOCATOR" and allocator_problem(value):  # Note [Rank allocator]
+            raise ZerorunError(f"{path}:{lineno}: {allocator_problem(value)}")
         env[key] = value
     return env
 

@@ -157,8 +157,8 @@ def run_node(spec: dict) -> int:
 
             try:
                 env.update(allocator_env(env, find_tcmalloc()))
-            except ValueError as e:
-                print(f"zerorun: launch.env: {e}", flush=True)
+            except ValueError as e:  # a value no check before launch saw (the node's own environment)
+                print(f"zerorun: node environment: {e}", flush=True)
                 return 2
         # SIGTERM/SIGINT reach torchrun too (the launcher signals the node's process group, or the marked
         # processes); the watcher outlives it to clean up. A handler, not SIG_IGN, which torchrun would inherit.

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 
 from zerorun.hostfile import Host
 from zerorun.launch.node import ALLOCATOR_VAR, NODE_DIR
+from zerorun.recipe_text import ALLOCATORS, allocator_problem
 
 #: environment variable that marks every process of one job (teardown finds them by it).
 JOB_ENV = "ZERORUN_JOB_ID"
 
-#: Note [Rank allocator] (zerorun/zero/allocator.py, with the figures): the variable that chooses each rank's
-#: malloc (``launch.env``: ``auto``, the default: gperftools' tcmalloc where the node has it, else glibc tuned;
-#: ``glibc``: glibc tuned); its values. Resolved on each node by its watcher (:func:`allocator_env`), not here.
-ALLOCATORS = ("auto", "glibc")
+# Note [Rank allocator] (zerorun/zero/allocator.py, with the figures): ZERORUN_ALLOCATOR chooses each rank's malloc
+# (``auto``, the default: gperftools' tcmalloc where the node has it, else glibc tuned; ``glibc``: glibc tuned;
+# recipe_text.ALLOCATORS). Resolved on each node by its watcher (:func:`allocator_env`), not here.
 #: glibc's tuning (Note [Returning freed memory]): a fixed mmap threshold, so freed tensors of 1 MiB or more
 #: go back to the OS instead of staying in the heap, and 2 MiB pages for them. Kept equal to
 #: zerorun.zero.allocator.ENV (tests/test_allocator.py), which launch/ does not import.
@@ -31,10 +31,21 @@ TCMALLOC_SONAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 TCMALLOC_QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
 
 
-def rank_env() -> dict[str, str]:
-    """The allocator variable the launcher gives every rank (Note [Rank allocator]); each node's watcher turns it
-    into that node's variables with :func:`allocator_env`."""
-    return {ALLOCATOR_VAR: "auto"}
+def rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The allocator variable the launcher gives every rank (Note [Rank allocator]): the launcher's own
+    ``ZERORUN_ALLOCATOR`` (``environ``, default ``os.environ``) if set, else ``auto``; the job's environment files
+    and ``launch.env`` override it, and each node's watcher turns it into that node's variables with
+    :func:`allocator_env`.
+
+    Raises:
+        ZerorunError: the launcher's ``ZERORUN_ALLOCATOR`` is neither ``auto`` nor ``glibc``.
+    """
+    value = (os.environ if environ is None else environ).get(ALLOCATOR_VAR) or "auto"
+    if allocator_problem(value):
+        from zerorun.errors import ZerorunError
+
+        raise ZerorunError(f"environment: {allocator_problem(value)}")
+    return {ALLOCATOR_VAR: value}
 
 
 def find_tcmalloc() -> str | None:
@@ -53,9 +64,11 @@ def allocator_env(env: dict[str, str], tcmalloc: str | None) -> dict[str, str]:
     variables with the job's on top), on a node where ``tcmalloc`` (a soname, or None: none) is found.
 
     ``auto`` preloads tcmalloc (``LD_PRELOAD``, and :data:`TCMALLOC_QUIET`) unless the job (or the node)
-    preloads a library itself or sets ``MALLOC_MMAP_THRESHOLD_``; otherwise, and for ``glibc``, glibc's
-    tuning (:data:`GLIBC_ENV`) where the job does not set those variables. The result also names the choice
-    made (``ZERORUN_ALLOCATOR=tcmalloc`` or ``glibc``).
+    preloads a library itself (which may be an allocator: ``ZERORUN_ALLOCATOR=preload``) or sets
+    ``MALLOC_MMAP_THRESHOLD_``; otherwise, and for ``glibc``, glibc's tuning (:data:`GLIBC_ENV`) where the job
+    does not set those variables (and :data:`TCMALLOC_QUIET`, which only a tcmalloc reads). The result also names
+    the choice made (``ZERORUN_ALLOCATOR=tcmalloc``, ``preload`` or ``glibc``); the rank reports what it really
+    runs under (:func:`zerorun.zero.allocator.name`).
 
     Raises:
         ValueError: ``ZERORUN_ALLOCATOR`` is neither ``auto`` nor ``glibc`` (a recipe's ``launch.env`` is checked
@@ -64,11 +77,11 @@ def allocator_env(env: dict[str, str], tcmalloc: str | None) -> dict[str, str]:
     choice = env.get(ALLOCATOR_VAR, "auto")
     if choice not in ALLOCATORS:
         raise ValueError(f"{ALLOCATOR_VAR}={choice!r}: expected one of {', '.join(ALLOCATORS)}")
-    own = "MALLOC_MMAP_THRESHOLD_" in env or bool(env.get("LD_PRELOAD"))
-    if choice == "auto" and tcmalloc and not own:
-        return {**TCMALLOC_QUIET, **{k: env[k] for k in TCMALLOC_QUIET if k in env}, "LD_PRELOAD": tcmalloc,
-                ALLOCATOR_VAR: "tcmalloc"}
-    return {**GLIBC_ENV, **{k: env[k] for k in GLIBC_ENV if k in env}, ALLOCATOR_VAR: "glibc"}
+    quiet = {**TCMALLOC_QUIET, **{k: env[k] for k in TCMALLOC_QUIET if k in env}}
+    if choice == "auto" and tcmalloc and not env.get("LD_PRELOAD") and "MALLOC_MMAP_THRESHOLD_" not in env:
+        return {**quiet, "LD_PRELOAD": tcmalloc, ALLOCATOR_VAR: "tcmalloc"}
+    label = "preload" if env.get("LD_PRELOAD") else "glibc"
+    return {**GLIBC_ENV, **{k: env[k] for k in GLIBC_ENV if k in env}, **quiet, ALLOCATOR_VAR: label}
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ class PlainView:
         self.state = state if state is not None else JobState()
         self.min_interval_s, self.quiet_s = min_interval_s, quiet_s
         self._last_print = time.monotonic()  # when the last progress line was printed
+        self._allocators: dict[int, tuple[str, str]] = {}  # rank -> (allocator, host), from start events
+        self._told: set[int] = set()
 
     def event(self, e: Event) -> None:
         self.state.update(e)
@@ -79,6 +81,21 @@ class PlainView:
         elif e.kind == "start" and e.rank == 0:
             self.print(f"{d.get('world_size', '?')} ranks started (torch {d.get('torch', '?')}"
                        + "".join(f", {d[k]}" for k in ("device", "allocator") if d.get(k)) + ")")
+        if e.kind == "start" and d.get("allocator"):
+            self._other_allocators(e)
+
+    def _other_allocators(self, e: Event) -> None:
+        """A line for each rank whose allocator is not rank 0's (Note [Rank allocator]: each node preloads
+        tcmalloc only if it has it), once rank 0's start event is in."""
+        self._allocators[e.rank] = (str(e.data["allocator"]), str(e.data.get("host", "?")))
+        if 0 not in self._allocators:
+            return
+        first = self._allocators[0][0]
+        for rank, (allocator, host) in sorted(self._allocators.items()):
+            if allocator != first and rank not in self._told:
+                self._told.add(rank)
+                self.print(f"rank {rank} on {host} runs under {allocator}, rank 0 under {first} "
+                           "(install the same allocator on every node for comparable memory and speed)")
 
     def progress_line(self, e: Event) -> str:
         """``step 20/400  loss 3.1927  lr 1.50e-03  grad 1.799  156 ms/step  102.5 samples/s ...``: rank

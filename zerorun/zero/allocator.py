@@ -34,13 +34,13 @@ torch's own CPU launcher offers the same preload (``torch.backends.xeon.run_cpu 
 fixed mmap threshold keeps what ZeRO frees off the peak but makes every rank fault in each large block anew on
 every use, and a step of stage 3, which gathers and frees every unit twice, the most; tcmalloc keeps freed
 blocks in its page heap and reuses them, so nothing is faulted in after the first step, and it does not let the
-heap grow with holes the way glibc's raised threshold does. Measured side by side, 3 interleaved rounds on an
+heap grow with holes the way glibc's raised threshold does. Measured side by side, 2 interleaved rounds on an
 idle machine (55M GPT, 2 gloo ranks, micro-batch 4; ``benchmarks/zero_stages.py --envs default,alloc,tcmalloc``;
-README, "The allocator"): step time glibc tuned -> tcmalloc, stage 1 1.51 -> 1.27 s, stage 2 1.60 -> 1.27 s,
-stage 3 1.96 -> 1.43 s, DDP 1.66 -> 1.39 s (DDP under glibc's defaults, as torchrun runs it: 1.49 s); peak RSS
-per rank stage 1 1248 -> 1266 MiB, stage 2 1144 -> 1163, stage 3 1092 -> 1166 (glibc defaults: 1419, 1346,
-1244). Stage 3 keeps less of its saving under tcmalloc (realized 0.77 against 0.88): ``ZERORUN_ALLOCATOR:
-glibc`` trades that speed for memory.
+README, "The allocator"): step time glibc tuned -> tcmalloc, stage 1 1.56 -> 1.28 s, stage 2 1.57 -> 1.27 s,
+stage 3 1.95 -> 1.45 s, DDP 1.68 -> 1.43 s (DDP under glibc's defaults, as torchrun runs it: 1.53 s); peak RSS
+per rank stage 1 1248 -> 1284 MiB, stage 2 1143 -> 1254, stage 3 1094 -> 1154 (glibc defaults: 1417, 1367,
+1241). Stages 2 and 3 keep less of their saving under tcmalloc (realized 0.75 and 0.80, against 1.00 and 0.87
+tuned; tcmalloc's peak also moves between runs): ``ZERORUN_ALLOCATOR: glibc`` trades that speed for memory.
 """
 
 from __future__ import annotations
@@ -107,19 +107,28 @@ def rss_bytes() -> int:
 
 
 
-def tcmalloc_loaded() -> bool:
-    """Whether tcmalloc serves this process's malloc (Note [Rank allocator]: preloaded, so mapped)."""
+#: allocators that replace glibc's malloc when preloaded: name -> the library's file name prefix.
+PRELOADED = {"tcmalloc": "libtcmalloc", "jemalloc": "libjemalloc", "mimalloc": "libmimalloc"}
+
+
+def _mapped() -> str:
     try:
         with open("/proc/self/maps") as f:
-            return "libtcmalloc" in f.read()
+            return f.read()
     except OSError:
-        return False
+        return ""
+
+
+def tcmalloc_loaded() -> bool:
+    """Whether tcmalloc serves this process's malloc (Note [Rank allocator]: preloaded, so mapped)."""
+    return PRELOADED["tcmalloc"] in _mapped()
 
 
 def name() -> str:
-    """This process's malloc: ``"tcmalloc"`` (Note [Rank allocator]), else ``"glibc"`` (or whatever the C
-    library is)."""
-    return "tcmalloc" if tcmalloc_loaded() else "glibc"
+    """This process's malloc: one of :data:`PRELOADED`'s names when that library is mapped (Note [Rank
+    allocator]: preloaded by zerorun or by the job), else ``"glibc"`` (also where /proc is missing)."""
+    maps = _mapped()
+    return next((n for n, lib in PRELOADED.items() if lib in maps), "glibc")
 
 
 def configure() -> bool:
