@@ -95,7 +95,9 @@ def worker(args) -> None:
     else:
         engine = zero.initialize(model, optimizer="AdamW", optimizer_kwargs=opt_kwargs, param_groups=groups,
                                  config=zero.ZeroConfig(stage=int(args.worker), bucket_mb=args.bucket_mb,
-                                                        grad_clip=1.0, units=tuple(args.units.split(","))))
+                                                        grad_clip=1.0, units=tuple(args.units.split(",")),
+                                                        prefetch_bytes=None if args.prefetch_bytes < 0
+                                                        else args.prefetch_bytes))
 
         def step(batch):
             engine.backward(engine(batch)["loss"])
@@ -195,6 +197,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--units", default="Block,Embedding",
                    help="zerorun stage 3's zero.units (FSDP2 always shards the blocks and the embeddings); "
                         "'Block' leaves the embeddings and the head to outer units (Note [Outer units])")
+    p.add_argument("--prefetch-bytes", type=int, default=-1,
+                   help="zerorun stage 3's zero.prefetch_bytes (-1: unset, the next unit; 0: no prefetch)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -208,7 +212,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     return [f"--layers={args.layers}", f"--d-model={args.d_model}", f"--heads={args.heads}", f"--vocab={args.vocab}",
             f"--seq={args.seq}", f"--untied={args.untied}", f"--micro-batch={args.micro_batch}",
             f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--units={args.units}",
-            f"--reverse-registration={args.reverse_registration}"]
+            f"--reverse-registration={args.reverse_registration}", f"--prefetch-bytes={args.prefetch_bytes}"]
 
 
 def main() -> None:

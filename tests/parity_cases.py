@@ -62,8 +62,8 @@ class MLP(nn.Module):
 def _build(model: str, seed: int, **model_kwargs) -> nn.Module:
     torch.manual_seed(seed)
     if model == "gpt":
-        return _gpt_module().build_model(vocab_size=61, n_layer=2, n_head=2, d_model=18, max_seq_len=16,
-                                         **model_kwargs)
+        return _gpt_module().build_model(**{"vocab_size": 61, "n_layer": 2, "n_head": 2, "d_model": 18,
+                                            "max_seq_len": 16, **model_kwargs})
     return MLP(**model_kwargs)
 
 
@@ -103,7 +103,7 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
            optimizer: str = "AdamW", optimizer_kwargs: dict | None = None, groups: str = "default",
            bucket_mb: float = 0.002, branch_pattern: str = "never", units: tuple = (),
            activation_checkpointing: bool = False, deferred: bool = False, persistence_threshold: int = 0,
-           freeze: tuple = (), **model_kwargs) -> dict:
+           freeze: tuple = (), prefetch_bytes: int | None = None, **model_kwargs) -> dict:
     """Train DDP and the zerorun engine side by side; return the largest relative differences.
 
     Also trains a second DDP (``floor_*`` keys) that differs from the first only in summation order: another
@@ -134,7 +134,8 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
                         param_groups=_groups(zero_model, groups, wd),
                         config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, grad_accum_steps=accum, grad_clip=clip,
                                           units=units, activation_checkpointing=activation_checkpointing,
-                                          persistence_threshold=persistence_threshold))
+                                          persistence_threshold=persistence_threshold,
+                                          prefetch_bytes=prefetch_bytes))
     out = {k: 0.0 for k in ("loss", "grad_norm", "params", "buffers", "floor_loss", "floor_grad_norm",
                             "floor_params", "eval")}
     for step in range(steps):
@@ -225,28 +226,36 @@ def deferred_equals_normal(world_size_check: bool = True) -> dict:
             "rng": torch.equal(after_normal, after_meta), "units": [u.name for u in engine.units]}
 
 
-def prefetch_order() -> dict:
-    """Unit order recorded by stage 3 after two steps (Note [Prefetch]), and whether the step-2 gathers were
-    issued ahead of use (the all-gather of the next unit in flight when the current unit starts)."""
-    model = _build("gpt", 0)
+def prefetch_order(prefetch_bytes: int | None = None, n_layer: int = 2) -> dict:
+    """Unit order recorded by stage 3 after two steps (Note [Prefetch]), whether the step-2 gathers were
+    issued ahead of use (the all-gather of the next unit in flight when the current unit starts), and, for
+    each all-gather of step 2 issued ahead of use, the unit in use then (``issued``: (unit, phase, in use)),
+    and each block's gathered bytes."""
+    model = _build("gpt", 0, n_layer=n_layer)
     engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
-                        config=ZeroConfig(stage=3, units=("Block",)))
-    ahead = []
+                        config=ZeroConfig(stage=3, units=("Block",), prefetch_bytes=prefetch_bytes))
+    ahead, issued = [], []
     original = engine._gather
 
     def spy(unit, wait=True):
         if wait:
             ahead.append((unit.name, unit.state.value))
+        elif unit.state.value == "free":
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            seen = engine._seen[phase]
+            issued.append((unit.name, phase, seen[-1].name if seen else None))
         original(unit, wait)
 
     engine._gather = spy
     for step in range(2):
         ahead.clear()
+        issued.clear()
         engine.backward(_loss(engine(_batch("gpt", step, 0, dist.get_rank(), dist.get_world_size(), "never"))))
         engine.step()
     return {"forward": [u.name for u in engine._order["forward"]],
             "backward": [u.name for u in engine._order["backward"]],
-            "states_at_use": ahead}
+            "states_at_use": ahead, "issued": issued,
+            "block_bytes": [u.gathered_bytes for u in engine.units if u.name.startswith("blocks")]}
 
 
 # ------------------------------------------------------------------------------------------ mixed precision

@@ -320,3 +320,25 @@ def test_sizes_out_of_range_are_one_line_errors(flag, text, expected):
     parse = {"--params": est.parse_count, "--device-memory": est.parse_bytes, "--bandwidth": est.parse_bandwidth}
     with pytest.raises(ZerorunError, match=re.escape(f"{flag}: ") + ".*" + re.escape(expected)):
         parse[flag](text, flag)
+
+
+def test_prefetch_bytes_bounds_the_gathered_working_set():
+    """zero.prefetch_bytes: at most that many bytes of other listed units gathered ahead (Note [Prefetch]),
+    never more than they all hold; unset: the next largest unit; 0 as prefetch off."""
+    from zerorun.estimate.activations import working_set
+    from zerorun.estimate.policies import PRECISIONS
+
+    with torch.device("meta"):
+        m = cases.build("gpt", {"n_layer": 4})
+    layout = est.layout_of(m, units=("Block",))
+    fp32 = PRECISIONS["fp32"]
+
+    def gathered(**kw) -> int:
+        return working_set(layout, 3, 2, fp32, **kw).gathered
+
+    block = 4 * sum(-(-p.numel() // 2) * 2 for p in m.blocks[0].parameters())  # bytes, padded to 2 ranks
+    one = gathered(prefetch=False)
+    assert gathered() == one + block and gathered(prefetch_bytes=0) == one
+    assert gathered(prefetch_bytes=block + 5) == one + block + 5  # a bound, in bytes
+    assert gathered(prefetch_bytes=1 << 40) == one + 3 * block  # every other block, no more
+    assert gathered(prefetch=False, prefetch_bytes=1 << 40) == one

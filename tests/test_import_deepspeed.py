@@ -22,7 +22,7 @@ DS = {
     "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 100, "total_num_steps": 2000,
                                                        "cos_min_ratio": 0.05}},
     "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 1048576,
-                          "stage3_param_persistence_threshold": 1e4,
+                          "stage3_param_persistence_threshold": 1e4, "stage3_prefetch_bucket_size": 5e7,
                           "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True},
                           "offload_param": {"device": "cpu"}},
     "wall_clock_breakdown": False,
@@ -53,6 +53,7 @@ def test_maps_the_fields_with_a_meaning_here(tmp_path):
     z = r.zero
     assert (z.stage, z.offload_optimizer, z.offload_path, z.persistence_threshold) == (3, "disk", "/local_nvme", 10000)
     assert z.bucket_mb == 2.0  # 1Mi elements of 2-byte gradients
+    assert z.prefetch_bytes == 10**8  # 5e7 elements ahead of use, 2 bytes each
     assert r.launch.procs_per_node == 2 and r.log.every == 50
     fields = {d.split(":")[0] for d in dropped}
     assert fields == {"fp16.hysteresis", "optimizer.params.torch_adam", "zero_optimization.offload_param",

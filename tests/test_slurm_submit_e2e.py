@@ -49,8 +49,10 @@ def test_refused_unknown_and_pending_jobs(slurm_cluster, tmp_path):
     job_id = out.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
     try:
         env = slurm_cluster.client_env(XDG_STATE_HOME=str(tmp_path / "state"))
+        # SIGINT as a terminal gives it, even where pytest itself runs with it ignored (a background job)
         attach = subprocess.Popen([sys.executable, "-m", "zerorun", "attach", job_id], cwd=str(tmp_path), env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         first = attach.stdout.readline()
         assert first.startswith(f"zerorun: job {job_id} is pending (JobHeldUser); waiting for it to start"), first
         attach.send_signal(signal.SIGINT)

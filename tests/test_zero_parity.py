@@ -133,7 +133,10 @@ def test_stage3_meta_construction_equals_normal(ranks, world_size):
     {"activation_checkpointing": True},
     {"activation_checkpointing": True, "accum": 2, "clip": 0.05},
     {"tie_embeddings": False},
-], ids=["meta-init", "activation-checkpointing", "checkpointing-accum-clip", "untied"])
+    {"prefetch_bytes": 0},
+    {"prefetch_bytes": 1 << 40, "accum": 2, "clip": 0.05},
+], ids=["meta-init", "activation-checkpointing", "checkpointing-accum-clip", "untied", "no-prefetch",
+        "prefetch-whole-pass"])
 def test_stage3_options_match_ddp(ranks, world_size, options):
     check(ranks(world_size).run(cases.parity, stage=3, model="gpt", units=("Block",), **options))
 
@@ -150,6 +153,33 @@ def test_stage3_records_unit_order_and_prefetches(ranks):
         # in step 2 every block was already being gathered (prefetched) when its turn came
         blocks = [state for name, state in r["states_at_use"] if name.startswith("blocks")]
         assert blocks and all(state == "gathering" for state in blocks), r["states_at_use"]
+
+
+def test_stage3_prefetch_bytes_bounds_what_is_gathered_ahead(ranks):
+    """zero.prefetch_bytes (Note [Prefetch]): the blocks after the one in use whose bytes fit are all-gathered
+    then; 0: none ahead; unset: the next one. 4 blocks of equal size b; forward order root, blocks 0-3."""
+    b = ranks(2).run(cases.prefetch_order, n_layer=4)[0]["block_bytes"]
+    assert len(set(b)) == 1, b
+    issued = {}
+    for name, limit in (("next", None), ("none", 0), ("two", 2 * b[0]), ("under two", 2 * b[0] - 1),
+                        ("all", 1 << 40)):
+        got = ranks(2).run(cases.prefetch_order, prefetch_bytes=limit, n_layer=4)
+        assert got[0]["issued"] == got[1]["issued"], got  # the same all-gathers at the same points on every rank
+        # blocks only (not the outer units); backward's first ones are issued as it starts, outside autograd
+        issued[name] = [(unit, "backward", "") if at is None else (unit, phase, at)
+                        for unit, phase, at in got[0]["issued"] if unit.startswith("blocks")]
+    fwd = [f"blocks.{i}" for i in range(4)]
+    bwd = fwd[::-1]
+
+    def expected(order, phase, ahead):  # unit i+1..i+ahead issued when unit i starts, the root's first
+        seq = ["", *order]
+        return [(seq[j], phase, seq[max(0, j - ahead)]) for j in range(1, len(seq))]
+
+    assert issued["next"] == expected(fwd, "forward", 1) + expected(bwd, "backward", 1)
+    assert issued["none"] == []
+    assert issued["two"] == expected(fwd, "forward", 2) + expected(bwd, "backward", 2)
+    assert issued["under two"] == issued["next"]
+    assert issued["all"] == expected(fwd, "forward", 4) + expected(bwd, "backward", 4)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -137,6 +137,8 @@ class ZeroSpec(_Strict):
     bucket_mb: float = Field(25.0, gt=0)
     units: list[str] = Field(default_factory=list)
     prefetch: bool = True
+    # Stage 3: the most bytes of units all-gathered ahead of the one in use (unset: the next unit; 0: none).
+    prefetch_bytes: int | None = Field(None, ge=0)
     meta_init: bool = True
     # Stage 3: parameters of at most this many elements stay whole on every rank (0: none).
     persistence_threshold: int = Field(0, ge=0)

@@ -135,6 +135,7 @@ def train(recipe: Recipe, rank: int) -> None:
     try:
         config = zero.ZeroConfig(stage=z.stage, bucket_mb=z.bucket_mb, grad_accum_steps=t.grad_accum_steps,
                                  grad_clip=t.grad_clip, units=tuple(z.units), prefetch=z.prefetch,
+                                 prefetch_bytes=z.prefetch_bytes,
                                  persistence_threshold=z.persistence_threshold,
                                  activation_checkpointing=t.activation_checkpointing,
                                  precision=recipe.precision, reduce_dtype=z.reduce_dtype,

@@ -62,7 +62,8 @@ class WorkingSet:
 
     Attributes:
         gathered: stage 3: the gathered parameters (the root unit, the outer units but embeddings, the largest
-            listed unit and, with prefetch, the next largest), present while activations are (Note [Outer
+            listed unit and, with prefetch, the next largest, or with ``prefetch_bytes`` at most that many bytes
+            of the other listed units), present while activations are (Note [Outer
             units] in zero/stage3_outer.py: an embedding that runs before the first listed unit is freed then;
             the first step, which holds no optimizer states yet, gathers every outer unit with the root).
         backward: gradient buckets in flight (stages 2-3: ``INFLIGHT_BUCKETS`` of the largest) plus, on gloo,
@@ -80,7 +81,8 @@ class WorkingSet:
 
 
 def working_set(layout: Layout, stage: int, world_size: int, precision: Precision, *,
-                bucket_mb: float = 25.0, prefetch: bool = True, gloo: bool = False) -> WorkingSet:
+                bucket_mb: float = 25.0, prefetch: bool = True, gloo: bool = False,
+                prefetch_bytes: int | None = None) -> WorkingSet:
     """The :class:`WorkingSet` of ``stage`` on ``world_size`` ranks (Note [What is approximate]); ``gloo``: the
     collectives run on gloo (CPU), where each pending reduce-scatter holds a receive buffer of its input's size,
     half of it on 2 ranks (Note [Reduce-scatter on gloo] in zero/comm.py; gloo's own reduce-scatter held a
@@ -118,4 +120,7 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
                    reverse=True)
     root = sum(padded(u) for u in layout.units if u.name == "<root>")
     outer = sum(padded(u) for u in layout.units if u.outer and not u.embedding)  # Note [Outer units]
-    return WorkingSet((root + outer + sum(sizes[:2 if prefetch else 1])) * precision.param_bytes, backward)
+    pb = precision.param_bytes
+    if prefetch and prefetch_bytes is not None:  # ZeroConfig.prefetch_bytes bounds what is gathered ahead
+        return WorkingSet((root + outer + sum(sizes[:1])) * pb + min(prefetch_bytes, sum(sizes[1:]) * pb), backward)
+    return WorkingSet((root + outer + sum(sizes[:2 if prefetch else 1])) * pb, backward)

@@ -90,6 +90,7 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         micro_batch=micro_batch or (r.train.micro_batch_size if r else 1),
         seq_len=r.data.seq_len if r else None, grad_accum_steps=r.train.grad_accum_steps if r else 1,
         bucket_mb=r.zero.bucket_mb if r else 25.0, prefetch=r.zero.prefetch if r else True,
+        prefetch_bytes=r.zero.prefetch_bytes if r else None,
         activation_checkpointing=r.train.activation_checkpointing if r else False, offload=offload or "all",
         offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0,
         grad_accum_dtype=r.zero.grad_accum_dtype if r else None,

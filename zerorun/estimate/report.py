@@ -32,7 +32,8 @@ class Setup:
             (a hostfile whose nodes run different numbers of ranks).
         device_memory: bytes per rank; device: what it is (``"cpu"``: host memory shared by the node's ranks).
         cpu_memory: host bytes per node. bandwidth: bytes per second per rank.
-        micro_batch, seq_len, grad_accum_steps, bucket_mb, prefetch, activation_checkpointing: as in a recipe.
+        micro_batch, seq_len, grad_accum_steps, bucket_mb, prefetch, prefetch_bytes, activation_checkpointing: as
+            in a recipe.
         grad_accum_dtype: ``zero.grad_accum_dtype`` (``None``: unset; Note [Gradient accumulation buffer]).
         offload: the ``zero.offload_optimizer`` variants to estimate besides no offload: ``none``, ``cpu``,
             ``disk`` or ``all`` (both; on a CPU-only machine disk only). offload_buffer_mb: disk's host buffer.
@@ -54,6 +55,7 @@ class Setup:
     grad_accum_steps: int = 1
     bucket_mb: float = 25.0
     prefetch: bool = True
+    prefetch_bytes: int | None = None
     activation_checkpointing: bool = False
     world_size: int | None = None
     offload: str = "none"
@@ -130,7 +132,8 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
     ms = model_states(layout, stage, N, p, setup.optimizer, optimizer_offload, buffer_mb=setup.offload_buffer_mb,
                       device_is_host=on_host, grad_accum_bytes=setup.grad_accum_bytes,
                       offload_params=offload.endswith("params"))
-    ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch, gloo=on_host)
+    ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch, gloo=on_host,
+                     prefetch_bytes=setup.prefetch_bytes)
     total = ms.total + ws.gathered + max(act, ws.backward)  # Note [Peak]
     if on_host:  # the device is the host: disk's paging buffer takes the same memory
         total += ms.host

@@ -4,7 +4,8 @@ zerorun recipe, so a DeepSpeed user starts from their own settings.
 Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.stage``;
 ``offload_optimizer.device`` cpu/nvme -> ``zero.offload_optimizer`` cpu/disk (``nvme_path`` ->
 ``zero.offload_path``); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
-size); ``stage3_param_persistence_threshold`` -> ``zero.persistence_threshold``; ``bf16``/``fp16.enabled`` ->
+size); ``stage3_param_persistence_threshold`` -> ``zero.persistence_threshold``; ``stage3_prefetch_bucket_size``
+(elements) -> ``zero.prefetch_bytes`` (at the parameters' element size); ``bf16``/``fp16.enabled`` ->
 ``precision``; fp16's ``initial_scale_power``/``loss_scale_window``/``min_loss_scale`` -> ``loss_scale``;
 ``communication_data_type`` fp32 -> ``zero.reduce_dtype``; ``data_types.grad_accum_dtype`` ->
 ``zero.grad_accum_dtype``; ``gradient_clipping`` -> ``train.grad_clip``;
@@ -31,7 +32,6 @@ _ALWAYS = {
     "reduce_scatter": "always on at stages 2-3",
     "allgather_partitions": "always on",
     "allgather_bucket_size": "zerorun all-gathers per flat buffer / stage-3 unit",
-    "stage3_prefetch_bucket_size": "stage 3 prefetches the next unit (zero.prefetch)",
     "stage3_max_live_parameters": "stage 3 holds the gathered unit and the prefetched one",
     "stage3_max_reuse_distance": "stage 3 frees a unit after its forward and its backward",
     "stage3_gather_16bit_weights_on_model_save": "zerorun consolidate writes full weights from any checkpoint",
@@ -186,6 +186,13 @@ class _Import:
                 out["persistence_threshold"] = threshold
             elif threshold:
                 self.drop("zero_optimization.stage3_param_persistence_threshold", "stage 3 only")
+        if "stage3_prefetch_bucket_size" in z:  # elements fetched ahead of use -> bytes (Note [Prefetch])
+            size = self.num("zero_optimization.stage3_prefetch_bucket_size", z.pop("stage3_prefetch_bucket_size"),
+                            int)
+            if size is not None and out.get("stage") == 3:
+                out["prefetch_bytes"] = size * element
+            elif size is not None:
+                self.drop("zero_optimization.stage3_prefetch_bucket_size", "stage 3 only")
         offload = z.pop("offload_optimizer", None) or {}
         device = offload.get("device", "none")
         if device in ("cpu", "nvme"):

@@ -24,6 +24,10 @@ class ZeroConfig:
             (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
         prefetch: stage 3: all-gather the next unit (in the order recorded in the first step) while the
             current one computes.
+        prefetch_bytes: stage 3, with ``prefetch``: the most bytes of units gathered ahead of the one in use
+            (DeepSpeed's ``stage3_prefetch_bucket_size``, in bytes): the units that follow in the recorded order
+            are all-gathered while their gathered bytes sum to at most this; 0 for none; ``None`` (default):
+            the next unit, whatever its size (Note [Prefetch] in ``stage3.py``).
         persistence_threshold: stage 3: parameters of at most this many elements stay whole on every rank
             (Note [Persistent parameters] in ``stage3.py``); 0 for none.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: dtype of parameters, gradients and collectives; fp32
@@ -52,6 +56,7 @@ class ZeroConfig:
     units: tuple[str, ...] = ()
     activation_checkpointing: bool = False
     prefetch: bool = True
+    prefetch_bytes: int | None = None
     persistence_threshold: int = 0
     precision: str = "fp32"
     reduce_dtype: str | None = None
@@ -80,6 +85,8 @@ class ZeroConfig:
                              "zero.offload_path (a folder for the swap files)")
         if self.offload_buffer_mb <= 0:
             raise ValueError(f"zero.offload_buffer_mb must be > 0, got {self.offload_buffer_mb}")
+        if self.prefetch_bytes is not None and self.prefetch_bytes < 0:
+            raise ValueError(f"zero.prefetch_bytes must be >= 0 or unset, got {self.prefetch_bytes}")
         if self.persistence_threshold < 0:
             raise ValueError(f"zero.persistence_threshold must be >= 0, got {self.persistence_threshold}")
         if self.bucket_mb <= 0:

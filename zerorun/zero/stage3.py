@@ -32,10 +32,10 @@ tensor besides the slice the optimizer updates); traffic: one all-gather of them
 0 (the default) keeps every parameter partitioned.
 
 Note [Prefetch]: the order in which units are gathered is recorded in the first step, for forward and for
-backward. From then on, gathering unit i issues the all-gather of unit i+1 of the recorded order, which runs
-(in gloo's or NCCL's own thread) while unit i computes. Observing another order re-records it; a wrong guess
-costs memory and time for one step, never correctness. All-gathers use a process group of their own, so they
-never wait behind a reduce-scatter in one queue.
+backward. Then gathering unit i issues the all-gather of unit i+1 of the recorded order (``prefetch_bytes``: of
+the units after i that fit in that many bytes, ``units.units_ahead``), run while unit i computes. Another order
+re-records it; a wrong guess costs memory and time for one step, never correctness. All-gathers use a process
+group of their own, so they never wait behind a reduce-scatter in one queue.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from zerorun.zero.stage3_checks import carry_hooks, check_no_writes, param_versi
 from zerorun.zero.stage3_outer import OuterUnits
 from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, outer_modules, pick_units,  # noqa: F401
-                                tensors_in, unit_of_params)
+                                tensors_in, unit_of_params, units_ahead)
 
 
 class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, ZeroEngine):
@@ -313,8 +313,8 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         i = len(seen) - 1
         if not self.config.prefetch or i >= len(order) or order[i] is not unit:
             return
-        if i + 1 < len(order):
-            self._gather(order[i + 1], wait=False)
+        for ahead in units_ahead(order, i, self.config.prefetch_bytes):  # ZeroConfig.prefetch_bytes
+            self._gather(ahead, wait=False)
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
         if not unit.is_root and not in_backward():

@@ -51,8 +51,29 @@ class Unit:
     def trainable(self) -> list[FlatBuffer]:
         return [b for b in self.buffers if b.group_index >= 0]
 
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the unit's parameters when gathered (all its flat buffers, whole)."""
+        return sum(b.numel * b.dtype.itemsize for b in self.buffers)
+
     def __repr__(self) -> str:
         return f"Unit({self.name or '<root>'})"
+
+
+def units_ahead(order: list[Unit], i: int, limit: int | None) -> list[Unit]:
+    """The units to all-gather ahead when ``order[i]`` (the recorded order, Note [Prefetch] in ``stage3.py``)
+    starts: the next one when ``limit`` is None, else the following ones while their
+    :attr:`Unit.gathered_bytes` sum to at most ``limit`` bytes (ZeroConfig.prefetch_bytes; a unit already
+    gathered counts too: it is live ahead of use)."""
+    if limit is None:
+        return order[i + 1:i + 2]
+    ahead, total = [], 0
+    for unit in order[i + 1:]:
+        total += unit.gathered_bytes
+        if total > limit:
+            break
+        ahead.append(unit)
+    return ahead
 
 
 def pick_units(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
