@@ -339,6 +339,7 @@ def test_prefetch_bytes_bounds_the_gathered_working_set():
     block = 4 * sum(-(-p.numel() // 2) * 2 for p in m.blocks[0].parameters())  # bytes, padded to 2 ranks
     one = gathered(prefetch=False)
     assert gathered() == one + block and gathered(prefetch_bytes=0) == one
-    assert gathered(prefetch_bytes=block + 5) == one + block + 5  # a bound, in bytes
+    assert gathered(prefetch_bytes=block - 1) == one  # whole units only: none fits
+    assert gathered(prefetch_bytes=2 * block + 5) == one + 2 * block
     assert gathered(prefetch_bytes=1 << 40) == one + 3 * block  # every other block, no more
     assert gathered(prefetch=False, prefetch_bytes=1 << 40) == one

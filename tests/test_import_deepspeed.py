@@ -54,6 +54,9 @@ def test_maps_the_fields_with_a_meaning_here(tmp_path):
     assert (z.stage, z.offload_optimizer, z.offload_path, z.persistence_threshold) == (3, "disk", "/local_nvme", 10000)
     assert z.bucket_mb == 2.0  # 1Mi elements of 2-byte gradients
     assert z.prefetch_bytes == 10**8  # 5e7 elements ahead of use, 2 bytes each
+    bad = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": -1}}
+    with pytest.raises(ZerorunError, match=r"stage3_prefetch_bucket_size: expected >= 0 elements, got -1"):
+        _run(tmp_path, bad)
     assert r.launch.procs_per_node == 2 and r.log.every == 50
     fields = {d.split(":")[0] for d in dropped}
     assert fields == {"fp16.hysteresis", "optimizer.params.torch_adam", "zero_optimization.offload_param",

@@ -130,7 +130,8 @@ class TrainSpec(_Strict):
 
 class ZeroSpec(_Strict):
     """ZeRO stage (0 = DDP-equivalent), bucket size in MiB; stage 3: units (module class names gathered and
-    freed as one; empty: chosen by parameter count), prefetch of the next unit, and whether the model is
+    freed as one; empty: chosen by parameter count), prefetch of the next unit (or of the units within
+    ``prefetch_bytes``), and whether the model is
     built on the meta device so that no rank ever holds all of it (``meta_init``)."""
 
     stage: Literal[0, 1, 2, 3] = 0

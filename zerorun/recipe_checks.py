@@ -36,6 +36,12 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
     if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
                            "at zero.stage 3 only")
+    if z.prefetch_bytes is not None and recipe.runtime != "zero":
+        raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: zerorun's stage 3 knob; the {recipe.runtime} "
+                           "baseline does not take it")
+    if z.prefetch_bytes is not None and z.stage != 3:
+        raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: units are prefetched (all-gathered ahead of use) "
+                           "at zero.stage 3 only")
     if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
         raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "
                            "baseline does not take it")

@@ -34,7 +34,8 @@ and all-gather send (N-1)/N of the buffer, all-reduce twice that; ZeRO paper §7
 3Ψ for stage 3). Without a recipe (``--params``), the layout is one buffer of Ψ elements.
 
 Note [What is approximate]: the working set stage 3 adds (the root unit, which stays gathered through forward
-and backward, plus the largest unit being computed and the next one being prefetched), the full gradient
+and backward, plus the largest unit being computed and the next one being prefetched, or what ``zero.prefetch_bytes``
+lets through), the full gradient
 buckets stages 2-3 hold while their reduce-scatters are in flight, and activations (Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", §4, generalized to the element size and to
 models without dropout); host memory for cpu offload on an accelerator (the masters and states plus the pinned

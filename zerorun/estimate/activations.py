@@ -121,6 +121,19 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
     root = sum(padded(u) for u in layout.units if u.name == "<root>")
     outer = sum(padded(u) for u in layout.units if u.outer and not u.embedding)  # Note [Outer units]
     pb = precision.param_bytes
-    if prefetch and prefetch_bytes is not None:  # ZeroConfig.prefetch_bytes bounds what is gathered ahead
-        return WorkingSet((root + outer + sum(sizes[:1])) * pb + min(prefetch_bytes, sum(sizes[1:]) * pb), backward)
+    if prefetch and prefetch_bytes is not None:
+        return WorkingSet((root + outer + sum(sizes[:1])) * pb + _ahead(sizes[1:], prefetch_bytes // pb) * pb,
+                          backward)
     return WorkingSet((root + outer + sum(sizes[:2 if prefetch else 1])) * pb, backward)
+
+
+def _ahead(sizes: list[int], limit: int) -> int:
+    """The most elements of whole units (of ``sizes`` elements each) that ZeroConfig.prefetch_bytes lets stage 3
+    gather ahead (``limit`` elements; zero/units.py ``units_ahead``): no more than ``limit``, nor than the ``k``
+    largest units where ``k`` is the most units that fit at all (the ``k`` smallest)."""
+    k, total = 0, 0
+    for n in sorted(sizes):
+        if total + n > limit:
+            break
+        k, total = k + 1, total + n
+    return min(limit, sum(sorted(sizes, reverse=True)[:k]))

@@ -32,7 +32,7 @@ _ALWAYS = {
     "reduce_scatter": "always on at stages 2-3",
     "allgather_partitions": "always on",
     "allgather_bucket_size": "zerorun all-gathers per flat buffer / stage-3 unit",
-    "stage3_max_live_parameters": "stage 3 holds the gathered unit and the prefetched one",
+    "stage3_max_live_parameters": "stage 3 holds the gathered units and those prefetched (zero.prefetch_bytes)",
     "stage3_max_reuse_distance": "stage 3 frees a unit after its forward and its backward",
     "stage3_gather_16bit_weights_on_model_save": "zerorun consolidate writes full weights from any checkpoint",
     "round_robin_gradients": "no equivalent",
@@ -189,6 +189,8 @@ class _Import:
         if "stage3_prefetch_bucket_size" in z:  # elements fetched ahead of use -> bytes (Note [Prefetch])
             size = self.num("zero_optimization.stage3_prefetch_bucket_size", z.pop("stage3_prefetch_bucket_size"),
                             int)
+            if size is not None and size < 0:
+                raise ZerorunError(f"zero_optimization.stage3_prefetch_bucket_size: expected >= 0 elements, got {size}")
             if size is not None and out.get("stage") == 3:
                 out["prefetch_bytes"] = size * element
             elif size is not None:

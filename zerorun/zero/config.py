@@ -22,8 +22,8 @@ class ZeroConfig:
             to let zerorun pick units by parameter count.
         activation_checkpointing: stage 3: recompute each unit's forward in backward
             (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
-        prefetch: stage 3: all-gather the next unit (in the order recorded in the first step) while the
-            current one computes.
+        prefetch: stage 3: all-gather the next unit (in the order recorded in the last pass that differed)
+            while the current one computes; False: none, whatever ``prefetch_bytes`` says.
         prefetch_bytes: stage 3, with ``prefetch``: the most bytes of units gathered ahead of the one in use
             (DeepSpeed's ``stage3_prefetch_bucket_size``, in bytes): the units that follow in the recorded order
             are all-gathered while their gathered bytes sum to at most this; 0 for none; ``None`` (default):
@@ -85,8 +85,9 @@ class ZeroConfig:
                              "zero.offload_path (a folder for the swap files)")
         if self.offload_buffer_mb <= 0:
             raise ValueError(f"zero.offload_buffer_mb must be > 0, got {self.offload_buffer_mb}")
-        if self.prefetch_bytes is not None and self.prefetch_bytes < 0:
-            raise ValueError(f"zero.prefetch_bytes must be >= 0 or unset, got {self.prefetch_bytes}")
+        if self.prefetch_bytes is not None and (isinstance(self.prefetch_bytes, bool)
+                                                or not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0):
+            raise ValueError(f"zero.prefetch_bytes must be an integer >= 0 or unset, got {self.prefetch_bytes!r}")
         if self.persistence_threshold < 0:
             raise ValueError(f"zero.persistence_threshold must be >= 0, got {self.persistence_threshold}")
         if self.bucket_mb <= 0:

@@ -12,7 +12,7 @@ unit's all-gather is done and after the optimizer step, the slices' pages are dr
 (``madvise(MADV_DONTNEED)``; written data stays in the file through the page cache, which the kernel writes
 back and reclaims under memory pressure, as for the optimizer's swap file); a unit all-gathered ahead by
 the prefetcher (Note [Prefetch] in ``stage3.py``) is paged in by that all-gather. Resident memory for
-parameter slices is then what the units in flight hold (the unit in use and the one prefetched), whatever the model size: at rest
+parameter slices is then what the units in flight hold (the unit in use and those prefetched), whatever the model size: at rest
 stage 3 holds 4Ψ/N (fp32 gradient slices) with ``offload_optimizer: disk`` instead of 8Ψ/N
 (``zerorun estimate`` counts it). CPU devices only: on CUDA the slices would need a pinned host staging
 buffer (not built; the engine raises).

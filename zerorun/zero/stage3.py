@@ -31,11 +31,11 @@ all-gathered after the optimizer step, as at stages 1-2. Memory: their whole byt
 tensor besides the slice the optimizer updates); traffic: one all-gather of them per step instead of two.
 0 (the default) keeps every parameter partitioned.
 
-Note [Prefetch]: the order in which units are gathered is recorded in the first step, for forward and for
-backward. Then gathering unit i issues the all-gather of unit i+1 of the recorded order (``prefetch_bytes``: of
-the units after i that fit in that many bytes, ``units.units_ahead``), run while unit i computes. Another order
-re-records it; a wrong guess costs memory and time for one step, never correctness. All-gathers use a process
-group of their own, so they never wait behind a reduce-scatter in one queue.
+Note [Prefetch]: the order of the units in forward and in backward is recorded, and kept until a pass differs.
+When unit i starts (gradients on) in a pass that follows it, unit i+1's all-gather is issued (``prefetch_bytes``:
+those after i that fit in that many bytes, ``units.units_ahead``), run while i computes; a deviating pass
+prefetches no more. A wrong guess costs memory (up to ``prefetch_bytes``) and time, never correctness.
+All-gathers use a process group of their own, so they never wait behind a reduce-scatter in one queue.
 """
 
 from __future__ import annotations
