@@ -16,6 +16,7 @@ from pydantic import ValidationInfo
 from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
+from zerorun.zero.allocator import ALLOCATOR_VAR, allocator_problem
 
 #: What a ``launch.env`` value is written as in a run folder's recipe.yaml and a checkpoint's zerorun.json
 #: (Note [Masked environment values]).
@@ -237,17 +238,6 @@ def env_value_text(env: Any) -> Any:
     return out
 
 
-#: Note [Rank allocator] (zerorun/zero/allocator.py): the values ZERORUN_ALLOCATOR may take (zerorun.launch.plan).
-ALLOCATORS = ("auto", "glibc")
-
-
-def allocator_problem(value: str) -> str | None:
-    """Why ``value`` is not a value of ``ZERORUN_ALLOCATOR`` (Note [Rank allocator]), or None when it is."""
-    if value in ALLOCATORS:
-        return None
-    return f"ZERORUN_ALLOCATOR is {value!r}: expected auto (tcmalloc where the node has it, else glibc) or glibc"
-
-
 def check_env(env: dict[str, str]) -> dict[str, str]:
     """``launch.env`` after its values became text (:func:`env_value_text`): POSIX names, no NUL byte, each
     ``KEY=VALUE`` within :data:`MAX_ENV_STRING` bytes, no :data:`MASK` value (Note [Masked environment values]),
@@ -268,7 +258,7 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
                 "env_too_long", "{key}: KEY=VALUE is {n} bytes, above Linux's limit of {limit} bytes for one "
                 "environment string (MAX_ARG_STRLEN): the ranks could not start",
                 {"key": key, "n": env_string_bytes(key, value), "limit": MAX_ENV_STRING})
-        if key == "ZERORUN_ALLOCATOR" and allocator_problem(value):
+        if key == ALLOCATOR_VAR and allocator_problem(value):
             raise PydanticCustomError("env_allocator", allocator_problem(value).replace("{", "{{").replace("}", "}}"))
         if value == MASK:
             raise PydanticCustomError(

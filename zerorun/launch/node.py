@@ -38,11 +38,10 @@ import tempfile
 import threading
 import time
 
+from zerorun.zero import allocator  # torch-free: Note [Rank allocator]
+
 #: in a spec's argv, replaced by the node's private folder (recipe file, torchrun's logs).
 NODE_DIR = "{node_dir}"
-
-#: Note [Rank allocator]'s variable (zerorun.launch.plan.ALLOCATOR_VAR; plan imports this module).
-ALLOCATOR_VAR = "ZERORUN_ALLOCATOR"
 
 #: environment variable marking every process of one node of one job (``JOB_ID:NODE_RANK``): on a machine that
 #: runs several nodes of a job, stopping one node must not stop the others.
@@ -152,7 +151,7 @@ def run_node(spec: dict) -> int:
         write_private(folder, spec.get("files", {}))
         cmd = [a.replace(NODE_DIR, folder) for a in spec["argv"]]
         env = {**os.environ, **spec["env"], NODE_ENV: mark, "ZERORUN_NODE_DIR": folder}
-        if ALLOCATOR_VAR in spec["env"]:  # Note [Rank allocator]: this node's libraries decide
+        if allocator.ALLOCATOR_VAR in spec["env"]:  # Note [Rank allocator]: this node's libraries decide
             from zerorun.launch.plan import allocator_env, find_tcmalloc
 
             try:

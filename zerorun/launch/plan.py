@@ -11,20 +11,18 @@ import sys
 from dataclasses import dataclass, field
 
 from zerorun.hostfile import Host
-from zerorun.launch.node import ALLOCATOR_VAR, NODE_DIR
-from zerorun.recipe_text import ALLOCATORS, allocator_problem
+from zerorun.launch.node import NODE_DIR
+from zerorun.zero.allocator import ALLOCATOR_VAR, ALLOCATORS, MMAP_THRESHOLD, allocator_problem  # noqa: F401
+from zerorun.zero.allocator import ENV as GLIBC_ENV  # torch-free; MMAP_THRESHOLD: benchmarks import it here
 
 #: environment variable that marks every process of one job (teardown finds them by it).
 JOB_ENV = "ZERORUN_JOB_ID"
 
 # Note [Rank allocator] (zerorun/zero/allocator.py, with the figures): ZERORUN_ALLOCATOR chooses each rank's malloc
 # (``auto``, the default: gperftools' tcmalloc where the node has it, else glibc tuned; ``glibc``: glibc tuned;
-# recipe_text.ALLOCATORS). Resolved on each node by its watcher (:func:`allocator_env`), not here.
-#: glibc's tuning (Note [Returning freed memory]): a fixed mmap threshold, so freed tensors of 1 MiB or more
-#: go back to the OS instead of staying in the heap, and 2 MiB pages for them. Kept equal to
-#: zerorun.zero.allocator.ENV (tests/test_allocator.py), which launch/ does not import.
-MMAP_THRESHOLD = 1 << 20
-GLIBC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "THP_MEM_ALLOC_ENABLE": "1"}
+# zero.allocator.ALLOCATORS). Resolved on each node by its watcher (:func:`allocator_env`), not here. Otherwise,
+# glibc's tuning (GLIBC_ENV, Note [Returning freed memory]): a fixed mmap threshold, so freed tensors of 1 MiB or
+# more go back to the OS instead of staying in the heap, and 2 MiB pages for them.
 #: sonames of gperftools' tcmalloc, preferred first (Debian/Ubuntu: libtcmalloc-minimal4, libgoogle-perftools4).
 TCMALLOC_SONAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 #: tcmalloc prints a line for every allocation above this many bytes (default 1 GiB): never, for a rank.

@@ -23,8 +23,8 @@ stage 3 1149) or 16 MiB (1386, 1319). The price is kernel time: every block of 1
 faulted in and unmapped again on each use: 0.35 -> 0.53 kernel CPU seconds per step per rank at stage 2, 0.38
 -> 0.69 at stage 3 (of 2.4-2.8 CPU seconds), which a busy machine's step time could not separate from its
 noise (``benchmarks/zero_stages.py --envs``; README, "The allocator"). A node without tcmalloc (Note [Rank
-allocator]) gives its ranks the same two variables (``zerorun/launch/plan.py``: :data:`zerorun.launch.plan.GLIBC_ENV`
-must equal :data:`ENV`); :func:`configure` sets them from inside a rank started some other way.
+allocator]) gives its ranks these two variables (:data:`ENV`, which is ``zerorun/launch/plan.py``'s
+``GLIBC_ENV``); :func:`configure` sets them from inside a rank started some other way.
 
 Note [Rank allocator]: zerorun's ranks run under gperftools' tcmalloc where their node has it (Debian/Ubuntu
 package ``libtcmalloc-minimal4``; ``.ci/run`` installs it), preloaded by each node's watcher
@@ -105,6 +105,18 @@ def rss_bytes() -> int:
     except (OSError, ValueError, IndexError):
         return 0
 
+
+
+#: Note [Rank allocator]: the variable that chooses each rank's malloc, and the values it may take.
+ALLOCATOR_VAR = "ZERORUN_ALLOCATOR"
+ALLOCATORS = ("auto", "glibc")
+
+
+def allocator_problem(value: str) -> str | None:
+    """Why ``value`` is not a value of ``ZERORUN_ALLOCATOR`` (Note [Rank allocator]), or None when it is."""
+    if value in ALLOCATORS:
+        return None
+    return f"ZERORUN_ALLOCATOR is {value!r}: expected auto (tcmalloc where the node has it, else glibc) or glibc"
 
 
 #: allocators that replace glibc's malloc when preloaded: name -> the library's file name prefix.
