@@ -33,8 +33,15 @@ Methods (``--methods``):
   rank), ``reshard_after_forward=True``, fp32 AdamW.
 - ``fsdp2-zerorun-env``: the same, its ranks in zerorun's rank environment (FSDP2 frees much more with it:
   README, "The allocator").
-- ``deepspeed-z3`` / ``deepspeed-z3-offload``: DeepSpeed ZeRO-3 (optimizer offload off/on), when DeepSpeed is
-  installed; skipped with a line otherwise.
+- ``deepspeed-z3`` / ``deepspeed-z3-offload``: DeepSpeed ZeRO-3 as its users run it (``DS_ACCELERATOR=cpu``,
+  gloo), the model built under ``deepspeed.zero.Init`` (each rank keeps its partitions as the modules are
+  built), its AdamW from the config (weight decay 0.1 but on biases and norms, clipping 1.0), its defaults
+  otherwise; ``-offload``: ``offload_optimizer: {device: cpu}`` (ZeRO-Offload's host step, DeepSpeedCPUAdam,
+  which DeepSpeed compiles on first use); ``-buckets``: its reduce and prefetch buckets of zerorun's 25 MiB
+  (its defaults, 5e8 and 5e7 elements, hold the whole model's gradient in one bucket here). When DeepSpeed
+  is installed; skipped with a line otherwise. DeepSpeed's CPU Adam may abort the process at exit after the
+  steps ("terminate called without an active exception"): a probe whose ranks all reported passes, and
+  the log line says how the job exited.
 
 The zerorun methods' ranks run in the environment zerorun's launcher gives its ranks on this machine
 (``zerorun.launch.plan.allocator_env``: tcmalloc where installed, else glibc tuned; Note [Rank allocator]);
@@ -58,8 +65,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 METHODS = ("zerorun-s3", "zerorun-s3-glibc", "zerorun-s3-disk", "zerorun-s3-disk-params", "fsdp2", "fsdp2-zerorun-env",
-           "deepspeed-z3",
-           "deepspeed-z3-offload")
+           "deepspeed-z3", "deepspeed-z3-buckets", "deepspeed-z3-offload")
 
 
 def join_cgroup() -> None:
@@ -82,7 +88,13 @@ def worker(args) -> None:
     from zerorun.userload import build_model
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    if args.worker.startswith("deepspeed"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     spec = (os.path.join(ROOT, "recipes/models/gpt.py"), "build_model",
@@ -112,6 +124,24 @@ def worker(args) -> None:
             opt.step()
             opt.zero_grad()
         psi = sum(p.numel() for p in model.parameters())
+    elif args.worker.startswith("deepspeed"):
+        zero_cfg = {"stage": 3}
+        if args.worker.endswith("buckets"):  # reduce and prefetch buckets of zerorun's 25 MiB, not DeepSpeed's
+            zero_cfg.update(reduce_bucket_size=25 * 2**20 // 4, stage3_prefetch_bucket_size=25 * 2**20 // 4)
+        if args.worker.endswith("offload"):  # ZeRO-Offload: optimizer states and step on the host (DeepSpeedCPUAdam)
+            zero_cfg["offload_optimizer"] = {"device": "cpu"}
+        config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 1.0, "zero_optimization": zero_cfg,
+                  "optimizer": {"type": "AdamW", "params": dict(opt_kwargs, weight_decay=0.1)}}
+        with deepspeed.zero.Init(config_dict_or_path=config):  # each rank keeps its partitions as modules are built
+            model = build_model(*spec)
+        eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=zero.default_param_groups(model, 0.1),
+                                            config=config, dist_init_required=False)
+
+        def step(batch):
+            eng.backward(eng(batch)["loss"])
+            eng.step()
+        psi = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     else:
         model = zero.deferred_init(build_model, *spec)
         engine = zero.initialize(
@@ -157,19 +187,17 @@ def probe(method: str, layers: int, budget: int, args) -> dict:
 
     Returns:
         ``{"ok": bool, "layers", "psi", "peak_rss" (max over ranks, bytes), "cgroup_max" (max over ranks of
-        the cgroup's ``memory.max_usage_in_bytes``), "step_s" (median), "wall_s"}``; ``ok`` False when the OOM
-        killer ended a rank. Exits with the ranks' output on any other failure.
+        the cgroup's ``memory.max_usage_in_bytes``), "step_s" (median), "wall_s", "exit"}``; ``ok`` when every
+        rank reported its steps (``exit``: the job's exit status, not 0 where a rank crashed after reporting),
+        False when the OOM killer ended a rank. Exits with the ranks' output on any other failure.
     """
     sys.path.insert(0, ROOT)
     from zerorun.launch.plan import free_port
 
-    group = os.path.join(CGROUP_ROOT, f"zerorun-largest-{os.getpid()}-")
+    # one name per probe: a rank's child that outlives it (a compiler DeepSpeed started) keeps its cgroup busy
+    group = os.path.join(CGROUP_ROOT, f"zerorun-largest-{os.getpid()}-{time.monotonic_ns()}-")
     tmp = tempfile.mkdtemp(prefix="zerorun-largest-", dir=args.offload_dir)
     cgroups = [group + str(r) for r in range(args.nproc)]
-    for cg in cgroups:
-        os.mkdir(cg)
-        with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(budget))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
            f"--master-port={free_port()}", "--master-addr=127.0.0.1", os.path.abspath(__file__),
            "--worker", method, f"--layers={layers}", f"--d-model={args.d_model}", f"--heads={args.heads}",
@@ -179,6 +207,10 @@ def probe(method: str, layers: int, budget: int, args) -> dict:
            "LM_CGROUP_PREFIX": group, **rank_env(method, args)}
     t0 = time.perf_counter()
     try:
+        for cg in cgroups:
+            os.mkdir(cg)
+            with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
+                f.write(str(budget))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.probe_timeout)
         wall = time.perf_counter() - t0
         kills = sum(_oom_kills(cg) for cg in cgroups)
@@ -188,8 +220,9 @@ def probe(method: str, layers: int, budget: int, args) -> dict:
             _remove_cgroup(cg)
         shutil.rmtree(tmp, ignore_errors=True)
     rows = [json.loads(line[len(PREFIX):]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
-    if proc.returncode == 0 and len(rows) == args.nproc:
+    if len(rows) == args.nproc:  # every rank trained its steps (DeepSpeed's CPU Adam may abort at exit after)
         return {"ok": True, "layers": layers, "psi": rows[0]["psi"], "wall_s": wall, "cgroup_max": cg_max,
+                "exit": proc.returncode,
                 "peak_rss": max(r["peak_rss"] for r in rows),
                 "step_s": statistics.median(t for r in rows for t in r["times"])}
     if kills:
@@ -232,8 +265,9 @@ def search(method: str, budget: int, args, log) -> dict | None:
     depth = guess(method, budget, args)
     while True:
         r = probe(method, depth, budget, args)
-        log(f"{method} @ {budget / 2**30:g} GiB: {depth} blocks "
-            f"{'ok' if r['ok'] else 'OOM'} ({r['wall_s']:.0f} s, cgroup max {r['cgroup_max'] / 2**20:.0f} MiB)")
+        crash = f", then exit {r['exit']}" if r.get("exit") else ""
+        log(f"{method} @ {budget / 2**30:g} GiB: {depth} blocks {'ok' if r['ok'] else 'OOM'}{crash} "
+            f"({r['wall_s']:.0f} s, cgroup max {r['cgroup_max'] / 2**20:.0f} MiB)")
         if r["ok"]:
             ok = r
         else:
@@ -290,6 +324,12 @@ def main() -> None:
         have_ds = True
     except ImportError:
         have_ds = False
+    if have_ds and "deepspeed-z3-offload" in args.methods.split(","):
+        # DeepSpeedCPUAdam is compiled on first use: here, once, not inside a probe's memory budget
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     results = []
     t_start = time.perf_counter()
@@ -297,9 +337,8 @@ def main() -> None:
         for method in args.methods.split(","):
             if method not in METHODS:
                 sys.exit(f"--methods: unknown method {method!r} (one of {', '.join(METHODS)})")
-            if method.startswith("deepspeed"):
-                print(f"{method}: skipped, DeepSpeed is not installed" if not have_ds else
-                      f"{method}: skipped, not implemented in this benchmark yet")
+            if method.startswith("deepspeed") and not have_ds:
+                print(f"{method}: skipped, DeepSpeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)")
                 continue
             best = search(method, budget, args, log)
             results.append({"budget": budget, "method": method, **(best or {"layers": 0})})

@@ -10,7 +10,9 @@ Environments (``--envs``, interleaved with the modes; Note [Returning freed memo
 (MALLOC_MMAP_THRESHOLD_=1 MiB, THP_MEM_ALLOC_ENABLE=1), ``default`` none (as plain torchrun runs DDP and
 FSDP2), ``trim`` none but ``malloc_trim(0)`` after every step, ``mmap4``/``mmap16`` fixed 4/16 MiB thresholds,
 ``nothp`` 1 MiB without THP, ``tcmalloc`` gperftools' tcmalloc preloaded (what zerorun's launcher gives ranks where the node has it: Note
-[Rank allocator]; Debian package libtcmalloc-minimal4), ``jemalloc`` jemalloc preloaded (libjemalloc2).
+[Rank allocator]; Debian package libtcmalloc-minimal4), ``jemalloc`` jemalloc preloaded (libjemalloc2),
+``tcmalloc-decommit`` tcmalloc returning freed memory to the kernel at once (``TCMALLOC_AGGRESSIVE_DECOMMIT=1``),
+``tcmalloc-release`` tcmalloc releasing 10x faster than its default (``TCMALLOC_RELEASE_RATE=10``).
 Without ``--envs`` every mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default
 glibc tuned). Besides step time, each rank's CPU seconds (user + kernel, all threads) and minor page faults
 per step are reported: steadier than wall-clock time on a shared machine.
@@ -22,6 +24,15 @@ rank (max over ranks, bytes), model-state bytes per rank (from the engine), the 
 against stage 0 as a fraction of the model-state bytes the stage saves in theory, and bytes sent per rank per
 step against the ZeRO paper's 2Ψ(N-1)/N x 4 bytes (stage 3: 3Ψ(N-1)/N x 4; §7). Stage 3 and FSDP2 shard
 the GPT's blocks and embeddings (units = Block, Embedding), FSDP2 with reshard_after_forward=True.
+
+DeepSpeed (``--modes ds2,ds3,ds2b,ds3b``, where ``import deepspeed`` works: ``DS_BUILD_OPS=0 pip install deepspeed``) runs
+as its users run it: ``deepspeed.initialize`` with torch's AdamW as the client optimizer over the same param
+groups, ``gradient_clipping: 1.0``, fp32, its own defaults for everything else (ZeRO-3: its prefetch and
+persistence thresholds; ``ds2b``/``ds3b``: its reduce, all-gather and prefetch buckets of ``--bucket-mb``
+like zerorun's), ``DS_ACCELERATOR=cpu``; the model is built whole on every rank and partitioned by
+``initialize`` (under ``deepspeed.zero.Init`` the GPT's own weight init, applied after construction, would see
+empty partitions and train other numbers). Each mode's loss at
+the last step is printed: the same numbers to 5 decimals where the runtimes agree.
 """
 
 from __future__ import annotations
@@ -50,7 +61,20 @@ def worker(args) -> None:
     from zerorun.userload import build_model
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    ds_config = None
+    if args.worker in DEEPSPEED_MODES:  # as DeepSpeed's users run it: its defaults, fp32, the same clipping
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+                     "gradient_clipping": 1.0, "zero_optimization": {"stage": DEEPSPEED_MODES[args.worker]}}
+        if args.worker.endswith("b"):  # buckets (fp32 elements) of zerorun's size
+            elements = int(args.bucket_mb * 2**20 / 4)
+            ds_config["zero_optimization"].update({"reduce_bucket_size": elements, "allgather_bucket_size": elements,
+                                                   "stage3_prefetch_bucket_size": elements})
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     spec = (os.path.join(ROOT, "recipes/models/gpt.py"), "build_model",
@@ -74,21 +98,36 @@ def worker(args) -> None:
         opt = torch.optim.AdamW(zero.default_param_groups(model, 0.1), **opt_kwargs)
 
         def step(batch):
-            model(batch)["loss"].backward()
+            loss = model(batch)["loss"]
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
+            return loss
         psi = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
+        comm = lambda: 0  # noqa: E731
+    elif args.worker in DEEPSPEED_MODES:
+        eng, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, **opt_kwargs),
+                                            config=ds_config, dist_init_required=False)
+
+        def step(batch):
+            loss = eng(batch)["loss"]
+            eng.backward(loss)
+            eng.step()
+            return loss
+        psi = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         comm = lambda: 0  # noqa: E731
     elif args.worker == "ddp":
         ddp = DDP(model)
         opt = torch.optim.AdamW(groups, **opt_kwargs)
 
         def step(batch):
-            ddp(batch)["loss"].backward()
+            loss = ddp(batch)["loss"]
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=False)
+            return loss
         states = None
         psi = sum(p.numel() for p in model.parameters())
         comm = lambda: 0  # noqa: E731
@@ -100,8 +139,10 @@ def worker(args) -> None:
                                                         else args.prefetch_bytes))
 
         def step(batch):
-            engine.backward(engine(batch)["loss"])
+            loss = engine(batch)["loss"]
+            engine.backward(loss)
             engine.step()
+            return loss
         psi = engine.num_params
         comm = lambda: engine.comm_stats()["bytes_sent"]  # noqa: E731
     states = None
@@ -113,7 +154,7 @@ def worker(args) -> None:
         batch = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g)
         dist.barrier()
         b0, t0, u0 = comm(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        step(batch)
+        loss = float(step(batch).detach())
         if policy == "trim":
             allocator.trim()
         dist.barrier()
@@ -125,17 +166,21 @@ def worker(args) -> None:
             cpu.append(u1.ru_utime - u0.ru_utime + u1.ru_stime - u0.ru_stime)
             sys_s.append(u1.ru_stime - u0.ru_stime)
             faults.append(u1.ru_minflt - u0.ru_minflt)
-    if args.worker not in ("ddp", "fsdp2"):
+    if args.worker.isdigit():
         states = engine.memory_bytes()
     out = {"mode": args.worker, "rank": rank, "world_size": world, "psi": psi, "times": times,
            "bytes_sent": statistics.median(sent), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "end_rss": statistics.median(end_rss), "cpu_s": statistics.median(cpu),
            "sys_s": statistics.median(sys_s), "faults": statistics.median(faults),
-           "states": states}
+           "states": states, "loss": loss}
     sys.stdout.write(PREFIX + json.dumps(out) + "\n")
     sys.stdout.flush()
     dist.destroy_process_group()
 
+
+#: DeepSpeed's ZeRO (when installed): mode -> its ``zero_optimization.stage``; ``b``: its buckets of
+#: ``--bucket-mb`` (zerorun's) instead of its defaults
+DEEPSPEED_MODES = {"ds2": 2, "ds3": 3, "ds2b": 2, "ds3b": 3}
 
 #: environments a mode can run in: name -> (variables for the ranks, what the rank does itself).
 ENVS = {
@@ -149,6 +194,12 @@ ENVS = {
     "tcmalloc": ({"LD_PRELOAD": "libtcmalloc_minimal.so.4", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)},
                  None),
     "jemalloc": ({"LD_PRELOAD": "libjemalloc.so.2"}, None),
+    # tcmalloc returning every freed span to the kernel at once (gperftools' aggressive decommit), or 10x faster
+    "tcmalloc-decommit": ({"LD_PRELOAD": "libtcmalloc_minimal.so.4",
+                           "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50), "TCMALLOC_AGGRESSIVE_DECOMMIT": "1"},
+                          None),
+    "tcmalloc-release": ({"LD_PRELOAD": "libtcmalloc_minimal.so.4",
+                          "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50), "TCMALLOC_RELEASE_RATE": "10"}, None),
 }
 
 
@@ -240,6 +291,14 @@ def main() -> None:
     extra = worker_args(args)
     envs = args.envs.split(",") if args.envs else [None]
     modes = [(m, e) for m in args.modes.split(",") for e in envs]
+    unknown = [m for m, _ in modes if m not in ("ddp", "fsdp2", "0", "1", "2", "3", *DEEPSPEED_MODES)]
+    if unknown:
+        sys.exit(f"--modes: unknown mode {unknown[0]!r} (ddp, fsdp2, 0-3, {', '.join(DEEPSPEED_MODES)})")
+    if any(m in DEEPSPEED_MODES for m, _ in modes):
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            sys.exit("--modes ds2, ds3, ds2b, ds3b need DeepSpeed in this Python (DS_BUILD_OPS=0 pip install deepspeed)")
     per_round: dict = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode, env in (modes if r % 2 == 0 else modes[::-1]):
@@ -262,8 +321,10 @@ def main() -> None:
             "faults": statistics.median(statistics.median(row["faults"] for row in rows) for rows in rounds),
             "states": rounds[0][0]["states"], "psi": rounds[0][0]["psi"],
             "bytes_sent": max(row["bytes_sent"] for row in rounds[0]),
+            "loss": next(row["loss"] for row in rounds[0] if row["rank"] == 0),
         }
     print_table(results, args)
+    print("\nloss at the last step, rank 0: " + ", ".join(f"{k} {r['loss']:.6f}" for k, r in results.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
@@ -296,9 +357,11 @@ def print_table(results: dict, args) -> None:
             theory = sum(s0["states"].values()) - states
             saving = f"{(s0['peak_rss'] - r['peak_rss']) / theory:.2f}" if theory > 0 else "-"
         comm = "-"
-        if mode not in ("ddp", "fsdp2"):
+        if mode.isdigit():
             comm = f"{r['bytes_sent'] / ((3 if mode == '3' else 2) * psi * (n - 1) / n * 4):.3f}"
-        label = {"ddp": "DDP (torch)", "fsdp2": "FSDP2 (torch fully_shard)"}.get(mode, f"zerorun stage {mode}")
+        label = {"ddp": "DDP (torch)", "fsdp2": "FSDP2 (torch fully_shard)", "ds2": "DeepSpeed ZeRO-2",
+                 "ds3": "DeepSpeed ZeRO-3", "ds2b": "DeepSpeed ZeRO-2, zerorun's buckets",
+                 "ds3b": "DeepSpeed ZeRO-3, zerorun's buckets"}.get(mode, f"zerorun stage {mode}")
         lo, hi = r["step_s_range"]
         plo, phi = r["peak_rss_range"]
         same = f"{r['step_s'] / base:.3f}x" if base else "-"

@@ -40,7 +40,11 @@ README, "The allocator"): step time glibc tuned -> tcmalloc, stage 1 1.56 -> 1.2
 stage 3 1.95 -> 1.45 s, DDP 1.68 -> 1.43 s (DDP under glibc's defaults, as torchrun runs it: 1.53 s); peak RSS
 per rank stage 1 1248 -> 1284 MiB, stage 2 1143 -> 1254, stage 3 1094 -> 1154 (glibc defaults: 1417, 1367,
 1241). Stages 2 and 3 keep less of their saving under tcmalloc (realized 0.75 and 0.80, against 1.00 and 0.87
-tuned; tcmalloc's peak also moves between runs): ``ZERORUN_ALLOCATOR: glibc`` trades that speed for memory.
+tuned; tcmalloc's peak also moves between runs: the bytes in use are the same, but its heap grows by a 32 MiB
+block, or not, at a step chosen by chance, when no free span is whole enough for it; neither gperftools'
+aggressive decommit, which faults everything in again, nor its faster release rate, nor releasing free spans
+between phases of the step helped: README, "The allocator"): ``ZERORUN_ALLOCATOR: glibc`` trades that speed
+for memory.
 """
 
 from __future__ import annotations
