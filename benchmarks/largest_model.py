@@ -324,12 +324,18 @@ def main() -> None:
         have_ds = True
     except ImportError:
         have_ds = False
-    if have_ds and "deepspeed-z3-offload" in args.methods.split(","):
-        # DeepSpeedCPUAdam is compiled on first use: here, once, not inside a probe's memory budget
+    ds_methods = [m for m in args.methods.split(",") if m.startswith("deepspeed")]
+    if have_ds and ds_methods:
+        # DeepSpeed compiles its ops on first use (shared-memory collectives, FusedAdam; CPU Adam with offload):
+        # here, once, before the search. Inside a probe the compiler would spend the probe's memory budget, and
+        # a compiler the OOM killer ends leaves a lock in the extensions folder that every later load waits on.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        from deepspeed.ops.op_builder import CPUAdamBuilder
+        from deepspeed.accelerator import get_accelerator
 
-        CPUAdamBuilder().load()
+        ops = ["ShareMemCommBuilder", "FusedAdamBuilder"] + (["CPUAdamBuilder"] if "deepspeed-z3-offload" in ds_methods
+                                                             else [])
+        for op in ops:
+            get_accelerator().create_op_builder(op).load()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     results = []
     t_start = time.perf_counter()
@@ -338,7 +344,8 @@ def main() -> None:
             if method not in METHODS:
                 sys.exit(f"--methods: unknown method {method!r} (one of {', '.join(METHODS)})")
             if method.startswith("deepspeed") and not have_ds:
-                print(f"{method}: skipped, DeepSpeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)")
+                print(f"{method}: skipped, DeepSpeed is not installed in this Python (README, \"DeepSpeed beside "
+                      "them\": a virtual environment with it)")
                 continue
             best = search(method, budget, args, log)
             results.append({"budget": budget, "method": method, **(best or {"layers": 0})})

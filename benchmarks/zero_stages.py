@@ -25,7 +25,7 @@ against stage 0 as a fraction of the model-state bytes the stage saves in theory
 step against the ZeRO paper's 2Ψ(N-1)/N x 4 bytes (stage 3: 3Ψ(N-1)/N x 4; §7). Stage 3 and FSDP2 shard
 the GPT's blocks and embeddings (units = Block, Embedding), FSDP2 with reshard_after_forward=True.
 
-DeepSpeed (``--modes ds2,ds3,ds2b,ds3b``, where ``import deepspeed`` works: ``DS_BUILD_OPS=0 pip install deepspeed``) runs
+DeepSpeed (``--modes ds2,ds3,ds2b,ds3b``, where ``import deepspeed`` works: README's virtual environment) runs
 as its users run it: ``deepspeed.initialize`` with torch's AdamW as the client optimizer over the same param
 groups, ``gradient_clipping: 1.0``, fp32, its own defaults for everything else (ZeRO-3: its prefetch and
 persistence thresholds; ``ds2b``/``ds3b``: its reduce, all-gather and prefetch buckets of ``--bucket-mb``
@@ -298,7 +298,8 @@ def main() -> None:
         try:
             import deepspeed  # noqa: F401
         except ImportError:
-            sys.exit("--modes ds2, ds3, ds2b, ds3b need DeepSpeed in this Python (DS_BUILD_OPS=0 pip install deepspeed)")
+            sys.exit("--modes ds2, ds3, ds2b, ds3b need DeepSpeed in this Python (README, \"DeepSpeed beside them\": "
+                     "a virtual environment with it)")
     per_round: dict = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode, env in (modes if r % 2 == 0 else modes[::-1]):
