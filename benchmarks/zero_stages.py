@@ -47,6 +47,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
+sys.path.insert(0, ROOT)
+from zerorun.launch.plan import TCMALLOC_QUIET, TCMALLOC_SONAMES  # noqa: E402 - torch-free
 
 
 def worker(args) -> None:
@@ -182,6 +184,9 @@ def worker(args) -> None:
 #: ``--bucket-mb`` (zerorun's) instead of its defaults
 DEEPSPEED_MODES = {"ds2": 2, "ds3": 3, "ds2b": 2, "ds3b": 3}
 
+#: tcmalloc preloaded as zerorun's launcher preloads it (zerorun.launch.plan.allocator_env), by its preferred soname.
+TCMALLOC = {"LD_PRELOAD": TCMALLOC_SONAMES[0], **TCMALLOC_QUIET}
+
 #: environments a mode can run in: name -> (variables for the ranks, what the rank does itself).
 ENVS = {
     "alloc": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
@@ -191,15 +196,11 @@ ENVS = {
     "mmap16": ({"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
     "nothp": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, None),
     # Note [Rank allocator]: what zerorun's launcher gives ranks where the node has tcmalloc (zerorun.launch.plan)
-    "tcmalloc": ({"LD_PRELOAD": "libtcmalloc_minimal.so.4", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)},
-                 None),
+    "tcmalloc": (TCMALLOC, None),
     "jemalloc": ({"LD_PRELOAD": "libjemalloc.so.2"}, None),
     # tcmalloc returning every freed span to the kernel at once (gperftools' aggressive decommit), or 10x faster
-    "tcmalloc-decommit": ({"LD_PRELOAD": "libtcmalloc_minimal.so.4",
-                           "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50), "TCMALLOC_AGGRESSIVE_DECOMMIT": "1"},
-                          None),
-    "tcmalloc-release": ({"LD_PRELOAD": "libtcmalloc_minimal.so.4",
-                          "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50), "TCMALLOC_RELEASE_RATE": "10"}, None),
+    "tcmalloc-decommit": ({**TCMALLOC, "TCMALLOC_AGGRESSIVE_DECOMMIT": "1"}, None),
+    "tcmalloc-release": ({**TCMALLOC, "TCMALLOC_RELEASE_RATE": "10"}, None),
 }
 
 
