@@ -36,11 +36,11 @@ class Latents(nn.Module):
 class TinyGPT(nn.Module):
     """Token embedding, a position table on the root, ``depth`` blocks, final norm and LM head; ``tied``: the
     head's weight is the embedding's; ``head_by_weight``: the root reads the head's weight itself instead of
-    calling it; ``extra``: a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or
+    calling it; ``final_norm``: off, no ``ln_f``; ``extra``: a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or
     ``None``: not at all); ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
 
     def __init__(self, depth: int = 4, tied: bool = False, head_by_weight: bool = False, max_norm: bool = False,
-                 root_writes: bool = False, latents: bool = False) -> None:
+                 root_writes: bool = False, latents: bool = False, final_norm: bool = True) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH, max_norm=0.5 if max_norm else None)
         self.latents = Latents() if latents else None
@@ -51,7 +51,7 @@ class TinyGPT(nn.Module):
         self.wpe = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
         self.blocks = nn.ModuleList(Block() for _ in range(depth))
         self.extra = nn.Linear(WIDTH, WIDTH)
-        self.ln_f = nn.LayerNorm(WIDTH)
+        self.ln_f = nn.LayerNorm(WIDTH) if final_norm else None
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         if tied:
             self.head.weight = self.wte.weight
@@ -76,7 +76,7 @@ class TinyGPT(nn.Module):
             x = x + self.extra(x)
         for i in self.use_experts:
             x = x + self.experts[i](x)
-        x = self.ln_f(x)
+        x = self.ln_f(x) if self.ln_f is not None else x
         logits = F.linear(x, self.head.weight) if self.head_by_weight else self.head(x)
         return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
 
@@ -142,12 +142,14 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
         out["error"] = str(e)
     if stage == 3:
         out["schedule"] = {u.name: (u.scheduled, u.bfirst) for u in engine.units if u.outer}
+        out["tails"] = {u.name: u.tail for u in engine.units if u.outer}
     return out
 
 
 def gathered_at_points(steps: int = 3, with_root: bool = False) -> dict:
     """Stage 3, :class:`TinyGPT` with 4 blocks, ``steps`` steps: which outer units are gathered (or being
-    gathered) when each block's forward and each block's backward begins, and the most parameter bytes
+    gathered) when each block's forward and each block's backward begins and when the loss's backward reaches
+    the logits (``"loss backward"``, before the head's backward), and the most parameter bytes
     gathered at those points (outer, root and listed units together: what sits beside the activations), per
     step. ``with_root``: the embedding declared read by the root, so kept with it (as before outer units)."""
     engine = _engine(3)
@@ -167,6 +169,15 @@ def gathered_at_points(steps: int = 3, with_root: bool = False) -> dict:
     for i, block in enumerate(engine.module.blocks):
         block.register_forward_pre_hook(lambda m, a, i=i: now(f"forward {i}") if torch.is_grad_enabled() else None)
         block.register_full_backward_pre_hook(lambda m, g, i=i: now(f"backward {i}"))
+
+    def probe(module, args, output):  # the head's logits through a copy whose gradient comes just before theirs
+        if not torch.is_grad_enabled():
+            return None
+        logits = output.clone()
+        logits.register_hook(lambda grad: now("loss backward"))
+        return logits
+
+    model.head.register_forward_hook(probe)
     out = []
     for ids in _batches(steps, 1):
         record.clear()

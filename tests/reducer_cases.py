@@ -326,3 +326,51 @@ def side_head_on_one_rank(stage: int, zero_side: bool = False) -> tuple[str | No
     except RuntimeError as e:
         return str(e), norms
     return None, norms
+
+
+class Adoptable(nn.Module):
+    """Parameters whose gradient can be its bucket's full gradient itself (Note [Adopted gradient]) and ones
+    whose cannot, at ``bucket_mb`` so small that every parameter is a bucket of its own: ``big`` (adopted);
+    ``twice`` (adopted, then its second accumulation under reentrant checkpointing added); ``a`` and ``b``
+    (used through ``torch.cat``: their gradients are slices of one tensor, so not adopted); ``odd`` (63
+    elements, padded on 2 ranks: not adopted); ``head`` (weight and bias, adopted). At ``bucket_mb`` of 16 KiB
+    ``odd`` shares a bucket with ``head``'s bias (copied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(48, 64) / 8)
+        self.b = nn.Parameter(torch.randn(48, 64) / 8)
+        self.big = nn.Linear(64, 64, bias=False)
+        self.twice = nn.Linear(64, 64, bias=False)
+        self.odd = nn.Parameter(torch.randn(63) / 8)
+        self.head = nn.Linear(96, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.big(x))
+        h = checkpoint(self.twice, h, use_reentrant=True)
+        h = checkpoint(self.twice, torch.tanh(h), use_reentrant=True)
+        h = torch.tanh(h @ torch.cat([self.a, self.b]).t())  # (B, 96)
+        h = h + nn.functional.pad(self.odd, (0, 33))
+        return self.head(h).square().mean()
+
+
+def adoption(stage: int, bucket_mb: float, steps: int = 3) -> dict:
+    """:class:`Adoptable` under AdamW at ``stage`` for ``steps`` steps: the parameters after each step (full,
+    on every rank), the gradient norms, and how many bucket gradients the reducer adopted from autograd."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Adoptable()
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(4, 64, generator=g).requires_grad_(True) for _ in range(steps)]
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
+                        config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, grad_clip=1.0,
+                                          units=("Linear",) if stage == 3 else ()))
+    params, norms = [], []
+    for x in batches:
+        engine.backward(engine(x))
+        norms.append(engine.step())
+        params.append({k: v.tolist() for k, v in _params(engine, model).items()})
+    single = [b.params[0] for b in engine.buffers if len(b.params) == 1 and b.unpadded_numel == b.numel]
+    adoptable = [p for p in single if p is not model.a and p is not model.b]  # a, b: slices of one gradient
+    return {"params": params, "norms": norms, "adopted": engine.reducer.adopted,
+            "adoptable_per_step": len(adoptable), "cat_alone": sum(p is model.a or p is model.b for p in single)}

@@ -26,9 +26,12 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
             assert "wte" not in points[f"backward {i}"], step
         for i in (0, 1, 2):
             assert not {"ln_f", "head"} & set(points[f"backward {i}"]), step
+        # tails: not through the loss's backward, gathered when the logits' gradient comes
+        assert not {"ln_f", "head"} & set(points["loss backward"]), step
         assert step["max_bytes"] <= before["max_bytes"] - r["sizes"]["wte"], (step, before)
     first = dict(r["steps"][0]["points"])  # the first step learns: the outer units are gathered with the root
     assert {"wte", "ln_f", "head"} <= set(first["forward 1"])
+    assert {"ln_f", "head"} <= set(first["loss backward"])
 
 
 @pytest.mark.parametrize("kw", [{}, {"accum": 2}, {"checkpointing": True}, {"tied": True},
@@ -38,19 +41,29 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
                                 {"extras": ["start"], "skips": [[1], [0, 3], [], [0, 1, 2, 3]]},
                                 {"latents": True}, {"hook_after": True},
                                 {"accum": 2, "extras": [["start", "end"], "start"]}, {"interrupt": True},
-                                {"accum": 2, "experts": [[(0, 1, 2), (0, 1, 2)], [(2,), (0, 2)], [(0, 2), (2,)]]}],
+                                {"accum": 2, "experts": [[(0, 1, 2), (0, 1, 2)], [(2,), (0, 2)], [(0, 2), (2,)]]},
+                                {"extras": ["end", {0: "end", 1: "start"}]},
+                                {"extras": ["end", {0: "end", 1: "start"}, "start"], "head_by_weight": True,
+                                 "final_norm": False}],
                          ids=["plain", "accum", "checkpointing", "tied", "head-by-weight", "evaluate",
                               "extra-everywhere", "extra-on-rank0", "extra-later-on-one-rank", "layerdrop",
                               "returns-a-view", "hook-added-later", "moves-between-micro-steps",
-                              "forward-interrupted-before-step", "root-experts-vary-by-micro-step"])
+                              "forward-interrupted-before-step", "root-experts-vary-by-micro-step",
+                              "tail-moves-on-one-rank", "only-tail-late-on-one-rank"])
 def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     """Losses and grad norms equal stage 0's (fp32, 1e-5 relative) on 2 ranks, also when the blocks that run
     change from step to step (LayerDrop, the first block included); a module that ran before the first block
     on every rank (in every micro-step) is scheduled, the rest (the head, a module one rank skipped, a tied
     weight, a module that returns a view of its parameter: read after its unit would be freed) stays with the
-    root; a forward hook that reads the embedding's weight detached, added after the first step, reads stage
-    0's values; a forward that raises half way before the optimizer step leaves no stale gathered copy; root
-    experts (one outer unit) that change between micro-steps are not freed while one still needs its weight."""
+    root in forward, and those whose outputs' gradient came before any block's backward on every rank (the
+    final norm, the head, a module run after the blocks on both ranks) are tails: in backward gathered when that
+    gradient comes, or with the root in a backward whose loss does not reach them on every rank (``extra``
+    later run by one rank only); a forward hook that reads the embedding's weight detached, added after the
+    first step, reads stage 0's values; a forward that raises half way before the optimizer step leaves no
+    stale gathered copy; root experts (one outer unit) that change between micro-steps are not freed while one
+    still needs its weight; a tail whose gradient comes after the blocks' backward began, on one rank or on
+    both (the only tail, ``extra``, moved before the blocks), is gathered before the first block's all-gather
+    on that rank, so the all-gathers stay in the same order on every rank."""
     pool = ranks(2)
     s3 = pool.run(cases.train, stage=3, **kw)
     s0 = pool.run(cases.train, stage=0, **kw)
@@ -59,8 +72,13 @@ def test_stage3_with_outer_units_equals_stage0(ranks, kw):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
         assert a["norms"] == pytest.approx(b["norms"], rel=1e-5)
         assert a["reads"] == pytest.approx(b["reads"], rel=1e-5) and len(a["reads"]) == len(b["reads"])
-    schedule = s3[0]["schedule"]
-    assert s3[0]["schedule"] == s3[1]["schedule"]
+    schedule, tails = s3[0]["schedule"], s3[0]["tails"]
+    assert s3[0]["schedule"] == s3[1]["schedule"] and tails == s3[1]["tails"]
+    # tails (gathered in backward when their outputs' gradient comes): the final norm always, the head unless
+    # the root reads its weight; ``extra`` where it ran after the blocks on both ranks in the first step
+    assert tails.get("ln_f", True) and tails.get("head", True) == (not kw.get("head_by_weight")), tails
+    assert tails["extra"] == (kw.get("extras", [None])[0] == "end"), tails
+    assert not tails["experts"], tails  # its Linears run, not the ModuleList: read outside its forward
     if kw.get("tied"):  # the tied weight is the root's: neither module holds a parameter of its own
         assert "wte" not in schedule and "head" not in schedule, schedule
     else:  # gathered again when the first block's backward begins; the head runs after the first block

@@ -87,6 +87,27 @@ def test_peak_memory_per_stage(ranks, reverse):
     assert peak[1] <= peak[0] - 8 * psi * (n - 1) / n + (cap + 1) * bucket, ({s: p / psi for s, p in peak.items()})
 
 
+@pytest.mark.parametrize("bucket_mb", [1e-6, 16384 / 2**20], ids=["own-buckets", "16KiB"])
+def test_adopted_gradients_train_as_stage_0(ranks, bucket_mb):
+    """Note [Adopted gradient]: at stages 2-3 a bucket that is one parameter's whole gradient reduce-scatters
+    autograd's tensor itself (no pool buffer, no copy); gradients that share a tensor (``torch.cat``), padded
+    buckets and buckets of several parameters are copied. Parameters and gradient norms after every step equal
+    stage 0's (AdamW, clipping, a layer accumulated twice by reentrant checkpointing)."""
+    pool = ranks(2)
+    want = pool.run(cases.adoption, stage=0, bucket_mb=bucket_mb)
+    assert want[0]["adopted"] == 0
+    for stage in (2, 3):
+        got = pool.run(cases.adoption, stage=stage, bucket_mb=bucket_mb)
+        for r, w in zip(got, want):
+            assert r["cat_alone"] == 2 and r["adoptable_per_step"] >= 2, r  # a, b in buckets of their own
+            assert r["adopted"] == 3 * r["adoptable_per_step"], (stage, r["adopted"], r["adoptable_per_step"])
+            assert r["norms"] == pytest.approx(w["norms"], rel=1e-5), stage
+            for step, (ps, ws) in enumerate(zip(r["params"], w["params"])):
+                for k in ws:
+                    got_t, want_t = torch.tensor(ps[k]), torch.tensor(ws[k])
+                    assert torch.allclose(got_t, want_t, rtol=1e-5, atol=1e-7), (stage, step, k)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_accumulates_in_fp32_by_default(ranks, stage):
     """32 bf16 micro-steps: fp32 sums by default (zero.grad_accum_dtype); ``grad_accum_dtype: bf16`` shows what

@@ -110,12 +110,12 @@ def test_bytes_sent_per_step(ranks, stage):
     """Ring collectives, ZeRO §7: stage 0 all-reduce, stages 1-2 reduce-scatter + all-gather: 2Ψ(N-1)/N x 4 bytes;
     stage 3 all-gathers twice (forward, backward) and reduce-scatters once: 3Ψ(N-1)/N x 4 bytes (plus the
     4-byte global-norm all-reduce at stages 1-2; at stage 3 that all-reduce carries 24 bytes: the squared norm
-    and the digest of the units gathered, Note [Same units on every rank]; in the first step, 32 more per outer
+    and the digest of the units gathered, Note [Same units on every rank]; in the first step, 48 more per outer
     unit: its windows, Note [Outer units])."""
     for r in ranks(3).run(cases.memory, stage=stage, units=("Block",) if stage == 3 else ()):
         n, padded = r["world_size"], r["padded"]
         expected = (3 if stage == 3 else 2) * padded * (n - 1) // n * 4
-        extra = 0 if stage == 0 else round(2 * (n - 1) / n * (24 + 32 * r["outer_units"] if stage == 3 else 4))
+        extra = 0 if stage == 0 else round(2 * (n - 1) / n * (24 + 48 * r["outer_units"] if stage == 3 else 4))
         assert r["comm"]["bytes_sent"] == expected + extra
 
 
@@ -150,9 +150,11 @@ def test_stage3_records_unit_order_and_prefetches(ranks):
     for r in ranks(2).run(cases.prefetch_order):
         assert r["forward"] == ["", "blocks.0", "blocks.1"]
         assert r["backward"] == ["", "blocks.1", "blocks.0"]
-        # in step 2 every block was already being gathered (prefetched) when its turn came
-        blocks = [state for name, state in r["states_at_use"] if name.startswith("blocks")]
-        assert blocks and all(state == "gathering" for state in blocks), r["states_at_use"]
+        # in step 2 every block was already being gathered (prefetched) when its turn came, but backward's
+        # first: the root's backward (the loss and the head, before any block) prefetches nothing (Note [Prefetch])
+        blocks = [(name, state) for name, state in r["states_at_use"] if name.startswith("blocks")]
+        assert blocks == [("blocks.0", "gathering"), ("blocks.1", "gathering"), ("blocks.1", "free"),
+                          ("blocks.0", "gathering")], r["states_at_use"]
 
 
 def test_stage3_prefetch_bytes_bounds_what_is_gathered_ahead(ranks):
@@ -165,15 +167,14 @@ def test_stage3_prefetch_bytes_bounds_what_is_gathered_ahead(ranks):
                         ("all", 1 << 40)):
         got = ranks(2).run(cases.prefetch_order, prefetch_bytes=limit, n_layer=4)
         assert got[0]["issued"] == got[1]["issued"], got  # the same all-gathers at the same points on every rank
-        # blocks only (not the outer units); backward's first ones are issued as it starts, outside autograd
-        issued[name] = [(unit, "backward", "") if at is None else (unit, phase, at)
-                        for unit, phase, at in got[0]["issued"] if unit.startswith("blocks")]
+        issued[name] = [(unit, phase, at) for unit, phase, at in got[0]["issued"] if unit.startswith("blocks")]
     fwd = [f"blocks.{i}" for i in range(4)]
     bwd = fwd[::-1]
 
-    def expected(order, phase, ahead):  # unit i+1..i+ahead issued when unit i starts, the root's first
-        seq = ["", *order]
-        return [(seq[j], phase, seq[max(0, j - ahead)]) for j in range(1, len(seq))]
+    def expected(order, phase, ahead):  # unit i+1..i+ahead issued when unit i starts, in forward the root's
+        seq = ["", *order]  # first; in backward the root issues none: its first block is gathered when it begins
+        first = 1 if phase == "forward" else 2
+        return [(seq[j], phase, seq[max(first - 1, j - ahead)]) for j in range(first, len(seq))]
 
     assert issued["next"] == expected(fwd, "forward", 1) + expected(bwd, "backward", 1)
     assert issued["none"] == []
@@ -200,7 +201,7 @@ def test_stage3_persistent_parameters_bytes(ranks):
             for name in r["persistent_params"]), r["persistent_params"]
         assert r["bytes"]["params"] == (padded // n + pers) * 4
         # norm + unit digest + the outer units' windows (first step)
-        step = (3 * (padded - pers) + 2 * pers) * (n - 1) // n * 4 + round(2 * (n - 1) / n * (24 + 32 * r["outer_units"]))
+        step = (3 * (padded - pers) + 2 * pers) * (n - 1) // n * 4 + round(2 * (n - 1) / n * (24 + 48 * r["outer_units"]))
         construction = pers * (n - 1) // n * 4  # the persistent parameters are all-gathered once when built
         assert r["comm"]["bytes_sent"] == step + construction
 

@@ -32,6 +32,19 @@ micro-step (a fresh large block costs a page fault per page on every use: Note [
 zero/allocator.py), dropped when the optimizer step begins. The reduce-scatter runs in place and this rank's
 slice is added, divided by N, to the slice it keeps (fp16 divides first, for its range, as DDP).
 
+Note [Adopted gradient]: at stages 2-3 a bucket that is exactly one parameter (no other parameter, no padding)
+takes autograd's gradient of it as its full gradient, without a pool buffer or a copy, when that tensor is
+the parameter's alone: strided, contiguous, in the reduce dtype, not a view and spanning its whole storage
+(the gradients of parameters used through ``torch.cat`` are slices of one tensor and are copied, as are
+those of padded buckets and buckets of several parameters). AccumulateGrad hands ``p.grad`` over as that
+tensor when nothing else holds it and clones it otherwise, so once the hook sets ``p.grad`` to ``None`` the
+reducer is its only user and the reduce-scatter may write into it. A parameter larger than a bucket is a
+bucket of its own (``flat.pack``), so this is the case of the largest ones: a GPT's embedding and LM head
+(32 MiB each in the 55M GPT of ``benchmarks/zero_stages.py``), whose gradient existed twice at their
+backward (autograd's and the pooled copy). A second accumulation in the same backward (a layer used twice
+under reentrant checkpointing) is added into it like into a pooled buffer. The adopted tensor is dropped,
+not pooled, after its reduce-scatter.
+
 Note [Waiting in hooks]: with ``MAX_INFLIGHT + 1`` reductions in flight (each holds a bucket-sized buffer:
 the full gradient at stages 2-3, gloo's receive buffer at stage 1), finished ones are collected; if none has
 finished, stages 1-2 wait for the oldest inside the gradient hook. That is safe there because no other
@@ -70,6 +83,7 @@ class GradReducer:
     Attributes:
         order: the launch order (Note [Launch order]).
         late_fixups: buckets reduced a second time because a gradient came after their launch, in all.
+        adopted: bucket gradients taken from autograd without a copy (Note [Adopted gradient]), in all.
         on_ready: callbacks ``f(buf)`` run when a bucket's gradient is complete (stage 3 frees its unit).
     """
 
@@ -92,6 +106,8 @@ class GradReducer:
         self._pending: deque[tuple[FlatBuffer, Any, Any]] = deque()
         self._result: dict[FlatBuffer, torch.Tensor] = {}
         self._late: dict[FlatBuffer, torch.Tensor] = {}
+        self._adopted: set[FlatBuffer] = set()
+        self.adopted = 0
         self.sync = False
         self._reset()
         self.handles: list = []
@@ -169,18 +185,33 @@ class GradReducer:
             if not self.sync:
                 return
         else:
-            if buf.grad is None:  # filled by copies; what no gradient reaches is zeroed at launch
-                self._make_room(need_buffer=buf, in_hook=True)
-                buf.grad = self.pool.take(buf.numel, self.reduce_dtype, buf.device)
-                self._written[buf] = set()
-            view = buf.view_of(buf.grad, p)
-            (view.add_ if p in self._written[buf] else view.copy_)(p.grad)
-            self._written[buf].add(p)
+            if buf.grad is None and self._adoptable(buf, p.grad):  # Note [Adopted gradient]: no copy
+                buf.grad = p.grad.view(-1)
+                self._adopted.add(buf)
+                self._written[buf] = {p}
+            else:
+                if buf.grad is None:  # filled by copies; what no gradient reaches is zeroed at launch
+                    self._make_room(need_buffer=buf, in_hook=True)
+                    buf.grad = self.pool.take(buf.numel, self.reduce_dtype, buf.device)
+                    self._written[buf] = set()
+                view = buf.view_of(buf.grad, p)
+                (view.add_ if p in self._written[buf] else view.copy_)(p.grad)
+                self._written[buf].add(p)
             p.grad = None
         self._count[p] += 1
         if self._count[p] == self._expected[p]:
             self._param_ready(buf)
         self._launch_ready(in_hook=True)
+
+    def _adoptable(self, buf: FlatBuffer, grad: torch.Tensor) -> bool:
+        """Note [Adopted gradient]: whether ``grad``, autograd's gradient of a parameter that is all of
+        ``buf`` (no other parameter, no padding), can be the bucket's full gradient itself."""
+        ok = (len(buf.params) == 1 and buf.unpadded_numel == buf.numel
+              and grad.layout == torch.strided and grad.dtype == self.reduce_dtype and grad.device == buf.device
+              and grad.is_contiguous() and not grad._is_view()
+              and grad.untyped_storage().nbytes() == grad.nbytes and grad.storage_offset() == 0)
+        self.adopted += ok
+        return ok
 
     def _param_ready(self, buf: FlatBuffer) -> None:
         self._nready[buf] += 1
@@ -275,7 +306,10 @@ class GradReducer:
         self.comm.wait([work])
         if not self.policy.keep_full_grad:
             buf.shard_grad.add_(buf.shard(buf.grad), alpha=1.0 if self.predivide else 1.0 / self.world_size)
-            self.pool.give_back(buf.grad)
+            if buf in self._adopted:
+                self._adopted.discard(buf)
+            else:
+                self.pool.give_back(buf.grad)
             buf.grad = None
 
     def finish(self) -> None:

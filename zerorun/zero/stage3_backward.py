@@ -58,6 +58,7 @@ class Stage3Backward:
         for unit in self.units:
             unit.ready_buffers = 0
             unit.open_calls = 0
+            unit.deferred = False
         self._free_all()
 
     def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:

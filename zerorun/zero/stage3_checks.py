@@ -139,16 +139,21 @@ def check_no_writes(unit) -> None:
 # rank]; the launcher names the hung rank).
 def check_backward_units(engine, loss: torch.Tensor) -> None:
     """Raise before backward if a unit's output reaches ``loss`` on some ranks but not on all (Note
-    [Backward on some ranks]); forget the outputs recorded since the last backward either way.
+    [Backward on some ranks]); forget the outputs recorded since the last backward either way. Also marks the
+    tail outer units whose outputs reach ``loss`` on every rank ``deferred`` (Note [Outer units]): gathered in
+    this backward when their gradient comes, not at its start (no error for the others: with the root).
 
     Raises:
         RuntimeError: on every rank, naming the units and how many ranks reach them.
     """
-    units = [u for u in engine.units if not u.is_root and not u.outer]
+    listed = [u for u in engine.units if not u.is_root and not u.outer]
+    tails = [u for u in engine.units if u.outer and u.tail]  # Note [Outer units]: deferred where every rank reaches it
+    units = listed + tails
     recorded = [u.out_nodes for u in units]
-    for u in units:
+    for u in engine.units:
         u.out_nodes = []
-    if engine.world_size == 1 or not units:
+        u.deferred = False
+    if not tails and (engine.world_size == 1 or not listed):
         return
     wanted = {node for nodes in recorded for node in nodes}
     found: set = set()
@@ -163,9 +168,12 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
             found.add(node)
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and nxt not in seen)
     marks = torch.tensor([any(n in found for n in nodes) for nodes in recorded], dtype=torch.int32)
-    engine.comm.wait([engine.comm.all_reduce(marks, control=True)])
+    if engine.world_size > 1:
+        engine.comm.wait([engine.comm.all_reduce(marks, control=True)])
     n = engine.world_size
-    partial = [(u, int(m)) for u, m in zip(units, marks.tolist()) if 0 < m < n]
+    for u, m in zip(tails, marks.tolist()[len(listed):]):
+        u.deferred = m == n
+    partial = [(u, int(m)) for u, m in zip(listed, marks.tolist()) if 0 < m < n]
     if partial:
         which = "; ".join(f"unit {u.name!r} on {m} of {n} ranks" for u, m in partial[:3])
         raise RuntimeError(

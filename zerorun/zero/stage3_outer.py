@@ -26,6 +26,17 @@ the first backward entry of the unit that made that first call (every rank runs 
 - A scheduled unit that later runs after the first call, whose output's gradient arrives before its
   all-gather, or whose parameters other code reads, raises on that rank (never a read of the freed
   placeholder), naming ``zerorun.zero.register_external_parameter(model, param)``, which keeps it with the root.
+- A tail: an outer unit that is not scheduled and, in the first step, on every rank, got every gradient of
+  its outputs before any listed unit's backward began, its parameters read by nothing else (a GPT's final
+  norm and LM head). In forward it stays with the root. In a backward where its outputs reach the loss on
+  every rank (found with the listed units' check before backward, Note [Backward on some ranks], in the same
+  all-reduce), it is not gathered at the start but when the first gradient of a tail's output arrives, or
+  when the first listed unit's backward begins if that comes first: every tail then, in the units' order,
+  before that unit's own all-gather, so the all-gathers are in the same order on every rank whichever of the
+  two came first. Where its outputs reach the loss on some ranks only, it is gathered with the root as
+  before. So the LM head's 32 MiB (the 55M GPT) are not held through the loss's backward, the step's peak
+  (a log-softmax over the vocabulary). A tail whose parameters are read in backward before its gather raises
+  as a scheduled unit does. The first step's record is a third value per outer unit in the same all-reduce.
 
 Evaluation (a forward with gradients off) gathers the scheduled units with the root, as before.
 """
@@ -50,6 +61,7 @@ class OuterUnits:
         self._pass = False  # a forward of the root with gradients on is running
         self._first_call: Unit | None = None  # the unit of this pass's first listed-unit call
         self._anchor_entered = False  # that unit's backward has begun
+        self._listed_begun = False  # a listed unit's backward has begun in this backward
         for unit in self._outers:
             if unit not in self._root.external:  # Note [External parameters]: gathered with the root
                 self._root.external.append(unit)
@@ -116,12 +128,15 @@ class OuterUnits:
                     raise self._outer_deviation(unit, "returned a view of its parameters")
             if torch.is_grad_enabled() and t.requires_grad:
                 t.register_hook(lambda grad, unit=unit: self._outer_pre_backward(unit))
+                if unit.tail and t.grad_fn is not None:  # does it reach the loss on every rank?
+                    unit.out_nodes.append(t.grad_fn)
         return output
 
     # ------------------------------------------------------------------------------------------ backward
     def _outer_backward_start(self) -> None:
         """Backward begins; the root (and with it every outer unit not scheduled) is gathered."""
         self._anchor_entered = False
+        self._listed_begun = False
         for unit in self._scheduled():
             if unit.bfirst == 0 or self._first_call is None:
                 self._gather(unit, wait=False)
@@ -135,10 +150,31 @@ class OuterUnits:
             if outer.bfirst == 1:
                 self._gather(outer, wait=False)
 
+    def _outer_before_listed_backward(self) -> None:
+        """A listed unit's backward is about to begin (before its all-gather): the first time in this backward,
+        the deferred tails not gathered yet are, so their all-gather precedes every listed unit's on every rank."""
+        if not self._listed_begun:
+            self._listed_begun = True
+            self._gather_tails()
+
+    def _gather_tails(self) -> None:
+        """The deferred tails' all-gathers, once per backward, in the units' order (the same on every rank)."""
+        for outer in self._outers:
+            if outer.deferred:
+                outer.deferred = False
+                self._gather(outer, wait=False)
+
     def _outer_pre_backward(self, unit: Unit) -> None:
         if self._learning:  # every backward of the first step counts: before the anchor once is before
             unit.bfirst = int(self._anchor_entered) if unit.bfirst is None else min(unit.bfirst,
                                                                                     int(self._anchor_entered))
+            before = int(not self._listed_begun)
+            unit.btail = before if unit.btail is None else min(unit.btail, before)
+            return
+        if unit.tail:  # deferred: its outputs' first gradient, unless a listed unit's backward began first
+            self._gather_tails()
+            if unit.state is UnitState.GATHERING:
+                self._gather(unit)
             return
         if unit.scheduled:
             if unit.state is UnitState.FREE:
@@ -166,7 +202,7 @@ class OuterUnits:
         if holder is not unit and (self._pass or in_backward()) and recorded:
             if self._learning:
                 unit.used_outside = True
-            elif unit.scheduled:
+            elif unit.scheduled or unit.deferred and unit.state is UnitState.FREE:
                 raise self._outer_deviation(unit, f"had a parameter read outside its own forward (by "
                                                   f"{getattr(func, '__name__', func)})")
         if unit.state is UnitState.GATHERING:
@@ -180,21 +216,23 @@ class OuterUnits:
         out: list[float] = []
         for u in self._outers:
             ok = u.first == 0 and not u.used_outside and not u.declared
-            out += [1 if ok else 0, (u.bfirst + 1 if u.bfirst is not None else 0) if ok else 0]
+            tail = u.btail == 1 and not u.used_outside and not u.declared
+            out += [1 if ok else 0, (u.bfirst + 1 if u.bfirst is not None else 0) if ok else 0, 1 if tail else 0]
         return out
 
     def _outer_agree(self, sums: list[float], squares: list[float]) -> None:
         """After the first step's all-reduce: schedule the outer units every rank recorded alike."""
         n = self.world_size
         for i, unit in enumerate(self._outers):
-            same = all(n * squares[2 * i + j] == sums[2 * i + j] ** 2 for j in range(2))
-            if same and sums[2 * i] > 0:
+            same = [n * squares[3 * i + j] == sums[3 * i + j] ** 2 for j in range(3)]
+            if same[0] and same[1] and sums[3 * i] > 0:
                 unit.scheduled = True
-                unit.bfirst = unit.bfirst if sums[2 * i + 1] > 0 else 0  # no gradient seen: at the start
+                unit.bfirst = unit.bfirst if sums[3 * i + 1] > 0 else 0  # no gradient seen: at the start
                 self._root.external.remove(unit)
                 unit.pinned_by.discard(self._root)
             else:  # stays with the root: its record was this rank's alone
                 unit.first = unit.bfirst = None
+                unit.tail = same[2] and sums[3 * i + 2] > 0  # a tail: in backward, gathered at its own gradient
         self._learning = False
 
     def _outer_deviation(self, unit: Unit, what: str) -> RuntimeError:

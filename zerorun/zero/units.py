@@ -46,6 +46,12 @@ class Unit:
         self.used_outside = False
         self.declared = False  # register_external_parameter(model, one of its parameters): stays with the root
         self.scheduled = False
+        # Note [Outer units], tails: in the first step, whether every gradient of its outputs came before any
+        # listed unit's backward began (btail: 0 or 1); whether every rank agreed (tail); whether this backward
+        # gathers it then rather than with the root (deferred: its outputs reach the loss on every rank)
+        self.btail: int | None = None
+        self.tail = False
+        self.deferred = False
 
     @property
     def trainable(self) -> list[FlatBuffer]:
