@@ -33,14 +33,27 @@ class Latents(nn.Module):
         return self.table.expand(batch_size, -1, -1)
 
 
+class PenaltyHead(nn.Linear):
+    """An LM head that also computes, inside its own forward, a penalty on its weight (``aux``, not returned)
+    that the root adds to the loss: autograd reads the weight on a path that does not pass its output."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.aux = 1e-2 * self.weight.square().sum()
+        return out
+
+
 class TinyGPT(nn.Module):
     """Token embedding, a position table on the root, ``depth`` blocks, final norm and LM head; ``tied``: the
     head's weight is the embedding's; ``head_by_weight``: the root reads the head's weight itself instead of
-    calling it; ``final_norm``: off, no ``ln_f``; ``extra``: a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or
+    calling it; ``final_norm``: off, no ``ln_f``; ``head_penalty``, ``detach_aux`` and ``root_penalty``: losses that
+    make autograd read the head's weight off its output's path (:class:`PenaltyHead`, ``head.weight.detach()``,
+    a penalty in the root); ``extra``: a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or
     ``None``: not at all); ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
 
     def __init__(self, depth: int = 4, tied: bool = False, head_by_weight: bool = False, max_norm: bool = False,
-                 root_writes: bool = False, latents: bool = False, final_norm: bool = True) -> None:
+                 root_writes: bool = False, latents: bool = False, final_norm: bool = True,
+                 head_penalty: bool = False, detach_aux: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH, max_norm=0.5 if max_norm else None)
         self.latents = Latents() if latents else None
@@ -52,7 +65,9 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(depth))
         self.extra = nn.Linear(WIDTH, WIDTH)
         self.ln_f = nn.LayerNorm(WIDTH) if final_norm else None
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head = (PenaltyHead if head_penalty else nn.Linear)(WIDTH, VOCAB, bias=False)
+        self.detach_aux = detach_aux
+        self.root_penalty = False  # set per step by train(penalty_from=...)
         if tied:
             self.head.weight = self.wte.weight
         self.head_by_weight = head_by_weight
@@ -78,7 +93,14 @@ class TinyGPT(nn.Module):
             x = x + self.experts[i](x)
         x = self.ln_f(x) if self.ln_f is not None else x
         logits = F.linear(x, self.head.weight) if self.head_by_weight else self.head(x)
-        return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        if isinstance(self.head, PenaltyHead):
+            loss = loss + self.head.aux
+        if self.root_penalty:  # the root reads the head's weight (a regularizer switched on after warmup)
+            loss = loss + 1e-2 * self.head.weight.square().sum()
+        if self.detach_aux:  # an auxiliary loss through the head's weight, stop-gradient
+            loss = loss + 1e-2 * F.linear(x, self.head.weight.detach()).square().mean()
+        return loss
 
 
 def _engine(stage: int, accum: int = 1, checkpointing: bool = False, declare: bool = False, **model_kw):
@@ -99,11 +121,12 @@ def _batches(steps: int, accum: int) -> list:
 
 def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpointing: bool = False,
           declare: bool = False, evaluate: bool = False, skips=None, hook_after: bool = False,
-          interrupt: bool = False, experts=None, **model_kw) -> dict:
+          interrupt: bool = False, experts=None, penalty_from: int | None = None, **model_kw) -> dict:
     """Losses and grad norms of ``steps`` steps of :class:`TinyGPT` (``extras[step]``, per rank: a dict
     ``{rank: where}`` or one value for all, says where ``extra`` runs; the last entry repeats; ``skips[step]``:
     the blocks LayerDrop skips; ``interrupt``: before each optimizer step, a forward that raises half way,
-    caught; ``experts[step][micro_step]``: the root experts that run), the outer units' schedules, and the error
+    caught; ``experts[step][micro_step]``: the root experts that run; ``penalty_from``: the step from which the
+    root adds a penalty on the head's weight), the outer units' schedules, and the error
     of the first step that raised."""
     engine = _engine(stage, accum, checkpointing, declare, **model_kw)
     batches = _batches(steps, accum)
@@ -111,6 +134,7 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
     rank = dist.get_rank()
     try:
         for step in range(steps):
+            engine.module.root_penalty = penalty_from is not None and step >= penalty_from
             where = extras[min(step, len(extras) - 1)]
             where = where.get(rank) if isinstance(where, dict) else where
             if evaluate:  # before the step (the first: while the schedule is learned) and after it

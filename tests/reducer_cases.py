@@ -374,3 +374,41 @@ def adoption(stage: int, bucket_mb: float, steps: int = 3) -> dict:
     adoptable = [p for p in single if p is not model.a and p is not model.b]  # a, b: slices of one gradient
     return {"params": params, "norms": norms, "adopted": engine.reducer.adopted,
             "adoptable_per_step": len(adoptable), "cat_alone": sum(p is model.a or p is model.b for p in single)}
+
+
+class SharedGradients(nn.Module):
+    """Parameters whose gradients autograd hands over as tensors that share their storage with others: ``c`` and
+    ``d`` are used through one sum of their views (both gradients are views of one tensor); ``pos`` is added
+    to an activation of batch 1 through ``unsqueeze`` (its gradient is a view of the incoming gradient, which
+    ``inp``'s backward still reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Parameter(torch.randn(32, 32) / 8)
+        self.d = nn.Parameter(torch.randn(32, 32) / 8)
+        self.inp = nn.Linear(32, 32)
+        self.pos = nn.Parameter(torch.randn(16, 32) / 8)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):  # x: (1, 16, 32)
+        w = (self.c.view(-1) + self.d.view(-1)).view(32, 32)
+        h = self.inp(torch.tanh(x @ w)) + self.pos.unsqueeze(0)
+        return self.head(torch.tanh(h)).square().mean()
+
+
+def shared_gradients(stage: int, precision: str, steps: int = 3) -> dict:
+    """:class:`SharedGradients`, SGD, every parameter a bucket of its own: the parameters (fp32) and gradient
+    norms after each step, and how many gradients the reducer adopted."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = SharedGradients()
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(1, 16, 32, generator=g) for _ in range(steps)]
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=stage, bucket_mb=1e-6, precision=precision))
+    params, norms = [], []
+    for x in batches:
+        engine.backward(engine(x))
+        norms.append(engine.step())
+        params.append({k: v.float().tolist() for k, v in _params(engine, model).items()})
+    return {"params": params, "norms": norms, "adopted": engine.reducer.adopted}

@@ -44,12 +44,14 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
                                 {"accum": 2, "experts": [[(0, 1, 2), (0, 1, 2)], [(2,), (0, 2)], [(0, 2), (2,)]]},
                                 {"extras": ["end", {0: "end", 1: "start"}]},
                                 {"extras": ["end", {0: "end", 1: "start"}, "start"], "head_by_weight": True,
-                                 "final_norm": False}],
+                                 "final_norm": False},
+                                {"head_penalty": True}, {"penalty_from": 1}, {"detach_aux": True}],
                          ids=["plain", "accum", "checkpointing", "tied", "head-by-weight", "evaluate",
                               "extra-everywhere", "extra-on-rank0", "extra-later-on-one-rank", "layerdrop",
                               "returns-a-view", "hook-added-later", "moves-between-micro-steps",
                               "forward-interrupted-before-step", "root-experts-vary-by-micro-step",
-                              "tail-moves-on-one-rank", "only-tail-late-on-one-rank"])
+                              "tail-moves-on-one-rank", "only-tail-late-on-one-rank",
+                              "penalty-inside-the-head", "root-penalty-from-step-2", "aux-loss-on-detached-head"])
 def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     """Losses and grad norms equal stage 0's (fp32, 1e-5 relative) on 2 ranks, also when the blocks that run
     change from step to step (LayerDrop, the first block included); a module that ran before the first block
@@ -63,7 +65,9 @@ def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     stale gathered copy; root experts (one outer unit) that change between micro-steps are not freed while one
     still needs its weight; a tail whose gradient comes after the blocks' backward began, on one rank or on
     both (the only tail, ``extra``, moved before the blocks), is gathered before the first block's all-gather
-    on that rank, so the all-gathers stay in the same order on every rank."""
+    on that rank, so the all-gathers stay in the same order on every rank; and a tail whose weight autograd
+    reads before its output's gradient comes (a penalty computed inside the head, one the root adds from step
+    2 on, an auxiliary loss through the detached weight) is gathered before that read."""
     pool = ranks(2)
     s3 = pool.run(cases.train, stage=3, **kw)
     s0 = pool.run(cases.train, stage=0, **kw)

@@ -108,6 +108,24 @@ def test_adopted_gradients_train_as_stage_0(ranks, bucket_mb):
                     assert torch.allclose(got_t, want_t, rtol=1e-5, atol=1e-7), (stage, step, k)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_gradients_that_share_storage_are_not_adopted(ranks, precision):
+    """Note [Adopted gradient]: two parameters whose gradients are views of one tensor, and a parameter whose
+    gradient is a view of a gradient another node still reads (fp16 divides a bucket in place before its
+    reduce-scatter), are copied, not adopted: stages 2-3 equal stage 0 (adopting them summed one rank's part
+    twice in fp32, and in fp16 halved the other node's input)."""
+    pool = ranks(2)
+    want = pool.run(cases.shared_gradients, stage=0, precision=precision)
+    for stage in (2, 3):
+        got = pool.run(cases.shared_gradients, stage=stage, precision=precision)
+        for r, w in zip(got, want):
+            assert r["adopted"] > 0, r["adopted"]  # the head's and inp's own gradients
+            assert [n for n in r["norms"] if n == n] == pytest.approx([n for n in w["norms"] if n == n], rel=1e-5)
+            for ps, ws in zip(r["params"], w["params"]):
+                for k in ws:
+                    assert torch.allclose(torch.tensor(ps[k]), torch.tensor(ws[k]), rtol=1e-5, atol=1e-6), (stage, k)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_accumulates_in_fp32_by_default(ranks, stage):
     """32 bf16 micro-steps: fp32 sums by default (zero.grad_accum_dtype); ``grad_accum_dtype: bf16`` shows what
@@ -133,6 +151,12 @@ def test_p_grad_after_backward(ranks):
 
 def test_private_torch_apis_still_behave():
     """zero/torch_internals.py is the only user of private torch APIs: this fails when torch changes them."""
+    t = torch.randn(4)
+    assert torch_internals.sole_owner(t)
+    view = t.view(2, 2)
+    assert not torch_internals.sole_owner(t) and not torch_internals.sole_owner(view)
+    del view
+    assert torch_internals.sole_owner(t)
     assert torch_internals.in_backward() is False
     w = torch.randn(3, requires_grad=True)
     unused = torch.randn(3, requires_grad=True)

@@ -35,8 +35,14 @@ the first backward entry of the unit that made that first call (every rank runs 
   before that unit's own all-gather, so the all-gathers are in the same order on every rank whichever of the
   two came first. Where its outputs reach the loss on some ranks only, it is gathered with the root as
   before. So the LM head's 32 MiB (the 55M GPT) are not held through the loss's backward, the step's peak
-  (a log-softmax over the vocabulary). A tail whose parameters are read in backward before its gather raises
-  as a scheduled unit does. The first step's record is a third value per outer unit in the same all-reduce.
+  (a log-softmax over the vocabulary). Autograd may read a tail's parameters before its outputs' gradient
+  comes, through tensors it saved in forward on another path (a weight penalty on the head, in the root or
+  inside the head's own forward; an auxiliary loss through ``head.weight.detach()``): while the root's
+  forward runs, ``saved_tensors_hooks`` mark every saved tensor on a tail's storage, and unpacking one in
+  backward gathers the tails first. Such a read comes, on every rank alike, before any listed unit's backward
+  (or after the tails' gather), so the all-gather order stays the same. A tail whose parameters user code
+  reads with autograd recording in backward before its gather raises as a scheduled unit does. The first
+  step's record is a third value per outer unit in the same all-reduce.
 
 Evaluation (a forward with gradients off) gathers the scheduled units with the root, as before.
 """
@@ -62,6 +68,8 @@ class OuterUnits:
         self._first_call: Unit | None = None  # the unit of this pass's first listed-unit call
         self._anchor_entered = False  # that unit's backward has begun
         self._listed_begun = False  # a listed unit's backward has begun in this backward
+        self._saved_hooks = None  # saved_tensors_hooks over the root's forward when there are tails
+        self._tail_storages: dict[int, Unit] = {}
         for unit in self._outers:
             if unit not in self._root.external:  # Note [External parameters]: gathered with the root
                 self._root.external.append(unit)
@@ -79,9 +87,34 @@ class OuterUnits:
         self._first_call = None
         for unit in self._scheduled():
             self._gather(unit, wait=False)
+        self._end_saved_hooks()  # a forward that raised half way left them
+        tails = [u for u in self._outers if u.tail]
+        if self._pass and tails:  # a tail's parameters saved for backward by any node: gathered before read
+            self._tail_storages = {b.data.untyped_storage()._cdata: u for u in tails for b in u.buffers}
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._tail_pack, self._tail_unpack)
+            self._saved_hooks.__enter__()
+
+    def _end_saved_hooks(self) -> None:
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+
+    def _tail_pack(self, t: torch.Tensor):
+        unit = self._tail_storages.get(t.untyped_storage()._cdata)
+        return t if unit is None else _TailSaved(unit, t)
+
+    def _tail_unpack(self, saved):
+        if not isinstance(saved, _TailSaved):
+            return saved
+        if saved.unit.deferred:  # read by a node before the tails' gather (a penalty on the head's weight)
+            self._gather_tails()
+        if saved.unit.state is UnitState.GATHERING:
+            self._gather(saved.unit)
+        return saved.tensor
 
     def _outer_pass_end(self) -> None:
         self._pass = False
+        self._end_saved_hooks()
         for unit in self._outers:  # Note [Writes inside a unit's forward]: the root's forward may write them too
             if unit.state is UnitState.GATHERED:
                 check_no_writes(unit)
@@ -241,3 +274,12 @@ class OuterUnits:
             "its all-gathers are scheduled from the first step on every rank (Note [Outer units]), so it cannot "
             "be gathered here on this rank alone. Keep its parameters with the root unit: "
             "zerorun.zero.register_external_parameter(model, param) for each, before the first step")
+
+
+class _TailSaved:
+    """A tensor autograd saved for backward that is a view of a tail's parameters (Note [Outer units])."""
+
+    __slots__ = ("unit", "tensor")
+
+    def __init__(self, unit: Unit, tensor: torch.Tensor) -> None:
+        self.unit, self.tensor = unit, tensor

@@ -4,6 +4,8 @@
   whose forward runs again inside backward: activation checkpointing's recomputation).
 - :func:`will_accumulate`: whether the running backward will still accumulate a gradient into a leaf
   (stage 3 decides at the end of a unit's backward whether a bucket waits for more gradients).
+- :func:`sole_owner`: whether a tensor is the only one on its storage (the reducer adopts such a gradient:
+  Note [Adopted gradient]).
 """
 
 from __future__ import annotations
@@ -20,3 +22,11 @@ def will_accumulate(p: torch.Tensor) -> bool:
     """Inside a backward: whether the running graph task will execute ``p``'s gradient accumulator (``p`` a
     leaf that requires grad) (``torch._C._will_engine_execute_node``). Must be called inside backward."""
     return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node))
+
+
+def sole_owner(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its storage: no view of it, no other tensor on the same storage,
+    nothing autograd saved or will still pass on that shares it (``torch._C._storage_Use_Count``, which counts
+    the tensors and storage objects holding the storage)."""
+    storage = t.untyped_storage()  # held here, so counted: t's and this one's
+    return torch._C._storage_Use_Count(storage._cdata) <= 2
