@@ -119,14 +119,22 @@ def _batches(steps: int, accum: int) -> list:
     return [torch.randint(0, VOCAB, (2, SEQ), generator=g) for _ in range(steps * accum)]
 
 
+def _read_head(model: nn.Module, grad: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():  # recorded by autograd: a use of the values, not a detached peek
+        model.head.weight.sum()
+    return grad
+
+
 def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpointing: bool = False,
           declare: bool = False, evaluate: bool = False, skips=None, hook_after: bool = False,
-          interrupt: bool = False, experts=None, penalty_from: int | None = None, **model_kw) -> dict:
+          interrupt: bool = False, experts=None, penalty_from: int | None = None, read_in_backward: bool = False,
+          **model_kw) -> dict:
     """Losses and grad norms of ``steps`` steps of :class:`TinyGPT` (``extras[step]``, per rank: a dict
     ``{rank: where}`` or one value for all, says where ``extra`` runs; the last entry repeats; ``skips[step]``:
     the blocks LayerDrop skips; ``interrupt``: before each optimizer step, a forward that raises half way,
     caught; ``experts[step][micro_step]``: the root experts that run; ``penalty_from``: the step from which the
-    root adds a penalty on the head's weight), the outer units' schedules, and the error
+    root adds a penalty on the head's weight; ``read_in_backward``: from the second step, a hook on the loss reads
+    the head's weight with gradients on, before the head's backward), the outer units' schedules, and the error
     of the first step that raised."""
     engine = _engine(stage, accum, checkpointing, declare, **model_kw)
     batches = _batches(steps, accum)
@@ -149,6 +157,8 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
                     engine.module.use_experts = experts[min(step, len(experts) - 1)][i]
                 batch = (batches[step * accum + i], here) + ((set(skips[step]),) if skips else ())
                 loss = engine(batch)
+                if read_in_backward and step >= 1:
+                    loss.register_hook(lambda grad: _read_head(engine.module, grad))
                 engine.backward(loss)
                 out["losses"].append(float(loss))
             if interrupt:

@@ -109,6 +109,16 @@ def test_a_module_that_leaves_its_schedule_is_an_error_and_declaring_it_keeps_it
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
 
 
+def test_a_tail_read_in_backward_before_its_gather_is_an_error(ranks):
+    """A hook on the loss that reads the head's weight with gradients on, from the second step: the head, a tail,
+    is not gathered yet there (Note [Outer units]); every rank raises, naming it and
+    register_external_parameter, instead of reading its freed storage."""
+    for r in ranks(2).run(cases.train, stage=3, steps=2, read_in_backward=True):
+        assert r["error"] is not None and "'head'" in r["error"], r
+        assert "register_external_parameter(model, param)" in r["error"], r
+        assert len(r["norms"]) == 1 and r["tails"]["head"], r
+
+
 @pytest.mark.parametrize("kw,name", [({"max_norm": True}, "wte.weight"), ({"root_writes": True}, "ln_f.weight")],
                          ids=["embedding-max-norm", "root-clamps-the-final-norm"])
 def test_a_write_to_an_outer_parameter_inside_the_forward_is_an_error(ranks, kw, name):
