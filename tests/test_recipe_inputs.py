@@ -191,3 +191,37 @@ def test_launch_env_values_that_are_not_text_say_how_to_quote(tmp_path, value, e
     with pytest.raises(ZerorunError, match=r"r\.yaml:13: launch\.env: " + expected) as info:
         load_recipe(good(tmp_path, f"launch:\n  env: {{X: {value}}}\n"))
     assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+def test_exponent_notation_without_a_dot_is_a_number(tmp_path):
+    """YAML 1.1 (PyYAML) reads ``1e-8`` and ``5e8`` as strings: ``eps: 1e-8`` reached AdamW as text and
+    ``zero.prefetch_bytes: 5e8`` was refused. They are numbers, as in YAML 1.2, JSON and DeepSpeed's configs,
+    in the file and in overrides; a whole number fills an integer field, a fraction there is an error."""
+    text = open(good(tmp_path)).read().replace("lr: 1.0e-3", "lr: 1e-3, eps: 1e-8").replace("steps: 5", "steps: 1e1")
+    (tmp_path / "e.yaml").write_text(text + "zero: {stage: 3, prefetch_bytes: 5e8, persistence_threshold: 1E+5, "
+                                            "bucket_mb: 2.5e1}\nlaunch:\n  env: {A: 1e5, B: 1_0e2}\n")
+    r = load_recipe(str(tmp_path / "e.yaml"))
+    assert r.train.optimizer.kwargs()["eps"] == 1e-8 and r.train.optimizer.lr == 1e-3 and r.train.steps == 10
+    assert (r.zero.prefetch_bytes, r.zero.persistence_threshold, r.zero.bucket_mb) == (500_000_000, 100_000, 25.0)
+    assert type(r.zero.prefetch_bytes) is int and type(r.train.steps) is int
+    assert r.launch.env == {"A": "1e5", "B": "1_0e2"}  # environment values keep their text
+    r = load_recipe(good(tmp_path), ["zero.stage=3", "zero.prefetch_bytes=1e9", "train.optimizer.weight_decay=1e-2",
+                                     "name=1e5x", "launch.env.C=2e3"])
+    assert (r.zero.prefetch_bytes, r.train.optimizer.weight_decay, r.name, r.launch.env) == \
+        (10**9, 0.01, "1e5x", {"C": "2e3"})
+    for override, expected in [("zero.prefetch_bytes=1.5e0", r"zero\.prefetch_bytes: .*fractional part"),
+                               ("train.steps=-1e1", r"train\.steps: Input should be greater than 0")]:
+        with pytest.raises(ZerorunError, match=expected) as info:
+            load_recipe(good(tmp_path), ["zero.stage=3", override])
+        assert info.value.exit_code == 2 and "\n" not in str(info.value)
+
+
+def test_prefetch_bytes_beside_prefetch_false_is_an_error(tmp_path):
+    """``zero.prefetch: false`` with ``zero.prefetch_bytes`` set was silent (the bytes were ignored)."""
+    (tmp_path / "p.yaml").write_text(open(good(tmp_path)).read() + "zero:\n  stage: 3\n  prefetch: false\n"
+                                     "  prefetch_bytes: 1000000\n")
+    with pytest.raises(ZerorunError, match=r"p\.yaml:\d+: zero\.prefetch_bytes: set while zero\.prefetch is "
+                                           r"false") as info:
+        load_recipe(str(tmp_path / "p.yaml"))
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)
+    assert load_recipe(str(tmp_path / "p.yaml"), ["zero.prefetch=true"]).zero.prefetch_bytes == 10**6

@@ -39,6 +39,9 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
     if z.prefetch_bytes is not None and recipe.runtime != "zero":
         raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: zerorun's stage 3 knob; the {recipe.runtime} "
                            "baseline does not take it")
+    if z.prefetch_bytes is not None and not z.prefetch:
+        raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: set while zero.prefetch is false (nothing is "
+                           "prefetched): remove one of them (zero.prefetch_bytes: 0 also prefetches nothing)")
     if z.prefetch_bytes is not None and z.stage != 3:
         raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: units are prefetched (all-gathered ahead of use) "
                            "at zero.stage 3 only")

@@ -136,22 +136,36 @@ def _yaml_size(root: yaml.Node | None, limit: int) -> int:
     return memo[id(root)]
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (no Python objects), reading a number in exponent notation without a dot (``1e-8``,
+    ``5e8``) as a float, as YAML 1.2 and JSON do: YAML 1.1, which PyYAML implements, reads it as a string, so
+    ``eps: 1e-8`` reached the optimizer as text and ``zero.prefetch_bytes: 5e8`` was refused. A whole number
+    so written fills an integer field (``train.steps: 1e3`` is 1000); a fraction there is pydantic's one-line
+    error naming the field."""
+
+
+RecipeLoader.add_implicit_resolver(  # appended after 1.1's resolvers: only what none of them matched
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
 def load_yaml(text: str, path: str) -> tuple[Any, yaml.Node | None]:
-    """``(data, root node)`` of the YAML ``text`` read from ``path``, bounded: aliases may not make it stand
-    for more than :data:`MAX_YAML_NODES` nodes, nor refer to themselves; nesting too deep is an error too.
+    """``(data, root node)`` of the YAML ``text`` read from ``path`` (:class:`RecipeLoader`), bounded: aliases
+    may not make it stand for more than :data:`MAX_YAML_NODES` nodes, nor refer to themselves; nesting too deep
+    is an error too.
 
     Raises:
         ZerorunError: invalid YAML (naming the line), an alias bomb, a recursive alias, too deep.
     """
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=RecipeLoader)
         size = _yaml_size(root, MAX_YAML_NODES)
         if size < 0:
             raise _UnboundedYaml(f"{path}: invalid YAML: an alias refers to itself (a recursive structure)")
         if size > MAX_YAML_NODES:
             raise _UnboundedYaml(f"{path}: invalid YAML: its aliases expand to more than {MAX_YAML_NODES} nodes "
                                "(an alias bomb?)")
-        return yaml.safe_load(text), root
+        return yaml.load(text, Loader=RecipeLoader), root  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
