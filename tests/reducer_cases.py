@@ -420,7 +420,8 @@ def norm_against_exact(stage: int, width: int = 2048) -> dict:
     (each rank's gradient of its batch in fp64, averaged over ranks in fp64)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(8, width, generator=gen) * torch.exp(2 * torch.randn(width, generator=torch.Generator().manual_seed(7)))
+    spread = torch.exp(2 * torch.randn(width, generator=torch.Generator().manual_seed(7)))  # same on every rank
+    x = torch.randn(8, width, generator=gen) * spread
     torch.manual_seed(0)
     model = nn.Linear(width, width)
     ref = copy.deepcopy(model).double()
