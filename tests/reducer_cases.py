@@ -412,3 +412,23 @@ def shared_gradients(stage: int, precision: str, steps: int = 3) -> dict:
         norms.append(engine.step())
         params.append({k: v.float().tolist() for k, v in _params(engine, model).items()})
     return {"params": params, "norms": norms, "adopted": engine.reducer.adopted}
+
+
+def norm_against_exact(stage: int, width: int = 2048) -> dict:
+    """Note [Gradient norm]: one Linear of ``width``² weights (one bucket of 16 MiB at the default 25 MiB),
+    inputs whose features span e^±6 so that the gradient's squares do too; the engine's norm and the exact one
+    (each rank's gradient of its batch in fp64, averaged over ranks in fp64)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(rank)
+    spread = torch.exp(2 * torch.randn(width, generator=torch.Generator().manual_seed(7)))  # same on every rank
+    x = torch.randn(8, width, generator=gen) * spread
+    torch.manual_seed(0)
+    model = nn.Linear(width, width)
+    ref = copy.deepcopy(model).double()
+    ref(x.double()).square().mean().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    dist.all_reduce(grads)
+    exact = float(torch.linalg.vector_norm(grads / n))
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 1e-3}, config=ZeroConfig(stage=stage))
+    engine.backward(engine(x).square().mean())
+    return {"norm": engine.step(), "exact": exact}

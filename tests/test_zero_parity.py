@@ -109,13 +109,13 @@ def test_reported_bytes_match_zero_paper(ranks, world_size, stage):
 def test_bytes_sent_per_step(ranks, stage):
     """Ring collectives, ZeRO §7: stage 0 all-reduce, stages 1-2 reduce-scatter + all-gather: 2Ψ(N-1)/N x 4 bytes;
     stage 3 all-gathers twice (forward, backward) and reduce-scatters once: 3Ψ(N-1)/N x 4 bytes (plus the
-    4-byte global-norm all-reduce at stages 1-2; at stage 3 that all-reduce carries 24 bytes: the squared norm
-    and the digest of the units gathered, Note [Same units on every rank]; in the first step, 48 more per outer
+    8-byte global-norm all-reduce at stages 1-2, fp64: Note [Gradient norm]; at stage 3 that all-reduce carries
+    24 bytes: the squared norm and the digest of the units gathered, Note [Same units on every rank]; in the first step, 48 more per outer
     unit: its windows, Note [Outer units])."""
     for r in ranks(3).run(cases.memory, stage=stage, units=("Block",) if stage == 3 else ()):
         n, padded = r["world_size"], r["padded"]
         expected = (3 if stage == 3 else 2) * padded * (n - 1) // n * 4
-        extra = 0 if stage == 0 else round(2 * (n - 1) / n * (24 + 48 * r["outer_units"] if stage == 3 else 4))
+        extra = 0 if stage == 0 else round(2 * (n - 1) / n * (24 + 48 * r["outer_units"] if stage == 3 else 8))
         assert r["comm"]["bytes_sent"] == expected + extra
 
 

@@ -39,6 +39,35 @@ def default_param_groups(model: nn.Module, weight_decay: float, decay_1d: bool =
     return [g for g in groups if g["params"]]
 
 
+#: Note [Gradient norm]: elements per row whose squares are summed in fp32 (about one small parameter's worth).
+NORM_ROW = 4096
+
+
+def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    """The sum of the squares of ``t``'s elements (any shape and floating dtype) as a 0-d fp64 tensor on
+    ``t``'s device.
+
+    Note [Gradient norm]: the global gradient norm of :meth:`ZeroEngine.step` sums the squares of whole flat
+    buckets (a 25 MiB bucket is 6.5M fp32 elements), and one fp32 ``vector_norm`` over that many terms loses
+    the small ones against its large running sum: it fell short of the exact norm by 1e-5 to 3e-4 relative
+    (a 6.25M-element random gradient: 3.3e-4; the default recipe's GPT: stage 0's norm 1.7e-5 below DDP's,
+    whose ``clip_grad_norm_`` takes one norm per parameter). Here squares are summed in fp32 within rows of
+    :data:`NORM_ROW` elements (one pass over ``t``, no slower than the flat norm: 1.0 ms against 2.0 ms for
+    6.25M elements, one thread) and the rows' sums in fp64: the same elements come within 3e-7 of the exact
+    (fp64) value, and the default recipe's stages 0 and 2 give DDP's norm to the last bit at steps 1 and 3,
+    stage 3 within 2.5e-7.
+    """
+    flat = t.reshape(-1)
+    whole = flat.numel() // NORM_ROW * NORM_ROW
+    sq = torch.zeros((), dtype=torch.float64, device=t.device)
+    if whole:
+        rows = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
+        sq += rows.double().square().sum()
+    if whole < flat.numel():
+        sq += torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).double().square()
+    return sq
+
+
 class ZeroEngine(UserModel):
     """Wraps ``model`` for ZeRO data-parallel training on a process group. Build it with :func:`initialize`.
 
@@ -240,12 +269,12 @@ class ZeroEngine(UserModel):
         self.reducer.pool.clear()  # Note [Gradient buffer pool]: not held through the optimizer step
         self.comm.release_buffers()
         grads = [self._grad_slice(buf) for buf in self.buffers]
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
         for g in grads:
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+            sq += sum_of_squares(g)
         if self.policy.partition_optimizer:
             sq = self._all_reduce_norm(sq)
-        norm = sq.sqrt()
+        norm = sq.sqrt().float()
         coef = None
         self.last_step_skipped = False
         if self.scaler is not None:  # Note [Loss scaling]: the same verdict on every rank (sq is all-reduced)
@@ -268,7 +297,7 @@ class ZeroEngine(UserModel):
         return float(norm)
 
     def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
-        """The squared gradient norm ``sq`` (0-d fp32) summed over the ranks."""
+        """The squared gradient norm ``sq`` (0-d fp64) summed over the ranks."""
         self.comm.wait([self.comm.all_reduce(sq)])
         return sq
 
