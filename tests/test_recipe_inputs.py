@@ -225,3 +225,26 @@ def test_prefetch_bytes_beside_prefetch_false_is_an_error(tmp_path):
         load_recipe(str(tmp_path / "p.yaml"))
     assert info.value.exit_code == 2 and "\n" not in str(info.value)
     assert load_recipe(str(tmp_path / "p.yaml"), ["zero.prefetch=true"]).zero.prefetch_bytes == 10**6
+
+
+def test_launch_env_numbers_keep_their_text_in_mapping_overrides_and_merges(tmp_path):
+    """A whole ``launch.env`` mapping given as an override (``launch.env={X: 1e5}``, ``launch={env: ...}``) or
+    reached through a YAML merge key kept numbers as Python wrote them (``100000.0``, ``8`` for ``010``)."""
+    for override in ("launch.env={X: 1e5, Y: 010, Z: 1.50, S: s}", "launch={env: {X: 1e5, Y: 010, Z: 1.50, S: s}}"):
+        assert load_recipe(good(tmp_path), [override]).launch.env == {"X": "1e5", "Y": "010", "Z": "1.50", "S": "s"}
+    (tmp_path / "m.yaml").write_text(open(good(tmp_path)).read() + "launch:\n  env:\n    <<: [{A: 1e5, B: 010}, "
+                                     "{A: 7, D: 0x1F}]\n    C: 2e3\n")
+    assert load_recipe(str(tmp_path / "m.yaml")).launch.env == {"A": "1e5", "B": "010", "C": "2e3", "D": "0x1F"}
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.optimizer.eps=1e400", r"train\.optimizer: eps: expected finite numbers, got inf"),
+    ("train.optimizer.betas=[.inf, 0.9]", r"train\.optimizer: betas: expected finite numbers, got \[inf, 0\.9\]"),
+    ("train.optimizer.lr=.inf", r"train\.optimizer\.lr: Input should be a finite number"),
+    ("train.optimizer.weight_decay=1e400", r"train\.optimizer\.weight_decay: Input should be a finite number"),
+])
+def test_optimizer_numbers_must_be_finite(tmp_path, override, expected):
+    """``eps: .inf`` (or ``1e400``) passed validation and reached the ranks as JSON null: a traceback in torch."""
+    with pytest.raises(ZerorunError, match=expected) as info:
+        load_recipe(good(tmp_path), [override])
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)

@@ -10,7 +10,7 @@ import os
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
@@ -23,6 +23,7 @@ from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES,
 from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
 from zerorun.recipe_text import line_of as _line_of
 from zerorun.recipe_text import override_for as _override_for
+from zerorun.recipe_text import finite_extras
 from zerorun.recipe_text import refuse_bool as _refuse_bool
 from zerorun.recipe_text import validation_problems
 
@@ -90,8 +91,9 @@ class OptimizerSpec(BaseModel):
     true`` declares a class outside zerorun's checked list elementwise (Note [Elementwise optimizers] in
     ``zero/optimizers.py``)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     _no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool))
+    _finite_extras = model_validator(mode="before")(classmethod(lambda cls, data: finite_extras(cls, data)))
     name: str = "AdamW"
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)

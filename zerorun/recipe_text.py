@@ -7,6 +7,7 @@ Split from ``recipe.py`` (pydantic models and resolution), which re-exports what
 
 from __future__ import annotations
 
+import math
 import re
 import typing
 from typing import Any
@@ -54,6 +55,24 @@ def refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
         raise PydanticCustomError("bool_not_number", "expected a number, got a boolean ({value})",
                                   {"value": str(value).lower()})
     return value
+
+
+def finite_extras(cls, data: Any) -> Any:
+    """Refuse an infinite or NaN number among a model's extra keys (the optimizer's ``eps: 1e400``, ``betas:
+    [.inf, 0.9]``), which ``allow_inf_nan=False`` does not reach: it would reach the ranks as JSON null."""
+    def finite(v: Any) -> bool:
+        if isinstance(v, float):
+            return math.isfinite(v)
+        if isinstance(v, (list, tuple)):
+            return all(map(finite, v))
+        return not isinstance(v, dict) or all(map(finite, v.values()))
+
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key not in cls.model_fields and not finite(value):
+                raise PydanticCustomError("finite_number", "{key}: expected finite numbers, got {value}",
+                                          {"key": key, "value": str(value)})
+    return data
 
 
 def line_of(root: yaml.Node | None, path: tuple) -> int | None:
@@ -185,11 +204,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if not sep or not key:
             raise ZerorunError(f"override {item!r}: expected FIELD=VALUE, e.g. train.steps=50")
         try:
-            value = load_yaml(raw, f"override {item!r}")[0] if raw else ""
+            value, written = load_yaml(raw, f"override {item!r}") if raw else ("", None)
         except _UnboundedYaml:
             raise
         except ZerorunError:
-            value = raw
+            value, written = raw, None
         node = data
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
@@ -202,8 +221,37 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if len(parts) == 3 and parts[:2] == ["launch", "env"] and isinstance(value, (int, float)) \
                 and not isinstance(value, bool):
             value = raw.strip()  # a number for an environment variable: keep its text (``010`` stays ``010``)
+        elif parts in (["launch"], ["launch", "env"]):  # launch={env: {X: 010}}, launch.env={X: 1e5}: the same
+            env = value.get("env") if parts == ["launch"] and isinstance(value, dict) else value
+            keep_number_texts(env, _child(written, "env") if parts == ["launch"] else written)
         node[parts[-1]] = value
     return data
+
+
+def _child(node: yaml.Node | None, key: str) -> yaml.Node | None:
+    """The value node of ``key`` in a YAML mapping node, through merge keys (``<<``) as YAML merges them."""
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    merged = None
+    for k, v in node.value:
+        if k.tag == "tag:yaml.org,2002:merge":
+            for m in (v.value if isinstance(v, yaml.SequenceNode) else [v]):
+                merged = merged or _child(m, key)  # the first merged mapping that has it
+        elif k.value == key:
+            return v  # an explicit key wins over merged ones
+    return merged
+
+
+def keep_number_texts(env: Any, node: yaml.Node | None) -> None:
+    """Replace each number in the mapping ``env`` (``launch.env`` as loaded) by its text as written in ``node``,
+    the YAML mapping node it was loaded from (``1``, ``010``, ``1.50``, ``1e5``; merge keys followed)."""
+    if not isinstance(env, dict):
+        return
+    for key, value in env.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            text = _child(node, key)
+            if isinstance(text, yaml.ScalarNode):
+                env[key] = text.value
 
 
 def env_numbers_as_text(data: dict, root: yaml.Node | None) -> dict:
@@ -211,19 +259,7 @@ def env_numbers_as_text(data: dict, root: yaml.Node | None) -> dict:
     the YAML (``1``, ``010``, ``1.50``), as docker-compose takes numbers in ``environment:``; booleans, nulls,
     lists and mappings are left for :func:`env_value_text` to refuse."""
     launch = data.get("launch")
-    env = launch.get("env") if isinstance(launch, dict) else None
-    if not isinstance(env, dict):
-        return data
-    texts: dict[str, str] = {}
-    node = root
-    for key in ("launch", "env"):
-        node = next((v for k, v in node.value if k.value == key), None) \
-            if isinstance(node, yaml.MappingNode) else None
-    if isinstance(node, yaml.MappingNode):
-        texts = {k.value: v.value for k, v in node.value if isinstance(v, yaml.ScalarNode)}
-    for key, value in env.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(texts.get(key), str):
-            env[key] = texts[key]
+    keep_number_texts(launch.get("env") if isinstance(launch, dict) else None, _child(_child(root, "launch"), "env"))
     return data
 
 
