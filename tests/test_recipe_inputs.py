@@ -240,3 +240,7 @@ def test_launch_env_numbers_keep_their_text_in_mapping_overrides_and_merges(tmp_
     (tmp_path / "m.yaml").write_text(open(good(tmp_path)).read() + "launch:\n  env:\n    <<: [{A: 1e5, B: 010}, "
                                      "{A: 7, D: 0x1F}]\n    C: 2e3\n")
     assert load_recipe(str(tmp_path / "m.yaml")).launch.env == {"A": "1e5", "B": "010", "C": "2e3", "D": "0x1F"}
+    # the value YAML keeps is the one whose text is kept: the last of duplicate keys, the later of two merges
+    for override in ("launch.env={X: 1.0, X: 2.50}", "launch.env={<<: {X: 010}, <<: {X: 2.50}}",
+                     "launch={env: {X: 1.0}, env: {X: 2.50}}"):
+        assert load_recipe(good(tmp_path), [override]).launch.env == {"X": "2.50"}, override
