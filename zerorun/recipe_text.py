@@ -58,23 +58,43 @@ def refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+def non_finite(value: Any, path: str = "") -> tuple[str, Any] | None:
+    """The first infinite or NaN number in ``value`` (nested lists, tuples and mappings; a whole number too large
+    for a float counts), as ``(its path, like "rev" or "betas.0", the number)``, or None."""
+    if isinstance(value, float) and not math.isfinite(value) or \
+            isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+        return path, value
+    items = enumerate(value) if isinstance(value, (list, tuple)) else value.items() if isinstance(value, dict) else ()
+    for key, v in items:
+        found = non_finite(v, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def _finite_error(found: tuple[str, Any]) -> PydanticCustomError:
+    path, value = found  # no template: the path is the user's text
+    shown = str(value) if isinstance(value, float) else f"a whole number of {len(str(abs(value)))} digits"
+    return PydanticCustomError("finite_number", f"{path}: expected a finite number, got {shown}")
+
+
 def finite_extras(cls, data: Any) -> Any:
     """Refuse an infinite or NaN number among a model's extra keys (the optimizer's ``eps: 1e400``, ``betas:
     [.inf, 0.9]``), which ``allow_inf_nan=False`` does not reach: it would reach the ranks as JSON null."""
-    def finite(v: Any) -> bool:
-        if isinstance(v, float):
-            return math.isfinite(v)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return abs(v) <= sys.float_info.max  # a whole number no float can hold
-        if isinstance(v, (list, tuple)):
-            return all(map(finite, v))
-        return not isinstance(v, dict) or all(map(finite, v.values()))
-
     if isinstance(data, dict):
-        for key, value in data.items():
-            if key not in cls.model_fields and not finite(value):  # no template: the key is the user's text
-                raise PydanticCustomError("finite_number", f"{key}: expected finite numbers, got {value}")
+        found = non_finite({k: v for k, v in data.items() if k not in cls.model_fields})
+        if found:
+            raise _finite_error(found)
     return data
+
+
+def finite_values(cls, value: Any) -> Any:
+    """Refuse an infinite or NaN number anywhere in a free-form field (``model.kwargs``, ``data.kwargs``,
+    ``model.hf.config``): as :func:`finite_extras`."""
+    found = non_finite(value)
+    if found:
+        raise _finite_error(found)
+    return value
 
 
 def line_of(root: yaml.Node | None, path: tuple) -> int | None:
