@@ -88,8 +88,12 @@ def test_a_few_aliases_are_still_fine(tmp_path):
     ("train.optimizer.eps=false", r"train\.optimizer\.eps: expected a number, got a boolean \(false\)"),
     ("launch.procs_per_node=100000000000000000000", r"launch\.procs_per_node: Input should be less than or equal to 4096"),
     # infinite or NaN numbers passed among the optimizer's arguments and reached the ranks as JSON null
-    ("train.optimizer.eps=1e400", r"train\.optimizer: eps: expected finite numbers, got inf"),
-    ("train.optimizer.betas=[.inf, 0.9]", r"train\.optimizer: betas: expected finite numbers, got \[inf, 0\.9\]"),
+    ("train.optimizer.eps=1e400", r"train\.optimizer: eps: expected a finite number, got inf$"),
+    ("train.optimizer.betas=[.inf, 0.9]", r"train\.optimizer: betas\.0: expected a finite number, got inf$"),
+    ("train.optimizer.eps=1" + "0" * 400, r"train\.optimizer: eps: expected a finite number, got a whole number of 401 "),
+    ("model.kwargs.rev=12e4567", r"model\.kwargs: rev: expected a finite number, got inf$"),
+    ("model.kwargs={a: {b: [1, .nan]}}", r"model\.kwargs: a\.b\.1: expected a finite number, got nan$"),
+    ("data.kwargs.x=-.inf", r"data\.kwargs: x: expected a finite number, got -inf$"),
     ("train.optimizer.lr=.inf", r"train\.optimizer\.lr: Input should be a finite number"),
     ("train.optimizer.weight_decay=1e400", r"train\.optimizer\.weight_decay: Input should be a finite number"),
 ])
@@ -240,3 +244,7 @@ def test_launch_env_numbers_keep_their_text_in_mapping_overrides_and_merges(tmp_
     (tmp_path / "m.yaml").write_text(open(good(tmp_path)).read() + "launch:\n  env:\n    <<: [{A: 1e5, B: 010}, "
                                      "{A: 7, D: 0x1F}]\n    C: 2e3\n")
     assert load_recipe(str(tmp_path / "m.yaml")).launch.env == {"A": "1e5", "B": "010", "C": "2e3", "D": "0x1F"}
+    # the value YAML keeps is the one whose text is kept: the last of duplicate keys, the later of two merges
+    for override in ("launch.env={X: 1.0, X: 2.50}", "launch.env={<<: {X: 010}, <<: {X: 2.50}}",
+                     "launch={env: {X: 1.0}, env: {X: 2.50}}"):
+        assert load_recipe(good(tmp_path), [override]).launch.env == {"X": "2.50"}, override

@@ -23,7 +23,7 @@ from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES,
 from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
 from zerorun.recipe_text import line_of as _line_of
 from zerorun.recipe_text import override_for as _override_for
-from zerorun.recipe_text import finite_extras
+from zerorun.recipe_text import finite_extras, finite_values
 from zerorun.recipe_text import refuse_bool as _refuse_bool
 from zerorun.recipe_text import validation_problems
 
@@ -42,6 +42,8 @@ class HFModelSpec(_Strict):
     pretrained: str | None = None
     config: str | dict[str, Any] | None = None
 
+    _finite = field_validator("config")(classmethod(lambda cls, v: finite_values(cls, v)))
+
 
 class ModelSpec(_Strict):
     """``module``: a .py file path (relative to the recipe's folder; an override's to the working directory:
@@ -54,6 +56,8 @@ class ModelSpec(_Strict):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     hf: HFModelSpec | None = None
     task: Literal["causal-lm"] = "causal-lm"
+
+    _finite = field_validator("kwargs")(classmethod(lambda cls, v: finite_values(cls, v)))
 
     def source(self) -> tuple[str, str, dict[str, Any]]:
         """``(module, factory, kwargs)`` that build this model with :func:`zerorun.userload.build_model`; for
@@ -83,6 +87,8 @@ class DataSpec(_Strict):
     module: str | None = None
     factory: str | None = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    _finite = field_validator("kwargs")(classmethod(lambda cls, v: finite_values(cls, v)))
 
 
 class OptimizerSpec(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import typing
 from typing import Any
 
@@ -57,22 +58,43 @@ def refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+def non_finite(value: Any, path: str = "") -> tuple[str, Any] | None:
+    """The first infinite or NaN number in ``value`` (nested lists, tuples and mappings; a whole number too large
+    for a float counts), as ``(its path, like "rev" or "betas.0", the number)``, or None."""
+    if isinstance(value, float) and not math.isfinite(value) or \
+            isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+        return path, value
+    items = enumerate(value) if isinstance(value, (list, tuple)) else value.items() if isinstance(value, dict) else ()
+    for key, v in items:
+        found = non_finite(v, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def _finite_error(found: tuple[str, Any]) -> PydanticCustomError:
+    path, value = found  # no template: the path is the user's text
+    shown = str(value) if isinstance(value, float) else f"a whole number of {len(str(abs(value)))} digits"
+    return PydanticCustomError("finite_number", f"{path}: expected a finite number, got {shown}")
+
+
 def finite_extras(cls, data: Any) -> Any:
     """Refuse an infinite or NaN number among a model's extra keys (the optimizer's ``eps: 1e400``, ``betas:
     [.inf, 0.9]``), which ``allow_inf_nan=False`` does not reach: it would reach the ranks as JSON null."""
-    def finite(v: Any) -> bool:
-        if isinstance(v, float):
-            return math.isfinite(v)
-        if isinstance(v, (list, tuple)):
-            return all(map(finite, v))
-        return not isinstance(v, dict) or all(map(finite, v.values()))
-
     if isinstance(data, dict):
-        for key, value in data.items():
-            if key not in cls.model_fields and not finite(value):
-                raise PydanticCustomError("finite_number", "{key}: expected finite numbers, got {value}",
-                                          {"key": key, "value": str(value)})
+        found = non_finite({k: v for k, v in data.items() if k not in cls.model_fields})
+        if found:
+            raise _finite_error(found)
     return data
+
+
+def finite_values(cls, value: Any) -> Any:
+    """Refuse an infinite or NaN number anywhere in a free-form field (``model.kwargs``, ``data.kwargs``,
+    ``model.hf.config``): as :func:`finite_extras`."""
+    found = non_finite(value)
+    if found:
+        raise _finite_error(found)
+    return value
 
 
 def line_of(root: yaml.Node | None, path: tuple) -> int | None:
@@ -223,23 +245,39 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             value = raw.strip()  # a number for an environment variable: keep its text (``010`` stays ``010``)
         elif parts in (["launch"], ["launch", "env"]):  # launch={env: {X: 010}}, launch.env={X: 1e5}: the same
             env = value.get("env") if parts == ["launch"] and isinstance(value, dict) else value
-            keep_number_texts(env, _child(written, "env") if parts == ["launch"] else written)
+            keep_number_texts(env, _mapping(written).get("env") if parts == ["launch"] else written)
         node[parts[-1]] = value
     return data
 
 
-def _child(node: yaml.Node | None, key: str) -> yaml.Node | None:
-    """The value node of ``key`` in a YAML mapping node, through merge keys (``<<``) as YAML merges them."""
-    if not isinstance(node, yaml.MappingNode):
-        return None
-    merged = None
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+def _items(node: yaml.Node, memo: dict) -> list:
+    """``(key text, value node)`` pairs of a YAML mapping node in the order PyYAML's ``flatten_mapping`` gives
+    them, so that the last pair of a key is the value the loaded mapping holds: merged pairs (``<<``; of a
+    list of mappings, the earlier mapping's after the later one's; of two ``<<`` keys, the later one's last)
+    before the node's own keys, duplicates kept. ``memo``: node id -> pairs (a mapping merged many times
+    through aliases is flattened once)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    merged, own = [], []
     for k, v in node.value:
-        if k.tag == "tag:yaml.org,2002:merge":
-            for m in (v.value if isinstance(v, yaml.SequenceNode) else [v]):
-                merged = merged or _child(m, key)  # the first merged mapping that has it
-        elif k.value == key:
-            return v  # an explicit key wins over merged ones
-    return merged
+        if k.tag == _MERGE:
+            subs = [v] if isinstance(v, yaml.MappingNode) else \
+                [m for m in v.value if isinstance(m, yaml.MappingNode)] if isinstance(v, yaml.SequenceNode) else []
+            for m in reversed(subs):
+                merged.extend(_items(m, memo))
+        else:
+            own.append((k.value, v))
+    memo[id(node)] = merged + own
+    return memo[id(node)]
+
+
+def _mapping(node: yaml.Node | None) -> dict:
+    """Key text -> value node of a YAML mapping node, as the loaded mapping has them (merge keys followed, the
+    last duplicate kept); empty for anything else."""
+    return dict(_items(node, {})) if isinstance(node, yaml.MappingNode) else {}
 
 
 def keep_number_texts(env: Any, node: yaml.Node | None) -> None:
@@ -247,9 +285,10 @@ def keep_number_texts(env: Any, node: yaml.Node | None) -> None:
     the YAML mapping node it was loaded from (``1``, ``010``, ``1.50``, ``1e5``; merge keys followed)."""
     if not isinstance(env, dict):
         return
+    written = _mapping(node)
     for key, value in env.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            text = _child(node, key)
+            text = written.get(key)
             if isinstance(text, yaml.ScalarNode):
                 env[key] = text.value
 
@@ -259,7 +298,8 @@ def env_numbers_as_text(data: dict, root: yaml.Node | None) -> dict:
     the YAML (``1``, ``010``, ``1.50``), as docker-compose takes numbers in ``environment:``; booleans, nulls,
     lists and mappings are left for :func:`env_value_text` to refuse."""
     launch = data.get("launch")
-    keep_number_texts(launch.get("env") if isinstance(launch, dict) else None, _child(_child(root, "launch"), "env"))
+    keep_number_texts(launch.get("env") if isinstance(launch, dict) else None,
+                      _mapping(_mapping(root).get("launch")).get("env"))
     return data
 
 
