@@ -248,3 +248,25 @@ def test_launch_env_numbers_keep_their_text_in_mapping_overrides_and_merges(tmp_
     for override in ("launch.env={X: 1.0, X: 2.50}", "launch.env={<<: {X: 010}, <<: {X: 2.50}}",
                      "launch={env: {X: 1.0}, env: {X: 2.50}}"):
         assert load_recipe(good(tmp_path), [override]).launch.env == {"X": "2.50"}, override
+
+
+@pytest.mark.parametrize("value", ["0", "auto", "1e0", "-2", "1.5"])
+def test_omp_num_threads_must_be_a_positive_whole_number(tmp_path, monkeypatch, value):
+    """``launch.env: {OMP_NUM_THREADS: 0}`` (or ``auto``, ``1e0``) launched the job and every rank died in
+    ``torch.set_num_threads`` with a traceback: the recipe, an environment file and the launcher's own
+    environment now say so before anything starts."""
+    from zerorun.launch.env import parse_env_file
+    from zerorun.hostfile import Host
+    from zerorun.launch.job import prepare_job
+
+    with pytest.raises(ZerorunError, match=r"launch\.env: OMP_NUM_THREADS is .*: expected a positive whole "
+                                           r"number of threads") as info:
+        load_recipe(good(tmp_path), [f"launch.env.OMP_NUM_THREADS={value}"])
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)
+    with pytest.raises(ZerorunError, match=r"^\.zerorun_env:2: OMP_NUM_THREADS is "):
+        parse_env_file(f"# threads\nOMP_NUM_THREADS={value}\n", ".zerorun_env")
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    with pytest.raises(ZerorunError, match=r"^environment: OMP_NUM_THREADS is "):
+        prepare_job([Host("localhost", 1)], "t", program=[sys.executable, "-c", "pass"])
+    for good_value in ("4", " 2 ", ""):  # empty: unset
+        assert parse_env_file(f"OMP_NUM_THREADS={good_value}\n") == {"OMP_NUM_THREADS": good_value}

@@ -328,6 +328,23 @@ def env_value_text(env: Any) -> Any:
     return out
 
 
+#: The variable each rank reads for its thread count (``torch.set_num_threads``), as torchrun sets it.
+THREADS_VAR = "OMP_NUM_THREADS"
+
+
+def env_value_problem(key: str, value: str) -> str | None:
+    """Why ``value`` cannot be the rank environment's ``key``, for the variables zerorun itself reads:
+    ``ZERORUN_ALLOCATOR`` (Note [Rank allocator]) and ``OMP_NUM_THREADS`` (a positive whole number; empty is
+    unset), or None. Checked wherever a rank's environment comes from (``launch.env``, the environment files,
+    the launcher's own environment), before anything starts."""
+    if key == ALLOCATOR_VAR:
+        return allocator_problem(value)
+    if key == THREADS_VAR and value.strip() and not re.fullmatch(r"[1-9][0-9]*", value.strip()):
+        return (f"{THREADS_VAR} is {value!r}: expected a positive whole number of threads per rank (e.g. 4), as "
+                "torch.set_num_threads takes it")
+    return None
+
+
 def check_env(env: dict[str, str]) -> dict[str, str]:
     """``launch.env`` after its values became text (:func:`env_value_text`): POSIX names, no NUL byte, each
     ``KEY=VALUE`` within :data:`MAX_ENV_STRING` bytes, no :data:`MASK` value (Note [Masked environment values]),
@@ -348,8 +365,8 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
                 "env_too_long", "{key}: KEY=VALUE is {n} bytes, above Linux's limit of {limit} bytes for one "
                 "environment string (MAX_ARG_STRLEN): the ranks could not start",
                 {"key": key, "n": env_string_bytes(key, value), "limit": MAX_ENV_STRING})
-        if key == ALLOCATOR_VAR and allocator_problem(value):
-            raise PydanticCustomError("env_allocator", allocator_problem(value).replace("{", "{{").replace("}", "}}"))
+        if env_value_problem(key, value):
+            raise PydanticCustomError("env_value", env_value_problem(key, value).replace("{", "{{").replace("}", "}}"))
         if value == MASK:
             raise PydanticCustomError(
                 "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "

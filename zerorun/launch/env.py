@@ -18,8 +18,7 @@ import sys
 from typing import Callable, Mapping
 
 from zerorun.errors import ZerorunError
-from zerorun.recipe_text import MAX_ENV_STRING, env_string_bytes
-from zerorun.zero.allocator import ALLOCATOR_VAR, allocator_problem
+from zerorun.recipe_text import MAX_ENV_STRING, env_string_bytes, env_value_problem
 
 #: names with these prefixes are forwarded from the launcher's environment (Note [Forwarded environment]).
 ALLOWED_PREFIXES = ("NCCL_", "PYTHON", "CUDA_VISIBLE_DEVICES", "GLOO_", "TORCH_", "OMP_NUM_THREADS")
@@ -65,8 +64,8 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
             raise ZerorunError(f"{path}:{lineno}: {key}: KEY=VALUE is {env_string_bytes(key, value)} bytes, above "
                                f"Linux's limit of {MAX_ENV_STRING} bytes for one environment string "
                                "(MAX_ARG_STRLEN): the ranks could not start")
-        if key == ALLOCATOR_VAR and allocator_problem(value):  # Note [Rank allocator]
-            raise ZerorunError(f"{path}:{lineno}: {allocator_problem(value)}")
+        if env_value_problem(key, value):  # Note [Rank allocator], the thread count
+            raise ZerorunError(f"{path}:{lineno}: {env_value_problem(key, value)}")
         env[key] = value
     return env
 
