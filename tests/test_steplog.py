@@ -3,7 +3,7 @@
 import io
 
 
-def deferred_loss_case() -> dict:
+def deferred_loss_case(clipped: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -14,7 +14,7 @@ def deferred_loss_case() -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = io.StringIO()
-    log = StepLog(rank, world, torch.device("cpu"), stream=out)
+    log = StepLog(rank, world, torch.device("cpu"), stream=out, clipped=clipped)
     with log.measuring():
         sum(range(1000))
     before = time.time()
@@ -46,3 +46,6 @@ def test_loss_is_averaged_in_the_background_and_divergence_still_stops(ranks):
         assert data["telemetry_s"] > 0 and r["other"] == [2.0, 2.0, 2.0]
         assert r["logged_in_time"]  # the event's time is when the step was logged, not when it was written
         assert r["error"].startswith("the loss is nan at step 2 (diverged)")  # on every rank, not only rank 1
+        assert r["error"].endswith(": lower train.optimizer.lr or set train.grad_clip")
+    for r in ranks(2).run(deferred_loss_case, clipped=True):  # clipping already on: not suggested again
+        assert r["error"].endswith("(diverged): lower train.optimizer.lr"), r["error"]

@@ -217,7 +217,7 @@ def train(recipe: Recipe, rank: int) -> None:
     first_step_s = None
     shape = getattr(model, "shape", None)
     interval_steps, interval_s = 0, 0.0  # training steps and their time since the last step event
-    steplog = StepLog(rank, world_size, device)
+    steplog = StepLog(rank, world_size, device, clipped=bool(t.grad_clip))
     stop = StopRequest() if ckpt.dir else None  # Note [Checkpoint on SIGTERM] in zerorun/stopsignal.py
     if t.eval_every and start == 0:
         evaluate(0)

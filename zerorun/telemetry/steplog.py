@@ -28,10 +28,14 @@ class StepLog:
         world_size: ranks in the job.
         device: where the loss all-reduce runs (a ``torch.device``: CPU for gloo, CUDA for NCCL).
         stream: where events are written (default: the real stdout, see ``events.emit``).
+        clipped: whether the job clips gradients (``train.grad_clip``): the divergence message suggests it
+            only when it does not.
     """
 
-    def __init__(self, rank: int, world_size: int, device: Any, stream: TextIO | None = None) -> None:
+    def __init__(self, rank: int, world_size: int, device: Any, stream: TextIO | None = None,
+                 clipped: bool = False) -> None:
         self.rank, self.world_size, self.device, self.stream = rank, world_size, device, stream
+        self.clipped = clipped
         self.telemetry_s = 0.0  # seconds spent measuring and sending since the last queued event
         self._pending: tuple[Any, Any, int, dict[str, Any]] | None = None
         self._last_progress = float("-inf")  # time.monotonic() of the last progress event
@@ -90,6 +94,6 @@ class StepLog:
             work.wait()
             loss = float(mean) / self.world_size
             if not math.isfinite(loss):
-                raise FloatingPointError(f"the loss is {loss} at step {step} (diverged): lower train.optimizer.lr "
-                                         "or set train.grad_clip")
+                hint = "lower train.optimizer.lr" + ("" if self.clipped else " or set train.grad_clip")
+                raise FloatingPointError(f"the loss is {loss} at step {step} (diverged): {hint}")
             emit("step", self.rank, stream=self.stream, step=step, loss=loss, **fields)
