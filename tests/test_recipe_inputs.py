@@ -253,11 +253,11 @@ def test_launch_env_numbers_keep_their_text_in_mapping_overrides_and_merges(tmp_
 @pytest.mark.parametrize("value", ["0", "auto", "1e0", "-2", "1.5"])
 def test_omp_num_threads_must_be_a_positive_whole_number(tmp_path, monkeypatch, value):
     """``launch.env: {OMP_NUM_THREADS: 0}`` (or ``auto``, ``1e0``) launched the job and every rank died in
-    ``torch.set_num_threads`` with a traceback: the recipe, an environment file and the launcher's own
-    environment now say so before anything starts."""
-    from zerorun.launch.env import parse_env_file
+    ``torch.set_num_threads`` with a traceback: the recipe and an environment file now say so before anything
+    starts. The launcher's own value never reaches a rank: each node's plan sets it."""
     from zerorun.hostfile import Host
-    from zerorun.launch.job import prepare_job
+    from zerorun.launch.env import parse_env_file
+    from zerorun.launch.plan import build_plan
 
     with pytest.raises(ZerorunError, match=r"launch\.env: OMP_NUM_THREADS is .*: expected a positive whole "
                                            r"number of threads") as info:
@@ -266,7 +266,7 @@ def test_omp_num_threads_must_be_a_positive_whole_number(tmp_path, monkeypatch, 
     with pytest.raises(ZerorunError, match=r"^\.zerorun_env:2: OMP_NUM_THREADS is "):
         parse_env_file(f"# threads\nOMP_NUM_THREADS={value}\n", ".zerorun_env")
     monkeypatch.setenv("OMP_NUM_THREADS", value)
-    with pytest.raises(ZerorunError, match=r"^environment: OMP_NUM_THREADS is "):
-        prepare_job([Host("localhost", 1)], "t", program=[sys.executable, "-c", "pass"])
+    [node] = build_plan([Host("localhost", 2)], None, "t", 29500, program=["true"], cpus={"localhost": 4}).nodes
+    assert node.env["OMP_NUM_THREADS"] == "2"
     for good_value in ("4", " 2 ", ""):  # empty: unset
         assert parse_env_file(f"OMP_NUM_THREADS={good_value}\n") == {"OMP_NUM_THREADS": good_value}

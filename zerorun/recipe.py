@@ -22,8 +22,8 @@ from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES,
                                  masked, masked_yaml, read_text)
 from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
 from zerorun.recipe_text import line_of as _line_of
-from zerorun.recipe_text import override_for as _override_for
 from zerorun.recipe_text import finite_extras, finite_values
+from zerorun.recipe_text import override_for as _override_for
 from zerorun.recipe_text import refuse_bool as _refuse_bool
 from zerorun.recipe_text import validation_problems
 
@@ -42,7 +42,7 @@ class HFModelSpec(_Strict):
     pretrained: str | None = None
     config: str | dict[str, Any] | None = None
 
-    _finite = field_validator("config")(classmethod(lambda cls, v: finite_values(cls, v)))
+    _finite = field_validator("config")(classmethod(finite_values))
 
 
 class ModelSpec(_Strict):
@@ -57,7 +57,7 @@ class ModelSpec(_Strict):
     hf: HFModelSpec | None = None
     task: Literal["causal-lm"] = "causal-lm"
 
-    _finite = field_validator("kwargs")(classmethod(lambda cls, v: finite_values(cls, v)))
+    _finite = field_validator("kwargs")(classmethod(finite_values))
 
     def source(self) -> tuple[str, str, dict[str, Any]]:
         """``(module, factory, kwargs)`` that build this model with :func:`zerorun.userload.build_model`; for
@@ -88,7 +88,7 @@ class DataSpec(_Strict):
     factory: str | None = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    _finite = field_validator("kwargs")(classmethod(lambda cls, v: finite_values(cls, v)))
+    _finite = field_validator("kwargs")(classmethod(finite_values))
 
 
 class OptimizerSpec(BaseModel):
@@ -99,7 +99,7 @@ class OptimizerSpec(BaseModel):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     _no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool))
-    _finite_extras = model_validator(mode="before")(classmethod(lambda cls, data: finite_extras(cls, data)))
+    _finite_extras = model_validator(mode="before")(classmethod(finite_extras))
     name: str = "AdamW"
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)

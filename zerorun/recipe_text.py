@@ -82,9 +82,7 @@ def finite_extras(cls, data: Any) -> Any:
     """Refuse an infinite or NaN number among a model's extra keys (the optimizer's ``eps: 1e400``, ``betas:
     [.inf, 0.9]``), which ``allow_inf_nan=False`` does not reach: it would reach the ranks as JSON null."""
     if isinstance(data, dict):
-        found = non_finite({k: v for k, v in data.items() if k not in cls.model_fields})
-        if found:
-            raise _finite_error(found)
+        finite_values(cls, {k: v for k, v in data.items() if k not in cls.model_fields})
     return data
 
 
@@ -335,8 +333,9 @@ THREADS_VAR = "OMP_NUM_THREADS"
 def env_value_problem(key: str, value: str) -> str | None:
     """Why ``value`` cannot be the rank environment's ``key``, for the variables zerorun itself reads:
     ``ZERORUN_ALLOCATOR`` (Note [Rank allocator]) and ``OMP_NUM_THREADS`` (a positive whole number; empty is
-    unset), or None. Checked wherever a rank's environment comes from (``launch.env``, the environment files,
-    the launcher's own environment), before anything starts."""
+    unset), or None. Checked where a rank's environment comes from (``launch.env``, the environment files)
+    before anything starts; the launcher's own ``OMP_NUM_THREADS`` never reaches a rank (each node's plan sets
+    it, ``launch/plan.py``)."""
     if key == ALLOCATOR_VAR:
         return allocator_problem(value)
     if key == THREADS_VAR and value.strip() and not re.fullmatch(r"[1-9][0-9]*", value.strip()):
@@ -365,8 +364,8 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
                 "env_too_long", "{key}: KEY=VALUE is {n} bytes, above Linux's limit of {limit} bytes for one "
                 "environment string (MAX_ARG_STRLEN): the ranks could not start",
                 {"key": key, "n": env_string_bytes(key, value), "limit": MAX_ENV_STRING})
-        if env_value_problem(key, value):
-            raise PydanticCustomError("env_value", env_value_problem(key, value).replace("{", "{{").replace("}", "}}"))
+        if problem := env_value_problem(key, value):
+            raise PydanticCustomError("env_value", problem.replace("{", "{{").replace("}", "}}"))
         if value == MASK:
             raise PydanticCustomError(
                 "env_masked", "{key} is {mask}, the mask zerorun writes for launch.env values in run folders "

@@ -64,8 +64,8 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
             raise ZerorunError(f"{path}:{lineno}: {key}: KEY=VALUE is {env_string_bytes(key, value)} bytes, above "
                                f"Linux's limit of {MAX_ENV_STRING} bytes for one environment string "
                                "(MAX_ARG_STRLEN): the ranks could not start")
-        if env_value_problem(key, value):  # Note [Rank allocator], the thread count
-            raise ZerorunError(f"{path}:{lineno}: {env_value_problem(key, value)}")
+        if problem := env_value_problem(key, value):  # Note [Rank allocator], the thread count
+            raise ZerorunError(f"{path}:{lineno}: {problem}")
         env[key] = value
     return env
 

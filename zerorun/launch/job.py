@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import Host
 from zerorun.launch.env import allowed_env, env_file_values
-from zerorun.recipe_text import env_value_problem
 from zerorun.launch.plan import LaunchPlan, build_plan, free_port, port_in_use
 from zerorun.launch.preflight import preflight
 from zerorun.launch.remote import RemoteNode, SshOptions
@@ -89,9 +88,6 @@ def prepare_job(hosts: list[Host], job_id: str, *, recipe_json: str | None = Non
     workdir = workdir or os.getcwd()
     extra_env = {**env_file_values(), **(env or {})}
     forwarded = allowed_env()
-    for key, value in forwarded.items():  # a value no rank could start with (OMP_NUM_THREADS=0): say so here
-        if env_value_problem(key, value):
-            raise ZerorunError(f"environment: {env_value_problem(key, value)}")
     remote_hosts = [h for h in hosts if ssh_local or not h.is_local]
     first_remote = bool(remote_hosts) and remote_hosts[0] is hosts[0]
     checks = preflight(remote_hosts, ssh, python=python, workdir=workdir, modules=list(modules),
