@@ -86,6 +86,40 @@ def finite_extras(cls, data: Any) -> Any:
     return data
 
 
+def quoted_number(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The first string in ``value`` (nested lists, tuples and mappings) that reads as a number (``"1e-8"``,
+    ``" 0.9"``), as ``(its path, the string)``, or None."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return None
+        return path, value
+    items = enumerate(value) if isinstance(value, (list, tuple)) else value.items() if isinstance(value, dict) else ()
+    for key, v in items:
+        found = quoted_number(v, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def unquoted_extras(cls, data: Any) -> Any:
+    """Refuse a number written as text among the optimizer's extra keys (``eps: "1e-8"``, ``betas: ["0.9",
+    0.999]``): no ``torch.optim`` class takes a number as a string, and the text would only fail on the ranks,
+    after the launch, inside the optimizer (``'<=' not supported between 'float' and 'str'``).
+
+    Raises:
+        PydanticCustomError: naming the key path and the text.
+    """
+    if isinstance(data, dict):
+        found = quoted_number({k: v for k, v in data.items() if k not in cls.model_fields})
+        if found:
+            path, text = found  # no template: the path and the text are the user's
+            raise PydanticCustomError("quoted_number", f"{path}: {text!r} is text, not a number (quoted in the "
+                                                       "recipe?): write the number without quotes")
+    return data
+
+
 def finite_values(cls, value: Any) -> Any:
     """Refuse an infinite or NaN number anywhere in a free-form field (``model.kwargs``, ``data.kwargs``,
     ``model.hf.config``): as :func:`finite_extras`."""
