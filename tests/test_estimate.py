@@ -171,6 +171,13 @@ def run_cli(capsys, monkeypatch, *args):
     return capsys.readouterr().out
 
 
+def test_setup_line_counts_nodes_in_words(capsys, monkeypatch):
+    out = run_cli(capsys, monkeypatch, "--params", "1B", "--procs-per-node", "2")
+    assert "2 ranks (1 node x 2)" in out, out
+    out = run_cli(capsys, monkeypatch, "--params", "1B", "--procs-per-node", "2", "--nodes", "3")
+    assert "6 ranks (3 nodes x 2)" in out, out
+
+
 def test_recipe_with_hostfile_as_json(capsys, monkeypatch, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=3\n127.0.0.1 slots=1\n")

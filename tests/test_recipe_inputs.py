@@ -16,6 +16,7 @@ from test_recipe import good
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import parse_hostfile
 from zerorun.recipe import MASK, load_recipe, masked
+from zerorun.recipe_text import quoted_number
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,11 +97,33 @@ def test_a_few_aliases_are_still_fine(tmp_path):
     ("data.kwargs.x=-.inf", r"data\.kwargs: x: expected a finite number, got -inf$"),
     ("train.optimizer.lr=.inf", r"train\.optimizer\.lr: Input should be a finite number"),
     ("train.optimizer.weight_decay=1e400", r"train\.optimizer\.weight_decay: Input should be a finite number"),
+    # a quoted number reached the optimizer as text and failed on the ranks, after the launch
+    ('train.optimizer.eps="1e-8"', r"train\.optimizer: eps: '1e-8' is text, not a number \(quoted in the recipe\?\)"),
+    ("train.optimizer={name: SGD, lr: 0.1, momentum: '0.9'}", r"train\.optimizer: momentum: '0\.9' is text"),
+    ('train.optimizer.betas=["0.9", 0.999]', r"train\.optimizer: betas\.0: '0\.9' is text, not a number"),
 ])
 def test_booleans_are_not_numbers(tmp_path, override, expected):
     with pytest.raises(ZerorunError, match=expected) as info:
         load_recipe(good(tmp_path), [override])
     assert info.value.exit_code == 2 and "\n" not in str(info.value)
+
+
+def test_quoted_numbers_in_the_recipe_file_and_where_text_belongs(tmp_path):
+    """A quoted number among the optimizer's arguments is refused at load with the recipe's line (it was a
+    torch error on every rank after the launch); text that is not a number passes, and a quoted number in a
+    declared float field (``lr``) is read as the number, as pydantic reads it."""
+    path = good(tmp_path)
+    text = open(path).read()
+    assert "lr: 1.0e-3" in text
+    (tmp_path / "r.yaml").write_text(text.replace("lr: 1.0e-3", 'lr: 1.0e-3, eps: "1e-8"'))
+    with pytest.raises(ZerorunError, match=r"r\.yaml:\d+: train\.optimizer: eps: '1e-8' is text") as info:
+        load_recipe(str(tmp_path / "r.yaml"))
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)
+    r = load_recipe(path, ["train.optimizer={name: SGD, lr: '0.5', momentum: 0.9}"])
+    assert r.train.optimizer.kwargs() == {"lr": 0.5, "weight_decay": 0.0, "momentum": 0.9}
+    # text that is not a number (a custom optimizer's option) is left to the optimizer's own check
+    assert quoted_number({"mode": "fast", "betas": ["1e-8x", 0.9]}) is None
+    assert quoted_number({"mode": "fast", "betas": [0.9, " 1E3 "]}) == ("betas.1", " 1E3 ")
 
 
 def test_booleans_where_booleans_belong(tmp_path):

@@ -11,7 +11,7 @@ import math
 import re
 import sys
 import typing
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from pydantic import ValidationInfo
@@ -58,18 +58,45 @@ def refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
     return value
 
 
-def non_finite(value: Any, path: str = "") -> tuple[str, Any] | None:
-    """The first infinite or NaN number in ``value`` (nested lists, tuples and mappings; a whole number too large
-    for a float counts), as ``(its path, like "rev" or "betas.0", the number)``, or None."""
-    if isinstance(value, float) and not math.isfinite(value) or \
-            isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+def first_leaf(value: Any, test: Callable[[Any], bool], path: str = "") -> tuple[str, Any] | None:
+    """The first leaf of ``value`` (nested lists, tuples and mappings, in order) for which ``test`` is true, as
+    ``(its path, like "rev" or "betas.0", the leaf)``, or None."""
+    if test(value):
         return path, value
     items = enumerate(value) if isinstance(value, (list, tuple)) else value.items() if isinstance(value, dict) else ()
     for key, v in items:
-        found = non_finite(v, f"{path}.{key}" if path else str(key))
+        found = first_leaf(v, test, f"{path}.{key}" if path else str(key))
         if found:
             return found
     return None
+
+
+def _is_non_finite(value: Any) -> bool:
+    """An infinite or NaN float, or a whole number too large for a float."""
+    return isinstance(value, float) and not math.isfinite(value) or \
+        isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max
+
+
+def _is_number_text(value: Any) -> bool:
+    """A string that reads as a number (``"1e-8"``, ``" 0.9"``)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def non_finite(value: Any) -> tuple[str, Any] | None:
+    """The first infinite or NaN number in ``value`` (a whole number too large for a float counts), as ``(its
+    path, the number)``, or None: :func:`first_leaf`."""
+    return first_leaf(value, _is_non_finite)
+
+
+def quoted_number(value: Any) -> tuple[str, str] | None:
+    """The first string in ``value`` that reads as a number, as ``(its path, the string)``, or None."""
+    return first_leaf(value, _is_number_text)
 
 
 def _finite_error(found: tuple[str, Any]) -> PydanticCustomError:
@@ -83,6 +110,23 @@ def finite_extras(cls, data: Any) -> Any:
     [.inf, 0.9]``), which ``allow_inf_nan=False`` does not reach: it would reach the ranks as JSON null."""
     if isinstance(data, dict):
         finite_values(cls, {k: v for k, v in data.items() if k not in cls.model_fields})
+    return data
+
+
+def unquoted_extras(cls, data: Any) -> Any:
+    """Refuse a number written as text among the optimizer's extra keys (``eps: "1e-8"``, ``betas: ["0.9",
+    0.999]``): no ``torch.optim`` class takes a number as a string, and the text would only fail on the ranks,
+    after the launch, inside the optimizer (``'<=' not supported between 'float' and 'str'``).
+
+    Raises:
+        PydanticCustomError: naming the key path and the text.
+    """
+    if isinstance(data, dict):
+        found = quoted_number({k: v for k, v in data.items() if k not in cls.model_fields})
+        if found:
+            path, text = found  # no template: the path and the text are the user's
+            raise PydanticCustomError("quoted_number", f"{path}: {text!r} is text, not a number (quoted in the "
+                                                       "recipe?): write the number without quotes")
     return data
 
 

@@ -250,7 +250,8 @@ def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for) -> s
     for activations, how in tries:
         nodes = _nodes_for_stage3(layout, setup, activations)
         if nodes is not None:
-            hints.append(f"stage 3{how} fits on {nodes} nodes ({nodes * setup.procs_per_node} ranks)")
+            hints.append(f"stage 3{how} fits on {nodes} node{'s' * (nodes != 1)} "
+                         f"({nodes * setup.procs_per_node} ranks)")
             break
     if s3.gathered > 0.25 * setup.device_memory and layout.unit_hint:
         hints.append(f"stage 3 gathers {format_bytes(s3.gathered)} at once: make smaller units, e.g. "
