@@ -301,11 +301,13 @@ def main() -> None:
         except ImportError:
             sys.exit("--modes ds2, ds3, ds2b, ds3b need DeepSpeed in this Python (README, \"DeepSpeed beside them\": "
                      "a virtual environment with it)")
+    # without --envs every mode gets --malloc-mmap-threshold and --thp: named "alloc" when they are the defaults
+    flags_env = "alloc" if (args.malloc_mmap_threshold, args.thp) == (1 << 20, 1) else "flags"
     per_round: dict = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode, env in (modes if r % 2 == 0 else modes[::-1]):
             per_round[mode, env].append(run_mode(mode, args, extra, env))
-            print(f"round {r + 1}: {mode} {env or ''} done", file=sys.stderr, flush=True)
+            print(f"round {r + 1}: {mode} {env or flags_env} done", file=sys.stderr, flush=True)
     results = {}
     for (mode, env), rounds in per_round.items():
         medians = [statistics.median(t for row in rows for t in row["times"]) for rows in rounds]
@@ -313,10 +315,11 @@ def main() -> None:
         all_times = sorted(t for rows in rounds for row in rows for t in row["times"])
         results[f"{mode}@{env}" if env else mode] = {
             "mode": mode,
-            "env": env or ("alloc" if (args.malloc_mmap_threshold, args.thp) == (1 << 20, 1) else "flags"),
+            "env": env or flags_env,
             "step_s": statistics.median(medians), "step_s_range": [min(medians), max(medians)],
             "p90_s": all_times[int(0.9 * (len(all_times) - 1))],
             "peak_rss": statistics.median(peaks), "peak_rss_range": [min(peaks), max(peaks)],
+            "step_s_rounds": medians, "peak_rss_rounds": peaks,  # in round order: rounds pair across modes
             "end_rss": statistics.median(max(row["end_rss"] for row in rows) for rows in rounds),
             "cpu_s": statistics.median(statistics.median(row["cpu_s"] for row in rows) for rows in rounds),
             "sys_s": statistics.median(statistics.median(row["sys_s"] for row in rows) for rows in rounds),
@@ -326,10 +329,30 @@ def main() -> None:
             "loss": next(row["loss"] for row in rounds[0] if row["rank"] == 0),
         }
     print_table(results, args)
+    by_round = savings_by_round(results)
+    if args.rounds > 1 and by_round:
+        print("\nrealized saving round by round (each round's stage 0 in the same environment): " + ", ".join(
+            f"{k} {' '.join(f'{x:.2f}' for x in xs)}" for k, xs in by_round.items()))
     print("\nloss at the last step, rank 0: " + ", ".join(f"{k} {r['loss']:.6f}" for k, r in results.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+def savings_by_round(results: dict) -> dict[str, list[float]]:
+    """Realized / theoretical saving of each zerorun stage above 0, round by round: round i's peak RSS against
+    round i's stage 0 in the same environment (the rounds interleave the modes, so round i of each mode ran in
+    the same stretch of time). The median of the rounds' peaks can pair a high stage 0 with a low stage 3; this
+    shows each pairing. Key: the result's key; values: one fraction per round (dimensionless)."""
+    out = {}
+    for key, r in results.items():
+        s0 = next((b for b in results.values() if b["mode"] == "0" and b["env"] == r["env"]), None)
+        if s0 is None or not r["mode"].isdigit() or r["mode"] == "0" or not r["states"]:
+            continue
+        theory = sum(s0["states"].values()) - sum(r["states"].values())
+        if theory > 0:
+            out[key] = [(a - b) / theory for a, b in zip(s0["peak_rss_rounds"], r["peak_rss_rounds"])]
+    return out
 
 
 def print_table(results: dict, args) -> None:
