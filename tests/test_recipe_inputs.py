@@ -16,7 +16,6 @@ from test_recipe import good
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import parse_hostfile
 from zerorun.recipe import MASK, load_recipe, masked
-from zerorun.recipe_text import quoted_number
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,18 +88,24 @@ def test_a_few_aliases_are_still_fine(tmp_path):
     ("train.optimizer.eps=false", r"train\.optimizer\.eps: expected a number, got a boolean \(false\)"),
     ("launch.procs_per_node=100000000000000000000", r"launch\.procs_per_node: Input should be less than or equal to 4096"),
     # infinite or NaN numbers passed among the optimizer's arguments and reached the ranks as JSON null
-    ("train.optimizer.eps=1e400", r"train\.optimizer: eps: expected a finite number, got inf$"),
-    ("train.optimizer.betas=[.inf, 0.9]", r"train\.optimizer: betas\.0: expected a finite number, got inf$"),
-    ("train.optimizer.eps=1" + "0" * 400, r"train\.optimizer: eps: expected a finite number, got a whole number of 401 "),
+    ("train.optimizer.eps=1e400", r"train\.optimizer\.eps: expected a finite number, got inf$"),
+    ("train.optimizer.betas=[.inf, 0.9]", r"train\.optimizer\.betas: item 0: expected a finite number, got inf$"),
+    ("train.optimizer.eps=1" + "0" * 400, r"train\.optimizer\.eps: expected a finite number, got a whole number of 401 "),
     ("model.kwargs.rev=12e4567", r"model\.kwargs: rev: expected a finite number, got inf$"),
     ("model.kwargs={a: {b: [1, .nan]}}", r"model\.kwargs: a\.b\.1: expected a finite number, got nan$"),
     ("data.kwargs.x=-.inf", r"data\.kwargs: x: expected a finite number, got -inf$"),
     ("train.optimizer.lr=.inf", r"train\.optimizer\.lr: Input should be a finite number"),
     ("train.optimizer.weight_decay=1e400", r"train\.optimizer\.weight_decay: Input should be a finite number"),
     # a quoted number reached the optimizer as text and failed on the ranks, after the launch
-    ('train.optimizer.eps="1e-8"', r"train\.optimizer: eps: '1e-8' is text, not a number \(quoted in the recipe\?\)"),
-    ("train.optimizer={name: SGD, lr: 0.1, momentum: '0.9'}", r"train\.optimizer: momentum: '0\.9' is text"),
-    ('train.optimizer.betas=["0.9", 0.999]', r"train\.optimizer: betas\.0: '0\.9' is text, not a number"),
+    ('train.optimizer.eps="1e-8"', r"train\.optimizer\.eps: '1e-8' is text, not a number \(quoted\?\)"),
+    ("train.optimizer={name: SGD, lr: 0.1, momentum: '0.9'}", r"train\.optimizer\.momentum: '0\.9' is text"),
+    ('train.optimizer.betas=["0.9", 0.999]', r"train\.optimizer\.betas: item 0: '0\.9' is text, not a number"),
+    # a quoted boolean is a non-empty string: maximize: "false" trained with maximize on
+    ("train.optimizer.maximize='false'", r"train\.optimizer\.maximize: 'false' is text, not a boolean \(quoted\?\)"),
+    ("train.optimizer={name: SGD, lr: 0.1, momentum: 0.9, nesterov: 'Off'}", r"\.nesterov: 'Off' is text, not a "),
+    # text that reads as neither: the optimizer's own argument check (default a boolean or a number)
+    ("train.optimizer.maximize='yes please'", r"train\.optimizer\.maximize: expected a boolean, got text"),
+    ("train.optimizer.eps='0x10'", r"train\.optimizer\.eps: expected a number, got text \(\"0x10\"\)$"),
 ])
 def test_booleans_are_not_numbers(tmp_path, override, expected):
     with pytest.raises(ZerorunError, match=expected) as info:
@@ -108,22 +113,34 @@ def test_booleans_are_not_numbers(tmp_path, override, expected):
     assert info.value.exit_code == 2 and "\n" not in str(info.value)
 
 
-def test_quoted_numbers_in_the_recipe_file_and_where_text_belongs(tmp_path):
-    """A quoted number among the optimizer's arguments is refused at load with the recipe's line (it was a
-    torch error on every rank after the launch); text that is not a number passes, and a quoted number in a
-    declared float field (``lr``) is read as the number, as pydantic reads it."""
+def test_every_bad_optimizer_argument_on_its_own_line_at_its_key(tmp_path):
+    """The optimizer's extra arguments are checked one by one: a quoted number, a quoted boolean and a
+    non-finite number are each reported on their own line, at the key's line of the recipe (not the
+    ``optimizer:`` line), beside a declared field's error; a quoted number in a declared float field (``lr``)
+    is read as the number, as pydantic reads it."""
     path = good(tmp_path)
     text = open(path).read()
-    assert "lr: 1.0e-3" in text
-    (tmp_path / "r.yaml").write_text(text.replace("lr: 1.0e-3", 'lr: 1.0e-3, eps: "1e-8"'))
-    with pytest.raises(ZerorunError, match=r"r\.yaml:\d+: train\.optimizer: eps: '1e-8' is text") as info:
+    assert "  optimizer: {name: AdamW, lr: 1.0e-3, betas: [0.9, 0.95]}\n" in text
+    block = ("  optimizer:\n    name: AdamW\n    lr: 0\n    betas: [0.9, \"0.95\"]\n    eps: \"1e-8\"\n"
+             "    maximize: \"false\"\n    rho: .inf\n")
+    (tmp_path / "r.yaml").write_text(text.replace("  optimizer: {name: AdamW, lr: 1.0e-3, betas: [0.9, 0.95]}\n", block))
+    lines = (tmp_path / "r.yaml").read_text().splitlines()
+    at = {key: lines.index(next(x for x in lines if x.strip().startswith(key + ":"))) + 1
+          for key in ("lr", "betas", "eps", "maximize", "rho")}
+    with pytest.raises(ZerorunError) as info:
         load_recipe(str(tmp_path / "r.yaml"))
-    assert info.value.exit_code == 2 and "\n" not in str(info.value)
-    r = load_recipe(path, ["train.optimizer={name: SGD, lr: '0.5', momentum: 0.9}"])
-    assert r.train.optimizer.kwargs() == {"lr": 0.5, "weight_decay": 0.0, "momentum": 0.9}
-    # text that is not a number (a custom optimizer's option) is left to the optimizer's own check
-    assert quoted_number({"mode": "fast", "betas": ["1e-8x", 0.9]}) is None
-    assert quoted_number({"mode": "fast", "betas": [0.9, " 1E3 "]}) == ("betas.1", " 1E3 ")
+    assert info.value.exit_code == 2
+    assert [x.removeprefix(str(tmp_path / "r.yaml")) for x in str(info.value).splitlines()] == [
+        f":{at['lr']}: train.optimizer.lr: Input should be greater than 0",
+        f":{at['betas']}: train.optimizer.betas: item 1: '0.95' is text, not a number (quoted?): write the "
+        "number without quotes",
+        f":{at['eps']}: train.optimizer.eps: '1e-8' is text, not a number (quoted?): write the number "
+        "without quotes",
+        f":{at['maximize']}: train.optimizer.maximize: 'false' is text, not a boolean (quoted?): write true "
+        "or false without quotes",
+        f":{at['rho']}: train.optimizer.rho: expected a finite number, got inf"], str(info.value)
+    r = load_recipe(path, ["train.optimizer={name: SGD, lr: '0.5', momentum: 0.9, nesterov: true}"])
+    assert r.train.optimizer.kwargs() == {"lr": 0.5, "weight_decay": 0.0, "momentum": 0.9, "nesterov": True}
 
 
 def test_booleans_where_booleans_belong(tmp_path):

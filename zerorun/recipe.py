@@ -7,10 +7,10 @@ recipe's text (YAML, overrides, error lines) is ``recipe_text.py``; its paths ``
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
@@ -22,7 +22,7 @@ from zerorun.recipe_text import (ENV_NAME, MASK, MAX_ENV_STRING, MAX_YAML_NODES,
                                  masked, masked_yaml, read_text)
 from zerorun.recipe_text import check_duplicate_keys as _check_duplicate_keys
 from zerorun.recipe_text import line_of as _line_of
-from zerorun.recipe_text import finite_extras, finite_values, unquoted_extras
+from zerorun.recipe_text import finite_values, optimizer_argument
 from zerorun.recipe_text import override_for as _override_for
 from zerorun.recipe_text import refuse_bool as _refuse_bool
 from zerorun.recipe_text import validation_problems
@@ -98,9 +98,9 @@ class OptimizerSpec(BaseModel):
     ``zero/optimizers.py``)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # every other key, checked one by one (each problem on its own line, at the key's line)
+    __pydantic_extra__: dict[str, Annotated[Any, AfterValidator(optimizer_argument)]] = Field(init=False)
     _no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool))
-    _finite_extras = model_validator(mode="before")(classmethod(finite_extras))
-    _unquoted_extras = model_validator(mode="before")(classmethod(unquoted_extras))
     name: str = "AdamW"
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)

@@ -78,7 +78,7 @@ def _is_non_finite(value: Any) -> bool:
 
 
 def _is_number_text(value: Any) -> bool:
-    """A string that reads as a number (``"1e-8"``, ``" 0.9"``)."""
+    """A string that reads as a number (``"1e-8"``, ``" 0.9"``, ``"nan"``)."""
     if not isinstance(value, str):
         return False
     try:
@@ -88,51 +88,61 @@ def _is_number_text(value: Any) -> bool:
     return True
 
 
+#: Words YAML 1.1 reads as booleans when they are not quoted (any case).
+BOOLEAN_WORDS = frozenset({"true", "false", "yes", "no", "on", "off"})
+
+
+def _is_boolean_text(value: Any) -> bool:
+    """A string that YAML would have read as a boolean without its quotes (``"false"``, ``"Off"``)."""
+    return isinstance(value, str) and value.strip().lower() in BOOLEAN_WORDS
+
+
 def non_finite(value: Any) -> tuple[str, Any] | None:
     """The first infinite or NaN number in ``value`` (a whole number too large for a float counts), as ``(its
     path, the number)``, or None: :func:`first_leaf`."""
     return first_leaf(value, _is_non_finite)
 
 
-def quoted_number(value: Any) -> tuple[str, str] | None:
-    """The first string in ``value`` that reads as a number, as ``(its path, the string)``, or None."""
-    return first_leaf(value, _is_number_text)
-
-
-def _finite_error(found: tuple[str, Any]) -> PydanticCustomError:
-    path, value = found  # no template: the path is the user's text
+def _finite_error(found: tuple[str, Any], at: str = "") -> PydanticCustomError:
+    path, value = found
     shown = str(value) if isinstance(value, float) else f"a whole number of {len(str(abs(value)))} digits"
-    return PydanticCustomError("finite_number", f"{path}: expected a finite number, got {shown}")
+    # the user's text goes in through the context, never into the template
+    return PydanticCustomError("finite_number", "{at}expected a finite number, got {shown}",
+                               {"at": at or (f"{path}: " if path else ""), "shown": shown})
 
 
-def finite_extras(cls, data: Any) -> Any:
-    """Refuse an infinite or NaN number among a model's extra keys (the optimizer's ``eps: 1e400``, ``betas:
-    [.inf, 0.9]``), which ``allow_inf_nan=False`` does not reach: it would reach the ranks as JSON null."""
-    if isinstance(data, dict):
-        finite_values(cls, {k: v for k, v in data.items() if k not in cls.model_fields})
-    return data
-
-
-def unquoted_extras(cls, data: Any) -> Any:
-    """Refuse a number written as text among the optimizer's extra keys (``eps: "1e-8"``, ``betas: ["0.9",
-    0.999]``): no ``torch.optim`` class takes a number as a string, and the text would only fail on the ranks,
-    after the launch, inside the optimizer (``'<=' not supported between 'float' and 'str'``).
+def optimizer_argument(value: Any) -> Any:
+    """Check one of the optimizer's extra arguments (``eps``, ``betas``, ``momentum``, ...; any nesting) before
+    anything starts: no infinite or NaN number (it would reach the ranks as JSON null), and no number or boolean
+    written as text: ``eps: "1e-8"`` failed on every rank inside the optimizer after the launch, and
+    ``maximize: "false"`` trained with ``maximize`` on (a non-empty string is true). No ``torch.optim`` class
+    takes either as text. Used as the validator of :class:`zerorun.recipe.OptimizerSpec`'s extra keys, so each
+    key's problem is reported on its own line, at the key's line.
 
     Raises:
-        PydanticCustomError: naming the key path and the text.
+        PydanticCustomError: ``finite_number``, ``number_as_text`` or ``boolean_as_text``; a nested value's
+        position is named (``betas``: "item 0: ...").
     """
-    if isinstance(data, dict):
-        found = quoted_number({k: v for k, v in data.items() if k not in cls.model_fields})
-        if found:
-            path, text = found  # no template: the path and the text are the user's
-            raise PydanticCustomError("quoted_number", f"{path}: {text!r} is text, not a number (quoted in the "
-                                                       "recipe?): write the number without quotes")
-    return data
+    def at(path: str) -> str:
+        return f"item {path}: " if path else ""
+
+    found = non_finite(value)
+    if found:
+        raise _finite_error(found, at(found[0]))
+    found = first_leaf(value, _is_number_text)
+    if found:
+        raise PydanticCustomError("number_as_text", "{at}{text} is text, not a number (quoted?): write the number "
+                                  "without quotes", {"at": at(found[0]), "text": repr(found[1])})
+    found = first_leaf(value, _is_boolean_text)
+    if found:
+        raise PydanticCustomError("boolean_as_text", "{at}{text} is text, not a boolean (quoted?): write true or "
+                                  "false without quotes", {"at": at(found[0]), "text": repr(found[1])})
+    return value
 
 
 def finite_values(cls, value: Any) -> Any:
     """Refuse an infinite or NaN number anywhere in a free-form field (``model.kwargs``, ``data.kwargs``,
-    ``model.hf.config``): as :func:`finite_extras`."""
+    ``model.hf.config``), naming the key path inside it (``a.b.1``)."""
     found = non_finite(value)
     if found:
         raise _finite_error(found)

@@ -23,7 +23,8 @@ def render(est: Estimate, console=None) -> None:
                   + (f"; largest unit {e(str(largest['name']))} {largest['params']:,}" if largest else "")
                   + ("" if p["exact_layout"] else " (from --params)"))
     nodes = f"{s['nodes']} node{'s' * (s['nodes'] != 1)}"
-    console.print(f"[bold]Setup[/bold]: {s['world_size']} ranks ({nodes} x {s['procs_per_node']}), "
+    ranks = f"{s['world_size']} rank{'s' * (s['world_size'] != 1)}"
+    console.print(f"[bold]Setup[/bold]: {ranks} ({nodes} x {s['procs_per_node']}), "
                   f"{e(str(s['precision']))}" + (" (reduce fp32)" if s["reduce_dtype"] != s["precision"] else "")
                   + f", {e(str(s['optimizer']))} ({s['optimizer_states']} states), device {e(str(s['device']))} "
                   f"{format_bytes(s['device_memory'])} per rank, host {format_bytes(s['cpu_memory_per_node'])} "

@@ -101,7 +101,8 @@ def resolve_optimizer(optimizer: str | type, *, elementwise: bool = False) -> ty
 
 def check_arguments(cls: type, kwargs: dict) -> None:
     """Every key of ``kwargs`` is an argument of optimizer class ``cls``, a boolean is not given where the
-    argument is a number (YAML's ``yes`` for ``lr``), and ``cls`` accepts the values (built once on a
+    argument is a number (YAML's ``yes`` for ``lr``), text is not given where it is a number or a boolean
+    (``maximize: "false"`` would be true), and ``cls`` accepts the values (built once on a
     2-element probe parameter: its own checks, e.g. ``betas`` of two numbers, ``lr >= 0``).
 
     Raises:
@@ -119,6 +120,9 @@ def check_arguments(cls: type, kwargs: dict) -> None:
         values = value if isinstance(value, (list, tuple)) else [value]
         if numeric and any(isinstance(v, bool) for v in values):
             raise ValueError(key, f"expected a number, got a boolean ({json.dumps(value)})")
+        kind = "boolean" if isinstance(default, bool) else "number" if numeric else None
+        if kind and any(isinstance(v, str) for v in values):  # "false" would be true; "1e-8" fails in step()
+            raise ValueError(key, f"expected a {kind}, got text ({json.dumps(value)})")
     import torch
 
     try:  # the values too (betas of one number, a negative lr): the class's own checks, on a 2-element probe
