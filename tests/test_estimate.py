@@ -176,6 +176,14 @@ def test_setup_line_counts_nodes_in_words(capsys, monkeypatch):
     assert "2 ranks (1 node x 2)" in out, out
     out = run_cli(capsys, monkeypatch, "--params", "1B", "--procs-per-node", "2", "--nodes", "3")
     assert "6 ranks (3 nodes x 2)" in out, out
+    out = run_cli(capsys, monkeypatch, "--params", "1B", "--procs-per-node", "1")
+    assert "1 rank (1 node x 1)" in out, out
+
+
+def test_setup_line_of_a_hostfile_with_uneven_slots(capsys, monkeypatch, tmp_path):
+    (tmp_path / "hosts").write_text("localhost slots=3\n127.0.0.1 slots=1\n")
+    out = run_cli(capsys, monkeypatch, "recipes/tiny.yaml", "-H", str(tmp_path / "hosts"))
+    assert "4 ranks (2 nodes, up to 3 per node)" in out, out
 
 
 def test_recipe_with_hostfile_as_json(capsys, monkeypatch, tmp_path):

@@ -97,15 +97,24 @@ def test_a_few_aliases_are_still_fine(tmp_path):
     ("train.optimizer.lr=.inf", r"train\.optimizer\.lr: Input should be a finite number"),
     ("train.optimizer.weight_decay=1e400", r"train\.optimizer\.weight_decay: Input should be a finite number"),
     # a quoted number reached the optimizer as text and failed on the ranks, after the launch
-    ('train.optimizer.eps="1e-8"', r"train\.optimizer\.eps: '1e-8' is text, not a number \(quoted\?\)"),
+    ('train.optimizer.eps="1e-8"', r"train\.optimizer\.eps: '1e-8' is text \(quoted\?\): numbers and true/false are "
+                                   r"written without quotes$"),
     ("train.optimizer={name: SGD, lr: 0.1, momentum: '0.9'}", r"train\.optimizer\.momentum: '0\.9' is text"),
-    ('train.optimizer.betas=["0.9", 0.999]', r"train\.optimizer\.betas: item 0: '0\.9' is text, not a number"),
+    ('train.optimizer.betas=["0.9", 0.999]', r"train\.optimizer\.betas: item 0: '0\.9' is text \(quoted\?\)"),
     # a quoted boolean is a non-empty string: maximize: "false" trained with maximize on
-    ("train.optimizer.maximize='false'", r"train\.optimizer\.maximize: 'false' is text, not a boolean \(quoted\?\)"),
-    ("train.optimizer={name: SGD, lr: 0.1, momentum: 0.9, nesterov: 'Off'}", r"\.nesterov: 'Off' is text, not a "),
-    # text that reads as neither: the optimizer's own argument check (default a boolean or a number)
-    ("train.optimizer.maximize='yes please'", r"train\.optimizer\.maximize: expected a boolean, got text"),
+    ("train.optimizer.maximize='false'", r"train\.optimizer\.maximize: 'false' is text \(quoted\?\)"),
+    ("train.optimizer={name: SGD, lr: 0.1, momentum: 0.9, nesterov: 'Off'}", r"\.nesterov: 'Off' is text"),
+    # anything else given for a boolean is read for its truth too: the optimizer's own argument check
+    ("train.optimizer.maximize='yes please'", r"train\.optimizer\.maximize: expected true or false, got \"yes please\"$"),
+    ("train.optimizer.maximize=[false]", r"train\.optimizer\.maximize: expected true or false, got \[false\]$"),
+    ("train.optimizer.amsgrad=2", r"train\.optimizer\.amsgrad: expected true or false, got 2$"),
+    ("train.optimizer.foreach=nope", r"train\.optimizer\.foreach: expected true or false or null, got \"nope\"$"),
+    # text that YAML never reads as a number (Python's float does): the argument check, not "without quotes"
     ("train.optimizer.eps='0x10'", r"train\.optimizer\.eps: expected a number, got text \(\"0x10\"\)$"),
+    ("train.optimizer.eps=Infinity", r"train\.optimizer\.eps: expected a number, got text \(\"Infinity\"\)$"),
+    # the user's key is shown as written, never filled in as a template
+    ('model.kwargs={"{shown}": .inf}', r"model\.kwargs: \{shown\}: expected a finite number, got inf$"),
+    ('train.optimizer.betas=[{"{text}": "0.9"}, 0.99]', r"\.betas: item 0\.\{text\}: '0\.9' is text"),
 ])
 def test_booleans_are_not_numbers(tmp_path, override, expected):
     with pytest.raises(ZerorunError, match=expected) as info:
@@ -132,15 +141,23 @@ def test_every_bad_optimizer_argument_on_its_own_line_at_its_key(tmp_path):
     assert info.value.exit_code == 2
     assert [x.removeprefix(str(tmp_path / "r.yaml")) for x in str(info.value).splitlines()] == [
         f":{at['lr']}: train.optimizer.lr: Input should be greater than 0",
-        f":{at['betas']}: train.optimizer.betas: item 1: '0.95' is text, not a number (quoted?): write the "
-        "number without quotes",
-        f":{at['eps']}: train.optimizer.eps: '1e-8' is text, not a number (quoted?): write the number "
+        f":{at['betas']}: train.optimizer.betas: item 1: '0.95' is text (quoted?): numbers and true/false are "
+        "written without quotes",
+        f":{at['eps']}: train.optimizer.eps: '1e-8' is text (quoted?): numbers and true/false are written "
         "without quotes",
-        f":{at['maximize']}: train.optimizer.maximize: 'false' is text, not a boolean (quoted?): write true "
-        "or false without quotes",
+        f":{at['maximize']}: train.optimizer.maximize: 'false' is text (quoted?): numbers and true/false are "
+        "written without quotes",
         f":{at['rho']}: train.optimizer.rho: expected a finite number, got inf"], str(info.value)
-    r = load_recipe(path, ["train.optimizer={name: SGD, lr: '0.5', momentum: 0.9, nesterov: true}"])
-    assert r.train.optimizer.kwargs() == {"lr": 0.5, "weight_decay": 0.0, "momentum": 0.9, "nesterov": True}
+    # the optimizer's own argument check names the key's line too (it named the optimizer: line)
+    (tmp_path / "r.yaml").write_text(text.replace("  optimizer: {name: AdamW, lr: 1.0e-3, betas: [0.9, 0.95]}\n",
+                                                  "  optimizer:\n    name: AdamW\n    amsgrad: 2\n"))
+    lines = (tmp_path / "r.yaml").read_text().splitlines()
+    line = lines.index("    amsgrad: 2") + 1
+    with pytest.raises(ZerorunError, match=rf"r\.yaml:{line}: train\.optimizer\.amsgrad: expected true or false"):
+        load_recipe(str(tmp_path / "r.yaml"))
+    r = load_recipe(path, ["train.optimizer={name: SGD, lr: '0.5', momentum: 0.9, nesterov: true, foreach: null}"])
+    assert r.train.optimizer.kwargs() == {"lr": 0.5, "weight_decay": 0.0, "momentum": 0.9, "nesterov": True,
+                                          "foreach": None}
 
 
 def test_booleans_where_booleans_belong(tmp_path):

@@ -266,6 +266,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     (["train", TINY, "train.steps=0"], r"override 'train.steps=0': train\.steps: Input should be greater than 0"),
     (["train", TINY, "-H", "nofile"], r"nofile: cannot read hostfile"),
     (["train", TINY, "log.dir=/proc/zerorun-test"], r"log\.dir: cannot create the run directory"),
+    (["train", TINY, "--run-dir", "/proc/zerorun-test/run"], r"error: --run-dir: cannot create the run directory"),
     # click's usage errors used to be three lines of their own format
     (["train", TINY, "--num-procs", "0"], r"^zerorun: error: Invalid value for '--num-procs': .* \(see '.*zerorun "
                                           r"train --help'\)$"),
@@ -283,7 +284,7 @@ def test_hostfile_with_local_host(tmp_path):
     out = zerorun("train", TINY, "-H", str(tmp_path / "hosts"), "train.steps=3", "train.eval_every=0",
                   f"log.dir={tmp_path / 'runs'}", "launch.env={ZR_TOKEN: s3cret}", cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert "1 ranks on localhostx1" in out.stdout
+    assert "1 rank on localhostx1" in out.stdout and "1 rank started" in out.stdout
     assert {e["rank"] for e in read_events(tmp_path / "runs")} == {0}
     # the run folder records the node's launch command (issue 18): real port, values of launch.env never
     [commands] = list((tmp_path / "runs").glob("*/*/commands.sh"))

@@ -99,7 +99,7 @@ class OptimizerSpec(BaseModel):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     # every other key, checked one by one (each problem on its own line, at the key's line)
-    __pydantic_extra__: dict[str, Annotated[Any, AfterValidator(optimizer_argument)]] = Field(init=False)
+    __pydantic_extra__: dict[str, Annotated[Any, AfterValidator(optimizer_argument)]]
     _no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool))
     name: str = "AdamW"
     lr: float = Field(3e-4, gt=0)
@@ -264,20 +264,20 @@ def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimize
     return resolve(recipe, path, root, overrides, check_optimizer=check_optimizer)
 
 
-def _check_optimizer(spec: OptimizerSpec, where: str) -> None:
+def _check_optimizer(spec: OptimizerSpec, where) -> None:
     """The engine's own rules (:mod:`zerorun.zero.optimizers`): the class exists, is elementwise (or declared so),
-    and takes every key given."""
+    and takes every key given. ``where(*keys)``: the recipe's file, line and field of ``train.optimizer.<keys>``."""
     from zerorun.zero.optimizers import check_arguments, resolve_optimizer
 
     try:
         cls = resolve_optimizer(spec.name, elementwise=spec.elementwise)
     except ValueError as e:
-        raise ZerorunError(f"{where}.name: {e}") from None
+        raise ZerorunError(f"{where('name')}: {e}") from None
     try:
         check_arguments(cls, spec.kwargs())
     except ValueError as e:
         key, message = e.args
-        raise ZerorunError(f"{where}{'.' + key if key else ''}: {message}") from None
+        raise ZerorunError(f"{where(key) if key else where()}: {message}") from None
 
 
 def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides: list[str] | None = None, *,
@@ -365,7 +365,7 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         if found is None:
             raise ZerorunError(f"{where('launch', 'python')}: no such executable: {launch.python}")
     if check_optimizer:
-        _check_optimizer(recipe.train.optimizer, where("train", "optimizer"))
+        _check_optimizer(recipe.train.optimizer, lambda *keys: where("train", "optimizer", *keys))
     if "loss_scale" in recipe.model_fields_set and recipe.precision != "fp16":
         raise ZerorunError(f"{where('loss_scale')}: loss scaling applies to precision fp16 only "
                            f"(precision is {recipe.precision})")

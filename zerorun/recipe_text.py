@@ -77,15 +77,14 @@ def _is_non_finite(value: Any) -> bool:
         isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max
 
 
+#: A finite number as YAML writes one (digits, a dot, an exponent; ``_`` between digits), ASCII only.
+_NUMBER_TEXT = re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?")
+
+
 def _is_number_text(value: Any) -> bool:
-    """A string that reads as a number (``"1e-8"``, ``" 0.9"``, ``"nan"``)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return True
+    """A string that YAML would have read as a finite number without its quotes (``"1e-8"``, ``" 0.9"``), not
+    other text that Python's ``float`` also reads (``"Infinity"``, ``"nan"``)."""
+    return isinstance(value, str) and _NUMBER_TEXT.fullmatch(value.strip()) is not None
 
 
 #: Words YAML 1.1 reads as booleans when they are not quoted (any case).
@@ -106,9 +105,9 @@ def non_finite(value: Any) -> tuple[str, Any] | None:
 def _finite_error(found: tuple[str, Any], at: str = "") -> PydanticCustomError:
     path, value = found
     shown = str(value) if isinstance(value, float) else f"a whole number of {len(str(abs(value)))} digits"
-    # the user's text goes in through the context, never into the template
-    return PydanticCustomError("finite_number", "{at}expected a finite number, got {shown}",
-                               {"at": at or (f"{path}: " if path else ""), "shown": shown})
+    # no context: the message is the user's text (a key named "{shown}"), never a template to fill
+    return PydanticCustomError("finite_number", f"{at or (path + ': ' if path else '')}expected a finite number, "
+                                                f"got {shown}")
 
 
 def optimizer_argument(value: Any) -> Any:
@@ -116,12 +115,14 @@ def optimizer_argument(value: Any) -> Any:
     anything starts: no infinite or NaN number (it would reach the ranks as JSON null), and no number or boolean
     written as text: ``eps: "1e-8"`` failed on every rank inside the optimizer after the launch, and
     ``maximize: "false"`` trained with ``maximize`` on (a non-empty string is true). No ``torch.optim`` class
-    takes either as text. Used as the validator of :class:`zerorun.recipe.OptimizerSpec`'s extra keys, so each
-    key's problem is reported on its own line, at the key's line.
+    takes either as text. What type the argument takes is the optimizer check's (``check_arguments`` in
+    ``zero/optimizers.py``), so the message does not guess it. Used as the validator of
+    :class:`zerorun.recipe.OptimizerSpec`'s extra keys, so each key's problem is reported on its own line, at the
+    key's line.
 
     Raises:
-        PydanticCustomError: ``finite_number``, ``number_as_text`` or ``boolean_as_text``; a nested value's
-        position is named (``betas``: "item 0: ...").
+        PydanticCustomError: ``finite_number`` or ``quoted_value``; a nested value's position is named
+        (``betas``: "item 0: ...").
     """
     def at(path: str) -> str:
         return f"item {path}: " if path else ""
@@ -129,14 +130,10 @@ def optimizer_argument(value: Any) -> Any:
     found = non_finite(value)
     if found:
         raise _finite_error(found, at(found[0]))
-    found = first_leaf(value, _is_number_text)
-    if found:
-        raise PydanticCustomError("number_as_text", "{at}{text} is text, not a number (quoted?): write the number "
-                                  "without quotes", {"at": at(found[0]), "text": repr(found[1])})
-    found = first_leaf(value, _is_boolean_text)
-    if found:
-        raise PydanticCustomError("boolean_as_text", "{at}{text} is text, not a boolean (quoted?): write true or "
-                                  "false without quotes", {"at": at(found[0]), "text": repr(found[1])})
+    found = first_leaf(value, lambda v: _is_number_text(v) or _is_boolean_text(v))
+    if found:  # no context: the message holds the user's text
+        raise PydanticCustomError("quoted_value", f"{at(found[0])}{found[1]!r} is text (quoted?): numbers and "
+                                                  "true/false are written without quotes")
     return value
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from zerorun.estimate.report import Estimate
 from zerorun.estimate.sizes import format_bytes, format_count
+from zerorun.telemetry.format import count
 
 
 def render(est: Estimate, console=None) -> None:
@@ -22,9 +23,9 @@ def render(est: Estimate, console=None) -> None:
                   f"{p['trainable']:,} trainable, {p['frozen']:,} frozen"
                   + (f"; largest unit {e(str(largest['name']))} {largest['params']:,}" if largest else "")
                   + ("" if p["exact_layout"] else " (from --params)"))
-    nodes = f"{s['nodes']} node{'s' * (s['nodes'] != 1)}"
-    ranks = f"{s['world_size']} rank{'s' * (s['world_size'] != 1)}"
-    console.print(f"[bold]Setup[/bold]: {ranks} ({nodes} x {s['procs_per_node']}), "
+    even = s["world_size"] == s["nodes"] * s["procs_per_node"]  # a hostfile's slots may differ by node
+    layout = f" x {s['procs_per_node']}" if even else f", up to {s['procs_per_node']} per node"
+    console.print(f"[bold]Setup[/bold]: {count(s['world_size'], 'rank')} ({count(s['nodes'], 'node')}{layout}), "
                   f"{e(str(s['precision']))}" + (" (reduce fp32)" if s["reduce_dtype"] != s["precision"] else "")
                   + f", {e(str(s['optimizer']))} ({s['optimizer_states']} states), device {e(str(s['device']))} "
                   f"{format_bytes(s['device_memory'])} per rank, host {format_bytes(s['cpu_memory_per_node'])} "

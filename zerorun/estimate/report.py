@@ -10,6 +10,7 @@ from zerorun.estimate.layout import Layout
 from zerorun.estimate.states import _optimizer_slices, model_states
 from zerorun.estimate.policies import OFFLOADS, OptimizerModel, Precision, grad_accum_bytes
 from zerorun.estimate.sizes import format_bytes
+from zerorun.telemetry.format import count
 
 
 #: A stage fits when its device total leaves at least this fraction of the device memory free.
@@ -250,8 +251,8 @@ def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for) -> s
     for activations, how in tries:
         nodes = _nodes_for_stage3(layout, setup, activations)
         if nodes is not None:
-            hints.append(f"stage 3{how} fits on {nodes} node{'s' * (nodes != 1)} "
-                         f"({nodes * setup.procs_per_node} ranks)")
+            ranks = count(nodes * setup.procs_per_node, "rank")
+            hints.append(f"stage 3{how} fits on {count(nodes, 'node')} ({ranks})")
             break
     if s3.gathered > 0.25 * setup.device_memory and layout.unit_hint:
         hints.append(f"stage 3 gathers {format_bytes(s3.gathered)} at once: make smaller units, e.g. "

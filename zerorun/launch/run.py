@@ -26,6 +26,7 @@ from typing import Callable
 
 from zerorun.errors import JobFailed, ZerorunError
 from zerorun.hostfile import Host
+from zerorun.telemetry.format import count
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
         raise
     plan = prepared.plan
     name = recipe.name if recipe is not None else job.name
+    source = "--run-dir" if run_dir else "log.dir"  # where the folder came from, for the error below
     run_dir = run_dir or new_run_dir(recipe.log.dir if recipe is not None else job.log_dir, name, plan.job_id)
     try:
         record.write(run_dir, plan, recipe, prepared.workdir, prepared.user_env, prepared.srun)
@@ -247,7 +249,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
         prepared.close()
         if check is not None:
             check.stop()
-        raise ZerorunError(f"log.dir: cannot create the run directory {run_dir}: {e.strerror}") from None
+        raise ZerorunError(f"{source}: cannot create the run directory {run_dir}: {e.strerror}") from None
     if os.environ.get("SLURM_JOB_ID"):
         from zerorun.launch.slurm_jobs import JOB_FILE, remember
 
@@ -301,7 +303,7 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
     plan = prepared.plan
     hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
     what = f"ZeRO stage {recipe.zero.stage}, {recipe.precision}" if recipe is not None else "user script"
-    view.print(f"zerorun: {state.name}: {plan.world_size} ranks on {hosts}, {what}; job {plan.job_id}; "
+    view.print(f"zerorun: {state.name}: {count(plan.world_size, 'rank')} on {hosts}, {what}; job {plan.job_id}; "
                f"run dir {run_dir}")
     recorder = RunRecorder(run_dir)
 

@@ -9,7 +9,7 @@ import time
 from typing import TextIO
 
 from zerorun.telemetry.events import Event, integer, number
-from zerorun.telemetry.format import describe, human_bytes, human_rate  # noqa: F401 - human_*: also used by others
+from zerorun.telemetry.format import count, describe, human_bytes, human_rate  # noqa: F401 - human_*: used by others
 from zerorun.telemetry.state import JobState
 from zerorun.telemetry.summary import print_summary
 
@@ -79,7 +79,7 @@ class PlainView:
             for line in describe(e):
                 self.print(line)
         elif e.kind == "start" and e.rank == 0:
-            self.print(f"{d.get('world_size', '?')} ranks started (torch {d.get('torch', '?')}"
+            self.print(f"{count(d.get('world_size', '?'), 'rank')} started (torch {d.get('torch', '?')}"
                        + "".join(f", {d[k]}" for k in ("device", "allocator") if d.get(k)) + ")")
         if e.kind == "start" and d.get("allocator"):
             self._other_allocators(e)

@@ -28,7 +28,7 @@ from rich.text import Text
 
 from zerorun.telemetry.console import PlainView
 from zerorun.telemetry.events import Event
-from zerorun.telemetry.format import (describe, human_duration, human_flops, human_rate, log_lines, pack, pct,
+from zerorun.telemetry.format import (count, describe, human_duration, human_flops, human_rate, log_lines, pack, pct,
                                       seconds, short_bytes)
 from zerorun.telemetry.layout import Column, render_table
 from zerorun.telemetry.state import MEMORY_ALERT, JobState, RankState
@@ -85,7 +85,8 @@ def header(state: JobState, now: float | None = None, width: int = WIDTH) -> Pan
     now = now or time.time()
     inner = max(20, width - 4)  # the panel's border and padding
     plan = [f"ZeRO stage {state.stage}" if state.stage is not None else None, state.precision,
-            f"{state.world_size or len(state.ranks)} ranks" + (f" on {', '.join(state.hosts)}" if state.hosts else "")]
+            count(state.world_size or len(state.ranks), "rank")
+            + (f" on {', '.join(state.hosts)}" if state.hosts else "")]
     rates = [f"{human_rate(v)} {unit}" for v, unit in ((state.job_rate("samples_per_s"), "samples/s"),
                                                       (state.job_rate("tokens_per_s"), "tokens/s"))
              if v is not None]

@@ -20,6 +20,12 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def count(n: int | str, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``count(1, "rank")`` is ``1 rank``, ``count(4, "node")``
+    ``4 nodes``; ``n`` may be a placeholder (``"?"``, plural)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def human_rate(n: float) -> str:
     """A rate with k/M/G suffixes: ``24.3k``, ``1.58G``."""
     if n >= 1e9:

@@ -23,6 +23,9 @@ user's optimizer, a ``torch.optim`` class added later) runs only when the caller
 
 from __future__ import annotations
 
+import typing
+from typing import Any
+
 import torch
 
 #: ``torch.optim`` classes whose update is elementwise (Note [Elementwise optimizers]); exact classes only.
@@ -99,10 +102,18 @@ def resolve_optimizer(optimizer: str | type, *, elementwise: bool = False) -> ty
     return cls
 
 
+def _optional_bool(annotation: Any) -> bool:
+    """Whether a parameter's annotation is ``bool | None`` (``Optional[bool]``), as an object or as text."""
+    if isinstance(annotation, str):
+        return annotation.replace(" ", "") in ("bool|None", "None|bool", "Optional[bool]", "typing.Optional[bool]")
+    return set(typing.get_args(annotation)) == {bool, type(None)}
+
+
 def check_arguments(cls: type, kwargs: dict) -> None:
     """Every key of ``kwargs`` is an argument of optimizer class ``cls``, a boolean is not given where the
-    argument is a number (YAML's ``yes`` for ``lr``), text is not given where it is a number or a boolean
-    (``maximize: "false"`` would be true), and ``cls`` accepts the values (built once on a
+    argument is a number (YAML's ``yes`` for ``lr``), nor text (``eps: "0x10"``), an argument whose default is
+    a boolean (or ``None`` with a ``bool | None`` annotation: ``foreach``) gets ``true``/``false`` (or null) and
+    nothing else (``maximize: "false"``, ``[false]`` or ``2`` would turn it on), and ``cls`` accepts the values (built once on a
     2-element probe parameter: its own checks, e.g. ``betas`` of two numbers, ``lr >= 0``).
 
     Raises:
@@ -120,9 +131,12 @@ def check_arguments(cls: type, kwargs: dict) -> None:
         values = value if isinstance(value, (list, tuple)) else [value]
         if numeric and any(isinstance(v, bool) for v in values):
             raise ValueError(key, f"expected a number, got a boolean ({json.dumps(value)})")
-        kind = "boolean" if isinstance(default, bool) else "number" if numeric else None
-        if kind and any(isinstance(v, str) for v in values):  # "false" would be true; "1e-8" fails in step()
-            raise ValueError(key, f"expected a {kind}, got text ({json.dumps(value)})")
+        if numeric and any(isinstance(v, str) for v in values):  # "1e-8" fails inside step()
+            raise ValueError(key, f"expected a number, got text ({json.dumps(value)})")
+        optional = default is None and _optional_bool(accepted[key].annotation)  # foreach, fused: bool | None
+        if (isinstance(default, bool) or optional) and not (isinstance(value, bool) or optional and value is None):
+            # any other value is read for its truth: "false", [false] and 2 all turn the option on
+            raise ValueError(key, f"expected true or false{' or null' if optional else ''}, got {json.dumps(value)}")
     import torch
 
     try:  # the values too (betas of one number, a negative lr): the class's own checks, on a 2-element probe
