@@ -298,7 +298,7 @@ def test_only_asked_for_env_crosses_byte_for_byte(sshd, tmp_path):
                           str(tmp_path / "seen.json"), *keys], cwd=str(tmp_path), env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "1 ranks on 127.0.0.2x1" in out.stdout
+    assert "1 rank on 127.0.0.2x1" in out.stdout
     assert re.search(r"127\.0\.0\.2\s+0\s+done", out.stdout) and "warning" not in out.stderr, out.stdout + out.stderr
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen == {"SPACED": "two words", "QUOTED": "it's \"quoted\" \\", "DOLLAR": "$HOME;echo pwned `id` | x & y",
