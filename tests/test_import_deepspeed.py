@@ -108,11 +108,27 @@ def test_auto_precision_is_listed_not_taken_as_disabled(tmp_path):
     ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
      "localhost slots=2\n", r"train_batch_size: 32 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, None, r"bf16\.enabled and fp16\.enabled: both true"),
+    # betas: [true, 0.9] became [1.0, 0.9]; a string failed without naming betas; Infinity reached the recipe
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [True, 0.9]}}}, None,
+     r"ds\.json: optimizer\.params\.betas\.0: expected a finite number, got True$"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": "0.9"}}}, None,
+     r"ds\.json: optimizer\.params\.betas: expected a list of two numbers, got '0\.9'$"),
+    ('{"optimizer": {"type": "AdamW", "params": {"eps": Infinity}}}', None,
+     r"ds\.json: optimizer\.params\.eps: expected a finite number, got inf$"),
+    ('{"optimizer": {"type": "AdamW", "params": {"betas": [0.9, NaN]}}}', None,
+     r"ds\.json: optimizer\.params\.betas\.1: expected a finite number, got nan$"),
 ])
 def test_bad_config_is_one_line(tmp_path, ds, hosts, pattern):
     with pytest.raises(ZerorunError, match=pattern) as e:
         _run(tmp_path, ds, hosts)
     assert "\n" not in str(e.value)
+
+
+def test_auto_betas_are_listed_as_dropped(tmp_path):
+    recipe, _, dropped = _run(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}},
+                              None)
+    assert "betas" not in recipe["train"]["optimizer"] and "lr" not in recipe["train"]["optimizer"]
+    assert any(d.startswith("optimizer.params.betas") and "'auto'" in d for d in dropped), dropped
 
 
 def test_cli_prints_the_recipe_and_exits_2_on_bad_input(tmp_path, monkeypatch, capsys):

@@ -19,6 +19,7 @@ listed as dropped, with the reason, in the recipe's header comment and on stderr
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import yaml
@@ -56,8 +57,10 @@ class _Import:
         if value == "auto":
             self.drop(field, "'auto' (filled in by the HF Trainer integration): set it in the recipe")
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-            raise ZerorunError(f"{field}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (kind is int and value != int(value)):  # JSON's Infinity and NaN too: the recipe refuses them
+            raise ZerorunError(f"{field}: expected {'an integer' if kind is int else 'a finite number'}, "
+                               f"got {value!r}")
         return kind(value)
 
     def run(self) -> dict:
@@ -227,7 +230,13 @@ class _Import:
                 if value is not None:
                     out[key] = value
         if "betas" in params:
-            out["betas"] = [float(b) for b in params.pop("betas")]
+            betas = params.pop("betas")
+            if betas == "auto":
+                self.num("optimizer.params.betas", betas)  # listed as dropped, as every 'auto'
+            elif not isinstance(betas, list):  # a string failed without naming the field
+                raise ZerorunError(f"optimizer.params.betas: expected a list of two numbers, got {betas!r}")
+            else:  # float(True) was 1.0
+                out["betas"] = [self.num(f"optimizer.params.betas.{i}", b) for i, b in enumerate(betas)]
         for key in sorted(params):
             self.drop(f"optimizer.params.{key}", "no torch.optim equivalent")
         self.recipe["train"]["optimizer"] = out
