@@ -339,6 +339,17 @@ def main() -> None:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
 
 
+def saving_reference(results: dict, r: dict) -> tuple[dict, int] | None:
+    """``(stage 0's row in r's environment, the model-state bytes r saves against it in theory)`` for a row
+    ``r`` of ``results`` that reports model states and is not stage 0 or DDP, or None (no stage 0 beside it,
+    or nothing saved in theory). The realized saving is ``(stage 0's peak RSS - r's) / theory``."""
+    s0 = next((b for b in results.values() if b["mode"] == "0" and b["env"] == r["env"]), None)
+    if s0 is None or not r["states"] or r["mode"] in ("0", "ddp"):
+        return None
+    theory = sum(s0["states"].values()) - sum(r["states"].values())
+    return (s0, theory) if theory > 0 else None
+
+
 def savings_by_round(results: dict) -> dict[str, list[float]]:
     """Realized / theoretical saving of each zerorun stage above 0, round by round: round i's peak RSS against
     round i's stage 0 in the same environment (the rounds interleave the modes, so round i of each mode ran in
@@ -346,11 +357,9 @@ def savings_by_round(results: dict) -> dict[str, list[float]]:
     shows each pairing. Key: the result's key; values: one fraction per round (dimensionless)."""
     out = {}
     for key, r in results.items():
-        s0 = next((b for b in results.values() if b["mode"] == "0" and b["env"] == r["env"]), None)
-        if s0 is None or not r["mode"].isdigit() or r["mode"] == "0" or not r["states"]:
-            continue
-        theory = sum(s0["states"].values()) - sum(r["states"].values())
-        if theory > 0:
+        ref = saving_reference(results, r) if r["mode"].isdigit() else None
+        if ref:
+            s0, theory = ref
             out[key] = [(a - b) / theory for a, b in zip(s0["peak_rss_rounds"], r["peak_rss_rounds"])]
     return out
 
@@ -374,13 +383,10 @@ def print_table(results: dict, args) -> None:
                        None)
     for r in results.values():
         base = next((b["step_s"] for b in results.values() if b["mode"] == "ddp" and b["env"] == r["env"]), None)
-        s0 = next((b for b in results.values() if b["mode"] == "0" and b["env"] == r["env"]), None)
         mode = r["mode"]
         states = sum(r["states"].values()) if r["states"] else None
-        saving = "-"
-        if s0 and r["states"] and mode not in ("0", "ddp"):
-            theory = sum(s0["states"].values()) - states
-            saving = f"{(s0['peak_rss'] - r['peak_rss']) / theory:.2f}" if theory > 0 else "-"
+        ref = saving_reference(results, r)
+        saving = f"{(ref[0]['peak_rss'] - r['peak_rss']) / ref[1]:.2f}" if ref else "-"
         comm = "-"
         if mode.isdigit():
             comm = f"{r['bytes_sent'] / ((3 if mode == '3' else 2) * psi * (n - 1) / n * 4):.3f}"
