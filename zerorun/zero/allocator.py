@@ -47,8 +47,8 @@ between phases of the step helped: README, "The allocator"): ``ZERORUN_ALLOCATOR
 for memory. Those figures are from before stage 3's tails and the adopted gradients (Notes [Outer units],
 [Adopted gradient]); after them, in one run of every mode (README, "Where stage 3's peak was"), tcmalloc keeps
 1.02 and 0.92 of stages 2 and 3's saving (1176 and 1108 MiB, glibc tuned 1144 and 1044) at 1.358 and 1.510 s,
-0.84x and 0.94x DDP as torchrun runs it; at micro-batch 8 stage 3 under tcmalloc still keeps only 0.75-0.88
-(two runs: stage 3's peak repeated to the MiB, stage 0's moved by 53 MiB).
+0.84x and 0.94x DDP as torchrun runs it; at micro-batch 8 stage 3 under tcmalloc keeps 0.90 or 0.75 by run
+(each stage's peak lands on one of two values 62 MiB apart: README, "Where stage 3's peak was").
 """
 
 from __future__ import annotations
