@@ -113,8 +113,8 @@ def check_arguments(cls: type, kwargs: dict) -> None:
     """Every key of ``kwargs`` is an argument of optimizer class ``cls``, a boolean is not given where the
     argument is a number (YAML's ``yes`` for ``lr``), nor text (``eps: "0x10"``), an argument whose default is
     a boolean (or ``None`` with a ``bool | None`` annotation: ``foreach``) gets ``true``/``false`` (or null) and
-    nothing else (``maximize: "false"``, ``[false]`` or ``2`` would turn it on), and ``cls`` accepts the values (built once on a
-    2-element probe parameter: its own checks, e.g. ``betas`` of two numbers, ``lr >= 0``).
+    nothing else (``maximize: "false"``, ``[false]`` or ``2`` would turn it on), and ``cls`` accepts the values
+    (built once on a 2-element probe parameter: its own checks, e.g. ``betas`` of two numbers, ``lr >= 0``).
 
     Raises:
         ValueError: ``(key, message)`` for the first key that fails (``key`` None: the values together).

@@ -34,9 +34,9 @@ def order_digest(indices: list[int]) -> int:
 
 def check_gather_order(engine, sq: torch.Tensor, indices: list[int],
                        values: list[float] = ()) -> tuple[torch.Tensor, list[float], list[float]]:
-    """All-reduce ``sq`` (the squared gradient norm, a 0-d fp64 tensor: Note [Gradient norm]) over ``engine.comm``
-    together with the digest of ``indices`` (the units this rank all-gathered since the last step) and ``values`` (small
-    integers to compare across ranks: Note [Outer units]).
+    """All-reduce ``sq`` (the squared gradient norm, a 0-d fp64 tensor: Note [Gradient norm]) over
+    ``engine.comm`` together with the digest of ``indices`` (the units this rank all-gathered since the last step)
+    and ``values`` (small integers to compare across ranks: Note [Outer units]).
 
     Returns:
         The summed ``sq``; the sums over ranks of ``values`` and of their squares (float64, exact below 2**53:
