@@ -75,6 +75,11 @@ def rendered(renderable, width=150) -> str:
     return console.export_text().replace("│", " ")
 
 
+def test_header_counts_one_rank_in_the_singular():
+    state = JobState(name="tiny", stage=2, precision="fp32", world_size=1, hosts=["localhostx1"], steps=3, started=T0)
+    assert "ZeRO stage 2 · fp32 · 1 rank on localhostx1" in rendered(render(state, now=T0 + 1, width=150))
+
+
 def row_of(text: str, rank: int) -> str:
     [row] = [line for line in text.splitlines() if re.match(rf"\s*node{rank}\s+{rank}\s", line)]
     return row
