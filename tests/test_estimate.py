@@ -152,6 +152,10 @@ def test_parse_sizes_and_bandwidth():
     (["--params", "7B", "--precision", "fp8"], "zerorun: error: --precision: 'fp8' is not one of"),
     (["--params", "7B", "--optimizer", "LBFGS"], "zerorun: error: --optimizer: no memory model for optimizer"),
     ([], "zerorun: error: estimate: give a recipe file or --params"),
+    # were accepted: a largest layer larger than the model, and one beside a recipe (ignored)
+    (["--params", "1B", "--largest-layer", "2B"],
+     "zerorun: error: --largest-layer: 2B is more parameters than the whole model (--params 1B)"),
+    (["recipes/tiny.yaml", "--largest-layer", "1M"], "zerorun: error: --largest-layer: only with --params"),
 ])
 def test_bad_flags_are_one_line_exit_2(capsys, monkeypatch, args, expected):
     from zerorun import cli
