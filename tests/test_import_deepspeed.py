@@ -131,6 +131,33 @@ def test_auto_betas_are_listed_as_dropped(tmp_path):
     assert any(d.startswith("optimizer.params.betas") and "'auto'" in d for d in dropped), dropped
 
 
+def test_optimizer_params_torch_takes_are_carried(tmp_path):
+    """amsgrad, nesterov and dampening were dropped as "no torch.optim equivalent" (the recipe then trained
+    without them); momentum was carried into Adam, which has no such argument. Now each class gets the
+    params torch.optim's class takes, checked, and the rest are listed with the reason."""
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": True, "momentum": 0.9, "torch_adam": True,
+                                                    "bias_correction": False}}}
+    data, _, dropped = _run(tmp_path, ds, None)
+    Recipe.model_validate(data)
+    assert data["train"]["optimizer"] == {"name": "AdamW", "lr": 1e-3, "amsgrad": True}
+    assert sorted(dropped) == ["optimizer.params.bias_correction: torch.optim.AdamW always corrects the bias",
+                               "optimizer.params.momentum: not an argument of torch.optim.AdamW",
+                               "optimizer.params.torch_adam: chooses an implementation; zerorun's ranks run "
+                               "torch.optim.AdamW"]
+    ds = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True, "dampening": 0}}}
+    data, _, dropped = _run(tmp_path, ds, None)
+    assert data["train"]["optimizer"] == {"name": "SGD", "lr": 0.1, "momentum": 0.9, "nesterov": True,
+                                          "dampening": 0.0} and not dropped
+    ds = {"optimizer": {"type": "Adagrad", "params": {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.5}}}
+    assert _run(tmp_path, ds, None)[0]["train"]["optimizer"] == {"name": "Adagrad", "lr": 0.1, "lr_decay": 0.01,
+                                                                  "initial_accumulator_value": 0.5}
+    for bad in ("true", 1):  # read for its truth by torch.optim
+        with pytest.raises(ZerorunError, match=rf"optimizer\.params\.amsgrad: expected true or false, got {bad!r}$"):
+            _run(tmp_path, {"optimizer": {"type": "Adam", "params": {"amsgrad": bad}}}, None)
+    _, _, dropped = _run(tmp_path, {"optimizer": {"type": "SGD", "params": {"nesterov": "auto"}}}, None)
+    assert any(d.startswith("optimizer.params.nesterov: 'auto'") for d in dropped), dropped
+
+
 def test_cli_prints_the_recipe_and_exits_2_on_bad_input(tmp_path, monkeypatch, capsys):
     from zerorun.cli import main
 
