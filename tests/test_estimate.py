@@ -362,3 +362,17 @@ def test_prefetch_bytes_bounds_the_gathered_working_set():
     assert gathered(prefetch_bytes=2 * block + 5) == one + 2 * block
     assert gathered(prefetch_bytes=1 << 40) == one + 3 * block  # every other block, no more
     assert gathered(prefetch=False, prefetch_bytes=1 << 40) == one
+
+
+def test_piped_output_follows_columns(capsys, monkeypatch):
+    """Into a pipe the estimate is laid out in 120 columns, or in ``$COLUMNS`` when set (it was 120 whatever
+    COLUMNS said: rich reads COLUMNS for a terminal only)."""
+    args = ("--params", "7B", "--nodes", "2", "--procs-per-node", "8")
+    widths = {}
+    for columns in (None, "200", "80"):
+        if columns is None:
+            monkeypatch.delenv("COLUMNS", raising=False)
+        else:
+            monkeypatch.setenv("COLUMNS", columns)
+        widths[columns] = max(len(line) for line in run_cli(capsys, monkeypatch, *args).splitlines())
+    assert widths[None] <= 120 < widths["200"] <= 200 and widths["80"] <= 80, widths
