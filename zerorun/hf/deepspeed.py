@@ -3,7 +3,7 @@ zerorun recipe, so a DeepSpeed user starts from their own settings.
 
 Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.stage``;
 ``offload_optimizer.device`` cpu/nvme -> ``zero.offload_optimizer`` cpu/disk (``nvme_path`` ->
-``zero.offload_path``); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
+``zero.offload_path``); ``offload_param.device`` nvme -> ``zero.offload_params`` disk (stage 3); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
 size); ``stage3_param_persistence_threshold`` -> ``zero.persistence_threshold``; ``stage3_prefetch_bucket_size``
 (elements) -> ``zero.prefetch_bytes`` (at the parameters' element size); ``bf16``/``fp16.enabled`` ->
 ``precision``; fp16's ``initial_scale_power``/``loss_scale_window``/``min_loss_scale`` -> ``loss_scale``;
@@ -235,9 +235,22 @@ class _Import:
         for key in sorted(set(offload) - {"device", "nvme_path"}):
             self.drop(f"zero_optimization.offload_optimizer.{key}", "no zerorun equivalent")
         param = z.pop("offload_param", None) or {}
-        if param.get("device", "none") != "none":
-            self.drop("zero_optimization.offload_param", "parameter offload is not supported; stage 3 keeps only "
-                                                         "each rank's slice")
+        device = param.get("device", "none")
+        if device == "nvme" and out.get("stage") == 3:  # was dropped as "not supported" (zero.offload_params)
+            out["offload_params"] = "disk"
+            path = param.get("nvme_path", "/tmp/zerorun-swap")
+            if "offload_path" not in out:
+                out["offload_path"] = path
+            elif path != out["offload_path"]:
+                self.drop("zero_optimization.offload_param.nvme_path", "one folder holds both swap files here: "
+                          f"zero.offload_path is offload_optimizer's {out['offload_path']}")
+        elif device == "nvme":
+            self.drop("zero_optimization.offload_param", "stage 3 only")
+        elif device != "none":
+            self.drop("zero_optimization.offload_param", f"device {device}: not supported (zero.offload_params "
+                                                         "takes disk: device nvme)")
+        for key in sorted(set(param) - {"device", "nvme_path"}) if device == "nvme" else ():
+            self.drop(f"zero_optimization.offload_param.{key}", "no zerorun equivalent")
         for key in sorted(z):
             self.drop(f"zero_optimization.{key}", _ALWAYS.get(key, "no zerorun equivalent"))
 
