@@ -152,6 +152,10 @@ def test_parse_sizes_and_bandwidth():
     (["--params", "7B", "--precision", "fp8"], "zerorun: error: --precision: 'fp8' is not one of"),
     (["--params", "7B", "--optimizer", "LBFGS"], "zerorun: error: --optimizer: no memory model for optimizer"),
     ([], "zerorun: error: estimate: give a recipe file or --params"),
+    # were accepted: a largest layer larger than the model, and one beside a recipe (ignored)
+    (["--params", "1B", "--largest-layer", "2B"],
+     "zerorun: error: --largest-layer: 2B is more parameters than the whole model (--params 1B)"),
+    (["recipes/tiny.yaml", "--largest-layer", "1M"], "zerorun: error: --largest-layer: only with --params"),
 ])
 def test_bad_flags_are_one_line_exit_2(capsys, monkeypatch, args, expected):
     from zerorun import cli
@@ -358,3 +362,17 @@ def test_prefetch_bytes_bounds_the_gathered_working_set():
     assert gathered(prefetch_bytes=2 * block + 5) == one + 2 * block
     assert gathered(prefetch_bytes=1 << 40) == one + 3 * block  # every other block, no more
     assert gathered(prefetch=False, prefetch_bytes=1 << 40) == one
+
+
+def test_piped_output_follows_columns(capsys, monkeypatch):
+    """Into a pipe the estimate is laid out in 120 columns, or in ``$COLUMNS`` when set (it was 120 whatever
+    COLUMNS said: rich reads COLUMNS for a terminal only)."""
+    args = ("--params", "7B", "--nodes", "2", "--procs-per-node", "8")
+    widths = {}
+    for columns in (None, "200", "80"):
+        if columns is None:
+            monkeypatch.delenv("COLUMNS", raising=False)
+        else:
+            monkeypatch.setenv("COLUMNS", columns)
+        widths[columns] = max(len(line) for line in run_cli(capsys, monkeypatch, *args).splitlines())
+    assert widths[None] <= 120 < widths["200"] <= 200 and widths["80"] <= 80, widths

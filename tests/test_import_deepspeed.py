@@ -131,6 +131,49 @@ def test_auto_betas_are_listed_as_dropped(tmp_path):
     assert any(d.startswith("optimizer.params.betas") and "'auto'" in d for d in dropped), dropped
 
 
+def test_parameter_offload_to_nvme_is_zeroruns_disk_offload(tmp_path):
+    """offload_param was always dropped as "not supported"; zerorun's stage 3 pages parameter slices from a
+    file (zero.offload_params: disk): device nvme maps to it, in the optimizer's folder when both are given."""
+    z = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme/p", "pin_memory": True}}
+    data, _, dropped = _run(tmp_path, {"zero_optimization": z}, None)
+    r = Recipe.model_validate(data)
+    assert (r.zero.offload_params, r.zero.offload_path, r.zero.offload_optimizer) == ("disk", "/nvme/p", "none")
+    assert dropped == ["zero_optimization.offload_param.pin_memory: no zerorun equivalent"]
+    z["offload_optimizer"] = {"device": "nvme", "nvme_path": "/nvme/o"}
+    data, _, dropped = _run(tmp_path, {"zero_optimization": z}, None)
+    assert data["zero"]["offload_path"] == "/nvme/o" and data["zero"]["offload_params"] == "disk"
+    assert any(d.startswith("zero_optimization.offload_param.nvme_path: one folder") for d in dropped), dropped
+    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"}}}, None)
+    assert "offload_params" not in data["zero"] and dropped == ["zero_optimization.offload_param: stage 3 only"]
+
+
+def test_optimizer_params_torch_takes_are_carried(tmp_path):
+    """amsgrad, nesterov and dampening were dropped as "no torch.optim equivalent" (the recipe then trained
+    without them); momentum was carried into Adam, which has no such argument. Now each class gets the
+    params torch.optim's class takes, checked, and the rest are listed with the reason."""
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": True, "momentum": 0.9, "torch_adam": True,
+                                                    "bias_correction": False}}}
+    data, _, dropped = _run(tmp_path, ds, None)
+    Recipe.model_validate(data)
+    assert data["train"]["optimizer"] == {"name": "AdamW", "lr": 1e-3, "amsgrad": True}
+    assert sorted(dropped) == ["optimizer.params.bias_correction: torch.optim.AdamW always corrects the bias",
+                               "optimizer.params.momentum: not an argument of torch.optim.AdamW",
+                               "optimizer.params.torch_adam: chooses an implementation; zerorun's ranks run "
+                               "torch.optim.AdamW"]
+    ds = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True, "dampening": 0}}}
+    data, _, dropped = _run(tmp_path, ds, None)
+    assert data["train"]["optimizer"] == {"name": "SGD", "lr": 0.1, "momentum": 0.9, "nesterov": True,
+                                          "dampening": 0.0} and not dropped
+    ds = {"optimizer": {"type": "Adagrad", "params": {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.5}}}
+    assert _run(tmp_path, ds, None)[0]["train"]["optimizer"] == {"name": "Adagrad", "lr": 0.1, "lr_decay": 0.01,
+                                                                  "initial_accumulator_value": 0.5}
+    for bad in ("true", 1):  # read for its truth by torch.optim
+        with pytest.raises(ZerorunError, match=rf"optimizer\.params\.amsgrad: expected true or false, got {bad!r}$"):
+            _run(tmp_path, {"optimizer": {"type": "Adam", "params": {"amsgrad": bad}}}, None)
+    _, _, dropped = _run(tmp_path, {"optimizer": {"type": "SGD", "params": {"nesterov": "auto"}}}, None)
+    assert any(d.startswith("optimizer.params.nesterov: 'auto'") for d in dropped), dropped
+
+
 def test_cli_prints_the_recipe_and_exits_2_on_bad_input(tmp_path, monkeypatch, capsys):
     from zerorun.cli import main
 

@@ -115,6 +115,11 @@ def test_a_few_aliases_are_still_fine(tmp_path):
     # the user's key is shown as written, never filled in as a template
     ('model.kwargs={"{shown}": .inf}', r"model\.kwargs: \{shown\}: expected a finite number, got inf$"),
     ('train.optimizer.betas=[{"{text}": "0.9"}, 0.99]', r"\.betas: item 0\.\{text\}: '0\.9' is text"),
+    # a field of numbered choices: was "Input should be 0, 1, 2 or 3", which reads as if 2 were refused
+    ("zero.stage='2'", r"^override \"zero\.stage='2'\": zero\.stage: '2' is text \(quoted\?\): expected 0, 1, 2 or 3$"),
+    ("zero.stage='5'", r"zero\.stage: '5' is text \(quoted\?\): expected 0, 1, 2 or 3$"),
+    ("zero.stage=5", r"zero\.stage: Input should be 0, 1, 2 or 3$"),
+    ("precision=fp8", r"precision: Input should be 'fp32', 'bf16' or 'fp16'$"),
 ])
 def test_booleans_are_not_numbers(tmp_path, override, expected):
     with pytest.raises(ZerorunError, match=expected) as info:

@@ -157,3 +157,69 @@ def test_every_rank_stopped_on_sigterm_is_an_interruption_naming_the_checkpoint(
     assert (result.status, result.exit_code, result.rank) == ("interrupted", 143, None)
     assert result.message == ("stopped by SIGTERM after step 7: every rank saved checkpoint /ck/step-00000007 and "
                               "exited; continue with zerorun train ... --resume")
+
+
+#: what a node's torchrun prints on SIGTERM (from a real run's output.log, the traceback shortened)
+TORCHRUN_STOP = [
+    "W1201 22:21:13.270000 28791 torch/distributed/elastic/agent/server/api.py:753] Received 15 death signal, "
+    "shutting down workers",
+    "W1201 22:21:13.270000 28791 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 28795 "
+    "closing signal SIGTERM",
+    "Traceback (most recent call last):",
+    '  File "torch/distributed/run.py", line 1028, in main',
+    "    run(args)",
+    "torch.distributed.elastic.multiprocessing.api.SignalException: Process 28791 got signal: 15",
+]
+
+
+class TorchrunNode(FakeNode):
+    """A node that prints :data:`TORCHRUN_STOP` and ends (exit status 1) on SIGTERM, as torchrun does."""
+
+    def __init__(self, spec, lines: queue.Queue):
+        super().__init__(spec, 0)
+        self.lines = lines
+
+    def start(self):
+        pass
+
+    def send_signal(self, sig):
+        super().send_signal(sig)
+        if sig == signal.SIGTERM:
+            for line in TORCHRUN_STOP:
+                self.lines.put((self.spec.node_rank, line))
+            self.lines.put((self.spec.node_rank, None, 1))
+
+
+def stopped_job(stop: str | None):
+    """Run a one-node job under the supervisor with a plain view: the model check finds a problem at once, or
+    (``stop``) the supervisor receives that signal first. Returns the result and what the view printed."""
+    import io
+
+    from zerorun.telemetry.console import PlainView
+    from zerorun.telemetry.state import JobState
+
+    plan = build_plan([Host("localhost", 2)], "{}", "job", 12345)
+    q: queue.Queue = queue.Queue()
+    state, out = JobState(world_size=2), io.StringIO()
+    view = PlainView(out, state)
+    sup = Supervisor(plan, [TorchrunNode(plan.nodes[0], q)], q, view.event, view.line, grace_s=2.0,
+                     check=lambda: None if stop else "recipe: zero.units: no module of class Nope in the model",
+                     on_stopping=state.stopping)
+    if stop:
+        sup._stop = stop
+    return sup.run(), out.getvalue().splitlines()
+
+
+def test_a_job_the_launcher_stops_itself_is_not_shown_as_interrupted():
+    """The model check's problem (or a failed rank) makes the launcher SIGTERM the nodes still running: their
+    torchrun's stop lines are not shown as "job interrupted: torchrun got SIGTERM", which read as a signal from
+    outside beside the launcher's one-line error; a Ctrl-C or SIGTERM to the launcher still says so in one line
+    (Note [Interrupted job] in telemetry/logtail.py)."""
+    result, shown = stopped_job(None)
+    assert (result.status, result.exit_code) == ("failed", 2)
+    assert shown == [], shown
+    for sig in ("SIGINT", "SIGTERM"):
+        result, shown = stopped_job(sig)
+        assert result.status == "interrupted"
+        assert shown == ["[node 0] job interrupted: torchrun got SIGTERM and stops every rank (full output: the run "
+                         "folder's output.log)"], shown

@@ -278,3 +278,17 @@ def test_show_names_the_failed_rank_from_the_events_when_job_json_does_not(tmp_p
     out = subprocess.run([sys.executable, "-m", "zerorun", "show", empty], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "no telemetry events in it" in out.stderr and "the job FAILED (exit status 1)" in out.stderr
+
+
+def test_output_width_of_a_pipe_is_columns_when_set(monkeypatch):
+    """The summary and the estimate written to a file or pipe: ``$COLUMNS`` when it is a positive whole number
+    (rich reads it for a terminal only), else the view's plain width."""
+    import io
+
+    from zerorun.telemetry.layout import output_width
+
+    for columns, expected in (("200", 200), (" 90 ", 90), ("0", 160), ("wide", 160), ("-5", 160), ("", 160)):
+        monkeypatch.setenv("COLUMNS", columns)
+        assert output_width(io.StringIO(), 160) == expected, columns
+    monkeypatch.delenv("COLUMNS")
+    assert output_width(io.StringIO(), 160) == 160

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import List, Optional
@@ -46,7 +47,18 @@ _LAUNCHER = typer.Option(None, "--launcher", metavar="ssh|slurm|local",
                          help="How nodes start: ssh (the hostfile's hosts; this machine without -H), slurm (the "
                               "allocation's nodes through srun), local (this machine). Default: slurm inside a SLURM "
                               "allocation (SLURM_JOB_ID) without -H, else ssh.")
-_PREFLIGHT_S = typer.Option(15.0, "--preflight-timeout", min=1.0, help="Seconds preflight may take, all hosts.")
+
+
+def _preflight_seconds(value: float) -> float:
+    """``--preflight-timeout``: a finite number of seconds, at least 1 (typer's own ``min`` check would say
+    "greater than or equal to 1" of ``nan``, and let ``inf`` through to the preflight's thread joins)."""
+    if not math.isfinite(value) or value < 1:
+        raise typer.BadParameter(f"expected a finite number of seconds, at least 1; got {value:g}")
+    return value
+
+
+_PREFLIGHT_S = typer.Option(15.0, "--preflight-timeout", callback=_preflight_seconds,
+                            help="Seconds preflight may take, all hosts (at least 1).")
 
 
 def _version(value: bool) -> None:

@@ -503,6 +503,10 @@ def validation_problems(errors: list[dict], path: str, root: yaml.Node | None, o
                 msg += f" (did you mean {close[0]!r}?)"
         elif err["type"] == "missing":
             msg = "required field is missing"
+        elif err["type"] == "literal_error" and (_is_number_text(err.get("input")) or
+                                                 _is_boolean_text(err.get("input"))):
+            # zero.stage: '2' was "Input should be 0, 1, 2 or 3", which reads as if 2 were refused
+            msg = f"{err['input']!r} is text (quoted?): expected {err.get('ctx', {}).get('expected', 'a number')}"
         source = override_for(loc, overrides)
         line = line_of(root, loc) if source is None else None
         where = f"override {source!r}" if source is not None else f"{path}{f':{line}' if line else ''}"

@@ -43,11 +43,14 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
     accumulation buffer]); ``precision`` and ``offload`` override them.
 
     Raises:
-        ZerorunError: neither or both of ``recipe`` and ``params``; a bad recipe, hostfile, model module or
-            flag value (the message names the file, field or flag).
+        ZerorunError: neither or both of ``recipe`` and ``params``; ``largest_layer`` without ``params``, or
+            more than it; a bad recipe, hostfile, model module or flag value (the message names the file, field
+            or flag).
     """
     if (recipe is None) == (params is None):
         raise ZerorunError("estimate: give a recipe file or --params (not both)")
+    if largest_layer is not None and params is None:  # was ignored: a recipe's units are counted from its model
+        raise ZerorunError("--largest-layer: only with --params (a recipe's largest unit is counted from its model)")
     hosts = None
     if hostfile:
         from zerorun.hostfile import read_hostfile
@@ -68,7 +71,11 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         if overrides:
             raise ZerorunError(f"estimate: overrides ({overrides[0]}) need a recipe")
         largest = parse_count(largest_layer, "--largest-layer") if largest_layer else None
-        layout = layout_of_count(parse_count(params, "--params"), largest)
+        total = parse_count(params, "--params")
+        if largest is not None and largest > total:
+            raise ZerorunError(f"--largest-layer: {largest_layer} is more parameters than the whole model "
+                               f"(--params {params})")
+        layout = layout_of_count(total, largest)
         prec = precision_of(precision or "fp32")
     ppn = procs_per_node or (max(h.slots for h in hosts) if hosts else (r.launch.procs_per_node if r else 1))
     n_nodes = nodes or (len(hosts) if hosts else 1)

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import sys
+
 from zerorun.estimate.report import Estimate
 from zerorun.estimate.sizes import format_bytes, format_count
 from zerorun.telemetry.format import count
 
 
 def render(est: Estimate, console=None) -> None:
-    """Print ``est`` as rich tables (bytes in binary units, time in seconds)."""
+    """Print ``est`` as rich tables (bytes in binary units, time in seconds) on ``console``, or on standard
+    output at the terminal's width, or in 120 columns (``$COLUMNS`` when set) into a file or pipe."""
     from rich.console import Console
     from rich.markup import escape as e
     from rich.text import Text
 
-    import sys
+    from zerorun.telemetry.layout import output_width
 
-
-    console = console or Console(width=None if sys.stdout.isatty() else 120)
+    console = console or Console(width=output_width(sys.stdout, 120))
     s, p = est.setup, est.params
     largest = p["largest_unit"]
     console.print(f"[bold]Model[/bold]: {p['total']:,} parameters ({format_count(p['total'])}): "

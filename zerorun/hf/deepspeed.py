@@ -3,15 +3,15 @@ zerorun recipe, so a DeepSpeed user starts from their own settings.
 
 Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.stage``;
 ``offload_optimizer.device`` cpu/nvme -> ``zero.offload_optimizer`` cpu/disk (``nvme_path`` ->
-``zero.offload_path``); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
+``zero.offload_path``); ``offload_param.device`` nvme -> ``zero.offload_params`` disk (stage 3); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
 size); ``stage3_param_persistence_threshold`` -> ``zero.persistence_threshold``; ``stage3_prefetch_bucket_size``
 (elements) -> ``zero.prefetch_bytes`` (at the parameters' element size); ``bf16``/``fp16.enabled`` ->
 ``precision``; fp16's ``initial_scale_power``/``loss_scale_window``/``min_loss_scale`` -> ``loss_scale``;
 ``communication_data_type`` fp32 -> ``zero.reduce_dtype``; ``data_types.grad_accum_dtype`` ->
 ``zero.grad_accum_dtype``; ``gradient_clipping`` -> ``train.grad_clip``;
 ``train_micro_batch_size_per_gpu``/``gradient_accumulation_steps`` (or derived from ``train_batch_size`` and
-the hostfile's slots) -> ``train.micro_batch_size``/``grad_accum_steps``; ``optimizer`` (Adam/AdamW/SGD and
-its params) -> ``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR -> ``train.schedule``
+the hostfile's slots) -> ``train.micro_batch_size``/``grad_accum_steps``; ``optimizer`` (Adam/AdamW/SGD/Adagrad and
+the params torch.optim's class also takes: :data:`_CARRIED`) -> ``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR -> ``train.schedule``
 (and ``train.steps`` from ``total_num_steps``); ``steps_per_print`` -> ``log.every``. Every other field is
 listed as dropped, with the reason, in the recipe's header comment and on stderr.
 """
@@ -41,6 +41,26 @@ _ALWAYS = {
 }
 
 
+_ADAM = {"lr": float, "weight_decay": float, "eps": float, "amsgrad": bool}
+#: DeepSpeed's optimizer params carried into the recipe, per torch.optim class (the same name and meaning there):
+#: name -> float or bool.
+_CARRIED = {"Adam": _ADAM, "AdamW": _ADAM,
+            "SGD": {"lr": float, "weight_decay": float, "momentum": float, "dampening": float, "nesterov": bool},
+            "Adagrad": {"lr": float, "weight_decay": float, "eps": float, "lr_decay": float,
+                        "initial_accumulator_value": float}}
+#: DeepSpeed's optimizer params that choose an implementation, not the update.
+_IMPLEMENTATION = ("torch_adam", "fused", "foreach", "capturable", "differentiable", "cuda_aware")
+
+
+def _not_carried(key: str, name: str) -> str:
+    """Why DeepSpeed's optimizer param ``key`` is dropped from a recipe whose optimizer is ``torch.optim.name``."""
+    if key in _IMPLEMENTATION:
+        return f"chooses an implementation; zerorun's ranks run torch.optim.{name}"
+    if key == "bias_correction" and name in ("Adam", "AdamW"):
+        return f"torch.optim.{name} always corrects the bias"
+    return f"not an argument of torch.optim.{name}"
+
+
 class _Import:
     def __init__(self, ds: dict, world_size: int | None) -> None:
         self.ds, self.world = ds, world_size
@@ -62,6 +82,14 @@ class _Import:
             raise ZerorunError(f"{field}: expected {'an integer' if kind is int else 'a finite number'}, "
                                f"got {value!r}")
         return kind(value)
+
+    def flag(self, field: str, value: Any) -> bool | None:
+        """A boolean optimizer argument (``amsgrad``, ``nesterov``); 'auto' is listed as dropped."""
+        if value == "auto":
+            return self.num(field, value)
+        if not isinstance(value, bool):  # "false" or 0 would be read for its truth by torch.optim
+            raise ZerorunError(f"{field}: expected true or false, got {value!r}")
+        return value
 
     def run(self) -> dict:
         ds = dict(self.ds)
@@ -207,9 +235,22 @@ class _Import:
         for key in sorted(set(offload) - {"device", "nvme_path"}):
             self.drop(f"zero_optimization.offload_optimizer.{key}", "no zerorun equivalent")
         param = z.pop("offload_param", None) or {}
-        if param.get("device", "none") != "none":
-            self.drop("zero_optimization.offload_param", "parameter offload is not supported; stage 3 keeps only "
-                                                         "each rank's slice")
+        device = param.get("device", "none")
+        if device == "nvme" and out.get("stage") == 3:  # was dropped as "not supported" (zero.offload_params)
+            out["offload_params"] = "disk"
+            path = param.get("nvme_path", "/tmp/zerorun-swap")
+            if "offload_path" not in out:
+                out["offload_path"] = path
+            elif path != out["offload_path"]:
+                self.drop("zero_optimization.offload_param.nvme_path", "one folder holds both swap files here: "
+                          f"zero.offload_path is offload_optimizer's {out['offload_path']}")
+        elif device == "nvme":
+            self.drop("zero_optimization.offload_param", "stage 3 only")
+        elif device != "none":
+            self.drop("zero_optimization.offload_param", f"device {device}: not supported (zero.offload_params "
+                                                         "takes disk: device nvme)")
+        for key in sorted(set(param) - {"device", "nvme_path"}) if device == "nvme" else ():
+            self.drop(f"zero_optimization.offload_param.{key}", "no zerorun equivalent")
         for key in sorted(z):
             self.drop(f"zero_optimization.{key}", _ALWAYS.get(key, "no zerorun equivalent"))
 
@@ -224,9 +265,10 @@ class _Import:
             self.drop("optimizer", f"type {opt.get('type')!r}: use a torch.optim class in train.optimizer.name")
             return
         out: dict[str, Any] = {"name": names[kind]}
-        for key in ("lr", "weight_decay", "eps", "momentum"):
+        for key, kind_of in _CARRIED[out["name"]].items():
             if key in params:
-                value = self.num(f"optimizer.params.{key}", params.pop(key))
+                field, value = f"optimizer.params.{key}", params.pop(key)
+                value = self.flag(field, value) if kind_of is bool else self.num(field, value)
                 if value is not None:
                     out[key] = value
         if "betas" in params:
@@ -237,8 +279,8 @@ class _Import:
                 raise ZerorunError(f"optimizer.params.betas: expected a list of two numbers, got {betas!r}")
             else:  # float(True) was 1.0
                 out["betas"] = [self.num(f"optimizer.params.betas.{i}", b) for i, b in enumerate(betas)]
-        for key in sorted(params):
-            self.drop(f"optimizer.params.{key}", "no torch.optim equivalent")
+        for key in sorted(params):  # amsgrad, nesterov were listed as "no torch.optim equivalent"
+            self.drop(f"optimizer.params.{key}", _not_carried(key, out["name"]))
         self.recipe["train"]["optimizer"] = out
 
     def scheduler(self, sched: Any) -> None:

@@ -321,7 +321,8 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
     # SLURM (Note [Slurm teardown]): 10 s between SIGTERM and SIGKILL, for the ranks' checkpoint on SIGTERM
     supervisor = Supervisor(plan, prepared.nodes, prepared.lines, on_event, on_line,
                             grace_s=10.0 if prepared.srun else 5.0,
-                            require_finish=recipe is not None, check=check.problem if check else None)
+                            require_finish=recipe is not None, check=check.problem if check else None,
+                            on_stopping=state.stopping)
     result = None
     try:
         result = prefer_check(supervisor.run(), check)

@@ -61,14 +61,17 @@ class Supervisor:
     ``require_finish`` (training), a rank that ends without a finish event fails the job; without it (user
     scripts, ``zerorun launch``), exit codes alone decide. ``check()``, polled while the job runs, returns a
     one-line problem found beside the job (the model check, zerorun/modelcheck.py) or None: a problem stops the
-    job as bad input (exit code 2) unless a rank has failed already."""
+    job as bad input (exit code 2) unless a rank has failed already. ``on_stopping()``, when given, is called
+    once before the supervisor itself signals nodes that still run (a failure or a problem, not a Ctrl-C or
+    SIGTERM it received): the views then do not show the nodes' stop lines as an interruption."""
 
     def __init__(self, plan: LaunchPlan, nodes: list[LocalNode], lines: "queue.Queue",
                  on_event: Callable[[Event], None], on_line: Callable[[int, str], None],
                  grace_s: float = 5.0, require_finish: bool = True,
-                 check: Callable[[], str | None] | None = None) -> None:
+                 check: Callable[[], str | None] | None = None,
+                 on_stopping: Callable[[], None] | None = None) -> None:
         self.plan, self.nodes, self.lines = plan, nodes, lines
-        self.check = check
+        self.check, self.on_stopping = check, on_stopping
         self.on_event, self.on_line = on_event, on_line
         self.grace_s = grace_s
         self.require_finish = require_finish
@@ -298,6 +301,8 @@ class Supervisor:
         running = [n for n in self.nodes if n.spec.node_rank not in self._ended]
         if not self.nodes:
             return
+        if running and self._stop is None and self.on_stopping is not None:
+            self.on_stopping()
         with ThreadPoolExecutor(len(self.nodes)) as pool:
             list(pool.map(lambda n: n.send_signal(signal.SIGTERM), running))
             deadline = time.time() + self.grace_s

@@ -22,6 +22,21 @@ from zerorun.telemetry.format import pack
 GAP = 2  # spaces between columns
 
 
+def output_width(out, default: int) -> int | None:
+    """Columns to lay text out in for the stream ``out``: ``None`` (rich asks the terminal) when ``out`` is a
+    terminal, else ``$COLUMNS`` when it is a positive whole number (``COLUMNS=200 zerorun estimate ... | less``;
+    rich reads it for a terminal only), else ``default``."""
+    try:
+        if out.isatty():
+            return None
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        pass
+    import os
+
+    columns = os.environ.get("COLUMNS", "").strip()
+    return int(columns) if columns.isdigit() and int(columns) > 0 else default
+
+
 @dataclass
 class Column:
     """A column: ``header`` (``\\n`` between its lines), one cell per row, ``justify`` ``left`` or ``right``.

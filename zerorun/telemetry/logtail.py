@@ -5,7 +5,9 @@ Note [Interrupted job]: when a job is stopped (Ctrl-C in the terminal, SIGTERM, 
 after a failure), each node's torchrun raises ``SignalException`` and prints a 30-line traceback, after
 ``Received 2 death signal, shutting down workers`` and one ``Sending process N closing signal SIGTERM`` per
 rank. That says one thing: the job was interrupted. So the tail keeps one line saying so, once per job, and
-drops those lines and that traceback (a traceback ending in any other exception is kept whole). Lines are
+drops those lines and that traceback (a traceback ending in any other exception is kept whole). When the
+launcher stops the job itself (a rank failed, or the model check found a problem: :meth:`LogTail.stopping`),
+not even that line: it would read as a signal from outside, and the launcher's own error line says why. Lines are
 folded per stream (a node's own lines, or one rank's ``[rank R]`` lines) so interleaved nodes and ranks do not
 mix their tracebacks.
 
@@ -48,6 +50,7 @@ class LogTail:
     def __init__(self, maxlen: int = 8) -> None:
         self.entries: deque[str | Event] = deque(maxlen=maxlen)
         self.interrupted: str | None = None  # the signal's name once a node said it was stopped
+        self._launcher_stop = False  # the launcher stops the job itself (stopping())
         self._tracebacks: dict[tuple[int, str], list[str]] = {}  # stream -> its traceback lines so far
 
     def __iter__(self) -> Iterator[str | Event]:
@@ -82,7 +85,7 @@ class LogTail:
         death = _DEATH.search(body)
         if death:
             return self._interrupted(prefix, signal_name(death.group(1)))
-        if self.interrupted and _CLOSING.search(body):
+        if (self.interrupted or self._launcher_stop) and _CLOSING.search(body):
             return []
         return self._add([shown])
 
@@ -92,8 +95,15 @@ class LogTail:
         self._tracebacks.clear()
         return self._add(lines)
 
+    def stopping(self) -> None:
+        """The launcher is stopping the job itself (a rank failed, or a problem was found beside the job): the
+        nodes' signal lines and tracebacks that follow are dropped without the "job interrupted" line (Note
+        [Interrupted job]); the launcher's error line says why the job stopped."""
+        self._launcher_stop = True
+
     def _interrupted(self, prefix: str, name: str) -> list[str]:
-        if self.interrupted:
+        if self.interrupted or self._launcher_stop:
+            self.interrupted = self.interrupted or name
             return []
         self.interrupted = name
         return self._add([f"{prefix} job interrupted: torchrun got {name} and stops every rank (full output: "

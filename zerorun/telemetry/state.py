@@ -167,6 +167,11 @@ class JobState:
         [Interrupted job] in telemetry/logtail.py)."""
         return self.log.add_line(node_rank, line)
 
+    def stopping(self) -> None:
+        """The launcher stops the job itself (a failure, or a problem found beside it): the nodes' stop noise is
+        not shown as an interruption (:meth:`LogTail.stopping`)."""
+        self.log.stopping()
+
     def _progress(self, step: int | None, when: float) -> None:
         if step is None:
             return

@@ -10,7 +10,7 @@ from rich.console import Console, Group
 from rich.text import Text
 
 from zerorun.telemetry.format import human_duration, human_rate, pct, rank_list, seconds, short_bytes
-from zerorun.telemetry.layout import Column, render_table
+from zerorun.telemetry.layout import Column, output_width, render_table
 from zerorun.telemetry.state import JobState, RankState
 
 PLAIN_WIDTH = 160  # columns of the summary written to a file or pipe
@@ -90,10 +90,11 @@ def key_values(rows: list[tuple[str, str]], width: int) -> list[Text]:
 
 def print_summary(state: JobState, out: TextIO | None = None, console: Console | None = None) -> None:
     """Print :func:`summary` on ``console``, or on ``out`` at the terminal's width, or in :data:`PLAIN_WIDTH`
-    columns of plain text into a file or pipe. A job that never sent an event has nothing to sum up: nothing is
+    columns (``$COLUMNS`` when set: :func:`~zerorun.telemetry.layout.output_width`) of plain text into a file or
+    pipe. A job that never sent an event has nothing to sum up: nothing is
     printed. An unfinished ``state`` is ended now."""
     if state.ended is None:
         state.end()
     if state.received:
-        console = console or Console(file=out, width=None if out.isatty() else PLAIN_WIDTH)
+        console = console or Console(file=out, width=output_width(out, PLAIN_WIDTH))
         console.print(summary(state, console.size.width))
