@@ -177,3 +177,9 @@ def test_a_crash_at_the_moment_the_model_check_ends_reports_the_checks_line(tmp_
     fine = ModelCheck(subprocess.Popen([sys.executable, "-c", "pass"], stderr=quiet), quiet)
     assert prefer_check(crash, fine) is crash
     assert prefer_check(JobResult("ok", 0), None).status == "ok"
+    # a rank that reported the bad input itself (exit 2, its factory raised) gives the check's line too: the
+    # same input printed the rank's message or the check's by which saw it first (review)
+    reported = JobResult("failed", 2, 1, "localhost", "m.py: build_model(**{'bogus': 1}) raised TypeError: ...")
+    got = prefer_check(reported, check)
+    assert (got.exit_code, got.message, got.rank) == (2, line, None)
+    assert prefer_check(reported, fine) is reported
