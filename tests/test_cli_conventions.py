@@ -183,3 +183,15 @@ def test_a_crash_at_the_moment_the_model_check_ends_reports_the_checks_line(tmp_
     got = prefer_check(reported, check)
     assert (got.exit_code, got.message, got.rank) == (2, line, None)
     assert prefer_check(reported, fine) is reported
+
+
+def test_dry_run_header_counts_ranks_in_words():
+    """``zerorun launch --dry-run s.py`` on one rank said "# job ...: 1 ranks" (review)."""
+    from zerorun.hostfile import Host
+    from zerorun.launch.commands import render
+    from zerorun.launch.plan import build_plan
+
+    for slots, words in ((1, "1 rank,"), (2, "2 ranks,")):
+        plan = build_plan([Host("localhost", slots)], "{}", "job", 12345)
+        text = render(plan, "/w", {0: "/tmp/node0"})
+        assert text.startswith(f"# job {plan.job_id}: {words} master "), text
