@@ -37,10 +37,10 @@ def parse_count(text: str, flag: str = "--params") -> int:
         ZerorunError: not a positive count, a fraction without a unit (``7.5``), or more than :data:`MAX_COUNT`;
             the message names ``flag``.
     """
+    count = _scaled(text, flag, _COUNT_UNITS, "7B, 350M", "a positive count such as 7B, 350M or 125000")
     value, unit = _split(text, flag, "7B, 350M")
     if unit == "" and value != int(value):  # 7.5 was rounded to 8 parameters
         raise ZerorunError(f"{flag}: {text!r} is not a whole number of parameters (with a unit: {text}B, {text}M)")
-    count = _scaled(text, flag, _COUNT_UNITS, "7B, 350M", "a positive count such as 7B, 350M or 125000")
     if count > MAX_COUNT:  # 1e30 printed "1e+18T" parameters and a headroom of -6e22 %
         raise ZerorunError(f"{flag}: {text!r} is more than {MAX_COUNT // 10**12:,}T parameters")
     return count
