@@ -97,8 +97,10 @@ def test_launch_takes_torchruns_options(tmp_path):
     (["launch", "missing.py"], r"missing\.py: no such script"),
     (["launch", "--standalone", "-H", "hosts", "s.py"], r"--standalone runs on this machine alone"),
     # was "Input should be greater than or equal to 1" for nan, and inf was taken
-    *[(["launch", "--preflight-timeout", bad, "s.py"], rf"'--preflight-timeout': expected a finite number of "
-       rf"seconds, at least 1; got {shown}") for bad, shown in (("nan", "nan"), ("inf", "inf"), ("0.5", "0.5"))],
+    # and 1e10 was a traceback (OverflowError in the preflight's thread joins)
+    *[(["launch", "--preflight-timeout", bad, "s.py"], rf"'--preflight-timeout': expected seconds from 1 to 86400 "
+       rf"\(a day\); got {shown}") for bad, shown in (("nan", "nan"), ("inf", "inf"), ("0.5", "0.5"),
+                                                     ("1e10", "1e\\+10"), ("86401", "86401"))],
 ])
 def test_launch_options_before_the_script_are_never_the_script(tmp_path, args, expected):
     import re
@@ -175,3 +177,21 @@ def test_a_crash_at_the_moment_the_model_check_ends_reports_the_checks_line(tmp_
     fine = ModelCheck(subprocess.Popen([sys.executable, "-c", "pass"], stderr=quiet), quiet)
     assert prefer_check(crash, fine) is crash
     assert prefer_check(JobResult("ok", 0), None).status == "ok"
+    # a rank that reported the bad input itself (exit 2, its factory raised) gives the check's line too: the
+    # same input printed the rank's message or the check's by which saw it first (review)
+    reported = JobResult("failed", 2, 1, "localhost", "m.py: build_model(**{'bogus': 1}) raised TypeError: ...")
+    got = prefer_check(reported, check)
+    assert (got.exit_code, got.message, got.rank) == (2, line, None)
+    assert prefer_check(reported, fine) is reported
+
+
+def test_dry_run_header_counts_ranks_in_words():
+    """``zerorun launch --dry-run s.py`` on one rank said "# job ...: 1 ranks" (review)."""
+    from zerorun.hostfile import Host
+    from zerorun.launch.commands import render
+    from zerorun.launch.plan import build_plan
+
+    for slots, words in ((1, "1 rank,"), (2, "2 ranks,")):
+        plan = build_plan([Host("localhost", slots)], "{}", "job", 12345)
+        text = render(plan, "/w", {0: "/tmp/node0"})
+        assert text.startswith(f"# job {plan.job_id}: {words} master "), text

@@ -156,6 +156,12 @@ def test_parse_sizes_and_bandwidth():
     (["--params", "1B", "--largest-layer", "2B"],
      "zerorun: error: --largest-layer: 2B is more parameters than the whole model (--params 1B)"),
     (["recipes/tiny.yaml", "--largest-layer", "1M"], "zerorun: error: --largest-layer: only with --params"),
+    # 7.5 was rounded to 8 parameters; 1e30 printed "1e+18T" parameters and a headroom of -6e22 %; neither a
+    # recipe nor --params said "(not both)"
+    (["--params", "7.5"], "zerorun: error: --params: '7.5' is not a whole number of parameters (with a unit: 7.5B"),
+    (["--params", "1e30"], "zerorun: error: --params: '1e30' is more than 1,000T parameters"),
+    (["--largest-layer", "1B"], "zerorun: error: estimate: give a recipe file or --params\n"),
+    (["recipes/tiny.yaml", "--params", "1B"], "zerorun: error: estimate: give a recipe file or --params, not both"),
 ])
 def test_bad_flags_are_one_line_exit_2(capsys, monkeypatch, args, expected):
     from zerorun import cli

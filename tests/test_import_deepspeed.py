@@ -117,6 +117,22 @@ def test_auto_precision_is_listed_not_taken_as_disabled(tmp_path):
      r"ds\.json: optimizer\.params\.eps: expected a finite number, got inf$"),
     ('{"optimizer": {"type": "AdamW", "params": {"betas": [0.9, NaN]}}}', None,
      r"ds\.json: optimizer\.params\.betas\.1: expected a finite number, got nan$"),
+    # a review's list: errors that named no field, values ignored or carried into a recipe that failed to load
+    ({"zero_optimization": {"stage": 3, "offload_param": "nvme"}}, None,
+     r"ds\.json: zero_optimization\.offload_param: expected a mapping, got 'nvme'$"),
+    ({"zero_optimization": {"offload_optimizer": True}}, None, r"zero_optimization\.offload_optimizer: expected a mapping"),
+    ({"optimizer": "Adam"}, None, r"ds\.json: optimizer: expected a mapping, got 'Adam'$"),
+    ({"optimizer": {"type": "Adam", "params": [1, 2]}}, None, r"optimizer\.params: expected a mapping, got \[1, 2\]$"),
+    ({"scheduler": "WarmupLR"}, None, r"ds\.json: scheduler: expected a mapping"),
+    *[({"zero_optimization": {"stage": 3, section: {"device": bad}}}, None,
+       rf"zero_optimization\.{section}\.device: expected none, cpu or nvme, got '{bad}'$")
+      for section in ("offload_optimizer", "offload_param") for bad in ("gpu", "NVMe", "auto")],
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": 5}}}, None,
+     r"zero_optimization\.offload_optimizer\.nvme_path: expected a folder path, got 5$"),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "false"}}}, None,
+     r"optimizer\.params\.adam_w_mode: expected true or false, got 'false'$"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95, 0.99]}}}, None,
+     r"optimizer\.params\.betas: expected a list of two numbers, got \[0\.9, 0\.95, 0\.99\]$"),
 ])
 def test_bad_config_is_one_line(tmp_path, ds, hosts, pattern):
     with pytest.raises(ZerorunError, match=pattern) as e:
@@ -191,3 +207,34 @@ def test_cli_prints_the_recipe_and_exits_2_on_bad_input(tmp_path, monkeypatch, c
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.json: cannot read DeepSpeed config" in err[0], err
+
+
+def test_auto_schedule_values_are_left_out_and_betas_only_for_adam(tmp_path):
+    """The HF Trainer's usual WarmupLR with every value "auto" wrote ``warmup_steps: null`` (and WarmupCosineLR's
+    ``cos_min_ratio: auto`` ``min_lr_ratio: null``): listed as dropped, yet the recipe failed to load. betas was
+    carried into SGD and Adagrad, which have no such argument; adam_w_mode under SGD vanished unlisted."""
+    auto = {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}
+    for kind, extra in (("WarmupLR", {}), ("WarmupCosineLR", {"cos_min_ratio": "auto", "total_num_steps": "auto"})):
+        data, _, dropped = _run(tmp_path, {"scheduler": {"type": kind, "params": {**auto, **extra}}}, None)
+        assert None not in data["train"]["schedule"].values(), data["train"]
+        Recipe.model_validate({**data, "train": {**data["train"], "optimizer": {"name": "AdamW", "lr": 1e-3}}})
+        assert any(d.startswith("scheduler.params.warmup_num_steps: 'auto'") for d in dropped), dropped
+    for kind in ("SGD", "Adagrad"):
+        data, _, dropped = _run(tmp_path, {"optimizer": {"type": kind, "params": {"lr": 0.1, "betas": [0.9, 0.99],
+                                                                              "adam_w_mode": False}}}, None)
+        assert data["train"]["optimizer"] == {"name": kind, "lr": 0.1}
+        assert sorted(dropped) == [f"optimizer.params.adam_w_mode: not an argument of torch.optim.{kind}",
+                                   f"optimizer.params.betas: not an argument of torch.optim.{kind}"]
+
+
+def test_one_folder_for_both_swap_files(tmp_path):
+    """The optimizer's nvme_path, else the parameters' (an unset optimizer path took an invented default over
+    the parameters' given one); a different second path is listed."""
+    z = {"stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme", "nvme_path": "/p"}}
+    data, _, dropped = _run(tmp_path, {"zero_optimization": z}, None)
+    assert data["zero"]["offload_path"] == "/p" and not dropped
+    z["offload_optimizer"]["nvme_path"] = "/o"
+    data, _, dropped = _run(tmp_path, {"zero_optimization": z}, None)
+    assert data["zero"]["offload_path"] == "/o"
+    assert dropped == ["zero_optimization.offload_param.nvme_path: one folder holds both swap files here: "
+                       "zero.offload_path is /o"]

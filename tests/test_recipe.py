@@ -64,6 +64,9 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (["train.optimizer.momentum=0.9"], r"train\.optimizer\.momentum: AdamW has no argument 'momentum'"),
     (["train.optimizer.betas=[0.9]"], r"train\.optimizer: AdamW\(.*betas=\[0\.9\]\) refused these values: "
                                       r"IndexError"),  # was the rank's traceback, exit 1 (review)
+    # passed the constructor and failed every rank's first step, after the launch (review)
+    (["train.optimizer.betas=[0.9, 0.95, 0.99]"], r"train\.optimizer: AdamW\(.*\) refused these values at its "
+                                                  r"first step: ValueError: too many values to unpack"),
     (["train.optimizer.eps=-1.0"], r"train\.optimizer\.eps: AdamW\(.*\) refused these values: ValueError: Invalid "
                                    r"epsilon value: -1\.0"),
     (["model.module=nope.py"], r"^override 'model.module=nope.py': model\.module: file not found: nope\.py"),

@@ -120,6 +120,13 @@ def test_a_few_aliases_are_still_fine(tmp_path):
     ("zero.stage='5'", r"zero\.stage: '5' is text \(quoted\?\): expected 0, 1, 2 or 3$"),
     ("zero.stage=5", r"zero\.stage: Input should be 0, 1, 2 or 3$"),
     ("precision=fp8", r"precision: Input should be 'fp32', 'bf16' or 'fp16'$"),
+    # a field of text given an unquoted yes/no/on/off: was "expected a number, got a boolean"
+    ("precision=off", r"^override 'precision=off': precision: expected 'fp32', 'bf16' or 'fp16', got a boolean "
+                      r"\(false\): YAML reads an unquoted yes/no/on/off/true/false as one$"),
+    ("zero.offload_optimizer=no", r"zero\.offload_optimizer: expected 'none', 'cpu' or 'disk', got a boolean \(false\)"),
+    ("zero.grad_accum_dtype=off", r"zero\.grad_accum_dtype: expected 'fp32', 'bf16' or 'fp16', got a boolean"),
+    ("model.task=yes", r"model\.task: expected 'causal-lm', got a boolean \(true\)"),
+    ("name=yes", r"^override 'name=yes': name: expected text, got a boolean \(true\): YAML reads"),
 ])
 def test_booleans_are_not_numbers(tmp_path, override, expected):
     with pytest.raises(ZerorunError, match=expected) as info:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from typing import List, Optional
@@ -49,16 +48,21 @@ _LAUNCHER = typer.Option(None, "--launcher", metavar="ssh|slurm|local",
                               "allocation (SLURM_JOB_ID) without -H, else ssh.")
 
 
+#: the longest ``--preflight-timeout`` (seconds: a day; a thread's join overflows past about 9.2e9).
+MAX_PREFLIGHT_S = 86400.0
+
+
 def _preflight_seconds(value: float) -> float:
-    """``--preflight-timeout``: a finite number of seconds, at least 1 (typer's own ``min`` check would say
-    "greater than or equal to 1" of ``nan``, and let ``inf`` through to the preflight's thread joins)."""
-    if not math.isfinite(value) or value < 1:
-        raise typer.BadParameter(f"expected a finite number of seconds, at least 1; got {value:g}")
+    """``--preflight-timeout``: seconds from 1 to :data:`MAX_PREFLIGHT_S` (typer's own ``min`` check would say
+    "greater than or equal to 1" of ``nan``, and let ``inf`` or ``1e10`` through to the preflight's thread
+    joins, which raise OverflowError)."""
+    if not 1 <= value <= MAX_PREFLIGHT_S:  # nan too
+        raise typer.BadParameter(f"expected seconds from 1 to {MAX_PREFLIGHT_S:g} (a day); got {value:g}")
     return value
 
 
 _PREFLIGHT_S = typer.Option(15.0, "--preflight-timeout", callback=_preflight_seconds,
-                            help="Seconds preflight may take, all hosts (at least 1).")
+                            help="Seconds preflight may take, all hosts (1 to 86400).")
 
 
 def _version(value: bool) -> None:

@@ -49,10 +49,31 @@ def admits_bool(annotation: Any) -> bool:
     return any(admits_bool(a) for a in typing.get_args(annotation) if a is not type(None))
 
 
+def _text_choices(annotation: Any) -> list[str]:
+    """The text values of the ``Literal`` types in ``annotation`` (``Optional[Literal["fp32", "bf16"]]``)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return [a for a in typing.get_args(annotation) if isinstance(a, str)]
+    return [c for a in typing.get_args(annotation) for c in _text_choices(a)]
+
+
+def _takes_text(annotation: Any) -> bool:
+    return annotation is str or any(_takes_text(a) for a in typing.get_args(annotation))
+
+
 def refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
-    """pydantic takes ``true`` as 1 for an int, float or ``Literal[0, 1, ...]`` field: refuse it instead."""
+    """pydantic takes ``true`` as 1 for an int, float or ``Literal[0, 1, ...]`` field: refuse it instead. A field
+    of text (``precision``, ``zero.offload_optimizer``) is told what it takes and that YAML reads an unquoted
+    ``off``/``no`` as a boolean (it was told "expected a number")."""
     if isinstance(value, bool) and info.field_name in cls.model_fields and \
             not admits_bool(cls.model_fields[info.field_name].annotation):
+        annotation = cls.model_fields[info.field_name].annotation
+        choices = [repr(c) for c in _text_choices(annotation)]
+        if choices or _takes_text(annotation):
+            expected = f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else \
+                choices[0] if choices else "text"
+            raise PydanticCustomError("bool_not_text", "expected {expected}, got a boolean ({value}): YAML reads an "
+                                      "unquoted yes/no/on/off/true/false as one", {"expected": expected,
+                                                                                   "value": str(value).lower()})
         raise PydanticCustomError("bool_not_number", "expected a number, got a boolean ({value})",
                                   {"value": str(value).lower()})
     return value

@@ -47,8 +47,10 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
             more than it; a bad recipe, hostfile, model module or flag value (the message names the file, field
             or flag).
     """
-    if (recipe is None) == (params is None):
-        raise ZerorunError("estimate: give a recipe file or --params (not both)")
+    if recipe is None and params is None:
+        raise ZerorunError("estimate: give a recipe file or --params")
+    if recipe is not None and params is not None:
+        raise ZerorunError("estimate: give a recipe file or --params, not both")
     if largest_layer is not None and params is None:  # was ignored: a recipe's units are counted from its model
         raise ZerorunError("--largest-layer: only with --params (a recipe's largest unit is counted from its model)")
     hosts = None

@@ -26,13 +26,24 @@ def _split(text: str, flag: str, example: str) -> tuple[float, str]:
     return value, m.group(2)
 
 
+#: the largest count of parameters :func:`parse_count` takes (a thousand T).
+MAX_COUNT = 10**15
+
+
 def parse_count(text: str, flag: str = "--params") -> int:
     """A count such as ``7B``, ``350M``, ``1.5K`` or ``1000`` (decimal prefixes: K 1e3, M 1e6, B/G 1e9, T 1e12).
 
     Raises:
-        ZerorunError: not a positive count; the message names ``flag``.
+        ZerorunError: not a positive count, a fraction without a unit (``7.5``), or more than :data:`MAX_COUNT`;
+            the message names ``flag``.
     """
-    return _scaled(text, flag, _COUNT_UNITS, "7B, 350M", "a positive count such as 7B, 350M or 125000")
+    count = _scaled(text, flag, _COUNT_UNITS, "7B, 350M", "a positive count such as 7B, 350M or 125000")
+    value, unit = _split(text, flag, "7B, 350M")
+    if unit == "" and value != int(value):  # 7.5 was rounded to 8 parameters
+        raise ZerorunError(f"{flag}: {text!r} is not a whole number of parameters (with a unit: {text}B, {text}M)")
+    if count > MAX_COUNT:  # 1e30 printed "1e+18T" parameters and a headroom of -6e22 %
+        raise ZerorunError(f"{flag}: {text!r} is more than {MAX_COUNT // 10**12:,}T parameters")
+    return count
 
 
 def parse_bytes(text: str, flag: str = "--device-memory") -> int:

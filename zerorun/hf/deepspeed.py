@@ -83,6 +83,27 @@ class _Import:
                                f"got {value!r}")
         return kind(value)
 
+    def section(self, field: str, value: Any) -> dict:
+        """A mapping of the config (``{}`` when absent or null)."""
+        if value is None:
+            return {}
+        if not isinstance(value, dict):  # "offload_param": "nvme" failed as "'str' object has no attribute 'get'"
+            raise ZerorunError(f"{field}: expected a mapping, got {value!r}")
+        return value
+
+    def device(self, name: str, section: dict) -> str:
+        """``offload_optimizer``'s or ``offload_param``'s device: none, cpu or nvme (DeepSpeed's values)."""
+        device = section.get("device", "none")
+        if device not in ("none", "cpu", "nvme"):  # "gpu", "NVMe", "auto" were ignored without a word
+            raise ZerorunError(f"zero_optimization.{name}.device: expected none, cpu or nvme, got {device!r}")
+        return device
+
+    def path(self, field: str, value: Any) -> str:
+        """An ``nvme_path``: a non-empty string."""
+        if not isinstance(value, str) or not value.strip():
+            raise ZerorunError(f"{field}: expected a folder path, got {value!r}")
+        return value
+
     def flag(self, field: str, value: Any) -> bool | None:
         """A boolean optimizer argument (``amsgrad``, ``nesterov``); 'auto' is listed as dropped."""
         if value == "auto":
@@ -226,40 +247,46 @@ class _Import:
                 out["prefetch_bytes"] = size * element
             elif size is not None:
                 self.drop("zero_optimization.stage3_prefetch_bucket_size", "stage 3 only")
-        offload = z.pop("offload_optimizer", None) or {}
-        device = offload.get("device", "none")
+        offload = self.section("zero_optimization.offload_optimizer", z.pop("offload_optimizer", None))
+        param = self.section("zero_optimization.offload_param", z.pop("offload_param", None))
+        device, param_device = self.device("offload_optimizer", offload), self.device("offload_param", param)
+        paths = {name: self.path(f"zero_optimization.{name}.nvme_path", section.get("nvme_path"))
+                 for name, section in (("offload_optimizer", offload), ("offload_param", param))
+                 if section.get("nvme_path") is not None}
         if device in ("cpu", "nvme"):
             out["offload_optimizer"] = "cpu" if device == "cpu" else "disk"
-            if device == "nvme":
-                out["offload_path"] = offload.get("nvme_path", "/tmp/zerorun-swap")
         for key in sorted(set(offload) - {"device", "nvme_path"}):
             self.drop(f"zero_optimization.offload_optimizer.{key}", "no zerorun equivalent")
-        param = z.pop("offload_param", None) or {}
-        device = param.get("device", "none")
-        if device == "nvme" and out.get("stage") == 3:  # was dropped as "not supported" (zero.offload_params)
+        if param_device == "nvme" and out.get("stage") == 3:  # was dropped as "not supported" (zero.offload_params)
             out["offload_params"] = "disk"
-            path = param.get("nvme_path", "/tmp/zerorun-swap")
-            if "offload_path" not in out:
-                out["offload_path"] = path
-            elif path != out["offload_path"]:
-                self.drop("zero_optimization.offload_param.nvme_path", "one folder holds both swap files here: "
-                          f"zero.offload_path is offload_optimizer's {out['offload_path']}")
-        elif device == "nvme":
+        elif param_device == "nvme":
             self.drop("zero_optimization.offload_param", "stage 3 only")
-        elif device != "none":
-            self.drop("zero_optimization.offload_param", f"device {device}: not supported (zero.offload_params "
-                                                         "takes disk: device nvme)")
-        for key in sorted(set(param) - {"device", "nvme_path"}) if device == "nvme" else ():
+        elif param_device == "cpu":
+            self.drop("zero_optimization.offload_param", "device cpu: not supported (zero.offload_params takes "
+                                                         "disk: device nvme)")
+        for key in sorted(set(param) - {"device", "nvme_path"}) if param_device == "nvme" else ():
             self.drop(f"zero_optimization.offload_param.{key}", "no zerorun equivalent")
+        users = [name for name, used in (("offload_optimizer", device == "nvme"),
+                                         ("offload_param", out.get("offload_params") == "disk")) if used]
+        if users:  # one folder holds both swap files: the optimizer's path first, else the parameters'
+            given = [paths[name] for name in users if name in paths]
+            out["offload_path"] = given[0] if given else "/tmp/zerorun-swap"
+            for name in users:
+                if name in paths and paths[name] != out["offload_path"]:
+                    self.drop(f"zero_optimization.{name}.nvme_path", "one folder holds both swap files here: "
+                              f"zero.offload_path is {out['offload_path']}")
         for key in sorted(z):
             self.drop(f"zero_optimization.{key}", _ALWAYS.get(key, "no zerorun equivalent"))
 
     def optimizer(self, opt: Any) -> None:
+        opt = self.section("optimizer", opt)
         if not opt:
             return
         kind = str(opt.get("type", "")).lower()
-        params = dict(opt.get("params") or {})
-        names = {"adam": "AdamW" if params.pop("adam_w_mode", True) else "Adam", "adamw": "AdamW", "sgd": "SGD",
+        params = dict(self.section("optimizer.params", opt.get("params")))
+        adam_w = self.flag("optimizer.params.adam_w_mode", params.pop("adam_w_mode")) \
+            if kind == "adam" and "adam_w_mode" in params else True  # "false" (text) was AdamW
+        names = {"adam": "AdamW" if adam_w is not False else "Adam", "adamw": "AdamW", "sgd": "SGD",
                  "adagrad": "Adagrad"}
         if kind not in names:
             self.drop("optimizer", f"type {opt.get('type')!r}: use a torch.optim class in train.optimizer.name")
@@ -271,11 +298,11 @@ class _Import:
                 value = self.flag(field, value) if kind_of is bool else self.num(field, value)
                 if value is not None:
                     out[key] = value
-        if "betas" in params:
+        if "betas" in params and out["name"] in ("Adam", "AdamW"):  # SGD, Adagrad: listed as not an argument
             betas = params.pop("betas")
             if betas == "auto":
                 self.num("optimizer.params.betas", betas)  # listed as dropped, as every 'auto'
-            elif not isinstance(betas, list):  # a string failed without naming the field
+            elif not isinstance(betas, list) or len(betas) != 2:  # a string failed without naming the field
                 raise ZerorunError(f"optimizer.params.betas: expected a list of two numbers, got {betas!r}")
             else:  # float(True) was 1.0
                 out["betas"] = [self.num(f"optimizer.params.betas.{i}", b) for i, b in enumerate(betas)]
@@ -284,10 +311,11 @@ class _Import:
         self.recipe["train"]["optimizer"] = out
 
     def scheduler(self, sched: Any) -> None:
+        sched = self.section("scheduler", sched)
         if not sched:
             return
         kind = sched.get("type")
-        p = dict(sched.get("params") or {})
+        p = dict(self.section("scheduler.params", sched.get("params")))
         schedule: dict[str, Any] = {}
         train = self.recipe["train"]
         if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
@@ -317,7 +345,7 @@ class _Import:
             self.drop("scheduler.params.warmup_type", "zerorun's warm-up is linear")
         for key in sorted(p):
             self.drop(f"scheduler.params.{key}", "no zerorun equivalent")
-        train["schedule"] = schedule
+        train["schedule"] = {k: v for k, v in schedule.items() if v is not None}  # 'auto': listed, left out
 
 
 def import_deepspeed(path: str, hostfile: str | None = None) -> tuple[str, list[str]]:

@@ -18,6 +18,7 @@ import shlex
 
 from zerorun.launch.node import NODE_DIR
 from zerorun.launch.plan import LaunchPlan, NodeSpec
+from zerorun.telemetry.format import count
 
 
 def node_command(spec: NodeSpec, workdir: str, node_dir: str, hidden: set[str] = frozenset()) -> str:
@@ -39,7 +40,7 @@ def _quote_with(arg: str, node_dir: str) -> str:
 def render(plan: LaunchPlan, workdir: str, node_dirs: dict[int, str], hidden: set[str] = frozenset()) -> str:
     """Every node's command (:func:`node_command`) under a ``# node N on HOST: ranks A..B`` comment, and a
     comment naming the ``hidden`` variables, as a shell script's text."""
-    lines = [f"# job {plan.job_id}: {plan.world_size} ranks, master {plan.master_addr}:{plan.master_port}"]
+    lines = [f"# job {plan.job_id}: {count(plan.world_size, 'rank')}, master {plan.master_addr}:{plan.master_port}"]
     if hidden:
         lines.append("# values not shown (launch.env, environment files): set them in the shell first: "
                      + ", ".join(sorted(hidden)))
@@ -57,7 +58,7 @@ def render_slurm(plan: LaunchPlan, workdir: str, node_dirs: dict[int, str], hidd
     its tasks read the nodes' specs from standard input, Note [Slurm launcher] in launch/slurm.py), then the
     same step as one srun line that runs as printed: the same options, each task running its node's
     :func:`node_command`, chosen by ``SLURMD_NODENAME``."""
-    lines = [f"# job {plan.job_id}: {plan.world_size} ranks, master {plan.master_addr}:{plan.master_port}"]
+    lines = [f"# job {plan.job_id}: {count(plan.world_size, 'rank')}, master {plan.master_addr}:{plan.master_port}"]
     if hidden:
         lines.append("# values not shown (launch.env, environment files): set them in the shell first: "
                      + ", ".join(sorted(hidden)))

@@ -272,9 +272,10 @@ def new_run_dir(log_dir: str, name: str, job_id: str) -> str:
 
 
 def prefer_check(result, check):
-    """The job's result, or the model check's one line when a rank crashed (exit status 1) and the check finds
-    a problem: the check's line names the recipe's field that caused the crash (an optimizer argument the recipe
-    names, a ``model.kwargs`` typo) where the ranks only raise a TypeError.
+    """The job's result, or the model check's one line when a rank crashed (exit status 1) or reported bad
+    input itself (exit status 2: its factory raised) and the check finds a problem: the check's line names the
+    recipe's field that caused it (an optimizer argument the recipe names, a ``model.kwargs`` typo) where the
+    ranks only report the TypeError; and the same input then gives the same line whichever saw it first.
 
     The check is waited for (up to 60 s, the CPUs are free now) whether it still runs, at the lowest priority,
     or ended in the same moment as the ranks: the supervisor sees the crash first in both cases.
@@ -285,7 +286,8 @@ def prefer_check(result, check):
     Returns:
         ``result``, or a failed result with exit status 2 and the check's line.
     """
-    if result.status != "failed" or result.exit_code != 1 or check is None:
+    if result.status != "failed" or check is None or not (
+            result.exit_code == 1 or result.exit_code == 2 and result.rank is not None):
         return result
     problem = check.wait(timeout=60.0)  # returns at once when the check is done
     if problem:

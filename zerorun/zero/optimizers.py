@@ -114,7 +114,8 @@ def check_arguments(cls: type, kwargs: dict) -> None:
     argument is a number (YAML's ``yes`` for ``lr``), nor text (``eps: "0x10"``), an argument whose default is
     a boolean (or ``None`` with a ``bool | None`` annotation: ``foreach``) gets ``true``/``false`` (or null) and
     nothing else (``maximize: "false"``, ``[false]`` or ``2`` would turn it on), and ``cls`` accepts the values
-    (built once on a 2-element probe parameter: its own checks, e.g. ``betas`` of two numbers, ``lr >= 0``).
+    (built once on a 2-element probe parameter, which takes one step: its own checks, e.g. ``lr >= 0``, and what
+    only its step finds, e.g. ``betas`` of three numbers).
 
     Raises:
         ValueError: ``(key, message)`` for the first key that fails (``key`` None: the values together).
@@ -139,10 +140,16 @@ def check_arguments(cls: type, kwargs: dict) -> None:
             raise ValueError(key, f"expected true or false{' or null' if optional else ''}, got {json.dumps(value)}")
     import torch
 
-    try:  # the values too (betas of one number, a negative lr): the class's own checks, on a 2-element probe
-        cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+    stepped = False
+    try:  # the values too (betas of one number, a negative lr): the class's own checks, on a 2-element probe,
+        probe = torch.nn.Parameter(torch.zeros(2))  # and one step of it: betas of three numbers passed the
+        optimizer = cls([probe], **kwargs)  # constructor and failed every rank's first step
+        probe.grad = torch.zeros(2)
+        stepped = True
+        optimizer.step()
     except Exception as e:  # noqa: BLE001 - whatever the class raises is the user's one-line answer
         key = next((k for k in kwargs if k in str(e)), None)
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(key, f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) refused "
-                         f"these values: {type(e).__name__}: {detail}") from None
+                         f"these values{' at its first step' if stepped else ''}: {type(e).__name__}: "
+                         f"{detail}") from None
