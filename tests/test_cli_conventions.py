@@ -195,3 +195,5 @@ def test_dry_run_header_counts_ranks_in_words():
         plan = build_plan([Host("localhost", slots)], "{}", "job", 12345)
         text = render(plan, "/w", {0: "/tmp/node0"})
         assert text.startswith(f"# job {plan.job_id}: {words} master "), text
+        assert ("# node 0 (localhost): rank 0, run here" if slots == 1 else
+                "# node 0 (localhost): ranks 0..1, run here") in text, text

@@ -161,6 +161,7 @@ def test_parse_sizes_and_bandwidth():
     (["--params", "7.5"], "zerorun: error: --params: '7.5' is not a whole number of parameters (with a unit: 7.5B"),
     (["--params", "1e30"], "zerorun: error: --params: '1e30' is more than 1,000T parameters"),
     (["--largest-layer", "1B"], "zerorun: error: estimate: give a recipe file or --params\n"),
+    (["--params", "7B", "--largest-layer", ""], "zerorun: error: --largest-layer: cannot read ''"),  # was ignored
     (["recipes/tiny.yaml", "--params", "1B"], "zerorun: error: estimate: give a recipe file or --params, not both"),
 ])
 def test_bad_flags_are_one_line_exit_2(capsys, monkeypatch, args, expected):

@@ -131,6 +131,8 @@ def test_auto_precision_is_listed_not_taken_as_disabled(tmp_path):
      r"zero_optimization\.offload_optimizer\.nvme_path: expected a folder path, got 5$"),
     ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "false"}}}, None,
      r"optimizer\.params\.adam_w_mode: expected true or false, got 'false'$"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": ""}, "stage": 3}}, None,
+     r"zero_optimization\.offload_param\.nvme_path: expected a folder path, got ''$"),
     ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95, 0.99]}}}, None,
      r"optimizer\.params\.betas: expected a list of two numbers, got \[0\.9, 0\.95, 0\.99\]$"),
 ])
@@ -238,3 +240,23 @@ def test_one_folder_for_both_swap_files(tmp_path):
     assert data["zero"]["offload_path"] == "/o"
     assert dropped == ["zero_optimization.offload_param.nvme_path: one folder holds both swap files here: "
                        "zero.offload_path is /o"]
+
+
+def test_review_leftovers(tmp_path):
+    """maximize and Adam's decoupled_weight_decay are torch arguments (were "not an argument"); an 'auto' item
+    of betas wrote null; an nvme_path beside device cpu is unused, so not checked; offload_param's keys at stage 2
+    are not listed twice."""
+    data, _, dropped = _run(tmp_path, {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "maximize": True}}}, None)
+    assert data["train"]["optimizer"] == {"name": "SGD", "lr": 0.1, "maximize": True} and not dropped
+    data, _, _ = _run(tmp_path, {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False,
+                                                                         "decoupled_weight_decay": True}}}, None)
+    assert data["train"]["optimizer"] == {"name": "Adam", "decoupled_weight_decay": True}
+    data, _, dropped = _run(tmp_path, {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, "auto"]}}}, None)
+    assert "betas" not in data["train"]["optimizer"]
+    assert any(d.startswith("optimizer.params.betas.1: 'auto'") for d in dropped), dropped
+    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu", "nvme_path": ""}}}, None)
+    assert data["zero"]["offload_optimizer"] == "cpu" and "offload_path" not in data["zero"]
+    _, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 2, "offload_param": {
+        "device": "nvme", "pin_memory": True}}}, None)
+    assert dropped == ["zero_optimization.offload_param: stage 3 only"]

@@ -298,3 +298,29 @@ def test_grad_accum_dtype_field(tmp_path):
         load_recipe(good(tmp_path), ["zero.grad_accum_dtype=fp8"])
     with pytest.raises(ZerorunError, match=r"zero\.grad_accum_dtype: zerorun's engine knob; the ddp baseline"):
         load_recipe(good(tmp_path), ["zero.grad_accum_dtype=fp32", "runtime=ddp"])
+
+
+def test_capturable_is_not_stepped_on_the_cpu_probe(tmp_path):
+    """capturable steps only on an accelerator's tensors: the probe's step refused ``capturable: true`` for every
+    optimizer that takes it (review), where a GPU job's masters would take it."""
+    r = load_recipe(good(tmp_path), ["train.optimizer.capturable=true"])
+    assert r.train.optimizer.kwargs()["capturable"] is True
+
+
+def test_a_step_error_names_the_argument_at_a_words_start():
+    """The probe's error is pinned on the argument it names at a word's start ("epsilon": eps), not inside a
+    word: "state_steps" named eps when capturable was the cause (review)."""
+    import torch
+
+    from zerorun.zero.optimizers import check_arguments
+
+    class Strict(torch.optim.SGD):
+        def __init__(self, params, lr=0.1, eps=1e-8, flag=0.0):
+            super().__init__(params, lr=lr)
+
+        def step(self, closure=None):
+            raise AssertionError("params and state_steps must be on supported devices")
+
+    with pytest.raises(ValueError) as info:
+        check_arguments(Strict, {"eps": 1e-8, "flag": 1.0})
+    assert info.value.args[0] is None and "at its first step: AssertionError" in info.value.args[1]

@@ -127,6 +127,10 @@ def test_a_few_aliases_are_still_fine(tmp_path):
     ("zero.grad_accum_dtype=off", r"zero\.grad_accum_dtype: expected 'fp32', 'bf16' or 'fp16', got a boolean"),
     ("model.task=yes", r"model\.task: expected 'causal-lm', got a boolean \(true\)"),
     ("name=yes", r"^override 'name=yes': name: expected text, got a boolean \(true\): YAML reads"),
+    # a quoted number in a field of text choices is not told to lose its quotes; lists are not "text"
+    ("precision='16'", r"precision: Input should be 'fp32', 'bf16' or 'fp16'$"),
+    ("zero.units=yes", r"zero\.units: expected a list, got a boolean \(true\): YAML reads"),  # was "text"
+    ("launch.env=on", r"launch\.env: expected a mapping, got a boolean \(true\)"),
 ])
 def test_booleans_are_not_numbers(tmp_path, override, expected):
     with pytest.raises(ZerorunError, match=expected) as info:

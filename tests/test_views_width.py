@@ -287,7 +287,8 @@ def test_output_width_of_a_pipe_is_columns_when_set(monkeypatch):
 
     from zerorun.telemetry.layout import output_width
 
-    for columns, expected in (("200", 200), (" 90 ", 90), ("0", 160), ("wide", 160), ("-5", 160), ("", 160)):
+    for columns, expected in (("200", 200), (" 90 ", 90), ("0", 160), ("wide", 160), ("-5", 160), ("", 160),
+                              ("²", 160), ("٣", 160)):  # digits int() refuses, or reads as another script's
         monkeypatch.setenv("COLUMNS", columns)
         assert output_width(io.StringIO(), 160) == expected, columns
     monkeypatch.delenv("COLUMNS")

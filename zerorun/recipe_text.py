@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+import types
 import typing
 from typing import Any, Callable
 
@@ -56,8 +57,19 @@ def _text_choices(annotation: Any) -> list[str]:
     return [c for a in typing.get_args(annotation) for c in _text_choices(a)]
 
 
-def _takes_text(annotation: Any) -> bool:
-    return annotation is str or any(_takes_text(a) for a in typing.get_args(annotation))
+def _shape(annotation: Any) -> str | None:
+    """What a field of ``annotation`` takes when that is not a number: "text" (``str``, ``str | None``), "a
+    list" or "a mapping" (the first of a union's members that is one), else None."""
+    if annotation is str:
+        return "text"
+    origin = typing.get_origin(annotation)
+    if origin in (list, tuple, set, frozenset):
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    if origin in (typing.Union, types.UnionType):
+        return next((shape for a in typing.get_args(annotation) if (shape := _shape(a))), None)
+    return None
 
 
 def refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
@@ -68,9 +80,9 @@ def refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
             not admits_bool(cls.model_fields[info.field_name].annotation):
         annotation = cls.model_fields[info.field_name].annotation
         choices = [repr(c) for c in _text_choices(annotation)]
-        if choices or _takes_text(annotation):
+        if choices or _shape(annotation):
             expected = f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else \
-                choices[0] if choices else "text"
+                choices[0] if choices else _shape(annotation)
             raise PydanticCustomError("bool_not_text", "expected {expected}, got a boolean ({value}): YAML reads an "
                                       "unquoted yes/no/on/off/true/false as one", {"expected": expected,
                                                                                    "value": str(value).lower()})
@@ -524,10 +536,10 @@ def validation_problems(errors: list[dict], path: str, root: yaml.Node | None, o
                 msg += f" (did you mean {close[0]!r}?)"
         elif err["type"] == "missing":
             msg = "required field is missing"
-        elif err["type"] == "literal_error" and (_is_number_text(err.get("input")) or
-                                                 _is_boolean_text(err.get("input"))):
+        elif err["type"] == "literal_error" and _is_number_text(err.get("input")) and \
+                "'" not in str(err.get("ctx", {}).get("expected", "'")):  # choices that are numbers, not text
             # zero.stage: '2' was "Input should be 0, 1, 2 or 3", which reads as if 2 were refused
-            msg = f"{err['input']!r} is text (quoted?): expected {err.get('ctx', {}).get('expected', 'a number')}"
+            msg = f"{err['input']!r} is text (quoted?): expected {err['ctx']['expected']}"
         source = override_for(loc, overrides)
         line = line_of(root, loc) if source is None else None
         where = f"override {source!r}" if source is not None else f"{path}{f':{line}' if line else ''}"

@@ -72,7 +72,7 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
     else:
         if overrides:
             raise ZerorunError(f"estimate: overrides ({overrides[0]}) need a recipe")
-        largest = parse_count(largest_layer, "--largest-layer") if largest_layer else None
+        largest = parse_count(largest_layer, "--largest-layer") if largest_layer is not None else None
         total = parse_count(params, "--params")
         if largest is not None and largest > total:
             raise ZerorunError(f"--largest-layer: {largest_layer} is more parameters than the whole model "

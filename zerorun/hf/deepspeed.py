@@ -41,15 +41,16 @@ _ALWAYS = {
 }
 
 
-_ADAM = {"lr": float, "weight_decay": float, "eps": float, "amsgrad": bool}
+_ADAM = {"lr": float, "weight_decay": float, "eps": float, "amsgrad": bool, "maximize": bool}
 #: DeepSpeed's optimizer params carried into the recipe, per torch.optim class (the same name and meaning there):
 #: name -> float or bool.
-_CARRIED = {"Adam": _ADAM, "AdamW": _ADAM,
-            "SGD": {"lr": float, "weight_decay": float, "momentum": float, "dampening": float, "nesterov": bool},
+_CARRIED = {"Adam": {**_ADAM, "decoupled_weight_decay": bool}, "AdamW": _ADAM,
+            "SGD": {"lr": float, "weight_decay": float, "momentum": float, "dampening": float, "nesterov": bool,
+                    "maximize": bool},
             "Adagrad": {"lr": float, "weight_decay": float, "eps": float, "lr_decay": float,
-                        "initial_accumulator_value": float}}
+                        "initial_accumulator_value": float, "maximize": bool}}
 #: DeepSpeed's optimizer params that choose an implementation, not the update.
-_IMPLEMENTATION = ("torch_adam", "fused", "foreach", "capturable", "differentiable", "cuda_aware")
+_IMPLEMENTATION = ("torch_adam", "fused", "foreach", "capturable", "differentiable")
 
 
 def _not_carried(key: str, name: str) -> str:
@@ -251,8 +252,9 @@ class _Import:
         param = self.section("zero_optimization.offload_param", z.pop("offload_param", None))
         device, param_device = self.device("offload_optimizer", offload), self.device("offload_param", param)
         paths = {name: self.path(f"zero_optimization.{name}.nvme_path", section.get("nvme_path"))
-                 for name, section in (("offload_optimizer", offload), ("offload_param", param))
-                 if section.get("nvme_path") is not None}
+                 for name, section, used in (("offload_optimizer", offload, device),
+                                             ("offload_param", param, param_device))
+                 if used == "nvme" and section.get("nvme_path") is not None}
         if device in ("cpu", "nvme"):
             out["offload_optimizer"] = "cpu" if device == "cpu" else "disk"
         for key in sorted(set(offload) - {"device", "nvme_path"}):
@@ -264,7 +266,7 @@ class _Import:
         elif param_device == "cpu":
             self.drop("zero_optimization.offload_param", "device cpu: not supported (zero.offload_params takes "
                                                          "disk: device nvme)")
-        for key in sorted(set(param) - {"device", "nvme_path"}) if param_device == "nvme" else ():
+        for key in sorted(set(param) - {"device", "nvme_path"}) if out.get("offload_params") == "disk" else ():
             self.drop(f"zero_optimization.offload_param.{key}", "no zerorun equivalent")
         users = [name for name, used in (("offload_optimizer", device == "nvme"),
                                          ("offload_param", out.get("offload_params") == "disk")) if used]
@@ -304,8 +306,10 @@ class _Import:
                 self.num("optimizer.params.betas", betas)  # listed as dropped, as every 'auto'
             elif not isinstance(betas, list) or len(betas) != 2:  # a string failed without naming the field
                 raise ZerorunError(f"optimizer.params.betas: expected a list of two numbers, got {betas!r}")
-            else:  # float(True) was 1.0
-                out["betas"] = [self.num(f"optimizer.params.betas.{i}", b) for i, b in enumerate(betas)]
+            else:  # float(True) was 1.0; an 'auto' item wrote null into the recipe
+                betas = [self.num(f"optimizer.params.betas.{i}", b) for i, b in enumerate(betas)]
+                if None not in betas:
+                    out["betas"] = betas
         for key in sorted(params):  # amsgrad, nesterov were listed as "no torch.optim equivalent"
             self.drop(f"optimizer.params.{key}", _not_carried(key, out["name"]))
         self.recipe["train"]["optimizer"] = out

@@ -37,6 +37,12 @@ def _quote_with(arg: str, node_dir: str) -> str:
     return (shlex.quote(head) if head else "") + node_dir + (shlex.quote(tail) if tail else "")
 
 
+def _ranks(spec: NodeSpec) -> str:
+    """``ranks 0..3``, or ``rank 0`` for a node of one."""
+    last = spec.first_rank + spec.nproc - 1
+    return f"rank {last}" if spec.nproc == 1 else f"ranks {spec.first_rank}..{last}"
+
+
 def render(plan: LaunchPlan, workdir: str, node_dirs: dict[int, str], hidden: set[str] = frozenset()) -> str:
     """Every node's command (:func:`node_command`) under a ``# node N on HOST: ranks A..B`` comment, and a
     comment naming the ``hidden`` variables, as a shell script's text."""
@@ -46,8 +52,7 @@ def render(plan: LaunchPlan, workdir: str, node_dirs: dict[int, str], hidden: se
                      + ", ".join(sorted(hidden)))
     for spec in plan.nodes:
         where = "here" if spec.host.is_local else f"on {spec.host.name}"
-        lines.append(f"# node {spec.node_rank} ({spec.host.name}): ranks {spec.first_rank}.."
-                     f"{spec.first_rank + spec.nproc - 1}, run {where}")
+        lines.append(f"# node {spec.node_rank} ({spec.host.name}): {_ranks(spec)}, run {where}")
         lines.append(node_command(spec, workdir, node_dirs[spec.node_rank], hidden))
     return "\n".join(lines) + "\n"
 
@@ -67,8 +72,7 @@ def render_slurm(plan: LaunchPlan, workdir: str, node_dirs: dict[int, str], hidd
     lines.append("#   " + " ".join(shlex.quote(a) for a in srun))
     cases = []
     for spec in plan.nodes:
-        lines.append(f"# node {spec.node_rank} ({spec.host.name}): ranks {spec.first_rank}.."
-                     f"{spec.first_rank + spec.nproc - 1}, srun's task on {spec.host.name}")
+        lines.append(f"# node {spec.node_rank} ({spec.host.name}): {_ranks(spec)}, srun's task on {spec.host.name}")
         cases.append(f"{shlex.quote(spec.host.name)}) {node_command(spec, workdir, node_dirs[spec.node_rank], hidden)}"
                      " ;;")
     script = 'case "$SLURMD_NODENAME" in\n' + "\n".join(cases) + "\nesac"

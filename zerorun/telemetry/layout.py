@@ -34,7 +34,7 @@ def output_width(out, default: int) -> int | None:
     import os
 
     columns = os.environ.get("COLUMNS", "").strip()
-    return int(columns) if columns.isdigit() and int(columns) > 0 else default
+    return int(columns) if columns.isascii() and columns.isdigit() and int(columns) > 0 else default  # not "²"
 
 
 @dataclass

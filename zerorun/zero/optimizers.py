@@ -122,6 +122,7 @@ def check_arguments(cls: type, kwargs: dict) -> None:
     """
     import inspect
     import json
+    import re
 
     accepted = inspect.signature(cls.__init__).parameters
     for key, value in kwargs.items():
@@ -145,10 +146,12 @@ def check_arguments(cls: type, kwargs: dict) -> None:
         probe = torch.nn.Parameter(torch.zeros(2))  # and one step of it: betas of three numbers passed the
         optimizer = cls([probe], **kwargs)  # constructor and failed every rank's first step
         probe.grad = torch.zeros(2)
-        stepped = True
-        optimizer.step()
+        if not kwargs.get("capturable"):  # capturable steps only on an accelerator's tensors, not the CPU probe
+            stepped = True
+            optimizer.step()
     except Exception as e:  # noqa: BLE001 - whatever the class raises is the user's one-line answer
-        key = next((k for k in kwargs if k in str(e)), None)
+        # the argument the message names at a word's start ("epsilon" is eps; "state_steps" named eps too)
+        key = next((k for k in kwargs if re.search(rf"\b{re.escape(k)}", str(e))), None)
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(key, f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) refused "
                          f"these values{' at its first step' if stepped else ''}: {type(e).__name__}: "
