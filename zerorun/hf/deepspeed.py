@@ -1,7 +1,8 @@
 """``zerorun import-deepspeed ds_config.json [--hostfile H] > recipe.yaml``: a DeepSpeed config mapped to a
 zerorun recipe, so a DeepSpeed user starts from their own settings.
 
-Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.stage``;
+Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.stage`` (the deprecated
+``"zero_optimization": true`` is stage 1, as DeepSpeed reads it);
 ``offload_optimizer.device`` cpu/nvme -> ``zero.offload_optimizer`` cpu/disk (``nvme_path`` ->
 ``zero.offload_path``); ``offload_param.device`` nvme -> ``zero.offload_params`` disk (stage 3); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
 size); ``stage3_param_persistence_threshold`` -> ``zero.persistence_threshold``; ``stage3_prefetch_bucket_size``
