@@ -324,3 +324,13 @@ def test_a_step_error_names_the_argument_at_a_words_start():
     with pytest.raises(ValueError) as info:
         check_arguments(Strict, {"eps": 1e-8, "flag": 1.0})
     assert info.value.args[0] is None and "at its first step: AssertionError" in info.value.args[1]
+
+
+def test_an_optimizer_without_weight_decay_takes_the_recipes_default(tmp_path):
+    """Rprop takes no weight_decay: the recipe's default 0.0 was passed to its check, so a recipe naming Rprop
+    always failed ("Rprop has no argument 'weight_decay'", at a line without the key); a weight_decay the recipe
+    sets is still refused for it (Rprop would ignore it)."""
+    r = load_recipe(good(tmp_path), ["train.optimizer={name: Rprop, lr: 0.001}"])
+    assert r.train.optimizer.name == "Rprop"
+    with pytest.raises(ZerorunError, match=r"train\.optimizer\.weight_decay: Rprop has no argument 'weight_decay'"):
+        load_recipe(good(tmp_path), ["train.optimizer={name: Rprop, lr: 0.001, weight_decay: 0.0}"])

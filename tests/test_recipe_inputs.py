@@ -117,7 +117,9 @@ def test_a_few_aliases_are_still_fine(tmp_path):
     ('train.optimizer.betas=[{"{text}": "0.9"}, 0.99]', r"\.betas: item 0\.\{text\}: '0\.9' is text"),
     # a field of numbered choices: was "Input should be 0, 1, 2 or 3", which reads as if 2 were refused
     ("zero.stage='2'", r"^override \"zero\.stage='2'\": zero\.stage: '2' is text \(quoted\?\): expected 0, 1, 2 or 3$"),
-    ("zero.stage='5'", r"zero\.stage: '5' is text \(quoted\?\): expected 0, 1, 2 or 3$"),
+    ("zero.stage='2.0'", r"zero\.stage: '2\.0' is text \(quoted\?\): expected 0, 1, 2 or 3$"),
+    ("zero.stage='5'", r"zero\.stage: Input should be 0, 1, 2 or 3$"),  # unquoted it is refused too: no hint
+    ("zero=off", r"^override 'zero=off': zero: expected a mapping, got a boolean \(false\)"),  # was "a number"
     ("zero.stage=5", r"zero\.stage: Input should be 0, 1, 2 or 3$"),
     ("precision=fp8", r"precision: Input should be 'fp32', 'bf16' or 'fp16'$"),
     # a field of text given an unquoted yes/no/on/off: was "expected a number, got a boolean"

@@ -267,14 +267,17 @@ def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimize
 def _check_optimizer(spec: OptimizerSpec, where) -> None:
     """The engine's own rules (:mod:`zerorun.zero.optimizers`): the class exists, is elementwise (or declared so),
     and takes every key given. ``where(*keys)``: the recipe's file, line and field of ``train.optimizer.<keys>``."""
-    from zerorun.zero.optimizers import check_arguments, resolve_optimizer
+    from zerorun.zero.optimizers import accepts, check_arguments, resolve_optimizer
 
     try:
         cls = resolve_optimizer(spec.name, elementwise=spec.elementwise)
     except ValueError as e:
         raise ZerorunError(f"{where('name')}: {e}") from None
+    kwargs = spec.kwargs()
+    if "weight_decay" not in spec.model_fields_set and not accepts(cls, "weight_decay"):
+        kwargs.pop("weight_decay")  # the recipe's default 0.0: Rprop takes none (its recipe always failed here)
     try:
-        check_arguments(cls, spec.kwargs())
+        check_arguments(cls, kwargs)
     except ValueError as e:
         key, message = e.args
         raise ZerorunError(f"{where(key) if key else where()}: {message}") from None

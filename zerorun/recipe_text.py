@@ -65,7 +65,7 @@ def _shape(annotation: Any) -> str | None:
     origin = typing.get_origin(annotation)
     if origin in (list, tuple, set, frozenset):
         return "a list"
-    if origin is dict:
+    if origin is dict or isinstance(annotation, type) and hasattr(annotation, "model_fields"):  # zero: off
         return "a mapping"
     if origin in (typing.Union, types.UnionType):
         return next((shape for a in typing.get_args(annotation) if (shape := _shape(a))), None)
@@ -513,6 +513,16 @@ def _fields_at(model: Any, loc: tuple) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+def _number_choice(text: str, expected: str) -> bool:
+    """Whether the number ``text`` (a quoted one) is one of pydantic's ``expected`` choices ("0, 1, 2 or 3"):
+    only then would removing the quotes help."""
+    choices = re.split(r", | or ", expected)
+    try:
+        return any(float(text.replace("_", "")) == float(c) for c in choices if _is_number_text(c))
+    except ValueError:
+        return False
+
+
 def validation_problems(errors: list[dict], path: str, root: yaml.Node | None, overrides: list[str],
                         model: Any = None) -> list[str]:
     """One line per problem pydantic found in a recipe (``ValidationError.errors()``), each naming where it
@@ -537,7 +547,7 @@ def validation_problems(errors: list[dict], path: str, root: yaml.Node | None, o
         elif err["type"] == "missing":
             msg = "required field is missing"
         elif err["type"] == "literal_error" and _is_number_text(err.get("input")) and \
-                "'" not in str(err.get("ctx", {}).get("expected", "'")):  # choices that are numbers, not text
+                _number_choice(err["input"], str(err.get("ctx", {}).get("expected", ""))):
             # zero.stage: '2' was "Input should be 0, 1, 2 or 3", which reads as if 2 were refused
             msg = f"{err['input']!r} is text (quoted?): expected {err['ctx']['expected']}"
         source = override_for(loc, overrides)

@@ -1,7 +1,8 @@
 """``zerorun import-deepspeed ds_config.json [--hostfile H] > recipe.yaml``: a DeepSpeed config mapped to a
 zerorun recipe, so a DeepSpeed user starts from their own settings.
 
-Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.stage``;
+Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.stage`` (the deprecated
+``"zero_optimization": true`` is stage 1, as DeepSpeed reads it);
 ``offload_optimizer.device`` cpu/nvme -> ``zero.offload_optimizer`` cpu/disk (``nvme_path`` ->
 ``zero.offload_path``); ``offload_param.device`` nvme -> ``zero.offload_params`` disk (stage 3); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
 size); ``stage3_param_persistence_threshold`` -> ``zero.persistence_threshold``; ``stage3_prefetch_bucket_size``
@@ -117,7 +118,10 @@ class _Import:
         ds = dict(self.ds)
         self.precision(ds)
         self.batch(ds)
-        z = ds.pop("zero_optimization", None) or {}
+        z = ds.pop("zero_optimization", None)
+        if isinstance(z, bool):  # DeepSpeed's deprecated form: true is stage 1 (read_zero_config_deprecated)
+            z = {"stage": 1 if z else 0}
+        z = z or {}
         if not isinstance(z, dict):
             raise ZerorunError("zero_optimization: expected a mapping")
         self.zero(dict(z))
@@ -258,7 +262,8 @@ class _Import:
         if device in ("cpu", "nvme"):
             out["offload_optimizer"] = "cpu" if device == "cpu" else "disk"
         for key in sorted(set(offload) - {"device", "nvme_path"}):
-            self.drop(f"zero_optimization.offload_optimizer.{key}", "no zerorun equivalent")
+            self.drop(f"zero_optimization.offload_optimizer.{key}", "always pinned on CUDA" if key == "pin_memory"
+                      else "no zerorun equivalent")
         if param_device == "nvme" and out.get("stage") == 3:  # was dropped as "not supported" (zero.offload_params)
             out["offload_params"] = "disk"
         elif param_device == "nvme":
@@ -306,10 +311,11 @@ class _Import:
                 self.num("optimizer.params.betas", betas)  # listed as dropped, as every 'auto'
             elif not isinstance(betas, list) or len(betas) != 2:  # a string failed without naming the field
                 raise ZerorunError(f"optimizer.params.betas: expected a list of two numbers, got {betas!r}")
-            else:  # float(True) was 1.0; an 'auto' item wrote null into the recipe
-                betas = [self.num(f"optimizer.params.betas.{i}", b) for i, b in enumerate(betas)]
-                if None not in betas:
-                    out["betas"] = betas
+            elif "auto" in betas:  # an 'auto' item wrote null into the recipe
+                self.drop("optimizer.params.betas", f"{betas!r} has an 'auto' item (filled in by the HF Trainer "
+                                                    "integration): set both in the recipe")
+            else:  # float(True) was 1.0
+                out["betas"] = [self.num(f"optimizer.params.betas.{i}", b) for i, b in enumerate(betas)]
         for key in sorted(params):  # amsgrad, nesterov were listed as "no torch.optim equivalent"
             self.drop(f"optimizer.params.{key}", _not_carried(key, out["name"]))
         self.recipe["train"]["optimizer"] = out

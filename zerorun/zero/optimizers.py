@@ -109,6 +109,14 @@ def _optional_bool(annotation: Any) -> bool:
     return set(typing.get_args(annotation)) == {bool, type(None)}
 
 
+def accepts(cls: type, name: str) -> bool:
+    """Whether optimizer class ``cls`` takes a keyword argument ``name`` (or any, through ``**kwargs``)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def check_arguments(cls: type, kwargs: dict) -> None:
     """Every key of ``kwargs`` is an argument of optimizer class ``cls``, a boolean is not given where the
     argument is a number (YAML's ``yes`` for ``lr``), nor text (``eps: "0x10"``), an argument whose default is
