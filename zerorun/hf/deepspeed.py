@@ -2,18 +2,19 @@
 zerorun recipe, so a DeepSpeed user starts from their own settings.
 
 Mapped (DeepSpeed field -> recipe field): ``zero_optimization.stage`` -> ``zero.stage`` (the deprecated
-``"zero_optimization": true`` is stage 1, as DeepSpeed reads it);
-``offload_optimizer.device`` cpu/nvme -> ``zero.offload_optimizer`` cpu/disk (``nvme_path`` ->
-``zero.offload_path``); ``offload_param.device`` nvme -> ``zero.offload_params`` disk (stage 3); ``reduce_bucket_size`` (elements) -> ``zero.bucket_mb`` (at the gradients' element
-size); ``stage3_param_persistence_threshold`` -> ``zero.persistence_threshold``; ``stage3_prefetch_bucket_size``
-(elements) -> ``zero.prefetch_bytes`` (at the parameters' element size); ``bf16``/``fp16.enabled`` ->
-``precision``; fp16's ``initial_scale_power``/``loss_scale_window``/``min_loss_scale`` -> ``loss_scale``;
-``communication_data_type`` fp32 -> ``zero.reduce_dtype``; ``data_types.grad_accum_dtype`` ->
-``zero.grad_accum_dtype``; ``gradient_clipping`` -> ``train.grad_clip``;
-``train_micro_batch_size_per_gpu``/``gradient_accumulation_steps`` (or derived from ``train_batch_size`` and
-the hostfile's slots) -> ``train.micro_batch_size``/``grad_accum_steps``; ``optimizer`` (Adam/AdamW/SGD/Adagrad and
-the params torch.optim's class also takes: :data:`_CARRIED`) -> ``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR -> ``train.schedule``
-(and ``train.steps`` from ``total_num_steps``); ``steps_per_print`` -> ``log.every``. Every other field is
+``"zero_optimization": true`` is stage 1, as DeepSpeed reads it); ``offload_optimizer.device`` cpu/nvme ->
+``zero.offload_optimizer`` cpu/disk and ``offload_param.device`` nvme -> ``zero.offload_params`` disk (stage 3),
+their ``nvme_path`` -> ``zero.offload_path`` (one folder for both); ``reduce_bucket_size`` (elements) ->
+``zero.bucket_mb`` (at the gradients' element size); ``stage3_param_persistence_threshold`` ->
+``zero.persistence_threshold``; ``stage3_prefetch_bucket_size`` (elements) -> ``zero.prefetch_bytes`` (at the
+parameters' element size); ``bf16``/``fp16.enabled`` -> ``precision``; fp16's
+``initial_scale_power``/``loss_scale_window``/``min_loss_scale`` -> ``loss_scale``; ``communication_data_type``
+fp32 -> ``zero.reduce_dtype``; ``data_types.grad_accum_dtype`` -> ``zero.grad_accum_dtype``;
+``gradient_clipping`` -> ``train.grad_clip``; ``train_micro_batch_size_per_gpu``/``gradient_accumulation_steps``
+(or derived from ``train_batch_size`` and the hostfile's slots) -> ``train.micro_batch_size``/``grad_accum_steps``;
+``optimizer`` (Adam/AdamW/SGD/Adagrad and the params torch.optim's class also takes: :data:`_CARRIED`) ->
+``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR -> ``train.schedule`` (and
+``train.steps`` from ``total_num_steps``); ``steps_per_print`` -> ``log.every``. Every other field is
 listed as dropped, with the reason, in the recipe's header comment and on stderr.
 """
 
