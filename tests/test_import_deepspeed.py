@@ -122,6 +122,7 @@ def test_auto_precision_is_listed_not_taken_as_disabled(tmp_path):
      r"ds\.json: zero_optimization\.offload_param: expected a mapping, got 'nvme'$"),
     ({"zero_optimization": {"offload_optimizer": True}}, None, r"zero_optimization\.offload_optimizer: expected a mapping"),
     ({"optimizer": "Adam"}, None, r"ds\.json: optimizer: expected a mapping, got 'Adam'$"),
+    ({"zero_optimization": [2]}, None, r"ds\.json: zero_optimization: expected a mapping, got \[2\]$"),
     ({"optimizer": {"type": "Adam", "params": [1, 2]}}, None, r"optimizer\.params: expected a mapping, got \[1, 2\]$"),
     ({"scheduler": "WarmupLR"}, None, r"ds\.json: scheduler: expected a mapping"),
     *[({"zero_optimization": {"stage": 3, section: {"device": bad}}}, None,

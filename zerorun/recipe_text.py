@@ -79,10 +79,10 @@ def refuse_bool(cls, value: Any, info: ValidationInfo) -> Any:
     if isinstance(value, bool) and info.field_name in cls.model_fields and \
             not admits_bool(cls.model_fields[info.field_name].annotation):
         annotation = cls.model_fields[info.field_name].annotation
-        choices = [repr(c) for c in _text_choices(annotation)]
-        if choices or _shape(annotation):
+        choices, shape = [repr(c) for c in _text_choices(annotation)], _shape(annotation)
+        if choices or shape:
             expected = f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else \
-                choices[0] if choices else _shape(annotation)
+                choices[0] if choices else shape
             raise PydanticCustomError("bool_not_text", "expected {expected}, got a boolean ({value}): YAML reads an "
                                       "unquoted yes/no/on/off/true/false as one", {"expected": expected,
                                                                                    "value": str(value).lower()})

@@ -37,10 +37,8 @@ def parse_count(text: str, flag: str = "--params") -> int:
         ZerorunError: not a positive count, a fraction without a unit (``7.5``), or more than :data:`MAX_COUNT`;
             the message names ``flag``.
     """
-    count = _scaled(text, flag, _COUNT_UNITS, "7B, 350M", "a positive count such as 7B, 350M or 125000")
-    value, unit = _split(text, flag, "7B, 350M")
-    if unit == "" and value != int(value):  # 7.5 was rounded to 8 parameters
-        raise ZerorunError(f"{flag}: {text!r} is not a whole number of parameters (with a unit: {text}B, {text}M)")
+    count = _scaled(text, flag, _COUNT_UNITS, "7B, 350M", "a positive count such as 7B, 350M or 125000",
+                    whole="parameters")
     if count > MAX_COUNT:  # 1e30 printed "1e+18T" parameters and a headroom of -6e22 %
         raise ZerorunError(f"{flag}: {text!r} is more than {MAX_COUNT // 10**12:,}T parameters")
     return count
@@ -55,11 +53,16 @@ def parse_bytes(text: str, flag: str = "--device-memory") -> int:
     return _scaled(text, flag, _BYTE_UNITS, "80GiB, 80GB", "a positive size such as 80GiB, 80GB or 512MiB")
 
 
-def _scaled(text: str, flag: str, units: dict[str, float], example: str, expected: str) -> int:
+def _scaled(text: str, flag: str, units: dict[str, float], example: str, expected: str,
+            whole: str | None = None) -> int:
+    """``text`` read with ``units`` as a positive whole number; ``whole`` (what is counted): a number without a
+    unit must be whole (``7.5`` was rounded to 8 parameters)."""
     value, unit = _split(text, flag, example)
     mult = units.get(unit.upper())
     if mult is None or value <= 0 or round(value * mult) < 1:
         raise ZerorunError(f"{flag}: cannot read {text!r}: expected {expected}")
+    if whole and unit == "" and value != int(value):
+        raise ZerorunError(f"{flag}: {text!r} is not a whole number of {whole} (with a unit: {text}B, {text}M)")
     return int(round(value * mult))
 
 

@@ -122,10 +122,7 @@ class _Import:
         z = ds.pop("zero_optimization", None)
         if isinstance(z, bool):  # DeepSpeed's deprecated form: true is stage 1 (read_zero_config_deprecated)
             z = {"stage": 1 if z else 0}
-        z = z or {}
-        if not isinstance(z, dict):
-            raise ZerorunError("zero_optimization: expected a mapping")
-        self.zero(dict(z))
+        self.zero(dict(self.section("zero_optimization", z or None)))  # 0, [] and "" read as absent, as before
         self.optimizer(ds.pop("optimizer", None))
         self.scheduler(ds.pop("scheduler", None))
         train = self.recipe["train"]
