@@ -17,6 +17,13 @@ print("args", sys.argv[1:])
 zerorun.report(1, 1.5, steps=2)
 if rank == 1:
     raise ValueError("bad shard " + sys.argv[2])
+import faulthandler  # what scripts do with the streams under torchrun (Note [Rank streams])
+faulthandler.enable()
+sys.stdout.reconfigure(line_buffering=True)
+sys.stdout.buffer.write(b"raw bytes\\n")
+sys.stdout.buffer.flush()
+sys.stdout.writelines(["w1\\n", "w2\\n"])
+print("to stderr", sys.stdout.encoding, sys.stderr.errors, sys.stdout.isatty(), sys.stdout.fileno(), file=sys.stderr)
 """
 
 
@@ -28,6 +35,8 @@ def test_script_runs_on_every_rank_and_its_exception_is_named(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "2 ranks on localhostx2, user script" in out.stdout
     assert "[rank 0] args ['--shard', '7']" in out.stdout  # options after the script are the script's
+    for line in ("raw bytes", "w1", "w2", "to stderr utf-8 backslashreplace False 1"):  # as under torchrun
+        assert f"[rank 0] {line}\n" in out.stdout, out.stdout
     assert out.stderr.startswith(f"zerorun: error: rank 1 on localhost: ValueError: bad shard 7 (at "
                                  f"{tmp_path / 's.py'}:8 in <module>)"), out.stderr
     events = read_events(tmp_path / "runs")

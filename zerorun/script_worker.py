@@ -19,7 +19,8 @@ from importlib import metadata
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import host_memory
 from zerorun.zero import allocator
-from zerorun.worker import RankStream, report_failure
+from zerorun.telemetry import rankstream
+from zerorun.worker import report_failure
 
 
 def main(argv: list[str]) -> int:
@@ -47,8 +48,7 @@ def _torch_version() -> str:
 
 def _run(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", 0))
-    sys.stdout = RankStream(sys.__stdout__, rank)
-    sys.stderr = RankStream(sys.__stderr__, rank)
+    rankstream.install(rank)  # Note [Rank streams] in telemetry/rankstream.py: text streams as under torchrun
     module = argv[0] == "-m"
     if module:
         argv = argv[1:]
@@ -69,10 +69,7 @@ def _run(argv: list[str]) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
         return report_failure(e, rank)
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            if getattr(stream, "pending", ""):
-                stream.write("\n")  # a last line without its newline is still shown
-            stream.flush()
+        rankstream.finish()  # a last line without its newline is still shown
     return 0
 
 

@@ -18,37 +18,15 @@ import sys
 import time
 import traceback
 import warnings
-from typing import TextIO
 
 from zerorun.errors import ZerorunError
 from zerorun.recipe import Recipe
 from zerorun.schedule import continue_schedule, lr_multiplier  # noqa: F401 (lr_multiplier: API)
 from zerorun.stopsignal import STOPPED_EXIT, Stopped, StopRequest
+from zerorun.telemetry import rankstream
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import cuda_memory, flops_per_token, host_memory
 from zerorun.telemetry.steplog import StepLog
-
-
-class RankStream:
-    """A text stream that prefixes each line with ``[rank R]`` and writes whole lines in one call, so output
-    of ranks sharing a pipe stays attributable and unbroken."""
-
-    def __init__(self, target: TextIO, rank: int) -> None:
-        self.target, self.prefix, self.pending = target, f"[rank {rank}] ", ""
-
-    def write(self, text: str) -> int:
-        self.pending += text
-        if "\n" in self.pending:
-            *lines, self.pending = self.pending.split("\n")
-            self.target.write("".join(self.prefix + line + "\n" for line in lines))
-            self.target.flush()
-        return len(text)
-
-    def flush(self) -> None:
-        self.target.flush()
-
-    def isatty(self) -> bool:
-        return False
 
 
 #: Wordings of a collective that failed because another rank went away or went quiet (Note [Blame] in
@@ -299,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     allocator.configure()  # Note [Returning freed memory]: every runtime, baselines included, before torch allocates
     rank = int(os.environ.get("RANK", 0))
-    sys.stdout = RankStream(sys.__stdout__, rank)
-    sys.stderr = RankStream(sys.__stderr__, rank)
+    rankstream.install(rank)  # Note [Rank streams] in telemetry/rankstream.py
     threads = os.environ.get("OMP_NUM_THREADS")
     try:
         if threads:
