@@ -1,5 +1,6 @@
 """``zerorun launch script.py`` on local ranks: the user's script, its arguments, its errors."""
 
+import re
 import subprocess
 import sys
 
@@ -47,4 +48,31 @@ def test_script_runs_on_every_rank_and_its_exception_is_named(tmp_path):
 
     assert {e["allocator"] for e in starts} == {"tcmalloc" if find_tcmalloc() else "glibc"}, starts
     assert "2 ranks started (torch " in out.stdout
+    assert survivors(job_id(out.stdout)) == []
+
+
+EXIT_0 = """
+import datetime, os, time
+import torch, torch.distributed as dist
+import zerorun
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+for step in range(1, 1000):
+    if step == 3 and dist.get_rank() == 1:
+        os._exit(0)  # no finish event, no exception: only its exit code tells
+    dist.all_reduce(torch.ones(1))
+    zerorun.report(step, 1.0, steps=1000)
+    time.sleep(0.05)
+"""
+
+
+def test_a_rank_that_exits_0_in_the_middle_of_the_job_is_named(tmp_path):
+    """Issue 34 item 9 (Note [Rank exits] in launch/torchrun.py): not "rank 1 stopped responding"."""
+    (tmp_path / "s.py").write_text(EXIT_0)
+    out = subprocess.run([sys.executable, "-m", "zerorun", "launch", "--num-procs", "2", "--log-dir",
+                          str(tmp_path / "runs"), "s.py"], cwd=str(tmp_path), capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stderr.startswith("zerorun: error: rank 1 on localhost: rank 1 exited (exit code 0) in the middle "
+                                 "of the job; rank 0 then failed: "), out.stderr
+    assert re.search(r"^\s+1\s+exit 0\s", out.stdout, re.M), out.stdout  # the summary's status
     assert survivors(job_id(out.stdout)) == []

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from test_train_e2e import ROOT, TINY, job_id, survivors
@@ -38,10 +39,58 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_at_a_step_boundary(tmp_path)
     assert proc.returncode == 143 and time.time() - t0 < 15, out + err
     run_dir = re.search(r"run dir (\S+)", header).group(1)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        stopped = [e for e in map(json.loads, f) if e["event"] == "stopped"]
+        events = list(map(json.loads, f))
+    stopped = [e for e in events if e["event"] == "stopped"]
     assert {e["rank"] for e in stopped} == {0, 1} and len({e["step"] for e in stopped}) == 1
     step = stopped[0]["step"]
     name = f"step-{step:08d}"
     assert sorted(os.listdir(ckpt)) == [name] and os.path.exists(ckpt / name / "COMPLETE")
     assert f"stopped by SIGTERM after step {step}: every rank saved checkpoint {ckpt / name} and exited" in err
+    # issue 34 item 10: the stop's save is a checkpoint like any other, in metrics.jsonl and the summary
+    assert [(e["step"], e["path"]) for e in events if e["event"] == "checkpoint"] == [(step, str(ckpt / name))]
+    assert re.search(rf"last checkpoint\s+step {step}: {re.escape(str(ckpt / name))}", out), out
+    assert survivors(job) == []
+
+
+def rank_process(job: str, rank: int) -> psutil.Process:
+    """The worker process of ``rank`` in ``job``."""
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("ZERORUN_JOB_ID") == job and p.environ().get("RANK") == str(rank) and \
+                    "zerorun.worker" in p.cmdline():
+                return p
+        except (psutil.Error, OSError):
+            pass
+    raise AssertionError(f"rank {rank} of job {job} not found")
+
+
+def test_sigterm_to_one_rank_is_named_and_its_save_is_the_last_checkpoint(tmp_path):
+    """Issue 34 items 9 and 10: SIGTERM to rank 1 alone (not the launcher) stops every rank at one step with a
+    checkpoint; the error names rank 1 and its host, and the summary's last checkpoint is that save, not the
+    periodic one before it."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", TINY, "train.steps=100000",
+                             "train.eval_every=0", "log.every=1", f"log.dir={tmp_path / 'runs'}",
+                             f"checkpoint.dir={ckpt}", "checkpoint.every=2",
+                             'launch.env={OMP_NUM_THREADS: "1"}', "--no-dashboard"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    header = proc.stdout.readline()
+    job = job_id(header)
+    for line in proc.stdout:
+        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 3:
+            break
+    rank_process(job, 1).send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out + err
+    run_dir = re.search(r"run dir (\S+)", header).group(1)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        events = list(map(json.loads, f))
+    [step] = {e["step"] for e in events if e["event"] == "stopped"}
+    path = str(ckpt / f"step-{step:08d}")
+    assert err.startswith(f"zerorun: error: rank 1 on localhost: stopped by SIGTERM (sent to rank 1) after step "
+                          f"{step}: every rank saved checkpoint {path} and exited"), err
+    saved = [e["step"] for e in events if e["event"] == "checkpoint"]
+    assert saved == sorted(set(saved)) and saved[-1] == step and len(saved) >= 2, saved
+    assert re.search(rf"last checkpoint\s+step {step}: {re.escape(path)}", out), out
     assert survivors(job) == []

@@ -223,3 +223,70 @@ def test_a_job_the_launcher_stops_itself_is_not_shown_as_interrupted():
         assert result.status == "interrupted"
         assert shown == ["[node 0] job interrupted: torchrun got SIGTERM and stops every rank (full output: the run "
                          "folder's output.log)"], shown
+
+
+def rank_exit(rank: int, code: int) -> str:
+    """The line zerorun's torchrun prints when a rank ends on its own (Note [Rank exits] in launch/torchrun.py)."""
+    return f'@zerorun-node {{"rank": {rank}, "exit_code": {code}}}'
+
+
+def test_a_rank_that_exits_0_in_the_middle_of_the_job_is_named_as_exited():
+    """Issue 34 item 9: rank 1 ran ``os._exit(0)`` at step 3 (no finish event), rank 0 then failed in a
+    collective; rank 1 is named as exited, not as "stopped responding", and the summary shows it as ``exit 0``."""
+    step = format_event("step", 1, step=3)
+    peer = format_event("error", 0, type="RuntimeError", message="Connection closed by peer", peer_failure=True)
+    for lines in ([step, rank_exit(1, 0), peer, rank_exit(0, 1)], [step, peer, rank_exit(0, 1), rank_exit(1, 0)]):
+        plan = build_plan([Host("localhost", 2)], "{}", "job", 12345)
+        q: queue.Queue = queue.Queue()
+        sup = Supervisor(plan, [], q, lambda e: None, lambda n, l: None)
+        for line in lines:
+            q.put((0, line))
+        q.put((0, None, 1))
+        while not q.empty():
+            sup._drain(0.01)
+        result = sup._failure(0)
+        assert (result.rank, result.host) == (1, "localhost")
+        assert result.message == ("rank 1 exited (exit code 0) in the middle of the job; rank 0 then failed: "
+                                  "RuntimeError: Connection closed by peer")
+        assert sup.rank_exits == {0: 1, 1: 0}
+
+
+def test_rank_exit_lines_neighbours():
+    """A rank that finished and then exited 0 is still "finished while its peers still needed it"; a rank whose
+    kill is announced before torchrun's summary arrives is named from the announcement; a hung rank (no exit
+    line) still "stopped responding"; malformed lines change nothing."""
+    peer = format_event("error", 0, type="RuntimeError", message="Connection closed by peer", peer_failure=True)
+    result = supervise([format_event("finish", 1), rank_exit(1, 0), peer])
+    assert result.rank == 1 and result.message.startswith("rank 1 finished while its peers still needed it")
+    result = supervise([peer, rank_exit(1, -9)])
+    assert result.rank == 1 and result.message == "rank process ended (killed by SIGKILL)"
+    junk = ['@zerorun-node {"rank": "1", "exit_code": 0}', '@zerorun-node {"rank": 1, "exit_code": true}',
+            "@zerorun-node [1, 0]", "@zerorun-node {not json"]
+    result = supervise([format_event("step", 1, step=3), *junk, peer])
+    assert result.rank == 1 and result.message.startswith("rank 1 stopped responding (last heard ")
+
+
+def test_sigterm_sent_to_one_rank_names_the_rank_and_its_host():
+    """Issue 34 item 9: every rank saved and stopped because rank 1 (on the second host) got SIGTERM, not the
+    launcher: the result names rank 1 and its host; a SIGTERM to the launcher itself stays a job-wide stop."""
+    plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
+    for launcher_signalled in (False, True):
+        q: queue.Queue = queue.Queue()
+        sup = Supervisor(plan, [object(), object()], q, lambda e: None, lambda n, l: None)
+        for rank in (0, 1):
+            q.put((rank, format_event("stopped", rank, step=7, steps=80, signal="SIGTERM", path="/ck/step-00000007",
+                                      signalled_rank=1)))
+        if launcher_signalled:
+            sup._stop = "SIGTERM"
+            while not q.empty():
+                sup._drain(0.01)
+            result = sup._stopped_result()
+        else:
+            result = sup._watch()
+        tail = " after step 7: every rank saved checkpoint /ck/step-00000007 and exited; continue with zerorun " \
+               "train ... --resume"
+        if launcher_signalled:
+            assert (result.rank, result.host, result.message) == (None, None, "stopped by SIGTERM" + tail)
+        else:
+            assert (result.status, result.exit_code, result.rank, result.host) == ("interrupted", 143, 1, "127.0.0.2")
+            assert result.message == "stopped by SIGTERM (sent to rank 1)" + tail

@@ -4,7 +4,8 @@ Note [Checkpoint on SIGTERM]: SLURM ends a job at its time limit (and on scancel
 every process of its steps, then SIGKILL ``KillWait`` seconds later (30 s by default); the launcher's own
 teardown sends SIGTERM before SIGKILL too (launch/supervisor.py). With ``checkpoint.dir`` set, each rank's
 SIGTERM handler only records the signal; after every optimizer step the ranks agree on it (one int32
-all-reduce, MAX, so that a rank signalled a moment later stops at the same step as the others), then every
+all-reduce, MAX, so that a rank signalled a moment later stops at the same step as the others; the value also
+names the lowest rank that got it, so a SIGTERM sent to one rank is named with its rank), then every
 rank saves the checkpoint of that step (torch.distributed.checkpoint, written to a temporary folder and renamed
 when complete: never half-written, zerorun/checkpoint.py), reports a ``stopped`` event and exits with 143
 (128 + SIGTERM). ``zerorun train --resume`` then continues from that step, with the same numbers as an
@@ -26,10 +27,17 @@ class Stopped(Exception):
 
 class StopRequest:
     """Records SIGTERM (Note [Checkpoint on SIGTERM]); :meth:`agreed` says, on every rank alike, whether any
-    rank got it."""
+    rank got it, and sets :attr:`rank` to the lowest rank that did.
 
-    def __init__(self) -> None:
+    Args:
+        rank: this rank's global rank.
+        world_size: ranks in the job.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
         self.signal: int | None = None
+        self.own_rank, self.world_size = rank, world_size
+        self.rank: int | None = None  # the lowest rank that got SIGTERM, once agreed() returned True
         signal.signal(signal.SIGTERM, self._record)
 
     def _record(self, signum, _frame) -> None:
@@ -37,10 +45,15 @@ class StopRequest:
             self.signal = signum
 
     def agreed(self, device) -> bool:
-        """True on every rank when any rank got SIGTERM (one int32 all-reduce with MAX, on ``device``)."""
+        """True on every rank when any rank got SIGTERM (one int32 all-reduce with MAX, on ``device``, of
+        ``world_size - rank`` on a signalled rank and 0 elsewhere: the largest names the lowest such rank)."""
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if self.signal is not None else 0], dtype=torch.int32, device=device)
+        mine = self.world_size - self.own_rank if self.signal is not None else 0
+        flag = torch.tensor([mine], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        got = int(flag.item())
+        if got:
+            self.rank = self.world_size - got
+        return bool(got)

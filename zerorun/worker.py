@@ -196,7 +196,7 @@ def train(recipe: Recipe, rank: int) -> None:
     shape = getattr(model, "shape", None)
     interval_steps, interval_s = 0, 0.0  # training steps and their time since the last step event
     steplog = StepLog(rank, world_size, device, clipped=bool(t.grad_clip))
-    stop = StopRequest() if ckpt.dir else None  # Note [Checkpoint on SIGTERM] in zerorun/stopsignal.py
+    stop = StopRequest(rank, world_size) if ckpt.dir else None  # Note [Checkpoint on SIGTERM], stopsignal.py
     if t.eval_every and start == 0:
         evaluate(0)
     for step in range(start + 1, t.steps + 1):
@@ -252,9 +252,11 @@ def train(recipe: Recipe, rank: int) -> None:
                 path, seconds, nbytes = checkpoint.save(engine, ckpt.dir, step, scheduler=scheduler,
                                                         position=position, keep=ckpt.keep,
                                                         recipe=json.loads(recipe.model_dump_json()))
+                if rank == 0:  # a save like any other: metrics.jsonl and the summary's last checkpoint name it
+                    emit("checkpoint", rank, step=step, path=path, seconds=seconds, bytes=nbytes)
             else:
                 path = checkpoint.step_dir(ckpt.dir, step)
-            emit("stopped", rank, step=step, steps=t.steps, signal="SIGTERM", path=path)
+            emit("stopped", rank, step=step, steps=t.steps, signal="SIGTERM", path=path, signalled_rank=stop.rank)
             engine.close()
             dist.barrier()
             dist.destroy_process_group()

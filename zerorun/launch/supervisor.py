@@ -87,6 +87,7 @@ class Supervisor:
         self._stopped: dict[int, Event] = {}  # ranks that saved a checkpoint on SIGTERM (zerorun/stopsignal.py)
         self._ended: dict[int, int] = {}
         self._notes: dict[int, str] = {}  # node rank -> why its watcher says it ended (launch/node.py)
+        self._own_exits: dict[int, int] = {}  # global rank -> exit code, as its torchrun saw it end (Note [Rank exits])
         self._heard: dict[int, float] = {}  # global rank -> when its last line or event arrived (time.time())
         self._finish_time: dict[int, float] = {}
         self._error_arrival: dict[int, float] = {}
@@ -116,12 +117,25 @@ class Supervisor:
         result.elapsed_s = time.time() - t0
         return result
 
-    def _stopped_message(self, sig: str) -> str:
+    def _stopped_message(self, sig: str, to: str = "") -> str:
         """What the ranks that stopped on SIGTERM saved (Note [Checkpoint on SIGTERM] in zerorun/stopsignal.py):
-        the step, the checkpoint, and how to continue."""
+        the step, the checkpoint, and how to continue; ``to`` names where the signal went (``" (sent to rank
+        1)"``)."""
         e = self._stopped.get(0) or next(iter(self._stopped.values()))  # the save is collective: one is enough
-        return (f"stopped by {sig} after step {e.data.get('step')}: every rank saved checkpoint {e.data.get('path')}"
-                " and exited; continue with zerorun train ... --resume")
+        return (f"stopped by {sig}{to} after step {e.data.get('step')}: every rank saved checkpoint "
+                f"{e.data.get('path')} and exited; continue with zerorun train ... --resume")
+
+    def _stopped_result(self) -> JobResult:
+        """Every rank stopped on SIGTERM and saved. The launcher was not signalled itself: the signal went to
+        a rank (``kill`` of one process, a node's OOM handling), which the ranks agreed on and name
+        (``signalled_rank``, zerorun/stopsignal.py): the result names it and its host."""
+        e = self._stopped.get(0) or next(iter(self._stopped.values()))
+        by = e.data.get("signalled_rank")
+        if self._stop is None and isinstance(by, int) and not isinstance(by, bool):
+            node = self.plan.node_of_rank(by)
+            return JobResult("interrupted", 143, by, node.host.name if node else None,
+                             self._stopped_message("SIGTERM", f" (sent to rank {by})"))
+        return JobResult("interrupted", 143, message=self._stopped_message("SIGTERM"))
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -133,10 +147,7 @@ class Supervisor:
             self._ended[node_rank] = item[2]
             return
         if line.startswith(NOTE_PREFIX):
-            try:
-                self._notes[node_rank] = str(json.loads(line[len(NOTE_PREFIX):])["reason"])
-            except (ValueError, KeyError, TypeError):
-                pass
+            self._note(node_rank, line[len(NOTE_PREFIX):])
             return
         event = parse_line(line)
         if event is not None:
@@ -169,6 +180,30 @@ class Supervisor:
             self._tails[node_rank].append(line.strip())
         self.on_line(node_rank, line)
 
+    def _note(self, node_rank: int, text: str) -> None:
+        """A node watcher's or torchrun's ``@zerorun-node`` line: why the node ended (launch/node.py), or a rank
+        that ended on its own and its exit code (Note [Rank exits] in launch/torchrun.py)."""
+        try:
+            note = json.loads(text)
+        except ValueError:
+            return
+        if not isinstance(note, dict):
+            return
+        if isinstance(note.get("reason"), str):
+            self._notes[node_rank] = note["reason"]
+        rank, code = note.get("rank"), note.get("exit_code")
+        if isinstance(rank, int) and isinstance(code, int) and not isinstance(code, bool):
+            self._own_exits.setdefault(rank, code)
+
+    def _exits(self) -> dict[int, int]:
+        """Global rank -> exit code of every rank that ended on its own: torchrun's failure summary, and the
+        ranks its poll saw end (exit code 0 included, Note [Rank exits])."""
+        return {**self._own_exits, **self._rank_exits}
+
+    def _exited_early(self, rank: int) -> bool:
+        """``rank`` exited 0 without a finish event (``os._exit(0)`` in the middle of the job)."""
+        return self._own_exits.get(rank) == 0 and rank not in self._finished
+
     def _watch(self) -> JobResult:
         while True:
             if self._stop:
@@ -181,7 +216,7 @@ class Supervisor:
                 while len(self._stopped) < self.plan.world_size and not self._errors and time.time() < deadline:
                     self._drain(0.1)
             if len(self._stopped) == self.plan.world_size and not self._errors:
-                return JobResult("interrupted", 143, message=self._stopped_message("SIGTERM"))
+                return self._stopped_result()
             if failed or self._errors:
                 return self._failure(failed[0] if failed else None)
             problem = self.check() if self.check is not None else None
@@ -211,12 +246,12 @@ class Supervisor:
                 if self._has_cause(node_rank) or len(self._ended) >= len(self.nodes) or time.time() > t0 + 5.0:
                     break
             self._drain(0.1)
-        self.rank_exits = dict(self._rank_exits)  # before teardown: what happened, not how it was stopped
+        exits = self._exits()
+        self.rank_exits = exits  # before teardown: what happened, not how it was stopped
         own = [e for e in self._errors.values() if not e.data.get("peer_failure")]
         # torchrun's first observed failure first, then ranks that were not merely stopped by a teardown
-        silent = sorted((r for r in self._rank_exits if r not in self._errors),
-                        key=lambda r: (r not in self._root_causes,
-                                       self._rank_exits[r] in (-signal.SIGTERM, -signal.SIGKILL), r))
+        silent = sorted((r for r, code in exits.items() if code != 0 and r not in self._errors),
+                        key=lambda r: (r not in self._root_causes, exits[r] in (-signal.SIGTERM, -signal.SIGKILL), r))
         # a node that ended for a reason of its own, e.g. a lost SSH connection (launch/remote.py) or a killed
         # torchrun agent (launch/node.py): its ranks could not report, and what the others report is a consequence
         reason_node, reason = self._end_reason(node_rank)
@@ -226,7 +261,7 @@ class Supervisor:
             rank = silent[0]
             node = self.plan.node_of_rank(rank)
             return JobResult("failed", 1, rank, node.host.name if node else None,
-                             f"rank process ended ({describe_exit(self._rank_exits[rank])})")
+                             f"rank process ended ({describe_exit(exits[rank])})")
         elif reason:
             node = self.plan.nodes[reason_node]
             where = "" if node.host.name in reason else f" on {node.host.name}"
@@ -268,16 +303,17 @@ class Supervisor:
         SIGSTOP, or exited without a word), or that finished while its peers still needed it, the one last
         heard from earliest."""
         first_error = min(self._heard_error_times(), default=time.time())
-        quiet = [r for r in range(self.plan.world_size) if r not in self._errors and r not in self._rank_exits
+        failed = {r for r, code in self._exits().items() if code != 0}
+        quiet = [r for r in range(self.plan.world_size) if r not in self._errors and r not in failed
                  and (r not in self._finished or self._finish_time.get(r, first_error) < first_error)]
         if not quiet:
             return None
-        rank = min(quiet, key=lambda r: (r in self._finished, self._heard.get(r, 0.0), r))
+        rank = min(quiet, key=lambda r: (not self._exited_early(r), r in self._finished, self._heard.get(r, 0.0), r))
         node = self.plan.node_of_rank(rank)
         peer = min(self._errors.values(), key=lambda e: e.time)
         if rank in self._finished:
             what = f"rank {rank} finished while its peers still needed it"
-        elif node is not None and self._ended.get(node.node_rank) == 0:
+        elif self._exited_early(rank) or node is not None and self._ended.get(node.node_rank) == 0:
             what = f"rank {rank} exited (exit code 0) in the middle of the job"
         else:
             heard = self._heard.get(rank)
@@ -294,6 +330,7 @@ class Supervisor:
         """True once a failure is explained by more than peer failures (Note [Blame])."""
         return (any(not e.data.get("peer_failure") for e in self._errors.values())
                 or any(r not in self._errors for r in self._rank_exits)
+                or any(self._exited_early(r) for r in self._own_exits)
                 or self._end_reason(node_rank)[1] is not None)
 
     def _teardown(self) -> None:

@@ -6,11 +6,20 @@ every interface, so anyone who can reach the machine can read and write the job'
 ``multi_tenant=True`` shares one server per port within a process, so a store started first here, on a
 socket bound to ``--master-addr``, is the one torchrun then uses. When that address cannot be bound on this
 machine (e.g. a NAT address), torchrun's default is kept and a line says so.
+
+Note [Rank exits]: torchrun reports the exit code of ranks that failed (its "Failures" summary) but says nothing
+of a rank that exited 0 while its peers still run (``os._exit(0)`` in the middle of the job, no finish event):
+its peers then fail in a collective, and the launcher could only guess that the quiet rank hung. Here every
+rank that ends while torchrun still watches its ranks (not one it stops itself) is announced on the node's
+output as soon as torchrun sees it (every ``--monitor-interval``): a ``@zerorun-node`` line (launch/node.py)
+``{"rank": R, "exit_code": C}``, C negative for a signal, which the launcher's blame uses (Note [Blame] in
+launch/supervisor.py). A torch whose elastic agent lacks the hooked methods runs unchanged, without the lines.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shutil
 import socket
@@ -68,6 +77,36 @@ def _terminate_once() -> None:
     api._terminate_process_handler = once  # looked up when torchrun installs its handlers
 
 
+def _announce_exits() -> None:
+    """Note [Rank exits]: wrap torchrun's poll of its rank processes to print a line per rank that ended on
+    its own, and its stop of the ranks so that the ranks it stops are not announced."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    from zerorun.launch.node import NOTE_PREFIX
+
+    capture, close = getattr(SubprocessContext, "_capture_process_failures", None), SubprocessContext._close
+    if capture is None:
+        return
+
+    def capture_and_announce(self, done_local_ranks: set[int]) -> None:
+        running = set(self._running_local_ranks)
+        capture(self, done_local_ranks)
+        if getattr(self, "_zerorun_stopping", False):
+            return
+        for local_rank in sorted(running & done_local_ranks):
+            code = self.subprocess_handlers[local_rank].proc.returncode
+            rank = self.envs.get(local_rank, {}).get("RANK", "")
+            if code is not None and rank.isdigit():
+                print(NOTE_PREFIX + json.dumps({"rank": int(rank), "exit_code": code}), flush=True)
+
+    def stopping(self, *args, **kwargs):
+        self._zerorun_stopping = True
+        return close(self, *args, **kwargs)
+
+    SubprocessContext._capture_process_failures = capture_and_announce
+    SubprocessContext._close = stopping
+
+
 def main(argv: list[str]) -> None:
     """Bind node 0's store, then run torchrun with ``argv``."""
     if _option(argv, "--node-rank") == "0" and _option(argv, "--master-addr") and _option(argv, "--master-port"):
@@ -78,6 +117,7 @@ def main(argv: list[str]) -> None:
             print(f"zerorun: cannot bind the rendezvous store to {addr}:{port} ({e.strerror}); torchrun's "
                   "default (every interface) is used", flush=True)
     _terminate_once()
+    _announce_exits()
     from torch.distributed.run import main as torchrun
 
     watcher = os.getppid()
