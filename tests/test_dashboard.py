@@ -310,3 +310,51 @@ def test_plot_path_without_an_image_extension_is_refused_before_writing(tmp_path
     check_plot_path(str(tmp_path / "loss.png"))  # a good name passes
     with pytest.raises(ZerorunError, match="no such folder"):
         check_plot_path(str(tmp_path / "missing" / "loss.png"))
+
+
+def test_peak_rss_is_never_below_the_rss_now():
+    """Issue 34 item 10 (Note [Peak RSS]): ``ru_maxrss`` lags the RSS, so an event can say rss 344 MiB, peak 343
+    MiB; the views show the larger as the peak, and a later, lower peak (a finish event) does not lower it."""
+    state = JobState(name="x", world_size=2, rank_hosts={0: "node0", 1: "node1"}, started=T0)
+    state.update(step_event(0, 1, rss=344 * MiB, peak_rss_bytes=343 * MiB))
+    state.update(step_event(1, 1, rss=200 * MiB, peak_rss_bytes=300 * MiB))
+    text = rendered(render(state, now=T0 + 30, width=150))
+    assert "344 MiB / 344 MiB" in row_of(text, 0) and "200 MiB / 300 MiB" in row_of(text, 1), text
+    state.update(Event("finish", 0, T0 + 40, {"peak_rss_bytes": 343 * MiB}))
+    state.end(T0 + 42)
+    text = rendered(summary(state))
+    assert re.search(r"node0\s+0\s+done\s+1\s+344 MiB", text) and re.search(r"node1\s+1\s+stopped\s+1\s+300 MiB",
+                                                                              text), text
+
+
+def test_rates_a_script_does_not_report_are_a_dash_not_zero():
+    """Issue 34 item 10: ``zerorun.report(step, loss)`` without ``samples=``/``tokens=`` (no rates in its step
+    events): the summary's mean samples/s and tokens/s are ``-``, not ``0.0/s``; a rank that reports samples but
+    no tokens gets its samples/s."""
+    state = JobState(name="script", world_size=2, started=T0)
+    for step in (1, 2, 3):
+        state.update(Event("step", 0, T0 + step, {"step": step, "loss": 1.0, "step_time_s": 0.5}))
+        state.update(Event("step", 1, T0 + step, {"step": step, "loss": 1.0, "step_time_s": 0.5,
+                                                  "samples_per_s": 8.0}))
+    state.end(T0 + 4)
+    text = rendered(summary(state))
+    assert re.search(r"^\?\s+0\s+stopped\s+3\s+-\s+-\s+-\s+-\s+500 ms", text, re.M), text
+    assert re.search(r"^\?\s+1\s+stopped\s+3\s+-\s+-\s+8\.0/s\s+-\s+500 ms", text, re.M), text
+    assert "0.0/s" not in text
+
+
+def test_report_never_sends_a_peak_below_its_rss(monkeypatch, capsys):
+    """Note [Peak RSS] at the source: zerorun.report()'s step event carries max(ru_maxrss, RSS) as the peak."""
+    import json
+    import resource
+
+    from zerorun.telemetry import report
+    from zerorun.telemetry.events import PREFIX
+
+    lagging = type("Usage", (), {"ru_maxrss": 1})()  # 1 KiB: ru_maxrss not yet updated
+    monkeypatch.setattr(resource, "getrusage", lambda who: lagging)
+    monkeypatch.setattr("sys.__stdout__", sys.stdout)
+    report.report(1, 0.5)
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith(PREFIX)]
+    event = json.loads(line[len(PREFIX):])
+    assert event["peak_rss_bytes"] == event["rss_bytes"] > 1024

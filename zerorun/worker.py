@@ -234,6 +234,7 @@ def train(recipe: Recipe, rank: int) -> None:
                     skipped_steps=engine.skipped_steps, interval_steps=interval_steps,
                     interval_s=interval_s, tflops=tflops, job_tflops=world_size * tflops,
                     **host_memory(), **cuda_memory(device))
+                fields["peak_rss_bytes"] = max(fields["peak_rss_bytes"], fields["rss_bytes"])  # Note [Peak RSS]
             steplog.log(step, loss_sum / t.grad_accum_steps, fields)
             comm_prev = comm
             interval_steps, interval_s = 0, 0.0

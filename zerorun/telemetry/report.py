@@ -54,5 +54,5 @@ def report(step: int, loss: float, *, steps: int | None = None, samples: int | N
     from zerorun.telemetry.probes import peak_rss_bytes  # telemetry takes nothing from worker.py (DESIGN.md)
 
     fields["rss_bytes"] = psutil.Process().memory_info().rss
-    fields["peak_rss_bytes"] = peak_rss_bytes()
+    fields["peak_rss_bytes"] = max(peak_rss_bytes(), fields["rss_bytes"])  # Note [Peak RSS] in telemetry/state.py
     emit("step", int(os.environ.get("RANK", 0)), **{**fields, **metrics})

@@ -46,11 +46,11 @@ class RankState:
     host_mem_used_bytes: int | None = None
     model_state_bytes: dict[str, int] = field(default_factory=dict)
     cuda: dict[str, int] = field(default_factory=dict)
-    # run totals over every logged interval, for the summary's means
+    # run totals over every logged interval, for the summary's means (samples, tokens: None until reported)
     train_s: float = 0.0
     train_steps: int = 0
-    samples: float = 0.0
-    tokens: float = 0.0
+    samples: float | None = None
+    tokens: float | None = None
     comm_wait_s: float = 0.0
     telemetry_s: float = 0.0
     telemetry_events: int = 0
@@ -151,9 +151,7 @@ class JobState:
             self.checkpoints.append({"rank": e.rank, **d})
         elif e.kind == "finish":
             r.status = "done"
-            if integer(d, "peak_rss_bytes") is not None:
-                r.peak_rss_bytes = max(r.peak_rss_bytes or 0, integer(d, "peak_rss_bytes"))
-            self._memory(r, d)
+            self._memory(r, d)  # the peak never goes down (Note [Peak RSS])
         elif e.kind == "error":
             r.status = "error" if not d.get("peer_failure") else "stopped"
         elif e.kind == "stopped":  # SIGTERM, checkpoint saved (zerorun/stopsignal.py)
@@ -181,9 +179,15 @@ class JobState:
             self.progress = (step, when)
 
     def _memory(self, r: RankState, d: dict) -> None:
+        """Note [Peak RSS]: a rank's peak is ``ru_maxrss``, which Linux updates lazily (from the high-water
+        mark kept at page-table teardown), so an event can carry an RSS above its peak (``344 MiB / 343 MiB``):
+        the peak shown is the largest of every peak and RSS the rank reported."""
+        peak = r.peak_rss_bytes
         for key in ("rss_bytes", "peak_rss_bytes", "host_mem_bytes", "host_mem_used_bytes"):
             if integer(d, key) is not None:
                 setattr(r, key, integer(d, key))
+        known = [v for v in (peak, r.peak_rss_bytes, integer(d, "rss_bytes")) if v is not None]
+        r.peak_rss_bytes = max(known) if known else None
         for key in ("cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_peak_bytes", "cuda_total_bytes"):
             if integer(d, key) is not None:
                 r.cuda[key] = integer(d, key)
@@ -213,8 +217,10 @@ class JobState:
         if span > 0 and r.step_time_s:
             r.train_s += span
             r.train_steps += n
-            r.samples += (r.samples_per_s or 0.0) * r.step_time_s * n
-            r.tokens += (r.tokens_per_s or 0.0) * r.step_time_s * n
+            if r.samples_per_s is not None:  # a script's report() without samples= or tokens=: unknown, not 0
+                r.samples = (r.samples or 0.0) + r.samples_per_s * r.step_time_s * n
+            if r.tokens_per_s is not None:
+                r.tokens = (r.tokens or 0.0) + r.tokens_per_s * r.step_time_s * n
             r.comm_wait_s += wait or 0.0
         if number(d, "telemetry_s") is not None and step > 1:
             r.telemetry_s += number(d, "telemetry_s")

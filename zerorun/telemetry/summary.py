@@ -30,8 +30,8 @@ def host_groups(ranks: list[RankState]) -> list[tuple[str, list[int]]] | None:
 
 def rank_columns(ranks: list[RankState]) -> list[Column]:
     """The summary's per-rank columns, highest priority kept longest."""
-    def mean(r: RankState, total: float) -> str:
-        return f"{human_rate(total / r.train_s)}/s" if r.train_s else "-"
+    def mean(r: RankState, total: float | None) -> str:
+        return f"{human_rate(total / r.train_s)}/s" if r.train_s and total is not None else "-"
 
     def states(r: RankState, keys=("params", "grads", "optimizer")) -> str:
         ms = r.model_state_bytes
