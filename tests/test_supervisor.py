@@ -290,3 +290,24 @@ def test_sigterm_sent_to_one_rank_names_the_rank_and_its_host():
         else:
             assert (result.status, result.exit_code, result.rank, result.host) == ("interrupted", 143, 1, "127.0.0.2")
             assert result.message == "stopped by SIGTERM (sent to rank 1)" + tail
+
+
+def test_a_training_rank_that_exits_0_fails_the_job_at_once():
+    """Training (``require_finish``) needs every rank to the end: a rank announced as exited 0 without a finish
+    event fails the job when announced, before its peers notice (NCCL may wait a collective timeout); a script
+    (``zerorun launch``) may end a rank early, and only exit codes decide."""
+    plan = build_plan([Host("localhost", 2)], "{}", "job", 12345)
+    for require_finish in (True, False):
+        q: queue.Queue = queue.Queue()
+        sup = Supervisor(plan, [object()], q, lambda e: None, lambda n, l: None, require_finish=require_finish)
+        q.put((0, format_event("step", 1, step=3)))
+        q.put((0, rank_exit(1, 0)))
+        q.put((0, format_event("finish", 0)))  # what the node prints later (so that the loop ends on any code)
+        q.put((0, rank_exit(0, 0)))
+        q.put((0, None, 0))
+        result = sup._watch()
+        if require_finish:
+            assert (result.status, result.rank, result.host) == ("failed", 1, "localhost")
+            assert result.message == "rank exited before finishing training (exit code 0, no finish event)"
+        else:
+            assert result.status == "ok"

@@ -219,6 +219,11 @@ class Supervisor:
                 return self._stopped_result()
             if failed or self._errors:
                 return self._failure(failed[0] if failed else None)
+            early = [r for r in sorted(self._own_exits) if self._exited_early(r)] if self.require_finish else []
+            if early:  # training needs every rank to the end; its peers may wait a collective timeout for it
+                node = self.plan.node_of_rank(early[0])
+                return JobResult("failed", 1, early[0], node.host.name if node else None,
+                                 "rank exited before finishing training (exit code 0, no finish event)")
             problem = self.check() if self.check is not None else None
             if problem:
                 return JobResult("failed", 2, message=problem)
