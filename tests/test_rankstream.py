@@ -35,6 +35,7 @@ def test_the_text_stream_api_a_script_uses(pipe_stream):
     stream, read = pipe_stream
     assert isinstance(stream, io.TextIOBase)
     assert (stream.encoding, stream.errors, stream.isatty(), stream.writable()) == ("utf-8", "strict", False, True)
+    assert (stream.name, stream.mode, stream.readable(), stream.seekable()) == (stream.fileno(), "w", False, False)
     stream.write("a\nb")
     assert read() == "[rank 3] a\n"  # the partial line waits for its end
     print("c", file=stream)
@@ -43,6 +44,9 @@ def test_the_text_stream_api_a_script_uses(pipe_stream):
     stream.buffer.write("é bytes\n".encode())  # sys.stdout.buffer.write(...): prefixed like text
     stream.buffer.flush()
     assert read() == "[rank 3] é bytes\n"
+    for bad in ("text", 5):
+        with pytest.raises(TypeError):
+            stream.buffer.write(bad)
     stream.reconfigure(line_buffering=True)
     assert stream.line_buffering
     stream.reconfigure(errors="replace")

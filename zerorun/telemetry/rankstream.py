@@ -32,9 +32,10 @@ class LineBuffer(io.BufferedIOBase):
         prefix: bytes put before every line, e.g. ``b"[rank 3] "``.
     """
 
-    def __init__(self, fd: int, prefix: bytes) -> None:
+    def __init__(self, fd: int, prefix: bytes, name: str = "") -> None:
         super().__init__()
         self._fd, self._prefix, self.pending = fd, prefix, b""
+        self.name = name  # as the real stream's: "<stdout>"
 
     def writable(self) -> bool:
         return True
@@ -50,7 +51,7 @@ class LineBuffer(io.BufferedIOBase):
         length in bytes. Raises ValueError when closed, OSError from ``os.write``."""
         if self.closed:
             raise ValueError("write to closed file")
-        data = bytes(data)
+        data = memoryview(data).tobytes()  # TypeError for what is not bytes-like, as a real buffer
         if b"\n" in data:
             *lines, rest = (self.pending + data).split(b"\n")
             self.pending = rest
@@ -87,8 +88,10 @@ def rank_stream(original: TextIO, rank: int) -> TextIO:
     except (AttributeError, OSError, ValueError):
         return original
     original.flush()
-    buffer = LineBuffer(fd, f"[rank {rank}] ".encode())
-    return io.TextIOWrapper(buffer, encoding=original.encoding, errors=original.errors, write_through=True)
+    buffer = LineBuffer(fd, f"[rank {rank}] ".encode(), getattr(original, "name", fd))
+    stream = io.TextIOWrapper(buffer, encoding=original.encoding, errors=original.errors, write_through=True)
+    stream.mode = "w"  # as io.open sets it on the real one
+    return stream
 
 
 def install(rank: int) -> None:
