@@ -38,6 +38,8 @@ import zerorun
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 for step in range(1, 100000):
     if step == int(sys.argv[1] if len(sys.argv) > 1 else 0) and dist.get_rank() == 1:
+        if len(sys.argv) > 3 and sys.argv[3] == "hard":
+            os._exit(0)  # no finish event: only the exit code tells
         sys.exit(0)
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -79,7 +81,7 @@ def rank_process(job: str, rank: int) -> psutil.Process:
         try:
             env = p.environ()
             if env.get("ZERORUN_JOB_ID") == job and env.get("RANK") == str(rank) and \
-                    "zerorun.script_worker" in p.cmdline():
+                    {"zerorun.script_worker", "zerorun.worker"} & set(p.cmdline()):
                 return p
         except (psutil.Error, OSError):
             pass
@@ -87,14 +89,19 @@ def rank_process(job: str, rank: int) -> psutil.Process:
 
 
 def run_fault(name: str, fault, sshd: LoopbackSshd, folder: str, script: str = LOOP, args: tuple = (),
-              ready: str = "step") -> dict:
+              ready: str = "step", hosts: str = "127.0.0.2 slots=1\n127.0.0.3 slots=1\n",
+              train: tuple | None = None) -> dict:
+    """Run the job (``zerorun launch job.py ARGS``, or ``zerorun train`` with the overrides ``train``), apply
+    ``fault`` once a line starts with ``ready``, and measure how the launcher ends (module docstring)."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "job.py"), "w") as f:
         f.write(script)
     with open(os.path.join(folder, "hosts"), "w") as f:
-        f.write("127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
-    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "launch", "-H", "hosts", "--ssh-config", sshd.config,
-                             "--no-dashboard", "--log-dir", "runs", "job.py", *args], cwd=folder, text=True,
+        f.write(hosts)
+    what = ["train", os.path.join(HERE, "..", "recipes", "tiny.yaml"), *train, "log.dir=runs"] if train is not None \
+        else ["launch", "--log-dir", "runs", "job.py", *args]
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun", what[0], "-H", "hosts", "--ssh-config", sshd.config,
+                             "--no-dashboard", *what[1:]], cwd=folder, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
     job = re.search(r"job ([0-9a-f]{12})", proc.stdout.readline()).group(1)
     for line in proc.stdout:
@@ -171,6 +178,13 @@ def main() -> None:
         ("dropped SSH connection to node 1", dict(fault=drop_connection)),
         ("kill -9 of rank 1 during a checkpoint save", dict(fault=kill_during_save, script=SAVE,
                                                              ready="[rank 1] saving")),
+        # issue 34: a rank that exits 0 beside a peer on its host (its node goes on), one rank sent SIGTERM
+        ("rank 1 exits 0 mid-run with os._exit (ranks 0 and 1 on 127.0.0.2)",
+         dict(fault=lambda *a: None, args=("8", "100000", "hard"), hosts="127.0.0.2 slots=2\n")),
+        ("SIGTERM of rank 1", dict(fault=kill_rank(signal.SIGTERM))),
+        ("SIGTERM of rank 1 (zerorun train, checkpoint.dir set)",
+         dict(fault=kill_rank(signal.SIGTERM), train=("train.steps=100000", "train.eval_every=0", "log.every=1",
+                                                      "checkpoint.dir=ckpt"))),
     ]
     only = set(args.only.split(",")) if args.only else None
     rows = []
