@@ -358,3 +358,18 @@ def test_report_never_sends_a_peak_below_its_rss(monkeypatch, capsys):
     [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith(PREFIX)]
     event = json.loads(line[len(PREFIX):])
     assert event["peak_rss_bytes"] == event["rss_bytes"] > 1024
+
+
+def test_a_rank_whose_collective_failed_on_a_peer_stays_stopped_whatever_its_exit_code():
+    """Rank 1 was killed; rank 0 then failed in a collective (a peer failure) and exited 1, which its torchrun
+    announces (Note [Rank exits]): the summary shows rank 0 ``stopped`` and rank 1 ``killed``, on one node as on
+    two (before, a rank 0 on rank 1's node showed ``exit 1``, one on another node ``stopped``)."""
+    state = JobState(name="x", world_size=2, started=T0)
+    state.update(step_event(0, 1))
+    state.update(step_event(1, 1))
+    state.update(Event("error", 0, T0 + 5, {"type": "RuntimeError", "message": "Connection closed by peer",
+                                            "peer_failure": True}))
+    for rank, code in ((0, 1), (1, -9)):
+        state.rank_exited(rank, code)
+    state.end(T0 + 6)
+    assert (state.ranks[0].status, state.ranks[1].status) == ("stopped", "killed")

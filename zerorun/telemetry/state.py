@@ -228,9 +228,12 @@ class JobState:
 
     def rank_exited(self, rank: int, code: int) -> None:
         """``rank``'s process ended on its own with exit status ``code`` (negative: killed by that signal), as
-        torchrun reported it before any teardown: a rank that did not finish shows ``killed`` or ``exit N``."""
+        torchrun reported it before any teardown: a rank that did not finish shows ``killed`` or ``exit N``. A
+        rank that reported why it ended keeps its status: ``done``, ``error``, and ``stopped`` (its collective
+        failed because a peer went away, Note [Blame], or it saved and stopped on SIGTERM), whichever node it
+        ran on and whenever its exit code arrived (Note [Rank exits] in launch/torchrun.py)."""
         r = self.ranks.get(rank)
-        if r is None or r.status in ("done", "error"):
+        if r is None or r.status in ("done", "error", "stopped"):
             return
         r.status = "killed" if code < 0 else f"exit {code}"
 
