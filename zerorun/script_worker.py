@@ -16,11 +16,11 @@ import socket
 import sys
 from importlib import metadata
 
+from zerorun.telemetry import rankstream
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import host_memory
-from zerorun.zero import allocator
-from zerorun.telemetry import rankstream
 from zerorun.worker import report_failure
+from zerorun.zero import allocator
 
 
 def main(argv: list[str]) -> int:
