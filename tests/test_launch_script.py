@@ -11,12 +11,14 @@ from test_train_e2e import job_id, read_events, survivors
 pytestmark = pytest.mark.slow
 
 SCRIPT = """
-import os, sys
+import os, sys, time
 import zerorun
 rank = int(os.environ["RANK"])
 print("args", sys.argv[1:])
 zerorun.report(1, 1.5, steps=2)
 if rank == 1:
+    while not os.path.exists("rank0-printed"):  # rank 0's lines are out before the teardown stops it
+        time.sleep(0.05)
     raise ValueError("bad shard " + sys.argv[2])
 import faulthandler  # what scripts do with the streams under torchrun (Note [Rank streams])
 faulthandler.enable()
@@ -25,6 +27,7 @@ sys.stdout.buffer.write(b"raw bytes\\n")
 sys.stdout.buffer.flush()
 sys.stdout.writelines(["w1\\n", "w2\\n"])
 print("to stderr", sys.stdout.encoding, sys.stderr.errors, sys.stdout.isatty(), sys.stdout.fileno(), file=sys.stderr)
+open("rank0-printed", "w").close()
 """
 
 
@@ -39,7 +42,7 @@ def test_script_runs_on_every_rank_and_its_exception_is_named(tmp_path):
     for line in ("raw bytes", "w1", "w2", "to stderr utf-8 backslashreplace False 1"):  # as under torchrun
         assert f"[rank 0] {line}\n" in out.stdout, out.stdout
     assert out.stderr.startswith(f"zerorun: error: rank 1 on localhost: ValueError: bad shard 7 (at "
-                                 f"{tmp_path / 's.py'}:8 in <module>)"), out.stderr
+                                 f"{tmp_path / 's.py'}:10 in <module>)"), out.stderr
     events = read_events(tmp_path / "runs")
     assert {e["rank"] for e in events if e["event"] == "step"} == {0, 1}
     starts = [e for e in events if e["event"] == "start"]  # a script's ranks start like the built-in worker's
