@@ -268,15 +268,18 @@ def test_rank_exit_lines_neighbours():
 
 def test_sigterm_sent_to_one_rank_names_the_rank_and_its_host():
     """Issue 34 item 9: every rank saved and stopped because rank 1 (on the second host) got SIGTERM, not the
-    launcher: the result names rank 1 and its host; a SIGTERM to the launcher itself stays a job-wide stop."""
+    launcher: the result names rank 1 and its host; a SIGTERM to the launcher itself, or to every process of
+    the job (SLURM's scancel, where each node's torchrun says it got it), stays a job-wide stop."""
     plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
-    for launcher_signalled in (False, True):
+    for launcher_signalled in (False, True, "torchrun"):
         q: queue.Queue = queue.Queue()
         sup = Supervisor(plan, [object(), object()], q, lambda e: None, lambda n, l: None)
+        if launcher_signalled == "torchrun":
+            q.put((1, TORCHRUN_STOP[0]))
         for rank in (0, 1):
             q.put((rank, format_event("stopped", rank, step=7, steps=80, signal="SIGTERM", path="/ck/step-00000007",
                                       signalled_rank=1)))
-        if launcher_signalled:
+        if launcher_signalled is True:
             sup._stop = "SIGTERM"
             while not q.empty():
                 sup._drain(0.01)

@@ -30,6 +30,8 @@ from zerorun.telemetry.events import Event, parse_line
 _TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _TORCHRUN_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _RANK_LINE = re.compile(r"^\[rank (\d+)\]")
+#: what a node's torchrun prints when it gets a signal itself (SLURM's scancel or time limit signals every process)
+_AGENT_SIGNALLED = re.compile(r"Received (?:Signals\.)?\w+ death signal, shutting down workers")
 
 
 def describe_exit(code: int) -> str:
@@ -88,6 +90,7 @@ class Supervisor:
         self._ended: dict[int, int] = {}
         self._notes: dict[int, str] = {}  # node rank -> why its watcher says it ended (launch/node.py)
         self._own_exits: dict[int, int] = {}  # global rank -> exit code, as its torchrun saw it end (Note [Rank exits])
+        self._agent_signalled = False  # a node's torchrun said it got a signal (not only some rank)
         self._heard: dict[int, float] = {}  # global rank -> when its last line or event arrived (time.time())
         self._finish_time: dict[int, float] = {}
         self._error_arrival: dict[int, float] = {}
@@ -126,12 +129,13 @@ class Supervisor:
                 f"{e.data.get('path')} and exited; continue with zerorun train ... --resume")
 
     def _stopped_result(self) -> JobResult:
-        """Every rank stopped on SIGTERM and saved. The launcher was not signalled itself: the signal went to
-        a rank (``kill`` of one process, a node's OOM handling), which the ranks agreed on and name
-        (``signalled_rank``, zerorun/stopsignal.py): the result names it and its host."""
+        """Every rank stopped on SIGTERM and saved. When neither the launcher nor a node's torchrun got the
+        signal (SLURM's scancel and time limit signal every process of the step, torchrun included), it went
+        to a rank alone (``kill`` of one process), which the ranks agreed on and name (``signalled_rank``,
+        zerorun/stopsignal.py): the result names it and its host."""
         e = self._stopped.get(0) or next(iter(self._stopped.values()))
         by = e.data.get("signalled_rank")
-        if self._stop is None and isinstance(by, int) and not isinstance(by, bool):
+        if self._stop is None and not self._agent_signalled and isinstance(by, int) and not isinstance(by, bool):
             node = self.plan.node_of_rank(by)
             return JobResult("interrupted", 143, by, node.host.name if node else None,
                              self._stopped_message("SIGTERM", f" (sent to rank {by})"))
@@ -167,6 +171,8 @@ class Supervisor:
             self._heard[int(m.group(1))] = time.time()
         if line.startswith("Root Cause"):
             self._in_root_cause = True
+        if _AGENT_SIGNALLED.search(line):
+            self._agent_signalled = True
         m = _TORCHRUN_RANK.match(line)
         if m:
             self._last_rank = int(m.group(1))
