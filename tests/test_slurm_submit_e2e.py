@@ -28,10 +28,11 @@ def zerorun(cluster, tmp_path, *args: str, timeout: float = 120) -> subprocess.C
 def test_refused_unknown_and_pending_jobs(slurm_cluster, tmp_path):
     """sbatch's refusal and an unknown job id are one line each; attach on a held job says it is pending and
     Ctrl-C leaves the job queued."""
-    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--partition", "nope")
+    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--partition", "nope",
+                  f"log.dir={tmp_path / 'refused'}")
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
     assert out.stderr.startswith("zerorun: error: sbatch refused the job: ") and "partition" in out.stderr
-    assert "submit.sbatch)" in out.stderr  # the script stays, to edit and resubmit
+    assert not (tmp_path / "refused").exists()  # nothing queued: no run folder left (issue 34 item 15)
     out = zerorun(slurm_cluster, tmp_path, "attach", "987654")
     assert out.returncode == 2 and out.stderr.startswith("zerorun: error: job 987654: unknown to SLURM")
     assert len(out.stderr.splitlines()) == 1
