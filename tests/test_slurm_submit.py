@@ -411,6 +411,54 @@ def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
     assert stuck.state == "COMPLETING" and slurm_attach.exit_status(stuck, str(tmp_path), "8") == 1
 
 
+def test_attach_follows_a_job_across_slurms_requeue(tmp_path, monkeypatch):
+    """Issue 34 item 14: SLURM requeues a running job (COMPLETING with Restarts counted up, its zerorun train
+    records exit 143, then PENDING for BeginTime, then a second run that completes). attach exited 143
+    "interrupted" while the job was pending; it follows the next run and exits with the job's end, 0. The
+    first run's job.json is not taken for the second's end."""
+    import io
+
+    from zerorun.launch import slurm_attach
+
+    run, t0 = tmp_path / "run", 1_700_000_000.0
+    run.mkdir()
+    job = lambda state, restarts=0, started=t0, **kw: slurm_jobs.JobInfo(  # noqa: E731
+        "7", state, restarts=restarts, started=started, nodes="n[1-2]", **kw)
+
+    def first_run_ends():
+        (run / "job.json").write_text(json.dumps({"exit_code": 143, "slurm_job_id": "7", "started": t0 + 1}))
+        return job("COMPLETING", 1)
+
+    def second_run_ends():
+        (run / "job.json").write_text(json.dumps({"exit_code": 0, "slurm_job_id": "7", "started": t0 + 301}))
+        return job("COMPLETING", 1, t0 + 300)
+
+    script = [lambda: job("RUNNING"), first_run_ends, lambda: job("COMPLETING", 1),
+              lambda: job("PENDING", 1, t0 + 300, reason="BeginTime"), lambda: job("PENDING", 1, t0 + 300),
+              lambda: job("RUNNING", 1, t0 + 300), lambda: job("RUNNING", 1, t0 + 300), second_run_ends,
+              lambda: job("COMPLETED", 1, t0 + 300)]
+    calls = iter(script)
+    last = [None]
+
+    def job_info(job_id):
+        step = next(calls, None)
+        last[0] = step() if step is not None else last[0]
+        return last[0]
+
+    monkeypatch.setattr(slurm_attach, "job_info", job_info)
+    out = io.StringIO()
+    code = slurm_attach.follow_job("7", str(run), job("RUNNING"), dashboard=False, out=out, poll_s=0.01)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "zerorun: SLURM requeued job 7 (restart 1); following its next run" in text
+    assert "job 7 is pending (BeginTime)" in text
+    # the first run's record while the second one waits or runs: not this run's end
+    (run / "job.json").write_text(json.dumps({"exit_code": 143, "slurm_job_id": "7", "started": t0 + 1}))
+    assert slurm_attach.job_record(str(run), "7", job("RUNNING", 1, t0 + 300)) == {}
+    assert slurm_attach.job_record(str(run), "7", job("RUNNING"))["exit_code"] == 143  # never requeued
+    assert slurm_jobs.parse_job("7", "JobId=7 JobState=PENDING Restarts=2 StartTime=2026-12-02T06:01:09").restarts == 2
+
+
 def test_job_ids_that_scontrol_reads_otherwise_are_refused(monkeypatch):
     with pytest.raises(ZerorunError, match="'0' is not a SLURM job id"):  # scontrol show job 0 lists every job
         slurm_jobs.check_job_id("0")
