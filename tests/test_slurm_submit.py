@@ -92,7 +92,8 @@ def test_the_body_runs_zerorun_train_with_the_exact_arguments(tmp_path):
     recipe = load_recipe(TINY, overrides, check_optimizer=False)
     text = render_script(recipe=recipe, recipe_path=TINY, overrides=overrides, options=SubmitOptions(nodes=2),
                          run_dir=run_dir, workdir=str(work), python=str(fake))
-    assert "%%" in next(d for d in directives(text) if d.startswith("--output="))  # --output: sbatch's file name patterns need a literal % doubled
+    output = next(d for d in directives(text) if d.startswith("--output="))
+    assert "%%" in output  # sbatch's file name patterns need a literal % doubled
     path = tmp_path / "submit.sbatch"
     path.write_text(text)
     out = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30,

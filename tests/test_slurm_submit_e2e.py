@@ -191,7 +191,7 @@ def test_attach_across_a_requeue_and_the_early_save_signal(slurm_cluster, tmp_pa
     attach = subprocess.Popen([sys.executable, "-m", "zerorun", "attach", job_id, "--no-dashboard"],
                               cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait("step 3", lambda: any(e["event"] == "step" and e["step"] >= 3 for e in _events(run_dir)), 150, attach)
+        _wait("step 3", lambda: any(e["event"] == "step" and e["step"] >= 3 for e in _events(run_dir)), 240, attach)
         slurm_cluster.run("scontrol", "requeue", job_id)
         _wait("the first run's save", lambda: _stopped_steps(run_dir), 60, attach)
         _wait("pending requeued job", lambda: _state(slurm_cluster, job_id) == "PENDING", 60, attach)

@@ -9,9 +9,9 @@ node's spec by ``SLURMD_NODENAME`` from the one JSON line the launcher writes on
 (broadcast to every task by ``--input=all``; env values and the recipe never on a command line), so node rank
 0, and with it the master address (the first node's name), is the first node whatever order SLURM numbers
 tasks in. ``--label`` prefixes every line with the task's number; each task's first line maps it to its node.
-No SSH is used. Ranks per node: Note [Ranks in an allocation]. The step asks for the CPUs the allocation has on each node
-(``--cpus-per-task``, from ``SLURM_JOB_CPUS_PER_NODE``), so a node's torchrun and ranks are not confined to one
-CPU where SLURM binds tasks to CPUs.
+No SSH is used. Ranks per node: Note [Ranks in an allocation]. The step asks for the CPUs the allocation has
+on each node (``--cpus-per-task``, from ``SLURM_JOB_CPUS_PER_NODE``), so a node's torchrun and ranks are not
+confined to one CPU where SLURM binds tasks to CPUs.
 
 Note [Ranks in an allocation]: the ranks on each node (slots) are, the first of these that is set:
 ``--num-procs`` / ``--nproc-per-node`` (on every node); the allocation's GPUs per node (``SLURM_GPUS_ON_NODE``,
