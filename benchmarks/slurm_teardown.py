@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from slurm_cluster import ENDLESS_SCRIPT, start_cluster  # noqa: E402
 
-FAULTS = ["kill -9 of rank 1", "launcher SIGINT", "launcher SIGTERM", "launcher SIGKILL",
+FAULTS = ["kill -9 of rank 1", "launcher SIGINT", "launcher SIGTERM", "launcher SIGUSR1", "launcher SIGKILL",
           "scancel of the job (as the time limit)"]
 
 
@@ -63,6 +63,8 @@ def one(cluster, folder: str, fault: str) -> dict:
         launcher.send_signal(signal.SIGINT)
     elif fault == "launcher SIGTERM":
         launcher.send_signal(signal.SIGTERM)
+    elif fault == "launcher SIGUSR1":  # the early save signal (--signal=B:USR1@S); loop.py saves nothing
+        launcher.send_signal(signal.SIGUSR1)
     elif fault == "launcher SIGKILL":
         launcher.send_signal(signal.SIGKILL)
     else:

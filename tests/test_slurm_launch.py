@@ -86,6 +86,26 @@ def steps_left(cluster, wait_s: float = 5.0) -> list[str]:
         time.sleep(0.2)
 
 
+def test_the_allocations_task_counts_are_the_ranks(slurm_cluster, tmp_path):
+    """Issue 34 item 11 under real salloc: ``-N2 -n3`` runs 3 ranks, 2 on the first node and 1 on the second
+    (was 2 or 4, by the recipe); ``-N1`` (one CPU) and a recipe of 2 ranks per node is one line, exit 2 (was 2
+    ranks on one CPU). The dry run shows what the job would start."""
+    dry = [*ZR, "train", TINY, *RECIPE, "launch.procs_per_node=1", f"log.dir={tmp_path}", "--dry-run"]
+    env = slurm_cluster.client_env(OMP_NUM_THREADS="1")
+    out = subprocess.run(["salloc", "-N2", "-n3", *dry], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("2 nodes (127.0.0.11, 127.0.0.12), 3 ranks: 2, 1 per node (from SLURM_TASKS_PER_NODE=2,1; not the "
+            "recipe's launch.procs_per_node 1)") in out.stderr
+    assert "--nproc-per-node=2 --node-rank=0" in out.stdout and "--nproc-per-node=1 --node-rank=1" in out.stdout
+    out = subprocess.run(["salloc", "-N1", *dry[:-2], "launch.procs_per_node=2", "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("zerorun")]
+    assert out.returncode == 2 and errors == [
+        "zerorun: error: launch.procs_per_node 2: more ranks than the 1 CPU SLURM allocated on a node "
+        "(SLURM_JOB_CPUS_PER_NODE=1); ask for the tasks (salloc/sbatch --ntasks-per-node=2), or give --num-procs"]
+
+
 @pytest.fixture(scope="module")
 def local_losses(tmp_path_factory):
     """The same job on this machine, 2 ranks, no SLURM: the reference, step by step."""

@@ -63,19 +63,59 @@ def test_expand_counts():
 
 
 def test_slots_order():
-    """--num-procs, then GPUs per node, then SLURM_NTASKS_PER_NODE, then the recipe's launch.procs_per_node."""
+    """--num-procs, then GPUs per node, then the allocation's tasks, then the recipe's launch.procs_per_node."""
     env = {"SLURM_GPUS_ON_NODE": "4", "SLURM_NTASKS_PER_NODE": "2"}
-    assert slurm.slots_per_node(env, 3, 5) == (5, "--num-procs")
-    assert slurm.slots_per_node(env, 3) == (4, "the allocation's GPUs per node")
+    assert slurm.slots_per_node(env, 3, 5) == ([5], "--num-procs")
+    assert slurm.slots_per_node(env, 3, count=2) == ([4, 4], "the allocation's GPUs per node")
     assert slurm.slots_per_node({"SLURM_GPUS_PER_NODE": "a100:2,v100:1", "SLURM_NTASKS_PER_NODE": "1"}, 3) == (
-        3, "the allocation's GPUs per node")
-    assert slurm.slots_per_node({"SLURM_GPUS_PER_NODE": "8"}, 1)[0] == 8
-    assert slurm.slots_per_node({"SLURM_NTASKS_PER_NODE": "2"}, 3) == (2, "SLURM_NTASKS_PER_NODE")
-    assert slurm.slots_per_node({}, 3) == (3, "launch.procs_per_node")
+        [3], "the allocation's GPUs per node")
+    assert slurm.slots_per_node({"SLURM_GPUS_PER_NODE": "8"}, 1)[0] == [8]
+    assert slurm.slots_per_node({"SLURM_NTASKS_PER_NODE": "2"}, 2) == ([2], "SLURM_NTASKS_PER_NODE")
+    assert slurm.slots_per_node({}, 3) == ([3], "launch.procs_per_node")
     with pytest.raises(ZerorunError, match="SLURM_NTASKS_PER_NODE='two': expected a positive number"):
         slurm.slots_per_node({"SLURM_NTASKS_PER_NODE": "two"}, 1)
     with pytest.raises(ZerorunError, match="SLURM_GPUS_PER_NODE='a100:'"):
         slurm.slots_per_node({"SLURM_GPUS_PER_NODE": "a100:"}, 1)
+
+
+#: what salloc/sbatch set for each allocation (slurm 22.05, 2 nodes of 2 CPUs: tests/slurm_cluster.py)
+ALLOCATIONS = {
+    "-N2": {"SLURM_JOB_CPUS_PER_NODE": "1(x2)", "SLURM_TASKS_PER_NODE": "1(x2)"},
+    "-N2 -n3": {"SLURM_JOB_CPUS_PER_NODE": "2,1", "SLURM_NTASKS": "3", "SLURM_NPROCS": "3",
+                "SLURM_TASKS_PER_NODE": "2,1"},
+    "-N2 -n4": {"SLURM_JOB_CPUS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4",
+                "SLURM_TASKS_PER_NODE": "2(x2)"},
+    "-N2 --ntasks-per-node=2": {"SLURM_JOB_CPUS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4",
+                                "SLURM_NTASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2(x2)"},
+    "-n1": {"SLURM_JOB_CPUS_PER_NODE": "1", "SLURM_NTASKS": "1", "SLURM_NPROCS": "1", "SLURM_TASKS_PER_NODE": "1"},
+    "-N1": {"SLURM_JOB_CPUS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1"},
+}
+
+
+def test_the_allocations_tasks_are_the_ranks_as_srun_places_them():
+    """Issue 34 item 11: inside an allocation whose tasks were asked for (-n, --ntasks-per-node), the ranks on
+    each node are its tasks there, uneven ones included (srun's placement); the recipe's count is used only
+    when no task count was given, and refused where it exceeds a node's CPUs; --num-procs and GPUs still win."""
+    def slots(allocation, recipe_slots, count, num_procs=None):
+        return slurm.slots_per_node(ALLOCATIONS[allocation], recipe_slots, num_procs, count)[0]
+
+    assert slots("-N2 -n3", 1, 2) == [2, 1]  # was 1 per node (or the recipe's 2 per node: 4 ranks)
+    assert slots("-N2 -n3", 2, 2) == [2, 1]
+    assert slots("-N2 -n4", 1, 2) == [2, 2]  # was 2 ranks
+    assert slots("-N2 --ntasks-per-node=2", 1, 2) == [2, 2]
+    assert slots("-n1", 4, 1) == [1]  # was the recipe's 4 on one CPU
+    assert slots("-N2", 1, 2) == [1, 1]
+    assert slots("-N2 -n3", 4, 2, num_procs=1) == [1, 1]  # --num-procs: explicit
+    assert slurm.slots_per_node({**ALLOCATIONS["-N2 -n3"], "SLURM_GPUS_ON_NODE": "2"}, 1, None, 2)[0] == [2, 2]
+    assert "not the recipe's launch.procs_per_node 1" in slurm.slots_per_node(ALLOCATIONS["-N2 -n4"], 1, None, 2)[1]
+    for allocation, recipe_slots in (("-N1", 4), ("-N2", 2)):
+        with pytest.raises(ZerorunError, match=rf"launch.procs_per_node {recipe_slots}: more ranks than the 1 CPU "
+                                               r"SLURM allocated on a node .*--ntasks-per-node"):
+            slots(allocation, recipe_slots, int(allocation[-1]))
+    with pytest.raises(ZerorunError, match=r"SLURM_TASKS_PER_NODE='2,1': 2 node counts for the allocation's 3"):
+        slots("-N2 -n3", 1, 3)
+    assert slurm.describe_slots([Host("a", 2), Host("b", 1)], "X") == "3 ranks: 2, 1 per node (from X)"
+    assert slurm.describe_slots([Host("a", 2), Host("b", 2)], "X") == "2 ranks per node (from X)"
 
 
 def test_allocation_hosts(monkeypatch):
@@ -83,8 +123,11 @@ def test_allocation_hosts(monkeypatch):
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NTASKS_PER_NODE": "2",
            "SLURM_JOB_CPUS_PER_NODE": "8(x2),4"}
     hosts, source = slurm.allocation_hosts(1, environ=env)
-    assert hosts == [Host("n1", 2), Host("n2", 2), Host("n3", 2)] and source == "SLURM_NTASKS_PER_NODE"
+    assert hosts == [Host("n1", 2), Host("n2", 2), Host("n3", 2)] and source.startswith("SLURM_NTASKS_PER_NODE")
     assert slurm.allocation_hosts(1, num_nodes=2, num_procs=1, environ=env)[0] == [Host("n1", 1), Host("n2", 1)]
+    uneven = {**env, "SLURM_NTASKS": "5", "SLURM_TASKS_PER_NODE": "2(x2),1"}
+    assert slurm.allocation_hosts(1, environ=uneven)[0] == [Host("n1", 2), Host("n2", 2), Host("n3", 1)]
+    assert slurm.allocation_hosts(1, num_nodes=2, environ=uneven)[0] == [Host("n1", 2), Host("n2", 2)]
     assert slurm.allocation_cpus(env) == {"n1": 8, "n2": 8, "n3": 4}
     with pytest.raises(ZerorunError, match=r"--num-nodes 4: the allocation has 3 nodes \(n\[1-3\]\)"):
         slurm.allocation_hosts(1, num_nodes=4, environ=env)

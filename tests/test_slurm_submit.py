@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -49,7 +50,7 @@ def test_script_asks_for_the_nodes_and_the_options(tmp_path):
                   job_name="my job")
     assert directives(text) == ['--job-name="my job"', "--nodes=3", "--ntasks-per-node=4", "--time=01:00:00",
                                 "--partition=gpu", "--account=proj1",
-                                f"--output={tmp_path / 'run' / 'slurm-%j.out'}"]
+                                f"--output={tmp_path / 'run' / 'slurm-%j.out'}", "--open-mode=append"]
     # the defaults: the recipe's name and launch.procs_per_node (tiny.yaml: 2), no time/partition/account
     text = script(tmp_path)
     assert directives(text)[:3] == ["--job-name=tiny", "--nodes=1", "--ntasks-per-node=2"]
@@ -91,7 +92,8 @@ def test_the_body_runs_zerorun_train_with_the_exact_arguments(tmp_path):
     recipe = load_recipe(TINY, overrides, check_optimizer=False)
     text = render_script(recipe=recipe, recipe_path=TINY, overrides=overrides, options=SubmitOptions(nodes=2),
                          run_dir=run_dir, workdir=str(work), python=str(fake))
-    assert "%%" in directives(text)[-1]  # --output: sbatch's file name patterns need a literal % doubled
+    output = next(d for d in directives(text) if d.startswith("--output="))
+    assert "%%" in output  # sbatch's file name patterns need a literal % doubled
     path = tmp_path / "submit.sbatch"
     path.write_text(text)
     out = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30,
@@ -158,6 +160,137 @@ def test_resume_goes_to_the_jobs_train(tmp_path):
     assert "--resume" not in train_line()
     out = zerorun("submit", TINY, "--dry-run", "--resume", "nope/step-3", cwd=str(tmp_path))
     assert out.returncode == 2 and out.stderr == "zerorun: error: --resume nope/step-3: no such checkpoint\n"
+
+
+def untold_recipe():
+    """tiny.yaml as if it had no ``launch: {procs_per_node: 2}``: a recipe that leaves the ranks untold."""
+    recipe = load_recipe(TINY, [], check_optimizer=False)
+    return recipe.model_copy(update={"launch": type(recipe.launch)()})
+
+
+def ranks(text: str) -> tuple[str, str]:
+    """(``--ntasks-per-node`` of the script, ``--num-procs`` of its zerorun train)."""
+    [tasks] = [d for d in directives(text) if d.startswith("--ntasks-per-node=")]
+    line = next(line for line in text.splitlines() if "--launcher slurm --num-procs" in line).split()
+    return tasks.split("=")[1], line[line.index("--num-procs") + 1]
+
+
+def test_gpus_per_node_start_one_rank_per_gpu(tmp_path):
+    """Issue 34 item 12: `-- --gpus-per-node=8` wrote --ntasks-per-node=2 and --num-procs 2 (2 ranks on 8 GPUs,
+    silently). GPUs asked for (zerorun's --gpus-per-node, sbatch's --gpus-per-node or --gres) give one rank per
+    GPU in both places; --procs-per-node may ask for fewer, never more; counts that disagree are one line."""
+    untold = untold_recipe()
+    assert "procs_per_node" not in untold.launch.model_fields_set
+
+    def render(recipe=untold, **options):
+        loaded = load_recipe(TINY, [], check_optimizer=False) if recipe == TINY else recipe
+        return render_script(recipe=loaded, recipe_path=TINY, overrides=[], options=SubmitOptions(**options),
+                             run_dir=str(tmp_path / "run"), workdir=str(tmp_path), python=sys.executable)
+
+    for args in (("--gpus-per-node=8",), ("--gpus-per-node", "a100:8"), ("--gres=gpu:8",), ("--gres", "gpu:a100:8"),
+                 ("--gres=nvme:1,gpu:a100:4,gpu:v100:4",), ("--gres=gpu:8", "--gpus-per-node=8")):
+        assert ranks(render(sbatch_args=args)) == ("8", "8"), args
+    text = render(gpus_per_node=4)
+    assert ranks(text) == ("4", "4") and "--gpus-per-node=4" in directives(text)
+    assert ranks(render(gpus_per_node=4, procs_per_node=2)) == ("2", "2")  # explicit: fewer ranks than GPUs
+    assert ranks(render(sbatch_args=("--gres=gpu",))) == ("1", "1")
+    assert ranks(render()) == ("1", "1")  # no GPUs: the recipe's (default 1)
+    assert ranks(render(TINY)) == ("2", "2")
+    for options, message in (
+            ({"gpus_per_node": 4, "procs_per_node": 8}, "--procs-per-node 8: more ranks than the 4 GPUs per node"),
+            ({"gpus_per_node": 4, "sbatch_args": ("--gpus-per-node=8",)},
+             "--gpus-per-node 4 and sbatch --gpus-per-node=8: two different GPU counts per node"),
+            ({"sbatch_args": ("--gres=gpu:4", "--gpus-per-node=8")}, "two different GPU counts"),
+            ({"sbatch_args": ("--gres=gpu:a:b:c",)}, "expected gpu:N or gpu:TYPE:N"),
+            ({"sbatch_args": ("--gpus-per-node=many",)}, "expected a GPU count")):
+        with pytest.raises(ZerorunError, match=re.escape(message)):
+            render(**options)
+    with pytest.raises(ZerorunError, match=re.escape("launch.procs_per_node is 2 but the job asks for 8 GPUs per "
+                                                     "node: give --procs-per-node 2")):
+        render(TINY, sbatch_args=("--gpus-per-node=8",))  # the recipe says 2: which one is meant?
+
+
+def test_job_arrays_are_refused(tmp_path):
+    """Issue 34 item 13: a job array's tasks trained into one run folder and one checkpoint folder at once.
+    zerorun submit refuses --array/-a in one line (no run folder made); the script itself, given to
+    `sbatch --array`, refuses to run as an array task."""
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
+    for args in (["--array=0-1"], ["--array", "0-3%2"], ["-a", "1,2"], ["-a1-2"]):
+        out = zerorun("submit", TINY, f"log.dir={tmp_path}/runs", "--dry-run", "--", *args, env=env,
+                      cwd=str(tmp_path))
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert out.stderr.startswith("zerorun: error: sbatch -") and "job array" in out.stderr
+        assert not (tmp_path / "runs").exists()
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho ran\n")
+    fake.chmod(0o755)
+    recipe = load_recipe(TINY, [], check_optimizer=False)
+    path = tmp_path / "submit.sbatch"
+    path.write_text(render_script(recipe=recipe, recipe_path=TINY, overrides=[], options=SubmitOptions(),
+                                  run_dir=str(tmp_path / "run"), workdir=str(tmp_path), python=str(fake)))
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "SLURM_ARRAY_TASK_ID": "1"})
+    assert out.returncode == 2 and out.stdout == "" and "not a job array (task 1)" in out.stderr
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30,
+                         env={k: v for k, v in os.environ.items() if k != "SLURM_ARRAY_TASK_ID"})
+    assert out.returncode == 0 and out.stdout == "ran\n"
+
+
+def test_requeued_output_appends_and_the_stop_names_the_resubmit(tmp_path):
+    """Issue 34 item 14: a requeued job's slurm-%j.out lost the first attempt's lines (no --open-mode=append);
+    the stop message said "continue with zerorun train ... --resume" in a submitted job. The script appends,
+    and tells its zerorun train (ZERORUN_CONTINUE) the command that continues it: the script itself with
+    --resume, else the submit command again with --resume."""
+    from zerorun.launch.slurm_submit import resubmit_command
+
+    text = script(tmp_path, resume="latest")
+    assert "--open-mode=append" in directives(text)
+    assert f"export ZERORUN_CONTINUE={shlex.quote('sbatch ' + str(tmp_path / 'run' / 'submit.sbatch'))}" in text
+    text = script(tmp_path)
+    assert "export ZERORUN_CONTINUE='zerorun submit " in text and "--resume'" in text
+    assert resubmit_command(["zerorun", "submit", "r.yaml", "a=1", "--dry-run", "-N", "2", "--", "--qos=x"]) == (
+        "zerorun submit r.yaml a=1 -N 2 --resume -- --qos=x")
+
+
+def test_early_save_signal_and_time_limits(tmp_path):
+    """Issue 34 item 15: only the time limit's SIGTERM triggered the save, within KillWait (30 s). A recipe
+    that saves checkpoints asks SLURM for SIGUSR1 to the batch shell --save-before seconds earlier; none
+    without checkpoint.dir or with --save-before 0; a time limit within that is one line."""
+    from zerorun.launch.slurm_sbatch import time_limit_s
+
+    ck = [f"checkpoint.dir={tmp_path}/ck"]
+    assert "--signal=B:USR1@120" in directives(script(tmp_path, ck))
+    assert "--signal=B:USR1@300" in directives(script(tmp_path, ck, save_before=300, time="1-00:00:00"))
+    assert not any(d.startswith("--signal") for d in directives(script(tmp_path, ck, save_before=0)))
+    assert not any(d.startswith("--signal") for d in directives(script(tmp_path)))  # nothing to save
+    with pytest.raises(ZerorunError, match=r"--time 00:02:00: not longer than --save-before 120 s"):
+        script(tmp_path, ck, time="00:02:00")
+    assert [time_limit_s(t) for t in ("30", "30:15", "01:00:00", "2-3", "2-03:04", "1-00:00:01", "UNLIMITED")] == [
+        1800, 1815, 3600, 2 * 86400 + 3 * 3600, 2 * 86400 + 3 * 3600 + 240, 86401, None]
+    with pytest.raises(ZerorunError, match="--time 1h: expected minutes"):
+        time_limit_s("1h")
+
+
+def test_a_misplaced_sbatch_option_and_a_refused_submit(tmp_path):
+    """Issue 34 item 15: `--qos high` before `--` was "No such option: --qos"; it is told where it goes. A
+    submit that sbatch refuses leaves no run folder (nothing was queued)."""
+    out = zerorun("submit", TINY, "--qos", "high", "--dry-run", cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr == (
+        "zerorun: error: --qos: not an option of zerorun submit; an sbatch option goes after '--', at the end: "
+        "zerorun submit RECIPE [FIELD=VALUE ...] [options] -- --qos high\n")
+    out = zerorun("submit", TINY, "--dry-run", "--constraint=volta", cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr.endswith("-- --constraint=volta\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Invalid qos "
+                                    "specification' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}"}
+    (tmp_path / "runs").mkdir()
+    out = zerorun("submit", TINY, f"log.dir={tmp_path}/runs", "--", "--qos=nope", env=env, cwd=str(tmp_path))
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("zerorun: error: sbatch refused the job: Batch job submission failed: Invalid qos")
+    assert os.listdir(tmp_path / "runs") == []  # no run folder, no empty runs/tiny left; runs/ was there before
 
 
 def test_split_sbatch_args():
@@ -277,6 +410,54 @@ def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
     monkeypatch.setattr(slurm_attach, "job_info", lambda job_id: slurm_jobs.JobInfo("8", "COMPLETING"))
     stuck = slurm_attach.settled("8", str(tmp_path), slurm_jobs.JobInfo("8", "COMPLETING"), 0.01, limit_s=0.1)
     assert stuck.state == "COMPLETING" and slurm_attach.exit_status(stuck, str(tmp_path), "8") == 1
+
+
+def test_attach_follows_a_job_across_slurms_requeue(tmp_path, monkeypatch):
+    """Issue 34 item 14: SLURM requeues a running job (COMPLETING with Restarts counted up, its zerorun train
+    records exit 143, then PENDING for BeginTime, then a second run that completes). attach exited 143
+    "interrupted" while the job was pending; it follows the next run and exits with the job's end, 0. The
+    first run's job.json is not taken for the second's end."""
+    import io
+
+    from zerorun.launch import slurm_attach
+
+    run, t0 = tmp_path / "run", 1_700_000_000.0
+    run.mkdir()
+    job = lambda state, restarts=0, started=t0, **kw: slurm_jobs.JobInfo(  # noqa: E731
+        "7", state, restarts=restarts, started=started, nodes="n[1-2]", **kw)
+
+    def first_run_ends():
+        (run / "job.json").write_text(json.dumps({"exit_code": 143, "slurm_job_id": "7", "started": t0 + 1}))
+        return job("COMPLETING", 1)
+
+    def second_run_ends():
+        (run / "job.json").write_text(json.dumps({"exit_code": 0, "slurm_job_id": "7", "started": t0 + 301}))
+        return job("COMPLETING", 1, t0 + 300)
+
+    script = [lambda: job("RUNNING"), first_run_ends, lambda: job("COMPLETING", 1),
+              lambda: job("PENDING", 1, t0 + 300, reason="BeginTime"), lambda: job("PENDING", 1, t0 + 300),
+              lambda: job("RUNNING", 1, t0 + 300), lambda: job("RUNNING", 1, t0 + 300), second_run_ends,
+              lambda: job("COMPLETED", 1, t0 + 300)]
+    calls = iter(script)
+    last = [None]
+
+    def job_info(job_id):
+        step = next(calls, None)
+        last[0] = step() if step is not None else last[0]
+        return last[0]
+
+    monkeypatch.setattr(slurm_attach, "job_info", job_info)
+    out = io.StringIO()
+    code = slurm_attach.follow_job("7", str(run), job("RUNNING"), dashboard=False, out=out, poll_s=0.01)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "zerorun: SLURM requeued job 7 (restart 1); following its next run" in text
+    assert "job 7 is pending (BeginTime)" in text
+    # the first run's record while the second one waits or runs: not this run's end
+    (run / "job.json").write_text(json.dumps({"exit_code": 143, "slurm_job_id": "7", "started": t0 + 1}))
+    assert slurm_attach.job_record(str(run), "7", job("RUNNING", 1, t0 + 300)) == {}
+    assert slurm_attach.job_record(str(run), "7", job("RUNNING"))["exit_code"] == 143  # never requeued
+    assert slurm_jobs.parse_job("7", "JobId=7 JobState=PENDING Restarts=2 StartTime=2026-12-02T06:01:09").restarts == 2
 
 
 def test_job_ids_that_scontrol_reads_otherwise_are_refused(monkeypatch):

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,10 +29,11 @@ def zerorun(cluster, tmp_path, *args: str, timeout: float = 120) -> subprocess.C
 def test_refused_unknown_and_pending_jobs(slurm_cluster, tmp_path):
     """sbatch's refusal and an unknown job id are one line each; attach on a held job says it is pending and
     Ctrl-C leaves the job queued."""
-    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--partition", "nope")
+    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--partition", "nope",
+                  f"log.dir={tmp_path / 'refused'}")
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
     assert out.stderr.startswith("zerorun: error: sbatch refused the job: ") and "partition" in out.stderr
-    assert "submit.sbatch)" in out.stderr  # the script stays, to edit and resubmit
+    assert not (tmp_path / "refused").exists()  # nothing queued: no run folder left (issue 34 item 15)
     out = zerorun(slurm_cluster, tmp_path, "attach", "987654")
     assert out.returncode == 2 and out.stderr.startswith("zerorun: error: job 987654: unknown to SLURM")
     assert len(out.stderr.splitlines()) == 1
@@ -137,3 +139,84 @@ def test_attach_to_a_job_that_scancel_stops_exits_143(slurm_cluster, tmp_path):
     assert attach.returncode == 143, rest[-2000:] + err
     assert rest.splitlines()[-1].startswith("zerorun: the job was interrupted"), rest[-500:]
     assert json.load(open(os.path.join(run_dir, "job.json")))["slurm_job_id"] == job_id
+
+
+def _wait(what: str, ready, timeout: float = 120.0, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = ready()
+        if found:
+            return found
+        assert proc is None or proc.poll() is None, proc.communicate()
+        time.sleep(0.3)
+    pytest.fail(f"no {what} in {timeout:.0f} s")
+
+
+def _events(run_dir: str) -> list[dict]:
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def _stopped_steps(run_dir: str) -> list[int]:
+    return [e["step"] for e in _events(run_dir) if e["event"] == "stopped" and e["rank"] == 0]
+
+
+def _state(cluster, job_id: str) -> str:
+    return cluster.run("scontrol", "show", "job", "-o", job_id).stdout.split("JobState=", 1)[1].split()[0]
+
+
+def test_attach_across_a_requeue_and_the_early_save_signal(slurm_cluster, tmp_path):
+    """Issue 34 items 14 and 15 on the cluster, one submitted job (2 nodes x 1 rank, checkpoints, --resume),
+    attach following it from the start:
+    1. SLURM requeues it mid-run (``scontrol requeue``): the ranks save, the job waits (BeginTime, cut short
+       here with ``scontrol update StartTime=now``); attach keeps following (was: exit 143 while pending) into
+       the next run, which resumes from that checkpoint;
+    2. SIGUSR1 to the batch shell only (``scancel --batch --signal=USR1``: what ``--signal=B:USR1@S`` sends
+       before the time limit) makes every rank save and stop (was: the launcher died of SIGUSR1, nothing
+       saved): exit 143, the message naming the resubmit; attach exits with it.
+    slurm-JOBID.out keeps both runs' lines (--open-mode=append); every step ran once."""
+    steps, ck = 150, tmp_path / "ck"
+    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", "--procs-per-node", "1",
+                  f"train.steps={steps}", "train.eval_every=0", "log.every=1", f"log.dir={tmp_path / 'runs'}",
+                  f"checkpoint.dir={ck}", "--resume")
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+    run_dir = out.stdout.splitlines()[0].split("; run dir ", 1)[1]
+    script = os.path.join(run_dir, "submit.sbatch")
+    assert "#SBATCH --signal=B:USR1@120" in open(script).read()
+    env = slurm_cluster.client_env(XDG_STATE_HOME=str(tmp_path / "state"), OMP_NUM_THREADS="1")
+    attach = subprocess.Popen([sys.executable, "-m", "zerorun", "attach", job_id, "--no-dashboard"],
+                              cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait("step 3", lambda: any(e["event"] == "step" and e["step"] >= 3 for e in _events(run_dir)), 240, attach)
+        slurm_cluster.run("scontrol", "requeue", job_id)
+        _wait("the first run's save", lambda: _stopped_steps(run_dir), 60, attach)
+        _wait("pending requeued job", lambda: _state(slurm_cluster, job_id) == "PENDING", 60, attach)
+        time.sleep(3 * 1.0)  # three of attach's polls while the job is pending
+        assert attach.poll() is None, attach.communicate()  # still following the job
+        slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        [first] = _stopped_steps(run_dir)
+        _wait("the second run's steps", lambda: any(e["event"] == "step" and e["step"] >= first + 3
+                                                    for e in _events(run_dir)), 150, attach)
+        slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+        rest, err = attach.communicate(timeout=120)
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+        attach.kill()
+    assert attach.returncode == 143, rest[-3000:] + err
+    assert f"zerorun: SLURM requeued job {job_id} (restart 1); following its next run" in rest
+    assert rest.splitlines()[-1].startswith("zerorun: the job was interrupted"), rest[-1000:]
+    first, second = _stopped_steps(run_dir)
+    assert first < second < steps and sorted(os.listdir(ck))[-1] == f"step-{second:08d}"
+    job = json.load(open(os.path.join(run_dir, "job.json")))
+    assert job["exit_code"] == 143 and job["slurm_job_id"] == job_id
+    assert (f"stopped by SIGUSR1 after step {second}: every rank saved checkpoint {ck}/step-{second:08d} and "
+            f"exited; continue with sbatch {script}") in job["message"]
+    done = [(e["rank"], e["step"]) for e in _events(run_dir) if e["event"] == "step"]
+    assert sorted(done) == [(r, s) for r in (0, 1) for s in range(1, second + 1)]  # each step once, per rank
+    output = open(os.path.join(run_dir, f"slurm-{job_id}.out")).read()
+    assert f"stopped by SIGTERM after step {first}" in output and "DUE TO JOB REQUEUE" in output
+    assert f"stopped by SIGUSR1 after step {second}" in output

@@ -169,6 +169,12 @@ def submit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the batch script into the run folder and print "
                                  "it; do not submit."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="[PATH]", help="As zerorun train's, in the job."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, max=MAX_SLOTS,
+                                                help="GPUs per node to ask for; one rank per GPU (also from "
+                                                "sbatch's --gpus-per-node/--gres after '--')."),
+    save_before: int = typer.Option(120, "--save-before", min=0, metavar="SECONDS",
+                                    help="With checkpoint.dir: SIGUSR1 this long before the time limit makes the "
+                                    "ranks save and stop (--signal=B:USR1@SECONDS); 0: none."),
 ) -> None:
     """Submit RECIPE as a SLURM batch job: the run folder is made first, the batch script written into it
     (submit.sbatch: edit and resubmit it with sbatch) and submitted; prints the job id and the run folder.
@@ -176,7 +182,8 @@ def submit(
     from zerorun.launch.slurm_submit import SubmitOptions, submit as run
 
     options = SubmitOptions(nodes=nodes, procs_per_node=procs_per_node, time=time_limit, partition=partition,
-                            account=account, job_name=job_name, resume=resume,
+                            account=account, job_name=job_name, resume=resume, gpus_per_node=gpus_per_node,
+                            save_before=save_before,
                             sbatch_args=tuple((ctx.obj or {}).get("sbatch_args", ())))
     run(recipe, overrides or [], options, dry_run=dry_run, command=["zerorun", *sys.argv[1:]])
 
@@ -404,6 +411,11 @@ def main() -> None:
     except Exception as e:  # click's (typer's) usage errors: one line, as every other bad input
         if type(e).__name__ == "NoArgsIsHelpError":  # a bare `zerorun`: the help was printed, nothing failed
             sys.exit(0)
+        if type(e).__name__ == "NoSuchOption" and sys.argv[1:2] == ["submit"]:
+            from zerorun.launch.slurm_submit import misplaced_option
+
+            _err(misplaced_option(sys.argv[1:], e.option_name))
+            sys.exit(2)
         if hasattr(e, "format_message") and hasattr(e, "exit_code"):
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""

@@ -87,13 +87,13 @@ def select(hostfile: str | None, default_slots: int, include: str | None = None,
     from zerorun.hostfile import read_hostfile, select_hosts
 
     if launcher == "slurm":
-        from zerorun.launch.slurm import allocation_hosts
+        from zerorun.launch.slurm import allocation_hosts, describe_slots
 
         hosts, source = allocation_hosts(default_slots, num_nodes, num_procs)
         hosts = select_hosts(hosts, include, exclude, None, None)
         sys.stderr.write(f"zerorun: SLURM job {os.environ.get('SLURM_JOB_ID')}: {len(hosts)} node"
                          f"{'s' if len(hosts) > 1 else ''} ({', '.join(h.name for h in hosts)}), "
-                         f"{hosts[0].slots} rank{'s' if hosts[0].slots > 1 else ''} per node (from {source})\n")
+                         f"{describe_slots(hosts, source)}\n")
         return hosts
     if hostfile and launcher != "local":
         hosts = read_hostfile(hostfile)

@@ -9,12 +9,18 @@ node's spec by ``SLURMD_NODENAME`` from the one JSON line the launcher writes on
 (broadcast to every task by ``--input=all``; env values and the recipe never on a command line), so node rank
 0, and with it the master address (the first node's name), is the first node whatever order SLURM numbers
 tasks in. ``--label`` prefixes every line with the task's number; each task's first line maps it to its node.
-No SSH is used. Ranks per node (slots), the first of these that is set wins:
-``--num-procs`` / ``--nproc-per-node``; the allocation's GPUs per node (``SLURM_GPUS_ON_NODE``, else
-``SLURM_GPUS_PER_NODE``: one rank per GPU); ``SLURM_NTASKS_PER_NODE`` (``--ntasks-per-node``); the recipe's
-``launch.procs_per_node`` (``zerorun launch``: 1). The step asks for the CPUs the allocation has on each node
-(``--cpus-per-task``, from ``SLURM_JOB_CPUS_PER_NODE``), so a node's torchrun and ranks are not confined to one
-CPU where SLURM binds tasks to CPUs.
+No SSH is used. Ranks per node: Note [Ranks in an allocation]. The step asks for the CPUs the allocation has
+on each node (``--cpus-per-task``, from ``SLURM_JOB_CPUS_PER_NODE``), so a node's torchrun and ranks are not
+confined to one CPU where SLURM binds tasks to CPUs.
+
+Note [Ranks in an allocation]: the ranks on each node (slots) are, the first of these that is set:
+``--num-procs`` / ``--nproc-per-node`` (on every node); the allocation's GPUs per node (``SLURM_GPUS_ON_NODE``,
+else ``SLURM_GPUS_PER_NODE``: one rank per GPU); the allocation's tasks, when they were asked for
+(``SLURM_NTASKS``, set by ``-n``/``--ntasks-per-node``): ``SLURM_TASKS_PER_NODE`` expanded, as srun places
+tasks, uneven ones included (``-N2 -n3``: ``2,1``, 3 ranks), so ``salloc -N2 -n4`` runs 4 ranks whatever the
+recipe says (the stderr note says the recipe's count is not used); else the recipe's ``launch.procs_per_node``
+(``zerorun launch``: 1) on every node, refused in one line where a node has fewer CPUs
+(``SLURM_JOB_CPUS_PER_NODE``: ``salloc -N1`` gives one) than that.
 """
 
 from __future__ import annotations
@@ -127,27 +133,69 @@ def gpus_per_node(environ) -> int | None:
     return total or None
 
 
-def slots_per_node(environ, recipe_slots: int, num_procs: int | None = None) -> tuple[int, str]:
-    """Ranks per node in the allocation and where that number comes from (Note [Slurm launcher]'s order:
-    ``--num-procs``, GPUs per node, ``SLURM_NTASKS_PER_NODE``, the recipe's ``launch.procs_per_node``).
+def slots_per_node(environ, recipe_slots: int, num_procs: int | None = None, count: int = 1
+                   ) -> tuple[list[int], str]:
+    """Ranks on each of the allocation's ``count`` nodes and where they come from (Note [Ranks in an
+    allocation]).
 
     Raises:
-        ZerorunError: ``SLURM_NTASKS_PER_NODE`` is not a number, or a count above :data:`MAX_SLOTS`.
+        ZerorunError: a malformed SLURM variable (named), task counts for another number of nodes, the recipe's
+            count above the CPUs of a node, or a count above :data:`MAX_SLOTS`.
     """
     if num_procs is not None:
-        slots, source = num_procs, "--num-procs"
+        slots, source = [num_procs] * count, "--num-procs"
     elif gpus_per_node(environ):
-        slots, source = gpus_per_node(environ), "the allocation's GPUs per node"
-    elif environ.get("SLURM_NTASKS_PER_NODE"):
-        text = environ["SLURM_NTASKS_PER_NODE"]
-        if not text.strip().isdigit() or int(text) < 1:
-            raise ZerorunError(f"SLURM_NTASKS_PER_NODE={text!r}: expected a positive number")
-        slots, source = int(text), "SLURM_NTASKS_PER_NODE"
+        slots, source = [gpus_per_node(environ)] * count, "the allocation's GPUs per node"
+    elif any(environ.get(k) for k in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE")):
+        slots, source = _task_slots(environ, count)
+        if any(n != recipe_slots for n in slots):
+            source += f"; not the recipe's launch.procs_per_node {recipe_slots}"
     else:
-        slots, source = recipe_slots, "launch.procs_per_node"
-    if slots > MAX_SLOTS:
-        raise ZerorunError(f"{source}: {slots} ranks per node, more than {MAX_SLOTS}")
+        slots, source = [recipe_slots] * count, "launch.procs_per_node"
+        _refuse_above_cpus(environ, recipe_slots, count)
+    for n in slots:
+        if not 1 <= n <= MAX_SLOTS:
+            raise ZerorunError(f"{source}: {n} ranks on a node, expected 1 to {MAX_SLOTS}")
     return slots, source
+
+
+def _task_slots(environ, count: int) -> tuple[list[int], str]:
+    """The allocation's tasks on each node, as srun starts them: ``SLURM_TASKS_PER_NODE`` expanded (``2,1``
+    for ``-N2 -n3``), else ``SLURM_NTASKS_PER_NODE`` on every node."""
+    text = environ.get("SLURM_TASKS_PER_NODE")
+    if text:
+        counts = expand_counts(text, "SLURM_TASKS_PER_NODE")
+        if len(counts) != count:
+            raise ZerorunError(f"SLURM_TASKS_PER_NODE={text!r}: {len(counts)} node counts for the allocation's "
+                               f"{count} nodes")
+        return counts, f"SLURM_TASKS_PER_NODE={text}"
+    text = environ.get("SLURM_NTASKS_PER_NODE", "")
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ZerorunError(f"SLURM_NTASKS_PER_NODE={text!r}: expected a positive number")
+    return [int(text)] * count, "SLURM_NTASKS_PER_NODE"
+
+
+def _refuse_above_cpus(environ, ranks: int, count: int) -> None:
+    """Refuse the recipe's ranks per node where a node of the allocation has fewer CPUs (``salloc -n1`` and a
+    recipe of 4 ranks: 4 ranks on one CPU, silently, before).
+
+    Raises:
+        ZerorunError: the one line, with the ways out.
+    """
+    text = environ.get("SLURM_JOB_CPUS_PER_NODE")
+    cpus = expand_counts(text) if text else []
+    if len(cpus) == count and ranks > min(cpus):
+        raise ZerorunError(f"launch.procs_per_node {ranks}: more ranks than the {min(cpus)} CPU"
+                           f"{'s' * (min(cpus) != 1)} SLURM allocated on a node (SLURM_JOB_CPUS_PER_NODE={text}); "
+                           f"ask for the tasks (salloc/sbatch --ntasks-per-node={ranks}), or give --num-procs")
+
+
+def describe_slots(hosts: list[Host], source: str) -> str:
+    """``4 ranks per node (from SOURCE)``, or ``3 ranks: 2, 1 per node (from SOURCE)`` for uneven counts."""
+    counts = [h.slots for h in hosts]
+    if len(set(counts)) == 1:
+        return f"{counts[0]} rank{'s' if counts[0] > 1 else ''} per node (from {source})"
+    return f"{sum(counts)} ranks: {', '.join(map(str, counts))} per node (from {source})"
 
 
 def scontrol() -> str:
@@ -206,13 +254,13 @@ def allocation_hosts(recipe_slots: int, num_nodes: int | None = None, num_procs:
     env = os.environ if environ is None else environ
     nodelist = allocation_nodelist(env)
     names = expand_nodelist(nodelist)
+    slots, source = slots_per_node(env, recipe_slots, num_procs, len(names))
     if num_nodes is not None:
         if num_nodes > len(names):
             raise ZerorunError(f"--num-nodes {num_nodes}: the allocation has {len(names)} node"
                                f"{'s' if len(names) > 1 else ''} ({nodelist})")
         names = names[:num_nodes]
-    slots, source = slots_per_node(env, recipe_slots, num_procs)
-    return [Host(name, slots) for name in names], source
+    return [Host(name, n) for name, n in zip(names, slots)], source
 
 
 def allocation_cpus(environ=None) -> dict[str, int]:

@@ -7,6 +7,15 @@ lines without a terminal, until SLURM says it ended; then the summary and how it
 prints them. An ended job: ``zerorun show``'s summary at once. The exit status is the job's: the one its
 ``zerorun train`` recorded in ``job.json``, else SLURM's (``ExitCode``), so ``zerorun attach`` can wait for a
 job in a script. Ctrl-C stops following (exit status 130), never the job.
+
+Note [Following a requeued job]: SLURM requeues a job (``scontrol requeue``, a node lost with ``--requeue``,
+preemption) by signalling its run like an end (COMPLETING, the run's ``zerorun train`` saves and records exit
+143 in ``job.json``), then holds it PENDING (``BeginTime``, two minutes by default) and runs the same job id
+again. ``scontrol show job`` counts the requeue in ``Restarts`` from its first moment, so a run followed while
+``Restarts`` grows has ended by requeue: attach says so and follows the next run (pending first), and exits
+only when the job itself ends, with the last run's status (a script ``zerorun attach $J || alert`` sees the
+job's end, not the requeue's). A ``job.json`` that started before the job's current run (``StartTime``) is
+an earlier run's and is not taken as this run's end.
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ from zerorun.launch.slurm_jobs import JobInfo, check_job_id, find_run_dir, job_i
 from zerorun.telemetry.state import read_json
 
 POLL_S = 1.0  # how often SLURM is asked whether the job still waits or runs
+#: seconds a run's own start (job.json ``started``, the batch node's clock) may read before SLURM's StartTime
+#: (the controller's clock, whole seconds)
+_CLOCK_SLACK_S = 2.0
 
 
 def attach(job_id: str, *, dashboard: bool = True, out=None, poll_s: float = POLL_S) -> int:
@@ -88,20 +100,27 @@ def follow_submitted(run_dir: str, *, dashboard: bool = True, out=None, poll_s: 
 STOPPED = frozenset({"CANCELLED", "TIMEOUT", "PREEMPTED", "DEADLINE"})
 
 
-def job_record(run_dir: str, job_id: str) -> dict:
+def job_record(run_dir: str, job_id: str, info: JobInfo | None = None) -> dict:
     """``run_dir/job.json`` when it records job ``job_id``'s run, else ``{}``: a folder submitted again
     (``sbatch RUN_DIR/submit.sbatch``) holds the last job's record (its ``slurm_job_id``); a record without
-    one (no SLURM, or an older zerorun) is taken as this job's."""
+    one (no SLURM, or an older zerorun) is taken as this job's. With ``info`` of a requeued job (Note
+    [Following a requeued job]), a record that started before the job's current run is an earlier run's."""
     job = read_json(os.path.join(run_dir, "job.json"))
     owner = job.get("slurm_job_id")
-    return job if owner is None or str(owner) == job_id else {}
+    if owner is not None and str(owner) != job_id:
+        return {}
+    started = job.get("started")
+    if (info is not None and info.restarts and info.started is not None and isinstance(started, (int, float))
+            and started < info.started - _CLOCK_SLACK_S):
+        return {}
+    return job
 
 
 def exit_status(info: JobInfo | None, run_dir: str, job_id: str) -> int:
     """The job's exit status: its ``zerorun train``'s (:func:`job_record`), else SLURM's ``ExitCode``
     ("status:signal"; a signal N gives 128 + N), else 0 for ``COMPLETED``, 143 for a job stopped from outside
     (:data:`STOPPED`: scancel, time limit, preemption) and 1 for any other end."""
-    code = job_record(run_dir, job_id).get("exit_code")
+    code = job_record(run_dir, job_id, info).get("exit_code")
     if isinstance(code, int) and not isinstance(code, bool):
         return code
     if info is None:
@@ -124,7 +143,7 @@ def settled(job_id: str, run_dir: str, info: JobInfo | None, poll_s: float,
     """``info`` once the job is no longer COMPLETING without its record (SLURM signalled it, and its ``zerorun
     train`` may still be saving: Note on ``slurm_jobs.ACTIVE``), or after ``limit_s`` seconds of that."""
     deadline = time.monotonic() + limit_s
-    while (info is not None and info.state == "COMPLETING" and not job_record(run_dir, job_id)
+    while (info is not None and info.state == "COMPLETING" and not job_record(run_dir, job_id, info)
            and time.monotonic() < deadline):
         time.sleep(poll_s)
         info = job_info(job_id)
@@ -146,7 +165,7 @@ def _output(run_dir: str, job_id: str) -> str:
 def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
     """An ended job: ``zerorun show``'s summary, or one line when no rank wrote a metric."""
     from zerorun.telemetry.show import show
-    other = None if job_record(run_dir, job_id) else (
+    other = None if job_record(run_dir, job_id, info) else (
         read_json(os.path.join(run_dir, "job.json")).get("slurm_job_id") or submitted_job(run_dir))
     if other is not None and str(other) != job_id:  # the folder was submitted again
         out.write(f"zerorun: job {job_id} ended ({_how(info)}); its run folder now holds job {other}'s run: "
@@ -179,44 +198,73 @@ def _from_job_file(state, run_dir: str) -> None:
 
 def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bool = True, out=None,
                poll_s: float = POLL_S) -> int:
-    """Follow job ``job_id`` writing into ``run_dir`` (``info``: what SLURM said of it last) until it ends;
-    returns its exit status (:func:`exit_status`), 130 when Ctrl-C stopped following."""
+    """Follow job ``job_id`` writing into ``run_dir`` (``info``: what SLURM said of it last) until it ends,
+    across SLURM's requeues of it (Note [Following a requeued job]); returns its exit status
+    (:func:`exit_status`), 130 when Ctrl-C stopped following."""
+    out = out or sys.stdout
+    while True:
+        if info is not None and info.state == "COMPLETING" and info.restarts:
+            info = _past_completing(job_id, info, poll_s)  # a requeue in progress looks like an end at first
+        info = settled(job_id, run_dir, info, poll_s)
+        if info is not None and info.pending:
+            try:
+                info = _wait_to_start(job_id, run_dir, info, out, poll_s)
+            except KeyboardInterrupt:
+                out.write(f"\nzerorun: stopped waiting; job {job_id} is still queued (zerorun attach {job_id})\n")
+                return 130
+        if info is None or not info.active:
+            return _ended(job_id, run_dir, info, out)
+        code, info = _follow_run(job_id, run_dir, info, dashboard=dashboard, out=out, poll_s=poll_s)
+        if code is not None:
+            return code
+
+
+def _past_completing(job_id: str, info: JobInfo | None, poll_s: float) -> JobInfo | None:
+    """What SLURM says of the job once it is no longer COMPLETING (or after :data:`COMPLETING_WAIT_S`)."""
+    deadline = time.monotonic() + COMPLETING_WAIT_S
+    while info is not None and info.state == "COMPLETING" and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        info = job_info(job_id)
+    return info
+
+
+def _wait_to_start(job_id: str, run_dir: str, info: JobInfo, out, poll_s: float) -> JobInfo | None:
+    """Say that the job is pending and why, and wait until it is not.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C (the caller says the job stays queued).
+    """
+    why = info.reason or "no reason given yet"
+    out.write(f"zerorun: job {job_id} is pending ({why}); waiting for it to start (Ctrl-C stops waiting, "
+              f"the job stays queued); run dir {run_dir}\n")
+    out.flush()
+    while info is not None and info.pending:
+        time.sleep(poll_s)
+        info = job_info(job_id)
+    return settled(job_id, run_dir, info, poll_s)
+
+
+def _follow_run(job_id: str, run_dir: str, info: JobInfo, *, dashboard: bool, out,
+                poll_s: float) -> tuple[int | None, JobInfo | None]:
+    """Follow one run of the job in the view until it ends: ``(exit status, info)``, or ``(None, info)`` when
+    SLURM requeued the job (Note [Following a requeued job]; ``info``: the job past its COMPLETING)."""
     from zerorun.telemetry.dashboard import open_view
     from zerorun.telemetry.follow import follow, new_state
     from zerorun.telemetry.show import outcome
 
-    out = out or sys.stdout
-    info = settled(job_id, run_dir, info, poll_s)
-    if info is None or not info.active:
-        return _ended(job_id, run_dir, info, out)
-    try:
-        if info.pending:
-            why = info.reason or "no reason given yet"
-            out.write(f"zerorun: job {job_id} is pending ({why}); waiting for it to start (Ctrl-C stops waiting, "
-                      f"the job stays queued); run dir {run_dir}\n")
-            out.flush()
-            while info is not None and info.pending:
-                time.sleep(poll_s)
-                info = job_info(job_id)
-            info = settled(job_id, run_dir, info, poll_s)
-            if info is None or not info.active:
-                return _ended(job_id, run_dir, info, out)
-    except KeyboardInterrupt:
-        out.write(f"\nzerorun: stopped waiting; job {job_id} is still queued (zerorun attach {job_id})\n")
-        return 130
     state = new_state(run_dir)
     view = open_view(state, out, dashboard)
     view.print(f"zerorun: attached to job {job_id} ({info.state} on {info.nodes or '?'}); run dir {run_dir}")
-    last = [info]
-
+    last, restarts = [info], info.restarts
     completing: list[float] = []  # when the job was first seen COMPLETING
 
     def running() -> bool:  # a COMPLETING job runs until its record is written (Note on slurm_jobs.ACTIVE)
-        last[0] = job_info(job_id)
-        now = last[0]
-        if now is None or now.active:
-            return now is not None
-        if now.state != "COMPLETING" or job_record(run_dir, job_id):
+        last[0] = now = job_info(job_id)
+        if now is None or now.restarts > restarts:  # forgotten, or requeued: this run ended
+            return False
+        if now.active:
+            return True
+        if now.state != "COMPLETING" or job_record(run_dir, job_id, now):
             return False
         completing[:1] = completing[:1] or [time.monotonic()]
         return time.monotonic() - completing[0] < COMPLETING_WAIT_S
@@ -228,14 +276,18 @@ def follow_job(job_id: str, run_dir: str, info: JobInfo | None, *, dashboard: bo
         if live is not None:
             live.stop()
         out.write(f"\nzerorun: stopped following; job {job_id} goes on (zerorun attach {job_id})\n")
-        return 130
+        return 130, last[0]
+    if last[0] is not None and last[0].restarts > restarts:
+        view.close()
+        view.print(f"zerorun: SLURM requeued job {job_id} (restart {last[0].restarts}); following its next run")
+        return None, _past_completing(job_id, last[0], poll_s)
     last[0] = settled(job_id, run_dir, last[0], poll_s, COMPLETING_WAIT_S - (time.monotonic() - completing[0]
                                                                              if completing else 0.0))
     _from_job_file(state, run_dir)
     view.close()  # the summary table
-    if job_record(run_dir, job_id):
+    if job_record(run_dir, job_id, last[0]):
         view.print(f"zerorun: {outcome(run_dir, state)}")
     else:
         view.print(f"zerorun: job {job_id} ended ({_how(last[0])}) before zerorun train recorded how"
                    f"{_output(run_dir, job_id)}")
-    return exit_status(last[0], run_dir, job_id)
+    return exit_status(last[0], run_dir, job_id), last[0]

@@ -44,7 +44,9 @@ _SCONTROL_TIMEOUT_S = 30.0
 class JobInfo:
     """What ``scontrol show job`` says of a job: ``state`` (``PENDING``, ``RUNNING``, ``COMPLETED``, ...),
     ``reason`` (why it waits, ``None`` when none), ``exit_code`` (``"0:0"``: the batch script's exit status and
-    the signal that ended it), ``nodes`` (the node list, ``None`` before it starts) and ``submitted`` (Unix s)."""
+    the signal that ended it), ``nodes`` (the node list, ``None`` before it starts), ``submitted`` (Unix s),
+    ``restarts`` (how often SLURM requeued it: counted up as soon as the requeue begins) and ``started`` (Unix
+    s: when its current run started, or is expected to)."""
 
     job_id: str
     state: str
@@ -52,6 +54,8 @@ class JobInfo:
     exit_code: str = "0:0"
     nodes: str | None = None
     submitted: float | None = None
+    restarts: int = 0
+    started: float | None = None
 
     @property
     def active(self) -> bool:
@@ -155,9 +159,11 @@ def parse_job(job_id: str, text: str) -> JobInfo:
     spaces, such as ``Command=``, are not read)."""
     reason = _field(text, "Reason")
     nodes = _field(text, "NodeList")
+    restarts = _field(text, "Restarts") or "0"
     return JobInfo(job_id, _field(text, "JobState") or "UNKNOWN", None if reason in (None, "None") else reason,
                    _field(text, "ExitCode") or "0:0", None if nodes in (None, "(null)") else nodes,
-                   _local_time(_field(text, "SubmitTime")))
+                   _local_time(_field(text, "SubmitTime")), int(restarts) if restarts.isdigit() else 0,
+                   _local_time(_field(text, "StartTime")))
 
 
 def job_info(job_id: str) -> JobInfo | None:

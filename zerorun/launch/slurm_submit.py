@@ -18,6 +18,7 @@ where they repeat an option (sbatch keeps the last).
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import shutil
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from zerorun.errors import ZerorunError
 from zerorun.launch.slurm_jobs import one_line, remember
+from zerorun.launch.slurm_sbatch import gpus_asked, ranks_per_node, refuse_array, signal_directive
 
 SCRIPT_NAME = "submit.sbatch"
 _SBATCH_TIMEOUT_S = 120.0
@@ -39,7 +41,9 @@ class SubmitOptions:
     """What ``zerorun submit`` asks of SLURM: ``nodes``, ``procs_per_node`` (ranks per node; None: the recipe's
     ``launch.procs_per_node``), ``time`` (sbatch's ``--time``, e.g. ``01:00:00``), ``partition``, ``account``,
     ``job_name`` (default: the recipe's name), ``sbatch_args`` (more sbatch arguments, as given after
-    ``--``) and ``resume`` (``zerorun train``'s ``--resume``: ``"latest"`` or a checkpoint path; None: none)."""
+    ``--``), ``resume`` (``zerorun train``'s ``--resume``: ``"latest"`` or a checkpoint path; None: none),
+    ``gpus_per_node`` (GPUs to ask for on each node; None: those of ``sbatch_args``, or none) and ``save_before``
+    (seconds before the time limit at which the ranks save and stop, Note [Early save signal]; 0: none)."""
 
     nodes: int = 1
     procs_per_node: int | None = None
@@ -49,6 +53,8 @@ class SubmitOptions:
     job_name: str | None = None
     sbatch_args: tuple[str, ...] = field(default_factory=tuple)
     resume: str | None = None
+    gpus_per_node: int | None = None
+    save_before: int = 120
 
 
 def directive_value(value: str) -> str:
@@ -84,6 +90,22 @@ def group_args(args: list[str] | tuple[str, ...]) -> list[list[str]]:
     return groups
 
 
+def misplaced_option(argv: list[str], option: str) -> str:
+    """The one line for an option that ``zerorun submit`` does not know (``--qos high`` before ``--``): an
+    sbatch option goes after ``--``, as written here with its value(s)."""
+    name = option.split("=", 1)[0]
+    words = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg.split("=", 1)[0] == name:
+            words = [arg] + list(itertools.takewhile(lambda w: not w.startswith("-") and "=" not in w,
+                                                     argv[i + 1:i + 2]))
+            break
+    return (f"{name}: not an option of zerorun submit; an sbatch option goes after '--', at the end: zerorun "
+            f"submit RECIPE [FIELD=VALUE ...] [options] -- {shlex.join(words or [name])}")
+
+
 def train_argv(recipe_path: str, overrides: list[str], procs_per_node: int, python: str,
                resume: str | None = None) -> list[str]:
     """The job's command (before ``--run-dir``): zerorun train of the recipe (absolute path), with the slurm
@@ -111,12 +133,38 @@ def render_script(*, recipe, recipe_path: str, overrides: list[str], options: Su
         command: the ``zerorun submit`` command line, for the script's header comment.
 
     Raises:
-        ZerorunError: a value that no ``#SBATCH`` line can hold, or extra sbatch arguments that are not options.
+        ZerorunError: a value that no ``#SBATCH`` line can hold, extra sbatch arguments that are not options or
+            ask for a job array, GPU and rank counts that disagree (Note [Ranks of a submitted job]), a time
+            limit within the early save signal (Note [Early save signal]).
     """
-    procs = options.procs_per_node or recipe.launch.procs_per_node
-    python = python or sys.executable
+    groups = group_args(options.sbatch_args)
+    refuse_array(groups)
+    gpus = gpus_asked(groups, options.gpus_per_node)
+    procs, _ = ranks_per_node(options.procs_per_node, gpus, recipe)
+    early = signal_directive(options.save_before, bool(recipe.checkpoint.dir), options.time)
+    lines = _header(recipe, options, run_dir, procs, command) + _directives(recipe, options, run_dir, procs, early)
+    if groups:
+        lines.append("# given after '--' to zerorun submit (later lines win where an option repeats):")
+        lines += ["#SBATCH " + " ".join(directive_value(w) for w in g) for g in groups]
+    script = os.path.join(run_dir, SCRIPT_NAME)
+    again = f"sbatch {script}" if options.resume is not None else resubmit_command(
+        command or ["zerorun", "submit", recipe_path, *overrides])
+    argv = train_argv(recipe_path, overrides, procs, python or sys.executable, options.resume)
+    return "\n".join(lines + _body(argv, run_dir, workdir, options.resume is not None, again)) + "\n"
+
+
+def resubmit_command(command: list[str]) -> str:
+    """``command`` (a ``zerorun submit`` command line) as the one that continues its stopped job: without
+    ``--dry-run``, with ``--resume`` before the sbatch arguments."""
+    words = [w for w in command if w != "--dry-run"]
+    cut = words.index("--") if "--" in words else len(words)
+    return shlex.join(words[:cut] + ["--resume"] + words[cut:])
+
+
+def _header(recipe, options: SubmitOptions, run_dir: str, procs: int, command: list[str] | None) -> list[str]:
+    """The script's comment lines: what it runs, when and by which command, how to resubmit and follow it."""
     q = shlex.quote
-    lines = [
+    return [
         "#!/bin/bash",
         _comment(f"# zerorun submit: {recipe.name} on {options.nodes} node{'s' * (options.nodes != 1)} x {procs} "
                  f"rank{'s' * (procs != 1)}, ZeRO stage {recipe.zero.stage}, {recipe.precision}"),
@@ -132,25 +180,45 @@ def render_script(*, recipe, recipe_path: str, overrides: list[str], options: Su
         "# RUN_DIR/slurm-JOBID.out. A job submitted again appends to the same run folder (set RUN_DIR and --output",
         "# to another folder to keep runs apart). With --resume (zerorun submit --resume) a job submitted again, or",
         "# requeued, continues from the latest checkpoint of checkpoint.dir (SLURM's time limit saves one).",
-        f"#SBATCH --job-name={directive_value(options.job_name or recipe.name)}",
-        f"#SBATCH --nodes={options.nodes}",
-        f"#SBATCH --ntasks-per-node={procs}",
     ]
+
+
+def _directives(recipe, options: SubmitOptions, run_dir: str, procs: int, early: str | None) -> list[str]:
+    """zerorun's ``#SBATCH`` lines: job name, nodes, ranks (and GPUs) per node, time, partition, account, the
+    output file (appended to by a requeued job's next run) and the early save signal."""
+    lines = [f"#SBATCH --job-name={directive_value(options.job_name or recipe.name)}",
+             f"#SBATCH --nodes={options.nodes}",
+             f"#SBATCH --ntasks-per-node={procs}"]
+    if options.gpus_per_node is not None:
+        lines.append(f"#SBATCH --gpus-per-node={options.gpus_per_node}")
     for flag, value in (("time", options.time), ("partition", options.partition), ("account", options.account)):
         if value is not None:
             lines.append(f"#SBATCH --{flag}={directive_value(value)}")
     output = os.path.join(run_dir.replace("%", "%%"), "slurm-%j.out")  # %j: sbatch puts the job id there
-    lines.append(f"#SBATCH --output={directive_value(output)}")
-    groups = group_args(options.sbatch_args)
-    if groups:
-        lines.append("# given after '--' to zerorun submit (later lines win where an option repeats):")
-        lines += ["#SBATCH " + " ".join(directive_value(w) for w in g) for g in groups]
-    argv = train_argv(recipe_path, overrides, procs, python, options.resume)
-    cut = options.resume is not None  # --resume goes on the options' line
-    lines += [
+    lines += [f"#SBATCH --output={directive_value(output)}", "#SBATCH --open-mode=append"]
+    if early:
+        lines.append(f"# SIGUSR1 {options.save_before} s before the time limit: the ranks save a checkpoint and stop")
+        lines.append(f"#SBATCH --signal={early}")
+    return lines
+
+
+def _body(argv: list[str], run_dir: str, workdir: str, resume: bool, again: str) -> list[str]:
+    """The script's commands: refuse to run as a job array's task, set RUN_DIR, cd to where submit ran, and
+    ``exec`` zerorun train (the batch shell becomes the launcher: ``B:`` signals reach it)."""
+    q = shlex.quote
+    cut = resume  # --resume goes on the options' line
+    lines = [
         "",
+        "# a job array's tasks would all train into this one run folder (sbatch --array RUN_DIR/submit.sbatch)",
+        'if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then',
+        '    echo "zerorun: error: this script runs one job, not a job array (task $SLURM_ARRAY_TASK_ID): every '
+        'task would train into one run folder; submit one job per setting" >&2',
+        "    exit 2",
+        "fi",
         "# where the job writes (the same folder as --output above)",
         f"RUN_DIR={q(run_dir)}",
+        "# how a job stopped by the time limit (or scancel) continues: its stop message names this",
+        f"export ZERORUN_CONTINUE={q(again)}",
         "# where zerorun submit ran: relative paths of the overrides and of log.dir / checkpoint.dir start here",
         f"cd {q(workdir)} || exit 1",
         "# the Python that ran zerorun submit: every node must see it at this path (a shared file system)",
@@ -159,7 +227,41 @@ def render_script(*, recipe, recipe_path: str, overrides: list[str], options: Su
     ]
     if argv[10 + cut:]:
         lines.append("    " + shlex.join(argv[10 + cut:]))
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _write_run_dir(run_dir: str, recipe_yaml: str, text: str) -> list[str]:
+    """Make ``run_dir`` with ``recipe.yaml`` and ``submit.sbatch`` in it; return the folders made (outermost
+    first), for a refused submit to remove.
+
+    Raises:
+        ZerorunError: a folder or file that cannot be written (what was made is removed).
+    """
+    made, folder = [], run_dir
+    while folder and not os.path.exists(folder):
+        made.insert(0, folder)
+        folder = os.path.dirname(folder)
+    script = os.path.join(run_dir, SCRIPT_NAME)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
+            f.write(recipe_yaml)
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(script, 0o755)
+    except OSError as e:
+        if run_dir in made:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise ZerorunError(f"log.dir: cannot write the run folder {run_dir}: {e.strerror}") from None
+    return made
+
+
+def _rmdir(folder: str) -> None:
+    """Remove ``folder`` when it is empty (a parent of the run folder that submit made)."""
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dry_run: bool = False,
@@ -185,8 +287,6 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
     recipe = load_recipe(recipe_path, overrides, check_optimizer=False)
     if options.resume not in (None, "latest") and not os.path.exists(options.resume):
         raise ZerorunError(f"--resume {options.resume}: no such checkpoint")
-    if options.procs_per_node is None and recipe.launch.procs_per_node < 1:
-        raise ZerorunError("launch.procs_per_node: must be at least 1")
     sbatch = None if dry_run else shutil.which("sbatch")
     if not dry_run and sbatch is None:
         raise ZerorunError("sbatch: not found on PATH (zerorun submit needs SLURM's client commands; "
@@ -194,16 +294,8 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
     run_dir = os.path.abspath(new_run_dir(recipe.log.dir, recipe.name, uuid.uuid4().hex))
     text = render_script(recipe=recipe, recipe_path=recipe_path, overrides=overrides, options=options,
                          run_dir=run_dir, workdir=os.getcwd(), command=command)
+    made = _write_run_dir(run_dir, masked_yaml(recipe), text)
     script = os.path.join(run_dir, SCRIPT_NAME)
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
-            f.write(masked_yaml(recipe))
-        with open(script, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(script, 0o755)
-    except OSError as e:
-        raise ZerorunError(f"log.dir: cannot write the run folder {run_dir}: {e.strerror}") from None
     if dry_run:
         out.write(text)
         out.write(f"# zerorun: wrote {script}; submit it with: sbatch {shlex.quote(script)}\n")
@@ -216,8 +308,12 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
         raise ZerorunError(f"sbatch: no answer in {_SBATCH_TIMEOUT_S:.0f} s (is slurmctld up?); "
                            f"script: {script}") from None
     job_id = done.stdout.strip().split(";")[0] if done.returncode == 0 else ""
-    if not job_id:
-        raise ZerorunError(f"sbatch refused the job: {one_line(done.stderr or done.stdout)} (script: {script})")
+    if not job_id:  # nothing was queued: leave no run folder behind (a timeout above may have queued it)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for folder in reversed(made[:-1]):  # the parents submit made, when nothing else is in them
+            _rmdir(folder)
+        raise ZerorunError(f"sbatch refused the job: {one_line(done.stderr or done.stdout)} (nothing was queued "
+                           "and no run folder kept; --dry-run writes the script without submitting it)")
     remember(job_id, run_dir, in_run_dir=True)
     out.write(f"zerorun: submitted job {job_id}: {recipe.name} on {options.nodes} node"
               f"{'s' * (options.nodes != 1)}; run dir {run_dir}\n"

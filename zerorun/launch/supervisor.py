@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import queue
 import re
 import signal
@@ -80,6 +81,8 @@ class Supervisor:
         self.unverified: dict[str, str] = {}  # host -> why teardown could not check it
         self._tails: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=3))
         self._stop: str | None = None
+        self._save: str | None = None  # SIGUSR1's name once it came: Note [Early save signal] (launch/slurm_sbatch.py)
+        self._save_sent = False
         self._errors: dict[int, Event] = {}
         self._rank_exits: dict[int, int] = {}  # global rank -> exit code, from torchrun's failure summary
         self._last_rank: int | None = None
@@ -100,6 +103,18 @@ class Supervisor:
     def _handle_signal(self, signum, _frame) -> None:
         self._stop = signal.Signals(signum).name
 
+    def _handle_save(self, signum, _frame) -> None:
+        self._save = signal.Signals(signum).name
+
+    def _ask_to_save(self) -> None:
+        """Note [Early save signal] in launch/slurm_sbatch.py: SIGTERM to every node still running, without a
+        deadline (the ranks save at their next step and stop; the time limit itself still ends the job)."""
+        self._save_sent = True
+        running = [n for n in self.nodes if n.spec.node_rank not in self._ended]
+        if running:
+            with ThreadPoolExecutor(len(running)) as pool:
+                list(pool.map(lambda n: n.send_signal(signal.SIGTERM), running))
+
     def run(self) -> JobResult:
         """Start the nodes and wait until all end, one fails, or a signal arrives; always tears down."""
         t0 = time.time()
@@ -107,6 +122,7 @@ class Supervisor:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, self._handle_signal)
+            previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._handle_save)
         try:
             for node in self.nodes:
                 node.start()
@@ -125,21 +141,24 @@ class Supervisor:
         the step, the checkpoint, and how to continue; ``to`` names where the signal went (``" (sent to rank
         1)"``)."""
         e = self._stopped.get(0) or next(iter(self._stopped.values()))  # the save is collective: one is enough
+        again = os.environ.get("ZERORUN_CONTINUE") or "zerorun train ... --resume"  # a submitted job's: its resubmit
         return (f"stopped by {sig}{to} after step {e.data.get('step')}: every rank saved checkpoint "
-                f"{e.data.get('path')} and exited; continue with zerorun train ... --resume")
+                f"{e.data.get('path')} and exited; continue with {again}")
 
     def _stopped_result(self) -> JobResult:
         """Every rank stopped on SIGTERM and saved. When neither the launcher nor a node's torchrun got the
         signal (SLURM's scancel and time limit signal every process of the step, torchrun included), it went
         to a rank alone (``kill`` of one process), which the ranks agreed on and name (``signalled_rank``,
-        zerorun/stopsignal.py): the result names it and its host."""
+        zerorun/stopsignal.py): the result names it and its host. A save the launcher asked for (SIGUSR1 from
+        SLURM before the time limit) is job-wide and named by that signal."""
         e = self._stopped.get(0) or next(iter(self._stopped.values()))
         by = e.data.get("signalled_rank")
-        if self._stop is None and not self._agent_signalled and isinstance(by, int) and not isinstance(by, bool):
+        if (self._save is None and self._stop is None and not self._agent_signalled and isinstance(by, int)
+                and not isinstance(by, bool)):
             node = self.plan.node_of_rank(by)
             return JobResult("interrupted", 143, by, node.host.name if node else None,
                              self._stopped_message("SIGTERM", f" (sent to rank {by})"))
-        return JobResult("interrupted", 143, message=self._stopped_message("SIGTERM"))
+        return JobResult("interrupted", 143, message=self._stopped_message(self._save or "SIGTERM"))
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -215,6 +234,8 @@ class Supervisor:
             if self._stop:
                 return JobResult("interrupted", 130 if self._stop == "SIGINT" else 143,
                                  message=f"stopped by {self._stop}: every rank was terminated")
+            if self._save and not self._save_sent:
+                self._ask_to_save()
             self._drain(0.1)
             failed = [n for n, rc in self._ended.items() if rc != 0]
             if failed and self._stopped and not self._errors:  # the other ranks' events may still be on the way
@@ -223,6 +244,9 @@ class Supervisor:
                     self._drain(0.1)
             if len(self._stopped) == self.plan.world_size and not self._errors:
                 return self._stopped_result()
+            if failed and self._save_sent and not self._stopped and not self._errors:  # no checkpoint.dir: none saved
+                return JobResult("interrupted", 143, message=f"stopped by {self._save}: every rank was asked to "
+                                 "stop (SIGTERM) and none saved a checkpoint (no checkpoint.dir)")
             if failed or self._errors:
                 return self._failure(failed[0] if failed else None)
             early = [r for r in sorted(self._own_exits) if self._exited_early(r)] if self.require_finish else []

@@ -1,0 +1,167 @@
+"""What the sbatch arguments of ``zerorun submit`` ask for: the GPUs per node (and so the ranks per node), a
+job array (refused), the time limit and the early save signal (launch/slurm_submit.py writes the script).
+
+Note [Ranks of a submitted job]: the job's ranks per node are, the first that applies: ``--procs-per-node``
+(explicit: it may be fewer than the GPUs, never more); the GPUs per node asked for (``--gpus-per-node N`` of
+zerorun submit, or ``--gpus-per-node=[type:]N`` / ``--gres=gpu[:type]:N`` given to sbatch after ``--``): one
+rank per GPU, as ``launch.procs_per_node: auto`` does on a GPU machine; the recipe's ``launch.procs_per_node``.
+A recipe that sets ``launch.procs_per_node`` to another count than the GPUs asked for is a one-line error
+(2 ranks on 8 GPUs was silent before): ``--procs-per-node`` says which is meant. Two GPU counts that disagree
+(zerorun's flag and sbatch's, or ``--gres`` and ``--gpus-per-node``) are an error too. The count goes into
+``#SBATCH --ntasks-per-node`` and into the job's ``zerorun train --num-procs``, so both sides agree.
+
+Note [Early save signal]: at the time limit SLURM sends SIGTERM and SIGKILL ``KillWait`` seconds later (30 s
+by default), too short for a large model's checkpoint. A submitted job whose recipe saves checkpoints asks for
+``--signal=B:USR1@S`` (``--save-before S``, 120 s by default): SIGUSR1 S seconds before the limit (SLURM may send
+it up to 60 s earlier still) to the batch shell only (``B:``), which is the launcher (the script ``exec``s it);
+the launcher passes it on to every rank as a stop request (launch/supervisor.py) and the ranks save at the next
+step boundary and stop (zerorun/stopsignal.py), with the whole rest of the job's time for the save.
+"""
+
+from __future__ import annotations
+
+import re
+
+from zerorun.errors import ZerorunError
+from zerorun.hostfile import MAX_SLOTS
+
+#: sbatch's own options that a job array is asked for with (``-a 0-3``, ``--array=0-3``)
+_ARRAY = ("-a", "--array")
+
+
+def option_values(groups: list[list[str]], *names: str) -> list[tuple[str, str]]:
+    """``(option, value)`` for every group (launch/slurm_submit.py ``group_args``) that gives one of ``names``:
+    ``--name=value``, ``--name value``, ``-x value`` or ``-xvalue``; a missing value is ``""``."""
+    found = []
+    for group in groups:
+        head = group[0]
+        for name in names:
+            if head == name:
+                found.append((name, group[1] if len(group) > 1 else ""))
+            elif name.startswith("--") and head.startswith(name + "="):
+                found.append((name, head[len(name) + 1:]))
+            elif not name.startswith("--") and head.startswith(name) and len(head) > len(name):
+                found.append((name, head[len(name):]))
+    return found
+
+
+def refuse_array(groups: list[list[str]]) -> None:
+    """Refuse a job array: its tasks would all train into one run folder and one ``checkpoint.dir`` at once.
+
+    Raises:
+        ZerorunError: ``--array``/``-a`` among the sbatch arguments.
+    """
+    for name, value in option_values(groups, *_ARRAY):
+        raise ZerorunError(f"sbatch {name} {value}: a job array's tasks would all train into one run folder and "
+                           "one checkpoint.dir at the same time; submit one job per setting instead (zerorun "
+                           "submit RECIPE FIELD=VALUE ..., each gets its own run folder)")
+
+
+def _gpu_count(text: str, source: str) -> int:
+    """GPUs in one ``--gpus-per-node`` value (``8``, ``a100:8``, ``a100:4,v100:4``: summed)."""
+    total = 0
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(?:[\w.-]+:)?(\d+)\s*", part)
+        if not m:
+            raise ZerorunError(f"{source}: expected a GPU count like 8 or a100:8")
+        total += int(m.group(1))
+    return total
+
+
+def _gres_gpus(text: str, source: str) -> int | None:
+    """GPUs in a ``--gres`` value (``gpu:8``, ``gpu:a100:8``, ``gpu`` = 1, other resources skipped), or None
+    when it names no GPU."""
+    total = None
+    for part in text.split(","):
+        words = part.strip().split(":")
+        if words[0] != "gpu":
+            continue
+        if len(words) > 1 and words[-1].isdigit() and len(words) <= 3:
+            count = int(words[-1])
+        elif len(words) <= 2:  # gpu, gpu:TYPE: one
+            count = 1
+        else:
+            raise ZerorunError(f"{source}: expected gpu:N or gpu:TYPE:N")
+        total = (total or 0) + count
+    return total
+
+
+def gpus_asked(groups: list[list[str]], flag: int | None = None) -> int | None:
+    """GPUs per node the job asks for (Note [Ranks of a submitted job]): ``flag`` (zerorun submit's
+    ``--gpus-per-node``) and the sbatch arguments' ``--gpus-per-node``/``--gres``; None when none.
+
+    Raises:
+        ZerorunError: a malformed count, or two counts that disagree (both named).
+    """
+    counts: list[tuple[int, str]] = [] if flag is None else [(flag, f"--gpus-per-node {flag}")]
+    for name, value in option_values(groups, "--gpus-per-node", "--gres"):
+        source = f"sbatch {name}={value}"
+        count = _gpu_count(value, source) if name == "--gpus-per-node" else _gres_gpus(value, source)
+        if count is not None:
+            counts.append((count, source))
+    for count, source in counts[1:]:
+        if count != counts[0][0]:
+            raise ZerorunError(f"{counts[0][1]} and {source}: two different GPU counts per node; give one")
+    return counts[0][0] if counts else None
+
+
+def ranks_per_node(procs_flag: int | None, gpus: int | None, recipe) -> tuple[int, str]:
+    """The submitted job's ranks per node and where the count comes from (Note [Ranks of a submitted job]).
+
+    Raises:
+        ZerorunError: more ranks than GPUs per node, a recipe's ``launch.procs_per_node`` that is not the GPU
+            count, or a count below 1 or above :data:`MAX_SLOTS`.
+    """
+    recipe_set = "procs_per_node" in recipe.launch.model_fields_set
+    ppn = recipe.launch.procs_per_node
+    if procs_flag is not None:
+        if gpus and procs_flag > gpus:
+            raise ZerorunError(f"--procs-per-node {procs_flag}: more ranks than the {gpus} GPUs per node asked for")
+        procs, source = procs_flag, "--procs-per-node"
+    elif gpus:
+        if recipe_set and ppn != gpus:
+            raise ZerorunError(f"launch.procs_per_node is {ppn} but the job asks for {gpus} GPUs per node: give "
+                               f"--procs-per-node {ppn} to run {ppn} rank{'s' * (ppn != 1)} per node, or "
+                               f"launch.procs_per_node={gpus} for one rank per GPU")
+        procs, source = gpus, "one rank per GPU"
+    else:
+        procs, source = ppn, "launch.procs_per_node"
+    if not 1 <= procs <= MAX_SLOTS:
+        raise ZerorunError(f"{source}: {procs} ranks per node, expected 1 to {MAX_SLOTS}")
+    return procs, source
+
+
+def time_limit_s(text: str) -> int | None:
+    """sbatch's ``--time`` in seconds (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``), None for
+    ``UNLIMITED``/``INFINITE``.
+
+    Raises:
+        ZerorunError: another form.
+    """
+    if text.strip().lower() in ("unlimited", "infinite", "-1"):
+        return None
+    m = re.fullmatch(r"\s*(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?\s*", text)
+    if not m:
+        raise ZerorunError(f"--time {text}: expected minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")
+    days, a, b, c = (int(g) if g else None for g in m.groups())
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        return days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    if c is not None:
+        return a * 3600 + b * 60 + c
+    return a * 60 + (b or 0)
+
+
+def signal_directive(save_before: int, checkpoints: bool, time_text: str | None) -> str | None:
+    """The ``--signal=B:USR1@S`` value of Note [Early save signal], or None (``save_before`` 0, or a recipe
+    that saves no checkpoint: then the time limit just ends it).
+
+    Raises:
+        ZerorunError: a time limit not longer than ``save_before`` (the signal would come at once).
+    """
+    if not save_before or not checkpoints:
+        return None
+    limit = time_limit_s(time_text) if time_text else None
+    if limit is not None and limit <= save_before:
+        raise ZerorunError(f"--time {time_text}: not longer than --save-before {save_before} s (the save signal "
+                           "would come at once); give a smaller --save-before, or 0 for none")
+    return f"B:USR1@{save_before}"
