@@ -232,3 +232,73 @@ def test_layout_that_disagrees_with_the_saved_tensors_is_one_line(saved2, tmp_pa
     with pytest.raises(ZerorunError, match=r"zerorun\.json: " + expected) as e:
         checkpoint.consolidate(path, str(tmp_path / "m.safetensors"))
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "m.safetensors")
+
+
+def _files_entry(path: str, name: str, target: str) -> None:
+    """Add ``name`` to zerorun.json's ``files`` with ``target``'s true size and SHA-256 (an attacker's list that
+    the old check took, reading ``target`` wherever it is)."""
+    info = json.loads(open(os.path.join(path, checkpoint.META)).read())
+    data = open(target, "rb").read()
+    info["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with open(os.path.join(path, checkpoint.META), "w") as f:
+        json.dump(info, f)
+
+
+@pytest.mark.parametrize("name", ["ABS", "../outside", "../../../../../../../../..ABS", "sub/inside", "..", "."])
+def test_files_names_outside_the_folder_are_refused(saved2, tmp_path, name):
+    """zerorun.json's ``files`` names are confined to the checkpoint folder, as DCP's relative_path is: a name
+    with a folder part (absolute, ``..``, a subfolder) is refused in one line, never opened."""
+    path = str(tmp_path / "c" / "step-00000001")
+    shutil.copytree(saved2, path)
+    outside = tmp_path / "c" / "outside"
+    outside.write_text("not the checkpoint's\n")
+    os.makedirs(os.path.join(path, "sub"))
+    shutil.copy(outside, os.path.join(path, "sub", "inside"))
+    name = name.replace("ABS", str(outside))
+    target = os.path.normpath(os.path.join(path, name))
+    _files_entry(path, name, target if os.path.isfile(target) else str(outside))
+    with pytest.raises(ZerorunError, match=r"zerorun\.json: files: .* is not a file of the checkpoint folder") as e:
+        checkpoint.check(path)
+    assert "\n" not in str(e.value)
+
+
+def test_files_entry_that_is_a_symlink_out_of_the_folder_is_refused(saved2, tmp_path):
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved2, path)
+    (tmp_path / "secret").write_text("elsewhere\n")
+    os.symlink(tmp_path / "secret", os.path.join(path, "notes"))
+    _files_entry(path, "notes", str(tmp_path / "secret"))
+    with pytest.raises(ZerorunError, match=r"notes: a symbolic link, not a file of the checkpoint folder"):
+        checkpoint.check(path)
+
+
+def test_shard_holding_a_pickle_is_named_by_file_and_key(ranks, saved2, tmp_path):
+    """A tensor entry whose data is a pickle (not tensor bytes): torch.load(weights_only=True) refuses it; the
+    error names the data file and the key (consolidate said only "CheckpointException ranks:dict_keys([0])"),
+    the same on every rank for a resume, and nothing runs."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved2, path)
+    pwned = str(tmp_path / "pwned")
+    torch.save(_Payload(pwned), os.path.join(path, "__9_0.distcp"))
+    size = os.path.getsize(os.path.join(path, "__9_0.distcp"))
+    victim = {}
+
+    def edit(metadata):
+        index = next(i for i in metadata.storage_data if i.fqn.startswith("model/"))
+        metadata.storage_data[index] = _StorageInfo("__9_0.distcp", 0, size)
+        victim["key"] = index.fqn
+
+    _rewrite(path, edit)
+    expected = (f"{path}: cannot read the checkpoint: {os.path.join(path, '__9_0.distcp')}: key {victim['key']!r}: "
+                "not tensor data: refusing to unpickle it")
+    with pytest.raises(ZerorunError) as e:
+        checkpoint.consolidate(path, str(tmp_path / "m.pt"))
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)
+    out = _zerorun("consolidate", path, "--out", str(tmp_path / "m.safetensors"))
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and expected in out.stderr, out.stderr
+    errors = ranks(2).run(cases.load_error, path=path)
+    assert all(err.startswith(expected) and "\n" not in err for err in errors), errors
+    assert not os.path.exists(pwned)
+

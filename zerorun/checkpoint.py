@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 import torch
 
-from zerorun.dcp_safety import SafeLoadPlanner, SafeReader, _failures, _why  # noqa: F401 (SafeReader: API)
+from zerorun.dcp_safety import SafeLoadPlanner, SafeReader, _failures, _why, reason  # noqa: F401 (API)
 from zerorun.checkpoint_files import (FORMAT, MARKER, META, _STEP_DIR, _sha256, check, check_layout,  # noqa: F401
                                       latest, list_complete, read_meta, resolve, step_dir)
 from zerorun.errors import ZerorunError
@@ -237,9 +237,7 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
             with _quiet_sharded_tensor():
                 dcp.load(targets, storage_reader=SafeReader(path), planner=planner, process_group=group)
         except CheckpointException as e:
-            first = _failures(e)[0]
-            raise ZerorunError(f"{path}: cannot read the checkpoint: {type(first).__name__}: "
-                               f"{str(first).strip().splitlines()[0] if str(first).strip() else ''}") from None
+            raise ZerorunError(f"{path}: cannot read the checkpoint: {reason(e)}") from None
         problem = planner.unwritten()  # every rank learns of any rank's unwritten target: the same error
         flag = torch.tensor([1.0 if problem else 0.0], device=engine.buffers[0].device)
         dist.all_reduce(flag, group=group)
@@ -340,8 +338,7 @@ def consolidate(path: str, out: str) -> tuple[int, int]:
             dcp.load({k: t for k, t in targets.items() if t.numel()}, storage_reader=SafeReader(path),
                      planner=planner, no_dist=True)
     except (CheckpointException, RuntimeError, ValueError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ZerorunError(f"{path}: cannot read the checkpoint: {msg}") from None
+        raise ZerorunError(f"{path}: cannot read the checkpoint: {reason(e)}") from None
     problem = planner.unwritten()
     if problem:
         raise ZerorunError(f"{path}: the checkpoint does not hold all of {problem}")
