@@ -80,15 +80,20 @@ def _lock(folder, **fields) -> None:
 
 def test_reused_pid_another_host_and_a_requeued_slurm_job(tmp_path, monkeypatch):
     """A live pid that started after the lock was written is another process (stale); a job on another host
-    cannot be checked from here (refused); the same SLURM job, requeued on another node, takes it over."""
+    cannot be checked from here (refused), nor another step of the same SLURM allocation; the same SLURM batch
+    job, requeued on another node, takes it over."""
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     _lock(tmp_path, pid_started=1.0)  # this process's pid, but not this process
     checkpoint_lock.release(checkpoint_lock.acquire(str(tmp_path), "dddddddddddd", "x"), "dddddddddddd")
     _lock(tmp_path, host="node-that-is-not-this-one")
     with pytest.raises(ZerorunError, match="in use by job cccccccccccc .other. on host node-that-is-not-this-one"):
         checkpoint_lock.acquire(str(tmp_path), "dddddddddddd", "x")
-    _lock(tmp_path, host="node-that-is-not-this-one", slurm_job="4242")
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    _lock(tmp_path, host="node-that-is-not-this-one", slurm_job="4242", slurm_restarts=0)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # another step of the same allocation: a job of its own
+    with pytest.raises(ZerorunError, match="in use by job cccccccccccc"):
+        checkpoint_lock.acquire(str(tmp_path), "dddddddddddd", "x")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the batch job requeued
     checkpoint_lock.acquire(str(tmp_path), "dddddddddddd", "x")
     assert json.loads((tmp_path / LOCK).read_text())["job"] == "dddddddddddd"
 

@@ -11,7 +11,8 @@ known to be gone:
 
 * on this host, no process with that pid and start time (a launcher killed with SIGKILL, a crashed machine
   that rebooted; the start time tells a reused pid apart);
-* the same SLURM job id as this job (a batch job requeued after its node failed, now on another node).
+* the same SLURM job id as this job with fewer restarts (``SLURM_RESTART_COUNT``: the batch job requeued
+  after its node failed, now on another node); two job steps of one allocation on one folder are two jobs.
 
 A stale lock is moved aside with ``os.rename`` (of two jobs taking it over at once, one rename succeeds) and
 the job takes the folder. A job on another host cannot be checked from here: the message says to remove the
@@ -50,15 +51,19 @@ def _started(pid: int) -> float | None:
         return 0.0
 
 
+def _restarts() -> int:
+    """How often SLURM requeued this batch job (``SLURM_RESTART_COUNT``; 0 outside SLURM)."""
+    text = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return int(text) if text.isdigit() else 0
+
+
 def _gone(holder: dict[str, Any]) -> bool:
     """Whether the job of the lock ``holder`` has certainly ended (Note [Checkpoint folder lock])."""
-    slurm = os.environ.get("SLURM_JOB_ID")
-    if slurm and holder.get("slurm_job") == slurm:
-        return True
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return False
-    started = _started(holder["pid"])
-    return started is None or (bool(started) and abs(started - float(holder.get("pid_started") or 0)) > 1.0)
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        started = _started(holder["pid"])
+        return started is None or (bool(started) and abs(started - float(holder.get("pid_started") or 0)) > 1.0)
+    slurm, restarts = os.environ.get("SLURM_JOB_ID"), holder.get("slurm_restarts")
+    return bool(slurm) and holder.get("slurm_job") == slurm and isinstance(restarts, int) and restarts < _restarts()
 
 
 def _read(path: str) -> dict[str, Any] | None:
@@ -91,7 +96,7 @@ def acquire(folder: str, job_id: str, name: str) -> str:
     """
     path = os.path.join(folder, LOCK)
     me = {"job": job_id, "name": name, "host": socket.gethostname(), "pid": os.getpid(),
-          "pid_started": _started(os.getpid()), "started": time.time(), "slurm_job": os.environ.get("SLURM_JOB_ID")}
+          "pid_started": _started(os.getpid()), "started": time.time(), "slurm_job": os.environ.get("SLURM_JOB_ID"), "slurm_restarts": _restarts()}
     for _ in range(20):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
