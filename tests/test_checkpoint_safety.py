@@ -274,6 +274,17 @@ def test_files_entry_that_is_a_symlink_out_of_the_folder_is_refused(saved2, tmp_
         checkpoint.check(path)
 
 
+def test_data_file_that_is_a_symlink_is_refused(saved2, tmp_path):
+    """DCP's data files too (named by relative_path, which may be left out of zerorun.json's files)."""
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved2, path)
+    data = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    shutil.move(os.path.join(path, data), tmp_path / "elsewhere.distcp")
+    os.symlink(tmp_path / "elsewhere.distcp", os.path.join(path, data))
+    with pytest.raises(ZerorunError, match=rf"{data}: a symbolic link, not a data file of the checkpoint folder"):
+        checkpoint.check(path)
+
+
 def test_shard_holding_a_pickle_is_named_by_file_and_key(ranks, saved2, tmp_path):
     """A tensor entry whose data is a pickle (not tensor bytes): torch.load(weights_only=True) refuses it; the
     error names the data file and the key (consolidate said only "CheckpointException ranks:dict_keys([0])"),

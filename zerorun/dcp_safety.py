@@ -224,12 +224,16 @@ class SafeReader(FileSystemReader):
             DCP's ``Metadata``.
 
         Raises:
-            ZerorunError: naming the file and the first key whose bytes are missing.
+            ZerorunError: naming the file and the first key whose bytes are missing, or a data file that is a
+                symbolic link.
         """
         metadata = self.read_metadata()
         sizes: dict[str, int] = {}
         for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[1].offset):
             path = os.path.join(str(self.path), info.relative_path)
+            if path not in sizes and os.path.islink(path):
+                raise ZerorunError(f"{path}: a symbolic link, not a data file of the checkpoint folder (holds key "
+                                   f"{index.fqn!r}): refusing the checkpoint")
             if path not in sizes:
                 try:
                     sizes[path] = os.path.getsize(path)
