@@ -63,11 +63,12 @@ def test_lock_of_a_killed_job_is_stale_and_taken_over(holder, tmp_path):
     folder, proc = holder
     leftover = folder / ".step-00000010.aaaaaaaaaaaa.tmp"  # its save cut short
     leftover.mkdir()
+    (folder / ".step-00000005.tmp").mkdir()  # a save of a zerorun before per-job names
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     path = checkpoint_lock.acquire(str(folder), "bbbbbbbbbbbb", "second")
     assert json.loads((folder / LOCK).read_text())["job"] == "bbbbbbbbbbbb"
-    assert sorted(os.listdir(folder)) == [LOCK]  # the ended job's leftover removed, nothing set aside
+    assert sorted(os.listdir(folder)) == [LOCK]  # the ended jobs' leftovers removed, nothing set aside
     checkpoint_lock.release(path, "bbbbbbbbbbbb")
     assert os.listdir(folder) == []
 

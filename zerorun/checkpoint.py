@@ -8,12 +8,12 @@ resolved recipe) and the marker
 ``COMPLETE``.
 
 Note [Atomic checkpoints]: ranks write into ``.step-N.<job>.tmp`` (named by the job, so that a save never
-removes another job's: Note [Checkpoint folder lock] in ``checkpoint_lock.py``); once DCP's save has returned on every rank (its
-coordinator writes ``.metadata`` after gathering every rank's result), rank 0 writes ``zerorun.json``,
-renames the folder to ``step-N`` in one ``os.rename`` and only then writes ``COMPLETE`` (each file fsynced,
-then its folder). A run killed at any point leaves either a ``.tmp-*`` folder or a ``step-N`` without the
-marker: neither is ever picked as the latest, and the previous checkpoint is untouched. Old checkpoints are
-pruned only after the new one is complete.
+removes another job's: Note [Checkpoint folder lock] in ``checkpoint_lock.py``); once DCP's save has returned
+on every rank (its coordinator writes ``.metadata`` after gathering every rank's result), rank 0 writes
+``zerorun.json``, renames the folder to ``step-N`` in one ``os.rename`` and only then writes ``COMPLETE``
+(each file fsynced, then its folder). A run killed at any point leaves either a ``.step-N.<job>.tmp`` folder
+or a ``step-N`` without the marker: neither is ever picked as the latest, and the previous checkpoint is
+untouched. Old checkpoints are pruned only after the new one is complete.
 
 Note [Exact resume]: with the same world size the resumed run reproduces the uninterrupted one bit for bit:
 masters and optimizer states are restored exactly (wherever offload keeps them), the scheduler, the fp16

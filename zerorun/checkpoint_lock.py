@@ -36,7 +36,7 @@ from typing import Any, Iterator
 from zerorun.errors import ZerorunError
 
 LOCK = ".zerorun-lock"
-_LEFTOVER = re.compile(r"\.step-\d+\.[\w-]+(\.old)?\.tmp")  # fullmatch: a save's folder (checkpoint.py)
+_LEFTOVER = re.compile(r"\.step-\d+(\.[\w-]+)?(\.old)?\.tmp")  # fullmatch: a save's folder (checkpoint.py)
 
 
 def _started(pid: int) -> float | None:
@@ -96,7 +96,8 @@ def acquire(folder: str, job_id: str, name: str) -> str:
     """
     path = os.path.join(folder, LOCK)
     me = {"job": job_id, "name": name, "host": socket.gethostname(), "pid": os.getpid(),
-          "pid_started": _started(os.getpid()), "started": time.time(), "slurm_job": os.environ.get("SLURM_JOB_ID"), "slurm_restarts": _restarts()}
+          "pid_started": _started(os.getpid()), "started": time.time(),
+          "slurm_job": os.environ.get("SLURM_JOB_ID"), "slurm_restarts": _restarts()}
     for _ in range(20):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

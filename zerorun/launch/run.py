@@ -159,8 +159,9 @@ def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_ad
     ``master_port``, else a free one here (local first host, or the SLURM launcher) or torchrun's default
     29500. The resolved recipe is written, as a node's watcher writes it, to a 0600 ``recipe.json`` in a fresh
     private folder that the commands name, its ``launch.env`` values masked (Note [Masked environment values]:
-    the commands take them from the shell, and the worker reads them from its environment). With ``launcher="slurm"`` the text is the srun command zerorun runs
-    and the same step as one srun line that runs as printed (launch/commands.py ``render_slurm``).
+    the commands take them from the shell, and the worker reads them from its environment). With
+    ``launcher="slurm"`` the text is the srun command zerorun runs and the same step as one srun line that runs
+    as printed (launch/commands.py ``render_slurm``).
     """
     import tempfile
 
