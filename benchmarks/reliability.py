@@ -8,6 +8,10 @@ processes of the job still alive on each host when the launcher exited.
 
     python benchmarks/reliability.py --out benchmarks/results/reliability.json
 
+The last row (``--only 12``) is no fault of a running job but a second ``zerorun train`` of the same recipe
+name, another learning rate, started on the first job's checkpoint.dir 4 s after its first step; the row also
+says how the first job ended and whose learning rate its checkpoints hold.
+
 Every host is this machine, so "processes left on a host" counts the processes marked with that node
 (``ZERORUN_NODE=JOB:NODE``, launch/node.py).
 """
@@ -159,6 +163,69 @@ def kill_during_save(proc, job, sshd):
     rank_process(job, 1).kill()
 
 
+def two_jobs_one_folder(sshd: LoopbackSshd, folder: str) -> dict:
+    """The same row for a second ``zerorun train`` of the same recipe name (another learning rate) started on
+    the first job's checkpoint.dir 4 s after the first job's first step: how the second ends, and whether the
+    first still ends well with checkpoints of its own (Note [Checkpoint folder lock])."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "hosts"), "w") as f:
+        f.write("127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
+    tiny = os.path.join(HERE, "..", "recipes", "tiny.yaml")
+
+    def train(lr: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "zerorun", "train", tiny, "-H", "hosts", "--ssh-config",
+                                 sshd.config, "--no-dashboard", "log.dir=runs", "checkpoint.dir=ckpt",
+                                 "checkpoint.every=25", "train.steps=100", "log.every=1", f"train.optimizer.lr={lr}"],
+                                cwd=folder, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    first = second = None
+    try:
+        first = train("3e-3")
+        job = re.search(r"job ([0-9a-f]{12})", first.stdout.readline()).group(1)
+        for line in first.stdout:
+            if line.startswith("step"):
+                break
+        time.sleep(4.0)
+        t0 = time.time()
+        second = train("1e-3")
+        _, err = second.communicate(timeout=600)  # before the lock: it trained to the end, as the first
+        exited = time.time() - t0
+        left = sum(len(pids) for pids in marked_other(job, folder))
+        first.stdout.read()
+        first.wait(timeout=600)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()  # the launcher stops its ranks
+                proc.wait(timeout=60)
+    lrs = set()
+    for name in sorted(os.listdir(os.path.join(folder, "ckpt"))):
+        if name.startswith("step-"):
+            with open(os.path.join(folder, "ckpt", name, "zerorun.json")) as f:
+                lrs.add(json.load(f)["recipe"]["train"]["optimizer"]["lr"])
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    return {"fault": "second train job on the same checkpoint.dir, 4 s later", "launcher_exit_s": round(exited, 1),
+            "all_gone_s": round(exited, 1), "exit_code": second.returncode,
+            "named": last.removeprefix("zerorun: error: "),
+            "left_at_exit": {"127.0.0.2": left, "127.0.0.3": 0},
+            "first_job": f"exit {first.returncode}; checkpoints' lr {sorted(lrs)} (its own: 0.003)"}
+
+
+def marked_other(job: str, folder: str) -> list[list[int]]:
+    """PIDs of zerorun job processes running in ``folder`` of any job but ``job``, one list per job."""
+    found: dict[str, list[int]] = {}
+    for p in psutil.process_iter():
+        try:
+            other = p.environ().get("ZERORUN_JOB_ID")
+            here = other and os.path.realpath(p.cwd()) == os.path.realpath(folder)
+        except (psutil.Error, OSError):
+            continue
+        if here and other != job:
+            found.setdefault(other, []).append(p.pid)
+    return list(found.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -197,6 +264,9 @@ def main() -> None:
             row = run_fault(name, sshd=sshd, folder=os.path.join(folder, f"f{i}"), **kw)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if not only or str(len(faults)) in only:
+            rows.append(two_jobs_one_folder(sshd, os.path.join(folder, f"f{len(faults)}")))
+            print(json.dumps(rows[-1]), flush=True)
     finally:
         sshd.stop()
     print("\n| fault | launcher exited (s) | all processes gone (s) | exit code | named | left at exit "

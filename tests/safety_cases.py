@@ -70,3 +70,19 @@ def failing_saves(root: str, fsize_limit: int) -> dict:
     out["check_after_enospc"] = checkpoint.check(out["latest_after_enospc"])["step"]
     engine.close()
     return out
+
+
+def save_beside_another_job(root: str, others: list[str]) -> list[str]:
+    """Make the folders ``others`` (another job's saves in progress) under ``root``, save step 1 twice (the
+    second replaces the first: its ``.old.tmp`` is removed); return what ``root`` holds then."""
+    if dist.get_rank() == 0:
+        for name in others:
+            os.makedirs(os.path.join(root, name))
+    dist.barrier()
+    engine, scheduler = _engine(1, 0)
+    _train(engine, scheduler, range(1, 2))
+    for _ in range(2):
+        checkpoint.save(engine, root, 1, scheduler=scheduler, position=checkpoint.DataPosition(), recipe=_recipe(),
+                        keep=2)
+    engine.close()
+    return sorted(os.listdir(root))

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -178,13 +179,14 @@ def test_save_that_runs_out_of_room_says_where_and_why(ranks, tmp_path):
     results = ranks(2).run(safety_cases.failing_saves, root=str(root), fsize_limit=16 * 1024)
     r0 = results[0]
     assert r0["first"] is None
-    tmp2 = root / ".step-00000002.tmp"
-    assert r0["fsize"].startswith(f"checkpoint.dir: cannot save step 2 into {tmp2}: File too large"), r0["fsize"]
+    tmp2 = re.escape(str(root / ".step-00000002.")) + r"p\d+\.tmp"  # no launcher: rank 0's pid names the save
+    assert re.match(rf"checkpoint.dir: cannot save step 2 into {tmp2}: File too large", r0["fsize"]), r0["fsize"]
     assert "\n" not in r0["fsize"] and "CheckpointException" not in r0["fsize"]
     assert results[1]["fsize"] == r0["fsize"]
     assert r0["after_fsize"] == ["step-00000001"] and r0["latest_after_fsize"] == str(root / "step-00000001")
-    assert r0["enospc"] == (f"checkpoint.dir: cannot save step 1 into {root / '.step-00000001.tmp'}: "
-                            f"No space left on device ({root / 'step-00000001' / checkpoint.MARKER})")
+    assert re.fullmatch(re.escape(f"checkpoint.dir: cannot save step 1 into {root / '.step-00000001.'}") + r"p\d+"
+                        + re.escape(f".tmp: No space left on device ({root / 'step-00000001' / checkpoint.MARKER})"),
+                        r0["enospc"]), r0["enospc"]
     assert results[1]["enospc"].endswith("failed on rank 0")
     assert r0["after_enospc"] == ["step-00000001"]  # the first save of step 1, complete, back in place
     assert r0["latest_after_enospc"] == str(root / "step-00000001") and r0["check_after_enospc"] == 1
@@ -232,3 +234,93 @@ def test_layout_that_disagrees_with_the_saved_tensors_is_one_line(saved2, tmp_pa
     with pytest.raises(ZerorunError, match=r"zerorun\.json: " + expected) as e:
         checkpoint.consolidate(path, str(tmp_path / "m.safetensors"))
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "m.safetensors")
+
+
+def _files_entry(path: str, name: str, target: str) -> None:
+    """Add ``name`` to zerorun.json's ``files`` with ``target``'s true size and SHA-256 (an attacker's list that
+    the old check took, reading ``target`` wherever it is)."""
+    info = json.loads(open(os.path.join(path, checkpoint.META)).read())
+    data = open(target, "rb").read()
+    info["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with open(os.path.join(path, checkpoint.META), "w") as f:
+        json.dump(info, f)
+
+
+@pytest.mark.parametrize("name", ["ABS", "../outside", "../../../../../../../../..ABS", "sub/inside", "..", "."])
+def test_files_names_outside_the_folder_are_refused(saved2, tmp_path, name):
+    """zerorun.json's ``files`` names are confined to the checkpoint folder, as DCP's relative_path is: a name
+    with a folder part (absolute, ``..``, a subfolder) is refused in one line, never opened."""
+    path = str(tmp_path / "c" / "step-00000001")
+    shutil.copytree(saved2, path)
+    outside = tmp_path / "c" / "outside"
+    outside.write_text("not the checkpoint's\n")
+    os.makedirs(os.path.join(path, "sub"))
+    shutil.copy(outside, os.path.join(path, "sub", "inside"))
+    name = name.replace("ABS", str(outside))
+    target = os.path.normpath(os.path.join(path, name))
+    _files_entry(path, name, target if os.path.isfile(target) else str(outside))
+    with pytest.raises(ZerorunError, match=r"zerorun\.json: files: .* is not a file of the checkpoint folder") as e:
+        checkpoint.check(path)
+    assert "\n" not in str(e.value)
+
+
+def test_files_entry_that_is_a_symlink_out_of_the_folder_is_refused(saved2, tmp_path):
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved2, path)
+    (tmp_path / "secret").write_text("elsewhere\n")
+    os.symlink(tmp_path / "secret", os.path.join(path, "notes"))
+    _files_entry(path, "notes", str(tmp_path / "secret"))
+    with pytest.raises(ZerorunError, match=r"notes: a symbolic link, not a file of the checkpoint folder"):
+        checkpoint.check(path)
+
+
+def test_data_file_that_is_a_symlink_is_refused(saved2, tmp_path):
+    """DCP's data files too (named by relative_path, which may be left out of zerorun.json's files)."""
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved2, path)
+    data = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    shutil.move(os.path.join(path, data), tmp_path / "elsewhere.distcp")
+    os.symlink(tmp_path / "elsewhere.distcp", os.path.join(path, data))
+    with pytest.raises(ZerorunError, match=rf"{data}: a symbolic link, not a data file of the checkpoint folder"):
+        checkpoint.check(path)
+
+
+def test_shard_holding_a_pickle_is_named_by_file_and_key(ranks, saved2, tmp_path):
+    """A tensor entry whose data is a pickle (not tensor bytes): torch.load(weights_only=True) refuses it; the
+    error names the data file and the key (consolidate said only "CheckpointException ranks:dict_keys([0])"),
+    the same on every rank for a resume, and nothing runs."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved2, path)
+    pwned = str(tmp_path / "pwned")
+    torch.save(_Payload(pwned), os.path.join(path, "__9_0.distcp"))
+    size = os.path.getsize(os.path.join(path, "__9_0.distcp"))
+    victim = {}
+
+    def edit(metadata):
+        index = next(i for i in metadata.storage_data if i.fqn.startswith("model/"))
+        metadata.storage_data[index] = _StorageInfo("__9_0.distcp", 0, size)
+        victim["key"] = index.fqn
+
+    _rewrite(path, edit)
+    expected = (f"{path}: cannot read the checkpoint: {os.path.join(path, '__9_0.distcp')}: key {victim['key']!r}: "
+                "not tensor data: refusing to unpickle it")
+    with pytest.raises(ZerorunError) as e:
+        checkpoint.consolidate(path, str(tmp_path / "m.pt"))
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)
+    out = _zerorun("consolidate", path, "--out", str(tmp_path / "m.safetensors"))
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and expected in out.stderr, out.stderr
+    errors = ranks(2).run(cases.load_error, path=path)
+    assert all(err.startswith(expected) and "\n" not in err for err in errors), errors
+    assert not os.path.exists(pwned)
+
+
+def test_a_save_leaves_another_jobs_save_folders(ranks, tmp_path):
+    """A save removes only its own job's leftovers (Note [Checkpoint folder lock]): another job's folder being
+    written in the same checkpoint.dir is left alone (every `.*.tmp` was removed, the other job then failed)."""
+    import safety_cases
+
+    others = [".step-00000001.0123456789ab.tmp", ".step-00000001.0123456789ab.old.tmp"]
+    left = ranks(2).run(safety_cases.save_beside_another_job, root=str(tmp_path), others=others)[0]
+    assert left == sorted(others) + ["step-00000001"], left

@@ -132,6 +132,42 @@ def test_data_vocabulary_larger_than_the_model_is_one_line(tmp_path, hf_dir):
     load_recipe(_recipe(tmp_path / "r.yaml", small, {"kind": "hf", "path": hf_dir["jsonl"], "tokenizer": hf_dir["tok"]}))
 
 
+def _custom_code_tokenizer(hf_dir, tmp_path, where: str = "tokenizer_config.json"):
+    """A copy of the tokenizer folder whose ``where`` names a module of the folder in auto_map (a tokenizer
+    class of its own, as remote-code repositories do); the module creates ``pwned`` when imported."""
+    folder = tmp_path / "custom-tok"
+    shutil.copytree(hf_dir["tok"], folder)
+    pwned = tmp_path / "pwned"
+    (folder / "evil_tok.py").write_text(f"import pathlib\npathlib.Path({str(pwned)!r}).touch()\n"
+                                        "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
+    path = folder / where
+    config = json.loads(path.read_text()) if path.exists() else {"model_type": "llama"}
+    config["auto_map"] = {"AutoTokenizer": ["evil_tok.EvilTokenizer", "evil_tok.EvilTokenizer"]}
+    path.write_text(json.dumps(config))
+    return str(folder), pwned
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "config.json"])
+def test_tokenizer_folder_with_its_own_code_is_one_line_no_prompt(tmp_path, hf_dir, where):
+    """transformers asked "Do you wish to run the custom code? [y/N]" and, on a "y" from stdin (`yes | zerorun
+    train`), imported the folder's module in the launcher: now one line naming the file, nothing imported."""
+    from zerorun.hf.data import Tokenizer
+
+    folder, pwned = _custom_code_tokenizer(hf_dir, tmp_path, where)
+    with pytest.raises(ZerorunError, match=rf"data\.tokenizer: {folder}/{where}: auto_map names tokenizer code"):
+        Tokenizer(folder)
+    small = {"hf": {"config": {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+                               "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 300}}}
+    recipe = _recipe(tmp_path / "r.yaml", small, {"kind": "hf", "path": hf_dir["jsonl"], "tokenizer": folder},
+                     log={"dir": str(tmp_path / "runs")})
+    out = subprocess.run([sys.executable, "-m", "zerorun", "train", recipe, "--no-dashboard"], input="y\n" * 50,
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stdout + out.stderr
+    assert f"r.yaml:1: data.tokenizer: {folder}/{where}: auto_map names tokenizer code" in out.stderr
+    assert "custom code" not in out.stdout + out.stderr and not pwned.exists()
+    assert not (tmp_path / "runs").exists()
+
+
 def test_estimate_takes_model_hf(tmp_path):
     """zerorun estimate builds a model.hf from its config on the meta device: every parameter, tied ones once."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -318,10 +354,16 @@ def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir, monkeypat
     config = json.load(open(os.path.join(hf_dir["llama"], "config.json")))
     config.update(auto_map={"AutoModelForCausalLM": "evilmod.Evil"}, _name_or_path=str(evil))
     info["recipe"]["model"] = {"hf": {"config": config}, "kwargs": {"trust_remote_code": True}}
+    info["recipe"]["data"]["tokenizer"], tok_pwned = _custom_code_tokenizer(hf_dir, tmp_path)
     (evil / "zerorun.json").write_text(json.dumps(info))
     monkeypatch.chdir(evil)
     monkeypatch.setattr(sys, "argv", ["zerorun", "consolidate", str(evil), "--out", str(tmp_path / "e"), "--hf"])
     main()
     assert not pwned.exists() and "evilmod" not in sys.modules
+    # the tokenizer config is copied without auto_map, the folder's code is not copied, nothing imported
+    exported = json.loads((tmp_path / "e" / "tokenizer_config.json").read_text())
+    assert "auto_map" not in exported and exported == {k: v for k, v in json.loads(
+        (tmp_path / "custom-tok" / "tokenizer_config.json").read_text()).items() if k != "auto_map"}
+    assert not (tmp_path / "e" / "evil_tok.py").exists() and not tok_pwned.exists()
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "e")).state_dict()
     assert all(torch.equal(reloaded[k], v) for k, v in state.items())

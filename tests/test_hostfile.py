@@ -19,6 +19,10 @@ def test_parses_deepspeed_format_with_comments_and_blank_lines():
     ("worker 1 slots=2\n", r"hf:1: malformed line 'worker 1 slots=2'"),
     ("worker-1 gpus=2\n", r"hf:1: malformed line"),
     ("# nothing\n\n", r"hf: no hosts"),
+    # ssh would take these for options (-oProxyCommand runs a command): refused, as OpenSSH refuses them
+    ("-oProxyCommand slots=1\n", r"hf:1: host name '-oProxyCommand' starts with '-': ssh would take it for an option"),
+    ("worker-1 slots=1\n-p2222 slots=1\n", r"hf:2: host name '-p2222' starts with '-'"),
+    ("- slots=1\n", r"hf:1: host name '-' starts with '-'"),
 ])
 def test_bad_hostfiles_name_the_line(text, expected):
     with pytest.raises(ZerorunError, match=expected) as info:

@@ -72,9 +72,33 @@ def test_strict_host_key_checking_settings(sshd, tmp_path):
     connect("127.0.0.2", SshOptions(config=write_config(tmp_path / "c-new", sshd, "accept-new", str(known)))).close()
     assert known.read_text().split()[1:] == host_key_line(sshd, "127.0.0.2", sshd.folder + "/host_key.pub").split()[1:]
     connect("127.0.0.2", SshOptions(config=write_config(tmp_path / "c-yes", sshd, "yes", str(known)))).close()
-    # no: anything goes, the file is not read
+    # no: an unknown key goes (lines that do not parse are skipped)
     (tmp_path / "bad").write_text("garbage line\n")
     connect("127.0.0.2", SshOptions(config=write_config(tmp_path / "c-no", sshd, "no", str(tmp_path / "bad")))).close()
+
+
+def test_changed_or_revoked_key_is_refused_under_strict_host_key_checking_no(sshd, tmp_path):
+    """`StrictHostKeyChecking no` accepts unknown keys only: a key that differs from the known one, or one
+    marked @revoked, is refused (OpenSSH warns and goes on for a changed key: zerorun is stricter)."""
+    from zerorun.launch.preflight import describe_connect_error
+    from zerorun.launch.remote import SshOptions, connect
+
+    other = tmp_path / "other_host_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    known = tmp_path / "known_hosts"
+    good = host_key_line(sshd, "127.0.0.2", sshd.folder + "/host_key.pub")
+    kind, key = good.split()[1:3]
+    for text, expected in ((host_key_line(sshd, "127.0.0.2", str(other) + ".pub"), "REMOTE HOST IDENTIFICATION "
+                            "HAS CHANGED"), (f"{good}@revoked * {kind} {key}\n", "is marked @revoked")):
+        known.write_text(text)
+        opts = SshOptions(config=write_config(tmp_path / "c-no", sshd, "no", str(known)))
+        with pytest.raises(Exception) as e:
+            connect("127.0.0.2", opts)
+        line = describe_connect_error(e.value, "127.0.0.2", opts)
+        assert expected in line and "127.0.0.2" in line and "\n" not in line, line
+    known.write_text("")  # unknown: accepted, the file left as it was
+    connect("127.0.0.2", SshOptions(config=write_config(tmp_path / "c-no", sshd, "no", str(known)))).close()
+    assert known.read_text() == ""
 
 
 def test_known_hosts_with_cert_authority_revoked_and_comment_lines(sshd, tmp_path):

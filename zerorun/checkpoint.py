@@ -7,12 +7,13 @@ files (every rank writes only its own shards: Note [Checkpoint layout] in ``zero
 resolved recipe) and the marker
 ``COMPLETE``.
 
-Note [Atomic checkpoints]: ranks write into ``.tmp-step-N``; once DCP's save has returned on every rank (its
-coordinator writes ``.metadata`` after gathering every rank's result), rank 0 writes ``zerorun.json``,
-renames the folder to ``step-N`` in one ``os.rename`` and only then writes ``COMPLETE`` (each file fsynced,
-then its folder). A run killed at any point leaves either a ``.tmp-*`` folder or a ``step-N`` without the
-marker: neither is ever picked as the latest, and the previous checkpoint is untouched. Old checkpoints are
-pruned only after the new one is complete.
+Note [Atomic checkpoints]: ranks write into ``.step-N.<job>.tmp`` (named by the job, so that a save never
+removes another job's: Note [Checkpoint folder lock] in ``checkpoint_lock.py``); once DCP's save has returned
+on every rank (its coordinator writes ``.metadata`` after gathering every rank's result), rank 0 writes
+``zerorun.json``, renames the folder to ``step-N`` in one ``os.rename`` and only then writes ``COMPLETE``
+(each file fsynced, then its folder). A run killed at any point leaves either a ``.step-N.<job>.tmp`` folder
+or a ``step-N`` without the marker: neither is ever picked as the latest, and the previous checkpoint is
+untouched. Old checkpoints are pruned only after the new one is complete.
 
 Note [Exact resume]: with the same world size the resumed run reproduces the uninterrupted one bit for bit:
 masters and optimizer states are restored exactly (wherever offload keeps them), the scheduler, the fp16
@@ -45,7 +46,7 @@ from typing import Any, Iterator
 
 import torch
 
-from zerorun.dcp_safety import SafeLoadPlanner, SafeReader, _failures, _why  # noqa: F401 (SafeReader: API)
+from zerorun.dcp_safety import SafeLoadPlanner, SafeReader, _failures, _why, reason  # noqa: F401 (API)
 from zerorun.checkpoint_files import (FORMAT, MARKER, META, _STEP_DIR, _sha256, check, check_layout,  # noqa: F401
                                       latest, list_complete, read_meta, resolve, step_dir)
 from zerorun.errors import ZerorunError
@@ -91,6 +92,20 @@ def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _job_token(pid: int) -> str:
+    """What names this job's save folders: the launcher's job id (every rank has it), else ``p`` and rank 0's
+    pid (a program of its own calling :func:`save`)."""
+    from zerorun.launch.plan import JOB_ENV
+
+    job = os.environ.get(JOB_ENV, "")
+    return job if job and job.replace("-", "").isalnum() else f"p{pid}"
+
+
+def _tmp_dir(root: str, final: str, pid: int) -> str:
+    """The folder a save of ``final`` is written into first: ``.step-N.<job>.tmp`` (Note [Atomic checkpoints])."""
+    return os.path.join(root, f".{os.path.basename(final)}.{_job_token(pid)}.tmp")
+
+
 @dataclass
 class DataPosition:
     """Where a rank is in the training data: ``epoch`` and micro-batches of it consumed (``batch``)."""
@@ -124,20 +139,23 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
     t0 = time.perf_counter()
     group = engine.comm.group
     final = step_dir(root, step)
-    tmp = os.path.join(root, "." + os.path.basename(final) + ".tmp")
-    failed = torch.zeros(1, device=engine.buffers[0].device)  # where the collectives run
+    # [failed, rank 0's pid]: the pid names the save's folder when no job id does (exact in fp32: < 2**24)
+    flags = torch.zeros(2, device=engine.buffers[0].device)  # where the collectives run
     if engine.rank == 0:
+        flags[1] = os.getpid()
         try:
             os.makedirs(root, exist_ok=True)
-            for name in os.listdir(root):  # leftovers of saves that were killed
-                if name.startswith(".") and name.endswith(".tmp"):
+            for name in os.listdir(root):  # this job's leftovers only (Note [Checkpoint folder lock])
+                if name.startswith(".") and name.endswith(f".{_job_token(os.getpid())}.tmp"):
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            os.makedirs(tmp)
+            os.makedirs(_tmp_dir(root, final, os.getpid()))
         except OSError as e:
-            failed += 1
+            flags[0] += 1
             reason = e.strerror
-    dist.all_reduce(failed, group=group)  # every rank learns of rank 0's failure instead of hanging
-    if failed.item():
+    dist.all_reduce(flags, group=group)  # every rank learns of rank 0's failure instead of hanging
+    not_made, pid = flags.tolist()  # a save syncs with the host anyway (it is no steady-state step)
+    tmp = _tmp_dir(root, final, int(pid))
+    if not_made:
         raise ZerorunError(f"checkpoint.dir: cannot create {tmp}" + (f": {reason}" if engine.rank == 0 else
                                                                      " (on rank 0)"))
     tensors, layout = engine_state(engine)
@@ -155,9 +173,10 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
             shutil.rmtree(tmp, ignore_errors=True)
         raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: {why}") from None
     reason = ""
+    failed = torch.zeros(1, device=engine.buffers[0].device)
     if engine.rank == 0:
         moved = renamed = False
-        old = os.path.join(root, "." + os.path.basename(final) + ".old.tmp")
+        old = tmp[:-len(".tmp")] + ".old.tmp"
         try:
             _write_json(os.path.join(tmp, META), {
                 "format": FORMAT, "step": step, "world_size": engine.world_size, "stage": engine.stage,
@@ -190,7 +209,7 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
             for _, _, path in list_complete(root)[:-keep]:
                 shutil.rmtree(path, ignore_errors=True)
             for name in os.listdir(root):
-                if name.startswith(".") and name.endswith(".old.tmp"):
+                if name.startswith(".") and name.endswith(f".{_job_token(int(pid))}.old.tmp"):
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     dist.all_reduce(failed, group=group)  # also the barrier: every rank learns of rank 0's failure
     if failed.item():
@@ -237,9 +256,7 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
             with _quiet_sharded_tensor():
                 dcp.load(targets, storage_reader=SafeReader(path), planner=planner, process_group=group)
         except CheckpointException as e:
-            first = _failures(e)[0]
-            raise ZerorunError(f"{path}: cannot read the checkpoint: {type(first).__name__}: "
-                               f"{str(first).strip().splitlines()[0] if str(first).strip() else ''}") from None
+            raise ZerorunError(f"{path}: cannot read the checkpoint: {reason(e)}") from None
         problem = planner.unwritten()  # every rank learns of any rank's unwritten target: the same error
         flag = torch.tensor([1.0 if problem else 0.0], device=engine.buffers[0].device)
         dist.all_reduce(flag, group=group)
@@ -340,8 +357,7 @@ def consolidate(path: str, out: str) -> tuple[int, int]:
             dcp.load({k: t for k, t in targets.items() if t.numel()}, storage_reader=SafeReader(path),
                      planner=planner, no_dist=True)
     except (CheckpointException, RuntimeError, ValueError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ZerorunError(f"{path}: cannot read the checkpoint: {msg}") from None
+        raise ZerorunError(f"{path}: cannot read the checkpoint: {reason(e)}") from None
     problem = planner.unwritten()
     if problem:
         raise ZerorunError(f"{path}: the checkpoint does not hold all of {problem}")

@@ -108,14 +108,37 @@ def check(path: str) -> dict[str, Any]:
 
     metadata = SafeReader(path).check_files()  # first: it names the key a truncated file cuts, refuses bad pickles
     check_layout(meta, metadata, os.path.join(path, META))
-    for name, want in (meta.get("files") or {}).items():
-        file = os.path.join(path, name)
+    files = meta.get("files") or {}
+    if not isinstance(files, dict):
+        raise ZerorunError(f"{os.path.join(path, META)}: files: expected a mapping of file names, got {files!r}")
+    for name, want in files.items():
+        file = _confined(path, name, want)
         if not os.path.isfile(file):
             raise ZerorunError(f"{file}: missing (the checkpoint was saved with it)")
         if os.path.getsize(file) != want["bytes"] or _sha256(file) != want["sha256"]:
             raise ZerorunError(f"{file}: changed since it was saved (size or SHA-256 differs): corrupted or "
                                "truncated; resume from another checkpoint")
     return meta
+
+
+def _confined(path: str, name: Any, want: Any) -> str:
+    """The file ``name`` of ``zerorun.json``'s ``files`` inside the checkpoint folder ``path``: a plain name
+    (no folder part, not ``.``/``..``) that is no symbolic link, as DCP's ``relative_path`` is (Note
+    [Untrusted checkpoints] in dcp_safety.py), with an integer size and a SHA-256 text.
+
+    Raises:
+        ZerorunError: naming ``zerorun.json``'s field.
+    """
+    where = os.path.join(path, META)
+    if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..") or "\0" in name:
+        raise ZerorunError(f"{where}: files: {name!r} is not a file of the checkpoint folder: refusing the "
+                           "checkpoint")
+    if not (isinstance(want, dict) and isinstance(want.get("bytes"), int) and isinstance(want.get("sha256"), str)):
+        raise ZerorunError(f"{where}: files[{name!r}]: expected {{bytes: an integer, sha256: a text}}, got {want!r}")
+    file = os.path.join(path, name)
+    if os.path.islink(file):
+        raise ZerorunError(f"{file}: a symbolic link, not a file of the checkpoint folder: refusing the checkpoint")
+    return file
 
 
 def check_layout(meta: dict[str, Any], metadata: Any, where: str) -> None:

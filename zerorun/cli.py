@@ -118,7 +118,9 @@ def train(
                                           "batch script uses it)."),
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
-    from zerorun import launch as zlaunch
+    import uuid
+
+    from zerorun import checkpoint_lock, launch as zlaunch
     from zerorun.recipe import load_recipe
     from zerorun.resume import prepare_resume
 
@@ -145,10 +147,12 @@ def train(
             os.makedirs(r.checkpoint.dir, exist_ok=True)
         except OSError as e:
             raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
-    result = zlaunch.run_job(r, hosts, recipe_path=recipe, overrides=overrides or [], dashboard=not no_dashboard,
-                             master_port=master_port, master_addr=master_addr, ssh=ssh, ssh_local=ssh_local,
-                             preflight_timeout=preflight_timeout, run_dir=run_dir,
-                             launcher=launcher)
+    job_id = uuid.uuid4().hex[:12]
+    with checkpoint_lock.held(r.checkpoint.dir, job_id, r.name):  # Note [Checkpoint folder lock]
+        result = zlaunch.run_job(r, hosts, recipe_path=recipe, overrides=overrides or [],
+                                 dashboard=not no_dashboard, master_port=master_port, master_addr=master_addr,
+                                 ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout, run_dir=run_dir,
+                                 launcher=launcher, job_id=job_id)
     if not result.ok:
         raise result.error()
 

@@ -198,6 +198,25 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan, planner):
+        """DCP's ``read_data`` one item at a time, so that a failure names its file and key (a data file holding
+        a pickle instead of tensor data, a short or corrupt file), not only "CheckpointException ranks:...".
+
+        Raises:
+            ZerorunError: ``<file>: key '<key>': <reason>`` (DCP wraps it per rank: :func:`reason`).
+        """
+        from torch.distributed.checkpoint.planner import LoadPlan
+
+        for item in plan.items:
+            try:
+                super().read_data(LoadPlan([item]), planner).wait()
+            except ZerorunError:
+                raise
+            except Exception as e:  # noqa: BLE001 - torch.load's and the stream's errors alike, named
+                file = os.path.join(str(self.path), self.storage_data[item.storage_index].relative_path)
+                raise ZerorunError(f"{file}: key {item.storage_index.fqn!r}: {_first_line(e)}") from None
+        return super().read_data(LoadPlan([]), planner)
+
     def check_files(self) -> Any:
         """Read the metadata and check that every data file exists and is long enough for every chunk.
 
@@ -205,12 +224,16 @@ class SafeReader(FileSystemReader):
             DCP's ``Metadata``.
 
         Raises:
-            ZerorunError: naming the file and the first key whose bytes are missing.
+            ZerorunError: naming the file and the first key whose bytes are missing, or a data file that is a
+                symbolic link.
         """
         metadata = self.read_metadata()
         sizes: dict[str, int] = {}
         for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[1].offset):
             path = os.path.join(str(self.path), info.relative_path)
+            if path not in sizes and os.path.islink(path):
+                raise ZerorunError(f"{path}: a symbolic link, not a data file of the checkpoint folder (holds key "
+                                   f"{index.fqn!r}): refusing the checkpoint")
             if path not in sizes:
                 try:
                     sizes[path] = os.path.getsize(path)
@@ -227,6 +250,24 @@ def _failures(e: BaseException) -> list[BaseException]:
     order; ``[e]`` when it holds none."""
     found = [v[0] if isinstance(v, tuple) else v for _, v in sorted(getattr(e, "failures", {}).items())]
     return [f for f in found if isinstance(f, BaseException)] or [e]
+
+
+def _first_line(e: BaseException) -> str:
+    """``e`` in one line; torch.load's refusal of a pickle (whose first line suggests ``weights_only=False``)
+    as what it refused."""
+    text = str(e).strip()
+    if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in text:
+        detail = next((line.strip() for line in text.splitlines() if "Unsupported" in line
+                       or "WeightsUnpickler error" in line), "")
+        return "not tensor data: refusing to unpickle it" + (f" ({detail})" if detail else "")
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def reason(e: BaseException) -> str:
+    """Why a DCP load failed, in one line: the first rank's inner exception (a :class:`ZerorunError` as it is,
+    naming file and key), not DCP's ``CheckpointException ranks:dict_keys([0])``."""
+    first = _failures(e)[0]
+    return str(first) if isinstance(first, ZerorunError) else _first_line(first)
 
 
 def _why(e: BaseException, folder: str) -> str:

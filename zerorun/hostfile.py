@@ -41,8 +41,8 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
     """Parse hostfile ``text``; ``path`` names it in errors.
 
     Raises:
-        ZerorunError: a malformed line, slots that are not a positive integer or above :data:`MAX_SLOTS`, a
-            duplicate host, or no hosts;
+        ZerorunError: a malformed line, a host name starting with ``-``, slots that are not a positive integer
+            or above :data:`MAX_SLOTS`, a duplicate host, or no hosts;
             the message is ``path:LINE: ...``.
     """
     hosts: list[Host] = []
@@ -55,6 +55,9 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
         if not m:
             raise ZerorunError(f"{path}:{lineno}: malformed line {raw.strip()!r}: expected 'HOST slots=N'")
         name, slots_text = m.group("host"), m.group("slots")
+        if name.startswith("-"):
+            raise ZerorunError(f"{path}:{lineno}: host name {name!r} starts with '-': ssh would take it for an "
+                               "option (OpenSSH refuses such names too)")
         if slots_text is None:
             raise ZerorunError(f"{path}:{lineno}: {name}: missing slots=N")
         try:

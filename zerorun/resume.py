@@ -32,14 +32,14 @@ def default_dir(recipe) -> str:
 
 
 def _incomplete(root: str) -> int:
-    """Saves under ``root`` that never completed: ``step-N`` folders without their marker, ``.step-N.tmp``."""
+    """Saves under ``root`` that never completed: ``step-N`` folders without their marker, ``.step-N.<job>.tmp``."""
     from zerorun.checkpoint_files import MARKER
 
     try:
         names = os.listdir(root)
     except OSError:
         return 0
-    return sum(1 for n in names if re.fullmatch(r"\.step-\d+\.tmp", n) or
+    return sum(1 for n in names if re.fullmatch(r"\.step-\d+(\.[\w-]+)?\.tmp", n) or
                (re.fullmatch(r"step-\d+", n) and not os.path.isfile(os.path.join(root, n, MARKER))))
 
 

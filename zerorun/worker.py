@@ -270,6 +270,20 @@ def train(recipe: Recipe, rank: int) -> None:
     dist.destroy_process_group()
 
 
+def read_recipe(path: str, environ=os.environ) -> Recipe:
+    """The resolved recipe the launcher wrote to ``path``; a ``launch.env`` value written masked (``--dry-run``'s
+    file: Note [Masked environment values]) is the one this rank's environment got from the command line."""
+    from zerorun.recipe import MASK
+
+    with open(path, encoding="utf-8") as f:
+        data = json.loads(f.read())
+    env = (data.get("launch") or {}).get("env") or {}
+    for key, value in env.items():
+        if value == MASK and key in environ:
+            env[key] = environ[key]
+    return Recipe.model_validate(data)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``--recipe-file`` (the resolved recipe as JSON, in a 0600 file the node's watcher wrote: never on
     a command line, Note [Node watcher] in launch/node.py), train, and return the exit code."""
@@ -287,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(int(threads))
-        with open(args.recipe_file, encoding="utf-8") as f:
-            recipe = Recipe.model_validate(json.loads(f.read()))
-        train(recipe, rank)
+        train(read_recipe(args.recipe_file), rank)
         return 0
     except Stopped:  # SIGTERM, checkpoint saved (Note [Checkpoint on SIGTERM])
         return STOPPED_EXIT

@@ -190,6 +190,35 @@ def _strings(column, name: str, field: str) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------- tokenizer
+def remote_code(folder: str) -> str | None:
+    """The file of tokenizer ``folder`` that names tokenizer code of its own (``auto_map`` in
+    ``tokenizer_config.json``, or an ``AutoTokenizer`` entry of ``config.json``'s), or ``None``. zerorun loads
+    tokenizers with ``trust_remote_code=False`` only: transformers would otherwise ask "Do you wish to run the
+    custom code? [y/N]" and, on a "y" from stdin, import the folder's module."""
+    for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                auto_map = json.load(f).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if auto_map and (key is None or isinstance(auto_map, dict) and key in auto_map):
+            return os.path.join(folder, name)
+    return None
+
+
+def refuse_remote_code(folder: str) -> None:
+    """Raise when tokenizer ``folder`` names code of its own (:func:`remote_code`).
+
+    Raises:
+        ZerorunError: ``data.tokenizer: <file>: auto_map names tokenizer code ...``, one line.
+    """
+    found = remote_code(folder)
+    if found:
+        raise ZerorunError(f"data.tokenizer: {found}: auto_map names tokenizer code of the folder: zerorun never "
+                           "runs a model folder's code (trust_remote_code); use a folder with a tokenizer.json "
+                           "and a standard tokenizer_class, or remove auto_map")
+
+
 class Tokenizer:
     """A fast tokenizer (``tokenizers`` via ``transformers``' ``AutoTokenizer``, local files only) or, without a
     folder, UTF-8 bytes (vocabulary 256, no eos).
@@ -208,10 +237,11 @@ class Tokenizer:
         from zerorun.hf import offline
 
         offline()
+        refuse_remote_code(folder)
         try:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a bad folder
             raise ZerorunError(f"data.tokenizer: cannot load a tokenizer from {folder}: {type(e).__name__}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None

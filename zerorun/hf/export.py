@@ -22,6 +22,30 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
+def _copy_tokenizer(folder: str, out: str) -> None:
+    """Copy the :data:`TOKENIZER_FILES` of ``folder`` into ``out``, ``tokenizer_config.json`` without
+    ``auto_map`` (the folder's own tokenizer code is not copied: the export would name code it does not hold,
+    and loading it would need ``trust_remote_code``)."""
+    import json
+
+    for name in TOKENIZER_FILES:
+        src = os.path.join(folder, name)
+        if not os.path.isfile(src):
+            continue
+        if name == "tokenizer_config.json":
+            try:
+                with open(src, encoding="utf-8") as f:
+                    config = json.load(f)
+            except ValueError as e:
+                raise ZerorunError(f"{src}: not valid JSON ({e})") from None
+            if isinstance(config, dict) and "auto_map" in config:
+                del config["auto_map"]
+                with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+                    json.dump(config, f, indent=2, ensure_ascii=False)
+                continue
+        shutil.copyfile(src, os.path.join(out, name))
+
+
 def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, int]:
     """Write the model of checkpoint ``ckpt`` (a step folder, or a folder of them: the latest) as a Hugging
     Face folder ``out``: written complete in a temporary sibling folder first, then moved in (files of the same
@@ -79,9 +103,7 @@ def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, in
         os.remove(full)
         tokenizer = (recipe.get("data") or {}).get("tokenizer")
         if tokenizer and os.path.isdir(tokenizer):
-            for name in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(tokenizer, name)):
-                    shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
+            _copy_tokenizer(tokenizer, tmp)
         for name in os.listdir(tmp):  # safetensors writes 0600: the umask's permissions (zerorun/files.py)
             apply_umask(os.path.join(tmp, name))
         # complete: now replace (a previous export's shards would mix with this one's)

@@ -82,6 +82,12 @@ def resolve_hf_data(data, base: str, where: Callable[..., str]) -> None:
             raise ZerorunError(f"{where('data', 'tokenizer')}: not a folder: {data.tokenizer}")
         if not any(os.path.isfile(os.path.join(data.tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ZerorunError(f"{where('data', 'tokenizer')}: no tokenizer.json in {data.tokenizer}")
+        from zerorun.hf.data import refuse_remote_code
+
+        try:
+            refuse_remote_code(data.tokenizer)
+        except ZerorunError as e:
+            raise ZerorunError(f"{where('data', 'tokenizer')}: {str(e).removeprefix('data.tokenizer: ')}") from None
 
 
 def check_vocab(model, data, where: Callable[..., str]) -> None:

@@ -59,10 +59,10 @@ class HostKeyError(Exception):
 
 
 class _UnknownKeyPolicy:
-    """paramiko missing-host-key policy for a ``StrictHostKeyChecking`` setting other than ``no``: a key marked
-    ``@revoked`` is refused always; ``accept-new`` adds an unknown key by appending one line to the user's
-    known-hosts file (never rewriting it: its comments and ``@`` lines stay); ``yes`` and ``ask`` (there is no
-    prompt) refuse it."""
+    """paramiko missing-host-key policy for a ``StrictHostKeyChecking`` setting: a key marked ``@revoked`` is
+    refused always; ``no`` accepts an unknown key for this connection; ``accept-new`` adds it by appending one
+    line to the user's known-hosts file (never rewriting it: its comments and ``@`` lines stay); ``yes`` and
+    ``ask`` (there is no prompt) refuse it."""
 
     def __init__(self, setting: str, files: list[str], revoked: set[str]) -> None:
         self.setting, self.files, self.revoked = setting, files, revoked
@@ -72,6 +72,9 @@ class _UnknownKeyPolicy:
             raise HostKeyError(f"the host key of {hostname} ({key.get_name()} {key.fingerprint}) is marked "
                                f"@revoked in {' or '.join(self.files) or 'known_hosts'}: Host key verification "
                                "failed")
+        if self.setting in ("no", "off", "false"):
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            return
         if self.setting != "accept-new":
             raise HostKeyError(f"no host key is known for {hostname} ({key.get_name()} {key.fingerprint}) and "
                                f"StrictHostKeyChecking is {self.setting}: add it to "
@@ -138,21 +141,17 @@ def check_host_keys(conn) -> None:
     is always refused (paramiko's ``BadHostKeyException``), and an unknown one is refused under
     ``StrictHostKeyChecking`` ``yes`` or ``ask`` (the default), added to the user's file under ``accept-new``
     (one line appended), accepted under ``no``/``off``; a key marked ``@revoked`` is refused, ``@cert-authority``
-    lines are skipped (:func:`read_known_hosts`)."""
-    import paramiko
-
+    lines are skipped (:func:`read_known_hosts`). Under ``no`` a changed or revoked key is refused too, where
+    OpenSSH only warns (changed) and goes on: stricter than OpenSSH, on purpose."""
     setting = str(conn.ssh_config.get("stricthostkeychecking", "ask")).lower()
     client = conn.client
-    if setting in ("no", "off", "false"):
-        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-    else:
-        user_files, global_files = known_hosts_files(conn.ssh_config)
-        entries, revoked = read_known_hosts(global_files + user_files)
-        known = client.get_host_keys()  # never saved back by paramiko: accept-new appends a line itself
-        for entry in entries:
-            for name in entry.hostnames:
-                known.add(name, entry.key.get_name(), entry.key)
-        client.set_missing_host_key_policy(_UnknownKeyPolicy(setting, user_files, revoked))
+    user_files, global_files = known_hosts_files(conn.ssh_config)
+    entries, revoked = read_known_hosts(global_files + user_files)
+    known = client.get_host_keys()  # never saved back by paramiko: accept-new appends a line itself
+    for entry in entries:
+        for name in entry.hostnames:
+            known.add(name, entry.key.get_name(), entry.key)
+    client.set_missing_host_key_policy(_UnknownKeyPolicy(setting, user_files, revoked))
     gateway = conn.gateway
     if gateway is not None and not isinstance(gateway, str):
         check_host_keys(gateway)

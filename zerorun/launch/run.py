@@ -158,8 +158,10 @@ def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_ad
     address is ``master_addr``, else 127.0.0.1 for a local first host, else its name; the port is
     ``master_port``, else a free one here (local first host, or the SLURM launcher) or torchrun's default
     29500. The resolved recipe is written, as a node's watcher writes it, to a 0600 ``recipe.json`` in a fresh
-    private folder that the commands name. With ``launcher="slurm"`` the text is the srun command zerorun runs
-    and the same step as one srun line that runs as printed (launch/commands.py ``render_slurm``).
+    private folder that the commands name, its ``launch.env`` values masked (Note [Masked environment values]:
+    the commands take them from the shell, and the worker reads them from its environment). With
+    ``launcher="slurm"`` the text is the srun command zerorun runs and the same step as one srun line that runs
+    as printed (launch/commands.py ``render_slurm``).
     """
     import tempfile
 
@@ -169,6 +171,10 @@ def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_ad
     from zerorun.launch.plan import build_plan, free_port
 
     recipe_json, _, program, launch = _what(job)
+    if recipe_json is not None:  # the file stays in /tmp: launch.env values masked (the commands take them
+        from zerorun.recipe import masked  # from the shell; the worker fills them in from its environment)
+
+        recipe_json = json.dumps(masked(json.loads(recipe_json)))
     extra_env = {**env_file_values(), **(launch.get("env") or {})}
     slurm = launcher == "slurm"
     cpus = None
