@@ -199,12 +199,22 @@ class SafeReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan, planner):
-        """DCP's ``read_data`` one item at a time, so that a failure names its file and key (a data file holding
-        a pickle instead of tensor data, a short or corrupt file), not only "CheckpointException ranks:...".
+        """DCP's ``read_data`` (one pass over each file); when it fails, the plan is read again one item at a
+        time to name the file and key that fail (a data file holding a pickle instead of tensor data, a short or
+        corrupt file), not only "CheckpointException ranks:...". Loading is failing by then, so reading an item
+        twice costs nothing that matters; a load that succeeds pays nothing.
 
         Raises:
             ZerorunError: ``<file>: key '<key>': <reason>`` (DCP wraps it per rank: :func:`reason`).
         """
+        try:
+            done = super().read_data(plan, planner)
+            done.wait()
+            return done
+        except ZerorunError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch.load's and the stream's errors alike, named below
+            first = e
         from torch.distributed.checkpoint.planner import LoadPlan
 
         for item in plan.items:
@@ -212,10 +222,10 @@ class SafeReader(FileSystemReader):
                 super().read_data(LoadPlan([item]), planner).wait()
             except ZerorunError:
                 raise
-            except Exception as e:  # noqa: BLE001 - torch.load's and the stream's errors alike, named
+            except Exception as e:  # noqa: BLE001
                 file = os.path.join(str(self.path), self.storage_data[item.storage_index].relative_path)
                 raise ZerorunError(f"{file}: key {item.storage_index.fqn!r}: {_first_line(e)}") from None
-        return super().read_data(LoadPlan([]), planner)
+        raise ZerorunError(f"{self.path}: {_first_line(first)}")
 
     def check_files(self) -> Any:
         """Read the metadata and check that every data file exists and is long enough for every chunk.
