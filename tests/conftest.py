@@ -13,6 +13,19 @@ from sshd import LoopbackSshd  # noqa: E402
 _pools: dict[int, RankPool] = {}
 
 
+@pytest.fixture(autouse=True)
+def _no_terminal_size_from_readline():
+    """Note [COLUMNS in tests]: GNU readline, once imported (pytest imports it), writes ``COLUMNS`` and
+    ``LINES`` of the terminal it found (80x24 without one) into the process's C environment, not into
+    ``os.environ``; every child then inherits ``COLUMNS=80``, and zerorun's output into a pipe follows
+    ``$COLUMNS`` (telemetry/layout.py ``output_width``), so summaries came out 80 columns wide under pytest
+    only. A test that wants a width sets it (``monkeypatch.setenv``), which ``os.environ`` then holds."""
+    for name in ("COLUMNS", "LINES"):
+        if name not in os.environ:
+            os.unsetenv(name)
+    yield
+
+
 @pytest.fixture(scope="session")
 def ranks():
     """``ranks(world_size)`` -> a live :class:`RankPool` of that size, shared by the whole session."""
