@@ -71,10 +71,10 @@ class Stage3Backward:
             self._outer_agree(sums, squares)
         return sq
 
-    def load_master_slices(self, values, states=None) -> None:
+    def load_master_slices(self, values, states=None, param_scalars=None) -> None:
         """As :meth:`ZeroEngine.load_master_slices`; persistent parameters (Note [Persistent parameters]),
         frozen ones included, are all-gathered again from the loaded slices."""
-        super().load_master_slices(values, states)
+        super().load_master_slices(values, states, param_scalars)
         frozen = [b for b in self._persistent_unit.buffers if b.group_index < 0]
         if frozen:
             self._ag_comm.wait([self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in frozen])
