@@ -203,11 +203,7 @@ class ZeroEngine(UserModel):
             RuntimeError: ``loss`` is not a scalar tensor, or more micro-steps than ``grad_accum_steps`` were
                 run without :meth:`step`.
         """
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise RuntimeError(f"backward needs a scalar loss tensor, got {type(loss).__name__}")
-        if self._micro_step >= self.config.grad_accum_steps:
-            raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); "
-                               f"grad_accum_steps is {self.config.grad_accum_steps}")
+        self._check_backward(loss)
         self.check_parameters()
         self.reducer.begin(last_micro_step=self._micro_step + 1 == self.config.grad_accum_steps)
         if self.scaler is not None:  # Note [Loss scaling]
@@ -215,6 +211,15 @@ class ZeroEngine(UserModel):
         (loss / self.config.grad_accum_steps).backward()
         self._finish_backward()
         self._micro_step += 1
+
+    def _check_backward(self, loss: Any) -> None:
+        """What :meth:`backward` refuses, checked before any collective (stage 3's gathers and checks too): the
+        engine is unchanged and the same processes go on with a correct call. Raises RuntimeError."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise RuntimeError(f"backward needs a scalar loss tensor, got {type(loss).__name__}")
+        if self._micro_step >= self.config.grad_accum_steps:
+            raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); grad_accum_steps is "
+                               f"{self.config.grad_accum_steps}: call step() first (the engine is unchanged)")
 
     def _finish_backward(self) -> None:
         self.reducer.finish()
@@ -235,9 +240,10 @@ class ZeroEngine(UserModel):
         Raises:
             RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step.
         """
-        if self._micro_step != self.config.grad_accum_steps:
+        if self._micro_step != self.config.grad_accum_steps:  # before any collective
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
-                               f"{self.config.grad_accum_steps}")
+                               f"{self.config.grad_accum_steps}: run the remaining micro-steps first (the "
+                               "engine is unchanged)")
         self.reducer.pool.clear()  # Note [Gradient buffer pool]: not held through the optimizer step
         self.comm.release_buffers()
         grads = [self._grad_slice(buf) for buf in self.buffers]

@@ -44,7 +44,8 @@ class Stage3Backward:
 
     def backward(self, loss: torch.Tensor) -> None:
         """As :meth:`ZeroEngine.backward`; the root unit is gathered first, whatever structure the forward
-        returned the loss in."""
+        returned the loss in. What :meth:`_check_backward` refuses raises before any gather or check."""
+        self._check_backward(loss)
         if isinstance(loss, torch.Tensor):
             check_backward_units(self, loss)
         if self._root.state is UnitState.FREE and isinstance(loss, torch.Tensor) and loss.requires_grad:
