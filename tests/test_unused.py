@@ -50,3 +50,10 @@ def test_resume_keeps_per_parameter_steps(ranks, tmp_path, save_stage, load_stag
 def test_optimizer_zero_grad_in_the_loop_changes_nothing(ranks, stage, precision):
     for rank, r in enumerate(ranks(2).run(cases.zero_grad_loop, stage=stage, precision=precision)):
         assert r["moved"] > 0.01 and r["differ"] == 0.0, f"rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_narrow_grad_accum_dtype_steps_the_reduced_gradient(ranks, stage):
+    """Stage 1 stepped this rank's unreduced gradient of the last micro-step (0.28 off on this input)."""
+    for rank, r in enumerate(ranks(2).run(cases.accum_dtype_step, stage=stage)):
+        assert r["error"] <= 1e-6, f"rank {rank}: {r}"

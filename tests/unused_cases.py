@@ -129,3 +129,37 @@ def zero_grad_loop(stage: int, precision: str = "fp32") -> dict:
     moved = max(float((finals[1][k].float() - v).abs().max()) for k, v in before.items())
     differ = max(float((finals[1][k] - v).abs().max()) for k, v in finals[0].items())
     return {"moved": moved, "differ": differ}
+
+
+def accum_dtype_step(stage: int, accum: int = 2) -> dict:
+    """fp32 training, ``grad_accum_dtype: bf16``, one SGD step (lr 1) over ``accum`` micro-steps: the engine's
+    step against the same step computed here with each rank's micro-step gradients summed in bf16 as the
+    engine sums them (stages 0-1: a bf16 accumulator; 2-3 keep their reduced slice in fp32, promoted), then
+    averaged over the ranks in fp32. Returns the largest difference of the parameters."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    ref = copy.deepcopy(model)
+    total = [torch.zeros_like(p) for p in ref.parameters()]
+    for r in range(world):
+        acc = None
+        for micro in range(accum):
+            ref.zero_grad(set_to_none=True)
+            (ref(_x(0, micro, r).repeat(1, 2)).square().mean() / accum).backward()
+            g = [p.grad for p in ref.parameters()]
+            if stage >= 2 or acc is None:
+                acc = [a + b for a, b in zip(acc, g)] if acc is not None else [b.bfloat16() if stage < 2 else b
+                                                                             for b in g]
+            else:
+                acc = [(a.float() + b).bfloat16() for a, b in zip(acc, g)]
+        total = [t + a.float() / world for t, a in zip(total, acc)]
+    with torch.no_grad():
+        for p, t in zip(ref.parameters(), total):
+            p -= t
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 1.0},
+                        config=ZeroConfig(stage=stage, grad_accum_steps=accum, grad_accum_dtype="bf16"))
+    for micro in range(accum):
+        engine.backward(engine(_x(0, micro, rank).repeat(1, 2)).square().mean())
+    engine.step()
+    sd = engine.full_state_dict(rank0_only=False)
+    return {"error": max(float((sd[k] - v).abs().max()) for k, v in ref.state_dict().items())}

@@ -118,7 +118,8 @@ def _buffer_holdings(engine, buf, tensor: torch.Tensor, whole: bool, index: int 
     for k, (p, name) in enumerate(zip(buf.params, buf.names)):
         slot = buf.slots[p]
         if whole:
-            out.append(Holding(name, tuple(slot.shape), slot.numel, 0, slot.numel, slot.offset, None, index, tensor, k))
+            out.append(Holding(name, tuple(slot.shape), slot.numel, 0, slot.numel, slot.offset, None, index, tensor,
+                               k))
             continue
         ranges = _slice_ranges(buf, slot, engine.world_size)
         lo, hi = ranges[engine.rank]
