@@ -14,7 +14,7 @@ import pytest
 from zerorun.data import eval_batches
 
 
-@pytest.mark.parametrize("n,world,mb,limit", [(5, 2, 2, 8), (1, 2, 2, 8), (9, 4, 2, 8), (100, 3, 4, 8),
+@pytest.mark.parametrize("n,world,mb,limit", [(5, 2, 2, 8), (1, 2, 2, 8), (9, 4, 2, 8), (100, 3, 4, 9),
                                               (7, 3, 1, 8), (6, 2, 3, 8)])
 def test_every_sample_once_and_the_same_number_of_batches(n, world, mb, limit):
     plans = [eval_batches(n, r, world, mb, limit) for r in range(world)]
