@@ -152,10 +152,8 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
             engine.backward(zl)
             losses[2] += zl.item() / accum
         for i, (m, opt) in enumerate(zip((ref_model, alt_model), opts)):
-            params = [p for p in m.parameters() if p.requires_grad]
-            for p in params:  # zero-gradient semantics for parameters no rank used (Note [Launch order] in zero/reducer.py)
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            # a parameter no rank used keeps grad None and is not stepped (Note [Unused parameters] in zero/masters.py)
+            params = [p for p in m.parameters() if p.requires_grad and p.grad is not None]
             if i == 0:
                 norms[i] = float(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")))
             else:  # the same clipping, the norm summed in another (equally valid) order
@@ -164,7 +162,7 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
                     torch._foreach_mul_([p.grad for p in params], torch.clamp(clip / (norm + 1e-6), max=1.0))
                 norms[i] = float(norm)
             opt.step()
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=True)
         norms[2] = engine.step()
         out["loss"] = max(out["loss"], rel(losses[2], losses[0]))
         out["grad_norm"] = max(out["grad_norm"], rel(norms[2], norms[0]))

@@ -34,6 +34,20 @@ class ByteWindows(Dataset):
         return self.tokens[start:start + self.seq_len + 1].long()
 
 
+def eval_batches(n: int, rank: int, world_size: int, micro_batch_size: int, max_batches: int) -> list[list[int]]:
+    """This rank's validation micro-batches, as lists of sample indices into a set of ``n`` samples.
+
+    Rank ``r`` takes samples ``r, r + N, r + 2N, ...`` (``N = world_size``), so that over all ranks every sample
+    is evaluated exactly once (no padding with duplicates, as ``DistributedSampler`` does), in at most
+    ``max_batches`` micro-batches of ``micro_batch_size``. Every rank gets the same number of batches (a
+    stage-3 forward is collective): a rank with fewer samples gets empty lists at the end, to run a forward
+    that counts for nothing.
+    """
+    mine = list(range(rank, n, world_size))
+    count = min(max_batches, -(-(-(-n // world_size)) // micro_batch_size))
+    return [mine[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(count)]
+
+
 def read_corpus(patterns: list[str]) -> torch.Tensor:
     """The bytes of every file matched by ``patterns`` (see :func:`zerorun.recipe.expand_data_paths`),
     concatenated in path order: uint8 tensor, shape ``(total bytes,)``."""

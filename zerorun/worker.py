@@ -64,10 +64,10 @@ def train(recipe: Recipe, rank: int) -> None:
     import psutil
     import torch
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
+    from torch.utils.data import DistributedSampler, default_collate
 
     from zerorun import checkpoint, zero
-    from zerorun.data import build_datasets
+    from zerorun.data import build_datasets, eval_batches
     from zerorun.userload import UserCodeError, build_model, extract_loss
 
     t_start = time.time()
@@ -169,20 +169,19 @@ def train(recipe: Recipe, rank: int) -> None:
         return x.shape[0] * (x.shape[1] - 1 if recipe.data.kind in ("text", "hf") else x.shape[1])
 
     def evaluate(step: int) -> None:
-        if val_set is None or len(val_set) < world_size:
+        """The exact mean loss over the validation samples (every one once, over all ranks: ``data.eval_batches``;
+        the forward's loss taken as its batch's mean), and how many there were."""
+        if val_set is None or len(val_set) == 0:
             return
-        val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
-        val_loader = DataLoader(val_set, batch_size=t.micro_batch_size, sampler=val_sampler)
+        plan = eval_batches(len(val_set), rank, world_size, t.micro_batch_size, t.eval_batches)
         model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=device)
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of per-sample losses, samples
         with torch.no_grad():
-            for i, batch in enumerate(val_loader):
-                if i == t.eval_batches:
-                    break
-                batch = to_device(batch)
-                n = len(batch) if isinstance(batch, torch.Tensor) else 1
-                total += torch.tensor([extract_loss(engine(batch), source[0]).item() * n, n],
-                                      dtype=torch.float64, device=device)
+            for indices in plan:
+                batch = to_device(default_collate([val_set[i] for i in indices or [0]]))
+                loss = extract_loss(engine(batch), source[0]).detach().double()
+                if indices:  # an empty one only keeps the forwards in step with the other ranks
+                    total += torch.stack([loss * len(indices), loss.new_tensor(len(indices))])
         model.train()
         dist.all_reduce(total)
         if rank == 0:

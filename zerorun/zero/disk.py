@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from zerorun.zero.masters import Masters, _fp32_grad, _group_params
+from zerorun.zero.masters import Masters, _fp32_grad, _group_params, probe_spec
 from zerorun.zero.paging_math import subgroup_elements
 from zerorun.zero.swap import SwapFile
 
@@ -26,14 +26,17 @@ def tensor_state_names(optimizer_cls: type, optimizer_kwargs: dict[str, Any]) ->
 class _Chunk:
     """One sub-group: elements ``[lo, lo + numel)`` of master ``index``; its file regions and small state."""
 
-    def __init__(self, index: int, lo: int, numel: int, param: torch.Tensor, offsets: dict[str, int]) -> None:
+    def __init__(self, index: int, lo: int, numel: int, param: torch.Tensor, offsets: dict[str, int],
+                 k: int = 0) -> None:
         self.index, self.lo, self.numel, self.param, self.offsets = index, lo, numel, param, offsets
+        self.k = k  # the parameter of the flat buffer it is a part of (Note [Unused parameters] in masters.py)
         self.small: dict[str, Any] | None = None  # state that is not per element (Adam's step); None: no state yet
 
 
 class DiskMasters(Masters):
     """Masters and optimizer states in a swap file under ``folder``, paged through a host buffer of
-    ``buffer_bytes`` bytes in sub-groups (Note [Disk paging]). Other arguments as :class:`Masters`.
+    ``buffer_bytes`` bytes in sub-groups (Note [Disk paging]), each within one parameter's segment (Note
+    [Unused parameters] in ``masters.py``; the padding is in none). Other arguments as :class:`Masters`.
 
     Raises:
         ValueError: ``buffer_bytes`` too small to hold one element's master and states twice, or the swap
@@ -41,9 +44,12 @@ class DiskMasters(Masters):
     """
 
     def __init__(self, slices, group_of, group_options, optimizer_cls, optimizer_kwargs, *, folder: str,
-                 buffer_bytes: int, rank: int) -> None:
+                 buffer_bytes: int, rank: int, segments: list[list[tuple[int, int]]] | None = None) -> None:
         self.slices = slices
         self.alias = False
+        self.eager = False
+        self.stepped = False
+        self.bounds = segments if segments is not None else [[(0, s.numel())] for s in slices]
         self.state_names = tensor_state_names(optimizer_cls, optimizer_kwargs)
         per_element = 4 * (1 + len(self.state_names))
         self.chunk = subgroup_elements(buffer_bytes, len(self.state_names))
@@ -62,11 +68,12 @@ class DiskMasters(Masters):
         self.chunks: list[_Chunk] = []
         empty = torch.empty(0, dtype=torch.float32)
         for i, s in enumerate(slices):
-            for lo in range(0, s.numel(), self.chunk):
-                n = min(self.chunk, s.numel() - lo)
-                offsets = {name: self.file.allocate(4 * n) for name in ["master", *self.state_names]}
-                self.file.write(offsets["master"], s.detach()[lo:lo + n].to("cpu", torch.float32))
-                self.chunks.append(_Chunk(i, lo, n, empty.clone().requires_grad_(True), offsets))
+            for k, (a, b) in enumerate(self.bounds[i]):
+                for lo in range(a, b, self.chunk):
+                    n = min(self.chunk, b - lo)
+                    offsets = {name: self.file.allocate(4 * n) for name in ["master", *self.state_names]}
+                    self.file.write(offsets["master"], s.detach()[lo:lo + n].to("cpu", torch.float32))
+                    self.chunks.append(_Chunk(i, lo, n, empty.clone().requires_grad_(True), offsets, k))
         self.params = [c.param for c in self.chunks]
         self._chunks_of: list[list[_Chunk]] = [[] for _ in slices]
         for c in self.chunks:
@@ -86,14 +93,18 @@ class DiskMasters(Masters):
             self.file.read_into(c.offsets[name], out[name])
         return out
 
-    def step(self, grads, coef) -> None:
+    def step(self, grads, coef, used=None) -> None:
         cpu = torch.device("cpu")
         coef_cpu = None if coef is None else coef.to(cpu)
-        pending = self._reader.submit(self._read, self.chunks[0], 0)
-        for k, c in enumerate(self.chunks):
+        todo = [c for c in self.chunks if used is None or used[c.index][c.k]]  # Note [Unused parameters]
+        if not todo:
+            return
+        self.stepped = True
+        pending = self._reader.submit(self._read, todo[0], 0)
+        for k, c in enumerate(todo):
             views = pending.result()
-            if k + 1 < len(self.chunks):  # Note [Disk paging]: read the next sub-group while this one steps
-                pending = self._reader.submit(self._read, self.chunks[k + 1], (k + 1) % 2)
+            if k + 1 < len(todo):  # Note [Disk paging]: read the next sub-group while this one steps
+                pending = self._reader.submit(self._read, todo[k + 1], (k + 1) % 2)
             p = c.param
             p.data = views["master"]
             if c.small is not None:
@@ -112,7 +123,7 @@ class DiskMasters(Masters):
 
     def master_slices(self) -> list[torch.Tensor]:
         """Read from the swap file: new fp32 CPU tensors, one per flat buffer."""
-        out = [torch.empty(s.numel(), dtype=torch.float32) for s in self.slices]
+        out = [torch.zeros(s.numel(), dtype=torch.float32) for s in self.slices]  # the padding is in no chunk
         for c in self.chunks:
             self.file.read_into(c.offsets["master"], out[c.index][c.lo:c.lo + c.numel])
         return out
@@ -137,33 +148,43 @@ class DiskMasters(Masters):
             if c.small is None:
                 continue
             state = out[c.index]
-            if not state:  # every sub-group of a buffer steps together: the first one's scalars stand for all
+            if not state:  # the first stepped sub-group's scalars (param_scalars: each parameter's)
                 state.update({k: v.clone() for k, v in c.small.items()})
-                state.update({n: torch.empty(self.slices[c.index].numel(), dtype=torch.float32)
+                state.update({n: torch.zeros(self.slices[c.index].numel(), dtype=torch.float32)
                               for n in self.state_names})
             for n in self.state_names:
                 self.file.read_into(c.offsets[n], state[n][c.lo:c.lo + c.numel])
         return out
 
-    def load(self, values, states) -> None:
+    def load(self, values, states, param_scalars=None) -> None:
         """As :meth:`Masters.load`, written to the swap file sub-group by sub-group. ``values=None``: the masters
         and per-element states are in the swap file already (written by :meth:`write_range`, Note [Paged
         checkpoints]); ``states`` then holds each buffer's scalar states only (``None``: no state)."""
+        self.stepped = False
+        for c in self.chunks:  # scalars (Adam's step) are incremented in place: one tensor per sub-group
+            state = states[c.index] if states else None
+            scalars = {k: v for k, v in state.items() if k not in self.state_names} if state else None
+            if states is not None and param_scalars is not None:  # each parameter's own (Note [Unused parameters])
+                scalars = param_scalars[c.index][c.k]
+            c.small = None if scalars is None else {k: v.detach().clone() for k, v in scalars.items()}
+            self.stepped |= c.small is not None
+            if values is None:
+                continue
+            master = values[c.index].reshape(-1)[c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous()
+            self.file.write(c.offsets["master"], master)
+            if c.small is not None:
+                for n in self.state_names:
+                    self.file.write(c.offsets[n], state[n][c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous())
+            self.slices[c.index][c.lo:c.lo + c.numel].copy_(master)
         if values is None:
-            for c in self.chunks:  # scalars (Adam's step) are incremented in place: one tensor per sub-group
-                c.small = None if states is None else {k: v.detach().clone() for k, v in states[c.index].items()}
             self.write_params()
-            return
+
+    def set_values(self, values) -> None:
+        """Overwrite the masters in the swap file with ``values`` (as :meth:`load`), keeping the optimizer
+        state, and write them into the parameter slices."""
         for c in self.chunks:
             master = values[c.index].reshape(-1)[c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous()
             self.file.write(c.offsets["master"], master)
-            state = states[c.index] if states else None
-            c.small = None
-            if state:
-                for n in self.state_names:
-                    self.file.write(c.offsets[n], state[n][c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous())
-                # scalars (Adam's step) are incremented in place: one tensor per sub-group
-                c.small = {k: v.detach().clone() for k, v in state.items() if k not in self.state_names}
             self.slices[c.index][c.lo:c.lo + c.numel].copy_(master)
 
     def write_params(self) -> None:
@@ -186,13 +207,26 @@ class DiskMasters(Masters):
 
     def has_state(self) -> bool:
         """Whether the optimizer has stepped (its per-element states are in the swap file)."""
-        return all(c.small is not None for c in self.chunks)
+        return self.stepped
 
-    def buffer_scalars(self) -> list[dict[str, torch.Tensor]]:
-        """Each flat buffer's states that are not per element (Adam's ``step``), copies; empty dicts before the
-        first step. Every sub-group of a buffer steps together: the first one's stand for all."""
-        return [{k: v.clone() for k, v in (chunks[0].small or {}).items()} if chunks else {}
-                for chunks in self._chunks_of]
+    def state_spec(self) -> dict[str, tuple[bool, torch.dtype, tuple]]:
+        """As :meth:`Masters.state_spec`: the per-element states are fp32 in the swap file."""
+        if not self.stepped:
+            return {}
+        small = next((c.small for c in self.chunks if c.small is not None), None)
+        if small is None:
+            return probe_spec(self.optimizer)
+        return {**{k: (False, v.dtype, tuple(v.shape)) for k, v in small.items() if isinstance(v, torch.Tensor)},
+                **{n: (True, torch.float32, (3,)) for n in self.state_names}}
+
+    def param_scalars(self) -> list[list[dict[str, torch.Tensor] | None]]:
+        """Per flat buffer, per parameter of it: the states that are not per element (Adam's ``step``) of
+        this rank's range of the parameter, copies; ``None`` where it has none (never stepped, or no range)."""
+        out: list[list[dict[str, torch.Tensor] | None]] = [[None] * len(b) for b in self.bounds]
+        for c in self.chunks:
+            if c.small is not None and out[c.index][c.k] is None:
+                out[c.index][c.k] = {k: v.clone() for k, v in c.small.items()}
+        return out
 
     def _regions(self, index: int, name: str, lo: int, numel: int):
         """``(file offset, position in the range, elements)`` of elements ``[lo, lo + numel)`` of buffer

@@ -17,57 +17,16 @@ import torch.nn as nn
 from zerorun.zero.comm import Comm
 from zerorun.zero.config import ZeroConfig
 from zerorun.zero.flat import FlatBuffer, pack
+from zerorun.zero.gradnorm import NORM_ROW, sum_of_squares  # noqa: F401 (re-exported)
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
-from zerorun.zero.optimizers import NON_ELEMENTWISE_OPTIMIZERS, resolve_optimizer  # noqa: F401 (re-exported)
+from zerorun.zero.optimizers import (NON_ELEMENTWISE_OPTIMIZERS, default_param_groups,  # noqa: F401 (re-exported)
+                                     resolve_optimizer)
 from zerorun.zero.policy import POLICIES
 from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_inputs, cast_model
 from zerorun.zero.reducer import GradReducer
 from zerorun.zero.user_model import UserModel
 
 __all__ = ["ZeroConfig", "ZeroEngine", "default_param_groups", "initialize", "resolve_optimizer"]
-
-
-def default_param_groups(model: nn.Module, weight_decay: float, decay_1d: bool = False) -> list[dict[str, Any]]:
-    """Two torch-style param groups over the trainable parameters of ``model``: tensors with 2 or more
-    dimensions (matrices, embeddings) get ``weight_decay``; 1-D tensors (biases, norm weights) get 0 unless
-    ``decay_1d`` (the GPT-2/nanoGPT convention). Empty groups are dropped."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 or decay_1d else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
-#: Note [Gradient norm]: elements per row whose squares are summed in fp32 (about one small parameter's worth).
-NORM_ROW = 4096
-
-
-def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
-    """The sum of the squares of ``t``'s elements (any shape and floating dtype) as a 0-d fp64 tensor on
-    ``t``'s device.
-
-    Note [Gradient norm]: the global gradient norm of :meth:`ZeroEngine.step` sums the squares of whole flat
-    buckets (a 25 MiB bucket is 6.5M fp32 elements), and one fp32 ``vector_norm`` over that many terms loses
-    the small ones against its large running sum: it fell short of the exact norm by 1e-5 to 3e-4 relative
-    (a 6.25M-element random gradient: 3.3e-4; the default recipe's GPT: stage 0's norm 1.7e-5 below DDP's,
-    whose ``clip_grad_norm_`` takes one fp32 norm per parameter). Here squares are summed in fp32 within rows
-    of :data:`NORM_ROW` elements (one pass over ``t``, no slower than the flat norm: 1.0 ms against 2.0 ms
-    for 6.25M elements, one thread) and the rows' sums in fp64: the same elements come within 3e-7 of the
-    exact (fp64) value. On the default recipe (10 steps, stages 0-3) every step's norm is within 1.9e-7 of
-    the fp64 norm of the same gradients and within 1e-6 of DDP's, whose per-parameter fp32 norms are the
-    farther ones (up to 1.2e-6 below). A row where a few large values sit among thousands of tiny ones can
-    still lose the tiny ones (3e-5 relative in a constructed case), as torch's per-parameter norm does.
-    """
-    flat = t.reshape(-1)
-    whole = flat.numel() // NORM_ROW * NORM_ROW
-    sq = torch.zeros((), dtype=torch.float64, device=t.device)
-    if whole:
-        rows = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
-        sq += rows.double().square().sum()
-    if whole < flat.numel():
-        sq += torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).double().square()
-    return sq
 
 
 class ZeroEngine(UserModel):
@@ -182,13 +141,24 @@ class ZeroEngine(UserModel):
         c = self.config
         args = ([self._param_slice(b) for b in self.buffers], [b.group_index for b in self.buffers], group_options,
                 optimizer_cls, optimizer_kwargs)
+        part = self.policy.partition_optimizer  # Note [Unused parameters] in masters.py: per-parameter segments
+        segments = [b.segments(b.lo, b.shard_numel) if part else b.segments(0, b.numel) for b in self.buffers]
         if c.offload_optimizer == "cpu":
-            return CpuMasters(*args)
+            return CpuMasters(*args, segments=segments)
         if c.offload_optimizer == "disk":
             return DiskMasters(*args, folder=c.offload_path, buffer_bytes=int(c.offload_buffer_mb * 2**20),
-                               rank=dist.get_rank())
+                               rank=dist.get_rank(), segments=segments)
         fp32 = self.param_dtype == torch.float32 and self.reduce_dtype == torch.float32
-        return Masters(*args, alias_grads=[self._grad_slice(b) for b in self.buffers] if fp32 else None)
+        return Masters(*args, alias_grads=[self._grad_slice(b) for b in self.buffers] if fp32 else None,
+                       segments=segments)
+
+    def _used(self) -> list[list[bool]] | None:
+        """Per flat buffer, per parameter: whether it got a gradient on some rank in this step (Note [Unused
+        parameters] in ``masters.py``); ``None`` when the reducer has not learnt it (all count as used)."""
+        used = self.reducer.used
+        if used is None:
+            return None
+        return [[p in used for p in buf.params] for buf in self.buffers]
 
     def master_slices(self) -> list[torch.Tensor]:
         """This rank's fp32 master values: one 1-D fp32 tensor per flat buffer of :attr:`buffers`, in that
@@ -233,11 +203,7 @@ class ZeroEngine(UserModel):
             RuntimeError: ``loss`` is not a scalar tensor, or more micro-steps than ``grad_accum_steps`` were
                 run without :meth:`step`.
         """
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise RuntimeError(f"backward needs a scalar loss tensor, got {type(loss).__name__}")
-        if self._micro_step >= self.config.grad_accum_steps:
-            raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); "
-                               f"grad_accum_steps is {self.config.grad_accum_steps}")
+        self._check_backward(loss)
         self.check_parameters()
         self.reducer.begin(last_micro_step=self._micro_step + 1 == self.config.grad_accum_steps)
         if self.scaler is not None:  # Note [Loss scaling]
@@ -245,6 +211,15 @@ class ZeroEngine(UserModel):
         (loss / self.config.grad_accum_steps).backward()
         self._finish_backward()
         self._micro_step += 1
+
+    def _check_backward(self, loss: Any) -> None:
+        """What :meth:`backward` refuses, checked before any collective (stage 3's gathers and checks too): the
+        engine is unchanged and the same processes go on with a correct call. Raises RuntimeError."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise RuntimeError(f"backward needs a scalar loss tensor, got {type(loss).__name__}")
+        if self._micro_step >= self.config.grad_accum_steps:
+            raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); grad_accum_steps is "
+                               f"{self.config.grad_accum_steps}: call step() first (the engine is unchanged)")
 
     def _finish_backward(self) -> None:
         self.reducer.finish()
@@ -265,9 +240,10 @@ class ZeroEngine(UserModel):
         Raises:
             RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step.
         """
-        if self._micro_step != self.config.grad_accum_steps:
+        if self._micro_step != self.config.grad_accum_steps:  # before any collective
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
-                               f"{self.config.grad_accum_steps}")
+                               f"{self.config.grad_accum_steps}: run the remaining micro-steps first (the "
+                               "engine is unchanged)")
         self.reducer.pool.clear()  # Note [Gradient buffer pool]: not held through the optimizer step
         self.comm.release_buffers()
         grads = [self._grad_slice(buf) for buf in self.buffers]
@@ -293,7 +269,7 @@ class ZeroEngine(UserModel):
         if self.config.grad_clip:
             clip = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
             coef = clip if coef is None else coef * clip
-        self.masters.step(grads, coef)
+        self.masters.step(grads, coef, self._used())
         self._after_step()
         self._zero_grads()
         return float(norm)
@@ -345,13 +321,16 @@ class ZeroEngine(UserModel):
         are; empty before the first step). ``disk`` offload: read from the swap file (new CPU tensors)."""
         return self.masters.buffer_states()
 
-    def load_master_slices(self, values: list[torch.Tensor],
-                           states: list[dict[str, torch.Tensor]] | None = None) -> None:
+    def load_master_slices(self, values: list[torch.Tensor] | None,
+                           states: list[dict[str, torch.Tensor]] | None = None,
+                           param_scalars: list[list[dict[str, torch.Tensor] | None]] | None = None) -> None:
         """Overwrite this rank's fp32 master slices with ``values`` (one 1-D fp32 tensor per flat buffer, shaped
         as :meth:`master_slices`) and the optimizer state with ``states`` (as :meth:`optimizer_states`;
-        ``None``: none), wherever they live (device, host, swap file), then :meth:`refresh_params`. Used to
-        resume a checkpoint (Note [Checkpoint layout] in ``state.py``). Collective at stages 1-2."""
-        self.masters.load(values, states)
+        ``None``: none) and ``param_scalars`` (per buffer, per parameter: its scalar states, ``None`` for no
+        state; ``None``: each buffer's scalars stand for all its parameters), wherever they live (device, host,
+        swap file), then :meth:`refresh_params`. Used to resume a checkpoint (Note [Checkpoint layout] in
+        ``state.py``). Collective at stages 1-2."""
+        self.masters.load(values, states, param_scalars)
         self._after_step()
 
     def refresh_params(self) -> None:

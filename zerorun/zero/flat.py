@@ -82,6 +82,15 @@ class FlatBuffer:
         """This rank's slice of a full flat tensor ``flat`` (shape ``(numel,)``): a view, ``(shard_numel,)``."""
         return flat[self.lo:self.lo + self.shard_numel]
 
+    def segments(self, lo: int, n: int) -> list[tuple[int, int]]:
+        """Each parameter's range ``(start, end)`` within elements ``[lo, lo + n)`` of the buffer, relative to
+        ``lo`` (``start == end``: none of it there), in layout order."""
+        out = []
+        for p in self.params:
+            a, b = max(self.slots[p].offset, lo), min(self.slots[p].offset + self.slots[p].numel, lo + n)
+            out.append((a - lo, b - lo) if a < b else (0, 0))
+        return out
+
     def view_of(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
         """The part of ``flat`` (shape ``(numel,)``) that belongs to ``p``, viewed with ``p``'s shape."""
         s = self.slots[p]

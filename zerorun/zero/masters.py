@@ -15,6 +15,17 @@ def _group_params(params: list[torch.Tensor], group_of: list[int], group_options
     return [g for g in groups if g["params"]]
 
 
+def probe_spec(optimizer: torch.optim.Optimizer) -> dict[str, tuple[bool, torch.dtype, tuple]]:
+    """:meth:`Masters.state_spec` of ``optimizer``'s class and options, learnt by stepping a fresh instance
+    once on a 3-element probe with a zero gradient (for a rank that holds no stepped parameter)."""
+    probe = torch.zeros(3, requires_grad=True)
+    opt = type(optimizer)([probe], **optimizer.defaults)
+    probe.grad = torch.zeros(3)
+    opt.step()
+    return {k: (v.shape == probe.shape, v.dtype, tuple(v.shape)) for k, v in opt.state[probe].items()
+            if isinstance(v, torch.Tensor)}
+
+
 def _state_bytes(state: dict) -> int:
     return sum(v.nbytes for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
@@ -30,73 +41,183 @@ def _fp32_grad(grad: torch.Tensor, coef: torch.Tensor | None, device: torch.devi
 class Masters:
     """fp32 master slices in device memory and the user's optimizer over them (``offload_optimizer: none``).
 
+    Note [Unused parameters]: DDP (``find_unused_parameters=True``) leaves the gradient of a parameter that no
+    rank used in a step ``None``, and torch's optimizers skip such a parameter: no weight decay, no momentum,
+    and its own ``step`` count (Adam's bias correction) does not advance. To step exactly as that, the
+    optimizer is not built over one master per flat buffer but over per-parameter segments: views of this
+    rank's master slice, one per parameter of the buffer (its range in this slice, possibly empty; padding is
+    in none), each a parameter of the optimizer with its own state. The reducer learns which parameters got
+    a gradient on some rank (a gradient hook ran, in any micro-step): its own ones are a set on the host, and
+    the OR over the ranks rides on the all-reduce of the late-gradient flag at the end of each reducing
+    backward (Note [Per-parameter readiness] in ``reducer.py``), whose result was already read to the host: a
+    few bytes more, no new host sync. At the step a segment gets its gradient as ``.grad`` (a view of the
+    reduced slice) or ``None``; the optimizer then does what torch does per parameter. A parameter used on
+    some ranks only gets its mean gradient (zeros from the others), as under DDP. Checkpoints keep their
+    format (Note [Checkpoint layout] in ``state.py``): per-element states per parameter range as before, and
+    the scalar states (``step``) per parameter, which they always were on disk; a parameter no step has
+    touched yet is written with zeros and ``step`` 0 and loads as no state.
+
     Args:
         slices: this rank's parameter slices, one per flat buffer (1-D, any float dtype); updated in place.
         group_of: the optimizer param group of each slice.
         group_options: per-group options (``lr``, ``weight_decay``, ...), as in a torch param group.
         optimizer_cls, optimizer_kwargs: the user's elementwise ``torch.optim`` optimizer.
         alias_grads: fp32 training only: the gradient slices (same shapes); the masters then are the
-            parameter slices themselves and these their permanent ``.grad`` (no copy at all).
+            parameter slices themselves, stepped in place.
+        segments: per slice, the ``(start, end)`` range in it of each parameter of the flat buffer, in layout
+            order (``start == end``: none of it here); ``None``: one segment per slice (a test's masters).
     """
 
     def __init__(self, slices: list[torch.Tensor], group_of: list[int], group_options: list[dict],
                  optimizer_cls: type, optimizer_kwargs: dict[str, Any],
-                 alias_grads: list[torch.Tensor] | None = None) -> None:
+                 alias_grads: list[torch.Tensor] | None = None,
+                 segments: list[list[tuple[int, int]]] | None = None) -> None:
         self.slices = slices
         self.alias = alias_grads is not None
         self.params = [self._new_master(s) for s in slices]
-        if self.alias:
-            for m, g in zip(self.params, alias_grads):
-                m.grad = g
-        self.optimizer = optimizer_cls(_group_params(self.params, group_of, group_options), **optimizer_kwargs)
+        self.bounds = segments if segments is not None else [[(0, s.numel())] for s in slices]
+        self.segments = [[m[a:b].requires_grad_(True) for a, b in bounds]
+                         for m, bounds in zip(self.params, self.bounds)]
+        flat = [seg for segs in self.segments for seg in segs]
+        groups = [group_of[i] for i, segs in enumerate(self.segments) for _ in segs]
+        self.optimizer = optimizer_cls(_group_params(flat, groups, group_options), **optimizer_kwargs)
+        self.eager = bool(self.optimizer.state)  # Adagrad makes its state at construction
+        self.stepped = False  # whether any parameter has been stepped (the same on every rank)
 
     def _new_master(self, s: torch.Tensor) -> torch.Tensor:
         if self.alias:
-            return s.detach().requires_grad_(True)
-        return s.detach().to(torch.float32, copy=True).requires_grad_(True)
+            return s.detach()
+        return s.detach().to(torch.float32, copy=True)
 
-    def step(self, grads: Sequence[torch.Tensor], coef: torch.Tensor | None) -> None:
+    def _give_grads(self, i: int, grad: torch.Tensor | None, used: list[bool] | None) -> bool:
+        """Set the ``.grad`` of buffer ``i``'s segments to their part of ``grad`` (1-D, the slice's shape) where
+        their parameter was used (``used[k]``; ``None``: all), else ``None``. Returns whether any got one."""
+        any_used = False
+        for k, ((a, b), seg) in enumerate(zip(self.bounds[i], self.segments[i])):
+            on = grad is not None and b > a and (used is None or used[k])
+            seg.grad = grad[a:b] if on else None
+            any_used |= on
+        return any_used
+
+    def step(self, grads: Sequence[torch.Tensor], coef: torch.Tensor | None,
+             used: list[list[bool]] | None = None) -> None:
         """Step on ``grads`` (this rank's gradient slices, any float dtype) times ``coef`` (0-d fp32 tensor:
-        clipping and loss-scale factor; ``None`` for 1), then write the masters into the parameter slices."""
+        clipping and loss-scale factor; ``None`` for 1), then write the masters into the parameter slices.
+        ``used[i][k]``: whether parameter ``k`` of buffer ``i`` got a gradient on some rank (Note [Unused
+        parameters]; ``None``: all did)."""
         if self.alias:
             if coef is not None:
                 torch._foreach_mul_(list(grads), coef)
+            stepped = [self._give_grads(i, g, used and used[i]) for i, g in enumerate(grads)]
             self.optimizer.step()
+            for i in range(len(grads)):
+                self._give_grads(i, None, None)
+            self.stepped |= any(stepped)
             return
-        for m, g, s in zip(self.params, grads, self.slices):  # one buffer at a time: fp32 grads are transient
-            m.grad = _fp32_grad(g, coef, m.device)
+        for i, (m, g, s) in enumerate(zip(self.params, grads, self.slices)):  # one buffer at a time
+            if used is not None and not any(used[i]):
+                continue
+            full = _fp32_grad(g, coef, m.device)  # fp32 grads are transient
+            self.stepped |= self._give_grads(i, full, used and used[i])
             self.optimizer.step()
-            m.grad = None
-            s.copy_(m.detach())
+            self._give_grads(i, None, None)
+            s.copy_(m)
 
     def master_slices(self) -> list[torch.Tensor]:
         """This rank's fp32 master values, one 1-D tensor per flat buffer (views: do not modify)."""
         return [m.detach() for m in self.params]
 
     def state_slices(self) -> list[dict[str, torch.Tensor]]:
-        """The optimizer state of each master (``{name: tensor}``, e.g. Adam's ``exp_avg``, ``exp_avg_sq``,
-        ``step``); empty before the first step."""
-        return [dict(self.optimizer.state.get(m, {})) for m in self.params]
+        """The optimizer state of each optimizer parameter, a segment of a master (``{name: tensor}``, e.g.
+        Adam's ``exp_avg``, ``exp_avg_sq``, ``step``); empty where it has not stepped."""
+        return [dict(self.optimizer.state.get(seg, {})) for segs in self.segments for seg in segs]
+
+    def param_states(self) -> list[list[dict[str, torch.Tensor]]]:
+        """Per flat buffer, per parameter of it (layout order): the optimizer state of this rank's range of the
+        parameter (``{name: tensor}``: per-element states 1-D of the range's length, scalars as they are; the
+        optimizer's own tensors, do not modify); ``{}`` where it has none (never stepped, or no range here)."""
+        return [[dict(self.optimizer.state.get(seg, {})) if seg.numel() else {} for seg in segs]
+                for segs in self.segments]
+
+    def has_state(self) -> bool:
+        """Whether the optimizer keeps any state yet (the same on every rank)."""
+        return self.stepped or self.eager
+
+    def param_scalars(self) -> list[list[dict[str, torch.Tensor] | None]]:
+        """Per flat buffer, per parameter of it: the states that are not per element (Adam's ``step``) of this
+        rank's range of the parameter; ``None`` where it has no state (never stepped, or no range here)."""
+        return [[{k: v for k, v in self.optimizer.state[seg].items() if isinstance(v, torch.Tensor)
+                  and v.shape != seg.shape} if seg.numel() and seg in self.optimizer.state else None
+                 for seg in segs] for segs in self.segments]
+
+    def state_spec(self) -> dict[str, tuple[bool, torch.dtype, tuple]]:
+        """``{name: (per element, dtype, shape)}`` of the optimizer's state tensors (a per-element one's shape is
+        the probe's), the same on every rank; ``{}`` while :meth:`has_state` is false."""
+        if not self.has_state():
+            return {}
+        for segs in self.segments:
+            for seg in segs:
+                state = self.optimizer.state.get(seg) if seg.numel() else None
+                if state:
+                    return {k: (v.shape == seg.shape, v.dtype, tuple(v.shape) if v.shape != seg.shape else (3,))
+                            for k, v in state.items() if isinstance(v, torch.Tensor)}
+        return probe_spec(self.optimizer)
 
     def buffer_states(self) -> list[dict[str, torch.Tensor]]:
         """The optimizer state of each flat buffer's master, in :attr:`slices` order (``{name: tensor}``: states
-        with one element per master element are 1-D like the master; scalars such as ``step`` as they are);
-        empty dicts before the first step. In memory: the optimizer's own tensors (do not modify)."""
-        return self.state_slices()
+        with one element per master element are 1-D like the master, zeros where a parameter has no state; a
+        scalar such as ``step`` is the first stepped parameter's, see :meth:`param_states` for each one's);
+        empty dicts where no parameter of the buffer has stepped. New tensors."""
+        out = []
+        for m, bounds, states in zip(self.params, self.bounds, self.param_states()):
+            joined: dict[str, torch.Tensor] = {}
+            for (a, b), state in zip(bounds, states):
+                for key, v in state.items():
+                    if not isinstance(v, torch.Tensor):
+                        continue
+                    if v.dim() == 1 and v.numel() == b - a and key not in joined:
+                        joined[key] = torch.zeros(m.shape, dtype=v.dtype, device=v.device)
+                    if key in joined and joined[key].shape == m.shape and v.dim() == 1:
+                        joined[key][a:b].copy_(v)
+                    elif key not in joined:
+                        joined[key] = v.clone()
+            out.append(joined)
+        return out
 
-    def load(self, values: Sequence[torch.Tensor], states: Sequence[dict[str, torch.Tensor]] | None) -> None:
+    def load(self, values: Sequence[torch.Tensor], states: Sequence[dict[str, torch.Tensor]] | None,
+             param_scalars: list[list[dict[str, torch.Tensor] | None]] | None = None) -> None:
         """Overwrite the masters with ``values`` (one 1-D fp32 tensor per flat buffer, shaped as
         :meth:`master_slices`; may be those very tensors) and the optimizer state with ``states`` (per buffer,
         as :meth:`buffer_states` gives them; ``None`` or empty dicts: no state, as before the first step), then
-        write the masters into the parameter slices (:meth:`write_params`). Used to resume a checkpoint."""
+        write the masters into the parameter slices (:meth:`write_params`). ``param_scalars[i][k]``: the
+        scalar states of parameter ``k`` of buffer ``i`` (``None``: that parameter has no state); ``None``:
+        each buffer's scalars stand for all its parameters. Used to resume a checkpoint."""
         with torch.no_grad():
             for m, v in zip(self.params, values):
                 m.copy_(v.reshape(m.shape))
         self.optimizer.state.clear()
-        for m, state in zip(self.params, states or [{}] * len(self.params)):
-            if state:
-                self.optimizer.state[m] = {k: v.to(m.device) if v.shape == m.shape else v.clone()
-                                           for k, v in state.items()}
+        self.stepped = False
+        for i, (m, state) in enumerate(zip(self.params, states or [{}] * len(self.params))):
+            if not state:
+                continue
+            for k, ((a, b), seg) in enumerate(zip(self.bounds[i], self.segments[i])):
+                scalars = {key: v for key, v in state.items() if v.shape != m.shape}
+                if param_scalars is not None:
+                    scalars = param_scalars[i][k]
+                if b == a or scalars is None:
+                    continue
+                self.stepped = True
+                self.optimizer.state[seg] = {**{key: v.clone() for key, v in scalars.items()},
+                                             **{key: v[a:b].to(m.device, copy=True) for key, v in state.items()
+                                                if v.shape == m.shape}}
+        self.write_params()
+
+    def set_values(self, values: Sequence[torch.Tensor]) -> None:
+        """Overwrite the masters with ``values`` (as :meth:`load`), keeping the optimizer state, and write them
+        into the parameter slices."""
+        with torch.no_grad():
+            for m, v in zip(self.params, values):
+                m.copy_(v.reshape(m.shape))
         self.write_params()
 
     def write_params(self) -> None:
@@ -120,20 +241,20 @@ class CpuMasters(Masters):
     """Masters and optimizer states in host memory, pinned when the parameters are on CUDA, the step on the
     CPU (Note [Offload overlap]). Arguments as :class:`Masters` (never aliased)."""
 
-    def __init__(self, slices, group_of, group_options, optimizer_cls, optimizer_kwargs) -> None:
+    def __init__(self, slices, group_of, group_options, optimizer_cls, optimizer_kwargs, segments=None) -> None:
         self.device = slices[0].device
         self.pin = self.device.type == "cuda"
-        super().__init__(slices, group_of, group_options, optimizer_cls, optimizer_kwargs)
+        super().__init__(slices, group_of, group_options, optimizer_cls, optimizer_kwargs, segments=segments)
 
     def _new_master(self, s: torch.Tensor) -> torch.Tensor:
         m = torch.empty(s.numel(), dtype=torch.float32, pin_memory=self.pin)
         m.copy_(s.detach().reshape(-1))
-        return m.requires_grad_(True)
+        return m
 
-    def step(self, grads, coef) -> None:
+    def step(self, grads, coef, used=None) -> None:
         cpu = torch.device("cpu")
         if not self.pin:  # host-only: the copies are plain copies, one buffer at a time
-            super().step(grads, coef)
+            super().step(grads, coef, used)
             return
         staged, events = [], []
         for g in grads:  # every copy in flight at once; buffer i steps when its copy is done
@@ -145,11 +266,13 @@ class CpuMasters(Masters):
             events.append(ev)
         coef_cpu = None if coef is None else coef.to(cpu)
         back = []
-        for m, h, ev, s in zip(self.params, staged, events, self.slices):
+        for i, (m, h, ev, s) in enumerate(zip(self.params, staged, events, self.slices)):
             ev.synchronize()
-            m.grad = _fp32_grad(h, coef_cpu, cpu)
+            if used is not None and not any(used[i]):
+                continue
+            self.stepped |= self._give_grads(i, _fp32_grad(h, coef_cpu, cpu), used and used[i])
             self.optimizer.step()
-            m.grad = None
+            self._give_grads(i, None, None)
             out = m.detach().to(s.dtype).pin_memory()
             s.copy_(out, non_blocking=True)
             back.append(out)

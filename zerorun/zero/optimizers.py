@@ -164,3 +164,15 @@ def check_arguments(cls: type, kwargs: dict) -> None:
         raise ValueError(key, f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) refused "
                          f"these values{' at its first step' if stepped else ''}: {type(e).__name__}: "
                          f"{detail}") from None
+
+
+def default_param_groups(model: torch.nn.Module, weight_decay: float, decay_1d: bool = False) -> list[dict[str, Any]]:
+    """Two torch-style param groups over the trainable parameters of ``model``: tensors with 2 or more
+    dimensions (matrices, embeddings) get ``weight_decay``; 1-D tensors (biases, norm weights) get 0 unless
+    ``decay_1d`` (the GPT-2/nanoGPT convention). Empty groups are dropped."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 or decay_1d else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]

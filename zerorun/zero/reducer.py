@@ -10,11 +10,11 @@ step assumes once); a parameter that got no gradient in that step is complete at
 unused: its bucket is reduced early, with zeros, or at stages 0-1 with the micro-steps' sum so far). A guess
 can be wrong (the graph changed): a gradient that arrives after its bucket was launched is kept aside
 (stages 0-1 detach ``p.grad`` from the bucket at launch, so autograd never writes into a buffer a collective
-is reading), and at the end of backward the ranks agree, with one all-reduce of one flag per bucket, which
-buckets got late gradients anywhere (a 4-byte all-reduce per reducing backward, control traffic not counted
-in ``bytes_sent``; the bucket mask only when some rank has one); those are reduced once more and added
-(reduction is linear). The result
-is the right gradient at every stage, whatever the graph does; a wrong guess costs one more collective.
+is reading), and at the end of backward the ranks agree, with one all-reduce of one flag per bucket and one per
+parameter (4 bytes each per reducing backward, control traffic not counted in ``bytes_sent``; the parameters'
+flags are Note [Unused parameters]'s mask, in ``masters.py``), which buckets got late gradients anywhere; those
+are reduced once more and added (reduction is linear). The result is the right gradient at every stage,
+whatever the graph does; a wrong guess costs one more collective.
 
 Note [Launch order]: every rank must issue the same collectives in the same order. In the first step,
 buckets are launched by the registration index of their first parameter, descending (the order backward
@@ -23,7 +23,8 @@ step's backward, the order in which rank 0's buckets became ready is broadcast a
 of every later step (DDP rebuilds its buckets after the first iteration the same way), with the buckets rank
 0 found unused first: they are launched at the start of backward. Buckets stay runs of consecutive parameters
 in registration order (they are the parameters' storage and the optimizer's partition); their launch order is
-what is rebuilt. A parameter that gets no gradient in a step gets a zero gradient, as in DeepSpeed and FSDP.
+what is rebuilt. A parameter that gets no gradient in a step gets a zero gradient in its bucket; one that got
+none on any rank is then not stepped (Note [Unused parameters] in ``masters.py``).
 
 Note [Gradient buffer pool]: at stages 2-3 a bucket's full gradient exists only from its first parameter's
 gradient until its reduce-scatter is done. It comes from a pool (``comm.BufferPool``) that keeps at most
@@ -110,6 +111,8 @@ class GradReducer:
         self._result: dict[FlatBuffer, torch.Tensor] = {}
         self._late: dict[FlatBuffer, torch.Tensor] = {}
         self._adopted: set[FlatBuffer] = set()
+        self._used: set[nn.Parameter] = set()
+        self.used: set[nn.Parameter] | None = None
         self.adopted = 0
         self.sync = False
         self._reset()
@@ -172,6 +175,7 @@ class GradReducer:
 
     def _on_grad(self, p: nn.Parameter) -> None:
         buf = self._slot[p]
+        self._used.add(p)  # Note [Unused parameters]
         if buf in self._launched:  # Note [Per-parameter readiness]: a gradient after the launch
             late = self._late.get(buf)
             if late is None:
@@ -344,19 +348,18 @@ class GradReducer:
 
     def _fix_late(self) -> None:
         """Note [Per-parameter readiness]: the ranks agree on the buckets that got gradients after their launch;
-        each is reduced again and added."""
-        if self.world_size > 1:  # one 4-byte flag per reducing backward; the bucket mask only when needed
-            flag = torch.tensor([len(self._late)], dtype=torch.int32, device=self.buffers[0].device)
-            self.comm.wait([self.comm.all_reduce(flag, control=True)])
-            late = []
-            if int(flag):
-                flags = torch.zeros(len(self.buffers), dtype=torch.int32, device=self.buffers[0].device)
-                for buf in self._late:
-                    flags[self._index[buf]] = 1
-                self.comm.wait([self.comm.all_reduce(flags, control=True)])
-                late = [b for b, f in zip(self.buffers, flags.tolist()) if f]
+        each is reduced again and added. Note [Unused parameters]: the same all-reduce carries this rank's
+        used-parameter mask; :attr:`used` becomes the parameters that got a gradient on some rank."""
+        params = list(self._slot)
+        if self.world_size > 1:  # one all-reduce: a flag per parameter (used) and per bucket (late)
+            flags = torch.tensor([p in self._used for p in params] + [b in self._late for b in self.buffers],
+                                 dtype=torch.int32, device=self.buffers[0].device)
+            self.comm.wait([self.comm.all_reduce(flags, control=True)])
+            counts = flags.tolist()  # the one read to the host per reducing backward
+            self.used = {p for p, n in zip(params, counts) if n}
+            late = [b for b, n in zip(self.buffers, counts[len(params):]) if n]
         else:
-            late = list(self._late)
+            self.used, late = set(self._used), list(self._late)
         for buf in late:
             self.late_fixups += 1
             delta = self._late.pop(buf, None)
@@ -383,6 +386,7 @@ class GradReducer:
     def zero_grads(self) -> None:
         """After the optimizer step (or a skipped one): zero the kept gradients; ``p.grad`` views again."""
         self.pool.clear()
+        self._used, self.used = set(), None  # Note [Unused parameters]: learnt again in the next step
         for buf in self.buffers:
             if self.policy.keep_full_grad:
                 buf.grad.zero_()

@@ -44,7 +44,8 @@ class Stage3Backward:
 
     def backward(self, loss: torch.Tensor) -> None:
         """As :meth:`ZeroEngine.backward`; the root unit is gathered first, whatever structure the forward
-        returned the loss in."""
+        returned the loss in. What :meth:`_check_backward` refuses raises before any gather or check."""
+        self._check_backward(loss)
         if isinstance(loss, torch.Tensor):
             check_backward_units(self, loss)
         if self._root.state is UnitState.FREE and isinstance(loss, torch.Tensor) and loss.requires_grad:
@@ -71,10 +72,10 @@ class Stage3Backward:
             self._outer_agree(sums, squares)
         return sq
 
-    def load_master_slices(self, values, states=None) -> None:
+    def load_master_slices(self, values, states=None, param_scalars=None) -> None:
         """As :meth:`ZeroEngine.load_master_slices`; persistent parameters (Note [Persistent parameters]),
         frozen ones included, are all-gathered again from the loaded slices."""
-        super().load_master_slices(values, states)
+        super().load_master_slices(values, states, param_scalars)
         frozen = [b for b in self._persistent_unit.buffers if b.group_index < 0]
         if frozen:
             self._ag_comm.wait([self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in frozen])

@@ -63,6 +63,7 @@ class Holding:
     ranges: tuple[tuple[int, int], ...] | None
     buffer_index: int | None
     tensor: torch.Tensor
+    k: int = 0  # the parameter's index in its flat buffer (optimizer states per parameter)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's elements in ``flat`` (a tensor laid out like ``tensor``), shape ``(hi - lo,)``."""
@@ -114,25 +115,27 @@ def _masters(engine) -> list[torch.Tensor]:
 
 def _buffer_holdings(engine, buf, tensor: torch.Tensor, whole: bool, index: int | None) -> list[Holding]:
     out = []
-    for p, name in zip(buf.params, buf.names):
+    for k, (p, name) in enumerate(zip(buf.params, buf.names)):
         slot = buf.slots[p]
         if whole:
-            out.append(Holding(name, tuple(slot.shape), slot.numel, 0, slot.numel, slot.offset, None, index, tensor))
+            out.append(Holding(name, tuple(slot.shape), slot.numel, 0, slot.numel, slot.offset, None, index, tensor,
+                               k))
             continue
         ranges = _slice_ranges(buf, slot, engine.world_size)
         lo, hi = ranges[engine.rank]
         start = slot.offset + lo - buf.lo
-        out.append(Holding(name, tuple(slot.shape), slot.numel, lo, hi, start, ranges, index, tensor))
+        out.append(Holding(name, tuple(slot.shape), slot.numel, lo, hi, start, ranges, index, tensor, k))
     return out
 
 
-def _dcp_tensor(h: Holding, flat: torch.Tensor, rank: int, process_group) -> torch.Tensor | None:
-    """The DCP entry for this rank's part of ``flat``: a plain tensor when it holds the whole parameter, a
-    ``ShardedTensor`` of one local shard (with every rank's shard in its global metadata) when it holds a
-    part, ``None`` when it holds nothing."""
+def _dcp_tensor(h: Holding, flat: torch.Tensor | None, rank: int, process_group,
+                local: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The DCP entry for this rank's part of ``flat`` (or for ``local``, that part itself: ``hi - lo``
+    elements): a plain tensor when it holds the whole parameter, a ``ShardedTensor`` of one local shard (with
+    every rank's shard in its global metadata) when it holds a part, ``None`` when it holds nothing."""
     if h.hi == h.lo:
         return None
-    local = h.view(flat)
+    local = h.view(flat) if local is None else local
     if h.whole:
         return local
     from torch.distributed._shard.metadata import ShardMetadata
@@ -147,14 +150,11 @@ def _dcp_tensor(h: Holding, flat: torch.Tensor, rank: int, process_group) -> tor
         return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=process_group)
 
 
-def _state_kind(value: Any, master: torch.Tensor) -> str:
-    if isinstance(value, torch.Tensor) and value.shape == master.shape:
-        return "elementwise"
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return "scalar"
-    raise ValueError(f"optimizer state of type {type(value).__name__}"
-                     f"{' and shape ' + str(list(value.shape)) if isinstance(value, torch.Tensor) else ''} "
-                     "is neither one value per parameter element nor a scalar: it cannot be sharded")
+def _check_scalar(key: str, shape: tuple) -> None:
+    """A state that is not per element must be one value (Adam's ``step``) to be stored per parameter."""
+    if any(d != 1 for d in shape):
+        raise ValueError(f"optimizer state {key!r} of shape {list(shape)} is neither one value per parameter "
+                         "element nor a scalar: it cannot be sharded")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -189,14 +189,18 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
     disk = paged_masters(engine)
     pager = Pager(disk, engine.rank, group) if disk is not None else None
     tensors: dict[str, Any] = {} if pager is None else PagedState()
-    masters = _masters(engine)
-    if pager is None:
-        states = engine.optimizer_states()
-    else:  # per-element states stay in the swap file: placeholders of the master's shape
-        states = [dict(scalars, **{n: m for n in disk.state_names}) if disk.has_state() else {}
-                  for scalars, m in zip(disk.buffer_scalars(), masters)]
+    if pager is not None:
         tensors.pager = pager
-    optim_state: dict[str, dict[str, Any]] = {}
+    masters = _masters(engine)
+    spec = engine.masters.state_spec()  # Note [Unused parameters] in masters.py: per parameter, alike on every rank
+    scalars = engine.masters.param_scalars()
+    per_param = engine.masters.param_states() if pager is None else None
+    for key, (each, _, shape) in spec.items():
+        if not each:
+            _check_scalar(key, shape)
+    optim_state = {key: {"kind": "elementwise" if each else "scalar", "dtype": _dtype_name(dtype),
+                         "shape": list(masters[-1].shape) if each and masters else list(shape)}
+                   for key, (each, dtype, shape) in spec.items()}
     params = []
     for h in holdings(engine, masters):
         params.append({"name": h.name, "shape": list(h.shape), "trainable": h.buffer_index is not None})
@@ -208,18 +212,19 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
         tensors[f"model/{h.name}"] = entry
         if h.buffer_index is None:
             continue
-        master = masters[h.buffer_index]
-        for key, value in states[h.buffer_index].items():
-            if value is None:  # e.g. a state an optimizer declares but has not filled
-                continue
-            kind = _state_kind(value, master)
-            optim_state[key] = {"kind": kind, "dtype": _dtype_name(value.dtype), "shape": list(value.shape)}
-            if kind != "elementwise":
-                tensors[f"optim/{h.name}/{key}"] = value.detach()
+        mine = scalars[h.buffer_index][h.k] or {}  # a parameter never stepped: zeros, step 0
+        for key, (each, dtype, shape) in spec.items():
+            if not each:
+                value = mine.get(key)
+                tensors[f"optim/{h.name}/{key}"] = (value.detach() if value is not None else
+                                                    torch.zeros(shape, dtype=dtype))
             elif paged:
                 tensors[f"optim/{h.name}/{key}"] = pager.entry(f"optim/{h.name}/{key}", h, key, load=False)
             else:
-                tensors[f"optim/{h.name}/{key}"] = _dcp_tensor(h, value, engine.rank, group)
+                value = per_param[h.buffer_index][h.k].get(key)
+                value = value if value is not None else torch.zeros(h.hi - h.lo, dtype=dtype,
+                                                                     device=h.tensor.device)
+                tensors[f"optim/{h.name}/{key}"] = _dcp_tensor(h, None, engine.rank, group, local=value.detach())
     keyed = engine.module.state_dict(keep_vars=True)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     order, buffers = [], {}
@@ -312,12 +317,10 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
     for i, master in enumerate(masters):
         state = states[i] = {}
         for key, spec in layout["optim_state"].items():
-            if spec["kind"] == "elementwise":
-                if pager is None:
-                    state[key] = torch.zeros_like(master, dtype=dtype_of(spec["dtype"]), requires_grad=False)
-            else:
-                state[key] = torch.zeros(spec["shape"], dtype=dtype_of(spec["dtype"]), device=master.device)
-                targets[f"optim/{engine.buffers[i].names[0]}/{key}"] = state[key]
+            if spec["kind"] == "elementwise" and pager is None:
+                state[key] = torch.zeros_like(master, dtype=dtype_of(spec["dtype"]), requires_grad=False)
+    # Note [Unused parameters] in masters.py: scalar states (step) per parameter
+    scalars: list[list[dict[str, torch.Tensor] | None]] = [[None] * len(b.params) for b in engine.buffers]
     for h in holdings(engine, masters):
         paged = pager is not None and h.buffer_index is not None
         entry = (pager.entry(f"model/{h.name}", h, "master", load=True) if paged
@@ -326,8 +329,11 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
             continue
         targets[f"model/{h.name}"] = entry
         if h.buffer_index is not None:
+            mine = scalars[h.buffer_index][h.k] = {}
             for key, spec in layout["optim_state"].items():
                 if spec["kind"] != "elementwise":
+                    mine[key] = targets[f"optim/{h.name}/{key}"] = torch.zeros(
+                        spec["shape"], dtype=dtype_of(spec["dtype"]), device=masters[h.buffer_index].device)
                     continue
                 targets[f"optim/{h.name}/{key}"] = (
                     pager.entry(f"optim/{h.name}/{key}", h, key, load=True) if paged
@@ -342,6 +348,11 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
             old = group_options.get(k)
             group_options[k] = tuple(v) if isinstance(old, tuple) and isinstance(v, list) else v
     loaded = [states[i] for i in range(len(masters))] if layout["optim_state"] else None
-    # disk: the masters and per-element states are in the swap file already; ``loaded`` holds the scalars
-    engine.load_master_slices(None if pager is not None else masters, loaded)
+    for per_buffer in scalars:  # a parameter saved before any step of it (step 0) has no state
+        for k, mine in enumerate(per_buffer):
+            step = (mine or {}).get("step")
+            if step is not None and not engine.masters.eager and float(step) == 0:
+                per_buffer[k] = None
+    # disk: the masters and per-element states are in the swap file already; ``loaded`` holds no tensors
+    engine.load_master_slices(None if pager is not None else masters, loaded, scalars if loaded else None)
 

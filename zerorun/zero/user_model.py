@@ -78,6 +78,5 @@ class UserModel:
             if bool(moved.any()):
                 changed[i] = masters[i].clone()
                 changed[i][moved] = now[moved].to(changed[i].dtype)
-        if changed:
-            states = self.optimizer_states()
-            self.masters.load([changed.get(i, m) for i, m in enumerate(masters)], states if any(states) else None)
+        if changed:  # the optimizer state stays as it is
+            self.masters.set_values([changed.get(i, m) for i, m in enumerate(masters)])

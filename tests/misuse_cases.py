@@ -1,0 +1,86 @@
+"""Engine misuse that raises (run on spawned gloo ranks by test_misuse.py): the error comes before any
+collective, on every rank, and the same processes then train on, equal to DDP."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zerorun.zero import ZeroConfig, initialize
+from zerorun.zero.comm import Comm
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).square().mean()
+
+
+def _x(step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + 10 * micro + dist.get_rank())
+    return torch.randn(4, 8, generator=g)
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")  # every Comm's, every stage's
+
+
+def _error(call) -> tuple[str, int]:
+    """The RuntimeError ``call`` raises and how many collectives the engine issued before raising."""
+    issued = []
+    saved = {name: getattr(Comm, name) for name in COLLECTIVES}
+    for name, fn in saved.items():
+        setattr(Comm, name, lambda self, *a, _fn=fn, _name=name, **k: issued.append(_name) or _fn(self, *a, **k))
+    try:
+        call()
+    except RuntimeError as e:
+        return str(e), len(issued)
+    finally:
+        for name, fn in saved.items():
+            setattr(Comm, name, fn)
+    return "no error", len(issued)
+
+
+def misuse(stage: int, kind: str, units: tuple = ()) -> dict:
+    """``kind``: ``"double_backward"`` (grad_accum_steps 1: a second backward before step) or ``"early_step"``
+    (grad_accum_steps 4: step after 2 micro-steps). After the error the loop goes on correctly (the step, or
+    the remaining micro-steps and the step) and trains one more step; returns the error and the largest
+    relative difference of the parameters from DDP's, which never saw the bad call."""
+    accum = 1 if kind == "double_backward" else 4
+    torch.manual_seed(0)
+    model = Net()
+    ref = DDP(copy.deepcopy(model))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
+                        param_groups=[{"params": list(model.parameters())}],
+                        config=ZeroConfig(stage=stage, grad_accum_steps=accum, units=units))
+    for step in range(2):
+        for micro in range(accum):
+            with ref.no_sync() if micro + 1 < accum else torch.enable_grad():
+                (ref(_x(step, micro)) / accum).backward()
+        ropt.step()
+        ropt.zero_grad()
+    errors = []
+    if kind == "double_backward":
+        engine.backward(engine(_x(0, 0)))
+        loss = engine(_x(0, 1))  # a forward too many is no misuse; its backward is
+        errors.append(_error(lambda: engine.backward(loss)))
+    else:
+        for micro in range(2):
+            engine.backward(engine(_x(0, micro)))
+        errors.append(_error(engine.step))
+        for micro in range(2, 4):
+            engine.backward(engine(_x(0, micro)))
+    engine.step()
+    for micro in range(accum):
+        engine.backward(engine(_x(1, micro)))
+    engine.step()
+    sd = engine.full_state_dict(rank0_only=False)
+    worst = max(float((sd[k] - v).abs().max() / v.abs().max()) for k, v in ref.module.state_dict().items())
+    return {"errors": errors, "rel": worst}

@@ -1,0 +1,22 @@
+"""Engine misuse (a backward too many, a step too early) raises on every rank before any collective, and the
+same processes then train on to DDP's numbers."""
+
+import pytest
+
+import misuse_cases as cases
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("stage,units", [(0, ()), (1, ()), (2, ()), (3, ()), (3, ("Linear",))])
+@pytest.mark.parametrize("kind,message", [
+    ("double_backward", "2 backward calls without step(); grad_accum_steps is 1: call step() first (the engine "
+                        "is unchanged)"),
+    ("early_step", "step() after 2 backward calls; grad_accum_steps is 4: run the remaining micro-steps first "
+                   "(the engine is unchanged)"),
+])
+def test_misuse_raises_before_any_collective_and_training_goes_on(ranks, stage, units, kind, message):
+    for rank, r in enumerate(ranks(2).run(cases.misuse, stage=stage, kind=kind, units=units)):
+        (error, issued), = r["errors"]
+        assert error.startswith(message) and issued == 0, f"rank {rank}: {r}"
+        assert r["rel"] <= 1e-5, f"rank {rank}: {r}"
