@@ -49,6 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 sys.path.insert(0, ROOT)
 from zerorun.launch.plan import TCMALLOC_QUIET, TCMALLOC_SONAMES  # noqa: E402 - torch-free
+from zerorun.zero.allocator import find_mimalloc  # noqa: E402 - torch-free
 
 
 def worker(args) -> None:
@@ -198,6 +199,10 @@ ENVS = {
     # Note [Rank allocator]: what zerorun's launcher gives ranks where the node has tcmalloc (zerorun.launch.plan)
     "tcmalloc": (TCMALLOC, None),
     "jemalloc": ({"LD_PRELOAD": "libjemalloc.so.2"}, None),
+    # mimalloc from its pip wheel (cmeel-mimalloc), preloaded by path; its default purge delay is 1 s
+    "mimalloc": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so"}, None),
+    "mimalloc-purge0": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", "MIMALLOC_PURGE_DELAY": "0"}, None),
+    "mimalloc-purge100": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", "MIMALLOC_PURGE_DELAY": "100"}, None),
     # tcmalloc returning every freed span to the kernel at once (gperftools' aggressive decommit), or 10x faster
     "tcmalloc-decommit": ({**TCMALLOC, "TCMALLOC_AGGRESSIVE_DECOMMIT": "1"}, None),
     "tcmalloc-release": ({**TCMALLOC, "TCMALLOC_RELEASE_RATE": "10"}, None),
@@ -291,7 +296,10 @@ def main() -> None:
         return
     extra = worker_args(args)
     envs = args.envs.split(",") if args.envs else [None]
-    modes = [(m, e) for m in args.modes.split(",") for e in envs]
+    # a mode may name its one environment (ddp@default: DDP as torchrun runs it); the others run in every --envs
+    modes = [tuple(m.split("@", 1)) if "@" in m else (m, e) for m in dict.fromkeys(args.modes.split(","))
+             for e in ([None] if "@" in m else envs)]
+    modes = list(dict.fromkeys(modes))
     unknown = [m for m, _ in modes if m not in ("ddp", "fsdp2", "0", "1", "2", "3", *DEEPSPEED_MODES)]
     if unknown:
         sys.exit(f"--modes: unknown mode {unknown[0]!r} (ddp, fsdp2, 0-3, {', '.join(DEEPSPEED_MODES)})")
