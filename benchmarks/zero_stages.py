@@ -201,8 +201,9 @@ ENVS = {
     "jemalloc": ({"LD_PRELOAD": "libjemalloc.so.2"}, None),
     # mimalloc from its pip wheel (cmeel-mimalloc), preloaded by path; its default purge delay is 1 s
     "mimalloc": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so"}, None),
-    "mimalloc-purge0": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", "MIMALLOC_PURGE_DELAY": "0"}, None),
-    "mimalloc-purge100": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", "MIMALLOC_PURGE_DELAY": "100"}, None),
+    # mimalloc returning freed memory at once, after 100 ms, after 10 s, or never (MIMALLOC_PURGE_DELAY, in ms)
+    **{f"mimalloc-purge{ms}": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", "MIMALLOC_PURGE_DELAY": str(ms)}, None)
+       for ms in (0, 100, 10000, -1)},
     # tcmalloc returning every freed span to the kernel at once (gperftools' aggressive decommit), or 10x faster
     "tcmalloc-decommit": ({**TCMALLOC, "TCMALLOC_AGGRESSIVE_DECOMMIT": "1"}, None),
     "tcmalloc-release": ({**TCMALLOC, "TCMALLOC_RELEASE_RATE": "10"}, None),

@@ -251,7 +251,7 @@ def test_console_names_ranks_whose_allocator_is_not_rank_0s():
 def test_configure_leaves_a_mimalloc_process_alone():
     """mimalloc comes with zerorun (pip: cmeel-mimalloc); glibc's tuning is not for a process it serves."""
     lib = allocator.find_mimalloc()
-    assert lib and lib.startswith(sys.prefix) or lib.startswith(sys.base_prefix), lib
+    assert lib and __import__("os").path.isfile(lib) and "libmimalloc.so" in lib, lib
     r = _run("import json, os\nfrom zerorun.zero import allocator\n"
              "print(json.dumps({'name': allocator.name(), 'set': allocator.configure(), "
              "'thp': os.environ.get('THP_MEM_ALLOC_ENABLE')}))", {**_env_without_allocator_vars(), "LD_PRELOAD": lib})

@@ -33,7 +33,13 @@ install, where nobody ran apt-get, gets a fast allocator too), either preloaded 
 (``zerorun/launch/plan.py``: :func:`zerorun.launch.plan.allocator_env`; ``ZERORUN_ALLOCATOR`` in the recipe's
 ``launch.env`` or the launcher's environment may name ``tcmalloc``, ``mimalloc`` or ``glibc``), and under glibc with
 the tuning of Note [Returning freed memory] where a node has neither (its watcher prints one line saying what to
-install: :func:`zerorun.launch.plan.fallback_note`).
+install: :func:`zerorun.launch.plan.fallback_note`). mimalloc is the fallback's replacement, not tcmalloc's: in one
+run on a loaded machine (issue 35; 55M GPT, 2 gloo ranks, micro-batch 8; README, "What a fresh install runs"), CPU
+seconds per step and rank against DDP as torchrun runs it were stage 1 1.08x, stage 2 1.11x, stage 3 1.22x under
+mimalloc, 0.93x, 0.92x, 0.84x under tcmalloc and 1.15x, 1.17x, 1.22x under glibc tuned, with realized savings of
+0.99, 0.98, 0.83 (tcmalloc 1.00, 1.00, 0.89; glibc tuned 1.00, 1.00, 0.99): mimalloc faults in a sixth of glibc
+tuned's pages but still pays 0.9-1.4 kernel seconds a step, because it returns freed memory to the kernel after a
+delay (``MIMALLOC_PURGE_DELAY``, 1 s) shorter than a step and faults it in again.
 torch's own CPU launcher offers the same preload (``torch.backends.xeon.run_cpu --enable-tcmalloc``). Why: the
 fixed mmap threshold keeps what ZeRO frees off the peak but makes every rank fault in each large block anew on
 every use, and a step of stage 3, which gathers and frees every unit twice, the most; tcmalloc keeps freed
