@@ -117,23 +117,27 @@ def test_launcher_gives_ranks_the_allocator_environment():
 TC = "libtcmalloc_minimal.so.4"
 MI = "/site-packages/cmeel.prefix/lib/libmimalloc.so"
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
+KEEP = {"MIMALLOC_PURGE_DELAY": "-1"}  # mimalloc keeps what it frees (issue 35: its 1 s default faults it in again)
 
 
 @pytest.mark.parametrize("env,tcmalloc,mimalloc,expected", [
     ({"ZERORUN_ALLOCATOR": "auto"}, TC, MI, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc", **QUIET}),
     ({}, TC, None, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc"}),
     # a node without tcmalloc: mimalloc from its pip wheel (issue 35), else glibc tuned
-    ({"ZERORUN_ALLOCATOR": "auto"}, None, MI, {"LD_PRELOAD": MI, "ZERORUN_ALLOCATOR": "mimalloc"}),
-    ({}, None, MI, {"LD_PRELOAD": MI, "ZERORUN_ALLOCATOR": "mimalloc"}),
+    ({"ZERORUN_ALLOCATOR": "auto"}, None, MI, {"LD_PRELOAD": MI, "ZERORUN_ALLOCATOR": "mimalloc", **KEEP}),
+    ({}, None, MI, {"LD_PRELOAD": MI, "ZERORUN_ALLOCATOR": "mimalloc", **KEEP}),
+    ({"MIMALLOC_PURGE_DELAY": "1000"}, None, MI, {"LD_PRELOAD": MI, "MIMALLOC_PURGE_DELAY": "1000"}),  # the job's
     ({"ZERORUN_ALLOCATOR": "auto"}, None, None, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),
     # asked for by name
     ({"ZERORUN_ALLOCATOR": "glibc"}, TC, MI, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc", "LD_PRELOAD": None}),
     ({"ZERORUN_ALLOCATOR": "mimalloc"}, TC, MI, {"LD_PRELOAD": MI, "ZERORUN_ALLOCATOR": "mimalloc"}),
-    ({"ZERORUN_ALLOCATOR": "tcmalloc"}, TC, MI, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc"}),
+    ({"ZERORUN_ALLOCATOR": "tcmalloc"}, TC, MI, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc",
+                                                 "MIMALLOC_PURGE_DELAY": None}),
     ({"ZERORUN_ALLOCATOR": "mimalloc", "MALLOC_MMAP_THRESHOLD_": "65536"}, TC, MI, {"LD_PRELOAD": MI}),
     # the job's own choices win: its own preload, its own threshold (kept), its own THP setting (kept)
     ({"LD_PRELOAD": "libjemalloc.so.2"}, TC, MI, {**allocator.ENV, "LD_PRELOAD": None, "ZERORUN_ALLOCATOR": "preload"}),
-    ({"LD_PRELOAD": "x.so", "ZERORUN_ALLOCATOR": "mimalloc"}, TC, MI, {"LD_PRELOAD": None, "ZERORUN_ALLOCATOR": "preload"}),
+    ({"LD_PRELOAD": "x.so", "ZERORUN_ALLOCATOR": "mimalloc"}, TC, MI,
+     {"LD_PRELOAD": None, "ZERORUN_ALLOCATOR": "preload"}),
     ({"LD_PRELOAD": TC}, None, None, {"ZERORUN_ALLOCATOR": "preload", **QUIET}),
     ({"MALLOC_MMAP_THRESHOLD_": "65536"}, TC, MI, {"MALLOC_MMAP_THRESHOLD_": "65536", "ZERORUN_ALLOCATOR": "glibc"}),
     ({"MALLOC_MMAP_THRESHOLD_": "65536"}, None, MI, {"LD_PRELOAD": None, "ZERORUN_ALLOCATOR": "glibc"}),
@@ -295,7 +299,8 @@ def test_ranks_of_a_node_without_tcmalloc_run_under_mimalloc(tmp_path):
 
     (tmp_path / "hide").mkdir()
     (tmp_path / "hide" / "sitecustomize.py").write_text(HIDE)
-    (tmp_path / "s.py").write_text("import zerorun\nzerorun.report(1, 1.5, steps=1)\n")
+    (tmp_path / "s.py").write_text("import os, zerorun\nprint('purge', os.environ.get('MIMALLOC_PURGE_DELAY'))\n"
+                                   "zerorun.report(1, 1.5, steps=1)\n")
     path = os.pathsep.join([str(tmp_path / "hide"), os.environ.get("PYTHONPATH", "")])
     for hide_mimalloc, expected in [("", "mimalloc"), ("1", "glibc")]:
         env = {**os.environ, "PYTHONPATH": path, "HIDE_MIMALLOC": hide_mimalloc}
@@ -308,6 +313,8 @@ def test_ranks_of_a_node_without_tcmalloc_run_under_mimalloc(tmp_path):
         assert sorted(e["rank"] for e in starts) == [0, 1] and {e["allocator"] for e in starts} == {expected}, starts
         first = next(line for line in out.stdout.splitlines() if line.startswith("2 ranks started ("))
         assert first == f"2 ranks started (torch {starts[0]['torch']}, {expected})", out.stdout  # a script's: no device
+        purge = "-1" if expected == "mimalloc" else None  # mimalloc keeps what it frees (plan.MIMALLOC_KEEP)
+        assert f"[rank 0] purge {purge}" in out.stdout and f"[rank 1] purge {purge}" in out.stdout, out.stdout
         note = [line for line in out.stdout.splitlines() if "has neither tcmalloc nor mimalloc" in line]
         assert len(note) == (expected == "glibc"), out.stdout
         if note:

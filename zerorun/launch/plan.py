@@ -28,6 +28,9 @@ JOB_ENV = "ZERORUN_JOB_ID"
 TCMALLOC_SONAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 #: tcmalloc prints a line for every allocation above this many bytes (default 1 GiB): never, for a rank.
 TCMALLOC_QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
+#: mimalloc keeps what a rank frees instead of returning it to the kernel after 1 s (its default, shorter than a
+#: step: every step faulted its memory in again) and reusing it, as tcmalloc does (Note [Rank allocator]).
+MIMALLOC_KEEP = {"MIMALLOC_PURGE_DELAY": "-1"}
 
 
 def rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -65,7 +68,8 @@ def allocator_env(env: dict[str, str], tcmalloc: str | None, mimalloc: str | Non
 
     ``auto`` preloads tcmalloc, else mimalloc (``LD_PRELOAD``), unless the job (or the node) preloads a library
     itself (which may be an allocator: ``ZERORUN_ALLOCATOR=preload``) or sets ``MALLOC_MMAP_THRESHOLD_``;
-    ``tcmalloc`` and ``mimalloc`` preload that one unless the job preloads its own. Otherwise, and for
+    ``tcmalloc`` and ``mimalloc`` preload that one unless the job preloads its own; mimalloc gets
+    :data:`MIMALLOC_KEEP` unless the job sets it. Otherwise, and for
     ``glibc``, glibc's tuning (:data:`GLIBC_ENV`) where the job does not set those variables. The result also
     names the choice made (``ZERORUN_ALLOCATOR=tcmalloc``, ``mimalloc``, ``preload`` or ``glibc``) and always
     has :data:`TCMALLOC_QUIET`, which only a tcmalloc reads; the rank reports what it really runs under
@@ -85,7 +89,8 @@ def allocator_env(env: dict[str, str], tcmalloc: str | None, mimalloc: str | Non
     if choice == "auto" and "MALLOC_MMAP_THRESHOLD_" not in env:  # the job tuning glibc asks for glibc
         choice = "tcmalloc" if tcmalloc else "mimalloc" if mimalloc else "glibc"
     if choice in found and not env.get("LD_PRELOAD"):
-        return {**quiet, "LD_PRELOAD": found[choice], ALLOCATOR_VAR: choice}
+        keep = {**MIMALLOC_KEEP, **{k: env[k] for k in MIMALLOC_KEEP if k in env}} if choice == "mimalloc" else {}
+        return {**quiet, **keep, "LD_PRELOAD": found[choice], ALLOCATOR_VAR: choice}
     label = "preload" if env.get("LD_PRELOAD") else "glibc"
     return {**GLIBC_ENV, **{k: env[k] for k in GLIBC_ENV if k in env}, **quiet, ALLOCATOR_VAR: label}
 

@@ -39,7 +39,11 @@ seconds per step and rank against DDP as torchrun runs it were stage 1 1.08x, st
 mimalloc, 0.93x, 0.92x, 0.84x under tcmalloc and 1.15x, 1.17x, 1.22x under glibc tuned, with realized savings of
 0.99, 0.98, 0.83 (tcmalloc 1.00, 1.00, 0.89; glibc tuned 1.00, 1.00, 0.99): mimalloc faults in a sixth of glibc
 tuned's pages but still pays 0.9-1.4 kernel seconds a step, because it returns freed memory to the kernel after a
-delay (``MIMALLOC_PURGE_DELAY``, 1 s) shorter than a step and faults it in again.
+delay (``MIMALLOC_PURGE_DELAY``, 1 s) shorter than a step and faults it in again. So the watcher gives mimalloc
+``MIMALLOC_PURGE_DELAY=-1`` (:data:`zerorun.launch.plan.MIMALLOC_KEEP`; the job's own value wins): it then keeps
+and reuses what it frees, as tcmalloc does, and in a second run stage 2 took 1.00x tcmalloc's CPU time (4.45
+against 4.47 s a step; 0.84x DDP's step time under torchrun), but held 1618 MiB at its peak against tcmalloc's
+1443 (stage 0: 2022 against 1772, so the realized saving reads 1.29).
 torch's own CPU launcher offers the same preload (``torch.backends.xeon.run_cpu --enable-tcmalloc``). Why: the
 fixed mmap threshold keeps what ZeRO frees off the peak but makes every rank fault in each large block anew on
 every use, and a step of stage 3, which gathers and frees every unit twice, the most; tcmalloc keeps freed
