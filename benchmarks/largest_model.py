@@ -175,11 +175,12 @@ def rank_env(method: str, args) -> dict[str, str]:
     ``--peer-env zerorun``), none for the peers (as torchrun starts them)."""
     sys.path.insert(0, ROOT)
     from zerorun.launch.plan import allocator_env, find_tcmalloc, rank_env as zerorun_env
+    from zerorun.zero.allocator import find_mimalloc
 
     zerorun_like = method.startswith("zerorun") or method.endswith("zerorun-env") or args.peer_env == "zerorun"
     if method.endswith("-glibc"):
         return allocator_env({**zerorun_env(), "ZERORUN_ALLOCATOR": "glibc"}, None)
-    return allocator_env(zerorun_env(), find_tcmalloc()) if zerorun_like else {}
+    return allocator_env(zerorun_env(), find_tcmalloc(), find_mimalloc()) if zerorun_like else {}
 
 
 def probe(method: str, layers: int, budget: int, args) -> dict:

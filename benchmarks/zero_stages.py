@@ -12,7 +12,9 @@ FSDP2), ``trim`` none but ``malloc_trim(0)`` after every step, ``mmap4``/``mmap1
 ``nothp`` 1 MiB without THP, ``tcmalloc`` gperftools' tcmalloc preloaded (what zerorun's launcher gives ranks where the node has it: Note
 [Rank allocator]; Debian package libtcmalloc-minimal4), ``jemalloc`` jemalloc preloaded (libjemalloc2),
 ``tcmalloc-decommit`` tcmalloc returning freed memory to the kernel at once (``TCMALLOC_AGGRESSIVE_DECOMMIT=1``),
-``tcmalloc-release`` tcmalloc releasing 10x faster than its default (``TCMALLOC_RELEASE_RATE=10``).
+``tcmalloc-release`` tcmalloc releasing 10x faster than its default (``TCMALLOC_RELEASE_RATE=10``), ``mimalloc``
+mimalloc from its pip wheel as zerorun's launcher gives it where a node has no tcmalloc (keeping what it frees),
+``mimalloc-purgeMS`` mimalloc returning freed memory after MS ms (0, 100, 1000: its default, 10000; -1: never).
 Without ``--envs`` every mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default
 glibc tuned). Besides step time, each rank's CPU seconds (user + kernel, all threads) and minor page faults
 per step are reported: steadier than wall-clock time on a shared machine.
@@ -48,7 +50,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 sys.path.insert(0, ROOT)
-from zerorun.launch.plan import TCMALLOC_QUIET, TCMALLOC_SONAMES  # noqa: E402 - torch-free
+from zerorun.launch.plan import MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES  # noqa: E402 - torch-free
+from zerorun.zero.allocator import find_mimalloc  # noqa: E402 - torch-free
 
 
 def worker(args) -> None:
@@ -198,6 +201,12 @@ ENVS = {
     # Note [Rank allocator]: what zerorun's launcher gives ranks where the node has tcmalloc (zerorun.launch.plan)
     "tcmalloc": (TCMALLOC, None),
     "jemalloc": ({"LD_PRELOAD": "libjemalloc.so.2"}, None),
+    # what zerorun's launcher gives ranks where the node has no tcmalloc: mimalloc from its pip wheel
+    # (cmeel-mimalloc), preloaded by path, keeping what it frees (zerorun.launch.plan.MIMALLOC_KEEP)
+    "mimalloc": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", **MIMALLOC_KEEP}, None),
+    # mimalloc returning freed memory at once, after 100 ms, 1 s (its default), 10 s, or never (MIMALLOC_PURGE_DELAY)
+    **{f"mimalloc-purge{ms}": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", "MIMALLOC_PURGE_DELAY": str(ms)},
+                               None) for ms in (0, 100, 1000, 10000, -1)},
     # tcmalloc returning every freed span to the kernel at once (gperftools' aggressive decommit), or 10x faster
     "tcmalloc-decommit": ({**TCMALLOC, "TCMALLOC_AGGRESSIVE_DECOMMIT": "1"}, None),
     "tcmalloc-release": ({**TCMALLOC, "TCMALLOC_RELEASE_RATE": "10"}, None),
@@ -291,7 +300,10 @@ def main() -> None:
         return
     extra = worker_args(args)
     envs = args.envs.split(",") if args.envs else [None]
-    modes = [(m, e) for m in args.modes.split(",") for e in envs]
+    # a mode may name its one environment (ddp@default: DDP as torchrun runs it); the others run in every --envs
+    modes = [tuple(m.split("@", 1)) if "@" in m else (m, e) for m in dict.fromkeys(args.modes.split(","))
+             for e in ([None] if "@" in m else envs)]
+    modes = list(dict.fromkeys(modes))
     unknown = [m for m, _ in modes if m not in ("ddp", "fsdp2", "0", "1", "2", "3", *DEEPSPEED_MODES)]
     if unknown:
         sys.exit(f"--modes: unknown mode {unknown[0]!r} (ddp, fsdp2, 0-3, {', '.join(DEEPSPEED_MODES)})")

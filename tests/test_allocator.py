@@ -115,30 +115,75 @@ def test_launcher_gives_ranks_the_allocator_environment():
 
 
 TC = "libtcmalloc_minimal.so.4"
+MI = "/site-packages/cmeel.prefix/lib/libmimalloc.so"
+QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
+KEEP = {"MIMALLOC_PURGE_DELAY": "-1"}  # mimalloc keeps what it frees (issue 35: its 1 s default faults it in again)
 
 
-@pytest.mark.parametrize("env,tcmalloc,expected", [
-    ({"ZERORUN_ALLOCATOR": "auto"}, TC, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc",
-                                         "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}),  # no alloc lines
-    ({}, TC, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc"}),
-    ({"ZERORUN_ALLOCATOR": "auto"}, None, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),  # not on this node
-    ({"ZERORUN_ALLOCATOR": "glibc"}, TC, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),
+@pytest.mark.parametrize("env,tcmalloc,mimalloc,expected", [
+    ({"ZERORUN_ALLOCATOR": "auto"}, TC, MI, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc", **QUIET}),
+    ({}, TC, None, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc"}),
+    # a node without tcmalloc: mimalloc from its pip wheel (issue 35), else glibc tuned
+    ({"ZERORUN_ALLOCATOR": "auto"}, None, MI, {"LD_PRELOAD": MI, "ZERORUN_ALLOCATOR": "mimalloc", **KEEP}),
+    ({}, None, MI, {"LD_PRELOAD": MI, "ZERORUN_ALLOCATOR": "mimalloc", **KEEP}),
+    ({"MIMALLOC_PURGE_DELAY": "1000"}, None, MI, {"LD_PRELOAD": MI, "MIMALLOC_PURGE_DELAY": "1000"}),  # the job's
+    ({"ZERORUN_ALLOCATOR": "auto"}, None, None, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc"}),
+    # asked for by name
+    ({"ZERORUN_ALLOCATOR": "glibc"}, TC, MI, {**allocator.ENV, "ZERORUN_ALLOCATOR": "glibc", "LD_PRELOAD": None}),
+    ({"ZERORUN_ALLOCATOR": "mimalloc"}, TC, MI, {"LD_PRELOAD": MI, "ZERORUN_ALLOCATOR": "mimalloc"}),
+    ({"ZERORUN_ALLOCATOR": "tcmalloc"}, TC, MI, {"LD_PRELOAD": TC, "ZERORUN_ALLOCATOR": "tcmalloc",
+                                                 "MIMALLOC_PURGE_DELAY": None}),
+    ({"ZERORUN_ALLOCATOR": "mimalloc", "MALLOC_MMAP_THRESHOLD_": "65536"}, TC, MI, {"LD_PRELOAD": MI}),
     # the job's own choices win: its own preload, its own threshold (kept), its own THP setting (kept)
-    ({"LD_PRELOAD": "libjemalloc.so.2"}, TC, {**allocator.ENV, "LD_PRELOAD": None, "ZERORUN_ALLOCATOR": "preload"}),
-    ({"LD_PRELOAD": TC}, None, {"ZERORUN_ALLOCATOR": "preload", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}),
-    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, TC, {"MALLOC_MMAP_THRESHOLD_": "65536", "ZERORUN_ALLOCATOR": "glibc"}),
-    ({"ZERORUN_ALLOCATOR": "glibc", "THP_MEM_ALLOC_ENABLE": "0"}, TC, {"THP_MEM_ALLOC_ENABLE": "0"}),
-    ({"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "1024"}, TC, {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "1024"}),
+    ({"LD_PRELOAD": "libjemalloc.so.2"}, TC, MI, {**allocator.ENV, "LD_PRELOAD": None, "ZERORUN_ALLOCATOR": "preload"}),
+    ({"LD_PRELOAD": "x.so", "ZERORUN_ALLOCATOR": "mimalloc"}, TC, MI,
+     {"LD_PRELOAD": None, "ZERORUN_ALLOCATOR": "preload"}),
+    ({"LD_PRELOAD": TC}, None, None, {"ZERORUN_ALLOCATOR": "preload", **QUIET}),
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, TC, MI, {"MALLOC_MMAP_THRESHOLD_": "65536", "ZERORUN_ALLOCATOR": "glibc"}),
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, None, MI, {"LD_PRELOAD": None, "ZERORUN_ALLOCATOR": "glibc"}),
+    ({"ZERORUN_ALLOCATOR": "glibc", "THP_MEM_ALLOC_ENABLE": "0"}, TC, MI, {"THP_MEM_ALLOC_ENABLE": "0"}),
+    ({"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "1024"}, TC, MI, {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "1024"}),
 ])
-def test_each_node_resolves_the_rank_allocator(env, tcmalloc, expected):
-    """Note [Rank allocator]: tcmalloc where the node has it, glibc tuned otherwise or when asked."""
+def test_each_node_resolves_the_rank_allocator(env, tcmalloc, mimalloc, expected):
+    """Note [Rank allocator]: tcmalloc where the node has it, else mimalloc, else glibc tuned, or the one asked
+    for. (``LD_PRELOAD: None``: the result leaves the job's own, or sets none.)"""
     from zerorun.launch.plan import allocator_env
 
-    got = allocator_env(env, tcmalloc)
+    got = allocator_env(env, tcmalloc, mimalloc)
     for key, value in expected.items():
         assert got.get(key) == value, (key, got)
-    if got["ZERORUN_ALLOCATOR"] == "tcmalloc":
-        assert not any(k in got for k in allocator.ENV), got  # glibc's tuning means nothing under tcmalloc
+    if got["ZERORUN_ALLOCATOR"] in ("tcmalloc", "mimalloc"):
+        assert not any(k in got for k in allocator.ENV), got  # glibc's tuning means nothing under them
+
+
+@pytest.mark.parametrize("env,tcmalloc,mimalloc,noted", [
+    ({"ZERORUN_ALLOCATOR": "auto"}, None, None, True),  # the slow fallback, not asked for: say what to install
+    ({}, None, None, True),
+    ({"ZERORUN_ALLOCATOR": "auto"}, None, MI, False),
+    ({"ZERORUN_ALLOCATOR": "auto"}, TC, None, False),
+    ({"ZERORUN_ALLOCATOR": "glibc"}, None, None, False),  # asked for
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, None, None, False),  # the job tunes glibc itself
+    ({"LD_PRELOAD": "libjemalloc.so.2"}, None, None, False),  # the job's own allocator
+])
+def test_a_node_left_under_glibc_says_what_to_install(env, tcmalloc, mimalloc, noted):
+    from zerorun.launch.plan import allocator_env, fallback_note
+
+    note = fallback_note(env, allocator_env(env, tcmalloc, mimalloc), "nodeA")
+    if noted:
+        assert note == ("zerorun: note: nodeA has neither tcmalloc nor mimalloc: its ranks run under glibc tuned, "
+                        "the slow fallback (install: pip install cmeel-mimalloc (a zerorun dependency), or apt-get "
+                        "install libtcmalloc-minimal4)")
+    else:
+        assert note is None
+
+
+def test_an_allocator_asked_for_by_name_that_the_node_lacks_is_an_error():
+    from zerorun.launch.plan import allocator_env
+
+    for choice, tcmalloc, mimalloc in [("tcmalloc", None, MI), ("mimalloc", TC, None)]:
+        with pytest.raises(ValueError, match=rf"^ZERORUN_ALLOCATOR={choice}, but this node has no {choice} "
+                                             r"\(install: pip install cmeel-mimalloc"):
+            allocator_env({"ZERORUN_ALLOCATOR": choice}, tcmalloc, mimalloc)
 
 
 def test_a_bad_allocator_choice_is_a_one_line_error(tmp_path):
@@ -148,23 +193,28 @@ def test_a_bad_allocator_choice_is_a_one_line_error(tmp_path):
     from zerorun.launch.plan import allocator_env
     from zerorun.recipe import load_recipe
 
-    with pytest.raises(ValueError, match="ZERORUN_ALLOCATOR='jemalloc': expected one of auto, glibc"):
+    with pytest.raises(ValueError, match="ZERORUN_ALLOCATOR='jemalloc': expected one of auto, tcmalloc, mimalloc, "
+                                         "glibc$"):
         allocator_env({"ZERORUN_ALLOCATOR": "jemalloc"}, TC)
-    with pytest.raises(ZerorunError, match=r"launch\.env: ZERORUN_ALLOCATOR is 'tcmalloc': expected auto") as info:
-        load_recipe(good(tmp_path, "launch:\n  env:\n    ZERORUN_ALLOCATOR: tcmalloc\n"))
+    with pytest.raises(ZerorunError, match=r"launch\.env: ZERORUN_ALLOCATOR is 'jemalloc': expected auto \(tcmalloc "
+                                           r"where the node has it, else mimalloc, else glibc tuned\), tcmalloc, "
+                                           r"mimalloc or glibc$") as info:
+        load_recipe(good(tmp_path, "launch:\n  env:\n    ZERORUN_ALLOCATOR: jemalloc\n"))
     assert "\n" not in str(info.value) and info.value.exit_code == 2
     assert str(info.value).startswith(str(tmp_path / "r.yaml") + ":")
-    recipe = load_recipe(good(tmp_path), ["launch.env.ZERORUN_ALLOCATOR=glibc"])
-    assert recipe.launch.env["ZERORUN_ALLOCATOR"] == "glibc"
+    for value in ("glibc", "tcmalloc", "mimalloc", "auto"):
+        recipe = load_recipe(good(tmp_path), [f"launch.env.ZERORUN_ALLOCATOR={value}"])
+        assert recipe.launch.env["ZERORUN_ALLOCATOR"] == value
     from zerorun.launch.env import parse_env_file
     from zerorun.launch.plan import rank_env
 
     with pytest.raises(ZerorunError, match=r"^\.zerorun_env:2: ZERORUN_ALLOCATOR is 'jemalloc': expected auto"):
         parse_env_file("A=1\nZERORUN_ALLOCATOR=jemalloc\n", ".zerorun_env")
     assert parse_env_file("ZERORUN_ALLOCATOR=glibc\n") == {"ZERORUN_ALLOCATOR": "glibc"}
-    with pytest.raises(ZerorunError, match=r"^environment: ZERORUN_ALLOCATOR is 'tcmalloc': expected auto"):
-        rank_env({"ZERORUN_ALLOCATOR": "tcmalloc"})
+    with pytest.raises(ZerorunError, match=r"^environment: ZERORUN_ALLOCATOR is 'tc': expected auto"):
+        rank_env({"ZERORUN_ALLOCATOR": "tc"})
     assert rank_env({"ZERORUN_ALLOCATOR": "glibc"}) == {"ZERORUN_ALLOCATOR": "glibc"}  # the shell's choice counts
+    assert rank_env({"ZERORUN_ALLOCATOR": "mimalloc"}) == {"ZERORUN_ALLOCATOR": "mimalloc"}
     assert rank_env({"ZERORUN_ALLOCATOR": ""}) == rank_env({}) == {"ZERORUN_ALLOCATOR": "auto"}
 
 
@@ -200,3 +250,73 @@ def test_console_names_ranks_whose_allocator_is_not_rank_0s():
     assert lines[0] == "3 ranks started (torch 2.13, cpu, tcmalloc)"
     assert lines[1:] == ["rank 2 on b runs under glibc, rank 0 under tcmalloc (install the same allocator on every "
                          "node for comparable memory and speed)"], lines
+
+
+def test_configure_leaves_a_mimalloc_process_alone():
+    """mimalloc comes with zerorun (pip: cmeel-mimalloc); glibc's tuning is not for a process it serves."""
+    lib = allocator.find_mimalloc()
+    assert lib and __import__("os").path.isfile(lib) and "libmimalloc.so" in lib, lib
+    r = _run("import json, os\nfrom zerorun.zero import allocator\n"
+             "print(json.dumps({'name': allocator.name(), 'set': allocator.configure(), "
+             "'thp': os.environ.get('THP_MEM_ALLOC_ENABLE')}))", {**_env_without_allocator_vars(), "LD_PRELOAD": lib})
+    assert r == {"name": "mimalloc", "set": False, "thp": None}
+
+
+def test_zerorun_env_names_this_nodes_rank_allocator():
+    from zerorun.envinfo import allocator_line
+    from zerorun.launch.plan import find_tcmalloc
+
+    lib = allocator.find_mimalloc()
+    assert allocator_line({"ZERORUN_ALLOCATOR": "mimalloc"}) == ("rank allocator",
+                                                                 f"mimalloc ({lib}), ZERORUN_ALLOCATOR=mimalloc")
+    assert allocator_line({"ZERORUN_ALLOCATOR": "glibc"}) == ("rank allocator", "glibc tuned, ZERORUN_ALLOCATOR=glibc")
+    assert allocator_line({})[1] == (f"tcmalloc ({find_tcmalloc()})" if find_tcmalloc() else f"mimalloc ({lib})") \
+        + ", ZERORUN_ALLOCATOR=auto"
+    assert allocator_line({"ZERORUN_ALLOCATOR": "x"})[1].startswith("none: environment: ZERORUN_ALLOCATOR is 'x'")
+
+
+# sitecustomize for the launcher, its node's watcher and the ranks: the dynamic loader's lookup finds no tcmalloc
+# (as on a node without libtcmalloc-minimal4), and with HIDE_MIMALLOC=1 pip's mimalloc is not installed either.
+HIDE = """
+import ctypes.util, importlib.metadata, os
+_find, _dist = ctypes.util.find_library, importlib.metadata.distribution
+ctypes.util.find_library = lambda name: None if "tcmalloc" in name else _find(name)
+def _distribution(name):
+    if name == "cmeel-mimalloc" and os.environ.get("HIDE_MIMALLOC"):
+        raise importlib.metadata.PackageNotFoundError(name)
+    return _dist(name)
+importlib.metadata.distribution = _distribution
+"""
+
+
+@pytest.mark.slow
+def test_ranks_of_a_node_without_tcmalloc_run_under_mimalloc(tmp_path):
+    """Issue 35: a fresh install (pip brought mimalloc, apt no tcmalloc) runs its ranks under mimalloc, and the
+    start events and the job's first line say so; without mimalloc too, a line says what to install."""
+    import os
+
+    from test_train_e2e import read_events
+
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "sitecustomize.py").write_text(HIDE)
+    (tmp_path / "s.py").write_text("import os, zerorun\nprint('purge', os.environ.get('MIMALLOC_PURGE_DELAY'))\n"
+                                   "zerorun.report(1, 1.5, steps=1)\n")
+    path = os.pathsep.join([str(tmp_path / "hide"), os.environ.get("PYTHONPATH", "")])
+    for hide_mimalloc, expected in [("", "mimalloc"), ("1", "glibc")]:
+        env = {**os.environ, "PYTHONPATH": path, "HIDE_MIMALLOC": hide_mimalloc}
+        env.pop("ZERORUN_ALLOCATOR", None)
+        runs = tmp_path / f"runs-{expected}"
+        out = subprocess.run([sys.executable, "-m", "zerorun", "launch", "--num-procs", "2", "--log-dir", str(runs),
+                              "s.py"], cwd=str(tmp_path), capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        starts = [e for e in read_events(runs) if e["event"] == "start"]
+        assert sorted(e["rank"] for e in starts) == [0, 1] and {e["allocator"] for e in starts} == {expected}, starts
+        first = next(line for line in out.stdout.splitlines() if line.startswith("2 ranks started ("))
+        assert first == f"2 ranks started (torch {starts[0]['torch']}, {expected})", out.stdout  # a script's: no device
+        purge = "-1" if expected == "mimalloc" else None  # mimalloc keeps what it frees (plan.MIMALLOC_KEEP)
+        assert f"[rank 0] purge {purge}" in out.stdout and f"[rank 1] purge {purge}" in out.stdout, out.stdout
+        note = [line for line in out.stdout.splitlines() if "has neither tcmalloc nor mimalloc" in line]
+        assert len(note) == (expected == "glibc"), out.stdout
+        if note:
+            assert note[0].endswith("(install: pip install cmeel-mimalloc (a zerorun dependency), or apt-get install "
+                                    "libtcmalloc-minimal4)"), note

@@ -156,14 +156,14 @@ def test_bench_two_hostfiles_two_stages(tmp_path):
         assert "needs matplotlib" in out.stdout
     assert "4 of 4 combinations succeeded" in out.stdout and "stage 2" in out.stdout
     # the allocator is part of the comparison: bench.md and bench.json say which one the ranks had, and every
-    # rank of every job ran under it (Note [Rank allocator]: tcmalloc where this machine has it)
+    # rank of every job ran under it (Note [Rank allocator]: tcmalloc where this machine has it, else mimalloc)
     assert "ZERORUN_ALLOCATOR=auto: tcmalloc preloaded" in (bench_dir / "bench.md").read_text()
     assert "MALLOC_MMAP_THRESHOLD_=1048576" in result["rank_env"]
     from zerorun.launch.plan import find_tcmalloc
 
     events = [json.loads(line) for f in (tmp_path / "runs").rglob("metrics.jsonl") for line in open(f)]
     starts = [e for e in events if e["event"] == "start"]
-    assert len(starts) == 6 and {e["allocator"] for e in starts} == {"tcmalloc" if find_tcmalloc() else "glibc"}
+    assert len(starts) == 6 and {e["allocator"] for e in starts} == {"tcmalloc" if find_tcmalloc() else "mimalloc"}
     assert re.search(r"zerorun: bench 4/4: stage 2 on two: ok, 2 ranks, \d+ ms/step", out.stdout), out.stdout
 
 

@@ -49,7 +49,7 @@ def test_script_runs_on_every_rank_and_its_exception_is_named(tmp_path):
     assert sorted(e["rank"] for e in starts) == [0, 1] and all(e["world_size"] == 2 for e in starts), starts
     from zerorun.launch.plan import find_tcmalloc  # Note [Rank allocator]: a script's ranks get it too
 
-    assert {e["allocator"] for e in starts} == {"tcmalloc" if find_tcmalloc() else "glibc"}, starts
+    assert {e["allocator"] for e in starts} == {"tcmalloc" if find_tcmalloc() else "mimalloc"}, starts
     assert "2 ranks started (torch " in out.stdout
     assert survivors(job_id(out.stdout)) == []
 

@@ -41,10 +41,10 @@ from zerorun.telemetry.console import PlainView
 #: Every job, the baselines' included, is launched as ``zerorun train`` launches it, so its ranks get zerorun's
 #: allocator (Note [Rank allocator] in zerorun/zero/allocator.py): part of the comparison.
 ENV_NOTE = ("Every row, DDP and FSDP2 included, ran with zerorun's rank allocator (ZERORUN_ALLOCATOR=auto: "
-            "tcmalloc preloaded where the node has it, else glibc with "
+            "tcmalloc preloaded where the node has it, else mimalloc from its pip wheel, else glibc with "
             + " ".join(f"{k}={v}" for k, v in GLIBC_ENV.items())
             + "; each rank's start event names the one it had). Plain torchrun leaves glibc's defaults: "
-            "benchmarks/zero_stages.py --envs default,alloc,tcmalloc measures all three.")
+            "benchmarks/zero_stages.py --envs default,alloc,tcmalloc,mimalloc measures all four.")
 
 
 @dataclass(frozen=True)

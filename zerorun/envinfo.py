@@ -13,7 +13,7 @@ from importlib import metadata
 
 #: distributions whose versions are reported (missing ones say so).
 PACKAGES = ("torch", "typer", "pydantic", "rich", "fabric", "paramiko", "psutil", "safetensors", "transformers",
-            "matplotlib")
+            "matplotlib", "cmeel-mimalloc")
 
 
 def _version(name: str) -> str:
@@ -58,6 +58,28 @@ def torch_lines() -> list[tuple[str, str]]:
     else:
         out.append(("GPUs", "none (CUDA not available)"))
     return out
+
+
+def allocator_line(environ: dict[str, str] | None = None) -> tuple[str, str]:
+    """``("rank allocator", what this node's ranks run under)`` (Note [Rank allocator]): the allocator this
+    node's watcher gives ranks whose environment is ``environ`` (default ``os.environ``), its library, and where
+    that is the slow fallback, what to install; a bad ``ZERORUN_ALLOCATOR`` or a missing library is said."""
+    from zerorun.launch.plan import ALLOCATOR_VAR, allocator_env, fallback_note, find_tcmalloc, rank_env
+    from zerorun.zero.allocator import INSTALL_HINT, find_mimalloc
+
+    env = dict(os.environ if environ is None else environ)
+    try:
+        env = {**env, **rank_env(env)}
+        resolved = allocator_env(env, find_tcmalloc(), find_mimalloc())
+    except Exception as e:  # noqa: BLE001 - ZerorunError or ValueError: the report says why
+        return "rank allocator", f"none: {e}"
+    name = resolved[ALLOCATOR_VAR]
+    where = {"tcmalloc": f" ({resolved.get('LD_PRELOAD')})", "mimalloc": f" ({resolved.get('LD_PRELOAD')})",
+             "preload": f" (the job's LD_PRELOAD={resolved.get('LD_PRELOAD') or env.get('LD_PRELOAD')})",
+             "glibc": " tuned"}[name]
+    slow = fallback_note(env, resolved, "this node") is not None
+    return "rank allocator", (f"{name}{where}, {ALLOCATOR_VAR}={env[ALLOCATOR_VAR]}"
+                              + (f"; the slow fallback: install {INSTALL_HINT}" if slow else ""))
 
 
 def check_hosts(hostfile: str, ssh=None, timeout: float = 10.0) -> list[tuple[str, str]]:
@@ -107,7 +129,7 @@ def report(hostfile: str | None = None, ssh=None) -> str:
 
     lines = [("zerorun", f"{zerorun.__version__} ({os.path.dirname(zerorun.__file__)})"),
              ("python", f"{platform.python_version()} ({sys.executable})"),
-             ("platform", platform.platform()), ("CPU", _cpu()), ("memory", _memory())]
+             ("platform", platform.platform()), ("CPU", _cpu()), ("memory", _memory()), allocator_line()]
     lines += torch_lines()
     lines += [(name, _version(name)) for name in PACKAGES if name != "torch"]
     if hostfile:

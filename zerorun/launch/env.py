@@ -45,7 +45,8 @@ def parse_env_file(text: str, path: str = ENV_FILE) -> dict[str, str]:
     Raises:
         ZerorunError: a line without ``=`` or with an invalid name, a value holding a NUL byte, or a
             ``KEY=VALUE`` longer than Linux's limit for one environment string (``MAX_ENV_STRING``), a
-            ``ZERORUN_ALLOCATOR`` that is neither ``auto`` nor ``glibc``, as ``path:LINE: ...``.
+            ``ZERORUN_ALLOCATOR`` that is not ``auto``, ``tcmalloc``, ``mimalloc`` or ``glibc``, as
+            ``path:LINE: ...``.
     """
     env: dict[str, str] = {}
     for lineno, line in enumerate(text.splitlines(), start=1):

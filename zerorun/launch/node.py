@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -152,13 +153,16 @@ def run_node(spec: dict) -> int:
         cmd = [a.replace(NODE_DIR, folder) for a in spec["argv"]]
         env = {**os.environ, **spec["env"], NODE_ENV: mark, "ZERORUN_NODE_DIR": folder}
         if allocator.ALLOCATOR_VAR in spec["env"]:  # Note [Rank allocator]: this node's libraries decide
-            from zerorun.launch.plan import allocator_env, find_tcmalloc
+            from zerorun.launch.plan import allocator_env, fallback_note, find_tcmalloc
 
             try:
-                env.update(allocator_env(env, find_tcmalloc()))
-            except ValueError as e:  # a value no check before launch saw (the node's own environment)
+                resolved = allocator_env(env, find_tcmalloc(), allocator.find_mimalloc())
+            except ValueError as e:  # a value no check before launch saw, or a library this node lacks
                 print(f"zerorun: node environment: {e}", flush=True)
                 return 2
+            if note := fallback_note(env, resolved, socket.gethostname()):
+                print(note, flush=True)
+            env.update(resolved)
         # SIGTERM/SIGINT reach torchrun too (the launcher signals the node's process group, or the marked
         # processes); the watcher outlives it to clean up. A handler, not SIG_IGN, which torchrun would inherit.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

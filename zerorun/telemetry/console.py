@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import TextIO
 
@@ -12,6 +13,9 @@ from zerorun.telemetry.events import Event, integer, number
 from zerorun.telemetry.format import count, describe, human_bytes, human_rate  # noqa: F401 - human_*: used by others
 from zerorun.telemetry.state import JobState
 from zerorun.telemetry.summary import print_summary
+
+#: a note a node's watcher printed (``zerorun: note: ...``), as the log tail shows it.
+_NODE_NOTE = re.compile(r"\[node \d+\] zerorun: note: ")
 
 
 class RunRecorder:
@@ -124,7 +128,8 @@ class PlainView:
 
     def line(self, node_rank: int, line: str) -> None:
         for shown in self.state.add_line(node_rank, line):  # torchrun's stop traceback folded (telemetry/logtail.py)
-            if shown.startswith("[rank ") or " job interrupted: " in shown:
+            # a node watcher's note (launch/node.py: the slow allocator fallback) is shown as rank output is
+            if shown.startswith("[rank ") or " job interrupted: " in shown or _NODE_NOTE.match(shown):
                 self.print(shown)
 
     def print(self, text: str) -> None:

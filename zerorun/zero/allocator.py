@@ -27,9 +27,23 @@ allocator]) gives its ranks these two variables (:data:`ENV`, which is ``zerorun
 ``GLIBC_ENV``); :func:`configure` sets them from inside a rank started some other way.
 
 Note [Rank allocator]: zerorun's ranks run under gperftools' tcmalloc where their node has it (Debian/Ubuntu
-package ``libtcmalloc-minimal4``; ``.ci/run`` installs it), preloaded by each node's watcher
-(``zerorun/launch/plan.py``: :func:`zerorun.launch.plan.allocator_env`; the recipe's ``launch.env`` may say
-``ZERORUN_ALLOCATOR: glibc``), and under glibc with the tuning of Note [Returning freed memory] elsewhere.
+package ``libtcmalloc-minimal4``; ``.ci/run`` installs it), else under Microsoft's mimalloc, whose shared library
+comes with zerorun from pip (the ``cmeel-mimalloc`` wheel, a dependency: :func:`find_mimalloc`; issue 35: a fresh
+install, where nobody ran apt-get, gets a fast allocator too), either preloaded by each node's watcher
+(``zerorun/launch/plan.py``: :func:`zerorun.launch.plan.allocator_env`; ``ZERORUN_ALLOCATOR`` in the recipe's
+``launch.env`` or the launcher's environment may name ``tcmalloc``, ``mimalloc`` or ``glibc``), and under glibc with
+the tuning of Note [Returning freed memory] where a node has neither (its watcher prints one line saying what to
+install: :func:`zerorun.launch.plan.fallback_note`). mimalloc is the fallback's replacement, not tcmalloc's: in one
+run on a loaded machine (issue 35; 55M GPT, 2 gloo ranks, micro-batch 8; README, "What a fresh install runs"), CPU
+seconds per step and rank against DDP as torchrun runs it were stage 1 1.08x, stage 2 1.11x, stage 3 1.22x under
+mimalloc, 0.93x, 0.92x, 0.84x under tcmalloc and 1.15x, 1.17x, 1.22x under glibc tuned, with realized savings of
+0.99, 0.98, 0.83 (tcmalloc 1.00, 1.00, 0.89; glibc tuned 1.00, 1.00, 0.99): mimalloc faults in a sixth of glibc
+tuned's pages but still pays 0.9-1.4 kernel seconds a step, because it returns freed memory to the kernel after a
+delay (``MIMALLOC_PURGE_DELAY``, 1 s) shorter than a step and faults it in again. So the watcher gives mimalloc
+``MIMALLOC_PURGE_DELAY=-1`` (:data:`zerorun.launch.plan.MIMALLOC_KEEP`; the job's own value wins): it then keeps
+and reuses what it frees, as tcmalloc does, and in a second run stage 2 took 1.00x tcmalloc's CPU time (4.45
+against 4.47 s a step; 0.84x DDP's step time under torchrun), but held 1618 MiB at its peak against tcmalloc's
+1443 (stage 0: 2022 against 1772, so the realized saving reads 1.29).
 torch's own CPU launcher offers the same preload (``torch.backends.xeon.run_cpu --enable-tcmalloc``). Why: the
 fixed mmap threshold keeps what ZeRO frees off the peak but makes every rank fault in each large block anew on
 every use, and a step of stage 3, which gathers and frees every unit twice, the most; tcmalloc keeps freed
@@ -117,18 +131,38 @@ def rss_bytes() -> int:
 
 #: Note [Rank allocator]: the variable that chooses each rank's malloc, and the values it may take.
 ALLOCATOR_VAR = "ZERORUN_ALLOCATOR"
-ALLOCATORS = ("auto", "glibc")
+ALLOCATORS = ("auto", "tcmalloc", "mimalloc", "glibc")
+#: what a node without a fast allocator lacks (one line, printed where ``auto`` falls back to glibc tuned).
+INSTALL_HINT = "pip install cmeel-mimalloc (a zerorun dependency), or apt-get install libtcmalloc-minimal4"
 
 
 def allocator_problem(value: str) -> str | None:
     """Why ``value`` is not a value of ``ZERORUN_ALLOCATOR`` (Note [Rank allocator]), or None when it is."""
     if value in ALLOCATORS:
         return None
-    return f"ZERORUN_ALLOCATOR is {value!r}: expected auto (tcmalloc where the node has it, else glibc) or glibc"
+    return (f"ZERORUN_ALLOCATOR is {value!r}: expected auto (tcmalloc where the node has it, else mimalloc, else "
+            "glibc tuned), tcmalloc, mimalloc or glibc")
 
 
 #: allocators that replace glibc's malloc when preloaded: name -> the library's file name prefix.
 PRELOADED = {"tcmalloc": "libtcmalloc", "jemalloc": "libjemalloc", "mimalloc": "libmimalloc"}
+
+
+#: the pip distribution that brings mimalloc (a zerorun dependency: Note [Rank allocator]) and its library's name.
+MIMALLOC_DIST, MIMALLOC_LIB = "cmeel-mimalloc", "libmimalloc.so"
+
+
+def find_mimalloc() -> str | None:
+    """The absolute path of the mimalloc shared library that pip installed beside zerorun (the
+    ``cmeel-mimalloc`` wheel puts it in ``site-packages/cmeel.prefix/lib``), or None where it is missing."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution(MIMALLOC_DIST).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    libs = sorted((f for f in files if f.name.startswith(MIMALLOC_LIB)), key=lambda f: len(f.name))
+    return next((str(f.locate()) for f in libs if os.path.isfile(f.locate())), None)
 
 
 def _mapped() -> str:
@@ -139,9 +173,10 @@ def _mapped() -> str:
         return ""
 
 
-def tcmalloc_loaded() -> bool:
-    """Whether tcmalloc serves this process's malloc (Note [Rank allocator]: preloaded, so mapped)."""
-    return PRELOADED["tcmalloc"] in _mapped()
+def preloaded() -> bool:
+    """Whether an allocator of :data:`PRELOADED` serves this process's malloc instead of glibc (Note [Rank
+    allocator]: preloaded, so mapped)."""
+    return name() != "glibc"
 
 
 def name() -> str:
@@ -157,13 +192,13 @@ def configure() -> bool:
     ``THP_MEM_ALLOC_ENABLE=1`` unless set (torch reads it at its first allocation: it takes effect only when
     this runs before torch allocates). Blocks allocated before the call keep their placement.
 
-    Nothing is set under tcmalloc (Note [Rank allocator]).
+    Nothing is set under a preloaded allocator (tcmalloc, mimalloc, jemalloc: Note [Rank allocator]).
 
     Returns:
-        True if this call set the mmap threshold, False if the environment already does, under tcmalloc, or
-        not glibc.
+        True if this call set the mmap threshold, False if the environment already does, under a preloaded
+        allocator, or not glibc.
     """
-    if tcmalloc_loaded():
+    if preloaded():
         return False
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", ENV["THP_MEM_ALLOC_ENABLE"])
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
