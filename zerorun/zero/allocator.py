@@ -43,7 +43,9 @@ delay (``MIMALLOC_PURGE_DELAY``, 1 s) shorter than a step and faults it in again
 ``MIMALLOC_PURGE_DELAY=-1`` (:data:`zerorun.launch.plan.MIMALLOC_KEEP`; the job's own value wins): it then keeps
 and reuses what it frees, as tcmalloc does, and in a second run stage 2 took 1.00x tcmalloc's CPU time (4.45
 against 4.47 s a step; 0.84x DDP's step time under torchrun), but held 1618 MiB at its peak against tcmalloc's
-1443 (stage 0: 2022 against 1772, so the realized saving reads 1.29).
+1443 (stage 0: 2022 against 1772, so the realized saving reads 1.29); in a third, stage 1 1.03x and stage 3
+0.94x tcmalloc's CPU time, but stage 3 held 1708 MiB against tcmalloc's 1382 (0.75 of its saving): the price of
+keeping, where a job that needs the memory sets ``MIMALLOC_PURGE_DELAY`` itself or asks for glibc.
 torch's own CPU launcher offers the same preload (``torch.backends.xeon.run_cpu --enable-tcmalloc``). Why: the
 fixed mmap threshold keeps what ZeRO frees off the peak but makes every rank fault in each large block anew on
 every use, and a step of stage 3, which gathers and frees every unit twice, the most; tcmalloc keeps freed
