@@ -127,7 +127,8 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     shape = getattr(model, "shape", None)
     hint = suggest_unit_class(model)
     return Layout(unit_hint=hint, total=total, trainable=trainable, frozen=total - trainable,
-                  buffers=tuple(map(sum, flat)), frozen_params=tuple(p.numel() for p in frozen), units=tuple(u for u in counted if u.numel),
+                  buffers=tuple(map(sum, flat)), frozen_params=tuple(p.numel() for p in frozen),
+                  units=tuple(u for u in counted if u.numel),
                   exact=True, shape=dict(shape) if isinstance(shape, dict) else None, precision=precision,
                   buffer_params=tuple(flat))
 
