@@ -73,14 +73,18 @@ def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtyp
                                 grad_accum_bytes=est.grad_accum_bytes(p, accum),  # zero.grad_accum_dtype unset
                                 offload_params=offload_params)
         sent = est.comm_bytes(layout, stage, world_size, p, accum)
+        # optimizer tensors are each rank's parts of parameters (padding in none): the estimate is the largest rank's
+        assert max(r[i]["bytes"]["optimizer"] for r in reports) == want.optimizer, (stage, world_size, i)
+        assert max(r[i]["offload"]["disk"] for r in reports) == want.disk, (stage, world_size, i)
         for rank, per_config in enumerate(reports):
             r = per_config[i]
             where = (f"stage {stage}, {world_size} ranks, {p.label}, offload {offload}, params offloaded "
                      f"{offload_params}, config {i}, rank {rank}")
             assert not r["skipped"], where
             assert r["bytes"] == {"params": want.params, "grads": want.grads + want.grad_accum,
-                                  "optimizer": want.optimizer}, where
-            assert r["offload"] == {"host": want.host, "disk": want.disk}, where
+                                  "optimizer": r["bytes"]["optimizer"]}, where
+            assert r["bytes"]["optimizer"] <= want.optimizer and r["offload"]["disk"] <= want.disk, where
+            assert r["offload"]["host"] == want.host, where
             # comm.py rounds each call; the first step's norm all-reduce also carries 48 bytes of records per
             # outer unit (Note [Outer units]), which estimate's steady step does not
             first = 2 * (world_size - 1) / world_size * 48 * r["outer_units"]
@@ -90,7 +94,8 @@ def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtyp
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_predictions_equal_what_the_engine_reports(ranks, world_size, tmp_path):
     """Model-state bytes per rank equal ZeroEngine.memory_bytes() and offload_bytes() at every stage (padding
-    included; frozen parameters, tied weights, several param groups, buckets and units), and bytes sent per
+    included; optimizer and swap-file bytes: the largest rank's, which differ by padding and parameter cuts;
+    frozen parameters, tied weights, several param groups, buckets and units), and bytes sent per
     step equal what zero/comm.py counts. Stronger than the 1% the estimate promises: the layout is the engine's
     own. fp32 on 1-4 ranks; on 2 and 3 ranks also bf16, fp16, zero.reduce_dtype fp32 and cpu/disk offload
     (estimate_cases.MODES), and stage 3 with its parameters offloaded to disk."""

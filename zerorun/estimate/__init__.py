@@ -28,6 +28,9 @@ for every precision and ``zero.offload_optimizer``:
 - ``disk`` (``DiskMasters``): nothing in device memory; a host buffer of ``offload_buffer_mb`` and, per
   rank, a swap file holding master and states of each sub-group (Note [Disk paging]), each region rounded up
   to 64 bytes.
+- The optimizer's states are per rank's part of each parameter (Note [Unused parameters] in
+  ``zero/masters.py``): none for the padding, a scalar (Adam's ``step``) per part, disk sub-groups within one
+  part; ranks differ by a few bytes there, and the estimate is the largest rank's.
 
 Communication per rank per step counts bytes sent as ``zero/comm.py`` does (ring algorithms: reduce-scatter
 and all-gather send (N-1)/N of the buffer, all-reduce twice that; ZeRO paper §7: 2Ψ elements for stages 0-2,

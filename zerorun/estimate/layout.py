@@ -23,6 +23,7 @@ class UnitCount:
     frozen: tuple[int, ...] = ()
     outer: bool = False
     embedding: bool = False
+    trainable_params: tuple[tuple[int, ...], ...] = ()  # each trainable buffer's parameters' numels (() : one each)
 
     @property
     def numel(self) -> int:
@@ -42,6 +43,8 @@ class Layout:
         shape: the model's declared transformer shape (``model.shape``), if any.
         unit_hint: a module class that would make good stage-3 units (:func:`suggest_unit_class`).
         precision: the ``precision`` the buffers were packed for (``None``: ``--params``, no packing).
+        buffer_params: stages 0-2: the numel of each parameter of each trainable flat buffer (``()``: each
+            buffer one parameter); the optimizer steps each rank's part of each one (Note [Unused parameters]).
     """
 
     total: int
@@ -54,6 +57,7 @@ class Layout:
     shape: dict | None = None
     unit_hint: str | None = None
     precision: str | None = None
+    buffer_params: tuple[tuple[int, ...], ...] = ()
 
     @property
     def largest_unit(self) -> UnitCount | None:
@@ -97,32 +101,36 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     for p in unit_index:  # Note [Persistent parameters] in zero/stage3.py
         if p.numel() <= persistence_threshold:
             unit_index[p] = -2
-    flat: list[int] = []
-    per_unit: dict[int, list[int]] = {}
+    flat: list[tuple[int, ...]] = []  # each buffer's parameters' numels
+    per_unit: dict[int, list[tuple[int, ...]]] = {}
     for group in groups:
         named = sorted(((names[p][1], p) for p in group["params"]), key=lambda np_: names[np_[1]][0])
-        flat += [sum(p.numel() for _, p in run) for run in pack(named, bucket_bytes)]
+        flat += [tuple(p.numel() for _, p in run) for run in pack(named, bucket_bytes)]
         by_unit: dict[int, list] = {}
         for name, p in named:
             by_unit.setdefault(unit_index[p], []).append((name, p))
         for u, params in by_unit.items():
-            per_unit.setdefault(u, []).extend(sum(p.numel() for _, p in run) for run in pack(params, bucket_bytes))
+            per_unit.setdefault(u, []).extend(tuple(p.numel() for _, p in run) for run in pack(params, bucket_bytes))
     frozen = [p for p in names if not p.requires_grad]
     frozen_by_unit: dict[int, int] = {}
     for p in frozen:
         frozen_by_unit[unit_index[p]] = frozen_by_unit.get(unit_index[p], 0) + p.numel()
     indexed = [(i, name) for i, (name, _) in enumerate(unit_modules + outer)] + [(-1, "<root>"), (-2, PERSISTENT)]
     modules = [m for _, m in unit_modules + outer]
-    counted = [UnitCount(name, tuple(per_unit.get(i, ())), (frozen_by_unit[i],) if i in frozen_by_unit else (),
-                         outer=i >= len(unit_modules), embedding=i >= 0 and isinstance(modules[i], torch.nn.Embedding))
+    counted = [UnitCount(name, tuple(sum(b) for b in per_unit.get(i, ())),
+                         (frozen_by_unit[i],) if i in frozen_by_unit else (), outer=i >= len(unit_modules),
+                         embedding=i >= 0 and isinstance(modules[i], torch.nn.Embedding),
+                         trainable_params=tuple(per_unit.get(i, ())))
                for i, name in indexed]
     total = sum(p.numel() for p in names)
-    trainable = sum(flat)
+    trainable = sum(map(sum, flat))
     shape = getattr(model, "shape", None)
     hint = suggest_unit_class(model)
-    return Layout(unit_hint=hint, total=total, trainable=trainable, frozen=total - trainable, buffers=tuple(flat),
-                  frozen_params=tuple(p.numel() for p in frozen), units=tuple(u for u in counted if u.numel),
-                  exact=True, shape=dict(shape) if isinstance(shape, dict) else None, precision=precision)
+    return Layout(unit_hint=hint, total=total, trainable=trainable, frozen=total - trainable,
+                  buffers=tuple(map(sum, flat)), frozen_params=tuple(p.numel() for p in frozen),
+                  units=tuple(u for u in counted if u.numel),
+                  exact=True, shape=dict(shape) if isinstance(shape, dict) else None, precision=precision,
+                  buffer_params=tuple(flat))
 
 
 def suggest_unit_class(model) -> str | None:

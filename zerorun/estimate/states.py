@@ -59,6 +59,29 @@ def _optimizer_slices(layout: Layout, stage: int, world_size: int) -> list[int]:
     return padded if stage == 0 else [n // world_size for n in padded]
 
 
+def _segments(layout: Layout, stage: int, world_size: int) -> list[list[int]]:
+    """Per rank, the numel of each optimizer tensor it steps: each parameter's part in its slice of each
+    trainable flat buffer (the whole padded buffer at stage 0), padding in none (Note [Unused parameters] in
+    zero/masters.py)."""
+    if stage == 3 and layout.exact:
+        per = [u.trainable_params[i] if u.trainable_params else (n,) for u in layout.units
+               for i, n in enumerate(u.trainable)]
+    else:
+        per = [layout.buffer_params[i] if layout.buffer_params else (n,) for i, n in enumerate(layout.buffers)]
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for params in per:
+        size = _pad(sum(params), world_size) // world_size
+        for r in range(world_size):
+            lo, hi = (0, size * world_size) if stage == 0 else (r * size, (r + 1) * size)
+            offset = 0
+            for n in params:
+                part = min(offset + n, hi) - max(offset, lo)
+                if part > 0:
+                    out[r].append(part)
+                offset += n
+    return out
+
+
 def model_states(layout: Layout, stage: int, world_size: int, precision: Precision, optimizer: OptimizerModel,
                  offload: str = "none", *, buffer_mb: float = 64.0, device_is_host: bool = False,
                  grad_accum_bytes: int | None = None, offload_params: bool = False) -> ModelStates:
@@ -124,12 +147,13 @@ def _model_states(layout: Layout, stage: int, world_size: int, precision: Precis
     else:
         grads, accum = sum(shards) * max(precision.reduce_bytes, wide), 0
     slices = _optimizer_slices(layout, stage, N)
-    states = 4 * optimizer.states * sum(slices)
-    scalars = (optimizer.scalar_bytes if layout.exact else 0) * len(slices)  # one per optimizer tensor
+    segments = _segments(layout, stage, N)  # the rank that steps the most (padding and parameter cuts differ)
+    states = max(4 * optimizer.states * sum(segs) + (optimizer.scalar_bytes if layout.exact else 0) * len(segs)
+                 for segs in segments)  # per element, and scalars: one per optimizer tensor
     if offload == "none":
-        return ModelStates(params, grads, states + scalars + precision.master_bytes * sum(slices), grad_accum=accum)
+        return ModelStates(params, grads, states + precision.master_bytes * sum(slices), grad_accum=accum)
     if offload == "cpu":  # CpuMasters: never aliased, so an fp32 master even at fp32
-        held = states + scalars + 4 * sum(slices)
+        held = states + 4 * sum(slices)
         return (ModelStates(params, grads, held, grad_accum=accum) if device_is_host
                 else ModelStates(params, grads, 0, host=held, grad_accum=accum))
     from zerorun.zero.paging_math import subgroup_elements, swap_region_bytes
@@ -138,9 +162,12 @@ def _model_states(layout: Layout, stage: int, world_size: int, precision: Precis
     if chunk < 16:
         raise ZerorunError(f"zero.offload_buffer_mb: {buffer_mb} MiB cannot page even 16 elements of master and "
                            f"{optimizer.states} optimizer state tensors twice")
-    regions = 1 + optimizer.states  # the master and each state, per sub-group (Note [Disk paging])
+    regions = 1 + optimizer.states  # the master and each state, per sub-group of one parameter (Note [Disk paging])
     disk = 0
-    for n in slices:
-        full, rest = divmod(n, chunk)
-        disk += regions * (full * swap_region_bytes(4 * chunk) + (swap_region_bytes(4 * rest) if rest else 0))
+    for segs in segments:
+        mine = 0
+        for n in segs:
+            full, rest = divmod(n, chunk)
+            mine += regions * (full * swap_region_bytes(4 * chunk) + (swap_region_bytes(4 * rest) if rest else 0))
+        disk = max(disk, mine)
     return ModelStates(params, grads, 0, host=2 * chunk * 4 * regions, disk=disk, grad_accum=accum)

@@ -48,14 +48,19 @@ class Masters:
     rank's master slice, one per parameter of the buffer (its range in this slice, possibly empty; padding is
     in none), each a parameter of the optimizer with its own state. The reducer learns which parameters got
     a gradient on some rank (a gradient hook ran, in any micro-step): its own ones are a set on the host, and
-    the OR over the ranks rides on the all-reduce of the late-gradient flag at the end of each reducing
-    backward (Note [Per-parameter readiness] in ``reducer.py``), whose result was already read to the host: a
-    few bytes more, no new host sync. At the step a segment gets its gradient as ``.grad`` (a view of the
-    reduced slice) or ``None``; the optimizer then does what torch does per parameter. A parameter used on
-    some ranks only gets its mean gradient (zeros from the others), as under DDP. Checkpoints keep their
-    format (Note [Checkpoint layout] in ``state.py``): per-element states per parameter range as before, and
-    the scalar states (``step``) per parameter, which they always were on disk; a parameter no step has
-    touched yet is written with zeros and ``step`` 0 and loads as no state.
+    the OR over the ranks is a flag per parameter in the all-reduce the reducer already runs at the end of
+    each reducing backward for late gradients (Note [Per-parameter readiness] in ``reducer.py``), whose
+    result it already read to the host: 4 bytes per parameter more, no new host sync. At the step a segment
+    gets its gradient as ``.grad`` (a view of the reduced slice, given at every step: a user's
+    ``optimizer.zero_grad()`` changes nothing) or ``None``; the optimizer then does what torch does per
+    parameter. A parameter used on some ranks only gets its mean gradient (zeros from the others), as under
+    DDP. The cost: the optimizer loops over parameters, not buffers (on CPU, where torch's optimizers step
+    tensor by tensor, as slow as a plain torch optimizer over the model). Checkpoints keep their format
+    (Note [Checkpoint layout] in ``state.py``): per-element states per parameter range as before, and the
+    scalar states (``step``) per parameter, as they always were stored; a parameter no step has touched yet
+    is written with zeros and ``step`` 0 and loads as no state (an optimizer that makes its state at
+    construction, Adagrad, keeps it; SGD has no ``step``: its zero momentum is loaded, which differs from
+    no state only with ``dampening``).
 
     Args:
         slices: this rank's parameter slices, one per flat buffer (1-D, any float dtype); updated in place.
@@ -169,18 +174,18 @@ class Masters:
         scalar such as ``step`` is the first stepped parameter's, see :meth:`param_states` for each one's);
         empty dicts where no parameter of the buffer has stepped. New tensors."""
         out = []
-        for m, bounds, states in zip(self.params, self.bounds, self.param_states()):
+        for m, bounds, segs in zip(self.params, self.bounds, self.segments):
             joined: dict[str, torch.Tensor] = {}
-            for (a, b), state in zip(bounds, states):
-                for key, v in state.items():
+            for (a, b), seg in zip(bounds, segs):
+                for key, v in (self.optimizer.state.get(seg, {}) if b > a else {}).items():
                     if not isinstance(v, torch.Tensor):
                         continue
-                    if v.dim() == 1 and v.numel() == b - a and key not in joined:
+                    if v.shape != seg.shape:  # a scalar: the first stepped parameter's
+                        joined.setdefault(key, v.clone())
+                        continue
+                    if key not in joined:
                         joined[key] = torch.zeros(m.shape, dtype=v.dtype, device=v.device)
-                    if key in joined and joined[key].shape == m.shape and v.dim() == 1:
-                        joined[key][a:b].copy_(v)
-                    elif key not in joined:
-                        joined[key] = v.clone()
+                    joined[key][a:b].copy_(v)
             out.append(joined)
         return out
 

@@ -16,9 +16,10 @@ and writes the updated values back into the parameter slices (cast to their dtyp
   plain copies.
 - :class:`DiskMasters` (``disk``): masters and states in a file under ``offload_path``, paged through a
   bounded host buffer (ZeRO-Infinity's NVMe offload, Rajbhandari et al., arXiv:2104.07857, §5). Note [Disk
-  paging]: each master slice is cut into sub-groups of at most ``chunk`` elements, each one optimizer
-  parameter; the step reads a sub-group (master + its state tensors) into one half of the host buffer while
-  the previous sub-group steps in the other half (a reader thread: ``os.preadv`` releases the GIL), then
+  paging]: each master slice is cut into sub-groups of at most ``chunk`` elements within one parameter
+  (Note [Unused parameters] in ``masters.py``), each one optimizer parameter; the step reads a sub-group
+  (master + its state tensors) into one half of the host buffer while the previous sub-group steps in the
+  other half (a reader thread: ``os.preadv`` releases the GIL), then
   writes it back. Host memory for optimizer states is the buffer, whatever the model size. Between steps the
   optimizer's parameters are empty tensors and ``optimizer.state`` holds nothing: the states are in the file
   (read them with :meth:`Masters.state_slices`). Note [Swap files]: one file per rank, named
