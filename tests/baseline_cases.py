@@ -49,7 +49,7 @@ def fsdp2_vs_ddp(steps: int = 8, accum: int = 2, clip: float | None = None, unit
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), clip or float("inf")))
         out["min_ref_norm"] = min(out.get("min_ref_norm", ref_norm), ref_norm)
         ref_opt.step()
-        ref_opt.zero_grad(set_to_none=False)
+        ref_opt.zero_grad()
         for name, engine in engines.items():
             norm = engine.step()
             sent[name].append(engine.comm_stats()["bytes_sent"] - before[name])

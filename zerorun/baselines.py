@@ -106,7 +106,7 @@ class BaselineEngine:
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip or float("inf"))
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad()  # torch's default, None: a parameter no rank used is not stepped, as zerorun
         self._micro_step = 0
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
