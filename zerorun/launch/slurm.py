@@ -124,13 +124,23 @@ def gpus_per_node(environ) -> int | None:
     per_node = environ.get("SLURM_GPUS_PER_NODE")
     if not per_node:
         return None
+    return gpu_count(per_node, f"SLURM_GPUS_PER_NODE={per_node!r}") or None
+
+
+def gpu_count(text: str, source: str) -> int:
+    """GPUs in one per-node GPU value, SLURM's ``--gpus-per-node`` form (``8``, ``a100:8``, ``a100:4,v100:4``:
+    summed).
+
+    Raises:
+        ZerorunError: ``source`` (what the value is, e.g. ``SLURM_GPUS_PER_NODE='x'``) and the expected form.
+    """
     total = 0
-    for part in per_node.split(","):
+    for part in text.split(","):
         m = re.fullmatch(r"\s*(?:[\w.-]+:)*(\d+)\s*", part)
         if not m:
-            raise ZerorunError(f"SLURM_GPUS_PER_NODE={per_node!r}: expected a count like '4' or 'a100:4'")
+            raise ZerorunError(f"{source}: expected a GPU count like 4 or a100:4")
         total += int(m.group(1))
-    return total or None
+    return total
 
 
 def slots_per_node(environ, recipe_slots: int, num_procs: int | None = None, count: int = 1

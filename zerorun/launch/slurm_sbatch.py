@@ -24,6 +24,7 @@ import re
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import MAX_SLOTS
+from zerorun.launch.slurm import gpu_count
 
 #: sbatch's own options that a job array is asked for with (``-a 0-3``, ``--array=0-3``)
 _ARRAY = ("-a", "--array")
@@ -57,17 +58,6 @@ def refuse_array(groups: list[list[str]]) -> None:
                            "submit RECIPE FIELD=VALUE ..., each gets its own run folder)")
 
 
-def _gpu_count(text: str, source: str) -> int:
-    """GPUs in one ``--gpus-per-node`` value (``8``, ``a100:8``, ``a100:4,v100:4``: summed)."""
-    total = 0
-    for part in text.split(","):
-        m = re.fullmatch(r"\s*(?:[\w.-]+:)?(\d+)\s*", part)
-        if not m:
-            raise ZerorunError(f"{source}: expected a GPU count like 8 or a100:8")
-        total += int(m.group(1))
-    return total
-
-
 def _gres_gpus(text: str, source: str) -> int | None:
     """GPUs in a ``--gres`` value (``gpu:8``, ``gpu:a100:8``, ``gpu`` = 1, other resources skipped), or None
     when it names no GPU."""
@@ -96,7 +86,7 @@ def gpus_asked(groups: list[list[str]], flag: int | None = None) -> int | None:
     counts: list[tuple[int, str]] = [] if flag is None else [(flag, f"--gpus-per-node {flag}")]
     for name, value in option_values(groups, "--gpus-per-node", "--gres"):
         source = f"sbatch {name}={value}"
-        count = _gpu_count(value, source) if name == "--gpus-per-node" else _gres_gpus(value, source)
+        count = gpu_count(value, source) if name == "--gpus-per-node" else _gres_gpus(value, source)
         if count is not None:
             counts.append((count, source))
     for count, source in counts[1:]:
