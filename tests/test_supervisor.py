@@ -25,7 +25,8 @@ Root Cause (first observed failure):
 """
 
 
-def supervise(lines: list[str]):
+def supervised(lines: list[str]) -> tuple[Supervisor, object]:
+    """A supervisor of one 2-rank node that printed ``lines`` and ended with exit code 1, and its failure."""
     plan = build_plan([Host("localhost", 2)], "{}", "job", 12345)
     q: queue.Queue = queue.Queue()
     sup = Supervisor(plan, [], q, lambda e: None, lambda n, l: None)
@@ -34,7 +35,11 @@ def supervise(lines: list[str]):
     q.put((0, None, 1))
     while not q.empty():
         sup._drain(0.01)
-    return sup._failure(0)
+    return sup, sup._failure(0)
+
+
+def supervise(lines: list[str]):
+    return supervised(lines)[1]
 
 
 def test_torchrun_root_cause_is_blamed_not_the_rank_it_terminated():
@@ -236,15 +241,7 @@ def test_a_rank_that_exits_0_in_the_middle_of_the_job_is_named_as_exited():
     step = format_event("step", 1, step=3)
     peer = format_event("error", 0, type="RuntimeError", message="Connection closed by peer", peer_failure=True)
     for lines in ([step, rank_exit(1, 0), peer, rank_exit(0, 1)], [step, peer, rank_exit(0, 1), rank_exit(1, 0)]):
-        plan = build_plan([Host("localhost", 2)], "{}", "job", 12345)
-        q: queue.Queue = queue.Queue()
-        sup = Supervisor(plan, [], q, lambda e: None, lambda n, l: None)
-        for line in lines:
-            q.put((0, line))
-        q.put((0, None, 1))
-        while not q.empty():
-            sup._drain(0.01)
-        result = sup._failure(0)
+        sup, result = supervised(lines)
         assert (result.rank, result.host) == (1, "localhost")
         assert result.message == ("rank 1 exited (exit code 0) in the middle of the job; rank 0 then failed: "
                                   "RuntimeError: Connection closed by peer")
