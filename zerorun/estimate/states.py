@@ -59,27 +59,75 @@ def _optimizer_slices(layout: Layout, stage: int, world_size: int) -> list[int]:
     return padded if stage == 0 else [n // world_size for n in padded]
 
 
-def _segments(layout: Layout, stage: int, world_size: int) -> list[list[int]]:
-    """Per rank, the numel of each optimizer tensor it steps: each parameter's part in its slice of each
-    trainable flat buffer (the whole padded buffer at stage 0), padding in none (Note [Unused parameters] in
-    zero/masters.py)."""
+#: Above this many ranks (a search for the fewest nodes that fit, up to millions of ranks) the per-rank counts are
+#: bounded instead of computed rank by rank: :func:`_bound`.
+_EXACT_RANKS = 1 << 14
+
+
+def _bound(per: list, world_size: int):
+    """``(count, numel, cost)`` as :func:`_rank_segments` gives them, for one rank that bounds them all: rank 0's
+    elements, which are every rank's most in every buffer at once (slices are equal and padding is at the end),
+    and every nonzero parameter of every buffer as a tensor (more than any rank steps once a slice is smaller
+    than a parameter: the scalar states of a few hundred tensors, bytes against the GiBs being planned)."""
+    import numpy as np
+
+    numel = sum(min(sum(p), _pad(sum(p), world_size) // world_size) for p in per)
+    count = sum(sum(1 for n in p if n > 0) for p in per)
+    return np.array([count], dtype=np.int64), np.array([numel], dtype=np.int64), np.zeros(1, dtype=np.int64)
+
+
+def _rank_segments(layout: Layout, stage: int, world_size: int, cost=None):
+    """Per rank, what it steps (Note [Unused parameters] in zero/masters.py): one optimizer tensor for each
+    parameter's part in its slice of each trainable flat buffer (the whole padded buffer at stage 0), padding
+    in none. Computed per buffer for all ranks at once (binary search over the parameters' offsets), so that a
+    70B model on thousands of ranks costs milliseconds.
+
+    Args:
+        cost: ``None``, or a function of tensors' numels (a numpy int64 array, elementwise; 0 for 0) to sum
+            over each rank's tensors.
+
+    Returns:
+        ``(count, numel, cost)``: numpy int64 arrays of length ``world_size`` (length 1 at stage 0, where every
+        rank steps the same): tensors, their elements, and the summed ``cost`` (zeros without one).
+    """
+    import numpy as np
+
     if stage == 3 and layout.exact:
         per = [u.trainable_params[i] if u.trainable_params else (n,) for u in layout.units
                for i, n in enumerate(u.trainable)]
     else:
         per = [layout.buffer_params[i] if layout.buffer_params else (n,) for i, n in enumerate(layout.buffers)]
-    out: list[list[int]] = [[] for _ in range(world_size)]
+    ranks = 1 if stage == 0 else world_size
+    if ranks > _EXACT_RANKS and cost is None:
+        return _bound(per, world_size)
+    count, numel, costs = (np.zeros(ranks, dtype=np.int64) for _ in range(3))
     for params in per:
-        size = _pad(sum(params), world_size) // world_size
-        for r in range(world_size):
-            lo, hi = (0, size * world_size) if stage == 0 else (r * size, (r + 1) * size)
-            offset = 0
-            for n in params:
-                part = min(offset + n, hi) - max(offset, lo)
-                if part > 0:
-                    out[r].append(part)
-                offset += n
-    return out
+        sizes = np.asarray(params, dtype=np.int64)
+        if not sizes.size:
+            continue
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        size = _pad(int(ends[-1]), world_size) // world_size
+        lo = np.zeros(1, dtype=np.int64) if stage == 0 else np.arange(ranks, dtype=np.int64) * size
+        hi = np.full(1, size * world_size, dtype=np.int64) if stage == 0 else lo + size
+        first = np.searchsorted(ends, lo, side="right")  # the first parameter that ends after lo
+        stop = np.searchsorted(starts, hi, side="left")  # parameters [first, stop) start before hi
+        nonzero = np.concatenate([[0], np.cumsum(sizes > 0)])  # a zero-element parameter has no part
+        count += nonzero[stop] - nonzero[np.minimum(first, stop)]
+        numel += np.clip(np.minimum(ends[-1], hi) - lo, 0, None)
+        if cost is None:
+            continue
+        last = len(sizes) - 1
+        f, s = np.minimum(first, last), np.clip(stop - 1, 0, last)
+
+        def part(k):  # the part of parameter k (per rank) in the rank's slice
+            return np.clip(np.minimum(ends[k], hi) - np.maximum(starts[k], lo), 0, None)
+
+        whole = np.concatenate([[0], np.cumsum(cost(sizes))])  # prefix sums of whole parameters' cost
+        two = stop - 1 > first  # the slice cuts two parameters or more: edges, and whole ones between them
+        costs += np.where(stop > first, cost(part(f)), 0)
+        costs += np.where(two, cost(part(s)) + whole[s] - whole[np.minimum(f + 1, s)], 0)
+    return count, numel, costs
 
 
 def model_states(layout: Layout, stage: int, world_size: int, precision: Precision, optimizer: OptimizerModel,
@@ -147,9 +195,9 @@ def _model_states(layout: Layout, stage: int, world_size: int, precision: Precis
     else:
         grads, accum = sum(shards) * max(precision.reduce_bytes, wide), 0
     slices = _optimizer_slices(layout, stage, N)
-    segments = _segments(layout, stage, N)  # the rank that steps the most (padding and parameter cuts differ)
-    states = max(4 * optimizer.states * sum(segs) + (optimizer.scalar_bytes if layout.exact else 0) * len(segs)
-                 for segs in segments)  # per element, and scalars: one per optimizer tensor
+    # the rank that steps the most (padding and parameter cuts differ): per element, and scalars per tensor
+    count, numel, _ = _rank_segments(layout, stage, N)
+    states = int((4 * optimizer.states * numel + (optimizer.scalar_bytes if layout.exact else 0) * count).max())
     if offload == "none":
         return ModelStates(params, grads, states + precision.master_bytes * sum(slices), grad_accum=accum)
     if offload == "cpu":  # CpuMasters: never aliased, so an fp32 master even at fp32
@@ -163,11 +211,10 @@ def _model_states(layout: Layout, stage: int, world_size: int, precision: Precis
         raise ZerorunError(f"zero.offload_buffer_mb: {buffer_mb} MiB cannot page even 16 elements of master and "
                            f"{optimizer.states} optimizer state tensors twice")
     regions = 1 + optimizer.states  # the master and each state, per sub-group of one parameter (Note [Disk paging])
-    disk = 0
-    for segs in segments:
-        mine = 0
-        for n in segs:
-            full, rest = divmod(n, chunk)
-            mine += regions * (full * swap_region_bytes(4 * chunk) + (swap_region_bytes(4 * rest) if rest else 0))
-        disk = max(disk, mine)
+
+    def paged(n):  # swap bytes of tensors' (numpy int64 numels) master or one state, paged by ``chunk``
+        full, rest = n // chunk, n % chunk
+        return full * swap_region_bytes(4 * chunk) + (rest > 0) * swap_region_bytes(4 * rest)
+
+    disk = regions * int(_rank_segments(layout, stage, N, paged)[2].max())
     return ModelStates(params, grads, 0, host=2 * chunk * 4 * regions, disk=disk, grad_accum=accum)
