@@ -21,6 +21,8 @@ def test_parses_deepspeed_format_with_comments_and_blank_lines():
     ("# nothing\n\n", r"hf: no hosts"),
     # ssh would take these for options (-oProxyCommand runs a command): refused, as OpenSSH refuses them
     ("-oProxyCommand slots=1\n", r"hf:1: host name '-oProxyCommand' starts with '-': ssh would take it for an option"),
+    ("-oProxyCommand=touch${IFS}/tmp/x slots=1\n",
+     r"hf:1: host name '-oProxyCommand=touch\$\{IFS\}/tmp/x' starts with '-': ssh would take it for an option"),
     ("worker-1 slots=1\n-p2222 slots=1\n", r"hf:2: host name '-p2222' starts with '-'"),
     ("- slots=1\n", r"hf:1: host name '-' starts with '-'"),
 ])

@@ -51,13 +51,14 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
+        name = line.split()[0]
+        if name.startswith("-"):  # before the line's form: '-oProxyCommand=...' is an option whatever follows
+            raise ZerorunError(f"{path}:{lineno}: host name {name!r} starts with '-': ssh would take it for an "
+                               "option (OpenSSH refuses such names too)")
         m = _LINE.fullmatch(line)
         if not m:
             raise ZerorunError(f"{path}:{lineno}: malformed line {raw.strip()!r}: expected 'HOST slots=N'")
         name, slots_text = m.group("host"), m.group("slots")
-        if name.startswith("-"):
-            raise ZerorunError(f"{path}:{lineno}: host name {name!r} starts with '-': ssh would take it for an "
-                               "option (OpenSSH refuses such names too)")
         if slots_text is None:
             raise ZerorunError(f"{path}:{lineno}: {name}: missing slots=N")
         try:
