@@ -57,6 +57,12 @@ def test_train_on_a_folder_in_use_exits_in_one_line_before_any_rank(holder, tmp_
     assert out.stderr.strip().count("\n") == 0 and f"pid {proc.pid}" in out.stderr, out.stderr
     assert "in use by job aaaaaaaaaaaa (first)" in out.stderr
     assert not (tmp_path / "runs").exists() and os.listdir(folder) == [LOCK]
+    resumed = subprocess.run([sys.executable, "-m", "zerorun", "train", "recipes/tiny.yaml", "--no-dashboard",
+                              f"log.dir={tmp_path / 'runs'}", f"checkpoint.dir={folder}", "--resume"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # refused before it says where it would start ("no checkpoint in ... yet: starting from step 0")
+    assert resumed.returncode == 2 and resumed.stdout == "", resumed.stdout + resumed.stderr
+    assert resumed.stderr.strip().count("\n") == 0 and "in use by job aaaaaaaaaaaa" in resumed.stderr
 
 
 def test_lock_of_a_killed_job_is_stale_and_taken_over(holder, tmp_path):

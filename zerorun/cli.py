@@ -127,11 +127,14 @@ def train(
     # the optimizer check imports torch: the model check does it beside the launch (zerorun/modelcheck.py)
     launcher = zlaunch.choose_launcher(launcher, hostfile)
     r = load_recipe(recipe, overrides or [], check_optimizer=False)
-    if not prepare_resume(r, resume):  # sets checkpoint.resume and .dir (Note [Resume lookup] in zerorun/resume.py)
+    said: list[str] = []  # said once the job may start (a job refused by the lock starts nothing: one line)
+    if not prepare_resume(r, resume, say=said.append):  # sets checkpoint.resume and .dir (Note [Resume lookup])
+        _say(said)
         return  # the checkpoint is the last step's: done
     hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     if dry_run:  # nothing is contacted; the commands run as printed
+        _say(said)
         sys.stdout.write(zlaunch.dry_run(r, hosts, master_port=master_port, master_addr=master_addr,
                                          launcher=launcher))
         sys.stdout.flush()
@@ -149,12 +152,18 @@ def train(
             raise ZerorunError(f"checkpoint.dir: cannot create {r.checkpoint.dir}: {e.strerror}") from None
     job_id = uuid.uuid4().hex[:12]
     with checkpoint_lock.held(r.checkpoint.dir, job_id, r.name):  # Note [Checkpoint folder lock]
+        _say(said)
         result = zlaunch.run_job(r, hosts, recipe_path=recipe, overrides=overrides or [],
                                  dashboard=not no_dashboard, master_port=master_port, master_addr=master_addr,
                                  ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout, run_dir=run_dir,
                                  launcher=launcher, job_id=job_id)
     if not result.ok:
         raise result.error()
+
+
+def _say(lines: list[str]) -> None:
+    for line in lines:
+        print(line, flush=True)
 
 
 @app.command(context_settings={"allow_extra_args": False})
