@@ -32,11 +32,27 @@ _MASTER_ADDR = typer.Option(None, "--master-addr", "--master_addr",
 _INCLUDE = typer.Option(None, "--include", help="Only these hosts/slots: 'host1@host2:0,1'.")
 _EXCLUDE = typer.Option(None, "--exclude", help="All but these hosts/slots: 'host1@host2:0,1'.")
 _NUM_NODES = typer.Option(None, "--num-nodes", min=1, help="Use the first N hosts.")
-_NUM_PROCS = typer.Option(None, "--num-procs", min=1, max=MAX_SLOTS, help="Ranks per node (at most its slots).")
+
+
+def _procs(value: Optional[str]):
+    """``--nproc-per-node``: N or gpu|cpu|auto, as torchrun takes it (Note [Ranks per node], launch/slots.py)."""
+    from zerorun.hostfile import parse_procs
+
+    try:
+        return None if value is None else parse_procs(value, "")
+    except ValueError as e:
+        raise typer.BadParameter(str(e).strip()) from None
+
+
+_PROCS_HELP = ("Ranks per node: N, gpu (one per visible GPU), cpu (one per CPU, as torchrun) or auto (one per visible "
+               "GPU, else 1; torchrun's auto is one per CPU there); with -H at most each host's slots (gpu, auto: "
+               "all of them).")
+_NUM_PROCS = typer.Option(None, "--nproc-per-node", "--nproc_per_node", "--num-procs", metavar="N|gpu|cpu|auto",
+                          callback=_procs, help=_PROCS_HELP + " Default: launch.procs_per_node (auto).")
 # `zerorun launch` takes torchrun's names too
 _NNODES = typer.Option(None, "--nnodes", "--num-nodes", min=1, help="Use the first N hosts (also --num-nodes).")
-_NPROC = typer.Option(None, "--nproc-per-node", "--nproc_per_node", "--num-procs", min=1, max=MAX_SLOTS,
-                      help="Ranks per node, at most its slots (also --num-procs).")
+_NPROC = typer.Option(None, "--nproc-per-node", "--nproc_per_node", "--num-procs", metavar="N|gpu|cpu|auto",
+                      callback=_procs, help=_PROCS_HELP + " Default: 1, as torchrun's.")
 _SSH_USER = typer.Option(None, "--ssh-user", help="SSH user (default: from ~/.ssh/config, else yours).")
 _SSH_PORT = typer.Option(None, "--ssh-port", min=1, max=65535, help="SSH port (default: from ~/.ssh/config, 22).")
 _SSH_KEY = typer.Option(None, "--ssh-key", help="The only SSH private key to use (default: ~/.ssh/config's).")
@@ -107,7 +123,7 @@ def train(
                                          "<log.dir>/<name>/checkpoints), or start from step 0 when there is none; "
                                          "or from PATH, which must exist."),
     include: Optional[str] = _INCLUDE, exclude: Optional[str] = _EXCLUDE,
-    num_nodes: Optional[int] = _NUM_NODES, num_procs: Optional[int] = _NUM_PROCS,
+    num_nodes: Optional[int] = _NUM_NODES, num_procs: Optional[str] = _NUM_PROCS,
     ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
@@ -263,7 +279,7 @@ def launch(
     hostfile: Optional[str] = _HOSTFILE,
     master_port: Optional[int] = _MASTER_PORT, master_addr: Optional[str] = _MASTER_ADDR,
     include: Optional[str] = _INCLUDE, exclude: Optional[str] = _EXCLUDE,
-    num_nodes: Optional[int] = _NNODES, num_procs: Optional[int] = _NPROC,
+    num_nodes: Optional[int] = _NNODES, num_procs: Optional[str] = _NPROC,
     ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
     ssh_config: Optional[str] = _SSH_CONFIG, ssh_local: bool = _SSH_LOCAL, preflight_timeout: float = _PREFLIGHT_S,
     log_dir: str = typer.Option("runs", "--log-dir", help="Runs are written under LOG_DIR/<script>/<time>/."),

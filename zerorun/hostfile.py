@@ -21,15 +21,38 @@ MAX_SLOTS = 4096
 _LINE = re.compile(r"(?P<host>[A-Za-z0-9_.:\-\[\]]+)(?:\s+slots\s*=\s*(?P<slots>\S+))?")  # fullmatch
 
 
+#: the words a count of ranks per node may be (Note [Ranks per node] in zerorun/launch/slots.py)
+WORDS = ("auto", "gpu", "cpu")
+#: what a count of ranks per node may be, in error lines
+EXPECTED = (f"expected ranks per node from 1 to {MAX_SLOTS}, or gpu (one per visible GPU), cpu (one per CPU) or "
+            "auto (one per visible GPU, else 1)")
+
+
+def parse_procs(value, name: str) -> int | str:
+    """``value`` (a count as text or int) as an int from 1 to :data:`MAX_SLOTS` or one of :data:`WORDS`.
+
+    Raises:
+        ValueError: anything else; the message names ``name`` (the flag or field) and the value.
+    """
+    text = str(value).strip().lower()
+    if text in WORDS:
+        return text
+    if isinstance(value, bool) or not (text.isascii() and text.isdigit() and len(text) <= 6
+                                       and 1 <= int(text) <= MAX_SLOTS):
+        raise ValueError(f"{name} {value!r}: {EXPECTED}".strip())
+    return int(text)
+
+
 @dataclass(frozen=True)
 class Host:
     """One node: its address or SSH alias, and how many ranks (slots) it runs; ``slot_ids``: which of the
-    hostfile's slots were selected (``--include host:0,2``; DeepSpeed's meaning: device indices), or None for
-    the first ``slots``."""
+    hostfile's slots were selected (``--include host:0,2``; DeepSpeed's meaning: device indices; on this
+    machine without a hostfile, its ``CUDA_VISIBLE_DEVICES`` entries: launch/slots.py ``through_visible``), or
+    None for the first ``slots``."""
 
     name: str
     slots: int
-    slot_ids: tuple[int, ...] | None = None
+    slot_ids: tuple[int | str, ...] | None = None
 
     @property
     def is_local(self) -> bool:

@@ -11,9 +11,10 @@ from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import MAX_SLOTS
+from zerorun.hostfile import EXPECTED, parse_procs
 from zerorun.recipe_checks import check_engine_fields
 from zerorun.recipe_paths import (absolute, absolute_pattern, expand_data_paths, is_file_path, matches_any,  # noqa: F401
                                   not_found_hint, stdlib_dir)
@@ -177,18 +178,31 @@ class LossScaleSpec(_Strict):
 
 
 class LaunchSpec(_Strict):
-    """Ranks per node without a hostfile; Python interpreter and working directory on the nodes; extra
-    environment variables for every rank (POSIX names; values as given, never :data:`MASK`); seconds a
-    collective may wait for a silent peer before the job fails (a hung rank ends the job instead of hanging
-    it)."""
+    """Ranks per node without a hostfile: a number, or ``auto`` (the default: one per visible GPU, else 1),
+    ``gpu`` or ``cpu`` (Note [Ranks per node] in zerorun/launch/slots.py); Python interpreter and working
+    directory on the nodes; extra environment variables for every rank (POSIX names; values as given, never
+    :data:`MASK`); seconds a collective may wait for a silent peer before the job fails (a hung rank ends the
+    job instead of hanging it)."""
 
-    procs_per_node: int = Field(1, gt=0, le=MAX_SLOTS)
+    procs_per_node: int | Literal["auto", "gpu", "cpu"] = "auto"
     python: str | None = None
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     collective_timeout_s: float = Field(600.0, gt=0)
 
     _env_value_text = field_validator("env", mode="before")(classmethod(lambda cls, env: env_value_text(env)))
+
+    @field_validator("procs_per_node", mode="before")
+    @classmethod
+    def _procs(cls, value: Any) -> Any:
+        try:
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise ValueError(value)
+            return parse_procs(value, "launch.procs_per_node")
+        except ValueError:
+            shown = f"a boolean ({str(value).lower()})" if isinstance(value, bool) else repr(value)
+            raise PydanticCustomError("procs_per_node", "{expected}; got {value}",
+                                      {"expected": EXPECTED, "value": shown}) from None
 
     _env_names_and_values = field_validator("env")(classmethod(lambda cls, env: check_env(env)))
 

@@ -80,6 +80,13 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         layout = layout_of_count(total, largest)
         prec = precision_of(precision or "fp32")
     ppn = procs_per_node or (max(h.slots for h in hosts) if hosts else (r.launch.procs_per_node if r else 1))
+    if isinstance(ppn, str):  # auto, gpu, cpu: counted here (Note [Ranks per node] in zerorun/launch/slots.py)
+        import sys
+
+        from zerorun.launch.slots import assumed
+
+        ppn, note = assumed(ppn, "launch.procs_per_node")
+        sys.stderr.write(f"zerorun: estimate: {note}\n")
     n_nodes = nodes or (len(hosts) if hosts else 1)
     world = sum(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else None
     if optimizer is not None:

@@ -74,17 +74,22 @@ class RunResult:
         return err
 
 
-def select(hostfile: str | None, default_slots: int, include: str | None = None, exclude: str | None = None,
-           num_nodes: int | None = None, num_procs: int | None = None, launcher: str = "ssh") -> list[Host]:
+def select(hostfile: str | None, default_slots: int | str, include: str | None = None, exclude: str | None = None,
+           num_nodes: int | None = None, num_procs: int | str | None = None, launcher: str = "ssh") -> list[Host]:
     """The hosts of a job: the hostfile's (or localhost with ``num_procs``, else ``default_slots``, ranks)
     through ``include``/``exclude``, ``num_nodes`` and ``num_procs`` (hostfile.select_hosts, DeepSpeed's rules).
-    ``launcher``: ``ssh`` (that), ``local`` (this machine, no hostfile), ``slurm`` (the allocation's nodes and
-    slots, launch/slurm.py ``allocation_hosts``; a note on stderr says where the slot count comes from).
+    ``default_slots`` (``launch.procs_per_node``) and ``num_procs`` (``--nproc-per-node``) are numbers or
+    ``auto``/``gpu``/``cpu``, made numbers here (Note [Ranks per node] in launch/slots.py; a note on stderr
+    says what a word became where it is not one rank). ``launcher``: ``ssh`` (that), ``local`` (this machine,
+    no hostfile), ``slurm`` (the allocation's nodes and slots, launch/slurm.py ``allocation_hosts``; a note on
+    stderr says where the slot count comes from).
 
     Raises:
-        ZerorunError: an unreadable or bad hostfile, a bad allocation, or a selection that leaves no host.
+        ZerorunError: an unreadable or bad hostfile, a bad allocation, ``gpu`` without a GPU, ``cpu`` with a
+            hostfile, or a selection that leaves no host.
     """
     from zerorun.hostfile import read_hostfile, select_hosts
+    from zerorun.launch.slots import auto_note, hostfile_procs, resolve, through_visible
 
     if launcher == "slurm":
         from zerorun.launch.slurm import allocation_hosts, describe_slots
@@ -96,10 +101,15 @@ def select(hostfile: str | None, default_slots: int, include: str | None = None,
                          f"{describe_slots(hosts, source)}\n")
         return hosts
     if hostfile and launcher != "local":
-        hosts = read_hostfile(hostfile)
-    else:
-        hosts = [Host("localhost", num_procs or default_slots)]
-    return select_hosts(hosts, include, exclude, num_nodes, num_procs)
+        return select_hosts(read_hostfile(hostfile), include, exclude, num_nodes,
+                            hostfile_procs(num_procs, "--nproc-per-node"))
+    value, name = (num_procs, "--nproc-per-node") if num_procs is not None else (default_slots,
+                                                                                 "launch.procs_per_node")
+    slots = resolve(value, name)
+    note = auto_note(value, name, slots)
+    if note:
+        sys.stderr.write(note + "\n")
+    return [through_visible(h) for h in select_hosts([Host("localhost", slots)], include, exclude, num_nodes, None)]
 
 
 def ssh_options(user: str | None = None, port: int | None = None, key: str | None = None,

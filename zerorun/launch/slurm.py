@@ -20,7 +20,9 @@ else ``SLURM_GPUS_PER_NODE``: one rank per GPU); the allocation's tasks, when th
 tasks, uneven ones included (``-N2 -n3``: ``2,1``, 3 ranks), so ``salloc -N2 -n4`` runs 4 ranks whatever the
 recipe says (the stderr note says the recipe's count is not used); else the recipe's ``launch.procs_per_node``
 (``zerorun launch``: 1) on every node, refused in one line where a node has fewer CPUs
-(``SLURM_JOB_CPUS_PER_NODE``: ``salloc -N1`` gives one) than that.
+(``SLURM_JOB_CPUS_PER_NODE``: ``salloc -N1`` gives one) than that. A word (Note [Ranks per node] in
+launch/slots.py): ``auto`` is the allocation's GPUs, else the tasks, else 1; ``gpu`` the allocation's GPUs
+(none: an error); ``cpu`` the allocation's CPUs on each node (``SLURM_JOB_CPUS_PER_NODE``).
 """
 
 from __future__ import annotations
@@ -143,30 +145,55 @@ def gpu_count(text: str, source: str) -> int:
     return total
 
 
-def slots_per_node(environ, recipe_slots: int, num_procs: int | None = None, count: int = 1
+def slots_per_node(environ, recipe_slots: int | str, num_procs: int | str | None = None, count: int = 1
                    ) -> tuple[list[int], str]:
     """Ranks on each of the allocation's ``count`` nodes and where they come from (Note [Ranks in an
-    allocation]).
+    allocation]; ``recipe_slots`` and ``num_procs`` may be ``auto``/``gpu``/``cpu``: Note [Ranks per node]).
 
     Raises:
         ZerorunError: a malformed SLURM variable (named), task counts for another number of nodes, the recipe's
-            count above the CPUs of a node, or a count above :data:`MAX_SLOTS`.
+            count above the CPUs of a node, ``gpu`` in an allocation without GPUs, ``cpu`` without
+            ``SLURM_JOB_CPUS_PER_NODE``, or a count above :data:`MAX_SLOTS`.
     """
+    if num_procs == "auto" or num_procs == "gpu" and gpus_per_node(environ):
+        num_procs = None  # the rules below: the allocation's GPUs first
     if num_procs is not None:
-        slots, source = [num_procs] * count, "--num-procs"
+        slots, source = _word_slots(environ, num_procs, "--num-procs", count), "--num-procs"
     elif gpus_per_node(environ):
         slots, source = [gpus_per_node(environ)] * count, "the allocation's GPUs per node"
     elif any(environ.get(k) for k in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE")):
         slots, source = _task_slots(environ, count)
-        if any(n != recipe_slots for n in slots):
+        if isinstance(recipe_slots, int) and any(n != recipe_slots for n in slots):
             source += f"; not the recipe's launch.procs_per_node {recipe_slots}"
     else:
-        slots, source = [recipe_slots] * count, "launch.procs_per_node"
-        _refuse_above_cpus(environ, recipe_slots, count)
+        slots = _word_slots(environ, recipe_slots, "launch.procs_per_node", count)
+        source = "launch.procs_per_node" + (f" {recipe_slots}" if isinstance(recipe_slots, str) else "")
+        if isinstance(recipe_slots, int):
+            _refuse_above_cpus(environ, recipe_slots, count)
     for n in slots:
         if not 1 <= n <= MAX_SLOTS:
             raise ZerorunError(f"{source}: {n} ranks on a node, expected 1 to {MAX_SLOTS}")
     return slots, source
+
+
+def _word_slots(environ, value: int | str, name: str, count: int) -> list[int]:
+    """``value`` ranks on each node of an allocation whose GPUs are not counted here: a number as given,
+    ``auto`` 1 (no GPU in the allocation), ``cpu`` each node's CPUs (``SLURM_JOB_CPUS_PER_NODE``).
+
+    Raises:
+        ZerorunError: ``gpu`` (the allocation has no GPU), ``cpu`` without the CPU counts of every node.
+    """
+    if isinstance(value, int) or value == "auto":
+        return [value if isinstance(value, int) else 1] * count
+    if value == "gpu":
+        raise ZerorunError(f"{name} gpu: the SLURM allocation has no GPU (SLURM_GPUS_ON_NODE and "
+                           "SLURM_GPUS_PER_NODE unset): ask for them (--gpus-per-node) or give a number")
+    text = environ.get("SLURM_JOB_CPUS_PER_NODE")
+    cpus = expand_counts(text) if text else []
+    if len(cpus) != count:
+        raise ZerorunError(f"{name} cpu: the allocation's CPUs per node are not known "
+                           f"(SLURM_JOB_CPUS_PER_NODE={text!r}); give a number")
+    return cpus
 
 
 def _task_slots(environ, count: int) -> tuple[list[int], str]:
@@ -253,7 +280,7 @@ def allocation_nodelist(environ=None) -> str:
     return nodelist
 
 
-def allocation_hosts(recipe_slots: int, num_nodes: int | None = None, num_procs: int | None = None,
+def allocation_hosts(recipe_slots: int | str, num_nodes: int | None = None, num_procs: int | str | None = None,
                      environ=None) -> tuple[list[Host], str]:
     """The allocation's nodes as hosts, in SLURM's order, and the source of their slot count
     (:func:`slots_per_node`). ``num_nodes``: the first N nodes only.

@@ -4,7 +4,9 @@ job array (refused), the time limit and the early save signal (launch/slurm_subm
 Note [Ranks of a submitted job]: the job's ranks per node are, the first that applies: ``--procs-per-node``
 (explicit: it may be fewer than the GPUs, never more); the GPUs per node asked for (``--gpus-per-node N`` of
 zerorun submit, or ``--gpus-per-node=[type:]N`` / ``--gres=gpu[:type]:N`` given to sbatch after ``--``): one
-rank per GPU, as ``launch.procs_per_node: auto`` does on a GPU machine; the recipe's ``launch.procs_per_node``.
+rank per GPU, as ``launch.procs_per_node: auto`` (the default) does on a GPU machine; the recipe's
+``launch.procs_per_node`` (``auto`` without GPUs asked for: 1; ``gpu`` then, or ``cpu``, an error: the count
+must be known when the job is submitted).
 A recipe that sets ``launch.procs_per_node`` to another count than the GPUs asked for is a one-line error
 (2 ranks on 8 GPUs was silent before): ``--procs-per-node`` says which is meant. Two GPU counts that disagree
 (zerorun's flag and sbatch's, or ``--gres`` and ``--gpus-per-node``) are an error too. The count goes into
@@ -104,18 +106,25 @@ def ranks_per_node(procs_flag: int | None, gpus: int | None, recipe) -> tuple[in
     """
     recipe_set = "procs_per_node" in recipe.launch.model_fields_set
     ppn = recipe.launch.procs_per_node
+    if ppn == "cpu" and procs_flag is None:  # the CPUs of nodes not yet allocated: unknown at submit time
+        raise ZerorunError("launch.procs_per_node cpu: a batch job's ranks per node are needed when it is "
+                           "submitted (#SBATCH --ntasks-per-node): give --procs-per-node N")
     if procs_flag is not None:
         if gpus and procs_flag > gpus:
             raise ZerorunError(f"--procs-per-node {procs_flag}: more ranks than the {gpus} GPUs per node asked for")
         procs, source = procs_flag, "--procs-per-node"
     elif gpus:
-        if recipe_set and ppn != gpus:
+        if recipe_set and isinstance(ppn, int) and ppn != gpus:
             raise ZerorunError(f"launch.procs_per_node is {ppn} but the job asks for {gpus} GPUs per node: give "
                                f"--procs-per-node {ppn} to run {ppn} rank{'s' * (ppn != 1)} per node, or "
                                f"launch.procs_per_node={gpus} for one rank per GPU")
         procs, source = gpus, "one rank per GPU"
+    elif ppn == "gpu":
+        raise ZerorunError("launch.procs_per_node gpu: the job asks for no GPU: give --gpus-per-node N (or "
+                           "sbatch's --gres=gpu:N after '--')")
     else:
-        procs, source = ppn, "launch.procs_per_node"
+        procs, source = (1, "launch.procs_per_node auto, no GPU asked for") if ppn == "auto" else (
+            ppn, "launch.procs_per_node")
     if not 1 <= procs <= MAX_SLOTS:
         raise ZerorunError(f"{source}: {procs} ranks per node, expected 1 to {MAX_SLOTS}")
     return procs, source
