@@ -203,6 +203,20 @@ def test_estimate_says_what_it_assumed_for_a_word(gpus, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_env_names_the_gpus(gpus):
+    from zerorun.envinfo import auto_line, gpu_text, report
+
+    assert gpu_text([["NVIDIA H200", 150754820096]] * 8) == "8: NVIDIA H200, 140.4 GiB x 8"
+    assert gpu_text([["A", 2**34], ["B", 2**35]]) == "2: A, 16.0 GiB; B, 32.0 GiB"
+    assert gpu_text([]) == "no GPU (CUDA not available)"
+    assert gpu_text("cannot import torch: X") == "unknown (cannot import torch: X)"
+    rows = dict(line.split("  ", 1) for line in report().splitlines())
+    assert rows["GPUs"].strip() == "no GPU (CUDA not available)"  # this machine
+    gpus(8)
+    assert auto_line({"CUDA_VISIBLE_DEVICES": "0,1"}) == ("procs_per_node auto", "2 ranks (2 of the 8 GPUs NVML "
+                                                                                 "finds, CUDA_VISIBLE_DEVICES=0,1)")
+
+
 def test_a_hostfile_host_keeps_its_slots():
     """A hostfile's ``slots=`` stay numbers (the count the dry run prints for a host it does not contact)."""
     from zerorun.hostfile import parse_hostfile

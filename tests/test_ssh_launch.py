@@ -337,7 +337,8 @@ def test_preflight_detects_master_port_in_use_and_a_missing_module(sshd, tmp_pat
 
 
 def test_env_reports_versions_backends_and_which_hosts_answer(sshd, tmp_path):
-    """``zerorun env`` (issue 18): what a bug report needs, and with -H each host reachable or not (loopback)."""
+    """``zerorun env`` (issue 18): what a bug report needs, and with -H each host reachable or not (loopback), and
+    the GPUs each host has (issue 33)."""
     from importlib.metadata import version
 
     hosts = hostfile(tmp_path, "localhost slots=2\n127.0.0.2 slots=1\ndown slots=1\n")
@@ -350,7 +351,10 @@ def test_env_reports_versions_backends_and_which_hosts_answer(sshd, tmp_path):
     assert rows["zerorun"].startswith(zerorun.__version__) and rows["python"].startswith(sys.version.split()[0])
     assert rows["torch"].startswith(version("torch")) and "gloo" in rows["distributed backends"]
     assert rows["fabric"] == version("fabric") and rows["paramiko"] == version("paramiko")
-    assert "cores" in rows["CPU"] and rows["GPUs"]
-    assert rows["host localhost (slots=2)"] == "local (no SSH)"
-    assert rows["host 127.0.0.2 (slots=1)"] == "reachable over SSH"
+    from zerorun.envinfo import cuda_devices, gpu_text
+
+    gpus = gpu_text(cuda_devices())  # "no GPU (CUDA not available)" here; each host's GPUs named (issue 33)
+    assert "cores" in rows["CPU"] and rows["GPUs"] == gpus
+    assert rows["host localhost (slots=2)"] == f"local (no SSH); GPUs: {gpus}"
+    assert rows["host 127.0.0.2 (slots=1)"] == f"reachable over SSH; GPUs: {gpus}"  # asked there, over SSH
     assert rows["host down (slots=1)"].startswith("unreachable: connection refused"), rows

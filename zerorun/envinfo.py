@@ -5,6 +5,7 @@ a time bound)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 import sys
@@ -51,13 +52,71 @@ def torch_lines() -> list[tuple[str, str]]:
     backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
                                       ("mpi", dist.is_mpi_available())) if ok]
     out.append(("distributed backends", ", ".join(backends) or "none"))
+    out.append(("GPUs", gpu_text(cuda_devices())))
     if torch.cuda.is_available():
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "-"
-        out += [("GPUs", f"{len(names)}: " + "; ".join(names)), ("NCCL", nccl)]
-    else:
-        out.append(("GPUs", "none (CUDA not available)"))
+        out.append(("NCCL", ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "-"))
     return out
+
+
+def auto_line(environ=None) -> tuple[str, str]:
+    """``("procs_per_node auto", ...)``: the ranks ``auto`` starts on this machine and the GPUs it counted
+    (NVML, ``CUDA_VISIBLE_DEVICES``: Note [Ranks per node] in zerorun/launch/slots.py), torch-free."""
+    from zerorun.launch.slots import nvml_gpus, visible_gpus
+
+    env = os.environ if environ is None else environ
+    seen, present = visible_gpus(env), nvml_gpus()
+    shown = f", CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in env else ""
+    ranks = max(seen, 1)
+    return "procs_per_node auto", f"{ranks} rank{'s' * (ranks != 1)} ({seen} of the {present} GPUs NVML finds{shown})"
+
+
+def cuda_devices() -> list[list] | str:
+    """``[name, memory bytes]`` of every GPU torch.cuda sees here (``CUDA_VISIBLE_DEVICES`` applied), or why
+    none can be listed (torch does not import); stdlib and torch only: it is the GPU probe run on remote
+    hosts too (:func:`remote_gpus`)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - a broken torch is what the report is for
+        return f"cannot import torch: {type(e).__name__}: {e}"
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        found.append([props.name, props.total_memory])
+    return found
+
+
+def gpu_text(devices: list[list] | str) -> str:
+    """``cuda_devices()``'s answer in words: ``2: NVIDIA H200, 139.8 GiB x 2``, ``no GPU (CUDA not
+    available)``, or why they are unknown."""
+    if isinstance(devices, str):
+        return f"unknown ({devices})"
+    if not devices:
+        return "no GPU (CUDA not available)"
+    kinds: dict[tuple[str, int], int] = {}
+    for name, memory in devices:
+        kinds[(name, memory)] = kinds.get((name, memory), 0) + 1
+    return f"{len(devices)}: " + "; ".join(f"{name}, {memory / 2**30:.1f} GiB" + (f" x {n}" if n > 1 else "")
+                                           for (name, memory), n in kinds.items())
+
+
+def remote_gpus(conn, timeout: float) -> str:
+    """:func:`gpu_text` of the host at the end of ``conn`` (a fabric connection), found by running
+    :func:`cuda_devices` there with this interpreter's path and the environment a job forwards (launch/env.py:
+    ``CUDA_VISIBLE_DEVICES`` included), within ``timeout`` seconds."""
+    import json
+
+    from zerorun.launch.env import allowed_env
+    from zerorun.launch.remote import run_script, shell_script
+
+    probe = "import json\n" + inspect.getsource(cuda_devices) + "print('@zerorun-gpus ' + json.dumps(cuda_devices()))"
+    status, out = run_script(conn, shell_script([sys.executable, "-c", probe], allowed_env()), timeout)
+    line = next((x for x in reversed(out.splitlines()) if x.startswith("@zerorun-gpus ")), None)
+    if line is None:
+        last = out.strip().splitlines()[-1] if out.strip() else f"no answer within {timeout:g} s"
+        return f"unknown ({sys.executable} -c: exit status {status}: {last})"
+    return gpu_text(json.loads(line.split(" ", 1)[1]))
 
 
 def allocator_line(environ: dict[str, str] | None = None) -> tuple[str, str]:
@@ -82,14 +141,17 @@ def allocator_line(environ: dict[str, str] | None = None) -> tuple[str, str]:
                               + (f"; the slow fallback: install {INSTALL_HINT}" if slow else ""))
 
 
-def check_hosts(hostfile: str, ssh=None, timeout: float = 10.0) -> list[tuple[str, str]]:
-    """``(host, "reachable" | "local" | one-line cause)`` for every host of ``hostfile``: local hosts run
-    without SSH; the others are connected to over SSH (launch/remote.py), all in parallel, within
-    ``timeout`` seconds.
+def check_hosts(hostfile: str, ssh=None, timeout: float = 30.0, local_gpus: str = "") -> list[tuple[str, str]]:
+    """``(host, "reachable over SSH; GPUs: ..." | "local (no SSH); GPUs: ..." | one-line cause)`` for every
+    host of ``hostfile``: local hosts run without SSH (their GPUs: ``local_gpus``, this machine's
+    :func:`gpu_text`); the others are connected to over SSH (launch/remote.py) and asked for their GPUs
+    (:func:`remote_gpus`), all in parallel, within ``timeout`` seconds (torch imports there).
 
     Raises:
         ZerorunError: an unreadable or bad hostfile.
     """
+    import time
+
     from zerorun.hostfile import read_hostfile
     from zerorun.launch.preflight import describe_connect_error
     from zerorun.launch.remote import SshOptions, connection
@@ -97,15 +159,17 @@ def check_hosts(hostfile: str, ssh=None, timeout: float = 10.0) -> list[tuple[st
     hosts = read_hostfile(hostfile)
     opts = ssh or SshOptions()
     found: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
 
     def probe(name: str) -> None:
         conn = None
         try:
             conn = connection(name, opts)
             conn.open()
-            found[name] = "reachable over SSH"
         except Exception as e:  # noqa: BLE001 - every failure is one line
             found[name] = describe_connect_error(e, name, opts)
+        else:  # said once the GPUs are known: a late answer is "no answer", not reachable without GPUs
+            found[name] = "reachable over SSH; GPUs: " + remote_gpus(conn, max(1.0, deadline - time.monotonic() - 1))
         finally:
             if conn is not None:
                 conn.close()
@@ -113,12 +177,12 @@ def check_hosts(hostfile: str, ssh=None, timeout: float = 10.0) -> list[tuple[st
     threads = {}
     for h in hosts:
         if h.is_local:
-            found[h.name] = "local (no SSH)"
+            found[h.name] = "local (no SSH)" + (f"; GPUs: {local_gpus}" if local_gpus else "")
         else:
             threads[h.name] = threading.Thread(target=probe, args=(h.name,), daemon=True)
             threads[h.name].start()
     for name, t in threads.items():
-        t.join(timeout)
+        t.join(max(0.0, deadline - time.monotonic()))
         found.setdefault(name, f"no answer within {timeout:g} s")
     return [(f"host {h.name} (slots={h.slots})", found[h.name]) for h in hosts]
 
@@ -130,9 +194,9 @@ def report(hostfile: str | None = None, ssh=None) -> str:
     lines = [("zerorun", f"{zerorun.__version__} ({os.path.dirname(zerorun.__file__)})"),
              ("python", f"{platform.python_version()} ({sys.executable})"),
              ("platform", platform.platform()), ("CPU", _cpu()), ("memory", _memory()), allocator_line()]
-    lines += torch_lines()
+    lines += [*torch_lines(), auto_line()]
     lines += [(name, _version(name)) for name in PACKAGES if name != "torch"]
     if hostfile:
-        lines += check_hosts(hostfile, ssh)
+        lines += check_hosts(hostfile, ssh, local_gpus=dict(lines).get("GPUs", ""))
     width = max(len(k) for k, _ in lines)
     return "".join(f"{k.ljust(width)}  {v}\n" for k, v in lines)
