@@ -114,6 +114,9 @@ def test_the_default_is_auto_and_the_dry_run_shows_its_count(gpus):
         assert nproc(cmd) == expected, args
     _, _, [cmd] = dry_run("launch", "--nproc-per-node", "gpu", TINY)  # zerorun launch: the same flag
     assert nproc(cmd) == 3
+    # the ranks' own CUDA_VISIBLE_DEVICES (launch.env) is what they see, not the launcher's
+    _, _, [cmd] = dry_run("train", TINY, "launch.procs_per_node=auto", "launch.env.CUDA_VISIBLE_DEVICES=1,2")
+    assert nproc(cmd) == 2
 
 
 def test_include_selects_this_machines_gpus_by_place(gpus, tmp_path):

@@ -333,7 +333,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
                     launcher = "slurm" if row.combo.nodes else "ssh"
                     hosts = launch.select(None if row.combo.nodes else row.combo.hostfile,
                                           recipe.launch.procs_per_node, num_nodes=row.combo.nodes,
-                                          launcher=launcher)
+                                          launcher=launcher, job_env=recipe.launch.env)
                     # no model check beside each job: its ranks report a model the stage refuses, and the
                     # check's CPU time would count in the job's time to first step
                     result = launch.run_job(recipe, hosts, view=lambda state: QuietView(sys.stdout, state),

@@ -147,7 +147,8 @@ def train(
     if not prepare_resume(r, resume, say=said.append):  # sets checkpoint.resume and .dir (Note [Resume lookup])
         _say(said)
         return  # the checkpoint is the last step's: done
-    hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher)
+    hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher,
+                           job_env=r.launch.env)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     if dry_run:  # nothing is contacted; the commands run as printed
         _say(said)

@@ -75,12 +75,14 @@ class RunResult:
 
 
 def select(hostfile: str | None, default_slots: int | str, include: str | None = None, exclude: str | None = None,
-           num_nodes: int | None = None, num_procs: int | str | None = None, launcher: str = "ssh") -> list[Host]:
+           num_nodes: int | None = None, num_procs: int | str | None = None, launcher: str = "ssh",
+           job_env: dict[str, str] | None = None) -> list[Host]:
     """The hosts of a job: the hostfile's (or localhost with ``num_procs``, else ``default_slots``, ranks)
     through ``include``/``exclude``, ``num_nodes`` and ``num_procs`` (hostfile.select_hosts, DeepSpeed's rules).
     ``default_slots`` (``launch.procs_per_node``) and ``num_procs`` (``--nproc-per-node``) are numbers or
     ``auto``/``gpu``/``cpu``, made numbers here (Note [Ranks per node] in launch/slots.py; a note on stderr
-    says what a word became where it is not one rank). ``launcher``: ``ssh`` (that), ``local`` (this machine,
+    says what a word became where it is not one rank; GPUs counted under the environment the ranks get: this
+    one, the environment files', and ``job_env``, the recipe's ``launch.env``). ``launcher``: ``ssh`` (that), ``local`` (this machine,
     no hostfile), ``slurm`` (the allocation's nodes and slots, launch/slurm.py ``allocation_hosts``; a note on
     stderr says where the slot count comes from).
 
@@ -105,11 +107,15 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
                             hostfile_procs(num_procs, "--nproc-per-node"))
     value, name = (num_procs, "--nproc-per-node") if num_procs is not None else (default_slots,
                                                                                  "launch.procs_per_node")
-    slots = resolve(value, name)
+    from zerorun.launch.env import env_file_values
+
+    environ = {**os.environ, **env_file_values(), **(job_env or {})}
+    slots = resolve(value, name, environ)
     note = auto_note(value, name, slots)
     if note:
         sys.stderr.write(note + "\n")
-    return [through_visible(h) for h in select_hosts([Host("localhost", slots)], include, exclude, num_nodes, None)]
+    hosts = select_hosts([Host("localhost", slots)], include, exclude, num_nodes, None)
+    return [through_visible(h, environ) for h in hosts]
 
 
 def ssh_options(user: str | None = None, port: int | None = None, key: str | None = None,

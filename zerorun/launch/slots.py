@@ -34,7 +34,8 @@ import os
 from typing import Callable
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import EXPECTED, MAX_SLOTS, WORDS, Host, parse_procs  # noqa: F401
+from zerorun.hostfile import MAX_SLOTS, Host
+
 
 def nvml_gpus() -> int:
     """NVIDIA GPUs NVML sees on this machine (before ``CUDA_VISIBLE_DEVICES``); 0 without a driver or NVML."""
@@ -83,17 +84,19 @@ def cpus() -> int:
     return os.cpu_count() or 1
 
 
-def resolve(value: int | str, name: str, gpus: Callable[[], int] | None = None) -> int:
-    """Ranks on this machine for ``value`` (Note [Ranks per node]); ``gpus`` counts the visible GPUs.
+def resolve(value: int | str, name: str, environ=None) -> int:
+    """Ranks on this machine for ``value`` (Note [Ranks per node]), for ranks started with ``environ`` (default
+    ``os.environ``; the job's ``launch.env`` may set ``CUDA_VISIBLE_DEVICES``).
 
     Raises:
         ZerorunError: ``gpu`` where no GPU is visible, or a count above :data:`MAX_SLOTS` (``name`` named).
     """
+    env = os.environ if environ is None else environ
     if isinstance(value, int):
         return value
-    count = (gpus or visible_gpus)() if value in ("auto", "gpu") else cpus()
+    count = visible_gpus(env) if value in ("auto", "gpu") else cpus()
     if value == "gpu" and not count:
-        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = env.get("CUDA_VISIBLE_DEVICES")
         hidden = f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else ""
         raise ZerorunError(f"{name} gpu: no GPU visible on this machine{hidden}; give a number of ranks")
     count = count or 1  # auto on a machine without GPUs
@@ -139,12 +142,12 @@ def hostfile_procs(value: int | str | None, name: str) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def assumed(value: int | str, name: str, gpus: Callable[[], int] | None = None) -> tuple[int, str | None]:
+def assumed(value: int | str, name: str) -> tuple[int, str | None]:
     """Ranks per node for a plan made without the nodes (``zerorun estimate``): a number as given; a word
     counted on this machine (``gpu`` without GPUs here: 1), with a line saying what was assumed (else None)."""
     if isinstance(value, int):
         return value, None
-    found = (gpus or visible_gpus)() if value in ("auto", "gpu") else cpus()
+    found = visible_gpus() if value in ("auto", "gpu") else cpus()
     what = "CPUs" if value == "cpu" else "visible GPUs"
     ranks = max(1, min(found, MAX_SLOTS))
     return ranks, (f"{name} {value}: assumed {ranks} per node ({found} {what} on this machine); give "
