@@ -130,6 +130,10 @@ def test_include_selects_this_machines_gpus_by_place(gpus, tmp_path):
     os.environ["CUDA_VISIBLE_DEVICES"] = "4,5,6,7"
     _, _, [cmd] = dry_run("train", TINY, auto, "--include", "localhost:0,2")
     assert nproc(cmd) == 2 and "CUDA_VISIBLE_DEVICES=4,6" in cmd
+    # the ranks' own list (launch.env) is the one counted and selected from, and the value zerorun sets over it
+    # is printed (launch.env's values are printed by name only: it was CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES")
+    _, _, [cmd] = dry_run("train", TINY, auto, "launch.env.CUDA_VISIBLE_DEVICES=1,2,3", "--include", "localhost:2")
+    assert nproc(cmd) == 1 and "CUDA_VISIBLE_DEVICES=3" in cmd
     (tmp_path / "hosts").write_text("localhost slots=4\n")
     _, _, [cmd] = dry_run("train", TINY, "-H", str(tmp_path / "hosts"), "--include", "localhost:0,2")
     assert nproc(cmd) == 2 and "CUDA_VISIBLE_DEVICES=0,2" in cmd

@@ -24,7 +24,10 @@ from zerorun.telemetry.format import count
 def node_command(spec: NodeSpec, workdir: str, node_dir: str, hidden: set[str] = frozenset()) -> str:
     """``spec``'s torchrun command as one shell line run in ``workdir``, its private folder being ``node_dir``
     (a path, or a shell expression such as ``"$ZERORUN_NODE_DIR"``, left unquoted); variables in ``hidden``
-    are taken from the environment by name (Note [Printed commands])."""
+    are taken from the environment by name (Note [Printed commands]), except ``CUDA_VISIBLE_DEVICES`` where
+    zerorun sets it itself over ``launch.env``'s (the node's selected slots: plan.build_plan)."""
+    if spec.host.slot_ids is not None:
+        hidden = set(hidden) - {"CUDA_VISIBLE_DEVICES"}
     env = " ".join(f'{k}="${k}"' if k in hidden else f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
     argv = " ".join(_quote_with(a, node_dir) for a in spec.argv)
     return f"cd {shlex.quote(workdir)} && env {env} {argv}"
