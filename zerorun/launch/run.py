@@ -82,15 +82,16 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
     ``default_slots`` (``launch.procs_per_node``) and ``num_procs`` (``--nproc-per-node``) are numbers or
     ``auto``/``gpu``/``cpu``, made numbers here (Note [Ranks per node] in launch/slots.py; a note on stderr
     says what a word became where it is not one rank; GPUs counted under the environment the ranks get: this
-    one, the environment files', and ``job_env``, the recipe's ``launch.env``). ``launcher``: ``ssh`` (that), ``local`` (this machine,
-    no hostfile), ``slurm`` (the allocation's nodes and slots, launch/slurm.py ``allocation_hosts``; a note on
-    stderr says where the slot count comes from).
+    one, the environment files' and ``job_env``, the recipe's ``launch.env``). ``launcher``: ``ssh`` (that),
+    ``local`` (this machine, no hostfile), ``slurm`` (the allocation's nodes and slots, launch/slurm.py
+    ``allocation_hosts``; a note on stderr says where the slot count comes from).
 
     Raises:
         ZerorunError: an unreadable or bad hostfile, a bad allocation, ``gpu`` without a GPU, ``cpu`` with a
             hostfile, or a selection that leaves no host.
     """
     from zerorun.hostfile import read_hostfile, select_hosts
+    from zerorun.launch.env import env_file_values
     from zerorun.launch.slots import auto_note, hostfile_procs, resolve, through_visible
 
     if launcher == "slurm":
@@ -107,8 +108,6 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
                             hostfile_procs(num_procs, "--nproc-per-node"))
     value, name = (num_procs, "--nproc-per-node") if num_procs is not None else (default_slots,
                                                                                  "launch.procs_per_node")
-    from zerorun.launch.env import env_file_values
-
     environ = {**os.environ, **env_file_values(), **(job_env or {})}
     slots = resolve(value, name, environ)
     note = auto_note(value, name, slots)
