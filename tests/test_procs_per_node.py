@@ -60,8 +60,12 @@ def test_visible_gpus_read_cuda_visible_devices_as_cuda_does(spec, present, expe
     assert slots.visible_gpus(environ, physical=lambda: present) == expected
 
 
-def test_nvml_count_without_a_driver_is_zero():
-    assert slots.nvml_gpus() == 0  # this machine: no libnvidia-ml (a GPU machine: its count, compared there)
+def test_nvml_counts_what_torch_counts(monkeypatch):
+    """The launcher's torch-free count is torch's (0 without an NVIDIA driver, as on the CPU test machine)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    import torch
+
+    assert slots.visible_gpus() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 def test_words_on_this_machine(gpus):
@@ -156,7 +160,7 @@ def test_bad_counts_are_one_line_naming_the_flag_or_field(args, expected, tmp_pa
     import re
 
     (tmp_path / "s.py").write_text("")
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, on a GPU machine too
     out = subprocess.run([sys.executable, "-m", "zerorun", args[0], "--dry-run", *args[1:]], cwd=str(tmp_path), env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and re.search(expected, out.stderr.strip()), out.stderr
@@ -211,14 +215,14 @@ def test_estimate_says_what_it_assumed_for_a_word(gpus, capsys):
 
 
 def test_env_names_the_gpus(gpus):
-    from zerorun.envinfo import auto_line, gpu_text, report
+    from zerorun.envinfo import auto_line, cuda_devices, gpu_text, report
 
     assert gpu_text([["NVIDIA H200", 150754820096]] * 8) == "8: NVIDIA H200, 140.4 GiB x 8"
     assert gpu_text([["A", 2**34], ["B", 2**35]]) == "2: A, 16.0 GiB; B, 32.0 GiB"
     assert gpu_text([]) == "no GPU (CUDA not available)"
     assert gpu_text("cannot import torch: X") == "unknown (cannot import torch: X)"
     rows = dict(line.split("  ", 1) for line in report().splitlines())
-    assert rows["GPUs"].strip() == "no GPU (CUDA not available)"  # this machine
+    assert rows["GPUs"].strip() == gpu_text(cuda_devices())  # this machine's: no GPU (CUDA not available)
     gpus(8)
     assert auto_line({"CUDA_VISIBLE_DEVICES": "0,1"}) == ("procs_per_node auto", "2 ranks (2 of the 8 GPUs NVML "
                                                                                  "finds, CUDA_VISIBLE_DEVICES=0,1)")
