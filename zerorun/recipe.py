@@ -26,6 +26,7 @@ from zerorun.recipe_text import finite_values, optimizer_argument
 from zerorun.recipe_text import override_for as _override_for
 from zerorun.recipe_text import refuse_bool as _refuse_bool
 from zerorun.recipe_text import validation_problems
+from zerorun.telemetry.trackers_spec import MlflowSpec, TensorboardSpec, Tracker, WandbSpec, check_trackers
 
 
 class _Strict(BaseModel):
@@ -207,10 +208,15 @@ class CheckpointSpec(_Strict):
 
 
 class LogSpec(_Strict):
-    """Emit a step event every ``every`` steps; runs are written under ``dir/<name>/<timestamp>/``."""
+    """Emit a step event every ``every`` steps; runs are written under ``dir/<name>/<timestamp>/``; the step and
+    eval events also go to ``trackers`` with their settings (zerorun/telemetry/trackers.py)."""
 
     every: int = Field(10, gt=0)
     dir: str = "runs"
+    trackers: list[Tracker] = Field(default_factory=list)
+    wandb: WandbSpec = Field(default_factory=WandbSpec)
+    mlflow: MlflowSpec = Field(default_factory=MlflowSpec)
+    tensorboard: TensorboardSpec = Field(default_factory=TensorboardSpec)
 
 
 class Recipe(_Strict):
@@ -380,5 +386,6 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
                                                                                 "checkpoints")))
         if os.path.exists(ckpt.dir) and not os.path.isdir(ckpt.dir):
             raise ZerorunError(f"{where('checkpoint', 'dir')}: not a directory: {ckpt.dir}")
+    check_trackers(recipe.log.trackers, lambda *loc: where("log", *loc))
     check_engine_fields(recipe, where)
     return recipe
