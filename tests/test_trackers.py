@@ -175,6 +175,23 @@ def test_a_resumed_job_continues_the_same_runs(offline):
     assert csv_scalars(str(offline / "run2" / "metrics.csv"))["train/loss"] == {s: resumed[s] for s in (3, 4, 5, 6)}
 
 
+def test_a_job_started_again_in_its_run_folder_continues_its_runs(offline):
+    """A restart from step 0 (no checkpoint yet) or a requeued batch job writes into the same run folder: the
+    same runs, TensorBoard's steps from the first attempt replaced; a parameter name MLflow refuses (any
+    character a model.kwargs key may hold) is made one it takes, not the end of the MLflow run."""
+    base = ["log.trackers=[tensorboard,mlflow]", f"log.dir={offline / 'runs'}", "model.kwargs.x@y=1"]
+    assert _sink_run(offline / "run", base, _steps(1, 3)) == []
+    first = identity(offline / "run")
+    assert _sink_run(offline / "run", base, _steps(1, 2, offset=0.5)) == []
+    assert identity(offline / "run") == first
+    board = tensorboard_scalars(first["tensorboard"])
+    assert board["train/loss"] == pytest.approx({1: 5.4, 2: 5.3}, rel=1e-6)
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(first["mlflow"]["tracking_uri"]).get_run(first["mlflow"]["run_id"])
+    assert run.data.params["model.kwargs.x_y"] == "1" and run.info.status == "FAILED"  # no finish event
+
+
 def test_a_failing_tracker_is_one_warning_and_the_others_go_on(offline):
     (offline / "not-a-folder").write_text("")
     warnings = _sink_run(offline / "run", ["log.trackers=[mlflow,csv]", f"log.dir={offline}",

@@ -17,8 +17,9 @@ URI and run id) is written as ``trackers.json`` into the run folder and into ``c
 checkpoints. A job resuming a checkpoint (``checkpoint.resume``, set by ``--resume``) reads the file beside that
 checkpoint and continues the same runs: TensorBoard writes into the same folder with ``purge_step`` (the steps
 after the checkpoint that a failed job logged are hidden), wandb resumes the run id (``resume="allow"``; steps
-logged again are ignored by wandb, the same values on a bit-identical resume), MLflow reopens the run. The CSV is
-the run folder's, as ``metrics.jsonl`` is.
+logged again are ignored by wandb, the same values on a bit-identical resume), MLflow reopens the run. The same job
+started again in its run folder (a restart, a requeued batch job) finds the file there first. The CSV is the run
+folder's, as ``metrics.jsonl`` is.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ from typing import Any, Callable
 from zerorun.telemetry.trackers_spec import SCALAR_NAMES, flat_params, scalars
 
 IDENTITY = "trackers.json"
-_MLFLOW_PARAM_CHARS = 6000  # MLflow's longest parameter value
+_MLFLOW_PARAM_CHARS, _MLFLOW_KEY_CHARS = 6000, 250  # MLflow's longest parameter value and name
+CLOSE_S = 60.0  # the most seconds the launcher waits for the trackers at the end (a wandb upload, a server)
 _MLFLOW_BATCH = 100  # MLflow's most parameters per log_batch
 
 
 class Context:
     """What a tracker is opened with: the run folder, the recipe, the run's name, the identity of the run it
-    continues (Note [Tracker resume]; ``{}`` for a new run) and the step the job resumes after (0: none)."""
+    continues (Note [Tracker resume]; ``{}`` for a new run) and the step the job resumes after (0: from the
+    start)."""
 
     def __init__(self, run_dir: str, recipe, identity: dict[str, Any], resumed_step: int) -> None:
         from zerorun.recipe_text import masked
@@ -62,8 +65,9 @@ class TensorBoardTracker:
         spec = ctx.recipe.log.tensorboard
         folder = ctx.identity.get("tensorboard") or os.path.abspath(spec.dir or os.path.join(ctx.run_dir,
                                                                                               "tensorboard"))
-        self.writer = SummaryWriter(folder, purge_step=ctx.resumed_step + 1 if ctx.resumed_step else None)
-        if not ctx.resumed_step:
+        continued = bool(ctx.identity)  # what the earlier job logged after the resumed step is hidden
+        self.writer = SummaryWriter(folder, purge_step=ctx.resumed_step + 1 if continued else None)
+        if not continued:
             self.writer.add_text("recipe", "```\n" + json.dumps(ctx.params, indent=2) + "\n```", 0)
         self.identity = {"tensorboard": folder}
 
@@ -134,7 +138,8 @@ class MlflowTracker:
             found = self.client.get_experiment_by_name(name)
             experiment = found.experiment_id if found is not None else self.client.create_experiment(name)
             run_id = self.client.create_run(experiment, run_name=ctx.name).info.run_id
-            params = [Param(k, v[:_MLFLOW_PARAM_CHARS]) for k, v in flat_params(ctx.params).items()]
+            params = [Param(re.sub(r"[^\w\-. /]", "_", k)[:_MLFLOW_KEY_CHARS], v[:_MLFLOW_PARAM_CHARS])
+                      for k, v in flat_params(ctx.params).items()]  # a model.kwargs key may hold any character
             for i in range(0, len(params), _MLFLOW_BATCH):
                 self.client.log_batch(run_id, params=params[i:i + _MLFLOW_BATCH])
         self.run_id = run_id
@@ -176,20 +181,22 @@ TRACKERS: dict[str, Callable[[Context], Any]] = {"tensorboard": TensorBoardTrack
                                                  "mlflow": MlflowTracker, "csv": CsvTracker}
 
 
-def read_identity(recipe) -> tuple[dict[str, Any], int]:
-    """The identity of the runs a job resuming ``checkpoint.resume`` continues (``{}`` when it resumes nothing
-    or the checkpoint's folder has no readable ``trackers.json``) and the step it resumes after (Note [Tracker
-    resume])."""
+def read_identity(run_dir: str, recipe) -> tuple[dict[str, Any], int]:
+    """The identity of the runs a job continues (Note [Tracker resume]): the run folder's ``trackers.json`` (the
+    same job started again in its folder), else the one beside ``checkpoint.resume``; ``{}`` when there is none
+    (new runs). And the step the job resumes after: ``checkpoint.resume``'s, 0 when it starts from step 0."""
     resume = recipe.checkpoint.resume
-    if not resume:
-        return {}, 0
-    match = re.search(r"step-(\d+)$", os.path.normpath(resume))
-    try:
-        with open(os.path.join(os.path.dirname(os.path.normpath(resume)), IDENTITY), encoding="utf-8") as f:
-            identity = json.load(f)
-    except (OSError, ValueError):
-        identity = {}
-    return (identity if isinstance(identity, dict) else {}), int(match.group(1)) if match else 0
+    match = re.search(r"step-(\d+)$", os.path.normpath(resume)) if resume else None
+    folders = [run_dir] + ([os.path.dirname(os.path.normpath(resume))] if resume else [])
+    for folder in folders:
+        try:
+            with open(os.path.join(folder, IDENTITY), encoding="utf-8") as f:
+                identity = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(identity, dict) and identity:
+            return identity, int(match.group(1)) if match else 0
+    return {}, 0
 
 
 def write_identity(identity: dict[str, Any], folders: list[str]) -> None:
@@ -230,12 +237,14 @@ class TrackerSink:
             self._queue.put((step, values))
 
     def close(self) -> None:
-        """Write what is queued, end the runs and wait for the thread."""
+        """Write what is queued, end the runs and wait for the thread, at most :data:`CLOSE_S`."""
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(CLOSE_S)
+        if self._thread.is_alive():  # a daemon thread: the launcher's exit ends it
+            self.warn(f"zerorun: warning: log.trackers: still writing after {CLOSE_S:.0f} s; left unfinished")
 
     def _open(self) -> list[tuple[str, Any]]:
-        identity, resumed_step = read_identity(self.recipe)
+        identity, resumed_step = read_identity(self.run_dir, self.recipe)
         ctx = Context(self.run_dir, self.recipe, identity, resumed_step)
         opened, merged = [], {"name": ctx.name}
         for name in self.recipe.log.trackers:
