@@ -343,6 +343,9 @@ def test_hf_trainer_auto_config_with_the_options(tmp_path):
         import_deepspeed(str(path), micro_batch_size=4)
     r = _filled(yaml.safe_load(import_deepspeed(str(path), micro_batch_size=8, steps=1000)[0]))
     assert (r.train.micro_batch_size, r.log.every) == (8, 10)
+    for bad in (0.0, float("nan"), float("inf"), -1e-3):  # typer takes each as a float
+        with pytest.raises(ZerorunError, match=rf"^--lr: expected a learning rate > 0, got {bad}$"):
+            import_deepspeed(str(path), lr=bad)
     # no config section for them: the options still set the recipe (the Trainer's AdamW)
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     r = _filled(yaml.safe_load(import_deepspeed(str(path), lr=1e-3, steps=7, micro_batch_size=2)[0]))

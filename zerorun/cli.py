@@ -243,7 +243,7 @@ def import_deepspeed(
     ds_config: str = typer.Argument(..., help="A DeepSpeed config (JSON)."),
     hostfile: Optional[str] = typer.Option(None, "--hostfile", "-H", help="DeepSpeed hostfile: its slots split "
                                            "train_batch_size and set launch.procs_per_node."),
-    lr: Optional[float] = typer.Option(None, "--lr", min=0.0, help="The learning rate, for the config's \"auto\" "
+    lr: Optional[float] = typer.Option(None, "--lr", help="The learning rate, for the config's \"auto\" "
                                        "(the HF Trainer's learning_rate)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Optimizer steps, for \"auto\" (max_steps)."),
     micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", min=1, help="Samples per rank per "

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from zerorun.errors import ZerorunError
-from zerorun.hf.deepspeed_auto import monitors, resolve_auto
+from zerorun.hf.deepspeed_auto import check_options, monitors, resolve_auto
 from zerorun.hf.deepspeed_fields import ALWAYS, CARRIED, not_carried
 
 class _Import:
@@ -349,6 +349,7 @@ def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tu
     """
     from zerorun.recipe import read_text
 
+    check_options(given)
     text = read_text(path, "DeepSpeed config")
     try:
         ds = json.loads(text)

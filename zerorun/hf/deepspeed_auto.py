@@ -19,6 +19,7 @@ accumulation x ranks), as the Trainer derives it.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Any
 
@@ -40,6 +41,13 @@ OPTIONS = {"lr": ([(("optimizer", "params"), "lr"), (("scheduler", "params"), "w
            "steps": ([(("scheduler", "params"), "total_num_steps")], "train.steps", "max_steps"),
            "micro_batch_size": ([((), "train_micro_batch_size_per_gpu")], "train.micro_batch_size",
                                 "per_device_train_batch_size")}
+
+
+def check_options(given: dict[str, Any]) -> None:
+    """Raises ZerorunError: ``--lr`` not a finite number > 0 (typer takes nan, inf and 0 as floats)."""
+    lr = given.get("lr")
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        raise ZerorunError(f"--lr: expected a learning rate > 0, got {lr}")
 
 
 def _section(ds: dict, path: tuple[str, ...]) -> dict | None:
