@@ -192,6 +192,15 @@ def test_a_job_started_again_in_its_run_folder_continues_its_runs(offline):
     assert run.data.params["model.kwargs.x_y"] == "1" and run.info.status == "FAILED"  # no finish event
 
 
+def test_wandb_online_without_a_key_is_one_warning_not_a_prompt(offline, monkeypatch):
+    monkeypatch.setenv("HOME", str(offline))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_MODE")
+    warnings = _sink_run(offline / "run", ["log.trackers=[wandb]", "log.wandb.mode=online"], _steps(1, 1))
+    assert warnings == ["zerorun: warning: log.trackers: wandb could not start, not recorded: RuntimeError: no W&B "
+                        "API key on this host (wandb login, or WANDB_API_KEY); or set log.wandb.mode: offline and "
+                        "wandb sync the run folder's wandb/ later"]
+
+
 def test_a_failing_tracker_is_one_warning_and_the_others_go_on(offline):
     (offline / "not-a-folder").write_text("")
     warnings = _sink_run(offline / "run", ["log.trackers=[mlflow,csv]", f"log.dir={offline}",

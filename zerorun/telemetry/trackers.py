@@ -89,6 +89,11 @@ class WandbTracker:
         import wandb
 
         spec = ctx.recipe.log.wandb
+        mode = spec.mode or os.environ.get("WANDB_MODE") or "online"
+        if mode not in ("offline", "disabled", "dryrun") and not wandb.login(prompt=False, verify=False):
+            # wandb.init would ask for a key on the terminal the dashboard draws on, from this thread
+            raise RuntimeError("no W&B API key on this host (wandb login, or WANDB_API_KEY); or set "
+                               "log.wandb.mode: offline and wandb sync the run folder's wandb/ later")
         run_id = ctx.identity.get("wandb")  # None: a new run, its id chosen by wandb
         settings = wandb.Settings(console="off", x_disable_meta=True, x_disable_stats=True, save_code=False,
                                   disable_git=True, x_save_requirements=False, silent=True)
