@@ -26,7 +26,7 @@ from zerorun.recipe_text import finite_values, optimizer_argument
 from zerorun.recipe_text import override_for as _override_for
 from zerorun.recipe_text import refuse_bool as _refuse_bool
 from zerorun.recipe_text import validation_problems
-from zerorun.telemetry.trackers_spec import MlflowSpec, TensorboardSpec, Tracker, WandbSpec, check_trackers
+from zerorun.telemetry.trackers_spec import LogSpec, check_trackers  # the log section
 
 
 class _Strict(BaseModel):
@@ -205,18 +205,6 @@ class CheckpointSpec(_Strict):
     every: int = Field(0, ge=0)
     keep: int = Field(2, gt=0)
     resume: str | None = None
-
-
-class LogSpec(_Strict):
-    """Emit a step event every ``every`` steps; runs are written under ``dir/<name>/<timestamp>/``; the step and
-    eval events also go to ``trackers`` with their settings (zerorun/telemetry/trackers.py)."""
-
-    every: int = Field(10, gt=0)
-    dir: str = "runs"
-    trackers: list[Tracker] = Field(default_factory=list)
-    wandb: WandbSpec = Field(default_factory=WandbSpec)
-    mlflow: MlflowSpec = Field(default_factory=MlflowSpec)
-    tensorboard: TensorboardSpec = Field(default_factory=TensorboardSpec)
 
 
 class Recipe(_Strict):

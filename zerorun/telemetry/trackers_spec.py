@@ -1,6 +1,6 @@
-"""The recipe's ``log.trackers`` settings and what the trackers record: the scalar names of the step and eval
-events, each tracker's package and the extra that installs it. Imports no tracker library (the recipe is read
-before any of them is needed); the trackers themselves are ``trackers.py``."""
+"""The recipe's ``log`` section (:class:`LogSpec`, with the ``log.trackers`` settings) and what the trackers
+record: the scalar names of the step and eval events, each tracker's package and the extra that installs it.
+Imports no tracker library (the recipe is read before any of them is needed); the trackers are ``trackers.py``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import importlib.util
 import math
 from typing import Any, Callable, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from zerorun.errors import ZerorunError
+from zerorun.recipe_text import refuse_bool
 
 Tracker = Literal["tensorboard", "wandb", "mlflow", "csv"]
 
@@ -29,8 +30,9 @@ EVAL_SCALARS = {"val_loss": "eval/loss"}
 SCALAR_NAMES = [*STEP_SCALARS.values(), *EVAL_SCALARS.values()]
 
 
-class _Strict(BaseModel):
+class _Strict(BaseModel):  # as recipe.py's
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    _no_bool_numbers = field_validator("*", mode="before")(classmethod(refuse_bool))
 
 
 class WandbSpec(_Strict):
@@ -55,6 +57,18 @@ class TensorboardSpec(_Strict):
     """``dir``: the event files' folder (default: ``tensorboard`` in the run folder)."""
 
     dir: Optional[str] = None
+
+
+class LogSpec(_Strict):
+    """Emit a step event every ``every`` steps; runs are written under ``dir/<name>/<timestamp>/``; the step and
+    eval events also go to ``trackers`` with their settings (zerorun/telemetry/trackers.py)."""
+
+    every: int = Field(10, gt=0)
+    dir: str = "runs"
+    trackers: list[Tracker] = Field(default_factory=list)
+    wandb: WandbSpec = Field(default_factory=WandbSpec)
+    mlflow: MlflowSpec = Field(default_factory=MlflowSpec)
+    tensorboard: TensorboardSpec = Field(default_factory=TensorboardSpec)
 
 
 def check_trackers(trackers: list[str], where: Callable[..., str],
