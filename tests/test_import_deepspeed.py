@@ -36,7 +36,7 @@ def _run(tmp_path, ds, hosts: str | None = "localhost slots=2\n127.0.0.1 slots=2
     if hosts is not None:
         hostfile = tmp_path / "hosts"
         hostfile.write_text(hosts)
-    text, dropped = import_deepspeed(str(path), str(hostfile) if hostfile else None)
+    text, dropped, _ = import_deepspeed(str(path), str(hostfile) if hostfile else None)
     return yaml.safe_load(text), text, dropped
 
 
@@ -58,10 +58,8 @@ def test_maps_the_fields_with_a_meaning_here(tmp_path):
     with pytest.raises(ZerorunError, match=r"stage3_prefetch_bucket_size: expected >= 0 elements, got -1"):
         _run(tmp_path, bad)
     assert r.launch.procs_per_node == 2 and r.log.every == 50
-    fields = {d.split(":")[0] for d in dropped}
-    assert fields == {"fp16.hysteresis", "optimizer.params.torch_adam", "zero_optimization.offload_param",
-                      "zero_optimization.overlap_comm", "zero_optimization.offload_optimizer.pin_memory",
-                      "wall_clock_breakdown"}, dropped
+    fields = {d.split(":")[0] for d in dropped}  # overlap_comm, pin_memory true: what zerorun does; a false flag
+    assert fields == {"fp16.hysteresis", "optimizer.params.torch_adam", "zero_optimization.offload_param"}, dropped
     assert all(f"#   {d}" in text for d in dropped)
 
 
@@ -77,25 +75,25 @@ def test_adam_without_decoupled_decay_and_auto_values(tmp_path):
           "optimizer": {"type": "Adam", "params": {"lr": "auto", "adam_w_mode": False}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-3}},
           "bf16": {"enabled": True}, "zero_optimization": {"stage": 1, "reduce_bucket_size": 1048576}}
-    data, _, dropped = _run(tmp_path, ds, hosts=None)
+    data, text, dropped = _run(tmp_path, ds, hosts=None)
     r = Recipe.model_validate(data)
     assert r.train.optimizer.name == "Adam" and r.train.optimizer.lr == 1e-3 and r.train.grad_accum_steps == 4
     assert r.train.schedule.decay == "constant" and r.precision == "bf16" and r.zero.bucket_mb == 2.0
-    assert any(d.startswith("train_micro_batch_size_per_gpu: 'auto'") for d in dropped)
-    assert any(d.startswith("optimizer.params.lr: 'auto'") for d in dropped)
+    assert not dropped and r.train.micro_batch_size == 1  # the placeholder, to fill in:
+    assert "\n#   train.micro_batch_size: 'auto' in the config (the HF Trainer's per_device_train_batch_size): give " \
+           "--micro-batch-size or set it\n" in text
+    assert "train.optimizer.lr" not in text  # 'auto' beside the scheduler's warmup_max_lr: that one
 
 
-def test_auto_precision_is_listed_not_taken_as_disabled(tmp_path):
-    """The HF Trainer's usual `fp16: {enabled: auto}`: the precision and its loss-scale fields are listed as
-    'auto' for the recipe to set, never silently dropped as 'fp16 is not enabled'."""
+def test_auto_precision_is_the_trainers_default_and_says_so(tmp_path):
+    """The HF Trainer's usual `fp16: {enabled: auto}`: fp32, its default (Note [HF Trainer auto]), said in one
+    comment line naming what to set, never silently dropped as 'fp16 is not enabled' field by field."""
     ds = {"fp16": {"enabled": "auto", "initial_scale_power": 16, "loss_scale_window": 1000},
           "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}
-    data, _, dropped = _run(tmp_path, ds, hosts=None)
-    assert "precision" not in data
-    assert any(d.startswith("fp16.enabled: 'auto'") and "precision: fp16" in d for d in dropped), dropped
-    assert any(d.startswith("bf16.enabled: 'auto'") and "precision: bf16" in d for d in dropped), dropped
-    scale = [d for d in dropped if d.startswith(("fp16.initial_scale_power", "fp16.loss_scale_window"))]
-    assert len(scale) == 2 and all("fp16.enabled is 'auto'" in d for d in scale), dropped
+    data, text, dropped = _run(tmp_path, ds, hosts=None)
+    assert "precision" not in data and "loss_scale" not in data and not dropped
+    assert "\n#   fp16.enabled and bf16.enabled: fp32 (the HF Trainer's default; set precision: bf16, or fp16 and " \
+           "its loss_scale, if your TrainingArguments set bf16/fp16)\n" in text
 
 
 @pytest.mark.parametrize("ds,hosts,pattern", [
@@ -143,11 +141,12 @@ def test_bad_config_is_one_line(tmp_path, ds, hosts, pattern):
     assert "\n" not in str(e.value)
 
 
-def test_auto_betas_are_listed_as_dropped(tmp_path):
-    recipe, _, dropped = _run(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}},
-                              None)
-    assert "betas" not in recipe["train"]["optimizer"] and "lr" not in recipe["train"]["optimizer"]
-    assert any(d.startswith("optimizer.params.betas") and "'auto'" in d for d in dropped), dropped
+def test_auto_betas_are_the_trainers_default(tmp_path):
+    recipe, text, dropped = _run(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": "auto",
+                                                                                      "betas": "auto"}}}, None)
+    assert recipe["train"]["optimizer"] == {"name": "AdamW", "betas": [0.9, 0.999]} and not dropped
+    assert "#   optimizer.params.betas: [0.9, 0.999] (the HF Trainer's default adam_beta1, adam_beta2)" in text
+    assert "#   train.optimizer.lr: 'auto' in the config (the HF Trainer's learning_rate): give --lr" in text
 
 
 def test_parameter_offload_to_nvme_is_zeroruns_disk_offload(tmp_path):
@@ -218,10 +217,11 @@ def test_auto_schedule_values_are_left_out_and_betas_only_for_adam(tmp_path):
     carried into SGD and Adagrad, which have no such argument; adam_w_mode under SGD vanished unlisted."""
     auto = {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}
     for kind, extra in (("WarmupLR", {}), ("WarmupCosineLR", {"cos_min_ratio": "auto", "total_num_steps": "auto"})):
-        data, _, dropped = _run(tmp_path, {"scheduler": {"type": kind, "params": {**auto, **extra}}}, None)
+        data, text, dropped = _run(tmp_path, {"scheduler": {"type": kind, "params": {**auto, **extra}}}, None)
         assert None not in data["train"]["schedule"].values(), data["train"]
         Recipe.model_validate({**data, "train": {**data["train"], "optimizer": {"name": "AdamW", "lr": 1e-3}}})
-        assert any(d.startswith("scheduler.params.warmup_num_steps: 'auto'") for d in dropped), dropped
+        assert data["train"]["schedule"]["warmup_steps"] == 0  # the Trainer's default warmup_steps, said so
+        assert "#   scheduler.params.warmup_num_steps: 0 (the HF Trainer's default warmup_steps)" in text
     for kind in ("SGD", "Adagrad"):
         data, _, dropped = _run(tmp_path, {"optimizer": {"type": kind, "params": {"lr": 0.1, "betas": [0.9, 0.99],
                                                                               "adam_w_mode": False}}}, None)
@@ -265,3 +265,102 @@ def test_review_leftovers(tmp_path):
     _, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 2, "offload_param": {
         "device": "nvme", "pin_memory": True}}}, None)
     assert dropped == ["zero_optimization.offload_param: stage 3 only"]
+
+
+#: the HF Trainer's ZeRO-3 config as its documentation gives it (every value "auto"), with DeepSpeed's monitors
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    "tensorboard": {"enabled": True, "output_path": "logs/", "job_name": "zero3"},
+    "wandb": {"enabled": True, "team": "my-team", "group": "g1", "project": "my-project"},
+    "csv_monitor": {"enabled": True, "output_path": "csv/", "job_name": "zero3"},
+    "comet": {"enabled": True, "project": "p"},
+}
+_OFFLOAD_CPU = ("zero_optimization.offload_param: device cpu: zerorun offloads parameters to disk only "
+                "(zero.offload_params: disk at stage 3, paged through host memory); stage 3 keeps 1/N of them")
+
+
+def _filled(data: dict) -> Recipe:
+    """The imported recipe with its placeholders filled in (a model module, the default data), validated."""
+    return Recipe.model_validate({**data, "model": {"module": "recipes/models/gpt.py"}})
+
+
+def test_hf_trainer_auto_config_without_options_lists_what_to_fill_in(tmp_path):
+    """Every value "auto" (issue 37 part 5): was 31 dropped lines, no learning rate, log.every 2000 of 1000 steps.
+    Now: the three values a job must give listed at the top, the Trainer's defaults taken and said, the monitors
+    mapped to log.trackers (comet one line), offload_param cpu one line saying what zerorun offers instead."""
+    data, text, dropped = _run(tmp_path, HF_ZERO3, None)
+    r = _filled(data)
+    head = text.split("\n# 'auto' taken")[0]
+    for field, flag, hf in (("train.optimizer.lr", "--lr", "learning_rate"), ("train.steps", "--steps", "max_steps"),
+                            ("train.micro_batch_size", "--micro-batch-size", "per_device_train_batch_size")):
+        assert f"\n#   {field}: 'auto' in the config (the HF Trainer's {hf}): give {flag} or set it" in head, head
+    assert r.log.every <= r.train.steps and r.log.trackers == ["tensorboard", "wandb", "csv"]
+    assert (r.log.wandb.project, r.log.wandb.entity, r.log.tensorboard.dir) == ("my-project", "my-team", "logs/zero3")
+    assert r.train.grad_accum_steps == 1 and r.train.grad_clip == 1.0 and r.precision == "fp32"
+    assert r.train.optimizer.kwargs() == {"lr": 3e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+    assert (r.train.schedule.warmup_steps, r.train.schedule.decay) == (0, "linear")
+    assert (r.zero.stage, r.zero.offload_optimizer, r.zero.offload_params) == (3, "cpu", "none")
+    assert sorted(dropped) == [
+        "comet: not supported (log.trackers has tensorboard, wandb, mlflow, csv)",
+        "csv_monitor.job_name: zerorun writes metrics.csv in the run folder",
+        "csv_monitor.output_path: zerorun writes metrics.csv in the run folder",
+        "wandb.group: no zerorun equivalent (runs are named after the run folder)",
+        _OFFLOAD_CPU,
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save: zerorun consolidate writes full weights from "
+        "any checkpoint",
+        "zero_optimization.stage3_max_live_parameters: stage 3 holds the gathered units and those prefetched "
+        "(zero.prefetch_bytes)",
+        "zero_optimization.stage3_max_reuse_distance: stage 3 frees a unit after its forward and its backward",
+        "zero_optimization.sub_group_size: disk offload pages through zero.offload_buffer_mb instead"]
+
+
+def test_hf_trainer_auto_config_with_the_options(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    text, dropped, fill_in = import_deepspeed(str(path), lr=2e-5, steps=100, micro_batch_size=4)
+    r = _filled(yaml.safe_load(text))
+    assert (r.train.optimizer.lr, r.train.steps, r.train.micro_batch_size, r.log.every) == (2e-5, 100, 4, 100)
+    assert fill_in == ["model, data: placeholders (a model module or model.hf; your data)"]
+    assert "'auto' in the config" not in text and _OFFLOAD_CPU in dropped
+    # an option only fills what the config leaves to the Trainer: a different number there is one line
+    ds = {**HF_ZERO3, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 10}
+    path.write_text(json.dumps(ds))
+    with pytest.raises(ZerorunError, match=r"^\S+ds\.json: train_micro_batch_size_per_gpu: 8 in the config and "
+                                           r"--micro-batch-size 4: give one$"):
+        import_deepspeed(str(path), micro_batch_size=4)
+    r = _filled(yaml.safe_load(import_deepspeed(str(path), micro_batch_size=8, steps=1000)[0]))
+    assert (r.train.micro_batch_size, r.log.every) == (8, 10)
+    for bad in (0.0, float("nan"), float("inf"), -1e-3):  # typer takes each as a float
+        with pytest.raises(ZerorunError, match=rf"^--lr: expected a learning rate > 0, got {bad}$"):
+            import_deepspeed(str(path), lr=bad)
+    # no config section for them: the options still set the recipe (the Trainer's AdamW)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    r = _filled(yaml.safe_load(import_deepspeed(str(path), lr=1e-3, steps=7, micro_batch_size=2)[0]))
+    assert (r.train.optimizer.name, r.train.optimizer.lr, r.train.steps, r.train.micro_batch_size) == \
+        ("AdamW", 1e-3, 7, 2)
+
+
+def test_cli_takes_the_auto_options_and_says_what_to_fill_in(tmp_path, monkeypatch, capsys):
+    from zerorun.cli import main
+
+    (tmp_path / "ds.json").write_text(json.dumps(HF_ZERO3))
+    monkeypatch.setattr(sys, "argv", ["zerorun", "import-deepspeed", str(tmp_path / "ds.json"), "--steps", "50"])
+    main()
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["train"]["steps"] == 50 and yaml.safe_load(out)["log"]["every"] == 50
+    assert "zerorun: fill in train.optimizer.lr: 'auto' in the config (the HF Trainer's learning_rate): give --lr " \
+           "or set it\n" in err and "fill in train.steps" not in err
+    assert f"zerorun: dropped {_OFFLOAD_CPU}\n" in err

@@ -260,13 +260,21 @@ def import_deepspeed(
     ds_config: str = typer.Argument(..., help="A DeepSpeed config (JSON)."),
     hostfile: Optional[str] = typer.Option(None, "--hostfile", "-H", help="DeepSpeed hostfile: its slots split "
                                            "train_batch_size and set launch.procs_per_node."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="The learning rate, for the config's \"auto\" "
+                                       "(the HF Trainer's learning_rate)."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Optimizer steps, for \"auto\" (max_steps)."),
+    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", min=1, help="Samples per rank per "
+                                                   "micro-step, for \"auto\" (per_device_train_batch_size)."),
 ) -> None:
     """Print a recipe made from a DeepSpeed config (ZeRO stage, offload, precision and loss scaling, clipping,
-    batch sizes, optimizer, scheduler, bucket sizes); the fields it drops are listed in it and on stderr."""
+    batch sizes, optimizer, scheduler, bucket sizes, monitors); HF Trainer "auto" values from --lr, --steps,
+    --micro-batch-size or its defaults; what to fill in and the fields it drops are listed in it and on stderr."""
     from zerorun.hf.deepspeed import import_deepspeed as run
 
-    text, dropped = run(ds_config, hostfile)
+    text, dropped, fill_in = run(ds_config, hostfile, lr=lr, steps=steps, micro_batch_size=micro_batch_size)
     sys.stdout.write(text)
+    for line in fill_in:
+        sys.stderr.write(f"zerorun: fill in {line}\n")
     for line in dropped:
         sys.stderr.write(f"zerorun: dropped {line}\n")
 

@@ -27,6 +27,7 @@ from zerorun.recipe_text import finite_values, optimizer_argument
 from zerorun.recipe_text import override_for as _override_for
 from zerorun.recipe_text import refuse_bool as _refuse_bool
 from zerorun.recipe_text import validation_problems
+from zerorun.telemetry.trackers_spec import LogSpec, check_trackers  # the log section
 
 
 class _Strict(BaseModel):
@@ -220,13 +221,6 @@ class CheckpointSpec(_Strict):
     resume: str | None = None
 
 
-class LogSpec(_Strict):
-    """Emit a step event every ``every`` steps; runs are written under ``dir/<name>/<timestamp>/``."""
-
-    every: int = Field(10, gt=0)
-    dir: str = "runs"
-
-
 class Recipe(_Strict):
     """A whole training job. See DESIGN.md's recipe section and ``recipes/gpt-stdlib.yaml``."""
 
@@ -394,5 +388,6 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
                                                                                 "checkpoints")))
         if os.path.exists(ckpt.dir) and not os.path.isdir(ckpt.dir):
             raise ZerorunError(f"{where('checkpoint', 'dir')}: not a directory: {ckpt.dir}")
+    check_trackers(recipe.log.trackers, lambda *loc: where("log", *loc))
     check_engine_fields(recipe, where)
     return recipe

@@ -12,10 +12,13 @@ parameters' element size); ``bf16``/``fp16.enabled`` -> ``precision``; fp16's
 fp32 -> ``zero.reduce_dtype``; ``data_types.grad_accum_dtype`` -> ``zero.grad_accum_dtype``;
 ``gradient_clipping`` -> ``train.grad_clip``; ``train_micro_batch_size_per_gpu``/``gradient_accumulation_steps``
 (or derived from ``train_batch_size`` and the hostfile's slots) -> ``train.micro_batch_size``/``grad_accum_steps``;
-``optimizer`` (Adam/AdamW/SGD/Adagrad and the params torch.optim's class also takes: :data:`_CARRIED`) ->
+``optimizer`` (Adam/AdamW/SGD/Adagrad and the params torch.optim's class also takes: :data:`CARRIED`) ->
 ``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR -> ``train.schedule`` (and
-``train.steps`` from ``total_num_steps``); ``steps_per_print`` -> ``log.every``. Every other field is
-listed as dropped, with the reason, in the recipe's header comment and on stderr.
+``train.steps`` from ``total_num_steps``); ``steps_per_print`` -> ``log.every`` (at most ``train.steps``);
+the ``tensorboard``/``wandb``/``csv_monitor`` monitors -> ``log.trackers``. The HF Trainer's ``"auto"`` values
+are filled in first (Note [HF Trainer auto] in ``deepspeed_auto.py``). Every other field is listed as dropped,
+with the reason, in the recipe's header comment and on stderr, except a flag zerorun always follows set true
+and a feature left off (false, ``enabled: false``).
 """
 
 from __future__ import annotations
@@ -27,46 +30,12 @@ from typing import Any
 import yaml
 
 from zerorun.errors import ZerorunError
-
-#: fields zerorun always behaves as if set, or has no use for, with the reason given when dropped
-_ALWAYS = {
-    "overlap_comm": "always on (reduce-scatter overlaps backward at stages 2-3)",
-    "contiguous_gradients": "always on (flat buffers)",
-    "reduce_scatter": "always on at stages 2-3",
-    "allgather_partitions": "always on",
-    "allgather_bucket_size": "zerorun all-gathers per flat buffer / stage-3 unit",
-    "stage3_max_live_parameters": "stage 3 holds the gathered units and those prefetched (zero.prefetch_bytes)",
-    "stage3_max_reuse_distance": "stage 3 frees a unit after its forward and its backward",
-    "stage3_gather_16bit_weights_on_model_save": "zerorun consolidate writes full weights from any checkpoint",
-    "round_robin_gradients": "no equivalent",
-    "sub_group_size": "disk offload pages through zero.offload_buffer_mb instead",
-}
-
-
-_ADAM = {"lr": float, "weight_decay": float, "eps": float, "amsgrad": bool, "maximize": bool}
-#: DeepSpeed's optimizer params carried into the recipe, per torch.optim class (the same name and meaning there):
-#: name -> float or bool.
-_CARRIED = {"Adam": {**_ADAM, "decoupled_weight_decay": bool}, "AdamW": _ADAM,
-            "SGD": {"lr": float, "weight_decay": float, "momentum": float, "dampening": float, "nesterov": bool,
-                    "maximize": bool},
-            "Adagrad": {"lr": float, "weight_decay": float, "eps": float, "lr_decay": float,
-                        "initial_accumulator_value": float, "maximize": bool}}
-#: DeepSpeed's optimizer params that choose an implementation, not the update.
-_IMPLEMENTATION = ("torch_adam", "fused", "foreach", "capturable", "differentiable")
-
-
-def _not_carried(key: str, name: str) -> str:
-    """Why DeepSpeed's optimizer param ``key`` is dropped from a recipe whose optimizer is ``torch.optim.name``."""
-    if key in _IMPLEMENTATION:
-        return f"chooses an implementation; zerorun's ranks run torch.optim.{name}"
-    if key == "bias_correction" and name in ("Adam", "AdamW"):
-        return f"torch.optim.{name} always corrects the bias"
-    return f"not an argument of torch.optim.{name}"
-
+from zerorun.hf.deepspeed_auto import check_options, monitors, resolve_auto
+from zerorun.hf.deepspeed_fields import ALWAYS, CARRIED, not_carried
 
 class _Import:
-    def __init__(self, ds: dict, world_size: int | None) -> None:
-        self.ds, self.world = ds, world_size
+    def __init__(self, ds: dict, world_size: int | None, given: dict[str, Any]) -> None:
+        self.ds, self.world, self.given = ds, world_size, given
         self.dropped: list[str] = []
         self.recipe: dict[str, Any] = {"name": "imported",
                                        "model": {"module": "path/to/model.py", "factory": "build_model"},
@@ -126,14 +95,21 @@ class _Import:
         self.optimizer(ds.pop("optimizer", None))
         self.scheduler(ds.pop("scheduler", None))
         train = self.recipe["train"]
+        if self.given.get("steps"):
+            train["steps"] = self.given["steps"]
+        if self.given.get("lr"):  # the HF Trainer's optimizer is AdamW
+            train.setdefault("optimizer", {"name": "AdamW"})["lr"] = self.given["lr"]
         if "gradient_clipping" in ds:
             clip = self.num("gradient_clipping", ds.pop("gradient_clipping"))
             if clip:
                 train["grad_clip"] = clip
+        log = monitors(ds, self.drop)  # Note [HF Trainer auto] in deepspeed_auto.py
         if "steps_per_print" in ds:
             every = self.num("steps_per_print", ds.pop("steps_per_print"), int)
-            if every:
-                self.recipe["log"] = {"every": every}
+            if every:  # a step event at least at the last step
+                log["every"] = min(every, train["steps"])
+        if log:
+            self.recipe["log"] = log
         comm = ds.pop("communication_data_type", None)
         if comm in ("fp32", "float32") and self.recipe.get("precision", "fp32") != "fp32":
             self.recipe["zero"]["reduce_dtype"] = "fp32"
@@ -150,8 +126,9 @@ class _Import:
         if ds.pop("activation_checkpointing", None):
             self.drop("activation_checkpointing", "set train.activation_checkpointing: true (stage 3 checkpoints "
                                                   "each unit)")
-        for key in sorted(ds):
-            self.drop(key, "no zerorun equivalent")
+        for key in sorted(ds):  # false, or a section not enabled: nothing turned on is lost
+            if ds[key] is not False and not (isinstance(ds[key], dict) and ds[key].get("enabled") is False):
+                self.drop(key, "no zerorun equivalent")
         if not self.recipe["zero"]:
             del self.recipe["zero"]
         return self.recipe
@@ -260,15 +237,15 @@ class _Import:
         if device in ("cpu", "nvme"):
             out["offload_optimizer"] = "cpu" if device == "cpu" else "disk"
         for key in sorted(set(offload) - {"device", "nvme_path"}):
-            self.drop(f"zero_optimization.offload_optimizer.{key}", "always pinned on CUDA" if key == "pin_memory"
-                      else "no zerorun equivalent")
+            if not (key == "pin_memory" and offload[key] is True):  # zerorun always pins on CUDA
+                self.drop(f"zero_optimization.offload_optimizer.{key}", "no zerorun equivalent")
         if param_device == "nvme" and out.get("stage") == 3:  # was dropped as "not supported" (zero.offload_params)
             out["offload_params"] = "disk"
         elif param_device == "nvme":
             self.drop("zero_optimization.offload_param", "stage 3 only")
         elif param_device == "cpu":
-            self.drop("zero_optimization.offload_param", "device cpu: not supported (zero.offload_params takes "
-                                                         "disk: device nvme)")
+            self.drop("zero_optimization.offload_param", "device cpu: zerorun offloads parameters to disk only "
+                      "(zero.offload_params: disk at stage 3, paged through host memory); stage 3 keeps 1/N of them")
         for key in sorted(set(param) - {"device", "nvme_path"}) if out.get("offload_params") == "disk" else ():
             self.drop(f"zero_optimization.offload_param.{key}", "no zerorun equivalent")
         users = [name for name, used in (("offload_optimizer", device == "nvme"),
@@ -280,8 +257,9 @@ class _Import:
                 if name in paths and paths[name] != out["offload_path"]:
                     self.drop(f"zero_optimization.{name}.nvme_path", "one folder holds both swap files here: "
                               f"zero.offload_path is {out['offload_path']}")
-        for key in sorted(z):
-            self.drop(f"zero_optimization.{key}", _ALWAYS.get(key, "no zerorun equivalent"))
+        for key in sorted(z):  # an "always on" set true is what zerorun does: not listed
+            if not (z[key] is True and ALWAYS.get(key, "").startswith("always on")):
+                self.drop(f"zero_optimization.{key}", ALWAYS.get(key, "no zerorun equivalent"))
 
     def optimizer(self, opt: Any) -> None:
         opt = self.section("optimizer", opt)
@@ -297,7 +275,7 @@ class _Import:
             self.drop("optimizer", f"type {opt.get('type')!r}: use a torch.optim class in train.optimizer.name")
             return
         out: dict[str, Any] = {"name": names[kind]}
-        for key, kind_of in _CARRIED[out["name"]].items():
+        for key, kind_of in CARRIED[out["name"]].items():
             if key in params:
                 field, value = f"optimizer.params.{key}", params.pop(key)
                 value = self.flag(field, value) if kind_of is bool else self.num(field, value)
@@ -315,7 +293,7 @@ class _Import:
             else:  # float(True) was 1.0
                 out["betas"] = [self.num(f"optimizer.params.betas.{i}", b) for i, b in enumerate(betas)]
         for key in sorted(params):  # amsgrad, nesterov were listed as "no torch.optim equivalent"
-            self.drop(f"optimizer.params.{key}", _not_carried(key, out["name"]))
+            self.drop(f"optimizer.params.{key}", not_carried(key, out["name"]))
         self.recipe["train"]["optimizer"] = out
 
     def scheduler(self, sched: Any) -> None:
@@ -356,19 +334,22 @@ class _Import:
         train["schedule"] = {k: v for k, v in schedule.items() if v is not None}  # 'auto': listed, left out
 
 
-def import_deepspeed(path: str, hostfile: str | None = None) -> tuple[str, list[str]]:
-    """``(recipe YAML text, dropped fields as "field: reason")`` for DeepSpeed config ``path``. The YAML starts
-    with comments naming the source and every dropped field; ``model`` and ``data`` are placeholders to fill in.
+def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tuple[str, list[str], list[str]]:
+    """``(recipe YAML text, dropped fields as "field: reason", what to fill in)`` for DeepSpeed config ``path``.
+    The YAML starts with comments naming the source, what to fill in (``model`` and ``data`` are placeholders),
+    the HF Trainer ``"auto"`` values taken as defaults and every dropped field.
 
     ``hostfile`` (DeepSpeed's format): its slots give the world size (to split ``train_batch_size``) and
-    ``launch.procs_per_node`` (the first host's slots).
+    ``launch.procs_per_node`` (the first host's slots). ``given``: ``lr``, ``steps``, ``micro_batch_size`` (the
+    command line's, None when not given), for the config's ``"auto"`` (Note [HF Trainer auto]).
 
     Raises:
-        ZerorunError: unreadable file, not JSON, a field of the wrong type, a batch size that does not split;
-            one line naming the file and the field.
+        ZerorunError: unreadable file, not JSON, a field of the wrong type, a batch size that does not split,
+            an option beside a different number in the config; one line naming the file and the field.
     """
     from zerorun.recipe import read_text
 
+    check_options(given)
     text = read_text(path, "DeepSpeed config")
     try:
         ds = json.loads(text)
@@ -382,8 +363,9 @@ def import_deepspeed(path: str, hostfile: str | None = None) -> tuple[str, list[
 
         hosts = read_hostfile(hostfile)
         world, procs = sum(h.slots for h in hosts), hosts[0].slots
-    imp = _Import(ds, world)
     try:
+        ds, notes, fill_in = resolve_auto(ds, given)
+        imp = _Import(ds, world, given)
         recipe = imp.run()
     except ZerorunError as e:
         raise ZerorunError(f"{path}: {e}") from None
@@ -391,11 +373,12 @@ def import_deepspeed(path: str, hostfile: str | None = None) -> tuple[str, list[
         raise ZerorunError(f"{path}: a field has an unexpected value: {e}") from None
     if procs:
         recipe["launch"] = {"procs_per_node": procs}
+    fill_in = ["model, data: placeholders (a model module or model.hf; your data)"] + fill_in
     head = [f"# Imported from {path} by zerorun import-deepspeed" + (f" (hostfile {hostfile})" if hostfile else ""),
-            "# Fill in model and data (a model module, or model.hf), then: zerorun train recipe.yaml"
-            + (f" -H {hostfile}" if hostfile else "")]
-    if imp.dropped:
-        head.append("# Dropped DeepSpeed fields:")
-        head += [f"#   {d}" for d in imp.dropped]
+            "# Fill in, then: zerorun train recipe.yaml" + (f" -H {hostfile}" if hostfile else "")]
+    head += [f"#   {line}" for line in fill_in]
+    for title, lines in (("# 'auto' taken as the HF Trainer's defaults (change any your TrainingArguments set):",
+                          notes), ("# Dropped DeepSpeed fields:", imp.dropped)):
+        head += [title] + [f"#   {line}" for line in lines] if lines else []
     body = yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=110)
-    return "\n".join(head) + "\n" + body, imp.dropped
+    return "\n".join(head) + "\n" + body, imp.dropped, fill_in

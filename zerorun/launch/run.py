@@ -328,7 +328,7 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
     what = f"ZeRO stage {recipe.zero.stage}, {recipe.precision}" if recipe is not None else "user script"
     view.print(f"zerorun: {state.name}: {count(plan.world_size, 'rank')} on {hosts}, {what}; job {plan.job_id}; "
                f"run dir {run_dir}")
-    recorder = RunRecorder(run_dir)
+    recorder = RunRecorder(run_dir, recipe)
 
     def on_event(e):
         recorder.event(e)

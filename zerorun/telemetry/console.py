@@ -20,14 +20,22 @@ _NODE_NOTE = re.compile(r"\[node \d+\] zerorun: note: ")
 
 class RunRecorder:
     """Writes ``metrics.jsonl`` (one event per line, as emitted; not ``progress`` events, whose every field is in
-    the step events too) and ``output.log`` (every other line, prefixed ``[node N]``) in ``run_dir``."""
+    the step events too) and ``output.log`` (every other line, prefixed ``[node N]``) in ``run_dir``; and the
+    step and eval events to the ``recipe``'s ``log.trackers`` (Note [Trackers in the launcher])."""
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, recipe=None) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
         self.log = open(os.path.join(run_dir, "output.log"), "a", encoding="utf-8")
+        self.trackers = None
+        if recipe is not None and recipe.log.trackers:
+            from zerorun.telemetry.trackers import TrackerSink
+
+            self.trackers = TrackerSink(run_dir, recipe)
 
     def event(self, event: Event) -> None:
+        if self.trackers is not None:
+            self.trackers.event(event)
         if event.kind == "progress":
             return
         self.metrics.write(json.dumps(event.to_json(), separators=(",", ":")) + "\n")
@@ -38,6 +46,8 @@ class RunRecorder:
         self.log.flush()
 
     def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
         self.metrics.close()
         self.log.close()
 

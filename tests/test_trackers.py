@@ -1,0 +1,222 @@
+"""``log.trackers``: TensorBoard, wandb (offline), MLflow (a local store) and CSV, read back through each
+library's own reader and compared with metrics.jsonl (Note [Trackers in the launcher], Note [Tracker resume] in
+zerorun/telemetry/trackers.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tracker_readers import csv_scalars, mlflow_scalars, tensorboard_scalars, wandb_run
+from zerorun.errors import ZerorunError
+from zerorun.recipe import MASK, load_recipe
+from zerorun.telemetry.events import Event
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "recipes/tiny.yaml")
+ALL = "log.trackers=[tensorboard,wandb,mlflow,csv]"
+#: the names the issue asks for -> the event field they carry (rank 0's step events; eval events)
+NAMES = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
+         "perf/samples_per_s": "job_samples_per_s", "perf/tokens_per_s": "job_tokens_per_s",
+         "memory/peak_rss_bytes": "peak_rss_bytes", "comm/wait_s": "comm_wait_s"}
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """wandb offline, every wandb folder in tmp: nothing goes to the network or the home folder."""
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+def expected(events: list[dict]) -> dict[str, dict[int, float]]:
+    """What every tracker must hold: rank 0's step and eval events of metrics.jsonl under the stable names."""
+    out: dict[str, dict[int, float]] = {}
+    for e in events:
+        if e["rank"] == 0 and e["event"] == "step":
+            for name, field in NAMES.items():
+                if e.get(field) is not None:
+                    out.setdefault(name, {})[e["step"]] = float(e[field])
+        elif e["rank"] == 0 and e["event"] == "eval":
+            out.setdefault("eval/loss", {})[e["step"]] = e["val_loss"]
+    return out
+
+
+def identity(folder) -> dict:
+    return json.loads((folder / "trackers.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_job_writes_every_tracker_with_the_scalars_of_metrics_jsonl(offline):
+    runs = offline / "runs"
+    out = subprocess.run([sys.executable, "-m", "zerorun", "train", TINY, f"log.dir={runs}", "train.steps=6",
+                          "train.eval_every=3", "log.every=2", ALL, "launch.env.MY_TOKEN=hunter2-secret",
+                          "log.wandb.mode=offline", "--no-dashboard"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=240, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "warning" not in out.stderr, out.stderr
+    [run_dir] = [p for p in (runs / "tiny").iterdir() if p.name != "checkpoints"]
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    want = expected(events)
+    assert sorted(want["train/loss"]) == [1, 2, 4, 6] and sorted(want["eval/loss"]) == [0, 3, 6]
+    ids = identity(run_dir)
+    assert ids["name"] == run_dir.name and ids["tensorboard"] == str(run_dir / "tensorboard")
+
+    wandb_id, config, wandb_values = wandb_run(str(run_dir / "wandb"))
+    assert wandb_id == ids["wandb"] and wandb_values == want
+    assert config["train"]["steps"] == 6 and config["launch"]["env"] == {"MY_TOKEN": MASK}
+    assert mlflow_scalars(ids["mlflow"]["tracking_uri"], ids["mlflow"]["run_id"], list(want)) == want
+    assert csv_scalars(str(run_dir / "metrics.csv")) == want
+    board = tensorboard_scalars(ids["tensorboard"])  # float32 in the event files
+    assert {k: sorted(v) for k, v in board.items()} == {k: sorted(v) for k, v in want.items()}
+    for name, values in want.items():
+        assert board[name] == pytest.approx(values, rel=1e-6)
+
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(ids["mlflow"]["tracking_uri"]).get_run(ids["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == run_dir.name
+    assert run.data.params["train.steps"] == "6" and run.data.params["launch.env.MY_TOKEN"] == MASK
+    assert run.data.params["log.trackers"] == '["tensorboard", "wandb", "mlflow", "csv"]'
+    for folder, _, files in os.walk(offline):  # the secret is in no file the job left
+        for name in files:
+            assert b"hunter2-secret" not in open(os.path.join(folder, name), "rb").read(), os.path.join(folder, name)
+
+
+@pytest.mark.parametrize("tracker,module", [("tensorboard", "tensorboard"), ("wandb", "wandb"),
+                                            ("mlflow", "mlflow")])
+def test_a_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, monkeypatch, tracker, module):
+    recipe = tmp_path / "r.yaml"
+    text = open(TINY).read().replace("models/gpt.py", os.path.join(ROOT, "recipes/models/gpt.py"))
+    recipe.write_text(text.replace("log: {every: 5, dir: runs}", f"log:\n  every: 5\n  trackers: [csv, {tracker}]\n"))
+    monkeypatch.setitem(sys.modules, module, None)  # hidden: import fails, find_spec finds nothing
+    with pytest.raises(ZerorunError) as e:
+        load_recipe(str(recipe))
+    assert str(e.value) == (f"{recipe}:23: log.trackers.1: the {tracker} tracker needs the {module} package: "
+                            f"pip install 'zerorun[{tracker}]'")
+
+
+def test_the_cli_refuses_a_missing_tracker_package_in_one_line_exit_2(tmp_path):
+    code = ("import sys; sys.modules['wandb'] = None; from zerorun.cli import main; "
+            f"sys.argv = ['zerorun', 'train', {TINY!r}, 'log.trackers=[wandb]', '--dry-run']; main()")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "zerorun: error: override 'log.trackers=[wandb]': log.trackers.0: the wandb tracker needs the wandb "
+        "package: pip install 'zerorun[wandb]'"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("[csv,csv]", "log.trackers.1: 'csv' is named twice"),
+    ("[comet]", "log.trackers.0: Input should be 'tensorboard', 'wandb', 'mlflow' or 'csv'"),
+    ("csv", "log.trackers: Input should be a valid list"),
+])
+def test_bad_tracker_lists_are_refused_naming_the_field(value, expected):
+    with pytest.raises(ZerorunError) as e:
+        load_recipe(TINY, [f"log.trackers={value}"])
+    assert str(e.value) == f"override 'log.trackers={value}': {expected}"
+
+
+def _sink_run(run_dir, overrides, events):
+    """A job's tracker writing, without the job: ``events`` fed to the launcher's tracker thread."""
+    from zerorun.telemetry.trackers import TrackerSink
+
+    warnings = []
+    sink = TrackerSink(str(run_dir), load_recipe(TINY, overrides), warn=warnings.append)
+    for e in events:
+        sink.event(e)
+    sink.close()
+    return warnings
+
+
+def _steps(first, last, offset=0.0):
+    events = []
+    for s in range(first, last + 1):
+        events.append(Event("step", 0, 0.0, {"step": s, "steps": 6, "loss": 5.0 - s / 10 + offset, "lr": 1e-3 * s,
+                                        "grad_norm": 2.0, "job_samples_per_s": 100.0 + s, "comm_wait_s": None}))
+        events.append(Event("step", 1, 0.0, {"step": s, "loss": 99.0}))  # another rank's: not a tracker's
+    return events
+
+
+def test_a_resumed_job_continues_the_same_runs(offline):
+    """Run 1 logs steps 1-4 (checkpoint after step 2, then it fails); run 2 resumes step 2's checkpoint and
+    logs 3-6: one wandb run id, one MLflow run, one TensorBoard folder whose steps 3-4 are run 2's."""
+    ckpt = offline / "ckpt"
+    base = [ALL, "log.wandb.mode=offline", f"log.dir={offline / 'runs'}", f"checkpoint.dir={ckpt}"]
+    assert _sink_run(offline / "run1", base, _steps(1, 4)) == []  # no finish event: a failed job
+    first = identity(offline / "run1")
+    assert identity(ckpt) == first and first["name"] == "run1"
+    (ckpt / "step-00000002").mkdir()
+    finish = [Event("finish", 0, 0.0, {"steps": 6}), Event("eval", 0, 0.0, {"step": 6, "val_loss": 4.5})]
+    assert _sink_run(offline / "run2", base + [f"checkpoint.resume={ckpt / 'step-00000002'}"],
+                     _steps(3, 6, offset=0.5) + finish) == []
+    second = identity(offline / "run2")
+    assert second == first and identity(ckpt) == first  # the same name, folder and run ids
+
+    resumed = {s: 5.0 - s / 10 + (0.5 if s > 2 else 0.0) for s in range(1, 7)}
+    board = tensorboard_scalars(first["tensorboard"])
+    assert board["train/loss"] == pytest.approx(resumed, rel=1e-6) and board["eval/loss"] == {6: 4.5}
+    mlflow = mlflow_scalars(first["mlflow"]["tracking_uri"], first["mlflow"]["run_id"], ["train/loss"])
+    assert sorted(mlflow["train/loss"]) == [1, 2, 3, 4, 5, 6]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(first["mlflow"]["tracking_uri"])
+    assert client.get_run(first["mlflow"]["run_id"]).info.status == "FINISHED"
+    assert len(client.search_runs([client.get_experiment_by_name("tiny").experiment_id])) == 1
+    assert wandb_run(str(offline / "run1" / "wandb"))[0] == wandb_run(str(offline / "run2" / "wandb"))[0] \
+        == first["wandb"]
+    assert csv_scalars(str(offline / "run2" / "metrics.csv"))["train/loss"] == {s: resumed[s] for s in (3, 4, 5, 6)}
+
+
+def test_a_job_started_again_in_its_run_folder_continues_its_runs(offline):
+    """A restart from step 0 (no checkpoint yet) or a requeued batch job writes into the same run folder: the
+    same runs, TensorBoard's steps from the first attempt replaced; a parameter name MLflow refuses (any
+    character a model.kwargs key may hold) is made one it takes, not the end of the MLflow run."""
+    base = ["log.trackers=[tensorboard,mlflow]", f"log.dir={offline / 'runs'}", "model.kwargs.x@y=1"]
+    assert _sink_run(offline / "run", base, _steps(1, 3)) == []
+    first = identity(offline / "run")
+    assert _sink_run(offline / "run", base, _steps(1, 2, offset=0.5)) == []
+    assert identity(offline / "run") == first
+    board = tensorboard_scalars(first["tensorboard"])
+    assert board["train/loss"] == pytest.approx({1: 5.4, 2: 5.3}, rel=1e-6)
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(first["mlflow"]["tracking_uri"]).get_run(first["mlflow"]["run_id"])
+    assert run.data.params["model.kwargs.x_y"] == "1" and run.info.status == "FAILED"  # no finish event
+
+
+def test_wandb_online_without_a_key_is_one_warning_not_a_prompt(offline, monkeypatch):
+    monkeypatch.setenv("HOME", str(offline))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_MODE")
+    warnings = _sink_run(offline / "run", ["log.trackers=[wandb]", "log.wandb.mode=online"], _steps(1, 1))
+    assert warnings == ["zerorun: warning: log.trackers: wandb could not start, not recorded: RuntimeError: no W&B "
+                        "API key on this host (wandb login, or WANDB_API_KEY); or set log.wandb.mode: offline and "
+                        "wandb sync the run folder's wandb/ later"]
+
+
+def test_a_failing_tracker_is_one_warning_and_the_others_go_on(offline):
+    (offline / "not-a-folder").write_text("")
+    warnings = _sink_run(offline / "run", ["log.trackers=[mlflow,csv]", f"log.dir={offline}",
+                                           f"log.mlflow.tracking_uri={offline / 'not-a-folder'}"], _steps(1, 2))
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "zerorun: warning: log.trackers: mlflow could not start, not recorded: "), warnings
+    assert sorted(csv_scalars(str(offline / "run" / "metrics.csv"))["train/loss"]) == [1, 2]
+
+
+def test_each_tracker_has_its_extra_and_the_test_extra_has_them_all():
+    import re
+    import tomllib
+
+    from zerorun.telemetry.trackers_spec import PACKAGES
+
+    extras = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["optional-dependencies"]
+    names = {k: {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0] for d in v} for k, v in extras.items()}
+    for tracker, (_, extra) in PACKAGES.items():
+        assert names[extra] and names[extra] <= names["test"], (tracker, names)
