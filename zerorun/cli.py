@@ -340,10 +340,13 @@ def estimate(
                                             "default: the recipe's, else fp32."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adam (2 states), sgd (momentum: 1), none, "
                                             "or a torch.optim name; default: the recipe's, else adam."),
-    device_memory: Optional[str] = typer.Option(None, "--device-memory", help="Per rank: 80GiB, 80GB "
-                                                "(default: detected; on CPU host memory / ranks per node)."),
-    cpu_memory: Optional[str] = typer.Option(None, "--cpu-memory", help="Host memory per node (default: "
-                                             "this machine's)."),
+    device_memory: Optional[str] = typer.Option(None, "--gpu-memory", "--device-memory", help="Per rank: 80GiB, "
+                                                "80GB (default: the -H hosts', else this machine's; on CPU host "
+                                                "memory / ranks per node)."),
+    cpu_memory: Optional[str] = typer.Option(None, "--host-memory", "--cpu-memory", help="Host memory per node "
+                                             "(default: the smallest of the -H hosts', else this machine's)."),
+    ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
+    ssh_config: Optional[str] = _SSH_CONFIG,
     bandwidth: str = typer.Option("100Gbps", "--bandwidth", help="Link speed per rank: 100Gbps, 12.5GB/s."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="Samples per micro-batch "
                                               "(default: train.micro_batch_size, else 1)."),
@@ -354,12 +357,13 @@ def estimate(
 ) -> None:
     """Estimate memory per rank and communication per step for ZeRO stages 0-3 before launching."""
     from zerorun import estimate as est
+    from zerorun.launch import ssh_options
 
     result = est.from_arguments(recipe=recipe, overrides=overrides or [], hostfile=hostfile, params=params,
                                 largest_layer=largest_layer, nodes=nodes, procs_per_node=procs_per_node,
                                 precision=precision, optimizer=optimizer, device_memory=device_memory,
                                 cpu_memory=cpu_memory, bandwidth=bandwidth, micro_batch=micro_batch,
-                                offload=offload)
+                                offload=offload, ssh=ssh_options(ssh_user, ssh_port, ssh_key, ssh_config))
     if as_json:
         print(json.dumps(result.to_json(), indent=1))
     else:

@@ -34,18 +34,20 @@ def detect_memory(procs_per_node: int) -> tuple[int, str, int]:
 def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | None, params: str | None,
                    largest_layer: str | None, nodes: int | None, procs_per_node: int | None, precision: str | None,
                    optimizer: str | None, device_memory: str | None, cpu_memory: str | None, bandwidth: str,
-                   micro_batch: int | None, offload: str | None = None) -> Estimate:
+                   micro_batch: int | None, offload: str | None = None, ssh=None) -> Estimate:
     """The :class:`Estimate` for ``zerorun estimate``'s arguments (strings as typed; see ``zerorun estimate
     --help``): a recipe (with overrides) or ``params``, the hostfile or ``nodes`` x ``procs_per_node``, sizes
     parsed with :func:`parse_count`, :func:`parse_bytes` and :func:`parse_bandwidth`. A recipe gives the
     precision, ``zero.reduce_dtype``, ``zero.offload_optimizer`` (when it sets it; else every variant, as
     without a recipe: ``all``), ``zero.offload_buffer_mb`` and ``zero.grad_accum_dtype`` (Note [Gradient
-    accumulation buffer]); ``precision`` and ``offload`` override them.
+    accumulation buffer]); ``precision`` and ``offload`` override them. The memory per rank and per node:
+    ``device_memory``/``cpu_memory``, else ``hostfile``'s hosts' (asked over SSH with ``ssh``, a
+    ``SshOptions``), else this machine's (Note [Whose memory] in estimate/hosts.py).
 
     Raises:
         ZerorunError: neither or both of ``recipe`` and ``params``; ``largest_layer`` without ``params``, or
             more than it; a bad recipe, hostfile, model module or flag value (the message names the file, field
-            or flag).
+            or flag); a host of ``hostfile`` that does not tell its memory.
     """
     if recipe is None and params is None:
         raise ZerorunError("estimate: give a recipe file or --params")
@@ -88,11 +90,12 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         opt = optimizer_model(r.train.optimizer.name, r.train.optimizer.kwargs(), "train.optimizer.name")
     else:
         opt = optimizer_model("adam")
-    dev, kind, host = detect_memory(ppn)
-    if device_memory:
-        dev, kind = parse_bytes(device_memory, "--device-memory"), "given"
-    if cpu_memory:
-        host = parse_bytes(cpu_memory, "--cpu-memory")
+    from zerorun.estimate.hosts import choose
+
+    memory = choose(hostfile=hostfile, ssh=ssh, procs_per_node=ppn,
+                    device_memory=parse_bytes(device_memory, "--device-memory") if device_memory else None,
+                    host_memory=parse_bytes(cpu_memory, "--cpu-memory") if cpu_memory else None)
+    dev, kind, host = memory.device_bytes, memory.device, memory.host_bytes
     setup = Setup(
         nodes=n_nodes, procs_per_node=ppn, world_size=world, precision=prec, optimizer=opt,
         device_memory=dev, device=kind, cpu_memory=host, bandwidth=parse_bandwidth(bandwidth, "--bandwidth"),
@@ -103,5 +106,5 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         activation_checkpointing=r.train.activation_checkpointing if r else False, offload=offload or "all",
         offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0,
         grad_accum_dtype=r.zero.grad_accum_dtype if r else None,
-        offload_params=bool(r) and r.zero.offload_params == "disk")
+        offload_params=bool(r) and r.zero.offload_params == "disk", memory_source=memory.source)
     return estimate(layout, setup)
