@@ -23,7 +23,8 @@ def render(est: Estimate, console=None) -> None:
     s, p = est.setup, est.params
     largest = p["largest_unit"]
     console.print(f"[bold]Memory[/bold] from {e(str(s['memory_source']))}: device {e(str(s['device']))} "
-                  f"{format_bytes(s['device_memory'])} per rank, host {format_bytes(s['cpu_memory_per_node'])} per node")
+                  f"{format_bytes(s['device_memory'])} per rank, host {format_bytes(s['cpu_memory_per_node'])} "
+                  "per node")
     console.print(f"[bold]Model[/bold]: {p['total']:,} parameters ({format_count(p['total'])}): "
                   f"{p['trainable']:,} trainable, {p['frozen']:,} frozen"
                   + (f"; largest unit {e(str(largest['name']))} {largest['params']:,}" if largest else "")
