@@ -124,27 +124,33 @@ def train(
     from zerorun.recipe import load_recipe
     from zerorun.resume import prepare_resume
 
-    # the optimizer check imports torch: the model check does it beside the launch (zerorun/modelcheck.py)
+    # the optimizer and HF checks import torch: the model check does them beside the launch (zerorun/modelcheck.py,
+    # Note [HF checks after the header] in zerorun/hf/files.py)
     launcher = zlaunch.choose_launcher(launcher, hostfile)
-    r = load_recipe(recipe, overrides or [], check_optimizer=False)
+    r = load_recipe(recipe, overrides or [], check_optimizer=False, check_hf=False)
     said: list[str] = []  # said once the job may start (a job refused by the lock starts nothing: one line)
     if not prepare_resume(r, resume, say=said.append):  # sets checkpoint.resume and .dir (Note [Resume lookup])
         _say(said)
         return  # the checkpoint is the last step's: done
     hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
-    if dry_run:  # nothing is contacted; the commands run as printed
+    local = any(h.is_local for h in hosts)  # else no model check runs: the launcher does the HF checks itself
+    if dry_run:  # nothing is contacted; the commands run as printed, then the recipe's checks that need torch
         _say(said)
         sys.stdout.write(zlaunch.dry_run(r, hosts, master_port=master_port, master_addr=master_addr,
                                          launcher=launcher))
         sys.stdout.flush()
-        if any(h.is_local for h in hosts):
+        if local:
             from zerorun import modelcheck
 
             problem = modelcheck.start(r, recipe, overrides or [], beside=False).wait()
             if problem:
                 raise ZerorunError(problem)
+        elif r.model.hf is not None or r.data.kind == "hf":
+            load_recipe(recipe, overrides or [], check_optimizer=False)
         return
+    if not local and (r.model.hf is not None or r.data.kind == "hf"):
+        load_recipe(recipe, overrides or [], check_optimizer=False)
     if r.checkpoint.dir:
         try:
             os.makedirs(r.checkpoint.dir, exist_ok=True)
