@@ -217,8 +217,8 @@ class JobState:
         for key in ("loss", "step_time_s", "samples_per_s", "tokens_per_s", "tflops", "lr", "grad_norm",
                     "cpu_percent", "host_cpu_percent", "gpu_util_percent"):
             setattr(r, key, number(d, key))
-        for key in ("loss", "step_time_s"):
-            if getattr(r, key) is not None:
+        for key in ("loss", "step_time_s"):  # the first step's time (allocations, warm-up) is no trend
+            if getattr(r, key) is not None and (key == "loss" or step > 1):
                 r.trends[key] = [*r.trends.get(key, [])[1 - TREND:], getattr(r, key)]
         if r.loss is not None and r.rank == min(self.ranks):
             self.last_loss = r.loss
