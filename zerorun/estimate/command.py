@@ -3,32 +3,11 @@
 from __future__ import annotations
 
 from zerorun.errors import ZerorunError
+from zerorun.estimate.hosts import choose, detect_memory  # noqa: F401 - detect_memory: the package's API
 from zerorun.estimate.layout import layout_of_count, layout_of_recipe
 from zerorun.estimate.policies import OFFLOADS, optimizer_model, precision_of
 from zerorun.estimate.report import Estimate, Setup, estimate
 from zerorun.estimate.sizes import parse_bandwidth, parse_bytes, parse_count
-
-
-def detect_memory(procs_per_node: int) -> tuple[int, str, int]:
-    """``(device bytes per rank, device description, host bytes per node)`` of this machine: the first CUDA
-    device's memory, or on a CPU-only machine host memory divided by ``procs_per_node``. torch (seconds to
-    import) is asked only on a machine with a GPU driver's device files (NVIDIA's or AMD's)."""
-    import os
-
-    import psutil
-
-    host = psutil.virtual_memory().total
-    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/proc/driver/nvidia")):
-        return host // procs_per_node, "cpu", host
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return props.total_memory, f"cuda ({props.name}, detected)", host
-    except Exception:  # noqa: BLE001 - no usable CUDA: fall back to host memory
-        pass
-    return host // procs_per_node, "cpu", host
 
 
 def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | None, params: str | None,
@@ -90,8 +69,6 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         opt = optimizer_model(r.train.optimizer.name, r.train.optimizer.kwargs(), "train.optimizer.name")
     else:
         opt = optimizer_model("adam")
-    from zerorun.estimate.hosts import choose
-
     memory = choose(hostfile=hostfile, ssh=ssh, procs_per_node=ppn,
                     device_memory=parse_bytes(device_memory, "--device-memory") if device_memory else None,
                     host_memory=parse_bytes(cpu_memory, "--cpu-memory") if cpu_memory else None)

@@ -61,10 +61,30 @@ def parse_probe(host: str, text: str) -> HostMemory:
     return HostMemory(host_bytes, min(gpus) if gpus else None, "cuda (nvidia-smi)")
 
 
-def local_memory() -> HostMemory:
-    """This machine's memory; its first CUDA device's when it has one (``command.detect_memory``)."""
-    from zerorun.estimate.command import detect_memory
+def detect_memory(procs_per_node: int) -> tuple[int, str, int]:
+    """``(device bytes per rank, device description, host bytes per node)`` of this machine: the first CUDA
+    device's memory, or on a CPU-only machine host memory divided by ``procs_per_node``. torch (seconds to
+    import) is asked only on a machine with a GPU driver's device files (NVIDIA's or AMD's)."""
+    import os
 
+    import psutil
+
+    host = psutil.virtual_memory().total
+    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/proc/driver/nvidia")):
+        return host // procs_per_node, "cpu", host
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return props.total_memory, f"cuda ({props.name}, detected)", host
+    except Exception:  # noqa: BLE001 - no usable CUDA: fall back to host memory
+        pass
+    return host // procs_per_node, "cpu", host
+
+
+def local_memory() -> HostMemory:
+    """This machine's memory; its first CUDA device's when it has one (:func:`detect_memory`)."""
     dev, kind, host = detect_memory(1)
     return HostMemory(host, None if kind == "cpu" else dev, kind)
 
