@@ -147,3 +147,13 @@ def test_plain_view_prints_each_slowest_phase_once():
     assert out.getvalue().splitlines() == [
         "waiting for ranks: importing torch (all 2 ranks), 4.0 s after the launch",
         "waiting for ranks: joining the process group (all 2 ranks), 10 s after the launch"]
+
+
+def test_a_script_that_runs_is_not_waited_for():
+    """``zerorun launch``'s ranks run the user's script, which may never report a step: not "waiting"."""
+    state = JobState(name="j", world_size=2, steps=None, started=T0)
+    state.update(phase(0, "running the script", 2))
+    assert "waiting for ranks: starting (rank 1 of 2)" in rendered(render(state, now=T0 + 3, width=100), 100)
+    state.update(phase(1, "running the script", 2.5))
+    text = rendered(render(state, now=T0 + 3, width=100), 100)
+    assert "waiting" not in text and "the ranks run the script" in text

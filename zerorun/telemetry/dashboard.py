@@ -31,7 +31,7 @@ from zerorun.telemetry.events import Event
 from zerorun.telemetry.format import (count, describe, human_duration, human_flops, human_rate, log_lines, pack, pct,
                                       seconds, short_bytes, sparkline)
 from zerorun.telemetry.layout import Column, render_table
-from zerorun.telemetry.phases import slowest
+from zerorun.telemetry.phases import SCRIPT, slowest
 from zerorun.telemetry.state import MEMORY_ALERT, JobState, RankState
 from zerorun.telemetry.summary import host_groups, print_summary
 
@@ -121,8 +121,9 @@ def header(state: JobState, now: float | None = None, width: int = WIDTH) -> Pan
     waiting = slowest(state.ranks.values()) if state.ended is None else None
     if waiting is not None:
         facts.append(waiting.describe(now, state.started))
+    idle = "the ranks run the script" if any(r.phase == SCRIPT for r in state.ranks.values()) else "waiting for ranks"
     body = [Text(" · ".join(p for p in plan if p)), *progress_lines(state, inner, now),
-            *(Text(line) for line in (pack(facts, inner) or ["waiting for ranks"]))]
+            *(Text(line) for line in (pack(facts, inner) or [idle]))]
     return Panel(Group(*body), title=Text(f"zerorun · {state.name}", style="bold"), title_align="left",
                  border_style="blue")
 
