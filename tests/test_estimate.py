@@ -388,3 +388,34 @@ def test_piped_output_follows_columns(capsys, monkeypatch):
             monkeypatch.setenv("COLUMNS", columns)
         widths[columns] = max(len(line) for line in run_cli(capsys, monkeypatch, *args).splitlines())
     assert widths[None] <= 120 < widths["200"] <= 200 and widths["80"] <= 80, widths
+
+
+def test_memory_from_the_flags_or_this_machine_said_on_the_first_line(capsys, monkeypatch):
+    """Issue 37 part 6: ``--gpu-memory``/``--host-memory`` (aliases of ``--device-memory``/``--cpu-memory``)
+    and the first line says whose memory the stages are fitted into; ``--host-memory`` alone on a CPU-only
+    machine is shared by the node's ranks (it was this machine's memory per rank)."""
+    out = run_cli(capsys, monkeypatch, "--params", "1B", "--gpu-memory", "80GiB", "--host-memory", "1TiB")
+    assert out.splitlines()[0] == "Memory from --gpu-memory and --host-memory: device given 80.00 GiB per rank, " \
+                                  "host 1.00 TiB per node", out
+    out = json.loads(run_cli(capsys, monkeypatch, "--params", "1B", "--procs-per-node", "4", "--host-memory",
+                             "64GiB", "--json"))["setup"]
+    assert out["cpu_memory_per_node"] == 64 * 2**30
+    if out["device"] == "cpu":
+        assert out["device_memory"] == 16 * 2**30 and out["memory_source"] == "--host-memory and this machine (localhost)"
+    out = run_cli(capsys, monkeypatch, "--params", "1B")
+    assert out.splitlines()[0].startswith("Memory from this machine (localhost): "), out
+
+
+def test_a_hosts_memory_probe_is_read_as_its_smallest_gpu_and_the_smallest_host():
+    from zerorun.estimate.hosts import HostMemory, from_hosts, parse_probe
+
+    a = parse_probe("a", "MemTotal:       2097152 kB\n81559\n40960\n")
+    assert a == HostMemory(2 * 2**30, 40960 * 2**20, "cuda (nvidia-smi)")
+    b = parse_probe("b", "MemTotal:       1048576 kB\n")  # no nvidia-smi: no GPU
+    assert b.gpu_bytes is None
+    m = from_hosts({"a": a, "b": b}, procs_per_node=2)
+    assert (m.device, m.device_bytes, m.host_bytes) == ("cpu", 2**29, 2**30) and "no GPU on b" in m.source
+    m = from_hosts({"a": a, "c": parse_probe("c", "MemTotal: 4194304 kB\n81559\n")}, procs_per_node=8)
+    assert (m.device, m.device_bytes, m.host_bytes) == ("cuda (nvidia-smi)", 40960 * 2**20, 2 * 2**30)
+    with pytest.raises(ZerorunError, match="d: cannot read its memory"):
+        parse_probe("d", "sh: grep: not found\n")

@@ -367,3 +367,33 @@ def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir, monkeypat
     assert not (tmp_path / "e" / "evil_tok.py").exists() and not tok_pwned.exists()
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "e")).state_dict()
     assert all(torch.equal(reloaded[k], v) for k, v in state.items())
+
+
+def test_hf_job_prints_before_importing_transformers(tmp_path, hf_dir):
+    """Issue 37: an HF recipe's header (here --dry-run's commands) came 8-19 s late, after the launcher had
+    imported torch and transformers to check the config and tokenizer; now those checks run after it (Note [HF
+    checks after the header]): the model check stands in for the one the dry run starts."""
+    recipe = _recipe(tmp_path / "r.yaml", {"hf": {"pretrained": hf_dir["llama"]}},
+                     {"kind": "hf", "path": hf_dir["jsonl"], "tokenizer": hf_dir["tok"]})
+    code = ("import sys\nfrom zerorun import modelcheck\n"
+            "class Check:\n    def wait(self, timeout=0):\n"
+            "        print('imported:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+            "modelcheck.start = lambda *a, **k: Check()\n"
+            f"sys.argv = ['zerorun', 'train', {recipe!r}, '--dry-run']\n"
+            "from zerorun.cli import main\nmain()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("# job ") and lines[-1] == "imported: []", out.stdout
+
+
+@pytest.mark.slow
+def test_hf_config_problem_found_by_the_model_check_is_one_line(tmp_path):
+    """A config only transformers can judge (an unknown model_type) is found by the model check now (beside the
+    launch; after a dry run's commands), not before the header: still one line naming the recipe's field, exit 2."""
+    recipe = _recipe(tmp_path / "r.yaml", {"hf": {"config": {"model_type": "no-such-arch"}}})
+    out = subprocess.run([sys.executable, "-m", "zerorun", "train", recipe, "--dry-run"], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout.startswith("# job "), out.stdout + out.stderr
+    assert out.stderr == f"zerorun: error: {recipe}:1: model.hf.config: unknown model_type 'no-such-arch' for this " \
+                         "transformers version\n", out.stdout + out.stderr

@@ -358,3 +358,22 @@ def test_env_reports_versions_backends_and_which_hosts_answer(sshd, tmp_path):
     assert rows["host localhost (slots=2)"] == f"local (no SSH); GPUs: {gpus}"
     assert rows["host 127.0.0.2 (slots=1)"] == f"reachable over SSH; GPUs: {gpus}"  # asked there, over SSH
     assert rows["host down (slots=1)"].startswith("unreachable: connection refused"), rows
+
+
+def test_estimate_takes_the_memory_of_the_hostfiles_hosts(sshd, tmp_path):
+    """``zerorun estimate -H`` (issue 37 part 6) asks each host its memory over SSH, as ``zerorun env -H``
+    reaches it, and says so on its first line; a host that does not answer is one line naming it (exit 2)."""
+    hosts = hostfile(tmp_path, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n")
+    out = subprocess.run([sys.executable, "-m", "zerorun", "estimate", "--params", "350M", "-H", hosts,
+                          "--ssh-config", sshd.config, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    setup = json.loads(out.stdout)["setup"]
+    total = psutil.virtual_memory().total  # the loopback hosts are this machine: /proc/meminfo's MemTotal
+    assert setup["memory_source"].startswith("the hostfile's hosts (127.0.0.2, 127.0.0.3; the smallest")
+    assert abs(setup["cpu_memory_per_node"] - total) < 2**20 and setup["device_memory"] == setup["cpu_memory_per_node"] // 2
+    bad = hostfile(tmp_path, "127.0.0.2 slots=1\ndown slots=1\n")
+    out = subprocess.run([sys.executable, "-m", "zerorun", "estimate", "--params", "350M", "-H", bad,
+                          "--ssh-config", sshd.config], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith(f"zerorun: error: estimate: -H {bad}: host down: "
+                                                         "unreachable: connection refused"), out.stderr
+    assert out.stderr.count("\n") == 1 and "--host-memory" in out.stderr, out.stderr

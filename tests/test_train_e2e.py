@@ -60,11 +60,17 @@ def test_tiny_recipe_trains_on_two_ranks(tmp_path):
             assert e["tflops"] > 0 and e["host_mem_bytes"] >= e["host_mem_used_bytes"] > 0
             assert e["interval_s"] >= e["step_time_s"] and 0 <= e["comm_wait_s"] <= e["interval_s"]
         assert [e["interval_steps"] for e in steps[rank]] == [1, 4, 5, 5, 5, 5, 5]
+        # issue 37: what the rank does before its first step (Note [Rank phases]), and its CPU use
+        assert [e["phase"] for e in events if e["event"] == "phase" and e["rank"] == rank] == [
+            "importing torch", "joining the process group", "building the model", "loading data", "setting up ZeRO",
+            "first step"]
+        assert all(e["cpu_percent"] >= 0 and 0 <= e["host_cpu_percent"] <= 100 for e in steps[rank])
     assert steps[0][-1]["loss"] < steps[0][0]["loss"] - 1.0  # learned: 5.5 nats -> well below
     assert steps[0][-1]["loss"] == steps[1][-1]["loss"]  # the job-wide mean, identical on every rank
     evals = [e["val_loss"] for e in events if e["event"] == "eval"]
     assert len(evals) == 3 and evals[-1] < evals[0] - 1.0
     assert "validation loss" in out.stdout and survivors(job_id(out.stdout)) == []
+    assert "waiting for ranks: first step (all 2 ranks), " in out.stdout  # the slowest rank's phase, plain
     assert re.search(r"localhost\s+1\s+done\s+30\s", out.stdout)  # the summary table, not a terminal: plain
     [run_dir] = list((tmp_path / "runs").glob("*/*/"))
     shown = zerorun("show", str(run_dir), cwd=ROOT)

@@ -140,9 +140,10 @@ def train(
     from zerorun.recipe import load_recipe
     from zerorun.resume import prepare_resume
 
-    # the optimizer check imports torch: the model check does it beside the launch (zerorun/modelcheck.py)
+    # the optimizer and HF checks import torch: the model check does them beside the launch (zerorun/modelcheck.py,
+    # Note [HF checks after the header] in zerorun/hf/files.py)
     launcher = zlaunch.choose_launcher(launcher, hostfile)
-    r = load_recipe(recipe, overrides or [], check_optimizer=False)
+    r = load_recipe(recipe, overrides or [], check_optimizer=False, check_hf=False)
     said: list[str] = []  # said once the job may start (a job refused by the lock starts nothing: one line)
     if not prepare_resume(r, resume, say=said.append):  # sets checkpoint.resume and .dir (Note [Resume lookup])
         _say(said)
@@ -150,18 +151,23 @@ def train(
     hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher,
                            job_env=r.launch.env)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
-    if dry_run:  # nothing is contacted; the commands run as printed
+    local = any(h.is_local for h in hosts)  # else no model check runs: the launcher does the HF checks itself
+    if dry_run:  # nothing is contacted; the commands run as printed, then the recipe's checks that need torch
         _say(said)
         sys.stdout.write(zlaunch.dry_run(r, hosts, master_port=master_port, master_addr=master_addr,
                                          launcher=launcher))
         sys.stdout.flush()
-        if any(h.is_local for h in hosts):
+        if local:
             from zerorun import modelcheck
 
             problem = modelcheck.start(r, recipe, overrides or [], beside=False).wait()
             if problem:
                 raise ZerorunError(problem)
+        elif r.model.hf is not None or r.data.kind == "hf":
+            load_recipe(recipe, overrides or [], check_optimizer=False)
         return
+    if not local and (r.model.hf is not None or r.data.kind == "hf"):
+        load_recipe(recipe, overrides or [], check_optimizer=False)
     if r.checkpoint.dir:
         try:
             os.makedirs(r.checkpoint.dir, exist_ok=True)
@@ -365,10 +371,13 @@ def estimate(
                                             "default: the recipe's, else fp32."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adam (2 states), sgd (momentum: 1), none, "
                                             "or a torch.optim name; default: the recipe's, else adam."),
-    device_memory: Optional[str] = typer.Option(None, "--device-memory", help="Per rank: 80GiB, 80GB "
-                                                "(default: detected; on CPU host memory / ranks per node)."),
-    cpu_memory: Optional[str] = typer.Option(None, "--cpu-memory", help="Host memory per node (default: "
-                                             "this machine's)."),
+    device_memory: Optional[str] = typer.Option(None, "--gpu-memory", "--device-memory", help="Per rank: 80GiB, "
+                                                "80GB (default: the -H hosts', else this machine's; on CPU host "
+                                                "memory / ranks per node)."),
+    cpu_memory: Optional[str] = typer.Option(None, "--host-memory", "--cpu-memory", help="Host memory per node "
+                                             "(default: the smallest of the -H hosts', else this machine's)."),
+    ssh_user: Optional[str] = _SSH_USER, ssh_port: Optional[int] = _SSH_PORT, ssh_key: Optional[str] = _SSH_KEY,
+    ssh_config: Optional[str] = _SSH_CONFIG,
     bandwidth: str = typer.Option("100Gbps", "--bandwidth", help="Link speed per rank: 100Gbps, 12.5GB/s."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="Samples per micro-batch "
                                               "(default: train.micro_batch_size, else 1)."),
@@ -379,12 +388,13 @@ def estimate(
 ) -> None:
     """Estimate memory per rank and communication per step for ZeRO stages 0-3 before launching."""
     from zerorun import estimate as est
+    from zerorun.launch import ssh_options
 
     result = est.from_arguments(recipe=recipe, overrides=overrides or [], hostfile=hostfile, params=params,
                                 largest_layer=largest_layer, nodes=nodes, procs_per_node=procs_per_node,
                                 precision=precision, optimizer=optimizer, device_memory=device_memory,
                                 cpu_memory=cpu_memory, bandwidth=bandwidth, micro_batch=micro_batch,
-                                offload=offload)
+                                offload=offload, ssh=ssh_options(ssh_user, ssh_port, ssh_key, ssh_config))
     if as_json:
         print(json.dumps(result.to_json(), indent=1))
     else:

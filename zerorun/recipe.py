@@ -247,8 +247,10 @@ class Recipe(_Strict):
 
 
 # --------------------------------------------------------------------------------------------- loading
-def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimizer: bool = True) -> Recipe:
-    """Read, override, validate and resolve the recipe at ``path``.
+def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimizer: bool = True,
+                check_hf: bool = True) -> Recipe:
+    """Read, override, validate and resolve the recipe at ``path``. ``check_optimizer=False``, ``check_hf=False``:
+    without the checks that import torch or ``transformers`` (:func:`resolve`).
 
     Returns:
         A :class:`Recipe` whose module paths are absolute (so it can travel to other nodes as JSON).
@@ -269,7 +271,7 @@ def load_recipe(path: str, overrides: list[str] | None = None, *, check_optimize
         recipe = Recipe.model_validate(data)
     except ValidationError as e:  # every problem, one line each (an unknown field first: it explains a missing one)
         raise ZerorunError("\n".join(validation_problems(e.errors(), path, root, overrides, Recipe))) from None
-    return resolve(recipe, path, root, overrides, check_optimizer=check_optimizer)
+    return resolve(recipe, path, root, overrides, check_optimizer=check_optimizer, check_hf=check_hf)
 
 
 def _check_optimizer(spec: OptimizerSpec, where) -> None:
@@ -292,10 +294,12 @@ def _check_optimizer(spec: OptimizerSpec, where) -> None:
 
 
 def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides: list[str] | None = None, *,
-            check_optimizer: bool = True) -> Recipe:
+            check_optimizer: bool = True, check_hf: bool = True) -> Recipe:
     """Make module paths absolute and check that they and the data exist (see :func:`load_recipe`).
     ``check_optimizer=False`` leaves out the optimizer check, which imports torch (seconds): the launcher's
-    model check does it beside the launch (Note [Model check beside the launch] in zerorun/modelcheck.py)."""
+    model check does it beside the launch (Note [Model check beside the launch] in zerorun/modelcheck.py);
+    ``check_hf=False`` the HF checks that import ``transformers`` (Note [HF checks after the header] in
+    zerorun/hf/files.py)."""
     base = os.path.dirname(os.path.abspath(path))
     cwd = os.getcwd()
 
@@ -332,7 +336,7 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
             hf.pretrained = absolute(hf.pretrained, base_of("model", "hf", "pretrained"))
         if isinstance(hf.config, str):
             hf.config = absolute(hf.config, base_of("model", "hf", "config"))
-        resolve_hf_model(recipe.model, base, where)
+        resolve_hf_model(recipe.model, base, where, deep=check_hf)
     else:
         recipe.model.module = module_file(recipe.model.module, "model", "module")
     if recipe.model.hf is None and "task" in recipe.model.model_fields_set:
@@ -347,7 +351,7 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
         for field in ("path", "tokenizer"):
             if getattr(d, field) is not None:
                 setattr(d, field, absolute(getattr(d, field), base_of("data", field)))
-        resolve_hf_data(d, base, where)
+        resolve_hf_data(d, base, where, deep=check_hf)
     elif d.kind == "text":
         if not d.paths:
             raise ZerorunError(f"{where('data', 'paths')}: kind 'text' needs at least one path pattern")

@@ -32,6 +32,7 @@ def main(argv: list[str]) -> int:
          allocator=allocator.name(), world_size=int(os.environ.get("WORLD_SIZE", 1)),
          local_rank=int(os.environ.get("LOCAL_RANK", 0)),
          **host_memory())  # the launcher and `zerorun show` see the rank start, whatever the script reports
+    emit("phase", rank, phase="running the script")  # Note [Rank phases] in telemetry/phases.py
     code = _run(argv)
     if code == 0:
         emit("finish", int(os.environ.get("RANK", 0)), exit_code=0)

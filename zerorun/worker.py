@@ -74,6 +74,7 @@ def train(recipe: Recipe, rank: int) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    emit("phase", rank, phase="joining the process group")  # Note [Rank phases] in telemetry/phases.py
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo",
@@ -84,6 +85,7 @@ def train(recipe: Recipe, rank: int) -> None:
     emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=torch.__version__, device=str(device),
          allocator=allocator.name(), world_size=world_size, local_rank=local_rank, **host_memory(),
          **cuda_memory(device))
+    emit("phase", rank, phase="building the model")
     t = recipe.train
     torch.manual_seed(t.seed)
     z = recipe.zero
@@ -103,12 +105,14 @@ def train(recipe: Recipe, rank: int) -> None:
             zero.place_on(model, device)
     else:
         model = build_model(*source).to(device)
+    emit("phase", rank, phase="loading data")
     train_set, val_set = build_datasets(recipe.data, progress=lambda message: emit("log", rank, message=message))
     per_step = world_size * t.micro_batch_size
     if len(train_set) < per_step:
         raise UserCodeError(f"data: {len(train_set)} training samples, fewer than one micro-batch on every rank "
                             f"({world_size} ranks x {t.micro_batch_size})")
     opt = t.optimizer.kwargs()
+    emit("phase", rank, phase="setting up ZeRO")
     groups = zero.default_param_groups(model, opt.pop("weight_decay"), t.optimizer.decay_1d)
     try:
         config = zero.ZeroConfig(stage=z.stage, bucket_mb=z.bucket_mb, grad_accum_steps=t.grad_accum_steps,
@@ -146,6 +150,7 @@ def train(recipe: Recipe, rank: int) -> None:
     ckpt = recipe.checkpoint
     start, position = 0, checkpoint.DataPosition()
     if ckpt.resume:  # after everything that draws random numbers: the checkpoint restores the RNG states
+        emit("phase", rank, phase="loading the checkpoint")
         start, position = checkpoint.load(ckpt.resume, engine, scheduler=scheduler,
                                           micro_batch_size=t.micro_batch_size)
         continue_schedule(scheduler)  # this recipe's schedule from the saved step (Note [LR schedule on resume])
@@ -196,6 +201,7 @@ def train(recipe: Recipe, rank: int) -> None:
     interval_steps, interval_s = 0, 0.0  # training steps and their time since the last step event
     steplog = StepLog(rank, world_size, device, clipped=bool(t.grad_clip))
     stop = StopRequest(rank, world_size) if ckpt.dir else None  # Note [Checkpoint on SIGTERM], stopsignal.py
+    emit("phase", rank, phase="first step")
     if t.eval_every and start == 0:
         evaluate(0)
     for step in range(start + 1, t.steps + 1):
@@ -294,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     allocator.configure()  # Note [Returning freed memory]: every runtime, baselines included, before torch allocates
     rank = int(os.environ.get("RANK", 0))
     rankstream.install(rank)  # Note [Rank streams] in telemetry/rankstream.py
+    emit("phase", rank, phase="importing torch")  # Note [Rank phases] in telemetry/phases.py
     threads = os.environ.get("OMP_NUM_THREADS")
     try:
         if threads:

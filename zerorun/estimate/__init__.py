@@ -2,8 +2,9 @@
 
 A package split by concern: ``sizes`` (parsing and formatting), ``policies`` (precision, optimizer), ``layout``
 (the flat buffers counted from), ``states`` (model states), ``activations`` (and the transient working set),
-``communication``, ``report`` (every stage and offload variant, the recommendation), ``rendering`` (the table) and
-``command`` (the CLI entry point). This module re-exports their public names.
+``communication``, ``report`` (every stage and offload variant, the recommendation), ``rendering`` (the table),
+``hosts`` (whose memory: the flags', the hostfile's hosts' or this machine's) and ``command`` (the CLI entry
+point). This module re-exports their public names.
 
 Pure arithmetic over parameter counts (DESIGN.md): the model is built on the meta device (no memory, any
 size) only to count its parameters and lay them out the way the engine will.

@@ -3,49 +3,30 @@
 from __future__ import annotations
 
 from zerorun.errors import ZerorunError
+from zerorun.estimate.hosts import choose, detect_memory  # noqa: F401 - detect_memory: the package's API
 from zerorun.estimate.layout import layout_of_count, layout_of_recipe
 from zerorun.estimate.policies import OFFLOADS, optimizer_model, precision_of
 from zerorun.estimate.report import Estimate, Setup, estimate
 from zerorun.estimate.sizes import parse_bandwidth, parse_bytes, parse_count
 
 
-def detect_memory(procs_per_node: int) -> tuple[int, str, int]:
-    """``(device bytes per rank, device description, host bytes per node)`` of this machine: the first CUDA
-    device's memory, or on a CPU-only machine host memory divided by ``procs_per_node``. torch (seconds to
-    import) is asked only on a machine with a GPU driver's device files (NVIDIA's or AMD's)."""
-    import os
-
-    import psutil
-
-    host = psutil.virtual_memory().total
-    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/proc/driver/nvidia")):
-        return host // procs_per_node, "cpu", host
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return props.total_memory, f"cuda ({props.name}, detected)", host
-    except Exception:  # noqa: BLE001 - no usable CUDA: fall back to host memory
-        pass
-    return host // procs_per_node, "cpu", host
-
-
 def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | None, params: str | None,
                    largest_layer: str | None, nodes: int | None, procs_per_node: int | None, precision: str | None,
                    optimizer: str | None, device_memory: str | None, cpu_memory: str | None, bandwidth: str,
-                   micro_batch: int | None, offload: str | None = None) -> Estimate:
+                   micro_batch: int | None, offload: str | None = None, ssh=None) -> Estimate:
     """The :class:`Estimate` for ``zerorun estimate``'s arguments (strings as typed; see ``zerorun estimate
     --help``): a recipe (with overrides) or ``params``, the hostfile or ``nodes`` x ``procs_per_node``, sizes
     parsed with :func:`parse_count`, :func:`parse_bytes` and :func:`parse_bandwidth`. A recipe gives the
     precision, ``zero.reduce_dtype``, ``zero.offload_optimizer`` (when it sets it; else every variant, as
     without a recipe: ``all``), ``zero.offload_buffer_mb`` and ``zero.grad_accum_dtype`` (Note [Gradient
-    accumulation buffer]); ``precision`` and ``offload`` override them.
+    accumulation buffer]); ``precision`` and ``offload`` override them. The memory per rank and per node:
+    ``device_memory``/``cpu_memory``, else ``hostfile``'s hosts' (asked over SSH with ``ssh``, a
+    ``SshOptions``), else this machine's (Note [Whose memory] in estimate/hosts.py).
 
     Raises:
         ZerorunError: neither or both of ``recipe`` and ``params``; ``largest_layer`` without ``params``, or
             more than it; a bad recipe, hostfile, model module or flag value (the message names the file, field
-            or flag).
+            or flag); a host of ``hostfile`` that does not tell its memory.
     """
     if recipe is None and params is None:
         raise ZerorunError("estimate: give a recipe file or --params")
@@ -95,11 +76,10 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         opt = optimizer_model(r.train.optimizer.name, r.train.optimizer.kwargs(), "train.optimizer.name")
     else:
         opt = optimizer_model("adam")
-    dev, kind, host = detect_memory(ppn)
-    if device_memory:
-        dev, kind = parse_bytes(device_memory, "--device-memory"), "given"
-    if cpu_memory:
-        host = parse_bytes(cpu_memory, "--cpu-memory")
+    memory = choose(hostfile=hostfile, ssh=ssh, procs_per_node=ppn,
+                    device_memory=parse_bytes(device_memory, "--device-memory") if device_memory else None,
+                    host_memory=parse_bytes(cpu_memory, "--cpu-memory") if cpu_memory else None)
+    dev, kind, host = memory.device_bytes, memory.device, memory.host_bytes
     setup = Setup(
         nodes=n_nodes, procs_per_node=ppn, world_size=world, precision=prec, optimizer=opt,
         device_memory=dev, device=kind, cpu_memory=host, bandwidth=parse_bandwidth(bandwidth, "--bandwidth"),
@@ -110,5 +90,5 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         activation_checkpointing=r.train.activation_checkpointing if r else False, offload=offload or "all",
         offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0,
         grad_accum_dtype=r.zero.grad_accum_dtype if r else None,
-        offload_params=bool(r) and r.zero.offload_params == "disk")
+        offload_params=bool(r) and r.zero.offload_params == "disk", memory_source=memory.source)
     return estimate(layout, setup)

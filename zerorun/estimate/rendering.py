@@ -11,7 +11,8 @@ from zerorun.telemetry.format import count
 
 def render(est: Estimate, console=None) -> None:
     """Print ``est`` as rich tables (bytes in binary units, time in seconds) on ``console``, or on standard
-    output at the terminal's width, or in 120 columns (``$COLUMNS`` when set) into a file or pipe."""
+    output at the terminal's width, or in 120 columns (``$COLUMNS`` when set) into a file or pipe. The first
+    line says whose memory the stages are fitted into (Note [Whose memory] in estimate/hosts.py)."""
     from rich.console import Console
     from rich.markup import escape as e
     from rich.text import Text
@@ -21,6 +22,9 @@ def render(est: Estimate, console=None) -> None:
     console = console or Console(width=output_width(sys.stdout, 120))
     s, p = est.setup, est.params
     largest = p["largest_unit"]
+    console.print(f"[bold]Memory[/bold] from {e(str(s['memory_source']))}: device {e(str(s['device']))} "
+                  f"{format_bytes(s['device_memory'])} per rank, host {format_bytes(s['cpu_memory_per_node'])} "
+                  "per node")
     console.print(f"[bold]Model[/bold]: {p['total']:,} parameters ({format_count(p['total'])}): "
                   f"{p['trainable']:,} trainable, {p['frozen']:,} frozen"
                   + (f"; largest unit {e(str(largest['name']))} {largest['params']:,}" if largest else "")
@@ -29,9 +33,8 @@ def render(est: Estimate, console=None) -> None:
     layout = f" x {s['procs_per_node']}" if even else f", up to {s['procs_per_node']} per node"
     console.print(f"[bold]Setup[/bold]: {count(s['world_size'], 'rank')} ({count(s['nodes'], 'node')}{layout}), "
                   f"{e(str(s['precision']))}" + (" (reduce fp32)" if s["reduce_dtype"] != s["precision"] else "")
-                  + f", {e(str(s['optimizer']))} ({s['optimizer_states']} states), device {e(str(s['device']))} "
-                  f"{format_bytes(s['device_memory'])} per rank, host {format_bytes(s['cpu_memory_per_node'])} "
-                  f"per node, {s['bandwidth_bytes_per_s'] * 8 / 1e9:g} Gbit/s per rank")
+                  + f", {e(str(s['optimizer']))} ({s['optimizer_states']} states), "
+                  f"{s['bandwidth_bytes_per_s'] * 8 / 1e9:g} Gbit/s per rank")
     unit, size = ("GiB", 2**30) if max(r.device_total for r in est.rows) >= 2**30 else ("MiB", 2**20)
     from zerorun.telemetry.layout import Column, render_table
 

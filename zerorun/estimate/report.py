@@ -41,6 +41,8 @@ class Setup:
         offload_params: the recipe sets ``zero.offload_params: disk``: a stage-3 row with the parameters
             offloaded (``params``, or ``disk+params`` with the optimizer's disk offload, which is added
             whenever disk is estimated).
+        memory_source: where ``device_memory`` and ``cpu_memory`` came from (Note [Whose memory] in
+            estimate/hosts.py), for people.
     """
 
     nodes: int
@@ -63,6 +65,7 @@ class Setup:
     offload_buffer_mb: float = 64.0
     grad_accum_dtype: str | None = None
     offload_params: bool = False
+    memory_source: str = ""
 
     @property
     def grad_accum_bytes(self) -> int:
@@ -229,6 +232,7 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
             s.precision.name, "optimizer": s.optimizer.name, "optimizer_states": s.optimizer.states,
             "offload": s.offload, "offload_buffer_mb": s.offload_buffer_mb,
             "device": s.device, "device_memory": s.device_memory, "cpu_memory_per_node": s.cpu_memory,
+            "memory_source": s.memory_source,
             "bandwidth_bytes_per_s": s.bandwidth, "micro_batch": s.micro_batch,
             "seq_len": s.seq_len or (layout.shape or {}).get("seq_len"),
             "grad_accum_steps": s.grad_accum_steps, "grad_accum_dtype": s.grad_accum_dtype,

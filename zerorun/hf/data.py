@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from zerorun.errors import ZerorunError
+from zerorun.hf.files import refuse_remote_code, remote_code  # noqa: F401 - used here, and by others from here
 
 VERSION = 1
 BATCH_BYTES = 4 << 20  # text per tokenizer call
@@ -190,35 +191,6 @@ def _strings(column, name: str, field: str) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------- tokenizer
-def remote_code(folder: str) -> str | None:
-    """The file of tokenizer ``folder`` that names tokenizer code of its own (``auto_map`` in
-    ``tokenizer_config.json``, or an ``AutoTokenizer`` entry of ``config.json``'s), or ``None``. zerorun loads
-    tokenizers with ``trust_remote_code=False`` only: transformers would otherwise ask "Do you wish to run the
-    custom code? [y/N]" and, on a "y" from stdin, import the folder's module."""
-    for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                auto_map = json.load(f).get("auto_map")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if auto_map and (key is None or isinstance(auto_map, dict) and key in auto_map):
-            return os.path.join(folder, name)
-    return None
-
-
-def refuse_remote_code(folder: str) -> None:
-    """Raise when tokenizer ``folder`` names code of its own (:func:`remote_code`).
-
-    Raises:
-        ZerorunError: ``data.tokenizer: <file>: auto_map names tokenizer code ...``, one line.
-    """
-    found = remote_code(folder)
-    if found:
-        raise ZerorunError(f"data.tokenizer: {found}: auto_map names tokenizer code of the folder: zerorun never "
-                           "runs a model folder's code (trust_remote_code); use a folder with a tokenizer.json "
-                           "and a standard tokenizer_class, or remove auto_map")
-
-
 class Tokenizer:
     """A fast tokenizer (``tokenizers`` via ``transformers``' ``AutoTokenizer``, local files only) or, without a
     folder, UTF-8 bytes (vocabulary 256, no eos).

@@ -14,8 +14,6 @@ safetensors files (:func:`zerorun.hf.load.load_pretrained_slices`). Anywhere els
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import torch
@@ -23,6 +21,7 @@ import torch.nn as nn
 
 from zerorun.errors import ZerorunError
 from zerorun.hf import offline
+from zerorun.hf.files import read_config, safetensors_files
 
 #: the prefix of the Hugging Face model's parameter names inside :class:`CausalLM` (``hf.model.embed_tokens...``)
 PREFIX = "hf."
@@ -68,19 +67,6 @@ class CausalLM(nn.Module):
         return self.hf(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
 
 
-def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ZerorunError(f"{path}: cannot read {what}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ZerorunError(f"{path}: {what} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ZerorunError(f"{path}: {what} must be a JSON object")
-    return data
-
-
 def load_config(pretrained: str | None = None, config: str | dict | None = None, where: str = "model.hf"):
     """The ``transformers`` config of ``pretrained`` (a local folder with ``config.json``) or ``config`` (a
     path to a ``config.json`` or the mapping itself, with ``model_type``), read offline.
@@ -90,25 +76,7 @@ def load_config(pretrained: str | None = None, config: str | dict | None = None,
             ``model_type``, or values the config class refuses.
     """
     offline()
-    if (pretrained is None) == (config is None):
-        raise ZerorunError(f"{where}: give exactly one of pretrained (a local folder) or config (a config.json "
-                           "path or mapping)")
-    if pretrained is not None:
-        if not os.path.isdir(pretrained):
-            raise ZerorunError(f"{where}.pretrained: not a folder: {pretrained}")
-        path = os.path.join(pretrained, "config.json")
-        if not os.path.isfile(path):
-            raise ZerorunError(f"{where}.pretrained: no config.json in {pretrained}")
-        data, field = _read_json(path, "config.json"), "pretrained"
-    elif isinstance(config, str):
-        if not os.path.isfile(config):
-            raise ZerorunError(f"{where}.config: file not found: {config}")
-        data, field = _read_json(config, "config"), "config"
-    else:
-        data, field = dict(config), "config"
-    model_type = data.get("model_type")
-    if not isinstance(model_type, str):
-        raise ZerorunError(f"{where}.{field}: the config has no model_type (e.g. llama, gpt2)")
+    data, field, model_type = read_config(pretrained, config, where)
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -148,19 +116,6 @@ def check_causal_lm(cfg, where: str = "model.hf") -> None:
     if type(cfg) not in AutoModelForCausalLM._model_mapping:
         raise ZerorunError(f"{where}: model_type {cfg.model_type!r} has no causal-lm model "
                            "(AutoModelForCausalLM)")
-
-
-def safetensors_files(folder: str) -> list[str]:
-    """The ``*.safetensors`` files of ``folder``, sorted.
-
-    Raises:
-        ZerorunError: there is none (``pytorch_model.bin`` is not read: it would need unpickling).
-    """
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    if not files:
-        raise ZerorunError(f"model.hf.pretrained: no *.safetensors files in {folder} (pickled .bin weights are "
-                           "not loaded; save with save_pretrained(safe_serialization=True))")
-    return [os.path.join(folder, f) for f in files]
 
 
 def build_model(*, pretrained: str | None = None, config: str | dict | None = None, task: str = "causal-lm",

@@ -20,13 +20,15 @@ def _path(value: str, base: str) -> str:
     return os.path.abspath(value)
 
 
-def resolve_hf_model(model, base: str, where: Callable[..., str]) -> None:
-    """Make ``model.hf``'s paths absolute and check that its config can be read and has a causal-lm model.
+def resolve_hf_model(model, base: str, where: Callable[..., str], deep: bool = True) -> None:
+    """Make ``model.hf``'s paths absolute and check that its config can be read and has a causal-lm model;
+    ``deep=False``: only what its files say, without ``transformers`` (Note [HF checks after the header] in
+    zerorun/hf/files.py).
 
     Raises:
         ZerorunError: ``<recipe>:<line>: model.hf...: <problem>``.
     """
-    from zerorun.hf.model import check_causal_lm, load_config, safetensors_files
+    from zerorun.hf.files import read_config, safetensors_files
 
     hf = model.hf
     if hf.pretrained is not None:
@@ -35,8 +37,14 @@ def resolve_hf_model(model, base: str, where: Callable[..., str]) -> None:
         hf.config = _path(hf.config, base)
     field = "pretrained" if hf.pretrained is not None else "config"
     try:
-        cfg = load_config(hf.pretrained, hf.config, where="model.hf")
-        check_causal_lm(cfg)
+        cfg = None
+        if deep:
+            from zerorun.hf.model import check_causal_lm, load_config
+
+            cfg = load_config(hf.pretrained, hf.config, where="model.hf")
+            check_causal_lm(cfg)
+        else:
+            read_config(hf.pretrained, hf.config, where="model.hf")
         if hf.pretrained is not None:
             safetensors_files(hf.pretrained)
     except ZerorunError as e:
@@ -53,23 +61,28 @@ def resolve_hf_model(model, base: str, where: Callable[..., str]) -> None:
         raise ZerorunError(f"{where('model', 'factory')}: a model module's factory; model.hf takes none")
 
 
-def resolve_hf_data(data, base: str, where: Callable[..., str]) -> None:
+def resolve_hf_data(data, base: str, where: Callable[..., str], deep: bool = True) -> None:
     """``data.kind: hf``: make ``path`` and ``tokenizer`` absolute, check the source's format and that its
-    records have ``text_field`` (first record or schema only), and that the tokenizer folder exists.
+    records have ``text_field`` (first record or schema only; not with ``deep=False``, Note [HF checks after the
+    header] in zerorun/hf/files.py), and that the tokenizer folder exists and names no code of its own.
 
     Raises:
         ZerorunError: ``<recipe>:<line>: data.<field>: <problem>``.
     """
-    from zerorun.hf.data import columns_of
-
     if data.path is None:
         raise ZerorunError(f"{where('data')}: kind 'hf' needs data.path (a .jsonl/.parquet/.txt file or a "
                            "save_to_disk folder)")
     if data.paths:
         raise ZerorunError(f"{where('data', 'paths')}: kind 'hf' reads data.path; paths are kind 'text''s")
     data.path = _path(data.path, base)
+    if not deep and not os.path.exists(data.path):
+        raise ZerorunError(f"{where('data', 'path')}: not found: {data.path}")
     try:
-        columns = columns_of(data.path)
+        columns = None
+        if deep:
+            from zerorun.hf.data import columns_of  # imports torch
+
+            columns = columns_of(data.path)
     except ZerorunError as e:
         msg = str(e)
         raise ZerorunError(f"{where('data', 'path')}: {msg[len('data.path: '):] if msg.startswith('data.path: ') else msg}") from None
@@ -82,7 +95,7 @@ def resolve_hf_data(data, base: str, where: Callable[..., str]) -> None:
             raise ZerorunError(f"{where('data', 'tokenizer')}: not a folder: {data.tokenizer}")
         if not any(os.path.isfile(os.path.join(data.tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ZerorunError(f"{where('data', 'tokenizer')}: no tokenizer.json in {data.tokenizer}")
-        from zerorun.hf.data import refuse_remote_code
+        from zerorun.hf.files import refuse_remote_code
 
         try:
             refuse_remote_code(data.tokenizer)

@@ -11,6 +11,7 @@ from typing import TextIO
 
 from zerorun.telemetry.events import Event, integer, number
 from zerorun.telemetry.format import count, describe, human_bytes, human_rate  # noqa: F401 - human_*: used by others
+from zerorun.telemetry.phases import slowest
 from zerorun.telemetry.state import JobState
 from zerorun.telemetry.summary import print_summary
 
@@ -67,6 +68,7 @@ class PlainView:
         self._last_print = time.monotonic()  # when the last progress line was printed
         self._allocators: dict[int, tuple[str, str]] = {}  # rank -> (allocator, host), from start events
         self._told: set[int] = set()
+        self._phase: str | None = None  # the slowest rank's phase last printed (Note [Rank phases])
 
     def event(self, e: Event) -> None:
         self.state.update(e)
@@ -97,6 +99,16 @@ class PlainView:
                        + "".join(f", {d[k]}" for k in ("device", "allocator") if d.get(k)) + ")")
         if e.kind == "start" and d.get("allocator"):
             self._other_allocators(e)
+        if e.kind == "phase":
+            self._waiting(e.time)
+
+    def _waiting(self, when: float) -> None:
+        """A line when the slowest rank's phase changes (Note [Rank phases] in telemetry/phases.py): what the
+        job waits for before its first step, once each."""
+        waiting = slowest(self.state.ranks.values())
+        if waiting is not None and waiting.phase not in (self._phase, "starting"):
+            self._phase = waiting.phase
+            self.print(waiting.line(when, self.state.started))
 
     def _other_allocators(self, e: Event) -> None:
         """A line for each rank whose allocator is not rank 0's (Note [Rank allocator]: each node preloads

@@ -20,7 +20,9 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
   event (measuring, the loss all-reduce, writing); written one step late (Note [Deferred loss]); on
   CUDA ``cuda_allocated_bytes``, ``cuda_reserved_bytes``, ``cuda_peak_bytes``, ``cuda_total_bytes``;
   ``loss_scale`` (fp16, else null), ``skipped`` (this step was skipped on an fp16 overflow), ``skipped_steps``;
-  ``comm_wait_s`` is null for the DDP/FSDP2 baselines (not observable).
+  ``comm_wait_s`` is null for the DDP/FSDP2 baselines (not observable); ``cpu_percent`` (this rank's process,
+  100 = one core busy) and ``host_cpu_percent`` (the whole host, all cores: 100 = every core busy) since the
+  previous step event; on CUDA with nvidia-ml-py ``gpu_util_percent`` (``torch.cuda.utilization``).
 - ``progress`` (rank 0, after every step that ends at least ``steplog.PROGRESS_EVERY_S`` after the previous
   progress event, and the last step): ``step``, ``steps`` (total); ``time`` is when the step ended. A few
   dozen bytes, so the launcher's step count, progress bar and ETA move with every step it redraws, not only
@@ -32,6 +34,9 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
   ``signal``, ``path`` (the checkpoint saved, also in a ``checkpoint`` event from rank 0), ``signalled_rank``
   (the lowest rank that got the signal).
 - ``log`` (rank 0): ``message``, a line for people (e.g. where training resumed from).
+- ``phase`` (every rank, before it trains): ``phase``, what the rank starts doing now, one of
+  ``telemetry.phases.PHASES`` (importing torch, joining the process group, building the model, ...): the
+  launcher says what the slowest rank is doing while it waits for the first step (Note [Rank phases]).
 - ``error``: ``type``, ``message``, ``user_error``, and for crashes ``traceback`` (its last lines),
   ``where`` (file:line in function), ``peer_failure``.
 """
@@ -48,7 +53,7 @@ from typing import Any, TextIO
 PREFIX = "@zerorun "
 SCHEMA_VERSION = 1
 KINDS = frozenset({"start", "model_ready", "step", "progress", "eval", "checkpoint", "finish", "error", "log",
-                   "stopped"})
+                   "stopped", "phase"})
 
 _lock = threading.Lock()
 

@@ -81,6 +81,24 @@ def short_bytes(n: float | None) -> str:
     return f"{n:.0f} {unit}" if abs(n) >= 99.95 else f"{n:.1f} {unit}" if abs(n) >= 9.995 else f"{n:.2f} {unit}"
 
 
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], n: int, spread: float = 0.0) -> str:
+    """The last ``n`` of ``values`` as a line of block characters, lowest ``▁`` to highest ``█``, scaled
+    between their minimum and their maximum, or the minimum times ``1 + spread`` when that is more (so that
+    step times within ``spread`` of each other stay low, not spikes); all alike: a flat line of ``▄``; ``""``
+    with no values."""
+    values = [v for v in values[-n:] if v == v] if n > 0 else []  # NaN: left out
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    if high - low <= 1e-12 * max(1.0, abs(high)):
+        return SPARKS[3] * len(values)
+    high = max(high, low + spread * abs(low))
+    return "".join(SPARKS[min(7, int((v - low) / (high - low) * 8))] for v in values)
+
+
 def rank_list(ranks: Iterable[int]) -> str:
     """Ranks as ``0-7, 9, 12-15``: runs of consecutive ranks shortened to their ends."""
     spans: list[list[int]] = []

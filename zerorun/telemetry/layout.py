@@ -6,6 +6,15 @@ column is as wide as its widest cell; when they do not fit, the columns of lowes
 their narrower form (``alt``, e.g. RSS now instead of RSS now / peak) and then are left out, and the host
 column becomes a heading line above each host's rows. When even the columns that are always kept do not fit,
 each row is stacked: its cells as ``label value`` phrases on as many lines as it takes.
+
+Note [Columns chosen once per width]: a live view redrawn every second with new values must not make columns
+appear and disappear (at 80 columns the host memory and model states columns came and went as the status
+grew from ``started`` to ``training straggler`` and RSS from ``-`` to ``338 MiB / 338 MiB``). So a column is
+fitted at the larger of its cells' width and its ``reserve`` (the width its values typically reach), and a
+``chosen`` dict kept by the view remembers, for each terminal width and set of columns, which were kept (in
+which form): later frames at that width show the same ones, and the choice is made again only when they no
+longer fit (a value far wider than its reserve) or the width changes. Columns are drawn at their reserved
+width too, so they do not shift sideways as their values grow.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class Column:
     justify: str = "right"
     priority: int | None = None
     alt: "Column | None" = None
+    reserve: int = 0
 
     def text(self, i: int) -> Text:
         c = self.cells[i]
@@ -59,6 +69,11 @@ class Column:
         return max([*heads, *(self.text(i).cell_len for i in range(len(self.cells)))], default=0)
 
     @property
+    def room(self) -> int:
+        """The width fitted for (Note [Columns chosen once per width]): at least ``reserve``."""
+        return max(self.width, self.reserve)
+
+    @property
     def label(self) -> str:
         return " ".join(self.header.split())
 
@@ -68,20 +83,37 @@ def table_width(columns: Sequence[Column]) -> int:
     return sum(c.width for c in columns) + GAP * max(0, len(columns) - 1)
 
 
-def fit(columns: Sequence[Column], width: int) -> list[Column] | None:
+def room(columns: Sequence[Column]) -> int:
+    """Characters a row of ``columns`` is fitted for, each at least its ``reserve``."""
+    return sum(c.room for c in columns) + GAP * max(0, len(columns) - 1)
+
+
+def fit(columns: Sequence[Column], width: int, chosen: dict | None = None) -> list[Column] | None:
     """The columns that fit in ``width`` characters (Note [Fitting the width]), in their order; ``None`` when
-    even the always-kept ones do not."""
+    even the always-kept ones do not. With ``chosen``, the columns chosen before at this width (Note [Columns
+    chosen once per width]) while they still fit, and the choice made here remembered."""
+    key = (width, tuple(c.header for c in columns))
+    if chosen is not None and key in chosen:
+        kept = chosen[key]
+        cols = [c if c.header in kept else c.alt for c in columns
+                if c.header in kept or (c.alt is not None and c.alt.header in kept)]
+        if table_width(cols) <= width:
+            return cols
     cols = list(columns)
     for victim in sorted((c for c in columns if c.priority is not None), key=lambda c: c.priority):
-        if table_width(cols) <= width:
+        if room(cols) <= width:
             break
         i = cols.index(victim)
         if victim.alt is not None:
             cols[i] = victim.alt
-            if table_width(cols) <= width:
+            if room(cols) <= width:
                 break
         del cols[i]
-    return cols if table_width(cols) <= width else None
+    if table_width(cols) > width:
+        return None
+    if chosen is not None:
+        chosen[key] = frozenset(c.header for c in cols)
+    return cols
 
 
 def _cell(col: Column, text: Text, width: int) -> Text:
@@ -90,22 +122,24 @@ def _cell(col: Column, text: Text, width: int) -> Text:
 
 
 def render_table(columns: Sequence[Column], width: int, *, row_styles: Sequence[str] = (),
-                 groups: Sequence[tuple[str, Sequence[int]]] | None = None, host: Column | None = None) -> Group:
+                 groups: Sequence[tuple[str, Sequence[int]]] | None = None, host: Column | None = None,
+                 chosen: dict | None = None) -> Group:
     """``columns`` (all with one cell per row) as lines that fit ``width``: a bold header, a rule, the rows.
 
     ``host``: a column shown first when it fits (lowest priority of all), else as ``groups`` headings: each
     ``(heading, row indices)`` is a line with the heading followed by those rows. ``row_styles``: a style per
-    row (e.g. the straggler's colour)."""
+    row (e.g. the straggler's colour). ``chosen``: the view's memory of the columns kept at each width (Note
+    [Columns chosen once per width])."""
     n = len(columns[0].cells) if columns else 0
     order = list(range(n))
-    cols = fit([host, *columns], width) if host is not None else None
+    cols = fit([host, *columns], width, chosen) if host is not None else None
     if cols is not None and any(c is host for c in cols):
         groups = None  # the host is a column: no headings
     else:
-        cols = fit(columns, width)
+        cols = fit(columns, width, chosen)
     if cols is None:
         return _stacked(columns, width, row_styles, groups)
-    widths = [c.width for c in cols]
+    widths = [c.room if room(cols) <= width else c.width for c in cols]  # reserved widths: columns stay put
     lines: list[Text] = []
     depth = max(len(c.header.split("\n")) for c in cols)
     for k in range(depth):

@@ -39,6 +39,48 @@ def cuda_memory(device: Any) -> dict[str, int]:
             "cuda_total_bytes": torch.cuda.get_device_properties(device).total_memory}
 
 
+class CpuUse:
+    """CPU use since the previous call (the first call: since this object was made), for step events:
+    ``cpu_percent`` of this process (``psutil.Process.cpu_percent``: 100 = one core busy, more with several
+    threads) and ``host_cpu_percent`` of the whole host (``psutil.cpu_percent``: 100 = every core busy). Two
+    reads of /proc, about 50 us."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self.proc.cpu_percent()  # the first call only starts the interval
+        self._host = psutil.cpu_times()
+
+    def __call__(self) -> dict[str, float]:
+        now = psutil.cpu_times()
+        busy = lambda t: sum(t) - t.idle - getattr(t, "iowait", 0.0)  # noqa: E731 - psutil's own definition
+        total = sum(now) - sum(self._host)
+        host = 100.0 * (busy(now) - busy(self._host)) / total if total > 0 else 0.0
+        self._host = now
+        return {"cpu_percent": round(self.proc.cpu_percent(), 1), "host_cpu_percent": round(max(0.0, host), 1)}
+
+
+class GpuUtilization:
+    """``{"gpu_util_percent": N}``: the percent of the last sample period in which a kernel ran on ``device``
+    (``torch.cuda.utilization``, NVML through the nvidia-ml-py package, or amdsmi on ROCm); ``{}`` on a
+    non-CUDA device, and from the first failure on (no nvidia-ml-py: the dashboard then shows device memory
+    only, and says nothing of utilization)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.working = getattr(device, "type", None) == "cuda"
+
+    def __call__(self) -> dict[str, int]:
+        if not self.working:
+            return {}
+        try:
+            import torch
+
+            return {"gpu_util_percent": int(torch.cuda.utilization(self.device))}
+        except Exception:  # noqa: BLE001 - ModuleNotFoundError (no nvidia-ml-py), an NVML error: not shown
+            self.working = False
+            return {}
+
+
 def flops_per_token(n_params: int, shape: Mapping[str, Any] | None = None, seq_len: float = 0) -> float:
     """Training FLOPs per token (forward and backward) of a model with ``n_params`` trainable parameters.
 

@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.events import Event, from_json, integer, number
@@ -20,6 +20,7 @@ from zerorun.telemetry.logtail import LogTail
 
 STRAGGLER_RATIO = 1.10  # busy time per step this much above the other ranks' median marks the straggler
 MEMORY_ALERT = 0.90  # fraction of host (or device) memory in use above which a rank is marked
+TREND = 64  # losses and step times kept per rank for the dashboard's trends
 
 
 @dataclass
@@ -40,6 +41,14 @@ class RankState:
     tokens_per_s: float | None = None
     tflops: float | None = None
     comm_wait: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    cpu_percent: float | None = None  # this rank's process (100: one core), host_*: the whole host (100: all)
+    host_cpu_percent: float | None = None
+    gpu_util_percent: float | None = None
+    trends: dict[str, list[float]] = field(default_factory=dict)  # loss, step_time_s: the last TREND, oldest first
+    phase: str | None = None  # Note [Rank phases] in telemetry/phases.py; phase_time: when it began (Unix s)
+    phase_time: float | None = None
     rss_bytes: int | None = None
     peak_rss_bytes: int | None = None
     host_mem_bytes: int | None = None
@@ -156,7 +165,9 @@ class JobState:
             r.status = "error" if not d.get("peer_failure") else "stopped"
         elif e.kind == "stopped":  # SIGTERM, checkpoint saved (zerorun/stopsignal.py)
             r.status = "stopped"
-        if e.kind not in ("step", "progress"):
+        elif e.kind == "phase" and isinstance(d.get("phase"), str):  # Note [Rank phases]
+            r.phase, r.phase_time = d["phase"], e.time
+        if e.kind not in ("step", "progress", "phase"):
             self.log.add_event(e)
 
     def add_line(self, node_rank: int, line: str) -> list[str]:
@@ -203,8 +214,12 @@ class JobState:
         self._progress(step, e.time)
         if integer(d, "steps"):
             self.steps = self.steps or integer(d, "steps")
-        for key in ("loss", "step_time_s", "samples_per_s", "tokens_per_s", "tflops"):
+        for key in ("loss", "step_time_s", "samples_per_s", "tokens_per_s", "tflops", "lr", "grad_norm",
+                    "cpu_percent", "host_cpu_percent", "gpu_util_percent"):
             setattr(r, key, number(d, key))
+        for key in ("loss", "step_time_s"):  # the first step's time (allocations, warm-up) is no trend
+            if getattr(r, key) is not None and (key == "loss" or step > 1):
+                r.trends[key] = [*r.trends.get(key, [])[1 - TREND:], getattr(r, key)]
         if r.loss is not None and r.rank == min(self.ranks):
             self.last_loss = r.loss
         self._memory(r, d)
@@ -327,7 +342,8 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
                      hosts=[str(h) for h in hosts or []],
                      rank_hosts={int(r): str(h) for r, h in rank_hosts.items() if str(r).isdigit()},
                      started=started if started is not None else min((e.time for e in events), default=0.0))
-    replay(state, events)
+    for e in events:
+        state.update(e)
     state.end(ended if ended is not None else max((e.time for e in events), default=state.started))
     return state, events
 
@@ -340,12 +356,6 @@ def run_header(run_dir: str) -> dict:
     zero = recipe.get("zero") if isinstance(recipe.get("zero"), dict) else {}
     return {"name": str(recipe.get("name", os.path.basename(os.path.dirname(os.path.abspath(run_dir))))),
             "stage": integer(zero, "stage"), "precision": recipe.get("precision"), "steps": integer(train, "steps")}
-
-
-def replay(state: JobState, events: Iterable[Event]) -> JobState:
-    for e in events:
-        state.update(e)
-    return state
 
 
 def read_json(path: str) -> dict:

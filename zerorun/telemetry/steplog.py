@@ -39,6 +39,9 @@ class StepLog:
         self.telemetry_s = 0.0  # seconds spent measuring and sending since the last queued event
         self._pending: tuple[Any, Any, int, dict[str, Any]] | None = None
         self._last_progress = float("-inf")  # time.monotonic() of the last progress event
+        from zerorun.telemetry.probes import CpuUse, GpuUtilization
+
+        self._cpu, self._gpu = CpuUse(), GpuUtilization(device)
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
@@ -51,7 +54,9 @@ class StepLog:
 
     def log(self, step: int, local_loss: float, fields: dict[str, Any]) -> None:
         """Queue the step event of ``step``: ``local_loss`` (this rank's mean loss, a float) is averaged over
-        all ranks in the background; ``fields`` are the event's other fields. Sends any earlier one first."""
+        all ranks in the background; ``fields`` are the event's other fields, to which this adds the CPU use
+        since the previous event and the GPU's utilization (``probes.CpuUse``, ``probes.GpuUtilization``).
+        Sends any earlier one first."""
         import torch
         import torch.distributed as dist
 
@@ -59,6 +64,7 @@ class StepLog:
         with self.measuring():
             mean = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
             work = dist.all_reduce(mean, async_op=True)
+            fields = {**fields, **self._cpu(), **self._gpu()}  # CPU use since the last event, GPU utilization
         fields = {**fields, "telemetry_s": self.telemetry_s, "time": round(time.time(), 3)}
         self._pending = (work, mean, step, fields)
         self.telemetry_s = 0.0
