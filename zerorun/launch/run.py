@@ -54,7 +54,8 @@ class RunResult:
     """How a job ended: ``status`` ok | failed | interrupted, the ``exit_code`` zerorun exits with (0, 1 a
     failure, 2 bad input found by a rank or the model check, 130/143 interrupted), a one-line ``message`` naming
     the failing rank and host (empty when ok), ``elapsed_s`` (seconds from the nodes' start to the end),
-    ``run_dir`` (the run folder) and ``state`` (the job's :class:`~zerorun.telemetry.state.JobState`)."""
+    ``run_dir`` (the run folder), ``state`` (the job's :class:`~zerorun.telemetry.state.JobState`), the failing
+    ``host`` when known, and ``lost``: that host's node was lost (Note [Lost nodes] in launch/restart.py)."""
 
     status: str
     exit_code: int
@@ -62,6 +63,8 @@ class RunResult:
     message: str = ""
     elapsed_s: float = 0.0
     state: object = None
+    host: str | None = None
+    lost: bool = False
 
     @property
     def ok(self) -> bool:
@@ -356,7 +359,8 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
             message = result.message
         else:
             message = f"job: {result.message} (logs: {run_dir})"
-        return RunResult(result.status, result.exit_code, run_dir, message, result.elapsed_s, state)
+        return RunResult(result.status, result.exit_code, run_dir, message, result.elapsed_s, state, result.host,
+                         result.lost)
     summary = f"done in {result.elapsed_s:.1f} s"
     if state.evals:
         summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"

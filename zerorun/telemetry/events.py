@@ -32,6 +32,10 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
   ``signal``, ``path`` (the checkpoint saved, also in a ``checkpoint`` event from rank 0), ``signalled_rank``
   (the lowest rank that got the signal).
 - ``log`` (rank 0): ``message``, a line for people (e.g. where training resumed from).
+- ``restart`` (the launcher's, as rank 0's; only in metrics.jsonl, between two tries of the job: Note [Job
+  restarts] in launch/restart.py): ``attempt`` (1 for the first restart), ``max_restarts``, ``cause`` (the
+  failure's one line), ``failed_step`` (the last step the failed try reached), ``resume_step`` and
+  ``checkpoint`` (the checkpoint the next try resumes from; 0 and null: step 0).
 - ``error``: ``type``, ``message``, ``user_error``, and for crashes ``traceback`` (its last lines),
   ``where`` (file:line in function), ``peer_failure``.
 """
@@ -48,7 +52,7 @@ from typing import Any, TextIO
 PREFIX = "@zerorun "
 SCHEMA_VERSION = 1
 KINDS = frozenset({"start", "model_ready", "step", "progress", "eval", "checkpoint", "finish", "error", "log",
-                   "stopped"})
+                   "stopped", "restart"})
 
 _lock = threading.Lock()
 
