@@ -209,3 +209,25 @@ def test_bad_restart_options_are_one_line(monkeypatch, capsys, tmp_path, args, e
     hosts.write_text("127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
     code, err = cli(monkeypatch, capsys, "train", TINY, "-H", str(hosts), "--dry-run", *args)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("zerorun: error: ") and error in err, err
+
+
+def test_every_try_shares_the_run_folder_job_id_and_start_and_only_the_first_has_the_model_check(recipe, tmp_path,
+                                                                                                 monkeypatch):
+    """launch/restart.py ``run_training`` around run_job: the job's start (job.json, ``zerorun show``'s times) is
+    the first try's, not the last's."""
+    from zerorun.launch import restart
+
+    calls = []
+
+    def run_job(job, hosts, **kwargs):
+        calls.append(kwargs)
+        result = (failed if len(calls) == 1 else ok)(str(tmp_path / "run"))
+        result.state.started = 100.0 + len(calls) if kwargs["started"] is None else kwargs["started"]
+        return result
+
+    monkeypatch.setattr("zerorun.launch.run.run_job", run_job)
+    recipe.launch.max_restarts = 1
+    result = restart.run_training(recipe, [Host("a", 2)], job_id="abc", run_dir=None, recipe_path="r.yaml")
+    assert result.ok and result.state.started == 101.0
+    assert [(c["run_dir"], c["started"], c["model_check"], c["job_id"]) for c in calls] == [
+        (None, None, True, "abc"), (str(tmp_path / "run"), 101.0, False, "abc")]

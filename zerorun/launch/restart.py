@@ -168,13 +168,18 @@ def leave_out(hosts: list[Host], lost: dict[str, str], min_nodes: int, recipe,
 def run_training(recipe, hosts: list[Host], *, run_dir: str | None = None, model_check: bool = True, **kwargs):
     """:func:`~zerorun.launch.run.run_job` of ``recipe`` (``kwargs`` are run_job's) with the recipe's
     ``launch.max_restarts`` and ``launch.min_nodes`` (:func:`run_with_restarts`): every try writes into the first
-    try's run folder and keeps its job id; the model check runs beside the first try only."""
+    try's run folder and keeps its job id and start time; the model check runs beside the first try only."""
     from zerorun.launch.run import run_job
 
+    started = None  # the first try's start: job.json and `zerorun show` count the job from there
+
     def attempt(now: list[Host], n: int):
-        nonlocal run_dir
-        result = run_job(recipe, now, run_dir=run_dir, model_check=model_check and n == 0, **kwargs)
+        nonlocal run_dir, started
+        result = run_job(recipe, now, run_dir=run_dir, model_check=model_check and n == 0, started=started,
+                         **kwargs)
         run_dir = result.run_dir
+        if started is None and result.state is not None:
+            started = result.state.started
         return result
 
     return run_with_restarts(recipe, hosts, attempt, max_restarts=recipe.launch.max_restarts,

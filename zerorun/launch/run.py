@@ -212,7 +212,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
             view: Callable | None = None, dashboard: bool = True, out=None, job_id: str | None = None,
             master_port: int | None = None, master_addr: str | None = None, ssh=None, ssh_local: bool = False,
             preflight_timeout: float = 15.0, model_check: bool = True, launcher: str = "ssh",
-            run_dir: str | None = None) -> RunResult:
+            run_dir: str | None = None, started: float | None = None) -> RunResult:
     """Run ``job`` (a :class:`~zerorun.recipe.Recipe`, or a :class:`Script` for ``zerorun launch``) on
     ``hosts`` (:func:`select`) and return how it ended.
 
@@ -224,6 +224,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     The run folder is ``run_dir``
     (made if missing; ``zerorun submit`` makes it before the job starts) or a new :func:`new_run_dir`. Inside a
     SLURM allocation the folder is recorded under the job's id for ``zerorun attach`` (launch/slurm_jobs.py).
+    ``started``: when the job started (Unix s; default now), the first try's for a restart (launch/restart.py).
 
     Raises:
         ZerorunError: before anything starts: preflight, a master port in use, the run folder cannot be made.
@@ -269,7 +270,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
                      hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
                      steps=recipe.train.steps if recipe is not None else None,
                      rank_hosts={r: n.host.name for n in plan.nodes
-                                 for r in range(n.first_rank, n.first_rank + n.nproc)})
+                                 for r in range(n.first_rank, n.first_rank + n.nproc)}, started=started)
     shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
     return _supervise(prepared, state, run_dir, recipe, check, shown)
 
