@@ -231,3 +231,25 @@ def test_every_try_shares_the_run_folder_job_id_and_start_and_only_the_first_has
     assert result.ok and result.state.started == 101.0
     assert [(c["run_dir"], c["started"], c["model_check"], c["job_id"]) for c in calls] == [
         (None, None, True, "abc"), (str(tmp_path / "run"), 101.0, False, "abc")]
+
+
+def test_launch_max_restarts_runs_a_failed_script_again(monkeypatch, capsys, tmp_path):
+    """``zerorun launch --max-restarts 1 script.py``: the script's job is run again after a failure, in the same
+    run folder (a script resumes itself, as under torchrun); without the option it is not."""
+    script = tmp_path / "s.py"
+    script.write_text("print('hi')\n")
+    calls = []
+
+    def run_job(job, hosts, **kwargs):
+        calls.append((job.target, kwargs["run_dir"]))
+        return (failed if len(calls) == 1 else ok)(str(tmp_path / "run"))
+
+    monkeypatch.setattr("zerorun.launch.run.run_job", run_job)
+    from zerorun import cli as zcli
+
+    monkeypatch.setattr(sys, "argv", ["zerorun", "launch", "--max-restarts", "1", str(script)])
+    assert zcli.main() is None and calls == [(str(script), None), (str(script), str(tmp_path / "run"))]
+    assert "zerorun: restart 1 of 1 after rank 1 on a: rank process ended (killed by SIGKILL)" in capsys.readouterr().out
+    calls.clear()
+    code, err = cli(monkeypatch, capsys, "launch", str(script))
+    assert code == 1 and len(calls) == 1 and "rank process ended (killed by SIGKILL)" in err

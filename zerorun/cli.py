@@ -282,6 +282,8 @@ def launch(
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
                                       help="Plain one-line progress instead of the live dashboard."),
     launcher: Optional[str] = _LAUNCHER,
+    max_restarts: int = typer.Option(0, "--max-restarts", "--max_restarts", min=0, help="Run the script again "
+                                     "after a failure, up to N times (it resumes itself, as under torchrun)."),
 ) -> None:
     """Run your own SCRIPT on every rank of the hostfile (or one local rank per --nproc-per-node), with the same
     streaming and teardown as `train`; the script may report steps with zerorun.report(). torchrun's habits
@@ -301,9 +303,11 @@ def launch(
         sys.stdout.write(zlaunch.dry_run(job, hosts, master_port=master_port, master_addr=master_addr,
                                          launcher=launcher))
         return
-    result = zlaunch.run_job(job, hosts, dashboard=not no_dashboard, master_port=master_port,
-                             master_addr=master_addr, ssh=zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config),
-                             ssh_local=ssh_local, preflight_timeout=preflight_timeout, launcher=launcher)
+    from zerorun.launch.restart import run_training
+
+    result = run_training(job, hosts, max_restarts=max_restarts, dashboard=not no_dashboard, master_port=master_port,
+                          master_addr=master_addr, ssh=zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config),
+                          ssh_local=ssh_local, preflight_timeout=preflight_timeout, launcher=launcher)
     if not result.ok:
         raise result.error()
 

@@ -11,10 +11,11 @@ to find its own checkpoint; zerorun restarts the job, so that the launcher picks
 rank and a job that lost a node can continue at a smaller world size, the sharded optimizer states and
 parameters resharded on load (Note [Exact resume] in zerorun/checkpoint.py), which torchrun's agent cannot do.
 
-Only failures restart (exit code 1: a crash, a killed rank, a lost node); bad input (exit code 2: the same
-again on every try) and an interruption (Ctrl-C, SIGTERM, exit code 130/143) end the job. The same failure
-(the same cause, after the same step) :data:`SAME_FAILURE_LIMIT` times in a row ends it too, restarts left or
-not: it is the job's, not a machine's. Each restart is a line on stdout and in the run's ``output.log`` and a
+A user's script (``zerorun launch --max-restarts N``) is started again as it is, resuming from checkpoints of
+its own as under torchrun. Only failures restart (exit code 1: a crash, a killed rank, a lost node); bad input
+(exit code 2: the same again on every try) and an interruption (Ctrl-C, SIGTERM, exit code 130/143) end the
+job. The same failure (the same cause, after the same step) :data:`SAME_FAILURE_LIMIT` times in a row ends it
+too, restarts left or not: it is the job's, not a machine's. Each restart is a line on stdout and in the run's ``output.log`` and a
 ``restart`` event in its ``metrics.jsonl`` (one run folder for every try); the job's exit code is its last
 try's.
 
@@ -165,25 +166,29 @@ def leave_out(hosts: list[Host], lost: dict[str, str], min_nodes: int, recipe,
     return left
 
 
-def run_training(recipe, hosts: list[Host], *, run_dir: str | None = None, model_check: bool = True, **kwargs):
-    """:func:`~zerorun.launch.run.run_job` of ``recipe`` (``kwargs`` are run_job's) with the recipe's
-    ``launch.max_restarts`` and ``launch.min_nodes`` (:func:`run_with_restarts`): every try writes into the first
+def run_training(job, hosts: list[Host], *, max_restarts: int | None = None, min_nodes: int | None = None,
+                 run_dir: str | None = None, model_check: bool = True, **kwargs):
+    """:func:`~zerorun.launch.run.run_job` of ``job`` (``kwargs`` are run_job's) with restarts
+    (:func:`run_with_restarts`): a Recipe's ``launch.max_restarts`` and ``launch.min_nodes``, or for a user's
+    script (``zerorun launch``) ``max_restarts`` and ``min_nodes`` as given. Every try writes into the first
     try's run folder and keeps its job id and start time; the model check runs beside the first try only."""
-    from zerorun.launch.run import run_job
+    from zerorun.launch.run import Script, run_job
 
+    recipe = None if isinstance(job, Script) else job
+    if recipe is not None:
+        max_restarts, min_nodes = recipe.launch.max_restarts, recipe.launch.min_nodes
     started = None  # the first try's start: job.json and `zerorun show` count the job from there
 
     def attempt(now: list[Host], n: int):
         nonlocal run_dir, started
-        result = run_job(recipe, now, run_dir=run_dir, model_check=model_check and n == 0, started=started,
+        result = run_job(job, now, run_dir=run_dir, model_check=model_check and n == 0, started=started,
                          **kwargs)
         run_dir = result.run_dir
         if started is None and result.state is not None:
             started = result.state.started
         return result
 
-    return run_with_restarts(recipe, hosts, attempt, max_restarts=recipe.launch.max_restarts,
-                             min_nodes=recipe.launch.min_nodes)
+    return run_with_restarts(recipe, hosts, attempt, max_restarts=max_restarts or 0, min_nodes=min_nodes)
 
 
 def run_with_restarts(recipe, hosts: list[Host], run: Callable, *, max_restarts: int,
