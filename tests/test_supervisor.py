@@ -82,6 +82,7 @@ def test_node_that_ends_without_rank_output_is_named_with_its_last_line():
     result = sup._failure(1)
     assert (result.rank, result.host) == (None, "127.0.0.2")
     assert result.message == "node 1 ended (exit code 2): sh: 2: cd: can't cd to /nowhere"
+    assert not result.lost  # the node's own command failed: not a lost host
 
 
 def test_lost_connection_is_blamed_over_the_peer_failures_it_causes():
@@ -96,6 +97,7 @@ def test_lost_connection_is_blamed_over_the_peer_failures_it_causes():
     result = sup._failure(1)
     assert (result.rank, result.host) == (None, "127.0.0.2")
     assert result.message == "node 1 ended (lost the SSH connection to 127.0.0.2)"
+    assert result.lost  # a restart with launch.min_nodes leaves the host out (Note [Lost nodes])
 
 
 def test_peer_failures_on_one_node_wait_for_the_node_whose_rank_died():
@@ -118,7 +120,7 @@ def test_peer_failures_on_one_node_wait_for_the_node_whose_rank_died():
     threading.Timer(0.5, later).start()
     result = sup._failure(None)
     assert (result.rank, result.host) == (1, "127.0.0.2")
-    assert result.message == "rank process ended (killed by SIGKILL)"
+    assert result.message == "rank process ended (killed by SIGKILL)" and not result.lost
 
 
 class FakeNode:

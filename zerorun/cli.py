@@ -132,11 +132,18 @@ def train(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Write the run into this folder (made if "
                                           "missing) instead of a new <log.dir>/<name>/<time> (zerorun submit's "
                                           "batch script uses it)."),
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", min=0,
+                                               help="Start a failed job again from its latest checkpoint up to N "
+                                               "times (launch.max_restarts)."),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", metavar="[MIN:]N", help="torchrun's: use the first N "
+                                         "hosts; with MIN, a restart continues without lost hosts while MIN remain "
+                                         "(launch.min_nodes)."),
 ) -> None:
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
     import uuid
 
     from zerorun import checkpoint_lock, launch as zlaunch
+    from zerorun.launch.restart import check_min_nodes, restart_options, run_training
     from zerorun.recipe import load_recipe
     from zerorun.resume import prepare_resume
 
@@ -144,12 +151,14 @@ def train(
     # Note [HF checks after the header] in zerorun/hf/files.py)
     launcher = zlaunch.choose_launcher(launcher, hostfile)
     r = load_recipe(recipe, overrides or [], check_optimizer=False, check_hf=False)
+    num_nodes = restart_options(r, max_restarts, nnodes, num_nodes)
     said: list[str] = []  # said once the job may start (a job refused by the lock starts nothing: one line)
     if not prepare_resume(r, resume, say=said.append):  # sets checkpoint.resume and .dir (Note [Resume lookup])
         _say(said)
         return  # the checkpoint is the last step's: done
     hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher,
                            job_env=r.launch.env)
+    check_min_nodes(r, hosts)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     local = any(h.is_local for h in hosts)  # else no model check runs: the launcher does the HF checks itself
     if dry_run:  # nothing is contacted; the commands run as printed, then the recipe's checks that need torch
@@ -176,10 +185,10 @@ def train(
     job_id = uuid.uuid4().hex[:12]
     with checkpoint_lock.held(r.checkpoint.dir, job_id, r.name):  # Note [Checkpoint folder lock]
         _say(said)
-        result = zlaunch.run_job(r, hosts, recipe_path=recipe, overrides=overrides or [],
-                                 dashboard=not no_dashboard, master_port=master_port, master_addr=master_addr,
-                                 ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout, run_dir=run_dir,
-                                 launcher=launcher, job_id=job_id)
+        result = run_training(r, hosts, recipe_path=recipe, overrides=overrides or [],
+                              dashboard=not no_dashboard, master_port=master_port, master_addr=master_addr,
+                              ssh=ssh, ssh_local=ssh_local, preflight_timeout=preflight_timeout, run_dir=run_dir,
+                              launcher=launcher, job_id=job_id)  # Note [Job restarts]
     if not result.ok:
         raise result.error()
 
@@ -304,6 +313,8 @@ def launch(
     no_dashboard: bool = typer.Option(False, "--no-dashboard",
                                       help="Plain one-line progress instead of the live dashboard."),
     launcher: Optional[str] = _LAUNCHER,
+    max_restarts: int = typer.Option(0, "--max-restarts", "--max_restarts", min=0, help="Run the script again "
+                                     "after a failure, up to N times (it resumes itself, as under torchrun)."),
 ) -> None:
     """Run your own SCRIPT on every rank of the hostfile (or one local rank per --nproc-per-node), with the same
     streaming and teardown as `train`; the script may report steps with zerorun.report(). torchrun's habits
@@ -323,9 +334,11 @@ def launch(
         sys.stdout.write(zlaunch.dry_run(job, hosts, master_port=master_port, master_addr=master_addr,
                                          launcher=launcher))
         return
-    result = zlaunch.run_job(job, hosts, dashboard=not no_dashboard, master_port=master_port,
-                             master_addr=master_addr, ssh=zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config),
-                             ssh_local=ssh_local, preflight_timeout=preflight_timeout, launcher=launcher)
+    from zerorun.launch.restart import run_training
+
+    result = run_training(job, hosts, max_restarts=max_restarts, dashboard=not no_dashboard, master_port=master_port,
+                          master_addr=master_addr, ssh=zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config),
+                          ssh_local=ssh_local, preflight_timeout=preflight_timeout, launcher=launcher)
     if not result.ok:
         raise result.error()
 

@@ -190,6 +190,10 @@ class LaunchSpec(_Strict):
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     collective_timeout_s: float = Field(600.0, gt=0)
+    # a failed job is started again from its latest checkpoint up to this many times; a restart continues without
+    # lost hosts while at least min_nodes remain (None: all must); Note [Job restarts] in launch/restart.py
+    max_restarts: int = Field(0, ge=0)
+    min_nodes: Optional[int] = Field(None, gt=0)
 
     _env_value_text = field_validator("env", mode="before")(classmethod(lambda cls, env: env_value_text(env)))
 

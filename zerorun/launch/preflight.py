@@ -61,6 +61,16 @@ print("@zerorun-probe " + json.dumps(out))
 """
 
 
+class PreflightFailed(ZerorunError):
+    """Preflight failed on some hosts: ``problems`` maps each one's name to its cause (one line); the message is
+    a line per host, ``preflight: HOST: cause`` (a restart leaves them out: Note [Lost nodes] in
+    launch/restart.py)."""
+
+    def __init__(self, problems: dict[str, str]) -> None:
+        super().__init__("\n".join(f"preflight: {name}: {why}" for name, why in problems.items()))
+        self.problems = dict(problems)
+
+
 @dataclass
 class HostCheck:
     """What preflight found on one host: the open ``conn`` (None on failure), ``problem`` (one line, or None),
@@ -174,7 +184,7 @@ def preflight(hosts: list[Host], opts: SshOptions, *, python: str, workdir: str,
         One :class:`HostCheck` per host, in order, each with an open connection.
 
     Raises:
-        ZerorunError: one line per failing host, ``HOST: cause``; the connections that did open are closed.
+        PreflightFailed: one line per failing host, ``HOST: cause``; the connections that did open are closed.
     """
     local = local_versions()
     checks = [HostCheck(h) for h in hosts]
@@ -195,5 +205,5 @@ def preflight(hosts: list[Host], opts: SshOptions, *, python: str, workdir: str,
         for c in checks:
             if c.conn is not None:
                 c.conn.close()
-        raise ZerorunError("\n".join(f"preflight: {c.host.name}: {c.problem}" for c in failed))
+        raise PreflightFailed({c.host.name: c.problem for c in failed})
     return checks

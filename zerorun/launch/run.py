@@ -54,7 +54,8 @@ class RunResult:
     """How a job ended: ``status`` ok | failed | interrupted, the ``exit_code`` zerorun exits with (0, 1 a
     failure, 2 bad input found by a rank or the model check, 130/143 interrupted), a one-line ``message`` naming
     the failing rank and host (empty when ok), ``elapsed_s`` (seconds from the nodes' start to the end),
-    ``run_dir`` (the run folder) and ``state`` (the job's :class:`~zerorun.telemetry.state.JobState`)."""
+    ``run_dir`` (the run folder), ``state`` (the job's :class:`~zerorun.telemetry.state.JobState`), the failing
+    ``host`` when known, and ``lost``: that host's node was lost (Note [Lost nodes] in launch/restart.py)."""
 
     status: str
     exit_code: int
@@ -62,6 +63,8 @@ class RunResult:
     message: str = ""
     elapsed_s: float = 0.0
     state: object = None
+    host: str | None = None
+    lost: bool = False
 
     @property
     def ok(self) -> bool:
@@ -224,7 +227,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
             view: Callable | None = None, dashboard: bool = True, out=None, job_id: str | None = None,
             master_port: int | None = None, master_addr: str | None = None, ssh=None, ssh_local: bool = False,
             preflight_timeout: float = 15.0, model_check: bool = True, launcher: str = "ssh",
-            run_dir: str | None = None) -> RunResult:
+            run_dir: str | None = None, started: float | None = None) -> RunResult:
     """Run ``job`` (a :class:`~zerorun.recipe.Recipe`, or a :class:`Script` for ``zerorun launch``) on
     ``hosts`` (:func:`select`) and return how it ended.
 
@@ -236,6 +239,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     The run folder is ``run_dir``
     (made if missing; ``zerorun submit`` makes it before the job starts) or a new :func:`new_run_dir`. Inside a
     SLURM allocation the folder is recorded under the job's id for ``zerorun attach`` (launch/slurm_jobs.py).
+    ``started``: when the job started (Unix s; default now), the first try's for a restart (launch/restart.py).
 
     Raises:
         ZerorunError: before anything starts: preflight, a master port in use, the run folder cannot be made.
@@ -281,7 +285,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
                      hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
                      steps=recipe.train.steps if recipe is not None else None,
                      rank_hosts={r: n.host.name for n in plan.nodes
-                                 for r in range(n.first_rank, n.first_rank + n.nproc)})
+                                 for r in range(n.first_rank, n.first_rank + n.nproc)}, started=started)
     shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
     return _supervise(prepared, state, run_dir, recipe, check, shown)
 
@@ -371,7 +375,8 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
             message = result.message
         else:
             message = f"job: {result.message} (logs: {run_dir})"
-        return RunResult(result.status, result.exit_code, run_dir, message, result.elapsed_s, state)
+        return RunResult(result.status, result.exit_code, run_dir, message, result.elapsed_s, state, result.host,
+                         result.lost)
     summary = f"done in {result.elapsed_s:.1f} s"
     if state.evals:
         summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"

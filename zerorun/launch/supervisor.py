@@ -56,6 +56,8 @@ class JobResult:
     host: str | None = None
     message: str = ""
     elapsed_s: float = 0.0
+    #: the failure is a node lost for a reason of its own (SSH connection lost, watcher or agent killed) on ``host``
+    lost: bool = False
 
 
 class Supervisor:
@@ -300,7 +302,8 @@ class Supervisor:
         elif reason:
             node = self.plan.nodes[reason_node]
             where = "" if node.host.name in reason else f" on {node.host.name}"
-            return JobResult("failed", 1, None, node.host.name, f"node {reason_node}{where} ended ({reason})")
+            return JobResult("failed", 1, None, node.host.name, f"node {reason_node}{where} ended ({reason})",
+                             lost=True)
         elif self._errors and self._quiet_rank() is not None:
             return self._quiet_rank()
         elif self._errors:

@@ -37,6 +37,10 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
 - ``phase`` (every rank, before it trains): ``phase``, what the rank starts doing now, one of
   ``telemetry.phases.PHASES`` (importing torch, joining the process group, building the model, ...): the
   launcher says what the slowest rank is doing while it waits for the first step (Note [Rank phases]).
+- ``restart`` (the launcher's, as rank 0's; only in metrics.jsonl, between two tries of the job: Note [Job
+  restarts] in launch/restart.py): ``attempt`` (1 for the first restart), ``max_restarts``, ``cause`` (the
+  failure's one line), ``failed_step`` (the last step the failed try reached), ``resume_step`` and
+  ``checkpoint`` (the checkpoint the next try resumes from; 0 and null: step 0).
 - ``error``: ``type``, ``message``, ``user_error``, and for crashes ``traceback`` (its last lines),
   ``where`` (file:line in function), ``peer_failure``.
 """
@@ -53,7 +57,7 @@ from typing import Any, TextIO
 PREFIX = "@zerorun "
 SCHEMA_VERSION = 1
 KINDS = frozenset({"start", "model_ready", "step", "progress", "eval", "checkpoint", "finish", "error", "log",
-                   "stopped", "phase"})
+                   "stopped", "phase", "restart"})
 
 _lock = threading.Lock()
 

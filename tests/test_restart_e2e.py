@@ -1,0 +1,129 @@
+"""Automatic restarts end to end (issue 37 parts 2 and 3): ``zerorun train --max-restarts`` with a rank killed
+(SIGKILL, from outside) mid-run, and ``--nnodes 1:2`` on two loopback SSH hosts, one of which goes away (its
+sshd stopped, its rank killed). Fast tests of the restart loop: test_restart.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from sshd import SSHD, LoopbackSshd
+from test_train_e2e import ROOT, TINY, job_id, survivors
+
+pytestmark = pytest.mark.slow
+
+#: 40 steps of 20-50 ms: the kill lands well before the end; a checkpoint every 3 steps
+ARGS = ["train.steps=40", "checkpoint.every=3", "checkpoint.keep=40", "log.every=1", "train.eval_every=0",
+        "--no-dashboard", 'launch.env={OMP_NUM_THREADS: "1"}']
+
+
+def start(tmp_path, name: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "zerorun", "train", TINY, *ARGS,
+                             f"checkpoint.dir={tmp_path / name / 'ck'}", f"log.dir={tmp_path / name / 'runs'}", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def rank_pid(job: str, rank: int, proc: subprocess.Popen) -> int:
+    """The PID of ``rank``'s worker process of ``job``, once it runs."""
+    while proc.poll() is None:
+        for p in psutil.process_iter():
+            try:
+                env = p.environ()
+                if env.get("ZERORUN_JOB_ID") == job and env.get("RANK") == str(rank) and \
+                        "zerorun.worker" in p.cmdline():
+                    return p.pid
+            except (psutil.Error, OSError):
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"the job ended before rank {rank} started: {proc.stderr.read()}")
+
+
+def kill_after_first_checkpoint(tmp_path, name: str, proc: subprocess.Popen, rank: int, before_kill=None):
+    """Kill ``rank`` (SIGKILL) of the job ``proc`` as soon as its first checkpoint (step 3) is complete; returns
+    the job id."""
+    job = job_id(proc.stdout.readline())
+    pid = rank_pid(job, rank, proc)
+    marker = tmp_path / name / "ck" / "step-00000003" / "COMPLETE"
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.01)
+    if before_kill is not None:
+        before_kill()
+    os.kill(pid, 9)
+    return job
+
+
+def losses(tmp_path, name: str) -> tuple[dict[int, float], list[dict]]:
+    """Rank 0's step losses of the run ``name`` after its last restart (by step), and its restart events."""
+    [metrics] = list((tmp_path / name / "runs").glob("*/*/metrics.jsonl"))
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    restarts = [i for i, e in enumerate(events) if e["event"] == "restart"]
+    last = events[restarts[-1] + 1:] if restarts else events
+    return ({e["step"]: e["loss"] for e in last if e["event"] == "step" and e["rank"] == 0},
+            [events[i] for i in restarts])
+
+
+def test_rank_killed_mid_run_restarts_from_the_checkpoint_with_the_same_losses(tmp_path):
+    """Issue 37 part 2: SIGKILL of rank 1 after the first checkpoint: the job restarts once, resumes from its
+    latest complete checkpoint, exits 0, and every loss from the checkpoint on is bit-identical to an
+    uninterrupted run's."""
+    plain = start(tmp_path, "plain")
+    proc = start(tmp_path, "killed", "--max-restarts", "1")
+    job = kill_after_first_checkpoint(tmp_path, "killed", proc, rank=1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert plain.wait(timeout=300) == 0, plain.stderr.read()
+    resumed, [restart] = losses(tmp_path, "killed")
+    expected, none = losses(tmp_path, "plain")
+    start_step = restart["resume_step"]
+    assert none == [] and start_step == 3  # the latest complete checkpoint (step 6's needs rank 1)
+    assert restart["checkpoint"] == str(tmp_path / "killed" / "ck" / f"step-{start_step:08d}")
+    assert restart["cause"] == "rank 1 on localhost: rank process ended (killed by SIGKILL)", restart
+    assert (f"zerorun: restart 1 of 1 after rank 1 on localhost: rank process ended (killed by SIGKILL) (reached "
+            f"step {restart['failed_step']}); resuming from checkpoint {restart['checkpoint']} (after step "
+            f"{start_step})\n") in out
+    assert sorted(resumed) == list(range(start_step + 1, 41))
+    assert resumed == {s: expected[s] for s in resumed}  # bit for bit (JSON floats round-trip exactly)
+    assert survivors(job) == []
+
+
+@pytest.mark.ssh
+@pytest.mark.skipif(not os.path.exists(SSHD), reason="openssh-server is not installed (.ci/run installs it)")
+def test_lost_ssh_host_the_job_continues_on_the_other_resharded(tmp_path):
+    """Issue 37 part 3: two hosts, each with its own sshd; after the first checkpoint host 127.0.0.3's sshd is
+    stopped and its rank killed: the restart's preflight cannot reach it, so the job continues on 127.0.0.2 alone
+    (world size 2 -> 1, the checkpoint resharded), with 2 accumulation steps for the same global batch; its
+    losses equal those of a run resumed by hand from that checkpoint at world size 1 with the same global
+    batch."""
+    servers = [LoopbackSshd(str(tmp_path / f"sshd-{a}"), [a]) for a in ("127.0.0.2", "127.0.0.3")]
+    try:
+        config = tmp_path / "ssh_config"
+        config.write_text("".join(open(s.config).read() for s in servers))
+        hosts = tmp_path / "hosts"
+        hosts.write_text("127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
+        proc = start(tmp_path, "elastic", "-H", str(hosts), "--ssh-config", str(config), "--max-restarts", "1",
+                     "--nnodes", "1:2")
+        job = kill_after_first_checkpoint(tmp_path, "elastic", proc, rank=1, before_kill=servers[1].stop)
+        # the latest complete checkpoint is step 3's (step 6's needs rank 1): resumed by hand meanwhile
+        by_hand = start(tmp_path, "hand", "launch.procs_per_node=1", "train.grad_accum_steps=2", "--resume",
+                        str(tmp_path / "elastic" / "ck" / "step-00000003"))
+        out, err = proc.communicate(timeout=300)
+    finally:
+        for s in servers:
+            s.stop()
+    assert proc.returncode == 0, out + err
+    assert "zerorun: leaving out 127.0.0.3 (unreachable: connection refused (127.0.0.3:" in out, out
+    assert ("): continuing on 1 of 2 hosts; train.grad_accum_steps 1 -> 2 keeps the global batch at 8 samples\n"
+            in out), out
+    resumed, [restart] = losses(tmp_path, "elastic")
+    assert restart["resume_step"] == 3 and sorted(resumed) == list(range(4, 41)), (restart, resumed)
+    assert by_hand.wait(timeout=300) == 0, by_hand.stderr.read()
+    expected, _ = losses(tmp_path, "hand")
+    assert sorted(expected) == sorted(resumed) and resumed == expected
+    assert survivors(job) == []

@@ -1,0 +1,264 @@
+"""Restarting a failed training job: ``launch.max_restarts`` (``--max-restarts N``) and ``launch.min_nodes``
+(``--nnodes K:N``).
+
+Note [Job restarts]: when a rank, a torchrun agent or a node fails, the supervisor stops the whole job as ever
+(Note [Teardown] in launch/supervisor.py); with restarts left, :func:`run_with_restarts` then starts the whole
+job again (a fresh torchrun agent on every node, through :func:`~zerorun.launch.run.run_job`), resumed from
+the latest complete checkpoint in ``checkpoint.dir`` (Note [Resume lookup] in zerorun/resume.py), or from step
+0 when there is none yet (or the recipe saves none). torchrun's own ``--max-restarts`` stays 0: its elastic
+agent restarts the ranks of its node only, at the world size it rendezvoused with, and each rank would have
+to find its own checkpoint; zerorun restarts the job, so that the launcher picks one checkpoint for every
+rank and a job that lost a node can continue at a smaller world size, the sharded optimizer states and
+parameters resharded on load (Note [Exact resume] in zerorun/checkpoint.py), which torchrun's agent cannot do.
+
+A user's script (``zerorun launch --max-restarts N``) is started again as it is, resuming from checkpoints of
+its own as under torchrun. Only failures restart (exit code 1: a crash, a killed rank, a lost node); bad input
+(exit code 2: the same again on every try) and an interruption (Ctrl-C, SIGTERM, exit code 130/143) end the
+job. The same failure (the same cause, after the same step) :data:`SAME_FAILURE_LIMIT` times in a row ends it
+too, restarts left or not: it is the job's, not a machine's. Each restart is a line on stdout and in the run's ``output.log`` and a
+``restart`` event in its ``metrics.jsonl`` (one run folder for every try); the job's exit code is its last
+try's.
+
+Note [Lost nodes]: with ``launch.min_nodes: K``, a restart leaves out the hosts that were lost: a node that
+ended for a reason of its own (its SSH connection lost, its watcher or torchrun agent killed: the supervisor's
+``lost``) and the hosts that fail preflight on the restart (SSH down, launch/preflight.py), and continues on
+the others if at least K remain. The global batch (ranks x ``train.micro_batch_size`` x
+``train.grad_accum_steps``) is kept with more accumulation steps on fewer ranks where it divides; where it does
+not, the nearest accumulation is taken and a line says how the global batch changes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from zerorun.errors import ZerorunError
+from zerorun.hostfile import Host
+from zerorun.telemetry.events import PREFIX, format_event
+
+#: the same failure after the same step this many times in a row ends the job, restarts left or not
+SAME_FAILURE_LIMIT = 3
+
+
+def parse_nnodes(text: str) -> tuple[int | None, int]:
+    """torchrun's ``--nnodes``: ``N`` or ``MIN:MAX`` as ``(min_nodes or None, nodes)``.
+
+    Raises:
+        ZerorunError: not a count, or ``MIN`` above ``MAX``.
+    """
+    low, sep, high = text.partition(":")
+    try:
+        nodes, least = int(high if sep else low), int(low) if sep else None
+    except ValueError:
+        raise ZerorunError(f"--nnodes {text}: expected N or MIN:MAX, node counts (e.g. 2 or 1:2)") from None
+    if nodes < 1 or (least is not None and not 1 <= least <= nodes):
+        raise ZerorunError(f"--nnodes {text}: expected 1 <= MIN <= MAX (node counts)")
+    return least, nodes
+
+
+def restart_options(recipe, max_restarts: int | None, nnodes: str | None, num_nodes: int | None) -> int | None:
+    """``--max-restarts`` and ``--nnodes [MIN:]N`` into ``recipe.launch``; returns the number of hosts to use
+    (``--nnodes``'s N, else ``num_nodes``, ``--num-nodes``).
+
+    Raises:
+        ZerorunError: a bad ``--nnodes``, or one that contradicts ``--num-nodes``.
+    """
+    if max_restarts is not None:
+        recipe.launch.max_restarts = max_restarts
+    if nnodes is None:
+        return num_nodes
+    least, nodes = parse_nnodes(nnodes)
+    if num_nodes is not None and num_nodes != nodes:
+        raise ZerorunError(f"--nnodes {nnodes} and --num-nodes {num_nodes}: give one node count")
+    if least is not None:
+        recipe.launch.min_nodes = least
+    return nodes
+
+
+def check_min_nodes(recipe, hosts: list[Host]) -> None:
+    """Raises ZerorunError: ``launch.min_nodes`` above the job's number of hosts."""
+    least = recipe.launch.min_nodes
+    if least is not None and least > len(hosts):
+        raise ZerorunError(f"launch.min_nodes {least}: more than the job's {len(hosts)} host"
+                           f"{'s' * (len(hosts) != 1)}")
+
+
+def world_size(hosts: list[Host]) -> int:
+    return sum(h.slots for h in hosts)
+
+
+def keep_global_batch(train, old_world: int, new_world: int) -> str | None:
+    """Set ``train.grad_accum_steps`` so that the global batch of ``old_world`` ranks is kept on ``new_world``
+    ranks (Note [Lost nodes]); returns a line saying what changed, or None when nothing did."""
+    old_accum = train.grad_accum_steps
+    total = old_accum * old_world
+    accum = total // new_world if total % new_world == 0 else max(1, round(total / new_world))
+    train.grad_accum_steps = accum
+    micro = train.micro_batch_size
+    if accum * new_world == total:
+        return None if accum == old_accum else (
+            f"train.grad_accum_steps {old_accum} -> {accum} keeps the global batch at {total * micro} samples")
+    return (f"the global batch of {total * micro} samples ({old_world} ranks x {old_accum} accumulation steps) "
+            f"does not divide over {new_world} ranks: train.grad_accum_steps {old_accum} -> {accum}, global batch "
+            f"{accum * new_world * micro} samples (the loss curve changes)")
+
+
+def _step_reached(result) -> int:
+    """The last step the failed try reached (rank 0's progress, else any rank's step events), 0 for none."""
+    state = result.state
+    if state is None:
+        return 0
+    if state.progress is not None:
+        return state.progress[0]
+    return max((r.step or 0 for r in state.ranks.values()), default=0)
+
+
+def resume_point(recipe, say: Callable[[str], None]) -> tuple[int, str | None] | None:
+    """Point ``recipe`` at the latest complete checkpoint (Note [Job restarts]): ``(step, path)``, ``(0,
+    None)`` to start from step 0, or None when that checkpoint is the last step's (the job is done)."""
+    ckpt = recipe.checkpoint
+    if not ckpt.dir or recipe.runtime != "zero":
+        ckpt.resume = None
+        return 0, None
+    from zerorun.resume import LATEST, prepare_resume
+
+    said: list[str] = []  # "no checkpoint yet" is said by the restart's line; the schedule is the same
+    if not prepare_resume(recipe, LATEST, say=said.append):
+        say(said[-1])  # saved after the last step: the job is done
+        return None
+    if ckpt.resume is None:
+        return 0, None
+    from zerorun import checkpoint_files
+
+    return int(checkpoint_files.check(ckpt.resume)["step"]), ckpt.resume
+
+
+def _log(run_dir: str, text: str) -> None:
+    """Append the launcher's ``text`` to ``run_dir/output.log`` (as ``[launcher] ...`` lines)."""
+    try:
+        with open(os.path.join(run_dir, "output.log"), "a", encoding="utf-8") as f:
+            f.write("".join(f"[launcher] {line}\n" for line in text.splitlines()))
+    except OSError:
+        pass  # the line is on stdout; the folder's problem shows in the next try's header
+
+
+def record(run_dir: str, **data) -> None:
+    """Append a ``restart`` event (the launcher's, as rank 0's) to ``run_dir/metrics.jsonl``."""
+    line = format_event("restart", 0, **data)[len(PREFIX):]
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+def leave_out(hosts: list[Host], lost: dict[str, str], min_nodes: int, recipe,
+              say: Callable[[str], None]) -> list[Host] | None:
+    """``hosts`` without the ``lost`` ones (name -> why), the global batch kept (Note [Lost nodes]); None (and a
+    line) when fewer than ``min_nodes`` hosts remain."""
+    left = [h for h in hosts if h.name not in lost]
+    why = "; ".join(f"{name} ({reason})" for name, reason in lost.items())
+    if len(left) < min_nodes:
+        say(f"zerorun: lost {why}: {len(left)} host{'s' * (len(left) != 1)} left, fewer than launch.min_nodes "
+            f"{min_nodes}: not restarting")
+        return None
+    line = f"zerorun: leaving out {why}: continuing on {len(left)} of {len(hosts)} hosts"
+    change = keep_global_batch(recipe.train, world_size(hosts), world_size(left)) if recipe is not None else None
+    say(line + (f"; {change}" if change else ""))
+    return left
+
+
+def run_training(job, hosts: list[Host], *, max_restarts: int | None = None, min_nodes: int | None = None,
+                 run_dir: str | None = None, model_check: bool = True, **kwargs):
+    """:func:`~zerorun.launch.run.run_job` of ``job`` (``kwargs`` are run_job's) with restarts
+    (:func:`run_with_restarts`): a Recipe's ``launch.max_restarts`` and ``launch.min_nodes``, or for a user's
+    script (``zerorun launch``) ``max_restarts`` and ``min_nodes`` as given. Every try writes into the first
+    try's run folder and keeps its job id and start time; the model check runs beside the first try only."""
+    from zerorun.launch.run import Script, run_job
+
+    recipe = None if isinstance(job, Script) else job
+    if recipe is not None:
+        max_restarts, min_nodes = recipe.launch.max_restarts, recipe.launch.min_nodes
+    started = None  # the first try's start: job.json and `zerorun show` count the job from there
+
+    def attempt(now: list[Host], n: int):
+        nonlocal run_dir, started
+        result = run_job(job, now, run_dir=run_dir, model_check=model_check and n == 0, started=started,
+                         **kwargs)
+        run_dir = result.run_dir
+        if started is None and result.state is not None:
+            started = result.state.started
+        return result
+
+    return run_with_restarts(recipe, hosts, attempt, max_restarts=max_restarts or 0, min_nodes=min_nodes)
+
+
+def run_with_restarts(recipe, hosts: list[Host], run: Callable, *, max_restarts: int,
+                      min_nodes: int | None = None, say: Callable[[str], None] | None = None):
+    """Run the job, restarting it on failure up to ``max_restarts`` times (Note [Job restarts]).
+
+    Args:
+        recipe: the resolved Recipe (its ``checkpoint.resume`` and ``train.grad_accum_steps`` are set for each
+            restart), or None for a user's script (restarted as it is: it resumes itself).
+        run: ``run(hosts, attempt)`` runs try ``attempt`` (0 first) on ``hosts`` and returns its ``RunResult``
+            (launch/run.py: the restart is recorded in its ``run_dir``); it raises ZerorunError before anything
+            starts (preflight: a ``PreflightFailed`` on a restart leaves those hosts out with ``min_nodes``).
+        min_nodes: Note [Lost nodes]; None: every host must be there.
+    Returns:
+        The last try's ``RunResult``.
+    Raises:
+        ZerorunError: the first try's preflight.
+    """
+    from zerorun.launch.preflight import PreflightFailed
+
+    shown = say or (lambda line: print(line, flush=True))
+    attempt, failures, lost, result = 0, [], {}, None
+
+    def say(line: str) -> None:  # on stdout (or ``say``) and in the run's output.log
+        shown(line)
+        if result is not None:
+            _log(result.run_dir, line)
+
+    while True:
+        if lost:
+            hosts, lost = leave_out(hosts, lost, min_nodes, recipe, say), {}
+            if hosts is None:
+                return result
+        try:
+            result = run(hosts, attempt)
+        except PreflightFailed as e:
+            if result is None:
+                raise  # the first try: the hosts as given must answer
+            if min_nodes is None:  # the job's failure stays its result; the restart's cause is said
+                say(f"zerorun: restart {attempt} cannot start:\n{e}")
+                return result
+            lost = e.problems
+            continue
+        if result.ok or result.status != "failed" or result.exit_code != 1:
+            return result
+        step = _step_reached(result)
+        cause = result.message.removesuffix(f" (logs: {result.run_dir})")
+        failures.append((cause, step))
+        if attempt >= max_restarts:
+            if max_restarts:
+                say(f"zerorun: no restarts left (launch.max_restarts {max_restarts})")
+            return result
+        if len(failures) >= SAME_FAILURE_LIMIT and len(set(failures[-SAME_FAILURE_LIMIT:])) == 1:
+            say(f"zerorun: the same failure after step {step} {SAME_FAILURE_LIMIT} times in a row: not restarting")
+            return result
+        if result.lost and result.host and min_nodes is not None:
+            lost = {result.host: "its node was lost"}
+        attempt += 1
+        point = resume_point(recipe, say) if recipe is not None else (0, None)
+        if point is None:  # the last step's checkpoint was saved before the failure: the job is done
+            return type(result)("ok", 0, result.run_dir, "", result.elapsed_s, result.state)
+        _announce(result.run_dir, say, attempt, max_restarts, cause, step, point)
+
+
+def _announce(run_dir, say, attempt, max_restarts, cause, step, point) -> None:
+    resume_step, path = point
+    where = f"checkpoint {path} (after step {resume_step})" if path else "step 0 (no checkpoint yet)"
+    say(f"zerorun: restart {attempt} of {max_restarts} after {cause} (reached step {step}); resuming from {where}")
+    try:
+        record(run_dir, attempt=attempt, max_restarts=max_restarts, cause=cause, failed_step=step,
+               resume_step=resume_step, checkpoint=path)
+    except OSError as e:
+        sys.stderr.write(f"zerorun: warning: cannot record the restart in {run_dir}: {e.strerror}\n")
