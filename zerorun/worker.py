@@ -76,7 +76,8 @@ def train(recipe: Recipe, rank: int) -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo",
+    # on CUDA the communicators are made here, for this rank's device, not lazily at the first collective
+    dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}),
                             timeout=datetime.timedelta(seconds=recipe.launch.collective_timeout_s))
     world_size = dist.get_world_size()
     from zerorun.zero import allocator
@@ -120,7 +121,8 @@ def train(recipe: Recipe, rank: int) -> None:
                                  loss_scale=zero.LossScaleConfig(**recipe.loss_scale.model_dump()),
                                  offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
                                  offload_path=z.offload_path,
-                                 offload_buffer_mb=z.offload_buffer_mb, grad_accum_dtype=z.grad_accum_dtype)
+                                 offload_buffer_mb=z.offload_buffer_mb, grad_accum_dtype=z.grad_accum_dtype,
+                                 broadcast_buffers=z.broadcast_buffers)
         if recipe.runtime == "zero":
             engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
                                      config=config, elementwise=t.optimizer.elementwise)
@@ -200,14 +202,14 @@ def train(recipe: Recipe, rank: int) -> None:
         evaluate(0)
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
-        loss_sum, tokens = 0.0, 0
+        tokens = 0
         for _ in range(t.grad_accum_steps):
             batch = to_device(next(it))
             tokens += tokens_in(batch)
             loss = extract_loss(engine(batch), source[0])
             engine.backward(loss)
-            loss_sum += loss.item()
-        grad_norm = engine.step()
+            steplog.add_loss(loss)  # summed on the device, read at log steps (Note [Values read at log steps])
+        grad_norm = engine.step()  # a 0-dim tensor or a float; read with the loss at log steps only
         lr = engine.optimizer.param_groups[0]["lr"]
         if not engine.last_step_skipped:  # fp16: a skipped step (overflow) does not advance the schedule
             scheduler.step()
@@ -234,7 +236,7 @@ def train(recipe: Recipe, rank: int) -> None:
                     interval_s=interval_s, tflops=tflops, job_tflops=world_size * tflops,
                     **host_memory(), **cuda_memory(device))
                 fields["peak_rss_bytes"] = max(fields["peak_rss_bytes"], fields["rss_bytes"])  # Note [Peak RSS]
-            steplog.log(step, loss_sum / t.grad_accum_steps, fields)
+            steplog.log(step, None, fields)  # the loss: the mean since the last step event
             comm_prev = comm
             interval_steps, interval_s = 0, 0.0
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):

@@ -10,7 +10,8 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
 - ``model_ready``: ``params`` (all parameters), ``trainable`` (Ψ managed by the engine), ``stage``,
   ``model_state_bytes`` (``{"params", "grads", "optimizer"}`` bytes this rank holds), ``units`` (stage 3).
 - ``step`` (every ``log.every`` steps, and the first and last): ``step``, ``steps`` (total), ``loss`` (the
-  job-wide mean), ``lr``, ``grad_norm`` (global, before clipping), ``step_time_s`` (this step on this rank),
+  job-wide mean over the micro-steps since the previous step event: Note [Values read at log steps] in
+  ``steplog.py``), ``lr``, ``grad_norm`` (global, before clipping, of this step), ``step_time_s`` (this step on this rank),
   ``samples_per_s``, ``tokens_per_s`` (this rank, this step), ``job_samples_per_s``, ``job_tokens_per_s``
   (world size x this rank's), ``tflops``, ``job_tflops`` (achieved model TFLOP/s, see
   ``probes.flops_per_token``), ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``,
