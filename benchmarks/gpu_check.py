@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", help="path prefix of the .json and .md (default benchmarks/results/gpu_check_<device>)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="seconds for the whole check (each run gets its share)")
+    p.add_argument("--budget-s", type=float, default=450.0,
+                   help="seconds for the whole check (each run gets its share)")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -148,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     import torch
 
-    summary = {"command": command.strip(), "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-               "torch": torch.__version__, "nccl": nccl_version() if args.device == "cuda" else None, "elapsed_s": round(time.time() - t0, 1), "args": vars(args),
-               "runs": runs}
+    cuda = args.device == "cuda"
+    summary = {"command": command.strip(), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+               "torch": torch.__version__, "nccl": nccl_version() if cuda else None,
+               "elapsed_s": round(time.time() - t0, 1), "args": vars(args), "runs": runs}
     lines = [f"# gpu_check: {summary['device']}, torch {summary['torch']}", "", f"`{summary['command']}` "
              f"({summary['elapsed_s']} s). Parity: largest relative difference to DDP; peak: max_memory_allocated; "
              "paper states: ZeRO's model states per rank; syncs: set_sync_debug_mode warnings per steady "

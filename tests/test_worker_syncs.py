@@ -32,7 +32,7 @@ def _one_rank(monkeypatch) -> None:
 def test_losses_and_norms_are_read_at_log_steps_only(monkeypatch, capfd, tmp_path):
     """7 steps of 2 micro-steps, a step event at steps 1, 3, 6 and 7: the worker and its step log read 4
     values in all (one per event: the loss and grad norm, read together), not one per micro-step; each
-    event's loss is the mean over the micro-steps since the previous one."""
+    event's loss is the mean over the micro-steps since the previous one, its step time the mean step time."""
     _one_rank(monkeypatch)
     recipe = load_recipe(TINY, ["train.steps=7", "log.every=3", "train.grad_accum_steps=2", "train.eval_every=0",
                                 "zero.stage=1", f"log.dir={tmp_path}"])
@@ -58,6 +58,9 @@ def test_losses_and_norms_are_read_at_log_steps_only(monkeypatch, capfd, tmp_pat
     for e, (lo, hi) in zip(steps, [(0, 1), (1, 3), (3, 6), (6, 7)]):
         assert e["loss"] == pytest.approx(sum(per_step[lo:hi]) / (hi - lo), rel=1e-6), (e, per_step)
         assert e["interval_steps"] == hi - lo and e["grad_norm"] > 0
+        # a step's own host time means nothing on a GPU without a read per step: the interval's mean
+        assert e["step_time_s"] == pytest.approx(e["interval_s"] / e["interval_steps"], rel=1e-9), e
+        assert e["samples_per_s"] == pytest.approx(8 / e["step_time_s"], rel=1e-9), e
 
 
 def test_init_process_group_gets_the_rank_device_on_cuda(monkeypatch, tmp_path):

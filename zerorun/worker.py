@@ -213,14 +213,18 @@ def train(recipe: Recipe, rank: int) -> None:
         lr = engine.optimizer.param_groups[0]["lr"]
         if not engine.last_step_skipped:  # fp16: a skipped step (overflow) does not advance the schedule
             scheduler.step()
+        logged = step % recipe.log.every == 0 or step == t.steps or step == 1
+        if logged and cuda:  # the interval's time is the GPU's (Note [Values read at log steps])
+            torch.cuda.synchronize(device)
         step_s = time.perf_counter() - t0
         interval_steps, interval_s = interval_steps + 1, interval_s + step_s
         if first_step_s is None:
             first_step_s = time.time() - t_start
         steplog.flush()  # the previous logged step's event (Note [Deferred loss] in telemetry/steplog.py)
         steplog.progress(step, t.steps)  # rank 0: the launcher's step count moves every step
-        if step % recipe.log.every == 0 or step == t.steps or step == 1:
+        if logged:
             with steplog.measuring():
+                step_s = interval_s / interval_steps  # the mean: a step's own time is the host's on a GPU
                 comm = engine.comm_stats()
                 samples = t.micro_batch_size * t.grad_accum_steps
                 tflops = flops_per_token(engine.num_params, shape, tokens / samples) * tokens / step_s / 1e12
