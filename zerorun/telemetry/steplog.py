@@ -14,10 +14,11 @@ waits for every kernel queued before it: a loss read per micro-step stalls the p
 (DDP and FSDP2 make no such read). So the worker adds each micro-step's loss on the device
 (:meth:`StepLog.add_loss`), and at a log step hands the interval's mean (a 0-dim tensor) and the step's
 tensor fields (the grad norm ``engine.step()`` returns) to :meth:`StepLog.log`, which stacks them into one
-fp64 vector and all-reduces it; :meth:`StepLog.flush` reads that vector once. One read per step event, none
-in the steps between. The loss of a step event is therefore the mean over the micro-steps of the steps
-since the previous step event (``interval_steps`` of them), as torchtitan and the Hugging Face Trainer
-report it; the grad norm is the logged step's. Step times likewise: without a read per step, a step's own
+fp64 vector and all-reduces it; :meth:`StepLog.flush` reads that vector once, on CUDA from pinned host
+memory it was copied into right behind the all-reduce (an event waited for, not the steps queued since).
+One read per step event, none in the steps between. The loss of a step event is therefore the mean over
+the micro-steps of the steps since the previous step event (``interval_steps`` of them), as torchtitan and
+the Hugging Face Trainer report it; the grad norm is the logged step's. Step times likewise: without a read per step, a step's own
 time on the host is only the time to queue its kernels, so the worker synchronizes the device once at each
 log step and reports ``step_time_s`` (and the rates derived from it) as the mean over the interval, whose
 total ``interval_s`` is then the device's.
@@ -50,6 +51,7 @@ class StepLog:
         self.rank, self.world_size, self.device, self.stream = rank, world_size, device, stream
         self.clipped = clipped
         self.telemetry_s = 0.0  # seconds spent measuring and sending since the last queued event
+        # (wait for the values, the values, step, fields, the fields that are tensors), Note [Deferred loss]
         self._pending: tuple[Any, Any, int, dict[str, Any], list[str]] | None = None
         self._loss_sum: Any = None  # 0-dim fp64 on ``device``: the losses added since the last step event
         self._losses = 0
@@ -98,8 +100,16 @@ class StepLog:
             values = [self._scalar(local_loss)] + [self._scalar(fields[k]) for k in tensors]
             mean = torch.stack(values)
             work = dist.all_reduce(mean, async_op=True)
+            wait = work.wait
+            if mean.is_cuda:  # copied to pinned memory behind the all-reduce: the flush waits for that copy
+                work.wait()  # only, not for the kernels queued after it (NCCL: a stream wait, not the host's)
+                host = torch.empty(mean.shape, dtype=mean.dtype, pin_memory=True)
+                host.copy_(mean, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+                wait, mean = copied.synchronize, host
         fields = {**fields, "telemetry_s": self.telemetry_s, "time": round(time.time(), 3)}
-        self._pending = (work, mean, step, fields, tensors)
+        self._pending = (wait, mean, step, fields, tensors)
         self.telemetry_s = 0.0
 
     def _scalar(self, value: Any) -> Any:
@@ -136,10 +146,10 @@ class StepLog:
             return
         from zerorun.telemetry.events import emit
 
-        work, mean, step, fields, tensors = self._pending
+        wait, mean, step, fields, tensors = self._pending
         self._pending = None
         with self.measuring():
-            work.wait()
+            wait()
             values = [v / self.world_size for v in mean.tolist()]  # the one read (Note [Values read at log steps])
             loss = values[0]
             fields = {**fields, **dict(zip(tensors, values[1:]))}
