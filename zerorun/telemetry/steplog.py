@@ -18,10 +18,10 @@ fp64 vector and all-reduces it; :meth:`StepLog.flush` reads that vector once, on
 memory it was copied into right behind the all-reduce (an event waited for, not the steps queued since).
 One read per step event, none in the steps between. The loss of a step event is therefore the mean over
 the micro-steps of the steps since the previous step event (``interval_steps`` of them), as torchtitan and
-the Hugging Face Trainer report it; the grad norm is the logged step's. Step times likewise: without a read per step, a step's own
-time on the host is only the time to queue its kernels, so the worker synchronizes the device once at each
-log step and reports ``step_time_s`` (and the rates derived from it) as the mean over the interval, whose
-total ``interval_s`` is then the device's.
+the Hugging Face Trainer report it; the grad norm is the logged step's. Step times likewise: without a
+read per step, a step's own time on the host is only the time to queue its kernels, so the worker
+synchronizes the device once at each log step and reports ``step_time_s`` (and the rates derived from it)
+as the mean over the interval, whose total ``interval_s`` is then the device's.
 """
 
 from __future__ import annotations
