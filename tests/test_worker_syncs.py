@@ -85,3 +85,37 @@ def test_init_process_group_gets_the_rank_device_on_cuda(monkeypatch, tmp_path):
         with pytest.raises(Stop):
             worker.train(recipe, 1)
     assert seen == [("nccl", torch.device("cuda", 1)), ("gloo", None)]
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_recipe_broadcast_buffers_reaches_the_engine(monkeypatch, tmp_path, value):
+    """``zero.broadcast_buffers`` (default true) flows from the recipe into the engine's ZeroConfig."""
+    from zerorun import zero
+
+    _one_rank(monkeypatch)
+    overrides = [f"log.dir={tmp_path}"] + ([] if value else ["zero.broadcast_buffers=false"])
+    recipe = load_recipe(TINY, overrides)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def initialize(model, **kwargs):
+        seen.append(kwargs["config"].broadcast_buffers)
+        raise Stop
+
+    monkeypatch.setattr(zero, "initialize", initialize)
+    try:
+        with pytest.raises(Stop):
+            worker.train(recipe, 0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert seen == [value]
+
+
+def test_recipe_refuses_a_broadcast_buffers_that_is_not_a_boolean():
+    from zerorun.errors import ZerorunError
+
+    with pytest.raises(ZerorunError, match=r"zero\.broadcast_buffers"):
+        load_recipe(TINY, ["zero.broadcast_buffers=sometimes"])
