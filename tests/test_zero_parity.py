@@ -16,6 +16,7 @@ BatchNorm buffers are always held to 1e-5.
 
 import pytest
 
+import broadcast_cases
 import parity_cases as cases
 
 TOL = 1e-5
@@ -244,8 +245,9 @@ def test_broadcast_buffers_matches_ddp(ranks, stage, broadcast_buffers):
 def test_buffers_and_setup_broadcast_coalesced(ranks, stage):
     """One broadcast per bucket (per dtype here), not one per tensor: at setup all parameters and buffers
     (fp32, then the int64 counts), before a training forward the nine buffers; none with the option off."""
-    for r in ranks(2).run(cases.buffer_broadcasts, stage=stage):
+    for r in ranks(2).run(broadcast_cases.buffer_broadcasts, stage=stage):
         assert r["setup"] == [("torch.float32", 6 * 5 + 6 + 4 * 6 + 6 * 3 + 3 + 2 * 3 + 4 * 6 + 2 * 3, 0),
                               ("torch.int64", 3, 0)], r
         assert r["forward"] == [("torch.float32", 4 * 6 + 2 * 3, 0), ("torch.int64", 3, 0)], r
-    assert all(r["forward"] == [] for r in ranks(2).run(cases.buffer_broadcasts, stage=1, broadcast_buffers=False))
+    assert all(r["forward"] == [] for r in ranks(2).run(broadcast_cases.buffer_broadcasts, stage=1,
+                                                        broadcast_buffers=False))
