@@ -119,3 +119,29 @@ def test_recipe_refuses_a_broadcast_buffers_that_is_not_a_boolean():
 
     with pytest.raises(ZerorunError, match=r"zero\.broadcast_buffers"):
         load_recipe(TINY, ["zero.broadcast_buffers=sometimes"])
+
+
+def stop_agreed_case(device: str) -> dict:
+    """StopRequest.agreed on ``device``, rank 1 signalled; no CUDA exists here, so on "cuda" it passes only if
+    the flag stays on the host."""
+    import signal
+
+    from zerorun.stopsignal import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stop = StopRequest(dist.get_rank(), dist.get_world_size())
+        first = stop.agreed(torch.device(device))
+        if dist.get_rank() == 1:
+            stop.signal = signal.SIGTERM
+        return {"first": first, "second": stop.agreed(torch.device(device)), "rank": stop.rank}
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_sigterm_agreement_is_taken_on_the_host(ranks, device):
+    """The per-step SIGTERM check (stopsignal.py) reads a host tensor on a host group, never a GPU's: a CUDA
+    job makes no device sync for it every step."""
+    for r in ranks(2).run(stop_agreed_case, device=device):
+        assert r == {"first": False, "second": True, "rank": 1}, r
