@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from zerorun.zero.broadcast import ddp_buffer_kwargs
 from zerorun.zero import LossScaleConfig, ZeroConfig, default_param_groups, deferred_init, initialize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +104,8 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
            optimizer: str = "AdamW", optimizer_kwargs: dict | None = None, groups: str = "default",
            bucket_mb: float = 0.002, branch_pattern: str = "never", units: tuple = (),
            activation_checkpointing: bool = False, deferred: bool = False, persistence_threshold: int = 0,
-           freeze: tuple = (), prefetch_bytes: int | None = None, **model_kwargs) -> dict:
+           freeze: tuple = (), prefetch_bytes: int | None = None, broadcast_buffers: bool = True,
+           **model_kwargs) -> dict:
     """Train DDP and the zerorun engine side by side; return the largest relative differences.
 
     Also trains a second DDP (``floor_*`` keys) that differs from the first only in summation order: another
@@ -123,8 +125,9 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
     ref_model, alt_model, zero_model = models
     opts = [getattr(torch.optim, optimizer)(_groups(m, groups, wd), **kwargs) for m in (ref_model, alt_model)]
     unused = branch_pattern != "never"
-    ddps = [DDP(ref_model, find_unused_parameters=unused),
-            DDP(alt_model, find_unused_parameters=unused, bucket_cap_mb=0.0005)]
+    sync = ddp_buffer_kwargs(broadcast_buffers)  # DDP with the engine's zero.broadcast_buffers
+    ddps = [DDP(ref_model, find_unused_parameters=unused, **sync),
+            DDP(alt_model, find_unused_parameters=unused, bucket_cap_mb=0.0005, **sync)]
     if deferred:  # built on the meta device, each rank materializing its slices only
         zero_model = deferred_init(_build, model, 0, **model_kwargs)
         for name, p in zero_model.named_parameters():
@@ -135,7 +138,7 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
                         config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, grad_accum_steps=accum, grad_clip=clip,
                                           units=units, activation_checkpointing=activation_checkpointing,
                                           persistence_threshold=persistence_threshold,
-                                          prefetch_bytes=prefetch_bytes))
+                                          prefetch_bytes=prefetch_bytes, broadcast_buffers=broadcast_buffers))
     out = {k: 0.0 for k in ("loss", "grad_norm", "params", "buffers", "floor_loss", "floor_grad_norm",
                             "floor_params", "eval")}
     for step in range(steps):
@@ -515,3 +518,4 @@ def root_left_empty(persistence_threshold: int) -> dict:
     root = next(u for u in engine.units if u.is_root)
     return {"root_buffers": len(root.buffers), "forward": [u.name for u in engine._order["forward"]],
             "seen": len(engine._seen["forward"]), "persistent": len(engine._persistent_unit.buffers)}
+

@@ -49,3 +49,46 @@ def test_loss_is_averaged_in_the_background_and_divergence_still_stops(ranks):
         assert r["error"].endswith(": lower train.optimizer.lr or set train.grad_clip")
     for r in ranks(2).run(deferred_loss_case, clipped=True):  # clipping already on: not suggested again
         assert r["error"].endswith("(diverged): lower train.optimizer.lr"), r["error"]
+
+
+def interval_case() -> dict:
+    """Losses added on the device over an interval, a tensor grad norm among the fields, with the read counted."""
+    import torch
+    import torch.distributed as dist
+
+    from host_syncs import HostSyncCounter
+    from zerorun.telemetry.events import parse_line
+    from zerorun.telemetry.steplog import StepLog
+
+    rank = dist.get_rank()
+    out = io.StringIO()
+    log = StepLog(rank, dist.get_world_size(), torch.device("cpu"), stream=out)
+    with HostSyncCounter() as counter:
+        for loss in (1.0, 2.0, 6.0):  # rank 1: 2, 3, 7
+            log.add_loss(torch.tensor(loss + rank, dtype=torch.bfloat16 if loss == 6.0 else torch.float32))
+        log.log(4, None, {"grad_norm": torch.tensor(0.3, dtype=torch.float32), "lr": 0.1})
+        queued = counter.count
+        log.flush()
+    [event] = [parse_line(line) for line in out.getvalue().splitlines()]
+    try:
+        log.log(5, None, {})
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"queued_reads": queued, "reads": counter.count, "data": event.data, "error": error}
+
+
+def test_interval_mean_and_tensor_fields_read_once(ranks):
+    """The event's loss is the mean over the losses added since the last event, over both ranks; a tensor
+    field (the grad norm) comes out as its value; one read in all, at the flush."""
+    for r in ranks(2).run(interval_case):
+        assert (r["queued_reads"], r["reads"]) == (0, 1), r
+        assert r["data"]["loss"] == 3.5 and r["data"]["lr"] == 0.1, r  # (1 + 2 + 6 + 2 + 3 + 7) / 6
+        assert r["data"]["grad_norm"] == float(torch_float32(0.3)), r
+        assert r["error"] == "step 5: no loss added since the last step event"
+
+
+def torch_float32(x: float) -> float:
+    import torch
+
+    return float(torch.tensor(x, dtype=torch.float32))

@@ -16,6 +16,7 @@ BatchNorm buffers are always held to 1e-5.
 
 import pytest
 
+import broadcast_cases
 import parity_cases as cases
 
 TOL = 1e-5
@@ -229,3 +230,24 @@ def test_default_bucket_size_and_sgd(ranks, stage):
     check(ranks(2).run(cases.parity, stage=stage, model="gpt", bucket_mb=25.0, units=units))
     check(ranks(3).run(cases.parity, stage=stage, model="gpt", bucket_mb=25.0, units=units, optimizer="SGD",
                        optimizer_kwargs={"lr": 0.5, "momentum": 0.9}))
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_broadcast_buffers_matches_ddp(ranks, stage, broadcast_buffers):
+    """BatchNorm running stats against DDP with the same ``broadcast_buffers`` (``forward_sync_buffers``):
+    synced from rank 0 before every training forward, or each rank's own (rank-specific batches)."""
+    check(ranks(2).run(cases.parity, stage=stage, model="mlp", batchnorm=True, steps=6,
+                       broadcast_buffers=broadcast_buffers))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_buffers_and_setup_broadcast_coalesced(ranks, stage):
+    """One broadcast per bucket (per dtype here), not one per tensor: at setup all parameters and buffers
+    (fp32, then the int64 counts), before a training forward the nine buffers; none with the option off."""
+    for r in ranks(2).run(broadcast_cases.buffer_broadcasts, stage=stage):
+        assert r["setup"] == [("torch.float32", 6 * 5 + 6 + 4 * 6 + 6 * 3 + 3 + 2 * 3 + 4 * 6 + 2 * 3, 0),
+                              ("torch.int64", 3, 0)], r
+        assert r["forward"] == [("torch.float32", 4 * 6 + 2 * 3, 0), ("torch.int64", 3, 0)], r
+    assert all(r["forward"] == [] for r in ranks(2).run(broadcast_cases.buffer_broadcasts, stage=1,
+                                                        broadcast_buffers=False))

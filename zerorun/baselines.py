@@ -138,7 +138,10 @@ class DDPEngine(BaselineEngine):
         from torch.nn.parallel import DistributedDataParallel
 
         super().__init__(model, config)
-        self.model = DistributedDataParallel(model, bucket_cap_mb=config.bucket_mb)
+        from zerorun.zero.broadcast import ddp_buffer_kwargs
+
+        self.model = DistributedDataParallel(model, bucket_cap_mb=config.bucket_mb,
+                                             **ddp_buffer_kwargs(config.broadcast_buffers))
 
         def counting_allreduce(state, bucket):
             # all-reduce sends 2 (N - 1) / N of the tensor per rank (ring; zerorun/zero/comm.py)

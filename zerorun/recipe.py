@@ -165,6 +165,9 @@ class ZeroSpec(_Strict):
     # Dtype in which micro-step gradients are summed (DeepSpeed's name): None = fp32 when
     # train.grad_accum_steps > 1 and precision is bf16/fp16, else the parameters' dtype (ZeroConfig).
     grad_accum_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
+    # Copy rank 0's module buffers (BatchNorm statistics) to every rank before each training forward (DDP's
+    # broadcast_buffers; zerorun/zero/config.py). false: each rank keeps its own.
+    broadcast_buffers: bool = True
 
 
 class LossScaleSpec(_Strict):

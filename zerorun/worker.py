@@ -77,7 +77,8 @@ def train(recipe: Recipe, rank: int) -> None:
     emit("phase", rank, phase="joining the process group")  # Note [Rank phases] in telemetry/phases.py
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo",
+    # on CUDA the communicators are made here, for this rank's device, not lazily at the first collective
+    dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}),
                             timeout=datetime.timedelta(seconds=recipe.launch.collective_timeout_s))
     world_size = dist.get_world_size()
     from zerorun.zero import allocator
@@ -124,7 +125,8 @@ def train(recipe: Recipe, rank: int) -> None:
                                  loss_scale=zero.LossScaleConfig(**recipe.loss_scale.model_dump()),
                                  offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
                                  offload_path=z.offload_path,
-                                 offload_buffer_mb=z.offload_buffer_mb, grad_accum_dtype=z.grad_accum_dtype)
+                                 offload_buffer_mb=z.offload_buffer_mb, grad_accum_dtype=z.grad_accum_dtype,
+                                 broadcast_buffers=z.broadcast_buffers)
         if recipe.runtime == "zero":
             engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
                                      config=config, elementwise=t.optimizer.elementwise)
@@ -206,25 +208,29 @@ def train(recipe: Recipe, rank: int) -> None:
         evaluate(0)
     for step in range(start + 1, t.steps + 1):
         t0 = time.perf_counter()
-        loss_sum, tokens = 0.0, 0
+        tokens = 0
         for _ in range(t.grad_accum_steps):
             batch = to_device(next(it))
             tokens += tokens_in(batch)
             loss = extract_loss(engine(batch), source[0])
             engine.backward(loss)
-            loss_sum += loss.item()
-        grad_norm = engine.step()
+            steplog.add_loss(loss)  # summed on the device, read at log steps (Note [Values read at log steps])
+        grad_norm = engine.step()  # a 0-dim tensor or a float; read with the loss at log steps only
         lr = engine.optimizer.param_groups[0]["lr"]
         if not engine.last_step_skipped:  # fp16: a skipped step (overflow) does not advance the schedule
             scheduler.step()
+        logged = step % recipe.log.every == 0 or step == t.steps or step == 1
+        if logged and cuda:  # the interval's time is the GPU's (Note [Values read at log steps])
+            torch.cuda.synchronize(device)
         step_s = time.perf_counter() - t0
         interval_steps, interval_s = interval_steps + 1, interval_s + step_s
         if first_step_s is None:
             first_step_s = time.time() - t_start
         steplog.flush()  # the previous logged step's event (Note [Deferred loss] in telemetry/steplog.py)
         steplog.progress(step, t.steps)  # rank 0: the launcher's step count moves every step
-        if step % recipe.log.every == 0 or step == t.steps or step == 1:
+        if logged:
             with steplog.measuring():
+                step_s = interval_s / interval_steps  # the mean: a step's own time is the host's on a GPU
                 comm = engine.comm_stats()
                 samples = t.micro_batch_size * t.grad_accum_steps
                 tflops = flops_per_token(engine.num_params, shape, tokens / samples) * tokens / step_s / 1e12
@@ -240,7 +246,7 @@ def train(recipe: Recipe, rank: int) -> None:
                     interval_s=interval_s, tflops=tflops, job_tflops=world_size * tflops,
                     **host_memory(), **cuda_memory(device))
                 fields["peak_rss_bytes"] = max(fields["peak_rss_bytes"], fields["rss_bytes"])  # Note [Peak RSS]
-            steplog.log(step, loss_sum / t.grad_accum_steps, fields)
+            steplog.log(step, None, fields)  # the loss: the mean since the last step event
             comm_prev = comm
             interval_steps, interval_s = 0, 0.0
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):

@@ -10,10 +10,12 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
 - ``model_ready``: ``params`` (all parameters), ``trainable`` (Ψ managed by the engine), ``stage``,
   ``model_state_bytes`` (``{"params", "grads", "optimizer"}`` bytes this rank holds), ``units`` (stage 3).
 - ``step`` (every ``log.every`` steps, and the first and last): ``step``, ``steps`` (total), ``loss`` (the
-  job-wide mean), ``lr``, ``grad_norm`` (global, before clipping), ``step_time_s`` (this step on this rank),
-  ``samples_per_s``, ``tokens_per_s`` (this rank, this step), ``job_samples_per_s``, ``job_tokens_per_s``
-  (world size x this rank's), ``tflops``, ``job_tflops`` (achieved model TFLOP/s, see
-  ``probes.flops_per_token``), ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``,
+  job-wide mean over the micro-steps since the previous step event: Note [Values read at log steps] in
+  ``steplog.py``), ``lr``, ``grad_norm`` (global, before clipping, of this step), ``step_time_s`` (this
+  rank's mean over the ``interval_steps`` since the previous step event), ``samples_per_s``,
+  ``tokens_per_s`` (this rank, from it), ``job_samples_per_s``, ``job_tokens_per_s`` (world size x this
+  rank's), ``tflops``, ``job_tflops`` (achieved model TFLOP/s, see ``probes.flops_per_token``),
+  ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``,
   ``host_mem_bytes``, ``host_mem_used_bytes``; ``comm_bytes`` (sent) and ``comm_wait_s`` (waited in
   collectives) in total over the ``interval_steps`` steps since the previous step event, which took
   ``interval_s`` of training time; ``telemetry_s``: seconds spent on telemetry since the previous step

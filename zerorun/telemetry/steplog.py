@@ -8,6 +8,20 @@ by which time it is done: the event goes out one step late (its ``time`` is stil
 training does not wait for it. Every rank
 issues it at the same point of the same step, so collectives stay in the same order on every rank. A loss
 that is not finite still stops the job, one step later, naming the step it came from.
+
+Note [Values read at log steps]: on a GPU, reading a tensor's value on the host (``.item()``, ``float()``)
+waits for every kernel queued before it: a loss read per micro-step stalls the pipeline every micro-step
+(DDP and FSDP2 make no such read). So the worker adds each micro-step's loss on the device
+(:meth:`StepLog.add_loss`), and at a log step hands the interval's mean (a 0-dim tensor) and the step's
+tensor fields (the grad norm ``engine.step()`` returns) to :meth:`StepLog.log`, which stacks them into one
+fp64 vector and all-reduces it; :meth:`StepLog.flush` reads that vector once, on CUDA from pinned host
+memory it was copied into right behind the all-reduce (an event waited for, not the steps queued since).
+One read per step event, none in the steps between. The loss of a step event is therefore the mean over
+the micro-steps of the steps since the previous step event (``interval_steps`` of them), as torchtitan and
+the Hugging Face Trainer report it; the grad norm is the logged step's. Step times likewise: without a
+read per step, a step's own time on the host is only the time to queue its kernels, so the worker
+synchronizes the device once at each log step and reports ``step_time_s`` (and the rates derived from it)
+as the mean over the interval, whose total ``interval_s`` is then the device's.
 """
 
 from __future__ import annotations
@@ -37,7 +51,10 @@ class StepLog:
         self.rank, self.world_size, self.device, self.stream = rank, world_size, device, stream
         self.clipped = clipped
         self.telemetry_s = 0.0  # seconds spent measuring and sending since the last queued event
-        self._pending: tuple[Any, Any, int, dict[str, Any]] | None = None
+        # (wait for the values, the values, step, fields, the fields that are tensors), Note [Deferred loss]
+        self._pending: tuple[Any, Any, int, dict[str, Any], list[str]] | None = None
+        self._loss_sum: Any = None  # 0-dim fp64 on ``device``: the losses added since the last step event
+        self._losses = 0
         self._last_progress = float("-inf")  # time.monotonic() of the last progress event
         from zerorun.telemetry.probes import CpuUse, GpuUtilization
 
@@ -52,22 +69,62 @@ class StepLog:
         finally:
             self.telemetry_s += time.perf_counter() - t0
 
-    def log(self, step: int, local_loss: float, fields: dict[str, Any]) -> None:
-        """Queue the step event of ``step``: ``local_loss`` (this rank's mean loss, a float) is averaged over
-        all ranks in the background; ``fields`` are the event's other fields, to which this adds the CPU use
-        since the previous event and the GPU's utilization (``probes.CpuUse``, ``probes.GpuUtilization``).
-        Sends any earlier one first."""
+    def add_loss(self, loss: Any) -> None:
+        """Add one micro-step's loss (a scalar tensor on ``device``, any float dtype) to the interval's sum,
+        on the device: no host read (Note [Values read at log steps])."""
+        import torch
+
+        if self._loss_sum is None:
+            self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._loss_sum += loss.detach().reshape(())
+        self._losses += 1
+
+    def log(self, step: int, local_loss: Any, fields: dict[str, Any]) -> None:
+        """Queue the step event of ``step``: ``local_loss`` is this rank's mean loss (a float, a 0-dim tensor on
+        ``device``, or ``None`` for the mean of the losses given to :meth:`add_loss` since the last event);
+        it is averaged over all ranks in the background. ``fields`` are the event's other fields, to which this
+        adds the CPU use since the previous event and the GPU's utilization (``probes.CpuUse``,
+        ``probes.GpuUtilization``); a 0-dim tensor among them (the grad norm, equal on every rank) is
+        averaged over the ranks with the loss and read with it (Note [Values read at log steps]). Sends any earlier event first.
+
+        Raises:
+            ValueError: ``local_loss`` is ``None`` and no loss was added since the last event.
+        """
         import torch
         import torch.distributed as dist
 
         self.flush()
         with self.measuring():
-            mean = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
+            if local_loss is None:
+                if not self._losses:
+                    raise ValueError(f"step {step}: no loss added since the last step event")
+                local_loss = self._loss_sum / self._losses
+                self._loss_sum, self._losses = None, 0
+            tensors = [k for k, v in fields.items() if isinstance(v, torch.Tensor)]
+            values = [self._scalar(local_loss)] + [self._scalar(fields[k]) for k in tensors]
+            mean = torch.stack(values)
             work = dist.all_reduce(mean, async_op=True)
+            wait = work.wait
+            if mean.is_cuda:  # copied to pinned memory behind the all-reduce: the flush waits for that copy
+                work.wait()  # only, not for the kernels queued after it (NCCL: a stream wait, not the host's)
+                host = torch.empty(mean.shape, dtype=mean.dtype, pin_memory=True)
+                host.copy_(mean, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+                wait, mean = copied.synchronize, host
             fields = {**fields, **self._cpu(), **self._gpu()}  # CPU use since the last event, GPU utilization
         fields = {**fields, "telemetry_s": self.telemetry_s, "time": round(time.time(), 3)}
-        self._pending = (work, mean, step, fields)
+        self._pending = (wait, mean, step, fields, tensors)
         self.telemetry_s = 0.0
+
+    def _scalar(self, value: Any) -> Any:
+        """``value`` (a float or a one-element tensor) as a 0-dim fp64 tensor on ``device``, without a host
+        read (a float is filled in on the device rather than copied from the host)."""
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return value.detach().reshape(()).to(device=self.device, dtype=torch.float64)
+        return torch.full((), float(value), dtype=torch.float64, device=self.device)
 
     def progress(self, step: int, steps: int) -> None:
         """On rank 0, send a ``progress`` event (telemetry/events.py) for ``step`` of ``steps`` when
@@ -94,11 +151,13 @@ class StepLog:
             return
         from zerorun.telemetry.events import emit
 
-        work, mean, step, fields = self._pending
+        wait, mean, step, fields, tensors = self._pending
         self._pending = None
         with self.measuring():
-            work.wait()
-            loss = float(mean) / self.world_size
+            wait()
+            values = [v / self.world_size for v in mean.tolist()]  # the one read (Note [Values read at log steps])
+            loss = values[0]
+            fields = {**fields, **dict(zip(tensors, values[1:]))}
             if not math.isfinite(loss):
                 hint = "lower train.optimizer.lr" + ("" if self.clipped else " or set train.grad_clip")
                 raise FloatingPointError(f"the loss is {loss} at step {step} (diverged): {hint}")

@@ -47,6 +47,10 @@ class ZeroConfig:
             micro-steps err 7e-3 relative against 2e-4 in fp32), else ``precision``. Memory: stages 0-1 keep
             a full accumulator of this dtype beside the gradients (4Ψ bytes for fp32); stages 2-3 keep their
             gradient slice in it (4Ψ/N).
+        broadcast_buffers: before every training forward (module in training mode, grad enabled), copy rank
+            0's module buffers (BatchNorm's running statistics) to every rank, coalesced (DDP's option, name
+            and default; Note [Coalesced broadcasts] in ``broadcast.py``). False: each rank keeps its own.
+            The setup broadcast of parameters and buffers happens either way.
     """
 
     stage: int = 0
@@ -66,6 +70,7 @@ class ZeroConfig:
     offload_path: str | None = None
     offload_buffer_mb: float = 64.0
     grad_accum_dtype: str | None = None
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -94,6 +99,8 @@ class ZeroConfig:
             raise ValueError(f"zero.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"zero.grad_accum_dtype must be fp32, bf16, fp16 or unset, got {self.grad_accum_dtype!r}")
+        if not isinstance(self.broadcast_buffers, bool):
+            raise ValueError(f"zero.broadcast_buffers must be true or false, got {self.broadcast_buffers!r}")
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
 

@@ -8,12 +8,13 @@ sharded parameters: ``stage3.py``.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zerorun.zero.broadcast import broadcast_coalesced
 from zerorun.zero.comm import Comm
 from zerorun.zero.config import ZeroConfig
 from zerorun.zero.flat import FlatBuffer, pack
@@ -68,7 +69,6 @@ class ZeroEngine(UserModel):
         self.skipped_steps = 0
         cast_model(model, self.param_dtype)
         self._frozen = [p for p in model.parameters() if not p.requires_grad]
-        self._buffers = [b for b in model.buffers()]
         self._sync_initial_state()
 
         names = {}
@@ -117,8 +117,11 @@ class ZeroEngine(UserModel):
 
     # ------------------------------------------------------------------------------------- stage policy hooks
     def _sync_initial_state(self) -> None:
-        """Make every rank start from rank 0's parameters and buffers, as DDP does."""
-        self._broadcast_from_rank0([p.data for p in self.module.parameters()] + self._buffers)
+        """Make every rank start from rank 0's parameters and buffers, as DDP does (Note [Coalesced
+        broadcasts] in broadcast.py; buffers whatever ``broadcast_buffers`` says, as torch's newer
+        ``forward_sync_buffers``)."""
+        broadcast_coalesced(self.comm, [p.detach() for p in self.module.parameters()]
+                            + [b.detach() for b in self.module.buffers()])
 
     def _partition(self, named: list[tuple[str, nn.Parameter]], bucket_bytes: int):
         """Runs of consecutive parameters of one param group that form one flat buffer each."""
@@ -182,17 +185,15 @@ class ZeroEngine(UserModel):
 
     # ----------------------------------------------------------------------------------------------- forward
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``model(*args, **kwargs)``. In training mode with grad enabled, module buffers (e.g. BatchNorm
-        running stats) are first broadcast from rank 0, as DDP does (``broadcast_buffers=True``)."""
+        """Run ``model(*args, **kwargs)``. In training mode with grad enabled and ``broadcast_buffers`` (the
+        default), module buffers (e.g. BatchNorm running stats) are first broadcast from rank 0 as DDP does:
+        one broadcast per dtype (Note [Coalesced broadcasts] in broadcast.py)."""
         self.check_parameters()
-        if self._buffers and self.module.training and torch.is_grad_enabled():
-            self._broadcast_from_rank0(self._buffers)
+        if self.config.broadcast_buffers and self.module.training and torch.is_grad_enabled():
+            broadcast_coalesced(self.comm, [b.detach() for b in self.module.buffers()])  # reassigned ones too
         if self.param_dtype != torch.float32:  # Note [Mixed precision]: no autocast, inputs in the params' dtype
             args, kwargs = cast_inputs((args, kwargs), self.param_dtype)
         return self.module(*args, **kwargs)
-
-    def _broadcast_from_rank0(self, tensors: Iterable[torch.Tensor]) -> None:
-        self.comm.wait([self.comm.broadcast(t, 0) for t in tensors])
 
     # ---------------------------------------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor) -> None:
