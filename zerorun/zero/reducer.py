@@ -353,7 +353,7 @@ class GradReducer:
         params = list(self._slot)
         if self.world_size > 1:  # one all-reduce: a flag per parameter (used) and per bucket (late)
             flags = torch.tensor([p in self._used for p in params] + [b in self._late for b in self.buffers],
-                                 dtype=torch.int32, device=self.buffers[0].device)
+                                 dtype=torch.int32, device=self.comm.device)
             self.comm.wait([self.comm.all_reduce(flags, control=True)])
             counts = flags.tolist()  # the one read to the host per reducing backward
             self.used = {p for p, n in zip(params, counts) if n}
@@ -379,7 +379,7 @@ class GradReducer:
         """Note [Launch order]: rank 0's ready order, its unused buckets first, on every rank."""
         self._recorded = True
         seq = unused + [b for b in self._ready_seq if b not in unused]
-        index = torch.tensor([self._index[b] for b in seq], dtype=torch.int64, device=self.buffers[0].device)
+        index = torch.tensor([self._index[b] for b in seq], dtype=torch.int64, device=self.comm.device)
         self.comm.wait([self.comm.broadcast(index, 0)])
         self.order = [self.buffers[i] for i in index.tolist()]
 

@@ -168,7 +168,7 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
             found.add(node)
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and nxt not in seen)
     marks = torch.tensor([any(n in found for n in nodes) for nodes in recorded], dtype=torch.int32,
-                         device=engine.buffers[0].device if engine.buffers else None)  # a collective's: on the device
+                         device=engine.comm.device)  # a collective's: on the group's device
     if engine.world_size > 1:
         engine.comm.wait([engine.comm.all_reduce(marks, control=True)])
     n = engine.world_size
