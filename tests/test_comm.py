@@ -72,3 +72,22 @@ def test_buffer_pool_reuses_keeps_and_drops():
     assert pool.taken == 0 and pool.free == 2
     pool.clear()
     assert pool.free == 0
+
+
+def test_streams_and_wait_timer_on_cpu():
+    """Note [Streams]: on the CPU the side streams are None, ``issue`` runs its block as it is, and the wait is
+    timed with perf_counter (the same calls a GPU makes with CUDA streams and events)."""
+    import time
+
+    from zerorun.zero.streams import DeviceStreams, WaitTimer
+
+    streams = DeviceStreams(torch.device("cpu"))
+    assert streams.all_gather is None and streams.reduce_scatter is None
+    ran = []
+    with streams.issue(streams.all_gather):
+        ran.append(1)
+    assert ran == [1]
+    timer = WaitTimer(torch.device("cpu"))
+    with timer.timing():
+        time.sleep(0.01)
+    assert 0.01 <= timer.seconds < 1.0

@@ -17,16 +17,25 @@ same bits as the sum of both rows: one addition). NCCL's reduce-scatter is used 
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from zerorun.zero.streams import DeviceStreams, WaitTimer
+
 
 # torch >= 2.13 names them *_single and deprecates the *_tensor spellings.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device of ``group``'s collectives: the current CUDA device where its backend is NCCL (a group whose
+    only backend is NCCL has none for CPU tensors), else the CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class _Done:
@@ -128,7 +137,8 @@ class _SummedChunks:
 class Comm:
     """Asynchronous collectives on ``group`` that count ``bytes_sent`` (bytes) and ``wait_s`` (seconds).
 
-    Every method returns a work handle; pass handles to :meth:`wait` so the wait is timed.
+    Every method returns a work handle; pass handles to :meth:`wait` so the wait is timed. :attr:`device` is
+    the group's device (:func:`group_device`): control tensors are made there.
     """
 
     #: Receive buffers of reduce-scatters on gloo kept for reuse (Note [Reduce-scatter on gloo]).
@@ -138,11 +148,18 @@ class Comm:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.device = group_device(group)
+        self.streams = DeviceStreams(self.device)  # Note [Streams] in streams.py
+        self._timer = WaitTimer(self.device)
         self.bytes_sent = 0
-        self.wait_s = 0.0
         # Note [Reduce-scatter on gloo]
         self.reduce_scatter_via_all_to_all = dist.get_backend(group) == "gloo"
         self.recv_pool = BufferPool(keep=self.KEEP_BUFFERS)
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds spent waiting in :meth:`wait` (on a GPU: the current stream's wait, read from events)."""
+        return self._timer.seconds
 
     def _count(self, nbytes: float) -> None:
         self.bytes_sent += int(round(nbytes))
@@ -154,7 +171,8 @@ class Comm:
             return _Done()
         if not control:
             self._count(2 * (self.world_size - 1) / self.world_size * tensor.nbytes)
-        return dist.all_reduce(tensor, group=self.group, async_op=True)
+        with self.streams.issue(self.streams.reduce_scatter):
+            return dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
         """Sum ``input`` (1-D, ``N * k`` elements) over ranks; rank r receives elements ``[r*k, (r+1)*k)`` in
@@ -164,6 +182,10 @@ class Comm:
                 output.copy_(input)
             return _Done()
         self._count((self.world_size - 1) * output.nbytes)
+        with self.streams.issue(self.streams.reduce_scatter):
+            return self._issue_reduce_scatter(output, input)
+
+    def _issue_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
         if not self.reduce_scatter_via_all_to_all:
             return _reduce_scatter(output, input, group=self.group, async_op=True)
         k = output.numel()
@@ -190,7 +212,8 @@ class Comm:
                 output.copy_(input)
             return _Done()
         self._count((self.world_size - 1) * input.nbytes)
-        return _all_gather(output, input, group=self.group, async_op=True)
+        with self.streams.issue(self.streams.all_gather):
+            return _all_gather(output, input, group=self.group, async_op=True)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Copy rank ``src``'s ``tensor`` to every rank, in place (not counted as step traffic)."""
@@ -200,8 +223,8 @@ class Comm:
                               group=self.group, async_op=True)
 
     def wait(self, works: Sequence) -> None:
-        """Wait for every handle in ``works``; the time spent is added to ``wait_s``."""
-        t0 = time.perf_counter()
-        for work in works:
-            work.wait()
-        self.wait_s += time.perf_counter() - t0
+        """Wait for every handle in ``works`` (on a GPU the current stream waits, not the host: Note [Streams]);
+        the time spent is added to :attr:`wait_s`."""
+        with self._timer.timing():
+            for work in works:
+                work.wait()

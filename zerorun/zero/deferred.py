@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from zerorun.zero.comm import group_device
 from zerorun.zero.record import Record, key, record, rng_states, set_rng_states
 
 _FULL_WRITES = {"uniform_", "normal_", "zero_", "fill_", "copy_", "bernoulli_", "exponential_", "geometric_",
@@ -235,8 +236,7 @@ def _agree(rec: Record, built: list[torch.Tensor], group: dist.ProcessGroup | No
     Raises:
         RuntimeError: the records differ; the same message on every rank.
     """
-    nccl = dist.get_backend(group) == "nccl"
-    comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    comm = group_device(group)
     mine = torch.tensor([_digest(rec, built)], dtype=torch.int64, device=comm)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)

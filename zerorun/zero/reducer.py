@@ -1,6 +1,5 @@
-"""The gradient reducer: when each bucket's gradient is complete, in which order buckets are reduced, and how
-many reductions are in flight. One mechanism for every stage; a :class:`~zerorun.zero.policy.StagePolicy`
-says what differs (Note [Stage policies]).
+"""The gradient reducer: when each bucket's gradient is complete, in which order buckets are reduced, how many
+reductions are in flight. One mechanism; a :class:`~zerorun.zero.policy.StagePolicy` says what stages change.
 
 Note [Per-parameter readiness]: a bucket is reduced once every one of its parameters is complete. A
 parameter is complete when its gradient has been accumulated as many times as in the last step that reduced
@@ -10,11 +9,12 @@ step assumes once); a parameter that got no gradient in that step is complete at
 unused: its bucket is reduced early, with zeros, or at stages 0-1 with the micro-steps' sum so far). A guess
 can be wrong (the graph changed): a gradient that arrives after its bucket was launched is kept aside
 (stages 0-1 detach ``p.grad`` from the bucket at launch, so autograd never writes into a buffer a collective
-is reading), and at the end of backward the ranks agree, with one all-reduce of one flag per bucket and one per
-parameter (4 bytes each per reducing backward, control traffic not counted in ``bytes_sent``; the parameters'
-flags are Note [Unused parameters]'s mask, in ``masters.py``), which buckets got late gradients anywhere; those
-are reduced once more and added (reduction is linear). The result is the right gradient at every stage,
-whatever the graph does; a wrong guess costs one more collective.
+is reading), and at the end of the step's last backward the ranks agree, with one all-reduce of one flag per
+bucket and one per parameter (4 bytes each per step, control traffic not counted in ``bytes_sent``; the
+parameters' flags are Note [Unused parameters]'s mask, in ``masters.py``), which buckets got late gradients
+anywhere, in any micro-step; those are reduced once more and added (reduction is linear: the late gradients
+of all micro-steps are summed first); reading the flags is the step's one host sync outside the optimizer.
+The result is the right gradient at every stage, whatever the graph does; a wrong guess costs a collective.
 
 Note [Launch order]: every rank must issue the same collectives in the same order. In the first step,
 buckets are launched by the registration index of their first parameter, descending (the order backward
@@ -43,11 +43,9 @@ tensor, two parameters whose views were added share one gradient, and a broadcas
 incoming gradient that the other operand's backward still reads. Those are copied, as are the gradients of
 padded buckets and buckets of several parameters; once the hook sets ``p.grad`` to ``None`` the reducer is
 the only user of an adopted one and the reduce-scatter may write into it. A parameter larger than a bucket is a
-bucket of its own (``flat.pack``), so this is the case of the largest ones: a GPT's embedding and LM head
-(32 MiB each in the 55M GPT of ``benchmarks/zero_stages.py``), whose gradient existed twice at their
-backward (autograd's and the pooled copy). A second accumulation in the same backward (a layer used twice
-under reentrant checkpointing) is added into it like into a pooled buffer. The adopted tensor is dropped,
-not pooled, after its reduce-scatter.
+bucket of its own (``flat.pack``), so this is the case of the largest ones (a GPT's embedding and LM head),
+whose gradient existed twice at their backward (autograd's and the pooled copy). A second accumulation in
+the same backward (reentrant checkpointing) is added into it. It is dropped, not pooled, after its reduction.
 
 Note [Waiting in hooks]: with ``MAX_INFLIGHT + 1`` reductions in flight (each holds a bucket-sized buffer:
 the full gradient at stages 2-3, gloo's receive buffer at stage 1), finished ones are collected; if none has
@@ -114,7 +112,7 @@ class GradReducer:
         self._used: set[nn.Parameter] = set()
         self.used: set[nn.Parameter] | None = None
         self.adopted = 0
-        self.sync = False
+        self.sync = self.last = False
         self._reset()
         self.handles: list = []
 
@@ -165,6 +163,7 @@ class GradReducer:
         """Before a backward: whether it reduces; parameters known unused are complete now (Note
         [Per-parameter readiness])."""
         self.sync = last_micro_step or self.policy.reduce_every_micro_step
+        self.last = last_micro_step
         self._reset()
         if not self.sync:
             return
@@ -334,7 +333,8 @@ class GradReducer:
         self._launch_ready(in_hook=False)
         while self._pending:
             self._complete(*self._pending.popleft())
-        self._fix_late()
+        if self.last:  # Note [Per-parameter readiness]: once per optimizer step
+            self._fix_late()
         self._expected = dict(self._count)
         if not self._recorded:
             self._record_order(unused)
@@ -353,9 +353,9 @@ class GradReducer:
         params = list(self._slot)
         if self.world_size > 1:  # one all-reduce: a flag per parameter (used) and per bucket (late)
             flags = torch.tensor([p in self._used for p in params] + [b in self._late for b in self.buffers],
-                                 dtype=torch.int32, device=self.buffers[0].device)
+                                 dtype=torch.int32, device=self.comm.device)
             self.comm.wait([self.comm.all_reduce(flags, control=True)])
-            counts = flags.tolist()  # the one read to the host per reducing backward
+            counts = flags.tolist()  # the one read to the host per step
             self.used = {p for p, n in zip(params, counts) if n}
             late = [b for b, n in zip(self.buffers, counts[len(params):]) if n]
         else:
@@ -379,7 +379,7 @@ class GradReducer:
         """Note [Launch order]: rank 0's ready order, its unused buckets first, on every rank."""
         self._recorded = True
         seq = unused + [b for b in self._ready_seq if b not in unused]
-        index = torch.tensor([self._index[b] for b in seq], dtype=torch.int64, device=self.buffers[0].device)
+        index = torch.tensor([self._index[b] for b in seq], dtype=torch.int64, device=self.comm.device)
         self.comm.wait([self.comm.broadcast(index, 0)])
         self.order = [self.buffers[i] for i in index.tolist()]
 

@@ -8,7 +8,8 @@ since the last step (prefetches included) and folds them into a digest ``h`` (a 
 prime below 2**16). The step all-reduces the squared gradient norm anyway: it sends ``[sq, h, h*h]`` (float64,
 exact for these integers up to 1024 ranks) instead of ``sq`` alone. Every rank's ``h`` is the same exactly
 when ``N * sum(h*h) == sum(h) ** 2`` (their variance is zero), so every rank learns the verdict from the
-same sums and raises together, before the optimizer step. Only then, on the error path, the ranks exchange
+same sums and raises together, before the optimizer step (one read to the host per step: the verdict and
+the sums together). Only then, on the error path, the ranks exchange
 their unit lists to name the units. A collision (two different sequences with one digest) has a chance of
 1 in 65521 per step; a misrouted step that is not caught pairs the same-shaped units and is caught at the
 next step whose routing differs.
@@ -54,10 +55,10 @@ def check_gather_order(engine, sq: torch.Tensor, indices: list[int],
     vec = torch.cat([sq.double().reshape(1), torch.tensor([h, h * h] + extra, dtype=torch.float64,
                                                           device=sq.device)])
     engine.comm.wait([engine.comm.all_reduce(vec)])
-    if n * float(vec[2]) != float(vec[1]) ** 2:
+    got = vec[1:].tolist()  # the check's one read to the host per step
+    if n * got[1] != got[0] ** 2:
         _raise_mismatch(engine, indices)
-    sums = vec[3:].tolist()
-    return vec[0].to(sq.dtype), sums[0::2], sums[1::2]
+    return vec[0].to(sq.dtype), got[2::2], got[3::2]
 
 
 def _raise_mismatch(engine, indices: list[int]) -> None:
@@ -168,13 +169,14 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
             found.add(node)
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and nxt not in seen)
     marks = torch.tensor([any(n in found for n in nodes) for nodes in recorded], dtype=torch.int32,
-                         device=engine.buffers[0].device if engine.buffers else None)  # a collective's: on the device
+                         device=engine.comm.device)  # a collective's: on the group's device
     if engine.world_size > 1:
         engine.comm.wait([engine.comm.all_reduce(marks, control=True)])
     n = engine.world_size
-    for u, m in zip(tails, marks.tolist()[len(listed):]):
+    counts = marks.tolist()
+    for u, m in zip(tails, counts[len(listed):]):
         u.deferred = m == n
-    partial = [(u, int(m)) for u, m in zip(listed, marks.tolist()) if 0 < m < n]
+    partial = [(u, m) for u, m in zip(listed, counts) if 0 < m < n]
     if partial:
         which = "; ".join(f"unit {u.name!r} on {m} of {n} ranks" for u, m in partial[:3])
         raise RuntimeError(
