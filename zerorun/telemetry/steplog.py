@@ -104,14 +104,7 @@ class StepLog:
             values = [self._scalar(local_loss)] + [self._scalar(fields[k]) for k in tensors]
             mean = torch.stack(values)
             work = dist.all_reduce(mean, async_op=True)
-            wait = work.wait
-            if mean.is_cuda:  # copied to pinned memory behind the all-reduce: the flush waits for that copy
-                work.wait()  # only, not for the kernels queued after it (NCCL: a stream wait, not the host's)
-                host = torch.empty(mean.shape, dtype=mean.dtype, pin_memory=True)
-                host.copy_(mean, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-                wait, mean = copied.synchronize, host
+            wait, mean = _pinned_copy(work, mean) if mean.is_cuda else (work.wait, mean)
             fields = {**fields, **self._cpu(), **self._gpu()}  # CPU use since the last event, GPU utilization
         fields = {**fields, "telemetry_s": self.telemetry_s, "time": round(time.time(), 3)}
         self._pending = (wait, mean, step, fields, tensors)
@@ -162,3 +155,17 @@ class StepLog:
                 hint = "lower train.optimizer.lr" + ("" if self.clipped else " or set train.grad_clip")
                 raise FloatingPointError(f"the loss is {loss} at step {step} (diverged): {hint}")
             emit("step", self.rank, stream=self.stream, step=step, loss=loss, **fields)
+
+
+def _pinned_copy(work: Any, mean: Any) -> tuple[Any, Any]:
+    """``mean`` (a CUDA tensor being all-reduced by ``work``) copied to pinned host memory behind the
+    all-reduce: returns (a wait for that copy's event, the host tensor). The flush then waits for that copy
+    only, not for the kernels queued after it (``work.wait()`` on NCCL is a stream wait, not the host's)."""
+    import torch
+
+    work.wait()
+    host = torch.empty(mean.shape, dtype=mean.dtype, pin_memory=True)
+    host.copy_(mean, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return copied.synchronize, host
