@@ -56,13 +56,27 @@ def _micro(engine, step: int) -> None:
     engine.backward(engine(x).square().mean())
 
 
+def _staging_ptrs(engine) -> list[int] | None:
+    """Where cpu offload's host staging buffers are (``None`` without them)."""
+    staging = getattr(engine.masters, "staging", None)
+    if staging is None:
+        return None
+    return [t.data_ptr() for t in (staging.grads, staging.grad32, staging.out, staging.coef) if t is not None]
+
+
 def _counted_step(engine, step: int) -> dict:
     _micro(engine, step)
     counter = StepSyncCounter({id(t) for t in scalar_states(engine)})
+    calls = []
+    hook = engine.optimizer.register_step_pre_hook(lambda *_: calls.append(1))
+    before = _staging_ptrs(engine)
     with counter:
         norm = engine.step()
+    hook.remove()
     return {"count": counter.count, "sites": dict(counter.sites), "norm": float(norm),
-            "norm_type": type(norm).__name__, "skipped": engine.last_step_skipped}
+            "norm_type": type(norm).__name__, "skipped": engine.last_step_skipped, "optimizer_steps": len(calls),
+            "buffers": len(engine.buffers), "staging_reused": before is not None and before == _staging_ptrs(engine),
+            "kwargs": {k: engine.optimizer.defaults.get(k) for k in ("foreach", "fused")}}
 
 
 def step_syncs(configs: list[tuple[int, dict]], swap: str) -> list[dict]:

@@ -1,6 +1,7 @@
 """No host sync in the optimizer step (issue 33 item 3, the step's part): at stages 0-2, fp32 and bf16, the
 step (global norm, clipping, the optimizer, the write back and the all-gather) reads no tensor value to the
 host; fp16 reads one, the overflow decision (Note [Loss scaling]). The step returns the norm as a 0-d tensor.
+One optimizer step per engine step (item 4), multi-tensor; cpu offload's staging buffers reused (item 6).
 Scalar optimizer states (Adam's ``step``) stay on the CPU after a resume, as torch keeps them (item 7), and the
 next step reads none of them on the device."""
 
@@ -27,6 +28,12 @@ def test_optimizer_step_reads_nothing_to_the_host(ranks, tmp_path):
         for config, r in zip(CONFIGS, per_config):
             assert r["count"] <= BOUND[config[1]["precision"]], f"rank {rank}: {_explain(config, r)}"
             assert r["norm_type"] == "Tensor" and not r["skipped"] and r["norm"] > 0.05, (rank, config, r)
+            offload = config[1].get("offload_optimizer")
+            if offload != "disk":  # item 4: one optimizer step over every buffer (disk: one per paged sub-group)
+                assert r["buffers"] > 1 and r["optimizer_steps"] == 1, (rank, config, r)
+            # item 6: the host step fused (AdamW has the CPU kernel), else foreach; cpu offload's staging reused
+            want = {"foreach": None, "fused": True} if offload else {"foreach": True, "fused": None}
+            assert r["kwargs"] == want and r["staging_reused"] == (offload == "cpu"), (rank, config, r)
 
 
 RESUMED = [(2, {"precision": "fp32"}), (1, {"precision": "bf16"}), (2, {"precision": "bf16", "offload_optimizer": "cpu"})]
