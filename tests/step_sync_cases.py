@@ -120,3 +120,33 @@ def resumed_scalars(root: str, configs: list[tuple[int, dict]]) -> list[dict]:
         out.append(res)
         engine.close()
     return out
+
+
+class _Stop(Exception):
+    pass
+
+
+def scalar_targets_of_a_device_engine(stage: int) -> list[str]:
+    """The devices of the scalar-state targets (``optim/<name>/step``) resume loads into, for an engine whose
+    masters are on a device other than the CPU (the meta device stands in for a GPU here: the load stops
+    before any value is read)."""
+    from zerorun.zero import state
+
+    engine = _engine(stage, {"precision": "fp32"})
+    _micro(engine, 0)
+    engine.step()
+    _, layout = state.engine_state(engine)
+    real = engine.master_slices
+    engine.master_slices = lambda: [m.to("meta") for m in real()]
+    seen = []
+
+    def load(targets):
+        seen.extend(str(v.device) for k, v in targets.items() if k.startswith("optim/") and k.endswith("/step"))
+        raise _Stop
+
+    try:
+        state.load_engine_state(engine, layout, load)
+    except _Stop:
+        pass
+    engine.close()
+    return seen

@@ -44,3 +44,10 @@ def test_resumed_scalar_states_stay_on_the_cpu(ranks, tmp_path):
         for config, r in zip(RESUMED, per_config):
             assert r["n_scalars"] > 0 and r["scalars"] == [("cpu", "torch.float32")], (rank, config, r)
             assert r["count"] == 0, f"rank {rank}: {_explain(config, r)}"
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_resume_loads_scalar_states_on_the_cpu_whatever_the_masters_device(ranks, stage):
+    """Resume made them on the masters' device (a GPU: a host read per parameter per step afterwards)."""
+    for rank, devices in enumerate(ranks(2).run(cases.scalar_targets_of_a_device_engine, stage=stage)):
+        assert devices and set(devices) == {"cpu"}, f"rank {rank}: scalar state targets on {sorted(set(devices))}"
