@@ -51,7 +51,7 @@ def fsdp2_vs_ddp(steps: int = 8, accum: int = 2, clip: float | None = None, unit
         ref_opt.step()
         ref_opt.zero_grad()
         for name, engine in engines.items():
-            norm = engine.step()
+            norm = float(engine.step())
             sent[name].append(engine.comm_stats()["bytes_sent"] - before[name])
             out[f"{name}_loss"] = max(out[f"{name}_loss"], rel(losses[name], ref_loss))
             out[f"{name}_grad_norm"] = max(out[f"{name}_grad_norm"], rel(norm, ref_norm))

@@ -219,7 +219,7 @@ def train(kind: str, stage: int, steps: int = STEPS, group=None) -> dict:
                     out["read"] = float(model.state_dict()["blocks.1.fc.weight"].norm())
                 loss = _loss(engine(_batch(step, rank)))
                 engine.backward(loss)
-                out["norm"].append(engine.step())
+                out["norm"].append(float(engine.step()))
                 out["loss"].append(float(loss))
             out["params"] = _full(engine)
             out["logged"] = list(model.logged)

@@ -22,7 +22,7 @@ def _train(engine, steps: int, vocab: int, seq_len: int = 16, batch: int = 2) ->
         mask[:, -3:] = 0  # padding positions: label -100, attention off
         loss = engine({"input_ids": ids, "attention_mask": mask}).loss
         engine.backward(loss)
-        norms.append(engine.step())
+        norms.append(float(engine.step()))
         losses.append(loss.item())
     return losses, norms
 

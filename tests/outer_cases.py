@@ -168,7 +168,7 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
                 except ValueError:
                     pass
                 engine.module.fail_at = None
-            out["norms"].append(engine.step())
+            out["norms"].append(float(engine.step()))
             if evaluate:
                 with torch.no_grad():
                     out["losses"].append(float(engine((batches[0], None))))

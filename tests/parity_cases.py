@@ -166,7 +166,7 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
                 norms[i] = float(norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        norms[2] = engine.step()
+        norms[2] = float(engine.step())
         out["loss"] = max(out["loss"], rel(losses[2], losses[0]))
         out["grad_norm"] = max(out["grad_norm"], rel(norms[2], norms[0]))
         out["floor_loss"] = max(out["floor_loss"], rel(losses[1], losses[0]))
@@ -383,7 +383,7 @@ def parity_mixed(stage: int, precision: str, model: str = "gpt", steps: int = 8,
             engine.backward(zl)
             losses[2] += zl.item() / accum
         (n0, s0), (n1, s1) = refs[0].step(clip), refs[1].step(clip)
-        n2 = engine.step()
+        n2 = float(engine.step())
         for i, skipped in enumerate((s0, s1, engine.last_step_skipped)):
             if skipped:
                 skips[i].append(step)
@@ -442,7 +442,7 @@ def overflow(stage: int, inject_step: int = 2, steps: int = 5) -> dict:
         before = [m.clone() for m in engine.master_slices()]
         params_before = {k: v.clone() for k, v in engine.state_dict().items()}
         engine.backward(_loss(engine(_batch("gpt", step, 0, rank, dist.get_world_size(), "never"))))
-        norm = engine.step()
+        norm = float(engine.step())
         after = engine.master_slices()
         rows.append({"skipped": engine.last_step_skipped, "scale": engine.loss_scale, "finite": math.isfinite(norm),
                      "masters_changed": any(not torch.equal(a, b) for a, b in zip(after, before)),
@@ -477,7 +477,7 @@ def offload_equal(stage: int, precision: str, offload: str, offload_path: str | 
                 engine.backward(loss)
                 total += loss.item() / accum
             losses.append(total)
-            norms.append(engine.step())
+            norms.append(float(engine.step()))
         out["loss"] = max(out["loss"], rel(losses[1], losses[0]))
         out["grad_norm"] = max(out["grad_norm"], rel(norms[1], norms[0]))
     ref, off = engines

@@ -186,7 +186,7 @@ def expert_on_one_rank(stage: int, steps: int = 3, on_rank: int = 0, reverse: bo
     norms = []
     for step in range(steps):
         engine.backward(engine((x, rank == (on_rank + step * alternate) % dist.get_world_size())))
-        norms.append(engine.step())
+        norms.append(float(engine.step()))
     return norms
 
 
@@ -322,7 +322,7 @@ def side_head_on_one_rank(stage: int, zero_side: bool = False) -> tuple[str | No
     try:
         for _ in range(2):
             engine.backward(engine((x, rank == 1, zero_side)))
-            norms.append(engine.step())
+            norms.append(float(engine.step()))
     except RuntimeError as e:
         return str(e), norms
     return None, norms
@@ -368,7 +368,7 @@ def adoption(stage: int, bucket_mb: float, steps: int = 3) -> dict:
     params, norms = [], []
     for x in batches:
         engine.backward(engine(x))
-        norms.append(engine.step())
+        norms.append(float(engine.step()))
         params.append({k: v.tolist() for k, v in _params(engine, model).items()})
     single = [b.params[0] for b in engine.buffers if len(b.params) == 1 and b.unpadded_numel == b.numel]
     adoptable = [p for p in single if p is not model.a and p is not model.b]  # a, b: slices of one gradient
@@ -409,7 +409,7 @@ def shared_gradients(stage: int, precision: str, steps: int = 3) -> dict:
     params, norms = [], []
     for x in batches:
         engine.backward(engine(x))
-        norms.append(engine.step())
+        norms.append(float(engine.step()))
         params.append({k: v.float().tolist() for k, v in _params(engine, model).items()})
     return {"params": params, "norms": norms, "adopted": engine.reducer.adopted}
 
@@ -431,4 +431,4 @@ def norm_against_exact(stage: int, width: int = 2048) -> dict:
     exact = float(torch.linalg.vector_norm(grads / n))
     engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 1e-3}, config=ZeroConfig(stage=stage))
     engine.backward(engine(x).square().mean())
-    return {"norm": engine.step(), "exact": exact}
+    return {"norm": float(engine.step()), "exact": exact}

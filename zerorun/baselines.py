@@ -95,7 +95,8 @@ class BaselineEngine:
         optimizer, zero the gradients.
 
         Returns:
-            The global gradient L2 norm before clipping (float), equal on every rank.
+            The global gradient L2 norm before clipping (0-d fp32 tensor on the device, as ``ZeroEngine.step``),
+            equal on every rank.
 
         Raises:
             RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step.
@@ -108,7 +109,7 @@ class BaselineEngine:
         self.optimizer.step()
         self.optimizer.zero_grad()  # torch's default, None: a parameter no rank used is not stepped, as zerorun
         self._micro_step = 0
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach().float()
 
     def memory_bytes(self) -> dict[str, int]:
         """Model-state bytes this rank holds: ``{"params", "grads", "optimizer"}`` in bytes, counted from its

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from zerorun.zero.masters import Masters, _fp32_grad, _group_params, probe_spec
+from zerorun.zero.masters import Masters, _group_params, multi_tensor_kwargs, probe_spec
 from zerorun.zero.paging_math import subgroup_elements
+from zerorun.zero.staging import ChunkStaging
 from zerorun.zero.swap import SwapFile
 
 
@@ -81,7 +82,8 @@ class DiskMasters(Masters):
         self._arena_np = self.arena.numpy()
         self._next_half = 0
         self.optimizer = optimizer_cls(_group_params(self.params, [group_of[c.index] for c in self.chunks],
-                                                     group_options), **optimizer_kwargs)
+                                                     group_options),
+                                       **multi_tensor_kwargs(optimizer_cls, optimizer_kwargs, host=True))
         self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerorun-swap")
 
     def _read(self, c: _Chunk, half: int) -> dict[str, torch.Tensor]:
@@ -94,22 +96,23 @@ class DiskMasters(Masters):
         return out
 
     def step(self, grads, coef, used=None) -> None:
-        cpu = torch.device("cpu")
-        coef_cpu = None if coef is None else coef.to(cpu)
         todo = [c for c in self.chunks if used is None or used[c.index][c.k]]  # Note [Unused parameters]
         if not todo:
             return
         self.stepped = True
+        stage = self._staging(grads[0].dtype)
+        stage.take(grads[todo[0].index], todo[0].lo, todo[0].numel, 0, coef)
         pending = self._reader.submit(self._read, todo[0], 0)
         for k, c in enumerate(todo):
             views = pending.result()
-            if k + 1 < len(todo):  # Note [Disk paging]: read the next sub-group while this one steps
+            if k + 1 < len(todo):  # Note [Disk paging]: read (and copy in) the next sub-group while this one steps
                 pending = self._reader.submit(self._read, todo[k + 1], (k + 1) % 2)
+                stage.take(grads[todo[k + 1].index], todo[k + 1].lo, todo[k + 1].numel, (k + 1) % 2, None)
             p = c.param
             p.data = views["master"]
             if c.small is not None:
                 self.optimizer.state[p] = {**c.small, **{n: views[n] for n in self.state_names}}
-            p.grad = _fp32_grad(grads[c.index][c.lo:c.lo + c.numel], coef_cpu, cpu)
+            p.grad = stage.grad(k % 2, c.numel, coef is not None)
             self.optimizer.step()
             p.grad = None
             state = self.optimizer.state.pop(p, {})  # a stateless optimizer (SGD without momentum) keeps none
@@ -117,9 +120,14 @@ class DiskMasters(Masters):
             for n in self.state_names:
                 self.file.write(c.offsets[n], state[n])
             c.small = {n: v for n, v in state.items() if n not in self.state_names}
-            # blocking: the host-buffer half is paged over two sub-groups later
-            self.slices[c.index][c.lo:c.lo + c.numel].copy_(p.data)
+            stage.give(p.data, self.slices[c.index][c.lo:c.lo + c.numel], k % 2)
             p.data = torch.empty(0, dtype=torch.float32)
+        stage.settle()
+
+    def _staging(self, grad_dtype: torch.dtype) -> "ChunkStaging":
+        if getattr(self, "_stage", None) is None or self._stage.dtype != grad_dtype:
+            self._stage = ChunkStaging(self.chunk, grad_dtype, self.slices[0].dtype, self.slices[0].device)
+        return self._stage
 
     def master_slices(self) -> list[torch.Tensor]:
         """Read from the swap file: new fp32 CPU tensors, one per flat buffer."""
@@ -166,7 +174,8 @@ class DiskMasters(Masters):
             scalars = {k: v for k, v in state.items() if k not in self.state_names} if state else None
             if states is not None and param_scalars is not None:  # each parameter's own (Note [Unused parameters])
                 scalars = param_scalars[c.index][c.k]
-            c.small = None if scalars is None else {k: v.detach().clone() for k, v in scalars.items()}
+            # Note [Scalar states on the CPU] in masters.py: the host step's parameters are on the CPU
+            c.small = None if scalars is None else {k: v.detach().to("cpu", copy=True) for k, v in scalars.items()}
             self.stepped |= c.small is not None
             if values is None:
                 continue

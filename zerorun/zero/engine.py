@@ -18,7 +18,7 @@ from zerorun.zero.broadcast import broadcast_coalesced
 from zerorun.zero.comm import Comm
 from zerorun.zero.config import ZeroConfig
 from zerorun.zero.flat import FlatBuffer, pack
-from zerorun.zero.gradnorm import NORM_ROW, sum_of_squares  # noqa: F401 (re-exported)
+from zerorun.zero.gradnorm import NORM_ROW, global_sum_of_squares, sum_of_squares  # noqa: F401 (re-exported)
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
 from zerorun.zero.optimizers import (NON_ELEMENTWISE_OPTIMIZERS, default_param_groups,  # noqa: F401 (re-exported)
                                      resolve_optimizer)
@@ -226,17 +226,19 @@ class ZeroEngine(UserModel):
         self.reducer.finish()
 
     # -------------------------------------------------------------------------------------------------- step
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
         """Finish the optimizer step after ``grad_accum_steps`` calls of :meth:`backward`: compute the global
-        gradient L2 norm over all ranks' slices, clip to ``grad_clip`` (as ``torch.nn.utils.clip_grad_norm_``),
-        step the optimizer on this rank's fp32 master slices, write them into the parameters (cast to
-        ``precision``) and all-gather them, zero the gradients. fp16: the norm is of the unscaled gradients;
-        if it is not finite the step is skipped on every rank (:attr:`last_step_skipped`,
-        :attr:`skipped_steps`) and the loss scale lowered (Note [Loss scaling]).
+        gradient L2 norm over all ranks' slices, clip to ``grad_clip`` (as ``torch.nn.utils.clip_grad_norm_``:
+        on the device, no host read), step the optimizer once on this rank's fp32 master slices (Note [One
+        optimizer step] in ``masters.py``), write them into the parameters (cast to ``precision``) and
+        all-gather them, zero the gradients. fp16: the norm is of the unscaled gradients; if it is not finite
+        the step is skipped on every rank (:attr:`last_step_skipped`, :attr:`skipped_steps`) and the loss scale
+        lowered (Note [Loss scaling]): the step's one host read.
 
         Returns:
-            The global gradient L2 norm before clipping (float), equal on every rank (inf or nan on a
-            skipped step).
+            The global gradient L2 norm before clipping: a 0-d fp32 tensor on the gradients' device, equal on
+            every rank (inf or nan on a skipped step). Read it (``float()``) only when it is needed: on a GPU
+            the read waits for the step.
 
         Raises:
             RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step.
@@ -248,9 +250,7 @@ class ZeroEngine(UserModel):
         self.reducer.pool.clear()  # Note [Gradient buffer pool]: not held through the optimizer step
         self.comm.release_buffers()
         grads = [self._grad_slice(buf) for buf in self.buffers]
-        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-        for g in grads:
-            sq += sum_of_squares(g)
+        sq = global_sum_of_squares(grads)
         if self.policy.partition_optimizer:
             sq = self._all_reduce_norm(sq)
         norm = sq.sqrt().float()
@@ -259,13 +259,13 @@ class ZeroEngine(UserModel):
         if self.scaler is not None:  # Note [Loss scaling]: the same verdict on every rank (sq is all-reduced)
             scale = self.scaler.scale
             norm = norm / scale
-            overflow = not bool(torch.isfinite(norm))
+            overflow = not bool(torch.isfinite(norm))  # fp16's one host read per step
             self.scaler.update(overflow)
             if overflow:
                 self.last_step_skipped = True
                 self.skipped_steps += 1
                 self._zero_grads()
-                return float(norm)
+                return norm
             coef = torch.full((), 1.0 / scale, dtype=torch.float32, device=norm.device)
         if self.config.grad_clip:
             clip = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
@@ -273,7 +273,7 @@ class ZeroEngine(UserModel):
         self.masters.step(grads, coef, self._used())
         self._after_step()
         self._zero_grads()
-        return float(norm)
+        return norm
 
     def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
         """The squared gradient norm ``sq`` (0-d fp64) summed over the ranks."""

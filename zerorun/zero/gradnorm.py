@@ -33,3 +33,21 @@ def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     if whole < flat.numel():
         sq += torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).double().square()
     return sq
+
+
+def global_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of every element of ``tensors`` (1-D or any shape, floating dtypes, one device)
+    as a 0-d fp64 tensor on their device, as :func:`sum_of_squares` of each summed, in a bounded number of
+    kernels: tensors of at most :data:`NORM_ROW` elements (one row each, Note [Gradient norm]) in one
+    multi-tensor norm (``torch._foreach_norm``, as ``clip_grad_norm_`` does), larger ones row by row. No host
+    read. Raises IndexError for an empty list (the engine has at least one flat buffer)."""
+    device = tensors[0].device
+    small = [t.reshape(-1) for t in tensors if 0 < t.numel() <= NORM_ROW]
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    if small:
+        norms = torch._foreach_norm(small, 2, dtype=torch.float32)
+        sq += torch.stack(norms).double().square().sum()
+    for t in tensors:
+        if t.numel() > NORM_ROW:
+            sq += sum_of_squares(t)
+    return sq

@@ -7,6 +7,8 @@ from typing import Any, Sequence
 
 import torch
 
+from zerorun.zero.staging import HostStaging
+
 
 def _group_params(params: list[torch.Tensor], group_of: list[int], group_options: list[dict]) -> list[dict]:
     groups = [dict(opts, params=[]) for opts in group_options]
@@ -30,12 +32,50 @@ def _state_bytes(state: dict) -> int:
     return sum(v.nbytes for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
 
-def _fp32_grad(grad: torch.Tensor, coef: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """A new fp32 tensor on ``device``: ``grad * coef`` (``coef`` a 0-d tensor, or ``None`` for 1)."""
-    g = grad.to(device=device, dtype=torch.float32, copy=True)
-    if coef is not None:
-        g.mul_(coef.to(device))
-    return g
+def multi_tensor_kwargs(optimizer_cls: type, kwargs: dict[str, Any], host: bool) -> dict[str, Any]:
+    """``kwargs`` with the multi-tensor implementation chosen where the user chose none (Note [One optimizer
+    step]): ``fused=True`` for a step in host memory (``host``) where torch has a fused CPU kernel for
+    ``optimizer_cls`` (Adam, AdamW, SGD, Adagrad), else ``foreach=True``; unchanged when the user set
+    ``foreach`` or ``fused``, or when the class's ``__init__`` names neither (a user's class)."""
+    import inspect
+
+    named = inspect.signature(optimizer_cls.__init__).parameters
+    if "foreach" in kwargs or "fused" in kwargs or "foreach" not in named or kwargs.get("capturable"):
+        return dict(kwargs)
+    fused_cpu = host and "fused" in named and optimizer_cls in (torch.optim.Adam, torch.optim.AdamW,
+                                                                 torch.optim.SGD, torch.optim.Adagrad)
+    return {**kwargs, "fused": True} if fused_cpu else {**kwargs, "foreach": True}
+
+
+def scalar_state(value: torch.Tensor, param: torch.Tensor, group: dict) -> torch.Tensor:
+    """A copy of scalar optimizer state ``value`` (Adam's ``step``) placed as torch keeps it (its
+    ``Optimizer.load_state_dict``): on the CPU unless the group is ``capturable`` or ``fused`` (then on
+    ``param``'s device, fp32). Note [Scalar states on the CPU]: a ``step`` on a GPU costs a host read per
+    parameter per step (the non-capturable optimizers read it with ``.item()``)."""
+    if group.get("capturable") or group.get("fused"):
+        return value.to(device=param.device, dtype=torch.float32, copy=True)
+    return value.to(device="cpu", copy=True)
+
+
+# Note [One optimizer step]: the step runs the optimizer once over every segment of every buffer of this rank,
+# multi-tensor (``foreach=True``, or ``fused=True`` for a step in host memory where torch has the CPU kernel:
+# Adam, AdamW, SGD, Adagrad; :func:`multi_tensor_kwargs`, unless the user chose either), as torch's own loop does
+# (``clip_grad_norm_`` then ``AdamW(foreach=True).step()``): the global norm in a bounded number of kernels
+# (``gradnorm.global_sum_of_squares``), the clip factor on the device (``clamp(max_norm / (norm + 1e-6), max=1)``,
+# times 1/scale with fp16), multiplied into the gradients with one kernel, no host read (fp16: one, the
+# overflow decision). The step used to run ``optimizer.step()`` once per flat buffer on the mixed-precision
+# and offload paths, each walking every parameter: 400 one-parameter buffers took 3.4x torch's time in bf16
+# (benchmarks/optimizer_step.py). Mixed precision: the fp32 gradients of all this rank's slices are one
+# transient tensor during the step (4 bytes per element of the slices; they were one buffer's at a time),
+# filled by one ``_foreach_copy_`` (cast) and written back the same way. The gradients are given to the
+# segments (``.grad``) at every step and taken away after it, so a user's ``optimizer.zero_grad()`` changes
+# nothing (issue 33 item 9).
+#
+# Note [Scalar states on the CPU]: torch keeps Adam's ``step`` (and the other scalar states) on the CPU unless
+# the optimizer is ``capturable`` or ``fused`` (``Optimizer.load_state_dict`` keeps them where they were
+# loaded): a non-capturable step reads each one with ``.item()``, free on the CPU, a device sync per parameter
+# per step on a GPU. Resume (``state.py``) loads them on the CPU and :func:`scalar_state` places them as torch
+# does.
 
 
 class Masters:
@@ -54,8 +94,8 @@ class Masters:
     gets its gradient as ``.grad`` (a view of the reduced slice, given at every step: a user's
     ``optimizer.zero_grad()`` changes nothing) or ``None``; the optimizer then does what torch does per
     parameter. A parameter used on some ranks only gets its mean gradient (zeros from the others), as under
-    DDP. The cost: the optimizer loops over parameters, not buffers (on CPU, where torch's optimizers step
-    tensor by tensor, as slow as a plain torch optimizer over the model). Checkpoints keep their format
+    DDP. The cost: the optimizer loops over parameters, not buffers, as a plain torch optimizer over the model
+    does (Note [One optimizer step]). Checkpoints keep their format
     (Note [Checkpoint layout] in ``state.py``): per-element states per parameter range as before, and the
     scalar states (``step``) per parameter, as they always were stored; a parameter no step has touched yet
     is written with zeros and ``step`` 0 and loads as no state (an optimizer that makes its state at
@@ -79,54 +119,75 @@ class Masters:
                  segments: list[list[tuple[int, int]]] | None = None) -> None:
         self.slices = slices
         self.alias = alias_grads is not None
-        self.params = [self._new_master(s) for s in slices]
+        self.numels = [s.numel() for s in slices]
+        self.params = self._new_masters(slices)
         self.bounds = segments if segments is not None else [[(0, s.numel())] for s in slices]
         self.segments = [[m[a:b].requires_grad_(True) for a, b in bounds]
                          for m, bounds in zip(self.params, self.bounds)]
         flat = [seg for segs in self.segments for seg in segs]
         groups = [group_of[i] for i, segs in enumerate(self.segments) for _ in segs]
-        self.optimizer = optimizer_cls(_group_params(flat, groups, group_options), **optimizer_kwargs)
+        kwargs = multi_tensor_kwargs(optimizer_cls, optimizer_kwargs, host=self._host_step())
+        self.optimizer = optimizer_cls(_group_params(flat, groups, group_options), **kwargs)
         self.eager = bool(self.optimizer.state)  # Adagrad makes its state at construction
         self.stepped = False  # whether any parameter has been stepped (the same on every rank)
 
-    def _new_master(self, s: torch.Tensor) -> torch.Tensor:
-        if self.alias:
-            return s.detach()
-        return s.detach().to(torch.float32, copy=True)
+    def _host_step(self) -> bool:
+        """Whether the optimizer steps in host memory (offload): the fused CPU kernels then."""
+        return False
 
-    def _give_grads(self, i: int, grad: torch.Tensor | None, used: list[bool] | None) -> bool:
-        """Set the ``.grad`` of buffer ``i``'s segments to their part of ``grad`` (1-D, the slice's shape) where
-        their parameter was used (``used[k]``; ``None``: all), else ``None``. Returns whether any got one."""
+    def _new_masters(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One 1-D fp32 master per slice: the slices themselves (aliased), else views of one new flat tensor."""
+        if self.alias:
+            return [s.detach() for s in slices]
+        flat = torch.empty(sum(self.numels), dtype=torch.float32, device=slices[0].device)
+        views = list(flat.split(self.numels))
+        torch._foreach_copy_(views, [s.detach().reshape(-1) for s in slices])
+        return views
+
+    def _give_grads(self, grads: Sequence[torch.Tensor], used: list[list[bool]] | None) -> bool:
+        """Set the ``.grad`` of every segment to its part of ``grads[i]`` (1-D, slice ``i``'s shape) where its
+        parameter was used (``used[i][k]``; ``None``: all), else ``None``. Returns whether any got one."""
         any_used = False
-        for k, ((a, b), seg) in enumerate(zip(self.bounds[i], self.segments[i])):
-            on = grad is not None and b > a and (used is None or used[k])
-            seg.grad = grad[a:b] if on else None
-            any_used |= on
+        for i, (grad, bounds, segs) in enumerate(zip(grads, self.bounds, self.segments)):
+            mine = used[i] if used is not None else None
+            for k, ((a, b), seg) in enumerate(zip(bounds, segs)):
+                on = b > a and (mine is None or mine[k])
+                seg.grad = grad[a:b] if on else None
+                any_used |= on
         return any_used
+
+    def _drop_grads(self) -> None:
+        for segs in self.segments:
+            for seg in segs:
+                seg.grad = None
+
+    def _step_on(self, grads: Sequence[torch.Tensor], used: list[list[bool]] | None) -> None:
+        """One optimizer step over every segment (Note [One optimizer step]) on fp32 ``grads`` (one per slice,
+        on the masters' device, already multiplied by the step's factor)."""
+        if self._give_grads(grads, used):
+            self.stepped = True
+            self.optimizer.step()
+        self._drop_grads()
 
     def step(self, grads: Sequence[torch.Tensor], coef: torch.Tensor | None,
              used: list[list[bool]] | None = None) -> None:
-        """Step on ``grads`` (this rank's gradient slices, any float dtype) times ``coef`` (0-d fp32 tensor:
-        clipping and loss-scale factor; ``None`` for 1), then write the masters into the parameter slices.
-        ``used[i][k]``: whether parameter ``k`` of buffer ``i`` got a gradient on some rank (Note [Unused
-        parameters]; ``None``: all did)."""
+        """Step on ``grads`` (this rank's gradient slices, any float dtype) times ``coef`` (0-d fp32 tensor on
+        the gradients' device: clipping and loss-scale factor; ``None`` for 1), then write the masters into
+        the parameter slices. ``used[i][k]``: whether parameter ``k`` of buffer ``i`` got a gradient on some
+        rank (Note [Unused parameters]; ``None``: all did). No host read (Note [One optimizer step])."""
+        grads = list(grads)
         if self.alias:
             if coef is not None:
-                torch._foreach_mul_(list(grads), coef)
-            stepped = [self._give_grads(i, g, used and used[i]) for i, g in enumerate(grads)]
-            self.optimizer.step()
-            for i in range(len(grads)):
-                self._give_grads(i, None, None)
-            self.stepped |= any(stepped)
+                torch._foreach_mul_(grads, coef)
+            self._step_on(grads, used)
             return
-        for i, (m, g, s) in enumerate(zip(self.params, grads, self.slices)):  # one buffer at a time
-            if used is not None and not any(used[i]):
-                continue
-            full = _fp32_grad(g, coef, m.device)  # fp32 grads are transient
-            self.stepped |= self._give_grads(i, full, used and used[i])
-            self.optimizer.step()
-            self._give_grads(i, None, None)
-            s.copy_(m)
+        flat = torch.empty(sum(self.numels), dtype=torch.float32, device=self.params[0].device)
+        full = list(flat.split(self.numels))  # fp32 gradients: transient, one allocation
+        torch._foreach_copy_(full, [g.reshape(-1) for g in grads])
+        if coef is not None:
+            flat.mul_(coef)
+        self._step_on(full, used)
+        torch._foreach_copy_(self.slices, self.params)
 
     def master_slices(self) -> list[torch.Tensor]:
         """This rank's fp32 master values, one 1-D tensor per flat buffer (views: do not modify)."""
@@ -202,6 +263,7 @@ class Masters:
                 m.copy_(v.reshape(m.shape))
         self.optimizer.state.clear()
         self.stepped = False
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         for i, (m, state) in enumerate(zip(self.params, states or [{}] * len(self.params))):
             if not state:
                 continue
@@ -212,7 +274,8 @@ class Masters:
                 if b == a or scalars is None:
                     continue
                 self.stepped = True
-                self.optimizer.state[seg] = {**{key: v.clone() for key, v in scalars.items()},
+                self.optimizer.state[seg] = {**{key: scalar_state(v, seg, group_of[id(seg)])
+                                                for key, v in scalars.items()},
                                              **{key: v[a:b].to(m.device, copy=True) for key, v in state.items()
                                                 if v.shape == m.shape}}
         self.write_params()
@@ -229,8 +292,7 @@ class Masters:
         """Write the masters into this rank's parameter slices, cast to the parameters' dtype (nothing to do
         when they are the same tensors: fp32 without offload)."""
         if not self.alias:
-            for m, s in zip(self.params, self.slices):
-                s.copy_(m.detach())
+            torch._foreach_copy_(self.slices, self.params)
 
     def memory_bytes(self) -> dict[str, int]:
         """``{"optimizer": bytes of states and separate fp32 masters in device memory, "host": in host memory
@@ -243,45 +305,38 @@ class Masters:
 
 
 class CpuMasters(Masters):
-    """Masters and optimizer states in host memory, pinned when the parameters are on CUDA, the step on the
-    CPU (Note [Offload overlap]). Arguments as :class:`Masters` (never aliased)."""
+    """Masters and optimizer states in host memory, pinned when the parameters are on CUDA, one step on the
+    CPU (fused or foreach, Note [One optimizer step]) over gradients staged through reused host buffers (Note
+    [Offload copies] in ``staging.py``). Arguments as :class:`Masters` (never aliased)."""
 
     def __init__(self, slices, group_of, group_options, optimizer_cls, optimizer_kwargs, segments=None) -> None:
         self.device = slices[0].device
         self.pin = self.device.type == "cuda"
         super().__init__(slices, group_of, group_options, optimizer_cls, optimizer_kwargs, segments=segments)
+        self.staging = HostStaging(self.numels, slices[0].dtype, self.device)
 
-    def _new_master(self, s: torch.Tensor) -> torch.Tensor:
-        m = torch.empty(s.numel(), dtype=torch.float32, pin_memory=self.pin)
-        m.copy_(s.detach().reshape(-1))
-        return m
+    def _host_step(self) -> bool:
+        return True
+
+    def _new_masters(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat = torch.empty(sum(self.numels), dtype=torch.float32, pin_memory=self.pin)
+        views = list(flat.split(self.numels))
+        for m, s in zip(views, slices):
+            m.copy_(s.detach().reshape(-1))
+        return views
 
     def step(self, grads, coef, used=None) -> None:
-        cpu = torch.device("cpu")
-        if not self.pin:  # host-only: the copies are plain copies, one buffer at a time
-            super().step(grads, coef, used)
-            return
-        staged, events = [], []
-        for g in grads:  # every copy in flight at once; buffer i steps when its copy is done
-            h = torch.empty(g.numel(), dtype=g.dtype, pin_memory=True)
-            h.copy_(g.reshape(-1), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            staged.append(h)
-            events.append(ev)
-        coef_cpu = None if coef is None else coef.to(cpu)
-        back = []
-        for i, (m, h, ev, s) in enumerate(zip(self.params, staged, events, self.slices)):
-            ev.synchronize()
-            if used is not None and not any(used[i]):
-                continue
-            self.stepped |= self._give_grads(i, _fp32_grad(h, coef_cpu, cpu), used and used[i])
-            self.optimizer.step()
-            self._give_grads(i, None, None)
-            out = m.detach().to(s.dtype).pin_memory()
-            s.copy_(out, non_blocking=True)
-            back.append(out)
-        torch.cuda.current_stream().synchronize()
+        self.staging.settle()  # the last step's copies out read the masters
+        self._step_on(self.staging.fetch(list(grads), coef), used)
+        self.staging.send(self.params, self.slices)
+
+    def load(self, values, states, param_scalars=None) -> None:
+        self.staging.settle()
+        super().load(values, states, param_scalars)
+
+    def set_values(self, values) -> None:
+        self.staging.settle()
+        super().set_values(values)
 
     def memory_bytes(self) -> dict[str, int]:
         held = sum(m.nbytes for m in self.params) + _state_bytes(self.optimizer.state)

@@ -331,9 +331,9 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
         if h.buffer_index is not None:
             mine = scalars[h.buffer_index][h.k] = {}
             for key, spec in layout["optim_state"].items():
-                if spec["kind"] != "elementwise":
+                if spec["kind"] != "elementwise":  # Note [Scalar states on the CPU] in masters.py
                     mine[key] = targets[f"optim/{h.name}/{key}"] = torch.zeros(
-                        spec["shape"], dtype=dtype_of(spec["dtype"]), device=masters[h.buffer_index].device)
+                        spec["shape"], dtype=dtype_of(spec["dtype"]), device="cpu")
                     continue
                 targets[f"optim/{h.name}/{key}"] = (
                     pager.entry(f"optim/{h.name}/{key}", h, key, load=True) if paged
