@@ -235,7 +235,7 @@ def train(recipe: Recipe, rank: int) -> None:
                 samples = t.micro_batch_size * t.grad_accum_steps
                 tflops = flops_per_token(engine.num_params, shape, tokens / samples) * tokens / step_s / 1e12
                 fields = dict(
-                    steps=t.steps, lr=lr, grad_norm=float(grad_norm), step_time_s=step_s, samples_per_s=samples / step_s,
+                    steps=t.steps, lr=lr, grad_norm=grad_norm, step_time_s=step_s, samples_per_s=samples / step_s,
                     tokens_per_s=tokens / step_s, job_samples_per_s=world_size * samples / step_s,
                     job_tokens_per_s=world_size * tokens / step_s, rss_bytes=proc.memory_info().rss,
                     peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
