@@ -71,8 +71,8 @@ def test_a_failure_before_the_first_checkpoint_restarts_from_step_0(recipe, tmp_
     said: list[str] = []
     result = run_with_restarts(recipe, [Host("a", 2)], tries, max_restarts=2, say=said.append)
     assert result.ok and [c[1] for c in tries.calls] == [0, 1] and tries.calls[1][2] is None
-    assert said == ["zerorun: restart 1 of 2 after rank 1 on a: rank process ended (killed by SIGKILL) (reached step "
-                    "3); resuming from step 0 (no checkpoint yet)"]
+    assert said == ["zerorun: restart 1 of 2 after rank 1 on a: rank process ended (killed by SIGKILL) (last step "
+                    "reported: 3); resuming from step 0 (no checkpoint yet)"]
     assert open(os.path.join(run_dir, "output.log")).read() == f"[launcher] {said[0]}\n"
     [event] = restarts(run_dir)
     assert {k: event[k] for k in ("rank", "attempt", "max_restarts", "cause", "failed_step", "resume_step",
@@ -91,17 +91,71 @@ def test_restarts_stop_when_none_are_left_and_the_last_failure_is_the_result(rec
     assert [e["failed_step"] for e in restarts(run_dir)] == [1, 2]
 
 
-def test_the_same_failure_at_the_same_step_stops_with_restarts_left(recipe, tmp_path):
+def test_the_same_failure_from_the_same_checkpoint_stops_with_restarts_left(recipe, tmp_path):
+    """The step a try reached races with the crash (rank 0's last report): a repeat is the same cause from the
+    same starting point, whatever step each try reported."""
     run_dir = str(tmp_path)
-    tries = Tries(recipe, run_dir, *[failed(run_dir, "rank 0 on a: ValueError: nan", step=7)] * 10)
+    tries = Tries(recipe, run_dir, *[failed(run_dir, "rank 0 on a: ValueError: nan", step=s) for s in (4, 1, 4, 3)])
     said: list[str] = []
     result = run_with_restarts(recipe, [Host("a", 2)], tries, max_restarts=9, say=said.append)
     assert result.exit_code == 1 and len(tries.calls) == SAME_FAILURE_LIMIT
-    assert said[-1] == f"zerorun: the same failure after step 7 {SAME_FAILURE_LIMIT} times in a row: not restarting"
-    # the same cause at another step, or another cause at the same step, is not a repeat
-    tries = Tries(recipe, run_dir, failed(run_dir, step=7), failed(run_dir, step=7), failed(run_dir, "other", step=7),
-                  failed(run_dir, step=7), failed(run_dir, step=8), ok(run_dir))
+    assert said[-1] == (f"zerorun: the same failure {SAME_FAILURE_LIMIT} times in a row, each try started from step 0 "
+                        "(no newer checkpoint saved between them): not restarting")
+    # another cause in between is not a repeat
+    tries = Tries(recipe, run_dir, failed(run_dir), failed(run_dir), failed(run_dir, "other"), failed(run_dir),
+                  failed(run_dir), ok(run_dir))
     assert run_with_restarts(recipe, [Host("a", 2)], tries, max_restarts=9, say=said.append).ok
+
+
+def _fake_checkpoints(monkeypatch, tmp_path, steps):
+    """Complete checkpoints ``step-N`` in checkpoint.dir for ``steps`` (checkpoint_files.check stands in)."""
+    from zerorun import checkpoint_files
+    from zerorun.errors import ZerorunError
+
+    paths = {}
+    for step in steps:
+        path = tmp_path / "ck" / f"step-{step:08d}"
+        path.mkdir(parents=True)
+        paths[step] = str(path)
+
+    def check(path):
+        if not os.path.isdir(path):
+            raise ZerorunError(f"{path}: no checkpoint")
+        return {"step": int(os.path.basename(path).split("-")[1])}
+
+    monkeypatch.setattr(checkpoint_files, "check", check)
+    return paths
+
+
+def _saved(run_dir, path, step):
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"event": "checkpoint", "rank": 0, "step": step, "path": path}) + "\n")
+
+
+def test_a_restart_resumes_only_checkpoints_of_its_own_job(recipe, tmp_path, monkeypatch):
+    """Another run's checkpoints in the shared checkpoint.dir (steps 12 and 18, and one after the last step)
+    are never resumed by a fresh job's restart: before its own first save it starts from step 0, after it
+    from its own newest; progress saved between failures is not a repeat."""
+    paths = _fake_checkpoints(monkeypatch, tmp_path, [5, 12, 18, 40])
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    tries = Tries(recipe, run_dir, failed(run_dir), failed(run_dir), failed(run_dir), failed(run_dir), ok(run_dir))
+    orig = tries.__call__
+
+    def call(hosts, attempt):
+        if attempt == 1:
+            _saved(run_dir, paths[5], 5)  # this job's own save, in its second try
+        return orig(hosts, attempt)
+
+    said: list[str] = []
+    assert run_with_restarts(recipe, [Host("a", 2)], call, max_restarts=9, say=said.append).ok
+    assert [c[2] for c in tries.calls] == [None, None, paths[5], paths[5], paths[5]]
+    # a job that resumed step 12 by hand restarts from there while it has saved nothing newer
+    recipe.checkpoint.resume = paths[12]
+    tries = Tries(recipe, run_dir := str(tmp_path / "run2"), failed(run_dir), ok(run_dir))
+    os.makedirs(run_dir)
+    assert run_with_restarts(recipe, [Host("a", 2)], tries, max_restarts=1, say=said.append).ok
+    assert [c[2] for c in tries.calls] == [paths[12], paths[12]]
 
 
 @pytest.mark.parametrize("result", [

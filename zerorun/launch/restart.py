@@ -4,8 +4,10 @@
 Note [Job restarts]: when a rank, a torchrun agent or a node fails, the supervisor stops the whole job as ever
 (Note [Teardown] in launch/supervisor.py); with restarts left, :func:`run_with_restarts` then starts the whole
 job again (a fresh torchrun agent on every node, through :func:`~zerorun.launch.run.run_job`), resumed from
-the latest complete checkpoint in ``checkpoint.dir`` (Note [Resume lookup] in zerorun/resume.py), or from step
-0 when there is none yet (or the recipe saves none). torchrun's own ``--max-restarts`` stays 0: its elastic
+the newest complete checkpoint this job saved (the ``checkpoint`` events of its run folder), else from the one
+its first try resumed from, else from step 0. Never from the newest checkpoint in ``checkpoint.dir`` as such:
+a fresh job shares that folder with earlier jobs of the recipe, whose checkpoints are not its own (a restart
+would jump ahead to another run's weights, or find the job "done"). torchrun's own ``--max-restarts`` stays 0: its elastic
 agent restarts the ranks of its node only, at the world size it rendezvoused with, and each rank would have
 to find its own checkpoint; zerorun restarts the job, so that the launcher picks one checkpoint for every
 rank and a job that lost a node can continue at a smaller world size, the sharded optimizer states and
@@ -14,8 +16,9 @@ parameters resharded on load (Note [Exact resume] in zerorun/checkpoint.py), whi
 A user's script (``zerorun launch --max-restarts N``) is started again as it is, resuming from checkpoints of
 its own as under torchrun. Only failures restart (exit code 1: a crash, a killed rank, a lost node); bad input
 (exit code 2: the same again on every try) and an interruption (Ctrl-C, SIGTERM, exit code 130/143) end the
-job. The same failure (the same cause, after the same step) :data:`SAME_FAILURE_LIMIT` times in a row ends it
-too, restarts left or not: it is the job's, not a machine's. Each restart is a line on stdout and in the run's ``output.log`` and a
+job. The same failure (the same cause, each try started from the same checkpoint: no progress saved between
+them) :data:`SAME_FAILURE_LIMIT` times in a row ends it too, restarts left or not: it is the job's, not a
+machine's. (The step a try reached is not the key: rank 0's last report races with the crash.) Each restart is a line on stdout and in the run's ``output.log`` and a
 ``restart`` event in its ``metrics.jsonl`` (one run folder for every try); the job's exit code is its last
 try's.
 
@@ -29,6 +32,7 @@ not, the nearest accumulation is taken and a line says how the global batch chan
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Callable
@@ -37,7 +41,7 @@ from zerorun.errors import ZerorunError
 from zerorun.hostfile import Host
 from zerorun.telemetry.events import PREFIX, format_event
 
-#: the same failure after the same step this many times in a row ends the job, restarts left or not
+#: the same failure from the same starting checkpoint this many times in a row ends the job, restarts left or not
 SAME_FAILURE_LIMIT = 3
 
 
@@ -114,24 +118,48 @@ def _step_reached(result) -> int:
     return max((r.step or 0 for r in state.ranks.values()), default=0)
 
 
-def resume_point(recipe, say: Callable[[str], None]) -> tuple[int, str | None] | None:
-    """Point ``recipe`` at the latest complete checkpoint (Note [Job restarts]): ``(step, path)``, ``(0,
-    None)`` to start from step 0, or None when that checkpoint is the last step's (the job is done)."""
-    ckpt = recipe.checkpoint
-    if not ckpt.dir or recipe.runtime != "zero":
-        ckpt.resume = None
-        return 0, None
-    from zerorun.resume import LATEST, prepare_resume
+def saved_by_job(run_dir: str) -> list[str]:
+    """The checkpoints this job saved (any try), oldest first: the ``path`` of every ``checkpoint`` event in
+    ``run_dir``'s metrics.jsonl (rank 0 sends it once the save is complete). A torn last line is skipped."""
+    paths: list[str] = []
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if event.get("event") == "checkpoint" and event.get("path"):
+                    paths.append(event["path"])
+    except OSError:
+        pass
+    return paths
 
-    said: list[str] = []  # "no checkpoint yet" is said by the restart's line; the schedule is the same
-    if not prepare_resume(recipe, LATEST, say=said.append):
-        say(said[-1])  # saved after the last step: the job is done
-        return None
-    if ckpt.resume is None:
+
+def resume_point(recipe, say: Callable[[str], None], run_dir: str | None = None,
+                 initial: str | None = None) -> tuple[int, str | None] | None:
+    """Point ``recipe`` at the checkpoint a restart resumes from (Note [Job restarts]): the newest complete one
+    this job saved (:func:`saved_by_job`), else ``initial`` (the checkpoint the first try resumed from) if it
+    is still complete, else step 0 -- never another job's checkpoint that happens to be in ``checkpoint.dir``.
+    Returns ``(step, path)``, ``(0, None)`` for step 0, or None when that checkpoint is the last step's (the
+    job is done)."""
+    ckpt = recipe.checkpoint
+    ckpt.resume = None
+    if not ckpt.dir or recipe.runtime != "zero":
         return 0, None
     from zerorun import checkpoint_files
 
-    return int(checkpoint_files.check(ckpt.resume)["step"]), ckpt.resume
+    for path in (saved_by_job(run_dir)[::-1] if run_dir else []) + ([initial] if initial else []):
+        try:
+            step = int(checkpoint_files.check(path)["step"])
+        except ZerorunError:
+            continue  # gone, incomplete or damaged: an older one
+        if step >= recipe.train.steps:
+            say(f"zerorun: {path} was saved after step {step}, the last: the job is done")
+            return None
+        ckpt.resume = path
+        return step, path
+    return 0, None
 
 
 def _log(run_dir: str, text: str) -> None:
@@ -211,6 +239,7 @@ def run_with_restarts(recipe, hosts: list[Host], run: Callable, *, max_restarts:
 
     shown = say or (lambda line: print(line, flush=True))
     attempt, failures, lost, result = 0, [], {}, None
+    initial = recipe.checkpoint.resume if recipe is not None else None  # the first try's starting point
 
     def say(line: str) -> None:  # on stdout (or ``say``) and in the run's output.log
         shown(line)
@@ -236,18 +265,20 @@ def run_with_restarts(recipe, hosts: list[Host], run: Callable, *, max_restarts:
             return result
         step = _step_reached(result)
         cause = result.message.removesuffix(f" (logs: {result.run_dir})")
-        failures.append((cause, step))
+        failures.append((cause, recipe.checkpoint.resume if recipe is not None else None))  # from where it began
         if attempt >= max_restarts:
             if max_restarts:
                 say(f"zerorun: no restarts left (launch.max_restarts {max_restarts})")
             return result
         if len(failures) >= SAME_FAILURE_LIMIT and len(set(failures[-SAME_FAILURE_LIMIT:])) == 1:
-            say(f"zerorun: the same failure after step {step} {SAME_FAILURE_LIMIT} times in a row: not restarting")
+            began = failures[-1][1] or "step 0"
+            say(f"zerorun: the same failure {SAME_FAILURE_LIMIT} times in a row, each try started from {began} "
+                "(no newer checkpoint saved between them): not restarting")
             return result
         if result.lost and result.host and min_nodes is not None:
             lost = {result.host: "its node was lost"}
         attempt += 1
-        point = resume_point(recipe, say) if recipe is not None else (0, None)
+        point = resume_point(recipe, say, result.run_dir, initial) if recipe is not None else (0, None)
         if point is None:  # the last step's checkpoint was saved before the failure: the job is done
             return type(result)("ok", 0, result.run_dir, "", result.elapsed_s, result.state)
         _announce(result.run_dir, say, attempt, max_restarts, cause, step, point)
@@ -256,7 +287,7 @@ def run_with_restarts(recipe, hosts: list[Host], run: Callable, *, max_restarts:
 def _announce(run_dir, say, attempt, max_restarts, cause, step, point) -> None:
     resume_step, path = point
     where = f"checkpoint {path} (after step {resume_step})" if path else "step 0 (no checkpoint yet)"
-    say(f"zerorun: restart {attempt} of {max_restarts} after {cause} (reached step {step}); resuming from {where}")
+    say(f"zerorun: restart {attempt} of {max_restarts} after {cause} (last step reported: {step}); resuming from {where}")
     try:
         record(run_dir, attempt=attempt, max_restarts=max_restarts, cause=cause, failed_step=step,
                resume_step=resume_step, checkpoint=path)
