@@ -151,7 +151,11 @@ def test_parse_sizes_and_bandwidth():
 
 @pytest.mark.parametrize("args,expected", [
     (["--params", "7X"], "zerorun: error: --params: cannot read '7X'"),
-    (["--params", "7B", "--device-memory", "lots"], "zerorun: error: --device-memory: cannot read 'lots'"),
+    (["--params", "7B", "--device-memory", "lots"], "zerorun: error: --gpu-memory: cannot read 'lots'"),
+    # a bare number was read as bytes ("fits: no -1717800%"); an empty value was ignored
+    (["--params", "7B", "--gpu-memory", "80"],
+     "zerorun: error: --gpu-memory: cannot read '80': expected a positive size such as 80GiB"),
+    (["--params", "7B", "--host-memory", ""], "zerorun: error: --host-memory: cannot read ''"),
     (["--params", "7B", "--bandwidth", "100Gb"], "zerorun: error: --bandwidth: cannot read '100Gb'"),
     (["--params", "7B", "--largest-layer", "-1"], "zerorun: error: --largest-layer: cannot read '-1'"),
     (["--params", "7B", "--precision", "fp8"], "zerorun: error: --precision: 'fp8' is not one of"),

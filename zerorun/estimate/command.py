@@ -77,8 +77,8 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
     else:
         opt = optimizer_model("adam")
     memory = choose(hostfile=hostfile, ssh=ssh, procs_per_node=ppn,
-                    device_memory=parse_bytes(device_memory, "--device-memory") if device_memory else None,
-                    host_memory=parse_bytes(cpu_memory, "--cpu-memory") if cpu_memory else None)
+                    device_memory=None if device_memory is None else parse_bytes(device_memory, "--gpu-memory"),
+                    host_memory=None if cpu_memory is None else parse_bytes(cpu_memory, "--host-memory"))
     dev, kind, host = memory.device_bytes, memory.device, memory.host_bytes
     setup = Setup(
         nodes=n_nodes, procs_per_node=ppn, world_size=world, precision=prec, optimizer=opt,

@@ -11,7 +11,7 @@ from zerorun.errors import ZerorunError
 # ------------------------------------------------------------------------------------------------- sizes
 _NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*")  # fullmatch
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+_BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _BIT_PREFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
@@ -45,7 +45,8 @@ def parse_count(text: str, flag: str = "--params") -> int:
 
 
 def parse_bytes(text: str, flag: str = "--device-memory") -> int:
-    """A size in bytes: ``80GiB`` (binary: KiB, MiB, GiB, TiB), ``80GB`` (decimal: KB, MB, GB, TB) or bytes.
+    """A size in bytes: ``80GiB`` (binary: KiB, MiB, GiB, TiB), ``80GB`` (decimal: KB, MB, GB, TB) or ``80B``;
+    a number without a unit is refused (``--gpu-memory 80`` was read as 80 bytes).
 
     Raises:
         ZerorunError: not a positive size; the message names ``flag``.
