@@ -76,10 +76,15 @@ def test_adam_without_decoupled_decay_and_auto_values(tmp_path):
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-3}},
           "bf16": {"enabled": True}, "zero_optimization": {"stage": 1, "reduce_bucket_size": 1048576}}
     data, text, dropped = _run(tmp_path, ds, hosts=None)
-    r = Recipe.model_validate(data)
+    # what the Trainer fills in is 'auto' in the recipe, which does not load until given (zerorun's defaults
+    # trained silently in its place: micro-batch 1, 1000 steps)
+    assert data["train"]["micro_batch_size"] == "auto" and data["train"]["steps"] == "auto"
+    with pytest.raises(ValueError):
+        Recipe.model_validate(data)
+    r = Recipe.model_validate({**data, "train": {**data["train"], "micro_batch_size": 2, "steps": 10}})
     assert r.train.optimizer.name == "Adam" and r.train.optimizer.lr == 1e-3 and r.train.grad_accum_steps == 4
     assert r.train.schedule.decay == "constant" and r.precision == "bf16" and r.zero.bucket_mb == 2.0
-    assert not dropped and r.train.micro_batch_size == 1  # the placeholder, to fill in:
+    assert not dropped  # the fill-ins are listed:
     assert "\n#   train.micro_batch_size: 'auto' in the config (the HF Trainer's per_device_train_batch_size): give " \
            "--micro-batch-size or set it\n" in text
     assert "train.optimizer.lr" not in text  # 'auto' beside the scheduler's warmup_max_lr: that one
@@ -144,7 +149,7 @@ def test_bad_config_is_one_line(tmp_path, ds, hosts, pattern):
 def test_auto_betas_are_the_trainers_default(tmp_path):
     recipe, text, dropped = _run(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": "auto",
                                                                                       "betas": "auto"}}}, None)
-    assert recipe["train"]["optimizer"] == {"name": "AdamW", "betas": [0.9, 0.999]} and not dropped
+    assert recipe["train"]["optimizer"] == {"name": "AdamW", "betas": [0.9, 0.999], "lr": "auto"} and not dropped
     assert "#   optimizer.params.betas: [0.9, 0.999] (the HF Trainer's default adam_beta1, adam_beta2)" in text
     assert "#   train.optimizer.lr: 'auto' in the config (the HF Trainer's learning_rate): give --lr" in text
 
@@ -219,7 +224,8 @@ def test_auto_schedule_values_are_left_out_and_betas_only_for_adam(tmp_path):
     for kind, extra in (("WarmupLR", {}), ("WarmupCosineLR", {"cos_min_ratio": "auto", "total_num_steps": "auto"})):
         data, text, dropped = _run(tmp_path, {"scheduler": {"type": kind, "params": {**auto, **extra}}}, None)
         assert None not in data["train"]["schedule"].values(), data["train"]
-        Recipe.model_validate({**data, "train": {**data["train"], "optimizer": {"name": "AdamW", "lr": 1e-3}}})
+        Recipe.model_validate({**data, "train": {**data["train"], "optimizer": {"name": "AdamW", "lr": 1e-3},
+                                                 "steps": 100}})
         assert data["train"]["schedule"]["warmup_steps"] == 0  # the Trainer's default warmup_steps, said so
         assert "#   scheduler.params.warmup_num_steps: 0 (the HF Trainer's default warmup_steps)" in text
     for kind in ("SGD", "Adagrad"):
@@ -302,7 +308,12 @@ def test_hf_trainer_auto_config_without_options_lists_what_to_fill_in(tmp_path):
     Now: the three values a job must give listed at the top, the Trainer's defaults taken and said, the monitors
     mapped to log.trackers (comet one line), offload_param cpu one line saying what zerorun offers instead."""
     data, text, dropped = _run(tmp_path, HF_ZERO3, None)
-    r = _filled(data)
+    train = data["train"]  # each is 'auto', which does not load until given (zerorun's defaults trained silently)
+    assert (train["optimizer"]["lr"], train["steps"], train["micro_batch_size"]) == ("auto", "auto", "auto")
+    with pytest.raises(ValueError, match="lr"):
+        _filled(data)
+    r = _filled({**data, "train": {**train, "optimizer": {**train["optimizer"], "lr": 1e-4}, "steps": 2000,
+                                   "micro_batch_size": 2}})
     head = text.split("\n# 'auto' taken")[0]
     for field, flag, hf in (("train.optimizer.lr", "--lr", "learning_rate"), ("train.steps", "--steps", "max_steps"),
                             ("train.micro_batch_size", "--micro-batch-size", "per_device_train_batch_size")):
@@ -310,7 +321,7 @@ def test_hf_trainer_auto_config_without_options_lists_what_to_fill_in(tmp_path):
     assert r.log.every <= r.train.steps and r.log.trackers == ["tensorboard", "wandb", "csv"]
     assert (r.log.wandb.project, r.log.wandb.entity, r.log.tensorboard.dir) == ("my-project", "my-team", "logs/zero3")
     assert r.train.grad_accum_steps == 1 and r.train.grad_clip == 1.0 and r.precision == "fp32"
-    assert r.train.optimizer.kwargs() == {"lr": 3e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+    assert r.train.optimizer.kwargs() == {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
     assert (r.train.schedule.warmup_steps, r.train.schedule.decay) == (0, "linear")
     assert (r.zero.stage, r.zero.offload_optimizer, r.zero.offload_params) == (3, "cpu", "none")
     assert sorted(dropped) == [
@@ -341,7 +352,7 @@ def test_hf_trainer_auto_config_with_the_options(tmp_path):
     with pytest.raises(ZerorunError, match=r"^\S+ds\.json: train_micro_batch_size_per_gpu: 8 in the config and "
                                            r"--micro-batch-size 4: give one$"):
         import_deepspeed(str(path), micro_batch_size=4)
-    r = _filled(yaml.safe_load(import_deepspeed(str(path), micro_batch_size=8, steps=1000)[0]))
+    r = _filled(yaml.safe_load(import_deepspeed(str(path), micro_batch_size=8, steps=1000, lr=1e-4)[0]))
     assert (r.train.micro_batch_size, r.log.every) == (8, 10)
     for bad in (0.0, float("nan"), float("inf"), -1e-3):  # typer takes each as a float
         with pytest.raises(ZerorunError, match=rf"^--lr: expected a learning rate > 0, got {bad}$"):
