@@ -35,8 +35,5 @@ def test_every_rank_issues_the_same_collectives(ranks, stage):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue 33 item 2, open: stage 3 all-gathers on a second group, and a reduce-scatter that "
-                          "finds MAX_INFLIGHT + 1 in flight inside a gradient hook is launched when is_completed() "
-                          "says the oldest finished, so where it lands among the all-gathers depends on timing")
 def test_stage3_every_rank_issues_the_same_collectives(ranks):
     _same_on_every_rank(_sequences(ranks), 3)
