@@ -21,7 +21,7 @@ def _same_on_every_rank(per_rank: list, stage: int) -> None:
     for precision in ("fp32", "bf16"):
         key = f"{stage}/{precision}"
         first, other = per_rank[0][key], per_rank[1][key]
-        assert len(first) > 25, (key, len(first))  # several steps of a 6-block model, not a trivial run
+        assert len(first) > 20, (key, len(first))  # several steps (stage 0 bf16: 26), not trivial
         diff = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
         assert first == other, (f"stage {stage} {precision}: collective #{diff + 1} differs: rank 0 issued "
                                 f"{first[diff:diff + 3]}, rank 1 {other[diff:diff + 3]}")
@@ -35,8 +35,5 @@ def test_every_rank_issues_the_same_collectives(ranks, stage):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue 33 item 2, open: stage 3 all-gathers on a second group, and a reduce-scatter that "
-                          "finds MAX_INFLIGHT + 1 in flight inside a gradient hook is launched when is_completed() "
-                          "says the oldest finished, so where it lands among the all-gathers depends on timing")
 def test_stage3_every_rank_issues_the_same_collectives(ranks):
     _same_on_every_rank(_sequences(ranks), 3)

@@ -13,10 +13,14 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_layer_used_twice_under_reentrant_checkpointing(ranks, stage):
     """Its gradient accumulates twice in one backward (two graph tasks): equal to the hand-reduced SGD step at
-    every step; the first step reduces it once more (late), later steps know to wait for both."""
+    every step; the first step reduces it once more (late), later steps know to wait for both. Stage 3 reduces
+    at fixed points after both (Note [Program order] in reducer.py): nothing late."""
     for r in ranks(2).run(cases.reentrant_twice, stage=stage):
         assert max(r["diffs"]) < 1e-6, r
-        assert r["late_fixups"][0] >= 1 and r["late_fixups"][-1] == r["late_fixups"][0], r
+        if stage == 3:
+            assert r["late_fixups"][-1] == 0, r
+        else:
+            assert r["late_fixups"][0] >= 1 and r["late_fixups"][-1] == r["late_fixups"][0], r
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -105,7 +109,10 @@ def test_adopted_gradients_train_as_stage_0(ranks, bucket_mb):
             for step, (ps, ws) in enumerate(zip(r["params"], w["params"])):
                 for k in ws:
                     got_t, want_t = torch.tensor(ps[k]), torch.tensor(ws[k])
-                    assert torch.allclose(got_t, want_t, rtol=1e-5, atol=1e-7), (stage, step, k)
+                    # stage 3 sums the two accumulations of ``twice`` before reducing, stage 0's first step
+                    # reduces them apart (late): AdamW's first update g / (|g| + eps) turns that rounding, on an
+                    # element where they cancel, into up to ~1e-4 of lr (1e-2)
+                    assert torch.allclose(got_t, want_t, rtol=1e-5, atol=1e-7 if stage == 2 else 3e-6), (stage, step, k)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

@@ -12,7 +12,7 @@ full gradient kept    yes        yes              no (transient)   no (transient
 collective            all-reduce reduce-scatter   reduce-scatter   reduce-scatter
 reduced when          last micro last micro-step  every micro-step every micro-step
 reduces in flight     unbounded  MAX_INFLIGHT     MAX_INFLIGHT     MAX_INFLIGHT
-wait inside a hook    never      yes              yes              never (Note [Waiting in hooks])
+reduced at            readiness  readiness        readiness        fixed points (Note [Program order])
 ``p.grad`` after bwd  reduced    ``None``         ``None``         ``None``
 params after step     whole      all-gathered     all-gathered     slice only
 ====================  =========  ===============  ===============  ================
@@ -41,8 +41,9 @@ class StagePolicy:
         all_reduce: the gradient collective is an all-reduce (stage 0) rather than a reduce-scatter.
         reduce_every_micro_step: reduce on every micro-step (else only on the last of a step).
         bound_in_flight: at most ``MAX_INFLIGHT`` reductions in flight (each holds a bucket-sized buffer).
-        wait_in_hooks: a gradient hook may wait for an earlier reduction to make room (only where no other
-            collective runs during backward: Note [Waiting in hooks] in ``reducer.py``).
+        ordered_launch: reductions are launched only at the points the engine names (a listed unit's end of
+            backward, the end of backward), never when a bucket becomes ready (Note [Program order] in
+            ``reducer.py``).
         reduced_grad_visible: ``p.grad`` holds the full reduced gradient after the last backward of a step.
         gather_after_step: all-gather the updated slices into whole parameters after the optimizer step.
     """
@@ -53,18 +54,19 @@ class StagePolicy:
     all_reduce: bool
     reduce_every_micro_step: bool
     bound_in_flight: bool
-    wait_in_hooks: bool
     reduced_grad_visible: bool
     gather_after_step: bool
+    ordered_launch: bool = False
 
 
 POLICIES = {
     0: StagePolicy(0, partition_optimizer=False, keep_full_grad=True, all_reduce=True, reduce_every_micro_step=False,
-                   bound_in_flight=False, wait_in_hooks=False, reduced_grad_visible=True, gather_after_step=False),
+                   bound_in_flight=False, reduced_grad_visible=True, gather_after_step=False),
     1: StagePolicy(1, partition_optimizer=True, keep_full_grad=True, all_reduce=False, reduce_every_micro_step=False,
-                   bound_in_flight=True, wait_in_hooks=True, reduced_grad_visible=False, gather_after_step=True),
+                   bound_in_flight=True, reduced_grad_visible=False, gather_after_step=True),
     2: StagePolicy(2, partition_optimizer=True, keep_full_grad=False, all_reduce=False, reduce_every_micro_step=True,
-                   bound_in_flight=True, wait_in_hooks=True, reduced_grad_visible=False, gather_after_step=True),
+                   bound_in_flight=True, reduced_grad_visible=False, gather_after_step=True),
     3: StagePolicy(3, partition_optimizer=True, keep_full_grad=False, all_reduce=False, reduce_every_micro_step=True,
-                   bound_in_flight=True, wait_in_hooks=False, reduced_grad_visible=False, gather_after_step=False),
+                   bound_in_flight=True, reduced_grad_visible=False, gather_after_step=False,
+                   ordered_launch=True),
 }

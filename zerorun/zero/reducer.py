@@ -33,28 +33,27 @@ micro-step (a fresh large block costs a page fault per page on every use: Note [
 zero/allocator.py), dropped when the optimizer step begins. The reduce-scatter runs in place and this rank's
 slice is added, divided by N, to the slice it keeps (fp16 divides first, for its range, as DDP).
 
-Note [Adopted gradient]: at stages 2-3 a bucket that is exactly one parameter (no other parameter, no padding)
-takes autograd's gradient of it as its full gradient, without a pool buffer or a copy, when that tensor is
-the parameter's alone: strided, contiguous, in the reduce dtype, not a view, spanning its whole storage, and
-the only tensor on that storage (``torch_internals.sole_owner``). AccumulateGrad hands over as ``p.grad`` the
-very tensor autograd computed whenever no other Python reference holds it, even when it shares its storage
-with tensors autograd still needs: the gradients of parameters used through ``torch.cat`` are slices of one
-tensor, two parameters whose views were added share one gradient, and a broadcast add hands a view of the
-incoming gradient that the other operand's backward still reads. Those are copied, as are the gradients of
-padded buckets and buckets of several parameters; once the hook sets ``p.grad`` to ``None`` the reducer is
-the only user of an adopted one and the reduce-scatter may write into it. A parameter larger than a bucket is a
-bucket of its own (``flat.pack``), so this is the case of the largest ones (a GPT's embedding and LM head),
-whose gradient existed twice at their backward (autograd's and the pooled copy). A second accumulation in
-the same backward (reentrant checkpointing) is added into it. It is dropped, not pooled, after its reduction.
+Note [Program order]: NCCL pairs a communicator's collectives by the order they are issued, and communicators
+that can run at the same time must be issued in the same order on every rank, or it may deadlock (gloo
+pairs by order too: a mismatch hangs or mixes data). So every rank issues the same sequence of collectives
+whatever the timing: no launch is decided by a handle's ``is_completed()``, nor by when a gradient arrives
+where ranks may differ. Stages 0-2 run no other collective in backward: buckets are launched as they become
+ready, in the launch order. Stage 3 all-gathers units in backward on the same group (as FSDP2 issues
+all-gather and reduce-scatter on one group at program-ordered points, overlapping through streams: Note
+[Streams] in streams.py), and readiness differs between ranks (an expert unused on one rank is complete at
+the start of backward; an outer unit's gradient comes before or after a listed unit's all-gather: Note
+[Outer units]). So stage 3 (``policy.ordered_launch``) launches at two points only: a listed unit's end of
+backward (Note [End of a unit's backward]), where every rank agreed before backward that it reaches it
+(``check_backward_units``), launches that unit's buckets in their fixed order, complete here or not (a
+gradient after it is late: Note [Per-parameter readiness]); the end of backward launches every bucket left
+(the root's, outer units', persistent ones, a unit's whose end some rank does not reach) in the launch
+order. Memory: a bucket's full gradient is held until its point (outer units': the end of backward).
 
 Note [Waiting in hooks]: with ``MAX_INFLIGHT + 1`` reductions in flight (each holds a bucket-sized buffer:
-the full gradient at stages 2-3, gloo's receive buffer at stage 1), finished ones are collected; if none has
-finished, stages 1-2 wait for the oldest inside the gradient hook. That is safe there because no other
-collective runs during their backward: every rank reaches the end of backward, where it launches everything.
-Stage 3 all-gathers units during backward, so a rank waiting inside a hook for a reduce-scatter that another
-rank has not launched yet, while that rank waits for this one's next all-gather, would hang: stage 3 never
-waits in a hook. A launch that finds no room is left for the next hook or the end of backward, and a bucket
-that must start filling then takes a buffer past the bound (only when communication falls behind compute).
+the full gradient at stages 2-3, gloo's receive buffer at stage 1), or as many pool buffers taken, the oldest
+is waited for, inside a gradient hook too: waiting issues nothing, so with the same sequence of collectives
+on every rank (Note [Program order]) it cannot deadlock. A bucket that must start filling while every taken
+buffer is still filling takes one past the bound.
 """
 
 from __future__ import annotations
@@ -65,10 +64,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from zerorun.zero.adoption import adoptable
 from zerorun.zero.comm import BufferPool, Comm
 from zerorun.zero.flat import FlatBuffer
 from zerorun.zero.policy import StagePolicy
-from zerorun.zero.torch_internals import sole_owner, will_accumulate
+from zerorun.zero.torch_internals import will_accumulate
 
 
 class GradReducer:
@@ -85,7 +85,8 @@ class GradReducer:
     Attributes:
         order: the launch order (Note [Launch order]).
         late_fixups: buckets reduced a second time because a gradient came after their launch, in all.
-        adopted: bucket gradients taken from autograd without a copy (Note [Adopted gradient]), in all.
+        adopted: bucket gradients taken from autograd without a copy (Note [Adopted gradient] in
+            ``adoption.py``), in all.
         on_ready: callbacks ``f(buf)`` run when a bucket's gradient is complete (stage 3 frees its unit).
     """
 
@@ -170,7 +171,7 @@ class GradReducer:
         for p, n in self._expected.items():
             if n == 0:
                 self._param_ready(self._slot[p])
-        self._launch_ready(in_hook=False)
+        self._launch_ready()
 
     def _on_grad(self, p: nn.Parameter) -> None:
         buf = self._slot[p]
@@ -182,6 +183,8 @@ class GradReducer:
             buf.view_of(late, p).add_(p.grad)
             p.grad = None
             self._count[p] += 1
+            if self._count[p] == self._expected[p]:
+                self._param_ready(buf)
             return
         if self.policy.keep_full_grad:
             view = buf.view_of(buf.grad, p)
@@ -191,13 +194,14 @@ class GradReducer:
             if not self.sync:
                 return
         else:
-            if buf.grad is None and self._adoptable(buf, p.grad):  # Note [Adopted gradient]: no copy
+            if buf.grad is None and adoptable(buf, p.grad, self.reduce_dtype):  # Note [Adopted gradient]
+                self.adopted += 1
                 buf.grad = p.grad.view(-1)
                 self._adopted.add(buf)
                 self._written[buf] = {p}
             else:
                 if buf.grad is None:  # filled by copies; what no gradient reaches is zeroed at launch
-                    self._make_room(need_buffer=buf, in_hook=True)
+                    self._make_room(need_buffer=buf)
                     buf.grad = self.pool.take(buf.numel, self.reduce_dtype, buf.device)
                     self._written[buf] = set()
                 view = buf.view_of(buf.grad, p)
@@ -207,17 +211,7 @@ class GradReducer:
         self._count[p] += 1
         if self._count[p] == self._expected[p]:
             self._param_ready(buf)
-        self._launch_ready(in_hook=True)
-
-    def _adoptable(self, buf: FlatBuffer, grad: torch.Tensor) -> bool:
-        """Note [Adopted gradient]: whether ``grad``, autograd's gradient of a parameter that is all of
-        ``buf`` (no other parameter, no padding), can be the bucket's full gradient itself."""
-        ok = (len(buf.params) == 1 and buf.unpadded_numel == buf.numel
-              and grad.layout == torch.strided and grad.dtype == self.reduce_dtype and grad.device == buf.device
-              and grad.is_contiguous() and not grad._is_view() and grad.storage_offset() == 0
-              and grad.untyped_storage().nbytes() == grad.nbytes and sole_owner(grad))
-        self.adopted += ok
-        return ok
+        self._launch_ready()
 
     def _param_ready(self, buf: FlatBuffer) -> None:
         self._nready[buf] += 1
@@ -241,20 +235,15 @@ class GradReducer:
         return self._count[p] == 0 and will_accumulate(p)
 
     def force_ready(self, buf: FlatBuffer) -> None:
-        """Stage 3, at the end of a unit's backward: ``buf`` is complete unless the running backward will still
-        accumulate into one of its incomplete parameters (a late one is reduced again: Note [Per-parameter
-        readiness])."""
+        """Stage 3, at the end of a unit's backward: ``buf`` is complete (its unit may be freed) unless the running
+        backward will still accumulate into one of its incomplete parameters (Note [Per-parameter readiness])."""
         if buf in self._ready or not self.sync:
             return
-        if any(self._count[p] < self._expected[p] and will_accumulate(p)
-               for p in buf.params):
-            return
-        self._bucket_ready(buf)
-        self._launch_ready(in_hook=True)
+        if not any(self._count[p] < self._expected[p] and will_accumulate(p) for p in buf.params):
+            self._bucket_ready(buf)
 
-    def _make_room(self, need_buffer: FlatBuffer | None, in_hook: bool) -> bool:
-        """Note [Waiting in hooks]: collect finished reductions until one more fits; wait for the oldest only
-        where the policy allows. Returns whether there is room."""
+    def _make_room(self, need_buffer: FlatBuffer | None) -> None:
+        """Note [Waiting in hooks]: wait for the oldest reductions until one more fits."""
         def full() -> bool:
             if need_buffer is not None and not self.pool.fits(need_buffer.numel, self.reduce_dtype,
                                                               need_buffer.device) and self.pool.taken >= self.cap:
@@ -262,17 +251,23 @@ class GradReducer:
             return len(self._pending) >= self.cap
 
         while full() and self._pending:
-            if not self._pending[0][1].is_completed() and in_hook and not self.policy.wait_in_hooks:
-                return False
             self._complete(*self._pending.popleft())
-        return not full()
 
-    def _launch_ready(self, in_hook: bool) -> None:
+    def _launch_ready(self) -> None:
+        if self.policy.ordered_launch:  # Note [Program order]: at the engine's points only
+            return
         while self._next < len(self.order) and self.order[self._next] in self._ready:
-            if self.policy.bound_in_flight and not self._make_room(None, in_hook):
-                return
+            if self.policy.bound_in_flight:
+                self._make_room(None)
             self._launch(self.order[self._next])
             self._next += 1
+
+    def launch(self, bufs: list[FlatBuffer]) -> None:
+        """Stage 3, at a point every rank reaches in the same order (Note [Program order]): launch the buckets of
+        ``bufs`` not launched yet, in that order, whether or not their gradient is complete here."""
+        for buf in [b for b in bufs if self.sync and b not in self._launched]:
+            self._make_room(None)
+            self._launch(buf)
 
     def _launch(self, buf: FlatBuffer) -> None:
         self._launched.add(buf)
@@ -330,7 +325,9 @@ class GradReducer:
         unused = [b for b in self.order if b not in self._ready]
         for buf in unused:
             self._bucket_ready(buf)
-        self._launch_ready(in_hook=False)
+        self._launch_ready()
+        if self.policy.ordered_launch:
+            self.launch(self.order)
         while self._pending:
             self._complete(*self._pending.popleft())
         if self.last:  # Note [Per-parameter readiness]: once per optimizer step

@@ -35,7 +35,8 @@ Note [Prefetch]: the order of the units in forward and in backward is recorded, 
 When unit i starts (gradients on) in a pass that follows it, unit i+1's all-gather is issued (``prefetch_bytes``:
 those after i that fit in that many bytes, ``units.units_ahead``), run while i computes; a deviating pass
 prefetches no more. A wrong guess costs memory (up to ``prefetch_bytes``) and time, never correctness.
-All-gathers use a process group of their own, so they never wait behind a reduce-scatter in one queue.
+All-gathers and reduce-scatters share one process group, issued in program order (Note [Program order] in
+reducer.py).
 The root's backward prefetches nothing: it begins with the loss's backward, the step's peak for a language
 model (a log-softmax over the vocabulary, three logits-sized tensors at once), where the first block's
 parameters are not needed yet; that block is gathered when its backward begins and prefetches the next. On
@@ -50,11 +51,9 @@ import functools
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from zerorun.zero.comm import Comm
 from zerorun.zero.deferred import is_deferred, placement, replay, swap_meta_tensors
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
@@ -90,14 +89,8 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
                 self._unit_of_param[p] = self._persistent_unit
         self.units.append(self._persistent_unit)
         self._frozen_buffers: list[FlatBuffer] = []
-        self._ag_comm: Comm | None = None
         super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)
         self.reducer.on_ready.append(self._on_bucket_ready)
-        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        # a group that is not the world: only its members create the all-gather group (new_group is otherwise
-        # collective over the whole world, which the other ranks never join)
-        self._ag_comm = Comm(dist.new_group(ranks=ranks, backend=dist.get_backend(process_group),
-                                            use_local_synchronization=ranks is not None))
         # the root stays even when persistence left it empty: its forward hooks end the recorded pass
         self.units = [u for u in self.units if u.buffers or u.is_root]
         for i, unit in enumerate(self.units):
@@ -260,7 +253,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         self._free_all()
         trainable = self._persistent_unit.trainable  # frozen ones never change: gathered once, at construction
         if trainable:
-            self._ag_comm.wait([self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in trainable])
+            self.comm.wait([self.comm.all_gather(buf.data, buf.shard_data) for buf in trainable])
         self._release_slices(None)  # the step wrote every slice
 
     # ------------------------------------------------------------------------------------ gather and free
@@ -268,7 +261,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         if unit.state is UnitState.FREE:
             for buf in unit.buffers:
                 buf.data.untyped_storage().resize_(buf.numel * buf.data.element_size())
-            unit.works = [self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in unit.buffers]
+            unit.works = [self.comm.all_gather(buf.data, buf.shard_data) for buf in unit.buffers]
             unit.state = UnitState.GATHERING
             if unit.index >= 0:
                 self._gather_log.append(unit.index)
@@ -283,7 +276,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
             for other in unit.external:
                 if not other.deferred:
                     self._gather(other)
-            self._ag_comm.wait(unit.works)
+            self.comm.wait(unit.works)
             unit.works = []
             self._release_slices(unit)
             unit.state = UnitState.GATHERED
@@ -293,7 +286,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         if unit.state is UnitState.FREE or unit.persistent or unit.pinned_by:
             return
         if unit.works:
-            self._ag_comm.wait(unit.works)
+            self.comm.wait(unit.works)
             unit.works = []
             self._release_slices(unit)
         for buf in unit.buffers:
@@ -338,7 +331,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
                 u.active = 0
             self._active = []
             for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
-                u.out_nodes = []
+                u.out_nodes, u.in_nodes = [], []
         unit.active += 1
         self._active.append(unit)
         if not torch.is_grad_enabled():
@@ -353,6 +346,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
             return None
         unit.open_calls += 1
         out = UnitInputsDone.apply(functools.partial(self._unit_backward_done, unit), *(flat[i] for i in at))
+        unit.in_nodes.append((out[0] if len(at) > 1 else out).grad_fn)  # Note [Program order] in reducer.py
         for i, t in zip(at, out if len(at) > 1 else (out,)):
             flat[i] = t
         return tree_unflatten(flat, spec)
@@ -401,12 +395,4 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         out["params"] = sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers)
         out["params"] += sum(b.data.nbytes for b in self._persistent_unit.buffers)  # whole as well
         out["params"] -= self._offloaded_param_bytes()  # Note [Parameter offload]: in the file
-        return out
-
-    def comm_stats(self) -> dict[str, float]:
-        """As :meth:`ZeroEngine.comm_stats`, all-gathers (their own process group) included."""
-        out = super().comm_stats()
-        if self._ag_comm is not None:
-            out["bytes_sent"] += self._ag_comm.bytes_sent
-            out["wait_s"] += self._ag_comm.wait_s
         return out

@@ -40,6 +40,8 @@ class Stage3Backward:
             return
         for buf in unit.trainable:
             self.reducer.force_ready(buf)
+        if unit.ends_agreed:  # Note [Program order] in reducer.py: reached on every rank (else at the end)
+            self.reducer.launch(unit.trainable)
         self._free_if_done(unit)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -59,6 +61,7 @@ class Stage3Backward:
         for unit in self.units:
             unit.ready_buffers = 0
             unit.open_calls = 0
+            unit.ends_agreed = False
             unit.deferred = False
         self._free_all()
 
@@ -78,4 +81,4 @@ class Stage3Backward:
         super().load_master_slices(values, states, param_scalars)
         frozen = [b for b in self._persistent_unit.buffers if b.group_index < 0]
         if frozen:
-            self._ag_comm.wait([self._ag_comm.all_gather(buf.data, buf.shard_data) for buf in frozen])
+            self.comm.wait([self.comm.all_gather(buf.data, buf.shard_data) for buf in frozen])

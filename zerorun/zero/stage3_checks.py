@@ -135,7 +135,8 @@ def check_no_writes(unit) -> None:
 # other ranks would not do: where autograd schedules it among the other units can differ between ranks.)
 # The walk visits each node once: 532 nodes, 0.67 ms for the 55M GPT of benchmarks/zero_stages.py, whose
 # forward + backward take 1.9 s at micro-batch 4 on one CPU core. Outputs are recorded since the root's last
-# forward (a forward without backward keeps no graph alive). A unit whose forward itself runs on some ranks
+# forward (a forward without backward keeps no graph alive). The same all-reduce agrees on the units whose end of
+# backward every rank reaches (Note [Program order] in reducer.py). A unit whose forward itself runs on some ranks
 # only is not caught here: its forward all-gather already waits for the others (Note [Same units on every
 # rank]; the launcher names the hung rank).
 def check_backward_units(engine, loss: torch.Tensor) -> None:
@@ -151,12 +152,15 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     tails = [u for u in engine.units if u.outer and u.tail]  # Note [Outer units]: deferred where every rank reaches it
     units = listed + tails
     recorded = [u.out_nodes for u in units]
+    ends = [u.in_nodes for u in listed]  # Note [Program order] in reducer.py: the units' ends of backward
     for u in engine.units:
-        u.out_nodes = []
-        u.deferred = False
+        u.out_nodes, u.in_nodes = [], []
+        u.deferred = u.ends_agreed = False
     if not tails and (engine.world_size == 1 or not listed):
+        for u, nodes in zip(listed, ends):
+            u.ends_agreed = bool(nodes)
         return
-    wanted = {node for nodes in recorded for node in nodes}
+    wanted = {node for nodes in recorded + ends for node in nodes}
     found: set = set()
     seen: set = set()
     stack = [loss.grad_fn] if loss.grad_fn is not None else []
@@ -168,7 +172,8 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
         if node in wanted:
             found.add(node)
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and nxt not in seen)
-    marks = torch.tensor([any(n in found for n in nodes) for nodes in recorded], dtype=torch.int32,
+    marks = torch.tensor([any(n in found for n in nodes) for nodes in recorded]
+                         + [bool(nodes) and all(n in found for n in nodes) for nodes in ends], dtype=torch.int32,
                          device=engine.comm.device)  # a collective's: on the group's device
     if engine.world_size > 1:
         engine.comm.wait([engine.comm.all_reduce(marks, control=True)])
@@ -176,6 +181,8 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     counts = marks.tolist()
     for u, m in zip(tails, counts[len(listed):]):
         u.deferred = m == n
+    for u, m in zip(listed, counts[len(units):]):
+        u.ends_agreed = m == n
     partial = [(u, m) for u, m in zip(listed, counts) if 0 < m < n]
     if partial:
         which = "; ".join(f"unit {u.name!r} on {m} of {n} ranks" for u, m in partial[:3])

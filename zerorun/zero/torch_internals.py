@@ -5,7 +5,7 @@
 - :func:`will_accumulate`: whether the running backward will still accumulate a gradient into a leaf
   (stage 3 decides at the end of a unit's backward whether a bucket waits for more gradients).
 - :func:`sole_owner`: whether a tensor is the only one on its storage (the reducer adopts such a gradient:
-  Note [Adopted gradient]).
+  Note [Adopted gradient] in ``adoption.py``).
 """
 
 from __future__ import annotations

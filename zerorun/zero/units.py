@@ -38,6 +38,8 @@ class Unit:
         self.pinned_by: set = set()  # gathered units (or gathered_parameters blocks) that need this one gathered
         self.active = 0  # forward calls of this unit now on the stack
         self.out_nodes: list = []  # grad_fn of its outputs since the last backward (Note [Backward on some ranks])
+        self.in_nodes: list = []  # UnitInputsDone's nodes since the last backward (Note [End of a unit's backward])
+        self.ends_agreed = False  # this backward, every rank reaches its end of backward (its buckets reduce there)
         # Note [Outer units]: in the first step, whether it ran after the first listed unit's call (first: 0
         # or 1) and whether its output's gradient came after that unit's backward began (bfirst: 0 or 1),
         # whether its parameters were read outside its own forward; and whether every rank agreed to schedule it
