@@ -274,8 +274,8 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     (["train", TINY, "log.dir=/proc/zerorun-test"], r"log\.dir: cannot create the run directory"),
     (["train", TINY, "--run-dir", "/proc/zerorun-test/run"], r"error: --run-dir: cannot create the run directory"),
     # click's usage errors used to be three lines of their own format
-    (["train", TINY, "--num-procs", "0"], r"^zerorun: error: Invalid value for '--num-procs': .* \(see '.*zerorun "
-                                          r"train --help'\)$"),
+    (["train", TINY, "--num-procs", "0"], r"^zerorun: error: Invalid value for '--nproc-per-node' .*'--num-procs': "
+                                          r"'0': expected ranks per node .* \(see '.*zerorun train --help'\)$"),
     (["train", TINY, "--bogus"], r"^zerorun: error: No such option: --bogus \(see '.*zerorun train --help'\)$"),
     (["bench", TINY, "--steps", "0"], r"^zerorun: error: Invalid value for '--steps'"),
 ])
