@@ -27,14 +27,12 @@ def test_gradient_buffers_are_bounded_and_reused(ranks, stage, accum):
     for r in ranks(2).run(cases.gradient_buffer_pool, stage=stage, accum=accum, steps=steps):
         assert r["buckets"] == 8
         assert r["taken"] == 0
-        if stage == 3 and r["deferred"]:  # Note [Waiting in hooks]: stage 3 never waits in a hook, so when
-            # communication falls behind compute (a loaded machine), a bucket may take a buffer past the bound
-            assert r["max_taken"] <= r["buckets"], r
-        else:
-            assert r["max_taken"] <= r["cap"], r  # never more full bucket gradients than MAX_INFLIGHT + 1
-            # allocated in the first micro-step of each step only (the pool is dropped when the optimizer step
-            # begins), not once per bucket and micro-step (8 x accum x steps)
-            assert r["allocated"] <= r["cap"] * steps, r
+        # Note [Waiting in hooks]: every stage waits for the oldest reduction (Note [Program order]: waiting
+        # issues no collective), so the bound holds at stage 3 too, however far communication falls behind
+        assert r["max_taken"] <= r["cap"], r  # never more full bucket gradients than MAX_INFLIGHT + 1
+        # allocated in the first micro-step of each step only (the pool is dropped when the optimizer step
+        # begins), not once per bucket and micro-step (8 x accum x steps)
+        assert r["allocated"] <= r["cap"] * steps, r
         # gloo's reduce-scatter receive buffers: as many as are in flight, reused the same way
         assert r["recv_allocated"] <= min(r["cap"], Comm.KEEP_BUFFERS) * steps, r
         assert r["max_in_flight"] <= r["cap"], r

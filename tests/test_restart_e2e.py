@@ -85,8 +85,8 @@ def test_rank_killed_mid_run_restarts_from_the_checkpoint_with_the_same_losses(t
     assert none == [] and start_step == 3  # the latest complete checkpoint (step 6's needs rank 1)
     assert restart["checkpoint"] == str(tmp_path / "killed" / "ck" / f"step-{start_step:08d}")
     assert restart["cause"] == "rank 1 on localhost: rank process ended (killed by SIGKILL)", restart
-    assert (f"zerorun: restart 1 of 1 after rank 1 on localhost: rank process ended (killed by SIGKILL) (reached "
-            f"step {restart['failed_step']}); resuming from checkpoint {restart['checkpoint']} (after step "
+    assert (f"zerorun: restart 1 of 1 after rank 1 on localhost: rank process ended (killed by SIGKILL) (last "
+            f"step reported: {restart['failed_step']}); resuming from checkpoint {restart['checkpoint']} (after step "
             f"{start_step})\n") in out
     assert sorted(resumed) == list(range(start_step + 1, 41))
     assert resumed == {s: expected[s] for s in resumed}  # bit for bit (JSON floats round-trip exactly)
