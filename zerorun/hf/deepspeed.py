@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from zerorun.errors import ZerorunError
-from zerorun.hf.deepspeed_auto import AUTO, check_options, monitors, resolve_auto
+from zerorun.hf.deepspeed_auto import check_options, mark_fill_in, monitors, resolve_auto
 from zerorun.hf.deepspeed_fields import ALWAYS, CARRIED, not_carried
 
 class _Import:
@@ -376,7 +376,7 @@ def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tu
     if (notes or fill_in) and given.get("steps") is None and not any(f.startswith("train.steps:") for f in fill_in):
         fill_in.append("train.steps: not in the config (the HF Trainer's max_steps or num_train_epochs): give "
                        "--steps or set it")
-    _mark_fill_in(recipe, fill_in)
+    mark_fill_in(recipe, fill_in)
     fill_in = ["model, data: placeholders (a model module or model.hf; your data)"] + fill_in
     head = [f"# Imported from {path} by zerorun import-deepspeed" + (f" (hostfile {hostfile})" if hostfile else ""),
             "# Fill in, then: zerorun train recipe.yaml" + (f" -H {hostfile}" if hostfile else "")]
@@ -387,17 +387,3 @@ def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tu
     body = yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=110)
     return "\n".join(head) + "\n" + body, imp.dropped, fill_in
 
-
-def _mark_fill_in(recipe: dict, fill_in: list[str]) -> None:
-    """Write ``auto`` at each ``train.*`` field of ``fill_in`` ("field: why" lines), so that the recipe does not
-    load until it is filled in (as the HF Trainer refuses a DeepSpeed config whose 'auto' it cannot fill):
-    zerorun's defaults (lr 3e-4, micro-batch 1, 1000 steps) would otherwise train silently in their place."""
-    for line in fill_in:
-        field = line.split(":", 1)[0]
-        if not field.startswith("train."):
-            continue
-        *parents, key = field.split(".")
-        section = recipe
-        for name in parents:
-            section = section.setdefault(name, {})
-        section[key] = AUTO

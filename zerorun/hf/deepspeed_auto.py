@@ -159,3 +159,18 @@ def monitors(ds: dict, drop) -> dict[str, Any]:
     if not log["trackers"]:
         del log["trackers"]
     return log
+
+
+def mark_fill_in(recipe: dict, fill_in: list[str]) -> None:
+    """Write ``auto`` at each ``train.*`` field of ``fill_in`` ("field: why" lines), so that the recipe does not
+    load until it is filled in (as the HF Trainer refuses a DeepSpeed config whose 'auto' it cannot fill):
+    zerorun's defaults (lr 3e-4, micro-batch 1, 1000 steps) would otherwise train silently in their place."""
+    for line in fill_in:
+        field = line.split(":", 1)[0]
+        if not field.startswith("train."):
+            continue
+        *parents, key = field.split(".")
+        section = recipe
+        for name in parents:
+            section = section.setdefault(name, {})
+        section[key] = AUTO
