@@ -15,6 +15,7 @@ from zerorun.launch.preflight import PreflightFailed
 from zerorun.launch.restart import SAME_FAILURE_LIMIT, keep_global_batch, parse_nnodes, run_with_restarts
 from zerorun.launch.run import RunResult
 from zerorun.recipe import load_recipe
+from zerorun.telemetry.events import PREFIX, format_event
 from zerorun.telemetry.state import JobState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +130,7 @@ def _fake_checkpoints(monkeypatch, tmp_path, steps):
 
 def _saved(run_dir, path, step):
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"event": "checkpoint", "rank": 0, "step": step, "path": path}) + "\n")
+        f.write(format_event("checkpoint", 0, step=step, path=path)[len(PREFIX):] + "\n")
 
 
 def test_a_restart_resumes_only_checkpoints_of_its_own_job(recipe, tmp_path, monkeypatch):

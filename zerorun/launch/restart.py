@@ -32,14 +32,13 @@ not, the nearest accumulation is taken and a line says how the global batch chan
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Callable
 
 from zerorun.errors import ZerorunError
 from zerorun.hostfile import Host
-from zerorun.telemetry.events import PREFIX, format_event
+from zerorun.telemetry.events import PREFIX, format_event, from_json
 
 #: the same failure from the same starting checkpoint this many times in a row ends the job, restarts left or not
 SAME_FAILURE_LIMIT = 3
@@ -120,20 +119,14 @@ def _step_reached(result) -> int:
 
 def saved_by_job(run_dir: str) -> list[str]:
     """The checkpoints this job saved (any try), oldest first: the ``path`` of every ``checkpoint`` event in
-    ``run_dir``'s metrics.jsonl (rank 0 sends it once the save is complete). A torn last line is skipped."""
-    paths: list[str] = []
+    ``run_dir``'s metrics.jsonl (rank 0 sends it once the save is complete), read as ``load_run`` reads them
+    (telemetry's ``from_json``: a torn line is skipped)."""
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if event.get("event") == "checkpoint" and event.get("path"):
-                    paths.append(event["path"])
+        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8", errors="replace") as f:
+            events = [e for e in map(from_json, f) if e is not None]
     except OSError:
-        pass
-    return paths
+        return []
+    return [e.data["path"] for e in events if e.kind == "checkpoint" and e.data.get("path")]
 
 
 def resume_point(recipe, say: Callable[[str], None], run_dir: str | None = None,
