@@ -35,7 +35,7 @@ def submit(
 ) -> None:
     """Submit RECIPE as a SLURM batch job: the run folder is made first, the batch script written into it
     (submit.sbatch: edit and resubmit it with sbatch) and submitted; prints the job id and the run folder.
-    Example: zerorun submit recipe.yaml zero.stage=3 --nodes 2 --time 01:00:00 -- --gres=gpu:8"""
+    sbatch's own options go after '--': zerorun submit recipe.yaml --nodes 2 -- --gres=gpu:8."""
     from zerorun.launch.slurm_submit import SubmitOptions, submit as run
 
     options = SubmitOptions(nodes=nodes, procs_per_node=procs_per_node, time=time_limit, partition=partition,

@@ -40,7 +40,8 @@ def main() -> None:
     """Console entry point: run the typer app; a :class:`ZerorunError` becomes one line and its exit code."""
     try:
         argv, sbatch_args = split_sbatch_args(optional_value(sys.argv[1:], "--resume", "latest"))
-        code = app(args=argv, standalone_mode=False, obj={"sbatch_args": sbatch_args})
+        # prog_name: `python -m zerorun` too is `zerorun` in usage lines and in the shell completion it installs
+        code = app(args=argv, prog_name="zerorun", standalone_mode=False, obj={"sbatch_args": sbatch_args})
         if isinstance(code, int) and code:  # typer.Exit(code): attach passes on the job's exit status
             sys.exit(code)
     except ZerorunError as e:
@@ -52,19 +53,49 @@ def main() -> None:
         _err("interrupted")
         sys.exit(130)
     except Exception as e:  # click's (typer's) usage errors: one line, as every other bad input
-        if type(e).__name__ == "NoArgsIsHelpError":  # a bare `zerorun`: the help was printed, nothing failed
-            sys.exit(0)
-        if type(e).__name__ == "NoSuchOption" and sys.argv[1:2] == ["submit"]:
+        code = _usage_error(e)
+        if code is None:
+            raise
+        sys.exit(code)
+
+
+def _usage_error(e: Exception) -> int | None:
+    """Write click's (typer's) error ``e`` as one line and return its exit code (0: a bare ``zerorun``, whose
+    help is printed); None when ``e`` is not click's. An unknown option that names a recipe field gets the
+    override that sets it (cli/suggest.py); one of ``zerorun submit``'s, where sbatch's options go."""
+    name = type(e).__name__
+    if name == "NoArgsIsHelpError":  # a bare `zerorun`: the help, on stdout as -h prints it; nothing failed
+        print(e.format_message(), flush=True)
+        return 0
+    ctx = getattr(e, "ctx", None)
+    if name == "NoSuchOption":
+        hint = _field_hint(ctx, e.option_name)
+        if hint is not None:
+            option = e.option_name  # click's close matches only where one name extends the other (--stages)
+            maybe = sorted(p for p in getattr(e, "possibilities", None) or () if p.startswith(option)
+                           or option.startswith(p))
+            _err(f"No such option: {e.option_name}" + (f" (did you mean {' or '.join(maybe)}?)" if maybe else "")
+                 + hint)
+            return 2
+        if sys.argv[1:2] == ["submit"]:
             from zerorun.launch.slurm_submit import misplaced_option
 
             _err(misplaced_option(sys.argv[1:], e.option_name))
-            sys.exit(2)
-        if hasattr(e, "format_message") and hasattr(e, "exit_code"):
-            ctx = getattr(e, "ctx", None)
-            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-            _err(" ".join(e.format_message().split()) + hint)
-            sys.exit(e.exit_code)
-        if type(e).__name__ == "Abort":
-            _err("aborted")
-            sys.exit(130)
-        raise
+            return 2
+    if hasattr(e, "format_message") and hasattr(e, "exit_code"):
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        _err(" ".join(e.format_message().split()) + hint)
+        return e.exit_code
+    if name == "Abort":
+        _err("aborted")
+        return 130
+    return None
+
+
+def _field_hint(ctx, option: str) -> str | None:
+    """:func:`zerorun.cli.suggest.override_hint` for ``option`` where the command takes recipe overrides."""
+    if ctx is None or not any(p.name == "overrides" for p in ctx.command.params):
+        return None
+    from zerorun.cli.suggest import override_hint
+
+    return override_hint(sys.argv[1:], option)

@@ -104,7 +104,8 @@ def consolidate(
     ckpt_dir: str = typer.Argument(..., help="A checkpoint folder (step-N), or a folder of them (the latest)."),
     out: str = typer.Option(..., "--out", "-o", help="Output file: NAME.safetensors or NAME.pt; with --hf a folder."),
     hf: bool = typer.Option(False, "--hf", help="Write a Hugging Face folder (model.hf recipes): config.json, "
-                            "safetensors shards, tokenizer files; AutoModelForCausalLM.from_pretrained loads it."),
+                            "safetensors shards, tokenizer files; AutoModelForCausalLM.from_pretrained loads it "
+                            "(docs/hugging-face.md)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="With --hf: largest weight file."),
 ) -> None:
     """Write the model of a sharded checkpoint as one fp32 state dict (no training processes needed)."""
