@@ -263,7 +263,7 @@ def test_configure_leaves_a_mimalloc_process_alone():
 
 
 def test_zerorun_env_names_this_nodes_rank_allocator():
-    from zerorun.envinfo import allocator_line
+    from zerorun.cli.env import allocator_line
     from zerorun.launch.plan import find_tcmalloc
 
     lib = allocator.find_mimalloc()

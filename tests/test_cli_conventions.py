@@ -34,7 +34,8 @@ def test_the_launcher_never_imports_torch(tmp_path):
                                        '{"v": 1, "event": "step", "rank": 0, "time": 2.0, "step": 1, "loss": 2.5}\n')
     code = textwrap.dedent(f"""
         import io, sys, contextlib
-        from zerorun import bench, cli, envinfo, launch, modelcheck
+        from zerorun import bench, cli, launch, modelcheck
+        from zerorun.cli import env
         from zerorun.recipe import load_recipe
         r = load_recipe({TINY!r}, ["zero.stage=3"], check_optimizer=False)
         hosts = launch.select(None, r.launch.procs_per_node)

@@ -215,7 +215,7 @@ def test_estimate_says_what_it_assumed_for_a_word(gpus, capsys):
 
 
 def test_env_names_the_gpus(gpus):
-    from zerorun.envinfo import auto_line, cuda_devices, gpu_text, report
+    from zerorun.cli.env import auto_line, cuda_devices, gpu_text, report
 
     assert gpu_text([["NVIDIA H200", 150754820096]] * 8) == "8: NVIDIA H200, 140.4 GiB x 8"
     assert gpu_text([["A", 2**34], ["B", 2**35]]) == "2: A, 16.0 GiB; B, 32.0 GiB"

@@ -351,7 +351,7 @@ def test_env_reports_versions_backends_and_which_hosts_answer(sshd, tmp_path):
     assert rows["zerorun"].startswith(zerorun.__version__) and rows["python"].startswith(sys.version.split()[0])
     assert rows["torch"].startswith(version("torch")) and "gloo" in rows["distributed backends"]
     assert rows["fabric"] == version("fabric") and rows["paramiko"] == version("paramiko")
-    from zerorun.envinfo import cuda_devices, gpu_text
+    from zerorun.cli.env import cuda_devices, gpu_text
 
     gpus = gpu_text(cuda_devices())  # "no GPU (CUDA not available)" here; each host's GPUs named (issue 33)
     assert "cores" in rows["CPU"] and rows["GPUs"] == gpus
