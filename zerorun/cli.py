@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 
 from zerorun.errors import JobFailed, ZerorunError
-from zerorun.hostfile import MAX_SLOTS
+from zerorun.recipe.hostfile import MAX_SLOTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -36,7 +36,7 @@ _NUM_NODES = typer.Option(None, "--num-nodes", min=1, help="Use the first N host
 
 def _procs(value: Optional[str]):
     """``--nproc-per-node``: N or gpu|cpu|auto, as torchrun takes it (Note [Ranks per node], launch/slots.py)."""
-    from zerorun.hostfile import parse_procs
+    from zerorun.recipe.hostfile import parse_procs
 
     try:
         return None if value is None else parse_procs(value, "")
