@@ -24,36 +24,40 @@ class WandbSpec(Strict):
     """``wandb.init``'s settings: ``project`` (default: the recipe's name), ``entity``, ``mode`` (``online``,
     ``offline``: files only, ``wandb sync`` later; default: ``WANDB_MODE`` or wandb's own), ``tags``."""
 
-    project: Optional[str] = None
-    entity: Optional[str] = None
-    mode: Optional[Literal["online", "offline", "disabled"]] = None
-    tags: list[str] = Field(default_factory=list)
+    project: Optional[str] = Field(None, description="the wandb project (unset: the recipe's name)")
+    entity: Optional[str] = Field(None, description="the wandb entity (user or team; unset: wandb's default)")
+    mode: Optional[Literal["online", "offline", "disabled"]] = Field(
+        None, description="offline: files only, wandb sync later (unset: WANDB_MODE, else wandb's own)")
+    tags: list[str] = Field(default_factory=list, description="tags of the wandb run")
 
 
 class MlflowSpec(Strict):
     """``tracking_uri`` (default: ``MLFLOW_TRACKING_URI``, else the folder ``<log.dir>/mlruns``) and
     ``experiment`` (default: the recipe's name)."""
 
-    tracking_uri: Optional[str] = None
-    experiment: Optional[str] = None
+    tracking_uri: Optional[str] = Field(None, description="the MLflow tracking URI (unset: MLFLOW_TRACKING_URI, "
+                                        "else the folder <log.dir>/mlruns)")
+    experiment: Optional[str] = Field(None, description="the MLflow experiment (unset: the recipe's name)")
 
 
 class TensorboardSpec(Strict):
     """``dir``: the event files' folder (default: ``tensorboard`` in the run folder)."""
 
-    dir: Optional[str] = None
+    dir: Optional[str] = Field(None, description="the event files' folder (unset: tensorboard in the run folder)")
 
 
 class LogSpec(Strict):
     """Emit a step event every ``every`` steps; runs are written under ``dir/<name>/<timestamp>/``; the step and
     eval events also go to ``trackers`` with their settings (zerorun/telemetry/trackers.py)."""
 
-    every: int = Field(10, gt=0)
-    dir: str = "runs"
-    trackers: list[Tracker] = Field(default_factory=list)
-    wandb: WandbSpec = Field(default_factory=WandbSpec)
-    mlflow: MlflowSpec = Field(default_factory=MlflowSpec)
-    tensorboard: TensorboardSpec = Field(default_factory=TensorboardSpec)
+    every: int = Field(10, gt=0, description="steps between step events (the dashboard's rows, metrics.jsonl)")
+    dir: str = Field("runs", description="the folder of run folders: each run writes <dir>/<name>/<timestamp>/")
+    trackers: list[Tracker] = Field(default_factory=list, description="trackers that also get the step and eval "
+                                    "events")
+    wandb: WandbSpec = Field(default_factory=WandbSpec, description="the wandb tracker's settings")
+    mlflow: MlflowSpec = Field(default_factory=MlflowSpec, description="the mlflow tracker's settings")
+    tensorboard: TensorboardSpec = Field(default_factory=TensorboardSpec, description="the tensorboard tracker's "
+                                         "settings")
 
 
 def check_trackers(trackers: list[str], where: Callable[..., str],

@@ -21,8 +21,10 @@ class HFModelSpec(Strict):
     with ``config.json`` and ``*.safetensors``, or ``config``, a ``config.json`` path or the mapping itself
     (with ``model_type``). Relative paths: Note [Recipe paths] in ``zerorun/recipe/paths.py``."""
 
-    pretrained: str | None = None
-    config: str | dict[str, Any] | None = None
+    pretrained: str | None = Field(None, description="a local folder with config.json and *.safetensors, loaded "
+                                   "with from_pretrained (no download)")
+    config: str | dict[str, Any] | None = Field(None, description="a config.json path, or the config mapping itself "
+                                                "(with model_type): the model built from it with fresh weights")
 
     _finite = field_validator("config")(classmethod(finite_values))
 
@@ -33,11 +35,16 @@ class ModelSpec(Strict):
     torch.nn.Module``. Or ``hf`` (instead of ``module``): a Hugging Face model for ``task`` (``causal-lm``),
     ``kwargs`` passed to ``from_config``/``from_pretrained``."""
 
-    module: str | None = None
-    factory: str = "build_model"
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    hf: HFModelSpec | None = None
-    task: Literal["causal-lm"] = "causal-lm"
+    module: str | None = Field(None, description="the model module: a .py file (relative to the recipe's folder) "
+                               "or a dotted module name; give it or model.hf")
+    factory: str = Field("build_model", description="the callable in model.module that returns the "
+                         "torch.nn.Module: factory(**kwargs)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory (model.hf: "
+                                   "of from_config/from_pretrained)")
+    hf: HFModelSpec | None = Field(None, description="a Hugging Face transformers model from local files, instead "
+                                   "of model.module")
+    task: Literal["causal-lm"] = Field("causal-lm", description="model.hf only: the head the model is built with "
+                                       "(AutoModelForCausalLM)")
 
     _finite = field_validator("kwargs")(classmethod(finite_values))
 
@@ -57,18 +64,26 @@ class DataSpec(Strict):
     ``kind: module``: ``factory(**kwargs)`` in ``module`` returns ``(train_dataset, val_dataset_or_None)``.
     ``kind: hf``: ``path`` tokenized with ``tokenizer`` into ``seq_len`` blocks (zerorun/hf/data.py)."""
 
-    kind: Literal["text", "module", "hf"] = "text"
-    paths: list[str] = Field(default_factory=list)
+    kind: Literal["text", "module", "hf"] = Field("text", description="text: byte-level windows over files; "
+                                                  "module: your datasets from data.factory; hf: a tokenized file")
+    paths: list[str] = Field(default_factory=list, description="kind text: glob patterns of the files read "
+                             "({stdlib}: the Python standard library's sources; ** recursive), sorted by path")
     # kind hf (zerorun/hf/data.py): a .jsonl/.parquet/.txt file or a datasets.save_to_disk folder, the record
     # field holding the text, and the tokenizer's folder (byte-level, vocabulary 256, when absent)
-    path: str | None = None
-    text_field: str = "text"
-    tokenizer: str | None = None
-    seq_len: int = Field(128, gt=0)
-    val_fraction: float = Field(0.01, ge=0.0, lt=1.0)
-    module: str | None = None
-    factory: str | None = None
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = Field(None, description="kind hf: a .jsonl, .parquet or .txt file or a "
+                             "datasets.save_to_disk folder")
+    text_field: str = Field("text", description="kind hf: the record field that holds the text")
+    tokenizer: str | None = Field(None, description="kind hf: the tokenizer's local folder (unset: byte-level, "
+                                  "vocabulary 256)")
+    seq_len: int = Field(128, gt=0, description="tokens per sample (kinds text and hf; bytes for text)")
+    val_fraction: float = Field(0.01, ge=0.0, lt=1.0, description="the fraction of the data, taken from its end, "
+                                "kept as the validation split (kinds text and hf)")
+    module: str | None = Field(None, description="kind module: a .py file (relative to the recipe's folder) or a "
+                               "dotted module name")
+    factory: str | None = Field(None, description="kind module: the callable in data.module that returns a "
+                                "Dataset or a (train, val) pair: factory(**kwargs)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="kind module: keyword arguments of "
+                                   "data.factory")
 
     _finite = field_validator("kwargs")(classmethod(finite_values))
 
@@ -80,15 +95,23 @@ class LaunchSpec(Strict):
     :data:`MASK`); seconds a collective may wait for a silent peer before the job fails (a hung rank ends the
     job instead of hanging it)."""
 
-    procs_per_node: int | Literal["auto", "gpu", "cpu"] = "auto"
-    python: str | None = None
-    workdir: str | None = None
-    env: dict[str, str] = Field(default_factory=dict)
-    collective_timeout_s: float = Field(600.0, gt=0)
+    procs_per_node: int | Literal["auto", "gpu", "cpu"] = Field(
+        "auto", description="ranks per node without a hostfile: a count from 1 to 4096, gpu (one per visible GPU), "
+        "cpu (one per CPU) or auto (one per visible GPU, else 1)")
+    python: str | None = Field(None, description="the Python interpreter the ranks run on every node (unset: the "
+                               "one running zerorun)")
+    workdir: str | None = Field(None, description="the folder the ranks run in on every node (unset: the working "
+                                "directory)")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables of every rank "
+                                "(POSIX names; values as text, masked in the run folder's copy)")
+    collective_timeout_s: float = Field(600.0, gt=0, description="seconds a collective may wait for a silent peer "
+                                        "before the job fails instead of hanging")
     # a failed job is started again from its latest checkpoint up to this many times; a restart continues without
     # lost hosts while at least min_nodes remain (None: all must); Note [Job restarts] in launch/restart.py
-    max_restarts: int = Field(0, ge=0)
-    min_nodes: Optional[int] = Field(None, gt=0)
+    max_restarts: int = Field(0, ge=0, description="times a failed job is started again from its newest "
+                              "checkpoint (zerorun train --max-restarts)")
+    min_nodes: Optional[int] = Field(None, gt=0, description="a restart continues without lost hosts while at "
+                                     "least this many remain (unset: all must)")
 
     _env_value_text = field_validator("env", mode="before")(classmethod(lambda cls, env: env_value_text(env)))
 
@@ -114,28 +137,37 @@ class CheckpointSpec(Strict):
     resume from, set by ``zerorun train --resume`` (Note [Resume lookup] in ``zerorun/resume.py``); one written
     in the recipe is relative to its folder and checked as ``--resume PATH``."""
 
-    dir: str | None = None
-    every: int = Field(0, ge=0)
-    keep: int = Field(2, gt=0)
-    resume: str | None = None
+    dir: str | None = Field(None, description="the checkpoints' folder (unset with checkpoint.every set: "
+                            "<log.dir>/<name>/checkpoints; neither set: no checkpoints)")
+    every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end)")
+    keep: int = Field(2, gt=0, description="the most recent checkpoints kept; older ones are deleted")
+    resume: str | None = Field(None, description="a checkpoint folder to resume from (as zerorun train --resume "
+                               "PATH; relative to the recipe's folder)")
 
 
 class Recipe(Strict):
     """A whole training job. See DESIGN.md's recipe section and ``recipes/gpt-stdlib.yaml``."""
 
-    name: str = Field(min_length=1)
-    model: ModelSpec
-    data: DataSpec = Field(default_factory=DataSpec)
-    train: TrainSpec
-    zero: ZeroSpec = Field(default_factory=ZeroSpec)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec)
+    name: str = Field(min_length=1, description="the job's name: its run folders are <log.dir>/<name>/ (a folder "
+                      "name, no '/')")
+    model: ModelSpec = Field(description="the model: a model module and factory, or a Hugging Face model")
+    data: DataSpec = Field(default_factory=DataSpec, description="the training and validation data")
+    train: TrainSpec = Field(description="steps, batch sizes, optimizer, schedule, evaluation")
+    zero: ZeroSpec = Field(default_factory=ZeroSpec, description="the ZeRO stage and its knobs, mixed precision "
+                           "and offload")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="the dtype of parameters, gradients "
+                                                        "and collectives (2-byte ones keep fp32 master weights)")
+    loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec, description="fp16's dynamic loss scaling "
+                                      "(precision fp16 only)")
     #: ``zero``: zerorun's ZeRO runtime; ``ddp``/``fsdp2``: torch's DistributedDataParallel or FSDP2
     #: (``fully_shard`` on stage 3's units), the baselines of ``zerorun bench`` (zerorun/baselines.py).
-    runtime: Literal["zero", "ddp", "fsdp2"] = "zero"
-    launch: LaunchSpec = Field(default_factory=LaunchSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    log: LogSpec = Field(default_factory=LogSpec)
+    runtime: Literal["zero", "ddp", "fsdp2"] = Field("zero", description="zero: zerorun's ZeRO runtime; ddp or "
+                                                      "fsdp2: torch's DDP or FSDP2, the baselines of zerorun bench")
+    launch: LaunchSpec = Field(default_factory=LaunchSpec, description="ranks per node, interpreter, working "
+                               "folder, environment, timeouts, restarts")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="sharded checkpoints: where, "
+                                       "how often, how many, resume")
+    log: LogSpec = Field(default_factory=LogSpec, description="step events, run folders and trackers")
 
     @field_validator("name")
     @classmethod
