@@ -157,7 +157,7 @@ class Recipe(Strict):
                            "and offload")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="the dtype of parameters, gradients "
                                                         "and collectives (2-byte ones keep fp32 master weights)")
-    loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec, description="fp16's dynamic loss scaling "
+    loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec, description="dynamic loss scaling "
                                       "(precision fp16 only)")
     #: ``zero``: zerorun's ZeRO runtime; ``ddp``/``fsdp2``: torch's DistributedDataParallel or FSDP2
     #: (``fully_shard`` on stage 3's units), the baselines of ``zerorun bench`` (zerorun/baselines.py).
