@@ -50,7 +50,7 @@ def test_the_committed_page_is_what_the_generator_writes():
     page = ROOT / reference.PAGE
     assert page.is_file(), f"{reference.PAGE} is missing: run {reference.COMMAND}"
     assert page.read_text(encoding="utf-8") == reference.render(), \
-        f"{reference.PAGE} is stale (the recipe models changed): run {reference.COMMAND} and commit it"
+        f"{reference.PAGE} differs from what the generator writes: run {reference.COMMAND} and commit it"
 
 
 def test_a_row_per_field_with_type_default_allowed_values_and_meaning():

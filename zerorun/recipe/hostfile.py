@@ -14,7 +14,6 @@ import socket
 from dataclasses import dataclass
 
 from zerorun.errors import ZerorunError
-from zerorun.recipe.text import read_text
 
 #: The most ranks (slots) one host may run: more than any machine has cores or accelerators; a bound that
 #: keeps a typo such as ``slots=10**20`` or ``slots=100000000000000000000`` from filling the launcher's memory.
@@ -105,6 +104,8 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
 
 def read_hostfile(path: str) -> list[Host]:
     """Read and parse the hostfile at ``path`` (see :func:`parse_hostfile`)."""
+    from zerorun.recipe.text import read_text  # yaml and pydantic: not at the launcher's import
+
     return parse_hostfile(read_text(path, "hostfile"), path)
 
 
