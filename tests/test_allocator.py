@@ -103,7 +103,7 @@ def test_configure_leaves_a_threshold_set_in_the_environment():
 
 
 def test_launcher_gives_ranks_the_allocator_environment():
-    from zerorun.hostfile import Host
+    from zerorun.recipe.hostfile import Host
     from zerorun.launch.plan import GLIBC_ENV, build_plan, rank_env
     from zerorun.zero import allocator
 

@@ -196,7 +196,7 @@ def test_a_crash_at_the_moment_the_model_check_ends_reports_the_checks_line(tmp_
 
 def test_dry_run_header_counts_ranks_in_words():
     """``zerorun launch --dry-run s.py`` on one rank said "# job ...: 1 ranks" (review)."""
-    from zerorun.hostfile import Host
+    from zerorun.recipe.hostfile import Host
     from zerorun.launch.commands import render
     from zerorun.launch.plan import build_plan
 

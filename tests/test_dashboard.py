@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.launch.plan import build_plan
 from zerorun.launch.supervisor import Supervisor
 from zerorun.telemetry.console import PlainView, RunRecorder

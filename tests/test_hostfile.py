@@ -1,7 +1,7 @@
 import pytest
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import Host, parse_hostfile, read_hostfile, select_hosts
+from zerorun.recipe.hostfile import Host, parse_hostfile, read_hostfile, select_hosts
 
 
 def test_parses_deepspeed_format_with_comments_and_blank_lines():

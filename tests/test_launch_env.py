@@ -7,7 +7,7 @@ import pytest
 from zerorun.errors import ZerorunError
 from zerorun.launch.env import allowed_env, env_file_values, parse_env_file
 from zerorun.launch.job import master_address
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.launch.remote import shell_script
 
 
@@ -89,7 +89,7 @@ def test_env_strings_above_linux_limit_are_refused_at_load(tmp_path):
     """A ``KEY=VALUE`` above MAX_ARG_STRLEN made torchrun's exec fail with "Argument list too long" (exit 127):
     the file and line are named at load instead. The limit is Linux's own: one byte less still starts."""
     import os
-    from zerorun.recipe_text import MAX_ENV_STRING
+    from zerorun.recipe.text import MAX_ENV_STRING
 
     fits = "x" * (MAX_ENV_STRING - len("BIG=") - 1)
     assert subprocess.run(["true"], env={"BIG": fits}).returncode == 0

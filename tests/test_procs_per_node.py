@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import Host, parse_procs
+from zerorun.recipe.hostfile import Host, parse_procs
 from zerorun.launch import slots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,7 +230,7 @@ def test_env_names_the_gpus(gpus):
 
 def test_a_hostfile_host_keeps_its_slots():
     """A hostfile's ``slots=`` stay numbers (the count the dry run prints for a host it does not contact)."""
-    from zerorun.hostfile import parse_hostfile
+    from zerorun.recipe.hostfile import parse_hostfile
 
     assert parse_hostfile("a slots=8\n") == [Host("a", 8)]
     with pytest.raises(ZerorunError, match=r"^hostfile:1: a: slots must be a positive integer, got 'auto'$"):

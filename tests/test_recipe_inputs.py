@@ -14,7 +14,7 @@ import pytest
 
 from test_recipe import good
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import parse_hostfile
+from zerorun.recipe.hostfile import parse_hostfile
 from zerorun.recipe import MASK, load_recipe, masked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -331,7 +331,7 @@ def test_omp_num_threads_must_be_a_positive_whole_number(tmp_path, monkeypatch, 
     """``launch.env: {OMP_NUM_THREADS: 0}`` (or ``auto``, ``1e0``) launched the job and every rank died in
     ``torch.set_num_threads`` with a traceback: the recipe and an environment file now say so before anything
     starts. The launcher's own value never reaches a rank: each node's plan sets it."""
-    from zerorun.hostfile import Host
+    from zerorun.recipe.hostfile import Host
     from zerorun.launch.env import parse_env_file
     from zerorun.launch.plan import build_plan
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.launch.preflight import PreflightFailed
 from zerorun.launch.restart import SAME_FAILURE_LIMIT, keep_global_batch, parse_nnodes, run_with_restarts
 from zerorun.launch.run import RunResult

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.launch import slurm
 from zerorun.launch.commands import render_slurm
 from zerorun.launch.plan import build_plan

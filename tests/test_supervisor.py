@@ -3,7 +3,7 @@
 import queue
 import signal
 
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.launch.plan import build_plan
 from zerorun.launch.supervisor import Supervisor
 from zerorun.telemetry.events import format_event

@@ -214,7 +214,7 @@ def test_each_tracker_has_its_extra_and_the_test_extra_has_them_all():
     import re
     import tomllib
 
-    from zerorun.telemetry.trackers_spec import PACKAGES
+    from zerorun.recipe.log import PACKAGES
 
     extras = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["optional-dependencies"]
     names = {k: {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0] for d in v} for k, v in extras.items()}

@@ -275,7 +275,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     from rich.text import Text
 
     from zerorun import launch, modelcheck
-    from zerorun.hostfile import read_hostfile
+    from zerorun.recipe.hostfile import read_hostfile
     from zerorun.recipe import load_recipe
 
     for h in hostfiles:  # bad input fails here, before any job

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from zerorun.cli.options import NO_DASHBOARD
-from zerorun.hostfile import MAX_SLOTS
+from zerorun.recipe.hostfile import MAX_SLOTS
 
 
 def submit(

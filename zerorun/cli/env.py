@@ -152,7 +152,7 @@ def check_hosts(hostfile: str, ssh=None, timeout: float = 30.0, local_gpus: str 
     """
     import time
 
-    from zerorun.hostfile import read_hostfile
+    from zerorun.recipe.hostfile import read_hostfile
     from zerorun.launch.preflight import describe_connect_error
     from zerorun.launch.remote import SshOptions, connection
 

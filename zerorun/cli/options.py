@@ -20,7 +20,7 @@ NUM_NODES = typer.Option(None, "--num-nodes", min=1, help="Use the first N hosts
 
 def _procs(value: Optional[str]):
     """``--nproc-per-node``: N or gpu|cpu|auto, as torchrun takes it (Note [Ranks per node], launch/slots.py)."""
-    from zerorun.hostfile import parse_procs
+    from zerorun.recipe.hostfile import parse_procs
 
     try:
         return None if value is None else parse_procs(value, "")

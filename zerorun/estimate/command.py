@@ -36,7 +36,7 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         raise ZerorunError("--largest-layer: only with --params (a recipe's largest unit is counted from its model)")
     hosts = None
     if hostfile:
-        from zerorun.hostfile import read_hostfile
+        from zerorun.recipe.hostfile import read_hostfile
 
         hosts = read_hostfile(hostfile)
     if offload is not None and offload not in OFFLOADS:

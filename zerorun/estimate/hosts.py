@@ -97,7 +97,7 @@ def ask_hosts(hostfile: str, ssh=None, timeout: float = 15.0) -> dict[str, HostM
         ZerorunError: a bad hostfile; a host that does not answer, one line naming it, the cause and
             ``--host-memory``.
     """
-    from zerorun.hostfile import read_hostfile
+    from zerorun.recipe.hostfile import read_hostfile
     from zerorun.launch.preflight import describe_connect_error
     from zerorun.launch.remote import SshOptions, connect, run_script
 

@@ -359,7 +359,7 @@ def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tu
         raise ZerorunError(f"{path}: a DeepSpeed config is a JSON object")
     world = procs = None
     if hostfile:
-        from zerorun.hostfile import read_hostfile
+        from zerorun.recipe.hostfile import read_hostfile
 
         hosts = read_hostfile(hostfile)
         world, procs = sum(h.slots for h in hosts), hosts[0].slots

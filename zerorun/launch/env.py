@@ -18,7 +18,7 @@ import sys
 from typing import Callable, Mapping
 
 from zerorun.errors import ZerorunError
-from zerorun.recipe_text import MAX_ENV_STRING, env_string_bytes, env_value_problem
+from zerorun.recipe.text import MAX_ENV_STRING, env_string_bytes, env_value_problem
 
 #: names with these prefixes are forwarded from the launcher's environment (Note [Forwarded environment]).
 ALLOWED_PREFIXES = ("NCCL_", "PYTHON", "CUDA_VISIBLE_DEVICES", "GLOO_", "TORCH_", "OMP_NUM_THREADS")

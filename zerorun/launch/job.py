@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.launch.env import allowed_env, env_file_values
 from zerorun.launch.plan import LaunchPlan, build_plan, free_port, port_in_use
 from zerorun.launch.preflight import preflight

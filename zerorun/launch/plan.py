@@ -10,7 +10,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.launch.node import NODE_DIR
 from zerorun.zero.allocator import ALLOCATOR_VAR, ALLOCATORS, INSTALL_HINT, MMAP_THRESHOLD  # noqa: F401
 from zerorun.zero.allocator import allocator_problem
@@ -77,7 +77,7 @@ def allocator_env(env: dict[str, str], tcmalloc: str | None, mimalloc: str | Non
 
     Raises:
         ValueError: ``ZERORUN_ALLOCATOR`` is not one of ``ALLOCATORS`` (a recipe's ``launch.env`` is checked
-            before launch: :func:`zerorun.recipe_text.check_env`), or names an allocator this node lacks.
+            before launch: :func:`zerorun.recipe.text.check_env`), or names an allocator this node lacks.
     """
     choice = env.get(ALLOCATOR_VAR, "auto")
     if choice not in ALLOCATORS:

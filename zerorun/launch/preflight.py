@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.launch.remote import HostKeyError, SshOptions, connection, root_cause, run_script, shell_script
 
 #: run with ``python -c`` on each host; stdlib only, so that it can say what is missing.

@@ -37,7 +37,7 @@ import sys
 from typing import Callable
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.telemetry.events import PREFIX, format_event, from_json
 
 #: the same failure from the same starting checkpoint this many times in a row ends the job, restarts left or not

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from zerorun.errors import JobFailed, ZerorunError
-from zerorun.hostfile import Host
+from zerorun.recipe.hostfile import Host
 from zerorun.telemetry.format import count
 
 
@@ -93,7 +93,7 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
         ZerorunError: an unreadable or bad hostfile, a bad allocation, ``gpu`` without a GPU, ``cpu`` with a
             hostfile, or a selection that leaves no host.
     """
-    from zerorun.hostfile import read_hostfile, select_hosts
+    from zerorun.recipe.hostfile import read_hostfile, select_hosts
     from zerorun.launch.env import env_file_values
     from zerorun.launch.slots import auto_note, hostfile_procs, resolve, through_visible
 

@@ -1,7 +1,7 @@
 """Ranks per node as a number or a word (``launch.procs_per_node``, ``--nproc-per-node``), and the GPUs this
 machine's ranks can see, counted without importing torch.
 
-Note [Ranks per node]: a count is ``N`` (1 to :data:`~zerorun.hostfile.MAX_SLOTS`) or one of torchrun's words
+Note [Ranks per node]: a count is ``N`` (1 to :data:`~zerorun.recipe.hostfile.MAX_SLOTS`) or one of torchrun's words
 (torch/distributed/run.py ``determine_local_world_size``):
 
 - ``gpu``: one rank per visible GPU; none visible is an error (torchrun: "Cuda is not available.").
@@ -34,7 +34,7 @@ import os
 from typing import Callable
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import MAX_SLOTS, Host
+from zerorun.recipe.hostfile import MAX_SLOTS, Host
 
 
 def nvml_gpus() -> int:

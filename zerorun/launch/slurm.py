@@ -35,7 +35,7 @@ import subprocess
 import sys
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import MAX_SLOTS, Host
+from zerorun.recipe.hostfile import MAX_SLOTS, Host
 
 LAUNCHERS = ("ssh", "slurm", "local")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 
 from zerorun.errors import ZerorunError
-from zerorun.hostfile import MAX_SLOTS
+from zerorun.recipe.hostfile import MAX_SLOTS
 from zerorun.launch.slurm import gpu_count
 
 #: sbatch's own options that a job array is asked for with (``-a 0-3``, ``--array=0-3``)

@@ -48,7 +48,7 @@ class Context:
     start)."""
 
     def __init__(self, run_dir: str, recipe, identity: dict[str, Any], resumed_step: int) -> None:
-        from zerorun.recipe_text import masked
+        from zerorun.recipe.text import masked
 
         self.run_dir, self.recipe, self.identity, self.resumed_step = run_dir, recipe, identity, resumed_step
         self.name = str(identity.get("name") or os.path.basename(os.path.normpath(run_dir)))

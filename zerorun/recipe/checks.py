@@ -1,5 +1,5 @@
 """Cross-field checks of a recipe's ``zero``, ``precision``, ``train`` and ``runtime`` fields: which engine
-knobs go together (called by :func:`zerorun.recipe.resolve`, after paths are resolved)."""
+knobs go together (called by :func:`zerorun.recipe.load.resolve`, after paths are resolved)."""
 
 from __future__ import annotations
 

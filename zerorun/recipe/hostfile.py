@@ -104,7 +104,7 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
 
 def read_hostfile(path: str) -> list[Host]:
     """Read and parse the hostfile at ``path`` (see :func:`parse_hostfile`)."""
-    from zerorun.recipe import read_text
+    from zerorun.recipe.text import read_text  # yaml and pydantic: not at the launcher's import
 
     return parse_hostfile(read_text(path, "hostfile"), path)
 
