@@ -224,7 +224,7 @@ def submit(
     """Submit RECIPE as a SLURM batch job: the run folder is made first, the batch script written into it
     (submit.sbatch: edit and resubmit it with sbatch) and submitted; prints the job id and the run folder.
     Example: zerorun submit recipe.yaml zero.stage=3 --nodes 2 --time 01:00:00 -- --gres=gpu:8"""
-    from zerorun.launch.slurm_submit import SubmitOptions, submit as run
+    from zerorun.slurm.submit import SubmitOptions, submit as run
 
     options = SubmitOptions(nodes=nodes, procs_per_node=procs_per_node, time=time_limit, partition=partition,
                             account=account, job_name=job_name, resume=resume, gpus_per_node=gpus_per_node,
@@ -241,7 +241,7 @@ def attach(
 ) -> None:
     """Follow a SLURM job's metrics with the live dashboard until it ends (a pending job: waits for it; an ended
     one: its summary). Exits with the job's exit status; Ctrl-C stops following, not the job."""
-    from zerorun.launch.slurm_attach import attach as run
+    from zerorun.slurm.attach import attach as run
 
     code = run(job_id, dashboard=not no_dashboard)
     if code:
@@ -423,7 +423,7 @@ def show(
 ) -> None:
     """Print the summary of a run again (from its metrics.jsonl) and how the job ended; --plot draws loss and
     memory."""
-    from zerorun.launch.slurm_attach import follow_submitted
+    from zerorun.slurm.attach import follow_submitted
     from zerorun.telemetry.show import show as run
 
     code = None if plot else follow_submitted(run_dir)  # a zerorun submit job still queued or running
@@ -473,7 +473,7 @@ def main() -> None:
         if type(e).__name__ == "NoArgsIsHelpError":  # a bare `zerorun`: the help was printed, nothing failed
             sys.exit(0)
         if type(e).__name__ == "NoSuchOption" and sys.argv[1:2] == ["submit"]:
-            from zerorun.launch.slurm_submit import misplaced_option
+            from zerorun.slurm.submit import misplaced_option
 
             _err(misplaced_option(sys.argv[1:], e.option_name))
             sys.exit(2)

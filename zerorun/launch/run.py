@@ -276,7 +276,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
             check.stop()
         raise ZerorunError(f"{source}: cannot create the run directory {run_dir}: {e.strerror}") from None
     if os.environ.get("SLURM_JOB_ID"):
-        from zerorun.launch.slurm_jobs import JOB_FILE, remember
+        from zerorun.slurm.jobs import JOB_FILE, remember
 
         # a zerorun submit folder submitted again: its slurm-job.json names the job now writing into it
         remember(os.environ["SLURM_JOB_ID"], run_dir, in_run_dir=os.path.isfile(os.path.join(run_dir, JOB_FILE)))

@@ -26,7 +26,7 @@ import sys
 import time
 
 from zerorun.errors import ZerorunError
-from zerorun.launch.slurm_jobs import JobInfo, check_job_id, find_run_dir, job_info, submitted_job
+from zerorun.slurm.jobs import JobInfo, check_job_id, find_run_dir, job_info, submitted_job
 from zerorun.telemetry.state import read_json
 
 POLL_S = 1.0  # how often SLURM is asked whether the job still waits or runs
@@ -64,7 +64,7 @@ def attach(job_id: str, *, dashboard: bool = True, out=None, poll_s: float = POL
 
 
 def _wait_for_record(job_id: str, poll_s: float) -> str:
-    """The run folder of ``job_id`` once a ``zerorun train`` in it recorded one (launch/slurm_jobs.py).
+    """The run folder of ``job_id`` once a ``zerorun train`` in it recorded one (slurm/jobs.py).
 
     Raises:
         ZerorunError: the job ended (or SLURM forgot it) before any did.
@@ -141,7 +141,7 @@ COMPLETING_WAIT_S = 180.0
 def settled(job_id: str, run_dir: str, info: JobInfo | None, poll_s: float,
             limit_s: float = COMPLETING_WAIT_S) -> JobInfo | None:
     """``info`` once the job is no longer COMPLETING without its record (SLURM signalled it, and its ``zerorun
-    train`` may still be saving: Note on ``slurm_jobs.ACTIVE``), or after ``limit_s`` seconds of that."""
+    train`` may still be saving: Note on ``jobs.ACTIVE``), or after ``limit_s`` seconds of that."""
     deadline = time.monotonic() + limit_s
     while (info is not None and info.state == "COMPLETING" and not job_record(run_dir, job_id, info)
            and time.monotonic() < deadline):
@@ -258,7 +258,7 @@ def _follow_run(job_id: str, run_dir: str, info: JobInfo, *, dashboard: bool, ou
     last, restarts = [info], info.restarts
     completing: list[float] = []  # when the job was first seen COMPLETING
 
-    def running() -> bool:  # a COMPLETING job runs until its record is written (Note on slurm_jobs.ACTIVE)
+    def running() -> bool:  # a COMPLETING job runs until its record is written (Note on jobs.ACTIVE)
         last[0] = now = job_info(job_id)
         if now is None or now.restarts > restarts:  # forgotten, or requeued: this run ended
             return False
