@@ -50,8 +50,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 sys.path.insert(0, ROOT)
-from zerorun.launch.plan import MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES  # noqa: E402 - torch-free
-from zerorun.zero.allocator import find_mimalloc  # noqa: E402 - torch-free
+from zerorun.allocator import MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES, find_mimalloc  # noqa: E402 - torch-free
 
 
 def worker(args) -> None:

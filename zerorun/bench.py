@@ -30,16 +30,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerorun import runfolder
 from zerorun.bench_args import (BASELINES, CONTROLLED, check_overrides, parse_baselines,  # noqa: F401
                                 parse_nodes, parse_stages)
 from zerorun.bench_output import METRICS, _atomic_write, markdown_table, render_table, write_csv, write_json, write_png
 from zerorun.errors import ZerorunError
-from zerorun.launch.plan import GLIBC_ENV
+from zerorun.allocator import GLIBC_ENV
 from zerorun.telemetry.console import PlainView
 
 
 #: Every job, the baselines' included, is launched as ``zerorun train`` launches it, so its ranks get zerorun's
-#: allocator (Note [Rank allocator] in zerorun/zero/allocator.py): part of the comparison.
+#: allocator (Note [Rank allocator] in zerorun/allocator.py): part of the comparison.
 ENV_NOTE = ("Every row, DDP and FSDP2 included, ran with zerorun's rank allocator (ZERORUN_ALLOCATOR=auto: "
             "tcmalloc preloaded where the node has it, else mimalloc from its pip wheel, else glibc with "
             + " ".join(f"{k}={v}" for k, v in GLIBC_ENV.items())
@@ -162,7 +163,7 @@ def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, float]:
 def read_events(run_dir: str) -> list[dict[str, Any]]:
     """The records of ``run_dir/metrics.jsonl`` (one JSON object per line; a torn last line is skipped)."""
     out = []
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+    with open(os.path.join(run_dir, runfolder.METRICS), encoding="utf-8") as f:
         for line in f:
             try:
                 out.append(json.loads(line))

@@ -81,7 +81,7 @@ def train(recipe: Recipe, rank: int) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}),
                             timeout=datetime.timedelta(seconds=recipe.launch.collective_timeout_s))
     world_size = dist.get_world_size()
-    from zerorun.zero import allocator
+    from zerorun import allocator
 
     emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=torch.__version__, device=str(device),
          allocator=allocator.name(), world_size=world_size, local_rank=local_rank, **host_memory(),

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from zerorun import runfolder
 from zerorun.errors import JobFailed, ZerorunError
 from zerorun.hostfile import Host
 from zerorun.telemetry.format import count
@@ -268,8 +269,8 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     run_dir = run_dir or new_run_dir(recipe.log.dir if recipe is not None else job.log_dir, name, plan.job_id)
     try:
         record.write(run_dir, plan, recipe, prepared.workdir, prepared.user_env, prepared.srun)
-        if os.path.exists(os.path.join(run_dir, "job.json")):  # a folder given again (a requeued batch job)
-            os.remove(os.path.join(run_dir, "job.json"))  # says how an earlier job ended, not this one
+        if os.path.exists(os.path.join(run_dir, runfolder.JOB)):  # a folder given again (a requeued batch job)
+            os.remove(os.path.join(run_dir, runfolder.JOB))  # says how an earlier job ended, not this one
     except OSError as e:
         prepared.close()
         if check is not None:
@@ -380,5 +381,5 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
     summary = f"done in {result.elapsed_s:.1f} s"
     if state.evals:
         summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
-    view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
+    view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, runfolder.METRICS)}")
     return RunResult("ok", 0, run_dir, "", result.elapsed_s, state)

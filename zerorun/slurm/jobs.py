@@ -25,6 +25,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from zerorun import runfolder
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.state import read_json
 
@@ -35,7 +36,7 @@ from zerorun.telemetry.state import read_json
 #: job until that job's ``job.json`` appears or SLURM settles on the final state (slurm/attach.py).
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
                     "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"})
-JOB_FILE = "slurm-job.json"  # in the run folder
+JOB_FILE = runfolder.SLURM_JOB  # in the run folder
 _JOB_ID = re.compile(r"^[1-9]\d*(_\d+)?$")  # not 0: "scontrol show job 0" lists every job
 _SCONTROL_TIMEOUT_S = 30.0
 

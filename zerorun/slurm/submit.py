@@ -28,6 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from zerorun import runfolder
 from zerorun.errors import ZerorunError
 from zerorun.slurm.jobs import one_line, remember
 from zerorun.slurm.sbatch import gpus_asked, ranks_per_node, refuse_array, signal_directive
@@ -244,7 +245,7 @@ def _write_run_dir(run_dir: str, recipe_yaml: str, text: str) -> list[str]:
     script = os.path.join(run_dir, SCRIPT_NAME)
     try:
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
+        with open(os.path.join(run_dir, runfolder.RECIPE), "w", encoding="utf-8") as f:
             f.write(recipe_yaml)
         with open(script, "w", encoding="utf-8") as f:
             f.write(text)
