@@ -82,7 +82,8 @@ def rel(a: float, b: float) -> float:
 
 
 def make_engine(args, runtime: str, model, precision: str):
-    from zerorun import baselines, zero
+    from zerorun import zero
+    from zerorun.bench import baselines
 
     config = zero.ZeroConfig(stage=int(runtime[-1]) if runtime.startswith("stage") else 0, grad_clip=args.clip,
                              units=("Block", "Embedding"), precision=precision, bucket_mb=args.bucket_mb)

@@ -131,7 +131,7 @@ def train(recipe: Recipe, rank: int) -> None:
             engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
                                      config=config, elementwise=t.optimizer.elementwise)
         else:  # a baseline for `zerorun bench`: torch's DDP or FSDP2 behind the same interface
-            from zerorun import baselines
+            from zerorun.bench import baselines
 
             engine = baselines.initialize(recipe.runtime, model, optimizer=t.optimizer.name, optimizer_kwargs=opt,
                                           param_groups=groups, config=config)
