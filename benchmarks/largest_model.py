@@ -44,7 +44,7 @@ Methods (``--methods``):
   the log line says how the job exited.
 
 The zerorun methods' ranks run in the environment zerorun's launcher gives its ranks on this machine
-(``zerorun.launch.plan.allocator_env``: tcmalloc where installed, else glibc tuned; Note [Rank allocator]);
+(``zerorun.allocator.allocator_env``: tcmalloc where installed, else glibc tuned; Note [Rank allocator]);
 the peers' in the default environment (as torchrun starts them), except
 ``fsdp2-zerorun-env`` (and every peer with ``--peer-env zerorun``).
 """

@@ -1,5 +1,5 @@
 """Cases run on every rank of a :class:`distributed.RankPool`: the ``zerorun bench`` baselines
-(``zerorun/baselines.py``) against a hand-written DDP loop."""
+(``zerorun/bench/baselines.py``) against a hand-written DDP loop."""
 
 from __future__ import annotations
 
