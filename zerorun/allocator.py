@@ -1,16 +1,17 @@
 """The rank allocator (Note [Rank allocator]): which malloc each rank runs under, torch-free, so that the
 launcher (the launch plan, each node's watcher, ``zerorun env``) and the rank (its start event) share it
 without the launcher importing zero/. What only a rank does to glibc's malloc from inside (``mallopt``,
-``malloc_trim``: Note [Returning freed memory]) is zero/allocator.py's.
+``malloc_trim``: Note [Returning freed memory]) is zero/allocator.py's. Imports nothing of zerorun at its top: a
+rank imports it (through zero/allocator.py) before it allocates anything.
 
 Note [Rank allocator]: zerorun's ranks run under gperftools' tcmalloc where their node has it (Debian/Ubuntu
 package ``libtcmalloc-minimal4``; ``.ci/run`` installs it), else under Microsoft's mimalloc, whose shared library
 comes with zerorun from pip (the ``cmeel-mimalloc`` wheel, a dependency: :func:`find_mimalloc`; issue 35: a fresh
 install, where nobody ran apt-get, gets a fast allocator too), either preloaded by each node's watcher
-(:func:`allocator_env`; ``ZERORUN_ALLOCATOR`` in the recipe's
-``launch.env`` or the launcher's environment may name ``tcmalloc``, ``mimalloc`` or ``glibc``), and under glibc with
-the tuning of Note [Returning freed memory] where a node has neither (its watcher prints one line saying what to
-install: :func:`fallback_note`). mimalloc is the fallback's replacement, not tcmalloc's: in one
+(:func:`allocator_env`; ``ZERORUN_ALLOCATOR`` in the recipe's ``launch.env`` or the launcher's environment may
+name ``tcmalloc``, ``mimalloc`` or ``glibc``), and under glibc with the tuning of Note [Returning freed memory]
+(zero/allocator.py) where a node has neither (its watcher prints one line saying what to install:
+:func:`fallback_note`). mimalloc is the fallback's replacement, not tcmalloc's: in one
 run on a loaded machine (issue 35; 55M GPT, 2 gloo ranks, micro-batch 8; README, "What a fresh install runs"), CPU
 seconds per step and rank against DDP as torchrun runs it were stage 1 1.08x, stage 2 1.11x, stage 3 1.22x under
 mimalloc, 0.93x, 0.92x, 0.84x under tcmalloc and 1.15x, 1.17x, 1.22x under glibc tuned, with realized savings of
