@@ -6,7 +6,7 @@
 Two runs, each one torchrun job (``gpu_check_rank.py`` on every rank), every case in one process group:
 
 1. world size 1 on NCCL (CPU: gloo): ZeRO stages 0-3 in fp32 and bf16, DDP and FSDP2 (``fully_shard``) in
-   fp32 (zerorun's baselines, ``zerorun/baselines.py``).
+   fp32 (zerorun's baselines, ``zerorun/bench/baselines.py``).
 2. world size 2 sharing the one GPU: NCCL first; NCCL refuses two ranks on one device ("Duplicate GPU
    detected"), so when that run fails it is run again on gloo with CUDA tensors (gloo stages them through the
    host) and the summary says which ran and why. The 2-rank run uses a smaller GPT (``--small``).

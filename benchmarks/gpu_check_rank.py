@@ -82,7 +82,8 @@ def rel(a: float, b: float) -> float:
 
 
 def make_engine(args, runtime: str, model, precision: str):
-    from zerorun import baselines, zero
+    from zerorun import zero
+    from zerorun.bench import baselines
 
     config = zero.ZeroConfig(stage=int(runtime[-1]) if runtime.startswith("stage") else 0, grad_clip=args.clip,
                              units=("Block", "Embedding"), precision=precision, bucket_mb=args.bucket_mb)
@@ -282,7 +283,7 @@ def main(args) -> None:
     kwargs = {"device_id": device} if args.backend == "nccl" else {}
     dist.init_process_group(args.backend, **kwargs)
     cases = [(p, r) for p in args.precisions.split(",") for r in args.runtimes.split(",")
-             if p == "fp32" or r.startswith("stage")]  # the baselines run fp32 (zerorun/baselines.py)
+             if p == "fp32" or r.startswith("stage")]  # the baselines run fp32 (zerorun/bench/baselines.py)
     for precision, runtime in cases:
         if agreed_over_budget(t_start, args.budget_s, device):
             row = {"precision": precision, "runtime": runtime, "skipped": "time budget spent"}

@@ -100,7 +100,7 @@ def worker(mode: str, folder: str) -> None:
 
 
 def run(mode: str, folder: str, nproc: int) -> list[dict]:
-    from zerorun.launch.plan import MMAP_THRESHOLD
+    from zerorun.allocator import MMAP_THRESHOLD
 
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))  # as zerorun's ranks
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",

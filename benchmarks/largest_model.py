@@ -44,7 +44,7 @@ Methods (``--methods``):
   the log line says how the job exited.
 
 The zerorun methods' ranks run in the environment zerorun's launcher gives its ranks on this machine
-(``zerorun.launch.plan.allocator_env``: tcmalloc where installed, else glibc tuned; Note [Rank allocator]);
+(``zerorun.allocator.allocator_env``: tcmalloc where installed, else glibc tuned; Note [Rank allocator]);
 the peers' in the default environment (as torchrun starts them), except
 ``fsdp2-zerorun-env`` (and every peer with ``--peer-env zerorun``).
 """
@@ -174,8 +174,7 @@ def rank_env(method: str, args) -> dict[str, str]:
     """The environment variables of ``method``'s ranks: zerorun's launcher's for zerorun (and for the peers with
     ``--peer-env zerorun``), none for the peers (as torchrun starts them)."""
     sys.path.insert(0, ROOT)
-    from zerorun.launch.plan import allocator_env, find_tcmalloc, rank_env as zerorun_env
-    from zerorun.zero.allocator import find_mimalloc
+    from zerorun.allocator import allocator_env, find_mimalloc, find_tcmalloc, rank_env as zerorun_env
 
     zerorun_like = method.startswith("zerorun") or method.endswith("zerorun-env") or args.peer_env == "zerorun"
     if method.endswith("-glibc"):

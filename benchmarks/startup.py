@@ -61,7 +61,8 @@ def zerorun_cmd(ranks: int, folder: str) -> list[str]:
 
 
 def torchrun_cmd(ranks: int, folder: str) -> tuple[list[str], dict]:
-    from zerorun.launch.plan import MMAP_THRESHOLD, free_port
+    from zerorun.allocator import MMAP_THRESHOLD
+    from zerorun.launch.plan import free_port
     from zerorun.recipe import load_recipe
 
     recipe = load_recipe(os.path.join(ROOT, "recipes/tiny.yaml"), [*OVERRIDES, f"log.dir={folder}/runs"])

@@ -50,8 +50,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 sys.path.insert(0, ROOT)
-from zerorun.launch.plan import MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES  # noqa: E402 - torch-free
-from zerorun.zero.allocator import find_mimalloc  # noqa: E402 - torch-free
+from zerorun.allocator import MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES, find_mimalloc  # noqa: E402 - torch-free
 
 
 def worker(args) -> None:
@@ -187,7 +186,7 @@ def worker(args) -> None:
 #: ``--bucket-mb`` (zerorun's) instead of its defaults
 DEEPSPEED_MODES = {"ds2": 2, "ds3": 3, "ds2b": 2, "ds3b": 3}
 
-#: tcmalloc preloaded as zerorun's launcher preloads it (zerorun.launch.plan.allocator_env), by its preferred soname.
+#: tcmalloc preloaded as zerorun's launcher preloads it (zerorun.allocator.allocator_env), by its preferred soname.
 TCMALLOC = {"LD_PRELOAD": TCMALLOC_SONAMES[0], **TCMALLOC_QUIET}
 
 #: environments a mode can run in: name -> (variables for the ranks, what the rank does itself).
@@ -202,7 +201,7 @@ ENVS = {
     "tcmalloc": (TCMALLOC, None),
     "jemalloc": ({"LD_PRELOAD": "libjemalloc.so.2"}, None),
     # what zerorun's launcher gives ranks where the node has no tcmalloc: mimalloc from its pip wheel
-    # (cmeel-mimalloc), preloaded by path, keeping what it frees (zerorun.launch.plan.MIMALLOC_KEEP)
+    # (cmeel-mimalloc), preloaded by path, keeping what it frees (zerorun.allocator.MIMALLOC_KEEP)
     "mimalloc": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", **MIMALLOC_KEEP}, None),
     # mimalloc returning freed memory at once, after 100 ms, 1 s (its default), 10 s, or never (MIMALLOC_PURGE_DELAY)
     **{f"mimalloc-purge{ms}": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", "MIMALLOC_PURGE_DELAY": str(ms)},

@@ -1,5 +1,5 @@
 """Cases run on every rank of a :class:`distributed.RankPool`: the ``zerorun bench`` baselines
-(``zerorun/baselines.py``) against a hand-written DDP loop."""
+(``zerorun/bench/baselines.py``) against a hand-written DDP loop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parity_cases import _batch, _build, _loss, rel
-from zerorun import baselines
+from zerorun.bench import baselines
 from zerorun.zero import ZeroConfig, default_param_groups
 
 

@@ -65,7 +65,7 @@ def slurm_cluster(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def _job_records_in_tmp(tmp_path_factory):
     """Jobs inside a SLURM allocation record their run folder for ``zerorun attach`` under $XDG_STATE_HOME
-    (launch/slurm_jobs.py): in the tests, a folder of the session, never the user's home."""
+    (zerorun/slurm/jobs.py): in the tests, a folder of the session, never the user's home."""
     old = os.environ.get("XDG_STATE_HOME")
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     yield

@@ -1,4 +1,4 @@
-"""The ``zerorun bench`` baselines (zerorun/baselines.py) are right: torch's FSDP2 and DDP behind zerorun's
+"""The ``zerorun bench`` baselines (zerorun/bench/baselines.py) are right: torch's FSDP2 and DDP behind zerorun's
 engine interface train to the same numbers as hand-written DDP loops (fp32, 2 gloo ranks), with gradient
 accumulation and clipping, and count the bytes their collectives send."""
 

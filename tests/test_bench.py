@@ -159,7 +159,7 @@ def test_bench_two_hostfiles_two_stages(tmp_path):
     # rank of every job ran under it (Note [Rank allocator]: tcmalloc where this machine has it, else mimalloc)
     assert "ZERORUN_ALLOCATOR=auto: tcmalloc preloaded" in (bench_dir / "bench.md").read_text()
     assert "MALLOC_MMAP_THRESHOLD_=1048576" in result["rank_env"]
-    from zerorun.launch.plan import find_tcmalloc
+    from zerorun.allocator import find_tcmalloc
 
     events = [json.loads(line) for f in (tmp_path / "runs").rglob("metrics.jsonl") for line in open(f)]
     starts = [e for e in events if e["event"] == "start"]

@@ -47,7 +47,7 @@ def test_script_runs_on_every_rank_and_its_exception_is_named(tmp_path):
     assert {e["rank"] for e in events if e["event"] == "step"} == {0, 1}
     starts = [e for e in events if e["event"] == "start"]  # a script's ranks start like the built-in worker's
     assert sorted(e["rank"] for e in starts) == [0, 1] and all(e["world_size"] == 2 for e in starts), starts
-    from zerorun.launch.plan import find_tcmalloc  # Note [Rank allocator]: a script's ranks get it too
+    from zerorun.allocator import find_tcmalloc  # Note [Rank allocator]: a script's ranks get it too
 
     assert {e["allocator"] for e in starts} == {"tcmalloc" if find_tcmalloc() else "mimalloc"}, starts
     assert "2 ranks started (torch " in out.stdout

@@ -184,7 +184,7 @@ def test_a_slurm_allocation_counts_words_by_its_own_resources():
 
 
 def test_a_submitted_job_counts_auto_from_the_gpus_it_asks_for():
-    from zerorun.launch.slurm_sbatch import ranks_per_node
+    from zerorun.slurm.sbatch import ranks_per_node
     from zerorun.recipe import load_recipe
 
     auto = load_recipe(TINY, ["launch.procs_per_node=auto"], check_optimizer=False)

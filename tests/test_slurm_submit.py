@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from zerorun.errors import ZerorunError
-from zerorun.launch import slurm_jobs
-from zerorun.launch.slurm_submit import SubmitOptions, directive_value, group_args, render_script
+from zerorun.slurm import jobs as slurm_jobs
+from zerorun.slurm.submit import SubmitOptions, directive_value, group_args, render_script
 from zerorun.recipe import load_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -241,7 +241,7 @@ def test_requeued_output_appends_and_the_stop_names_the_resubmit(tmp_path):
     the stop message said "continue with zerorun train ... --resume" in a submitted job. The script appends,
     and tells its zerorun train (ZERORUN_CONTINUE) the command that continues it: the script itself with
     --resume, else the submit command again with --resume."""
-    from zerorun.launch.slurm_submit import resubmit_command
+    from zerorun.slurm.submit import resubmit_command
 
     text = script(tmp_path, resume="latest")
     assert "--open-mode=append" in directives(text)
@@ -256,7 +256,7 @@ def test_early_save_signal_and_time_limits(tmp_path):
     """Issue 34 item 15: only the time limit's SIGTERM triggered the save, within KillWait (30 s). A recipe
     that saves checkpoints asks SLURM for SIGUSR1 to the batch shell --save-before seconds earlier; none
     without checkpoint.dir or with --save-before 0; a time limit within that is one line."""
-    from zerorun.launch.slurm_sbatch import time_limit_s
+    from zerorun.slurm.sbatch import time_limit_s
 
     ck = [f"checkpoint.dir={tmp_path}/ck"]
     assert "--signal=B:USR1@120" in directives(script(tmp_path, ck))
@@ -341,7 +341,7 @@ def test_run_folder_from_the_script_and_the_records(tmp_path, monkeypatch):
 
 
 def test_exit_status_from_the_run_or_from_slurm(tmp_path):
-    from zerorun.launch.slurm_attach import exit_status
+    from zerorun.slurm.attach import exit_status
 
     run = str(tmp_path)
     info = slurm_jobs.JobInfo("1", "CANCELLED", exit_code="0:15")
@@ -364,7 +364,7 @@ def test_attach_to_an_old_job_while_its_folder_runs_again(tmp_path, monkeypatch)
     at (review: a summary mixing both runs, "did not record how it ended")."""
     import io
 
-    from zerorun.launch import slurm_attach
+    from zerorun.slurm import attach as slurm_attach
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     run = tmp_path / "run"
@@ -382,7 +382,7 @@ def test_a_job_that_never_ran_is_not_sent_to_a_missing_output_file(tmp_path):
     "its output: .../slurm-11.out", a file that does not exist); once the file exists it is named."""
     import io
 
-    from zerorun.launch import slurm_attach
+    from zerorun.slurm import attach as slurm_attach
 
     cancelled = slurm_jobs.JobInfo("11", "CANCELLED", exit_code="0:0")
     out = io.StringIO()
@@ -397,7 +397,7 @@ def test_a_job_that_never_ran_is_not_sent_to_a_missing_output_file(tmp_path):
 def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
     """SLURM shows COMPLETING as soon as it signals a job, while zerorun train still saves and writes its
     record: attach waits for the record or the final state (review: it reported COMPLETING, exit 0)."""
-    from zerorun.launch import slurm_attach
+    from zerorun.slurm import attach as slurm_attach
 
     states = iter([slurm_jobs.JobInfo("7", "COMPLETING"), slurm_jobs.JobInfo("7", "CANCELLED", exit_code="0:15")])
     monkeypatch.setattr(slurm_attach, "job_info", lambda job_id: next(states))
@@ -419,7 +419,7 @@ def test_attach_follows_a_job_across_slurms_requeue(tmp_path, monkeypatch):
     first run's job.json is not taken for the second's end."""
     import io
 
-    from zerorun.launch import slurm_attach
+    from zerorun.slurm import attach as slurm_attach
 
     run, t0 = tmp_path / "run", 1_700_000_000.0
     run.mkdir()

@@ -20,7 +20,7 @@ from zerorun.telemetry import rankstream
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import host_memory
 from zerorun.worker import report_failure
-from zerorun.zero import allocator
+from zerorun import allocator
 
 
 def main(argv: list[str]) -> int:

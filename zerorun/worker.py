@@ -81,7 +81,7 @@ def train(recipe: Recipe, rank: int) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}),
                             timeout=datetime.timedelta(seconds=recipe.launch.collective_timeout_s))
     world_size = dist.get_world_size()
-    from zerorun.zero import allocator
+    from zerorun import allocator
 
     emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=torch.__version__, device=str(device),
          allocator=allocator.name(), world_size=world_size, local_rank=local_rank, **host_memory(),
@@ -131,7 +131,7 @@ def train(recipe: Recipe, rank: int) -> None:
             engine = zero.initialize(model, optimizer=t.optimizer.name, optimizer_kwargs=opt, param_groups=groups,
                                      config=config, elementwise=t.optimizer.elementwise)
         else:  # a baseline for `zerorun bench`: torch's DDP or FSDP2 behind the same interface
-            from zerorun import baselines
+            from zerorun.bench import baselines
 
             engine = baselines.initialize(recipe.runtime, model, optimizer=t.optimizer.name, optimizer_kwargs=opt,
                                           param_groups=groups, config=config)

@@ -36,7 +36,7 @@ def submit(
     """Submit RECIPE as a SLURM batch job: the run folder is made first, the batch script written into it
     (submit.sbatch: edit and resubmit it with sbatch) and submitted; prints the job id and the run folder.
     sbatch's own options go after '--': zerorun submit recipe.yaml --nodes 2 -- --gres=gpu:8."""
-    from zerorun.launch.slurm_submit import SubmitOptions, submit as run
+    from zerorun.slurm.submit import SubmitOptions, submit as run
 
     options = SubmitOptions(nodes=nodes, procs_per_node=procs_per_node, time=time_limit, partition=partition,
                             account=account, job_name=job_name, resume=resume, gpus_per_node=gpus_per_node,
@@ -51,7 +51,7 @@ def attach(
 ) -> None:
     """Follow a SLURM job's metrics with the live dashboard until it ends (a pending job: waits for it; an ended
     one: its summary). Exits with the job's exit status; Ctrl-C stops following, not the job."""
-    from zerorun.launch.slurm_attach import attach as run
+    from zerorun.slurm.attach import attach as run
 
     code = run(job_id, dashboard=not no_dashboard)
     if code:

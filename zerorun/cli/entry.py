@@ -78,7 +78,7 @@ def _usage_error(e: Exception) -> int | None:
                  + hint)
             return 2
         if sys.argv[1:2] == ["submit"]:
-            from zerorun.launch.slurm_submit import misplaced_option
+            from zerorun.slurm.submit import misplaced_option
 
             _err(misplaced_option(sys.argv[1:], e.option_name))
             return 2

@@ -123,8 +123,8 @@ def allocator_line(environ: dict[str, str] | None = None) -> tuple[str, str]:
     """``("rank allocator", what this node's ranks run under)`` (Note [Rank allocator]): the allocator this
     node's watcher gives ranks whose environment is ``environ`` (default ``os.environ``), its library, and where
     that is the slow fallback, what to install; a bad ``ZERORUN_ALLOCATOR`` or a missing library is said."""
-    from zerorun.launch.plan import ALLOCATOR_VAR, allocator_env, fallback_note, find_tcmalloc, rank_env
-    from zerorun.zero.allocator import INSTALL_HINT, find_mimalloc
+    from zerorun.allocator import (ALLOCATOR_VAR, INSTALL_HINT, allocator_env, fallback_note, find_mimalloc,
+                                   find_tcmalloc, rank_env)
 
     env = dict(os.environ if environ is None else environ)
     try:

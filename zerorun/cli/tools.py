@@ -90,7 +90,7 @@ def show(
 ) -> None:
     """Print the summary of a run again (from its metrics.jsonl) and how the job ended; --plot draws loss and
     memory."""
-    from zerorun.launch.slurm_attach import follow_submitted
+    from zerorun.slurm.attach import follow_submitted
     from zerorun.telemetry.show import show as run
 
     code = None if plot else follow_submitted(run_dir)  # a zerorun submit job still queued or running

@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 
-from zerorun.zero import allocator  # torch-free: Note [Rank allocator]
+from zerorun import allocator  # torch-free: Note [Rank allocator]
 
 #: in a spec's argv, replaced by the node's private folder (recipe file, torchrun's logs).
 NODE_DIR = "{node_dir}"
@@ -153,7 +153,7 @@ def run_node(spec: dict) -> int:
         cmd = [a.replace(NODE_DIR, folder) for a in spec["argv"]]
         env = {**os.environ, **spec["env"], NODE_ENV: mark, "ZERORUN_NODE_DIR": folder}
         if allocator.ALLOCATOR_VAR in spec["env"]:  # Note [Rank allocator]: this node's libraries decide
-            from zerorun.launch.plan import allocator_env, fallback_note, find_tcmalloc
+            from zerorun.allocator import allocator_env, fallback_note, find_tcmalloc
 
             try:
                 resolved = allocator_env(env, find_tcmalloc(), allocator.find_mimalloc())

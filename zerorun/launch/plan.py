@@ -10,100 +10,12 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
+from zerorun.allocator import rank_env
 from zerorun.recipe.hostfile import Host
 from zerorun.launch.node import NODE_DIR
-from zerorun.zero.allocator import ALLOCATOR_VAR, ALLOCATORS, INSTALL_HINT, MMAP_THRESHOLD  # noqa: F401
-from zerorun.zero.allocator import allocator_problem
-from zerorun.zero.allocator import ENV as GLIBC_ENV  # torch-free; MMAP_THRESHOLD: benchmarks import it here
 
 #: environment variable that marks every process of one job (teardown finds them by it).
 JOB_ENV = "ZERORUN_JOB_ID"
-
-# Note [Rank allocator] (zerorun/zero/allocator.py, with the figures): ZERORUN_ALLOCATOR chooses each rank's malloc
-# (``auto``, the default: gperftools' tcmalloc where the node has it, else mimalloc from its pip wheel, a zerorun
-# dependency, else glibc tuned; or one of them by name: zero.allocator.ALLOCATORS). Resolved on each node by its
-# watcher (:func:`allocator_env`), not here. glibc's tuning (GLIBC_ENV, Note [Returning freed memory]): a fixed mmap
-# threshold, so freed tensors of 1 MiB or more go back to the OS instead of staying in the heap, and 2 MiB pages.
-#: sonames of gperftools' tcmalloc, preferred first (Debian/Ubuntu: libtcmalloc-minimal4, libgoogle-perftools4).
-TCMALLOC_SONAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
-#: tcmalloc prints a line for every allocation above this many bytes (default 1 GiB): never, for a rank.
-TCMALLOC_QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
-#: mimalloc keeps what a rank frees instead of returning it to the kernel after 1 s (its default, shorter than a
-#: step: every step faulted its memory in again) and reusing it, as tcmalloc does (Note [Rank allocator]).
-MIMALLOC_KEEP = {"MIMALLOC_PURGE_DELAY": "-1"}
-
-
-def rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The allocator variable the launcher gives every rank (Note [Rank allocator]): the launcher's own
-    ``ZERORUN_ALLOCATOR`` (``environ``, default ``os.environ``) if set, else ``auto``; the job's environment files
-    and ``launch.env`` override it, and each node's watcher turns it into that node's variables with
-    :func:`allocator_env`.
-
-    Raises:
-        ZerorunError: the launcher's ``ZERORUN_ALLOCATOR`` is not one of ``zero.allocator.ALLOCATORS``.
-    """
-    value = (os.environ if environ is None else environ).get(ALLOCATOR_VAR) or "auto"
-    if allocator_problem(value):
-        from zerorun.errors import ZerorunError
-
-        raise ZerorunError(f"environment: {allocator_problem(value)}")
-    return {ALLOCATOR_VAR: value}
-
-
-def find_tcmalloc() -> str | None:
-    """The soname of a tcmalloc this machine's dynamic loader finds (its ``ldconfig`` cache), or None."""
-    import ctypes.util
-
-    for soname in TCMALLOC_SONAMES:
-        name = soname[3:].split(".so")[0]
-        if ctypes.util.find_library(name) == soname:
-            return soname
-    return None
-
-
-def allocator_env(env: dict[str, str], tcmalloc: str | None, mimalloc: str | None = None) -> dict[str, str]:
-    """The variables that carry out Note [Rank allocator] for ranks whose environment is ``env`` (this node's
-    variables with the job's on top), on a node where ``tcmalloc`` (a soname) and ``mimalloc`` (a path: the
-    pip wheel's library, :func:`zerorun.zero.allocator.find_mimalloc`) are found (None: not there).
-
-    ``auto`` preloads tcmalloc, else mimalloc (``LD_PRELOAD``), unless the job (or the node) preloads a library
-    itself (which may be an allocator: ``ZERORUN_ALLOCATOR=preload``) or sets ``MALLOC_MMAP_THRESHOLD_``;
-    ``tcmalloc`` and ``mimalloc`` preload that one unless the job preloads its own; mimalloc gets
-    :data:`MIMALLOC_KEEP` unless the job sets it. Otherwise, and for
-    ``glibc``, glibc's tuning (:data:`GLIBC_ENV`) where the job does not set those variables. The result also
-    names the choice made (``ZERORUN_ALLOCATOR=tcmalloc``, ``mimalloc``, ``preload`` or ``glibc``) and always
-    has :data:`TCMALLOC_QUIET`, which only a tcmalloc reads; the rank reports what it really runs under
-    (:func:`zerorun.zero.allocator.name`).
-
-    Raises:
-        ValueError: ``ZERORUN_ALLOCATOR`` is not one of ``ALLOCATORS`` (a recipe's ``launch.env`` is checked
-            before launch: :func:`zerorun.recipe.text.check_env`), or names an allocator this node lacks.
-    """
-    choice = env.get(ALLOCATOR_VAR, "auto")
-    if choice not in ALLOCATORS:
-        raise ValueError(f"{ALLOCATOR_VAR}={choice!r}: expected one of {', '.join(ALLOCATORS)}")
-    found = {"tcmalloc": tcmalloc, "mimalloc": mimalloc}
-    if choice in found and not found[choice]:
-        raise ValueError(f"{ALLOCATOR_VAR}={choice}, but this node has no {choice} (install: {INSTALL_HINT})")
-    quiet = {**TCMALLOC_QUIET, **{k: env[k] for k in TCMALLOC_QUIET if k in env}}
-    if choice == "auto" and "MALLOC_MMAP_THRESHOLD_" not in env:  # the job tuning glibc asks for glibc
-        choice = "tcmalloc" if tcmalloc else "mimalloc" if mimalloc else "glibc"
-    if choice in found and not env.get("LD_PRELOAD"):
-        keep = {**MIMALLOC_KEEP, **{k: env[k] for k in MIMALLOC_KEEP if k in env}} if choice == "mimalloc" else {}
-        return {**quiet, **keep, "LD_PRELOAD": found[choice], ALLOCATOR_VAR: choice}
-    label = "preload" if env.get("LD_PRELOAD") else "glibc"
-    return {**GLIBC_ENV, **{k: env[k] for k in GLIBC_ENV if k in env}, **quiet, ALLOCATOR_VAR: label}
-
-
-def fallback_note(env: dict[str, str], resolved: dict[str, str], host: str) -> str | None:
-    """One line for a node whose ranks ``auto`` left under glibc tuned for want of tcmalloc and mimalloc
-    (``env``: their environment before :func:`allocator_env`, ``resolved``: its result), else None."""
-    if env.get(ALLOCATOR_VAR, "auto") != "auto" or resolved.get(ALLOCATOR_VAR) != "glibc":
-        return None
-    if "MALLOC_MMAP_THRESHOLD_" in env:  # the job tunes glibc itself: its choice
-        return None
-    return (f"zerorun: note: {host} has neither tcmalloc nor mimalloc: its ranks run under glibc tuned, the slow "
-            f"fallback (install: {INSTALL_HINT})")
 
 
 @dataclass(frozen=True)

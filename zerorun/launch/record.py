@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from zerorun import runfolder
 from zerorun.launch.commands import render, render_slurm
 from zerorun.launch.plan import LaunchPlan
 
@@ -25,12 +26,12 @@ def write(run_dir: str, plan: LaunchPlan, recipe, workdir: str, user_env: frozen
     if recipe is not None:
         from zerorun.recipe import masked_yaml
 
-        with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
+        with open(os.path.join(run_dir, runfolder.RECIPE), "w", encoding="utf-8") as f:
             f.write(masked_yaml(recipe))
     dirs = {n.node_rank: NODE_DIR_VAR for n in plan.nodes}
     text = render_slurm(plan, workdir, dirs, set(user_env), srun) if srun else render(plan, workdir, dirs,
                                                                                        set(user_env))
     note = ("# ZERORUN_NODE_DIR: each node's private folder (the resolved recipe as recipe.json, 0600; torchrun's "
             "logs), made and removed by the node's watcher (python -m zerorun.launch.node)\n")
-    with open(os.path.join(run_dir, "commands.sh"), "w", encoding="utf-8") as f:
+    with open(os.path.join(run_dir, runfolder.COMMANDS), "w", encoding="utf-8") as f:
         f.write("#!/bin/sh\n" + note + text)

@@ -36,6 +36,7 @@ import os
 import sys
 from typing import Callable
 
+from zerorun import runfolder
 from zerorun.errors import ZerorunError
 from zerorun.recipe.hostfile import Host
 from zerorun.telemetry.events import PREFIX, format_event, from_json
@@ -122,7 +123,7 @@ def saved_by_job(run_dir: str) -> list[str]:
     ``run_dir``'s metrics.jsonl (rank 0 sends it once the save is complete), read as ``load_run`` reads them
     (telemetry's ``from_json``: a torn line is skipped)."""
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8", errors="replace") as f:
+        with open(os.path.join(run_dir, runfolder.METRICS), encoding="utf-8", errors="replace") as f:
             events = [e for e in map(from_json, f) if e is not None]
     except OSError:
         return []
@@ -158,7 +159,7 @@ def resume_point(recipe, say: Callable[[str], None], run_dir: str | None = None,
 def _log(run_dir: str, text: str) -> None:
     """Append the launcher's ``text`` to ``run_dir/output.log`` (as ``[launcher] ...`` lines)."""
     try:
-        with open(os.path.join(run_dir, "output.log"), "a", encoding="utf-8") as f:
+        with open(os.path.join(run_dir, runfolder.OUTPUT), "a", encoding="utf-8") as f:
             f.write("".join(f"[launcher] {line}\n" for line in text.splitlines()))
     except OSError:
         pass  # the line is on stdout; the folder's problem shows in the next try's header
@@ -167,7 +168,7 @@ def _log(run_dir: str, text: str) -> None:
 def record(run_dir: str, **data) -> None:
     """Append a ``restart`` event (the launcher's, as rank 0's) to ``run_dir/metrics.jsonl``."""
     line = format_event("restart", 0, **data)[len(PREFIX):]
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+    with open(os.path.join(run_dir, runfolder.METRICS), "a", encoding="utf-8") as f:
         f.write(line + "\n")
 
 

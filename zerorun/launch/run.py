@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from zerorun import runfolder
 from zerorun.errors import JobFailed, ZerorunError
 from zerorun.recipe.hostfile import Host
 from zerorun.telemetry.format import count
@@ -238,7 +239,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     as ever, ``slurm``: every node through one srun step in the allocation (Note [Slurm launcher]).
     The run folder is ``run_dir``
     (made if missing; ``zerorun submit`` makes it before the job starts) or a new :func:`new_run_dir`. Inside a
-    SLURM allocation the folder is recorded under the job's id for ``zerorun attach`` (launch/slurm_jobs.py).
+    SLURM allocation the folder is recorded under the job's id for ``zerorun attach`` (zerorun/slurm/jobs.py).
     ``started``: when the job started (Unix s; default now), the first try's for a restart (launch/restart.py).
 
     Raises:
@@ -268,15 +269,15 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     run_dir = run_dir or new_run_dir(recipe.log.dir if recipe is not None else job.log_dir, name, plan.job_id)
     try:
         record.write(run_dir, plan, recipe, prepared.workdir, prepared.user_env, prepared.srun)
-        if os.path.exists(os.path.join(run_dir, "job.json")):  # a folder given again (a requeued batch job)
-            os.remove(os.path.join(run_dir, "job.json"))  # says how an earlier job ended, not this one
+        if os.path.exists(os.path.join(run_dir, runfolder.JOB)):  # a folder given again (a requeued batch job)
+            os.remove(os.path.join(run_dir, runfolder.JOB))  # says how an earlier job ended, not this one
     except OSError as e:
         prepared.close()
         if check is not None:
             check.stop()
         raise ZerorunError(f"{source}: cannot create the run directory {run_dir}: {e.strerror}") from None
     if os.environ.get("SLURM_JOB_ID"):
-        from zerorun.launch.slurm_jobs import JOB_FILE, remember
+        from zerorun.slurm.jobs import JOB_FILE, remember
 
         # a zerorun submit folder submitted again: its slurm-job.json names the job now writing into it
         remember(os.environ["SLURM_JOB_ID"], run_dir, in_run_dir=os.path.isfile(os.path.join(run_dir, JOB_FILE)))
@@ -380,5 +381,5 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
     summary = f"done in {result.elapsed_s:.1f} s"
     if state.evals:
         summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
-    view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
+    view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, runfolder.METRICS)}")
     return RunResult("ok", 0, run_dir, "", result.elapsed_s, state)

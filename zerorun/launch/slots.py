@@ -18,7 +18,7 @@ Where a word becomes a number, once, before the plan is made, so that ``--dry-ru
   of them, ``cpu`` is refused in one line (a remote host's CPUs are not known before contacting it, and the
   dry run contacts no host).
 - a SLURM allocation: Note [Ranks in an allocation] in launch/slurm.py; ``zerorun submit``: Note [Ranks of a
-  submitted job] in launch/slurm_sbatch.py.
+  submitted job] in zerorun/slurm/sbatch.py.
 
 Visible GPUs: NVML's device count (``libnvidia-ml.so.1`` through ctypes, as torch's own
 ``torch.cuda._raw_device_count_nvml``; importing torch would cost the launcher seconds before its first line),

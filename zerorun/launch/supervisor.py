@@ -83,7 +83,7 @@ class Supervisor:
         self.unverified: dict[str, str] = {}  # host -> why teardown could not check it
         self._tails: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=3))
         self._stop: str | None = None
-        self._save: str | None = None  # SIGUSR1's name once it came: Note [Early save signal] (launch/slurm_sbatch.py)
+        self._save: str | None = None  # SIGUSR1's name once it came: Note [Early save signal] (zerorun/slurm/sbatch.py)
         self._save_sent = False
         self._errors: dict[int, Event] = {}
         self._rank_exits: dict[int, int] = {}  # global rank -> exit code, from torchrun's failure summary
@@ -109,7 +109,7 @@ class Supervisor:
         self._save = signal.Signals(signum).name
 
     def _ask_to_save(self) -> None:
-        """Note [Early save signal] in launch/slurm_sbatch.py: SIGTERM to every node still running, without a
+        """Note [Early save signal] in zerorun/slurm/sbatch.py: SIGTERM to every node still running, without a
         deadline (the ranks save at their next step and stop; the time limit itself still ends the job)."""
         self._save_sent = True
         running = [n for n in self.nodes if n.spec.node_rank not in self._ended]

@@ -160,7 +160,7 @@ class Recipe(Strict):
     loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec, description="dynamic loss scaling "
                                       "(precision fp16 only)")
     #: ``zero``: zerorun's ZeRO runtime; ``ddp``/``fsdp2``: torch's DistributedDataParallel or FSDP2
-    #: (``fully_shard`` on stage 3's units), the baselines of ``zerorun bench`` (zerorun/baselines.py).
+    #: (``fully_shard`` on stage 3's units), the baselines of ``zerorun bench`` (zerorun/bench/baselines.py).
     runtime: Literal["zero", "ddp", "fsdp2"] = Field("zero", description="zero: zerorun's ZeRO runtime; ddp or "
                                                       "fsdp2: torch's DDP or FSDP2, the baselines of zerorun bench")
     launch: LaunchSpec = Field(default_factory=LaunchSpec, description="ranks per node, interpreter, working "

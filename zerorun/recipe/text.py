@@ -15,7 +15,7 @@ import yaml
 from pydantic_core import PydanticCustomError
 
 from zerorun.errors import ZerorunError
-from zerorun.zero.allocator import ALLOCATOR_VAR, allocator_problem
+from zerorun.allocator import ALLOCATOR_VAR, allocator_problem
 
 #: What a ``launch.env`` value is written as in a run folder's recipe.yaml and a checkpoint's zerorun.json
 #: (Note [Masked environment values]).

@@ -9,6 +9,7 @@ import re
 import time
 from typing import TextIO
 
+from zerorun import runfolder
 from zerorun.telemetry.events import Event, integer, number
 from zerorun.telemetry.format import count, describe, human_bytes, human_rate  # noqa: F401 - human_*: used by others
 from zerorun.telemetry.phases import slowest
@@ -26,8 +27,8 @@ class RunRecorder:
 
     def __init__(self, run_dir: str, recipe=None) -> None:
         os.makedirs(run_dir, exist_ok=True)
-        self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
-        self.log = open(os.path.join(run_dir, "output.log"), "a", encoding="utf-8")
+        self.metrics = open(os.path.join(run_dir, runfolder.METRICS), "a", encoding="utf-8")
+        self.log = open(os.path.join(run_dir, runfolder.OUTPUT), "a", encoding="utf-8")
         self.trackers = None
         if recipe is not None and recipe.log.trackers:
             from zerorun.telemetry.trackers import TrackerSink

@@ -16,6 +16,7 @@ import re
 import time
 from typing import Callable
 
+from zerorun import runfolder
 from zerorun.telemetry.events import from_json
 from zerorun.telemetry.state import JobState, run_header
 
@@ -56,7 +57,7 @@ def follow(run_dir: str, view, running: Callable[[], bool], *, poll_s: float = 0
     Raises:
         KeyboardInterrupt: Ctrl-C (the job goes on; the caller says so).
     """
-    metrics, log = Tail(os.path.join(run_dir, "metrics.jsonl")), Tail(os.path.join(run_dir, "output.log"))
+    metrics, log = Tail(os.path.join(run_dir, runfolder.METRICS)), Tail(os.path.join(run_dir, runfolder.OUTPUT))
 
     def drain() -> None:
         for text in metrics.read():

@@ -12,6 +12,7 @@ import re
 import sys
 from typing import TextIO
 
+from zerorun import runfolder
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.state import JobState, load_run, read_json
 
@@ -25,18 +26,18 @@ def find_run(path: str) -> tuple[str, int]:
     Raises:
         ZerorunError: ``path`` is not a folder, or neither it nor any folder in it holds a run.
     """
-    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+    if os.path.isfile(os.path.join(path, runfolder.METRICS)):
         return path, 1
     if not os.path.isdir(path):
         raise ZerorunError(f"{path}: no such run folder (give runs/<name> or runs/<name>/<timestamp>)")
-    runs = [os.path.join(path, d) for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "metrics.jsonl"))]
+    runs = [os.path.join(path, d) for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, runfolder.METRICS))]
     if not runs:
         raise ZerorunError(f"{path}: no run in it: neither it nor a folder in it holds a metrics.jsonl "
                            "(give runs/<name> or runs/<name>/<timestamp>)")
 
     def when(run: str) -> tuple[str, float]:
         stamp = _STAMP.match(os.path.basename(run))
-        return (stamp.group(0) if stamp else "", os.path.getmtime(os.path.join(run, "metrics.jsonl")))
+        return (stamp.group(0) if stamp else "", os.path.getmtime(os.path.join(run, runfolder.METRICS)))
 
     return max(runs, key=when), len(runs)
 
@@ -44,7 +45,7 @@ def find_run(path: str) -> tuple[str, int]:
 def outcome(run_dir: str, state: JobState | None = None) -> str:
     """One line on how the job of ``run_dir`` ended, from its ``job.json`` (and, for a failure that does not
     name its rank, the ranks of ``state`` that failed or exited on their own)."""
-    job = read_json(os.path.join(run_dir, "job.json"))
+    job = read_json(os.path.join(run_dir, runfolder.JOB))
     status, code, message = job.get("status"), job.get("exit_code"), str(job.get("message") or "")
     if status is None:
         return ("the job did not record how it ended (no job.json: the launcher was killed, or is still running)")
@@ -83,7 +84,7 @@ def show(path: str, plot: str | None = None, out: TextIO | None = None) -> None:
     try:
         state, events = load_run(run_dir)
     except ZerorunError as e:
-        if os.path.exists(os.path.join(run_dir, "job.json")):
+        if os.path.exists(os.path.join(run_dir, runfolder.JOB)):
             raise ZerorunError(f"{e}; {outcome(run_dir)}") from None
         raise
     print_summary(state, out)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerorun import runfolder
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.events import Event, from_json, integer, number
 from zerorun.telemetry.logtail import LogTail
@@ -325,7 +326,7 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
     Raises:
         ZerorunError: ``run_dir`` has no readable ``metrics.jsonl``, or it holds no event.
     """
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = os.path.join(run_dir, runfolder.METRICS)
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             events = [e for e in map(from_json, f) if e is not None]
@@ -334,7 +335,7 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
                            "is RUN_DIR a run directory (runs/<name>/<timestamp>)?") from None
     if not events:
         raise ZerorunError(f"{path}: no telemetry events in it (the job ended before any rank started)")
-    job = read_json(os.path.join(run_dir, "job.json"))
+    job = read_json(os.path.join(run_dir, runfolder.JOB))
     started, ended = number(job, "started"), number(job, "ended")
     hosts = job.get("hosts") if isinstance(job.get("hosts"), list) else None
     rank_hosts = job.get("rank_hosts") if isinstance(job.get("rank_hosts"), dict) else {}
@@ -351,7 +352,7 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
 def run_header(run_dir: str) -> dict:
     """``name``, ``stage``, ``precision`` and ``steps`` of the run in ``run_dir`` from its ``recipe.yaml``
     (the name of the folder above when there is none), as :class:`JobState`'s keyword arguments."""
-    recipe = _read_yaml(os.path.join(run_dir, "recipe.yaml"))
+    recipe = _read_yaml(os.path.join(run_dir, runfolder.RECIPE))
     train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
     zero = recipe.get("zero") if isinstance(recipe.get("zero"), dict) else {}
     return {"name": str(recipe.get("name", os.path.basename(os.path.dirname(os.path.abspath(run_dir))))),
@@ -389,7 +390,7 @@ def write_job_file(run_dir: str, state: JobState, status: str, exit_code: int, m
             "rank_hosts": {str(r): h for r, h in state.rank_hosts.items()}, "status": status, "exit_code": exit_code,
             "message": message, "rank": rank, "host": host,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID")}  # whose run this was (zerorun attach JOBID)
-    tmp = os.path.join(run_dir, "job.json.tmp")
+    tmp = os.path.join(run_dir, runfolder.JOB + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)
-    os.replace(tmp, os.path.join(run_dir, "job.json"))
+    os.replace(tmp, os.path.join(run_dir, runfolder.JOB))

@@ -34,9 +34,10 @@ import threading
 import time
 from typing import Any, Callable
 
+from zerorun import runfolder
 from zerorun.telemetry.trackers_spec import SCALAR_NAMES, flat_params, scalars
 
-IDENTITY = "trackers.json"
+IDENTITY = runfolder.TRACKERS
 _MLFLOW_PARAM_CHARS, _MLFLOW_KEY_CHARS = 6000, 250  # MLflow's longest parameter value and name
 CLOSE_S = 60.0  # the most seconds the launcher waits for the trackers at the end (a wandb upload, a server)
 _MLFLOW_BATCH = 100  # MLflow's most parameters per log_batch
@@ -64,7 +65,7 @@ class TensorBoardTracker:
 
         spec = ctx.recipe.log.tensorboard
         folder = ctx.identity.get("tensorboard") or os.path.abspath(spec.dir or os.path.join(ctx.run_dir,
-                                                                                              "tensorboard"))
+                                                                                              runfolder.TENSORBOARD))
         continued = bool(ctx.identity)  # what the earlier job logged after the resumed step is hidden
         self.writer = SummaryWriter(folder, purge_step=ctx.resumed_step + 1 if continued else None)
         if not continued:
@@ -166,7 +167,7 @@ class CsvTracker:
 
     def __init__(self, ctx: Context) -> None:
         os.makedirs(ctx.run_dir, exist_ok=True)
-        path = os.path.join(ctx.run_dir, "metrics.csv")
+        path = os.path.join(ctx.run_dir, runfolder.METRICS_CSV)
         new = not os.path.exists(path) or os.path.getsize(path) == 0
         self.file = open(path, "a", encoding="utf-8", newline="")
         self.writer = csv.DictWriter(self.file, ["step", "time", *SCALAR_NAMES])

@@ -9,7 +9,7 @@ _EXPORTS = {
     "deferred_init": "zerorun.zero.deferred", "is_deferred": "zerorun.zero.deferred",
     "materialize": "zerorun.zero.deferred", "place_on": "zerorun.zero.deferred",
     "ZeroConfig": "zerorun.zero.engine", "ZeroEngine": "zerorun.zero.engine",
-    "default_param_groups": "zerorun.zero.engine", "initialize": "zerorun.zero.engine",
+    "default_param_groups": "zerorun.zero.engine", "initialize": "zerorun.zero.build",
     "resolve_optimizer": "zerorun.zero.engine", "LossScaleConfig": "zerorun.zero.precision",
     "register_external_parameter": "zerorun.zero.stage3_access",
 }

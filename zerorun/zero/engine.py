@@ -27,11 +27,11 @@ from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_inputs, cast_
 from zerorun.zero.reducer import GradReducer
 from zerorun.zero.user_model import UserModel
 
-__all__ = ["ZeroConfig", "ZeroEngine", "default_param_groups", "initialize", "resolve_optimizer"]
+__all__ = ["ZeroConfig", "ZeroEngine", "default_param_groups", "resolve_optimizer"]
 
 
 class ZeroEngine(UserModel):
-    """Wraps ``model`` for ZeRO data-parallel training on a process group. Build it with :func:`initialize`.
+    """Wraps ``model`` for ZeRO data-parallel training on a process group. Build it with :func:`~zerorun.zero.build.initialize`.
 
     Usage per optimizer step::
 
@@ -350,49 +350,3 @@ class ZeroEngine(UserModel):
         if rank0_only and self.rank != 0:
             return {}
         return {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()}
-
-
-def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_kwargs: dict[str, Any] | None = None,
-               param_groups: list[dict[str, Any]] | None = None, config: ZeroConfig | None = None,
-               process_group: dist.ProcessGroup | None = None, elementwise: bool = False) -> ZeroEngine:
-    """Wrap ``model`` in a :class:`ZeroEngine` on ``process_group`` (default: the world).
-
-    Args:
-        model: the model, built identically on every rank (rank 0's values are broadcast), or built by
-            :func:`~zerorun.zero.deferred.deferred_init` on the meta device: stage 3 then materializes only
-            this rank's slices, with the values normal construction would give.
-        optimizer: a ``torch.optim`` class or its name; it must be elementwise (Note [Elementwise optimizers]
-            in ``optimizers.py``).
-        optimizer_kwargs: keyword arguments for the optimizer (``lr``, ``betas``, ``weight_decay``, ...).
-        param_groups: torch-style groups (dicts with ``params`` and per-group options); by default
-            :func:`default_param_groups` with ``optimizer_kwargs["weight_decay"]``.
-        config: :class:`ZeroConfig` (stage, bucket size, accumulation, clipping).
-        elementwise: declare an optimizer class outside ``optimizers.ELEMENTWISE_OPTIMIZERS`` elementwise.
-
-    Raises:
-        ValueError: unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``.
-        RuntimeError: ``torch.distributed`` is not initialized.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
-    from zerorun.zero.deferred import is_deferred, materialize
-
-    config = config or ZeroConfig()
-    kwargs = dict(optimizer=optimizer, optimizer_kwargs=optimizer_kwargs or {}, param_groups=param_groups,
-                  config=config, process_group=process_group, elementwise=elementwise)
-    if config.stage == 3:
-        from zerorun.zero.stage3 import Stage3Engine
-
-        return Stage3Engine(model, **kwargs)
-    if is_deferred(model):
-        if param_groups is not None:
-            raise ValueError("param_groups of a deferred model must be given at stage 3 only; at stages 0-2 "
-                             "materialize it first (zerorun.zero.materialize)")
-        metas = dict(model.named_parameters())
-        materialize(model)
-        from zerorun.zero.stage3_checks import carry_hooks
-
-        for name, p in model.named_parameters():  # hooks the constructor registered move to the real parameters
-            if name in metas and metas[name] is not p:
-                carry_hooks(metas[name], p, name)
-    return ZeroEngine(model, **kwargs)

@@ -25,8 +25,9 @@ import shutil
 import sys
 import time
 
+from zerorun import runfolder
 from zerorun.errors import ZerorunError
-from zerorun.launch.slurm_jobs import JobInfo, check_job_id, find_run_dir, job_info, submitted_job
+from zerorun.slurm.jobs import JobInfo, check_job_id, find_run_dir, job_info, submitted_job
 from zerorun.telemetry.state import read_json
 
 POLL_S = 1.0  # how often SLURM is asked whether the job still waits or runs
@@ -64,7 +65,7 @@ def attach(job_id: str, *, dashboard: bool = True, out=None, poll_s: float = POL
 
 
 def _wait_for_record(job_id: str, poll_s: float) -> str:
-    """The run folder of ``job_id`` once a ``zerorun train`` in it recorded one (launch/slurm_jobs.py).
+    """The run folder of ``job_id`` once a ``zerorun train`` in it recorded one (slurm/jobs.py).
 
     Raises:
         ZerorunError: the job ended (or SLURM forgot it) before any did.
@@ -91,7 +92,7 @@ def follow_submitted(run_dir: str, *, dashboard: bool = True, out=None, poll_s: 
         info = job_info(job_id)
     except ZerorunError:
         return None
-    if (info is None or not info.active) and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+    if (info is None or not info.active) and os.path.isfile(os.path.join(run_dir, runfolder.METRICS)):
         return None
     return follow_job(job_id, run_dir, info, dashboard=dashboard, out=out, poll_s=poll_s)
 
@@ -105,7 +106,7 @@ def job_record(run_dir: str, job_id: str, info: JobInfo | None = None) -> dict:
     (``sbatch RUN_DIR/submit.sbatch``) holds the last job's record (its ``slurm_job_id``); a record without
     one (no SLURM, or an older zerorun) is taken as this job's. With ``info`` of a requeued job (Note
     [Following a requeued job]), a record that started before the job's current run is an earlier run's."""
-    job = read_json(os.path.join(run_dir, "job.json"))
+    job = read_json(os.path.join(run_dir, runfolder.JOB))
     owner = job.get("slurm_job_id")
     if owner is not None and str(owner) != job_id:
         return {}
@@ -141,7 +142,7 @@ COMPLETING_WAIT_S = 180.0
 def settled(job_id: str, run_dir: str, info: JobInfo | None, poll_s: float,
             limit_s: float = COMPLETING_WAIT_S) -> JobInfo | None:
     """``info`` once the job is no longer COMPLETING without its record (SLURM signalled it, and its ``zerorun
-    train`` may still be saving: Note on ``slurm_jobs.ACTIVE``), or after ``limit_s`` seconds of that."""
+    train`` may still be saving: Note on ``jobs.ACTIVE``), or after ``limit_s`` seconds of that."""
     deadline = time.monotonic() + limit_s
     while (info is not None and info.state == "COMPLETING" and not job_record(run_dir, job_id, info)
            and time.monotonic() < deadline):
@@ -166,11 +167,11 @@ def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:
     """An ended job: ``zerorun show``'s summary, or one line when no rank wrote a metric."""
     from zerorun.telemetry.show import show
     other = None if job_record(run_dir, job_id, info) else (
-        read_json(os.path.join(run_dir, "job.json")).get("slurm_job_id") or submitted_job(run_dir))
+        read_json(os.path.join(run_dir, runfolder.JOB)).get("slurm_job_id") or submitted_job(run_dir))
     if other is not None and str(other) != job_id:  # the folder was submitted again
         out.write(f"zerorun: job {job_id} ended ({_how(info)}); its run folder now holds job {other}'s run: "
                   f"zerorun attach {other} ({run_dir})\n")
-    elif os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+    elif os.path.isfile(os.path.join(run_dir, runfolder.METRICS)):
         show(run_dir, out=out)
     else:
         out.write(f"zerorun: job {job_id} ended ({_how(info)}) before any rank wrote a metric"
@@ -183,7 +184,7 @@ def _from_job_file(state, run_dir: str) -> None:
     """What ``job.json`` says once the job ended, as ``zerorun show`` has it: each rank's host as the launcher
     named it (the allocation's node names, not the host name the rank reported), and the job's start and end
     (not the moment attach started)."""
-    job = read_json(os.path.join(run_dir, "job.json"))
+    job = read_json(os.path.join(run_dir, runfolder.JOB))
     started, ended = (job.get(k) if isinstance(job.get(k), (int, float)) else None for k in ("started", "ended"))
     if started is not None:
         state.started = float(started)
@@ -258,7 +259,7 @@ def _follow_run(job_id: str, run_dir: str, info: JobInfo, *, dashboard: bool, ou
     last, restarts = [info], info.restarts
     completing: list[float] = []  # when the job was first seen COMPLETING
 
-    def running() -> bool:  # a COMPLETING job runs until its record is written (Note on slurm_jobs.ACTIVE)
+    def running() -> bool:  # a COMPLETING job runs until its record is written (Note on jobs.ACTIVE)
         last[0] = now = job_info(job_id)
         if now is None or now.restarts > restarts:  # forgotten, or requeued: this run ended
             return False

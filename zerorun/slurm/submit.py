@@ -6,7 +6,7 @@ names it) and writes into it the resolved ``recipe.yaml`` and ``submit.sbatch``:
 "$RUN_DIR" ...`` with the same Python, from the folder submit ran in (so relative paths mean what they meant
 there), writing into that same folder: its ``metrics.jsonl`` is where submit said. The script is submitted with
 ``sbatch --parsable``; the job id goes into ``slurm-job.json`` beside it and into the user's job records
-(launch/slurm_jobs.py), for ``zerorun attach JOBID``. The script stays readable and editable: ``sbatch
+(slurm/jobs.py), for ``zerorun attach JOBID``. The script stays readable and editable: ``sbatch
 RUN_DIR/submit.sbatch`` submits it again.
 
 ``#SBATCH`` lines are read by sbatch, not by a shell: a value with a space, ``"`` or ``\\`` is written in
@@ -28,9 +28,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from zerorun import runfolder
 from zerorun.errors import ZerorunError
-from zerorun.launch.slurm_jobs import one_line, remember
-from zerorun.launch.slurm_sbatch import gpus_asked, ranks_per_node, refuse_array, signal_directive
+from zerorun.slurm.jobs import one_line, remember
+from zerorun.slurm.sbatch import gpus_asked, ranks_per_node, refuse_array, signal_directive
 
 SCRIPT_NAME = "submit.sbatch"
 _SBATCH_TIMEOUT_S = 120.0
@@ -244,7 +245,7 @@ def _write_run_dir(run_dir: str, recipe_yaml: str, text: str) -> list[str]:
     script = os.path.join(run_dir, SCRIPT_NAME)
     try:
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
+        with open(os.path.join(run_dir, runfolder.RECIPE), "w", encoding="utf-8") as f:
             f.write(recipe_yaml)
         with open(script, "w", encoding="utf-8") as f:
             f.write(text)

@@ -3,7 +3,7 @@ and what ``zerorun attach JOBID`` asks SLURM (``scontrol``) to find and follow a
 
 Note [Finding a job's run folder]: a job's run folder is found, in this order, from
   1. the job's own batch script (``scontrol write batch_script JOBID -``): a script written by ``zerorun submit``
-     sets ``RUN_DIR=...`` (launch/slurm_submit.py), also after the user edited and resubmitted it with sbatch;
+     sets ``RUN_DIR=...`` (slurm/submit.py), also after the user edited and resubmitted it with sbatch;
   2. the record ``$XDG_STATE_HOME/zerorun/slurm-jobs/JOBID.json`` (default ``~/.local/state``), written by
      ``zerorun submit`` and by every ``zerorun train``/``launch`` run inside an allocation (your own sbatch
      script, salloc): on a cluster the home folder is shared, so a record made on a compute node is read on
@@ -25,6 +25,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from zerorun import runfolder
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.state import read_json
 
@@ -32,10 +33,10 @@ from zerorun.telemetry.state import read_json
 #: enters it as soon as it signals the job (scancel, time limit), while ``zerorun train`` in the batch script
 #: may still save a checkpoint and write ``job.json``; and it lasts while SLURM cleans up the nodes (a minute
 #: when a process does not end with SIGKILL: UnkillableStepTimeout). ``zerorun attach`` follows a COMPLETING
-#: job until that job's ``job.json`` appears or SLURM settles on the final state (launch/slurm_attach.py).
+#: job until that job's ``job.json`` appears or SLURM settles on the final state (slurm/attach.py).
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
                     "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"})
-JOB_FILE = "slurm-job.json"  # in the run folder
+JOB_FILE = runfolder.SLURM_JOB  # in the run folder
 _JOB_ID = re.compile(r"^[1-9]\d*(_\d+)?$")  # not 0: "scontrol show job 0" lists every job
 _SCONTROL_TIMEOUT_S = 30.0
 

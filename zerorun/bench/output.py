@@ -1,5 +1,5 @@
 """``zerorun bench``'s output: ``bench.json``, ``bench.csv``, ``bench.png``, the live rich table and the Markdown
-table (zerorun/bench.py runs the combinations and measures them)."""
+table (bench/run.py runs the combinations, bench/rows.py measures them)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,12 @@ import csv
 import io
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from zerorun.bench.rows import METRICS, Row
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.console import human_bytes, human_rate
 
-if TYPE_CHECKING:
-    from zerorun.bench import Row
-
-#: Per-run metrics (Note [Bench metrics]) and their CSV/JSON names, in table order.
-METRICS = ("world_size", "step_time_s", "step_time_p90_s", "samples_per_s", "tokens_per_s", "peak_rss_bytes",
-           "model_state_bytes", "comm_bytes_per_step", "time_to_first_step_s")
 
 def _atomic_write(path: str, write: Callable[[io.TextIOBase], None]) -> None:
     tmp = path + ".tmp"
@@ -26,12 +21,12 @@ def _atomic_write(path: str, write: Callable[[io.TextIOBase], None]) -> None:
     os.replace(tmp, path)
 
 
-def write_json(path: str, rows: list["Row"], info: dict[str, Any]) -> None:
+def write_json(path: str, rows: list[Row], info: dict[str, Any]) -> None:
     """``bench.json``: ``info`` (command, recipe, steps, ...) and one record per combination."""
     _atomic_write(path, lambda f: json.dump({**info, "rows": [r.to_json() for r in rows]}, f, indent=1))
 
 
-def write_csv(path: str, rows: list["Row"], baselines: list[str]) -> None:
+def write_csv(path: str, rows: list[Row], baselines: list[str]) -> None:
     """``bench.csv``: one line per combination; each metric as its median with ``_min`` and ``_max``."""
     header = ["hostfile", "runtime", "stage", "status", "reason"]
     for name in METRICS:
@@ -54,7 +49,7 @@ def write_csv(path: str, rows: list["Row"], baselines: list[str]) -> None:
     _atomic_write(path, write)
 
 
-def write_png(path: str, rows: list["Row"]) -> None:
+def write_png(path: str, rows: list[Row]) -> None:
     """``bench.png``: job samples/s and peak RSS per rank, grouped by runtime/stage, one bar per hostfile.
 
     Raises:
@@ -99,7 +94,7 @@ def write_png(path: str, rows: list["Row"]) -> None:
     os.replace(tmp, path)
 
 
-def render_table(rows: list["Row"], baselines: list[str], repeat: int):
+def render_table(rows: list[Row], baselines: list[str], repeat: int):
     """The results as a rich Table (medians; ``min-max`` beside step time and samples/s when repeated), with
     the reason of each failed combination below it."""
     from rich.console import Group
@@ -136,7 +131,7 @@ def render_table(rows: list["Row"], baselines: list[str], repeat: int):
     return Group(table, *reasons)
 
 
-def markdown_table(rows: list["Row"], baselines: list[str]) -> str:
+def markdown_table(rows: list[Row], baselines: list[str]) -> str:
     """The results as a Markdown table (medians), for READMEs and reports."""
     head = ["hostfile", "ranks", "runtime", "median step (ms)", "p90 (ms)", "samples/s", "tokens/s", "weak eff.",
             "peak RSS/rank (MiB)", "model states/rank (MiB)", "sent/rank/step (MiB)", "1st step (s)",

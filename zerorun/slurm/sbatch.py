@@ -1,5 +1,5 @@
 """What the sbatch arguments of ``zerorun submit`` ask for: the GPUs per node (and so the ranks per node), a
-job array (refused), the time limit and the early save signal (launch/slurm_submit.py writes the script).
+job array (refused), the time limit and the early save signal (slurm/submit.py writes the script).
 
 Note [Ranks of a submitted job]: the job's ranks per node are, the first that applies: ``--procs-per-node``
 (explicit: it may be fewer than the GPUs, never more); the GPUs per node asked for (``--gpus-per-node N`` of
@@ -33,7 +33,7 @@ _ARRAY = ("-a", "--array")
 
 
 def option_values(groups: list[list[str]], *names: str) -> list[tuple[str, str]]:
-    """``(option, value)`` for every group (launch/slurm_submit.py ``group_args``) that gives one of ``names``:
+    """``(option, value)`` for every group (slurm/submit.py ``group_args``) that gives one of ``names``:
     ``--name=value``, ``--name value``, ``-x value`` or ``-xvalue``; a missing value is ``""``."""
     found = []
     for group in groups:
