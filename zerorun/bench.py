@@ -274,7 +274,8 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    from zerorun import launch, modelcheck
+    from zerorun import launch
+    from zerorun.rank import modelcheck
     from zerorun.hostfile import read_hostfile
     from zerorun.recipe import load_recipe
 

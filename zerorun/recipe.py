@@ -62,7 +62,7 @@ class ModelSpec(_Strict):
     _finite = field_validator("kwargs")(classmethod(finite_values))
 
     def source(self) -> tuple[str, str, dict[str, Any]]:
-        """``(module, factory, kwargs)`` that build this model with :func:`zerorun.userload.build_model`; for
+        """``(module, factory, kwargs)`` that build this model with :func:`zerorun.rank.userload.build_model`; for
         ``hf``: ``zerorun.hf.model.build_model`` with the spec's fields."""
         if self.hf is None:
             return self.module, self.factory, self.kwargs

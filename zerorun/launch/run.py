@@ -46,7 +46,7 @@ class Script:
 
     def program(self) -> list[str]:
         """What torchrun runs on every rank: zerorun's script worker around the script or module."""
-        return ["-m", "zerorun.script_worker", *(["-m"] if self.module else []), self.target, *self.args]
+        return ["-m", "zerorun.rank.script_worker", *(["-m"] if self.module else []), self.target, *self.args]
 
 
 @dataclass
@@ -252,7 +252,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     recipe = None if isinstance(job, Script) else job
     check = None
     if recipe is not None and model_check and recipe_path is not None and any(h.is_local for h in hosts):
-        from zerorun import modelcheck  # remote-only jobs: preflight looks for the module on each host
+        from zerorun.rank import modelcheck  # remote-only jobs: preflight looks for the module on each host
 
         check = modelcheck.start(recipe, recipe_path, list(overrides))
     try:
@@ -307,7 +307,7 @@ def prefer_check(result, check):
 
     Args:
         result: the supervisor's ``JobResult``.
-        check: the :class:`zerorun.modelcheck.ModelCheck` or None.
+        check: the :class:`zerorun.rank.modelcheck.ModelCheck` or None.
     Returns:
         ``result``, or a failed result with exit status 2 and the check's line.
     """
