@@ -32,7 +32,7 @@ def worker(args) -> None:
 
     sys.path.insert(0, ROOT)
     from zerorun import zero
-    from zerorun.userload import build_model
+    from zerorun.rank.userload import build_model
 
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")

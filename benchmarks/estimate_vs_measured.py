@@ -32,7 +32,7 @@ def estimates(args: argparse.Namespace) -> dict:
     import torch
 
     from zerorun import estimate as est
-    from zerorun.userload import build_model
+    from zerorun.rank.userload import build_model
 
     with torch.device("meta"):
         model = build_model(os.path.join(ROOT, "recipes/models/gpt.py"), "build_model",

@@ -23,7 +23,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build(args):
-    from zerorun.userload import build_model
+    from zerorun.rank.userload import build_model
 
     torch.manual_seed(0)
     spec = (os.path.join(ROOT, "recipes/models/gpt.py"), "build_model",

@@ -39,7 +39,7 @@ def worker(args) -> None:
 
     sys.path.insert(0, ROOT)
     from zerorun import zero
-    from zerorun.userload import build_model
+    from zerorun.rank.userload import build_model
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")

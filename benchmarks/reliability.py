@@ -85,7 +85,7 @@ def rank_process(job: str, rank: int) -> psutil.Process:
         try:
             env = p.environ()
             if env.get("ZERORUN_JOB_ID") == job and env.get("RANK") == str(rank) and \
-                    {"zerorun.script_worker", "zerorun.worker"} & set(p.cmdline()):
+                    {"zerorun.rank.script_worker", "zerorun.rank.worker"} & set(p.cmdline()):
                 return p
         except (psutil.Error, OSError):
             pass

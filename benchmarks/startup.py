@@ -2,7 +2,7 @@
 
 For 1 and 2 local ranks, runs ``zerorun train recipes/tiny.yaml`` (a few steps, no evaluation, a step event
 every step, ``--no-dashboard``) and, as the reference, ``python -m torch.distributed.run --nproc-per-node=N
--m zerorun.worker --recipe-file F`` with the same resolved recipe and the environment zerorun gives its ranks
+-m zerorun.rank.worker --recipe-file F`` with the same resolved recipe and the environment zerorun gives its ranks
 (``OMP_NUM_THREADS`` = cores / ranks, the allocator settings). Measured from the command's start:
 
 - ``first_line_s``: until the command's first output line (zerorun: its job header; torchrun: none of its
@@ -72,7 +72,7 @@ def torchrun_cmd(ranks: int, folder: str) -> tuple[list[str], dict]:
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
            "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "THP_MEM_ALLOC_ENABLE": "1"}
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--nnodes=1",
-            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "zerorun.worker",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "zerorun.rank.worker",
             "--recipe-file", path], env
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from checkpoint_cases import _engine, _recipe, _train
 from zerorun import checkpoint
+from zerorun.checkpoint import saving
 from zerorun.errors import ZerorunError
 
 
@@ -50,7 +51,7 @@ def failing_saves(root: str, fsize_limit: int) -> dict:
     out["after_fsize"] = sorted(os.listdir(root))
     out["latest_after_fsize"] = checkpoint.latest(root)
 
-    write = checkpoint._write_json
+    write = saving._write_json
 
     def full_disk(path, value):
         if dist.get_rank() == 0 and os.path.basename(path) == checkpoint.MARKER:
@@ -59,11 +60,11 @@ def failing_saves(root: str, fsize_limit: int) -> dict:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         write(path, value)
 
-    checkpoint._write_json = full_disk
+    saving._write_json = full_disk
     try:
         out["enospc"] = save(1)
     finally:
-        checkpoint._write_json = write
+        saving._write_json = write
     dist.barrier()
     out["after_enospc"] = sorted(os.listdir(root))
     out["latest_after_enospc"] = checkpoint.latest(root)

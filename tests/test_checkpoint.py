@@ -1,4 +1,4 @@
-"""Sharded checkpoints (zerorun/checkpoint.py, zerorun/zero/state.py) on real gloo ranks.
+"""Sharded checkpoints (zerorun/checkpoint/, zerorun/zero/state.py) on real gloo ranks.
 
 The resumed runs build their model from another seed, so only what the checkpoint restores can make their
 losses equal the uninterrupted run's.

@@ -1,4 +1,4 @@
-"""One job at a time in a checkpoint folder (Note [Checkpoint folder lock] in zerorun/checkpoint_lock.py): the
+"""One job at a time in a checkpoint folder (Note [Checkpoint folder lock] in zerorun/checkpoint/lock.py): the
 lock file, its refusal in one line before any rank starts, and stale locks after a crash."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from zerorun import checkpoint_lock
-from zerorun.checkpoint_lock import LOCK
+from zerorun.checkpoint import lock as checkpoint_lock
+from zerorun.checkpoint.lock import LOCK
 from zerorun.errors import ZerorunError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HOLD = ("import sys, time; from zerorun import checkpoint_lock as c; c.acquire(sys.argv[1], 'aaaaaaaaaaaa', 'first');"
+HOLD = ("import sys, time; from zerorun.checkpoint import lock as c; c.acquire(sys.argv[1], 'aaaaaaaaaaaa', 'first');"
         " print('held', flush=True); time.sleep(600)")
 
 

@@ -1,4 +1,4 @@
-"""Checkpoint folders are input (Note [Untrusted checkpoints] in zerorun/dcp_safety.py): a folder written by
+"""Checkpoint folders are input (Note [Untrusted checkpoints] in zerorun/checkpoint/safety.py): a folder written by
 someone else must never run code, and loading must fill every target or fail in one line."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 import checkpoint_cases as cases
 from zerorun import checkpoint
+from zerorun.checkpoint.safety import _why
 from zerorun.errors import ZerorunError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +115,7 @@ def test_planner_never_unpickles_and_checks_every_target_was_written(saved2, tmp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from zerorun.dcp_safety import SafeLoadPlanner
+    from zerorun.checkpoint.safety import SafeLoadPlanner
 
     os.makedirs(tmp_path / "a")
     path, pwned = _malicious(saved2, tmp_path / "a")
@@ -207,12 +208,12 @@ def test_short_write_reported_by_torch_is_explained(tmp_path, monkeypatch):
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
-        why = checkpoint._why(opaque, str(tmp_path))
+        why = _why(opaque, str(tmp_path))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert why == "File too large (the file-size limit, ulimit -f, is 4096 bytes)"
     monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=3, f_frsize=4096))
-    assert checkpoint._why(opaque, str(tmp_path)) == "No space left on device (12288 bytes free)"
+    assert _why(opaque, str(tmp_path)) == "No space left on device (12288 bytes free)"
 
 
 @pytest.mark.parametrize("shape,expected", [

@@ -34,8 +34,9 @@ def test_the_launcher_never_imports_torch(tmp_path):
                                        '{"v": 1, "event": "step", "rank": 0, "time": 2.0, "step": 1, "loss": 2.5}\n')
     code = textwrap.dedent(f"""
         import io, sys, contextlib
-        from zerorun import bench, cli, launch, modelcheck
+        from zerorun import bench, cli, launch
         from zerorun.cli import env
+        from zerorun.rank import modelcheck
         from zerorun.recipe import load_recipe
         r = load_recipe({TINY!r}, ["zero.stage=3"], check_optimizer=False)
         hosts = launch.select(None, r.launch.procs_per_node)
@@ -44,7 +45,7 @@ def test_the_launcher_never_imports_torch(tmp_path):
         launch.run.prepare(r, hosts).close()
         with contextlib.redirect_stdout(io.StringIO()):
             cli.app(args=["estimate", "--params", "7B", "--procs-per-node", "8"], standalone_mode=False)  # + disk
-            from zerorun.resume import LATEST, prepare_resume  # --resume on a first run: nothing to load
+            from zerorun.checkpoint.resume import LATEST, prepare_resume  # --resume on a first run: nothing to load
             first = load_recipe({TINY!r}, ["log.dir={tmp_path / 'runs'}", "checkpoint.every=2"], check_optimizer=False)
             prepare_resume(first, LATEST)
             assert first.checkpoint.resume is None and first.checkpoint.dir.endswith("checkpoints")
@@ -84,13 +85,13 @@ def test_launch_takes_torchruns_options(tmp_path):
     [cmd] = dry_run_lines(out)
     assert "--nproc-per-node=3" in cmd and "--master-addr=127.0.0.1" in cmd and "--master-port=29533" in cmd
     # options after the script are the script's
-    assert cmd[cmd.index("zerorun.script_worker") + 1:] == [str(tmp_path / "s.py"), "--lr", "3e-4",
+    assert cmd[cmd.index("zerorun.rank.script_worker") + 1:] == [str(tmp_path / "s.py"), "--lr", "3e-4",
                                                            "--nproc-per-node", "9"]
     out = zerorun("launch", "--standalone", "--nproc_per_node=2", "--master_port=29534", "--dry-run", "-m",
                   "pkg.train", "-x", cwd=str(tmp_path))  # --standalone: torchrun's one-machine idiom (review)
     [cmd] = dry_run_lines(out)
     assert "--nproc-per-node=2" in cmd and "--master-port=29534" in cmd
-    assert cmd[cmd.index("zerorun.script_worker") + 1:] == ["-m", "pkg.train", "-x"]
+    assert cmd[cmd.index("zerorun.rank.script_worker") + 1:] == ["-m", "pkg.train", "-x"]
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -133,7 +134,7 @@ def test_train_dry_run_prints_commands_that_run_as_printed(tmp_path):
     for name in os.listdir(folder):
         assert b"s3cret" not in open(os.path.join(folder, name), "rb").read(), name
     from zerorun.recipe import MASK
-    from zerorun.worker import read_recipe
+    from zerorun.rank.worker import read_recipe
 
     assert json.load(open(recipe_file))["launch"]["env"] == {"TOKEN": MASK}
     recipe = read_recipe(recipe_file, {"TOKEN": "s3cret"})
@@ -144,7 +145,7 @@ def test_script_worker_runs_a_module_as_python_m(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "job.py").write_text("import sys\nprint('argv', sys.argv[1:], __name__)\n")
-    out = subprocess.run([sys.executable, "-m", "zerorun.script_worker", "-m", "pkg.job", "--lr", "1"],
+    out = subprocess.run([sys.executable, "-m", "zerorun.rank.script_worker", "-m", "pkg.job", "--lr", "1"],
                          cwd=str(tmp_path), capture_output=True, text=True, timeout=60,
                          env={**os.environ, "RANK": "0", "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr
@@ -169,7 +170,7 @@ def test_a_crash_at_the_moment_the_model_check_ends_reports_the_checks_line(tmp_
 
     from zerorun.launch.run import prefer_check
     from zerorun.launch.supervisor import JobResult
-    from zerorun.modelcheck import PREFIX, ModelCheck
+    from zerorun.rank.modelcheck import PREFIX, ModelCheck
 
     err = tempfile.TemporaryFile()
     line = "train.optimizer.bogus: AdamW has no argument 'bogus'"

@@ -1,4 +1,4 @@
-"""The validation loss is the exact mean over every validation sample once (zerorun/data.py eval_batches and
+"""The validation loss is the exact mean over every validation sample once (zerorun/rank/data.py eval_batches and
 the worker's evaluate), with the sample count: no duplicates padding the last batch, dict batches counted by
 their size, every rank running the same number of forwards (stage 3's are collective)."""
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from zerorun.data import eval_batches
+from zerorun.rank.data import eval_batches
 
 
 @pytest.mark.parametrize("n,world,mb,limit", [(5, 2, 2, 8), (1, 2, 2, 8), (9, 4, 2, 8), (100, 3, 4, 9),

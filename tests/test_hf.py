@@ -97,7 +97,7 @@ def test_bad_config_files_are_one_line(tmp_path, hf_dir):
 def test_hf_recipe_resolves_and_builds_on_meta(tmp_path, hf_dir):
     import torch
 
-    from zerorun.userload import build_model
+    from zerorun.rank.userload import build_model
 
     # relative to the recipe's folder (Note [Recipe paths])
     r = load_recipe(_recipe(tmp_path / "r.yaml", {"hf": {"pretrained": os.path.relpath(hf_dir["llama"], tmp_path)}}))
@@ -375,7 +375,7 @@ def test_hf_job_prints_before_importing_transformers(tmp_path, hf_dir):
     checks after the header]): the model check stands in for the one the dry run starts."""
     recipe = _recipe(tmp_path / "r.yaml", {"hf": {"pretrained": hf_dir["llama"]}},
                      {"kind": "hf", "path": hf_dir["jsonl"], "tokenizer": hf_dir["tok"]})
-    code = ("import sys\nfrom zerorun import modelcheck\n"
+    code = ("import sys\nfrom zerorun.rank import modelcheck\n"
             "class Check:\n    def wait(self, timeout=0):\n"
             "        print('imported:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
             "modelcheck.start = lambda *a, **k: Check()\n"

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
 
-from zerorun.dcp_safety import SafeReader
+from zerorun.checkpoint.safety import SafeReader
 from zerorun.errors import ZerorunError
 
 

@@ -200,7 +200,7 @@ def test_zerorun_train_fp16_with_disk_offload(tmp_path):
     assert steps[-1]["skipped_steps"] == sum(e["skipped"] for e in steps)
     # a skipped step does not advance the learning-rate schedule (recipes/tiny.yaml: lr 3e-3, 3 warm-up steps)
     from zerorun.recipe import ScheduleSpec
-    from zerorun.worker import lr_multiplier
+    from zerorun.rank.schedule import lr_multiplier
 
     f = lr_multiplier(ScheduleSpec(warmup_steps=3), 12)
     taken = [sum(not e["skipped"] for e in steps[:i]) for i in range(len(steps))]

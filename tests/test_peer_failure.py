@@ -3,7 +3,7 @@ wording gloo and NCCL use for a reset, closed or timed-out peer, so the rank tha
 
 import pytest
 
-from zerorun.worker import is_peer_failure
+from zerorun.rank.worker import is_peer_failure
 
 PEER = [
     # gloo (third_party/gloo/gloo/transport/tcp/pair.cc and unbound_buffer.cc), as raised on rank 0 when rank 1

@@ -29,7 +29,7 @@ def gpus(monkeypatch):
     The dry run's model check (a child importing torch, seconds) finds nothing: the launch is what is tested."""
     from types import SimpleNamespace
 
-    from zerorun import modelcheck
+    from zerorun.rank import modelcheck
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(modelcheck, "start", lambda *a, **k: SimpleNamespace(wait=lambda: None))

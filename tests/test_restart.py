@@ -110,7 +110,7 @@ def test_the_same_failure_from_the_same_checkpoint_stops_with_restarts_left(reci
 
 def _fake_checkpoints(monkeypatch, tmp_path, steps):
     """Complete checkpoints ``step-N`` in checkpoint.dir for ``steps`` (checkpoint_files.check stands in)."""
-    from zerorun import checkpoint_files
+    from zerorun.checkpoint import files as checkpoint_files
     from zerorun.errors import ZerorunError
 
     paths = {}

@@ -36,7 +36,7 @@ def rank_pid(job: str, rank: int, proc: subprocess.Popen) -> int:
             try:
                 env = p.environ()
                 if env.get("ZERORUN_JOB_ID") == job and env.get("RANK") == str(rank) and \
-                        "zerorun.worker" in p.cmdline():
+                        "zerorun.rank.worker" in p.cmdline():
                     return p.pid
             except (psutil.Error, OSError):
                 pass

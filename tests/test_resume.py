@@ -1,7 +1,7 @@
 """``zerorun train --resume``: resume when there is a checkpoint, start from step 0 (and say so) when there is
 none, in the default folder ``<log.dir>/<name>/checkpoints``; a raised ``train.steps`` continues with the
-longer run's LR schedule (Note [Resume lookup] in zerorun/resume.py, Note [LR schedule on resume] in
-zerorun/schedule.py)."""
+longer run's LR schedule (Note [Resume lookup] in zerorun/checkpoint/resume.py, Note [LR schedule on resume] in
+zerorun/rank/schedule.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from test_train_e2e import TINY, zerorun
 from zerorun.errors import ZerorunError
 from zerorun.recipe import ScheduleSpec, load_recipe
-from zerorun.resume import LATEST, prepare_resume
-from zerorun.schedule import continue_schedule, lr_multiplier
+from zerorun.checkpoint.resume import LATEST, prepare_resume
+from zerorun.rank.schedule import continue_schedule, lr_multiplier
 
 
 def _lrs(scheduler, steps: range) -> list[float]:

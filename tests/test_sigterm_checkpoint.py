@@ -1,4 +1,4 @@
-"""Note [Checkpoint on SIGTERM] (zerorun/stopsignal.py) without SLURM: SIGTERM to the launcher of a local job
+"""Note [Checkpoint on SIGTERM] (zerorun/rank/stopsignal.py) without SLURM: SIGTERM to the launcher of a local job
 with checkpoint.dir set makes every rank save the same step and exit; the launcher names the checkpoint
 (exit 143) and nothing is left. (Under SLURM, with --resume equal to an uninterrupted run:
 tests/test_slurm_launch.py.)"""
@@ -59,7 +59,7 @@ def rank_process(job: str, rank: int) -> psutil.Process:
     for p in psutil.process_iter():
         try:
             if p.environ().get("ZERORUN_JOB_ID") == job and p.environ().get("RANK") == str(rank) and \
-                    "zerorun.worker" in p.cmdline():
+                    "zerorun.rank.worker" in p.cmdline():
                 return p
         except (psutil.Error, OSError):
             pass

@@ -157,7 +157,7 @@ def rank_process(job: str, rank: int) -> psutil.Process:
         try:
             env = proc.environ()
             if env.get("ZERORUN_JOB_ID") == job and env.get("RANK") == str(rank) and \
-                    "zerorun.script_worker" in proc.cmdline():
+                    "zerorun.rank.script_worker" in proc.cmdline():
                 return proc
         except (psutil.Error, OSError):
             pass

@@ -210,7 +210,7 @@ def test_bad_model_module_is_one_clear_line(tmp_path, code, expected):
 ])
 def test_model_errors_are_one_line_and_stop_the_job(tmp_path, override, expected):
     """The launcher builds the model on the meta device beside the launch (Note [Model check beside the launch]
-    in zerorun/modelcheck.py): a broken model spec is one line, exit 2, and no process of the job is left;
+    in zerorun/rank/modelcheck.py): a broken model spec is one line, exit 2, and no process of the job is left;
     also under --dry-run, which starts nothing and makes no run folder (the check is the same for every spec,
     so one spec is tried under --dry-run)."""
     for extra in ([], ["--dry-run"]) if override.startswith("model.factory") else ([],):
@@ -296,7 +296,7 @@ def test_hostfile_with_local_host(tmp_path):
     [commands] = list((tmp_path / "runs").glob("*/*/commands.sh"))
     text = commands.read_text()
     assert re.search(r"--nproc-per-node=1 --node-rank=0 --master-addr=127\.0\.0\.1 --master-port=[1-9]\d* ", text)
-    assert "ZR_TOKEN" in text and "s3cret" not in text and "-m zerorun.worker --recipe-file" in text
+    assert "ZR_TOKEN" in text and "s3cret" not in text and "-m zerorun.rank.worker --recipe-file" in text
 
 
 def test_a_rank_crash_caused_by_the_recipe_is_reported_as_the_recipe_error(tmp_path):
@@ -304,7 +304,7 @@ def test_a_rank_crash_caused_by_the_recipe_is_reported_as_the_recipe_error(tmp_p
     crashes first, the launcher waits for the check and reports the recipe's field, exit 2, not the ranks'
     TypeError. The check is slowed here by an interpreter wrapper (launch.python) that sleeps for it only."""
     wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *zerorun.modelcheck*) sleep 12;; esac\nexec {sys.executable} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *zerorun.rank.modelcheck*) sleep 12;; esac\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     out = zerorun("train", TINY, "train.optimizer.bogus=1", f"launch.python={wrapper}", "train.eval_every=0",
                   f"log.dir={tmp_path / 'runs'}", "--no-dashboard", cwd=ROOT)

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from host_syncs import HostSyncCounter
-from zerorun import worker
+from zerorun.rank import worker
 from zerorun.recipe import load_recipe
 from zerorun.telemetry.events import parse_line
+from zerorun.telemetry.steplog import StepLog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "recipes/tiny.yaml")
@@ -37,18 +38,19 @@ def test_losses_and_norms_are_read_at_log_steps_only(monkeypatch, capfd, tmp_pat
     recipe = load_recipe(TINY, ["train.steps=7", "log.every=3", "train.grad_accum_steps=2", "train.eval_every=0",
                                 "zero.stage=1", f"log.dir={tmp_path}"])
     losses = []
-    original = worker.StepLog.add_loss
+    original = StepLog.add_loss
 
     def spy(self, loss):
         losses.append(loss.detach().clone())
         original(self, loss)
 
-    monkeypatch.setattr(worker.StepLog, "add_loss", spy)
+    monkeypatch.setattr(StepLog, "add_loss", spy)
     counter = HostSyncCounter()
     with counter:
         worker.train(recipe, 0)
     assert not dist.is_initialized()
-    own = {site: n for site, n in counter.sites.items() if site.startswith(("zerorun/worker.py",
+    own = {site: n for site, n in counter.sites.items() if site.startswith(("zerorun/rank/worker.py",
+                                                                            "zerorun/rank/loop.py",
                                                                             "zerorun/telemetry/"))}
     assert sum(own.values()) == 4, f"reads in the worker's loop: {own}"
     events = [parse_line(line) for line in capfd.readouterr().out.splitlines()]
@@ -126,7 +128,7 @@ def stop_agreed_case(device: str) -> dict:
     the flag stays on the host."""
     import signal
 
-    from zerorun.stopsignal import StopRequest
+    from zerorun.rank.stopsignal import StopRequest
 
     before = signal.getsignal(signal.SIGTERM)
     try:
@@ -141,7 +143,7 @@ def stop_agreed_case(device: str) -> dict:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_sigterm_agreement_is_taken_on_the_host(ranks, device):
-    """The per-step SIGTERM check (stopsignal.py) reads a host tensor on a host group, never a GPU's: a CUDA
+    """The per-step SIGTERM check (rank/stopsignal.py) reads a host tensor on a host group, never a GPU's: a CUDA
     job makes no device sync for it every step."""
     for r in ranks(2).run(stop_agreed_case, device=device):
         assert r == {"first": False, "second": True, "rank": 1}, r

@@ -107,7 +107,7 @@ def progress_line(row: Row, done: int, total: int) -> str:
 def _checked_recipe(recipe_path: str, overrides: list[str], hostfiles: list[str], nodes: list[int],
                     rows: list[Row], steps: int):
     """The recipe of the first combination of ``rows`` that accepts it (``steps`` optimizer steps a job), once
-    the hostfiles, ``--nodes``, the overrides and the optimizer (in a child process: zerorun/modelcheck.py) are
+    the hostfiles, ``--nodes``, the overrides and the optimizer (in a child process: zerorun/rank/modelcheck.py) are
     checked. A recipe that no combination accepts is bad input; one that some combinations refuse (zero.units
     below stage 3, say) fails those combinations only, when their turn comes; a model that a stage refuses is
     reported by that job's ranks.
@@ -115,7 +115,7 @@ def _checked_recipe(recipe_path: str, overrides: list[str], hostfiles: list[str]
     Raises:
         ZerorunError: bad recipe, overrides, hostfile, ``--nodes`` or optimizer.
     """
-    from zerorun import modelcheck
+    from zerorun.rank import modelcheck
     from zerorun.recipe.hostfile import read_hostfile
     from zerorun.recipe import load_recipe
 

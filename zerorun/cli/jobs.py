@@ -44,12 +44,13 @@ def train(
     """Train RECIPE on every rank of the hostfile (or on localhost with launch.procs_per_node ranks)."""
     import uuid
 
-    from zerorun import checkpoint_lock, launch as zlaunch
+    from zerorun import launch as zlaunch
+    from zerorun.checkpoint import lock as checkpoint_lock
     from zerorun.launch.restart import check_min_nodes, restart_options, run_training
     from zerorun.recipe import load_recipe
-    from zerorun.resume import prepare_resume
+    from zerorun.checkpoint.resume import prepare_resume
 
-    # the optimizer and HF checks import torch: the model check does them beside the launch (zerorun/modelcheck.py,
+    # the optimizer and HF checks import torch: the model check does them beside the launch (zerorun/rank/modelcheck.py,
     # Note [HF checks after the header] in zerorun/hf/files.py)
     launcher = zlaunch.choose_launcher(launcher, hostfile)
     r = load_recipe(recipe, overrides or [], check_optimizer=False, check_hf=False)
@@ -95,7 +96,7 @@ def _check_after_dry_run(r, recipe: str, overrides: list[str], local: bool) -> N
     from zerorun.recipe import load_recipe
 
     if local:
-        from zerorun import modelcheck
+        from zerorun.rank import modelcheck
 
         problem = modelcheck.start(r, recipe, overrides, beside=False).wait()
         if problem:

@@ -164,7 +164,7 @@ def layout_of_recipe(recipe, precision: str | None = None) -> Layout:
     """
     import torch
 
-    from zerorun.userload import build_model
+    from zerorun.rank.userload import build_model
 
     with torch.device("meta"):
         model = build_model(*recipe.model.source())

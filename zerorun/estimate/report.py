@@ -126,7 +126,7 @@ class Estimate:
 
 
 # Note [Host memory at start]: on an accelerator every rank builds the whole model in fp32 host memory before
-# moving it to its device (worker.py; meta-device init is used on CPU only), so a node needs at least
+# moving it to its device (rank/loop.py; meta-device init is used on CPU only), so a node needs at least
 # ranks per node x 4 bytes x all parameters of host memory for a moment, at every stage.
 def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world_size: int | None = None) -> StageRow:
     N = world_size or setup.ranks

@@ -6,7 +6,7 @@ Note [HF checks after the header]: the launcher printed nothing for 8-19 s on an
 checks only what these files say (:func:`read_config`, :func:`refuse_remote_code`, the folders and files
 being there) before it prints; the checks that need ``transformers`` (the config class's own values, a causal-lm
 model for it, the tokenizer's vocabulary against the model's, the data's fields) run in the model check beside
-the launch (Note [Model check beside the launch] in zerorun/modelcheck.py), which loads the recipe with every
+the launch (Note [Model check beside the launch] in zerorun/rank/modelcheck.py), which loads the recipe with every
 check and stops the job with the same one line; with no local host (no model check there) the launcher runs
 them itself, as before.
 """

@@ -60,7 +60,7 @@ class CausalLM(nn.Module):
             if labels is None:
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
         else:
-            from zerorun.userload import UserCodeError
+            from zerorun.rank.userload import UserCodeError
 
             raise UserCodeError(f"model.hf: task causal-lm takes a tensor of token ids or a dict with input_ids, "
                                 f"got {type(batch).__name__}")

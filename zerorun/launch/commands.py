@@ -4,7 +4,7 @@ records.
 Note [Printed commands]: a node is started by its watcher (launch/node.py), which gets torchrun's argv, the
 environment and the recipe through a pipe, never a command line. The line printed here is the watcher's
 torchrun command as a shell would run it: ``cd WORKDIR && env NAME=VALUE ... PYTHON -m zerorun.launch.torchrun
-... -m zerorun.worker --recipe-file FOLDER/recipe.json``, with the resolved master address and port. The values
+... -m zerorun.rank.worker --recipe-file FOLDER/recipe.json``, with the resolved master address and port. The values
 of ``launch.env`` and of environment files (launch/env.py) may be secrets, so they are never printed: a comment
 names them, and the line takes them from the shell's environment (``NAME="$NAME"``). The variables zerorun sets
 itself (job id, threads, allocator choice) are printed with their values; ``ZERORUN_ALLOCATOR=auto`` is what the

@@ -87,7 +87,7 @@ def build_plan(hosts: list[Host], recipe_json: str | None, job_id: str, master_p
         master_addr: the first host's address as the other nodes reach it (default: 127.0.0.1 for a local
             first host, else its name).
         program: what torchrun runs on every rank (``["script.py", "arg", ...]`` for ``zerorun launch``);
-            default: ``-m zerorun.worker`` with the recipe.
+            default: ``-m zerorun.rank.worker`` with the recipe.
         cpus: CPU count per host name (from preflight), for each node's OMP_NUM_THREADS (default: this
             machine's).
     """
@@ -95,7 +95,7 @@ def build_plan(hosts: list[Host], recipe_json: str | None, job_id: str, master_p
         master_addr = "127.0.0.1" if hosts[0].is_local else hosts[0].name
     files = {}
     if program is None:
-        program = ["-m", "zerorun.worker", "--recipe-file", f"{NODE_DIR}/recipe.json"]
+        program = ["-m", "zerorun.rank.worker", "--recipe-file", f"{NODE_DIR}/recipe.json"]
         files = {"recipe.json": recipe_json}
     nodes, first = [], 0
     for i, host in enumerate(hosts):

@@ -141,7 +141,7 @@ def resume_point(recipe, say: Callable[[str], None], run_dir: str | None = None,
     ckpt.resume = None
     if not ckpt.dir or recipe.runtime != "zero":
         return 0, None
-    from zerorun import checkpoint_files
+    from zerorun.checkpoint import files as checkpoint_files
 
     for path in (saved_by_job(run_dir)[::-1] if run_dir else []) + ([initial] if initial else []):
         try:

@@ -9,7 +9,7 @@
 
 :func:`run_job` goes plan -> nodes -> supervisor -> result: it checks the remote hosts (preflight) and prepares
 the nodes (launch/job.py), makes the run folder (``recipe.yaml``, ``commands.sh``), prints the job header at
-once, starts every node and, beside them, the model check (zerorun/modelcheck.py), shows the events in a view,
+once, starts every node and, beside them, the model check (zerorun/rank/modelcheck.py), shows the events in a view,
 and returns a :class:`RunResult`. Nothing here imports torch: the launcher's first line comes in a fraction of
 a second (``benchmarks/startup.py``).
 """
@@ -47,7 +47,7 @@ class Script:
 
     def program(self) -> list[str]:
         """What torchrun runs on every rank: zerorun's script worker around the script or module."""
-        return ["-m", "zerorun.script_worker", *(["-m"] if self.module else []), self.target, *self.args]
+        return ["-m", "zerorun.rank.script_worker", *(["-m"] if self.module else []), self.target, *self.args]
 
 
 @dataclass
@@ -235,7 +235,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     Progress shows in the live dashboard when ``dashboard`` and ``out`` (default stdout) is a terminal, else in
     plain lines; ``view(state)`` replaces both (``zerorun bench``'s quiet view). With ``model_check`` and a
     recipe loaded from ``recipe_path`` with ``overrides`` (and a local host), the model check runs beside the
-    launch (Note [Model check beside the launch] in zerorun/modelcheck.py). ``launcher``: ``ssh`` and ``local``
+    launch (Note [Model check beside the launch] in zerorun/rank/modelcheck.py). ``launcher``: ``ssh`` and ``local``
     as ever, ``slurm``: every node through one srun step in the allocation (Note [Slurm launcher]).
     The run folder is ``run_dir``
     (made if missing; ``zerorun submit`` makes it before the job starts) or a new :func:`new_run_dir`. Inside a
@@ -253,7 +253,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     recipe = None if isinstance(job, Script) else job
     check = None
     if recipe is not None and model_check and recipe_path is not None and any(h.is_local for h in hosts):
-        from zerorun import modelcheck  # remote-only jobs: preflight looks for the module on each host
+        from zerorun.rank import modelcheck  # remote-only jobs: preflight looks for the module on each host
 
         check = modelcheck.start(recipe, recipe_path, list(overrides))
     try:
@@ -308,7 +308,7 @@ def prefer_check(result, check):
 
     Args:
         result: the supervisor's ``JobResult``.
-        check: the :class:`zerorun.modelcheck.ModelCheck` or None.
+        check: the :class:`zerorun.rank.modelcheck.ModelCheck` or None.
     Returns:
         ``result``, or a failed result with exit status 2 and the check's line.
     """

@@ -65,7 +65,7 @@ class Supervisor:
     every other line. Nodes are :class:`LocalNode` or ``launch.remote.RemoteNode`` objects. With
     ``require_finish`` (training), a rank that ends without a finish event fails the job; without it (user
     scripts, ``zerorun launch``), exit codes alone decide. ``check()``, polled while the job runs, returns a
-    one-line problem found beside the job (the model check, zerorun/modelcheck.py) or None: a problem stops the
+    one-line problem found beside the job (the model check, zerorun/rank/modelcheck.py) or None: a problem stops the
     job as bad input (exit code 2) unless a rank has failed already. ``on_stopping()``, when given, is called
     once before the supervisor itself signals nodes that still run (a failure or a problem, not a Ctrl-C or
     SIGTERM it received): the views then do not show the nodes' stop lines as an interruption."""
@@ -91,7 +91,7 @@ class Supervisor:
         self._in_root_cause = False
         self._root_causes: list[int] = []  # torchrun's "Root Cause (first observed failure)" rank per node
         self._finished: set[int] = set()
-        self._stopped: dict[int, Event] = {}  # ranks that saved a checkpoint on SIGTERM (zerorun/stopsignal.py)
+        self._stopped: dict[int, Event] = {}  # ranks that saved a checkpoint on SIGTERM (zerorun/rank/stopsignal.py)
         self._ended: dict[int, int] = {}
         self._notes: dict[int, str] = {}  # node rank -> why its watcher says it ended (launch/node.py)
         self._own_exits: dict[int, int] = {}  # global rank -> exit code, as its torchrun saw it end (Note [Rank exits])
@@ -139,7 +139,7 @@ class Supervisor:
         return result
 
     def _stopped_message(self, sig: str, to: str = "") -> str:
-        """What the ranks that stopped on SIGTERM saved (Note [Checkpoint on SIGTERM] in zerorun/stopsignal.py):
+        """What the ranks that stopped on SIGTERM saved (Note [Checkpoint on SIGTERM] in zerorun/rank/stopsignal.py):
         the step, the checkpoint, and how to continue; ``to`` names where the signal went (``" (sent to rank
         1)"``)."""
         e = self._stopped.get(0) or next(iter(self._stopped.values()))  # the save is collective: one is enough
@@ -151,7 +151,7 @@ class Supervisor:
         """Every rank stopped on SIGTERM and saved. When neither the launcher nor a node's torchrun got the
         signal (SLURM's scancel and time limit signal every process of the step, torchrun included), it went
         to a rank alone (``kill`` of one process), which the ranks agreed on and name (``signalled_rank``,
-        zerorun/stopsignal.py): the result names it and its host. A save the launcher asked for (SIGUSR1 from
+        zerorun/rank/stopsignal.py): the result names it and its host. A save the launcher asked for (SIGUSR1 from
         SLURM before the time limit) is job-wide and named by that signal."""
         e = self._stopped.get(0) or next(iter(self._stopped.values()))
         by = e.data.get("signalled_rank")

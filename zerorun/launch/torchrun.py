@@ -64,7 +64,7 @@ def bind_store(master_addr: str, master_port: int) -> None:
 def _terminate_once() -> None:
     """Note [One SIGTERM]: torchrun's handler raises on every SIGTERM; a second one (SLURM's time limit and the
     launcher's teardown both send one, launch/slurm_step.py) would interrupt its shutdown, which waits for the
-    ranks to save their checkpoint (zerorun/stopsignal.py), and leave them to the watcher's quicker SIGKILL.
+    ranks to save their checkpoint (zerorun/rank/stopsignal.py), and leave them to the watcher's quicker SIGKILL.
     Here only the first SIGTERM/SIGINT/... raises; torchrun still sends its ranks SIGTERM and waits (30 s)."""
     from torch.distributed.elastic.multiprocessing import api
 

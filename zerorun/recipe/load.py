@@ -185,7 +185,7 @@ def _resolve_checkpoint(recipe: Recipe, at: _Source) -> None:
     """``checkpoint.resume`` absolute; ``checkpoint.dir`` absolute (its default when only ``every`` is given)
     and not a file."""
     ckpt = recipe.checkpoint
-    if ckpt.resume:  # a checkpoint the recipe reads (zerorun/resume.py checks it before launching)
+    if ckpt.resume:  # a checkpoint the recipe reads (zerorun/checkpoint/resume.py checks it before launching)
         ckpt.resume = absolute(ckpt.resume, at.base_of("checkpoint", "resume"))
     if ckpt.every or ckpt.dir:
         ckpt.dir = os.path.abspath(os.path.expanduser(ckpt.dir or os.path.join(recipe.log.dir, recipe.name,
@@ -198,7 +198,7 @@ def resolve(recipe: Recipe, path: str, root: yaml.Node | None = None, overrides:
             check_optimizer: bool = True, check_hf: bool = True) -> Recipe:
     """Make module paths absolute and check that they and the data exist (see :func:`load_recipe`).
     ``check_optimizer=False`` leaves out the optimizer check, which imports torch (seconds): the launcher's
-    model check does it beside the launch (Note [Model check beside the launch] in zerorun/modelcheck.py);
+    model check does it beside the launch (Note [Model check beside the launch] in zerorun/rank/modelcheck.py);
     ``check_hf=False`` the HF checks that import ``transformers`` (Note [HF checks after the header] in
     zerorun/hf/files.py).
 

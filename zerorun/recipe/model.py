@@ -49,7 +49,7 @@ class ModelSpec(Strict):
     _finite = field_validator("kwargs")(classmethod(finite_values))
 
     def source(self) -> tuple[str, str, dict[str, Any]]:
-        """``(module, factory, kwargs)`` that build this model with :func:`zerorun.userload.build_model`; for
+        """``(module, factory, kwargs)`` that build this model with :func:`zerorun.rank.userload.build_model`; for
         ``hf``: ``zerorun.hf.model.build_model`` with the spec's fields."""
         if self.hf is None:
             return self.module, self.factory, self.kwargs
@@ -134,7 +134,7 @@ class CheckpointSpec(Strict):
     """Sharded checkpoints (``zerorun/checkpoint.py``): saved every ``every`` steps (0: only at the end) and
     at the end into ``dir`` (default when only ``every`` is given: ``<log.dir>/<name>/checkpoints``; no
     checkpoints when neither is set), keeping the ``keep`` most recent. ``resume``: the checkpoint folder to
-    resume from, set by ``zerorun train --resume`` (Note [Resume lookup] in ``zerorun/resume.py``); one written
+    resume from, set by ``zerorun train --resume`` (Note [Resume lookup] in ``zerorun/checkpoint/resume.py``); one written
     in the recipe is relative to its folder and checked as ``--resume PATH``."""
 
     dir: str | None = Field(None, description="the checkpoints' folder (unset with checkpoint.every set: "

@@ -17,7 +17,7 @@ by default), too short for a large model's checkpoint. A submitted job whose rec
 ``--signal=B:USR1@S`` (``--save-before S``, 120 s by default): SIGUSR1 S seconds before the limit (SLURM may send
 it up to 60 s earlier still) to the batch shell only (``B:``), which is the launcher (the script ``exec``s it);
 the launcher passes it on to every rank as a stop request (launch/supervisor.py) and the ranks save at the next
-step boundary and stop (zerorun/stopsignal.py), with the whole rest of the job's time for the save.
+step boundary and stop (zerorun/rank/stopsignal.py), with the whole rest of the job's time for the save.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
 - ``eval`` (rank 0): ``step``, ``val_loss``, ``samples``.
 - ``checkpoint``: ``step``, ``path``, ``seconds``, ``bytes``.
 - ``finish``: ``steps``, ``elapsed_s``, ``time_to_first_step_s``, ``peak_rss_bytes`` (and ``cuda_*``).
-- ``stopped`` (every rank, on SIGTERM with ``checkpoint.dir``, zerorun/stopsignal.py): ``step``, ``steps``,
+- ``stopped`` (every rank, on SIGTERM with ``checkpoint.dir``, zerorun/rank/stopsignal.py): ``step``, ``steps``,
   ``signal``, ``path`` (the checkpoint saved, also in a ``checkpoint`` event from rank 0), ``signalled_rank``
   (the lowest rank that got the signal).
 - ``log`` (rank 0): ``message``, a line for people (e.g. where training resumed from).

@@ -150,7 +150,7 @@ def describe(e: Event) -> list[str]:
         return [f"{who} {d.get('message', '')}"]
     if e.kind == "finish":
         return [f"{who} finished"]
-    if e.kind == "stopped":  # Note [Checkpoint on SIGTERM] in zerorun/stopsignal.py
+    if e.kind == "stopped":  # Note [Checkpoint on SIGTERM] in zerorun/rank/stopsignal.py
         return [f"{who} stopped by {d.get('signal', 'a signal')} after step {d.get('step', '?')}"
                 + (f"; checkpoint {d['path']}" if d.get("path") else "")]
     if e.kind == "error":

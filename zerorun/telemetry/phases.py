@@ -3,7 +3,7 @@
 Note [Rank phases]: a job's first step comes 12-27 s after the launch on a busy machine (Python and torch
 imports, the rendezvous, building the model and the data, the first step's allocations), and "waiting for
 ranks" said nothing of where that time goes or which rank holds the job up. Each rank emits a ``phase`` event
-as it starts each of :data:`PHASES` (zerorun/worker.py, zerorun/script_worker.py); the launcher's views show
+as it starts each of :data:`PHASES` (zerorun/rank/loop.py, zerorun/rank/script_worker.py); the launcher's views show
 the slowest rank's phase (the earliest in :data:`PHASES` among the ranks not training yet; a rank that sent
 nothing yet is ``starting``), how many ranks are in it, and since when. A phase the launcher does not know (a
 newer worker) counts as later than every known one. No rank waits for these events: they are one line each

@@ -51,7 +51,7 @@ def report(step: int, loss: float, *, steps: int | None = None, samples: int | N
                 fields[f"job_{name}_per_s"] = world * count / step_s
     import psutil
 
-    from zerorun.telemetry.probes import peak_rss_bytes  # telemetry takes nothing from worker.py (DESIGN.md)
+    from zerorun.telemetry.probes import peak_rss_bytes  # telemetry takes nothing from rank/ (DESIGN.md)
 
     fields["rss_bytes"] = psutil.Process().memory_info().rss
     fields["peak_rss_bytes"] = max(peak_rss_bytes(), fields["rss_bytes"])  # Note [Peak RSS] in telemetry/state.py

@@ -164,7 +164,7 @@ class JobState:
             self._memory(r, d)  # the peak never goes down (Note [Peak RSS])
         elif e.kind == "error":
             r.status = "error" if not d.get("peer_failure") else "stopped"
-        elif e.kind == "stopped":  # SIGTERM, checkpoint saved (zerorun/stopsignal.py)
+        elif e.kind == "stopped":  # SIGTERM, checkpoint saved (zerorun/rank/stopsignal.py)
             r.status = "stopped"
         elif e.kind == "phase" and isinstance(d.get("phase"), str):  # Note [Rank phases]
             r.phase, r.phase_time = d["phase"], e.time

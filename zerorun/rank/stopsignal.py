@@ -7,7 +7,7 @@ SIGTERM handler only records the signal; after every optimizer step the ranks ag
 all-reduce, MAX, so that a rank signalled a moment later stops at the same step as the others; the value also
 names the lowest rank that got it, so a SIGTERM sent to one rank is named with its rank), then every
 rank saves the checkpoint of that step (torch.distributed.checkpoint, written to a temporary folder and renamed
-when complete: never half-written, zerorun/checkpoint.py), reports a ``stopped`` event and exits with 143
+when complete: never half-written, zerorun/checkpoint/saving.py), reports a ``stopped`` event and exits with 143
 (128 + SIGTERM). ``zerorun train --resume`` then continues from that step, with the same numbers as an
 uninterrupted run. Without ``checkpoint.dir`` SIGTERM keeps its default action (the rank ends at once).
 """

@@ -1,14 +1,16 @@
-"""Training data: built-in byte-level text windows, or a user factory returning datasets."""
+"""Training data: built-in byte-level text windows, or a user factory returning datasets; the stream of
+micro-batches a rank trains on, resumable at a checkpoint's data position."""
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import Dataset
 
 from zerorun.recipe import DataSpec, expand_data_paths
-from zerorun.userload import UserCodeError, call_factory
+from zerorun.rank.userload import UserCodeError, call_factory
 
 
 class ByteWindows(Dataset):
@@ -87,3 +89,36 @@ def build_datasets(spec: DataSpec, progress=None) -> tuple[Dataset, Dataset | No
             raise UserCodeError(f"{spec.module}: {spec.factory}() returned a {what} set of type "
                                 f"{type(ds).__name__}, not a map-style Dataset")
     return train, val
+
+
+class _SkipSampler(torch.utils.data.Sampler):
+    """``sampler``'s indices without the first ``skip``."""
+
+    def __init__(self, sampler, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)
+
+
+def batch_stream(dataset, sampler, micro_batch_size: int, position) -> Iterator[Any]:
+    """Endless micro-batches of ``micro_batch_size`` samples from ``dataset`` in ``sampler``'s order (a
+    ``DistributedSampler``: ``set_epoch`` is called at each epoch), starting at ``position`` (a
+    :class:`zerorun.checkpoint.DataPosition`), which is kept up to date as batches are yielded (Note [Exact
+    resume] in checkpoint/saving.py)."""
+    from torch.utils.data import DataLoader
+
+    generator = torch.Generator()  # the loader's own: making its iterator draws no global random number
+    skip = position.batch
+    while True:
+        sampler.set_epoch(position.epoch)
+        loader = DataLoader(dataset, batch_size=micro_batch_size,
+                            sampler=_SkipSampler(sampler, skip * micro_batch_size), drop_last=True, generator=generator)
+        for batch in loader:
+            position.batch += 1
+            yield batch
+        position.epoch += 1
+        position.batch = skip = 0

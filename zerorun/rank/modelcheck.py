@@ -111,7 +111,7 @@ def start(recipe, path: str, overrides: list[str], *, model: bool = True, beside
             os.nice(19)
 
     try:
-        proc = subprocess.Popen([recipe.launch.python or sys.executable, "-m", "zerorun.modelcheck"],
+        proc = subprocess.Popen([recipe.launch.python or sys.executable, "-m", "zerorun.rank.modelcheck"],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
                                 preexec_fn=preexec)
         proc.stdin.write(ask)
@@ -129,7 +129,7 @@ def main() -> None:
     from zerorun.errors import ZerorunError
     from zerorun.estimate import layout_of_recipe
     from zerorun.recipe import Recipe, load_recipe
-    from zerorun.userload import FactoryError
+    from zerorun.rank.userload import FactoryError
 
     try:
         os.chdir(ask["cwd"])

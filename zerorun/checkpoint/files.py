@@ -1,6 +1,7 @@
 """Checkpoint folders on disk, without the model: which ones are complete, the latest, and the checks that need
-no model (``zerorun.json``, file sizes and SHA-256, DCP metadata, layout). Saving and loading are
-``checkpoint.py``'s (Note [Atomic checkpoints] there says what makes a folder complete)."""
+no model (``zerorun.json``, file sizes and SHA-256, DCP metadata, layout), and the data position a checkpoint
+records. Saving and loading are ``saving.py``'s and ``loading.py``'s (Note [Atomic checkpoints] in ``saving.py``
+says what makes a folder complete)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from zerorun.errors import ZerorunError
@@ -18,6 +20,14 @@ META = "zerorun.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"step-(\d+)")  # fullmatch
 
+
+@dataclass
+class DataPosition:
+    """Where a rank is in the training data: ``epoch`` and micro-batches of it consumed (``batch``); saved in
+    ``zerorun.json``'s ``data`` (Note [Exact resume] in ``saving.py``)."""
+
+    epoch: int = 0
+    batch: int = 0
 
 
 def step_dir(root: str, step: int) -> str:
@@ -104,7 +114,7 @@ def check(path: str) -> dict[str, Any]:
         ZerorunError: naming the file that is missing, truncated or changed since the save.
     """
     meta = read_meta(path)
-    from zerorun.dcp_safety import SafeReader
+    from zerorun.checkpoint.safety import SafeReader
 
     metadata = SafeReader(path).check_files()  # first: it names the key a truncated file cuts, refuses bad pickles
     check_layout(meta, metadata, os.path.join(path, META))
@@ -124,7 +134,7 @@ def check(path: str) -> dict[str, Any]:
 def _confined(path: str, name: Any, want: Any) -> str:
     """The file ``name`` of ``zerorun.json``'s ``files`` inside the checkpoint folder ``path``: a plain name
     (no folder part, not ``.``/``..``) that is no symbolic link, as DCP's ``relative_path`` is (Note
-    [Untrusted checkpoints] in dcp_safety.py), with an integer size and a SHA-256 text.
+    [Untrusted checkpoints] in safety.py), with an integer size and a SHA-256 text.
 
     Raises:
         ZerorunError: naming ``zerorun.json``'s field.

@@ -177,7 +177,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 class SafeReader(FileSystemReader):
     """DCP's file reader with a restricted unpickler for ``.metadata`` (tensors are already read with
     ``weights_only=True``) that refuses every non-tensor entry before any data is read (Note [Untrusted
-    checkpoints] in ``dcp_safety.py``), and :meth:`check_files` to name a truncated file before reading it."""
+    checkpoints] in ``safety.py``), and :meth:`check_files` to name a truncated file before reading it."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = os.path.join(str(self.path), ".metadata")

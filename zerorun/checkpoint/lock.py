@@ -1,4 +1,4 @@
-"""One job at a time in a checkpoint folder: the launcher's lock file (saving itself is ``checkpoint.py``'s).
+"""One job at a time in a checkpoint folder: the launcher's lock file (saving itself is ``saving.py``'s).
 
 Note [Checkpoint folder lock]: two jobs saving into one ``checkpoint.dir`` (two runs of a recipe name share the
 default ``<log.dir>/<name>/checkpoints``) replace each other's ``step-N`` folders without a word, and
@@ -36,7 +36,7 @@ from typing import Any, Iterator
 from zerorun.errors import ZerorunError
 
 LOCK = ".zerorun-lock"
-_LEFTOVER = re.compile(r"\.step-\d+(\.[\w-]+)?(\.old)?\.tmp")  # fullmatch: a save's folder (checkpoint.py)
+_LEFTOVER = re.compile(r"\.step-\d+(\.[\w-]+)?(\.old)?\.tmp")  # fullmatch: a save's folder (saving.py)
 
 
 def _started(pid: int) -> float | None:

@@ -1,4 +1,4 @@
-"""Runs a user's own training script on one rank for ``zerorun launch``: ``python -m zerorun.script_worker
+"""Runs a user's own training script on one rank for ``zerorun launch``: ``python -m zerorun.rank.script_worker
 SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``, as ``python -m MODULE`` runs it), started by torchrun like the
 built-in worker.
 
@@ -19,13 +19,13 @@ from importlib import metadata
 from zerorun.telemetry import rankstream
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import host_memory
-from zerorun.worker import report_failure
+from zerorun.rank.worker import report_failure
 from zerorun import allocator
 
 
 def main(argv: list[str]) -> int:
     """Run ``argv[0]`` with arguments ``argv[1:]``; return the rank's exit code (the script's own
-    ``sys.exit`` code, or :func:`zerorun.worker.report_failure`'s). A rank that ends with 0 emits a finish
+    ``sys.exit`` code, or :func:`zerorun.rank.worker.report_failure`'s). A rank that ends with 0 emits a finish
     event, so the launcher shows it done (and knows when it ended); every rank emits a start event first."""
     rank = int(os.environ.get("RANK", 0))
     emit("start", rank, host=socket.gethostname(), pid=os.getpid(), torch=_torch_version(),

@@ -1,7 +1,7 @@
 """``zerorun train --resume [PATH]``: which checkpoint a job resumes from, decided in the launcher.
 
 Note [Resume lookup]: ``--resume`` without a path means "resume if there is something to resume": it looks
-for the latest complete checkpoint (Note [Atomic checkpoints] in ``checkpoint.py``) in ``checkpoint.dir``, or,
+for the latest complete checkpoint (Note [Atomic checkpoints] in ``saving.py``) in ``checkpoint.dir``, or,
 when the recipe sets none, in the default folder ``<log.dir>/<name>/checkpoints`` (what ``checkpoint.every``
 alone saves into; run folders are ``<log.dir>/<name>/<timestamp>-<job>``, so the default is the same for every
 run of a recipe name, as DeepSpeed's and Hugging Face's ``output_dir``). Found: the job resumes from it and
@@ -10,7 +10,7 @@ from step 0 and says so in one line, saving into that folder (at the end at leas
 resumes next time. ``--resume PATH`` names a checkpoint, or a folder of them (its latest), that must exist:
 anything else is an error, as is a checkpoint that fails its checks (``checkpoint.check``). A checkpoint
 saved after ``train.steps`` or later leaves nothing to train: an error, not a job that does nothing. What a
-changed ``train.steps`` or ``train.schedule`` does to the LR: Note [LR schedule on resume] in ``schedule.py``.
+changed ``train.steps`` or ``train.schedule`` does to the LR: Note [LR schedule on resume] in ``rank/schedule.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def default_dir(recipe) -> str:
 
 def _incomplete(root: str) -> int:
     """Saves under ``root`` that never completed: ``step-N`` folders without their marker, ``.step-N.<job>.tmp``."""
-    from zerorun.checkpoint_files import MARKER
+    from zerorun.checkpoint.files import MARKER
 
     try:
         names = os.listdir(root)
@@ -63,7 +63,7 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
     if resume is None:
         return True
     say = say or (lambda line: print(line, file=sys.stdout, flush=True))
-    from zerorun import checkpoint_files as checkpoint
+    from zerorun.checkpoint import files as checkpoint
 
     ckpt = recipe.checkpoint
     if recipe.runtime != "zero":
@@ -103,7 +103,7 @@ def schedule_change(meta: dict, recipe, step: int) -> str | None:
     ``zerorun.json``) was saved under, with the LR before and after the resume point; ``None`` when it is the
     same (Note [LR schedule on resume])."""
     from zerorun.recipe import ScheduleSpec
-    from zerorun.schedule import lr_multiplier
+    from zerorun.rank.schedule import lr_multiplier
 
     saved = ((meta.get("recipe") or {}).get("train") or {})
     try:

@@ -1,0 +1,258 @@
+"""Saving a sharded checkpoint, atomically (loading it: ``loading.py``; consolidating it to one file:
+``consolidation.py``; finding and checking checkpoint folders without the model: ``files.py``).
+
+A checkpoint is a folder ``<checkpoint.dir>/step-00000100/`` holding torch.distributed.checkpoint (DCP)
+files (every rank writes only its own shards: Note [Checkpoint layout] in ``zero/state.py``), ``zerorun.json``
+(step, scheduler, optimizer param-group options, fp16 loss scaler and skipped steps, data position, layout,
+resolved recipe) and the marker
+``COMPLETE``.
+
+Note [Atomic checkpoints]: ranks write into ``.step-N.<job>.tmp`` (named by the job, so that a save never
+removes another job's: Note [Checkpoint folder lock] in ``lock.py``); once DCP's save has returned
+on every rank (its coordinator writes ``.metadata`` after gathering every rank's result), rank 0 writes
+``zerorun.json``, renames the folder to ``step-N`` in one ``os.rename`` and only then writes ``COMPLETE``
+(each file fsynced, then its folder). A run killed at any point leaves either a ``.step-N.<job>.tmp`` folder
+or a ``step-N`` without the marker: neither is ever picked as the latest, and the previous checkpoint is
+untouched. Old checkpoints are pruned only after the new one is complete.
+
+Note [Exact resume]: with the same world size the resumed run reproduces the uninterrupted one bit for bit:
+masters and optimizer states are restored exactly (wherever offload keeps them), the scheduler, the fp16
+loss scaler (scale, good steps since its last change, skipped steps) and param-group options (lr) too, every
+rank's RNG state (dropout) is restored after everything that consumes random numbers at start-up, and the
+data stream restarts at the same epoch and micro-batch (the sampler's order depends only on seed and epoch;
+the loader has its own generator, so creating it never draws from the global RNG). With another world
+size, micro-batch size or stage, model and optimizer states are resharded exactly; the data stream resumes
+at the same number of samples consumed in the epoch (its order differs, being split over other ranks) and
+ranks beyond the saved world size keep their fresh RNG state.
+
+Loading never unpickles arbitrary objects: DCP's tensor files are read with ``torch.load(weights_only=True)``,
+its ``.metadata`` with an unpickler that admits only DCP's metadata classes (:class:`SafeReader`), every
+non-tensor entry is refused before any data is read, and the load planner never unpickles and checks that
+every target was written (Note [Untrusted checkpoints] in ``safety.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+
+from zerorun.checkpoint.files import FORMAT, MARKER, META, DataPosition, _sha256, list_complete, step_dir
+from zerorun.checkpoint.safety import _why
+from zerorun.errors import ZerorunError
+
+
+@contextmanager
+def quiet_sharded_tensor():
+    """DCP touches ShardedTensor attributes that warn of its deprecation (Note [Checkpoint layout] says why
+    zerorun uses it); the warning is not the user's concern."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*ShardedTensor.*")
+        yield
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, value: Any) -> None:
+    """Write ``value`` to ``path`` whole or not at all (a temporary name, fsynced, renamed): a marker cut
+    short by a full disk or a kill never exists under its name."""
+    tmp = path + ".part"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def rng_tensors(rank: int) -> dict[str, torch.Tensor]:
+    """This process's RNG states as checkpoint entries named by ``rank``: ``rng/R/cpu`` (and ``rng/R/cuda``)."""
+    out = {f"rng/{rank}/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _job_token(pid: int) -> str:
+    """What names this job's save folders: the launcher's job id (every rank has it), else ``p`` and rank 0's
+    pid (a program of its own calling :func:`save`)."""
+    from zerorun.launch.plan import JOB_ENV
+
+    job = os.environ.get(JOB_ENV, "")
+    return job if job and job.replace("-", "").isalnum() else f"p{pid}"
+
+
+def _tmp_dir(root: str, final: str, pid: int) -> str:
+    """The folder a save of ``final`` is written into first: ``.step-N.<job>.tmp`` (Note [Atomic checkpoints])."""
+    return os.path.join(root, f".{os.path.basename(final)}.{_job_token(pid)}.tmp")
+
+
+def save(engine, root: str, step: int, *, scheduler, position: DataPosition, recipe: dict[str, Any],
+         keep: int) -> tuple[str, float, int]:
+    """Save a checkpoint of ``engine`` after ``step`` under ``root``, atomically (Note [Atomic checkpoints]),
+    and keep only the ``keep`` most recent complete ones. Collective: every rank of the engine calls it.
+
+    Args:
+        scheduler: the LR scheduler (its ``state_dict`` must be JSON-able, as LambdaLR's is).
+        position: this rank's data position after ``step`` (equal on every rank).
+        recipe: the resolved recipe as JSON-able data.
+
+    Returns:
+        ``(path, seconds, bytes)``: the checkpoint folder, wall time of the save (s) and, on rank 0, its size
+        on disk (bytes, every rank's files; 0 on other ranks).
+
+    Raises:
+        ZerorunError: the folder cannot be made or written (naming it and why), identically on every rank.
+    """
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    final = step_dir(root, step)
+    tmp, pid = _make_tmp(engine, root, final)
+    layout = _write_shards(engine, tmp, step)
+    reason = None
+    failed = torch.zeros(1, device=engine.buffers[0].device)
+    if engine.rank == 0:
+        reason = _publish(tmp, final, root, step,
+                          lambda: _meta(engine, step, layout, scheduler, position, recipe, tmp))
+        if reason is not None:  # a full disk or a file-size limit: nothing half-written is left to be taken
+            failed += 1
+        else:
+            _prune(root, keep, pid)
+    dist.all_reduce(failed, group=engine.comm.group)  # also the barrier: every rank learns of rank 0's failure
+    if failed.item():
+        raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: "
+                           + (reason if engine.rank == 0 else "failed on rank 0"))
+    size = sum(os.path.getsize(os.path.join(final, n)) for n in os.listdir(final)) if engine.rank == 0 else 0
+    return final, time.perf_counter() - t0, size
+
+
+def _make_tmp(engine, root: str, final: str) -> tuple[str, int]:
+    """Rank 0 makes the save's folder (after removing this job's leftovers, Note [Checkpoint folder lock]);
+    every rank learns its name and whether it was made. Collective.
+
+    Returns:
+        ``(tmp, pid)``: the folder, and rank 0's pid (what names it when no job id does).
+    """
+    import torch.distributed as dist
+
+    # [failed, rank 0's pid]: the pid names the save's folder when no job id does (exact in fp32: < 2**24)
+    flags = torch.zeros(2, device=engine.buffers[0].device)  # where the collectives run
+    reason = ""
+    if engine.rank == 0:
+        flags[1] = os.getpid()
+        try:
+            os.makedirs(root, exist_ok=True)
+            for name in os.listdir(root):  # this job's leftovers only (Note [Checkpoint folder lock])
+                if name.startswith(".") and name.endswith(f".{_job_token(os.getpid())}.tmp"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.makedirs(_tmp_dir(root, final, os.getpid()))
+        except OSError as e:
+            flags[0] += 1
+            reason = e.strerror
+    dist.all_reduce(flags, group=engine.comm.group)  # every rank learns of rank 0's failure instead of hanging
+    not_made, pid = flags.tolist()  # a save syncs with the host anyway (it is no steady-state step)
+    tmp = _tmp_dir(root, final, int(pid))
+    if not_made:
+        raise ZerorunError(f"checkpoint.dir: cannot create {tmp}" + (f": {reason}" if engine.rank == 0 else
+                                                                     " (on rank 0)"))
+    return tmp, int(pid)
+
+
+def _write_shards(engine, tmp: str, step: int) -> dict[str, Any]:
+    """Every rank writes its shards and RNG states into ``tmp`` with DCP; returns the engine's layout (Note
+    [Checkpoint layout]). Collective; on failure rank 0 removes ``tmp`` and every rank raises ZerorunError."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from zerorun.zero.state import engine_state
+    from zerorun.zero.state_paging import WRITER_OPTIONS
+
+    group = engine.comm.group
+    tensors, layout = engine_state(engine)
+    tensors.update(rng_tensors(dist.get_rank(group)))
+    pager = getattr(tensors, "pager", None)  # disk offload: Note [Paged checkpoints] in zero/state_paging.py
+    try:
+        with quiet_sharded_tensor():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True,
+                                                                  **(WRITER_OPTIONS if pager else {})),
+                     planner=pager.save_planner() if pager else None, process_group=group)
+    except CheckpointException as e:  # raised on every rank alike (DCP gathers and broadcasts the failures)
+        why = _why(e, tmp)
+        dist.barrier(group)  # every rank has looked at the folder before rank 0 removes it
+        if engine.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: {why}") from None
+    return layout
+
+
+def _meta(engine, step: int, layout, scheduler, position: DataPosition, recipe: dict[str, Any],
+          tmp: str) -> dict[str, Any]:
+    """``zerorun.json``'s content (rank 0, once every rank's files are in ``tmp``: dcp.save has returned, its
+    coordinator having gathered them all)."""
+    from zerorun.recipe import masked
+
+    return {
+        "format": FORMAT, "step": step, "world_size": engine.world_size, "stage": engine.stage,
+        "layout": layout, "scheduler": scheduler.state_dict(),
+        "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "skipped_steps": engine.skipped_steps,
+        "data": {"epoch": position.epoch, "batch": position.batch, "world_size": engine.world_size,
+                 "micro_batch_size": recipe["train"]["micro_batch_size"]},
+        "recipe": masked(recipe),  # launch.env values masked (Note [Masked environment values])
+        "files": {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
+                         "sha256": _sha256(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}}
+
+
+def _publish(tmp: str, final: str, root: str, step: int, meta: Callable[[], dict[str, Any]]) -> str | None:
+    """Rank 0: write ``meta()`` into ``tmp``, rename it to ``final`` (an earlier save of the step set aside, put
+    back on failure) and mark it complete (Note [Atomic checkpoints]). Returns None, or why it failed (an
+    OSError: a full disk, a file-size limit), with nothing half-written left."""
+    old = tmp[:-len(".tmp")] + ".old.tmp"
+    moved = renamed = False
+    try:
+        _write_json(os.path.join(tmp, META), meta())
+        _fsync(tmp)
+        if os.path.exists(final):  # a step saved before, e.g. by a run resumed from an earlier checkpoint
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            moved = True
+        os.rename(tmp, final)
+        renamed = True
+        _fsync(root)
+        _write_json(os.path.join(final, MARKER), {"step": step, "saved_at": time.time()})
+        _fsync(final)
+    except OSError as e:
+        shutil.rmtree(final if renamed else tmp, ignore_errors=True)
+        if moved and not os.path.exists(final):
+            os.rename(old, final)  # the earlier save of this step, complete, back in place
+        return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+    return None
+
+
+def _prune(root: str, keep: int, pid: int) -> None:
+    """Rank 0, after a complete save: remove all but the ``keep`` newest complete checkpoints, and this job's
+    set-aside earlier saves."""
+    for _, _, path in list_complete(root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(root):
+        if name.startswith(".") and name.endswith(f".{_job_token(pid)}.old.tmp"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
