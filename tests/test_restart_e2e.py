@@ -49,14 +49,25 @@ def kill_after_first_checkpoint(tmp_path, name: str, proc: subprocess.Popen, ran
     the job id."""
     job = job_id(proc.stdout.readline())
     pid = rank_pid(job, rank, proc)
-    marker = tmp_path / name / "ck" / "step-00000003" / "COMPLETE"
-    while not marker.exists():
+    # a checkpoint is the job's once the launcher has recorded its event (Note [Job restarts] in launch/restart.py),
+    # which comes after its COMPLETE marker: wait for the event, else a kill between the two rightly makes the
+    # restart start from step 0
+    path = str(tmp_path / name / "ck" / "step-00000003")
+    while not any(e.get("event") == "checkpoint" and e.get("path") == path for e in _events(tmp_path, name)):
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.01)
     if before_kill is not None:
         before_kill()
     os.kill(pid, 9)
     return job
+
+
+def _events(tmp_path, name: str) -> list[dict]:
+    """The events the launcher has written to the run's metrics.jsonl so far (whole lines only)."""
+    found = list((tmp_path / name / "runs").glob("*/*/metrics.jsonl"))
+    if not found:
+        return []
+    return [json.loads(line) for line in found[0].read_text().split("\n")[:-1] if line]
 
 
 def losses(tmp_path, name: str) -> tuple[dict[int, float], list[dict]]:
