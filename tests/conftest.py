@@ -12,6 +12,30 @@ from sshd import LoopbackSshd  # noqa: E402
 
 _pools: dict[int, RankPool] = {}
 
+# Note [Test tiers]: ``python -m pytest -q -m "not slow"`` is the fast tier (every pure unit test and one small
+# multi-rank parity case per ZeRO stage, marked ``smoke``; at most 2 minutes on an idle 2-core machine); the
+# plain ``python -m pytest -q`` runs everything (CI, README). A test that starts processes belongs to the slow
+# tier: a test file marks its end-to-end launches ``slow`` itself, and here every test that uses a fixture which
+# starts processes is marked too, so that no such test can slip into the fast tier unmarked: the ``ranks`` pool
+# (``slow``, unless marked ``smoke``), the loopback ``sshd`` (``ssh`` and ``slow``), the ``slurm_cluster``
+# (``slurm`` and ``slow``); a test marked ``ssh`` or ``slurm`` is ``slow`` as well.
+_FIXTURE_MARKS = {"ranks": (), "sshd": ("ssh",), "slurm_cluster": ("slurm",)}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker (-m)
+def pytest_collection_modifyitems(items):
+    """Mark the tests that start processes (Note [Test tiers])."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        for fixture, marks in _FIXTURE_MARKS.items():
+            if fixture in fixtures:
+                for mark in marks:
+                    item.add_marker(mark)
+        multi_rank = "ranks" in fixtures and item.get_closest_marker("smoke") is None
+        remote = item.get_closest_marker("ssh") or item.get_closest_marker("slurm")
+        if (multi_rank or remote) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(autouse=True)
 def _no_terminal_size_from_readline():

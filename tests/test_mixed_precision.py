@@ -1,6 +1,6 @@
 """Mixed precision (bf16, fp16) and optimizer offload (cpu, disk) in zerorun's ZeRO engine.
 
-Note [Mixed-precision tolerances]: the reference (``parity_cases.MixedReference``) is the same recipe written
+Note [Mixed-precision tolerances]: the reference (``mixed_cases.MixedReference``) is the same recipe written
 out by hand over torch's DDP: a 2-byte model, 2-byte gradient all-reduce, one fp32 master per parameter,
 unscale and clip in fp32, cast back. With 2 ranks and no accumulation every gradient element is the sum of
 two terms, rounded once to the 2-byte dtype whatever the bucket layout, so the engine's 2-byte gradients,
@@ -12,7 +12,7 @@ relative, which Adam turns into lr-sized steps for near-zero gradients. Those ca
 distance between two DDP references that differ only in summation order (measured in the same run; about
 1e-3 of the model's largest master), and never tighter than one 2-byte ulp of the largest parameter
 (``torch.finfo(dtype).eps``) for parameters, masters and the 2-byte loss. Parameters and masters are
-compared over the whole model (max |difference| / max |reference|), see ``parity_cases._model_rel``.
+compared over the whole model (max |difference| / max |reference|), see ``mixed_cases._model_rel``.
 Offload changes where the optimizer runs, not its arithmetic: it is held to 1e-6 (fp32 and bf16; measured 0).
 """
 
@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+import mixed_cases
 import parity_cases as cases
 from zerorun.zero.offload import DiskMasters, Masters, SwapFile
 
@@ -37,7 +38,7 @@ def _units(stage):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_mixed_precision_matches_ddp_exactly_on_two_ranks(ranks, stage, precision):
-    for rank, r in enumerate(ranks(2).run(cases.parity_mixed, stage=stage, precision=precision, clip=1.0,
+    for rank, r in enumerate(ranks(2).run(mixed_cases.parity_mixed, stage=stage, precision=precision, clip=1.0,
                                           units=_units(stage))):
         assert r["dtypes"] == [{"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]], r
         assert r["loss"] == r["params"] == r["masters"] == 0.0, f"rank {rank}: {r}"
@@ -47,13 +48,13 @@ def test_mixed_precision_matches_ddp_exactly_on_two_ranks(ranks, stage, precisio
 
 
 def test_stage3_meta_init_bf16_matches_ddp_exactly(ranks):
-    for r in ranks(2).run(cases.parity_mixed, stage=3, precision="bf16", units=("Block",), deferred=True):
+    for r in ranks(2).run(mixed_cases.parity_mixed, stage=3, precision="bf16", units=("Block",), deferred=True):
         assert r["params"] == r["masters"] == 0.0 and r["grad_norm"] <= 1e-6, r
 
 
 @pytest.mark.parametrize("stage,precision", [(2, "bf16"), (3, "bf16"), (1, "fp16")])
 def test_mixed_precision_three_ranks_accumulation_clipping(ranks, stage, precision):
-    for rank, r in enumerate(ranks(3).run(cases.parity_mixed, stage=stage, precision=precision, accum=2,
+    for rank, r in enumerate(ranks(3).run(mixed_cases.parity_mixed, stage=stage, precision=precision, accum=2,
                                           clip=0.05, units=_units(stage))):
         assert r["floor_masters"] < 1e-2, f"rank {rank}: floor implausibly large: {r}"
         for key, base in (("loss", EPS[precision]), ("params", EPS[precision]), ("masters", EPS[precision]),
@@ -66,7 +67,7 @@ def test_mixed_precision_three_ranks_accumulation_clipping(ranks, stage, precisi
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_reduce_dtype_fp32_matches_an_fp32_all_reduce(ranks, stage):
     """``zero.reduce_dtype: fp32`` against a reference that all-reduces each bf16 gradient cast to fp32."""
-    for r in ranks(2).run(cases.parity_mixed, stage=stage, precision="bf16", reduce_dtype="fp32",
+    for r in ranks(2).run(mixed_cases.parity_mixed, stage=stage, precision="bf16", reduce_dtype="fp32",
                           units=_units(stage)):
         assert r["params"] == r["masters"] == 0.0 and r["grad_norm"] <= 1e-6, r
 
@@ -75,7 +76,7 @@ def test_reduce_dtype_fp32_matches_an_fp32_all_reduce(ranks, stage):
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ranks, stage):
     """An inf in one gradient element on rank 0 only (before any reduction), at step 2 of 5; loss scale starts
     at 1024 and grows every 2 good steps."""
-    results = ranks(2).run(cases.overflow, stage=stage, inject_step=2, steps=5)
+    results = ranks(2).run(mixed_cases.overflow, stage=stage, inject_step=2, steps=5)
     assert results[0] == results[1]  # every rank took the same decisions
     rows, total = results[0][:-1], results[0][-1]
     assert [r["skipped"] for r in rows] == [False, False, True, False, False]
@@ -108,7 +109,7 @@ def test_mixed_precision_bytes_match_zero_paper(ranks, stage):
 @pytest.mark.parametrize("stage,precision", [(1, "fp32"), (3, "fp32"), (2, "bf16")])
 def test_offload_equals_no_offload(ranks, tmp_path, stage, precision, offload):
     path = str(tmp_path / "swap") if offload == "disk" else None
-    for r in ranks(2).run(cases.offload_equal, stage=stage, precision=precision, offload=offload,
+    for r in ranks(2).run(mixed_cases.offload_equal, stage=stage, precision=precision, offload=offload,
                           offload_path=path):
         for key in ("loss", "grad_norm", "params", "masters", "states"):
             assert r[key] <= 1e-6, f"{key}: {r}"

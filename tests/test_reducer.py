@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import reducer_cases as cases
+import reducer_memory_cases as memory_cases
 from zerorun.zero import torch_internals
 
 pytestmark = pytest.mark.slow
@@ -83,7 +84,7 @@ def test_peak_memory_per_stage(ranks, reverse):
     buffers (Note [Reduce-scatter on gloo]) and one parameter's gradient from autograd, to what forward
     left; stage 1 peaks below stage 0 by the optimizer states it does not hold (8Ψ(N-1)/N bytes), less its
     receive buffers in flight (at most MAX_INFLIGHT + 1) and one parameter's gradient."""
-    r = {s: ranks(2).run(cases.peak_bytes, stage=s, reverse=reverse)[0] for s in (0, 1, 2)}
+    r = {s: ranks(2).run(memory_cases.peak_bytes, stage=s, reverse=reverse)[0] for s in (0, 1, 2)}
     bucket, cap, psi, n = r[2]["bucket"], r[2]["cap"], r[2]["psi"], r[2]["world_size"]
     transient = r[2]["peak_backward"] - r[2]["backward_start"]  # stage 3: no bound (Note [Waiting in hooks])
     assert transient <= (2 * cap + 1) * bucket, (transient / bucket, r[2])
@@ -139,8 +140,8 @@ def test_bf16_accumulates_in_fp32_by_default(ranks, stage):
     2-byte sums lose. Stages 0-1 reduce once, in fp32 here to isolate the sums (error ~1e-9 against ~5e-3);
     stages 2-3 reduce every micro-step in bf16, one bf16 rounding each (~7e-4 against ~5e-3)."""
     reduce_dtype = "fp32" if stage < 2 else None
-    default = ranks(2).run(cases.accumulation_error, stage=stage, grad_accum_dtype=None, reduce_dtype=reduce_dtype)
-    narrow = ranks(2).run(cases.accumulation_error, stage=stage, grad_accum_dtype="bf16", reduce_dtype=reduce_dtype)
+    default = ranks(2).run(memory_cases.accumulation_error, stage=stage, grad_accum_dtype=None, reduce_dtype=reduce_dtype)
+    narrow = ranks(2).run(memory_cases.accumulation_error, stage=stage, grad_accum_dtype="bf16", reduce_dtype=reduce_dtype)
     assert max(default) < (1e-5 if stage < 2 else 1.5e-3) and min(narrow) > 3e-3, (default, narrow)
 
 
@@ -186,6 +187,6 @@ def test_gradient_norm_is_exact_to_fp32(ranks):
     within 1e-6 of the fp64 norm at every stage."""
     pool = ranks(2)
     for stage in (0, 1, 2, 3):
-        r = pool.run(cases.norm_against_exact, stage=stage)
+        r = pool.run(memory_cases.norm_against_exact, stage=stage)
         assert r[0]["norm"] == r[1]["norm"], stage
         assert abs(r[0]["norm"] - r[0]["exact"]) <= 1e-6 * r[0]["exact"], (stage, r[0])

@@ -14,7 +14,7 @@ import pytest
 
 from sshd import SSHD, LoopbackSshd
 
-pytestmark = [pytest.mark.ssh,
+pytestmark = [pytest.mark.slow, pytest.mark.ssh,
               pytest.mark.skipif(not os.path.exists(SSHD), reason="openssh-server is not installed (.ci/run "
                                                                   "installs it)")]
 
