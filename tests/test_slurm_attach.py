@@ -75,7 +75,7 @@ def test_attach_to_an_old_job_while_its_folder_runs_again(tmp_path, monkeypatch)
     at (review: a summary mixing both runs, "did not record how it ended")."""
     import io
 
-    from zerorun.launch import slurm_attach
+    from zerorun.slurm import attach as slurm_attach
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     run = tmp_path / "run"
@@ -93,7 +93,7 @@ def test_a_job_that_never_ran_is_not_sent_to_a_missing_output_file(tmp_path):
     "its output: .../slurm-11.out", a file that does not exist); once the file exists it is named."""
     import io
 
-    from zerorun.launch import slurm_attach
+    from zerorun.slurm import attach as slurm_attach
 
     cancelled = slurm_jobs.JobInfo("11", "CANCELLED", exit_code="0:0")
     out = io.StringIO()
@@ -108,7 +108,7 @@ def test_a_job_that_never_ran_is_not_sent_to_a_missing_output_file(tmp_path):
 def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
     """SLURM shows COMPLETING as soon as it signals a job, while zerorun train still saves and writes its
     record: attach waits for the record or the final state (review: it reported COMPLETING, exit 0)."""
-    from zerorun.launch import slurm_attach
+    from zerorun.slurm import attach as slurm_attach
 
     states = iter([slurm_jobs.JobInfo("7", "COMPLETING"), slurm_jobs.JobInfo("7", "CANCELLED", exit_code="0:15")])
     monkeypatch.setattr(slurm_attach, "job_info", lambda job_id: next(states))
@@ -130,7 +130,7 @@ def test_attach_follows_a_job_across_slurms_requeue(tmp_path, monkeypatch):
     first run's job.json is not taken for the second's end."""
     import io
 
-    from zerorun.launch import slurm_attach
+    from zerorun.slurm import attach as slurm_attach
 
     run, t0 = tmp_path / "run", 1_700_000_000.0
     run.mkdir()
