@@ -1,6 +1,6 @@
 """Rank-side cases for tests/test_program_order.py (run by tests/distributed.py's RankPool).
 
-Note [Testing program order]: NCCL pairs collectives by their order (Note [Program order] in zero/comm.py), so
+Note [Testing program order]: NCCL pairs collectives by their order (Note [Program order] in zero/reducer.py), so
 every rank must issue the same sequence whatever the timing. Gloo on CPU completes collectives fast and in
 order, so timing alone hides a launch decided by ``is_completed()``; here every work handle answers "not yet"
 at random until it is waited for (as NCCL's asynchronous completion may), and hooks sleep a random 0-2 ms,

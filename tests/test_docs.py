@@ -14,10 +14,6 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 README_MAX_LINES = 250
-#: pages other engineers write in issue 36 (package layout: A; the generated field reference: R; contributing: T):
-#: a link to one of them is excused only while it is missing, so that each branch passes on its own; once merged
-#: they are checked as every other page.
-LANDING_ELSEWHERE = {"docs/layout.md", "docs/reference/recipe-fields.md", "docs/contributing.md"}
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
 _CODE = re.compile(r"`[^`\n]*`")
@@ -83,7 +79,7 @@ def test_readme_is_short():
 
 def test_relative_links_resolve():
     files = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "benchmarks", "results", "history.md"), *_pages()]
-    bad = [b for f in files for b in broken_links(f, excused=LANDING_ELSEWHERE)]
+    bad = [b for f in files for b in broken_links(f)]
     assert not bad, "broken links:\n" + "\n".join(bad)
 
 
@@ -115,25 +111,70 @@ def test_every_page_is_in_the_nav():
         nav = _nav_pages(yaml.safe_load(f)["nav"])
     pages = {os.path.relpath(p, DOCS).replace(os.sep, "/") for p in _pages()}
     assert sorted(pages - set(nav)) == [], "pages missing from mkdocs.yml's nav"
-    missing = {p for p in set(nav) - pages if f"docs/{p}" not in LANDING_ELSEWHERE}
+    missing = set(nav) - pages
     assert sorted(missing) == [], "nav entries without a page"
     assert len(nav) == len(set(nav))
 
 
+_NOTE_DEFINED = re.compile(r"Note \[([^\]]+)\](?::| —)")
+#: what may stand before a note's definition on its line (a comment, a docstring's start); a sentence's end too.
+#: ``x = f()  # Note [Name]: why here`` is a reference, with a reason of its own.
+_DEFINITION_START = re.compile(r"\s*(#:?\s*|r?\"\"\"\s*)?")
+
+
+def _one_line(name: str) -> str:
+    return re.sub(r"\s*\n\s*#?\s*", " ", name)  # a name may wrap over a comment's lines
+
+
+def defined_notes(*folders: str) -> dict[str, set[str]]:
+    """Every ``Note [Name]`` defined (``Note [Name]:``) in the .py files under ``folders``: name -> the files
+    (paths relative to the repository) that hold it."""
+    where: dict[str, set[str]] = {}
+    for folder in folders:
+        for d, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(d, f)
+                    with open(path, encoding="utf-8") as src:
+                        text = src.read()
+                    for m in _NOTE_DEFINED.finditer(text):
+                        before = text[text.rfind("\n", 0, m.start()) + 1:m.start()]
+                        if _DEFINITION_START.fullmatch(before) or before.endswith(". "):
+                            where.setdefault(_one_line(m.group(1)), set()).add(os.path.relpath(path, ROOT))
+    return where
+
+
 def test_notes_index_lists_every_note():
-    """docs/how-it-is-built.md indexes every ``Note [Name]`` the code defines (``Note [Name]:``), so that a
-    reference to a note can be looked up."""
-    defined = set()
-    for d, _, files in os.walk(os.path.join(ROOT, "zerorun")):
-        for f in files:
-            if f.endswith(".py"):
-                with open(os.path.join(d, f), encoding="utf-8") as src:
-                    names = re.findall(r"Note \[([^\]]+)\](?::| —)", src.read())  # a name may wrap
-                    defined |= {re.sub(r"\s*\n\s*#?\s*", " ", n) for n in names}
+    """docs/how-it-is-built.md indexes every ``Note [Name]`` the code defines (``Note [Name]:``) with the files
+    that hold it, so that a reference to a note can be looked up (regenerate the table when a note moves)."""
+    defined = {name: sorted(files) for name, files in defined_notes("zerorun").items()}
     with open(os.path.join(DOCS, "how-it-is-built.md"), encoding="utf-8") as f:
-        indexed = set(re.findall(r"^\| \[([^\]]+)\] \|", f.read(), re.M))
-    assert sorted(defined - indexed) == [], "notes missing from the index in docs/how-it-is-built.md"
-    assert sorted(indexed - defined) == [], "notes in the index that the code no longer has"
+        rows = re.findall(r"^\| \[([^\]]+)\] \| (.*?) \|$", f.read(), re.M)
+    indexed = {name: sorted(re.findall(r"`([^`]+)`", where)) for name, where in rows}
+    assert sorted(set(defined) - set(indexed)) == [], "notes missing from the index in docs/how-it-is-built.md"
+    assert sorted(set(indexed) - set(defined)) == [], "notes in the index that the code no longer has"
+    moved = {name: (indexed[name], files) for name, files in defined.items() if indexed[name] != files}
+    assert moved == {}, "notes whose files the index names wrongly (index, code)"
+
+
+def test_note_references_name_the_file_that_holds_the_note():
+    """A reference to a note that names a file ("Note [Name]" then " in path.py"; in the code, the tests,
+    benchmarks/ and docs/) names a file that defines the note, so that moving code cannot leave a reader looking in the wrong file."""
+    where = defined_notes("zerorun", "tests", "benchmarks")
+    bad = []
+    for folder in ("zerorun", "tests", "benchmarks", "docs"):
+        for d, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if f.endswith((".py", ".md")):
+                    path = os.path.join(d, f)
+                    with open(path, encoding="utf-8") as src:
+                        text = src.read()
+                    for m in re.finditer(r"Note \[([^\]]+)\],? in `?([\w/.]+\.py)", text):
+                        name, ref = _one_line(m.group(1)), m.group(2)
+                        if not any(h == ref or h.endswith("/" + ref) for h in where.get(name, ())):
+                            bad.append(f"{os.path.relpath(path, ROOT)}: Note [{name}] in {ref}: defined in "
+                                       f"{sorted(where.get(name, ())) or 'no file'}")
+    assert bad == [], "\n".join(bad)
 
 
 @pytest.mark.parametrize("command", ["pip install torch==2.13.0 -e . && zerorun train recipes/gpt-stdlib.yaml",

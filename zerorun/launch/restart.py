@@ -11,7 +11,7 @@ would jump ahead to another run's weights, or find the job "done"). torchrun's o
 agent restarts the ranks of its node only, at the world size it rendezvoused with, and each rank would have
 to find its own checkpoint; zerorun restarts the job, so that the launcher picks one checkpoint for every
 rank and a job that lost a node can continue at a smaller world size, the sharded optimizer states and
-parameters resharded on load (Note [Exact resume] in zerorun/checkpoint.py), which torchrun's agent cannot do.
+parameters resharded on load (Note [Exact resume] in zerorun/checkpoint/saving.py), which torchrun's agent cannot do.
 
 A user's script (``zerorun launch --max-restarts N``) is started again as it is, resuming from checkpoints of
 its own as under torchrun. Only failures restart (exit code 1: a crash, a killed rank, a lost node); bad input
