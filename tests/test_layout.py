@@ -28,7 +28,6 @@ ZERO_MAY_IMPORT = ("zerorun.errors", "zerorun.files", "zerorun.allocator")
 RUN_FOLDER_FILES = ("recipe.yaml", "commands.sh", "metrics.jsonl", "output.log", "job.json", "slurm-job.json",
                     "trackers.json", "metrics.csv")
 #: Marks the whole-tree checks that pass only once every engineer's part of the layout move (issue 36) has landed.
-AFTER_THE_MOVE = pytest.mark.xfail(strict=False, reason="lands with the layout move")
 
 
 def module_name(path: str) -> str:
@@ -167,7 +166,7 @@ def test_the_graph_sees_every_kind_of_import():
 
 @pytest.mark.parametrize("scope", ["zerorun.zero", "zerorun.bench", "zerorun.slurm", "zerorun.telemetry",
                                    "zerorun.estimate", "zerorun.hf",
-                                   pytest.param("zerorun", marks=AFTER_THE_MOVE)])
+                                   "zerorun"])
 def test_no_import_cycle(scope):
     found = cycles(import_graph(), scope)
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
@@ -204,14 +203,12 @@ def test_launch_imports_nothing_of_zero():
     assert not bad, "\n".join(bad)
 
 
-@AFTER_THE_MOVE
 def test_no_file_over_400_lines():
     long = sorted(f"{os.path.relpath(path, ROOT)}: {text.count(chr(10))} lines"
                   for path, text in sources().values() if text.count("\n") > MAX_LINES)
     assert not long, "\n".join(long)
 
 
-@AFTER_THE_MOVE
 def test_at_most_6_modules_at_the_top_level():
     top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
     assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules at zerorun/'s top level: {', '.join(top)}"
