@@ -14,6 +14,7 @@ from zerorun.errors import ZerorunError
 from zerorun.hostfile import Host
 from zerorun.launch import slurm
 from zerorun.launch.commands import render_slurm
+from zerorun.launch.launcher import Launcher, choose_launcher
 from zerorun.launch.plan import build_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,19 +22,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_choose_launcher_default_and_explicit():
     inside = {"SLURM_JOB_ID": "12"}
-    assert slurm.choose_launcher(None, None, inside) == "slurm"
-    assert slurm.choose_launcher(None, "hosts", inside) == "ssh"  # -H inside an allocation: today's behaviour
-    assert slurm.choose_launcher(None, None, {}) == "ssh"
-    assert slurm.choose_launcher("local", None, inside) == "local"
-    assert slurm.choose_launcher("ssh", None, inside) == "ssh"
+    assert choose_launcher(None, None, inside) is Launcher.SLURM
+    assert choose_launcher(None, "hosts", inside) is Launcher.SSH  # -H inside an allocation: today's behaviour
+    assert choose_launcher(None, None, {}) is Launcher.SSH
+    assert choose_launcher("local", None, inside) is Launcher.LOCAL
+    assert choose_launcher("ssh", None, inside) is Launcher.SSH
     with pytest.raises(ZerorunError, match="not inside a SLURM allocation"):
-        slurm.choose_launcher("slurm", None, {})
+        choose_launcher("slurm", None, {})
     with pytest.raises(ZerorunError, match="--launcher slurm takes its hosts from the SLURM allocation"):
-        slurm.choose_launcher("slurm", "hosts", inside)
+        choose_launcher("slurm", "hosts", inside)
     with pytest.raises(ZerorunError, match="--launcher local runs on this machine alone"):
-        slurm.choose_launcher("local", "hosts", {})
+        choose_launcher("local", "hosts", {})
     with pytest.raises(ZerorunError, match="--launcher pbs: expected one of ssh, slurm, local"):
-        slurm.choose_launcher("pbs", None, {})
+        choose_launcher("pbs", None, {})
 
 
 def test_zerorun_under_srun_is_a_one_line_error():
@@ -42,13 +43,13 @@ def test_zerorun_under_srun_is_a_one_line_error():
     step = {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0"}
     for launcher in (None, "slurm"):
         with pytest.raises(ZerorunError, match=r"started inside a SLURM job step \(SLURM_STEP_ID=0: under srun\)"):
-            slurm.choose_launcher(launcher, None, step)
-    assert slurm.choose_launcher("local", None, step) == "local"
-    assert slurm.choose_launcher(None, "hosts", step) == "ssh"
+            choose_launcher(launcher, None, step)
+    assert choose_launcher("local", None, step) is Launcher.LOCAL
+    assert choose_launcher(None, "hosts", step) is Launcher.SSH
     # SLURM's own steps are not srun's: the shell of salloc under LaunchParameters=use_interactive_step
     # (SLURM_STEP_ID=4294967290; review: refused, though srun works from it) and the batch script
     for special in ("4294967290", "4294967291"):
-        assert slurm.choose_launcher(None, None, {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": special}) == "slurm"
+        assert choose_launcher(None, None, {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": special}) is Launcher.SLURM
     env = dict(os.environ, **step)
     out = subprocess.run([sys.executable, "-m", "zerorun", "train", os.path.join(ROOT, "recipes/tiny.yaml"),
                           "--dry-run"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)

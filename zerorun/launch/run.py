@@ -26,6 +26,7 @@ from typing import Callable
 
 from zerorun.errors import JobFailed, ZerorunError
 from zerorun.hostfile import Host
+from zerorun.launch.launcher import Launcher
 from zerorun.telemetry.format import count
 
 
@@ -78,7 +79,7 @@ class RunResult:
 
 
 def select(hostfile: str | None, default_slots: int | str, include: str | None = None, exclude: str | None = None,
-           num_nodes: int | None = None, num_procs: int | str | None = None, launcher: str = "ssh",
+           num_nodes: int | None = None, num_procs: int | str | None = None, launcher: Launcher = Launcher.SSH,
            job_env: dict[str, str] | None = None) -> list[Host]:
     """The hosts of a job: the hostfile's (or localhost with ``num_procs``, else ``default_slots``, ranks)
     through ``include``/``exclude``, ``num_nodes`` and ``num_procs`` (hostfile.select_hosts, DeepSpeed's rules).
@@ -97,7 +98,7 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
     from zerorun.launch.env import env_file_values
     from zerorun.launch.slots import auto_note, hostfile_procs, resolve, through_visible
 
-    if launcher == "slurm":
+    if launcher is Launcher.SLURM:
         from zerorun.launch.slurm import allocation_hosts, describe_slots
 
         hosts, source = allocation_hosts(default_slots, num_nodes, num_procs)
@@ -106,7 +107,7 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
                          f"{'s' if len(hosts) > 1 else ''} ({', '.join(h.name for h in hosts)}), "
                          f"{describe_slots(hosts, source)}\n")
         return hosts
-    if hostfile and launcher != "local":
+    if hostfile and launcher is not Launcher.LOCAL:
         return select_hosts(read_hostfile(hostfile), include, exclude, num_nodes,
                             hostfile_procs(num_procs, "--nproc-per-node"))
     value, name = (num_procs, "--nproc-per-node") if num_procs is not None else (default_slots,
@@ -146,47 +147,43 @@ def _what(job) -> tuple[str | None, list[str], list[str] | None, dict]:
 
 def prepare(job, hosts: list[Host], *, job_id: str | None = None, master_port: int | None = None,
             master_addr: str | None = None, ssh=None, ssh_local: bool = False, preflight_timeout: float = 15.0,
-            launcher: str = "ssh"):
+            launcher: Launcher = Launcher.SSH):
     """Preflight the remote ``hosts`` and make the nodes of ``job`` (a Recipe or a :class:`Script`), not
-    started: launch/job.py's ``prepare_job``, or ``prepare_slurm_job`` for ``launcher="slurm"`` (one srun
-    step, no SSH). ``master_port`` None: a free one on the first host.
+    started, with ``launcher``'s backend (launch/job.py ``prepare``). ``master_port`` None: a free one on the
+    first host.
 
     Raises:
         ZerorunError: a host fails preflight (one line per host), or ``master_port`` is in use.
     """
-    from zerorun.launch.job import prepare_job, prepare_slurm_job
+    from zerorun.launch.job import prepare as prepare_nodes
     from zerorun.launch.remote import SshOptions
 
     recipe_json, modules, program, launch = _what(job)
-    job_id = job_id or uuid.uuid4().hex[:12]
-    if launcher == "slurm":
-        from zerorun.launch.slurm import allocation_cpus
-
-        return prepare_slurm_job(hosts, job_id, recipe_json=recipe_json, program=program, master_port=master_port,
-                                 master_addr=master_addr, cpus=allocation_cpus(), **launch)
-    return prepare_job(hosts, job_id, recipe_json=recipe_json, program=program,
-                       modules=modules, master_port=master_port, master_addr=master_addr, ssh=ssh or SshOptions(),
-                       ssh_local=ssh_local, preflight_timeout=preflight_timeout, **launch)
+    return prepare_nodes(hosts, job_id or uuid.uuid4().hex[:12], launcher, recipe_json=recipe_json,
+                         program=program, modules=modules, master_port=master_port, master_addr=master_addr,
+                         ssh=ssh or SshOptions(), ssh_local=ssh_local, preflight_timeout=preflight_timeout,
+                         **launch)
 
 
 def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_addr: str | None = None,
-            job_id: str | None = None, launcher: str = "ssh") -> str:
+            job_id: str | None = None, launcher: Launcher = Launcher.SSH, ssh=None, ssh_local: bool = False) -> str:
     """The launch commands of ``job`` (a Recipe or a :class:`Script`) on ``hosts`` as a shell script's text
-    (Note [Printed commands] in launch/commands.py), contacting no host: each runs as printed. The master
-    address is ``master_addr``, else 127.0.0.1 for a local first host, else its name; the port is
-    ``master_port``, else a free one here (local first host, or the SLURM launcher) or torchrun's default
-    29500. The resolved recipe is written, as a node's watcher writes it, to a 0600 ``recipe.json`` in a fresh
-    private folder that the commands name, its ``launch.env`` values masked (Note [Masked environment values]:
-    the commands take them from the shell, and the worker reads them from its environment). With
-    ``launcher="slurm"`` the text is the srun command zerorun runs and the same step as one srun line that runs
-    as printed (launch/commands.py ``render_slurm``).
+    (Note [Printed commands] in launch/commands.py), contacting no host: each runs as printed. The plan is the
+    job's own (Note [One plan path] in launch/job.py: the master address with the SSH config's aliases
+    resolved as ``ssh`` reads them; the port as Note [Dry-run master port] says). The resolved recipe is
+    written, as a node's watcher writes it, to a 0600 ``recipe.json`` in a fresh private folder that the
+    commands name, its ``launch.env`` values masked (Note [Masked environment values]: the commands take them
+    from the shell, and the worker reads them from its environment). With the SLURM launcher the text is the
+    srun command zerorun runs and the same step as one srun line that runs as printed (launch/commands.py
+    ``render_slurm``).
     """
     import tempfile
 
     from zerorun.launch.commands import render, render_slurm
     from zerorun.launch.env import env_file_values
+    from zerorun.launch.job import dry_run_reach, plan_job
     from zerorun.launch.node import write_private
-    from zerorun.launch.plan import build_plan, free_port
+    from zerorun.launch.remote import SshOptions
 
     recipe_json, _, program, launch = _what(job)
     if recipe_json is not None:  # the file stays in /tmp: launch.env values masked (the commands take them
@@ -194,30 +191,27 @@ def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_ad
 
         recipe_json = json.dumps(masked(json.loads(recipe_json)))
     extra_env = {**env_file_values(), **(launch.get("env") or {})}
-    slurm = launcher == "slurm"
-    cpus = None
-    if slurm:
+    reach = dry_run_reach(hosts, launcher, ssh or SshOptions(), ssh_local)
+    if launcher is Launcher.SLURM:
+        from zerorun.launch.job import Reach
         from zerorun.launch.slurm import allocation_cpus
 
-        cpus = allocation_cpus()
-    if master_port is None:
-        master_port = free_port() if hosts[0].is_local or slurm else 29500
-    if master_addr is None and slurm:
-        master_addr = hosts[0].name
-    plan = build_plan(hosts, recipe_json, job_id or uuid.uuid4().hex[:12], master_port, launch.get("python"),
-                      extra_env, master_addr=master_addr, program=program, cpus=cpus)
+        reach = Reach(cpus=allocation_cpus())
+    plan, note = plan_job(hosts, job_id or uuid.uuid4().hex[:12], launcher, reach, recipe_json=recipe_json,
+                          program=program, python=launch.get("python") or sys.executable, extra_env=extra_env,
+                          master_port=master_port, master_addr=master_addr)
     folder = tempfile.mkdtemp(prefix=f"zerorun-{plan.job_id}-dry-run-")
     write_private(folder, plan.nodes[0].files)
     workdir = launch.get("workdir") or os.getcwd()
     node_dirs = {n.node_rank: folder for n in plan.nodes}
-    if slurm:
+    if launcher is Launcher.SLURM:
         from zerorun.launch.slurm import gpus_per_node, srun_argv
 
-        srun = srun_argv(hosts, workdir, launch.get("python"), cpus=cpus, job_name=f"zerorun-{plan.job_id}",
+        srun = srun_argv(hosts, workdir, launch.get("python"), cpus=reach.cpus, job_name=f"zerorun-{plan.job_id}",
                          gpus=gpus_per_node(os.environ))
         return render_slurm(plan, workdir, node_dirs, set(extra_env), srun) + (
             f"# nodes without a shared {os.path.dirname(folder)}: copy {folder} to the same path there first\n")
-    text = render(plan, workdir, node_dirs, set(extra_env))
+    text = render(plan, workdir, node_dirs, set(extra_env)) + (note + "\n" if note else "")
     if any(not n.host.is_local for n in plan.nodes):
         text += f"# remote nodes: copy {folder} to the same path there first\n"
     return text
@@ -226,7 +220,7 @@ def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_ad
 def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides: list[str] = (),
             view: Callable | None = None, dashboard: bool = True, out=None, job_id: str | None = None,
             master_port: int | None = None, master_addr: str | None = None, ssh=None, ssh_local: bool = False,
-            preflight_timeout: float = 15.0, model_check: bool = True, launcher: str = "ssh",
+            preflight_timeout: float = 15.0, model_check: bool = True, launcher: Launcher = Launcher.SSH,
             run_dir: str | None = None, started: float | None = None) -> RunResult:
     """Run ``job`` (a :class:`~zerorun.recipe.Recipe`, or a :class:`Script` for ``zerorun launch``) on
     ``hosts`` (:func:`select`) and return how it ended.
