@@ -13,7 +13,7 @@ import pytest
 from zerorun.hostfile import Host
 from zerorun.launch.preflight import PreflightFailed
 from zerorun.launch.restart import SAME_FAILURE_LIMIT, keep_global_batch, parse_nnodes, run_with_restarts
-from zerorun.launch.run import RunResult
+from zerorun.launch.outcome import Outcome
 from zerorun.recipe import load_recipe
 from zerorun.telemetry.events import PREFIX, format_event
 from zerorun.telemetry.state import JobState
@@ -41,14 +41,15 @@ class Tries:
 
 
 def failed(run_dir: str, message: str = "rank 1 on a: rank process ended (killed by SIGKILL)", step: int = 3,
-           code: int = 1, status: str = "failed", host: str | None = None, lost: bool = False) -> RunResult:
+           code: int = 1, status: str = "failed", host: str | None = None, lost: bool = False) -> Outcome:
     state = JobState(world_size=2)
     state.progress = (step, 0.0)
-    return RunResult(status, code, run_dir, f"{message} (logs: {run_dir})", 1.0, state, host, lost)
+    return Outcome(status, code, host=host, message=f"{message} (logs: {run_dir})", elapsed_s=1.0, lost=lost,
+                   run_dir=run_dir, state=state)
 
 
-def ok(run_dir: str) -> RunResult:
-    return RunResult("ok", 0, run_dir, "", 1.0, JobState(world_size=2))
+def ok(run_dir: str) -> Outcome:
+    return Outcome("ok", 0, elapsed_s=1.0, run_dir=run_dir, state=JobState(world_size=2))
 
 
 def restarts(run_dir) -> list[dict]:

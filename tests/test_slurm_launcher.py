@@ -15,6 +15,7 @@ from zerorun.hostfile import Host
 from zerorun.launch import slurm
 from zerorun.launch.commands import render_slurm
 from zerorun.launch.launcher import Launcher, choose_launcher
+from zerorun.launch.nodes import Ended, Line
 from zerorun.launch.plan import build_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,7 +201,7 @@ def test_an_srun_that_ends_before_reading_its_input_reports_its_own_error():
     nodes = [SlurmNode(spec, step) for spec in plan.nodes]
     nodes[0].start()  # raised ZerorunError before
     got = [lines.get(timeout=30)]
-    assert got[0] == (0, "srun: error: Unable to create step for job 12: Invalid"), got
+    assert got[0] == Line(0, "srun: error: Unable to create step for job 12: Invalid"), got
     step.proc.wait(timeout=30)
     for _ in range(300):
         if len(step.ended) == len(nodes):
@@ -235,10 +236,12 @@ def test_step_output_is_split_by_node_and_long_lines_joined(tmp_path):
     nodes = [SlurmNode(spec, step) for spec in plan.nodes]
     nodes[0].start()
     got = []
-    while len([item for item in got if item[1] is None]) < 2:
+    while len([item for item in got if isinstance(item, Ended)]) < 2:
         got.append(lines.get(timeout=10))
-    text = [item for item in got if item[1] is not None]
-    assert text[0] == (1, event) and parse_line(text[0][1]).data["message"] == "x" * 3000
-    assert text[1] == (0, "[rank 0] hello") and text[2] == (0, "srun: error: n1: task 1: Killed")
+    text = [item for item in got if isinstance(item, Line)]
+    assert text[0] == Line(1, event) and parse_line(text[0].text).data["message"] == "x" * 3000
+    assert text[1] == Line(0, "[rank 0] hello") and text[2] == Line(0, "srun: error: n1: task 1: Killed")
+    ended = sorted((e for e in got if isinstance(e, Ended)), key=lambda e: e.node_rank)
+    assert ended == [Ended(0, -9, "its srun task on n1: Killed"), Ended(1, 1)]
     assert step.step == "7.0" and nodes[1].returncode == 1 and nodes[1].end_reason is None
     assert nodes[0].returncode == -9 and nodes[0].end_reason == "its srun task on n1: Killed"

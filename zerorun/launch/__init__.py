@@ -2,9 +2,11 @@
 them, and return how it ended.
 
 The public API is :func:`run_job` (``zerorun train``, ``launch`` and ``bench`` all call it) with
-:func:`select` (the hosts), :func:`ssh_options`, :func:`dry_run`, :class:`Script` and :class:`RunResult`
-(launch/run.py), and :func:`choose_launcher` with the :class:`Launcher` it returns (launch/launcher.py). Importing this package does not import torch.
+:func:`select` (the hosts), :func:`ssh_options`, :func:`dry_run`, :class:`Script` (launch/run.py), the
+:class:`Outcome` of a job (launch/outcome.py), and :func:`choose_launcher` with the :class:`Launcher` it
+returns (launch/launcher.py). Importing this package does not import torch.
 """
 
-from zerorun.launch.run import RunResult, Script, dry_run, run_job, select, ssh_options  # noqa: F401
 from zerorun.launch.launcher import Launcher, choose_launcher  # noqa: F401
+from zerorun.launch.outcome import Outcome  # noqa: F401
+from zerorun.launch.run import Script, dry_run, run_job, select, ssh_options  # noqa: F401

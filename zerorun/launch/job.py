@@ -14,6 +14,7 @@ from zerorun.errors import ZerorunError
 from zerorun.hostfile import Host
 from zerorun.launch.env import allowed_env, env_file_values
 from zerorun.launch.launcher import Launcher
+from zerorun.launch.nodes import Node
 from zerorun.launch.plan import LaunchPlan, build_plan, free_port, port_in_use
 from zerorun.launch.preflight import preflight
 from zerorun.launch.remote import RemoteNode, SshOptions, connection
@@ -22,11 +23,11 @@ from zerorun.launch.runner import LocalNode
 
 @dataclass
 class Job:
-    """A planned job: its ``plan``, one node object per host (not started), and the ``lines`` queue they
-    stream to."""
+    """A planned job: its ``plan``, one node per host (not started; launch/nodes.py ``Node``), and the
+    ``lines`` queue they send their messages to (Note [Node messages])."""
 
     plan: LaunchPlan
-    nodes: list = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
     lines: "queue.Queue" = field(default_factory=queue.Queue)
     workdir: str = ""
     #: names of the variables from ``launch.env`` and environment files (values never printed)
@@ -35,10 +36,9 @@ class Job:
     srun: list[str] | None = None
 
     def close(self) -> None:
-        """Close the SSH connections."""
+        """Release what the nodes hold (SSH connections)."""
         for node in self.nodes:
-            if isinstance(node, RemoteNode):
-                node.close()
+            node.close()
 
 
 def _is_loopback(address: str) -> bool:

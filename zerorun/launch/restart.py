@@ -219,12 +219,12 @@ def run_with_restarts(recipe, hosts: list[Host], run: Callable, *, max_restarts:
     Args:
         recipe: the resolved Recipe (its ``checkpoint.resume`` and ``train.grad_accum_steps`` are set for each
             restart), or None for a user's script (restarted as it is: it resumes itself).
-        run: ``run(hosts, attempt)`` runs try ``attempt`` (0 first) on ``hosts`` and returns its ``RunResult``
+        run: ``run(hosts, attempt)`` runs try ``attempt`` (0 first) on ``hosts`` and returns its ``Outcome``
             (launch/run.py: the restart is recorded in its ``run_dir``); it raises ZerorunError before anything
             starts (preflight: a ``PreflightFailed`` on a restart leaves those hosts out with ``min_nodes``).
         min_nodes: Note [Lost nodes]; None: every host must be there.
     Returns:
-        The last try's ``RunResult``.
+        The last try's ``Outcome`` (launch/outcome.py).
     Raises:
         ZerorunError: the first try's preflight.
     """

@@ -10,12 +10,13 @@
 :func:`run_job` goes plan -> nodes -> supervisor -> result: it checks the remote hosts (preflight) and prepares
 the nodes (launch/job.py), makes the run folder (``recipe.yaml``, ``commands.sh``), prints the job header at
 once, starts every node and, beside them, the model check (zerorun/modelcheck.py), shows the events in a view,
-and returns a :class:`RunResult`. Nothing here imports torch: the launcher's first line comes in a fraction of
+and returns a :class:`Outcome`. Nothing here imports torch: the launcher's first line comes in a fraction of
 a second (``benchmarks/startup.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,9 +25,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from zerorun.errors import JobFailed, ZerorunError
+from zerorun.errors import ZerorunError
 from zerorun.hostfile import Host
 from zerorun.launch.launcher import Launcher
+from zerorun.launch.outcome import Outcome
 from zerorun.telemetry.format import count
 
 
@@ -48,34 +50,6 @@ class Script:
     def program(self) -> list[str]:
         """What torchrun runs on every rank: zerorun's script worker around the script or module."""
         return ["-m", "zerorun.script_worker", *(["-m"] if self.module else []), self.target, *self.args]
-
-
-@dataclass
-class RunResult:
-    """How a job ended: ``status`` ok | failed | interrupted, the ``exit_code`` zerorun exits with (0, 1 a
-    failure, 2 bad input found by a rank or the model check, 130/143 interrupted), a one-line ``message`` naming
-    the failing rank and host (empty when ok), ``elapsed_s`` (seconds from the nodes' start to the end),
-    ``run_dir`` (the run folder), ``state`` (the job's :class:`~zerorun.telemetry.state.JobState`), the failing
-    ``host`` when known, and ``lost``: that host's node was lost (Note [Lost nodes] in launch/restart.py)."""
-
-    status: str
-    exit_code: int
-    run_dir: str
-    message: str = ""
-    elapsed_s: float = 0.0
-    state: object = None
-    host: str | None = None
-    lost: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def error(self) -> JobFailed:
-        """The failure as a :class:`JobFailed` carrying ``exit_code`` (for the CLI's one line)."""
-        err = JobFailed(self.message)
-        err.exit_code = self.exit_code
-        return err
 
 
 def select(hostfile: str | None, default_slots: int | str, include: str | None = None, exclude: str | None = None,
@@ -221,7 +195,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
             view: Callable | None = None, dashboard: bool = True, out=None, job_id: str | None = None,
             master_port: int | None = None, master_addr: str | None = None, ssh=None, ssh_local: bool = False,
             preflight_timeout: float = 15.0, model_check: bool = True, launcher: Launcher = Launcher.SSH,
-            run_dir: str | None = None, started: float | None = None) -> RunResult:
+            run_dir: str | None = None, started: float | None = None) -> Outcome:
     """Run ``job`` (a :class:`~zerorun.recipe.Recipe`, or a :class:`Script` for ``zerorun launch``) on
     ``hosts`` (:func:`select`) and return how it ended.
 
@@ -300,7 +274,7 @@ def prefer_check(result, check):
     or ended in the same moment as the ranks: the supervisor sees the crash first in both cases.
 
     Args:
-        result: the supervisor's ``JobResult``.
+        result: the supervisor's :class:`Outcome`.
         check: the :class:`zerorun.modelcheck.ModelCheck` or None.
     Returns:
         ``result``, or a failed result with exit status 2 and the check's line.
@@ -314,9 +288,9 @@ def prefer_check(result, check):
     return result
 
 
-def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
+def _supervise(prepared, state, run_dir: str, recipe, check, view) -> Outcome:
     """Print the header, run the nodes under the supervisor with the model check beside them, record
-    everything, and return the :class:`RunResult`."""
+    everything, and return the :class:`Outcome`."""
     from zerorun.launch.supervisor import Supervisor
     from zerorun.telemetry.console import RunRecorder
     from zerorun.telemetry.state import write_job_file
@@ -369,10 +343,9 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
             message = result.message
         else:
             message = f"job: {result.message} (logs: {run_dir})"
-        return RunResult(result.status, result.exit_code, run_dir, message, result.elapsed_s, state, result.host,
-                         result.lost)
+        return dataclasses.replace(result, message=message, run_dir=run_dir, state=state)
     summary = f"done in {result.elapsed_s:.1f} s"
     if state.evals:
         summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, 'metrics.jsonl')}")
-    return RunResult("ok", 0, run_dir, "", result.elapsed_s, state)
+    return dataclasses.replace(result, run_dir=run_dir, state=state)
