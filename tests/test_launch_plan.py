@@ -13,7 +13,9 @@ from zerorun.launch import job as launch_job
 from zerorun.launch.launcher import Launcher
 from zerorun.launch.preflight import HostCheck
 from zerorun.launch.remote import SshOptions, connection
-from zerorun.launch.run import Script, dry_run, prepare
+from zerorun.launch.dryrun import dry_run
+from zerorun.launch.run import prepare
+from zerorun.launch.script import Script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "recipes/tiny.yaml")

@@ -83,6 +83,18 @@ def test_a_failure_before_the_first_checkpoint_restarts_from_step_0(recipe, tmp_
         "failed_step": 3, "resume_step": 0, "checkpoint": None}
 
 
+def test_a_failure_after_the_last_steps_checkpoint_is_a_finished_job(recipe, tmp_path, monkeypatch):
+    """Nothing left to train (the last step's checkpoint was saved before the failure): the job's outcome is
+    ok, exit code 0, with the failed try's run folder and state, and no rank, host or message of the failure."""
+    run_dir = str(tmp_path)
+    monkeypatch.setattr("zerorun.launch.restart.resume_point", lambda *a: None)
+    first = failed(run_dir, host="a", lost=True)
+    result = run_with_restarts(recipe, [Host("a", 2)], Tries(recipe, run_dir, first), max_restarts=2, say=print)
+    assert (result.status, result.exit_code, result.rank, result.host, result.message, result.lost) == (
+        "ok", 0, None, None, "", False)
+    assert (result.run_dir, result.state, result.elapsed_s) == (run_dir, first.state, 1.0)
+
+
 def test_restarts_stop_when_none_are_left_and_the_last_failure_is_the_result(recipe, tmp_path):
     run_dir = str(tmp_path)
     tries = Tries(recipe, run_dir, failed(run_dir, step=1), failed(run_dir, step=2), failed(run_dir, step=4))

@@ -34,6 +34,9 @@ class Job:
     user_env: frozenset = frozenset()
     #: the SLURM launcher's srun command (launch/slurm.py), None for the SSH and local launchers
     srun: list[str] | None = None
+    #: seconds between SIGTERM and SIGKILL at teardown (Note [Teardown]); SLURM's: 10 s, for the ranks'
+    #: checkpoint on SIGTERM (Note [Slurm teardown])
+    grace_s: float = 5.0
 
     def close(self) -> None:
         """Release what the nodes hold (SSH connections)."""
@@ -264,7 +267,7 @@ def prepare_slurm_job(hosts: list[Host], job_id: str, *, recipe_json: str | None
                        program=program, python=python, extra_env=extra_env, master_port=master_port,
                        master_addr=master_addr)
     argv = srun_argv(hosts, workdir, python, cpus=cpus, job_name=f"zerorun-{job_id}", gpus=gpus_per_node(os.environ))
-    job = Job(plan, workdir=workdir, user_env=frozenset(extra_env), srun=argv)
+    job = Job(plan, workdir=workdir, user_env=frozenset(extra_env), srun=argv, grace_s=10.0)
     step = SlurmStep(argv, plan.nodes, job.lines, cwd=workdir)
     job.nodes = [SlurmNode(spec, step) for spec in plan.nodes]
     return job
