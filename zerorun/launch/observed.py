@@ -14,7 +14,7 @@ import json
 import re
 import time
 
-from zerorun.launch.node import NOTE_PREFIX
+from zerorun.launch.marks import NOTE_PREFIX
 from zerorun.launch.nodes import Ended, Line, Message
 from zerorun.telemetry.events import Event, parse_line
 

@@ -11,13 +11,10 @@ import sys
 from dataclasses import dataclass, field
 
 from zerorun.hostfile import Host
-from zerorun.launch.node import NODE_DIR
+from zerorun.launch.marks import JOB_ENV, NODE_DIR  # JOB_ENV: checkpoint.py reads it here
 from zerorun.zero.allocator import ALLOCATOR_VAR, ALLOCATORS, INSTALL_HINT, MMAP_THRESHOLD  # noqa: F401
 from zerorun.zero.allocator import allocator_problem
 from zerorun.zero.allocator import ENV as GLIBC_ENV  # torch-free; MMAP_THRESHOLD: benchmarks import it here
-
-#: environment variable that marks every process of one job (teardown finds them by it).
-JOB_ENV = "ZERORUN_JOB_ID"
 
 # Note [Rank allocator] (zerorun/zero/allocator.py, with the figures): ZERORUN_ALLOCATOR chooses each rank's malloc
 # (``auto``, the default: gperftools' tcmalloc where the node has it, else mimalloc from its pip wheel, a zerorun
@@ -110,7 +107,7 @@ def fallback_note(env: dict[str, str], resolved: dict[str, str], host: str) -> s
 class NodeSpec:
     """One node of the job: ``host``, its ``node_rank``, ranks ``[first_rank, first_rank + nproc)``, and the
     ``argv`` and extra ``env`` that start torch's launcher there, and ``files`` (name -> text) written to the
-    node's private folder (:data:`~zerorun.launch.node.NODE_DIR` in ``argv``) by its watcher. ``env`` and
+    node's private folder (:data:`~zerorun.launch.marks.NODE_DIR` in ``argv``) by its watcher. ``env`` and
     ``files`` reach the node through a pipe, never a command line (Note [Node watcher] in launch/node.py)."""
 
     host: Host

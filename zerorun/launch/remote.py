@@ -30,7 +30,8 @@ from typing import Mapping
 
 from zerorun.errors import ZerorunError
 from zerorun.launch.nodes import Ended, Line
-from zerorun.launch.plan import JOB_ENV, NodeSpec
+from zerorun.launch.marks import JOB_ENV
+from zerorun.launch.plan import NodeSpec
 
 #: the exit code reported for a node whose SSH connection was lost (ssh's own code for a connection error).
 LOST_CONNECTION = 255
@@ -385,7 +386,7 @@ class RemoteNode:
 
 def _main(argv: list[str]) -> int:
     """``signal JOB_ID SIG``: signal every process marked with JOB_ID on this host and print how many."""
-    from zerorun.launch.runner import signal_marked
+    from zerorun.launch.marks import signal_marked
 
     if len(argv) != 3 or argv[0] != "signal" or not argv[2].isdigit():
         print("usage: python -m zerorun.launch.remote signal JOB_ID SIGNAL", file=sys.stderr)

@@ -14,12 +14,10 @@ import signal
 import subprocess
 import threading
 
-import psutil
-
 from zerorun.errors import ZerorunError
-from zerorun.launch.node import signal_name
+from zerorun.launch.marks import JOB_ENV, marked_processes, signal_marked, signal_name
 from zerorun.launch.nodes import Ended, Line
-from zerorun.launch.plan import JOB_ENV, NodeSpec
+from zerorun.launch.plan import NodeSpec
 
 
 class LocalNode:
@@ -69,7 +67,7 @@ class LocalNode:
     def close(self) -> None:
         """Nothing to release."""
 
-    def survivors(self) -> list[psutil.Process]:
+    def survivors(self) -> list:
         """Processes on this machine marked with this job's id (:func:`marked_processes`)."""
         return marked_processes(self.spec.env[JOB_ENV])
 
@@ -88,30 +86,3 @@ def node_spec_json(spec: NodeSpec) -> str:
     (the recipe) and its mark (Note [Node watcher])."""
     return json.dumps({"argv": spec.argv, "env": spec.env, "files": spec.files,
                        "mark": f"{spec.env[JOB_ENV]}:{spec.node_rank}"})
-
-
-def marked_processes(job_id: str, key: str = JOB_ENV) -> list[psutil.Process]:
-    """Processes on this machine marked with ``job_id`` in their environment (variable ``key``, default
-    :data:`JOB_ENV`), however they were started: torchrun starts its workers in sessions of their own, so a
-    process group alone misses them."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        if proc.pid == os.getpid():
-            continue
-        try:
-            if proc.environ().get(key) == job_id:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-    return found
-
-
-def signal_marked(job_id: str, sig: int) -> int:
-    """Send ``sig`` to every process marked with ``job_id``; return how many there were (0: none left)."""
-    procs = marked_processes(job_id)
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    return len(procs)

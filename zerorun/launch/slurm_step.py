@@ -27,8 +27,9 @@ import time
 
 from zerorun.errors import ZerorunError
 from zerorun.launch.nodes import Ended, Line
-from zerorun.launch.plan import JOB_ENV, NodeSpec
-from zerorun.launch.runner import node_spec_json, signal_marked
+from zerorun.launch.marks import JOB_ENV, signal_marked
+from zerorun.launch.plan import NodeSpec
+from zerorun.launch.runner import node_spec_json
 from zerorun.launch.slurm_task import TASK_PREFIX
 
 #: srun --label: ``N: text`` (the task number right-aligned when there are 10 tasks or more)

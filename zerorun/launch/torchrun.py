@@ -90,7 +90,7 @@ def _announce_exits() -> None:
     its own, and its stop of the ranks so that the ranks it stops are not announced."""
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
-    from zerorun.launch.node import NOTE_PREFIX
+    from zerorun.launch.marks import NOTE_PREFIX
 
     capture, close = getattr(SubprocessContext, "_capture_process_failures", None), SubprocessContext._close
     if capture is None:
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from zerorun.launch.node import NOTE_PREFIX
+    from zerorun.launch.marks import NOTE_PREFIX
 
     watcher = os.getppid()
     try:
