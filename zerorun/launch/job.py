@@ -106,11 +106,14 @@ def plan_job(hosts: list[Host], job_id: str, launcher: Launcher, reach: Reach, *
     """The job's plan, the same for the job and its dry run (Note [One plan path]), and a note for the dry
     run when the master port is only chosen at start (None otherwise).
 
-    Note [One plan path]: the job (:func:`prepare`) and ``--dry-run`` (launch/run.py ``dry_run``) both plan
-    here, so the printed commands are the ones the job runs. The master address: ``master_addr``, else the
-    SLURM allocation's first node name, else 127.0.0.1 for this machine alone (``local``), else
+    Note [One plan path]: the job (:func:`prepare`) and ``--dry-run`` (launch/dryrun.py) both plan here, so
+    the printed commands are the ones the job runs. The master address: ``master_addr``, else the SLURM
+    allocation's first node name, else 127.0.0.1 for this machine alone (``local``), else
     :func:`master_address` over the SSH connections, the aliases of the SSH config resolved to their
-    ``HostName`` (fabric reads the config the same way whether the connection is opened or not).
+    ``HostName`` (fabric reads the config the same way whether the connection is opened or not). Two things
+    only a contacted host tells, which a dry run therefore cannot know: a port free on a remote first host
+    (Note [Dry-run master port]) and a remote host's CPU count (its ``OMP_NUM_THREADS`` in a dry run is this
+    machine's CPUs over its ranks; the job's, that host's).
 
     Note [Dry-run master port]: ``master_port``, else a port free on the first host when the job starts. A
     local first host (and SLURM's, where the launcher runs on the first node): one free here, found the same
