@@ -169,7 +169,7 @@ def test_a_crash_at_the_moment_the_model_check_ends_reports_the_checks_line(tmp_
     import tempfile
 
     from zerorun.launch.run import prefer_check
-    from zerorun.launch.supervisor import JobResult
+    from zerorun.launch.outcome import Outcome as JobResult
     from zerorun.rank.modelcheck import PREFIX, ModelCheck
 
     err = tempfile.TemporaryFile()

@@ -17,6 +17,7 @@ from rich.console import Console
 from zerorun.errors import ZerorunError
 from zerorun.recipe.hostfile import Host
 from zerorun.launch.plan import build_plan
+from zerorun.launch.nodes import Line
 from zerorun.launch.supervisor import Supervisor
 from zerorun.telemetry.console import PlainView, RunRecorder
 from zerorun.telemetry.dashboard import LiveView, open_view, render
@@ -160,7 +161,7 @@ def test_malformed_event_lines_reach_the_view_as_log_lines():
     sup = Supervisor(plan, [], q, view.event, view.line)
     good = format_event("eval", 0, step=5, val_loss=2.25)
     for line in ["[rank 1] " + good[:-7], "[rank 0] " + good, "[rank 1] plain print", "torchrun says hi"]:
-        q.put((0, line))
+        q.put(Line(0, line))
     while not q.empty():
         sup._drain(0.01)
     assert log_lines(view.state.log) == ["[rank 1] " + good[:-7], "eval step 5: validation loss 2.2500",

@@ -13,7 +13,7 @@ import pytest
 from zerorun.recipe.hostfile import Host
 from zerorun.launch.preflight import PreflightFailed
 from zerorun.launch.restart import SAME_FAILURE_LIMIT, keep_global_batch, parse_nnodes, run_with_restarts
-from zerorun.launch.run import RunResult
+from zerorun.launch.outcome import Outcome
 from zerorun.recipe import load_recipe
 from zerorun.telemetry.events import PREFIX, format_event
 from zerorun.telemetry.state import JobState
@@ -41,14 +41,15 @@ class Tries:
 
 
 def failed(run_dir: str, message: str = "rank 1 on a: rank process ended (killed by SIGKILL)", step: int = 3,
-           code: int = 1, status: str = "failed", host: str | None = None, lost: bool = False) -> RunResult:
+           code: int = 1, status: str = "failed", host: str | None = None, lost: bool = False) -> Outcome:
     state = JobState(world_size=2)
     state.progress = (step, 0.0)
-    return RunResult(status, code, run_dir, f"{message} (logs: {run_dir})", 1.0, state, host, lost)
+    return Outcome(status, code, host=host, message=f"{message} (logs: {run_dir})", elapsed_s=1.0, lost=lost,
+                   run_dir=run_dir, state=state)
 
 
-def ok(run_dir: str) -> RunResult:
-    return RunResult("ok", 0, run_dir, "", 1.0, JobState(world_size=2))
+def ok(run_dir: str) -> Outcome:
+    return Outcome("ok", 0, elapsed_s=1.0, run_dir=run_dir, state=JobState(world_size=2))
 
 
 def restarts(run_dir) -> list[dict]:
@@ -80,6 +81,18 @@ def test_a_failure_before_the_first_checkpoint_restarts_from_step_0(recipe, tmp_
                                   "checkpoint")} == {
         "rank": 0, "attempt": 1, "max_restarts": 2, "cause": "rank 1 on a: rank process ended (killed by SIGKILL)",
         "failed_step": 3, "resume_step": 0, "checkpoint": None}
+
+
+def test_a_failure_after_the_last_steps_checkpoint_is_a_finished_job(recipe, tmp_path, monkeypatch):
+    """Nothing left to train (the last step's checkpoint was saved before the failure): the job's outcome is
+    ok, exit code 0, with the failed try's run folder and state, and no rank, host or message of the failure."""
+    run_dir = str(tmp_path)
+    monkeypatch.setattr("zerorun.launch.restart.resume_point", lambda *a: None)
+    first = failed(run_dir, host="a", lost=True)
+    result = run_with_restarts(recipe, [Host("a", 2)], Tries(recipe, run_dir, first), max_restarts=2, say=print)
+    assert (result.status, result.exit_code, result.rank, result.host, result.message, result.lost) == (
+        "ok", 0, None, None, "", False)
+    assert (result.run_dir, result.state, result.elapsed_s) == (run_dir, first.state, 1.0)
 
 
 def test_restarts_stop_when_none_are_left_and_the_last_failure_is_the_result(recipe, tmp_path):

@@ -14,6 +14,8 @@ from zerorun.errors import ZerorunError
 from zerorun.recipe.hostfile import Host
 from zerorun.launch import slurm
 from zerorun.launch.commands import render_slurm
+from zerorun.launch.launcher import Launcher, choose_launcher
+from zerorun.launch.nodes import Ended, Line
 from zerorun.launch.plan import build_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,19 +23,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_choose_launcher_default_and_explicit():
     inside = {"SLURM_JOB_ID": "12"}
-    assert slurm.choose_launcher(None, None, inside) == "slurm"
-    assert slurm.choose_launcher(None, "hosts", inside) == "ssh"  # -H inside an allocation: today's behaviour
-    assert slurm.choose_launcher(None, None, {}) == "ssh"
-    assert slurm.choose_launcher("local", None, inside) == "local"
-    assert slurm.choose_launcher("ssh", None, inside) == "ssh"
+    assert choose_launcher(None, None, inside) is Launcher.SLURM
+    assert choose_launcher(None, "hosts", inside) is Launcher.SSH  # -H inside an allocation: today's behaviour
+    assert choose_launcher(None, None, {}) is Launcher.SSH
+    assert choose_launcher("local", None, inside) is Launcher.LOCAL
+    assert choose_launcher("ssh", None, inside) is Launcher.SSH
     with pytest.raises(ZerorunError, match="not inside a SLURM allocation"):
-        slurm.choose_launcher("slurm", None, {})
+        choose_launcher("slurm", None, {})
     with pytest.raises(ZerorunError, match="--launcher slurm takes its hosts from the SLURM allocation"):
-        slurm.choose_launcher("slurm", "hosts", inside)
+        choose_launcher("slurm", "hosts", inside)
     with pytest.raises(ZerorunError, match="--launcher local runs on this machine alone"):
-        slurm.choose_launcher("local", "hosts", {})
+        choose_launcher("local", "hosts", {})
     with pytest.raises(ZerorunError, match="--launcher pbs: expected one of ssh, slurm, local"):
-        slurm.choose_launcher("pbs", None, {})
+        choose_launcher("pbs", None, {})
 
 
 def test_zerorun_under_srun_is_a_one_line_error():
@@ -42,13 +44,13 @@ def test_zerorun_under_srun_is_a_one_line_error():
     step = {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0"}
     for launcher in (None, "slurm"):
         with pytest.raises(ZerorunError, match=r"started inside a SLURM job step \(SLURM_STEP_ID=0: under srun\)"):
-            slurm.choose_launcher(launcher, None, step)
-    assert slurm.choose_launcher("local", None, step) == "local"
-    assert slurm.choose_launcher(None, "hosts", step) == "ssh"
+            choose_launcher(launcher, None, step)
+    assert choose_launcher("local", None, step) is Launcher.LOCAL
+    assert choose_launcher(None, "hosts", step) is Launcher.SSH
     # SLURM's own steps are not srun's: the shell of salloc under LaunchParameters=use_interactive_step
     # (SLURM_STEP_ID=4294967290; review: refused, though srun works from it) and the batch script
     for special in ("4294967290", "4294967291"):
-        assert slurm.choose_launcher(None, None, {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": special}) == "slurm"
+        assert choose_launcher(None, None, {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": special}) is Launcher.SLURM
     env = dict(os.environ, **step)
     out = subprocess.run([sys.executable, "-m", "zerorun", "train", os.path.join(ROOT, "recipes/tiny.yaml"),
                           "--dry-run"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -199,7 +201,7 @@ def test_an_srun_that_ends_before_reading_its_input_reports_its_own_error():
     nodes = [SlurmNode(spec, step) for spec in plan.nodes]
     nodes[0].start()  # raised ZerorunError before
     got = [lines.get(timeout=30)]
-    assert got[0] == (0, "srun: error: Unable to create step for job 12: Invalid"), got
+    assert got[0] == Line(0, "srun: error: Unable to create step for job 12: Invalid"), got
     step.proc.wait(timeout=30)
     for _ in range(300):
         if len(step.ended) == len(nodes):
@@ -234,10 +236,12 @@ def test_step_output_is_split_by_node_and_long_lines_joined(tmp_path):
     nodes = [SlurmNode(spec, step) for spec in plan.nodes]
     nodes[0].start()
     got = []
-    while len([item for item in got if item[1] is None]) < 2:
+    while len([item for item in got if isinstance(item, Ended)]) < 2:
         got.append(lines.get(timeout=10))
-    text = [item for item in got if item[1] is not None]
-    assert text[0] == (1, event) and parse_line(text[0][1]).data["message"] == "x" * 3000
-    assert text[1] == (0, "[rank 0] hello") and text[2] == (0, "srun: error: n1: task 1: Killed")
+    text = [item for item in got if isinstance(item, Line)]
+    assert text[0] == Line(1, event) and parse_line(text[0].text).data["message"] == "x" * 3000
+    assert text[1] == Line(0, "[rank 0] hello") and text[2] == Line(0, "srun: error: n1: task 1: Killed")
+    ended = sorted((e for e in got if isinstance(e, Ended)), key=lambda e: e.node_rank)
+    assert ended == [Ended(0, -9, "its srun task on n1: Killed"), Ended(1, 1)]
     assert step.step == "7.0" and nodes[1].returncode == 1 and nodes[1].end_reason is None
     assert nodes[0].returncode == -9 and nodes[0].end_reason == "its srun task on n1: Killed"

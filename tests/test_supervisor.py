@@ -4,6 +4,7 @@ import queue
 import signal
 
 from zerorun.recipe.hostfile import Host
+from zerorun.launch.nodes import Ended, Line
 from zerorun.launch.plan import build_plan
 from zerorun.launch.supervisor import Supervisor
 from zerorun.telemetry.events import format_event
@@ -23,6 +24,9 @@ Root Cause (first observed failure):
   rank      : 1 (local_rank: 1)
   exitcode  : -6 (pid: 102)
 """
+#: the same failures as zerorun's torchrun sends them (Note [Failure report] in launch/torchrun.py): what blame reads
+REPORT = ('@zerorun-node {"failures": [{"rank": 0, "exit_code": -15}, {"rank": 1, "exit_code": -6}], '
+          '"root_cause": 1}')
 
 
 def supervised(lines: list[str]) -> tuple[Supervisor, object]:
@@ -31,8 +35,8 @@ def supervised(lines: list[str]) -> tuple[Supervisor, object]:
     q: queue.Queue = queue.Queue()
     sup = Supervisor(plan, [], q, lambda e: None, lambda n, l: None)
     for line in lines:
-        q.put((0, line))
-    q.put((0, None, 1))
+        q.put(Line(0, line))
+    q.put(Ended(0, 1))
     while not q.empty():
         sup._drain(0.01)
     return sup, sup._failure(0)
@@ -43,7 +47,7 @@ def supervise(lines: list[str]):
 
 
 def test_torchrun_root_cause_is_blamed_not_the_rank_it_terminated():
-    result = supervise(SUMMARY.splitlines())
+    result = supervise([REPORT] + SUMMARY.splitlines())
     assert (result.rank, result.exit_code) == (1, 1)
     assert result.message == "rank process ended (killed by SIGABRT)"
 
@@ -51,7 +55,7 @@ def test_torchrun_root_cause_is_blamed_not_the_rank_it_terminated():
 def test_own_error_beats_peer_failure_and_silent_ranks():
     peer = format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)
     own = format_event("error", 1, type="ValueError", message="bad batch", peer_failure=False, where="m.py:3 in f")
-    result = supervise([peer, own] + SUMMARY.splitlines())
+    result = supervise([peer, own, REPORT] + SUMMARY.splitlines())
     assert result.rank == 1 and result.message == "ValueError: bad batch (at m.py:3 in f)"
 
 
@@ -75,8 +79,8 @@ def test_node_that_ends_without_rank_output_is_named_with_its_last_line():
     plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
     q: queue.Queue = queue.Queue()
     sup = Supervisor(plan, [], q, lambda e: None, lambda n, l: None)
-    q.put((1, "sh: 2: cd: can't cd to /nowhere"))
-    q.put((1, None, 2))
+    q.put(Line(1, "sh: 2: cd: can't cd to /nowhere"))
+    q.put(Ended(1, 2))
     while not q.empty():
         sup._drain(0.01)
     result = sup._failure(1)
@@ -87,11 +91,10 @@ def test_node_that_ends_without_rank_output_is_named_with_its_last_line():
 
 def test_lost_connection_is_blamed_over_the_peer_failures_it_causes():
     plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
-    lost = type("Node", (), {"end_reason": "lost the SSH connection to 127.0.0.2"})()
     q: queue.Queue = queue.Queue()
-    sup = Supervisor(plan, [object(), lost], q, lambda e: None, lambda n, l: None)
-    q.put((0, format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)))
-    q.put((1, None, 255))
+    sup = Supervisor(plan, [object(), object()], q, lambda e: None, lambda n, l: None)
+    q.put(Line(0, format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)))
+    q.put(Ended(1, 255, "lost the SSH connection to 127.0.0.2"))
     while not q.empty():
         sup._drain(0.01)
     result = sup._failure(1)
@@ -108,14 +111,15 @@ def test_peer_failures_on_one_node_wait_for_the_node_whose_rank_died():
     plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
     q: queue.Queue = queue.Queue()
     sup = Supervisor(plan, [object(), object()], q, lambda e: None, lambda n, l: None)
-    q.put((0, format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)))
-    q.put((0, None, 1))
+    q.put(Line(0, format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)))
+    q.put(Ended(0, 1))
 
     def later():
-        for line in ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 0)",
+        for line in ['@zerorun-node {"failures": [{"rank": 1, "exit_code": -9}], "root_cause": 1}',
+                     "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 0)",
                      "  exitcode  : -9 (pid: 7)"]:
-            q.put((1, line))
-        q.put((1, None, 1))
+            q.put(Line(1, line))
+        q.put(Ended(1, 1))
 
     threading.Timer(0.5, later).start()
     result = sup._failure(None)
@@ -143,7 +147,7 @@ def test_teardown_repeats_until_every_host_reports_none_left_and_names_unverifie
     nodes = [FakeNode(plan.nodes[0], 2), FakeNode(plan.nodes[1], 1, unverified="TimeoutError: timed out")]
     sup = Supervisor(plan, nodes, q, lambda e: None, lambda n, l: None, grace_s=0.1)
     for i in range(2):
-        q.put((i, None, 0))
+        q.put(Ended(i, 0))
     while not q.empty():
         sup._drain(0.01)
     sup._teardown()
@@ -158,8 +162,8 @@ def test_every_rank_stopped_on_sigterm_is_an_interruption_naming_the_checkpoint(
     q: queue.Queue = queue.Queue()
     sup = Supervisor(plan, [object()], q, lambda e: None, lambda n, l: None)
     for rank in (0, 1):
-        q.put((0, format_event("stopped", rank, step=7, steps=80, signal="SIGTERM", path="/ck/step-00000007")))
-    q.put((0, None, 143))
+        q.put(Line(0, format_event("stopped", rank, step=7, steps=80, signal="SIGTERM", path="/ck/step-00000007")))
+    q.put(Ended(0, 143))
     result = sup._watch()
     assert (result.status, result.exit_code, result.rank) == ("interrupted", 143, None)
     assert result.message == ("stopped by SIGTERM after step 7: every rank saved checkpoint /ck/step-00000007 and "
@@ -193,8 +197,8 @@ class TorchrunNode(FakeNode):
         super().send_signal(sig)
         if sig == signal.SIGTERM:
             for line in TORCHRUN_STOP:
-                self.lines.put((self.spec.node_rank, line))
-            self.lines.put((self.spec.node_rank, None, 1))
+                self.lines.put(Line(self.spec.node_rank, line))
+            self.lines.put(Ended(self.spec.node_rank, 1))
 
 
 def stopped_job(stop: str | None):
@@ -274,9 +278,9 @@ def test_sigterm_sent_to_one_rank_names_the_rank_and_its_host():
         q: queue.Queue = queue.Queue()
         sup = Supervisor(plan, [object(), object()], q, lambda e: None, lambda n, l: None)
         if launcher_signalled == "torchrun":
-            q.put((1, TORCHRUN_STOP[0]))
+            q.put(Line(1, TORCHRUN_STOP[0]))
         for rank in (0, 1):
-            q.put((rank, format_event("stopped", rank, step=7, steps=80, signal="SIGTERM", path="/ck/step-00000007",
+            q.put(Line(rank, format_event("stopped", rank, step=7, steps=80, signal="SIGTERM", path="/ck/step-00000007",
                                       signalled_rank=1)))
         if launcher_signalled is True:
             sup._stop = "SIGTERM"
@@ -302,14 +306,35 @@ def test_a_training_rank_that_exits_0_fails_the_job_at_once():
     for require_finish in (True, False):
         q: queue.Queue = queue.Queue()
         sup = Supervisor(plan, [object()], q, lambda e: None, lambda n, l: None, require_finish=require_finish)
-        q.put((0, format_event("step", 1, step=3)))
-        q.put((0, rank_exit(1, 0)))
-        q.put((0, format_event("finish", 0)))  # what the node prints later (so that the loop ends on any code)
-        q.put((0, rank_exit(0, 0)))
-        q.put((0, None, 0))
+        q.put(Line(0, format_event("step", 1, step=3)))
+        q.put(Line(0, rank_exit(1, 0)))
+        q.put(Line(0, format_event("finish", 0)))  # what the node prints later (so that the loop ends on any code)
+        q.put(Line(0, rank_exit(0, 0)))
+        q.put(Ended(0, 0))
         result = sup._watch()
         if require_finish:
             assert (result.status, result.rank, result.host) == ("failed", 1, "localhost")
             assert result.message == "rank exited before finishing training (exit code 0, no finish event)"
         else:
             assert result.status == "ok"
+
+
+def test_torchrun_failure_report_is_data_the_blame_reads():
+    """Note [Failure report]: torchrun's ChildFailedError becomes one @zerorun-node line (every failed rank's
+    exit code, the first observed failure), which blames as the printed table did; the table alone, a text a
+    torch release may reword, decides nothing."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from zerorun.launch.torchrun import failure_report
+
+    failures = {0: ProcessFailure(0, 101, -15, "<N/A>"), 1: ProcessFailure(1, 102, -6, "<N/A>")}
+    failures[0].timestamp, failures[1].timestamp = 20, 10
+    report = failure_report(ChildFailedError("worker", failures))
+    assert report == {"failures": [{"rank": 0, "exit_code": -15}, {"rank": 1, "exit_code": -6}], "root_cause": 1}
+    sup, result = supervised(["@zerorun-node " + json.dumps(report)])
+    assert (result.rank, result.message) == (1, "rank process ended (killed by SIGABRT)")
+    assert sup.rank_exits == {0: -15, 1: -6}
+    result = supervise(SUMMARY.splitlines())
+    assert (result.rank, result.message) == (None, "node 0 ended (exit code 1): exitcode  : -6 (pid: 102)")

@@ -167,7 +167,7 @@ def _measure_job(row: Row, recipe_path: str, overrides: list[str], jobs_dir: str
 
     job_overrides = [*overrides, f"log.dir={jobs_dir}", *row.combo.overrides(warmup + steps)]
     recipe = load_recipe(recipe_path, job_overrides, check_optimizer=False)
-    launcher = "slurm" if row.combo.nodes else "ssh"
+    launcher = launch.Launcher.SLURM if row.combo.nodes else launch.Launcher.SSH
     hosts = launch.select(None if row.combo.nodes else row.combo.hostfile, recipe.launch.procs_per_node,
                           num_nodes=row.combo.nodes, launcher=launcher, job_env=recipe.launch.env)
     # no model check beside each job: its ranks report a model the stage refuses, and the check's CPU time

@@ -93,7 +93,7 @@ def rng_tensors(rank: int) -> dict[str, torch.Tensor]:
 def _job_token(pid: int) -> str:
     """What names this job's save folders: the launcher's job id (every rank has it), else ``p`` and rank 0's
     pid (a program of its own calling :func:`save`)."""
-    from zerorun.launch.plan import JOB_ENV
+    from zerorun.launch.marks import JOB_ENV
 
     job = os.environ.get(JOB_ENV, "")
     return job if job and job.replace("-", "").isalnum() else f"p{pid}"

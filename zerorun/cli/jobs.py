@@ -67,7 +67,7 @@ def train(
     if dry_run:  # nothing is contacted; the commands run as printed, then the recipe's checks that need torch
         _say(said)
         sys.stdout.write(zlaunch.dry_run(r, hosts, master_port=master_port, master_addr=master_addr,
-                                         launcher=launcher))
+                                         launcher=launcher, ssh=ssh, ssh_local=ssh_local))
         sys.stdout.flush()
         _check_after_dry_run(r, recipe, overrides or [], local)
         return
@@ -142,7 +142,7 @@ def launch(
     if standalone and hostfile:
         raise ZerorunError("--standalone runs on this machine alone: drop it or -H")
     launcher = zlaunch.choose_launcher("local" if standalone and launcher is None else launcher, hostfile)
-    if standalone and launcher != "local":
+    if standalone and launcher is not zlaunch.Launcher.LOCAL:
         raise ZerorunError(f"--standalone runs on this machine alone: drop it or --launcher {launcher}")
     if not module and not os.path.isfile(script):
         raise ZerorunError(f"{script}: no such script")
@@ -150,7 +150,9 @@ def launch(
     hosts = zlaunch.select(hostfile, 1, include, exclude, num_nodes, num_procs, launcher)
     if dry_run:
         sys.stdout.write(zlaunch.dry_run(job, hosts, master_port=master_port, master_addr=master_addr,
-                                         launcher=launcher))
+                                         launcher=launcher, ssh=zlaunch.ssh_options(ssh_user, ssh_port, ssh_key,
+                                                                                    ssh_config),
+                                         ssh_local=ssh_local))
         return
     from zerorun.launch.restart import run_training
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import shlex
 
-from zerorun.launch.node import NODE_DIR
+from zerorun.launch.marks import NODE_DIR
 from zerorun.launch.plan import LaunchPlan, NodeSpec
 from zerorun.telemetry.format import count
 

@@ -39,34 +39,17 @@ import tempfile
 import threading
 import time
 
+from zerorun.launch.marks import NODE_DIR, NODE_ENV, NOTE_PREFIX, marked_processes, signal_name
 from zerorun import allocator  # torch-free: Note [Rank allocator]
-
-#: in a spec's argv, replaced by the node's private folder (recipe file, torchrun's logs).
-NODE_DIR = "{node_dir}"
-
-#: environment variable marking every process of one node of one job (``JOB_ID:NODE_RANK``): on a machine that
-#: runs several nodes of a job, stopping one node must not stop the others.
-NODE_ENV = "ZERORUN_NODE"
 
 #: seconds between SIGTERM and SIGKILL when the watcher stops its node's processes.
 GRACE_S = 3.0
 
-#: prefix of the line the watcher prints when its node ended for a reason of its own (JSON: ``reason``).
-NOTE_PREFIX = "@zerorun-node "
-
-
-def signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def stop_marked(mark: str, grace_s: float = GRACE_S) -> int:
     """SIGTERM every process marked ``NODE_ENV=mark``, SIGKILL what is left after ``grace_s`` seconds; return
     how many there were."""
-    from zerorun.launch.runner import marked_processes
-
     procs = marked_processes(mark, NODE_ENV)
     found = len(procs)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):

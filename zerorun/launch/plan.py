@@ -12,17 +12,15 @@ from dataclasses import dataclass, field
 
 from zerorun.allocator import rank_env
 from zerorun.recipe.hostfile import Host
-from zerorun.launch.node import NODE_DIR
+from zerorun.launch.marks import JOB_ENV, NODE_DIR
 
-#: environment variable that marks every process of one job (teardown finds them by it).
-JOB_ENV = "ZERORUN_JOB_ID"
 
 
 @dataclass(frozen=True)
 class NodeSpec:
     """One node of the job: ``host``, its ``node_rank``, ranks ``[first_rank, first_rank + nproc)``, and the
     ``argv`` and extra ``env`` that start torch's launcher there, and ``files`` (name -> text) written to the
-    node's private folder (:data:`~zerorun.launch.node.NODE_DIR` in ``argv``) by its watcher. ``env`` and
+    node's private folder (:data:`~zerorun.launch.marks.NODE_DIR` in ``argv``) by its watcher. ``env`` and
     ``files`` reach the node through a pipe, never a command line (Note [Node watcher] in launch/node.py)."""
 
     host: Host

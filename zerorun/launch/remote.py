@@ -2,8 +2,8 @@
 :func:`check_host_keys`), the node's watcher (launch/node.py, which starts torchrun) started by a shell script
 sent on the channel's standard input, its lines streamed like a local node's.
 
-``RemoteNode`` has :class:`~zerorun.launch.runner.LocalNode`'s interface (``start``, ``send_signal``,
-``kill_survivors``, ``returncode``), so the supervisor treats both alike.
+``RemoteNode`` is a ``Node`` (launch/nodes.py) as :class:`~zerorun.launch.runner.LocalNode` is, so the
+supervisor treats both alike.
 
 Note [Remote processes]: without a pty, a remote process survives its SSH connection closing; with one it
 gets SIGHUP but its stdout and stderr are merged and rewritten (``\\r\\n``). So the channel has no pty, and
@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from zerorun.errors import ZerorunError
-from zerorun.launch.plan import JOB_ENV, NodeSpec
+from zerorun.launch.nodes import Ended, Line
+from zerorun.launch.marks import JOB_ENV
+from zerorun.launch.plan import NodeSpec
 
 #: the exit code reported for a node whose SSH connection was lost (ssh's own code for a connection error).
 LOST_CONNECTION = 255
@@ -293,7 +295,7 @@ class RemoteNode:
 
     Args:
         spec: the node (its ``env`` holds zerorun's variables and the recipe's ``launch.env``).
-        lines: queue receiving ``(node_rank, line)`` and, at the end, ``(node_rank, None, returncode)``.
+        lines: queue receiving a ``Line`` per line and, at the end, an ``Ended`` (launch/nodes.py).
         conn: an open connection to ``spec.host``.
         ssh: options to reconnect with, for teardown after a lost connection.
         forwarded: the launcher's variables that cross (launch/env.py), under ``spec.env``.
@@ -333,7 +335,7 @@ class RemoteNode:
     def _read(self) -> None:
         channel = self._channel
         for raw in channel.makefile("rb"):
-            self.lines.put((self.spec.node_rank, raw.decode(errors="replace").rstrip("\r\n")))
+            self.lines.put(Line(self.spec.node_rank, raw.decode(errors="replace").rstrip("\r\n")))
         status = channel.recv_exit_status()
         killed = getattr(channel, "zerorun_exit_signal", None)
         if status == -1 and killed:  # the watcher itself was killed (the script execs it): SSH's exit-signal
@@ -343,7 +345,7 @@ class RemoteNode:
             status = LOST_CONNECTION
             self.end_reason = f"lost the SSH connection to {self.spec.host.name}"
         self.returncode = status
-        self.lines.put((self.spec.node_rank, None, status))
+        self.lines.put(Ended(self.spec.node_rank, status, self.end_reason))
 
     def _signal_marked(self, sig: int) -> int:
         """Run the signal helper on the host (Note [Remote processes]); return the count it printed, or 0
@@ -384,7 +386,7 @@ class RemoteNode:
 
 def _main(argv: list[str]) -> int:
     """``signal JOB_ID SIG``: signal every process marked with JOB_ID on this host and print how many."""
-    from zerorun.launch.runner import signal_marked
+    from zerorun.launch.marks import signal_marked
 
     if len(argv) != 3 or argv[0] != "signal" or not argv[2].isdigit():
         print("usage: python -m zerorun.launch.remote signal JOB_ID SIGNAL", file=sys.stderr)

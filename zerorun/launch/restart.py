@@ -32,6 +32,7 @@ not, the nearest accumulation is taken and a line says how the global batch chan
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Callable
@@ -194,7 +195,8 @@ def run_training(job, hosts: list[Host], *, max_restarts: int | None = None, min
     (:func:`run_with_restarts`): a Recipe's ``launch.max_restarts`` and ``launch.min_nodes``, or for a user's
     script (``zerorun launch``) ``max_restarts`` and ``min_nodes`` as given. Every try writes into the first
     try's run folder and keeps its job id and start time; the model check runs beside the first try only."""
-    from zerorun.launch.run import Script, run_job
+    from zerorun.launch.run import run_job
+    from zerorun.launch.script import Script
 
     recipe = None if isinstance(job, Script) else job
     if recipe is not None:
@@ -220,12 +222,12 @@ def run_with_restarts(recipe, hosts: list[Host], run: Callable, *, max_restarts:
     Args:
         recipe: the resolved Recipe (its ``checkpoint.resume`` and ``train.grad_accum_steps`` are set for each
             restart), or None for a user's script (restarted as it is: it resumes itself).
-        run: ``run(hosts, attempt)`` runs try ``attempt`` (0 first) on ``hosts`` and returns its ``RunResult``
+        run: ``run(hosts, attempt)`` runs try ``attempt`` (0 first) on ``hosts`` and returns its ``Outcome``
             (launch/run.py: the restart is recorded in its ``run_dir``); it raises ZerorunError before anything
             starts (preflight: a ``PreflightFailed`` on a restart leaves those hosts out with ``min_nodes``).
         min_nodes: Note [Lost nodes]; None: every host must be there.
     Returns:
-        The last try's ``RunResult``.
+        The last try's ``Outcome`` (launch/outcome.py).
     Raises:
         ZerorunError: the first try's preflight.
     """
@@ -260,22 +262,30 @@ def run_with_restarts(recipe, hosts: list[Host], run: Callable, *, max_restarts:
         step = _step_reached(result)
         cause = result.message.removesuffix(f" (logs: {result.run_dir})")
         failures.append((cause, recipe.checkpoint.resume if recipe is not None else None))  # from where it began
-        if attempt >= max_restarts:
-            if max_restarts:
-                say(f"zerorun: no restarts left (launch.max_restarts {max_restarts})")
-            return result
-        if len(failures) >= SAME_FAILURE_LIMIT and len(set(failures[-SAME_FAILURE_LIMIT:])) == 1:
-            began = failures[-1][1] or "step 0"
-            say(f"zerorun: the same failure {SAME_FAILURE_LIMIT} times in a row, each try started from {began} "
-                "(no newer checkpoint saved between them): not restarting")
+        if _give_up(attempt, max_restarts, failures, say):
             return result
         if result.lost and result.host and min_nodes is not None:
             lost = {result.host: "its node was lost"}
         attempt += 1
         point = resume_point(recipe, say, result.run_dir, initial) if recipe is not None else (0, None)
         if point is None:  # the last step's checkpoint was saved before the failure: the job is done
-            return type(result)("ok", 0, result.run_dir, "", result.elapsed_s, result.state)
+            return dataclasses.replace(result, status="ok", exit_code=0, rank=None, host=None, message="", lost=False)
         _announce(result.run_dir, say, attempt, max_restarts, cause, step, point)
+
+
+def _give_up(attempt: int, max_restarts: int, failures: list[tuple], say: Callable[[str], None]) -> bool:
+    """True (and says why) when no restart is left, or the same failure came :data:`SAME_FAILURE_LIMIT` times
+    in a row from the same starting point (``failures``: (cause, where the try began) per failed try)."""
+    if attempt >= max_restarts:
+        if max_restarts:
+            say(f"zerorun: no restarts left (launch.max_restarts {max_restarts})")
+        return True
+    if len(failures) >= SAME_FAILURE_LIMIT and len(set(failures[-SAME_FAILURE_LIMIT:])) == 1:
+        began = failures[-1][1] or "step 0"
+        say(f"zerorun: the same failure {SAME_FAILURE_LIMIT} times in a row, each try started from {began} "
+            "(no newer checkpoint saved between them): not restarting")
+        return True
+    return False
 
 
 def _announce(run_dir, say, attempt, max_restarts, cause, step, point) -> None:

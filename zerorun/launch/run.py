@@ -10,225 +10,54 @@
 :func:`run_job` goes plan -> nodes -> supervisor -> result: it checks the remote hosts (preflight) and prepares
 the nodes (launch/job.py), makes the run folder (``recipe.yaml``, ``commands.sh``), prints the job header at
 once, starts every node and, beside them, the model check (zerorun/rank/modelcheck.py), shows the events in a view,
-and returns a :class:`RunResult`. Nothing here imports torch: the launcher's first line comes in a fraction of
+and returns a :class:`Outcome`. Nothing here imports torch: the launcher's first line comes in a fraction of
 a second (``benchmarks/startup.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Callable
 
 from zerorun import runfolder
-from zerorun.errors import JobFailed, ZerorunError
+from zerorun.errors import ZerorunError
 from zerorun.recipe.hostfile import Host
+from zerorun.launch.launcher import Launcher
+from zerorun.launch.outcome import Outcome
+from zerorun.launch.script import Script, job_parts
 from zerorun.telemetry.format import count
-
-
-@dataclass(frozen=True)
-class Script:
-    """A user's own program for ``zerorun launch``: ``target`` is a script path (or, with ``module``, a dotted
-    module run as ``python -m``), ``args`` its arguments; runs go to ``log_dir/<name>/<time>/``."""
-
-    target: str
-    args: tuple[str, ...] = ()
-    module: bool = False
-    log_dir: str = "runs"
-
-    @property
-    def name(self) -> str:
-        """The run's name: the script's file name without ``.py``, or the module's last part."""
-        return self.target.rsplit(".", 1)[-1] if self.module else os.path.splitext(os.path.basename(self.target))[0]
-
-    def program(self) -> list[str]:
-        """What torchrun runs on every rank: zerorun's script worker around the script or module."""
-        return ["-m", "zerorun.rank.script_worker", *(["-m"] if self.module else []), self.target, *self.args]
-
-
-@dataclass
-class RunResult:
-    """How a job ended: ``status`` ok | failed | interrupted, the ``exit_code`` zerorun exits with (0, 1 a
-    failure, 2 bad input found by a rank or the model check, 130/143 interrupted), a one-line ``message`` naming
-    the failing rank and host (empty when ok), ``elapsed_s`` (seconds from the nodes' start to the end),
-    ``run_dir`` (the run folder), ``state`` (the job's :class:`~zerorun.telemetry.state.JobState`), the failing
-    ``host`` when known, and ``lost``: that host's node was lost (Note [Lost nodes] in launch/restart.py)."""
-
-    status: str
-    exit_code: int
-    run_dir: str
-    message: str = ""
-    elapsed_s: float = 0.0
-    state: object = None
-    host: str | None = None
-    lost: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def error(self) -> JobFailed:
-        """The failure as a :class:`JobFailed` carrying ``exit_code`` (for the CLI's one line)."""
-        err = JobFailed(self.message)
-        err.exit_code = self.exit_code
-        return err
-
-
-def select(hostfile: str | None, default_slots: int | str, include: str | None = None, exclude: str | None = None,
-           num_nodes: int | None = None, num_procs: int | str | None = None, launcher: str = "ssh",
-           job_env: dict[str, str] | None = None) -> list[Host]:
-    """The hosts of a job: the hostfile's (or localhost with ``num_procs``, else ``default_slots``, ranks)
-    through ``include``/``exclude``, ``num_nodes`` and ``num_procs`` (hostfile.select_hosts, DeepSpeed's rules).
-    ``default_slots`` (``launch.procs_per_node``) and ``num_procs`` (``--nproc-per-node``) are numbers or
-    ``auto``/``gpu``/``cpu``, made numbers here (Note [Ranks per node] in launch/slots.py; a note on stderr
-    says what a word became where it is not one rank; GPUs counted under the environment the ranks get: this
-    one, the environment files' and ``job_env``, the recipe's ``launch.env``). ``launcher``: ``ssh`` (that),
-    ``local`` (this machine, no hostfile), ``slurm`` (the allocation's nodes and slots, launch/slurm.py
-    ``allocation_hosts``; a note on stderr says where the slot count comes from).
-
-    Raises:
-        ZerorunError: an unreadable or bad hostfile, a bad allocation, ``gpu`` without a GPU, ``cpu`` with a
-            hostfile, or a selection that leaves no host.
-    """
-    from zerorun.recipe.hostfile import read_hostfile, select_hosts
-    from zerorun.launch.env import env_file_values
-    from zerorun.launch.slots import auto_note, hostfile_procs, resolve, through_visible
-
-    if launcher == "slurm":
-        from zerorun.launch.slurm import allocation_hosts, describe_slots
-
-        hosts, source = allocation_hosts(default_slots, num_nodes, num_procs)
-        hosts = select_hosts(hosts, include, exclude, None, None)
-        sys.stderr.write(f"zerorun: SLURM job {os.environ.get('SLURM_JOB_ID')}: {len(hosts)} node"
-                         f"{'s' if len(hosts) > 1 else ''} ({', '.join(h.name for h in hosts)}), "
-                         f"{describe_slots(hosts, source)}\n")
-        return hosts
-    if hostfile and launcher != "local":
-        return select_hosts(read_hostfile(hostfile), include, exclude, num_nodes,
-                            hostfile_procs(num_procs, "--nproc-per-node"))
-    value, name = (num_procs, "--nproc-per-node") if num_procs is not None else (default_slots,
-                                                                                 "launch.procs_per_node")
-    environ = {**os.environ, **env_file_values(), **(job_env or {})}
-    slots = resolve(value, name, environ)
-    note = auto_note(value, name, slots)
-    if note:
-        sys.stderr.write(note + "\n")
-    hosts = select_hosts([Host("localhost", slots)], include, exclude, num_nodes, None)
-    return [through_visible(h, environ) for h in hosts]
-
-
-def ssh_options(user: str | None = None, port: int | None = None, key: str | None = None,
-                config: str | None = None):
-    """SSH options (launch/remote.py ``SshOptions``) from the CLI's flags.
-
-    Raises:
-        ZerorunError: ``key`` or ``config`` names no file.
-    """
-    from zerorun.launch.remote import SshOptions
-
-    for flag, path in (("--ssh-key", key), ("--ssh-config", config)):
-        if path is not None and not os.path.isfile(path):
-            raise ZerorunError(f"{flag} {path}: no such file")
-    return SshOptions(user=user, port=port, key=key, config=config)
-
-
-def _what(job) -> tuple[str | None, list[str], list[str] | None, dict]:
-    """(recipe JSON, modules the ranks import, program, recipe's launch fields) of a recipe or a Script."""
-    if isinstance(job, Script):
-        return None, [job.target], job.program(), {}  # preflight looks for a file or a dotted module
-    modules = [job.model.source()[0]] + ([job.data.module] if job.data.kind == "module" else [])
-    launch = {"python": job.launch.python, "workdir": job.launch.workdir, "env": job.launch.env}
-    return job.model_dump_json(), modules, None, launch
 
 
 def prepare(job, hosts: list[Host], *, job_id: str | None = None, master_port: int | None = None,
             master_addr: str | None = None, ssh=None, ssh_local: bool = False, preflight_timeout: float = 15.0,
-            launcher: str = "ssh"):
+            launcher: Launcher = Launcher.SSH):
     """Preflight the remote ``hosts`` and make the nodes of ``job`` (a Recipe or a :class:`Script`), not
-    started: launch/job.py's ``prepare_job``, or ``prepare_slurm_job`` for ``launcher="slurm"`` (one srun
-    step, no SSH). ``master_port`` None: a free one on the first host.
+    started, with ``launcher``'s backend (launch/job.py ``prepare``). ``master_port`` None: a free one on the
+    first host.
 
     Raises:
         ZerorunError: a host fails preflight (one line per host), or ``master_port`` is in use.
     """
-    from zerorun.launch.job import prepare_job, prepare_slurm_job
+    from zerorun.launch.job import prepare as prepare_nodes
     from zerorun.launch.remote import SshOptions
 
-    recipe_json, modules, program, launch = _what(job)
-    job_id = job_id or uuid.uuid4().hex[:12]
-    if launcher == "slurm":
-        from zerorun.launch.slurm import allocation_cpus
-
-        return prepare_slurm_job(hosts, job_id, recipe_json=recipe_json, program=program, master_port=master_port,
-                                 master_addr=master_addr, cpus=allocation_cpus(), **launch)
-    return prepare_job(hosts, job_id, recipe_json=recipe_json, program=program,
-                       modules=modules, master_port=master_port, master_addr=master_addr, ssh=ssh or SshOptions(),
-                       ssh_local=ssh_local, preflight_timeout=preflight_timeout, **launch)
-
-
-def dry_run(job, hosts: list[Host], *, master_port: int | None = None, master_addr: str | None = None,
-            job_id: str | None = None, launcher: str = "ssh") -> str:
-    """The launch commands of ``job`` (a Recipe or a :class:`Script`) on ``hosts`` as a shell script's text
-    (Note [Printed commands] in launch/commands.py), contacting no host: each runs as printed. The master
-    address is ``master_addr``, else 127.0.0.1 for a local first host, else its name; the port is
-    ``master_port``, else a free one here (local first host, or the SLURM launcher) or torchrun's default
-    29500. The resolved recipe is written, as a node's watcher writes it, to a 0600 ``recipe.json`` in a fresh
-    private folder that the commands name, its ``launch.env`` values masked (Note [Masked environment values]:
-    the commands take them from the shell, and the worker reads them from its environment). With
-    ``launcher="slurm"`` the text is the srun command zerorun runs and the same step as one srun line that runs
-    as printed (launch/commands.py ``render_slurm``).
-    """
-    import tempfile
-
-    from zerorun.launch.commands import render, render_slurm
-    from zerorun.launch.env import env_file_values
-    from zerorun.launch.node import write_private
-    from zerorun.launch.plan import build_plan, free_port
-
-    recipe_json, _, program, launch = _what(job)
-    if recipe_json is not None:  # the file stays in /tmp: launch.env values masked (the commands take them
-        from zerorun.recipe import masked  # from the shell; the worker fills them in from its environment)
-
-        recipe_json = json.dumps(masked(json.loads(recipe_json)))
-    extra_env = {**env_file_values(), **(launch.get("env") or {})}
-    slurm = launcher == "slurm"
-    cpus = None
-    if slurm:
-        from zerorun.launch.slurm import allocation_cpus
-
-        cpus = allocation_cpus()
-    if master_port is None:
-        master_port = free_port() if hosts[0].is_local or slurm else 29500
-    if master_addr is None and slurm:
-        master_addr = hosts[0].name
-    plan = build_plan(hosts, recipe_json, job_id or uuid.uuid4().hex[:12], master_port, launch.get("python"),
-                      extra_env, master_addr=master_addr, program=program, cpus=cpus)
-    folder = tempfile.mkdtemp(prefix=f"zerorun-{plan.job_id}-dry-run-")
-    write_private(folder, plan.nodes[0].files)
-    workdir = launch.get("workdir") or os.getcwd()
-    node_dirs = {n.node_rank: folder for n in plan.nodes}
-    if slurm:
-        from zerorun.launch.slurm import gpus_per_node, srun_argv
-
-        srun = srun_argv(hosts, workdir, launch.get("python"), cpus=cpus, job_name=f"zerorun-{plan.job_id}",
-                         gpus=gpus_per_node(os.environ))
-        return render_slurm(plan, workdir, node_dirs, set(extra_env), srun) + (
-            f"# nodes without a shared {os.path.dirname(folder)}: copy {folder} to the same path there first\n")
-    text = render(plan, workdir, node_dirs, set(extra_env))
-    if any(not n.host.is_local for n in plan.nodes):
-        text += f"# remote nodes: copy {folder} to the same path there first\n"
-    return text
+    recipe_json, modules, program, launch = job_parts(job)
+    return prepare_nodes(hosts, job_id or uuid.uuid4().hex[:12], launcher, recipe_json=recipe_json,
+                         program=program, modules=modules, master_port=master_port, master_addr=master_addr,
+                         ssh=ssh or SshOptions(), ssh_local=ssh_local, preflight_timeout=preflight_timeout,
+                         **launch)
 
 
 def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides: list[str] = (),
             view: Callable | None = None, dashboard: bool = True, out=None, job_id: str | None = None,
             master_port: int | None = None, master_addr: str | None = None, ssh=None, ssh_local: bool = False,
-            preflight_timeout: float = 15.0, model_check: bool = True, launcher: str = "ssh",
-            run_dir: str | None = None, started: float | None = None) -> RunResult:
+            preflight_timeout: float = 15.0, model_check: bool = True, launcher: Launcher = Launcher.SSH,
+            run_dir: str | None = None, started: float | None = None) -> Outcome:
     """Run ``job`` (a :class:`~zerorun.recipe.Recipe`, or a :class:`Script` for ``zerorun launch``) on
     ``hosts`` (:func:`select`) and return how it ended.
 
@@ -245,15 +74,13 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     Raises:
         ZerorunError: before anything starts: preflight, a master port in use, the run folder cannot be made.
     """
-    from zerorun.launch import record
     from zerorun.telemetry.dashboard import open_view
-    from zerorun.telemetry.state import JobState
 
     out = out or sys.stdout
     recipe = None if isinstance(job, Script) else job
     check = None
     if recipe is not None and model_check and recipe_path is not None and any(h.is_local for h in hosts):
-        from zerorun.rank import modelcheck  # remote-only jobs: preflight looks for the module on each host
+        from zerorun import modelcheck  # remote-only jobs: preflight looks for the module on each host
 
         check = modelcheck.start(recipe, recipe_path, list(overrides))
     try:
@@ -263,6 +90,22 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
         if check is not None:
             check.stop()
         raise
+    run_dir = _make_run_dir(prepared, job, recipe, run_dir, check)
+    state = _job_state(prepared.plan, job, recipe, started)
+    shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
+    return _supervise(prepared, state, run_dir, recipe, check, shown)
+
+
+def _make_run_dir(prepared, job, recipe, run_dir: str | None, check) -> str:
+    """Make the run folder (``run_dir``, else a new :func:`new_run_dir`) and write what it records before the
+    job starts (launch/record.py); inside a SLURM allocation, record it under the job's id for ``zerorun
+    attach``. Returns its path.
+
+    Raises:
+        ZerorunError: the folder cannot be made (the nodes' connections and the model check are closed first).
+    """
+    from zerorun.launch import record
+
     plan = prepared.plan
     name = recipe.name if recipe is not None else job.name
     source = "--run-dir" if run_dir else "log.dir"  # where the folder came from, for the error below
@@ -281,14 +124,20 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
 
         # a zerorun submit folder submitted again: its slurm-job.json names the job now writing into it
         remember(os.environ["SLURM_JOB_ID"], run_dir, in_run_dir=os.path.isfile(os.path.join(run_dir, JOB_FILE)))
-    state = JobState(name=name, stage=recipe.zero.stage if recipe is not None else None,
-                     precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
-                     hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
-                     steps=recipe.train.steps if recipe is not None else None,
-                     rank_hosts={r: n.host.name for n in plan.nodes
-                                 for r in range(n.first_rank, n.first_rank + n.nproc)}, started=started)
-    shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
-    return _supervise(prepared, state, run_dir, recipe, check, shown)
+    return run_dir
+
+
+def _job_state(plan, job, recipe, started: float | None):
+    """The job's :class:`~zerorun.telemetry.state.JobState` before it starts, for the views."""
+    from zerorun.telemetry.state import JobState
+
+    return JobState(name=recipe.name if recipe is not None else job.name,
+                    stage=recipe.zero.stage if recipe is not None else None,
+                    precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
+                    hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
+                    steps=recipe.train.steps if recipe is not None else None,
+                    rank_hosts={r: n.host.name for n in plan.nodes
+                                for r in range(n.first_rank, n.first_rank + n.nproc)}, started=started)
 
 
 def new_run_dir(log_dir: str, name: str, job_id: str) -> str:
@@ -307,7 +156,7 @@ def prefer_check(result, check):
     or ended in the same moment as the ranks: the supervisor sees the crash first in both cases.
 
     Args:
-        result: the supervisor's ``JobResult``.
+        result: the supervisor's :class:`Outcome`.
         check: the :class:`zerorun.rank.modelcheck.ModelCheck` or None.
     Returns:
         ``result``, or a failed result with exit status 2 and the check's line.
@@ -321,9 +170,9 @@ def prefer_check(result, check):
     return result
 
 
-def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
+def _supervise(prepared, state, run_dir: str, recipe, check, view) -> Outcome:
     """Print the header, run the nodes under the supervisor with the model check beside them, record
-    everything, and return the :class:`RunResult`."""
+    everything, and return the :class:`Outcome`."""
     from zerorun.launch.supervisor import Supervisor
     from zerorun.telemetry.console import RunRecorder
     from zerorun.telemetry.state import write_job_file
@@ -346,9 +195,7 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
         recorder.line(node_rank, line)
         view.line(node_rank, line)
 
-    # SLURM (Note [Slurm teardown]): 10 s between SIGTERM and SIGKILL, for the ranks' checkpoint on SIGTERM
-    supervisor = Supervisor(plan, prepared.nodes, prepared.lines, on_event, on_line,
-                            grace_s=10.0 if prepared.srun else 5.0,
+    supervisor = Supervisor(plan, prepared.nodes, prepared.lines, on_event, on_line, grace_s=prepared.grace_s,
                             require_finish=recipe is not None, check=check.problem if check else None,
                             on_stopping=state.stopping)
     result = None
@@ -368,6 +215,12 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
                            result.host)
     for host, why in supervisor.unverified.items():
         sys.stderr.write(f"zerorun: warning: {host}: could not check that the job's processes are gone: {why}\n")
+    return _finish(result, state, run_dir, view)
+
+
+def _finish(result: Outcome, state, run_dir: str, view) -> Outcome:
+    """The job's :class:`Outcome` with its run folder and state: a failure's message names the rank and host
+    (or the job) and the logs; success prints the summary line."""
     if result.status != "ok":
         if result.rank is not None:
             where = f"rank {result.rank}" + (f" on {result.host}" if result.host else "")
@@ -376,10 +229,9 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> RunResult:
             message = result.message
         else:
             message = f"job: {result.message} (logs: {run_dir})"
-        return RunResult(result.status, result.exit_code, run_dir, message, result.elapsed_s, state, result.host,
-                         result.lost)
+        return dataclasses.replace(result, message=message, run_dir=run_dir, state=state)
     summary = f"done in {result.elapsed_s:.1f} s"
     if state.evals:
         summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, runfolder.METRICS)}")
-    return RunResult("ok", 0, run_dir, "", result.elapsed_s, state)
+    return dataclasses.replace(result, run_dir=run_dir, state=state)

@@ -1,8 +1,8 @@
 """Running one node's command and streaming its output lines.
 
 ``LocalNode`` runs the node's torchrun command as a local subprocess in its own session (process group);
-every line it prints (stdout and stderr merged) is put on a shared queue as ``(node_rank, line)``, and its
-end as ``(node_rank, None, returncode)``.
+every line it prints (stdout and stderr merged) is put on a shared queue as a ``Line``, and its end as an
+``Ended`` (Note [Node messages] in launch/nodes.py).
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ import signal
 import subprocess
 import threading
 
-import psutil
-
 from zerorun.errors import ZerorunError
-from zerorun.launch.node import signal_name
-from zerorun.launch.plan import JOB_ENV, NodeSpec
+from zerorun.launch.marks import JOB_ENV, marked_processes, signal_marked, signal_name
+from zerorun.launch.nodes import Ended, Line
+from zerorun.launch.plan import NodeSpec
 
 
 class LocalNode:
-    """A node run on this machine without SSH."""
+    """A node run on this machine without SSH (the ``Node`` protocol of launch/nodes.py)."""
+
+    unverified: str | None = None  # this machine is always reachable
 
     def __init__(self, spec: NodeSpec, lines: "queue.Queue", cwd: str | None = None) -> None:
         self.spec = spec
@@ -49,11 +50,11 @@ class LocalNode:
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.lines.put((self.spec.node_rank, line.rstrip("\n")))
+            self.lines.put(Line(self.spec.node_rank, line.rstrip("\n")))
         self.returncode = self.proc.wait()
         if self.returncode < 0:  # the watcher turns torchrun's signals into 128 + N: this one is its own
             self.end_reason = f"its watcher was killed by {signal_name(-self.returncode)}"
-        self.lines.put((self.spec.node_rank, None, self.returncode))
+        self.lines.put(Ended(self.spec.node_rank, self.returncode, self.end_reason))
 
     def send_signal(self, sig: int) -> None:
         """Send ``sig`` to the node's process group (torchrun and what stayed in its group)."""
@@ -63,7 +64,10 @@ class LocalNode:
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def survivors(self) -> list[psutil.Process]:
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def survivors(self) -> list:
         """Processes on this machine marked with this job's id (:func:`marked_processes`)."""
         return marked_processes(self.spec.env[JOB_ENV])
 
@@ -82,30 +86,3 @@ def node_spec_json(spec: NodeSpec) -> str:
     (the recipe) and its mark (Note [Node watcher])."""
     return json.dumps({"argv": spec.argv, "env": spec.env, "files": spec.files,
                        "mark": f"{spec.env[JOB_ENV]}:{spec.node_rank}"})
-
-
-def marked_processes(job_id: str, key: str = JOB_ENV) -> list[psutil.Process]:
-    """Processes on this machine marked with ``job_id`` in their environment (variable ``key``, default
-    :data:`JOB_ENV`), however they were started: torchrun starts its workers in sessions of their own, so a
-    process group alone misses them."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        if proc.pid == os.getpid():
-            continue
-        try:
-            if proc.environ().get(key) == job_id:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-    return found
-
-
-def signal_marked(job_id: str, sig: int) -> int:
-    """Send ``sig`` to every process marked with ``job_id``; return how many there were (0: none left)."""
-    procs = marked_processes(job_id)
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    return len(procs)

@@ -1,5 +1,5 @@
-"""The SLURM launcher, its allocation side: which launcher a job uses, the hosts and slots of the allocation,
-and the ``srun`` command that starts one node watcher per node (launch/slurm_step.py runs it).
+"""The SLURM launcher, its allocation side: the hosts and slots of the allocation (which launcher a job uses:
+launch/launcher.py), and the ``srun`` command that starts one node watcher per node (launch/slurm_step.py runs it).
 
 Note [Slurm launcher]: inside an allocation (``SLURM_JOB_ID`` set by ``salloc`` or an sbatch script) the nodes
 are the allocation's, ``SLURM_JOB_NODELIST`` expanded by ``scontrol show hostnames`` (SLURM's own order), and
@@ -37,40 +37,9 @@ import sys
 from zerorun.errors import ZerorunError
 from zerorun.recipe.hostfile import MAX_SLOTS, Host
 
-LAUNCHERS = ("ssh", "slurm", "local")
-
 #: the srun options zerorun always passes (Note [Slurm launcher]); the node count, node list, CPUs and working
 #: folder are added per job.
 SRUN_FIXED = ("--ntasks-per-node=1", "--kill-on-bad-exit=1", "--input=all", "--label", "--mpi=none")
-
-
-def choose_launcher(launcher: str | None, hostfile: str | None, environ=None) -> str:
-    """The launcher a job uses: ``launcher`` when given (``ssh``, ``slurm`` or ``local``), else ``slurm`` inside
-    a SLURM allocation (``SLURM_JOB_ID`` set) without a hostfile, else ``ssh`` (the hostfile's hosts, or this
-    machine without one: today's behaviour).
-
-    Raises:
-        ZerorunError: an unknown launcher; ``slurm`` outside an allocation, with a hostfile, or inside a job step
-            (``SLURM_STEP_ID`` set: ``srun zerorun train``, whose own srun step would wait for ever); ``local``
-            with a hostfile.
-    """
-    env = os.environ if environ is None else environ
-    if launcher is None:
-        launcher = "slurm" if env.get("SLURM_JOB_ID") and not hostfile else "ssh"
-        if launcher == "ssh":
-            return launcher
-    if launcher == "slurm":
-        refuse_inside_step(env)
-    if launcher not in LAUNCHERS:
-        raise ZerorunError(f"--launcher {launcher}: expected one of {', '.join(LAUNCHERS)}")
-    if launcher == "slurm" and hostfile:
-        raise ZerorunError("--launcher slurm takes its hosts from the SLURM allocation: drop -H/--hostfile")
-    if launcher == "slurm" and not env.get("SLURM_JOB_ID"):
-        raise ZerorunError("--launcher slurm: not inside a SLURM allocation (SLURM_JOB_ID is not set): run it "
-                           "under salloc or in an sbatch script")
-    if launcher == "local" and hostfile:
-        raise ZerorunError("--launcher local runs on this machine alone: drop -H/--hostfile")
-    return launcher
 
 
 #: SLURM_STEP_ID values at or above this are SLURM's special steps, not srun's: 0xfffffffa the interactive step

@@ -1,7 +1,6 @@
 """The SLURM launcher's runner: one ``srun`` job step for every node of the job (Note [Slurm launcher] in
-launch/slurm.py), seen by the supervisor as one :class:`SlurmNode` per node, with
-:class:`~zerorun.launch.runner.LocalNode`'s interface (``start``, ``send_signal``, ``kill_survivors``,
-``returncode``, ``end_reason``).
+launch/slurm.py), seen by the supervisor as one :class:`SlurmNode` per node (the ``Node`` protocol of
+launch/nodes.py).
 
 Note [Slurm teardown]: srun handles SIGTERM (and a second SIGINT) by killing the step at once (SIGKILL, "srun:
 forcing job termination"), so the ranks could not save a checkpoint. The launcher therefore signals the step
@@ -27,8 +26,10 @@ import threading
 import time
 
 from zerorun.errors import ZerorunError
-from zerorun.launch.plan import JOB_ENV, NodeSpec
-from zerorun.launch.runner import node_spec_json, signal_marked
+from zerorun.launch.nodes import Ended, Line
+from zerorun.launch.marks import JOB_ENV, signal_marked
+from zerorun.launch.plan import NodeSpec
+from zerorun.launch.runner import node_spec_json
 from zerorun.launch.slurm_task import TASK_PREFIX
 
 #: srun --label: ``N: text`` (the task number right-aligned when there are 10 tasks or more)
@@ -52,7 +53,7 @@ def _die_with_launcher() -> None:
 
 class SlurmStep:
     """One ``srun`` (``argv``, launch/slurm.py ``srun_argv``) running the nodes of ``specs``; their lines go to
-    ``lines`` as ``(node_rank, line)``, a node's end as ``(node_rank, None, exit_code)``."""
+    ``lines`` as ``Line``, a node's end as ``Ended`` (launch/nodes.py)."""
 
     def __init__(self, argv: list[str], specs: list[NodeSpec], lines: "queue.Queue", cwd: str | None = None) -> None:
         self.argv, self.specs, self.lines, self.cwd = argv, specs, lines, cwd
@@ -94,7 +95,14 @@ class SlurmStep:
     def _end(self, node: int, code: int) -> None:
         if node not in self.ended:
             self.ended[node] = code
-            self.lines.put((node, None, code))
+            self.lines.put(Ended(node, code, self.end_reason(node)))
+
+    def end_reason(self, node: int) -> str | None:
+        """Why node ``node`` ended when it could not say itself: SLURM ended the step (its time limit, scancel),
+        or srun's report of its task; else None."""
+        if self.cancelled:
+            return f"SLURM ended the job step: {self.cancelled}"
+        return self.end_reasons.get(node)
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -108,7 +116,7 @@ class SlurmStep:
                 node = self.task_node.get(int(t.group(2))) if t else None
                 if node is not None and node not in self.ended:  # it could not report its end itself
                     self.end_reasons.setdefault(node, f"its srun task on {t.group(1)}: {t.group(3)}")
-                self.lines.put((0, line))
+                self.lines.put(Line(0, line))
                 continue
             task, text = int(m.group(1)), partial.pop(int(m.group(1)), "") + m.group(2)
             if len(m.group(2).encode()) == SLURM_IO_CHUNK:  # Note [Long lines through srun]
@@ -129,7 +137,7 @@ class SlurmStep:
                 if "exit" in note:
                     self._end(int(note["node_rank"]), int(note["exit"]))
                     continue
-            self.lines.put((self.task_node.get(task, task), text))
+            self.lines.put(Line(self.task_node.get(task, task), text))
         code = self.proc.wait()
         for spec in self.specs:  # a node that could not report its end: killed, or never started
             reason = self.end_reasons.get(spec.node_rank)
@@ -218,7 +226,7 @@ class SlurmStep:
 
 
 class SlurmNode:
-    """One node of a :class:`SlurmStep`, for the supervisor (LocalNode's interface)."""
+    """One node of a :class:`SlurmStep`, for the supervisor (the ``Node`` protocol of launch/nodes.py)."""
 
     def __init__(self, spec: NodeSpec, step: SlurmStep) -> None:
         self.spec, self.step = spec, step
@@ -232,11 +240,8 @@ class SlurmNode:
 
     @property
     def end_reason(self) -> str | None:
-        """Why the node ended when it could not say itself: SLURM ended the step (its time limit, scancel), or
-        srun's report of its task; else None."""
-        if self.step.cancelled:
-            return f"SLURM ended the job step: {self.step.cancelled}"
-        return self.step.end_reasons.get(self.spec.node_rank)
+        """Why the node ended when it could not say itself (:meth:`SlurmStep.end_reason`), else None."""
+        return self.step.end_reason(self.spec.node_rank)
 
     @property
     def unverified(self) -> str | None:
@@ -247,3 +252,6 @@ class SlurmNode:
 
     def kill_survivors(self, sig: int = signal.SIGKILL) -> int:
         return self.step.kill_survivors(sig)
+
+    def close(self) -> None:
+        """Nothing to release (srun ends with the step)."""

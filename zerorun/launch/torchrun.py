@@ -16,6 +16,12 @@ output as soon as torchrun sees it (every ``--monitor-interval``): a ``@zerorun-
 launch/supervisor.py: ``rank 1 exited (exit code 0) in the middle of the job``); in training, where every rank
 must finish, such a rank fails the job when announced, not when its peers time out. A torch whose elastic agent
 lacks the hooked methods runs unchanged, without the lines.
+
+Note [Failure report]: when ranks fail, torchrun raises ``ChildFailedError`` with every failed rank's exit code
+and the first observed failure, and prints them as a table. The launcher takes them as data instead of parsing
+that table: before the error propagates (and the table is printed, for the user), one ``@zerorun-node`` line
+``{"failures": [{"rank": R, "exit_code": C}, ...], "root_cause": R}`` (C negative for a signal) goes out,
+which the launcher's blame reads (launch/observed.py, Note [Blame] in launch/blame.py).
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ def _announce_exits() -> None:
     its own, and its stop of the ranks so that the ranks it stops are not announced."""
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
-    from zerorun.launch.node import NOTE_PREFIX
+    from zerorun.launch.marks import NOTE_PREFIX
 
     capture, close = getattr(SubprocessContext, "_capture_process_failures", None), SubprocessContext._close
     if capture is None:
@@ -109,6 +115,13 @@ def _announce_exits() -> None:
     SubprocessContext._close = stopping
 
 
+def failure_report(error) -> dict:
+    """Note [Failure report]: torchrun's ``ChildFailedError`` as data: the failed global ranks with their exit
+    codes, and the first observed failure's rank."""
+    return {"failures": [{"rank": int(rank), "exit_code": int(f.exitcode)} for rank, f in error.failures.items()],
+            "root_cause": int(error.get_first_failure()[0])}
+
+
 def main(argv: list[str]) -> None:
     """Bind node 0's store, then run torchrun with ``argv``."""
     if _option(argv, "--node-rank") == "0" and _option(argv, "--master-addr") and _option(argv, "--master-port"):
@@ -120,11 +133,17 @@ def main(argv: list[str]) -> None:
                   "default (every interface) is used", flush=True)
     _terminate_once()
     _announce_exits()
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+
+    from zerorun.launch.marks import NOTE_PREFIX
 
     watcher = os.getppid()
     try:
         torchrun(argv)
+    except ChildFailedError as e:
+        print(NOTE_PREFIX + json.dumps(failure_report(e)), flush=True)
+        raise
     finally:
         # the watcher was killed (Note [Node watcher]): nobody else removes its private folder (the recipe)
         folder = os.environ.get(NODE_DIR_ENV)

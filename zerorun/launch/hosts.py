@@ -1,0 +1,69 @@
+"""The hosts of a job (:func:`select`: a hostfile's, this machine's, or a SLURM allocation's, with the ranks
+on each) and how to reach them (:func:`ssh_options`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from zerorun.errors import ZerorunError
+from zerorun.recipe.hostfile import Host
+from zerorun.launch.launcher import Launcher
+
+
+def select(hostfile: str | None, default_slots: int | str, include: str | None = None, exclude: str | None = None,
+           num_nodes: int | None = None, num_procs: int | str | None = None, launcher: Launcher = Launcher.SSH,
+           job_env: dict[str, str] | None = None) -> list[Host]:
+    """The hosts of a job: the hostfile's (or localhost with ``num_procs``, else ``default_slots``, ranks)
+    through ``include``/``exclude``, ``num_nodes`` and ``num_procs`` (hostfile.select_hosts, DeepSpeed's rules).
+    ``default_slots`` (``launch.procs_per_node``) and ``num_procs`` (``--nproc-per-node``) are numbers or
+    ``auto``/``gpu``/``cpu``, made numbers here (Note [Ranks per node] in launch/slots.py; a note on stderr
+    says what a word became where it is not one rank; GPUs counted under the environment the ranks get: this
+    one, the environment files' and ``job_env``, the recipe's ``launch.env``). ``launcher``: ``ssh`` (that),
+    ``local`` (this machine, no hostfile), ``slurm`` (the allocation's nodes and slots, launch/slurm.py
+    ``allocation_hosts``; a note on stderr says where the slot count comes from).
+
+    Raises:
+        ZerorunError: an unreadable or bad hostfile, a bad allocation, ``gpu`` without a GPU, ``cpu`` with a
+            hostfile, or a selection that leaves no host.
+    """
+    from zerorun.recipe.hostfile import read_hostfile, select_hosts
+    from zerorun.launch.env import env_file_values
+    from zerorun.launch.slots import auto_note, hostfile_procs, resolve, through_visible
+
+    if launcher is Launcher.SLURM:
+        from zerorun.launch.slurm import allocation_hosts, describe_slots
+
+        hosts, source = allocation_hosts(default_slots, num_nodes, num_procs)
+        hosts = select_hosts(hosts, include, exclude, None, None)
+        sys.stderr.write(f"zerorun: SLURM job {os.environ.get('SLURM_JOB_ID')}: {len(hosts)} node"
+                         f"{'s' if len(hosts) > 1 else ''} ({', '.join(h.name for h in hosts)}), "
+                         f"{describe_slots(hosts, source)}\n")
+        return hosts
+    if hostfile and launcher is not Launcher.LOCAL:
+        return select_hosts(read_hostfile(hostfile), include, exclude, num_nodes,
+                            hostfile_procs(num_procs, "--nproc-per-node"))
+    value, name = (num_procs, "--nproc-per-node") if num_procs is not None else (default_slots,
+                                                                                 "launch.procs_per_node")
+    environ = {**os.environ, **env_file_values(), **(job_env or {})}
+    slots = resolve(value, name, environ)
+    note = auto_note(value, name, slots)
+    if note:
+        sys.stderr.write(note + "\n")
+    hosts = select_hosts([Host("localhost", slots)], include, exclude, num_nodes, None)
+    return [through_visible(h, environ) for h in hosts]
+
+
+def ssh_options(user: str | None = None, port: int | None = None, key: str | None = None,
+                config: str | None = None):
+    """SSH options (launch/remote.py ``SshOptions``) from the CLI's flags.
+
+    Raises:
+        ZerorunError: ``key`` or ``config`` names no file.
+    """
+    from zerorun.launch.remote import SshOptions
+
+    for flag, path in (("--ssh-key", key), ("--ssh-config", config)):
+        if path is not None and not os.path.isfile(path):
+            raise ZerorunError(f"{flag} {path}: no such file")
+    return SshOptions(user=user, port=port, key=key, config=config)
