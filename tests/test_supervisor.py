@@ -1,4 +1,4 @@
-"""Failure attribution from what the nodes print (Note [Blame] in launch/supervisor.py), without processes."""
+"""Failure attribution from what the nodes print (Note [Blame] in launch/blame.py), without processes."""
 
 import queue
 import signal
