@@ -28,12 +28,7 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
             more than it; a bad recipe, hostfile, model module or flag value (the message names the file, field
             or flag); a host of ``hostfile`` that does not tell its memory.
     """
-    if recipe is None and params is None:
-        raise ZerorunError("estimate: give a recipe file or --params")
-    if recipe is not None and params is not None:
-        raise ZerorunError("estimate: give a recipe file or --params, not both")
-    if largest_layer is not None and params is None:  # was ignored: a recipe's units are counted from its model
-        raise ZerorunError("--largest-layer: only with --params (a recipe's largest unit is counted from its model)")
+    _check_sources(recipe, params, largest_layer)
     hosts = None
     if hostfile:
         from zerorun.recipe.hostfile import read_hostfile
@@ -41,48 +36,16 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         hosts = read_hostfile(hostfile)
     if offload is not None and offload not in OFFLOADS:
         raise ZerorunError(f"--offload: {offload!r} is not one of {', '.join(OFFLOADS)}")
-    r = None
-    if recipe is not None:
-        from zerorun.recipe import load_recipe
-
-        r = load_recipe(recipe, overrides or [])
-        prec = precision_of(precision or r.precision, r.zero.reduce_dtype)
-        layout = layout_of_recipe(r, prec.name)
-        if offload is None and "offload_optimizer" in r.zero.model_fields_set:
-            offload = r.zero.offload_optimizer
-    else:
-        if overrides:
-            raise ZerorunError(f"estimate: overrides ({overrides[0]}) need a recipe")
-        largest = parse_count(largest_layer, "--largest-layer") if largest_layer is not None else None
-        total = parse_count(params, "--params")
-        if largest is not None and largest > total:
-            raise ZerorunError(f"--largest-layer: {largest_layer} is more parameters than the whole model "
-                               f"(--params {params})")
-        layout = layout_of_count(total, largest)
-        prec = precision_of(precision or "fp32")
-    ppn = procs_per_node or (max(h.slots for h in hosts) if hosts else (r.launch.procs_per_node if r else 1))
-    if isinstance(ppn, str):  # auto, gpu, cpu: counted here (Note [Ranks per node] in zerorun/launch/slots.py)
-        import sys
-
-        from zerorun.launch.slots import assumed
-
-        ppn, note = assumed(ppn, "launch.procs_per_node")
-        sys.stderr.write(f"zerorun: estimate: {note}\n")
-    n_nodes = nodes or (len(hosts) if hosts else 1)
-    world = sum(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else None
-    if optimizer is not None:
-        opt = optimizer_model(optimizer)
-    elif r is not None:
-        opt = optimizer_model(r.train.optimizer.name, r.train.optimizer.kwargs(), "train.optimizer.name")
-    else:
-        opt = optimizer_model("adam")
+    r, layout, prec, offload = _model(recipe, overrides, params, largest_layer, precision, offload)
+    ppn = _procs_per_node(procs_per_node, hosts, r)
     memory = choose(hostfile=hostfile, ssh=ssh, procs_per_node=ppn,
                     device_memory=None if device_memory is None else parse_bytes(device_memory, "--gpu-memory"),
                     host_memory=None if cpu_memory is None else parse_bytes(cpu_memory, "--host-memory"))
-    dev, kind, host = memory.device_bytes, memory.device, memory.host_bytes
     setup = Setup(
-        nodes=n_nodes, procs_per_node=ppn, world_size=world, precision=prec, optimizer=opt,
-        device_memory=dev, device=kind, cpu_memory=host, bandwidth=parse_bandwidth(bandwidth, "--bandwidth"),
+        nodes=nodes or (len(hosts) if hosts else 1), procs_per_node=ppn,
+        world_size=sum(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else None,
+        precision=prec, optimizer=_optimizer(optimizer, r), device_memory=memory.device_bytes, device=memory.device,
+        cpu_memory=memory.host_bytes, bandwidth=parse_bandwidth(bandwidth, "--bandwidth"),
         micro_batch=micro_batch or (r.train.micro_batch_size if r else 1),
         seq_len=r.data.seq_len if r else None, grad_accum_steps=r.train.grad_accum_steps if r else 1,
         bucket_mb=r.zero.bucket_mb if r else 25.0, prefetch=r.zero.prefetch if r else True,
@@ -92,3 +55,65 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         grad_accum_dtype=r.zero.grad_accum_dtype if r else None,
         offload_params=bool(r) and r.zero.offload_params == "disk", memory_source=memory.source)
     return estimate(layout, setup)
+
+
+def _check_sources(recipe: str | None, params: str | None, largest_layer: str | None) -> None:
+    """Raises ZerorunError: neither or both of a recipe and ``--params``; ``--largest-layer`` without
+    ``--params``."""
+    if recipe is None and params is None:
+        raise ZerorunError("estimate: give a recipe file or --params")
+    if recipe is not None and params is not None:
+        raise ZerorunError("estimate: give a recipe file or --params, not both")
+    if largest_layer is not None and params is None:  # was ignored: a recipe's units are counted from its model
+        raise ZerorunError("--largest-layer: only with --params (a recipe's largest unit is counted from its model)")
+
+
+def _model(recipe: str | None, overrides: list[str], params: str | None, largest_layer: str | None,
+           precision: str | None, offload: str | None):
+    """``(recipe or None, layout, precision, offload)``: the model's layout from the recipe (its precision and
+    ``zero.offload_optimizer`` unless the flags give them) or from ``--params``/``--largest-layer``.
+
+    Raises:
+        ZerorunError: a bad recipe or override, overrides without a recipe, a bad count, a largest layer larger
+            than the model.
+    """
+    if recipe is not None:
+        from zerorun.recipe import load_recipe
+
+        r = load_recipe(recipe, overrides or [])
+        prec = precision_of(precision or r.precision, r.zero.reduce_dtype)
+        if offload is None and "offload_optimizer" in r.zero.model_fields_set:
+            offload = r.zero.offload_optimizer
+        return r, layout_of_recipe(r, prec.name), prec, offload
+    if overrides:
+        raise ZerorunError(f"estimate: overrides ({overrides[0]}) need a recipe")
+    largest = parse_count(largest_layer, "--largest-layer") if largest_layer is not None else None
+    total = parse_count(params, "--params")
+    if largest is not None and largest > total:
+        raise ZerorunError(f"--largest-layer: {largest_layer} is more parameters than the whole model "
+                           f"(--params {params})")
+    return None, layout_of_count(total, largest), precision_of(precision or "fp32"), offload
+
+
+def _procs_per_node(procs_per_node: int | None, hosts, r) -> int:
+    """Ranks per node: the flag, else the hostfile's largest slots, else the recipe's ``launch.procs_per_node``
+    (a word, ``auto``/``gpu``/``cpu``, counted here with a note on stderr: Note [Ranks per node] in
+    zerorun/launch/slots.py), else 1."""
+    ppn = procs_per_node or (max(h.slots for h in hosts) if hosts else (r.launch.procs_per_node if r else 1))
+    if isinstance(ppn, str):
+        import sys
+
+        from zerorun.launch.slots import assumed
+
+        ppn, note = assumed(ppn, "launch.procs_per_node")
+        sys.stderr.write(f"zerorun: estimate: {note}\n")
+    return ppn
+
+
+def _optimizer(optimizer: str | None, r):
+    """The optimizer's state model: ``--optimizer``, else the recipe's ``train.optimizer``, else Adam."""
+    if optimizer is not None:
+        return optimizer_model(optimizer)
+    if r is not None:
+        return optimizer_model(r.train.optimizer.name, r.train.optimizer.kwargs(), "train.optimizer.name")
+    return optimizer_model("adam")
