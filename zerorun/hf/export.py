@@ -57,11 +57,9 @@ def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, in
     Raises:
         ZerorunError: the checkpoint's recipe has no ``model.hf``, or as :func:`zerorun.checkpoint.consolidate`.
     """
-    import torch
-
     from zerorun import checkpoint
     from zerorun.hf import offline
-    from zerorun.hf.model import PREFIX, load_config
+    from zerorun.hf.model import load_config
 
     offline()
     path = checkpoint.resolve(ckpt)
@@ -81,43 +79,62 @@ def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, in
         full = os.path.join(tmp, ".zerorun-full.safetensors")
         checkpoint.consolidate(path, full)
         from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
 
-        state = {k[len(PREFIX):]: v for k, v in load_file(full).items() if k.startswith(PREFIX)}
-        # Note [Untrusted checkpoints]: the recipe in zerorun.json is the checkpoint's, not the user's: the
-        # architecture comes from the config's model_type alone (no auto_map, no trust_remote_code, none of
-        # the recipe's model.kwargs), so no code named by the checkpoint is ever imported
-        if "auto_map" in vars(cfg):
-            delattr(cfg, "auto_map")
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
-        persistent = set(model.state_dict())
-        missing = sorted(persistent - set(state))
-        if missing:
-            raise ZerorunError(f"{path}: the checkpoint lacks {missing[0]} of the {cfg.model_type} model "
-                               f"({len(missing)} missing)")
-        model.load_state_dict({k: v for k, v in state.items() if k in persistent}, assign=True, strict=True)
-        model.tie_weights()
-        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
-        del model, state
+        _write_model(cfg, load_file(full), path, tmp, max_shard_size)
         os.remove(full)
         tokenizer = (recipe.get("data") or {}).get("tokenizer")
         if tokenizer and os.path.isdir(tokenizer):
             _copy_tokenizer(tokenizer, tmp)
         for name in os.listdir(tmp):  # safetensors writes 0600: the umask's permissions (zerorun/files.py)
             apply_umask(os.path.join(tmp, name))
-        # complete: now replace (a previous export's shards would mix with this one's)
-        if os.path.isdir(out):
-            for name in os.listdir(out):
-                if name.startswith("model") and name.endswith((".safetensors", ".index.json")):
-                    os.remove(os.path.join(out, name))
-            for name in os.listdir(tmp):
-                os.replace(os.path.join(tmp, name), os.path.join(out, name))
-        else:
-            os.replace(tmp, out)
+        _move_in(tmp, out)  # complete: now replace
     except OSError as e:
         raise ZerorunError(f"--out {out}: cannot write: {e.strerror}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     weights = [f for f in os.listdir(out) if f.endswith(".safetensors")]
     return len(weights), sum(os.path.getsize(os.path.join(out, f)) for f in weights)
+
+
+def _write_model(cfg, full_state: dict, path: str, tmp: str, max_shard_size: str) -> None:
+    """Build ``cfg``'s model on the meta device, give it the checkpoint's weights (``full_state``: the
+    consolidated fp32 state, keys with the model's prefix) and ``save_pretrained`` it into ``tmp``.
+
+    Raises:
+        ZerorunError: the checkpoint lacks a persistent entry of the model.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zerorun.hf.model import PREFIX
+
+    state = {k[len(PREFIX):]: v for k, v in full_state.items() if k.startswith(PREFIX)}
+    # Note [Untrusted checkpoints]: the recipe in zerorun.json is the checkpoint's, not the user's: the
+    # architecture comes from the config's model_type alone (no auto_map, no trust_remote_code, none of
+    # the recipe's model.kwargs), so no code named by the checkpoint is ever imported
+    if "auto_map" in vars(cfg):
+        delattr(cfg, "auto_map")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
+    persistent = set(model.state_dict())
+    missing = sorted(persistent - set(state))
+    if missing:
+        raise ZerorunError(f"{path}: the checkpoint lacks {missing[0]} of the {cfg.model_type} model "
+                           f"({len(missing)} missing)")
+    model.load_state_dict({k: v for k, v in state.items() if k in persistent}, assign=True, strict=True)
+    model.tie_weights()
+    model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
+
+
+def _move_in(tmp: str, out: str) -> None:
+    """Move the complete export in ``tmp`` to ``out``: into an existing folder, replacing files of the same
+    names and a previous export's weight files (its shards would mix with this one's); else ``tmp`` becomes
+    ``out``."""
+    if os.path.isdir(out):
+        for name in os.listdir(out):
+            if name.startswith("model") and name.endswith((".safetensors", ".index.json")):
+                os.remove(os.path.join(out, name))
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(out, name))
+    else:
+        os.replace(tmp, out)
