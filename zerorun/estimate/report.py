@@ -176,18 +176,8 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
     """
     if setup.offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {setup.offload!r}")
-    act = None
     notes: list[str] = []
-    if layout.shape:
-        try:
-            act = activation_bytes(layout.shape, micro_batch=setup.micro_batch, seq_len=setup.seq_len,
-                                   element_bytes=setup.precision.activation_bytes)
-        except (KeyError, TypeError, ValueError):
-            notes.append("model.shape lacks n_layer, d_model, n_head, seq_len or vocab_size: activations not "
-                         "estimated")
-    if act is None:
-        notes.append("activations not counted: no transformer shape (a recipe whose model sets `shape`: n_layer, "
-                     "d_model, n_head, seq_len, vocab_size)")
+    act = _activations(layout, setup, notes)
     if not layout.exact and not layout.units:
         notes.append("stage 3's gathered units not counted: pass --largest-layer")
 
@@ -221,13 +211,38 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
                      "under bf16/fp16), counted in grads: a buffer of the whole model beside them at stages 0-1 "
                      "(Ψ x 4 bytes), the rank's gradient partition kept in fp32 at stages 2-3 (Ψ/N x 4 bytes)")
     rec = _recommend(setup, layout, rows, act_for)
+    return Estimate(_setup_info(setup, layout), _params_info(layout), rows, act, rec, notes)
+
+
+def _activations(layout: Layout, setup: Setup, notes: list[str]) -> dict | None:
+    """Activation bytes per rank (:func:`activation_bytes`) when ``layout.shape`` declares a transformer, else
+    None; a note in ``notes`` says why they are not counted."""
+    act = None
+    if layout.shape:
+        try:
+            act = activation_bytes(layout.shape, micro_batch=setup.micro_batch, seq_len=setup.seq_len,
+                                   element_bytes=setup.precision.activation_bytes)
+        except (KeyError, TypeError, ValueError):
+            notes.append("model.shape lacks n_layer, d_model, n_head, seq_len or vocab_size: activations not "
+                         "estimated")
+    if act is None:
+        notes.append("activations not counted: no transformer shape (a recipe whose model sets `shape`: n_layer, "
+                     "d_model, n_head, seq_len, vocab_size)")
+    return act
+
+
+def _params_info(layout: Layout) -> dict:
+    """The model's part of the estimate's JSON: parameter counts (elements), the largest unit, the shape."""
     largest = layout.largest_unit
-    params = {"total": layout.total, "trainable": layout.trainable, "frozen": layout.frozen,
-              "largest_unit": {"name": largest.name, "params": largest.numel} if largest else None,
-              "units": len([u for u in layout.units if u.name != "<root>"]), "exact_layout": layout.exact,
-              "shape": layout.shape}
-    s = setup
-    info = {"nodes": s.nodes, "procs_per_node": s.procs_per_node, "world_size": s.ranks,
+    return {"total": layout.total, "trainable": layout.trainable, "frozen": layout.frozen,
+            "largest_unit": {"name": largest.name, "params": largest.numel} if largest else None,
+            "units": len([u for u in layout.units if u.name != "<root>"]), "exact_layout": layout.exact,
+            "shape": layout.shape}
+
+
+def _setup_info(s: Setup, layout: Layout) -> dict:
+    """The setup's part of the estimate's JSON (memory in bytes, bandwidth in bytes/s)."""
+    return {"nodes": s.nodes, "procs_per_node": s.procs_per_node, "world_size": s.ranks,
             "precision": s.precision.name, "reduce_dtype": "fp32" if s.precision.reduce_bytes == 4 else
             s.precision.name, "optimizer": s.optimizer.name, "optimizer_states": s.optimizer.states,
             "offload": s.offload, "offload_buffer_mb": s.offload_buffer_mb,
@@ -238,7 +253,6 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
             "grad_accum_steps": s.grad_accum_steps, "grad_accum_dtype": s.grad_accum_dtype,
             "activation_checkpointing": s.activation_checkpointing,
             "min_headroom": MIN_HEADROOM}
-    return Estimate(info, params, rows, act, rec, notes)
 
 
 def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for) -> str:
