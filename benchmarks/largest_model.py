@@ -32,7 +32,7 @@ Methods (``--methods``):
   device (``to_empty`` + initialization of the local shards: the way FSDP2 trains models that do not fit one
   rank), ``reshard_after_forward=True``, fp32 AdamW.
 - ``fsdp2-zerorun-env``: the same, its ranks in zerorun's rank environment (FSDP2 frees much more with it:
-  README, "The allocator").
+  docs/benchmarks.md, "The allocator").
 - ``deepspeed-z3`` / ``deepspeed-z3-offload``: DeepSpeed ZeRO-3 as its users run it (``DS_ACCELERATOR=cpu``,
   gloo), the model built under ``deepspeed.zero.Init`` (each rank keeps its partitions as the modules are
   built), its AdamW from the config (weight decay 0.1 but on biases and norms, clipping 1.0), its defaults
@@ -344,8 +344,8 @@ def main() -> None:
             if method not in METHODS:
                 sys.exit(f"--methods: unknown method {method!r} (one of {', '.join(METHODS)})")
             if method.startswith("deepspeed") and not have_ds:
-                print(f"{method}: skipped, DeepSpeed is not installed in this Python (README, \"DeepSpeed beside "
-                      "them\": a virtual environment with it)")
+                print(f"{method}: skipped, DeepSpeed is not installed in this Python (docs/benchmarks.md, "
+                      "\"DeepSpeed beside them\": a virtual environment with it)")
                 continue
             best = search(method, budget, args, log)
             results.append({"budget": budget, "method": method, **(best or {"layers": 0})})

@@ -9,7 +9,8 @@ Environments (``--envs``, interleaved with the modes; Note [Returning freed memo
 ``alloc`` is glibc tuned as zerorun's launcher gives it to ranks on a node without tcmalloc
 (MALLOC_MMAP_THRESHOLD_=1 MiB, THP_MEM_ALLOC_ENABLE=1), ``default`` none (as plain torchrun runs DDP and
 FSDP2), ``trim`` none but ``malloc_trim(0)`` after every step, ``mmap4``/``mmap16`` fixed 4/16 MiB thresholds,
-``nothp`` 1 MiB without THP, ``tcmalloc`` gperftools' tcmalloc preloaded (what zerorun's launcher gives ranks where the node has it: Note
+``nothp`` 1 MiB without THP, ``tcmalloc`` gperftools' tcmalloc preloaded (what zerorun's launcher gives ranks where
+the node has it: Note
 [Rank allocator]; Debian package libtcmalloc-minimal4), ``jemalloc`` jemalloc preloaded (libjemalloc2),
 ``tcmalloc-decommit`` tcmalloc returning freed memory to the kernel at once (``TCMALLOC_AGGRESSIVE_DECOMMIT=1``),
 ``tcmalloc-release`` tcmalloc releasing 10x faster than its default (``TCMALLOC_RELEASE_RATE=10``), ``mimalloc``
@@ -27,8 +28,9 @@ against stage 0 as a fraction of the model-state bytes the stage saves in theory
 step against the ZeRO paper's 2Ψ(N-1)/N x 4 bytes (stage 3: 3Ψ(N-1)/N x 4; §7). Stage 3 and FSDP2 shard
 the GPT's blocks and embeddings (units = Block, Embedding), FSDP2 with reshard_after_forward=True.
 
-DeepSpeed (``--modes ds2,ds3,ds2b,ds3b``, where ``import deepspeed`` works: README's virtual environment) runs
-as its users run it: ``deepspeed.initialize`` with torch's AdamW as the client optimizer over the same param
+DeepSpeed (``--modes ds2,ds3,ds2b,ds3b``, where ``import deepspeed`` works: docs/benchmarks.md, "DeepSpeed
+beside them": its virtual environment) runs as its users run it: ``deepspeed.initialize`` with torch's AdamW as the
+client optimizer over the same param
 groups, ``gradient_clipping: 1.0``, fp32, its own defaults for everything else (ZeRO-3: its prefetch and
 persistence thresholds; ``ds2b``/``ds3b``: its reduce, all-gather and prefetch buckets of ``--bucket-mb``
 like zerorun's), ``DS_ACCELERATOR=cpu``; the model is built whole on every rank and partitioned by
@@ -50,7 +52,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 sys.path.insert(0, ROOT)
-from zerorun.allocator import MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES, find_mimalloc  # noqa: E402 - torch-free
+from zerorun.allocator import MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES, find_mimalloc  # noqa: E402 -
+torch-free
 
 
 def worker(args) -> None:
@@ -173,7 +176,8 @@ def worker(args) -> None:
     if args.worker.isdigit():
         states = engine.memory_bytes()
     out = {"mode": args.worker, "rank": rank, "world_size": world, "psi": psi, "times": times,
-           "bytes_sent": statistics.median(sent), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "bytes_sent": statistics.median(sent), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss *
+           1024,
            "end_rss": statistics.median(end_rss), "cpu_s": statistics.median(cpu),
            "sys_s": statistics.median(sys_s), "faults": statistics.median(faults),
            "states": states, "loss": loss}
@@ -271,7 +275,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     """The command-line arguments that pass ``args``' model and run settings on to a worker."""
     return [f"--layers={args.layers}", f"--d-model={args.d_model}", f"--heads={args.heads}", f"--vocab={args.vocab}",
             f"--seq={args.seq}", f"--untied={args.untied}", f"--micro-batch={args.micro_batch}",
-            f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--units={args.units}",
+            f"--bucket-mb={args.bucket_mb}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+            f"--units={args.units}",
             f"--reverse-registration={args.reverse_registration}", f"--prefetch-bytes={args.prefetch_bytes}"]
 
 
@@ -310,8 +315,8 @@ def main() -> None:
         try:
             import deepspeed  # noqa: F401
         except ImportError:
-            sys.exit("--modes ds2, ds3, ds2b, ds3b need DeepSpeed in this Python (README, \"DeepSpeed beside them\": "
-                     "a virtual environment with it)")
+            sys.exit("--modes ds2, ds3, ds2b, ds3b need DeepSpeed in this Python (docs/benchmarks.md, "
+                     "\"DeepSpeed beside them\": a virtual environment with it)")
     # without --envs every mode gets --malloc-mmap-threshold and --thp: named "alloc" when they are the defaults
     flags_env = "alloc" if (args.malloc_mmap_threshold, args.thp) == (1 << 20, 1) else "flags"
     per_round: dict = {m: [] for m in modes}

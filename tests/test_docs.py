@@ -106,6 +106,15 @@ def _nav_pages(nav) -> list[str]:
     return [p for item in nav for p in _nav_pages(item)]
 
 
+def test_every_code_block_is_closed():
+    """Every fenced code block of README.md and docs/ is closed: an unclosed one turns the rest of the page into
+    code on GitHub and into one paragraph in the site (mkdocs build --strict does not see it)."""
+    for path in [os.path.join(ROOT, "README.md"), *_pages()]:
+        with open(path, encoding="utf-8") as f:
+            fences = [line for line in f.read().splitlines() if re.match(r"^\s*(```|~~~)", line)]
+        assert len(fences) % 2 == 0, f"{os.path.relpath(path, ROOT)}: a code block is never closed"
+
+
 def test_every_page_is_in_the_nav():
     with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
         nav = _nav_pages(yaml.safe_load(f)["nav"])
@@ -169,7 +178,7 @@ def test_note_references_name_the_file_that_holds_the_note():
                     path = os.path.join(d, f)
                     with open(path, encoding="utf-8") as src:
                         text = src.read()
-                    for m in re.finditer(r"Note \[([^\]]+)\],? in `?([\w/.]+\.py)", text):
+                    for m in re.finditer(r"Note \[([^\]]+)\],? in\s+(?:#:?\s*)?`{0,2}([\w/.]+\.py)", text):
                         name, ref = _one_line(m.group(1)), m.group(2)
                         if not any(h == ref or h.endswith("/" + ref) for h in where.get(name, ())):
                             bad.append(f"{os.path.relpath(path, ROOT)}: Note [{name}] in {ref}: defined in "

@@ -12,8 +12,9 @@ install, where nobody ran apt-get, gets a fast allocator too), either preloaded 
 name ``tcmalloc``, ``mimalloc`` or ``glibc``), and under glibc with the tuning of Note [Returning freed memory]
 (zero/allocator.py) where a node has neither (its watcher prints one line saying what to install:
 :func:`fallback_note`). mimalloc is the fallback's replacement, not tcmalloc's: in one
-run on a loaded machine (issue 35; 55M GPT, 2 gloo ranks, micro-batch 8; README, "What a fresh install runs"), CPU
-seconds per step and rank against DDP as torchrun runs it were stage 1 1.08x, stage 2 1.11x, stage 3 1.22x under
+run on a loaded machine (issue 35; 55M GPT, 2 gloo ranks, micro-batch 8; docs/benchmarks.md, "What a fresh
+install runs"), CPU seconds per step and rank against DDP as torchrun runs it were stage 1 1.08x, stage 2 1.11x,
+stage 3 1.22x under
 mimalloc, 0.93x, 0.92x, 0.84x under tcmalloc and 1.15x, 1.17x, 1.22x under glibc tuned, with realized savings of
 0.99, 0.98, 0.83 (tcmalloc 1.00, 1.00, 0.89; glibc tuned 1.00, 1.00, 0.99): mimalloc faults in a sixth of glibc
 tuned's pages but still pays 0.9-1.4 kernel seconds a step, because it returns freed memory to the kernel after a
@@ -30,19 +31,23 @@ every use, and a step of stage 3, which gathers and frees every unit twice, the 
 blocks in its page heap and reuses them, so nothing is faulted in after the first step, and it does not let the
 heap grow with holes the way glibc's raised threshold does. Measured side by side, 2 interleaved rounds on an
 idle machine (55M GPT, 2 gloo ranks, micro-batch 4; ``benchmarks/zero_stages.py --envs default,alloc,tcmalloc``;
-README, "The allocator"): step time glibc tuned -> tcmalloc, stage 1 1.56 -> 1.28 s, stage 2 1.57 -> 1.27 s,
+docs/benchmarks.md, "The allocator"): step time glibc tuned -> tcmalloc, stage 1 1.56 -> 1.28 s, stage 2 1.57 ->
+1.27 s,
 stage 3 1.95 -> 1.45 s, DDP 1.68 -> 1.43 s (DDP under glibc's defaults, as torchrun runs it: 1.53 s); peak RSS
 per rank stage 1 1248 -> 1284 MiB, stage 2 1143 -> 1254, stage 3 1094 -> 1154 (glibc defaults: 1417, 1367,
 1241). Stages 2 and 3 keep less of their saving under tcmalloc (realized 0.75 and 0.80, against 1.00 and 0.87
 tuned; tcmalloc's peak also moves between runs: the bytes in use are the same, but its heap grows by a 32 MiB
 block, or not, at a step chosen by chance, when no free span is whole enough for it; neither gperftools'
 aggressive decommit, which faults everything in again, nor its faster release rate, nor releasing free spans
-between phases of the step helped: README, "The allocator"): ``ZERORUN_ALLOCATOR: glibc`` trades that speed
+between phases of the step helped: docs/benchmarks.md, "The allocator"): ``ZERORUN_ALLOCATOR: glibc`` trades that
+speed
 for memory. Those figures are from before stage 3's tails and the adopted gradients (Notes [Outer units],
-[Adopted gradient]); after them, in one run of every mode (README, "Where stage 3's peak was"), tcmalloc keeps
-1.02 and 0.92 of stages 2 and 3's saving (1176 and 1108 MiB, glibc tuned 1144 and 1044) at 1.358 and 1.510 s,
+[Adopted gradient]); after them, in one run of every mode (benchmarks/results/history.md, "Issue 21: stage 3's
+peak"), tcmalloc keeps 1.02 and 0.92 of stages 2 and 3's saving (1176 and 1108 MiB, glibc tuned 1144 and 1044) at
+1.358 and 1.510 s,
 0.84x and 0.94x DDP as torchrun runs it; at micro-batch 8 stage 3 under tcmalloc keeps 0.90 or 0.75 by run
-(each stage's peak lands on one of two values 62 MiB apart: README, "Where stage 3's peak was").
+(each stage's peak lands on one of two values 62 MiB apart: benchmarks/results/history.md, "Issue 21: stage 3's
+peak").
 """
 
 from __future__ import annotations

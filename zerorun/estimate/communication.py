@@ -14,7 +14,7 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     all-gather parameters (2Ψ); stage 3 all-gathers each unit in forward and in backward and reduce-scatters its
     gradients, every micro-step (3Ψ), except persistent parameters, all-gathered once per step after it
     (Note [Persistent parameters]). Stages 1-2 add an all-reduce of the squared gradient norm (8 bytes, fp64:
-    Note [Gradient norm] in ``zero/engine.py``); at stage 3 it carries 24 bytes (fp64 norm and the digest of
+    Note [Gradient norm] in ``zero/gradnorm.py``); at stage 3 it carries 24 bytes (fp64 norm and the digest of
     the units gathered, Note [Same units on every rank] in ``zero/stage3_checks.py``).
     Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``. A stage-3 unit
     holding only frozen parameters is counted as gathered in forward only: it is gathered again

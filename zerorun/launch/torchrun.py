@@ -13,7 +13,7 @@ its peers then fail in a collective, and the launcher could only guess that the 
 rank that ends while torchrun still watches its ranks (not one it stops itself) is announced on the node's
 output as soon as torchrun sees it (every ``--monitor-interval``): a ``@zerorun-node`` line (launch/node.py)
 ``{"rank": R, "exit_code": C}``, C negative for a signal, which the launcher's blame uses (Note [Blame] in
-launch/supervisor.py: ``rank 1 exited (exit code 0) in the middle of the job``); in training, where every rank
+launch/blame.py: ``rank 1 exited (exit code 0) in the middle of the job``); in training, where every rank
 must finish, such a rank fails the job when announced, not when its peers time out. A torch whose elastic agent
 lacks the hooked methods runs unchanged, without the lines.
 

@@ -22,7 +22,7 @@ from zerorun.telemetry.events import emit
 
 
 #: Wordings of a collective that failed because another rank went away or went quiet (Note [Blame] in
-#: launch/supervisor.py). gloo (third_party/gloo/gloo/transport/tcp/pair.cc, unbound_buffer.cc): "Connection
+#: launch/blame.py). gloo (third_party/gloo/gloo/transport/tcp/pair.cc, unbound_buffer.cc): "Connection
 #: closed by peer [addr]", "Read error [addr]: Connection reset by peer", "Socket Timeout", "Socket closed",
 #: "Timed out waiting 30000ms for recv operation to complete", "Application timeout caused pair closure";
 #: NCCL (ProcessGroupNCCL.cpp, nccl.h's ncclRemoteError): "Watchdog caught collective operation timeout:
@@ -38,7 +38,7 @@ _PEER_FAILURE = re.compile(
 
 def is_peer_failure(e: BaseException) -> bool:
     """True for an error raised inside a collective because another rank went away (Note [Blame] in
-    launch/supervisor.py): gloo's and NCCL's reset or closed connections, timeouts, pair closures, an aborted
+    launch/blame.py): gloo's and NCCL's reset or closed connections, timeouts, pair closures, an aborted
     communicator (the wordings are listed at ``_PEER_FAILURE``)."""
     import torch.distributed as dist
 

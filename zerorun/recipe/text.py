@@ -205,7 +205,7 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
     """``launch.env`` after its values became text (:func:`env_value_text`): POSIX names, no NUL byte, each
     ``KEY=VALUE`` within :data:`MAX_ENV_STRING` bytes, no :data:`MASK` value (Note [Masked environment values]),
     ``ZERORUN_ALLOCATOR`` one of ``auto``, ``tcmalloc``, ``mimalloc``, ``glibc`` (Note [Rank allocator] in
-    zerorun/zero/allocator.py).
+    zerorun/allocator.py).
 
     Raises:
         PydanticCustomError: naming the key and the problem (pydantic puts the field in front).

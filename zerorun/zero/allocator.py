@@ -22,7 +22,7 @@ FSDP2 1654); ``MALLOC_ARENA_MAX=1`` (stage 2 1331, stage 3 1334); a fixed thresh
 stage 3 1149) or 16 MiB (1386, 1319). The price is kernel time: every block of 1 MiB or more is mapped,
 faulted in and unmapped again on each use: 0.35 -> 0.53 kernel CPU seconds per step per rank at stage 2, 0.38
 -> 0.69 at stage 3 (of 2.4-2.8 CPU seconds), which a busy machine's step time could not separate from its
-noise (``benchmarks/zero_stages.py --envs``; README, "The allocator"). A node without tcmalloc (Note [Rank
+noise (``benchmarks/zero_stages.py --envs``; docs/benchmarks.md, "The allocator"). A node without tcmalloc (Note [Rank
 allocator] in zerorun/allocator.py) gives its ranks these two variables (:data:`zerorun.allocator.GLIBC_ENV`);
 :func:`configure` sets them from inside a rank started some other way.
 """

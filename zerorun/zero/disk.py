@@ -1,5 +1,5 @@
 """Disk offload: masters and optimizer states in a swap file, paged through a bounded host buffer (Note [Disk
-paging] and Note [Paged checkpoints] in ``offload.py``)."""
+paging] in ``offload.py``, Note [Paged checkpoints] in ``state_paging.py``)."""
 
 from __future__ import annotations
 

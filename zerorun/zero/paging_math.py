@@ -1,4 +1,4 @@
-"""The arithmetic of disk offload's paging (Note [Disk paging] in ``disk.py``, Note [Swap files] in ``offload.py``),
+"""The arithmetic of disk offload's paging (Note [Disk paging] in ``offload.py``, Note [Swap files] in ``offload.py``),
 without torch, so that ``zerorun estimate`` counts disk offload's bytes as the runtime lays them out without
 importing torch in the launcher."""
 
