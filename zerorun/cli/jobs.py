@@ -32,7 +32,7 @@ def train(
     no_dashboard: bool = NO_DASHBOARD,
     launcher: Optional[str] = LAUNCHER,
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Write the run into this folder (made if "
-                                          "missing) instead of a new <log.dir>/<name>/<time> (zerorun submit's "
+                                          "missing) instead of a new <log.dir>/<name>/<timestamp>-<job> (zerorun submit's "
                                           "batch script uses it)."),
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", min=0,
                                                help="Start a failed job again from its latest checkpoint up to N "
@@ -125,7 +125,7 @@ def launch(
     num_nodes: Optional[int] = NNODES, num_procs: Optional[str] = NPROC,
     ssh_user: Optional[str] = SSH_USER, ssh_port: Optional[int] = SSH_PORT, ssh_key: Optional[str] = SSH_KEY,
     ssh_config: Optional[str] = SSH_CONFIG, ssh_local: bool = SSH_LOCAL, preflight_timeout: float = PREFLIGHT_S,
-    log_dir: str = typer.Option("runs", "--log-dir", help="Runs are written under LOG_DIR/<script>/<time>/."),
+    log_dir: str = typer.Option("runs", "--log-dir", help="Runs are written under LOG_DIR/<script>/<timestamp>-<job>/."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print each node's command and exit."),
     standalone: bool = typer.Option(False, "--standalone", help="torchrun's: this machine alone, a local "
                                     "rendezvous (what zerorun launch does without -H; refused with -H)."),

@@ -47,11 +47,11 @@ class TensorboardSpec(Strict):
 
 
 class LogSpec(Strict):
-    """Emit a step event every ``every`` steps; runs are written under ``dir/<name>/<timestamp>/``; the step and
+    """Emit a step event every ``every`` steps; runs are written under ``dir/<name>/<timestamp>-<job>/``; the step and
     eval events also go to ``trackers`` with their settings (zerorun/telemetry/trackers.py)."""
 
     every: int = Field(10, gt=0, description="steps between step events (the dashboard's rows, metrics.jsonl)")
-    dir: str = Field("runs", description="the folder of run folders: each run writes <dir>/<name>/<timestamp>/")
+    dir: str = Field("runs", description="the folder of run folders: each run writes <dir>/<name>/<timestamp>-<job>/")
     trackers: list[Tracker] = Field(default_factory=list, description="trackers that also get the step and eval "
                                     "events")
     wandb: WandbSpec = Field(default_factory=WandbSpec, description="the wandb tracker's settings")
