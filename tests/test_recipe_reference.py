@@ -64,7 +64,7 @@ def test_a_row_per_field_with_type_default_allowed_values_and_meaning():
     assert rows["zero.grad_accum_dtype"][:3] == ["text", "`null`", "`fp32`, `bf16`, `fp16`"]
     assert rows["train.optimizer"][:2] == ["section", "(section)"]
     assert rows["zero.bucket_mb"][3].startswith("MiB of gradients")
-    assert "&lt;dir&gt;/&lt;name&gt;/&lt;timestamp&gt;/" in rows["log.dir"][3]  # not an HTML tag in Markdown
+    assert "&lt;dir&gt;/&lt;name&gt;/&lt;timestamp&gt;-&lt;job&gt;/" in rows["log.dir"][3]  # not an HTML tag in Markdown
     assert "passed on as keyword arguments" in reference.render()  # train.optimizer's extra keys
 
 
