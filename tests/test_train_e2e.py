@@ -183,17 +183,24 @@ def test_error_in_user_forward_names_its_line(tmp_path):
                                              out.stderr), out.stderr
 
 
-@pytest.mark.parametrize("code,expected", [
-    ("import torch\ndef build_model(:\n", r"model\.py: cannot import: SyntaxError"),
-    ("import no_such_module_xyz\n", r"model\.py: cannot import: ModuleNotFoundError"),
-    ("def other():\n    pass\n", r"model\.py: has no callable 'build_model'"),
-    ("def build_model():\n    raise ValueError('bad width')\n", r"build_model\(\*\*\{\}\) raised ValueError: bad width"),
-    ("def build_model():\n    return 3\n", r"build_model\(\) returned int, not a torch\.nn\.Module"),
+# ``launch``: how the case is run. "train": a whole job (the ranks, or the model check beside them, report it);
+# "dry-run": ``train --dry-run``, which starts no rank but runs the same model check (zerorun/rank/modelcheck.py)
+# through the same CLI and error path: the cases that check finds, but for one of them, are shown that way (a
+# whole job costs twice as much); the check's stopping of a whole job is shown by the SyntaxError case here and
+# by test_model_errors_are_one_line_and_stop_the_job.
+@pytest.mark.parametrize("code,expected,launch", [
+    ("import torch\ndef build_model(:\n", r"model\.py: cannot import: SyntaxError", "train"),
+    ("import no_such_module_xyz\n", r"model\.py: cannot import: ModuleNotFoundError", "dry-run"),
+    ("def other():\n    pass\n", r"model\.py: has no callable 'build_model'", "dry-run"),
+    ("def build_model():\n    raise ValueError('bad width')\n", r"build_model\(\*\*\{\}\) raised ValueError: bad width",
+     "train"),  # the check leaves it to the ranks
+    ("def build_model():\n    return 3\n", r"build_model\(\) returned int, not a torch\.nn\.Module", "dry-run"),
     (BROKEN_FORWARD.format(body="return {'logits': self.w(batch.float()[:, :4])}"),
-     r"model\.py: forward returned dict with no loss"),
+     r"model\.py: forward returned dict with no loss", "train"),  # only the ranks run forward
 ])
-def test_bad_model_module_is_one_clear_line(tmp_path, code, expected):
-    out = zerorun("train", recipe_for(tmp_path, code, procs=1), cwd=str(tmp_path))
+def test_bad_model_module_is_one_clear_line(tmp_path, code, expected, launch):
+    extra = ["--dry-run"] if launch == "dry-run" else []
+    out = zerorun("train", recipe_for(tmp_path, code, procs=1), *extra, cwd=str(tmp_path))
     assert out.returncode == 2, out.stdout + out.stderr
     assert re.search(expected, out.stderr), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
@@ -212,8 +219,11 @@ def test_model_errors_are_one_line_and_stop_the_job(tmp_path, override, expected
     """The launcher builds the model on the meta device beside the launch (Note [Model check beside the launch]
     in zerorun/rank/modelcheck.py): a broken model spec is one line, exit 2, and no process of the job is left;
     also under --dry-run, which starts nothing and makes no run folder (the check is the same for every spec,
-    so one spec is tried under --dry-run)."""
-    for extra in ([], ["--dry-run"]) if override.startswith("model.factory") else ([],):
+    so one spec is tried as a whole job and under --dry-run; the others go through the same check and the same
+    CLI error path under --dry-run only, which costs half a job: the check's stopping of a whole job does not
+    depend on the spec; train.optimizer.bogus is also tried as a whole job in
+    test_a_rank_crash_caused_by_the_recipe_is_reported_as_the_recipe_error)."""
+    for extra in ([], ["--dry-run"]) if override.startswith("model.factory") else (["--dry-run"],):
         runs = tmp_path / f"runs{len(extra)}"
         out = zerorun("train", TINY, override, "zero.stage=3", f"log.dir={runs}", *extra, cwd=ROOT,
                       timeout=60)
