@@ -7,6 +7,8 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -52,16 +54,33 @@ def losses(run_root, after: int = 0) -> dict[int, float]:
     return out
 
 
+def started(*args: str, cwd: str):
+    """Start ``zerorun *args`` in the background; return a function that waits for it (a CompletedProcess, as
+    test_train_e2e's ``zerorun`` returns)."""
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+    def wait() -> subprocess.CompletedProcess:
+        out, err = proc.communicate(timeout=240)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return wait
+
+
 def test_kill_during_save_then_resume_exactly_and_at_another_stage(tmp_path):
+    """Four jobs, two at a time (each pair does not depend on each other: a job uses about one of the machine's
+    CPUs while it waits on its ranks' imports and collectives): the uninterrupted one and the killed one, then the
+    killed one resumed and the uninterrupted one's step-6 checkpoint resumed at stage 1 (and the consolidation)."""
     (tmp_path / "model.py").write_text(MODEL)
     common = [f"model.module={tmp_path / 'model.py'}", "model.kwargs.dropout=0.1", "train.steps=8",
               "train.eval_every=0", "zero.stage=3", "checkpoint.every=3", "checkpoint.keep=3", "log.every=1"]
 
     def train(name: str, *extra: str):
-        return zerorun("train", TINY, *common, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
+        return started("train", TINY, *common, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
                        f"log.dir={tmp_path / name / 'runs'}", *extra, cwd=ROOT)
 
-    full = train("full")  # uninterrupted: checkpoints after steps 3, 6 and 8
+    full, killed = train("full"), train("killed", 'launch.env.KILL_AT_SAVE="2"')
+    full, killed = full(), killed()
+    # uninterrupted: checkpoints after steps 3, 6 and 8
     assert full.returncode == 0, full.stdout + full.stderr
     assert sorted(os.listdir(tmp_path / "full" / "ckpt")) == ["step-00000003", "step-00000006", "step-00000008"]
     assert "checkpoint step 3: " in full.stdout
@@ -72,7 +91,7 @@ def test_kill_during_save_then_resume_exactly_and_at_another_stage(tmp_path):
     saved = [e for e in events if e["event"] == "checkpoint"]
     assert [e["step"] for e in saved] == [3, 6, 8] and all(e["bytes"] > 0 and e["seconds"] > 0 for e in saved)
 
-    killed = train("killed", 'launch.env.KILL_AT_SAVE="2"')  # rank 1 dies inside the save after step 6
+    # killed: rank 1 dies inside the save after step 6
     assert killed.returncode == 1 and "rank 1" in killed.stderr, killed.stdout + killed.stderr
     # launch.env values never reach the disk: masked in the run folder's recipe.yaml and in zerorun.json
     [recipe_copy] = (tmp_path / "killed" / "runs").glob("*/*/recipe.yaml")
@@ -84,20 +103,21 @@ def test_kill_during_save_then_resume_exactly_and_at_another_stage(tmp_path):
         and left[1] == "step-00000003", left  # the save cut short, named by its job
 
     resumed = train("killed", "--resume")  # the latest complete checkpoint: step 3
+    # saved at stage 3, resumed at stage 1 (same 2 ranks, same data order, same RNG states)
+    other = train("stage1", "--resume", str(tmp_path / "full" / "ckpt" / "step-00000006"), "zero.stage=1")
+    out = started("consolidate", str(tmp_path / "full" / "ckpt"), "--out", str(tmp_path / "model.safetensors"),
+                  cwd=ROOT)
+    resumed, other, out = resumed(), other(), out()
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from " + str(tmp_path / "killed" / "ckpt" / "step-00000003") in resumed.stdout
     after = {s: v for s, v in losses(tmp_path / "killed" / "runs").items() if s > 3}
     assert sorted(after) == [4, 5, 6, 7, 8]
     assert max(rel(after[s], reference[s]) for s in after) <= 1e-6, (after, reference)
 
-    # saved at stage 3, resumed at stage 1 (same 2 ranks, same data order, same RNG states)
-    other = train("stage1", "--resume", str(tmp_path / "full" / "ckpt" / "step-00000006"), "zero.stage=1")
     assert other.returncode == 0, other.stdout + other.stderr
     after = losses(tmp_path / "stage1" / "runs")
     assert sorted(after) == [7, 8] and max(rel(after[s], reference[s]) for s in after) <= 1e-5
 
-    out = zerorun("consolidate", str(tmp_path / "full" / "ckpt"), "--out", str(tmp_path / "model.safetensors"),
-                  cwd=ROOT)
     assert out.returncode == 0 and "wrote " in out.stdout, out.stderr
     spec = importlib.util.spec_from_file_location("gpt_for_test", os.path.join(ROOT, "recipes/models/gpt.py"))
     gpt = importlib.util.module_from_spec(spec)
