@@ -115,6 +115,14 @@ def test_every_code_block_is_closed():
         assert len(fences) % 2 == 0, f"{os.path.relpath(path, ROOT)}: a code block is never closed"
 
 
+def test_contributing_names_every_test_file():
+    """docs/contributing.md tells where the tests of each package live: every tests/test_*.py is in it."""
+    with open(os.path.join(DOCS, "contributing.md"), encoding="utf-8") as f:
+        text = f.read()
+    files = sorted(f for f in os.listdir(os.path.join(ROOT, "tests")) if re.fullmatch(r"test_\w+\.py", f))
+    assert [f for f in files if f"`{f}`" not in text] == [], "test files missing from docs/contributing.md"
+
+
 def test_every_page_is_in_the_nav():
     with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
         nav = _nav_pages(yaml.safe_load(f)["nav"])
