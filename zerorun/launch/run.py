@@ -80,7 +80,7 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     recipe = None if isinstance(job, Script) else job
     check = None
     if recipe is not None and model_check and recipe_path is not None and any(h.is_local for h in hosts):
-        from zerorun import modelcheck  # remote-only jobs: preflight looks for the module on each host
+        from zerorun.rank import modelcheck  # remote-only jobs: preflight looks for the module on each host
 
         check = modelcheck.start(recipe, recipe_path, list(overrides))
     try:
