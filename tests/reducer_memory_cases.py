@@ -120,3 +120,39 @@ def norm_against_exact(stage: int, width: int = 2048) -> dict:
     engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 1e-3}, config=ZeroConfig(stage=stage))
     engine.backward(engine(x).square().mean())
     return {"norm": float(engine.step()), "exact": exact}
+
+
+RELEASE_SETUPS = {
+    "stage0": dict(stage=0), "stage1": dict(stage=1), "stage2": dict(stage=2),
+    "stage3": dict(stage=3, units=("Linear",)), "stage2-bf16": dict(stage=2, precision="bf16"),
+    "stage1-fp16": dict(stage=1, precision="fp16"), "stage2-cpu-offload": dict(stage=2, offload_optimizer="cpu"),
+    "stage3-disk-offload": dict(stage=3, units=("Linear",), offload_optimizer="disk", offload_params="disk"),
+    "ddp": None, "fsdp2": None}
+
+
+def released_when_dropped() -> dict[str, list[str]]:
+    """Note [Hooks hold their owner weakly]: per setup, an engine trained one step, then dropped (no ``close()``)
+    with its model: which of the engine and a parameter are still alive after ``gc.collect()`` (none should be:
+    a user who builds engines in a loop, a notebook, a sweep, must get the memory back, as with DDP and FSDP2)."""
+    import gc
+    import weakref
+
+    from zerorun.bench import baselines
+
+    out = {}
+    for name, setup in RELEASE_SETUPS.items():
+        torch.manual_seed(0)
+        model = Stack(32, 2)
+        kwargs = dict(optimizer="AdamW", optimizer_kwargs={"lr": 1e-3})
+        if setup is None:
+            engine = baselines.initialize(name, model, config=ZeroConfig(units=("Linear",)), **kwargs)
+        else:
+            path = tempfile.mkdtemp() if "offload_params" in setup else None
+            engine = initialize(model, config=ZeroConfig(offload_path=path, **setup), **kwargs)
+        engine.backward(engine(torch.randn(4, 32)))
+        engine.step()
+        alive = {"engine": weakref.ref(engine), "parameter": weakref.ref(next(model.parameters()))}
+        del engine, model
+        gc.collect()
+        out[name] = sorted(k for k, ref in alive.items() if ref() is not None)
+    return out

@@ -52,11 +52,28 @@ class UnitInfo(NamedTuple):
     module: nn.Module
 
 
+class SentBytes:
+    """Bytes this rank's collectives sent (ring formulas, ZeRO §7), counted by the baselines' hooks."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.bytes = 0
+
+
+def _counting_allreduce(sent: SentBytes, bucket):
+    """DDP's comm hook: torch's default all-reduce on the default group, counting 2 (N - 1) / N of the bucket
+    per rank (ring all-reduce; zerorun/zero/comm.py)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    sent.bytes += int(round(2 * (sent.world_size - 1) / sent.world_size * bucket.buffer().nbytes))
+    return allreduce_hook(None, bucket)
+
+
 class BaselineEngine:
     """Base class of :class:`DDPEngine` and :class:`FSDP2Engine`: the training-step protocol shared by both.
-    Subclasses set ``self.model`` (the wrapped module called in forward), ``self.optimizer`` and
-    ``self.bytes_sent``. Baselines run fp32 without loss scaling or offload (the recipe refuses anything else),
-    so :attr:`loss_scale` is ``None`` and no step is ever skipped."""
+    Subclasses set ``self.model`` (the wrapped module called in forward) and ``self.optimizer``; their
+    collectives' hooks count into ``self.sent``. Baselines run fp32 without loss scaling or offload (the recipe refuses anything
+    else), so :attr:`loss_scale` is ``None`` and no step is ever skipped."""
 
     loss_scale = None
     last_step_skipped = False
@@ -66,7 +83,7 @@ class BaselineEngine:
         self.module = module
         self.config = config
         self.world_size = dist.get_world_size()
-        self.bytes_sent = 0
+        self.sent = SentBytes(self.world_size)
         self.units: list[UnitInfo] = []
         self._micro_step = 0
         self.num_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
@@ -121,6 +138,11 @@ class BaselineEngine:
                     if isinstance(v, torch.Tensor))
         return {"params": params, "grads": grads, "optimizer": optim}
 
+    @property
+    def bytes_sent(self) -> int:
+        """Cumulative bytes this rank's gradient and parameter collectives sent."""
+        return self.sent.bytes
+
     def close(self) -> None:
         """Nothing to release (no offload files)."""
 
@@ -135,7 +157,6 @@ class DDPEngine(BaselineEngine):
 
     def __init__(self, model: nn.Module, *, optimizer: str | type, optimizer_kwargs: dict[str, Any],
                  param_groups: list[dict[str, Any]], config: ZeroConfig) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
 
         super().__init__(model, config)
@@ -144,12 +165,9 @@ class DDPEngine(BaselineEngine):
         self.model = DistributedDataParallel(model, bucket_cap_mb=config.bucket_mb,
                                              **ddp_buffer_kwargs(config.broadcast_buffers))
 
-        def counting_allreduce(state, bucket):
-            # all-reduce sends 2 (N - 1) / N of the tensor per rank (ring; zerorun/zero/comm.py)
-            self.bytes_sent += int(round(2 * (self.world_size - 1) / self.world_size * bucket.buffer().nbytes))
-            return allreduce_hook(state, bucket)
-
-        self.model.register_comm_hook(None, counting_allreduce)
+        # the hook's state is the byte counter, never the engine: DDP keeps the hook and its state in C++, where a
+        # cycle through them is never freed (Note [Hooks hold their owner weakly] in zerorun/zero/weakhook.py)
+        self.model.register_comm_hook(self.sent, _counting_allreduce)
         self.optimizer = resolve_optimizer(optimizer)(param_groups, **optimizer_kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -182,17 +200,16 @@ class FSDP2Engine(BaselineEngine):
             reached.setdefault(p, []).append(qualified)
         units = [(name, unit) for name, unit in pick_units(model, tuple(config.units))
                  if all(q.startswith(name + ".") for p in unit.parameters() for q in reached[p])]
-        n = self.world_size
-        engine = self
+        n, sent = self.world_size, self.sent
 
         class CountingAllGather(DefaultAllGather):
             def __call__(self, output_tensor, input_tensor, group, async_op=False):
-                engine.bytes_sent += (n - 1) * input_tensor.nbytes  # ring all-gather (zerorun/zero/comm.py)
+                sent.bytes += (n - 1) * input_tensor.nbytes  # ring all-gather (zerorun/zero/comm.py)
                 return super().__call__(output_tensor, input_tensor, group, async_op)
 
         class CountingReduceScatter(DefaultReduceScatter):
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-                engine.bytes_sent += (n - 1) * output_tensor.nbytes  # ring reduce-scatter
+                sent.bytes += (n - 1) * output_tensor.nbytes  # ring reduce-scatter
                 return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
         # innermost first: a unit inside another unit is sharded on its own before its parent

@@ -69,6 +69,7 @@ from zerorun.zero.comm import BufferPool, Comm
 from zerorun.zero.flat import FlatBuffer
 from zerorun.zero.policy import StagePolicy
 from zerorun.zero.torch_internals import will_accumulate
+from zerorun.zero.weakhook import weak_hook
 
 
 class GradReducer:
@@ -132,7 +133,8 @@ class GradReducer:
                 buf.shard_grad = torch.zeros(buf.shard_numel, dtype=torch.promote_types(self.reduce_dtype,
                                                                                         self.accum_dtype),
                                              device=buf.device)
-        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
+        on_grad = weak_hook(self._on_grad)  # Note [Hooks hold their owner weakly] in weakhook.py
+        self.handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self._slot]
 
     def grad_bytes(self) -> int:
         """Bytes of gradient this rank keeps across micro-steps (full gradients or slices, accumulators)."""

@@ -172,13 +172,13 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
         if node in wanted:
             found.add(node)
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and nxt not in seen)
-    marks = torch.tensor([any(n in found for n in nodes) for nodes in recorded]
-                         + [bool(nodes) and all(n in found for n in nodes) for nodes in ends], dtype=torch.int32,
-                         device=engine.comm.device)  # a collective's: on the group's device
-    if engine.world_size > 1:
-        engine.comm.wait([engine.comm.all_reduce(marks, control=True)])
+    counts = [int(any(n in found for n in nodes)) for nodes in recorded] + \
+        [int(bool(nodes) and all(n in found for n in nodes)) for nodes in ends]
     n = engine.world_size
-    counts = marks.tolist()
+    if n > 1:  # one rank has nothing to agree with, and no reason to copy to the device and back (2 host syncs)
+        marks = torch.tensor(counts, dtype=torch.int32, device=engine.comm.device)  # a collective's: its device
+        engine.comm.wait([engine.comm.all_reduce(marks, control=True)])
+        counts = marks.tolist()
     for u, m in zip(tails, counts[len(listed):]):
         u.deferred = m == n
     for u, m in zip(listed, counts[len(units):]):
