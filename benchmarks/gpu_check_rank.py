@@ -264,6 +264,20 @@ def measure(args, device, runtime: str, precision: str) -> dict:
     return out
 
 
+def control_check() -> str:
+    """The group zerorun's agreements are summed on beside this job's group (Note [Agreements on the host] in
+    zerorun/zero/comm.py), made and used once: its backend, or the error."""
+    from zerorun.zero.comm import control_group
+
+    try:
+        group = control_group(None)
+        ones = torch.ones(2, dtype=torch.int64)
+        dist.all_reduce(ones, group=group)
+        return f"{dist.get_backend(group)}: {ones.tolist()}"
+    except Exception as e:  # noqa: BLE001 - reported, the cases still run
+        return f"{type(e).__name__}: {e}"
+
+
 def agreed_over_budget(t_start: float, budget_s: float, device) -> bool:
     """Whether any rank is past its time budget (a MAX all-reduce: every rank stops at the same case)."""
     flag = torch.tensor([1.0 if time.time() - t_start > budget_s else 0.0], device=device)
@@ -282,6 +296,7 @@ def main(args) -> None:
         torch.backends.cudnn.allow_tf32 = False
     kwargs = {"device_id": device} if args.backend == "nccl" else {}
     dist.init_process_group(args.backend, **kwargs)
+    control = control_check()
     cases = [(p, r) for p in args.precisions.split(",") for r in args.runtimes.split(",")
              if p == "fp32" or r.startswith("stage")]  # the baselines run fp32 (zerorun/bench/baselines.py)
     for precision, runtime in cases:
@@ -296,7 +311,7 @@ def main(args) -> None:
             except Exception as e:  # noqa: BLE001 - reported in the summary, the other cases still run
                 row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             row["case_s"] = round(time.perf_counter() - t_case, 2)
-        row.update(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=args.backend,
+        row.update(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=args.backend, control=control,
                    since_start_s=round(time.time() - t_start, 1))
         sys.stdout.write(PREFIX + json.dumps(row) + "\n")
         sys.stdout.flush()

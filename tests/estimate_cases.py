@@ -60,7 +60,6 @@ def engine_reports(stage: int, precision: str = "fp32", reduce_dtype: str | None
             engine.backward(_loss(engine(_batch(model, 0, micro, rank, world_size, "never"))))
         engine.step()
         out.append({"bytes": engine.memory_bytes(), "offload": engine.offload_bytes(),
-                    "sent": engine.comm_stats()["bytes_sent"] - sent0, "skipped": engine.last_step_skipped,
-                    "outer_units": sum(u.outer for u in engine.units) if stage == 3 else 0})
+                    "sent": engine.comm_stats()["bytes_sent"] - sent0, "skipped": engine.last_step_skipped})
         engine.close()
     return out

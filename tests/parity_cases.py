@@ -203,8 +203,7 @@ def memory(stage: int, model: str = "gpt", units: tuple = (), precision: str = "
             "comm": engine.comm_stats(),
             "persistent": sum(b.numel for b in getattr(engine, "_persistent_unit", None).buffers) if stage == 3 else 0,
             "persistent_params": sorted(n for b in engine._persistent_unit.buffers for n in b.names)
-            if stage == 3 else [],
-            "outer_units": sum(u.outer for u in engine.units) if stage == 3 else 0}
+            if stage == 3 else []}
 
 
 def deferred_equals_normal(world_size_check: bool = True) -> dict:

@@ -2,13 +2,13 @@
 zerorun's own ``.item()/bool()/int()/float()/tolist()`` reads, the CPU stand-in for a GPU stall).
 
 Bounds held here, per steady step of 2 micro-steps (the optimizer's own step at stages 0-2 is
-tests/test_step_syncs.py's):
-- forward: 0 at every stage; backward of a micro-step that does not end the step: 0 at stages 0-2.
-- the step's last backward: 1, the ranks' agreement on unused parameters and late gradients (Note
-  [Per-parameter readiness] in reducer.py; it was 1 per reducing backward: 2 per step at stages 2-3).
-- stage 3: 1 per backward more, the check that every rank's backward reaches the same units (Note [Backward
-  on some ranks] in stage3_checks.py: before backward, against a hang); in the step, 1 from its files (Note
-  [Same units on every rank]: verdict and sums in one read, were 3).
+tests/test_step_syncs.py's): no read of a device value in forward, backward or stage 3's step extras, at
+every stage. The ranks' agreements are host values summed on the host over a gloo group (Note [Agreements on
+the host] in zerorun/zero/comm.py; ``Comm.agree``, its one read is of a CPU tensor made there and never on the
+device, checked below with an NCCL group stood in): 1 in the step's last backward (unused parameters and late
+gradients, Note [Per-parameter readiness] in reducer.py); stage 3: 1 per backward more (Note [Backward on some
+ranks] in stage3_checks.py) and 1 in the step (Note [Same units on every rank]). Before, each was a device
+tensor copied in and read back: 1 host sync per step at stages 0-2, 3 at stage 3.
 """
 
 import pytest
@@ -16,6 +16,17 @@ import pytest
 import host_sync_cases as cases
 
 COMBOS = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
+def _agree_site() -> str:
+    """``file:line`` of ``Comm.agree``'s one read: a CPU tensor summed over the gloo control group."""
+    import inspect
+
+    from zerorun.zero import comm
+
+    lines, first = inspect.getsourcelines(comm.Comm.agree)
+    return f"zerorun/zero/comm.py:{first + next(i for i, line in enumerate(lines) if '.tolist()' in line)}"
+
+
+AGREE = _agree_site()
 OWN = ("zerorun/zero/reducer.py", "zerorun/zero/stage3", "zerorun/zero/units.py", "zerorun/zero/comm.py",
        "zerorun/zero/streams.py", "zerorun/zero/deferred.py", "zerorun/zero/policy.py")
 
@@ -32,9 +43,36 @@ def test_steady_micro_steps_read_nothing_but_the_agreements(ranks):
             where = f"rank {rank}, stage {stage} {precision}: {phases}"
             assert phases["forward0"] == {} and phases["forward1"] == {}, where
             checks = 1 if stage == 3 else 0  # Note [Backward on some ranks]
-            assert sum(phases["backward0"].values()) == checks, where
-            assert _where(phases["backward0"], "zerorun/zero/stage3_checks.py") == checks, where
-            assert sum(phases["backward1"].values()) == checks + 1, where
-            assert _where(phases["backward1"], "zerorun/zero/reducer.py") == 1, where
-            own = {site: n for site, n in phases["step"].items() if site.startswith(OWN)}
-            assert sum(own.values()) == (1 if stage == 3 else 0), where
+            for phase, agreements in (("backward0", checks), ("backward1", checks + 1),
+                                      ("step", 1 if stage == 3 else 0)):
+                sites = {site: n for site, n in phases[phase].items() if site.startswith(OWN)}
+                assert sites == ({AGREE: agreements} if agreements else {}), (phase, where)
+
+
+def test_agreements_are_cpu_tensors_on_a_gloo_group_beside_nccl(monkeypatch):
+    """Note [Agreements on the host]: under an NCCL group, Comm.agree sums a CPU tensor over a gloo group of the
+    same ranks made beside it (by those ranks only); under gloo, or a group with a gloo backend for CPU tensors,
+    over the group itself. The read of ``AGREE`` above is that CPU tensor's."""
+    import torch
+    import torch.distributed as dist
+
+    from zerorun.zero import comm
+
+    made, reduced = [], []
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or "gloo-group")
+    for backend, want in (("nccl", "gloo-group"), ("gloo", "main"), ("cuda:nccl,cpu:gloo", "main")):
+        monkeypatch.setattr(dist, "get_backend", lambda group, b=backend: b)
+        assert comm.control_group("main") == want, backend
+    assert made == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})]
+    agreeing = comm.Comm.__new__(comm.Comm)
+    agreeing.world_size, agreeing.control = 2, "gloo-group"
+
+    def all_reduce(t, group):
+        reduced.append((t.device.type, t.dtype, group))
+        t.mul_(2)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    assert agreeing.agree([1, 0, 3]) == [2, 0, 6]
+    assert agreeing.agree([0.5], dtype=torch.float64) == [1.0]
+    assert reduced == [("cpu", torch.int64, "gloo-group"), ("cpu", torch.float64, "gloo-group")]

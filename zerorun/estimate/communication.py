@@ -13,9 +13,10 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
     all-gather parameters (2Ψ); stage 3 all-gathers each unit in forward and in backward and reduce-scatters its
     gradients, every micro-step (3Ψ), except persistent parameters, all-gathered once per step after it
-    (Note [Persistent parameters]). Stages 1-2 add an all-reduce of the squared gradient norm (8 bytes, fp64:
-    Note [Gradient norm] in ``zero/gradnorm.py``); at stage 3 it carries 24 bytes (fp64 norm and the digest of
-    the units gathered, Note [Same units on every rank] in ``zero/stage3_checks.py``).
+    (Note [Persistent parameters]). Stages 1-3 add an all-reduce of the squared gradient norm (8 bytes, fp64:
+    Note [Gradient norm] in ``zero/gradnorm.py``); the ranks' agreements (stage 3's digest of the units
+    gathered among them) are control traffic on the host, not counted (Note [Agreements on the host] in
+    ``zero/comm.py``).
     Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``. A stage-3 unit
     holding only frozen parameters is counted as gathered in forward only: it is gathered again
     in backward only if a gradient flows through it, which the layout cannot tell (frozen layers usually come
@@ -33,7 +34,7 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
         frozen = sum(_pad(n, N) for u in gathered if u.trainable for n in u.frozen)
         frozen_only = sum(_pad(n, N) for u in gathered if not u.trainable for n in u.frozen)
         persistent = sum(_pad(n, N) for u in layout.units if u.name == PERSISTENT for n in u.trainable)
-    norm = 2 * f * (24 if stage == 3 else 8)
+    norm = 2 * f * 8
     if stage == 0:
         sent = 2 * f * trainable * gb
     elif stage == 1:

@@ -13,6 +13,20 @@ faults) until :meth:`Comm.release_buffers`. On 2 ranks a rank's own chunk is not
 the other's chunk and receives into a buffer of half the input's size (the LM head's 32 MiB gradient bucket
 of a 55M GPT held 32 MiB of receive buffer, now 16), and the sum is its own chunk plus the one received (the
 same bits as the sum of both rows: one addition). NCCL's reduce-scatter is used as it is.
+
+Note [Agreements on the host]: the ranks agree on a few host values every step: which buckets got gradients
+after their launch and which parameters were used (Note [Per-parameter readiness] in reducer.py), which stage-3
+units reach the loss (Note [Backward on some ranks] in stage3_checks.py), a digest of the units gathered (Note
+[Same units on every rank]). Each is a list of small numbers that the host holds and needs back on the host.
+Made on the group's device (a CUDA tensor under NCCL), each cost a copy in and a read back: a host sync, a GPU
+pipeline stall, every step. :meth:`Comm.agree` sums them on the CPU over a gloo group instead: the main group
+itself where it is gloo (or has a gloo backend for CPU tensors), else a gloo group of the same ranks made
+beside it at construction (``new_group(..., backend="gloo")``, as DeepSpeed and torch.distributed.checkpoint do
+for their CPU coordination). The host waits for its peers' hosts at that point, never for a GPU stream; the
+gloo group runs no GPU kernel, so NCCL's rule (every rank issues the collectives of communicators that can run
+concurrently in the same order) is not touched, and every agreement sits at the same point of the program on
+every rank. Cost: a small TCP round per agreement; gloo must reach every host (``GLOO_SOCKET_IFNAME`` where
+hosts have several interfaces).
 """
 
 from __future__ import annotations
@@ -36,6 +50,17 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
     if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group :meth:`Comm.agree` sums host values on (Note [Agreements on the host]): ``group`` where its
+    backend takes CPU tensors (gloo, or a backend string naming gloo as well as NCCL), else a new gloo group of
+    the same ranks (made by those ranks only: ``use_local_synchronization``)."""
+    backend = str(dist.get_backend(group))
+    if "nccl" not in backend or "gloo" in backend:
+        return group
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
 
 
 class _Done:
@@ -149,6 +174,7 @@ class Comm:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.device = group_device(group)
+        self.control = control_group(group) if self.world_size > 1 else group  # Note [Agreements on the host]
         self.streams = DeviceStreams(self.device)  # Note [Streams] in streams.py
         self._timer = WaitTimer(self.device)
         self.bytes_sent = 0
@@ -173,6 +199,15 @@ class Comm:
             self._count(2 * (self.world_size - 1) / self.world_size * tensor.nbytes)
         with self.streams.issue(self.streams.reduce_scatter):
             return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def agree(self, values: Sequence[int | float], dtype: torch.dtype = torch.int64) -> list:
+        """The sums over ranks of ``values`` (host numbers, as ``dtype``), summed on the host over the control
+        group (Note [Agreements on the host]): no GPU stream is waited for. Not step traffic (not counted)."""
+        if self.world_size == 1 or not values:
+            return list(values)
+        sums = torch.tensor(values, dtype=dtype, device="cpu")  # the control group's device
+        dist.all_reduce(sums, group=self.control)
+        return sums.tolist()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
         """Sum ``input`` (1-D, ``N * k`` elements) over ranks; rank r receives elements ``[r*k, (r+1)*k)`` in

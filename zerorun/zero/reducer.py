@@ -350,11 +350,9 @@ class GradReducer:
         each is reduced again and added. Note [Unused parameters]: the same all-reduce carries this rank's
         used-parameter mask; :attr:`used` becomes the parameters that got a gradient on some rank."""
         params = list(self._slot)
-        if self.world_size > 1:  # one all-reduce: a flag per parameter (used) and per bucket (late)
-            flags = torch.tensor([p in self._used for p in params] + [b in self._late for b in self.buffers],
-                                 dtype=torch.int32, device=self.comm.device)
-            self.comm.wait([self.comm.all_reduce(flags, control=True)])
-            counts = flags.tolist()  # the one read to the host per step
+        if self.world_size > 1:  # one agreement on the host: a flag per parameter (used), per bucket (late)
+            counts = self.comm.agree([int(p in self._used) for p in params] + [int(b in self._late)
+                                                                               for b in self.buffers])
             self.used = {p for p, n in zip(params, counts) if n}
             late = [b for b, n in zip(self.buffers, counts[len(params):]) if n]
         else:

@@ -1,5 +1,5 @@
 """Stage 3's backward: when a unit's gradient buckets are ready and the unit can be freed (Note [Unit
-lifecycle] in ``stage3.py``), the end of a unit's backward, and the checks folded into the step's norm
+lifecycle] in ``stage3.py``), the end of a unit's backward, and the checks made beside the step's norm
 all-reduce (Note [Same units on every rank] in ``stage3_checks.py``).
 """
 
@@ -66,8 +66,9 @@ class Stage3Backward:
         self._free_all()
 
     def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
-        """Note [Same units on every rank]: the squared norm is all-reduced together with a digest of the
-        units this rank all-gathered since the last step; a difference between ranks raises on every rank."""
+        """Note [Same units on every rank]: with the squared norm's all-reduce, the ranks agree on a digest of
+        the units each all-gathered since the last step (on the host: Note [Agreements on the host] in comm.py);
+        a difference between ranks raises on every rank."""
         codes = self._outer_codes() if self._learning else []  # Note [Outer units]: the first step's windows
         sq, sums, squares = check_gather_order(self, sq, self._gather_log, codes)
         self._gather_log = []

@@ -1,15 +1,15 @@
-"""Stage 3's checks that every rank runs the same units, at no extra collective per step.
+"""Stage 3's checks that every rank runs the same units, agreed on the host (no GPU stall).
 
 Note [Same units on every rank]: stage 3 all-gathers a unit on every rank together, and collectives pair up in
 the order they are issued. If ranks run different units in one step (an MoE layer whose rank 0 runs expert 0
 while rank 1 runs expert 1, both the same shape), the all-gathers pair one rank's expert 0 with the other's
 expert 1 and training is silently wrong. Each rank therefore keeps the indices of the units it all-gathered
 since the last step (prefetches included) and folds them into a digest ``h`` (a polynomial hash modulo a
-prime below 2**16). The step all-reduces the squared gradient norm anyway: it sends ``[sq, h, h*h]`` (float64,
-exact for these integers up to 1024 ranks) instead of ``sq`` alone. Every rank's ``h`` is the same exactly
-when ``N * sum(h*h) == sum(h) ** 2`` (their variance is zero), so every rank learns the verdict from the
-same sums and raises together, before the optimizer step (one read to the host per step: the verdict and
-the sums together). Only then, on the error path, the ranks exchange
+prime below 2**16). Beside the squared gradient norm's all-reduce, the ranks sum ``[h, h*h]`` (float64, exact
+for these integers up to 1024 ranks) on the host (Note [Agreements on the host] in ``comm.py``: a CPU tensor
+over a gloo group, no GPU stall). Every rank's ``h`` is the same exactly when ``N * sum(h*h) == sum(h) ** 2``
+(their variance is zero), so every rank learns the verdict from the same sums and raises together, before
+the optimizer step. Only then, on the error path, the ranks exchange
 their unit lists to name the units. A collision (two different sequences with one digest) has a chance of
 1 in 65521 per step; a misrouted step that is not caught pairs the same-shaped units and is caught at the
 next step whose routing differs.
@@ -36,8 +36,9 @@ def order_digest(indices: list[int]) -> int:
 def check_gather_order(engine, sq: torch.Tensor, indices: list[int],
                        values: list[float] = ()) -> tuple[torch.Tensor, list[float], list[float]]:
     """All-reduce ``sq`` (the squared gradient norm, a 0-d fp64 tensor: Note [Gradient norm]) over
-    ``engine.comm`` together with the digest of ``indices`` (the units this rank all-gathered since the last step)
-    and ``values`` (small integers to compare across ranks: Note [Outer units]).
+    ``engine.comm`` on its device, and agree on the host (Note [Agreements on the host] in comm.py) on the digest
+    of ``indices`` (the units this rank all-gathered since the last step) and ``values`` (small integers to
+    compare across ranks: Note [Outer units]).
 
     Returns:
         The summed ``sq``; the sums over ranks of ``values`` and of their squares (float64, exact below 2**53:
@@ -50,21 +51,20 @@ def check_gather_order(engine, sq: torch.Tensor, indices: list[int],
     values = [float(v) for v in values]
     if n == 1:
         return sq, values, [v * v for v in values]
+    work = engine.comm.all_reduce(sq)  # on the device, read by nobody here
     h = float(order_digest(indices))
-    extra = [x for v in values for x in (v, v * v)]
-    vec = torch.cat([sq.double().reshape(1), torch.tensor([h, h * h] + extra, dtype=torch.float64,
-                                                          device=sq.device)])
-    engine.comm.wait([engine.comm.all_reduce(vec)])
-    got = vec[1:].tolist()  # the check's one read to the host per step
+    # Note [Agreements on the host] in comm.py: the digest and values never go to the device
+    got = engine.comm.agree([h, h * h] + [x for v in values for x in (v, v * v)], dtype=torch.float64)
     if n * got[1] != got[0] ** 2:
         _raise_mismatch(engine, indices)
-    return vec[0].to(sq.dtype), got[2::2], got[3::2]
+    engine.comm.wait([work])
+    return sq, got[2::2], got[3::2]
 
 
 def _raise_mismatch(engine, indices: list[int]) -> None:
     names = [u.name or "<root>" for u in engine.units]
     every: list = [None] * engine.world_size
-    dist.all_gather_object(every, indices, group=engine.comm.group)
+    dist.all_gather_object(every, indices, group=engine.comm.control)
     k = next((k for k in range(max(map(len, every))) if len({tuple(seq[k:k + 1]) for seq in every}) > 1), 0)
     which = ", ".join(f"rank {r}: {names[seq[k]] if k < len(seq) else 'nothing'!r}" for r, seq in enumerate(every))
     raise RuntimeError(
@@ -175,10 +175,8 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     counts = [int(any(n in found for n in nodes)) for nodes in recorded] + \
         [int(bool(nodes) and all(n in found for n in nodes)) for nodes in ends]
     n = engine.world_size
-    if n > 1:  # one rank has nothing to agree with, and no reason to copy to the device and back (2 host syncs)
-        marks = torch.tensor(counts, dtype=torch.int32, device=engine.comm.device)  # a collective's: its device
-        engine.comm.wait([engine.comm.all_reduce(marks, control=True)])
-        counts = marks.tolist()
+    if n > 1:
+        counts = engine.comm.agree(counts)  # Note [Agreements on the host] in comm.py: no device round trip
     for u, m in zip(tails, counts[len(listed):]):
         u.deferred = m == n
     for u, m in zip(listed, counts[len(units):]):
