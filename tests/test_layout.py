@@ -224,9 +224,11 @@ def test_run_folder_files_are_named_by_runfolder():
     assert not found, "use zerorun.runfolder's names:\n" + "\n".join(found)
 
 
-def _bound_names(text: str, path: str) -> set[str]:
-    """The names a module binds at its top level, and every string constant in it (a package's lazy re-export
-    table names its names as strings: Note [Lazy re-exports])."""
+@functools.cache
+def _bound_names(module: str) -> frozenset[str]:
+    """The names zerorun module ``module`` binds at its top level, and every string constant in it (a
+    package's lazy re-export table names its names as strings: Note [Lazy re-exports])."""
+    path, text = sources()[module]
     names = set()
     tree = ast.parse(text, path)
     for node in tree.body:
@@ -238,7 +240,7 @@ def _bound_names(text: str, path: str) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
     names.update(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
-    return names
+    return frozenset(names)
 
 
 def unresolved_imports(files: list[str]) -> list[str]:
@@ -261,7 +263,7 @@ def unresolved_imports(files: list[str]) -> list[str]:
                 where = f"{os.path.relpath(path, ROOT)}:{node.lineno}"
                 if module not in modules:
                     bad.append(f"{where}: no module {module}")
-                elif name and f"{module}.{name}" not in modules and name not in _bound_names(*modules[module][::-1]):
+                elif name and f"{module}.{name}" not in modules and name not in _bound_names(module):
                     bad.append(f"{where}: {module} has no {name}")
     return sorted(bad)
 
