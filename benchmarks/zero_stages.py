@@ -52,8 +52,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 sys.path.insert(0, ROOT)
-from zerorun.allocator import MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES, find_mimalloc  # noqa: E402 -
-torch-free
+from zerorun.allocator import (MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES,  # noqa: E402 - torch-free
+                               find_mimalloc)
 
 
 def worker(args) -> None:
