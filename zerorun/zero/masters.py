@@ -88,9 +88,9 @@ class Masters:
     rank's master slice, one per parameter of the buffer (its range in this slice, possibly empty; padding is
     in none), each a parameter of the optimizer with its own state. The reducer learns which parameters got
     a gradient on some rank (a gradient hook ran, in any micro-step): its own ones are a set on the host, and
-    the OR over the ranks is a flag per parameter in the all-reduce the reducer already runs at the end of
-    each reducing backward for late gradients (Note [Per-parameter readiness] in ``reducer.py``), whose
-    result it already read to the host: 4 bytes per parameter more, no new host sync. At the step a segment
+    the OR over the ranks is a flag per parameter in the sum the reducer already makes on the host at the end
+    of the step's last backward for late gradients (Note [Per-parameter readiness] in ``reducer.py``, Note
+    [Agreements on the host] in ``comm.py``): 8 bytes per parameter more, no host sync. At the step a segment
     gets its gradient as ``.grad`` (a view of the reduced slice, given at every step: a user's
     ``optimizer.zero_grad()`` changes nothing) or ``None``; the optimizer then does what torch does per
     parameter. A parameter used on some ranks only gets its mean gradient (zeros from the others), as under

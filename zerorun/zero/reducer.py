@@ -9,11 +9,11 @@ step assumes once); a parameter that got no gradient in that step is complete at
 unused: its bucket is reduced early, with zeros, or at stages 0-1 with the micro-steps' sum so far). A guess
 can be wrong (the graph changed): a gradient that arrives after its bucket was launched is kept aside
 (stages 0-1 detach ``p.grad`` from the bucket at launch, so autograd never writes into a buffer a collective
-is reading), and at the end of the step's last backward the ranks agree, with one all-reduce of one flag per
-bucket and one per parameter (4 bytes each per step, control traffic not counted in ``bytes_sent``; the
-parameters' flags are Note [Unused parameters]'s mask, in ``masters.py``), which buckets got late gradients
-anywhere, in any micro-step; those are reduced once more and added (reduction is linear: the late gradients
-of all micro-steps are summed first); reading the flags is the step's one host sync outside the optimizer.
+is reading), and at the end of the step's last backward the ranks agree, with one sum on the host of one flag
+per bucket and one per parameter (Note [Agreements on the host] in ``comm.py``: no GPU stall; control
+traffic, not counted in ``bytes_sent``; the parameters' flags are Note [Unused parameters]'s mask, in
+``masters.py``), which buckets got late gradients anywhere, in any micro-step; those are reduced once more and
+added (reduction is linear: the late gradients of all micro-steps are summed first).
 The result is the right gradient at every stage, whatever the graph does; a wrong guess costs a collective.
 
 Note [Launch order]: every rank must issue the same collectives in the same order. In the first step,
