@@ -269,6 +269,14 @@ def subgroup(stage: int) -> dict:
     return train("plain", stage, group=mine)
 
 
+def subgroup_mismatch() -> dict:
+    """Ranks 1 and 2 of 3 form one replica (rank 0 alone the other) and run their experts in different
+    orders at stage 3: the error names the ranks as the job numbers them (1 and 2), not their places in the
+    replica."""
+    groups = [dist.new_group([0]), dist.new_group([1, 2])]
+    return train("experts_order_per_rank", 3, group=groups[0] if dist.get_rank() == 0 else groups[1])
+
+
 def persistent_frozen_resume(root: str) -> dict:
     """Stage 3 with ``zero.persistence_threshold``: a frozen small (persistent) parameter is saved, a model
     built from another seed loads the checkpoint; the largest difference between the saved and the loaded

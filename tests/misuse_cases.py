@@ -32,14 +32,15 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")  # eve
 
 
 def _error(call) -> tuple[str, int]:
-    """The RuntimeError ``call`` raises and how many collectives the engine issued before raising."""
+    """The RuntimeError or ValueError ``call`` raises and how many collectives the engine issued before
+    raising."""
     issued = []
     saved = {name: getattr(Comm, name) for name in COLLECTIVES}
     for name, fn in saved.items():
         setattr(Comm, name, lambda self, *a, _fn=fn, _name=name, **k: issued.append(_name) or _fn(self, *a, **k))
     try:
         call()
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         return str(e), len(issued)
     finally:
         for name, fn in saved.items():
@@ -84,3 +85,17 @@ def misuse(stage: int, kind: str, units: tuple = ()) -> dict:
     sd = engine.full_state_dict(rank0_only=False)
     worst = max(float((sd[k] - v).abs().max() / v.abs().max()) for k, v in ref.module.state_dict().items())
     return {"errors": errors, "rel": worst}
+
+
+def second_engine(stage: int) -> dict:
+    """A stage-3 engine trains one step; then a second engine at ``stage`` is asked for over the same model
+    (whose parameters the first one holds partitioned): the error, the collectives issued before it, and
+    whether the first engine still trains."""
+    torch.manual_seed(0)
+    model = Net()
+    first = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2}, config=ZeroConfig(stage=3))
+    first.backward(first(_x(0, 0)))
+    first.step()
+    error = _error(lambda: initialize(model, optimizer="AdamW", config=ZeroConfig(stage=stage)))
+    first.backward(first(_x(1, 0)))
+    return {"error": error, "norm": float(first.step())}

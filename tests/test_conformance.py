@@ -101,6 +101,15 @@ def test_subgroup_stage3_runs(ranks):
 
 
 @pytest.mark.slow
+def test_a_subgroup_mismatch_names_the_jobs_ranks(ranks):
+    r0, r1, r2 = ranks(3).run(cases.subgroup_mismatch)
+    assert "error" not in r0, r0  # alone in its replica: nothing to disagree with
+    for r in (r1, r2):
+        assert "ranks ran different units" in r["error"] and "rank 1: " in r["error"] and "rank 2: " in r["error"]
+        assert "rank 0: " not in r["error"], r["error"]
+
+
+@pytest.mark.slow
 def test_persistent_frozen_parameters_resume(ranks, tmp_path):
     for diffs in ranks(2).run(cases.persistent_frozen_resume, root=str(tmp_path)):
         assert all(d == 0.0 for d in diffs.values()), {k: d for k, d in diffs.items() if d}

@@ -50,23 +50,28 @@ def test_steady_micro_steps_read_nothing_but_the_agreements(ranks):
 
 
 def test_agreements_are_cpu_tensors_on_a_gloo_group_beside_nccl(monkeypatch):
-    """Note [Agreements on the host]: under an NCCL group, Comm.agree sums a CPU tensor over a gloo group of the
-    same ranks made beside it (by those ranks only); under gloo, or a group with a gloo backend for CPU tensors,
-    over the group itself. The read of ``AGREE`` above is that CPU tensor's."""
+    """Note [Agreements on the host]: under an NCCL group (or any device backend without CPU tensors), Comm.agree
+    sums a CPU tensor over a gloo group of the same ranks made beside it (by those ranks only, once per group);
+    under gloo, MPI, or a group with a gloo backend for CPU tensors, over the group itself. The read of ``AGREE``
+    above is that CPU tensor's."""
     import torch
     import torch.distributed as dist
 
     from zerorun.zero import comm
 
     made, reduced = [], []
+    monkeypatch.setattr(comm, "_CONTROL_GROUPS", {})
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
-    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or "gloo-group")
-    for backend, want in (("nccl", "gloo-group"), ("gloo", "main"), ("cuda:nccl,cpu:gloo", "main")):
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or f"gloo-{len(made)}")
+    for backend, group, want in (("nccl", "main", "gloo-1"), ("nccl", "main", "gloo-1"), ("xccl", "other", "gloo-2"),
+                                 ("gloo", "main", "main"), ("cuda:nccl,cpu:gloo", "main", "main"),
+                                 ("mpi", "main", "main")):
         monkeypatch.setattr(dist, "get_backend", lambda group, b=backend: b)
-        assert comm.control_group("main") == want, backend
-    assert made == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})]
+        assert comm.control_group(group) == want, backend
+    # one gloo group per device group, shared by the engines built over it (a sweep leaves no groups behind)
+    assert made == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})] * 2
     agreeing = comm.Comm.__new__(comm.Comm)
-    agreeing.world_size, agreeing.control = 2, "gloo-group"
+    agreeing.world_size, agreeing.control = 2, "gloo-1"
 
     def all_reduce(t, group):
         reduced.append((t.device.type, t.dtype, group))
@@ -75,4 +80,4 @@ def test_agreements_are_cpu_tensors_on_a_gloo_group_beside_nccl(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     assert agreeing.agree([1, 0, 3]) == [2, 0, 6]
     assert agreeing.agree([0.5], dtype=torch.float64) == [1.0]
-    assert reduced == [("cpu", torch.int64, "gloo-group"), ("cpu", torch.float64, "gloo-group")]
+    assert reduced == [("cpu", torch.int64, "gloo-1"), ("cpu", torch.float64, "gloo-1")]

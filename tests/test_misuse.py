@@ -20,3 +20,13 @@ def test_misuse_raises_before_any_collective_and_training_goes_on(ranks, stage, 
         (error, issued), = r["errors"]
         assert error.startswith(message) and issued == 0, f"rank {rank}: {r}"
         assert r["rel"] <= 1e-5, f"rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_held_by_a_stage3_engine_is_refused_by_a_second_one(ranks, stage):
+    """Its parameters are partitioned into the first engine for as long as the model lives: a second engine
+    over it is one clear error on every rank, before any collective, and the first trains on."""
+    for rank, r in enumerate(ranks(2).run(cases.second_engine, stage=stage)):
+        error, issued = r["error"]
+        assert error.startswith("this model is held by a stage 3 engine already (parameter ") and issued == 0, r
+        assert "build a fresh model" in error and r["norm"] > 0, f"rank {rank}: {r}"

@@ -33,12 +33,20 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
         elementwise: declare an optimizer class outside ``optimizers.ELEMENTWISE_OPTIMIZERS`` elementwise.
 
     Raises:
-        ValueError: unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``.
+        ValueError: unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``; a
+            model a stage-3 engine already holds (its parameters are partitioned into that engine).
         RuntimeError: ``torch.distributed`` is not initialized.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
     from zerorun.zero.deferred import is_deferred, materialize
+    from zerorun.zero.stage3_access import ZeroParameter
+
+    held = next((name for name, p in model.named_parameters() if isinstance(p, ZeroParameter)), None)
+    if held is not None:
+        raise ValueError(f"this model is held by a stage 3 engine already (parameter {held!r} is partitioned into "
+                         "it, and stays so while the model lives): build a fresh model for a new engine, or keep "
+                         "training with the first one (its full_state_dict() has the whole parameters)")
 
     config = config or ZeroConfig()
     kwargs = dict(optimizer=optimizer, optimizer_kwargs=optimizer_kwargs or {}, param_groups=param_groups,

@@ -52,15 +52,24 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+#: The gloo group made beside each device group, by that group (one per group for the life of the process:
+#: engines built one after another in a sweep share it instead of each leaving a group of TCP connections).
+_CONTROL_GROUPS: dict = {}
+
+
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group :meth:`Comm.agree` sums host values on (Note [Agreements on the host]): ``group`` where its
-    backend takes CPU tensors (gloo, or a backend string naming gloo as well as NCCL), else a new gloo group of
-    the same ranks (made by those ranks only: ``use_local_synchronization``)."""
+    backend takes CPU tensors (gloo, MPI, or a backend string naming gloo beside a device backend), else a gloo
+    group of the same ranks, made once per group (by those ranks only: ``use_local_synchronization``) and
+    shared by every engine over it."""
     backend = str(dist.get_backend(group))
-    if "nccl" not in backend or "gloo" in backend:
+    if "gloo" in backend or backend == "mpi":
         return group
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    key = group if group is not None else dist.group.WORLD  # a new default group after a re-init: a new key
+    if key not in _CONTROL_GROUPS:
+        ranks = dist.get_process_group_ranks(key)
+        _CONTROL_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _CONTROL_GROUPS[key]
 
 
 class _Done:
@@ -254,8 +263,11 @@ class Comm:
         """Copy rank ``src``'s ``tensor`` to every rank, in place (not counted as step traffic)."""
         if self.world_size == 1:
             return _Done()
-        return dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
-                              group=self.group, async_op=True)
+        return dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
+
+    def global_rank(self, rank: int) -> int:
+        """The rank in the default group of this group's ``rank`` (what a user's logs and messages call it)."""
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     def wait(self, works: Sequence) -> None:
         """Wait for every handle in ``works`` (on a GPU the current stream waits, not the host: Note [Streams]);

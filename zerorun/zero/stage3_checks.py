@@ -66,7 +66,8 @@ def _raise_mismatch(engine, indices: list[int]) -> None:
     every: list = [None] * engine.world_size
     dist.all_gather_object(every, indices, group=engine.comm.control)
     k = next((k for k in range(max(map(len, every))) if len({tuple(seq[k:k + 1]) for seq in every}) > 1), 0)
-    which = ", ".join(f"rank {r}: {names[seq[k]] if k < len(seq) else 'nothing'!r}" for r, seq in enumerate(every))
+    which = ", ".join(f"rank {engine.comm.global_rank(r)}: {names[seq[k]] if k < len(seq) else 'nothing'!r}"
+                      for r, seq in enumerate(every))
     raise RuntimeError(
         f"stage 3: ranks ran different units in one step (all-gather #{k + 1} of the step: {which}); "
         "all-gathers pair up across ranks, so every rank must run the same units in the same order. Run every "

@@ -6,8 +6,11 @@ zerorun's DDP baseline gives it a byte counter as its state, never the engine). 
 parameter, and the collector never frees it: an engine dropped without ``close()`` kept every parameter,
 gradient and optimizer state alive (16Ψ bytes per engine in fp32 with Adam; seen on an H200 as 1.1 GiB more
 peak memory per engine built in one process, benchmarks/results/gpu_check_cuda.md). The hook holds its owner
-through a ``weakref.WeakMethod`` instead and does nothing once the owner is gone (a parameter that outlives
-its engine keeps a hook that is a no-op: a second engine over the same model is not driven by the first's).
+through a ``weakref.WeakMethod`` instead and does nothing once the owner is gone (stages 0-2: a parameter that
+outlives its engine keeps a hook that is a no-op, and a second engine over the same model is not driven by the
+first's). A stage-3 engine is different by design: it holds its model's parameters partitioned, and its
+forward hooks on the model's modules (plain Python, which the collector sees) keep it alive as long as the
+model lives; a second engine over that model is refused in one line (``initialize``).
 FSDP2 and plain DDP keep no such cycle either (tests/reducer_memory_cases.py ``released_when_dropped``).
 """
 
