@@ -22,6 +22,7 @@ import pytest
 
 from sshd import SSHD
 from test_train_e2e import ROOT, TINY, job_id, read_events, survivors, zerorun
+from tiny_reference import RECIPE, STEPS
 
 pytestmark = [pytest.mark.slow, pytest.mark.ssh,
               pytest.mark.skipif(not os.path.exists(SSHD), reason="openssh-server is not installed (.ci/run "
@@ -36,9 +37,6 @@ def hostfile(tmp_path, text: str) -> str:
 
 def step_losses(run_root) -> list[float]:
     return [e["loss"] for e in read_events(run_root) if e["event"] == "step" and e["rank"] == 0]
-
-
-FAST = ["train.steps=4", "train.eval_every=0", "log.every=1", 'launch.env={OMP_NUM_THREADS: "1"}']
 
 
 def unbase64(text: str) -> str:
@@ -71,10 +69,11 @@ def watch_job(proc: subprocess.Popen, secret: str) -> dict:
     return seen
 
 
-def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tmp_path):
-    """Also: no env value or recipe on any command line (a 100 KB value works: on a command line it was over
-    the kernel's 128 KiB limit), node 0's rendezvous store listens on the master address only, and the
-    nodes' private folders are gone after the run."""
+def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tiny_reference, tmp_path):
+    """The losses equal those of two local ranks step for step (the session's reference job, the same recipe
+    and overrides: tests/tiny_reference.py). Also: no env value or recipe on any command line (a 100 KB value
+    works: on a command line it was over the kernel's 128 KiB limit), node 0's rendezvous store listens on the
+    master address only, and the nodes' private folders are gone after the run."""
     hosts = hostfile(tmp_path, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
     secret = "s3cret-" + os.urandom(8).hex() + "x" * 100_000
     recipe = tmp_path / "tiny.yaml"  # the secret in the recipe file, not on the launcher's command line
@@ -82,7 +81,8 @@ def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tmp_path):
         "launch: {procs_per_node: 2}",
         f"launch: {{procs_per_node: 2, env: {{ZR_SECRET: {secret}, OMP_NUM_THREADS: '1'}}}}").replace(
         "module: models/gpt.py", f"module: {os.path.join(os.path.dirname(TINY), 'models', 'gpt.py')}"))
-    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", str(recipe), *FAST[:-1],
+    assert RECIPE[-1].startswith("launch.env=")  # the recipe file's launch.env has OMP_NUM_THREADS 1 too
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", str(recipe), *RECIPE[:-1],
                              f"log.dir={tmp_path / 'ssh'}", "-H", hosts, "--ssh-config", sshd.config],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = watch_job(proc, secret)
@@ -96,10 +96,8 @@ def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tmp_path):
         int(seen["master"][1].split("=")[1])
     assert {ip for ip, p in seen["listen"] if p == port} == {"127.0.0.2"}, seen
     assert not list(pathlib.Path(tempfile.gettempdir()).glob(f"zerorun-{job_id(stdout)}-*"))
-    local = zerorun("train", TINY, *FAST, f"log.dir={tmp_path / 'local'}", cwd=ROOT)
-    assert local.returncode == 0, local.stderr
-    remote_losses, local_losses = step_losses(tmp_path / "ssh"), step_losses(tmp_path / "local")
-    assert len(remote_losses) == 4 and remote_losses == pytest.approx(local_losses, rel=1e-6, abs=0)
+    remote_losses, local_losses = step_losses(tmp_path / "ssh"), [tiny_reference[s] for s in range(1, STEPS + 1)]
+    assert len(remote_losses) == STEPS and remote_losses == pytest.approx(local_losses, rel=1e-6, abs=0)
     assert survivors(job_id(stdout)) == []
 
 
