@@ -139,10 +139,19 @@ for step in range(1, 100000):
 
 def start_loop(tmp_path, sshd, hosts_text: str, *args: str) -> tuple[subprocess.Popen, str]:
     """``zerorun launch`` of a script that all-reduces forever; returns it once rank 0 reported a step."""
+    return first_step(launch_loop(tmp_path, sshd, hosts_text, *args))
+
+
+def launch_loop(tmp_path, sshd, hosts_text: str, *args: str) -> subprocess.Popen:
+    """``zerorun launch`` of a script that all-reduces forever, started (see :func:`first_step`)."""
     (tmp_path / "loop.py").write_text(LOOP)
-    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "launch", "-H", hostfile(tmp_path, hosts_text),
+    return subprocess.Popen([sys.executable, "-m", "zerorun", "launch", "-H", hostfile(tmp_path, hosts_text),
                              "--ssh-config", sshd.config, "--log-dir", str(tmp_path / "runs"), "loop.py", *args],
                             cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def first_step(proc: subprocess.Popen) -> tuple[subprocess.Popen, str]:
+    """The started launch ``proc`` and its job id, once its rank 0 reported a step."""
     job = job_id(proc.stdout.readline())
     for line in proc.stdout:
         if line.startswith("step"):
@@ -262,15 +271,17 @@ def test_launcher_killed_stops_every_host(sshd, tmp_path):
 
 def test_hung_or_vanished_rank_is_blamed_not_its_peer(sshd, tmp_path):
     """Issue 17 item 8: a rank stopped with SIGSTOP makes rank 0 time out (5 s here), a rank that exits 0 in
-    the middle makes rank 0 fail on a closed connection; either way rank 1 is named."""
+    the middle makes rank 0 fail on a closed connection; either way rank 1 is named. The second job starts
+    while the first one's rank 0 waits out its timeout (idle CPUs)."""
     proc, job = start_loop(tmp_path, sshd, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
     rank_process(job, 1).suspend()
+    second = launch_loop(tmp_path, sshd, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n", "5")
     took, err = wait_ended(proc, job, 30)
     assert proc.returncode == 1, err
     # "last heard N s before rank 0 failed", or "no word from it before ..." when stopped before its first step
     assert "rank 1 on 127.0.0.3: rank 1 stopped responding (" in err and " before rank 0 failed)" in err, err
     assert survivors(job) == []
-    proc, job = start_loop(tmp_path, sshd, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n", "5")
+    proc, job = first_step(second)
     took, err = wait_ended(proc, job)
     assert proc.returncode == 1, err
     assert "rank 1 on 127.0.0.3: rank 1 finished while its peers still needed it; rank 0 then failed" in err, err
