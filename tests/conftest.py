@@ -18,8 +18,9 @@ _pools: dict[int, RankPool] = {}
 # tier: a test file marks its end-to-end launches ``slow`` itself, and here every test that uses a fixture which
 # starts processes is marked too, so that no such test can slip into the fast tier unmarked: the ``ranks`` pool
 # (``slow``, unless marked ``smoke``), the loopback ``sshd`` (``ssh`` and ``slow``), the ``slurm_cluster``
-# (``slurm`` and ``slow``); a test marked ``ssh`` or ``slurm`` is ``slow`` as well.
-_FIXTURE_MARKS = {"ranks": (), "sshd": ("ssh",), "slurm_cluster": ("slurm",)}
+# (``slurm`` and ``slow``), the ``tiny_reference`` job (``slow``); a test marked ``ssh`` or ``slurm`` is ``slow``
+# as well.
+_FIXTURE_MARKS = {"ranks": (), "sshd": ("ssh",), "slurm_cluster": ("slurm",), "tiny_reference": ()}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker (-m)
@@ -33,7 +34,7 @@ def pytest_collection_modifyitems(items):
                     item.add_marker(mark)
         multi_rank = "ranks" in fixtures and item.get_closest_marker("smoke") is None
         remote = item.get_closest_marker("ssh") or item.get_closest_marker("slurm")
-        if (multi_rank or remote) and item.get_closest_marker("slow") is None:
+        if (multi_rank or remote or "tiny_reference" in fixtures) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
 
 
@@ -84,6 +85,16 @@ def slurm_cluster(tmp_path_factory):
     cluster = start_cluster(str(tmp_path_factory.mktemp("slurm")), nodes=2, cpus_per_node=2)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory) -> dict[int, float]:
+    """Rank 0's loss of every step, by step, of the uninterrupted reference job (tests/tiny_reference.py: the
+    tiny recipe, 2 local ranks, ``tiny_reference.RECIPE``), run once for the session's tests that compare with
+    it (test_slurm_launch.py, test_ssh_launch.py): each of them had launched the same job itself."""
+    import tiny_reference as reference
+
+    return reference.run(str(tmp_path_factory.mktemp("tiny-reference")))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,12 +15,14 @@ import pytest
 
 from sshd import SSHD, LoopbackSshd
 from test_train_e2e import ROOT, TINY, job_id, survivors
+from tiny_reference import RECIPE, STEPS
 
 pytestmark = pytest.mark.slow
 
-#: 40 steps of 20-50 ms: the kill lands well before the end; a checkpoint every 3 steps
-ARGS = ["train.steps=40", "checkpoint.every=3", "checkpoint.keep=40", "log.every=1", "train.eval_every=0",
-        "--no-dashboard", 'launch.env={OMP_NUM_THREADS: "1"}']
+#: the session's reference recipe (tests/tiny_reference.py: STEPS steps of 20-50 ms, a step event every step, no
+#: evaluation) with a checkpoint every 3 steps (a save takes about 0.15 s), all kept: the kill after the first
+#: checkpoint lands well before the end
+ARGS = [*RECIPE, "checkpoint.every=3", "checkpoint.keep=40", "--no-dashboard"]
 
 
 def start(tmp_path, name: str, *args: str) -> subprocess.Popen:
@@ -80,27 +82,24 @@ def losses(tmp_path, name: str) -> tuple[dict[int, float], list[dict]]:
             [events[i] for i in restarts])
 
 
-def test_rank_killed_mid_run_restarts_from_the_checkpoint_with_the_same_losses(tmp_path):
+def test_rank_killed_mid_run_restarts_from_the_checkpoint_with_the_same_losses(tmp_path, tiny_reference):
     """Issue 37 part 2: SIGKILL of rank 1 after the first checkpoint: the job restarts once, resumes from its
     latest complete checkpoint, exits 0, and every loss from the checkpoint on is bit-identical to an
-    uninterrupted run's."""
-    plain = start(tmp_path, "plain")
+    uninterrupted run's (the session's reference job: the same recipe, never interrupted, no checkpoint)."""
     proc = start(tmp_path, "killed", "--max-restarts", "1")
     job = kill_after_first_checkpoint(tmp_path, "killed", proc, rank=1)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
-    assert plain.wait(timeout=300) == 0, plain.stderr.read()
     resumed, [restart] = losses(tmp_path, "killed")
-    expected, none = losses(tmp_path, "plain")
     start_step = restart["resume_step"]
-    assert none == [] and start_step == 3  # the latest complete checkpoint (step 6's needs rank 1)
+    assert start_step == 3  # the latest complete checkpoint (step 6's needs rank 1)
     assert restart["checkpoint"] == str(tmp_path / "killed" / "ck" / f"step-{start_step:08d}")
     assert restart["cause"] == "rank 1 on localhost: rank process ended (killed by SIGKILL)", restart
     assert (f"zerorun: restart 1 of 1 after rank 1 on localhost: rank process ended (killed by SIGKILL) (last "
             f"step reported: {restart['failed_step']}); resuming from checkpoint {restart['checkpoint']} (after step "
             f"{start_step})\n") in out
-    assert sorted(resumed) == list(range(start_step + 1, 41))
-    assert resumed == {s: expected[s] for s in resumed}  # bit for bit (JSON floats round-trip exactly)
+    assert sorted(resumed) == list(range(start_step + 1, STEPS + 1))
+    assert resumed == {s: tiny_reference[s] for s in resumed}  # bit for bit (JSON floats round-trip exactly)
     assert survivors(job) == []
 
 
@@ -133,7 +132,7 @@ def test_lost_ssh_host_the_job_continues_on_the_other_resharded(tmp_path):
     assert ("): continuing on 1 of 2 hosts; train.grad_accum_steps 1 -> 2 keeps the global batch at 8 samples\n"
             in out), out
     resumed, [restart] = losses(tmp_path, "elastic")
-    assert restart["resume_step"] == 3 and sorted(resumed) == list(range(4, 41)), (restart, resumed)
+    assert restart["resume_step"] == 3 and sorted(resumed) == list(range(4, STEPS + 1)), (restart, resumed)
     assert by_hand.wait(timeout=300) == 0, by_hand.stderr.read()
     expected, _ = losses(tmp_path, "hand")
     assert sorted(expected) == sorted(resumed) and resumed == expected

@@ -21,14 +21,14 @@ import pytest
 
 from slurm_cluster import ENDLESS_SCRIPT, missing_binaries
 from test_train_e2e import ROOT, TINY, job_id, survivors
+# RECIPE: the tiny recipe, long enough (STEPS) to be stopped in the middle, no evaluation, a step event every
+# step: that of the session's uninterrupted reference job (tests/tiny_reference.py, the ``tiny_reference`` fixture)
+from tiny_reference import RECIPE, STEPS
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm,
               pytest.mark.skipif(bool(missing_binaries()), reason="SLURM not installed (.ci/run installs "
                                                                     "slurmctld slurmd slurm-client munge)")]
 
-STEPS = 80
-#: the tiny recipe, long enough to be stopped in the middle, no evaluation, a step event every step
-RECIPE = [f"train.steps={STEPS}", "train.eval_every=0", "log.every=1", 'launch.env={OMP_NUM_THREADS: "1"}']
 ZR = [sys.executable, "-m", "zerorun"]
 
 
@@ -106,17 +106,11 @@ def test_the_allocations_task_counts_are_the_ranks(slurm_cluster, tmp_path):
         "(SLURM_JOB_CPUS_PER_NODE=1); ask for the tasks (salloc/sbatch --ntasks-per-node=2), or give --num-procs"]
 
 
-@pytest.fixture(scope="module")
-def local_losses(tmp_path_factory):
-    """The same job on this machine, 2 ranks, no SLURM: the reference, step by step."""
-    log_dir = tmp_path_factory.mktemp("local")
-    out = subprocess.run([*ZR, "train", TINY, *RECIPE, "launch.procs_per_node=2", f"log.dir={log_dir}",
-                          "--launcher", "local", "--no-dashboard"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=240, env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
-    assert out.returncode == 0, out.stdout + out.stderr
-    found = losses(run_dir(log_dir))
-    assert sorted(found) == list(range(1, STEPS + 1))
-    return found
+@pytest.fixture
+def local_losses(tiny_reference):
+    """The same job on this machine, 2 ranks, no SLURM: the reference, step by step (the session's
+    ``tiny_reference``, run with this file's RECIPE)."""
+    return tiny_reference
 
 
 def test_salloc_job_equals_local_job(slurm_cluster, local_losses, tmp_path):

@@ -22,6 +22,7 @@ import pytest
 
 from sshd import SSHD
 from test_train_e2e import ROOT, TINY, job_id, read_events, survivors, zerorun
+from tiny_reference import RECIPE, STEPS
 
 pytestmark = [pytest.mark.slow, pytest.mark.ssh,
               pytest.mark.skipif(not os.path.exists(SSHD), reason="openssh-server is not installed (.ci/run "
@@ -36,9 +37,6 @@ def hostfile(tmp_path, text: str) -> str:
 
 def step_losses(run_root) -> list[float]:
     return [e["loss"] for e in read_events(run_root) if e["event"] == "step" and e["rank"] == 0]
-
-
-FAST = ["train.steps=4", "train.eval_every=0", "log.every=1", 'launch.env={OMP_NUM_THREADS: "1"}']
 
 
 def unbase64(text: str) -> str:
@@ -71,10 +69,11 @@ def watch_job(proc: subprocess.Popen, secret: str) -> dict:
     return seen
 
 
-def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tmp_path):
-    """Also: no env value or recipe on any command line (a 100 KB value works: on a command line it was over
-    the kernel's 128 KiB limit), node 0's rendezvous store listens on the master address only, and the
-    nodes' private folders are gone after the run."""
+def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tiny_reference, tmp_path):
+    """The losses equal those of two local ranks step for step (the session's reference job, the same recipe
+    and overrides: tests/tiny_reference.py). Also: no env value or recipe on any command line (a 100 KB value
+    works: on a command line it was over the kernel's 128 KiB limit), node 0's rendezvous store listens on the
+    master address only, and the nodes' private folders are gone after the run."""
     hosts = hostfile(tmp_path, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
     secret = "s3cret-" + os.urandom(8).hex() + "x" * 100_000
     recipe = tmp_path / "tiny.yaml"  # the secret in the recipe file, not on the launcher's command line
@@ -82,7 +81,8 @@ def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tmp_path):
         "launch: {procs_per_node: 2}",
         f"launch: {{procs_per_node: 2, env: {{ZR_SECRET: {secret}, OMP_NUM_THREADS: '1'}}}}").replace(
         "module: models/gpt.py", f"module: {os.path.join(os.path.dirname(TINY), 'models', 'gpt.py')}"))
-    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", str(recipe), *FAST[:-1],
+    assert RECIPE[-1].startswith("launch.env=")  # the recipe file's launch.env has OMP_NUM_THREADS 1 too
+    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", str(recipe), *RECIPE[:-1],
                              f"log.dir={tmp_path / 'ssh'}", "-H", hosts, "--ssh-config", sshd.config],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = watch_job(proc, secret)
@@ -96,10 +96,8 @@ def test_two_hosts_over_ssh_match_two_local_ranks(sshd, tmp_path):
         int(seen["master"][1].split("=")[1])
     assert {ip for ip, p in seen["listen"] if p == port} == {"127.0.0.2"}, seen
     assert not list(pathlib.Path(tempfile.gettempdir()).glob(f"zerorun-{job_id(stdout)}-*"))
-    local = zerorun("train", TINY, *FAST, f"log.dir={tmp_path / 'local'}", cwd=ROOT)
-    assert local.returncode == 0, local.stderr
-    remote_losses, local_losses = step_losses(tmp_path / "ssh"), step_losses(tmp_path / "local")
-    assert len(remote_losses) == 4 and remote_losses == pytest.approx(local_losses, rel=1e-6, abs=0)
+    remote_losses, local_losses = step_losses(tmp_path / "ssh"), [tiny_reference[s] for s in range(1, STEPS + 1)]
+    assert len(remote_losses) == STEPS and remote_losses == pytest.approx(local_losses, rel=1e-6, abs=0)
     assert survivors(job_id(stdout)) == []
 
 
@@ -141,10 +139,19 @@ for step in range(1, 100000):
 
 def start_loop(tmp_path, sshd, hosts_text: str, *args: str) -> tuple[subprocess.Popen, str]:
     """``zerorun launch`` of a script that all-reduces forever; returns it once rank 0 reported a step."""
+    return first_step(launch_loop(tmp_path, sshd, hosts_text, *args))
+
+
+def launch_loop(tmp_path, sshd, hosts_text: str, *args: str) -> subprocess.Popen:
+    """``zerorun launch`` of a script that all-reduces forever, started (see :func:`first_step`)."""
     (tmp_path / "loop.py").write_text(LOOP)
-    proc = subprocess.Popen([sys.executable, "-m", "zerorun", "launch", "-H", hostfile(tmp_path, hosts_text),
+    return subprocess.Popen([sys.executable, "-m", "zerorun", "launch", "-H", hostfile(tmp_path, hosts_text),
                              "--ssh-config", sshd.config, "--log-dir", str(tmp_path / "runs"), "loop.py", *args],
                             cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def first_step(proc: subprocess.Popen) -> tuple[subprocess.Popen, str]:
+    """The started launch ``proc`` and its job id, once its rank 0 reported a step."""
     job = job_id(proc.stdout.readline())
     for line in proc.stdout:
         if line.startswith("step"):
@@ -264,15 +271,17 @@ def test_launcher_killed_stops_every_host(sshd, tmp_path):
 
 def test_hung_or_vanished_rank_is_blamed_not_its_peer(sshd, tmp_path):
     """Issue 17 item 8: a rank stopped with SIGSTOP makes rank 0 time out (5 s here), a rank that exits 0 in
-    the middle makes rank 0 fail on a closed connection; either way rank 1 is named."""
+    the middle makes rank 0 fail on a closed connection; either way rank 1 is named. The second job starts
+    while the first one's rank 0 waits out its timeout (idle CPUs)."""
     proc, job = start_loop(tmp_path, sshd, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
     rank_process(job, 1).suspend()
+    second = launch_loop(tmp_path, sshd, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n", "5")
     took, err = wait_ended(proc, job, 30)
     assert proc.returncode == 1, err
     # "last heard N s before rank 0 failed", or "no word from it before ..." when stopped before its first step
     assert "rank 1 on 127.0.0.3: rank 1 stopped responding (" in err and " before rank 0 failed)" in err, err
     assert survivors(job) == []
-    proc, job = start_loop(tmp_path, sshd, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n", "5")
+    proc, job = first_step(second)
     took, err = wait_ended(proc, job)
     assert proc.returncode == 1, err
     assert "rank 1 on 127.0.0.3: rank 1 finished while its peers still needed it; rank 0 then failed" in err, err
