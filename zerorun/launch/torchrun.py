@@ -33,6 +33,8 @@ import shutil
 import socket
 import sys
 
+from zerorun.launch.exiting import exit_now
+
 #: the node watcher's private folder (launch/node.py), removed here when the watcher was killed.
 NODE_DIR_ENV = "ZERORUN_NODE_DIR"
 _stores: list = []  # kept alive for the life of the process
@@ -153,3 +155,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    exit_now(0)  # a failure ends as Python ends it (torchrun's error report, exit 1): Note [Exit without teardown]

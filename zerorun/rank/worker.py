@@ -15,6 +15,7 @@ import sys
 import traceback
 
 from zerorun.errors import ZerorunError
+from zerorun.launch.exiting import exit_now
 from zerorun.recipe import Recipe
 from zerorun.rank.stopsignal import STOPPED_EXIT, Stopped
 from zerorun.telemetry import rankstream
@@ -110,4 +111,4 @@ def report_failure(e: BaseException, rank: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
