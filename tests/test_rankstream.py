@@ -83,3 +83,26 @@ def test_finish_writes_the_last_partial_line(pipe_stream, monkeypatch):
 def test_a_stream_without_a_descriptor_is_left_as_it_is():
     s = io.StringIO()
     assert rankstream.rank_stream(s, 0) is s
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_training_rank_writes_its_last_partial_line(pipe_stream, monkeypatch, fails):
+    """The train worker (zerorun.rank.worker) ends its streams as a script's rank does: a model's progress
+    print without a newline is shown, after a success or a failure (it was lost: only the script worker
+    finished them)."""
+    from zerorun.rank import worker
+    from zerorun.zero import allocator
+
+    stream, read = pipe_stream
+    monkeypatch.setattr(allocator, "configure", lambda: None)
+    monkeypatch.setattr(rankstream, "install", lambda rank: monkeypatch.setattr("sys.stdout", stream))
+    monkeypatch.setattr(worker, "read_recipe", lambda path: None)
+
+    def train(recipe, rank):
+        print("progress 50%", end="")
+        if fails:
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(worker, "train", train)
+    assert worker.main(["--recipe-file", "unused"]) == (1 if fails else 0)
+    assert read() == "[rank 3] progress 50%\n"

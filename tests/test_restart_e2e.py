@@ -19,7 +19,7 @@ from tiny_reference import RECIPE, STEPS
 
 pytestmark = pytest.mark.slow
 
-#: the session's reference recipe (tests/tiny_reference.py: STEPS steps of 20-50 ms, a step event every step, no
+#: the session's reference recipe (tests/tiny_reference.py: STEPS steps of 15-50 ms, a step event every step, no
 #: evaluation) with a checkpoint every 3 steps (a save takes about 0.15 s), all kept: the kill after the first
 #: checkpoint lands well before the end
 ARGS = [*RECIPE, "checkpoint.every=3", "checkpoint.keep=40", "--no-dashboard"]

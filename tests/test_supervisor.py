@@ -338,3 +338,15 @@ def test_torchrun_failure_report_is_data_the_blame_reads():
     assert sup.rank_exits == {0: -15, 1: -6}
     result = supervise(SUMMARY.splitlines())
     assert (result.rank, result.message) == (None, "node 0 ended (exit code 1): exitcode  : -6 (pid: 102)")
+
+
+def test_only_the_agent_holding_other_nodes_store_exits_through_teardown():
+    """Note [Exit without teardown]: every agent ends at once with os._exit, except node 0 of a job of several
+    nodes, whose rendezvous store the other agents may still use for torchrun's exit barrier."""
+    from zerorun.launch.torchrun import hosts_store_for_others
+
+    assert hosts_store_for_others(["--nnodes=2", "--node-rank=0", "--master-port=1"])
+    assert hosts_store_for_others(["--nnodes", "1:4", "--node-rank", "0"])
+    assert not hosts_store_for_others(["--nnodes=2", "--node-rank=1"])
+    assert not hosts_store_for_others(["--nnodes=1", "--node-rank=0"])
+    assert not hosts_store_for_others(["--nproc-per-node=2", "train.py"])  # torchrun's default: one node

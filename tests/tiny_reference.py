@@ -10,10 +10,11 @@ import os
 import subprocess
 import sys
 
-STEPS = 40
-#: the tiny recipe, long enough to be stopped in the middle (steps of 20-50 ms; test_slurm_launch's scancel after
-#: step 5 stops it about 4 steps later), no evaluation, a step event every step, one OMP thread per rank (2 ranks
-#: on 2 cores)
+STEPS = 80
+#: the tiny recipe, long enough to be stopped in the middle (steps of 15-50 ms: test_slurm_launch's scancel after
+#: step 5 must land before the last step, which 40 steps left to about half a second on an idle machine; a step
+#: costs the other users little), no evaluation, a step event every step, one OMP thread per rank (2 ranks on
+#: 2 cores)
 RECIPE = [f"train.steps={STEPS}", "train.eval_every=0", "log.every=1", 'launch.env={OMP_NUM_THREADS: "1"}']
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

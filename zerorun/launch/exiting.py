@@ -8,7 +8,9 @@ job on this machine), now about 0.8 s. They end the way multiprocessing ends its
 run (the offload swap files' finalizers, logging's flush), the standard streams are flushed, then
 ``os._exit``. Nothing is left to the teardown: a rank has closed its engine, destroyed its process group and
 written every event before it ends; a thread still running then is the engine's idle swap reader or a
-failure's leftovers. A user's own script (``zerorun launch``) ends as Python ends it.
+failure's leftovers. A user's own script (``zerorun launch``) ends as Python ends it, and so does the agent of
+node 0 in a job of several nodes: it holds the rendezvous store, which the other agents may still use for
+torchrun's exit barrier after it returns.
 """
 
 from __future__ import annotations

@@ -153,6 +153,16 @@ def main(argv: list[str]) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def hosts_store_for_others(argv: list[str]) -> bool:
+    """Whether this agent holds the rendezvous store that other nodes' agents still use (node 0 of a job of
+    several nodes): they may be finishing torchrun's exit barrier on it after this one returns."""
+    nodes = (_option(argv, "--nnodes") or "1").split(":")[-1]
+    return _option(argv, "--node-rank") in (None, "0") and nodes != "1"
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])
-    exit_now(0)  # a failure ends as Python ends it (torchrun's error report, exit 1): Note [Exit without teardown]
+    # a failure ends as Python ends it (torchrun's error report, exit 1); node 0 of several keeps the store up
+    # through its teardown, as before (Note [Exit without teardown])
+    if not hosts_store_for_others(sys.argv[1:]):
+        exit_now(0)

@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return STOPPED_EXIT
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
         return report_failure(e, rank)
+    finally:
+        rankstream.finish()  # a last line without its newline is still shown
 
 
 def report_failure(e: BaseException, rank: int) -> int:
