@@ -82,7 +82,8 @@ def table(run_: dict) -> list[str]:
     control = next((r.get("control") for r in run_["rows"] if r.get("rank") == 0), None)
     lines = [f"\n### world size {run_['world_size']}, {run_['backend']}" +
              (f" (NCCL refused: {run_['fallback_reason'][:200]})" if run_.get("fallback_reason") else ""),
-             "", f"Agreements' group (Note [Agreements on the host]): {control}", "", "| precision | runtime | parity loss / norm / params (rel) | peak (MiB) | paper states (MiB) "
+             "", f"Agreements' group (Note [Agreements on the host]): {control}", "",
+             "| precision | runtime | parity loss / norm / params (rel) | peak (MiB) | paper states (MiB) "
              "| estimate states / total (MiB) | samples/s | syncs micro / step | comm hidden |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in run_["rows"]:

@@ -123,27 +123,34 @@ def test_recipe_refuses_a_broadcast_buffers_that_is_not_a_boolean():
         load_recipe(TINY, ["zero.broadcast_buffers=sometimes"])
 
 
-def stop_agreed_case(device: str) -> dict:
-    """StopRequest.agreed on ``device``, rank 1 signalled; no CUDA exists here, so on "cuda" it passes only if
-    the flag stays on the host."""
+def stop_agreed_case(backend: str) -> dict:
+    """StopRequest.agreed with the job's group on ``backend``, rank 1 signalled. "nccl" stands in by name (the
+    group here is gloo): the agreement then goes over the gloo group made beside it (Note [Agreements on the
+    host]), which is returned too, so it passes only if the flag stays on the host."""
     import signal
 
     from zerorun.rank.stopsignal import StopRequest
+    from zerorun.zero import comm
 
-    before = signal.getsignal(signal.SIGTERM)
+    before, real_backend = signal.getsignal(signal.SIGTERM), dist.get_backend
+    if backend == "nccl":
+        dist.get_backend = lambda group=None: "nccl" if group is None else real_backend(group)
     try:
         stop = StopRequest(dist.get_rank(), dist.get_world_size())
-        first = stop.agreed(torch.device(device))
+        first = stop.agreed()
         if dist.get_rank() == 1:
             stop.signal = signal.SIGTERM
-        return {"first": first, "second": stop.agreed(torch.device(device)), "rank": stop.rank}
+        beside = dist.group.WORLD in comm._CONTROL_GROUPS
+        return {"first": first, "second": stop.agreed(), "rank": stop.rank, "beside": beside}
     finally:
         signal.signal(signal.SIGTERM, before)
+        dist.get_backend = real_backend
+        comm._CONTROL_GROUPS.pop(dist.group.WORLD, None)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_sigterm_agreement_is_taken_on_the_host(ranks, device):
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_sigterm_agreement_is_taken_on_the_host(ranks, backend):
     """The per-step SIGTERM check (rank/stopsignal.py) reads a host tensor on a host group, never a GPU's: a CUDA
-    job makes no device sync for it every step."""
-    for r in ranks(2).run(stop_agreed_case, device=device):
-        assert r == {"first": False, "second": True, "rank": 1}, r
+    job makes no device sync for it every step; beside NCCL it uses the job's one gloo group for agreements."""
+    for r in ranks(2).run(stop_agreed_case, backend=backend):
+        assert r == {"first": False, "second": True, "rank": 1, "beside": backend == "nccl"}, r

@@ -72,8 +72,8 @@ def _counting_allreduce(sent: SentBytes, bucket):
 class BaselineEngine:
     """Base class of :class:`DDPEngine` and :class:`FSDP2Engine`: the training-step protocol shared by both.
     Subclasses set ``self.model`` (the wrapped module called in forward) and ``self.optimizer``; their
-    collectives' hooks count into ``self.sent``. Baselines run fp32 without loss scaling or offload (the recipe refuses anything
-    else), so :attr:`loss_scale` is ``None`` and no step is ever skipped."""
+    collectives' hooks count into ``self.sent``. Baselines run fp32 without loss scaling or offload (the recipe
+    refuses anything else), so :attr:`loss_scale` is ``None`` and no step is ever skipped."""
 
     loss_scale = None
     last_step_skipped = False

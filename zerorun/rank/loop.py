@@ -259,7 +259,7 @@ class TrainingRun:
         if ckpt.dir and ((ckpt.every and step % ckpt.every == 0) or step == t.steps):
             self.steplog.flush()
             self.save(step)
-        if self.stop is not None and step < t.steps and self.stop.agreed(self.device):
+        if self.stop is not None and step < t.steps and self.stop.agreed():
             self.steplog.flush()
             self.stop_after(step)
 

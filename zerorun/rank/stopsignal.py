@@ -38,27 +38,27 @@ class StopRequest:
         self.signal: int | None = None
         self.own_rank, self.world_size = rank, world_size
         self.rank: int | None = None  # the lowest rank that got SIGTERM, once agreed() returned True
-        self._group = None  # agreed(): the host-side group for a job whose collectives run on a GPU
         signal.signal(signal.SIGTERM, self._record)
 
     def _record(self, signum, _frame) -> None:
         if self.signal is None:
             self.signal = signum
 
-    def agreed(self, device) -> bool:
+    def agreed(self) -> bool:
         """True on every rank when any rank got SIGTERM (one int32 all-reduce with MAX of ``world_size - rank``
         on a signalled rank and 0 elsewhere: the largest names the lowest such rank). Every rank calls it at
-        the same step. A decision of the hosts, taken on the host: with ``device`` not the CPU (NCCL) over a
-        gloo group of its own, made at the first call, so that the check, made every step, never waits for
-        the GPU's queued work (a read of a device tensor would)."""
+        the same step. A decision of the hosts, taken on the host, over the job's gloo group for such
+        agreements (the default group on gloo; beside NCCL, the one the engine's agreements use: Note
+        [Agreements on the host] in zerorun/zero/comm.py), so that the check, made every step, never waits
+        for the GPU's queued work (a read of a device tensor would)."""
         import torch
         import torch.distributed as dist
 
-        if device.type != "cpu" and self._group is None:
-            self._group = dist.new_group(backend="gloo")
+        from zerorun.zero.comm import control_group
+
         mine = self.world_size - self.own_rank if self.signal is not None else 0
         flag = torch.tensor([mine], dtype=torch.int32, device="cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group(None))
         got = int(flag.item())
         if got:
             self.rank = self.world_size - got

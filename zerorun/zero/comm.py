@@ -21,12 +21,12 @@ units reach the loss (Note [Backward on some ranks] in stage3_checks.py), a dige
 Made on the group's device (a CUDA tensor under NCCL), each cost a copy in and a read back: a host sync, a GPU
 pipeline stall, every step. :meth:`Comm.agree` sums them on the CPU over a gloo group instead: the main group
 itself where it is gloo (or has a gloo backend for CPU tensors), else a gloo group of the same ranks made
-beside it at construction (``new_group(..., backend="gloo")``, as DeepSpeed and torch.distributed.checkpoint do
-for their CPU coordination). The host waits for its peers' hosts at that point, never for a GPU stream; the
-gloo group runs no GPU kernel, so NCCL's rule (every rank issues the collectives of communicators that can run
-concurrently in the same order) is not touched, and every agreement sits at the same point of the program on
-every rank. Cost: a small TCP round per agreement; gloo must reach every host (``GLOO_SOCKET_IFNAME`` where
-hosts have several interfaces).
+beside it once per group (``new_group(..., backend="gloo")``, as DeepSpeed and torch.distributed.checkpoint do
+for their CPU coordination), which the rank's SIGTERM agreement (rank/stopsignal.py) shares. The host waits
+for its peers' hosts at that point, never for a GPU stream; the gloo group runs no GPU kernel, so NCCL's rule
+(every rank issues the collectives of communicators that can run concurrently in the same order) is not
+touched, and every agreement sits at the same point of the program on every rank. Cost: a small TCP round
+per agreement; gloo must reach every host (``GLOO_SOCKET_IFNAME`` where hosts have several interfaces).
 """
 
 from __future__ import annotations

@@ -347,7 +347,7 @@ class GradReducer:
 
     def _fix_late(self) -> None:
         """Note [Per-parameter readiness]: the ranks agree on the buckets that got gradients after their launch;
-        each is reduced again and added. Note [Unused parameters]: the same all-reduce carries this rank's
+        each is reduced again and added. Note [Unused parameters]: the same agreement carries this rank's
         used-parameter mask; :attr:`used` becomes the parameters that got a gradient on some rank."""
         params = list(self._slot)
         if self.world_size > 1:  # one agreement on the host: a flag per parameter (used), per bucket (late)

@@ -2,10 +2,11 @@
 
 Note [Hooks hold their owner weakly]: a hook registered on a parameter (``register_post_accumulate_grad_hook``)
 is kept by torch in C++, where Python's cycle collector cannot see it (so is a DDP comm hook and its state:
-zerorun's DDP baseline gives it a byte counter as its state, never the engine). A hook that is a bound method of the engine's reducer makes the cycle parameter -> hook -> reducer ->
-parameter, and the collector never frees it: an engine dropped without ``close()`` kept every parameter,
-gradient and optimizer state alive (16Ψ bytes per engine in fp32 with Adam; seen on an H200 as 1.1 GiB more
-peak memory per engine built in one process, benchmarks/results/gpu_check_cuda.md). The hook holds its owner
+zerorun's DDP baseline gives it a byte counter as its state, never the engine). A hook that is a bound method
+of the engine's reducer makes the cycle parameter -> hook -> reducer -> parameter, and the collector never
+frees it: an engine dropped without ``close()`` kept every parameter, gradient and optimizer state alive (16Ψ
+bytes per engine in fp32 with Adam; seen on an H200 as 1.1 GiB more peak memory per engine built in one
+process, benchmarks/results/gpu_check_cuda_before_leak_fix.md). The hook holds its owner
 through a ``weakref.WeakMethod`` instead and does nothing once the owner is gone (stages 0-2: a parameter that
 outlives its engine keeps a hook that is a no-op, and a second engine over the same model is not driven by the
 first's). A stage-3 engine is different by design: it holds its model's parameters partitioned, and its
