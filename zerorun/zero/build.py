@@ -40,9 +40,9 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
     from zerorun.zero.deferred import is_deferred, materialize
-    from zerorun.zero.stage3_access import ZeroParameter
+    from zerorun.zero.stage3_access import held_by_stage3
 
-    held = next((name for name, p in model.named_parameters() if isinstance(p, ZeroParameter)), None)
+    held = next((name for name, p in model.named_parameters() if held_by_stage3(p)), None)
     if held is not None:
         raise ValueError(f"this model is held by a stage 3 engine already (parameter {held!r} is partitioned into "
                          "it, and stays so while the model lives): build a fresh model for a new engine, or keep "

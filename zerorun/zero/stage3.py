@@ -59,7 +59,8 @@ from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.param_offload import ParamOffload
 from zerorun.zero.precision import DTYPES
-from zerorun.zero.stage3_access import ParameterAccess, adopt, declared_externals, engine_ref, placeholder
+from zerorun.zero.stage3_access import (ParameterAccess, adopt, declared_externals, engine_ref, guarded, placeholder,
+                                        plain)
 from zerorun.zero.stage3_backward import Stage3Backward
 from zerorun.zero.stage3_checks import carry_hooks, check_no_writes, param_versions
 from zerorun.zero.stage3_outer import OuterUnits
@@ -122,9 +123,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         self._warned: set = set()
         for unit in self.units:
             if not unit.persistent:
-                for buf in unit.buffers:
-                    for p in buf.params:
-                        adopt(p, self._use)
+                unit.adopted = [p for buf in unit.buffers for p in buf.params if adopt(p, self._use)]
         for module in model.modules():
             module.__dict__["_zerorun_engine"] = engine_ref(self)
         for module, param in declared_externals(model):
@@ -265,9 +264,10 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
             unit.state = UnitState.GATHERING
             if unit.index >= 0:
                 self._gather_log.append(unit.index)
-            for buf in unit.buffers:
-                for p, view in zip(buf.params, buf.views):
-                    p.data = view
+            with torch._C.DisableTorchFunctionSubclass():  # the guard's metadata path, skipped per parameter
+                for buf in unit.buffers:
+                    for p, view in zip(buf.params, buf.views):
+                        p.data = view
             for other in unit.external:  # Note [External parameters]
                 if not other.deferred:  # Note [Outer units]: a tail this backward gathers later
                     self._gather(other, wait=False)
@@ -281,6 +281,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
             self._release_slices(unit)
             unit.state = UnitState.GATHERED
             unit.versions = param_versions(unit)  # Note [Writes inside a unit's forward]
+            plain(unit)  # Note [Plain while gathered]
 
     def _free(self, unit: Unit) -> None:
         if unit.state is UnitState.FREE or unit.persistent or unit.pinned_by:
@@ -289,10 +290,12 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
             self.comm.wait(unit.works)
             unit.works = []
             self._release_slices(unit)
-        for buf in unit.buffers:
-            for p, rest in zip(buf.params, buf.placeholders):
-                p.data = rest
-            buf.data.untyped_storage().resize_(0)
+        guarded(unit)  # Note [Plain while gathered]
+        with torch._C.DisableTorchFunctionSubclass():
+            for buf in unit.buffers:
+                for p, rest in zip(buf.params, buf.placeholders):
+                    p.data = rest
+                buf.data.untyped_storage().resize_(0)
         unit.state = UnitState.FREE
         for other in unit.external:
             other.pinned_by.discard(unit)

@@ -20,6 +20,17 @@ reading ``p.data`` counts as a use (what is done with the plain tensor it return
 reference to ``p.data`` taken while the unit was gathered and used after it was freed reads the placeholder:
 NaN, and torch's own error (overlapping memory) on a write, never a silent loss or a crash.
 
+Note [Plain while gathered]: the guard costs Python on every torch operation on a parameter, and it is needed
+only while the parameter's values are absent. So a parameter is a :class:`ZeroParameter` only at rest: when
+its unit's all-gather is done (``UnitState.GATHERED``) its class is switched back to ``nn.Parameter``
+(:func:`plain`), and to :class:`ZeroParameter` again when the unit is freed (:func:`guarded`), before its
+storage goes. While a unit computes, its parameters are ordinary parameters holding views of the gathered
+flat buffer: no per-op Python (a model of many small ops pays nothing per op, as at stage 2) and
+``torch.compile`` traces plain tensors. A use while a prefetch is in flight (``GATHERING``) is still seen,
+and waits. Outer units (Note [Outer units] in ``stage3_outer.py``) stay guarded while gathered: their
+schedule is learned from who reads them. Only the Python class changes: the object, its ``TensorImpl``, its
+hooks and what autograd saved stay the same.
+
 Note [External parameters]: ``register_external_parameter(module, param)`` declares, before or after
 ``initialize``, that ``module``'s forward reads ``param`` of another unit (DeepSpeed's name for the same):
 the unit of ``module`` then gathers ``param``'s unit along with itself, pinned until it frees itself,
@@ -99,6 +110,25 @@ def adopt(p: nn.Parameter, use) -> bool:
     p.__class__ = ZeroParameter
     p._zerorun_use = use
     return True
+
+
+def held_by_stage3(p: nn.Parameter) -> bool:
+    """Whether a stage-3 engine partitioned ``p`` (at rest or gathered: Note [Plain while gathered])."""
+    return "_zerorun_use" in p.__dict__
+
+
+def plain(unit) -> None:
+    """Note [Plain while gathered]: ``unit``'s parameters become ``nn.Parameter`` (no per-op guard); outer
+    units stay guarded."""
+    if not unit.outer:
+        for p in unit.adopted:
+            p.__class__ = nn.Parameter
+
+
+def guarded(unit) -> None:
+    """Note [Plain while gathered]: ``unit``'s parameters are :class:`ZeroParameter` again (at rest)."""
+    for p in unit.adopted:
+        p.__class__ = ZeroParameter
 
 
 def placeholder(p: torch.Tensor) -> torch.Tensor:

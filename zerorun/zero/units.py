@@ -30,6 +30,7 @@ class Unit:
         self.outer = outer  # Note [Outer units]: a module outside the listed units, gathered on a learned schedule
         self.buffers: list = []  # FlatBuffer
         self.state = UnitState.FREE
+        self.adopted: list = []  # its parameters whose class the engine switches (Note [Plain while gathered])
         self.works: list[Any] = []
         self.ready_buffers = 0
         self.index = -1  # position in the engine's unit list, equal on every rank
