@@ -73,7 +73,7 @@ def rank_main(rank: int, world_size: int, port: int, args, out) -> None:
         model = build(args.blocks, args.width, seed=0)
         if args.compile:
             model.compile(backend=args.compile)
-        config = zero.ZeroConfig(stage=stage, units=tuple(args.units.split(",")) if stage == 3 else ())
+        config = zero.ZeroConfig(stage=stage, units=tuple(args.units.split(",")) if stage == 3 else (), persistence_threshold=args.persist)
         engines[stage] = zero.initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3}, config=config)
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randn(args.micro_batch, args.width, generator=gen) for _ in range(4)]
@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--units", default="Stack", help="zero.units at stage 3 (class names, comma-separated)")
     ap.add_argument("--compile", default="", help="torch.compile backend for both modes (aot_eager, inductor)")
     ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--persist", type=int, default=0, help="zero.persistence_threshold (elements)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=5)

@@ -105,6 +105,8 @@ class Net(nn.Module):
         self.inp = nn.Linear(8, 16)
         depth = 6 if kind == "expert_some_ranks" else 2  # enough buckets in flight to wait for one in a hook
         self.blocks = nn.ModuleList(Block(16, out, expert=kind == "expert_some_ranks") for _ in range(depth))
+        if kind.startswith("experts_sizes"):  # experts of different sizes: the second one twice the first
+            self.blocks[1] = Block(16, out, expert=True)
         self.head = nn.Linear(16, 4)
         self.out = out
         self.logged: list[float] = []
@@ -136,9 +138,9 @@ class Net(nn.Module):
             self.head.requires_grad_(self.kind == "unfreeze")
         rank = dist.get_rank()
         h = self.inp(x)
-        if self.kind == "experts_per_rank":  # each rank runs another same-shaped unit
+        if self.kind in ("experts_per_rank", "experts_sizes_per_rank"):  # each rank runs another unit
             h = unwrap(self.blocks[rank % 2](h), self.out)
-        elif self.kind == "experts_order_per_rank":  # every rank runs every unit, in a rank-dependent order
+        elif self.kind in ("experts_order_per_rank", "experts_sizes_order_per_rank"):  # every unit, rank's order
             for b in (self.blocks if rank % 2 == 0 else list(self.blocks)[::-1]):
                 h = unwrap(b(h), self.out)
         else:
@@ -241,6 +243,9 @@ MATCH = ["plain", "grad_hook", "grad_hook_deferred", "grad_hook_meta_capture", "
 ERRORS = {
     "experts_per_rank": ((3,), "reaches the loss on some ranks only"),  # before backward: no hang
     "experts_order_per_rank": ((3,), "ranks ran different units"),  # at the step's norm all-reduce
+    # experts of different sizes: their all-gathers are of one size (Note [Peer units]), so as above
+    "experts_sizes_per_rank": ((3,), "reaches the loss on some ranks only"),
+    "experts_sizes_order_per_rank": ((3,), "ranks ran different units"),
     "unfreeze": ((1, 2, 3), "'head.weight' was unfrozen"),
     "freeze_later": ((1, 2, 3), "'head.weight' was frozen"),
     "replace": ((1, 2, 3), "'head.weight' was replaced"),

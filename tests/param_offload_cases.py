@@ -32,7 +32,7 @@ def offload_params_run(root: str, swap: str) -> dict:
 
     offload = {"offload_params": "disk", "offload_path": swap}
     engine, scheduler = _engine(3, 0, zero=offload)
-    store = engine._param_store
+    store = engine.param_store
     out["file_while_running"] = len(_params_files(swap)) == 1
     out["slice_bytes"] = sum(b.shard_data.nbytes for b in engine.buffers)
     losses = _train(engine, scheduler, range(1, 3))

@@ -74,3 +74,25 @@ def parameter_classes() -> dict:
         refused = str(e)
     return {"inside": sorted(seen["inside"]), "rest": sorted(rest), "guard_calls": seen["guard_calls_in_blocks"],
             "refused": refused}
+
+
+def units_by_name(units: tuple, stage: int = 3, steps: int = 3) -> dict:
+    """Train ``Net`` with ``zero.units`` ``units`` (class or module names) at ``stage``: per-step losses, the
+    units and their roles, and the run's description of them (zerorun.zero.units.describe_units)."""
+    from zerorun.zero.units import describe_units
+
+    torch.manual_seed(0)
+    model = Net()
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
+                        config=ZeroConfig(stage=stage, units=units if stage == 3 else ()))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    losses = []
+    for _ in range(steps):
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    roles = {u.name: "outer" if u.outer else "root" if u.is_root else "listed" for u in getattr(engine, "units", [])
+             if not u.persistent}
+    lines = describe_units(engine.units, engine.units_without_params) if stage == 3 else []
+    return {"losses": losses, "roles": roles, "lines": lines}

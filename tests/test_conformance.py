@@ -83,7 +83,7 @@ def test_grad_hook_rows_never_move(results):
 def test_errors_name_every_rank_and_the_way_out(results):
     r0, r1 = results(2)
     for r in (r0, r1):  # the mismatch is seen by every rank, and both units are named
-        for kind in ("experts_per_rank", "experts_order_per_rank"):
+        for kind in ("experts_per_rank", "experts_order_per_rank", "experts_sizes_per_rank", "experts_sizes_order_per_rank"):
             err = r[kind][3]["error"]
             assert "'blocks.0'" in err and "'blocks.1'" in err and "zero.units" in err, (kind, err)
     assert "gathered_parameters" in r0["read_at_rest"][3]["error"]

@@ -1,11 +1,11 @@
 """Stage 3's units (zerorun/zero/stage3.py, units.py): what the parameters are while a unit computes and at
-rest, and the units' all-gathers."""
+rest, units named by module, what the run says of them, and units of different sizes."""
 
 import pytest
+import torch.nn as nn
 
 import stage3_cases as cases
-
-pytestmark = pytest.mark.slow
+from zerorun.zero.units import pick_units
 
 
 def test_parameters_are_plain_while_their_unit_is_gathered(ranks):
@@ -17,3 +17,32 @@ def test_parameters_are_plain_while_their_unit_is_gathered(ranks):
         assert r["guard_calls"] == 0, r
         assert r["rest"] == ["ZeroParameter"], r
         assert "gathered_parameters" in r["refused"], r
+
+
+def test_units_may_be_named_by_module_as_well_as_by_class():
+    """``zero.units`` entries are module names (FSDP2's ``fully_shard(model.tok_embeddings)``) or class names."""
+    model = nn.Sequential(nn.Embedding(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+    assert [n for n, _ in pick_units(model, ("0", "Linear"))] == ["0", "1.0", "2"]
+    assert [n for n, _ in pick_units(model, ("1",))] == ["1"]
+    with pytest.raises(ValueError, match=r"no module of class Block in the model and no module of that name "
+                                         r"\(its classes: .*Embedding.*; its top-level modules: 0, 1, 2\)"):
+        pick_units(model, ("Block",))
+    with pytest.raises(ValueError, match="names the whole model"):
+        pick_units(model, ("",))
+
+
+def test_a_named_head_is_a_unit_and_trains_as_stage_0(ranks):
+    """The head named in ``zero.units`` is a unit of its own (not an outer unit picked automatically), the
+    losses are stage 0's, and the run's description names every unit with its bytes."""
+    named = ranks(2).run(cases.units_by_name, units=("Block", "head"))
+    auto = ranks(2).run(cases.units_by_name, units=("Block",))
+    ref = ranks(2).run(cases.units_by_name, units=(), stage=0)
+    assert named[0]["roles"]["head"] == "listed" and auto[0]["roles"]["head"] == "outer"
+    for got in (named, auto):
+        for r, want in zip(got, ref):
+            assert r["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    lines = named[0]["lines"]
+    assert lines[0].startswith("stage 3 units, gathered and freed one by one: 3 x Block (blocks.0 .. blocks.2), ")
+    assert "1 x Linear (head), 0.1 KiB each" in lines[0], lines
+    assert not any("outer units" in line for line in lines), lines
+    assert any("outer units, picked automatically" in line and "head 0.1 KiB" in line for line in auto[0]["lines"])

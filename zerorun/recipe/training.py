@@ -69,16 +69,17 @@ class TrainSpec(Strict):
 
 
 class ZeroSpec(Strict):
-    """ZeRO stage (0 = DDP-equivalent), bucket size in MiB; stage 3: units (module class names gathered and
-    freed as one; empty: chosen by parameter count), prefetch of the next unit (or of the units within
+    """ZeRO stage (0 = DDP-equivalent), bucket size in MiB; stage 3: units (modules gathered and freed as one,
+    by class or by name; empty: chosen by parameter count), prefetch of the next unit (or of the units within
     ``prefetch_bytes``), and whether the model is
     built on the meta device so that no rank ever holds all of it (``meta_init``)."""
 
     stage: Literal[0, 1, 2, 3] = Field(0, description="0: plain data parallel (DDP-equivalent); 1: optimizer "
                                        "states sharded; 2: and gradients; 3: and parameters")
     bucket_mb: float = Field(25.0, gt=0, description="MiB of gradients reduced in one collective (a flat bucket)")
-    units: list[str] = Field(default_factory=list, description="stage 3: module class names whose modules are "
-                             "all-gathered and freed as one unit (empty: chosen by parameter count)")
+    units: list[str] = Field(default_factory=list, description="stage 3: modules all-gathered and freed as one unit "
+                             "each: class names (Block: every module of that class) or module names "
+                             "(transformer.wte); empty: chosen by parameter count")
     prefetch: bool = Field(True, description="stage 3: all-gather the next unit while the current one computes")
     # Stage 3: the most bytes of units all-gathered ahead of the one in use (unset: the next unit; 0: none).
     prefetch_bytes: int | None = Field(None, ge=0, description="stage 3: the most bytes of units all-gathered "

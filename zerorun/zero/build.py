@@ -59,7 +59,7 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
                              "materialize it first (zerorun.zero.materialize)")
         metas = dict(model.named_parameters())
         materialize(model)
-        from zerorun.zero.stage3_checks import carry_hooks
+        from zerorun.zero.deferred import carry_hooks
 
         for name, p in model.named_parameters():  # hooks the constructor registered move to the real parameters
             if name in metas and metas[name] is not p:

@@ -18,8 +18,9 @@ class ZeroConfig:
         bucket_mb: size of one flat buffer (the unit of communication) in MiB (2**20 bytes).
         grad_accum_steps: micro-steps per optimizer step; ``backward`` scales the loss by ``1 / grad_accum_steps``.
         grad_clip: clip the global gradient L2 norm to this value; ``None`` or ``0`` for no clipping.
-        units: stage 3: names of module classes gathered and freed as one unit (e.g. ``("Block",)``); empty
-            to let zerorun pick units by parameter count.
+        units: stage 3: the modules gathered and freed as one unit each: class names (``("Block",)``: every
+            module of that class) or modules' qualified names (``"transformer.wte"``); empty to let zerorun
+            pick units by parameter count (Note [Units] in stage3.py).
         activation_checkpointing: stage 3: recompute each unit's forward in backward
             (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
         prefetch: stage 3: all-gather the next unit (in the order recorded in the last pass that differed)

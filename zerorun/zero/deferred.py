@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zerorun.zero.comm import group_device
-from zerorun.zero.record import Record, key, record, rng_states, set_rng_states
+from zerorun.zero.record import Record, holds_meta_tensor, key, record, rng_states, set_rng_states
 
 _FULL_WRITES = {"uniform_", "normal_", "zero_", "fill_", "copy_", "bernoulli_", "exponential_", "geometric_",
                 "log_normal_", "cauchy_", "random_", "trunc_normal_"}
@@ -276,3 +276,76 @@ def swap_meta_tensors(model: nn.Module, value_of: Callable[[torch.Tensor], torch
                     done[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad) if is_param else v
                 table[name] = done[id(t)]
     return done
+
+
+def carry_hooks(meta: torch.Tensor, new: torch.Tensor, name: str) -> None:
+    """Register on ``new`` the gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) that
+    construction registered on its meta original ``meta`` (deferred init replaces every parameter object).
+
+    Raises:
+        ValueError: a hook holds a tensor built on the meta device (it could not run on real gradients).
+    """
+    for table, register in ((getattr(meta, "_backward_hooks", None), new.register_hook),
+                            (getattr(meta, "_post_accumulate_grad_hooks", None), new.register_post_accumulate_grad_hook)):
+        for hook in list((table or {}).values()):
+            if holds_meta_tensor(hook):
+                raise ValueError(
+                    f"parameter {name!r} has a gradient hook, registered while the model was built on the meta "
+                    "device, that holds a tensor made there: it cannot run on real gradients. Build the model "
+                    "with zerorun.zero.deferred_init (it builds such a model normally) or register the hook after "
+                    "zerorun.initialize")
+            register(hook)
+
+
+def swap_meta_params(model: nn.Module, param_groups: list[dict] | None, dtype: torch.dtype):
+    """Stage 3's start from a deferred model: replace its meta parameters by real ones of the same shape whose
+    storage is empty (freed) and its buffers by real zeros (the replay fills them); floating-point tensors
+    take ``dtype`` (Note [Mixed precision]: the replayed values are cast as they are kept). Gradient hooks the
+    constructor registered move to the new parameters (:func:`carry_hooks`).
+
+    Returns:
+        ``(new_of, metas, param_groups)``: ``{id(meta tensor): its replacement}``, the meta parameters and
+        buffers in model order (what :func:`replay_slices` replays), and ``param_groups`` (or ``None``) with
+        its parameters replaced.
+
+    Raises:
+        ValueError: from :func:`carry_hooks`.
+    """
+    metas = list(model.parameters()) + list(model.buffers())
+    device = placement(model)
+
+    def value_of(meta: torch.Tensor) -> torch.Tensor:
+        t = torch.zeros(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype, device=device)
+        if isinstance(meta, nn.Parameter):
+            t.untyped_storage().resize_(0)
+        return t
+
+    # tensors built from data are real already (zero/record.py): they are swapped and replayed too
+    new_of = swap_meta_tensors(model, value_of, real_too=True)
+    names = {id(t): n for n, t in model.named_parameters()}
+    for meta in metas:
+        new = new_of.get(id(meta))
+        if isinstance(new, nn.Parameter):
+            carry_hooks(meta, new, names.get(id(new), "?"))
+    if param_groups is not None:
+        param_groups = [dict(g, params=[new_of.get(id(p), p) for p in g["params"]]) for g in param_groups]
+    return new_of, metas, param_groups
+
+
+def replay_slices(model: nn.Module, buffers: list, new_of: dict[int, torch.Tensor], metas: list[torch.Tensor],
+                  group: dist.ProcessGroup | None) -> None:
+    """Replay a deferred model's construction (:func:`replay`, Note [Record and replay]) keeping, of each
+    parameter in one of ``buffers`` (stage 3's flat buffers, ``shard_data`` allocated), only this rank's slice
+    (``FlatBuffer.keep_slice``); module buffers are kept whole. Collective over ``group`` (the agreement)."""
+    where = {id(p): buf for buf in buffers for p in buf.params}
+
+    def keep(meta: torch.Tensor, value: torch.Tensor) -> None:
+        target = new_of[id(meta)]
+        buf = where.get(id(target))
+        with torch.no_grad():
+            if buf is not None:
+                buf.keep_slice(target, value)
+            else:  # a module buffer (e.g. BatchNorm's running stats): kept whole
+                target.copy_(value)
+
+    replay(model, keep, tensors=metas, process_group=group)

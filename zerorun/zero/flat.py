@@ -60,13 +60,22 @@ class FlatBuffer:
             self.slots[p] = Slot(self, offset, p.numel(), p.shape)
             offset += p.numel()
         self.unpadded_numel = offset
-        self.world_size = world_size
+        self.world_size, self.rank = world_size, rank
         self.numel = math.ceil(offset / world_size) * world_size
         self.shard_numel = self.numel // world_size
         self.lo = rank * self.shard_numel
         self.data: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
+
+    def pad_to(self, numel: int) -> None:
+        """Lengthen the buffer to ``numel`` elements (a multiple of the world size, at least :attr:`numel`) with
+        zeros at its end, before anything is allocated; its slices grow alike (Note [Peer units] in units.py)."""
+        if numel % self.world_size or numel < self.numel or self.data is not None:
+            raise ValueError(f"cannot pad a flat buffer of {self.numel} elements to {numel}")
+        self.numel = numel
+        self.shard_numel = numel // self.world_size
+        self.lo = self.rank * self.shard_numel
 
     def flatten_params(self) -> None:
         """Copy the parameters into a new ``data`` tensor and make each parameter a view of it (in place, so
@@ -77,6 +86,15 @@ class FlatBuffer:
                 s = self.slots[p]
                 self.data[s.offset:s.offset + s.numel].copy_(p.data.reshape(-1))
                 p.data = self.data[s.offset:s.offset + s.numel].view(s.shape)
+
+    def keep_slice(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Copy the part of ``value`` (``p``'s full values, any shape of ``p.numel()`` elements) that falls in this
+        rank's slice into ``shard_data`` (stage 3: shape ``(shard_numel,)``)."""
+        slot = self.slots[p]
+        lo = max(slot.offset, self.lo)
+        hi = min(slot.offset + slot.numel, self.lo + self.shard_numel)
+        if lo < hi:
+            self.shard_data[lo - self.lo:hi - self.lo].copy_(value.reshape(-1)[lo - slot.offset:hi - slot.offset])
 
     def shard(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full flat tensor ``flat`` (shape ``(numel,)``): a view, ``(shard_numel,)``."""

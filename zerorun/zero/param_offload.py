@@ -95,38 +95,9 @@ class ParamStore:
         self.file.close()
 
 
-class ParamOffload:
-    """Mixed into :class:`~zerorun.zero.stage3.Stage3Engine`: owns its :class:`ParamStore` when
-    ``zero.offload_params`` is ``disk`` (Note [Parameter offload])."""
-
-    _param_store: ParamStore | None = None
-
-    def _offload_params(self) -> None:
-        """Called once the flat buffers exist, before their slices get values."""
-        if self.config.offload_params == "disk":
-            self._param_store = ParamStore([b for b in self.buffers + self.frozen_buffers if not b.unit.persistent],
-                                           self.config.offload_path, self.rank)
-
-    def _release_slices(self, unit) -> None:
-        """Drop ``unit``'s slices (``None``: every unit's) from memory; a no-op without parameter offload."""
-        if self._param_store is not None:
-            self._param_store.release(unit.buffers) if unit is not None else self._param_store.release_all()
-
-    def _offloaded_param_bytes(self) -> int:
-        """Bytes of parameter slices held in the file instead of memory (0 without parameter offload)."""
-        if self._param_store is None:
-            return 0
-        return sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers if not b.unit.persistent)
-
-    def offload_bytes(self) -> dict[str, int]:
-        """As :meth:`ZeroEngine.offload_bytes`; ``disk`` includes the parameter swap file's size (bytes)."""
-        out = super().offload_bytes()
-        if self._param_store is not None:
-            out["disk"] += self._param_store.size
-        return out
-
-    def close(self) -> None:
-        """As :meth:`ZeroEngine.close`, and removes the parameter swap file."""
-        super().close()
-        if self._param_store is not None:
-            self._param_store.close()
+def param_store(config, buffers: list[FlatBuffer], rank: int) -> ParamStore | None:
+    """This rank's :class:`ParamStore` of ``buffers`` (the sharded units' flat buffers) when
+    ``config.offload_params`` is ``disk`` (Note [Parameter offload]), else ``None``. Raises as ParamStore."""
+    if config.offload_params != "disk":
+        return None
+    return ParamStore(buffers, config.offload_path, rank)

@@ -38,11 +38,8 @@ prefetches no more. A wrong guess costs memory (up to ``prefetch_bytes``) and ti
 All-gathers and reduce-scatters share one process group, issued in program order (Note [Program order] in
 reducer.py).
 The root's backward prefetches nothing: it begins with the loss's backward, the step's peak for a language
-model (a log-softmax over the vocabulary, three logits-sized tensors at once), where the first block's
-parameters are not needed yet; that block is gathered when its backward begins and prefetches the next. On
-the 55M GPT of ``benchmarks/zero_stages.py`` (micro-batch 4, 2 ranks) this lowered stage 3's peak RSS per
-rank by 21 MiB under glibc tuned and 39 MiB under tcmalloc (realized saving 0.86 -> 0.91 and 0.77 -> 0.86)
-at the same step time (2.087 -> 2.064 s, 1.518 -> 1.511 s).
+model (a log-softmax over the vocabulary), where the first block is not needed yet (55M GPT, 2 ranks: peak
+RSS per rank 21-39 MiB lower, realized saving 0.86 -> 0.91 under glibc tuned, the same step time).
 """
 
 from __future__ import annotations
@@ -54,31 +51,31 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from zerorun.zero.deferred import is_deferred, placement, replay, swap_meta_tensors
+from zerorun.zero.deferred import is_deferred, replay_slices, swap_meta_params
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
-from zerorun.zero.param_offload import ParamOffload
+from zerorun.zero.param_offload import param_store
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import (ParameterAccess, adopt, declared_externals, engine_ref, guarded, placeholder,
                                         plain)
 from zerorun.zero.stage3_backward import Stage3Backward
-from zerorun.zero.stage3_checks import carry_hooks, check_no_writes, param_versions
+from zerorun.zero.stage3_checks import check_no_writes, param_versions
 from zerorun.zero.stage3_outer import OuterUnits
 from zerorun.zero.torch_internals import in_backward
-from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, outer_modules, pick_units,  # noqa: F401
-                                tensors_in, unit_of_params, units_ahead)
+from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, outer_modules, pad_peers,  # noqa: F401
+                                pick_units, tensors_in, unit_of_params, units_ahead)
 
 
-class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, ZeroEngine):
+class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ZeroEngine):
     """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch], [Outer units]). Extra API:
     :meth:`full_state_dict`, :attr:`units`."""
 
     def __init__(self, model: nn.Module, *, param_groups, config, process_group, **kwargs) -> None:
         self._deferred = is_deferred(model)
-        self._meta_of: dict[int, torch.Tensor] = {}  # id(new parameter) -> its meta original (deferred init)
         self._replay_group = process_group
-        if self._deferred:
-            param_groups = self._swap_meta_params(model, param_groups, DTYPES[config.precision])
+        if self._deferred:  # Note [Record and replay] in deferred.py
+            self._new_of, self._meta_list, param_groups = swap_meta_params(model, param_groups,
+                                                                           DTYPES[config.precision])
         unit_modules = pick_units(model, tuple(config.units))
         outer = outer_modules(model, [m for _, m in unit_modules])  # Note [Outer units]
         self.units = ([Unit(n, m, False) for n, m in unit_modules] + [Unit(n, m, False, outer=True) for n, m in outer]
@@ -89,10 +86,11 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
             if 0 < config.persistence_threshold and p.numel() <= config.persistence_threshold:
                 self._unit_of_param[p] = self._persistent_unit
         self.units.append(self._persistent_unit)
-        self._frozen_buffers: list[FlatBuffer] = []
+        self.frozen_buffers: list[FlatBuffer] = []  # frozen parameters: sharded and gathered with their unit
         super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)
         self.reducer.on_ready.append(self._on_bucket_ready)
         # the root stays even when persistence left it empty: its forward hooks end the recorded pass
+        self.units_without_params = [u.name for u in self.units if not (u.buffers or u.is_root or u.persistent)]
         self.units = [u for u in self.units if u.buffers or u.is_root]
         for i, unit in enumerate(self.units):
             unit.index = i
@@ -140,31 +138,6 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         index = unit_of_params(model, listed, [u.module for u in self.units[:-1] if u.outer])
         return {p: self.units[i] for p, i in index.items()}
 
-    def _swap_meta_params(self, model: nn.Module, param_groups, dtype: torch.dtype):
-        """Replace meta parameters by real ones of the same shape whose storage is empty (freed), remembering
-        each one's meta original for the replay; buffers become real zeros, filled by the replay. Floating-point
-        tensors take ``dtype`` (Note [Mixed precision]: the replayed values are cast as they are kept). Returns
-        ``param_groups`` with its (meta) parameters replaced."""
-        self._meta_list = list(model.parameters()) + list(model.buffers())
-        device = placement(model)
-
-        def value_of(meta: torch.Tensor) -> torch.Tensor:
-            t = torch.zeros(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype, device=device)
-            if isinstance(meta, nn.Parameter):
-                t.untyped_storage().resize_(0)
-            return t
-
-        # tensors built from data are real already (zero/record.py): they are swapped and replayed too
-        self._new_of = swap_meta_tensors(model, value_of, real_too=True)
-        names = {id(t): n for n, t in model.named_parameters()}
-        for meta in self._meta_list:  # hooks the constructor registered on its (meta) parameters move along
-            new = self._new_of.get(id(meta))
-            if isinstance(new, nn.Parameter):
-                carry_hooks(meta, new, names.get(id(new), "?"))
-        if param_groups is None:
-            return None
-        return [dict(g, params=[self._new_of.get(id(p), p) for p in g["params"]]) for g in param_groups]
-
     def _sync_initial_state(self) -> None:
         if not self._deferred:
             super()._sync_initial_state()
@@ -195,15 +168,20 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
             unit = self._unit_of_param[buf.params[0]]
             unit.buffers.append(buf)
             buf.unit = unit
+        pad_peers(self.units)  # Note [Peer units]
+        for buf in self.buffers + self.frozen_buffers:
             buf.shard_data = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
-        self._offload_params()  # Note [Parameter offload]: the slices become views of a file-backed mapping
+        # the slices become views of a file-backed mapping (Note [Parameter offload])
+        self.param_store = param_store(self.config, [b for b in self.buffers + self.frozen_buffers
+                                                     if not b.unit.persistent], self.rank)
         if self._deferred:
-            self._replay()
+            replay_slices(self.module, self.buffers + self.frozen_buffers, self._new_of, self._meta_list,
+                          self._replay_group)
         else:
             with torch.no_grad():
                 for buf in self.buffers + self.frozen_buffers:
                     for p in buf.params:
-                        self._keep_slice(buf, p, p.data)
+                        buf.keep_slice(p, p.data)
         for buf in self.buffers + self.frozen_buffers:  # views are made while the storage exists, then it goes
             buf.data = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
             buf.views = [buf.view_of(buf.data, p) for p in buf.params]
@@ -212,33 +190,6 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
                 p.data = rest
             buf.data.untyped_storage().resize_(0)
         self._release_slices(None)
-
-    @property
-    def frozen_buffers(self) -> list[FlatBuffer]:
-        """Flat buffers of frozen parameters (sharded and gathered with their unit, never reduced)."""
-        return self._frozen_buffers
-
-    def _keep_slice(self, buf: FlatBuffer, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Copy the part of ``value`` (``p``'s full values) that falls in this rank's slice of ``buf``."""
-        slot = buf.slots[p]
-        lo = max(slot.offset, buf.lo)
-        hi = min(slot.offset + slot.numel, buf.lo + buf.shard_numel)
-        if lo < hi:
-            buf.shard_data[lo - buf.lo:hi - buf.lo].copy_(value.reshape(-1)[lo - slot.offset:hi - slot.offset])
-
-    def _replay(self) -> None:
-        where = {id(p): buf for buf in self.buffers + self.frozen_buffers for p in buf.params}
-
-        def keep(meta: torch.Tensor, value: torch.Tensor) -> None:
-            target = self._new_of[id(meta)]
-            buf = where.get(id(target))
-            with torch.no_grad():
-                if buf is not None:
-                    self._keep_slice(buf, target, value)
-                else:  # a module buffer (e.g. BatchNorm's running stats): kept whole
-                    target.copy_(value)
-
-        replay(self.module, keep, tensors=self._meta_list, process_group=self._replay_group)
 
     def _param_slice(self, buf: FlatBuffer) -> torch.Tensor:
         return buf.shard_data
@@ -397,5 +348,23 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         out = super().memory_bytes()
         out["params"] = sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers)
         out["params"] += sum(b.data.nbytes for b in self._persistent_unit.buffers)  # whole as well
-        out["params"] -= self._offloaded_param_bytes()  # Note [Parameter offload]: in the file
+        if self.param_store is not None:  # in the file (Note [Parameter offload])
+            out["params"] -= sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers if not b.unit.persistent)
         return out
+
+    def offload_bytes(self) -> dict[str, int]:
+        """As :meth:`ZeroEngine.offload_bytes`; ``disk`` includes the parameter swap file's size (bytes)."""
+        out = super().offload_bytes()
+        out["disk"] += self.param_store.size if self.param_store is not None else 0
+        return out
+
+    def close(self) -> None:
+        """As :meth:`ZeroEngine.close`, and removes the parameter swap file."""
+        super().close()
+        if self.param_store is not None:
+            self.param_store.close()
+
+    def _release_slices(self, unit: Unit | None) -> None:
+        """Drop ``unit``'s slices (``None``: every unit's) from memory: Note [Parameter offload]."""
+        if self.param_store is not None:
+            self.param_store.release(unit.buffers) if unit is not None else self.param_store.release_all()

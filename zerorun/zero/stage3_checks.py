@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zerorun.zero.record import holds_meta_tensor
 
 _PRIME = 65521
 
@@ -73,25 +72,6 @@ def _raise_mismatch(engine, indices: list[int]) -> None:
         "all-gathers pair up across ranks, so every rank must run the same units in the same order. Run every "
         "unit on every rank (an MoE expert that gets no tokens on a rank still runs, on an empty batch), or "
         "make the module that chooses between them one unit (zero.units), or use stage 2")
-
-
-def carry_hooks(meta: torch.Tensor, new: torch.Tensor, name: str) -> None:
-    """Register on ``new`` the gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) that
-    construction registered on its meta original ``meta`` (deferred init replaces every parameter object).
-
-    Raises:
-        ValueError: a hook holds a tensor built on the meta device (it could not run on real gradients).
-    """
-    for table, register in ((getattr(meta, "_backward_hooks", None), new.register_hook),
-                            (getattr(meta, "_post_accumulate_grad_hooks", None), new.register_post_accumulate_grad_hook)):
-        for hook in list((table or {}).values()):
-            if holds_meta_tensor(hook):
-                raise ValueError(
-                    f"parameter {name!r} has a gradient hook, registered while the model was built on the meta "
-                    "device, that holds a tensor made there: it cannot run on real gradients. Build the model "
-                    "with zerorun.zero.deferred_init (it builds such a model normally) or register the hook after "
-                    "zerorun.initialize")
-            register(hook)
 
 
 def param_versions(unit) -> list[int]:
