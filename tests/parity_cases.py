@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import functools
 import os
 
 import torch
@@ -234,25 +235,25 @@ def prefetch_order(prefetch_bytes: int | None = None, n_layer: int = 2) -> dict:
     engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
                         config=ZeroConfig(stage=3, units=("Block",), prefetch_bytes=prefetch_bytes))
     ahead, issued = [], []
-    original = engine._gather
 
-    def spy(unit, wait=True):
+    def spy(unit, original, wait=True):
         if wait:
             ahead.append((unit.name, unit.state.value))
         elif unit.state.value == "free":
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-            seen = engine._seen[phase]
+            seen = engine.sched.seen[phase]
             issued.append((unit.name, phase, seen[-1].name if seen else None))
-        original(unit, wait)
+        original(wait)
 
-    engine._gather = spy
+    for unit in engine.units:  # every call of a unit's all-gather (Unit.unshard), whoever makes it
+        unit.unshard = functools.partial(spy, unit, unit.unshard)
     for step in range(2):
         ahead.clear()
         issued.clear()
         engine.backward(_loss(engine(_batch("gpt", step, 0, dist.get_rank(), dist.get_world_size(), "never"))))
         engine.step()
-    return {"forward": [u.name for u in engine._order["forward"]],
-            "backward": [u.name for u in engine._order["backward"]],
+    return {"forward": [u.name for u in engine.sched.order["forward"]],
+            "backward": [u.name for u in engine.sched.order["backward"]],
             "states_at_use": ahead, "issued": issued,
             "block_bytes": [u.gathered_bytes for u in engine.units if u.name.startswith("blocks")]}
 
@@ -275,5 +276,5 @@ def root_left_empty(persistence_threshold: int) -> dict:
         engine.backward(_loss(engine(_batch("gpt", step, 0, dist.get_rank(), dist.get_world_size(), "never"))))
         engine.step()
     root = next(u for u in engine.units if u.is_root)
-    return {"root_buffers": len(root.buffers), "forward": [u.name for u in engine._order["forward"]],
-            "seen": len(engine._seen["forward"]), "persistent": len(engine._persistent_unit.buffers)}
+    return {"root_buffers": len(root.buffers), "forward": [u.name for u in engine.sched.order["forward"]],
+            "seen": len(engine.sched.seen["forward"]), "persistent": len(engine._persistent_unit.buffers)}

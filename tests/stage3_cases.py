@@ -79,7 +79,7 @@ def parameter_classes() -> dict:
 def units_by_name(units: tuple, stage: int = 3, steps: int = 3) -> dict:
     """Train ``Net`` with ``zero.units`` ``units`` (class or module names) at ``stage``: per-step losses, the
     units and their roles, and the run's description of them (zerorun.zero.units.describe_units)."""
-    from zerorun.zero.units import describe_units
+    from zerorun.zero.unit_plan import describe_units
 
     torch.manual_seed(0)
     model = Net()

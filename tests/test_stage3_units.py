@@ -5,7 +5,7 @@ import pytest
 import torch.nn as nn
 
 import stage3_cases as cases
-from zerorun.zero.units import pick_units
+from zerorun.zero.unit_plan import pick_units
 
 
 def test_parameters_are_plain_while_their_unit_is_gathered(ranks):

@@ -186,7 +186,7 @@ class FSDP2Engine(BaselineEngine):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-        from zerorun.zero.stage3 import pick_units
+        from zerorun.zero.unit_plan import pick_units
 
         super().__init__(model, config)
         for t in [*model.parameters(), *model.buffers()]:  # every rank starts from rank 0's values, as DDP does

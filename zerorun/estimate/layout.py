@@ -82,7 +82,7 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     from zerorun.zero.engine import default_param_groups
     from zerorun.zero.flat import pack as pack_params
     from zerorun.zero.precision import DTYPES
-    from zerorun.zero.stage3 import outer_modules, pick_units, unit_of_params
+    from zerorun.zero.unit_plan import outer_modules, pick_units, unit_of_params
 
     names = {}
     for i, (name, p) in enumerate(model.named_parameters()):

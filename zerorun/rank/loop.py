@@ -32,7 +32,7 @@ from zerorun.recipe import Recipe
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import cuda_memory, flops_per_token, host_memory, peak_rss_bytes
 from zerorun.telemetry.steplog import StepLog
-from zerorun.zero.units import describe_units
+from zerorun.zero.unit_plan import describe_units
 
 
 def train(recipe: Recipe, rank: int) -> None:

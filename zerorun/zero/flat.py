@@ -70,7 +70,7 @@ class FlatBuffer:
 
     def pad_to(self, numel: int) -> None:
         """Lengthen the buffer to ``numel`` elements (a multiple of the world size, at least :attr:`numel`) with
-        zeros at its end, before anything is allocated; its slices grow alike (Note [Peer units] in units.py)."""
+        zeros at its end, before anything is allocated; its slices grow alike (Note [Peer units] in unit_plan.py)."""
         if numel % self.world_size or numel < self.numel or self.data is not None:
             raise ValueError(f"cannot pad a flat buffer of {self.numel} elements to {numel}")
         self.numel = numel

@@ -18,10 +18,13 @@ signals, stays gathered until the end of backward. Forward runs inside backward 
 recomputation) never free. At the end of the root's forward and of backward, whatever is still gathered (a
 mispredicted prefetch) is freed.
 
-Between uses the parameters hold placeholders, and their uses outside their unit are caught or served:
-Note [Parameters at rest] and Note [External parameters] in ``stage3_access.py``. The end of each unit's
-backward and the check that every rank gathered the same units: ``stage3_backward.py`` and Note [Same units
-on every rank] in ``stage3_checks.py``.
+The parts, each owning its state: a unit gathers and frees itself (``Unit.unshard``/``Unit.reshard`` in
+``units.py``); which modules are units: ``unit_plan.py``; the order, the prefetch and the hooks:
+``Schedule`` in ``stage3_schedule.py`` (the outer units': ``OuterSchedule`` in ``stage3_outer.py``); the
+parameters at rest and their uses outside their unit: ``ParameterGuard`` and Notes [Parameters at rest],
+[External parameters] in ``stage3_access.py``; the checks that every rank gathered the same units: Note
+[Same units on every rank] in ``stage3_checks.py``. This engine builds them and takes the stage policy's
+hooks of :class:`ZeroEngine` (Note [Stage policies] in policy.py).
 
 Note [Persistent parameters]: parameters of at most ``ZeroConfig.persistence_threshold`` elements (norm
 weights, biases; DeepSpeed's ``stage3_param_persistence_threshold``) may stay whole on every rank, in a unit of
@@ -44,31 +47,33 @@ RSS per rank 21-39 MiB lower, realized saving 0.86 -> 0.91 under glibc tuned, th
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import Iterable
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zerorun.zero.deferred import is_deferred, replay_slices, swap_meta_params
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.param_offload import param_store
 from zerorun.zero.precision import DTYPES
-from zerorun.zero.stage3_access import (ParameterAccess, adopt, declared_externals, engine_ref, guarded, placeholder,
-                                        plain)
-from zerorun.zero.stage3_backward import Stage3Backward
-from zerorun.zero.stage3_checks import check_no_writes, param_versions
-from zerorun.zero.stage3_outer import OuterUnits
-from zerorun.zero.torch_internals import in_backward
-from zerorun.zero.units import (Unit, UnitInputsDone, UnitState, outer_modules, pad_peers,  # noqa: F401
-                                pick_units, tensors_in, unit_of_params, units_ahead)
+from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, engine_ref,
+                                        full_state_dict, gathered, placeholder, state_dict_guard)
+from zerorun.zero.stage3_checks import check_backward_units, check_gather_order
+from zerorun.zero.stage3_schedule import Schedule
+from zerorun.zero.unit_plan import outer_modules, pad_peers, pick_units, unit_of_params
+from zerorun.zero.units import Gathering, Unit
 
 
-class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ZeroEngine):
-    """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch], [Outer units]). Extra API:
-    :meth:`full_state_dict`, :attr:`units`."""
+class Stage3Engine(ZeroEngine):
+    """:class:`ZeroEngine` at stage 3 (Notes [Units], [Unit lifecycle], [Prefetch], [Outer units]).
+
+    Attributes:
+        units: the units, indexed in this order on every rank (listed, outer, root, persistent).
+        sched: their :class:`~zerorun.zero.stage3_schedule.Schedule`.
+        guard: the :class:`~zerorun.zero.stage3_access.ParameterGuard` of their parameters at rest.
+        param_store: this rank's parameter slices on disk (Note [Parameter offload]), or ``None``.
+    """
 
     def __init__(self, model: nn.Module, *, param_groups, config, process_group, **kwargs) -> None:
         self._deferred = is_deferred(model)
@@ -80,7 +85,8 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ZeroEngine):
         outer = outer_modules(model, [m for _, m in unit_modules])  # Note [Outer units]
         self.units = ([Unit(n, m, False) for n, m in unit_modules] + [Unit(n, m, False, outer=True) for n, m in outer]
                       + [Unit("", model, True)])
-        self._unit_of_param = self._assign(model)
+        index = unit_of_params(model, [m for _, m in unit_modules], [m for _, m in outer])
+        self._unit_of_param = {p: self.units[i] for p, i in index.items()}  # the root (-1) is last
         self._persistent_unit = Unit("<persistent>", model, False, persistent=True)  # Note [Persistent parameters]
         for p in list(self._unit_of_param):
             if 0 < config.persistence_threshold and p.numel() <= config.persistence_threshold:
@@ -88,56 +94,27 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ZeroEngine):
         self.units.append(self._persistent_unit)
         self.frozen_buffers: list[FlatBuffer] = []  # frozen parameters: sharded and gathered with their unit
         super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)
-        self.reducer.on_ready.append(self._on_bucket_ready)
         # the root stays even when persistence left it empty: its forward hooks end the recorded pass
         self.units_without_params = [u.name for u in self.units if not (u.buffers or u.is_root or u.persistent)]
         self.units = [u for u in self.units if u.buffers or u.is_root]
         for i, unit in enumerate(self.units):
             unit.index = i
-        self._root = next(u for u in self.units if u.is_root)
-        self._gather_log: list[int] = []  # Note [Same units on every rank]: units all-gathered since the last step
-        self._gather(self._persistent_unit)  # whole on every rank from now on (a no-op when it holds nothing)
-        self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
-        self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
-        self._handles = []
-        for unit in self.units:
-            if unit.persistent or unit.outer:  # outer units: hooked in _outer_setup (Note [Outer units])
-                continue
-            self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit),
-                                                                       with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
-            if config.activation_checkpointing and not unit.is_root:
-                forward = unit.module.forward
-
-                def checkpointed(*args, _forward=forward, **kw):
-                    if not torch.is_grad_enabled():
-                        return _forward(*args, **kw)
-                    return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kw)
-
-                unit.module.forward = checkpointed
-        # Note [Parameters at rest]
-        self._active: list[Unit] = []
-        self._names = {p: n for n, p in model.named_parameters()}
-        self._warned: set = set()
-        for unit in self.units:
+        self._persistent_unit.unshard()  # whole on every rank from now on (a no-op when it holds nothing)
+        self.sched = Schedule(self.units, config, self.reducer)
+        self.reducer.on_ready.append(self.sched.on_bucket_ready)
+        self.guard = ParameterGuard(self._unit_of_param, self.sched, {p: n for n, p in model.named_parameters()},
+                                    self.world_size)
+        for unit in self.units:  # Note [Parameters at rest]
             if not unit.persistent:
-                unit.adopted = [p for buf in unit.buffers for p in buf.params if adopt(p, self._use)]
+                unit.adopted = [p for buf in unit.buffers for p in buf.params if adopt(p, self.guard.use)]
         for module in model.modules():
             module.__dict__["_zerorun_engine"] = engine_ref(self)
         for module, param in declared_externals(model):
             self.declare_external(module, self._new_of.get(id(param), param) if self._deferred else param)
-        self._in_full_state_dict = False
-        self._outer_setup()
-        self._handles.append(model.register_state_dict_pre_hook(self._state_dict_guard))
+        self.sched.hook(config.activation_checkpointing)
+        self.sched.handles.append(model.register_state_dict_pre_hook(state_dict_guard))
 
     # ---------------------------------------------------------------------------------------- construction
-    def _assign(self, model: nn.Module) -> dict[nn.Parameter, Unit]:
-        """Each parameter's unit (:func:`unit_of_params`); the root unit is last in ``self.units``, after the
-        listed units and the outer units (Note [Outer units])."""
-        listed = [u.module for u in self.units[:-1] if not u.outer]
-        index = unit_of_params(model, listed, [u.module for u in self.units[:-1] if u.outer])
-        return {p: self.units[i] for p, i in index.items()}
-
     def _sync_initial_state(self) -> None:
         if not self._deferred:
             super()._sync_initial_state()
@@ -155,8 +132,7 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ZeroEngine):
     def _materialize(self) -> None:
         """Keep only this rank's slice of every flat buffer (Note [Units]); values come from the model's
         parameters, or for a deferred model from the replay of its construction (Note [Record and replay])."""
-        model = self.module
-        names = {p: n for n, p in model.named_parameters()}
+        names = {p: n for n, p in self.module.named_parameters()}
         frozen_by_unit: dict[int, list] = {}
         for p in self._frozen:
             frozen_by_unit.setdefault(id(self._unit_of_param[p]), []).append((names[p], p))
@@ -164,33 +140,35 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ZeroEngine):
             run = frozen_by_unit.get(id(unit))
             if run:
                 self.frozen_buffers.append(FlatBuffer(run, -1, self.world_size, self.rank, order=-1))
-        for buf in self.buffers + self.frozen_buffers:
-            unit = self._unit_of_param[buf.params[0]]
-            unit.buffers.append(buf)
-            buf.unit = unit
-        pad_peers(self.units)  # Note [Peer units]
-        for buf in self.buffers + self.frozen_buffers:
+        every = self.buffers + self.frozen_buffers
+        for buf in every:
+            buf.unit = self._unit_of_param[buf.params[0]]
+            buf.unit.buffers.append(buf)
+        pad_peers(self.units)  # Note [Peer units] in unit_plan.py
+        for buf in every:
             buf.shard_data = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
         # the slices become views of a file-backed mapping (Note [Parameter offload])
-        self.param_store = param_store(self.config, [b for b in self.buffers + self.frozen_buffers
-                                                     if not b.unit.persistent], self.rank)
+        self.param_store = param_store(self.config, [b for b in every if not b.unit.persistent], self.rank)
+        self.gathering = Gathering(self.comm, self.param_store, ZeroParameter)
+        for unit in self.units:
+            unit.ctx = self.gathering
         if self._deferred:
-            replay_slices(self.module, self.buffers + self.frozen_buffers, self._new_of, self._meta_list,
-                          self._replay_group)
+            replay_slices(self.module, every, self._new_of, self._meta_list, self._replay_group)
         else:
             with torch.no_grad():
-                for buf in self.buffers + self.frozen_buffers:
+                for buf in every:
                     for p in buf.params:
                         buf.keep_slice(p, p.data)
-        for buf in self.buffers + self.frozen_buffers:  # views are made while the storage exists, then it goes
+        for buf in every:  # views are made while the storage exists, then it goes
             buf.data = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
             buf.views = [buf.view_of(buf.data, p) for p in buf.params]
             buf.placeholders = [placeholder(p) for p in buf.params]  # Note [Parameters at rest]
             for p, rest in zip(buf.params, buf.placeholders):
                 p.data = rest
             buf.data.untyped_storage().resize_(0)
-        self._release_slices(None)
+        self._release_slices()
 
+    # ------------------------------------------------------------------------------ the stage policy's hooks
     def _param_slice(self, buf: FlatBuffer) -> torch.Tensor:
         return buf.shard_data
 
@@ -200,146 +178,87 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ZeroEngine):
     def _after_step(self) -> None:
         """Units are gathered from the updated slices when next used (one left gathered by a forward that raised
         is freed: stale); persistent parameters (Note [Persistent parameters]) are all-gathered now."""
-        self._free_all()
+        self.sched.free_all()
         trainable = self._persistent_unit.trainable  # frozen ones never change: gathered once, at construction
         if trainable:
             self.comm.wait([self.comm.all_gather(buf.data, buf.shard_data) for buf in trainable])
-        self._release_slices(None)  # the step wrote every slice
+        self._release_slices()  # the step wrote every slice
 
-    # ------------------------------------------------------------------------------------ gather and free
-    def _gather(self, unit: Unit, wait: bool = True) -> None:
-        if unit.state is UnitState.FREE:
-            for buf in unit.buffers:
-                buf.data.untyped_storage().resize_(buf.numel * buf.data.element_size())
-            unit.works = [self.comm.all_gather(buf.data, buf.shard_data) for buf in unit.buffers]
-            unit.state = UnitState.GATHERING
-            if unit.index >= 0:
-                self._gather_log.append(unit.index)
-            with torch._C.DisableTorchFunctionSubclass():  # the guard's metadata path, skipped per parameter
-                for buf in unit.buffers:
-                    for p, view in zip(buf.params, buf.views):
-                        p.data = view
-            for other in unit.external:  # Note [External parameters]
-                if not other.deferred:  # Note [Outer units]: a tail this backward gathers later
-                    self._gather(other, wait=False)
-                    other.pinned_by.add(unit)
-        if wait and unit.state is UnitState.GATHERING:
-            for other in unit.external:
-                if not other.deferred:
-                    self._gather(other)
-            self.comm.wait(unit.works)
-            unit.works = []
-            self._release_slices(unit)
-            unit.state = UnitState.GATHERED
-            unit.versions = param_versions(unit)  # Note [Writes inside a unit's forward]
-            plain(unit)  # Note [Plain while gathered]
+    def backward(self, loss: torch.Tensor) -> None:
+        """As :meth:`ZeroEngine.backward`; the root unit is gathered first, whatever structure the forward
+        returned the loss in. What :meth:`_check_backward` refuses raises before any gather or check; so does a
+        unit reaching the loss on some ranks only (Note [Backward on some ranks] in stage3_checks.py)."""
+        self._check_backward(loss)
+        check_backward_units(self, loss)
+        self.sched.backward_start(loss)
+        super().backward(loss)
 
-    def _free(self, unit: Unit) -> None:
-        if unit.state is UnitState.FREE or unit.persistent or unit.pinned_by:
-            return
-        if unit.works:
-            self.comm.wait(unit.works)
-            unit.works = []
-            self._release_slices(unit)
-        guarded(unit)  # Note [Plain while gathered]
-        with torch._C.DisableTorchFunctionSubclass():
-            for buf in unit.buffers:
-                for p, rest in zip(buf.params, buf.placeholders):
-                    p.data = rest
-                buf.data.untyped_storage().resize_(0)
-        unit.state = UnitState.FREE
-        for other in unit.external:
-            other.pinned_by.discard(unit)
-            if other.active == 0 and not (other.outer and in_backward()):  # an outer unit: when its own gradient is
-                self._free(other)
+    def _finish_backward(self) -> None:
+        super()._finish_backward()
+        self.sched.backward_end()
 
-    def _free_all(self) -> None:
-        for unit in self.units:  # pins of units go; a gathered_parameters block keeps its own
-            unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
-        for unit in self.units:
-            self._free(unit)
+    def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
+        """Note [Same units on every rank]: with the squared norm's all-reduce, the ranks agree on a digest of
+        the units each all-gathered since the last step (on the host: Note [Agreements on the host] in comm.py),
+        and in the first step on the outer units' records (Note [Outer units]); a difference between ranks
+        raises on every rank."""
+        outer = self.sched.outer
+        sq, sums, squares = check_gather_order(self, sq, self.gathering.log, outer.codes() if outer.learning else [])
+        self.gathering.log.clear()
+        if outer.learning:
+            outer.agree(sums, squares, self.world_size)
+        return sq
 
-    def _note_and_prefetch(self, unit: Unit, phase: str) -> None:
-        seen = self._seen[phase]
-        if seen and seen[-1] is unit:
-            return
-        seen.append(unit)
-        order = self._order[phase]
-        i = len(seen) - 1
-        if not self.config.prefetch or i >= len(order) or order[i] is not unit:
-            return
-        if phase == "backward" and unit.is_root:  # Note [Prefetch]: not across the loss's backward
-            return
-        for ahead in units_ahead(order, i, self.config.prefetch_bytes):  # ZeroConfig.prefetch_bytes
-            self._gather(ahead, wait=False)
+    def load_master_slices(self, values, states=None, param_scalars=None) -> None:
+        """As :meth:`ZeroEngine.load_master_slices`; persistent parameters (Note [Persistent parameters]),
+        frozen ones included, are all-gathered again from the loaded slices."""
+        super().load_master_slices(values, states, param_scalars)
+        frozen = [b for b in self._persistent_unit.buffers if b.group_index < 0]
+        if frozen:
+            self.comm.wait([self.comm.all_gather(buf.data, buf.shard_data) for buf in frozen])
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        if not unit.is_root and not in_backward():
-            self._outer_listed_call(unit)  # Note [Outer units]
-        self._gather(unit)
-        if in_backward():
-            return None
-        if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
-            self._outer_pass_start()
-            for u in self._active:
-                u.active = 0
-            self._active = []
-            for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
-                u.out_nodes, u.in_nodes = [], []
-        unit.active += 1
-        self._active.append(unit)
-        if not torch.is_grad_enabled():
-            return None
-        self._note_and_prefetch(unit, "forward")
-        if unit.is_root:  # the end of backward ends the root's backward
-            return None
-        # Note [End of a unit's backward]
-        flat, spec = tree_flatten((args, kwargs))
-        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not at:
-            return None
-        unit.open_calls += 1
-        out = UnitInputsDone.apply(functools.partial(self._unit_backward_done, unit), *(flat[i] for i in at))
-        unit.in_nodes.append((out[0] if len(at) > 1 else out).grad_fn)  # Note [Program order] in reducer.py
-        for i, t in zip(at, out if len(at) > 1 else (out,)):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
+    def _release_slices(self) -> None:
+        """Drop every unit's slices from memory: Note [Parameter offload] (a no-op without it)."""
+        if self.param_store is not None:
+            self.param_store.release_all()
 
-    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
-        if in_backward():  # recomputation under activation checkpointing: the unit is still needed
-            return output
-        unit.active -= 1
-        if self._active and self._active[-1] is unit:
-            self._active.pop()
-        if torch.is_grad_enabled():
-            hook = functools.partial(self._pre_backward, unit)
-            for t in tensors_in(output):  # any structure: dataclasses, objects with a .loss, nested containers
-                if t.requires_grad:
-                    t.register_hook(hook)
-                    if t.grad_fn is not None:
-                        unit.out_nodes.append(t.grad_fn)
-        check_no_writes(unit)
-        if unit.is_root:
-            if torch.is_grad_enabled():
-                self._end_pass("forward")
-            self._outer_pass_end()
-            self._free_all()
-        else:
-            self._free(unit)
-        return output
+    # ------------------------------------------------------------------------------------------- user API
+    def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        """The unit running ``module`` gathers ``param``'s unit with itself (Note [External parameters])."""
+        self.guard.declare_external(module, param)
 
-    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
-        if not unit.is_root:
-            self._outer_before_listed_backward()  # Note [Outer units]: the tails' all-gather comes first
-        self._gather(unit)
-        self._note_and_prefetch(unit, "backward")
-        if not unit.is_root:
-            self._outer_listed_backward(unit)  # Note [Outer units]
+    def gathered_parameters(self, params: Iterable[nn.Parameter], modifier_rank: int | None = None):
+        """Context manager: ``params`` (an iterable of the model's parameters) whole on every rank inside the
+        block, as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``. Every rank of the
+        engine's group must enter it. With ``modifier_rank`` (a rank of that group), in-place writes that rank
+        makes inside the block are broadcast on exit and kept by every rank (master slices included); without
+        it, a write raises on exit (it would be lost). Shapes and dtypes as the parameters'.
 
-    def _end_pass(self, phase: str) -> None:
-        if self._seen[phase] and self._seen[phase] != self._order[phase]:
-            self._order[phase] = self._seen[phase]
-        self._seen[phase] = []
+        Raises:
+            RuntimeError: a parameter was written inside the block without ``modifier_rank``.
+        """
+        return gathered(self, list(params), modifier_rank)
+
+    def write_back(self, bufs: list[FlatBuffer], before: dict) -> None:
+        """After a ``gathered_parameters`` block with a modifier: this rank's slice of each (gathered) buffer
+        in ``bufs`` becomes its kept slice; the master slices take the elements that changed."""
+        for buf in bufs:
+            buf.shard_data.copy_(buf.shard(buf.data))
+        self._masters_take([b for b in bufs if b.group_index >= 0], before)
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ordinary (unsharded) state dict, gathered unit by unit; every rank must call it.
+
+        Returns:
+            On rank 0 (or every rank unless ``rank0_only``): ``{name: tensor}`` with the keys and shapes of
+            ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an
+            empty dict.
+        """
+        return full_state_dict(self.module, self.units, keep=not rank0_only or self.rank == 0)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state dict on every rank (see :meth:`full_state_dict`)."""
+        return self.full_state_dict(rank0_only=False)
 
     # ------------------------------------------------------------------------------------------------ report
     def memory_bytes(self) -> dict[str, int]:
@@ -363,8 +282,3 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ZeroEngine):
         super().close()
         if self.param_store is not None:
             self.param_store.close()
-
-    def _release_slices(self, unit: Unit | None) -> None:
-        """Drop ``unit``'s slices (``None``: every unit's) from memory: Note [Parameter offload]."""
-        if self.param_store is not None:
-            self.param_store.release(unit.buffers) if unit is not None else self.param_store.release_all()

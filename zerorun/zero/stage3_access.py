@@ -23,8 +23,8 @@ NaN, and torch's own error (overlapping memory) on a write, never a silent loss 
 Note [Plain while gathered]: the guard costs Python on every torch operation on a parameter, and it is needed
 only while the parameter's values are absent. So a parameter is a :class:`ZeroParameter` only at rest: when
 its unit's all-gather is done (``UnitState.GATHERED``) its class is switched back to ``nn.Parameter``
-(:func:`plain`), and to :class:`ZeroParameter` again when the unit is freed (:func:`guarded`), before its
-storage goes. While a unit computes, its parameters are ordinary parameters holding views of the gathered
+(``Unit.unshard``), and to :class:`ZeroParameter` again when the unit is freed (``Unit.reshard``), before
+its storage goes. While a unit computes, its parameters are ordinary parameters holding views of the gathered
 flat buffer: no per-op Python (a model of many small ops pays nothing per op, as at stage 2) and
 ``torch.compile`` traces plain tensors. A use while a prefetch is in flight (``GATHERING``) is still seen,
 and waits. Outer units (Note [Outer units] in ``stage3_outer.py``) stay guarded while gathered: their
@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -50,8 +50,6 @@ import torch.nn as nn
 from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import UnitState
 
-if TYPE_CHECKING:
-    from zerorun.zero.flat import FlatBuffer
 
 #: torch functions that read only metadata (or manage hooks) and never the values.
 _METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "nelement", "element_size", "__hash__",
@@ -117,20 +115,6 @@ def held_by_stage3(p: nn.Parameter) -> bool:
     return "_zerorun_use" in p.__dict__
 
 
-def plain(unit) -> None:
-    """Note [Plain while gathered]: ``unit``'s parameters become ``nn.Parameter`` (no per-op guard); outer
-    units stay guarded."""
-    if not unit.outer:
-        for p in unit.adopted:
-            p.__class__ = nn.Parameter
-
-
-def guarded(unit) -> None:
-    """Note [Plain while gathered]: ``unit``'s parameters are :class:`ZeroParameter` again (at rest)."""
-    for p in unit.adopted:
-        p.__class__ = ZeroParameter
-
-
 def placeholder(p: torch.Tensor) -> torch.Tensor:
     """A tensor of ``p``'s shape, dtype and device that reads as NaN (0 for integers) and refuses in-place
     writes, backed by one element (Note [Parameters at rest])."""
@@ -141,13 +125,13 @@ def placeholder(p: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def gathered(engine, params: Iterable[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
     """:meth:`Stage3Engine.gathered_parameters`' body."""
-    units = sorted({engine._unit_of_param[p] for p in params if p in engine._unit_of_param},
-                   key=lambda u: u.index)
+    unit_of = engine.guard.unit_of
+    units = sorted({unit_of[p] for p in params if p in unit_of}, key=lambda u: u.index)
     token = object()
     were_free = [u for u in units if not u.pinned_by and u.active == 0]
     before = {}
     for u in units:
-        engine._gather(u)
+        u.unshard()
         u.pinned_by.add(token)
         for buf in u.buffers:
             before[buf] = buf.shard_data.clone() if modifier_rank is not None else None
@@ -164,7 +148,7 @@ def gathered(engine, params: Iterable[nn.Parameter], modifier_rank: int | None) 
             engine.comm.wait([engine.comm.broadcast(buf.data, modifier_rank) for buf in bufs])
             engine.write_back(bufs, before)
         for u in were_free:
-            engine._free(u)
+            u.reshard()
         if changed and modifier_rank is None:
             names = {p: n for n, p in engine.module.named_parameters()}
             raise RuntimeError(
@@ -177,107 +161,100 @@ def engine_ref(engine) -> weakref.ref:
     return weakref.ref(engine)
 
 
-class ParameterAccess:
-    """Stage 3's user-facing access to partitioned parameters (Notes [Parameters at rest], [External
-    parameters]); mixed into :class:`~zerorun.zero.stage3.Stage3Engine`."""
+class ParameterGuard:
+    """What the at-rest guard does when a stage-3 parameter's values are used (Notes [Parameters at rest],
+    [External parameters]): gather its unit inside a forward or backward, else refuse. Owned by the engine.
 
-    def _use(self, p: nn.Parameter, func: Any) -> None:
-        """Note [Parameters at rest]: ``p``'s values are about to be read or written by ``func``."""
-        unit = self._unit_of_param.get(p)
+    Attributes:
+        unit_of: each parameter's unit.
+    """
+
+    def __init__(self, unit_of: dict[nn.Parameter, Any], sched, names: dict[nn.Parameter, str],
+                 world_size: int) -> None:
+        self.unit_of, self.sched, self.names, self.world_size = unit_of, sched, names, world_size
+        self.warned: set = set()
+
+    def use(self, p: nn.Parameter, func: Any) -> None:
+        """Note [Parameters at rest]: ``p``'s values are about to be read or written by ``func``.
+
+        Raises:
+            RuntimeError: outside a forward or backward, naming the parameter and the ways out.
+        """
+        unit = self.unit_of.get(p)
         if unit is None or (unit.state is UnitState.GATHERED and not unit.outer):
             return
-        if unit.outer and self._outer_use(unit, func):  # Note [Outer units]
+        if unit.outer and self.sched.outer.use(unit, func):  # Note [Outer units]
             return
         if unit.state is UnitState.GATHERING:  # a prefetch in flight
-            self._gather(unit)
+            unit.unshard()
             return
-        if self._active or in_backward():
-            holder = self._active[-1] if self._active else self._root
+        active = self.sched.active
+        if active or in_backward():
+            holder = active[-1] if active else self.sched.root
             if unit is not holder and unit not in holder.external:
                 holder.external.append(unit)
-                if p not in self._warned:
-                    self._warned.add(p)
-                    warnings.warn(f"stage 3: parameter {self._names.get(p, '?')!r} is used outside its unit "
+                if p not in self.warned:
+                    self.warned.add(p)
+                    warnings.warn(f"stage 3: parameter {self.names.get(p, '?')!r} is used outside its unit "
                                   f"({unit.name or '<root>'}) by {holder.name or 'the root module'}: it is "
                                   "gathered with that unit from now on (declare it with "
                                   "zerorun.zero.register_external_parameter to skip this discovery)", stacklevel=3)
-            self._gather(unit)
+            unit.unshard()
             unit.pinned_by.add(holder)
             return
-        name = self._names.get(p, "?")
         raise RuntimeError(
-            f"stage 3: parameter {name!r} is partitioned (each rank holds 1/{self.world_size} of it between uses) "
-            f"and {getattr(func, '__name__', func)} used its values outside a forward or backward: read or write "
-            f"it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank (modifier_rank: "
-            "the rank whose writes are kept), or read engine.full_state_dict()")
+            f"stage 3: parameter {self.names.get(p, '?')!r} is partitioned (each rank holds 1/{self.world_size} of "
+            f"it between uses) and {getattr(func, '__name__', func)} used its values outside a forward or backward: "
+            "read or write it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank "
+            "(modifier_rank: the rank whose writes are kept), or read engine.full_state_dict()")
 
     def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """Note [External parameters]: the unit running ``module`` gathers ``param``'s unit with itself."""
-        unit = self._unit_of_param.get(param)
-        holder = next((u for u in self.units if u.module is module), None)
+        unit = self.unit_of.get(param)
+        units, root = self.sched.units, self.sched.root
+        holder = next((u for u in units if u.module is module), None)
         if holder is None:  # the innermost unit around module
-            owners = [u for u in self.units if not u.persistent and not u.is_root
+            owners = [u for u in units if not u.persistent and not u.is_root
                       and any(m is module for m in u.module.modules())]
-            holder = owners[-1] if owners else self._root
+            holder = owners[-1] if owners else root
         if unit is not None and unit is not holder and not unit.persistent and unit not in holder.external:
             holder.external.append(unit)
         if unit is not None and unit.outer and holder.is_root:  # Note [Outer units]: stays with the root
             unit.declared, unit.scheduled = True, False
 
-    def gathered_parameters(self, params, modifier_rank: int | None = None):
-        """Context manager: ``params`` (an iterable of the model's parameters) whole on every rank inside the
-        block, as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``. Every rank of the
-        engine's group must enter it. With ``modifier_rank`` (a rank of that group), in-place writes that rank
-        makes inside the block are broadcast on exit and kept by every rank (master slices included); without
-        it, a write raises on exit (it would be lost). Shapes and dtypes as the parameters'.
 
-        Raises:
-            RuntimeError: a parameter was written inside the block without ``modifier_rank``.
-        """
-        return gathered(self, list(params), modifier_rank)
+def state_dict_guard(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """A state-dict pre-hook of a stage-3 model: ``module.state_dict()`` would hold partitioned parameters.
 
-    def write_back(self, bufs: list[FlatBuffer], before: dict) -> None:
-        """After a ``gathered_parameters`` block with a modifier: this rank's slice of each (gathered) buffer
-        in ``bufs`` becomes its kept slice; the master slices take the elements that changed."""
-        for buf in bufs:
-            buf.shard_data.copy_(buf.shard(buf.data))
-        self._masters_take([b for b in bufs if b.group_index >= 0], before)
-
-    def _state_dict_guard(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not keep_vars:
-            raise RuntimeError("stage 3: engine.module.state_dict() would hold partitioned parameters; call "
-                               "engine.full_state_dict() on every rank (rank 0 gets the full values) or read "
-                               "parameters inside engine.gathered_parameters(...)")
+    Raises:
+        RuntimeError: unless ``keep_vars`` (the engine's own walk), naming the ways out.
+    """
+    if not keep_vars:
+        raise RuntimeError("stage 3: engine.module.state_dict() would hold partitioned parameters; call "
+                           "engine.full_state_dict() on every rank (rank 0 gets the full values) or read "
+                           "parameters inside engine.gathered_parameters(...)")
 
 
-    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The model's ordinary (unsharded) state dict, gathered unit by unit; every rank must call it.
-
-        Returns:
-            On rank 0 (or every rank unless ``rank0_only``): ``{name: tensor}`` with the keys and shapes of
-            ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an empty dict.
-        """
-        keep = not rank0_only or self.rank == 0
-        keyed = self.module.state_dict(keep_vars=True)
-        by_param: dict[int, list[str]] = {}
-        for key, t in keyed.items():
-            by_param.setdefault(id(t), []).append(key)
-        out: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            self._gather(unit)
-            if keep:
-                for buf in unit.buffers:
-                    for p in buf.params:
-                        for key in by_param.get(id(p), []):
-                            out[key] = p.detach().clone().cpu()
-            self._free(unit)
+def full_state_dict(module: nn.Module, units: list, keep: bool) -> dict[str, torch.Tensor]:
+    """``module``'s ordinary (unsharded) state dict, gathered unit by unit (every rank calls it): ``{name:
+    tensor}`` with the keys and shapes of ``module.state_dict()`` (CPU clones, in the parameters' dtype) when
+    ``keep``, else an empty dict."""
+    keyed = module.state_dict(keep_vars=True)
+    by_param: dict[int, list[str]] = {}
+    for key, t in keyed.items():
+        by_param.setdefault(id(t), []).append(key)
+    out: dict[str, torch.Tensor] = {}
+    for unit in units:
+        unit.unshard()
         if keep:
-            for key, t in keyed.items():
-                if key not in out:
-                    out[key] = t.detach().clone().cpu()
-            out = {k: out[k] for k in keyed}
-        return out
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full state dict on every rank (see :meth:`full_state_dict`)."""
-        return self.full_state_dict(rank0_only=False)
+            for buf in unit.buffers:
+                for p in buf.params:
+                    for key in by_param.get(id(p), []):
+                        out[key] = p.detach().clone().cpu()
+        unit.reshard()
+    if not keep:
+        return {}
+    for key, t in keyed.items():
+        if key not in out:
+            out[key] = t.detach().clone().cpu()
+    return {k: out[k] for k in keyed}

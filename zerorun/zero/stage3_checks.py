@@ -74,13 +74,6 @@ def _raise_mismatch(engine, indices: list[int]) -> None:
         "make the module that chooses between them one unit (zero.units), or use stage 2")
 
 
-def param_versions(unit) -> list[int]:
-    """The version counters (bumped by every in-place write) of ``unit``'s parameters, in buffer order, read
-    without the at-rest guard (Note [Writes inside a unit's forward])."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return [p._version for buf in unit.buffers for p in buf.params]
-
-
 def check_no_writes(unit) -> None:
     """Note [Writes inside a unit's forward]: at stage 3 a unit's parameters are a gathered copy from its
     all-gather until the unit is freed after its forward; an in-place write to one of them there (a clamp or
@@ -94,7 +87,7 @@ def check_no_writes(unit) -> None:
     before = getattr(unit, "versions", None)
     if before is None:
         return
-    now = param_versions(unit)
+    now = unit.param_versions()
     names = [n for buf in unit.buffers for n in buf.names]
     for name, a, b in zip(names, before, now):
         if a != b:

@@ -58,217 +58,224 @@ from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import Unit, UnitState, tensors_in
 
 
-class OuterUnits:
-    """Note [Outer units]; mixed into :class:`~zerorun.zero.stage3.Stage3Engine`."""
+class OuterSchedule:
+    """The outer units' schedule (Note [Outer units]): what the first step learns of them, and the points every
+    rank reaches at which they are gathered and freed. Owned by the engine's
+    :class:`~zerorun.zero.stage3_schedule.Schedule` (``sched``), which calls into it from its hooks."""
 
-    def _outer_setup(self) -> None:
-        self._outers = [u for u in self.units if u.outer]
-        self._learning = bool(self._outers)
-        self._pass = False  # a forward of the root with gradients on is running
-        self._first_call: Unit | None = None  # the unit of this pass's first listed-unit call
-        self._anchor_entered = False  # that unit's backward has begun
-        self._listed_begun = False  # a listed unit's backward has begun in this backward
-        self._saved_hooks = None  # saved_tensors_hooks over the root's forward when there are tails
-        self._tail_storages: dict[int, Unit] = {}
-        for unit in self._outers:
-            if unit not in self._root.external:  # Note [External parameters]: gathered with the root
-                self._root.external.append(unit)
-            self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._outer_pre_forward,
-                                                                                         unit)))
-            self._handles.append(unit.module.register_forward_hook(functools.partial(self._outer_post_forward, unit)))
+    def __init__(self, sched) -> None:
+        self.sched = sched
+        self.outers = [u for u in sched.units if u.outer]
+        self.learning = bool(self.outers)
+        self.running = False  # a forward of the root with gradients on is running
+        self.first_call: Unit | None = None  # the unit of this pass's first listed-unit call
+        self.anchor_entered = False  # that unit's backward has begun
+        self.listed_begun = False  # a listed unit's backward has begun in this backward
+        self.saved_hooks = None  # saved_tensors_hooks over the root's forward when there are tails
+        self.tail_storages: dict[int, Unit] = {}
 
-    def _scheduled(self) -> list[Unit]:
-        return [u for u in self._outers if u.scheduled]
+    def hook(self) -> None:
+        """Gather the outer units with the root until the first step has learned their schedule, and hook their
+        modules' forward."""
+        for unit in self.outers:
+            if unit not in self.sched.root.external:  # Note [External parameters]: gathered with the root
+                self.sched.root.external.append(unit)
+            pre, post = functools.partial(self.pre_forward, unit), functools.partial(self.post_forward, unit)
+            self.sched.handles += [unit.module.register_forward_pre_hook(pre), unit.module.register_forward_hook(post)]
+
+    def scheduled_units(self) -> list[Unit]:
+        return [u for u in self.outers if u.scheduled]
 
     # ------------------------------------------------------------------------------------------- forward
-    def _outer_pass_start(self) -> None:
+    def pass_start(self) -> None:
         """The root's forward begins (not a recomputation); the root is gathered."""
-        self._pass = torch.is_grad_enabled()
-        self._first_call = None
-        for unit in self._scheduled():
-            self._gather(unit, wait=False)
-        self._end_saved_hooks()  # a forward that raised half way left them
-        tails = [u for u in self._outers if u.tail]
-        if self._pass and tails:  # a tail's parameters saved for backward by any node: gathered before read
-            self._tail_storages = {b.data.untyped_storage()._cdata: u for u in tails for b in u.buffers}
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._tail_pack, self._tail_unpack)
-            self._saved_hooks.__enter__()
+        self.running = torch.is_grad_enabled()
+        self.first_call = None
+        for unit in self.scheduled_units():
+            unit.unshard(wait=False)
+        self.end_saved_hooks()  # a forward that raised half way left them
+        tails = [u for u in self.outers if u.tail]
+        if self.running and tails:  # a tail's parameters saved for backward by any node: gathered before read
+            self.tail_storages = {b.data.untyped_storage()._cdata: u for u in tails for b in u.buffers}
+            self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._tail_pack, self._tail_unpack)
+            self.saved_hooks.__enter__()
 
-    def _end_saved_hooks(self) -> None:
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+    def end_saved_hooks(self) -> None:
+        if self.saved_hooks is not None:
+            self.saved_hooks.__exit__(None, None, None)
+            self.saved_hooks = None
 
     def _tail_pack(self, t: torch.Tensor):
-        unit = self._tail_storages.get(t.untyped_storage()._cdata)
+        unit = self.tail_storages.get(t.untyped_storage()._cdata)
         return t if unit is None else _TailSaved(unit, t)
 
     def _tail_unpack(self, saved):
         if not isinstance(saved, _TailSaved):
             return saved
         if saved.unit.deferred:  # read by a node before the tails' gather (a penalty on the head's weight)
-            self._gather_tails()
+            self.gather_tails()
         if saved.unit.state is UnitState.GATHERING:
-            self._gather(saved.unit)
+            saved.unit.unshard()
         return saved.tensor
 
-    def _outer_pass_end(self) -> None:
-        self._pass = False
-        self._end_saved_hooks()
-        for unit in self._outers:  # Note [Writes inside a unit's forward]: the root's forward may write them too
+    def pass_end(self) -> None:
+        self.running = False
+        self.end_saved_hooks()
+        for unit in self.outers:  # Note [Writes inside a unit's forward]: the root's forward may write them too
             if unit.state is UnitState.GATHERED:
                 check_no_writes(unit)
 
-    def _outer_listed_call(self, unit: Unit) -> None:
+    def listed_call(self, unit: Unit) -> None:
         """A listed unit's forward call begins (before its all-gather is issued)."""
-        if not self._pass or self._first_call is not None:
+        if not self.running or self.first_call is not None:
             return
-        self._first_call = unit
-        for outer in self._scheduled():
+        self.first_call = unit
+        for outer in self.scheduled_units():
             if outer.active == 0:
-                self._free(outer)
+                outer.reshard()
 
-    def _outer_pre_forward(self, unit: Unit, module, args) -> None:
-        if in_backward() or not self._pass:
-            if self._learning and in_backward():
+    def pre_forward(self, unit: Unit, module, args) -> None:
+        if in_backward() or not self.running:
+            if self.learning and in_backward():
                 unit.used_outside = True  # recomputed in backward: no window to learn
             return
-        after = self._first_call is not None
-        if self._learning:  # every forward of the first step counts
+        after = self.first_call is not None
+        if self.learning:  # every forward of the first step counts
             unit.first = int(after) if unit.first is None else max(unit.first, int(after))
         elif unit.scheduled:
             if unit.state is UnitState.FREE:
-                raise self._outer_deviation(unit, "ran after the first listed unit's forward call")
-            self._gather(unit)
+                raise self.deviation(unit, "ran after the first listed unit's forward call")
+            unit.unshard()
         unit.active += 1
-        self._active.append(unit)
+        self.sched.active.append(unit)
 
-    def _outer_post_forward(self, unit: Unit, module, args, output):
-        if in_backward() or not self._pass:
+    def post_forward(self, unit: Unit, module, args, output):
+        if in_backward() or not self.running:
             return output
         unit.active -= 1
-        if self._active and self._active[-1] is unit:
-            self._active.pop()
-        if self._learning and self._first_call is not None:
+        if self.sched.active and self.sched.active[-1] is unit:
+            self.sched.active.pop()
+        if self.learning and self.first_call is not None:
             unit.first = 1  # a listed unit called from inside it: it runs past the first call
         check_no_writes(unit)  # Note [Writes inside a unit's forward]
         storages = {b.data.untyped_storage().data_ptr() for b in unit.buffers}
         for t in tensors_in(output):
             if t.untyped_storage().data_ptr() in storages:  # a view of its parameters: read after it is freed
-                if self._learning:
+                if self.learning:
                     unit.used_outside = True
                 elif unit.scheduled:
-                    raise self._outer_deviation(unit, "returned a view of its parameters")
+                    raise self.deviation(unit, "returned a view of its parameters")
             if torch.is_grad_enabled() and t.requires_grad:
-                t.register_hook(lambda grad, unit=unit: self._outer_pre_backward(unit))
+                t.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
                 if unit.tail and t.grad_fn is not None:  # does it reach the loss on every rank?
                     unit.out_nodes.append(t.grad_fn)
         return output
 
     # ------------------------------------------------------------------------------------------ backward
-    def _outer_backward_start(self) -> None:
+    def backward_start(self) -> None:
         """Backward begins; the root (and with it every outer unit not scheduled) is gathered."""
-        self._anchor_entered = False
-        self._listed_begun = False
-        for unit in self._scheduled():
-            if unit.bfirst == 0 or self._first_call is None:
-                self._gather(unit, wait=False)
+        self.anchor_entered = False
+        self.listed_begun = False
+        for unit in self.scheduled_units():
+            if unit.bfirst == 0 or self.first_call is None:
+                unit.unshard(wait=False)
 
-    def _outer_listed_backward(self, unit: Unit) -> None:
+    def listed_backward(self, unit: Unit) -> None:
         """A listed unit's backward begins."""
-        if unit is not self._first_call or self._anchor_entered:
+        if unit is not self.first_call or self.anchor_entered:
             return
-        self._anchor_entered = True
-        for outer in self._scheduled():
+        self.anchor_entered = True
+        for outer in self.scheduled_units():
             if outer.bfirst == 1:
-                self._gather(outer, wait=False)
+                outer.unshard(wait=False)
 
-    def _outer_before_listed_backward(self) -> None:
+    def before_listed_backward(self) -> None:
         """A listed unit's backward is about to begin (before its all-gather): the first time in this backward,
         the deferred tails not gathered yet are, so their all-gather precedes every listed unit's on every rank."""
-        if not self._listed_begun:
-            self._listed_begun = True
-            self._gather_tails()
+        if not self.listed_begun:
+            self.listed_begun = True
+            self.gather_tails()
 
-    def _gather_tails(self) -> None:
+    def gather_tails(self) -> None:
         """The deferred tails' all-gathers, once per backward, in the units' order (the same on every rank)."""
-        for outer in self._outers:
+        for outer in self.outers:
             if outer.deferred:
                 outer.deferred = False
-                self._gather(outer, wait=False)
+                outer.unshard(wait=False)
 
-    def _outer_pre_backward(self, unit: Unit) -> None:
-        if self._learning:  # every backward of the first step counts: before the anchor once is before
-            unit.bfirst = int(self._anchor_entered) if unit.bfirst is None else min(unit.bfirst,
-                                                                                    int(self._anchor_entered))
-            before = int(not self._listed_begun)
+    def pre_backward(self, unit: Unit) -> None:
+        if self.learning:  # every backward of the first step counts: before the anchor once is before
+            unit.bfirst = int(self.anchor_entered) if unit.bfirst is None else min(unit.bfirst,
+                                                                                    int(self.anchor_entered))
+            before = int(not self.listed_begun)
             unit.btail = before if unit.btail is None else min(unit.btail, before)
             return
         if unit.tail:  # deferred: its outputs' first gradient, unless a listed unit's backward began first
-            self._gather_tails()
+            self.gather_tails()
             if unit.state is UnitState.GATHERING:
-                self._gather(unit)
+                unit.unshard()
             return
         if unit.scheduled:
             if unit.state is UnitState.FREE:
-                raise self._outer_deviation(unit, "took a gradient before the first listed unit's backward began")
-            self._gather(unit)
+                raise self.deviation(unit, "took a gradient before the first listed unit's backward began")
+            unit.unshard()
 
-    def _outer_free_if_done(self, unit: Unit) -> None:
+    def free_if_done(self, unit: Unit) -> None:
         """In backward, ``unit``'s gradient buckets are complete: it is freed, even while the root, gathered
         with it at the start of backward, is not; unless a parameter of it that was unused last time (so
         complete at once: Note [Per-parameter readiness]) still gets its gradient in this backward (an expert
         that runs in this micro-step only), whose computation may need the weights: then at the end."""
-        if any(self.reducer.accumulates_later(p) for buf in unit.trainable for p in buf.params):
+        if any(self.sched.reducer.accumulates_later(p) for buf in unit.trainable for p in buf.params):
             return
-        unit.pinned_by.discard(self._root)
-        self._free(unit)
+        unit.pinned_by.discard(self.sched.root)
+        unit.reshard()
 
     # ------------------------------------------------------------------------------------- parameter use
-    def _outer_use(self, unit: Unit, func) -> bool:
+    def use(self, unit: Unit, func) -> bool:
         """A parameter of the outer unit ``unit`` is about to be read by ``func`` (Note [Parameters at rest]):
         ``True`` when it may be, ``False`` to go on as for any unit."""
-        holder = self._active[-1] if self._active else None
+        holder = self.sched.active[-1] if self.sched.active else None
         # an evaluation's forward decides nothing; a read that autograd does not record (detach, no_grad) is
         # not needed in backward
         recorded = torch.is_grad_enabled() and getattr(func, "__name__", "") != "detach"
-        if holder is not unit and (self._pass or in_backward()) and recorded:
-            if self._learning:
+        if holder is not unit and (self.running or in_backward()) and recorded:
+            if self.learning:
                 unit.used_outside = True
             elif unit.scheduled or unit.deferred and unit.state is UnitState.FREE:
-                raise self._outer_deviation(unit, f"had a parameter read outside its own forward (by "
+                raise self.deviation(unit, f"had a parameter read outside its own forward (by "
                                                   f"{getattr(func, '__name__', func)})")
         if unit.state is UnitState.GATHERING:
-            self._gather(unit)
+            unit.unshard()
         return unit.state is UnitState.GATHERED
 
-    def _outer_codes(self) -> list[float]:
+    def codes(self) -> list[float]:
         """This rank's record, two values per outer unit (0: not to be scheduled), for the first step's
         all-reduce: 1 when it ran only before the first listed call, and whether its output's gradient came
         after that call's unit began its backward (2) or before (1)."""
         out: list[float] = []
-        for u in self._outers:
+        for u in self.outers:
             ok = u.first == 0 and not u.used_outside and not u.declared
             tail = u.btail == 1 and not u.used_outside and not u.declared
             out += [1 if ok else 0, (u.bfirst + 1 if u.bfirst is not None else 0) if ok else 0, 1 if tail else 0]
         return out
 
-    def _outer_agree(self, sums: list[float], squares: list[float]) -> None:
-        """After the first step's all-reduce: schedule the outer units every rank recorded alike."""
-        n = self.world_size
-        for i, unit in enumerate(self._outers):
+    def agree(self, sums: list[float], squares: list[float], world_size: int) -> None:
+        """After the first step's agreement over ``world_size`` ranks (the sums of :meth:`codes` and of their
+        squares): schedule the outer units every rank recorded alike."""
+        n = world_size
+        for i, unit in enumerate(self.outers):
             same = [n * squares[3 * i + j] == sums[3 * i + j] ** 2 for j in range(3)]
             if same[0] and same[1] and sums[3 * i] > 0:
                 unit.scheduled = True
                 unit.bfirst = unit.bfirst if sums[3 * i + 1] > 0 else 0  # no gradient seen: at the start
-                self._root.external.remove(unit)
-                unit.pinned_by.discard(self._root)
+                self.sched.root.external.remove(unit)
+                unit.pinned_by.discard(self.sched.root)
             else:  # stays with the root: its record was this rank's alone
                 unit.first = unit.bfirst = None
                 unit.tail = same[2] and sums[3 * i + 2] > 0  # a tail: in backward, gathered at its own gradient
-        self._learning = False
+        self.learning = False
 
-    def _outer_deviation(self, unit: Unit, what: str) -> RuntimeError:
+    def deviation(self, unit: Unit, what: str) -> RuntimeError:
         return RuntimeError(
             f"stage 3: module {unit.name!r} (outside the units of zero.units) {what}, unlike in the first step; "
             "its all-gathers are scheduled from the first step on every rank (Note [Outer units]), so it cannot "

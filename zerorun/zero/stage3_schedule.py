@@ -1,0 +1,197 @@
+"""Stage 3's schedule: when each unit is gathered and freed (Notes [Unit lifecycle] and [Prefetch] in
+``stage3.py``). :class:`Schedule` owns the units' order as recorded, the forward calls on the stack, and the
+hooks the engine registers on the unit modules, which only call into it; the units themselves gather and
+free (``Unit.unshard``/``Unit.reshard``), the outer units' schedule is :class:`~zerorun.zero.stage3_outer.OuterSchedule`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zerorun.zero.stage3_checks import check_no_writes
+from zerorun.zero.stage3_outer import OuterSchedule
+from zerorun.zero.torch_internals import in_backward
+from zerorun.zero.units import Unit, UnitInputsDone, UnitState, tensors_in, units_ahead
+
+
+class Schedule:
+    """The order in which ``units`` (the engine's, indexed, the root among them) are gathered and freed.
+
+    Attributes:
+        root: the root unit (the model itself).
+        active: the units whose forward is on the stack, innermost last.
+        outer: the outer units' schedule (Note [Outer units] in stage3_outer.py).
+    """
+
+    def __init__(self, units: list[Unit], config, reducer) -> None:
+        self.units, self.config, self.reducer = units, config, reducer
+        self.root = next(u for u in units if u.is_root)
+        self.order: dict[str, list[Unit]] = {"forward": [], "backward": []}  # Note [Prefetch]: as recorded
+        self.seen: dict[str, list[Unit]] = {"forward": [], "backward": []}  # in this pass so far
+        self.active: list[Unit] = []
+        self.handles: list = []
+        self.outer = OuterSchedule(self)
+
+    def hook(self, checkpointing: bool) -> None:
+        """Register the forward hooks of every listed unit and the root (outer units: :class:`OuterSchedule`);
+        with ``checkpointing``, a listed unit's forward is recomputed in backward (``torch.utils.checkpoint``,
+        non-reentrant)."""
+        for unit in self.units:
+            if unit.persistent or unit.outer:
+                continue
+            self.handles.append(unit.module.register_forward_pre_hook(functools.partial(self.pre_forward, unit),
+                                                                      with_kwargs=True))
+            self.handles.append(unit.module.register_forward_hook(functools.partial(self.post_forward, unit)))
+            if checkpointing and not unit.is_root:
+                forward = unit.module.forward
+
+                def checkpointed(*args, _forward=forward, **kw):
+                    if not torch.is_grad_enabled():
+                        return _forward(*args, **kw)
+                    return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kw)
+
+                unit.module.forward = checkpointed
+        self.outer.hook()
+
+    # ------------------------------------------------------------------------------------------ prefetch
+    def note_and_prefetch(self, unit: Unit, phase: str) -> None:
+        """``unit`` starts in ``phase``: record it, and when this pass follows the recorded order so far,
+        issue the all-gathers of the units ahead (Note [Prefetch])."""
+        seen = self.seen[phase]
+        if seen and seen[-1] is unit:
+            return
+        seen.append(unit)
+        order = self.order[phase]
+        i = len(seen) - 1
+        if not self.config.prefetch or i >= len(order) or order[i] is not unit:
+            return
+        if phase == "backward" and unit.is_root:  # Note [Prefetch]: not across the loss's backward
+            return
+        for ahead in units_ahead(order, i, self.config.prefetch_bytes):  # ZeroConfig.prefetch_bytes
+            ahead.unshard(wait=False)
+
+    def end_pass(self, phase: str) -> None:
+        if self.seen[phase] and self.seen[phase] != self.order[phase]:
+            self.order[phase] = self.seen[phase]
+        self.seen[phase] = []
+
+    def free_all(self) -> None:
+        """Free every unit (pins of units go; a ``gathered_parameters`` block keeps its own)."""
+        for unit in self.units:
+            unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
+        for unit in self.units:
+            unit.reshard()
+
+    # ------------------------------------------------------------------------------------------- forward
+    def pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
+        if not unit.is_root and not in_backward():
+            self.outer.listed_call(unit)
+        unit.unshard()
+        if in_backward():
+            return None
+        if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
+            self.outer.pass_start()
+            for u in self.active:
+                u.active = 0
+            self.active = []
+            for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
+                u.out_nodes, u.in_nodes = [], []
+        unit.active += 1
+        self.active.append(unit)
+        if not torch.is_grad_enabled():
+            return None
+        self.note_and_prefetch(unit, "forward")
+        if unit.is_root:  # the end of backward ends the root's backward
+            return None
+        # Note [End of a unit's backward]
+        flat, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            return None
+        unit.open_calls += 1
+        out = UnitInputsDone.apply(functools.partial(self.unit_backward_done, unit), *(flat[i] for i in at))
+        unit.in_nodes.append((out[0] if len(at) > 1 else out).grad_fn)  # Note [Program order] in reducer.py
+        for i, t in zip(at, out if len(at) > 1 else (out,)):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
+        if in_backward():  # recomputation under activation checkpointing: the unit is still needed
+            return output
+        unit.active -= 1
+        if self.active and self.active[-1] is unit:
+            self.active.pop()
+        if torch.is_grad_enabled():
+            hook = functools.partial(self.pre_backward, unit)
+            for t in tensors_in(output):  # any structure: dataclasses, objects with a .loss, nested containers
+                if t.requires_grad:
+                    t.register_hook(hook)
+                    if t.grad_fn is not None:
+                        unit.out_nodes.append(t.grad_fn)
+        check_no_writes(unit)
+        if unit.is_root:
+            if torch.is_grad_enabled():
+                self.end_pass("forward")
+            self.outer.pass_end()
+            self.free_all()
+        else:
+            unit.reshard()
+        return output
+
+    # ------------------------------------------------------------------------------------------ backward
+    def pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
+        if not unit.is_root:
+            self.outer.before_listed_backward()  # Note [Outer units]: the tails' all-gather comes first
+        unit.unshard()
+        self.note_and_prefetch(unit, "backward")
+        if not unit.is_root:
+            self.outer.listed_backward(unit)
+
+    def backward_start(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` begins: the root is gathered first, whatever structure held the loss."""
+        if self.root.state is UnitState.FREE and loss.requires_grad:
+            self.pre_backward(self.root, None)
+        self.outer.backward_start()
+
+    def on_bucket_ready(self, buf) -> None:
+        """The reducer found ``buf``'s gradient complete: once every trainable bucket of its unit is, and the
+        unit's backward has begun on this rank (a bucket known unused is complete before backward starts; the
+        unit must not be freed and gathered again, on this rank only), the unit is freed (a unit holding frozen
+        parameters, whose last use in backward no gradient signals, is freed at the end of backward)."""
+        unit = buf.unit
+        unit.ready_buffers += 1
+        self.free_if_done(unit)
+
+    def free_if_done(self, unit: Unit) -> None:
+        if (unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers)
+                and in_backward() and (unit in self.seen["backward"] or unit.outer)):
+            self.outer.free_if_done(unit) if unit.outer else unit.reshard()
+
+    def unit_backward_done(self, unit: Unit) -> None:
+        """Note [End of a unit's backward]: called when autograd has the gradients of one forward call's inputs
+        of ``unit``. After the last such call of the step, a bucket of the unit whose missing parameters will get
+        no gradient in this backward (an expert no token reached on this rank) is complete now, with zeros for
+        them, instead of at the end of backward (``GradReducer.force_ready``)."""
+        unit.open_calls -= 1
+        if unit.open_calls > 0:
+            return
+        for buf in unit.trainable:
+            self.reducer.force_ready(buf)
+        if unit.ends_agreed:  # Note [Program order] in reducer.py: reached on every rank (else at the end)
+            self.reducer.launch(unit.trainable)
+        self.free_if_done(unit)
+
+    def backward_end(self) -> None:
+        """After the reductions of a backward: the recorded order is kept, every unit freed."""
+        self.end_pass("backward")
+        for unit in self.units:
+            unit.ready_buffers = 0
+            unit.open_calls = 0
+            unit.ends_agreed = False
+            unit.deferred = False
+        self.free_all()

@@ -1,0 +1,177 @@
+"""Which modules are stage 3's units (Note [Units] in ``stage3.py``): the listed ones (``zero.units``: classes or
+module names, or picked by size), the outer ones (Note [Outer units] in ``stage3_outer.py``), each parameter's
+unit, the padding of peer units, and what the run says of them. Nothing here gathers or frees.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from zerorun.zero.units import Unit
+
+
+# Note [Peer units]: all-gathers pair up across ranks in the order they are issued, so a step in which ranks
+# run different units (an MoE layer routing each rank's tokens to another expert) pairs one rank's unit with
+# another's. Between units of one size that pairing is caught, on every rank, before backward or at the step
+# (Notes [Backward on some ranks], [Same units on every rank] in stage3_checks.py); between units of
+# different sizes gloo aborts one rank on the size mismatch and the others hang (NCCL: undefined). Units of
+# one class held by one ``nn.ModuleList`` or ``nn.ModuleDict`` (the experts of one layer) are therefore
+# peers (two Linears that are attributes of one attention module are not: both always run), and the flat
+# buffers of peers of different sizes are padded at their end to the largest peer's (FlatBuffer.pad_to:
+# zeros, never read, zero gradient): every all-gather and reduce-scatter of a peer is as long as the
+# others', and a misrouted step is the clear error above. The cost is the padding's bytes (memory at rest
+# and when gathered, and traffic) for the smaller peers only; units that differ in how their parameters are
+# split into flat buffers (another number of buffers, or dtypes) are left unpadded.
+def pad_peers(units: list[Unit]) -> None:
+    """Note [Peer units]: pad the flat buffers of units of one class in one ``ModuleList``/``ModuleDict`` to the
+    largest such unit's, buffer by buffer, where their buffer layouts (count, dtype, param group) match."""
+    model = next(u.module for u in units if u.is_root)
+    peers: dict[tuple[str, str], list[Unit]] = {}
+    for unit in units:
+        parent = unit.name.rpartition(".")[0]
+        if not (unit.is_root or unit.outer or unit.persistent) and "." in unit.name and isinstance(
+                model.get_submodule(parent), (nn.ModuleList, nn.ModuleDict)):
+            peers.setdefault((parent, type(unit.module).__name__), []).append(unit)
+    for group in peers.values():
+        layouts = {tuple((b.dtype, b.group_index) for b in u.buffers) for u in group}
+        if len(group) < 2 or len(layouts) != 1:
+            continue
+        for i in range(len(group[0].buffers)):
+            longest = max(u.buffers[i].numel for u in group)
+            for u in group:
+                if u.buffers[i].numel < longest:
+                    u.buffers[i].pad_to(longest)
+
+
+def pick_units(model: nn.Module, entries: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The unit modules of ``model`` (not the root), in module order.
+
+    With ``entries`` (``zero.units``): each is a module's qualified name in ``model`` (``transformer.wte``, as
+    FSDP2's ``fully_shard(model.tok_embeddings)``) or a class name (``Block``: every module of that class).
+    Without: Note [Automatic units] — modules holding between 1/64 and 1/4 of the parameters, taken from the
+    top down (a larger one is split into its children); smaller modules stay in their parent's unit.
+
+    Raises:
+        ValueError: an entry names neither a module nor a class of ``model``; one names the model itself.
+    """
+    if entries:
+        named = dict(model.named_modules())
+        if "" in entries:
+            raise ValueError("zero.units: '' names the whole model, which is the root unit already")
+        by_name = {e for e in entries if e in named}
+        classes = set(entries) - by_name
+        found = [(n, m) for n, m in model.named_modules() if n and (n in by_name or type(m).__name__ in classes)]
+        missing = classes - {type(m).__name__ for _, m in found}
+        if missing:
+            kinds = sorted({type(m).__name__ for m in model.modules()})
+            top = [n for n, _ in model.named_children()]
+            raise ValueError(f"zero.units: no module of class {', '.join(sorted(missing))} in the model and no module "
+                             f"of that name (its classes: {', '.join(kinds)}; its top-level modules: {', '.join(top)})")
+        return found  # a unit inside another listed unit is a unit of its own (its parameters are its own)
+    total = sum(p.numel() for p in model.parameters())
+    low, high = total / 64, total / 4
+    units: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            count = sum(p.numel() for p in child.parameters())
+            if count > high and any(True for _ in child.children()):
+                visit(full, child)
+            elif count >= low:
+                units.append((full, child))
+
+    visit("", model)
+    return units
+
+
+def outer_modules(model: nn.Module, unit_modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Note [Outer units]: the largest modules of ``model`` that hold parameters and neither are, hold nor lie
+    inside one of ``unit_modules`` (a GPT's token and position embeddings, final norm and LM head), in module
+    order; none when ``unit_modules`` is empty (the root is then the only unit)."""
+    if not unit_modules:
+        return []
+    ids = {id(m) for m in unit_modules}
+    holds_unit: set[int] = set()
+
+    def mark(module: nn.Module) -> bool:  # does module hold a unit (itself excluded)?
+        inside = False
+        for child in module.children():
+            inside |= mark(child) or id(child) in ids
+        if inside:
+            holds_unit.add(id(module))
+        return inside
+
+    mark(model)
+    found: dict[int, tuple[str, nn.Module]] = {}
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if id(child) in ids or id(child) in found:
+                continue
+            if id(child) in holds_unit:
+                visit(full, child)
+            elif any(True for _ in child.parameters()):
+                found[id(child)] = (full, child)
+
+    visit("", model)
+    return list(found.values())
+
+
+def unit_of_params(model: nn.Module, unit_modules: list[nn.Module],
+                   outer: list[nn.Module] = ()) -> dict[nn.Parameter, int]:
+    """Each parameter's unit as an index into ``unit_modules`` (from :func:`pick_units`) followed by ``outer``
+    (from :func:`outer_modules`), ``-1`` for the root: the innermost unit around every module that holds it;
+    a parameter held by modules in different units (a weight tied across units, or between an outer module
+    and the rest of the model) belongs to the root (Note [Units])."""
+    index_of = {id(m): i for i, m in enumerate(unit_modules)}
+    index_of.update({id(m): len(unit_modules) + j for j, m in enumerate(outer)})
+    holders: dict[nn.Parameter, set[int]] = {}
+
+    def visit(module: nn.Module, unit: int) -> None:
+        unit = index_of.get(id(module), unit)
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(p, set()).add(unit)
+        for child in module.children():
+            visit(child, unit)
+
+    visit(model, -1)
+    return {p: next(iter(ids)) if len(ids) == 1 else -1 for p, ids in holders.items()}
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def describe_units(units: list[Unit], without_params: list[str] = ()) -> list[str]:
+    """What stage 3 gathers and frees, for the run's log: the listed units grouped by class (count, names,
+    gathered bytes each), the outer units picked automatically (Note [Outer units] in stage3_outer.py), and
+    what stays gathered (the root's own parameters through each forward and backward, the persistent ones
+    always), with their bytes (padding included); ``without_params``: modules named or picked as units that own
+    no parameter (a weight tied across units belongs to the root: Note [Units] in stage3.py)."""
+    by_class: dict[str, list[Unit]] = {}
+    for u in units:
+        if not (u.is_root or u.outer or u.persistent):
+            by_class.setdefault(type(u.module).__name__, []).append(u)
+    parts = []
+    for cls, group in by_class.items():
+        sizes = sorted({u.gathered_bytes for u in group})
+        size = _mib(sizes[0]) if len(sizes) == 1 else f"{_mib(sizes[0])}-{_mib(sizes[-1])}"
+        names = group[0].name if len(group) == 1 else f"{group[0].name} .. {group[-1].name}"
+        parts.append(f"{len(group)} x {cls} ({names}), {size} each")
+    lines = [f"stage 3 units, gathered and freed one by one: {'; '.join(parts) or 'none'}"]
+    if without_params:
+        lines.append(f"stage 3: {', '.join(without_params)} own no parameter of their own (a weight shared with "
+                     "modules outside them stays with the root): not units")
+    outer = [f"{u.name} {_mib(u.gathered_bytes)}" for u in units if u.outer]
+    if outer:
+        lines.append(f"stage 3 outer units, picked automatically and gathered on a schedule learned in the first "
+                     f"step: {', '.join(outer)} (name a module in zero.units to make it a unit of its own)")
+    kept = [f"{'root' if u.is_root else 'persistent'} {_mib(u.gathered_bytes)}" for u in units
+            if (u.is_root or u.persistent) and u.buffers]
+    if kept:
+        lines.append(f"stage 3 parameters that stay gathered: {', '.join(kept)} (root: through each forward and "
+                     "backward; persistent: always, zero.persistence_threshold)")
+    return lines
