@@ -35,8 +35,7 @@ Note [Prefetch]: the order of the units in forward and in backward is recorded, 
 When unit i starts (gradients on) in a pass that follows it, unit i+1's all-gather is issued (``prefetch_bytes``:
 those after i that fit in that many bytes, ``units.units_ahead``), run while i computes; a deviating pass
 prefetches no more. A wrong guess costs memory (up to ``prefetch_bytes``) and time, never correctness.
-All-gathers and reduce-scatters share one process group, issued in program order (Note [Program order] in
-reducer.py).
+All-gathers and reduce-scatters share one process group, issued in program order (Note [Program order] in reducer.py).
 The root's backward prefetches nothing: it begins with the loss's backward, the step's peak for a language
 model (a log-softmax over the vocabulary, three logits-sized tensors at once), where the first block's
 parameters are not needed yet; that block is gathered when its backward begins and prefetches the next. On
