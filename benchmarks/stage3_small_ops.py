@@ -2,7 +2,7 @@
 
     python benchmarks/stage3_small_ops.py                    # 2 gloo ranks, 48 blocks in one unit
     python benchmarks/stage3_small_ops.py --units Block      # 48 one-block units (collective latency)
-    python benchmarks/stage3_small_ops.py --compile aot_eager   # the same, the units compiled
+    python benchmarks/stage3_small_ops.py --compile aot_eager   # the same, compiled (stage 3: each unit's forward)
 
 The model (issue 38): ``--blocks`` blocks of ``Linear(64, 64) + GELU + LayerNorm`` in one ``Stack`` and a head,
 micro-batch 8, fp32 AdamW. With ``--units Stack`` (the default) the whole stack is one stage-3 unit, so
@@ -71,9 +71,10 @@ def rank_main(rank: int, world_size: int, port: int, args, out) -> None:
     engines = {}
     for stage in (2, 3):
         model = build(args.blocks, args.width, seed=0)
-        if args.compile:
-            model.compile(backend=args.compile)
-        config = zero.ZeroConfig(stage=stage, units=tuple(args.units.split(",")) if stage == 3 else (), persistence_threshold=args.persist)
+        if args.compile:  # Note [Compiling per unit] in zerorun/zero/compiling.py
+            model = torch.compile(model, backend=args.compile)
+        config = zero.ZeroConfig(stage=stage, units=tuple(args.units.split(",")) if stage == 3 else (),
+                                 persistence_threshold=args.persist)
         engines[stage] = zero.initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3}, config=config)
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randn(args.micro_batch, args.width, generator=gen) for _ in range(4)]

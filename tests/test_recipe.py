@@ -85,6 +85,9 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (["zero.reduce_dtype=bf16"], r"zero\.reduce_dtype: Input should be 'fp32'"),
     (["precision=bf16", "loss_scale.initial_scale=1024"], r"loss_scale: loss scaling applies to precision fp16 only"),
     (["precision=fp16", "loss_scale.backoff=2"], r"loss_scale\.backoff: Input should be less than 1"),
+    (["model.compile=inductr"], r"^override 'model.compile=inductr': model\.compile: expected true, false or a "
+                                r"torch\.compile backend \(inductor, aot_eager, eager\); got 'inductr'$"),
+    (["model.compile=true", "runtime=ddp"], r"model\.compile: applies to zerorun's runtime only; the ddp baseline"),
 ])
 def test_bad_fields_name_file_line_and_field(tmp_path, overrides, expected):
     with pytest.raises(ZerorunError, match=expected) as info:
@@ -288,6 +291,16 @@ def test_infinite_or_nan_numbers_are_refused(override):
     with pytest.raises(ZerorunError, match=rf"override '{re.escape(override)}': {re.escape(field)}: Input should "
                                            r"be a finite number"):
         load_recipe(os.path.join(ROOT, "recipes/tiny.yaml"), [override])
+
+
+def test_model_compile_field(tmp_path):
+    """model.compile: false (default, or null), true (inductor) or a torch.compile backend's name."""
+    for overrides, backend in (([], None), (["model.compile=null"], None), (["model.compile=true"], "inductor"),
+                               (["model.compile=aot_eager"], "aot_eager"), (["model.compile=inductor"], "inductor")):
+        assert load_recipe(good(tmp_path), overrides).model.compile_backend() == backend, overrides
+    for bad in ("1", "'yes'", "[inductor]", "{backend: inductor}"):
+        with pytest.raises(ZerorunError, match=r"model\.compile: expected true, false or a torch\.compile backend"):
+            load_recipe(good(tmp_path), [f"model.compile={bad}"])
 
 
 def test_grad_accum_dtype_field(tmp_path):

@@ -144,7 +144,7 @@ class TrainingRun:
         try:
             config = _zero_config(recipe)
             if recipe.runtime == "zero":
-                self.engine = zero.initialize(self.model, optimizer=t.optimizer.name, optimizer_kwargs=opt,
+                self.engine = zero.initialize(self._compiled(), optimizer=t.optimizer.name, optimizer_kwargs=opt,
                                               param_groups=groups, config=config, elementwise=t.optimizer.elementwise)
             else:  # a baseline for `zerorun bench`: torch's DDP or FSDP2 behind the same interface
                 from zerorun.bench import baselines
@@ -168,6 +168,19 @@ class TrainingRun:
         self.sampler = DistributedSampler(self.train_set, num_replicas=self.world_size, rank=self.rank,
                                           shuffle=True, seed=t.seed, drop_last=True)
         torch.manual_seed(t.seed + 1 + self.rank)  # dropout and other training randomness differ per rank
+
+    def _compiled(self) -> torch.nn.Module:
+        """The model to give ``zero.initialize``: ``torch.compile(model)`` with ``model.compile``'s backend, which
+        the engine compiles again where its stage can run compiled code (Note [Compiling per unit] in
+        zero/compiling.py; ``self.model`` stays the user's module), or the model itself."""
+        backend = self.recipe.model.compile_backend()
+        if backend is None:
+            return self.model
+        if self.rank == 0:
+            where = "each unit's forward (the code between units runs eagerly)" if self.recipe.zero.stage == 3 \
+                else "the whole forward"
+            emit("log", self.rank, message=f"model.compile: {backend} compiles {where}; the first step compiles")
+        return torch.compile(self.model, backend=backend)
 
     def resume(self) -> None:
         """Load ``checkpoint.resume``, if set: after everything that draws random numbers, since the checkpoint

@@ -54,6 +54,9 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
     if recipe.runtime != "zero" and ckpt.dir:
         raise ZerorunError(f"{where('checkpoint')}: checkpoints are zerorun's (runtime zero); the {recipe.runtime} "
                            "baseline does not save them")
+    if recipe.model.compile and recipe.runtime != "zero":
+        raise ZerorunError(f"{where('model', 'compile')}: applies to zerorun's runtime only; the {recipe.runtime} "
+                           "baseline runs the model uncompiled")
     if recipe.train.activation_checkpointing and recipe.runtime != "zero":
         raise ZerorunError(f"{where('train', 'activation_checkpointing')}: applies to zerorun's stage 3 only, not "
                            f"to runtime {recipe.runtime}")

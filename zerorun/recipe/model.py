@@ -29,11 +29,16 @@ class HFModelSpec(Strict):
     _finite = field_validator("config")(classmethod(finite_values))
 
 
+#: ``model.compile``'s backend names (``true`` is ``inductor``): torch.compile's own, CPU and GPU alike
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
 class ModelSpec(Strict):
     """``module``: a .py file path (relative to the recipe's folder; an override's to the working directory:
     Note [Recipe paths]) or a dotted module name; ``factory``: a callable in it, ``factory(**kwargs) ->
     torch.nn.Module``. Or ``hf`` (instead of ``module``): a Hugging Face model for ``task`` (``causal-lm``),
-    ``kwargs`` passed to ``from_config``/``from_pretrained``."""
+    ``kwargs`` passed to ``from_config``/``from_pretrained``. ``compile``: ``torch.compile`` the model with
+    that backend (``true``: inductor) at every stage (Note [Compiling per unit] in zerorun/zero/compiling.py)."""
 
     module: str | None = Field(None, description="the model module: a .py file (relative to the recipe's folder) "
                                "or a dotted module name; give it or model.hf")
@@ -46,7 +51,25 @@ class ModelSpec(Strict):
     task: Literal["causal-lm"] = Field("causal-lm", description="model.hf only: the head the model is built with "
                                        "(AutoModelForCausalLM)")
 
+    compile: bool | Literal[COMPILE_BACKENDS] = Field(
+        False, description="torch.compile the model: true (inductor) or a backend (inductor, aot_eager, eager); "
+        "stage 3 compiles each unit's forward, the code between units runs eagerly")
+
     _finite = field_validator("kwargs")(classmethod(finite_values))
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile(cls, value: Any) -> Any:
+        if value is None:  # unset
+            return False
+        if isinstance(value, bool) or value in COMPILE_BACKENDS:
+            return value
+        raise PydanticCustomError("compile", "expected true, false or a torch.compile backend ({backends}); got "
+                                  "{value}", {"backends": ", ".join(COMPILE_BACKENDS), "value": repr(value)})
+
+    def compile_backend(self) -> str | None:
+        """``model.compile``'s backend: ``None`` (not compiled), ``"inductor"`` for ``true``, else the name."""
+        return "inductor" if self.compile is True else self.compile or None
 
     def source(self) -> tuple[str, str, dict[str, Any]]:
         """``(module, factory, kwargs)`` that build this model with :func:`zerorun.rank.userload.build_model`; for

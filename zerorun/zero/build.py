@@ -10,6 +10,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
+from zerorun.zero import compiling
 from zerorun.zero.config import ZeroConfig
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.stage3 import Stage3Engine
@@ -23,7 +24,9 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     Args:
         model: the model, built identically on every rank (rank 0's values are broadcast), or built by
             :func:`~zerorun.zero.deferred.deferred_init` on the meta device: stage 3 then materializes only
-            this rank's slices, with the values normal construction would give.
+            this rank's slices, with the values normal construction would give. ``torch.compile(model, ...)``
+            is unwrapped and compiled again with its options: the whole forward at stages 0-2, each unit's
+            forward at stage 3 (Note [Compiling per unit] in ``compiling.py``).
         optimizer: a ``torch.optim`` class or its name; it must be elementwise (Note [Elementwise optimizers]
             in ``optimizers.py``).
         optimizer_kwargs: keyword arguments for the optimizer (``lr``, ``betas``, ``weight_decay``, ...).
@@ -34,7 +37,8 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
 
     Raises:
         ValueError: unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``; a
-            model a stage-3 engine already holds (its parameters are partitioned into that engine).
+            model a stage-3 engine already holds (its parameters are partitioned into that engine); at stage 3,
+            a model or unit compiled in place (``nn.Module.compile``).
         RuntimeError: ``torch.distributed`` is not initialized.
     """
     if not dist.is_initialized():
@@ -42,6 +46,7 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     from zerorun.zero.deferred import is_deferred, materialize
     from zerorun.zero.stage3_access import held_by_stage3
 
+    model, compiler = compiling.unwrap(model)  # Note [Compiling per unit]
     held = next((name for name, p in model.named_parameters() if held_by_stage3(p)), None)
     if held is not None:
         raise ValueError(f"this model is held by a stage 3 engine already (parameter {held!r} is partitioned into "
@@ -52,7 +57,11 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     kwargs = dict(optimizer=optimizer, optimizer_kwargs=optimizer_kwargs or {}, param_groups=param_groups,
                   config=config, process_group=process_group, elementwise=elementwise)
     if config.stage == 3:
-        return Stage3Engine(model, **kwargs)
+        compiling.refuse_in_place(model, config.units)
+        engine = Stage3Engine(model, **kwargs)
+        if compiler is not None:
+            compiling.compile_units(engine, compiler)
+        return engine
     if is_deferred(model):
         if param_groups is not None:
             raise ValueError("param_groups of a deferred model must be given at stage 3 only; at stages 0-2 "
@@ -64,4 +73,7 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
         for name, p in model.named_parameters():  # hooks the constructor registered move to the real parameters
             if name in metas and metas[name] is not p:
                 carry_hooks(metas[name], p, name)
-    return ZeroEngine(model, **kwargs)
+    engine = ZeroEngine(model, **kwargs)
+    if compiler is not None:
+        compiling.compile_whole(model, compiler)
+    return engine
