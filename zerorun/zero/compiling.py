@@ -94,7 +94,7 @@ def refuse_in_place(model: nn.Module, class_names) -> None:
     compiled = [(n, m) for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
     if not compiled:
         return
-    from zerorun.zero.units import pick_units
+    from zerorun.zero.unit_plan import pick_units
 
     units = [unit for _, unit in pick_units(model, tuple(class_names))]
     inside = {id(sub) for unit in units for sub in unit.modules() if sub is not unit}
