@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from zerorun.zero.config import ZeroConfig
 from zerorun.zero.engine import ZeroEngine
+from zerorun.zero.precision import refuse_complex
 from zerorun.zero.stage3 import Stage3Engine
 
 
@@ -34,7 +35,8 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
 
     Raises:
         ValueError: unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``; a
-            model a stage-3 engine already holds (its parameters are partitioned into that engine).
+            model a stage-3 engine already holds (its parameters are partitioned into that engine); a complex
+            parameter (named; Note [Wide parameters] in ``precision.py``). All before any collective.
         RuntimeError: ``torch.distributed`` is not initialized.
     """
     if not dist.is_initialized():
@@ -42,6 +44,7 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     from zerorun.zero.deferred import is_deferred, materialize
     from zerorun.zero.stage3_access import held_by_stage3
 
+    refuse_complex(model)  # Note [Wide parameters] in precision.py
     held = next((name for name, p in model.named_parameters() if held_by_stage3(p)), None)
     if held is not None:
         raise ValueError(f"this model is held by a stage 3 engine already (parameter {held!r} is partitioned into "

@@ -58,7 +58,7 @@ from zerorun.zero.deferred import is_deferred, placement, replay, swap_meta_tens
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.param_offload import ParamOffload
-from zerorun.zero.precision import DTYPES
+from zerorun.zero.precision import DTYPES, compute_dtype
 from zerorun.zero.stage3_access import (ParameterAccess, adopt, declared_externals, engine_ref, guarded, placeholder,
                                         plain)
 from zerorun.zero.stage3_backward import Stage3Backward
@@ -143,13 +143,13 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
     def _swap_meta_params(self, model: nn.Module, param_groups, dtype: torch.dtype):
         """Replace meta parameters by real ones of the same shape whose storage is empty (freed), remembering
         each one's meta original for the replay; buffers become real zeros, filled by the replay. Floating-point
-        tensors take ``dtype`` (Note [Mixed precision]: the replayed values are cast as they are kept). Returns
-        ``param_groups`` with its (meta) parameters replaced."""
+        tensors take ``dtype`` (Note [Mixed precision]: the replayed values are cast as they are kept; float64
+        stays: Note [Wide parameters]). Returns ``param_groups`` with its (meta) parameters replaced."""
         self._meta_list = list(model.parameters()) + list(model.buffers())
         device = placement(model)
 
         def value_of(meta: torch.Tensor) -> torch.Tensor:
-            t = torch.zeros(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype, device=device)
+            t = torch.zeros(meta.shape, dtype=compute_dtype(meta.dtype, dtype), device=device)
             if isinstance(meta, nn.Parameter):
                 t.untyped_storage().resize_(0)
             return t
@@ -187,9 +187,8 @@ class Stage3Engine(ParameterAccess, Stage3Backward, OuterUnits, ParamOffload, Ze
         frozen_by_unit: dict[int, list] = {}
         for p in self._frozen:
             frozen_by_unit.setdefault(id(self._unit_of_param[p]), []).append((names[p], p))
-        for unit in self.units:
-            run = frozen_by_unit.get(id(unit))
-            if run:
+        for unit in self.units:  # one flat buffer per dtype (integer and bool parameters are frozen ones)
+            for run in pack(frozen_by_unit.get(id(unit), []), float("inf")):
                 self.frozen_buffers.append(FlatBuffer(run, -1, self.world_size, self.rank, order=-1))
         for buf in self.buffers + self.frozen_buffers:
             unit = self._unit_of_param[buf.params[0]]
