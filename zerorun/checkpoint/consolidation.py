@@ -15,7 +15,8 @@ from zerorun.errors import ZerorunError
 
 def consolidate(path: str, out: str) -> tuple[int, int]:
     """Write the model of the checkpoint at ``path`` (or the latest one in a folder of checkpoints) as one
-    ordinary state dict, without a process group: parameters as fp32 with their shapes, module buffers as
+    ordinary state dict, without a process group: parameters as saved (fp32 masters, float64 ones for float64
+    parameters, frozen ones in their dtype) with their shapes, module buffers as
     saved, every ``state_dict`` key of the unsharded model (tied parameters under each name). ``out`` ends in
     ``.safetensors`` (safetensors) or ``.pt`` (``torch.save``); it is written under a temporary name, given
     the umask's permissions (``0666 & ~umask``) and renamed. Holds one copy of the model in memory.
@@ -39,7 +40,11 @@ def consolidate(path: str, out: str) -> tuple[int, int]:
     targets: dict[str, torch.Tensor] = {}
     shapes = {}
     for p in layout["params"]:
-        targets[f"model/{p['name']}"] = torch.empty(int(torch.Size(p["shape"]).numel()), dtype=torch.float32)
+        try:  # as saved: the master's dtype (fp32, float64 for a float64 parameter), a frozen parameter's own
+            dtype = dtype_of(str(p.get("dtype", "float32")))  # checkpoints before the layout named it: fp32
+        except ValueError as e:
+            raise ZerorunError(f"{path}: layout.params: {e}") from None
+        targets[f"model/{p['name']}"] = torch.empty(int(torch.Size(p["shape"]).numel()), dtype=dtype)
         shapes[p["name"]] = p["shape"]
     for key, b in layout["buffers"].items():
         targets[f"model/{key}"] = torch.empty(b["shape"], dtype=dtype_of(b["dtype"]))

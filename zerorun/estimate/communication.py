@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zerorun.estimate.layout import PERSISTENT, Layout
-from zerorun.estimate.states import _pad, _stage_buffers
+from zerorun.estimate.states import _pad, _stage_buffers, _stage_sizes, _unit_sizes
 from zerorun.estimate.policies import Precision
 
 
@@ -17,7 +17,8 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     Note [Gradient norm] in ``zero/gradnorm.py``); the ranks' agreements (stage 3's digest of the units
     gathered among them) are control traffic on the host, not counted (Note [Agreements on the host] in
     ``zero/comm.py``).
-    Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``. A stage-3 unit
+    Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``, or both in a
+    buffer's own bytes per element where the layout gives them (float64: 8, Note [Wide parameters]). A stage-3 unit
     holding only frozen parameters is counted as gathered in forward only: it is gathered again
     in backward only if a gradient flows through it, which the layout cannot tell (frozen layers usually come
     first, as when fine-tuning the top of a model, and then none does)."""
@@ -27,22 +28,29 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     f = (N - 1) / N
     pb, gb = precision.param_bytes, precision.reduce_bytes  # gradients travel in the reduce dtype
     bufs = _stage_buffers(layout, stage)[0]
-    trainable = sum(_pad(n, N) for n in bufs)
+    sizes = _stage_sizes(layout, stage, pb)[0]  # a float64 buffer travels in float64 (Note [Wide parameters])
+    trainable = sum(_pad(n, N) * b for n, b in zip(bufs, sizes))  # bytes of parameters
+    grads = sum(_pad(n, N) * max(gb, b) for n, b in zip(bufs, sizes))
     frozen = frozen_only = persistent = 0
     if stage == 3 and layout.exact:
         gathered = [u for u in layout.units if u.name != PERSISTENT]
-        frozen = sum(_pad(n, N) for u in gathered if u.trainable for n in u.frozen)
-        frozen_only = sum(_pad(n, N) for u in gathered if not u.trainable for n in u.frozen)
-        persistent = sum(_pad(n, N) for u in layout.units if u.name == PERSISTENT for n in u.trainable)
+        frozen = sum(_pad(n, N) * b for u in gathered if u.trainable for n, b in zip(u.frozen, _frozen_sizes(u, pb)))
+        frozen_only = sum(_pad(n, N) * b for u in gathered if not u.trainable
+                          for n, b in zip(u.frozen, _frozen_sizes(u, pb)))
+        persistent = sum(_pad(n, N) * b for u in layout.units if u.name == PERSISTENT
+                         for n, b in zip(u.trainable, _unit_sizes(u, pb)))
     norm = 2 * f * 8
     if stage == 0:
-        sent = 2 * f * trainable * gb
+        sent = 2 * f * grads
     elif stage == 1:
-        sent = f * trainable * (gb + pb) + norm
+        sent = f * (grads + trainable) + norm
     elif stage == 2:
-        sent = grad_accum_steps * f * trainable * gb + f * trainable * pb + norm
+        sent = grad_accum_steps * f * grads + f * trainable + norm
     else:
         gathered_twice = trainable - persistent + frozen  # persistent: all-gathered once per step, after it
-        sent = (grad_accum_steps * f * ((2 * gathered_twice + frozen_only) * pb + trainable * gb)
-                + f * persistent * pb + norm)
+        sent = grad_accum_steps * f * (2 * gathered_twice + frozen_only + grads) + f * persistent + norm
     return int(round(sent))
+
+
+def _frozen_sizes(u, default: int) -> list[int]:
+    return _unit_sizes(u, default)[len(u.trainable):]

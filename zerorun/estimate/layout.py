@@ -24,6 +24,8 @@ class UnitCount:
     outer: bool = False
     embedding: bool = False
     trainable_params: tuple[tuple[int, ...], ...] = ()  # each trainable buffer's parameters' numels (() : one each)
+    trainable_bytes: tuple[int, ...] = ()  # bytes per element of each trainable buffer (() : the precision's)
+    frozen_bytes: tuple[int, ...] = ()  # of each frozen buffer (one per dtype)
 
     @property
     def numel(self) -> int:
@@ -45,6 +47,9 @@ class Layout:
         precision: the ``precision`` the buffers were packed for (``None``: ``--params``, no packing).
         buffer_params: stages 0-2: the numel of each parameter of each trainable flat buffer (``()``: each
             buffer one parameter); the optimizer steps each rank's part of each one (Note [Unused parameters]).
+        buffer_bytes, frozen_bytes: stages 0-2: bytes per element of each trainable flat buffer and of each
+            frozen parameter, as the engine holds them (``()``: the precision's): 8 for a float64 one (Note
+            [Wide parameters] in zero/precision.py), an integer parameter's own.
     """
 
     total: int
@@ -58,6 +63,8 @@ class Layout:
     unit_hint: str | None = None
     precision: str | None = None
     buffer_params: tuple[tuple[int, ...], ...] = ()
+    buffer_bytes: tuple[int, ...] = ()
+    frozen_bytes: tuple[int, ...] = ()
 
     @property
     def largest_unit(self) -> UnitCount | None:
@@ -71,7 +78,8 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     """The :class:`Layout` the engine builds for ``model`` (any device, meta included) with the worker's param
     groups (``default_param_groups``), ``bucket_mb`` buffers and stage-3 ``units`` (empty: picked by size), at
     ``precision``: the engine casts floating-point parameters to it before packing, so ``bucket_mb`` counts
-    elements of that size (``model`` itself is not changed). Stage 3: parameters of at most
+    elements of that size (``model`` itself is not changed); float64 ones stay and are packed apart (Note [Wide
+    parameters] in zero/precision.py). Stage 3: parameters of at most
     ``persistence_threshold`` elements form the unit ``PERSISTENT``, held whole (Note [Persistent parameters]).
 
     Raises:
@@ -81,14 +89,14 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
 
     from zerorun.zero.engine import default_param_groups
     from zerorun.zero.flat import pack as pack_params
-    from zerorun.zero.precision import DTYPES
+    from zerorun.zero.precision import DTYPES, compute_dtype
     from zerorun.zero.unit_plan import outer_modules, pick_units, unit_of_params
 
     names = {}
     for i, (name, p) in enumerate(model.named_parameters()):
         names[p] = (i, name)
     dtype = DTYPES[precision]
-    as_cast = {p: torch.empty(p.shape, dtype=dtype, device="meta") if p.is_floating_point() else p for p in names}
+    as_cast = {p: torch.empty(p.shape, dtype=compute_dtype(p.dtype, dtype), device="meta") for p in names}
 
     def pack(named, bucket_bytes):  # Note [Mixed precision]: runs of the cast parameters (numel is what counts)
         return pack_params([(name, as_cast[p]) for name, p in named], bucket_bytes)
@@ -101,36 +109,46 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     for p in unit_index:  # Note [Persistent parameters] in zero/stage3.py
         if p.numel() <= persistence_threshold:
             unit_index[p] = -2
-    flat: list[tuple[int, ...]] = []  # each buffer's parameters' numels
-    per_unit: dict[int, list[tuple[int, ...]]] = {}
+    def runs(named, bucket_bytes):  # each run's parameters' numels, and its bytes per element
+        return [(tuple(p.numel() for _, p in run), run[0][1].element_size()) for run in pack(named, bucket_bytes)]
+
+    flat: list[tuple[tuple[int, ...], int]] = []  # each buffer's parameters' numels, its bytes per element
+    per_unit: dict[int, list[tuple[tuple[int, ...], int]]] = {}
     for group in groups:
         named = sorted(((names[p][1], p) for p in group["params"]), key=lambda np_: names[np_[1]][0])
-        flat += [tuple(p.numel() for _, p in run) for run in pack(named, bucket_bytes)]
-        by_unit: dict[int, list] = {}
-        for name, p in named:
-            by_unit.setdefault(unit_index[p], []).append((name, p))
-        for u, params in by_unit.items():
-            per_unit.setdefault(u, []).extend(tuple(p.numel() for _, p in run) for run in pack(params, bucket_bytes))
+        flat += runs(named, bucket_bytes)
+        for u, params in _by_unit(named, unit_index).items():
+            per_unit.setdefault(u, []).extend(runs(params, bucket_bytes))
     frozen = [p for p in names if not p.requires_grad]
-    frozen_by_unit: dict[int, int] = {}
-    for p in frozen:
-        frozen_by_unit[unit_index[p]] = frozen_by_unit.get(unit_index[p], 0) + p.numel()
+    frozen_by_unit = {u: [(sum(r), b) for r, b in runs(ps, float("inf"))]  # stage 3: one buffer per unit and dtype
+                      for u, ps in _by_unit([(names[p][1], p) for p in frozen], unit_index).items()}
     indexed = [(i, name) for i, (name, _) in enumerate(unit_modules + outer)] + [(-1, "<root>"), (-2, PERSISTENT)]
     modules = [m for _, m in unit_modules + outer]
-    counted = [UnitCount(name, tuple(sum(b) for b in per_unit.get(i, ())),
-                         (frozen_by_unit[i],) if i in frozen_by_unit else (), outer=i >= len(unit_modules),
+    counted = [UnitCount(name, tuple(sum(b) for b, _ in per_unit.get(i, ())),
+                         tuple(n for n, _ in frozen_by_unit.get(i, ())), outer=i >= len(unit_modules),
                          embedding=i >= 0 and isinstance(modules[i], torch.nn.Embedding),
-                         trainable_params=tuple(per_unit.get(i, ())))
+                         trainable_params=tuple(b for b, _ in per_unit.get(i, ())),
+                         trainable_bytes=tuple(e for _, e in per_unit.get(i, ())),
+                         frozen_bytes=tuple(e for _, e in frozen_by_unit.get(i, ())))
                for i, name in indexed]
     total = sum(p.numel() for p in names)
-    trainable = sum(map(sum, flat))
+    trainable = sum(sum(b) for b, _ in flat)
     shape = getattr(model, "shape", None)
     hint = suggest_unit_class(model)
     return Layout(unit_hint=hint, total=total, trainable=trainable, frozen=total - trainable,
-                  buffers=tuple(map(sum, flat)), frozen_params=tuple(p.numel() for p in frozen),
+                  buffers=tuple(sum(b) for b, _ in flat), frozen_params=tuple(p.numel() for p in frozen),
                   units=tuple(u for u in counted if u.numel),
                   exact=True, shape=dict(shape) if isinstance(shape, dict) else None, precision=precision,
-                  buffer_params=tuple(flat))
+                  buffer_params=tuple(b for b, _ in flat), buffer_bytes=tuple(e for _, e in flat),
+                  frozen_bytes=tuple(as_cast[p].element_size() for p in frozen))
+
+
+def _by_unit(named: list, unit_index: dict) -> dict[int, list]:
+    """``named`` (``(name, parameter)`` pairs, in order) grouped by each parameter's unit index."""
+    out: dict[int, list] = {}
+    for name, p in named:
+        out.setdefault(unit_index[p], []).append((name, p))
+    return out
 
 
 def suggest_unit_class(model) -> str | None:

@@ -17,10 +17,29 @@ def _pad(n: int, world_size: int) -> int:
 
 def _stage_buffers(layout: Layout, stage: int) -> tuple[list[int], list[int]]:
     """Unpadded numels of the trainable flat buffers and of the frozen tensors the engine holds at ``stage``
-    (stage 3: per unit, frozen ones in one flat buffer per unit; stages 0-2: frozen parameters whole)."""
+    (stage 3: per unit, frozen ones in one flat buffer per unit and dtype; stages 0-2: frozen parameters whole)."""
     if stage == 3 and layout.exact:
         return [n for u in layout.units for n in u.trainable], [n for u in layout.units for n in u.frozen]
     return list(layout.buffers), list(layout.frozen_params)
+
+
+def _sizes(numels, sizes: tuple[int, ...], default: int) -> list[int]:
+    return list(sizes) if sizes else [default] * len(numels)
+
+
+def _unit_sizes(u, default: int) -> list[int]:
+    """Bytes per element of a stage-3 unit's trainable then frozen flat buffers."""
+    return _sizes(u.trainable, u.trainable_bytes, default) + _sizes(u.frozen, u.frozen_bytes, default)
+
+
+def _stage_sizes(layout: Layout, stage: int, default: int) -> tuple[list[int], list[int]]:
+    """Bytes per element of each tensor of :func:`_stage_buffers` (``default``, the precision's, where the
+    layout does not say: ``--params``): 8 for a float64 buffer (Note [Wide parameters] in zero/precision.py)."""
+    if stage == 3 and layout.exact:
+        return ([b for u in layout.units for b in _sizes(u.trainable, u.trainable_bytes, default)],
+                [b for u in layout.units for b in _sizes(u.frozen, u.frozen_bytes, default)])
+    return _sizes(layout.buffers, layout.buffer_bytes, default), _sizes(layout.frozen_params, layout.frozen_bytes,
+                                                                       default)
 
 
 @dataclass(frozen=True)
@@ -76,7 +95,7 @@ def _bound(per: list, world_size: int):
     return np.array([count], dtype=np.int64), np.array([numel], dtype=np.int64), np.zeros(1, dtype=np.int64)
 
 
-def _rank_segments(layout: Layout, stage: int, world_size: int, cost=None):
+def _rank_segments(layout: Layout, stage: int, world_size: int, cost=None, wide: bool | None = None):
     """Per rank, what it steps (Note [Unused parameters] in zero/masters.py): one optimizer tensor for each
     parameter's part in its slice of each trainable flat buffer (the whole padded buffer at stage 0), padding
     in none. Computed per buffer for all ranks at once (binary search over the parameters' offsets), so that a
@@ -85,6 +104,8 @@ def _rank_segments(layout: Layout, stage: int, world_size: int, cost=None):
     Args:
         cost: ``None``, or a function of tensors' numels (a numpy int64 array, elementwise; 0 for 0) to sum
             over each rank's tensors.
+        wide: ``True``: the float64 buffers only (more than 4 bytes per element); ``False``: the others;
+            ``None``: all.
 
     Returns:
         ``(count, numel, cost)``: numpy int64 arrays of length ``world_size`` (length 1 at stage 0, where every
@@ -97,6 +118,8 @@ def _rank_segments(layout: Layout, stage: int, world_size: int, cost=None):
                for i, n in enumerate(u.trainable)]
     else:
         per = [layout.buffer_params[i] if layout.buffer_params else (n,) for i, n in enumerate(layout.buffers)]
+    if wide is not None:  # Note [Wide parameters] in zero/precision.py
+        per = [p for p, b in zip(per, _stage_sizes(layout, stage, 4)[0]) if (b > 4) == wide]
     ranks = 1 if stage == 0 else world_size
     if ranks > _EXACT_RANKS and cost is None:
         return _bound(per, world_size)
@@ -163,14 +186,17 @@ def model_states(layout: Layout, stage: int, world_size: int, precision: Precisi
                            device_is_host=device_is_host, grad_accum_bytes=grad_accum_bytes)
     if not offload_params:
         return states
-    N, size = world_size, precision.param_bytes
-    held = ([n for u in layout.units if u.name != PERSISTENT for n in u.trainable + u.frozen] if layout.exact
-            else [*layout.buffers, *layout.frozen_params])
-    slices = [_pad(n, N) // N for n in held]
+    N, pb = world_size, precision.param_bytes
+    if layout.exact:
+        held = [(n, b) for u in layout.units if u.name != PERSISTENT
+                for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, pb))]
+    else:
+        held = list(zip(layout.buffers, _sizes(layout.buffers, layout.buffer_bytes, pb)))
+        held += zip(layout.frozen_params, _sizes(layout.frozen_params, layout.frozen_bytes, pb))
+    slices = [(_pad(n, N) // N) * b for n, b in held]  # bytes
     from zerorun.zero.paging_math import page_region_bytes
 
-    return replace(states, params=states.params - sum(n * size for n in slices),
-                   disk=states.disk + sum(page_region_bytes(n * size) for n in slices))
+    return replace(states, params=states.params - sum(slices), disk=states.disk + sum(map(page_region_bytes, slices)))
 
 
 def _model_states(layout: Layout, stage: int, world_size: int, precision: Precision, optimizer: OptimizerModel,
@@ -180,28 +206,33 @@ def _model_states(layout: Layout, stage: int, world_size: int, precision: Precis
         raise ValueError(f"the layout was packed for {layout.precision}, not {precision.name}")
     N = world_size
     trainable, frozen = _stage_buffers(layout, stage)
+    tb, fb = _stage_sizes(layout, stage, precision.param_bytes)  # bytes per element (float64: 8)
     padded = [_pad(n, N) for n in trainable]
     shards = [n // N for n in padded]
     if stage == 3:
-        params = (sum(shards) + sum(_pad(n, N) // N for n in frozen)) * precision.param_bytes
-        params += sum(_pad(n, N) for u in layout.units if u.name == PERSISTENT  # whole as well as sliced
-                      for n in u.trainable + u.frozen) * precision.param_bytes
+        params = sum(n * b for n, b in zip(shards, tb)) + sum(_pad(n, N) // N * b for n, b in zip(frozen, fb))
+        params += sum(_pad(n, N) * b for u in layout.units if u.name == PERSISTENT  # whole as well as sliced
+                      for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, precision.param_bytes)))
     else:
-        params = (sum(padded) + sum(frozen)) * precision.param_bytes
+        params = sum(n * b for n, b in zip(padded, tb)) + sum(n * b for n, b in zip(frozen, fb))
     wide = grad_accum_bytes or 0  # Note [Gradient accumulation buffer]
-    if stage < 2:
-        grads = sum(padded) * precision.grad_bytes
-        accum = sum(padded) * wide if wide > precision.grad_bytes else 0
+    if stage < 2:  # a float64 buffer's gradients are float64, accumulated in place (Note [Wide parameters])
+        grads = sum(n * b for n, b in zip(padded, tb))
+        accum = sum(n * wide for n, b in zip(padded, tb) if wide > b)
     else:
-        grads, accum = sum(shards) * max(precision.reduce_bytes, wide), 0
+        grads, accum = sum(n * max(precision.reduce_bytes, wide, b) for n, b in zip(shards, tb)), 0
     slices = _optimizer_slices(layout, stage, N)
+    master = [8 if b > 4 else 4 for b in tb]  # a float64 buffer's master and states are float64
     # the rank that steps the most (padding and parameter cuts differ): per element, and scalars per tensor
     count, numel, _ = _rank_segments(layout, stage, N)
+    if any(b > 4 for b in tb):  # float64 elements count twice (8 bytes)
+        numel = numel + _rank_segments(layout, stage, N, wide=True)[1]
     states = int((4 * optimizer.states * numel + (optimizer.scalar_bytes if layout.exact else 0) * count).max())
     if offload == "none":
-        return ModelStates(params, grads, states + precision.master_bytes * sum(slices), grad_accum=accum)
+        own = sum(n * m for n, m in zip(slices, master)) if precision.master_bytes else 0  # fp32: aliased
+        return ModelStates(params, grads, states + own, grad_accum=accum)
     if offload == "cpu":  # CpuMasters: never aliased, so an fp32 master even at fp32
-        held = states + 4 * sum(slices)
+        held = states + sum(n * m for n, m in zip(slices, master))
         return (ModelStates(params, grads, held, grad_accum=accum) if device_is_host
                 else ModelStates(params, grads, 0, host=held, grad_accum=accum))
     from zerorun.zero.paging_math import subgroup_elements, swap_region_bytes
@@ -212,9 +243,15 @@ def _model_states(layout: Layout, stage: int, world_size: int, precision: Precis
                            f"{optimizer.states} optimizer state tensors twice")
     regions = 1 + optimizer.states  # the master and each state, per sub-group of one parameter (Note [Disk paging])
 
-    def paged(n):  # swap bytes of tensors' (numpy int64 numels) master or one state, paged by ``chunk``
-        full, rest = n // chunk, n % chunk
-        return full * swap_region_bytes(4 * chunk) + (rest > 0) * swap_region_bytes(4 * rest)
+    def paged(size):  # swap bytes of tensors' (numpy int64 numels) master or one state, ``size``-byte elements
+        step = chunk * 4 // size  # a float64 sub-group holds half as many elements, in the same bytes
 
-    disk = regions * int(_rank_segments(layout, stage, N, paged)[2].max())
-    return ModelStates(params, grads, 0, host=2 * chunk * 4 * regions, disk=disk, grad_accum=accum)
+        def cost(n):
+            return (n // step) * swap_region_bytes(size * step) + (n % step > 0) * swap_region_bytes(size * (n % step))
+        return cost
+
+    disk = _rank_segments(layout, stage, N, paged(4), wide=False)[2]
+    if any(b > 4 for b in tb):
+        disk = disk + _rank_segments(layout, stage, N, paged(8), wide=True)[2]
+    return ModelStates(params, grads, 0, host=2 * chunk * 4 * regions, disk=regions * int(disk.max()),
+                       grad_accum=accum)

@@ -13,6 +13,7 @@ import torch.nn as nn
 from zerorun.zero import compiling
 from zerorun.zero.config import ZeroConfig
 from zerorun.zero.engine import ZeroEngine
+from zerorun.zero.precision import refuse_complex
 from zerorun.zero.stage3 import Stage3Engine
 
 
@@ -38,7 +39,8 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     Raises:
         ValueError: unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``; a
             model a stage-3 engine already holds (its parameters are partitioned into that engine); at stage 3,
-            a model or unit compiled in place (``nn.Module.compile``).
+            a model or unit compiled in place (``nn.Module.compile``); a complex parameter (named; Note [Wide
+            parameters] in ``precision.py``). All before any collective.
         RuntimeError: ``torch.distributed`` is not initialized.
     """
     if not dist.is_initialized():
@@ -47,6 +49,7 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     from zerorun.zero.stage3_access import held_by_stage3
 
     model, compiler = compiling.unwrap(model)  # Note [Compiling per unit]
+    refuse_complex(model)  # Note [Wide parameters] in precision.py
     held = next((name for name, p in model.named_parameters() if held_by_stage3(p)), None)
     if held is not None:
         raise ValueError(f"this model is held by a stage 3 engine already (parameter {held!r} is partitioned into "

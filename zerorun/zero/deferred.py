@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zerorun.zero.comm import group_device
+from zerorun.zero.precision import compute_dtype
 from zerorun.zero.record import Record, holds_meta_tensor, key, record, rng_states, set_rng_states
 
 _FULL_WRITES = {"uniform_", "normal_", "zero_", "fill_", "copy_", "bernoulli_", "exponential_", "geometric_",
@@ -300,7 +301,8 @@ def carry_hooks(meta: torch.Tensor, new: torch.Tensor, name: str) -> None:
 def swap_meta_params(model: nn.Module, param_groups: list[dict] | None, dtype: torch.dtype):
     """Stage 3's start from a deferred model: replace its meta parameters by real ones of the same shape whose
     storage is empty (freed) and its buffers by real zeros (the replay fills them); floating-point tensors
-    take ``dtype`` (Note [Mixed precision]: the replayed values are cast as they are kept). Gradient hooks the
+    take ``dtype`` (Note [Mixed precision]: the replayed values are cast as they are kept; float64 stays:
+    Note [Wide parameters] in precision.py). Gradient hooks the
     constructor registered move to the new parameters (:func:`carry_hooks`).
 
     Returns:
@@ -315,7 +317,7 @@ def swap_meta_params(model: nn.Module, param_groups: list[dict] | None, dtype: t
     device = placement(model)
 
     def value_of(meta: torch.Tensor) -> torch.Tensor:
-        t = torch.zeros(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype, device=device)
+        t = torch.zeros(meta.shape, dtype=compute_dtype(meta.dtype, dtype), device=device)
         if isinstance(meta, nn.Parameter):
             t.untyped_storage().resize_(0)
         return t

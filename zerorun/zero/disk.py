@@ -10,6 +10,7 @@ import torch
 
 from zerorun.zero.masters import Masters, _group_params, multi_tensor_kwargs, probe_spec
 from zerorun.zero.paging_math import subgroup_elements
+from zerorun.zero.precision import wide_or
 from zerorun.zero.staging import ChunkStaging
 from zerorun.zero.swap import SwapFile
 
@@ -25,11 +26,13 @@ def tensor_state_names(optimizer_cls: type, optimizer_kwargs: dict[str, Any]) ->
 
 
 class _Chunk:
-    """One sub-group: elements ``[lo, lo + numel)`` of master ``index``; its file regions and small state."""
+    """One sub-group: elements ``[lo, lo + numel)`` of master ``index`` (of ``dtype``); its file regions and
+    small state."""
 
     def __init__(self, index: int, lo: int, numel: int, param: torch.Tensor, offsets: dict[str, int],
                  k: int = 0) -> None:
         self.index, self.lo, self.numel, self.param, self.offsets = index, lo, numel, param, offsets
+        self.dtype = param.dtype
         self.k = k  # the parameter of the flat buffer it is a part of (Note [Unused parameters] in masters.py)
         self.small: dict[str, Any] | None = None  # state that is not per element (Adam's step); None: no state yet
 
@@ -37,7 +40,9 @@ class _Chunk:
 class DiskMasters(Masters):
     """Masters and optimizer states in a swap file under ``folder``, paged through a host buffer of
     ``buffer_bytes`` bytes in sub-groups (Note [Disk paging]), each within one parameter's segment (Note
-    [Unused parameters] in ``masters.py``; the padding is in none). Other arguments as :class:`Masters`.
+    [Unused parameters] in ``masters.py``; the padding is in none). Other arguments as :class:`Masters`. A
+    float64 slice's master and states are float64 (Note [Wide parameters] in ``precision.py``), in sub-groups
+    of half as many elements (:meth:`chunk_of`), so that a sub-group takes the same bytes of the buffer.
 
     Raises:
         ValueError: ``buffer_bytes`` too small to hold one element's master and states twice, or the swap
@@ -51,6 +56,8 @@ class DiskMasters(Masters):
         self.eager = False
         self.stepped = False
         self.bounds = segments if segments is not None else [[(0, s.numel())] for s in slices]
+        self.dtypes = [wide_or(s.dtype, torch.float32) for s in slices]
+        self._stages: dict[tuple, ChunkStaging] = {}  # (gradient, parameter, master dtype) -> its staging
         self.state_names = tensor_state_names(optimizer_cls, optimizer_kwargs)
         per_element = 4 * (1 + len(self.state_names))
         self.chunk = subgroup_elements(buffer_bytes, len(self.state_names))
@@ -67,14 +74,13 @@ class DiskMasters(Masters):
             raise ValueError(f"zero.offload_path: cannot create a swap file in {folder}: "
                              f"{e.strerror or e}") from None
         self.chunks: list[_Chunk] = []
-        empty = torch.empty(0, dtype=torch.float32)
-        for i, s in enumerate(slices):
+        for i, (s, dtype) in enumerate(zip(slices, self.dtypes)):
             for k, (a, b) in enumerate(self.bounds[i]):
-                for lo in range(a, b, self.chunk):
-                    n = min(self.chunk, b - lo)
-                    offsets = {name: self.file.allocate(4 * n) for name in ["master", *self.state_names]}
-                    self.file.write(offsets["master"], s.detach()[lo:lo + n].to("cpu", torch.float32))
-                    self.chunks.append(_Chunk(i, lo, n, empty.clone().requires_grad_(True), offsets, k))
+                for lo in range(a, b, self.chunk_of(i)):
+                    n = min(self.chunk_of(i), b - lo)
+                    offsets = {name: self.file.allocate(dtype.itemsize * n) for name in ["master", *self.state_names]}
+                    self.file.write(offsets["master"], s.detach()[lo:lo + n].to("cpu", dtype))
+                    self.chunks.append(_Chunk(i, lo, n, torch.empty(0, dtype=dtype).requires_grad_(True), offsets, k))
         self.params = [c.param for c in self.chunks]
         self._chunks_of: list[list[_Chunk]] = [[] for _ in slices]
         for c in self.chunks:
@@ -86,12 +92,18 @@ class DiskMasters(Masters):
                                        **multi_tensor_kwargs(optimizer_cls, optimizer_kwargs, host=True))
         self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerorun-swap")
 
+    def chunk_of(self, index: int) -> int:
+        """Elements of a sub-group of master ``index``: :attr:`chunk` fp32 ones, half as many float64 ones."""
+        return self.chunk * 4 // self.dtypes[index].itemsize
+
     def _read(self, c: _Chunk, half: int) -> dict[str, torch.Tensor]:
-        """Page chunk ``c`` into host-buffer half ``half``: ``{"master": ..., state name: ...}`` fp32 views."""
+        """Page chunk ``c`` into host-buffer half ``half``: ``{"master": ..., state name: ...}`` views of its
+        dtype."""
         arena, out = self.halves[half], {}
         names = ["master", *self.state_names] if c.small is not None else ["master"]
         for k, name in enumerate(names):
-            out[name] = arena[k * 4 * self.chunk:k * 4 * self.chunk + 4 * c.numel].view(torch.float32)
+            at = k * 4 * self.chunk
+            out[name] = arena[at:at + c.dtype.itemsize * c.numel].view(c.dtype)
             self.file.read_into(c.offsets[name], out[name])
         return out
 
@@ -100,15 +112,17 @@ class DiskMasters(Masters):
         if not todo:
             return
         self.stepped = True
-        stage = self._staging(grads[0].dtype)
-        stage.take(grads[todo[0].index], todo[0].lo, todo[0].numel, 0, coef)
+        stages = [self._staging(grads[c.index].dtype, c.index) for c in todo]
+        for stage in {id(s): s for s in stages}.values():
+            stage.set_factor(coef)
+        stages[0].take(grads[todo[0].index], todo[0].lo, todo[0].numel, 0)
         pending = self._reader.submit(self._read, todo[0], 0)
         for k, c in enumerate(todo):
             views = pending.result()
             if k + 1 < len(todo):  # Note [Disk paging]: read (and copy in) the next sub-group while this one steps
                 pending = self._reader.submit(self._read, todo[k + 1], (k + 1) % 2)
-                stage.take(grads[todo[k + 1].index], todo[k + 1].lo, todo[k + 1].numel, (k + 1) % 2, None)
-            p = c.param
+                stages[k + 1].take(grads[todo[k + 1].index], todo[k + 1].lo, todo[k + 1].numel, (k + 1) % 2)
+            p, stage = c.param, stages[k]
             p.data = views["master"]
             if c.small is not None:
                 self.optimizer.state[p] = {**c.small, **{n: views[n] for n in self.state_names}}
@@ -121,17 +135,20 @@ class DiskMasters(Masters):
                 self.file.write(c.offsets[n], state[n])
             c.small = {n: v for n, v in state.items() if n not in self.state_names}
             stage.give(p.data, self.slices[c.index][c.lo:c.lo + c.numel], k % 2)
-            p.data = torch.empty(0, dtype=torch.float32)
-        stage.settle()
+            p.data = torch.empty(0, dtype=c.dtype)
+        for stage in {id(s): s for s in stages}.values():
+            stage.settle()
 
-    def _staging(self, grad_dtype: torch.dtype) -> "ChunkStaging":
-        if getattr(self, "_stage", None) is None or self._stage.dtype != grad_dtype:
-            self._stage = ChunkStaging(self.chunk, grad_dtype, self.slices[0].dtype, self.slices[0].device)
-        return self._stage
+    def _staging(self, grad_dtype: torch.dtype, index: int) -> "ChunkStaging":
+        """The reused staging for gradients of ``grad_dtype`` into master ``index`` (one per dtype triple)."""
+        key = (grad_dtype, self.slices[index].dtype, self.dtypes[index])
+        if key not in self._stages:
+            self._stages[key] = ChunkStaging(self.chunk, *key[:2], self.slices[index].device, key[2])
+        return self._stages[key]
 
     def master_slices(self) -> list[torch.Tensor]:
-        """Read from the swap file: new fp32 CPU tensors, one per flat buffer."""
-        out = [torch.zeros(s.numel(), dtype=torch.float32) for s in self.slices]  # the padding is in no chunk
+        """Read from the swap file: new CPU tensors (fp32, float64 for a float64 buffer), one per flat buffer."""
+        out = [torch.zeros(s.numel(), dtype=d) for s, d in zip(self.slices, self.dtypes)]  # padding: in no chunk
         for c in self.chunks:
             self.file.read_into(c.offsets["master"], out[c.index][c.lo:c.lo + c.numel])
         return out
@@ -144,7 +161,7 @@ class DiskMasters(Masters):
             if c.small is not None:
                 state = dict(c.small)
                 for n in self.state_names:
-                    state[n] = torch.empty(c.numel, dtype=torch.float32)
+                    state[n] = torch.empty(c.numel, dtype=c.dtype)
                     self.file.read_into(c.offsets[n], state[n])
             out.append(state)
         return out
@@ -158,8 +175,7 @@ class DiskMasters(Masters):
             state = out[c.index]
             if not state:  # the first stepped sub-group's scalars (param_scalars: each parameter's)
                 state.update({k: v.clone() for k, v in c.small.items()})
-                state.update({n: torch.zeros(self.slices[c.index].numel(), dtype=torch.float32)
-                              for n in self.state_names})
+                state.update({n: torch.zeros(self.slices[c.index].numel(), dtype=c.dtype) for n in self.state_names})
             for n in self.state_names:
                 self.file.read_into(c.offsets[n], state[n][c.lo:c.lo + c.numel])
         return out
@@ -179,11 +195,11 @@ class DiskMasters(Masters):
             self.stepped |= c.small is not None
             if values is None:
                 continue
-            master = values[c.index].reshape(-1)[c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous()
+            master = values[c.index].reshape(-1)[c.lo:c.lo + c.numel].to("cpu", c.dtype).contiguous()
             self.file.write(c.offsets["master"], master)
             if c.small is not None:
                 for n in self.state_names:
-                    self.file.write(c.offsets[n], state[n][c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous())
+                    self.file.write(c.offsets[n], state[n][c.lo:c.lo + c.numel].to("cpu", c.dtype).contiguous())
             self.slices[c.index][c.lo:c.lo + c.numel].copy_(master)
         if values is None:
             self.write_params()
@@ -192,34 +208,35 @@ class DiskMasters(Masters):
         """Overwrite the masters in the swap file with ``values`` (as :meth:`load`), keeping the optimizer
         state, and write them into the parameter slices."""
         for c in self.chunks:
-            master = values[c.index].reshape(-1)[c.lo:c.lo + c.numel].to("cpu", torch.float32).contiguous()
+            master = values[c.index].reshape(-1)[c.lo:c.lo + c.numel].to("cpu", c.dtype).contiguous()
             self.file.write(c.offsets["master"], master)
             self.slices[c.index][c.lo:c.lo + c.numel].copy_(master)
 
     def write_params(self) -> None:
         """Write the masters into the parameter slices sub-group by sub-group, through the host buffer."""
         for c in self.chunks:
-            master = self.page(c.numel)
+            master = self.page(c.numel, c.dtype)
             self.file.read_into(c.offsets["master"], master)
             self.slices[c.index][c.lo:c.lo + c.numel].copy_(master)
 
     # ------------------------------------------------------------- Note [Paged checkpoints]: ranges of a buffer
-    def page(self, numel: int) -> torch.Tensor:
-        """``numel`` fp32 elements of the host buffer (at most :attr:`chunk`), alternately in its two halves, as
-        a tensor whose storage is exactly those bytes (``torch.frombuffer``: no allocation). Its content is
-        valid until the next call but one."""
-        if numel > self.chunk:
-            raise ValueError(f"a page holds at most {self.chunk} elements, not {numel}")
+    def page(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` of the host buffer (at most :attr:`chunk` fp32 ones' bytes),
+        alternately in its two halves, as a tensor whose storage is exactly those bytes (``torch.frombuffer``:
+        no allocation). Its content is valid until the next call but one."""
+        if numel * dtype.itemsize > 4 * self.chunk:
+            raise ValueError(f"a page holds at most {4 * self.chunk // dtype.itemsize} elements, not {numel}")
         start = self._next_half * (self.arena.numel() // 2)
         self._next_half ^= 1
-        return torch.frombuffer(memoryview(self._arena_np[start:start + 4 * numel]), dtype=torch.float32)
+        return torch.frombuffer(memoryview(self._arena_np[start:start + dtype.itemsize * numel]), dtype=dtype)
 
     def has_state(self) -> bool:
         """Whether the optimizer has stepped (its per-element states are in the swap file)."""
         return self.stepped
 
     def state_spec(self) -> dict[str, tuple[bool, torch.dtype, tuple]]:
-        """As :meth:`Masters.state_spec`: the per-element states are fp32 in the swap file."""
+        """As :meth:`Masters.state_spec`: the per-element states are fp32 in the swap file (float64 for a float64
+        buffer's: the checkpoint takes each buffer's from its master, ``state.py``)."""
         if not self.stepped:
             return {}
         small = next((c.small for c in self.chunks if c.small is not None), None)
@@ -243,18 +260,18 @@ class DiskMasters(Masters):
         for c in self._chunks_of[index]:
             a, b = max(lo, c.lo), min(lo + numel, c.lo + c.numel)
             if a < b:
-                yield c.offsets[name] + 4 * (a - c.lo), a - lo, b - a
+                yield c.offsets[name] + c.dtype.itemsize * (a - c.lo), a - lo, b - a
 
     def read_range(self, index: int, name: str, lo: int, out: torch.Tensor) -> None:
-        """Fill ``out`` (1-D fp32, contiguous CPU) with elements ``[lo, lo + out.numel())`` of buffer ``index``'s
-        master or state ``name``, read from the swap file."""
+        """Fill ``out`` (1-D of the master's dtype, contiguous CPU) with elements ``[lo, lo + out.numel())`` of
+        buffer ``index``'s master or state ``name``, read from the swap file."""
         for offset, at, n in self._regions(index, name, lo, out.numel()):
             self.file.read_into(offset, out[at:at + n])
 
     def write_range(self, index: int, name: str, lo: int, values: torch.Tensor) -> None:
         """Write ``values`` (1-D, any float dtype) as elements ``[lo, lo + values.numel())`` of buffer ``index``'s
         master or state ``name`` in the swap file."""
-        values = values.to("cpu", torch.float32).contiguous()
+        values = values.to("cpu", self.dtypes[index]).contiguous()
         for offset, at, n in self._regions(index, name, lo, values.numel()):
             self.file.write(offset, values[at:at + n])
 

@@ -8,6 +8,7 @@ sharded parameters: ``stage3.py``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
 from zerorun.zero.optimizers import (NON_ELEMENTWISE_OPTIMIZERS, default_param_groups,  # noqa: F401 (re-exported)
                                      resolve_optimizer)
 from zerorun.zero.policy import POLICIES
-from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_inputs, cast_model
+from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_inputs, cast_model, is_wide
 from zerorun.zero.reducer import GradReducer
 from zerorun.zero.user_model import UserModel
 
@@ -41,7 +42,8 @@ class ZeroEngine(UserModel):
         grad_norm = engine.step()          # clip, optimizer step on this rank's slice, all-gather
 
     ``engine.optimizer`` is the user's ``torch.optim`` optimizer over this rank's flat slices; attach an LR
-    scheduler to it as usual.
+    scheduler to it as usual. ``engine.kept_dtypes``: ``{name: dtype name}`` of the floating parameters kept
+    in a dtype other than ``precision``'s (float64: Note [Wide parameters] in ``precision.py``).
     """
 
     #: stages 1-3: reductions in flight, each holding a bucket-sized buffer (Note [Waiting in hooks] in reducer.py)
@@ -67,7 +69,7 @@ class ZeroEngine(UserModel):
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.last_step_skipped = False
         self.skipped_steps = 0
-        cast_model(model, self.param_dtype)
+        self._cast(model)
         self._frozen = [p for p in model.parameters() if not p.requires_grad]
         self._sync_initial_state()
 
@@ -97,6 +99,8 @@ class ZeroEngine(UserModel):
         if missing:
             raise ValueError(f"trainable parameters missing from param_groups: {', '.join(missing[:5])}")
         self._slots = {p: buf.slots[p] for buf in self.buffers for p in buf.params}
+        # Note [Wide parameters] in precision.py: the gradient norm and clip factor in float64 over float64 ones
+        self._norm_dtype = torch.float64 if any(is_wide(b.dtype) for b in self.buffers) else torch.float32
 
         self._materialize()
         self.reducer = GradReducer(self.buffers, self.comm, self.policy, reduce_dtype=self.reduce_dtype,
@@ -114,6 +118,15 @@ class ZeroEngine(UserModel):
         self._param_slots = [(mod, key, f"{mname}.{key}" if mname else key, p, p.requires_grad)
                              for mname, mod in model.named_modules() for key, p in mod._parameters.items()
                              if p is not None]
+
+    def _cast(self, model: nn.Module) -> None:
+        """Cast ``model`` to the precision (Note [Mixed precision]); under bf16/fp16 rank 0 warns once naming the
+        parameters left in their own dtype (Note [Wide parameters] in ``precision.py``)."""
+        self.kept_dtypes = {n: str(d).removeprefix("torch.") for n, d in cast_model(model, self.param_dtype).items()}
+        if self.kept_dtypes and self.param_dtype != torch.float32 and self.rank == 0:
+            warnings.warn(f"precision {self.config.precision} casts the floating parameters to {self.param_dtype} "
+                          f"except {len(self.kept_dtypes)} kept in their own dtype (computed, reduced and stepped in "
+                          "it): " + ", ".join(f"{n} ({d})" for n, d in self.kept_dtypes.items()), stacklevel=4)
 
     # ------------------------------------------------------------------------------------- stage policy hooks
     def _sync_initial_state(self) -> None:
@@ -164,8 +177,9 @@ class ZeroEngine(UserModel):
         return [[p in used for p in buf.params] for buf in self.buffers]
 
     def master_slices(self) -> list[torch.Tensor]:
-        """This rank's fp32 master values: one 1-D fp32 tensor per flat buffer of :attr:`buffers`, in that
-        order, of ``shard_numel`` elements (stage 0: ``numel``), padding included. fp32 without offload: views
+        """This rank's fp32 master values: one 1-D fp32 tensor (float64 for a float64 buffer: Note [Wide
+        parameters] in ``precision.py``) per flat buffer of :attr:`buffers`, in that order, of ``shard_numel``
+        elements (stage 0: ``numel``), padding included. fp32 without offload: views
         of the parameters; ``cpu``: the host masters; ``disk``: read from the swap file. Do not modify."""
         return self.masters.master_slices()
 
@@ -236,8 +250,9 @@ class ZeroEngine(UserModel):
         lowered (Note [Loss scaling]): the step's one host read.
 
         Returns:
-            The global gradient L2 norm before clipping: a 0-d fp32 tensor on the gradients' device, equal on
-            every rank (inf or nan on a skipped step). Read it (``float()``) only when it is needed: on a GPU
+            The global gradient L2 norm before clipping: a 0-d fp32 tensor (fp64 when a parameter is float64:
+            Note [Wide parameters] in ``precision.py``) on the gradients' device, equal on every rank (inf or
+            nan on a skipped step). Read it (``float()``) only when it is needed: on a GPU
             the read waits for the step.
 
         Raises:
@@ -253,7 +268,7 @@ class ZeroEngine(UserModel):
         sq = global_sum_of_squares(grads)
         if self.policy.partition_optimizer:
             sq = self._all_reduce_norm(sq)
-        norm = sq.sqrt().float()
+        norm = sq.sqrt().to(self._norm_dtype)
         coef = None
         self.last_step_skipped = False
         if self.scaler is not None:  # Note [Loss scaling]: the same verdict on every rank (sq is all-reduced)
@@ -266,7 +281,7 @@ class ZeroEngine(UserModel):
                 self.skipped_steps += 1
                 self._zero_grads()
                 return norm
-            coef = torch.full((), 1.0 / scale, dtype=torch.float32, device=norm.device)
+            coef = torch.full((), 1.0 / scale, dtype=norm.dtype, device=norm.device)
         if self.config.grad_clip:
             clip = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
             coef = clip if coef is None else coef * clip
@@ -325,8 +340,8 @@ class ZeroEngine(UserModel):
     def load_master_slices(self, values: list[torch.Tensor] | None,
                            states: list[dict[str, torch.Tensor]] | None = None,
                            param_scalars: list[list[dict[str, torch.Tensor] | None]] | None = None) -> None:
-        """Overwrite this rank's fp32 master slices with ``values`` (one 1-D fp32 tensor per flat buffer, shaped
-        as :meth:`master_slices`) and the optimizer state with ``states`` (as :meth:`optimizer_states`;
+        """Overwrite this rank's fp32 master slices with ``values`` (one 1-D tensor per flat buffer, shaped and
+        typed as :meth:`master_slices`) and the optimizer state with ``states`` (as :meth:`optimizer_states`;
         ``None``: none) and ``param_scalars`` (per buffer, per parameter: its scalar states, ``None`` for no
         state; ``None``: each buffer's scalars stand for all its parameters), wherever they live (device, host,
         swap file), then :meth:`refresh_params`. Used to resume a checkpoint (Note [Checkpoint layout] in

@@ -3,7 +3,9 @@
 Note [Flat buffer layout]: parameters ``p_0 .. p_k`` (one optimizer param group, one dtype) are placed end to
 end at offsets ``o_i``; the buffer's numel is rounded up to a multiple of the world size ``N`` with zeros, so
 rank ``r`` owns the contiguous slice ``[r * n / N, (r + 1) * n / N)``. The padding is never read by a model,
-its gradient is zero, so optimizer updates leave it at zero (weight decay of zero is zero).
+its gradient is zero, so optimizer updates leave it at zero (weight decay of zero is zero). A flat buffer is
+one dtype: :func:`pack` groups a param group's parameters by dtype before cutting runs (float64 parameters
+among fp32 ones: Note [Wide parameters] in ``precision.py``), so a model of one dtype is laid out as before.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class Slot:
 
 
 class FlatBuffer:
-    """A padded flat fp32 (or the params' dtype) buffer for ``params``, of which this rank owns one slice.
+    """A padded flat buffer of the params' one dtype for ``params``, of which this rank owns one slice.
 
     Attributes:
         params: the parameters, in layout order.
@@ -115,16 +117,21 @@ class FlatBuffer:
         return flat[s.offset:s.offset + s.numel].view(s.shape)
 
 
-def pack(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
-    """Split ``named_params`` (in order) into consecutive runs of at most ``bucket_bytes`` bytes each; a
-    parameter larger than ``bucket_bytes`` gets a run of its own."""
-    runs: list[list[tuple[str, nn.Parameter]]] = []
-    size = 0
+def pack(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: float) -> list[list[tuple[str, nn.Parameter]]]:
+    """Split ``named_params`` into runs of one dtype each (Note [Flat buffer layout]): the parameters of each
+    dtype (dtypes in order of first appearance), in order, in consecutive runs of at most ``bucket_bytes``
+    bytes; a parameter larger than ``bucket_bytes`` gets a run of its own."""
+    by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
-        nbytes = p.numel() * p.element_size()
-        if not runs or size + nbytes > bucket_bytes:
-            runs.append([])
-            size = 0
-        runs[-1].append((name, p))
-        size += nbytes
+        by_dtype.setdefault(p.dtype, []).append((name, p))
+    runs: list[list[tuple[str, nn.Parameter]]] = []
+    for params in by_dtype.values():
+        size, first = 0, len(runs)
+        for name, p in params:
+            nbytes = p.numel() * p.element_size()
+            if len(runs) == first or size + nbytes > bucket_bytes:
+                runs.append([])
+                size = 0
+            runs[-1].append((name, p))
+            size += nbytes
     return runs

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from zerorun.zero.precision import is_wide
+
 #: Note [Gradient norm]: elements per row whose squares are summed in fp32 (about one small parameter's worth).
 NORM_ROW = 4096
 
@@ -23,7 +25,10 @@ def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     the fp64 norm of the same gradients and within 1e-6 of DDP's, whose per-parameter fp32 norms are the
     farther ones (up to 1.2e-6 below). A row where a few large values sit among thousands of tiny ones can
     still lose the tiny ones (3e-5 relative in a constructed case), as torch's per-parameter norm does.
+    A float64 ``t`` is summed in float64 throughout (Note [Wide parameters] in ``precision.py``).
     """
+    if is_wide(t.dtype):
+        return torch.linalg.vector_norm(t.reshape(-1), dtype=torch.float64).square()
     flat = t.reshape(-1)
     whole = flat.numel() // NORM_ROW * NORM_ROW
     sq = torch.zeros((), dtype=torch.float64, device=t.device)
@@ -42,11 +47,12 @@ def global_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     multi-tensor norm (``torch._foreach_norm``, as ``clip_grad_norm_`` does), larger ones row by row. No host
     read. Raises IndexError for an empty list (the engine has at least one flat buffer)."""
     device = tensors[0].device
-    small = [t.reshape(-1) for t in tensors if 0 < t.numel() <= NORM_ROW]
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    if small:
-        norms = torch._foreach_norm(small, 2, dtype=torch.float32)
-        sq += torch.stack(norms).double().square().sum()
+    for wide in (False, True):  # float64 tensors' norms in float64 (Note [Wide parameters] in precision.py)
+        small = [t.reshape(-1) for t in tensors if 0 < t.numel() <= NORM_ROW and is_wide(t.dtype) == wide]
+        if small:
+            norms = torch._foreach_norm(small, 2, dtype=torch.float64 if wide else torch.float32)
+            sq += torch.stack(norms).double().square().sum()
     for t in tensors:
         if t.numel() > NORM_ROW:
             sq += sum_of_squares(t)

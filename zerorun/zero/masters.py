@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 import torch
 
-from zerorun.zero.staging import HostStaging
+from zerorun.zero.precision import wide_or
+from zerorun.zero.staging import HostStaging, typed_views
 
 
 def _group_params(params: list[torch.Tensor], group_of: list[int], group_options: list[dict]) -> list[dict]:
@@ -120,6 +121,7 @@ class Masters:
         self.slices = slices
         self.alias = alias_grads is not None
         self.numels = [s.numel() for s in slices]
+        self.dtypes = [wide_or(s.dtype, torch.float32) for s in slices]  # Note [Wide parameters] in precision.py
         self.params = self._new_masters(slices)
         self.bounds = segments if segments is not None else [[(0, s.numel())] for s in slices]
         self.segments = [[m[a:b].requires_grad_(True) for a, b in bounds]
@@ -136,11 +138,11 @@ class Masters:
         return False
 
     def _new_masters(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One 1-D fp32 master per slice: the slices themselves (aliased), else views of one new flat tensor."""
+        """One 1-D master per slice (fp32, float64 for a float64 slice): the slices themselves (aliased), else
+        views of one new allocation (:func:`~zerorun.zero.staging.typed_views`)."""
         if self.alias:
             return [s.detach() for s in slices]
-        flat = torch.empty(sum(self.numels), dtype=torch.float32, device=slices[0].device)
-        views = list(flat.split(self.numels))
+        _, views, _ = typed_views(self.numels, self.dtypes, slices[0].device)
         torch._foreach_copy_(views, [s.detach().reshape(-1) for s in slices])
         return views
 
@@ -162,8 +164,8 @@ class Masters:
                 seg.grad = None
 
     def _step_on(self, grads: Sequence[torch.Tensor], used: list[list[bool]] | None) -> None:
-        """One optimizer step over every segment (Note [One optimizer step]) on fp32 ``grads`` (one per slice,
-        on the masters' device, already multiplied by the step's factor)."""
+        """One optimizer step over every segment (Note [One optimizer step]) on ``grads`` (one per slice, in its
+        master's dtype, on the masters' device, already multiplied by the step's factor)."""
         if self._give_grads(grads, used):
             self.stepped = True
             self.optimizer.step()
@@ -171,7 +173,7 @@ class Masters:
 
     def step(self, grads: Sequence[torch.Tensor], coef: torch.Tensor | None,
              used: list[list[bool]] | None = None) -> None:
-        """Step on ``grads`` (this rank's gradient slices, any float dtype) times ``coef`` (0-d fp32 tensor on
+        """Step on ``grads`` (this rank's gradient slices, any float dtype) times ``coef`` (0-d fp32/fp64 tensor on
         the gradients' device: clipping and loss-scale factor; ``None`` for 1), then write the masters into
         the parameter slices. ``used[i][k]``: whether parameter ``k`` of buffer ``i`` got a gradient on some
         rank (Note [Unused parameters]; ``None``: all did). No host read (Note [One optimizer step])."""
@@ -181,16 +183,17 @@ class Masters:
                 torch._foreach_mul_(grads, coef)
             self._step_on(grads, used)
             return
-        flat = torch.empty(sum(self.numels), dtype=torch.float32, device=self.params[0].device)
-        full = list(flat.split(self.numels))  # fp32 gradients: transient, one allocation
+        _, full, flats = typed_views(self.numels, self.dtypes, self.params[0].device)  # transient, the masters' dtypes
         torch._foreach_copy_(full, [g.reshape(-1) for g in grads])
         if coef is not None:
-            flat.mul_(coef)
+            for flat in flats:
+                flat.mul_(coef)
         self._step_on(full, used)
         torch._foreach_copy_(self.slices, self.params)
 
     def master_slices(self) -> list[torch.Tensor]:
-        """This rank's fp32 master values, one 1-D tensor per flat buffer (views: do not modify)."""
+        """This rank's master values (fp32; float64 for a float64 buffer), one 1-D tensor per flat buffer (views:
+        do not modify)."""
         return [m.detach() for m in self.params]
 
     def state_slices(self) -> list[dict[str, torch.Tensor]]:
@@ -313,14 +316,13 @@ class CpuMasters(Masters):
         self.device = slices[0].device
         self.pin = self.device.type == "cuda"
         super().__init__(slices, group_of, group_options, optimizer_cls, optimizer_kwargs, segments=segments)
-        self.staging = HostStaging(self.numels, slices[0].dtype, self.device)
+        self.staging = HostStaging(self.numels, [s.dtype for s in slices], self.device, self.dtypes)
 
     def _host_step(self) -> bool:
         return True
 
     def _new_masters(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:
-        flat = torch.empty(sum(self.numels), dtype=torch.float32, pin_memory=self.pin)
-        views = list(flat.split(self.numels))
+        _, views, _ = typed_views(self.numels, self.dtypes, pin=self.pin)
         for m, s in zip(views, slices):
             m.copy_(s.detach().reshape(-1))
         return views

@@ -17,6 +17,24 @@ slice: the squared norm is all-reduced, so every rank sees the same inf or nan) 
 the scale multiplied by ``backoff`` (not below ``min_scale``); after ``growth_interval`` steps without
 overflow it is multiplied by ``growth_factor``. Scales stay powers of two with the defaults, so unscaling is
 exact.
+
+Note [Wide parameters]: a floating parameter wider than fp32 (float64) keeps its dtype at every precision: a
+user makes one float64 because its values need it (a large offset moved by small steps, an accumulated
+statistic); cast to fp32 it trained 0.8-1.0 relative off DDP. :func:`cast_model` leaves it (and float64
+module buffers) alone; ``flat.pack`` puts it in float64 flat buffers (a flat buffer is one dtype); its
+gradient is reduced and accumulated in float64 whatever ``reduce_dtype`` and ``grad_accum_dtype`` say
+(:func:`wide_or`); its master and optimizer states are float64 (``masters.py``, ``disk.py``: a master is fp32,
+or the slice's own dtype when wider); its squares enter the global gradient norm in float64 and the norm and
+clip factor are then float64, as ``clip_grad_norm_`` computes them over parameters of mixed dtypes
+(``gradnorm.py``). At fp32 the model then trains equal to DDP over the same model. Under bf16/fp16 the other
+floating parameters are cast as asked and float64 ones stay float64, as ``torch.autocast`` leaves float64
+alone (FSDP2's ``MixedPrecisionPolicy`` keeps float64 as the sharded master too, but computes in
+``param_dtype``; DeepSpeed's bf16 casts the whole module, float64 included): the model computes its float64
+parts in float64, and rank 0 warns once naming each such parameter (``ZeroEngine.kept_dtypes`` lists them on
+every rank). Floating inputs are still cast to the 2-byte dtype (float64 data from numpy is the common case).
+Complex parameters are refused by ``initialize`` with a ValueError naming the parameter, before any
+collective (:func:`refuse_complex`); integer and bool parameters, which cannot require gradients, are frozen
+parameters and stay as they are.
 """
 
 from __future__ import annotations
@@ -90,17 +108,53 @@ class DynamicLossScaler:
             self.good_steps = 0
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
+def is_wide(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a floating dtype wider than fp32 (float64): kept as it is (Note [Wide parameters])."""
+    return dtype.is_floating_point and dtype.itemsize > 4
+
+
+def wide_or(dtype: torch.dtype, other: torch.dtype) -> torch.dtype:
+    """``dtype`` (a flat buffer's) when it is wide, else ``other``: the dtype its gradients are reduced and
+    accumulated in, or its master kept in (``other`` fp32) (Note [Wide parameters])."""
+    return dtype if is_wide(dtype) else other
+
+
+def compute_dtype(dtype: torch.dtype, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine gives a tensor of ``dtype`` at precision ``param_dtype``: ``param_dtype`` for a
+    floating dtype of at most 4 bytes, ``dtype`` itself otherwise (float64, integers, bool)."""
+    return param_dtype if dtype.is_floating_point and not is_wide(dtype) else dtype
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """Cast ``model``'s floating-point parameters (in place: the ``Parameter`` objects stay) and buffers to
-    ``dtype``; tensors already of ``dtype`` and integer tensors are left alone."""
+    ``dtype`` (:func:`compute_dtype`): integer tensors and float64 ones (Note [Wide parameters]) are left alone.
+
+    Returns:
+        ``{name: dtype}`` of the floating parameters left in a dtype other than ``dtype`` (first name of a
+        shared one), in registration order.
+    """
+    kept: dict[str, torch.dtype] = {}
     with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point() and p.dtype != dtype:
+        for name, p in model.named_parameters():
+            if p.dtype != compute_dtype(p.dtype, dtype):
                 p.data = p.data.to(dtype)
+            elif p.is_floating_point() and p.dtype != dtype:
+                kept[name] = p.dtype
         for module in model.modules():
             for name, b in module._buffers.items():
-                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                if b is not None and b.dtype != compute_dtype(b.dtype, dtype):
                     module._buffers[name] = b.to(dtype)
+    return kept
+
+
+def refuse_complex(model: nn.Module) -> None:
+    """Note [Wide parameters]: raises ValueError naming ``model``'s first complex parameter, if it has one (no
+    collective: every rank, built alike, raises the same)."""
+    for name, p in model.named_parameters():
+        if p.is_complex():
+            raise ValueError(f"parameter {name!r} is {p.dtype}: zerorun's ZeRO engine does not support complex "
+                             "parameters; hold it as a real parameter of shape (..., 2) (torch.view_as_real) and "
+                             "take torch.view_as_complex of it in forward")
 
 
 def cast_inputs(tree, dtype: torch.dtype):

@@ -68,6 +68,7 @@ from zerorun.zero.adoption import adoptable
 from zerorun.zero.comm import BufferPool, Comm
 from zerorun.zero.flat import FlatBuffer
 from zerorun.zero.policy import StagePolicy
+from zerorun.zero.precision import wide_or
 from zerorun.zero.torch_internals import will_accumulate
 from zerorun.zero.weakhook import weak_hook
 
@@ -80,7 +81,8 @@ class GradReducer:
         comm: the collectives' process group.
         policy: the stage (Note [Stage policies]).
         reduce_dtype: dtype in which gradients are reduced.
-        accum_dtype: dtype in which micro-step gradients are summed (``zero.grad_accum_dtype``).
+        accum_dtype: dtype in which micro-step gradients are summed (``zero.grad_accum_dtype``). A float64
+            bucket is reduced and summed in float64 whatever these say (Note [Wide parameters], precision.py).
         max_inflight: ``MAX_INFLIGHT`` (Note [Waiting in hooks]).
 
     Attributes:
@@ -98,7 +100,7 @@ class GradReducer:
         self.reduce_dtype, self.accum_dtype = reduce_dtype, accum_dtype
         self.cap = max_inflight + 1
         self.pool = BufferPool(keep=max_inflight + 1)
-        self.predivide = reduce_dtype == torch.float16
+        self.rdtype = {b: wide_or(b.dtype, reduce_dtype) for b in buffers}  # Note [Wide parameters] in precision.py
         self.on_ready: list[Callable[[FlatBuffer], None]] = []
         self.order = sorted(buffers, key=lambda b: b.order, reverse=True)
         self.late_fixups = 0
@@ -123,15 +125,15 @@ class GradReducer:
         """Allocate the gradients the stage keeps and register the gradient hooks."""
         for buf in self.buffers:
             buf.acc = None
+            accum = wide_or(buf.dtype, self.accum_dtype)
             if self.policy.keep_full_grad:
                 buf.grad = torch.zeros_like(buf.data)
                 for p in buf.params:
                     p.grad = buf.view_of(buf.grad, p)
-                if self.accum_dtype != buf.dtype:  # zero.grad_accum_dtype wider than the gradients
-                    buf.acc = torch.zeros(buf.numel, dtype=self.accum_dtype, device=buf.device)
+                if accum != buf.dtype:  # zero.grad_accum_dtype wider than the gradients
+                    buf.acc = torch.zeros(buf.numel, dtype=accum, device=buf.device)
             else:
-                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=torch.promote_types(self.reduce_dtype,
-                                                                                        self.accum_dtype),
+                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=torch.promote_types(self.rdtype[buf], accum),
                                              device=buf.device)
         on_grad = weak_hook(self._on_grad)  # Note [Hooks hold their owner weakly] in weakhook.py
         self.handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self._slot]
@@ -196,7 +198,7 @@ class GradReducer:
             if not self.sync:
                 return
         else:
-            if buf.grad is None and adoptable(buf, p.grad, self.reduce_dtype):  # Note [Adopted gradient]
+            if buf.grad is None and adoptable(buf, p.grad, self.rdtype[buf]):  # Note [Adopted gradient]
                 self.adopted += 1
                 buf.grad = p.grad.view(-1)
                 self._adopted.add(buf)
@@ -204,7 +206,7 @@ class GradReducer:
             else:
                 if buf.grad is None:  # filled by copies; what no gradient reaches is zeroed at launch
                     self._make_room(need_buffer=buf)
-                    buf.grad = self.pool.take(buf.numel, self.reduce_dtype, buf.device)
+                    buf.grad = self.pool.take(buf.numel, self.rdtype[buf], buf.device)
                     self._written[buf] = set()
                 view = buf.view_of(buf.grad, p)
                 (view.add_ if p in self._written[buf] else view.copy_)(p.grad)
@@ -247,7 +249,7 @@ class GradReducer:
     def _make_room(self, need_buffer: FlatBuffer | None) -> None:
         """Note [Waiting in hooks]: wait for the oldest reductions until one more fits."""
         def full() -> bool:
-            if need_buffer is not None and not self.pool.fits(need_buffer.numel, self.reduce_dtype,
+            if need_buffer is not None and not self.pool.fits(need_buffer.numel, self.rdtype[need_buffer],
                                                               need_buffer.device) and self.pool.taken >= self.cap:
                 return True
             return len(self._pending) >= self.cap
@@ -276,7 +278,7 @@ class GradReducer:
         n = self.world_size
         if not self.policy.keep_full_grad:
             if buf.grad is None:  # no parameter of the bucket got a gradient this micro-step
-                buf.grad = self.pool.take(buf.numel, self.reduce_dtype, buf.device)
+                buf.grad = self.pool.take(buf.numel, self.rdtype[buf], buf.device)
                 buf.grad.zero_()
             else:  # zero the padding and the parameters that got no gradient
                 written = self._written.pop(buf, set())
@@ -284,7 +286,7 @@ class GradReducer:
                 for p in buf.params:
                     if p not in written:
                         buf.view_of(buf.grad, p).zero_()
-            if self.predivide:
+            if self.rdtype[buf] == torch.float16:  # fp16 divides first (Note [Gradient buffer pool])
                 buf.grad.div_(n)
             self._pending.append((buf, self.comm.reduce_scatter(buf.shard(buf.grad), buf.grad), None))
             return
@@ -294,7 +296,7 @@ class GradReducer:
         if buf.acc is not None:
             buf.acc.add_(buf.grad)
             src = buf.acc
-        grad = src if src.dtype == self.reduce_dtype else src.to(self.reduce_dtype)
+        grad = src if src.dtype == self.rdtype[buf] else src.to(self.rdtype[buf])
         grad.div_(n)
         if self.policy.all_reduce:
             self._result[buf] = grad
@@ -308,7 +310,8 @@ class GradReducer:
     def _complete(self, buf: FlatBuffer, work: Any, keepalive: Any) -> None:
         self.comm.wait([work])
         if not self.policy.keep_full_grad:
-            buf.shard_grad.add_(buf.shard(buf.grad), alpha=1.0 if self.predivide else 1.0 / self.world_size)
+            predivided = self.rdtype[buf] == torch.float16
+            buf.shard_grad.add_(buf.shard(buf.grad), alpha=1.0 if predivided else 1.0 / self.world_size)
             if buf in self._adopted:
                 self._adopted.discard(buf)
             else:
@@ -360,8 +363,8 @@ class GradReducer:
         for buf in late:
             self.late_fixups += 1
             delta = self._late.pop(buf, None)
-            delta = (torch.zeros(buf.numel, dtype=self.reduce_dtype, device=buf.device) if delta is None
-                     else delta.to(self.reduce_dtype))
+            delta = (torch.zeros(buf.numel, dtype=self.rdtype[buf], device=buf.device) if delta is None
+                     else delta.to(self.rdtype[buf]))
             delta.div_(self.world_size)
             if self.policy.all_reduce:
                 self.comm.wait([self.comm.all_reduce(delta)])

@@ -136,9 +136,8 @@ class Stage3Engine(ZeroEngine):
         frozen_by_unit: dict[int, list] = {}
         for p in self._frozen:
             frozen_by_unit.setdefault(id(self._unit_of_param[p]), []).append((names[p], p))
-        for unit in self.units:
-            run = frozen_by_unit.get(id(unit))
-            if run:
+        for unit in self.units:  # one flat buffer per dtype (integer and bool parameters are frozen ones)
+            for run in pack(frozen_by_unit.get(id(unit), []), float("inf")):
                 self.frozen_buffers.append(FlatBuffer(run, -1, self.world_size, self.rank, order=-1))
         every = self.buffers + self.frozen_buffers
         for buf in every:

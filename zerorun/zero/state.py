@@ -14,7 +14,8 @@ that holds a whole parameter (stage 0, frozen parameters at stages 0-2, a parame
 reads and writes a plain tensor; DCP writes replicated tensors once. Scalar optimizer states (``step``) are
 stored per parameter as plain tensors (``optim/<name>/step``); module buffers as ``model/<key>``.
 
-Model weights are stored once, as the fp32 master values (:meth:`ZeroEngine.master_slices`): at fp32
+Model weights are stored once, as the fp32 master values (:meth:`ZeroEngine.master_slices`; a float64
+parameter's master and states are float64: Note [Wide parameters] in ``precision.py``): at fp32
 without offload they are the parameters themselves; under bf16/fp16 the 2-byte parameters are cast from
 the masters on load, and offloaded masters and states (host memory, swap file) are read through the engine
 and written back through it (:meth:`ZeroEngine.optimizer_states`, :meth:`ZeroEngine.load_master_slices`);
@@ -109,7 +110,7 @@ def _masters(engine) -> list[torch.Tensor]:
     """The engine's master slices; placeholders of their shapes (no memory) when they are on disk."""
     disk = paged_masters(engine)
     if disk is not None:
-        return [placeholder(s.numel()) for s in disk.slices]
+        return [placeholder(s.numel(), d) for s, d in zip(disk.slices, disk.dtypes)]
     return engine.master_slices()
 
 
@@ -161,6 +162,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _state_dtype(dtype: torch.dtype, master: torch.Tensor) -> torch.dtype:
+    """The dtype of a per-element optimizer state of ``master`` whose spec says ``dtype``: a floating state is
+    kept in the master's dtype, as torch's optimizers keep it in the parameter's (fp32, or float64 for a
+    float64 parameter: Note [Wide parameters] in ``precision.py``)."""
+    return master.dtype if dtype.is_floating_point else dtype
+
+
 def dtype_of(name: str) -> torch.dtype:
     """The ``torch.dtype`` called ``name`` (``"float32"``). Raises ValueError for anything else."""
     dtype = getattr(torch, name, None)
@@ -177,10 +185,10 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
         engine's own tensors, no copies); with ``disk`` offload a :class:`PagedState` whose trainable entries
         are read piece by piece by ``tensors.pager.save_planner()`` (Note [Paged checkpoints]): pass it to
         ``dcp.save`` with ``FileSystemWriter(**state_paging.WRITER_OPTIONS)``. ``layout`` (JSON-able, equal on
-        every rank) lists parameters
-        (name, shape, trainable), module buffers (key, shape, dtype), ``state_dict`` keys in order (tied
-        parameters appear under every key), the optimizer class, its state keys and its param groups'
-        options (``params`` excluded).
+        every rank) lists parameters (name, shape, trainable, dtype as stored: the master's, or a frozen
+        parameter's), module buffers (key, shape, dtype), ``state_dict`` keys in order (tied parameters appear
+        under every key), the optimizer class, its state keys and its param groups' options (``params``
+        excluded).
 
     Raises:
         ValueError: an optimizer state that is neither elementwise nor scalar.
@@ -203,7 +211,8 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
                    for key, (each, dtype, shape) in spec.items()}
     params = []
     for h in holdings(engine, masters):
-        params.append({"name": h.name, "shape": list(h.shape), "trainable": h.buffer_index is not None})
+        params.append({"name": h.name, "shape": list(h.shape), "trainable": h.buffer_index is not None,
+                       "dtype": _dtype_name(h.tensor.dtype)})
         paged = pager is not None and h.buffer_index is not None
         entry = (pager.entry(f"model/{h.name}", h, "master", load=False) if paged
                  else _dcp_tensor(h, h.tensor, engine.rank, group))
@@ -222,8 +231,8 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
                 tensors[f"optim/{h.name}/{key}"] = pager.entry(f"optim/{h.name}/{key}", h, key, load=False)
             else:
                 value = per_param[h.buffer_index][h.k].get(key)
-                value = value if value is not None else torch.zeros(h.hi - h.lo, dtype=dtype,
-                                                                     device=h.tensor.device)
+                value = value if value is not None else torch.zeros(h.hi - h.lo, device=h.tensor.device,
+                                                                     dtype=_state_dtype(dtype, h.tensor))
                 tensors[f"optim/{h.name}/{key}"] = _dcp_tensor(h, None, engine.rank, group, local=value.detach())
     keyed = engine.module.state_dict(keep_vars=True)
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -318,7 +327,8 @@ def load_engine_state(engine, layout: dict[str, Any], load: Callable[[dict[str, 
         state = states[i] = {}
         for key, spec in layout["optim_state"].items():
             if spec["kind"] == "elementwise" and pager is None:
-                state[key] = torch.zeros_like(master, dtype=dtype_of(spec["dtype"]), requires_grad=False)
+                state[key] = torch.zeros_like(master, dtype=_state_dtype(dtype_of(spec["dtype"]), master),
+                                              requires_grad=False)
     # Note [Unused parameters] in masters.py: scalar states (step) per parameter
     scalars: list[list[dict[str, torch.Tensor] | None]] = [[None] * len(b.params) for b in engine.buffers]
     for h in holdings(engine, masters):

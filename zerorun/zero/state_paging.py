@@ -49,9 +49,9 @@ def paged_masters(engine) -> DiskMasters | None:
     return masters if isinstance(masters, DiskMasters) else None
 
 
-def placeholder(numel: int) -> torch.Tensor:
-    """A 1-D fp32 CPU tensor of ``numel`` elements that holds 4 bytes (stride 0): shapes only."""
-    return torch.zeros(1).expand(numel)
+def placeholder(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A 1-D CPU tensor of ``numel`` elements of ``dtype`` that holds one element (stride 0): shapes only."""
+    return torch.zeros(1, dtype=dtype).expand(numel)
 
 
 class Pager:
@@ -77,24 +77,25 @@ class Pager:
             ranges = {r: lo_hi for r, lo_hi in enumerate(h.ranges) if lo_hi[1] > lo_hi[0]}
         if self.rank not in ranges:
             return None
-        step = self.masters.chunk
+        step, dtype = self.masters.chunk_of(h.buffer_index), self.masters.dtypes[h.buffer_index]
         mds, mine = [], []
         for r, (lo, hi) in sorted(ranges.items()):
             for a in range(lo, hi, step):
                 md = ShardMetadata([a], [min(a + step, hi) - a], f"rank:{r}/cpu")
                 mds.append(md)
                 if r == self.rank:
-                    mine.append(Shard(self._view(md.shard_sizes[0]), md))
+                    mine.append(Shard(self._view(md.shard_sizes[0], dtype), md))
                     self.pieces[(key, a)] = (h.buffer_index, region, h.start + a - h.lo)
-        props = TensorProperties(dtype=torch.float32, pin_memory=self.masters.arena.is_pinned())
+        props = TensorProperties(dtype=dtype, pin_memory=self.masters.arena.is_pinned())
         meta = ShardedTensorMetadata(mds, torch.Size([h.numel]), props)
         with warnings.catch_warnings():  # ShardedTensor is deprecated in favour of DTensor (even chunks only)
             warnings.simplefilter("ignore", FutureWarning)
             return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=self.group)
 
-    def _view(self, numel: int) -> torch.Tensor:
-        """A contiguous fp32 view of ``numel`` elements of the host buffer: a placeholder (only its shape is used)."""
-        return self.masters.arena[:4 * numel].view(torch.float32)
+    def _view(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous view of ``numel`` elements of ``dtype`` of the host buffer: a placeholder (only its shape
+        is used)."""
+        return self.masters.arena[:dtype.itemsize * numel].view(dtype)
 
     def _find(self, index) -> tuple[int, str, int] | None:
         if index.offset is None or len(index.offset) != 1:  # paged entries are 1-D
@@ -108,15 +109,16 @@ class Pager:
         if found is None:
             return None
         buffer, region, position = found
-        page = self.masters.page(int(write_item.tensor_data.chunk.sizes[0]))
+        page = self.masters.page(int(write_item.tensor_data.chunk.sizes[0]), self.masters.dtypes[buffer])
         self.masters.read_range(buffer, region, position, page)
         return page
 
     def resolve_tensor(self, read_item) -> torch.Tensor | None:
         """Load: where DCP copies the data of ``read_item`` (a half of the host buffer), or ``None``."""
-        if self._find(read_item.dest_index) is None:
+        found = self._find(read_item.dest_index)
+        if found is None:
             return None
-        return self.masters.page(int(read_item.lengths[0]))
+        return self.masters.page(int(read_item.lengths[0]), self.masters.dtypes[found[0]])
 
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
         """Load: write the data DCP copied into ``tensor`` to the swap file (nothing when not paged)."""
