@@ -96,3 +96,95 @@ def units_by_name(units: tuple, stage: int = 3, steps: int = 3) -> dict:
              if not u.persistent}
     lines = describe_units(engine.units, engine.units_without_params) if stage == 3 else []
     return {"losses": losses, "roles": roles, "lines": lines}
+
+
+class Borrower(nn.Module):
+    """A block whose forward reads another module's weight (``borrow``, tied by attribute) before or after its
+    own."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.borrow: list[nn.Module] = []
+        self.first = True
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise ValueError("bad batch")
+        if self.borrow and self.first:
+            x = x + 0.1 * torch.nn.functional.linear(x, self.borrow[0].weight)
+        x = x + torch.tanh(self.fc(x))
+        if self.borrow and not self.first:
+            x = x + 0.1 * torch.nn.functional.linear(x, self.borrow[0].weight)
+        return x
+
+
+class BorrowNet(nn.Module):
+    def __init__(self, first: bool, emb: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 16) if emb else None
+        self.blocks = nn.ModuleList(Borrower() for _ in range(3))
+        self.blocks[1].borrow.append(self.emb if emb else self.blocks[0].fc)  # a weight it reads, not a submodule
+        self.blocks[1].first = first
+        self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        if self.emb is not None:
+            x = x + self.emb(torch.arange(x.shape[0]) % 16)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x)).pow(2).mean()
+
+
+def borrow(stage: int, first: bool = True, compile_backend: str = "", emb: bool = False, steps: int = 3) -> dict:
+    """Train ``BorrowNet`` at ``stage``: per-step losses; at stage 3 the units each unit gathers with itself
+    (Note [External parameters]), which outer units stayed tails, and the stage-3 warnings."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = BorrowNet(first, emb)
+    if compile_backend:
+        model = torch.compile(model, backend=compile_backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                            config=ZeroConfig(stage=stage, units=("Borrower",) if stage == 3 else ()))
+        losses = []
+        for step in range(steps):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+    units = getattr(engine, "units", [])
+    return {"losses": losses, "external": {u.name: sorted(o.name for o in u.external) for u in units if u.external},
+            "tails": sorted(u.name for u in units if u.outer and u.tail),
+            "warnings": sorted({str(w.message)[:80] for w in caught if "stage 3" in str(w.message)})}
+
+
+def read_after_failed_forward() -> dict:
+    """A forward that raises inside a unit (caught; training goes on), then a read of a parameter between
+    steps on rank 0 only: refused as at rest, and the next step trains on every rank."""
+    torch.manual_seed(0)
+    model = BorrowNet(first=True)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=3, units=("Borrower",)))
+    x = torch.randn(4, 16)
+    engine.backward(engine(x))
+    engine.step()
+    model.blocks[2].fail = True
+    try:
+        engine(x)
+    except ValueError:
+        pass
+    model.blocks[2].fail = False
+    refused = ""
+    if dist.get_rank() == 0:
+        try:
+            model.blocks[0].fc.weight.norm()
+        except RuntimeError as e:
+            refused = str(e)
+    engine.backward(engine(x))
+    engine.step()
+    return {"refused": refused, "external": {u.name: [o.name for o in u.external] for u in engine.units if u.external}}

@@ -46,3 +46,35 @@ def test_a_named_head_is_a_unit_and_trains_as_stage_0(ranks):
     assert "1 x Linear (head), 0.1 KiB each" in lines[0], lines
     assert not any("outer units" in line for line in lines), lines
     assert any("outer units, picked automatically" in line and "head 0.1 KiB" in line for line in auto[0]["lines"])
+
+
+def test_a_unit_reading_another_units_weight_before_its_own_trains_as_stage_0(ranks):
+    """A block reads another block's weight (tied by attribute) before its own parameters: the borrowed unit
+    stays gathered until the reader's backward is over (before: freed with the reader's own gradients, while
+    autograd still needed it for the reader's input gradient: 'storage of size 0' in backward)."""
+    for first in (True, False):
+        got = ranks(2).run(cases.borrow, stage=3, first=first)
+        want = ranks(2).run(cases.borrow, stage=0, first=first)
+        for r, w in zip(got, want):
+            assert r["losses"] == pytest.approx(w["losses"], rel=1e-5), (first, r, w)
+        assert got[0]["external"]["blocks.1"] == ["blocks.0"], got[0]
+
+
+def test_after_a_forward_that_raised_a_read_between_steps_is_refused(ranks):
+    """Before: the failed forward stayed 'running', so a read on rank 0 alone all-gathered its unit there (the
+    next step hung) and recorded it as an external of the unit that raised."""
+    r0, r1 = ranks(2).run(cases.read_after_failed_forward)
+    assert "is partitioned" in r0["refused"], r0
+    assert r0["external"] == r1["external"] and "blocks.2" not in r0["external"], (r0, r1)
+
+
+def test_compiled_units_see_the_same_externals_and_tails_as_eager(ranks):
+    """With torch.compile a unit that reads an outer unit's weight records what eager records (before: dynamo
+    traced into the at-rest guard and made every other unit 'used outside its unit', and the final norm and
+    head lost their tail schedule); the losses are eager's."""
+    eager = ranks(2).run(cases.borrow, stage=3, emb=True)
+    compiled = ranks(2).run(cases.borrow, stage=3, emb=True, compile_backend="aot_eager")
+    for e, c in zip(eager, compiled):
+        assert c["external"] == e["external"] and c["tails"] == e["tails"] and c["warnings"] == e["warnings"], (e, c)
+        assert c["losses"] == pytest.approx(e["losses"], rel=1e-5)
+    assert eager[0]["tails"] == ["head", "norm"], eager[0]

@@ -42,6 +42,7 @@ import sys
 import warnings
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 #: a dynamo context: ``compiler(fn)`` is ``fn`` compiled with the backend and options the user chose
@@ -78,6 +79,11 @@ def compile_units(engine, compiler: Compiler) -> None:
     modules = unit_forwards(engine.units)
     for module in modules:
         module.forward = compiler(module.forward)
+    # the at-rest guard runs eagerly (a graph break), never traced: tracing it wraps every parameter the guard
+    # knows (its dict of units) and so "uses" them all from inside the unit being compiled
+    for unit in engine.units:
+        for p in unit.adopted:
+            p._zerorun_use = torch.compiler.disable(p._zerorun_use, recursive=True)
     if not modules:
         warnings.warn("stage 3 compiles each unit's forward, and this model has no unit but the root: it runs "
                       "uncompiled (name its blocks' class in zero.units)", stacklevel=3)

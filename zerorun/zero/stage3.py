@@ -114,6 +114,16 @@ class Stage3Engine(ZeroEngine):
         self.sched.hook(config.activation_checkpointing)
         self.sched.handles.append(model.register_state_dict_pre_hook(state_dict_guard))
 
+    def __call__(self, *args, **kwargs):
+        """As :meth:`ZeroEngine.__call__`. A forward that raises leaves no unit on the stack: afterwards a
+        parameter's use between steps is refused as at rest (Note [Parameters at rest]), not taken for a use
+        inside that forward (an all-gather on this rank alone, and an external of the unit that raised)."""
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            self.sched.forward_failed()
+            raise
+
     # ---------------------------------------------------------------------------------------- construction
     def _sync_initial_state(self) -> None:
         if not self._deferred:

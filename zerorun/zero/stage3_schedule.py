@@ -143,6 +143,15 @@ class Schedule:
             unit.reshard()
         return output
 
+    def forward_failed(self) -> None:
+        """The root's forward raised: no forward is running any more (units it left gathered are freed at the
+        step, or by the next forward)."""
+        for u in self.active:
+            u.active = 0
+        self.active = []
+        self.outer.running = False
+        self.outer.end_saved_hooks()
+
     # ------------------------------------------------------------------------------------------ backward
     def pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
         if not unit.is_root:
@@ -185,6 +194,8 @@ class Schedule:
         if unit.ends_agreed:  # Note [Program order] in reducer.py: reached on every rank (else at the end)
             self.reducer.launch(unit.trainable)
         self.free_if_done(unit)
+        if unit.state is UnitState.FREE:  # its backward is over: the units it read may go (Unit.reshard)
+            unit.release_external()
 
     def backward_end(self) -> None:
         """After the reductions of a backward: the recorded order is kept, every unit freed."""

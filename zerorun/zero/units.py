@@ -135,6 +135,12 @@ class Unit:
                     p.data = rest
                 buf.data.untyped_storage().resize_(0)
         self.state = UnitState.FREE
+        if in_backward() and self.open_calls > 0:  # its backward goes on: its first ops' input gradients, which
+            return  # may read the units it reads, come after its own parameters' (released at its end)
+        self.release_external()
+
+    def release_external(self) -> None:
+        """Unpin the units this one's forward reads (:attr:`external`) and free those not running."""
         for other in self.external:
             other.pinned_by.discard(self)
             if other.active == 0 and not (other.outer and in_backward()):
