@@ -242,7 +242,7 @@ MATCH = ["plain", "grad_hook", "grad_hook_deferred", "grad_hook_meta_capture", "
 #: kinds that raise at the given stages (all other stages match stage 0), with a part of the message
 ERRORS = {
     "experts_per_rank": ((3,), "reaches the loss on some ranks only"),  # before backward: no hang
-    "experts_order_per_rank": ((3,), "ranks ran different units"),  # at the step's norm all-reduce
+    "experts_order_per_rank": ((3,), "ranks ran different units"),  # agreed before backward
     # experts of different sizes: their all-gathers are of one size (Note [Peer units]), so as above
     "experts_sizes_per_rank": ((3,), "reaches the loss on some ranks only"),
     "experts_sizes_order_per_rank": ((3,), "ranks ran different units"),

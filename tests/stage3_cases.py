@@ -188,3 +188,59 @@ def read_after_failed_forward() -> dict:
     engine.backward(engine(x))
     engine.step()
     return {"refused": refused, "external": {u.name: [o.name for o in u.external] for u in engine.units if u.external}}
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int, h: int, bias: bool = True) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, h, bias=bias), nn.Linear(h, d, bias=bias)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class BigExpert(Expert):
+    """Another class in the same ModuleList (a larger variant)."""
+
+
+class MoE(nn.Module):
+    """Two experts of different sizes in one ModuleList; ``route``: ``rank`` (each rank runs its own one) or
+    ``all`` (every rank runs both)."""
+
+    def __init__(self, case: str, route: str) -> None:
+        super().__init__()
+        small, big = (Expert(16, 32, bias=case != "bias"),
+                      (BigExpert if case == "subclass" else Expert)(16, 64))
+        if case == "frozen":
+            small.fc1.requires_grad_(False)
+        self.route = route
+        self.inp, self.experts, self.head = nn.Linear(8, 16), nn.ModuleList([small, big]), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        chosen = [self.experts[dist.get_rank() % 2]] if self.route == "rank" else list(self.experts)
+        for e in chosen:
+            h = h + e(h)
+        return self.head(h).pow(2).mean()
+
+
+def experts(case: str, route: str, stage: int = 3, steps: int = 3) -> dict:
+    """Train ``MoE(case, route)`` at ``stage`` (``case``: basic, bias, bucket, persist, subclass, frozen; see
+    Note [Peer units]): per-step losses, or the error; the parameter bytes this rank holds at rest."""
+    torch.manual_seed(0)
+    config = {"bucket": {"bucket_mb": 0.002}, "persist": {"persistence_threshold": 32}}.get(case, {})
+    units = ("experts.0", "experts.1") if stage == 3 else ()  # by name: whatever their classes
+    try:
+        engine = initialize(MoE(case, route), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                            config=ZeroConfig(stage=stage, units=units, **config))
+        losses = []
+        for step in range(steps):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"losses": losses, "param_bytes": engine.memory_bytes()["params"],
+            "gather_bytes": {u.name: u.gather_bytes for u in getattr(engine, "units", []) if u.gather_bytes}}

@@ -42,7 +42,7 @@ def test_a_named_head_is_a_unit_and_trains_as_stage_0(ranks):
         for r, want in zip(got, ref):
             assert r["losses"] == pytest.approx(want["losses"], rel=1e-5)
     lines = named[0]["lines"]
-    assert lines[0].startswith("stage 3 units, gathered and freed one by one: 3 x Block (blocks.0 .. blocks.2), ")
+    assert lines[0].startswith("stage 3 units, gathered and freed one by one: 3 x Block (blocks.0, blocks.1, blocks.2), ")
     assert "1 x Linear (head), 0.1 KiB each" in lines[0], lines
     assert not any("outer units" in line for line in lines), lines
     assert any("outer units, picked automatically" in line and "head 0.1 KiB" in line for line in auto[0]["lines"])
@@ -78,3 +78,30 @@ def test_compiled_units_see_the_same_externals_and_tails_as_eager(ranks):
         assert c["external"] == e["external"] and c["tails"] == e["tails"] and c["warnings"] == e["warnings"], (e, c)
         assert c["losses"] == pytest.approx(e["losses"], rel=1e-5)
     assert eager[0]["tails"] == ["head", "norm"], eager[0]
+
+
+PEER_CASES = ["basic", "bias", "bucket", "persist", "subclass", "frozen"]
+
+
+@pytest.mark.parametrize("case", PEER_CASES)
+def test_experts_of_different_layouts_routed_per_rank_are_a_clear_error(ranks, case):
+    """Note [Peer units]: two experts in one ModuleList that differ in size, in their biases, in how their
+    parameters split into buckets, in persistent or frozen parameters, or in class, each rank running another:
+    the clear error on every rank before backward (before: gloo aborted rank 0 on the all-gathers' sizes and
+    the other rank failed on the lost connection)."""
+    for r in ranks(2).run(cases.experts, case=case, route="rank"):
+        assert "reaches the loss on some ranks only" in r.get("error", ""), r
+        assert "'experts.0'" in r["error"] and "'experts.1'" in r["error"], r
+
+
+@pytest.mark.parametrize("case", PEER_CASES)
+def test_experts_that_all_run_train_as_stage_0_without_padding_at_rest(ranks, case):
+    """The padded all-gathers change no number (stage 0's losses), and a rank keeps only its own slices at rest:
+    stage 3 holds less than stage 0's whole parameters (before: the smaller expert's flat buffers were padded
+    to the larger's, at rest too)."""
+    got = ranks(2).run(cases.experts, case=case, route="all")
+    want = ranks(2).run(cases.experts, case=case, route="all", stage=0)
+    for r, w in zip(got, want):
+        assert r["losses"] == pytest.approx(w["losses"], rel=1e-5), (r, w)
+        assert r["param_bytes"] < w["param_bytes"] / 2 + 1024, (r, w)
+    assert got[0]["gather_bytes"] and len(set(got[0]["gather_bytes"].values())) == 1, got[0]

@@ -70,15 +70,6 @@ class FlatBuffer:
         self.grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
 
-    def pad_to(self, numel: int) -> None:
-        """Lengthen the buffer to ``numel`` elements (a multiple of the world size, at least :attr:`numel`) with
-        zeros at its end, before anything is allocated; its slices grow alike (Note [Peer units] in unit_plan.py)."""
-        if numel % self.world_size or numel < self.numel or self.data is not None:
-            raise ValueError(f"cannot pad a flat buffer of {self.numel} elements to {numel}")
-        self.numel = numel
-        self.shard_numel = numel // self.world_size
-        self.lo = self.rank * self.shard_numel
-
     def flatten_params(self) -> None:
         """Copy the parameters into a new ``data`` tensor and make each parameter a view of it (in place, so
         ``Parameter`` objects, ties and references held elsewhere stay valid)."""

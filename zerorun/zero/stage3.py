@@ -61,7 +61,7 @@ from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, de
                                         full_state_dict, gathered, placeholder, state_dict_guard)
 from zerorun.zero.stage3_checks import check_backward_units, check_gather_order
 from zerorun.zero.stage3_schedule import Schedule
-from zerorun.zero.unit_plan import outer_modules, pad_peers, pick_units, unit_of_params
+from zerorun.zero.unit_plan import match_peers, outer_modules, pick_units, unit_of_params
 from zerorun.zero.units import Gathering, Unit
 
 
@@ -99,6 +99,7 @@ class Stage3Engine(ZeroEngine):
         self.units = [u for u in self.units if u.buffers or u.is_root]
         for i, unit in enumerate(self.units):
             unit.index = i
+        match_peers(self.units)  # Note [Peer units] in unit_plan.py
         self._persistent_unit.unshard()  # whole on every rank from now on (a no-op when it holds nothing)
         self.sched = Schedule(self.units, config, self.reducer)
         self.reducer.on_ready.append(self.sched.on_bucket_ready)
@@ -153,7 +154,6 @@ class Stage3Engine(ZeroEngine):
         for buf in every:
             buf.unit = self._unit_of_param[buf.params[0]]
             buf.unit.buffers.append(buf)
-        pad_peers(self.units)  # Note [Peer units] in unit_plan.py
         for buf in every:
             buf.shard_data = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
         # the slices become views of a file-backed mapping (Note [Parameter offload])

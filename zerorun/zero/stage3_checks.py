@@ -9,7 +9,9 @@ prime below 2**16). Beside the squared gradient norm's all-reduce, the ranks sum
 for these integers up to 1024 ranks) on the host (Note [Agreements on the host] in ``comm.py``: a CPU tensor
 over a gloo group, no GPU stall). Every rank's ``h`` is the same exactly when ``N * sum(h*h) == sum(h) ** 2``
 (their variance is zero), so every rank learns the verdict from the same sums and raises together, before
-the optimizer step. Only then, on the error path, the ranks exchange
+the optimizer step; the digest of the forward's all-gathers is also agreed before backward, beside Note
+[Backward on some ranks]'s marks, so that backward's reduce-scatters never pair different units (of
+different sizes: a gloo abort) either. Only then, on the error path, the ranks exchange
 their unit lists to name the units. A collision (two different sequences with one digest) has a chance of
 1 in 65521 per step; a misrouted step that is not caught pairs the same-shaped units and is caught at the
 next step whose routing differs.
@@ -149,8 +151,11 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     counts = [int(any(n in found for n in nodes)) for nodes in recorded] + \
         [int(bool(nodes) and all(n in found for n in nodes)) for nodes in ends]
     n = engine.world_size
-    if n > 1:
-        counts = engine.comm.agree(counts)  # Note [Agreements on the host] in comm.py: no device round trip
+    h = order_digest(engine.gathering.log)  # Note [Same units on every rank]: the forward's all-gathers so far
+    sums = [h, h * h]
+    if n > 1:  # Note [Agreements on the host] in comm.py: no device round trip
+        *counts, hs, hsq = engine.comm.agree(counts + sums)
+        sums = [hs, hsq]
     for u, m in zip(tails, counts[len(listed):]):
         u.deferred = m == n
     for u, m in zip(listed, counts[len(units):]):
@@ -164,3 +169,5 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
             "ranks alone (a hang). "
             "Make it reach the loss on every rank (e.g. loss = loss + 0.0 * out.sum() where it is not used), "
             "keep it inside a unit that every rank uses (zero.units), or use stage 2")
+    if n * sums[1] != sums[0] ** 2:  # before backward's reduce-scatters, which would pair different units too
+        _raise_mismatch(engine, engine.gathering.log)

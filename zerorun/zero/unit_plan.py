@@ -12,35 +12,35 @@ from zerorun.zero.units import Unit
 
 # Note [Peer units]: all-gathers pair up across ranks in the order they are issued, so a step in which ranks
 # run different units (an MoE layer routing each rank's tokens to another expert) pairs one rank's unit with
-# another's. Between units of one size that pairing is caught, on every rank, before backward or at the step
-# (Notes [Backward on some ranks], [Same units on every rank] in stage3_checks.py); between units of
-# different sizes gloo aborts one rank on the size mismatch and the others hang (NCCL: undefined). Units of
-# one class held by one ``nn.ModuleList`` or ``nn.ModuleDict`` (the experts of one layer) are therefore
-# peers (two Linears that are attributes of one attention module are not: both always run), and the flat
-# buffers of peers of different sizes are padded at their end to the largest peer's (FlatBuffer.pad_to:
-# zeros, never read, zero gradient): every all-gather and reduce-scatter of a peer is as long as the
-# others', and a misrouted step is the clear error above. The cost is the padding's bytes (memory at rest
-# and when gathered, and traffic) for the smaller peers only; units that differ in how their parameters are
-# split into flat buffers (another number of buffers, or dtypes) are left unpadded.
-def pad_peers(units: list[Unit]) -> None:
-    """Note [Peer units]: pad the flat buffers of units of one class in one ``ModuleList``/``ModuleDict`` to the
-    largest such unit's, buffer by buffer, where their buffer layouts (count, dtype, param group) match."""
+# another's. Between units gathered alike (the same flat buffers, of the same sizes) that pairing is caught,
+# on every rank, before backward or at the step (Notes [Backward on some ranks], [Same units on every rank]
+# in stage3_checks.py); between units whose all-gathers differ in size or number, gloo aborts one rank on the
+# size mismatch and the others hang (NCCL: undefined). The units held directly by one ``nn.ModuleList`` or
+# ``nn.ModuleDict`` (the experts of one layer, whatever their classes) are therefore peers; where the peers'
+# flat buffers differ (sizes, how many, dtypes: another width, a bias, a frozen or persistent parameter, a
+# bucket split), each peer is gathered in one all-gather of the same number of bytes, the largest peer's
+# slices (``Unit.gather_bytes``: its slices copied into a padded message, the result copied out into its
+# buffers): a misrouted step is then the clear error above. What it costs, for those peers only: one copy of
+# the unit's bytes in and out per gather, the message's bytes while it is in flight, and the smaller peers'
+# padding in traffic (``zerorun estimate`` does not count that padding); memory at rest is unchanged. Peers
+# gathered alike (a GPT's blocks) keep their per-buffer all-gathers into place. Units nested deeper (each
+# Linear of each expert a unit) are not peers: name the experts, or their container's class, in zero.units.
+def match_peers(units: list[Unit]) -> None:
+    """Note [Peer units]: set :attr:`Unit.gather_bytes` of the units held directly by one ``ModuleList`` or
+    ``ModuleDict`` to the largest one's slice bytes where their flat buffers differ."""
     model = next(u.module for u in units if u.is_root)
-    peers: dict[tuple[str, str], list[Unit]] = {}
+    peers: dict[str, list[Unit]] = {}
     for unit in units:
         parent = unit.name.rpartition(".")[0]
         if not (unit.is_root or unit.outer or unit.persistent) and "." in unit.name and isinstance(
                 model.get_submodule(parent), (nn.ModuleList, nn.ModuleDict)):
-            peers.setdefault((parent, type(unit.module).__name__), []).append(unit)
+            peers.setdefault(parent, []).append(unit)
     for group in peers.values():
-        layouts = {tuple((b.dtype, b.group_index) for b in u.buffers) for u in group}
-        if len(group) < 2 or len(layouts) != 1:
-            continue
-        for i in range(len(group[0].buffers)):
-            longest = max(u.buffers[i].numel for u in group)
+        layouts = {tuple((b.dtype, b.numel) for b in u.buffers) for u in group}
+        if len(group) > 1 and len(layouts) > 1:
+            most = max(u.slice_bytes for u in group)
             for u in group:
-                if u.buffers[i].numel < longest:
-                    u.buffers[i].pad_to(longest)
+                u.gather_bytes = most
 
 
 def pick_units(model: nn.Module, entries: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
@@ -159,7 +159,9 @@ def describe_units(units: list[Unit], without_params: list[str] = ()) -> list[st
     for cls, group in by_class.items():
         sizes = sorted({u.gathered_bytes for u in group})
         size = _mib(sizes[0]) if len(sizes) == 1 else f"{_mib(sizes[0])}-{_mib(sizes[-1])}"
-        names = group[0].name if len(group) == 1 else f"{group[0].name} .. {group[-1].name}"
+        names = ", ".join(u.name for u in group) if len(group) <= 3 else f"{group[0].name} .. {group[-1].name}"
+        if len(group) > 3 and [u.index for u in group] != list(range(group[0].index, group[-1].index + 1)):
+            names = f"{', '.join(u.name for u in group[:3])}, ..."  # not one run: no range
         parts.append(f"{len(group)} x {cls} ({names}), {size} each")
     lines = [f"stage 3 units, gathered and freed one by one: {'; '.join(parts) or 'none'}"]
     if without_params:

@@ -51,6 +51,8 @@ class Unit:
         self.buffers: list = []  # FlatBuffer
         self.state = UnitState.FREE
         self.adopted: list = []  # its parameters whose class the engine switches (Note [Plain while gathered])
+        self.gather_bytes = 0  # > 0: one all-gather of this many bytes per rank (Note [Peer units] in unit_plan.py)
+        self.staged: torch.Tensor | None = None  # that all-gather's result, until it is copied out
         self.works: list[Any] = []
         self.ready_buffers = 0
         self.index = -1  # position in the engine's unit list, equal on every rank
@@ -81,6 +83,11 @@ class Unit:
         return [b for b in self.buffers if b.group_index >= 0]
 
     @property
+    def slice_bytes(self) -> int:
+        """Bytes of this rank's slices of the unit's flat buffers (what it sends in an all-gather)."""
+        return sum(b.shard_numel * b.dtype.itemsize for b in self.buffers)
+
+    @property
     def gathered_bytes(self) -> int:
         """Bytes of the unit's parameters when gathered (all its flat buffers, whole)."""
         return sum(b.numel * b.dtype.itemsize for b in self.buffers)
@@ -97,7 +104,8 @@ class Unit:
         if self.state is UnitState.FREE:
             for buf in self.buffers:
                 buf.data.untyped_storage().resize_(buf.numel * buf.data.element_size())
-            self.works = [ctx.comm.all_gather(buf.data, buf.shard_data) for buf in self.buffers]
+            self.works = self._all_gather_padded() if self.gather_bytes else [
+                ctx.comm.all_gather(buf.data, buf.shard_data) for buf in self.buffers]
             self.state = UnitState.GATHERING
             if self.index >= 0:
                 ctx.log.append(self.index)
@@ -146,10 +154,30 @@ class Unit:
             if other.active == 0 and not (other.outer and in_backward()):
                 other.reshard()
 
+    def _all_gather_padded(self) -> list:
+        """One all-gather of :attr:`gather_bytes` per rank holding this rank's slices end to end (as bytes, any
+        dtypes), zeros after; :meth:`_wait` copies the result out into the buffers (Note [Peer units])."""
+        device = self.buffers[0].data.device
+        send = torch.zeros(self.gather_bytes, dtype=torch.uint8, device=device)
+        at = 0
+        for buf in self.buffers:
+            n = buf.shard_numel * buf.dtype.itemsize
+            send[at:at + n].copy_(buf.shard_data.view(torch.uint8))
+            at += n
+        self.staged = torch.empty(self.ctx.comm.world_size * self.gather_bytes, dtype=torch.uint8, device=device)
+        return [self.ctx.comm.all_gather(self.staged, send)]
+
     def _wait(self) -> None:
         if self.works:
             self.ctx.comm.wait(self.works)
             self.works = []
+            if self.staged is not None:  # rank r's slices are row r of the result (Note [Peer units])
+                rows, at = self.staged.view(self.ctx.comm.world_size, self.gather_bytes), 0
+                for buf in self.buffers:
+                    n = buf.shard_numel * buf.dtype.itemsize
+                    buf.data.view(torch.uint8).view(rows.shape[0], n).copy_(rows[:, at:at + n])
+                    at += n
+                self.staged = None
             if self.ctx.store is not None:  # Note [Parameter offload]: the slices' pages go again
                 self.ctx.store.release(self.buffers)
 
