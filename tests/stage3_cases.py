@@ -31,6 +31,19 @@ class Net(nn.Module):
         return self.head(x).pow(2).mean()
 
 
+def train_steps(engine, steps: int, width: int) -> list[float]:
+    """``steps`` optimizer steps of ``engine`` on this rank's batches of 4 x ``width`` (seeded by step and
+    rank); the losses."""
+    losses = []
+    for step in range(steps):
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def parameter_classes() -> dict:
     """The Python class of a block's parameters inside its forward (gathered) and between steps (at rest), and
     the guard's calls made while the blocks compute (Note [Plain while gathered] in stage3_access.py)."""
@@ -150,13 +163,7 @@ def borrow(stage: int, first: bool = True, compile_backend: str = "", emb: bool 
         warnings.simplefilter("always")
         engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
                             config=ZeroConfig(stage=stage, units=("Borrower",) if stage == 3 else ()))
-        losses = []
-        for step in range(steps):
-            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
-            loss = engine(x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
+        losses = train_steps(engine, steps, width=16)
     units = getattr(engine, "units", [])
     return {"losses": losses, "external": {u.name: sorted(o.name for o in u.external) for u in units if u.external},
             "tails": sorted(u.name for u in units if u.outer and u.tail),
@@ -233,13 +240,7 @@ def experts(case: str, route: str, stage: int = 3, steps: int = 3) -> dict:
     try:
         engine = initialize(MoE(case, route), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
                             config=ZeroConfig(stage=stage, units=units, **config))
-        losses = []
-        for step in range(steps):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
-            loss = engine(x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
+        losses = train_steps(engine, steps, width=8)
     except RuntimeError as e:
         return {"error": str(e)}
     return {"losses": losses, "param_bytes": engine.memory_bytes()["params"],
