@@ -122,7 +122,7 @@ class Stage3Engine(ZeroEngine):
         try:
             return super().__call__(*args, **kwargs)
         except BaseException:
-            self.sched.forward_failed()
+            self.sched.clear_forward()
             raise
 
     # ---------------------------------------------------------------------------------------- construction

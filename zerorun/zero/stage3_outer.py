@@ -93,7 +93,6 @@ class OuterSchedule:
         self.first_call = None
         for unit in self.scheduled_units():
             unit.unshard(wait=False)
-        self.end_saved_hooks()  # a forward that raised half way left them
         tails = [u for u in self.outers if u.tail]
         if self.running and tails:  # a tail's parameters saved for backward by any node: gathered before read
             self.tail_storages = {b.data.untyped_storage()._cdata: u for u in tails for b in u.buffers}

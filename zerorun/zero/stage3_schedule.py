@@ -95,10 +95,8 @@ class Schedule:
         if in_backward():
             return None
         if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
+            self.clear_forward()
             self.outer.pass_start()
-            for u in self.active:
-                u.active = 0
-            self.active = []
             for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
                 u.out_nodes, u.in_nodes = [], []
         unit.active += 1
@@ -143,9 +141,9 @@ class Schedule:
             unit.reshard()
         return output
 
-    def forward_failed(self) -> None:
-        """The root's forward raised: no forward is running any more (units it left gathered are freed at the
-        step, or by the next forward)."""
+    def clear_forward(self) -> None:
+        """No forward is running any more: the root's forward raised, or a new one begins after one that did
+        (units it left gathered are freed at the step, or by the next forward)."""
         for u in self.active:
             u.active = 0
         self.active = []
