@@ -9,7 +9,9 @@ micro-batch 8, fp32 AdamW. With ``--units Stack`` (the default) the whole stack 
 stage 3 adds one all-gather per pass over stage 2 and the rest of the difference is per-operation overhead
 (the cost of Python on every op, which on a GPU is step time for a launch-bound model). The modes run in the
 same ranks, interleaved (``--rounds`` rounds of ``--steps`` steps each, after ``--warmup`` steps), and the
-median step time of each is reported with the stage 3 / stage 2 ratio; both end on the same loss.
+median step time of each is reported with the stage 3 / stage 2 ratio; both end on the same loss. Beside it,
+rank 0's CPU time per step (``time.process_time``: what the rank computes, its collectives' threads included,
+without the time it waits for the other rank, which on a loaded machine is most of the step's wall time).
 """
 
 from __future__ import annotations
@@ -78,19 +80,19 @@ def rank_main(rank: int, world_size: int, port: int, args, out) -> None:
         engines[stage] = zero.initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3}, config=config)
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randn(args.micro_batch, args.width, generator=gen) for _ in range(4)]
-    times = {2: [], 3: []}
-    losses = {2: [], 3: []}
+    times, cpu, losses = {2: [], 3: []}, {2: [], 3: []}, {2: [], 3: []}
 
     def steps(stage: int, n: int, keep: bool) -> None:
         engine = engines[stage]
         for i in range(n):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = engine(batches[i % len(batches)])
             engine.backward(loss)
             engine.step()
             if keep:
                 times[stage].append(time.perf_counter() - t0)
+                cpu[stage].append(time.process_time() - c0)
                 losses[stage].append(float(loss.detach()))
 
     for stage in (2, 3):
@@ -99,7 +101,7 @@ def rank_main(rank: int, world_size: int, port: int, args, out) -> None:
         for stage in ((2, 3) if r % 2 == 0 else (3, 2)):
             steps(stage, args.steps, keep=True)
     if rank == 0:
-        out.put({"times": times, "losses": losses})
+        out.put({"times": times, "cpu": cpu, "losses": losses})
     dist.destroy_process_group()
 
 
@@ -145,12 +147,15 @@ def main() -> None:
     for p in procs:
         p.join()
     med = {s: statistics.median(got["times"][s]) for s in (2, 3)}
+    cpu = {s: statistics.median(got["cpu"][s]) for s in (2, 3)}
     row = {"blocks": args.blocks, "units": args.units, "compile": args.compile or None,
            "stage2_s": med[2], "stage3_s": med[3], "ratio": med[3] / med[2],
+           "stage2_cpu_s": cpu[2], "stage3_cpu_s": cpu[3], "cpu_ratio": cpu[3] / cpu[2],
            "stage2_last_loss": got["losses"][2][-1], "stage3_last_loss": got["losses"][3][-1],
            "rounds": args.rounds, "steps": args.steps}
     print(f"stage 2 {med[2] * 1e3:.1f} ms/step, stage 3 {med[3] * 1e3:.1f} ms/step: stage 3 / stage 2 = "
-          f"{row['ratio']:.2f}x (median of {args.rounds * args.steps} steps each, interleaved; last loss "
+          f"{row['ratio']:.2f}x; CPU time of rank 0 {cpu[2] * 1e3:.1f} / {cpu[3] * 1e3:.1f} ms: "
+          f"{row['cpu_ratio']:.2f}x (median of {args.rounds * args.steps} steps each, interleaved; last loss "
           f"{row['stage2_last_loss']:.6f} / {row['stage3_last_loss']:.6f})")
     if args.json:
         with open(args.json, "w") as f:

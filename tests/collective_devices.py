@@ -80,11 +80,13 @@ def check(comm: Comm, op: str, tensors) -> None:
 def device_check():
     """While active, every :class:`Comm` collective checks its tensors' devices (Note [Checking devices on
     CPU])."""
-    saved = {name: getattr(Comm, name) for name in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}
+    saved = {name: getattr(Comm, name) for name in ("all_reduce", "reduce_scatter", "all_gather",
+                                                    "all_gather_coalesced", "broadcast")}
 
     def wrap(name, method):
         def checked(self, *args, **kwargs):
-            check(self, name, list(args) + list(kwargs.values()))
+            check(self, name, [t for a in list(args) + list(kwargs.values())
+                               for t in (a if isinstance(a, (list, tuple)) else [a])])
             return method(self, *args, **kwargs)
         return checked
 

@@ -66,12 +66,14 @@ class _Unsure:
 def recorded(rng: random.Random, log: list):
     """Record every collective of every :class:`Comm` into ``log``; wrap their handles in :class:`_Unsure`."""
     groups: dict = {}
-    saved = {name: getattr(Comm, name) for name in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}
+    saved = {name: getattr(Comm, name) for name in ("all_reduce", "reduce_scatter", "all_gather",
+                                                    "all_gather_coalesced", "broadcast")}
 
     def wrap(name, method):
         def issue(self, tensor, *args, **kwargs):
             group = groups.setdefault(id(self.group), len(groups))
-            log.append((name, group, str(tensor.dtype), tensor.numel()))
+            many = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]  # a coalesced one: every tensor
+            log.append((name, group, ",".join(str(t.dtype) for t in many), tuple(t.numel() for t in many)))
             return _Unsure(method(self, tensor, *args, **kwargs), rng)
         return issue
 

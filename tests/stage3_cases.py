@@ -71,6 +71,16 @@ def parameter_classes() -> dict:
     for b in model.blocks:
         b.register_forward_pre_hook(pre)
         b.register_forward_hook(post)
+    check = engine.check_parameters  # the engine's own check of the model's parameters, every forward
+
+    def checking():
+        inside["on"] = True
+        try:
+            check()
+        finally:
+            inside["on"] = False
+
+    engine.check_parameters = checking
     stage3_access.ZeroParameter.__torch_function__ = classmethod(counting)
     try:
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -87,6 +97,48 @@ def parameter_classes() -> dict:
         refused = str(e)
     return {"inside": sorted(seen["inside"]), "rest": sorted(rest), "guard_calls": seen["guard_calls_in_blocks"],
             "refused": refused}
+
+
+def collectives_per_gather() -> dict:
+    """AdamW with weight decay: each ``Block`` unit holds two flat buffers (matrices; biases and norms). In a
+    steady step: the all-gather collectives issued (a coalesced one counts once) and the units gathered."""
+    from zerorun.zero.comm import Comm
+    from zerorun.zero.stage3_checks import GatherDigest
+
+    torch.manual_seed(0)
+    model = Net()
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1},
+                        config=ZeroConfig(stage=3, units=("Block",)))
+    got = {"collectives": 0, "gathers": 0, "inside": False}
+    single, coalesced, values = Comm.all_gather, Comm.all_gather_coalesced, GatherDigest.values
+
+    def one(self, *args):
+        got["collectives"] += 0 if got["inside"] else 1
+        return single(self, *args)
+
+    def many(self, *args):
+        got["collectives"] += 1
+        got["inside"] = True
+        try:
+            return coalesced(self, *args)
+        finally:
+            got["inside"] = False
+
+    def digest(self):
+        got["gathers"] = len(self.engine.gathering.log)  # the units gathered since the last step
+        return values(self)
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.backward(engine(x))
+    engine.step()
+    Comm.all_gather, Comm.all_gather_coalesced, GatherDigest.values = one, many, digest
+    try:
+        engine.backward(engine(x))
+        engine.step()
+    finally:
+        Comm.all_gather, Comm.all_gather_coalesced, GatherDigest.values = single, coalesced, values
+    return {"buffers": [len(u.buffers) for u in engine.units if u.name.startswith("blocks")],
+            "collectives": got["collectives"], "gathers": got["gathers"]}
 
 
 def units_by_name(units: tuple, stage: int = 3, steps: int = 3) -> dict:

@@ -14,9 +14,18 @@ def test_parameters_are_plain_while_their_unit_is_gathered(ranks):
     rest they are guarded again, and a read between steps is refused naming the way out."""
     for r in ranks(2).run(cases.parameter_classes):
         assert r["inside"] == ["Parameter"], r
-        assert r["guard_calls"] == 0, r
+        assert r["guard_calls"] == 0, r  # inside the blocks, and in the engine's check before each forward
         assert r["rest"] == ["ZeroParameter"], r
         assert "gathered_parameters" in r["refused"], r
+
+
+def test_a_unit_of_several_flat_buffers_is_gathered_in_one_collective(ranks):
+    """Note [One all-gather per unit] in units.py: a unit holding one flat buffer per param group (AdamW with
+    weight decay: matrices, and biases with norms) is all-gathered in one coalesced collective, not one per
+    buffer (before: two per gather, each a round of latency and a wait)."""
+    for r in ranks(2).run(cases.collectives_per_gather):
+        assert r["buffers"] == [2, 2, 2], r
+        assert r["gathers"] >= 8 and r["collectives"] == r["gathers"], r  # 3 blocks and the head, twice
 
 
 def test_units_may_be_named_by_module_as_well_as_by_class():

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.zero.streams import DeviceStreams, WaitTimer
+from zerorun.zero.torch_internals import coalesced
 
 
 # torch >= 2.13 names them *_single and deprecates the *_tensor spellings.
@@ -258,6 +259,23 @@ class Comm:
         self._count((self.world_size - 1) * input.nbytes)
         with self.streams.issue(self.streams.all_gather):
             return _all_gather(output, input, group=self.group, async_op=True)
+
+    def all_gather_coalesced(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
+        """:meth:`all_gather` of each pair ``(outputs[i], inputs[i])`` (1-D; any dtypes), issued as one collective
+        with one handle (Note [One all-gather per unit] in units.py); pairs of zero elements are skipped."""
+        pairs = [(o, i) for o, i in zip(outputs, inputs) if o.numel()]
+        if self.world_size == 1 or len(pairs) < 2:
+            works = [self.all_gather(o, i) for o, i in pairs] or [_Done()]
+            return works[0]
+        for _, i in pairs:
+            self._count((self.world_size - 1) * i.nbytes)
+
+        def issue() -> None:
+            for o, i in pairs:
+                _all_gather(o, i, group=self.group)
+
+        with self.streams.issue(self.streams.all_gather):
+            return coalesced(self.group, issue)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Copy rank ``src``'s ``tensor`` to every rank, in place (not counted as step traffic)."""

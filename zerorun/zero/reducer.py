@@ -91,6 +91,8 @@ class GradReducer:
         adopted: bucket gradients taken from autograd without a copy (Note [Adopted gradient] in
             ``adoption.py``), in all.
         on_ready: callbacks ``f(buf)`` run when a bucket's gradient is complete (stage 3 frees its unit).
+        rider: ``None``, or an object whose ``values()`` (ints) join the agreement of the step's last backward, and
+            ``take(sums)`` their sums over ranks (stage 3: Note [Same units on every rank] in stage3_checks.py).
     """
 
     def __init__(self, buffers: list[FlatBuffer], comm: Comm, policy: StagePolicy, *, reduce_dtype: torch.dtype,
@@ -102,6 +104,7 @@ class GradReducer:
         self.pool = BufferPool(keep=max_inflight + 1)
         self.rdtype = {b: wide_or(b.dtype, reduce_dtype) for b in buffers}  # Note [Wide parameters] in precision.py
         self.on_ready: list[Callable[[FlatBuffer], None]] = []
+        self.rider: Any = None
         self.order = sorted(buffers, key=lambda b: b.order, reverse=True)
         self.late_fixups = 0
         self._index = {b: i for i, b in enumerate(buffers)}
@@ -157,12 +160,11 @@ class GradReducer:
     def _reset(self) -> None:
         self._nready = dict.fromkeys(self.buffers, 0)
         self._ready: set[FlatBuffer] = set()
-        self._ready_seq: list[FlatBuffer] = []
+        self._ready_seq: list[FlatBuffer] = []  # in the order they became ready
         self._launched: set[FlatBuffer] = set()
         self._written: dict[FlatBuffer, set] = {}
         self._next = 0
-        for p in self._count:
-            self._count[p] = 0
+        self._count = dict.fromkeys(self._count, 0)
 
     def begin(self, last_micro_step: bool) -> None:
         """Before a backward: whether it reduces; parameters known unused are complete now (Note
@@ -223,12 +225,11 @@ class GradReducer:
             self._bucket_ready(buf)
 
     def _bucket_ready(self, buf: FlatBuffer) -> None:
-        if buf in self._ready:
-            return
-        self._ready.add(buf)
-        self._ready_seq.append(buf)
-        for callback in self.on_ready:
-            callback(buf)
+        if buf not in self._ready:
+            self._ready.add(buf)
+            self._ready_seq.append(buf)
+            for callback in self.on_ready:
+                callback(buf)
 
     def is_ready(self, buf: FlatBuffer) -> bool:
         """Whether ``buf``'s gradient is complete in the running backward."""
@@ -352,14 +353,14 @@ class GradReducer:
         """Note [Per-parameter readiness]: the ranks agree on the buckets that got gradients after their launch;
         each is reduced again and added. Note [Unused parameters]: the same agreement carries this rank's
         used-parameter mask; :attr:`used` becomes the parameters that got a gradient on some rank."""
-        params = list(self._slot)
+        params, ride = list(self._slot), self.rider.values() if self.rider is not None else []
+        flags = [int(p in self._used) for p in params] + [int(b in self._late) for b in self.buffers] + ride
         if self.world_size > 1:  # one agreement on the host: a flag per parameter (used), per bucket (late)
-            counts = self.comm.agree([int(p in self._used) for p in params] + [int(b in self._late)
-                                                                               for b in self.buffers])
-            self.used = {p for p, n in zip(params, counts) if n}
-            late = [b for b, n in zip(self.buffers, counts[len(params):]) if n]
-        else:
-            self.used, late = set(self._used), list(self._late)
+            flags = self.comm.agree(flags)
+        self.used = {p for p, n in zip(params, flags) if n}
+        late = [b for b, n in zip(self.buffers, flags[len(params):]) if n]
+        if self.rider is not None:
+            self.rider.take(flags[len(params) + len(self.buffers):])
         for buf in late:
             self.late_fixups += 1
             delta = self._late.pop(buf, None)

@@ -37,7 +37,8 @@ tensor besides the slice the optimizer updates); traffic: one all-gather of them
 Note [Prefetch]: the order of the units in forward and in backward is recorded, and kept until a pass differs.
 When unit i starts (gradients on) in a pass that follows it, unit i+1's all-gather is issued (``prefetch_bytes``:
 those after i that fit in that many bytes, ``units.units_ahead``), run while i computes; a deviating pass
-prefetches no more. A wrong guess costs memory (up to ``prefetch_bytes``) and time, never correctness.
+prefetches no more. Unit i's own all-gather, where it was not prefetched, is issued first and waited for
+after those (the same order on every rank; the host does not stop between them). A wrong guess costs memory (up to ``prefetch_bytes``) and time, never correctness.
 All-gathers and reduce-scatters share one process group, issued in program order (Note [Program order] in
 reducer.py).
 The root's backward prefetches nothing: it begins with the loss's backward, the step's peak for a language
@@ -59,7 +60,7 @@ from zerorun.zero.param_offload import param_store
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, engine_ref,
                                         full_state_dict, gathered, placeholder, state_dict_guard)
-from zerorun.zero.stage3_checks import check_backward_units, check_gather_order
+from zerorun.zero.stage3_checks import GatherDigest, check_backward_units, check_gather_order
 from zerorun.zero.stage3_schedule import Schedule
 from zerorun.zero.unit_plan import match_peers, outer_modules, pick_units, unit_of_params
 from zerorun.zero.units import Gathering, Unit
@@ -103,6 +104,7 @@ class Stage3Engine(ZeroEngine):
         self._persistent_unit.unshard()  # whole on every rank from now on (a no-op when it holds nothing)
         self.sched = Schedule(self.units, config, self.reducer)
         self.reducer.on_ready.append(self.sched.on_bucket_ready)
+        self.reducer.rider = GatherDigest(self)  # Note [Same units on every rank]
         self.guard = ParameterGuard(self._unit_of_param, self.sched, {p: n for n, p in model.named_parameters()},
                                     self.world_size)
         for unit in self.units:  # Note [Parameters at rest]
@@ -207,15 +209,16 @@ class Stage3Engine(ZeroEngine):
         self.sched.backward_end()
 
     def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
-        """Note [Same units on every rank]: with the squared norm's all-reduce, the ranks agree on a digest of
-        the units each all-gathered since the last step (on the host: Note [Agreements on the host] in comm.py),
-        and in the first step on the outer units' records (Note [Outer units]); a difference between ranks
-        raises on every rank."""
+        """In the first step, with the squared norm's all-reduce, the ranks agree on the outer units' records
+        (Note [Outer units]) and on a digest of the units each all-gathered since its last backward (Note [Same
+        units on every rank]; on the host: Note [Agreements on the host] in comm.py); a difference between ranks
+        raises on every rank. Later steps agree on the digest at the end of backward only (:class:`GatherDigest`)."""
         outer = self.sched.outer
-        sq, sums, squares = check_gather_order(self, sq, self.gathering.log, outer.codes() if outer.learning else [])
+        if not outer.learning:
+            return super()._all_reduce_norm(sq)
+        sq, sums, squares = check_gather_order(self, sq, self.gathering.log, outer.codes())
         self.gathering.log.clear()
-        if outer.learning:
-            outer.agree(sums, squares, self.world_size)
+        outer.agree(sums, squares, self.world_size)
         return sq
 
     def load_master_slices(self, values, states=None, param_scalars=None) -> None:

@@ -5,14 +5,15 @@ the order they are issued. If ranks run different units in one step (an MoE laye
 while rank 1 runs expert 1, both the same shape), the all-gathers pair one rank's expert 0 with the other's
 expert 1 and training is silently wrong. Each rank therefore keeps the indices of the units it all-gathered
 since the last step (prefetches included) and folds them into a digest ``h`` (a polynomial hash modulo a
-prime below 2**16). Beside the squared gradient norm's all-reduce, the ranks sum ``[h, h*h]`` (float64, exact
-for these integers up to 1024 ranks) on the host (Note [Agreements on the host] in ``comm.py``: a CPU tensor
-over a gloo group, no GPU stall). Every rank's ``h`` is the same exactly when ``N * sum(h*h) == sum(h) ** 2``
-(their variance is zero), so every rank learns the verdict from the same sums and raises together, before
-the optimizer step; the digest of the forward's all-gathers is also agreed before backward, beside Note
-[Backward on some ranks]'s marks, so that backward's reduce-scatters never pair different units (of
-different sizes: a gloo abort) either. Only then, on the error path, the ranks exchange
-their unit lists to name the units. A collision (two different sequences with one digest) has a chance of
+prime below 2**16). At the end of the step's last backward the ranks sum ``[h, h*h]`` (int64) on the host, in
+the reducer's agreement on late and unused gradients (:class:`GatherDigest`, the reducer's ``rider``: one
+agreement, not two; Note [Agreements on the host] in ``comm.py``: a CPU tensor over a gloo group, no GPU
+stall). Every rank's ``h`` is the same exactly when ``N * sum(h*h) == sum(h) ** 2`` (their variance is zero),
+so every rank learns the verdict from the same sums and raises together, before the optimizer step; the digest
+of the forward's all-gathers is also agreed before backward, beside Note [Backward on some ranks]'s marks, so
+that backward's reduce-scatters never pair different units (of different sizes: a gloo abort) either. Only
+then, on the error path, the ranks exchange their unit lists to name the units. All-gathers after that
+(``gathered_parameters``, a state dict) are in the next step's digest. A collision (two different sequences with one digest) has a chance of
 1 in 65521 per step; a misrouted step that is not caught pairs the same-shaped units and is caught at the
 next step whose routing differs.
 """
@@ -32,6 +33,24 @@ def order_digest(indices: list[int]) -> int:
     for i in indices:
         h = (h * 257 + i + 1) % _PRIME
     return h
+
+
+class GatherDigest:
+    """Note [Same units on every rank]: the digest of the units ``engine`` all-gathered since the last check, as
+    the reducer's ``rider`` (its values join the reducer's agreement at the end of the step's last backward)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def values(self) -> list[int]:
+        h = order_digest(self.engine.gathering.log)
+        return [h, h * h]
+
+    def take(self, sums: list[int]) -> None:
+        """``sums``: :meth:`values` summed over the ranks. Raises RuntimeError on every rank where they differ."""
+        if self.engine.world_size * sums[1] != sums[0] ** 2:
+            _raise_mismatch(self.engine, self.engine.gathering.log)
+        self.engine.gathering.log.clear()
 
 
 def check_gather_order(engine, sq: torch.Tensor, indices: list[int],

@@ -91,8 +91,9 @@ class Schedule:
     def pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
         if not unit.is_root and not in_backward():
             self.outer.listed_call(unit)
-        unit.unshard()
+        unit.unshard(wait=False)  # waited for below, after the all-gathers of the units ahead are issued
         if in_backward():
+            unit.unshard()
             return None
         if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
             self.clear_forward()
@@ -101,10 +102,10 @@ class Schedule:
                 u.out_nodes, u.in_nodes = [], []
         unit.active += 1
         self.active.append(unit)
-        if not torch.is_grad_enabled():
-            return None
-        self.note_and_prefetch(unit, "forward")
-        if unit.is_root:  # the end of backward ends the root's backward
+        if torch.is_grad_enabled():
+            self.note_and_prefetch(unit, "forward")
+        unit.unshard()
+        if not torch.is_grad_enabled() or unit.is_root:  # the end of backward ends the root's backward
             return None
         # Note [End of a unit's backward]
         flat, spec = tree_flatten((args, kwargs))
@@ -154,8 +155,9 @@ class Schedule:
     def pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
         if not unit.is_root:
             self.outer.before_listed_backward()  # Note [Outer units]: the tails' all-gather comes first
-        unit.unshard()
+        unit.unshard(wait=False)  # waited for once the all-gathers of the units ahead are issued too
         self.note_and_prefetch(unit, "backward")
+        unit.unshard()
         if not unit.is_root:
             self.outer.listed_backward(unit)
 

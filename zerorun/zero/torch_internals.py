@@ -6,11 +6,17 @@
   (stage 3 decides at the end of a unit's backward whether a bucket waits for more gradients).
 - :func:`sole_owner`: whether a tensor is the only one on its storage (the reducer adopts such a gradient:
   Note [Adopted gradient] in ``adoption.py``).
+- :func:`coalesced`: several collectives of one kind issued as one (``torch.distributed._coalescing_manager``:
+  one NCCL group launch, one gloo round; Note [One all-gather per unit] in ``units.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable
+
 import torch
+import torch.distributed as dist
 
 
 def in_backward() -> bool:
@@ -30,3 +36,12 @@ def sole_owner(t: torch.Tensor) -> bool:
     the tensors and storage objects holding the storage)."""
     storage = t.untyped_storage()  # held here, so counted: t's and this one's
     return torch._C._storage_Use_Count(storage._cdata) <= 2
+
+
+def coalesced(group: dist.ProcessGroup | None, issue: Callable[[], None]):
+    """Run ``issue()``, which issues collectives of one kind on ``group`` (all-gathers, say), as one coalesced
+    collective (``torch.distributed._coalescing_manager(group, async_ops=True)``: under NCCL one group launch,
+    under gloo one round), and return its handle (``.wait()``; on a GPU the current stream waits)."""
+    with dist.distributed_c10d._coalescing_manager(group, async_ops=True) as manager:
+        issue()
+    return manager

@@ -1,6 +1,14 @@
 """Stage 3's unit: a group of parameters all-gathered and freed together (Notes [Units], [Unit lifecycle] in
 ``stage3.py``), owning its flat buffers, its state and its collectives; and the structure walks its hooks need
 (outputs of any structure, the end of a unit's backward). Which modules are units: ``unit_plan.py``.
+
+Note [One all-gather per unit]: a unit holds one flat buffer per optimizer param group (AdamW with weight
+decay: its matrices, and its biases and norms) and frozen ones; their all-gathers are issued as one coalesced
+collective (``Comm.all_gather_coalesced``: under NCCL one group launch, under gloo one round), with one handle
+to wait for, each buffer gathered in place into its own storage (no copy in or out, nothing more held). Before,
+one all-gather per buffer: a many-small-ops model in one unit (benchmarks/stage3_small_ops.py) issued four per
+step where two do. Peer units of different layouts gather in one padded message instead (Note [Peer units] in
+unit_plan.py).
 """
 
 from __future__ import annotations
@@ -104,8 +112,8 @@ class Unit:
         if self.state is UnitState.FREE:
             for buf in self.buffers:
                 buf.data.untyped_storage().resize_(buf.numel * buf.data.element_size())
-            self.works = self._all_gather_padded() if self.gather_bytes else [
-                ctx.comm.all_gather(buf.data, buf.shard_data) for buf in self.buffers]
+            self.works = self._all_gather_padded() if self.gather_bytes else [ctx.comm.all_gather_coalesced(
+                [buf.data for buf in self.buffers], [buf.shard_data for buf in self.buffers])]
             self.state = UnitState.GATHERING
             if self.index >= 0:
                 ctx.log.append(self.index)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterable
 
+import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:
@@ -31,8 +32,10 @@ class UserModel:
             RuntimeError: a parameter was replaced by another object, or its ``requires_grad`` changed, after
                 :func:`initialize` (either would otherwise be silently ignored); the message names it.
         """
-        for mod, key, name, p, trainable in self._param_slots:
-            q = mod._parameters.get(key)
+        with torch._C.DisableTorchFunctionSubclass():  # stage 3's guard is not asked (Note [Parameters at rest])
+            changed = [(name, q, p, trainable) for mod, key, name, p, trainable in self._param_slots
+                       if (q := mod._parameters.get(key)) is not p or q.requires_grad != trainable]
+        for name, q, p, trainable in changed[:1]:
             if q is not p:
                 raise RuntimeError(
                     f"parameter {name!r} was replaced by another object after zerorun.initialize: the engine "
