@@ -175,8 +175,9 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
     except RuntimeError as e:
         out["error"] = str(e)
     if stage == 3:
-        out["schedule"] = {u.name: (u.scheduled, u.bfirst) for u in engine.units if u.outer}
-        out["tails"] = {u.name: u.tail for u in engine.units if u.outer}
+        rec = engine.sched.outer.rec  # Note [Outer units]: what the first step learned of each
+        out["schedule"] = {u.name: (rec[u].scheduled, rec[u].bfirst) for u in engine.units if u.outer}
+        out["tails"] = {u.name: rec[u].tail for u in engine.units if u.outer}
     return out
 
 

@@ -218,7 +218,7 @@ def borrow(stage: int, first: bool = True, compile_backend: str = "", emb: bool 
         losses = train_steps(engine, steps, width=16)
     units = getattr(engine, "units", [])
     return {"losses": losses, "external": {u.name: sorted(o.name for o in u.external) for u in units if u.external},
-            "tails": sorted(u.name for u in units if u.outer and u.tail),
+            "tails": sorted(u.name for u in engine.sched.outer.tails()) if units else [],
             "warnings": sorted({str(w.message)[:80] for w in caught if "stage 3" in str(w.message)})}
 
 

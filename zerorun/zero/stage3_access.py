@@ -220,7 +220,7 @@ class ParameterGuard:
         if unit is not None and unit is not holder and not unit.persistent and unit not in holder.external:
             holder.external.append(unit)
         if unit is not None and unit.outer and holder.is_root:  # Note [Outer units]: stays with the root
-            unit.declared, unit.scheduled = True, False
+            self.sched.outer.declare(unit)
 
 
 def state_dict_guard(module: nn.Module, prefix: str, keep_vars: bool) -> None:

@@ -144,7 +144,7 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
         RuntimeError: on every rank, naming the units and how many ranks reach them.
     """
     listed = [u for u in engine.units if not u.is_root and not u.outer]
-    tails = [u for u in engine.units if u.outer and u.tail]  # Note [Outer units]: deferred where every rank reaches it
+    tails = engine.sched.outer.tails()  # Note [Outer units]: deferred where every rank reaches them
     units = listed + tails
     recorded = [u.out_nodes for u in units]
     ends = [u.in_nodes for u in listed]  # Note [Program order] in reducer.py: the units' ends of backward

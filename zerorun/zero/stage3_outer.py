@@ -49,6 +49,7 @@ Evaluation (a forward with gradients off) gathers the scheduled units with the r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -56,6 +57,19 @@ import torch
 from zerorun.zero.stage3_checks import check_no_writes
 from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import Unit, UnitState, tensors_in
+
+
+@dataclasses.dataclass
+class OuterRecord:
+    """What the first step learns of one outer unit and what every rank agreed on it (Note [Outer units])."""
+
+    first: int | None = None  # it ran after the first listed unit's call (1) or only before it (0)
+    bfirst: int | None = None  # its output's gradient came after that unit's backward began (1) or before (0)
+    btail: int | None = None  # every gradient of its outputs came before any listed unit's backward began (1)
+    used_outside: bool = False  # its parameters were read outside its own forward
+    declared: bool = False  # register_external_parameter(model, one of its parameters): stays with the root
+    scheduled: bool = False  # every rank agreed: gathered at the schedule's points, not with the root
+    tail: bool = False  # every rank agreed it is a tail: in backward, gathered at its own outputs' gradient
 
 
 class OuterSchedule:
@@ -66,6 +80,7 @@ class OuterSchedule:
     def __init__(self, sched) -> None:
         self.sched = sched
         self.outers = [u for u in sched.units if u.outer]
+        self.rec = {u: OuterRecord() for u in self.outers}
         self.learning = bool(self.outers)
         self.running = False  # a forward of the root with gradients on is running
         self.first_call: Unit | None = None  # the unit of this pass's first listed-unit call
@@ -84,7 +99,14 @@ class OuterSchedule:
             self.sched.handles += [unit.module.register_forward_pre_hook(pre), unit.module.register_forward_hook(post)]
 
     def scheduled_units(self) -> list[Unit]:
-        return [u for u in self.outers if u.scheduled]
+        return [u for u in self.outers if self.rec[u].scheduled]
+
+    def tails(self) -> list[Unit]:
+        return [u for u in self.outers if self.rec[u].tail]
+
+    def declare(self, unit: Unit) -> None:
+        """A parameter of ``unit`` was declared external to the root: it stays with the root."""
+        self.rec[unit].declared, self.rec[unit].scheduled = True, False
 
     # ------------------------------------------------------------------------------------------- forward
     def pass_start(self) -> None:
@@ -93,7 +115,7 @@ class OuterSchedule:
         self.first_call = None
         for unit in self.scheduled_units():
             unit.unshard(wait=False)
-        tails = [u for u in self.outers if u.tail]
+        tails = self.tails()
         if self.running and tails:  # a tail's parameters saved for backward by any node: gathered before read
             self.tail_storages = {b.data.untyped_storage()._cdata: u for u in tails for b in u.buffers}
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._tail_pack, self._tail_unpack)
@@ -136,12 +158,12 @@ class OuterSchedule:
     def pre_forward(self, unit: Unit, module, args) -> None:
         if in_backward() or not self.running:
             if self.learning and in_backward():
-                unit.used_outside = True  # recomputed in backward: no window to learn
+                self.rec[unit].used_outside = True  # recomputed in backward: no window to learn
             return
         after = self.first_call is not None
         if self.learning:  # every forward of the first step counts
-            unit.first = int(after) if unit.first is None else max(unit.first, int(after))
-        elif unit.scheduled:
+            self.rec[unit].first = int(after) if self.rec[unit].first is None else max(self.rec[unit].first, int(after))
+        elif self.rec[unit].scheduled:
             if unit.state is UnitState.FREE:
                 raise self.deviation(unit, "ran after the first listed unit's forward call")
             unit.unshard()
@@ -155,18 +177,18 @@ class OuterSchedule:
         if self.sched.active and self.sched.active[-1] is unit:
             self.sched.active.pop()
         if self.learning and self.first_call is not None:
-            unit.first = 1  # a listed unit called from inside it: it runs past the first call
+            self.rec[unit].first = 1  # a listed unit called from inside it: it runs past the first call
         check_no_writes(unit)  # Note [Writes inside a unit's forward]
         storages = {b.data.untyped_storage().data_ptr() for b in unit.buffers}
         for t in tensors_in(output):
             if t.untyped_storage().data_ptr() in storages:  # a view of its parameters: read after it is freed
                 if self.learning:
-                    unit.used_outside = True
-                elif unit.scheduled:
+                    self.rec[unit].used_outside = True
+                elif self.rec[unit].scheduled:
                     raise self.deviation(unit, "returned a view of its parameters")
             if torch.is_grad_enabled() and t.requires_grad:
                 t.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
-                if unit.tail and t.grad_fn is not None:  # does it reach the loss on every rank?
+                if self.rec[unit].tail and t.grad_fn is not None:  # does it reach the loss on every rank?
                     unit.out_nodes.append(t.grad_fn)
         return output
 
@@ -176,7 +198,7 @@ class OuterSchedule:
         self.anchor_entered = False
         self.listed_begun = False
         for unit in self.scheduled_units():
-            if unit.bfirst == 0 or self.first_call is None:
+            if self.rec[unit].bfirst == 0 or self.first_call is None:
                 unit.unshard(wait=False)
 
     def listed_backward(self, unit: Unit) -> None:
@@ -185,7 +207,7 @@ class OuterSchedule:
             return
         self.anchor_entered = True
         for outer in self.scheduled_units():
-            if outer.bfirst == 1:
+            if self.rec[outer].bfirst == 1:
                 outer.unshard(wait=False)
 
     def before_listed_backward(self) -> None:
@@ -204,17 +226,17 @@ class OuterSchedule:
 
     def pre_backward(self, unit: Unit) -> None:
         if self.learning:  # every backward of the first step counts: before the anchor once is before
-            unit.bfirst = int(self.anchor_entered) if unit.bfirst is None else min(unit.bfirst,
+            self.rec[unit].bfirst = int(self.anchor_entered) if self.rec[unit].bfirst is None else min(self.rec[unit].bfirst,
                                                                                     int(self.anchor_entered))
             before = int(not self.listed_begun)
-            unit.btail = before if unit.btail is None else min(unit.btail, before)
+            self.rec[unit].btail = before if self.rec[unit].btail is None else min(self.rec[unit].btail, before)
             return
-        if unit.tail:  # deferred: its outputs' first gradient, unless a listed unit's backward began first
+        if self.rec[unit].tail:  # deferred: its outputs' first gradient, unless a listed unit's backward began first
             self.gather_tails()
             if unit.state is UnitState.GATHERING:
                 unit.unshard()
             return
-        if unit.scheduled:
+        if self.rec[unit].scheduled:
             if unit.state is UnitState.FREE:
                 raise self.deviation(unit, "took a gradient before the first listed unit's backward began")
             unit.unshard()
@@ -239,8 +261,8 @@ class OuterSchedule:
         recorded = torch.is_grad_enabled() and getattr(func, "__name__", "") != "detach"
         if holder is not unit and (self.running or in_backward()) and recorded:
             if self.learning:
-                unit.used_outside = True
-            elif unit.scheduled or unit.deferred and unit.state is UnitState.FREE:
+                self.rec[unit].used_outside = True
+            elif self.rec[unit].scheduled or unit.deferred and unit.state is UnitState.FREE:
                 raise self.deviation(unit, f"had a parameter read outside its own forward (by "
                                                   f"{getattr(func, '__name__', func)})")
         if unit.state is UnitState.GATHERING:
@@ -253,9 +275,9 @@ class OuterSchedule:
         after that call's unit began its backward (2) or before (1)."""
         out: list[float] = []
         for u in self.outers:
-            ok = u.first == 0 and not u.used_outside and not u.declared
-            tail = u.btail == 1 and not u.used_outside and not u.declared
-            out += [1 if ok else 0, (u.bfirst + 1 if u.bfirst is not None else 0) if ok else 0, 1 if tail else 0]
+            ok = self.rec[u].first == 0 and not self.rec[u].used_outside and not self.rec[u].declared
+            tail = self.rec[u].btail == 1 and not self.rec[u].used_outside and not self.rec[u].declared
+            out += [1 if ok else 0, (self.rec[u].bfirst + 1 if self.rec[u].bfirst is not None else 0) if ok else 0, 1 if tail else 0]
         return out
 
     def agree(self, sums: list[float], squares: list[float], world_size: int) -> None:
@@ -265,13 +287,13 @@ class OuterSchedule:
         for i, unit in enumerate(self.outers):
             same = [n * squares[3 * i + j] == sums[3 * i + j] ** 2 for j in range(3)]
             if same[0] and same[1] and sums[3 * i] > 0:
-                unit.scheduled = True
-                unit.bfirst = unit.bfirst if sums[3 * i + 1] > 0 else 0  # no gradient seen: at the start
+                self.rec[unit].scheduled = True
+                self.rec[unit].bfirst = self.rec[unit].bfirst if sums[3 * i + 1] > 0 else 0  # no gradient seen: at the start
                 self.sched.root.external.remove(unit)
                 unit.pinned_by.discard(self.sched.root)
             else:  # stays with the root: its record was this rank's alone
-                unit.first = unit.bfirst = None
-                unit.tail = same[2] and sums[3 * i + 2] > 0  # a tail: in backward, gathered at its own gradient
+                self.rec[unit].first = self.rec[unit].bfirst = None
+                self.rec[unit].tail = same[2] and sums[3 * i + 2] > 0  # a tail: in backward, gathered at its own gradient
         self.learning = False
 
     def deviation(self, unit: Unit, what: str) -> RuntimeError:

@@ -71,19 +71,7 @@ class Unit:
         self.out_nodes: list = []  # grad_fn of its outputs since the last backward (Note [Backward on some ranks])
         self.in_nodes: list = []  # UnitInputsDone's nodes since the last backward (Note [End of a unit's backward])
         self.ends_agreed = False  # this backward, every rank reaches its end of backward (its buckets reduce there)
-        # Note [Outer units]: in the first step, whether it ran after the first listed unit's call (first: 0
-        # or 1) and whether its output's gradient came after that unit's backward began (bfirst: 0 or 1),
-        # whether its parameters were read outside its own forward; and whether every rank agreed to schedule it
-        self.first: int | None = None
-        self.bfirst: int | None = None
-        self.used_outside = False
-        self.declared = False  # register_external_parameter(model, one of its parameters): stays with the root
-        self.scheduled = False
-        # Note [Outer units], tails: in the first step, whether every gradient of its outputs came before any
-        # listed unit's backward began (btail: 0 or 1); whether every rank agreed (tail); whether this backward
-        # gathers it then rather than with the root (deferred: its outputs reach the loss on every rank)
-        self.btail: int | None = None
-        self.tail = False
+        # Note [Outer units]: a tail that this backward gathers at its own outputs' gradient, not with the root
         self.deferred = False
 
     @property
