@@ -42,12 +42,13 @@ after those (the same order on every rank; the host does not stop between them).
 All-gathers and reduce-scatters share one process group, issued in program order (Note [Program order] in
 reducer.py).
 The root's backward prefetches nothing: it begins with the loss's backward, the step's peak for a language
-model (a log-softmax over the vocabulary), where the first block is not needed yet (55M GPT, 2 ranks: peak
-RSS per rank 21-39 MiB lower, realized saving 0.86 -> 0.91 under glibc tuned, the same step time).
+model (a log-softmax over the vocabulary), where the first block is not needed yet (what it saves:
+benchmarks/results/history.md, issue 38).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable
 
 import torch
@@ -58,9 +59,9 @@ from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.param_offload import param_store
 from zerorun.zero.precision import DTYPES
-from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, engine_ref,
-                                        full_state_dict, gathered, placeholder, state_dict_guard)
-from zerorun.zero.stage3_checks import GatherDigest, check_backward_units, check_gather_order
+from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,
+                                        gathered, placeholder, state_dict_guard)
+from zerorun.zero.stage3_checks import GatherDigest, check_backward_units
 from zerorun.zero.stage3_schedule import Schedule
 from zerorun.zero.unit_plan import match_peers, outer_modules, pick_units, unit_of_params
 from zerorun.zero.units import Gathering, Unit
@@ -111,7 +112,7 @@ class Stage3Engine(ZeroEngine):
             if not unit.persistent:
                 unit.adopted = [p for buf in unit.buffers for p in buf.params if adopt(p, self.guard.use)]
         for module in model.modules():
-            module.__dict__["_zerorun_engine"] = engine_ref(self)
+            module.__dict__["_zerorun_engine"] = weakref.ref(self)
         for module, param in declared_externals(model):
             self.declare_external(module, self._new_of.get(id(param), param) if self._deferred else param)
         self.sched.hook(config.activation_checkpointing)
@@ -207,19 +208,6 @@ class Stage3Engine(ZeroEngine):
     def _finish_backward(self) -> None:
         super()._finish_backward()
         self.sched.backward_end()
-
-    def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
-        """In the first step, with the squared norm's all-reduce, the ranks agree on the outer units' records
-        (Note [Outer units]) and on a digest of the units each all-gathered since its last backward (Note [Same
-        units on every rank]; on the host: Note [Agreements on the host] in comm.py); a difference between ranks
-        raises on every rank. Later steps agree on the digest at the end of backward only (:class:`GatherDigest`)."""
-        outer = self.sched.outer
-        if not outer.learning:
-            return super()._all_reduce_norm(sq)
-        sq, sums, squares = check_gather_order(self, sq, self.gathering.log, outer.codes())
-        self.gathering.log.clear()
-        outer.agree(sums, squares, self.world_size)
-        return sq
 
     def load_master_slices(self, values, states=None, param_scalars=None) -> None:
         """As :meth:`ZeroEngine.load_master_slices`; persistent parameters (Note [Persistent parameters]),

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -155,10 +154,6 @@ def gathered(engine, params: Iterable[nn.Parameter], modifier_rank: int | None) 
                 f"parameter {names.get(changed[0], '?')!r} was written inside gathered_parameters without "
                 "modifier_rank: the write is lost when the parameter is partitioned again; pass "
                 "modifier_rank=<the rank whose values to keep> (every rank then takes them)")
-
-
-def engine_ref(engine) -> weakref.ref:
-    return weakref.ref(engine)
 
 
 class ParameterGuard:

@@ -35,50 +35,33 @@ def order_digest(indices: list[int]) -> int:
     return h
 
 
+def alike(n: int, total: float, squares: float) -> bool:
+    """Whether a value whose sum over ``n`` ranks is ``total`` and whose squares sum to ``squares`` is the same
+    on every rank (their variance is zero)."""
+    return n * squares == total ** 2
+
+
 class GatherDigest:
     """Note [Same units on every rank]: the digest of the units ``engine`` all-gathered since the last check, as
-    the reducer's ``rider`` (its values join the reducer's agreement at the end of the step's last backward)."""
+    the reducer's ``rider`` (its values join the reducer's agreement at the end of the step's last backward).
+    In the first step the outer units' records ride along too (Note [Outer units] in stage3_outer.py)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
     def values(self) -> list[int]:
-        h = order_digest(self.engine.gathering.log)
-        return [h, h * h]
+        outer = self.engine.sched.outer
+        codes = outer.codes() if outer.learning else []
+        return [x for v in [order_digest(self.engine.gathering.log), *codes] for x in (v, v * v)]
 
     def take(self, sums: list[int]) -> None:
         """``sums``: :meth:`values` summed over the ranks. Raises RuntimeError on every rank where they differ."""
-        if self.engine.world_size * sums[1] != sums[0] ** 2:
+        n, outer = self.engine.world_size, self.engine.sched.outer
+        if not alike(n, sums[0], sums[1]):
             _raise_mismatch(self.engine, self.engine.gathering.log)
         self.engine.gathering.log.clear()
-
-
-def check_gather_order(engine, sq: torch.Tensor, indices: list[int],
-                       values: list[float] = ()) -> tuple[torch.Tensor, list[float], list[float]]:
-    """All-reduce ``sq`` (the squared gradient norm, a 0-d fp64 tensor: Note [Gradient norm]) over
-    ``engine.comm`` on its device, and agree on the host (Note [Agreements on the host] in comm.py) on the digest
-    of ``indices`` (the units this rank all-gathered since the last step) and ``values`` (small integers to
-    compare across ranks: Note [Outer units]).
-
-    Returns:
-        The summed ``sq``; the sums over ranks of ``values`` and of their squares (float64, exact below 2**53:
-        a value is the same on every rank exactly when ``N * sum(x*x) == sum(x)**2``).
-
-    Raises:
-        RuntimeError: on every rank, when the ranks all-gathered different units; names the first difference.
-    """
-    n = engine.world_size
-    values = [float(v) for v in values]
-    if n == 1:
-        return sq, values, [v * v for v in values]
-    work = engine.comm.all_reduce(sq)  # on the device, read by nobody here
-    h = float(order_digest(indices))
-    # Note [Agreements on the host] in comm.py: the digest and values never go to the device
-    got = engine.comm.agree([h, h * h] + [x for v in values for x in (v, v * v)], dtype=torch.float64)
-    if n * got[1] != got[0] ** 2:
-        _raise_mismatch(engine, indices)
-    engine.comm.wait([work])
-    return sq, got[2::2], got[3::2]
+        if outer.learning:
+            outer.agree([alike(n, a, b) for a, b in zip(sums[2::2], sums[3::2])], sums[2::2])
 
 
 def _raise_mismatch(engine, indices: list[int]) -> None:
@@ -125,12 +108,11 @@ def check_no_writes(unit) -> None:
 # job would hang, or pair it with another collective (gloo aborts on the size mismatch, or, same size, a
 # silently wrong result). Before backward, each rank walks the autograd graph from the loss and marks the
 # units whose outputs (the grad_fn nodes recorded by the unit's forward hook) it reaches; the marks are summed
-# over ranks in one all-reduce of one int32 per unit, and a unit marked on some ranks but not all raises on
-# every rank, naming it, before any collective of backward. (Running its backward with zero gradients on the
-# other ranks would not do: where autograd schedules it among the other units can differ between ranks.)
-# The walk visits each node once: 532 nodes, 0.67 ms for the 55M GPT of benchmarks/zero_stages.py, whose
-# forward + backward take 1.9 s at micro-batch 4 on one CPU core. Outputs are recorded since the root's last
-# forward (a forward without backward keeps no graph alive). The same all-reduce agrees on the units whose end of
+# over ranks in one agreement on the host, and a unit marked on some ranks but not all raises on every rank,
+# naming it, before any collective of backward. (Running its backward with zero gradients on the other ranks
+# would not do: where autograd schedules it among the other units can differ between ranks.) The walk visits
+# each node once (its cost: benchmarks/results/history.md, issue 38). Outputs are recorded since the root's last
+# forward (a forward without backward keeps no graph alive). The same agreement settles the units whose end of
 # backward every rank reaches (Note [Program order] in reducer.py). A unit whose forward itself runs on some ranks
 # only is not caught here: its forward all-gather already waits for the others (Note [Same units on every
 # rank]; the launcher names the hung rank).
@@ -155,26 +137,14 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
         for u, nodes in zip(listed, ends):
             u.ends_agreed = bool(nodes)
         return
-    wanted = {node for nodes in recorded + ends for node in nodes}
-    found: set = set()
-    seen: set = set()
-    stack = [loss.grad_fn] if loss.grad_fn is not None else []
-    while stack and len(found) < len(wanted):
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in wanted:
-            found.add(node)
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and nxt not in seen)
+    found = _reached(loss, {node for nodes in recorded + ends for node in nodes})
     counts = [int(any(n in found for n in nodes)) for nodes in recorded] + \
         [int(bool(nodes) and all(n in found for n in nodes)) for nodes in ends]
-    n = engine.world_size
-    h = order_digest(engine.gathering.log)  # Note [Same units on every rank]: the forward's all-gathers so far
-    sums = [h, h * h]
+    n, h = engine.world_size, order_digest(engine.gathering.log)  # Note [Same units on every rank]: so far
+    counts += [h, h * h]
     if n > 1:  # Note [Agreements on the host] in comm.py: no device round trip
-        *counts, hs, hsq = engine.comm.agree(counts + sums)
-        sums = [hs, hsq]
+        counts = engine.comm.agree(counts)
+    *counts, hs, hsq = counts
     for u, m in zip(tails, counts[len(listed):]):
         u.deferred = m == n
     for u, m in zip(listed, counts[len(units):]):
@@ -188,5 +158,21 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
             "ranks alone (a hang). "
             "Make it reach the loss on every rank (e.g. loss = loss + 0.0 * out.sum() where it is not used), "
             "keep it inside a unit that every rank uses (zero.units), or use stage 2")
-    if n * sums[1] != sums[0] ** 2:  # before backward's reduce-scatters, which would pair different units too
+    if not alike(n, hs, hsq):  # before backward's reduce-scatters, which would pair different units too
         _raise_mismatch(engine, engine.gathering.log)
+
+
+def _reached(loss: torch.Tensor, wanted: set) -> set:
+    """The autograd nodes of ``wanted`` that the graph of ``loss`` reaches (each node visited once)."""
+    found: set = set()
+    seen: set = set()
+    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack and len(found) < len(wanted):
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in wanted:
+            found.add(node)
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and nxt not in seen)
+    return found

@@ -1,28 +1,26 @@
 """Stage 3: the parts of the model outside the listed units, gathered on a schedule learned in the first step.
 
 Note [Outer units]: the modules outside every listed unit (a GPT's embeddings, final norm and LM head; found
-by ``units.outer_modules``) were the root unit's, gathered from the start of the forward to its end and
-again through the whole backward: for a 55M GPT with a 16k vocabulary a third of the parameters, whole on
-every rank at the peak (the end of forward, the start of backward), which is most of what stage 3 fell short
-of its promised saving (ZeRO paper §5.3: only the parameters in use are whole). Each such module is now a
-unit of its own, an outer unit. It cannot simply be gathered when it runs, as the listed units are: an outer
-module may run on some ranks only (an expert on the root that no token reached on one rank), and an
-all-gather issued by some ranks alone hangs. Its all-gathers are therefore tied to points every rank reaches
-together: the start of the root's forward, the first listed unit's forward call, the start of backward and
-the first backward entry of the unit that made that first call (every rank runs the same listed units: Note
-[Same units on every rank]). Counting calls instead would break models whose depth changes between steps
-(LayerDrop, early exit); "the first call" does not.
+by ``unit_plan.outer_modules``) would otherwise be the root unit's, whole on every rank from the start of the
+forward to its end and through the whole backward, at the step's peak (ZeRO paper §5.3: only the parameters in
+use are whole; what they cost the 55M GPT: benchmarks/results/history.md, issue 38). Each is a unit of its own,
+an outer unit. It cannot simply be gathered when it runs, as the listed units are: an outer module may run on
+some ranks only (an expert on the root that no token reached on one rank), and an all-gather issued by some
+ranks alone hangs. Its all-gathers are therefore tied to points every rank reaches together: the start of the
+root's forward, the first listed unit's forward call, the start of backward and the first backward entry of
+the unit that made that first call (every rank runs the same listed units: Note [Same units on every rank]).
+Counting calls instead would break models whose depth changes between steps (LayerDrop, early exit); "the
+first call" does not.
 
 - Every outer unit is gathered with the root: at the start of the forward and again at the start of backward,
-  as before, and in backward freed as soon as its own gradient buckets are complete (the LM head early in
-  backward, not with the root at its end).
+  and in backward freed as soon as its own gradient buckets are complete (the LM head early in backward).
 - An outer unit that, in the first step, ran only before the first listed unit's call, on every rank, and
   whose parameters nothing else read (a GPT's token and position embeddings) is also freed when that first
   call begins, and in backward gathered only when the first call's unit begins its backward (or at the start
   of backward if, in the first step, its output's gradient came earlier). The first step records this (the
-  outer units are gathered with the root meanwhile); its norm all-reduce compares the records across ranks
-  (``[x, x*x]`` per value, as the gather digest: the same on every rank exactly when
-  ``N * sum(x*x) == sum(x)**2``), and only a unit every rank agrees on is scheduled so.
+  outer units are gathered with the root meanwhile); the agreement at the end of its last backward compares
+  the records across ranks (``[x, x*x]`` per value, with the gather digest: ``stage3_checks.GatherDigest``), and only a
+  unit every rank agrees on is scheduled so.
 - A scheduled unit that later runs after the first call, whose output's gradient arrives before its
   all-gather, or whose parameters other code reads, raises on that rank (never a read of the freed
   placeholder), naming ``zerorun.zero.register_external_parameter(model, param)``, which keeps it with the root.
@@ -30,25 +28,26 @@ the first backward entry of the unit that made that first call (every rank runs 
   its outputs before any listed unit's backward began, its parameters read by nothing else (a GPT's final
   norm and LM head). In forward it stays with the root. In a backward where its outputs reach the loss on
   every rank (found with the listed units' check before backward, Note [Backward on some ranks], in the same
-  all-reduce), it is not gathered at the start but when the first gradient of a tail's output arrives, or
+  agreement), it is not gathered at the start but when the first gradient of a tail's output arrives, or
   when the first listed unit's backward begins if that comes first: every tail then, in the units' order,
   before that unit's own all-gather, so the all-gathers are in the same order on every rank whichever of the
-  two came first. Where its outputs reach the loss on some ranks only, it is gathered with the root as
-  before. So the LM head's 32 MiB (the 55M GPT) are not held through the loss's backward, the step's peak
-  (a log-softmax over the vocabulary). Autograd may read a tail's parameters before its outputs' gradient
-  comes, through tensors it saved in forward on another path (a weight penalty on the head, in the root or
-  inside the head's own forward; an auxiliary loss through ``head.weight.detach()``): while the root's
-  forward runs, ``saved_tensors_hooks`` mark every saved tensor on a tail's storage, and unpacking one in
-  backward gathers the tails first. Such a read comes, on every rank alike, before any listed unit's backward
-  (or after the tails' gather), so the all-gather order stays the same. A tail whose parameters user code
-  reads with autograd recording in backward before its gather raises as a scheduled unit does. The first
-  step's record is a third value per outer unit in the same all-reduce.
+  two came first. Where its outputs reach the loss on some ranks only, it is gathered with the root. So the
+  LM head is not held through the loss's backward, the step's peak (a log-softmax over the vocabulary).
+  Autograd may read a tail's parameters before its outputs' gradient comes, through tensors it saved in
+  forward on another path (a weight penalty on the head, in the root or inside the head's own forward; an
+  auxiliary loss through ``head.weight.detach()``): while the root's forward runs, ``saved_tensors_hooks``
+  mark every saved tensor on a tail's storage, and unpacking one in backward gathers the tails first. Such a
+  read comes, on every rank alike, before any listed unit's backward (or after the tails' gather), so the
+  all-gather order stays the same. A tail whose parameters user code reads with autograd recording in
+  backward before its gather raises as a scheduled unit does. The first step's record is a third value per
+  outer unit in the same agreement.
 
-Evaluation (a forward with gradients off) gathers the scheduled units with the root, as before.
+Evaluation (a forward with gradients off) gathers the scheduled units with the root.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -56,7 +55,7 @@ import torch
 
 from zerorun.zero.stage3_checks import check_no_writes
 from zerorun.zero.torch_internals import in_backward
-from zerorun.zero.units import Unit, UnitState, tensors_in
+from zerorun.zero.units import Unit, UnitState
 
 
 @dataclasses.dataclass
@@ -70,6 +69,15 @@ class OuterRecord:
     declared: bool = False  # register_external_parameter(model, one of its parameters): stays with the root
     scheduled: bool = False  # every rank agreed: gathered at the schedule's points, not with the root
     tail: bool = False  # every rank agreed it is a tail: in backward, gathered at its own outputs' gradient
+
+
+#: A tensor autograd saved for backward that is a view of a tail's parameters (Note [Outer units]).
+_TailSaved = collections.namedtuple("_TailSaved", "unit tensor")
+
+
+def _fold(old: int | None, new: int, pick) -> int:
+    """``new`` folded into what earlier passes of the first step recorded (``pick``: ``min`` or ``max``)."""
+    return new if old is None else pick(old, new)
 
 
 class OuterSchedule:
@@ -156,40 +164,34 @@ class OuterSchedule:
                 outer.reshard()
 
     def pre_forward(self, unit: Unit, module, args) -> None:
+        rec = self.rec[unit]
         if in_backward() or not self.running:
             if self.learning and in_backward():
-                self.rec[unit].used_outside = True  # recomputed in backward: no window to learn
+                rec.used_outside = True  # recomputed in backward: no window to learn
             return
-        after = self.first_call is not None
         if self.learning:  # every forward of the first step counts
-            self.rec[unit].first = int(after) if self.rec[unit].first is None else max(self.rec[unit].first, int(after))
-        elif self.rec[unit].scheduled:
+            rec.first = _fold(rec.first, int(self.first_call is not None), max)
+        elif rec.scheduled:
             if unit.state is UnitState.FREE:
                 raise self.deviation(unit, "ran after the first listed unit's forward call")
             unit.unshard()
-        unit.active += 1
-        self.sched.active.append(unit)
+        self.sched.enter(unit)
 
     def post_forward(self, unit: Unit, module, args, output):
         if in_backward() or not self.running:
             return output
-        unit.active -= 1
-        if self.sched.active and self.sched.active[-1] is unit:
-            self.sched.active.pop()
+        rec = self.rec[unit]
+        self.sched.leave(unit)
         if self.learning and self.first_call is not None:
-            self.rec[unit].first = 1  # a listed unit called from inside it: it runs past the first call
+            rec.first = 1  # a listed unit called from inside it: it runs past the first call
         check_no_writes(unit)  # Note [Writes inside a unit's forward]
         storages = {b.data.untyped_storage().data_ptr() for b in unit.buffers}
-        for t in tensors_in(output):
+        for t in self.sched.watch(unit, output, functools.partial(self.pre_backward, unit)):
             if t.untyped_storage().data_ptr() in storages:  # a view of its parameters: read after it is freed
                 if self.learning:
-                    self.rec[unit].used_outside = True
-                elif self.rec[unit].scheduled:
+                    rec.used_outside = True
+                elif rec.scheduled:
                     raise self.deviation(unit, "returned a view of its parameters")
-            if torch.is_grad_enabled() and t.requires_grad:
-                t.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
-                if self.rec[unit].tail and t.grad_fn is not None:  # does it reach the loss on every rank?
-                    unit.out_nodes.append(t.grad_fn)
         return output
 
     # ------------------------------------------------------------------------------------------ backward
@@ -224,19 +226,17 @@ class OuterSchedule:
                 outer.deferred = False
                 outer.unshard(wait=False)
 
-    def pre_backward(self, unit: Unit) -> None:
+    def pre_backward(self, unit: Unit, grad: torch.Tensor | None = None) -> None:
+        rec = self.rec[unit]
         if self.learning:  # every backward of the first step counts: before the anchor once is before
-            self.rec[unit].bfirst = int(self.anchor_entered) if self.rec[unit].bfirst is None else min(self.rec[unit].bfirst,
-                                                                                    int(self.anchor_entered))
-            before = int(not self.listed_begun)
-            self.rec[unit].btail = before if self.rec[unit].btail is None else min(self.rec[unit].btail, before)
+            rec.bfirst = _fold(rec.bfirst, int(self.anchor_entered), min)
+            rec.btail = _fold(rec.btail, int(not self.listed_begun), min)
             return
-        if self.rec[unit].tail:  # deferred: its outputs' first gradient, unless a listed unit's backward began first
+        if rec.tail:  # deferred: its outputs' first gradient, unless a listed unit's backward began first
             self.gather_tails()
             if unit.state is UnitState.GATHERING:
                 unit.unshard()
-            return
-        if self.rec[unit].scheduled:
+        elif rec.scheduled:
             if unit.state is UnitState.FREE:
                 raise self.deviation(unit, "took a gradient before the first listed unit's backward began")
             unit.unshard()
@@ -264,36 +264,35 @@ class OuterSchedule:
                 self.rec[unit].used_outside = True
             elif self.rec[unit].scheduled or unit.deferred and unit.state is UnitState.FREE:
                 raise self.deviation(unit, f"had a parameter read outside its own forward (by "
-                                                  f"{getattr(func, '__name__', func)})")
+                                           f"{getattr(func, '__name__', func)})")
         if unit.state is UnitState.GATHERING:
             unit.unshard()
         return unit.state is UnitState.GATHERED
 
-    def codes(self) -> list[float]:
-        """This rank's record, two values per outer unit (0: not to be scheduled), for the first step's
-        all-reduce: 1 when it ran only before the first listed call, and whether its output's gradient came
-        after that call's unit began its backward (2) or before (1)."""
-        out: list[float] = []
-        for u in self.outers:
-            ok = self.rec[u].first == 0 and not self.rec[u].used_outside and not self.rec[u].declared
-            tail = self.rec[u].btail == 1 and not self.rec[u].used_outside and not self.rec[u].declared
-            out += [1 if ok else 0, (self.rec[u].bfirst + 1 if self.rec[u].bfirst is not None else 0) if ok else 0, 1 if tail else 0]
+    def codes(self) -> list[int]:
+        """This rank's record, three values per outer unit, for the first step's agreement: 1 when it ran only
+        before the first listed call (else 0: not to be scheduled); then whether its output's gradient came
+        after that call's unit began its backward (2) or before (1); then 1 when it may be a tail."""
+        out: list[int] = []
+        for rec in map(self.rec.get, self.outers):
+            own = not rec.used_outside and not rec.declared
+            ok = own and rec.first == 0
+            out += [int(ok), rec.bfirst + 1 if ok and rec.bfirst is not None else 0, int(own and rec.btail == 1)]
         return out
 
-    def agree(self, sums: list[float], squares: list[float], world_size: int) -> None:
-        """After the first step's agreement over ``world_size`` ranks (the sums of :meth:`codes` and of their
-        squares): schedule the outer units every rank recorded alike."""
-        n = world_size
+    def agree(self, same: list[bool], sums: list[int]) -> None:
+        """After the first step's agreement on :meth:`codes` (``same``: each value is the same on every rank;
+        ``sums``: its sum over the ranks): schedule the outer units every rank recorded alike."""
         for i, unit in enumerate(self.outers):
-            same = [n * squares[3 * i + j] == sums[3 * i + j] ** 2 for j in range(3)]
-            if same[0] and same[1] and sums[3 * i] > 0:
-                self.rec[unit].scheduled = True
-                self.rec[unit].bfirst = self.rec[unit].bfirst if sums[3 * i + 1] > 0 else 0  # no gradient seen: at the start
+            rec = self.rec[unit]
+            if same[3 * i] and same[3 * i + 1] and sums[3 * i] > 0:
+                rec.scheduled = True
+                rec.bfirst = rec.bfirst if sums[3 * i + 1] > 0 else 0  # no gradient seen: at the start
                 self.sched.root.external.remove(unit)
                 unit.pinned_by.discard(self.sched.root)
             else:  # stays with the root: its record was this rank's alone
-                self.rec[unit].first = self.rec[unit].bfirst = None
-                self.rec[unit].tail = same[2] and sums[3 * i + 2] > 0  # a tail: in backward, gathered at its own gradient
+                rec.first = rec.bfirst = None
+                rec.tail = same[3 * i + 2] and sums[3 * i + 2] > 0  # a tail: in backward, gathered at its gradient
         self.learning = False
 
     def deviation(self, unit: Unit, what: str) -> RuntimeError:
@@ -302,12 +301,3 @@ class OuterSchedule:
             "its all-gathers are scheduled from the first step on every rank (Note [Outer units]), so it cannot "
             "be gathered here on this rank alone. Keep its parameters with the root unit: "
             "zerorun.zero.register_external_parameter(model, param) for each, before the first step")
-
-
-class _TailSaved:
-    """A tensor autograd saved for backward that is a view of a tail's parameters (Note [Outer units])."""
-
-    __slots__ = ("unit", "tensor")
-
-    def __init__(self, unit: Unit, tensor: torch.Tensor) -> None:
-        self.unit, self.tensor = unit, tensor

@@ -100,8 +100,7 @@ class Schedule:
             self.outer.pass_start()
             for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
                 u.out_nodes, u.in_nodes = [], []
-        unit.active += 1
-        self.active.append(unit)
+        self.enter(unit)
         if torch.is_grad_enabled():
             self.note_and_prefetch(unit, "forward")
         unit.unshard()
@@ -122,16 +121,8 @@ class Schedule:
     def post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():  # recomputation under activation checkpointing: the unit is still needed
             return output
-        unit.active -= 1
-        if self.active and self.active[-1] is unit:
-            self.active.pop()
-        if torch.is_grad_enabled():
-            hook = functools.partial(self.pre_backward, unit)
-            for t in tensors_in(output):  # any structure: dataclasses, objects with a .loss, nested containers
-                if t.requires_grad:
-                    t.register_hook(hook)
-                    if t.grad_fn is not None:
-                        unit.out_nodes.append(t.grad_fn)
+        self.leave(unit)
+        self.watch(unit, output, functools.partial(self.pre_backward, unit))
         check_no_writes(unit)
         if unit.is_root:
             if torch.is_grad_enabled():
@@ -141,6 +132,29 @@ class Schedule:
         else:
             unit.reshard()
         return output
+
+    def enter(self, unit: Unit) -> None:
+        """``unit``'s forward call begins: it is on the stack."""
+        unit.active += 1
+        self.active.append(unit)
+
+    def leave(self, unit: Unit) -> None:
+        """``unit``'s forward call ends."""
+        unit.active -= 1
+        if self.active and self.active[-1] is unit:
+            self.active.pop()
+
+    def watch(self, unit: Unit, output: Any, hook) -> list[torch.Tensor]:
+        """With gradients on, ``hook(grad)`` runs when a gradient of a tensor of ``output`` (any structure:
+        dataclasses, objects with a ``.loss``, nested containers) comes, and their autograd nodes are recorded
+        (Note [Backward on some ranks] in stage3_checks.py). Returns those tensors."""
+        tensors = tensors_in(output)
+        for t in tensors if torch.is_grad_enabled() else ():
+            if t.requires_grad:
+                t.register_hook(hook)
+                if t.grad_fn is not None:
+                    unit.out_nodes.append(t.grad_fn)
+        return tensors
 
     def clear_forward(self) -> None:
         """No forward is running any more: the root's forward raised, or a new one begins after one that did
