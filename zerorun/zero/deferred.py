@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from zerorun.zero.comm import group_device
 from zerorun.zero.precision import compute_dtype
-from zerorun.zero.record import Record, holds_meta_tensor, key, record, rng_states, set_rng_states
+from zerorun.zero.record import (Record, holds_meta_tensor, key, parameter_hooks, record, rng_states,
+                                 set_rng_states)
 
 _FULL_WRITES = {"uniform_", "normal_", "zero_", "fill_", "copy_", "bernoulli_", "exponential_", "geometric_",
                 "log_normal_", "cauchy_", "random_", "trunc_normal_"}
@@ -136,21 +137,15 @@ def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None],
         if t.is_meta:
             wanted.setdefault(key(t), []).append(t)
 
-    # Lives of every storage: op indices where it is used; a full write starts a new life.
-    uses: dict[int, list[int]] = {}
-    for i, (func, args, kwargs, out) in enumerate(log):
-        for t in tree_flatten((args, kwargs, out))[0]:
-            if isinstance(t, torch.Tensor) and t.is_meta:
-                k = key(t)
-                if not uses.get(k) or uses[k][-1] != i:
-                    uses.setdefault(k, []).append(i)
-    last_use = {k: v[-1] for k, v in uses.items()}
+    # Lives of every storage: the op index of its last use; a full write starts a new life.
+    last_use: dict[int, int] = {}
     ends_life: dict[int, list[int]] = {}  # op index -> storages whose current life ends after it
-    for k, idx in uses.items():
-        for a, b in zip(idx, idx[1:]):
-            func, args, _, _ = log[b]
-            if _is_full_write(func, args) and key(args[0]) == k:
-                ends_life.setdefault(a, []).append(k)
+    for i, (func, args, kwargs, out) in enumerate(log):
+        used = {key(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor) and t.is_meta}
+        k = key(args[0]) if _is_full_write(func, args) else None
+        if k in used and k in last_use:
+            ends_life.setdefault(last_use[k], []).append(k)
+        last_use.update(dict.fromkeys(used, i))
 
     real: dict[int, torch.UntypedStorage] = {}
 
@@ -286,16 +281,14 @@ def carry_hooks(meta: torch.Tensor, new: torch.Tensor, name: str) -> None:
     Raises:
         ValueError: a hook holds a tensor built on the meta device (it could not run on real gradients).
     """
-    for table, register in ((getattr(meta, "_backward_hooks", None), new.register_hook),
-                            (getattr(meta, "_post_accumulate_grad_hooks", None), new.register_post_accumulate_grad_hook)):
-        for hook in list((table or {}).values()):
-            if holds_meta_tensor(hook):
-                raise ValueError(
-                    f"parameter {name!r} has a gradient hook, registered while the model was built on the meta "
-                    "device, that holds a tensor made there: it cannot run on real gradients. Build the model "
-                    "with zerorun.zero.deferred_init (it builds such a model normally) or register the hook after "
-                    "zerorun.initialize")
-            register(hook)
+    for hook, register in parameter_hooks(meta):
+        if holds_meta_tensor(hook):
+            raise ValueError(
+                f"parameter {name!r} has a gradient hook, registered while the model was built on the meta "
+                "device, that holds a tensor made there: it cannot run on real gradients. Build the model "
+                "with zerorun.zero.deferred_init (it builds such a model normally) or register the hook after "
+                "zerorun.initialize")
+        getattr(new, register)(hook)
 
 
 def swap_meta_params(model: nn.Module, param_groups: list[dict] | None, dtype: torch.dtype):

@@ -94,10 +94,3 @@ class ParamStore:
         """Remove the swap file (also done at process exit); the mapping stays valid until the process ends."""
         self.file.close()
 
-
-def param_store(config, buffers: list[FlatBuffer], rank: int) -> ParamStore | None:
-    """This rank's :class:`ParamStore` of ``buffers`` (the sharded units' flat buffers) when
-    ``config.offload_params`` is ``disk`` (Note [Parameter offload]), else ``None``. Raises as ParamStore."""
-    if config.offload_params != "disk":
-        return None
-    return ParamStore(buffers, config.offload_path, rank)

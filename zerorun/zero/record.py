@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 _DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy, torch.frombuffer,
                    torch.Tensor.new_tensor}
 _DATA_DESCRIPTOR = torch._C.TensorBase.__dict__["data"]
+_GRAD_HOOKS = {"_backward_hooks": "register_hook", "_post_accumulate_grad_hooks": "register_post_accumulate_grad_hook"}
 _META_FACTORIES = {f for f in _device_constructors() if f not in _DATA_FACTORIES and "sparse" not in f.__name__
                    and f.__name__ not in ("nested_tensor", "empty_quantized")}
 
@@ -261,7 +262,7 @@ def check_complete(model: nn.Module, created: set[int]) -> None:
     # a hook that holds a tensor made during construction (a gradient mask) would run on a meta tensor: the
     # replay gives parameters their values, not the tensors a hook keeps in its closure
     for name, p in model.named_parameters(remove_duplicate=False):
-        for hook in parameter_hooks(p):
+        for hook, _ in parameter_hooks(p):
             if holds_meta_tensor(hook):
                 raise Unrecordable(f"a gradient hook on {name!r} holds a tensor made during construction")
     for name, m in model.named_modules():
@@ -271,10 +272,10 @@ def check_complete(model: nn.Module, created: set[int]) -> None:
                                    "construction")
 
 
-def parameter_hooks(p: torch.Tensor) -> list[Callable]:
-    """The gradient hooks registered on ``p`` (``register_hook`` and ``register_post_accumulate_grad_hook``)."""
-    return [h for table in (getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None))
-            for h in (table or {}).values()]
+def parameter_hooks(p: torch.Tensor) -> list[tuple[Callable, str]]:
+    """The gradient hooks registered on ``p``, each with the name of the method that registers such a hook
+    (``register_hook``, ``register_post_accumulate_grad_hook``)."""
+    return [(h, register) for table, register in _GRAD_HOOKS.items() for h in (getattr(p, table, None) or {}).values()]
 
 
 def holds_meta_tensor(fn: Callable) -> bool:

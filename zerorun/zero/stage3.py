@@ -18,13 +18,10 @@ signals, stays gathered until the end of backward. Forward runs inside backward 
 recomputation) never free. At the end of the root's forward and of backward, whatever is still gathered (a
 mispredicted prefetch) is freed.
 
-The parts, each owning its state: a unit gathers and frees itself (``Unit.unshard``/``Unit.reshard`` in
-``units.py``); which modules are units: ``unit_plan.py``; the order, the prefetch and the hooks:
-``Schedule`` in ``stage3_schedule.py`` (the outer units': ``OuterSchedule`` in ``stage3_outer.py``); the
-parameters at rest and their uses outside their unit: ``ParameterGuard`` and Notes [Parameters at rest],
-[External parameters] in ``stage3_access.py``; the checks that every rank gathered the same units: Note
-[Same units on every rank] in ``stage3_checks.py``. This engine builds them and takes the stage policy's
-hooks of :class:`ZeroEngine` (Note [Stage policies] in policy.py).
+The parts, each owning its state (docs/how-it-is-built.md, "Correctness"): ``Unit`` (units.py), the choice of
+units (unit_plan.py), ``Schedule`` (stage3_schedule.py; ``OuterSchedule`` in stage3_outer.py), ``ParameterGuard``
+(stage3_access.py), the checks across ranks (stage3_checks.py); this engine builds them and takes the stage
+policy's hooks of :class:`ZeroEngine` (Note [Stage policies] in policy.py).
 
 Note [Persistent parameters]: parameters of at most ``ZeroConfig.persistence_threshold`` elements (norm
 weights, biases; DeepSpeed's ``stage3_param_persistence_threshold``) may stay whole on every rank, in a unit of
@@ -38,7 +35,8 @@ Note [Prefetch]: the order of the units in forward and in backward is recorded, 
 When unit i starts (gradients on) in a pass that follows it, unit i+1's all-gather is issued (``prefetch_bytes``:
 those after i that fit in that many bytes, ``units.units_ahead``), run while i computes; a deviating pass
 prefetches no more. Unit i's own all-gather, where it was not prefetched, is issued first and waited for
-after those (the same order on every rank; the host does not stop between them). A wrong guess costs memory (up to ``prefetch_bytes``) and time, never correctness.
+after those (the same order on every rank; the host does not stop between them). A wrong guess costs memory
+(up to ``prefetch_bytes``) and time, never correctness.
 All-gathers and reduce-scatters share one process group, issued in program order (Note [Program order] in
 reducer.py).
 The root's backward prefetches nothing: it begins with the loss's backward, the step's peak for a language
@@ -57,7 +55,7 @@ import torch.nn as nn
 from zerorun.zero.deferred import is_deferred, replay_slices, swap_meta_params
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
-from zerorun.zero.param_offload import param_store
+from zerorun.zero.param_offload import ParamStore
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,
                                         gathered, placeholder, state_dict_guard)
@@ -138,18 +136,20 @@ class Stage3Engine(ZeroEngine):
         each of its buckets is reduce-scattered, and its full gradient freed, as soon as that bucket is
         complete (a root unit holding both the embedding and the LM head does not keep the LM head's
         gradient through the whole backward)."""
-        by_unit: dict[int, list] = {}
+        return [run for params in self._by_unit(named).values() for run in pack(params, bucket_bytes)]
+
+    def _by_unit(self, named) -> dict[int, list]:
+        """``(name, param)`` pairs grouped by unit (``id`` of the unit), in their order."""
+        out: dict[int, list] = {}
         for name, p in named:
-            by_unit.setdefault(id(self._unit_of_param[p]), []).append((name, p))
-        return [run for params in by_unit.values() for run in pack(params, bucket_bytes)]
+            out.setdefault(id(self._unit_of_param[p]), []).append((name, p))
+        return out
 
     def _materialize(self) -> None:
         """Keep only this rank's slice of every flat buffer (Note [Units]); values come from the model's
         parameters, or for a deferred model from the replay of its construction (Note [Record and replay])."""
         names = {p: n for n, p in self.module.named_parameters()}
-        frozen_by_unit: dict[int, list] = {}
-        for p in self._frozen:
-            frozen_by_unit.setdefault(id(self._unit_of_param[p]), []).append((names[p], p))
+        frozen_by_unit = self._by_unit((names[p], p) for p in self._frozen)
         for unit in self.units:  # one flat buffer per dtype (integer and bool parameters are frozen ones)
             for run in pack(frozen_by_unit.get(id(unit), []), float("inf")):
                 self.frozen_buffers.append(FlatBuffer(run, -1, self.world_size, self.rank, order=-1))
@@ -160,7 +160,8 @@ class Stage3Engine(ZeroEngine):
         for buf in every:
             buf.shard_data = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
         # the slices become views of a file-backed mapping (Note [Parameter offload])
-        self.param_store = param_store(self.config, [b for b in every if not b.unit.persistent], self.rank)
+        self.param_store = (ParamStore([b for b in every if not b.unit.persistent], self.config.offload_path, self.rank)
+                            if self.config.offload_params == "disk" else None)
         self.gathering = Gathering(self.comm, self.param_store, ZeroParameter)
         for unit in self.units:
             unit.ctx = self.gathering
@@ -175,9 +176,8 @@ class Stage3Engine(ZeroEngine):
             buf.data = torch.empty(buf.numel, dtype=buf.dtype, device=buf.device)
             buf.views = [buf.view_of(buf.data, p) for p in buf.params]
             buf.placeholders = [placeholder(p) for p in buf.params]  # Note [Parameters at rest]
-            for p, rest in zip(buf.params, buf.placeholders):
-                p.data = rest
-            buf.data.untyped_storage().resize_(0)
+        for unit in self.units:
+            unit.point_params(gathered=False)
         self._release_slices()
 
     # ------------------------------------------------------------------------------ the stage policy's hooks
@@ -191,9 +191,7 @@ class Stage3Engine(ZeroEngine):
         """Units are gathered from the updated slices when next used (one left gathered by a forward that raised
         is freed: stale); persistent parameters (Note [Persistent parameters]) are all-gathered now."""
         self.sched.free_all()
-        trainable = self._persistent_unit.trainable  # frozen ones never change: gathered once, at construction
-        if trainable:
-            self.comm.wait([self.comm.all_gather(buf.data, buf.shard_data) for buf in trainable])
+        self._gather_persistent(self._persistent_unit.trainable)  # frozen ones never change: gathered once
         self._release_slices()  # the step wrote every slice
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -213,9 +211,12 @@ class Stage3Engine(ZeroEngine):
         """As :meth:`ZeroEngine.load_master_slices`; persistent parameters (Note [Persistent parameters]),
         frozen ones included, are all-gathered again from the loaded slices."""
         super().load_master_slices(values, states, param_scalars)
-        frozen = [b for b in self._persistent_unit.buffers if b.group_index < 0]
-        if frozen:
-            self.comm.wait([self.comm.all_gather(buf.data, buf.shard_data) for buf in frozen])
+        self._gather_persistent([b for b in self._persistent_unit.buffers if b.group_index < 0])
+
+    def _gather_persistent(self, bufs: list[FlatBuffer]) -> None:
+        """All-gather these buffers of the persistent unit from their slices (Note [Persistent parameters])."""
+        if bufs:
+            self.comm.wait([self.comm.all_gather(buf.data, buf.shard_data) for buf in bufs])
 
     def _release_slices(self) -> None:
         """Drop every unit's slices from memory: Note [Parameter offload] (a no-op without it)."""
@@ -265,10 +266,10 @@ class Stage3Engine(ZeroEngine):
         """As :meth:`ZeroEngine.memory_bytes`, at rest: ``params`` counts this rank's slices, plus the whole
         persistent parameters (Note [Persistent parameters]) (theory, fp32 Adam: 16Ψ/N in all, ZeRO §5)."""
         out = super().memory_bytes()
-        out["params"] = sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers)
+        in_file = self.param_store is not None  # Note [Parameter offload]: the sharded units' slices
+        out["params"] = sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers
+                            if b.unit.persistent or not in_file)
         out["params"] += sum(b.data.nbytes for b in self._persistent_unit.buffers)  # whole as well
-        if self.param_store is not None:  # in the file (Note [Parameter offload])
-            out["params"] -= sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers if not b.unit.persistent)
         return out
 
     def offload_bytes(self) -> dict[str, int]:

@@ -85,16 +85,10 @@ class ZeroParameter(nn.Parameter):
         # reading ``p.data`` hands out the values (a write through it would bypass this guard)
         name = getattr(func, "__name__", "")
         if name not in _METADATA or (name == "__get__" and getattr(func, "__self__", None) is _DATA):
-            for a in args:
-                if isinstance(a, ZeroParameter):
-                    a._zerorun_use(a, func)
-                elif isinstance(a, (list, tuple)):
-                    for b in a:
-                        if isinstance(b, ZeroParameter):
-                            b._zerorun_use(b, func)
-            for a in kwargs.values():
-                if isinstance(a, ZeroParameter):
-                    a._zerorun_use(a, func)
+            for a in (*args, *kwargs.values()):
+                for b in a if isinstance(a, (list, tuple)) else (a,):
+                    if isinstance(b, ZeroParameter):
+                        b._zerorun_use(b, func)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -126,24 +120,21 @@ def gathered(engine, params: Iterable[nn.Parameter], modifier_rank: int | None) 
     """:meth:`Stage3Engine.gathered_parameters`' body."""
     unit_of = engine.guard.unit_of
     units = sorted({unit_of[p] for p in params if p in unit_of}, key=lambda u: u.index)
+    bufs = [buf for u in units for buf in u.buffers]
     token = object()
     were_free = [u for u in units if not u.pinned_by and u.active == 0]
-    before = {}
     for u in units:
         u.unshard()
         u.pinned_by.add(token)
-        for buf in u.buffers:
-            before[buf] = buf.shard_data.clone() if modifier_rank is not None else None
-            for p in buf.params:
-                before[p] = p._version
+    versions = {p: p._version for buf in bufs for p in buf.params}
+    before = {buf: buf.shard_data.clone() for buf in bufs} if modifier_rank is not None else {}
     try:
         yield
     finally:
         for u in units:
             u.pinned_by.discard(token)
-        changed = [p for u in units for buf in u.buffers for p in buf.params if p._version != before[p]]
+        changed = [p for p, v in versions.items() if p._version != v]
         if modifier_rank is not None:
-            bufs = [buf for u in units for buf in u.buffers]
             engine.comm.wait([engine.comm.broadcast(buf.data, modifier_rank) for buf in bufs])
             engine.write_back(bufs, before)
         for u in were_free:
@@ -235,21 +226,12 @@ def full_state_dict(module: nn.Module, units: list, keep: bool) -> dict[str, tor
     tensor}`` with the keys and shapes of ``module.state_dict()`` (CPU clones, in the parameters' dtype) when
     ``keep``, else an empty dict."""
     keyed = module.state_dict(keep_vars=True)
-    by_param: dict[int, list[str]] = {}
-    for key, t in keyed.items():
-        by_param.setdefault(id(t), []).append(key)
     out: dict[str, torch.Tensor] = {}
     for unit in units:
         unit.unshard()
-        if keep:
-            for buf in unit.buffers:
-                for p in buf.params:
-                    for key in by_param.get(id(p), []):
-                        out[key] = p.detach().clone().cpu()
+        ids = {id(p) for buf in unit.buffers for p in buf.params}
+        out.update({k: t.detach().clone().cpu() for k, t in keyed.items() if keep and id(t) in ids})
         unit.reshard()
     if not keep:
         return {}
-    for key, t in keyed.items():
-        if key not in out:
-            out[key] = t.detach().clone().cpu()
-    return {k: out[k] for k in keyed}
+    return {k: out[k] if k in out else t.detach().clone().cpu() for k, t in keyed.items()}

@@ -13,9 +13,9 @@ so every rank learns the verdict from the same sums and raises together, before 
 of the forward's all-gathers is also agreed before backward, beside Note [Backward on some ranks]'s marks, so
 that backward's reduce-scatters never pair different units (of different sizes: a gloo abort) either. Only
 then, on the error path, the ranks exchange their unit lists to name the units. All-gathers after that
-(``gathered_parameters``, a state dict) are in the next step's digest. A collision (two different sequences with one digest) has a chance of
-1 in 65521 per step; a misrouted step that is not caught pairs the same-shaped units and is caught at the
-next step whose routing differs.
+(``gathered_parameters``, a state dict) are in the next step's digest. A collision (two different sequences
+with one digest) has a chance of 1 in 65521 per step; a misrouted step that is not caught pairs the
+same-shaped units and is caught at the next step whose routing differs.
 """
 
 from __future__ import annotations

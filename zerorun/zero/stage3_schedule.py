@@ -1,7 +1,5 @@
 """Stage 3's schedule: when each unit is gathered and freed (Notes [Unit lifecycle] and [Prefetch] in
-``stage3.py``). :class:`Schedule` owns the units' order as recorded, the forward calls on the stack, and the
-hooks the engine registers on the unit modules, which only call into it; the units themselves gather and
-free (``Unit.unshard``/``Unit.reshard``), the outer units' schedule is :class:`~zerorun.zero.stage3_outer.OuterSchedule`.
+``stage3.py``): the units' recorded order, the forward calls on the stack, and the hooks, which only call in.
 """
 
 from __future__ import annotations

@@ -92,17 +92,6 @@ def outer_modules(model: nn.Module, unit_modules: list[nn.Module]) -> list[tuple
     if not unit_modules:
         return []
     ids = {id(m) for m in unit_modules}
-    holds_unit: set[int] = set()
-
-    def mark(module: nn.Module) -> bool:  # does module hold a unit (itself excluded)?
-        inside = False
-        for child in module.children():
-            inside |= mark(child) or id(child) in ids
-        if inside:
-            holds_unit.add(id(module))
-        return inside
-
-    mark(model)
     found: dict[int, tuple[str, nn.Module]] = {}
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -110,7 +99,7 @@ def outer_modules(model: nn.Module, unit_modules: list[nn.Module]) -> list[tuple
             full = f"{prefix}.{name}" if prefix else name
             if id(child) in ids or id(child) in found:
                 continue
-            if id(child) in holds_unit:
+            if any(id(m) in ids for m in child.modules()):  # it holds a unit
                 visit(full, child)
             elif any(True for _ in child.parameters()):
                 found[id(child)] = (full, child)

@@ -5,10 +5,9 @@
 Note [One all-gather per unit]: a unit holds one flat buffer per optimizer param group (AdamW with weight
 decay: its matrices, and its biases and norms) and frozen ones; their all-gathers are issued as one coalesced
 collective (``Comm.all_gather_coalesced``: under NCCL one group launch, under gloo one round), with one handle
-to wait for, each buffer gathered in place into its own storage (no copy in or out, nothing more held). Before,
-one all-gather per buffer: a many-small-ops model in one unit (benchmarks/stage3_small_ops.py) issued four per
-step where two do. Peer units of different layouts gather in one padded message instead (Note [Peer units] in
-unit_plan.py).
+to wait for, each buffer gathered in place into its own storage (no copy in or out, nothing more held; the
+measurement: benchmarks/results/history.md, issue 38). Peer units of different layouts gather in one padded
+message instead (Note [Peer units] in unit_plan.py).
 """
 
 from __future__ import annotations
@@ -98,17 +97,12 @@ class Unit:
         the unit is then ``GATHERED`` and its parameters plain (Note [Plain while gathered])."""
         ctx = self.ctx
         if self.state is UnitState.FREE:
-            for buf in self.buffers:
-                buf.data.untyped_storage().resize_(buf.numel * buf.data.element_size())
+            self.point_params(gathered=True)
             self.works = self._all_gather_padded() if self.gather_bytes else [ctx.comm.all_gather_coalesced(
                 [buf.data for buf in self.buffers], [buf.shard_data for buf in self.buffers])]
             self.state = UnitState.GATHERING
             if self.index >= 0:
                 ctx.log.append(self.index)
-            with torch._C.DisableTorchFunctionSubclass():  # the guard's metadata path, skipped per parameter
-                for buf in self.buffers:
-                    for p, view in zip(buf.params, buf.views):
-                        p.data = view
             for other in self.external:  # Note [External parameters] in stage3_access.py
                 if not other.deferred:  # Note [Outer units]: a tail this backward gathers later
                     other.unshard(wait=False)
@@ -133,15 +127,20 @@ class Unit:
         self._wait()
         for p in self.adopted:
             p.__class__ = self.ctx.guard
-        with torch._C.DisableTorchFunctionSubclass():
-            for buf in self.buffers:
-                for p, rest in zip(buf.params, buf.placeholders):
-                    p.data = rest
-                buf.data.untyped_storage().resize_(0)
+        self.point_params(gathered=False)
         self.state = UnitState.FREE
         if in_backward() and self.open_calls > 0:  # its backward goes on: its first ops' input gradients, which
             return  # may read the units it reads, come after its own parameters' (released at its end)
         self.release_external()
+
+    def point_params(self, gathered: bool) -> None:
+        """The flat buffers' storage gets its bytes and the parameters view it (``gathered``), or the parameters
+        hold their placeholders and the storage goes (Note [Parameters at rest] in stage3_access.py)."""
+        with torch._C.DisableTorchFunctionSubclass():  # the guard's metadata path, skipped per parameter
+            for buf in self.buffers:
+                buf.data.untyped_storage().resize_(buf.data.nbytes if gathered else 0)
+                for p, t in zip(buf.params, buf.views if gathered else buf.placeholders):
+                    p.data = t
 
     def release_external(self) -> None:
         """Unpin the units this one's forward reads (:attr:`external`) and free those not running."""
