@@ -86,11 +86,10 @@ class Stage3Engine(ZeroEngine):
         self.units = ([Unit(n, m, False) for n, m in unit_modules] + [Unit(n, m, False, outer=True) for n, m in outer]
                       + [Unit("", model, True)])
         index = unit_of_params(model, [m for _, m in unit_modules], [m for _, m in outer])
-        self._unit_of_param = {p: self.units[i] for p, i in index.items()}  # the root (-1) is last
         self._persistent_unit = Unit("<persistent>", model, False, persistent=True)  # Note [Persistent parameters]
-        for p in list(self._unit_of_param):
-            if 0 < config.persistence_threshold and p.numel() <= config.persistence_threshold:
-                self._unit_of_param[p] = self._persistent_unit
+        most = config.persistence_threshold
+        self._unit_of_param = {p: self._persistent_unit if 0 < most and p.numel() <= most else self.units[i]
+                               for p, i in index.items()}  # the root (-1) is last
         self.units.append(self._persistent_unit)
         self.frozen_buffers: list[FlatBuffer] = []  # frozen parameters: sharded and gathered with their unit
         super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)

@@ -213,8 +213,6 @@ class Schedule:
         """After the reductions of a backward: the recorded order is kept, every unit freed."""
         self.end_pass("backward")
         for unit in self.units:
-            unit.ready_buffers = 0
-            unit.open_calls = 0
-            unit.ends_agreed = False
-            unit.deferred = False
+            unit.ready_buffers = unit.open_calls = 0
+            unit.ends_agreed = unit.deferred = False
         self.free_all()
