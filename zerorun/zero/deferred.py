@@ -47,10 +47,8 @@ def deferred_init(factory: Callable[..., nn.Module], *args: Any, **kwargs: Any) 
     (after any ``torch.manual_seed`` the factory calls itself) is saved: the replay starts from it, as normal
     construction would.
 
-    When the construction cannot be recorded completely (zero/record.py, Note [What the recording sees]: it
-    reads parameter values, draws random numbers on real tensors, writes meta data into a real tensor, or gets
-    values into a meta tensor some other way), the generator is reset and the model is built normally, with a
-    ``UserWarning`` naming the reason: its values are right, only the memory saving is lost
+    When the construction cannot be recorded completely (Note [What the recording sees] in record.py), the
+    generator is reset and the model is built normally, with a ``UserWarning`` naming the reason
     (:func:`is_deferred` is then ``False``).
 
     Raises:

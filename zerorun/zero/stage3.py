@@ -109,9 +109,9 @@ class Stage3Engine(ZeroEngine):
             if not unit.persistent:
                 unit.adopted = [p for buf in unit.buffers for p in buf.params if adopt(p, self.guard.use)]
         for module in model.modules():
-            module.__dict__["_zerorun_engine"] = weakref.ref(self)
+            module.__dict__["_zerorun_guard"] = weakref.ref(self.guard)  # for register_external_parameter
         for module, param in declared_externals(model):
-            self.declare_external(module, self._new_of.get(id(param), param) if self._deferred else param)
+            self.guard.declare_external(module, self._new_of.get(id(param), param) if self._deferred else param)
         self.sched.hook(config.activation_checkpointing)
         self.sched.handles.append(model.register_state_dict_pre_hook(state_dict_guard))
 
@@ -223,10 +223,6 @@ class Stage3Engine(ZeroEngine):
             self.param_store.release_all()
 
     # ------------------------------------------------------------------------------------------- user API
-    def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
-        """The unit running ``module`` gathers ``param``'s unit with itself (Note [External parameters])."""
-        self.guard.declare_external(module, param)
-
     def gathered_parameters(self, params: Iterable[nn.Parameter], modifier_rank: int | None = None):
         """Context manager: ``params`` (an iterable of the model's parameters) whole on every rank inside the
         block, as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``. Every rank of the

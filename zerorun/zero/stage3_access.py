@@ -65,9 +65,9 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     if not isinstance(param, nn.Parameter):
         raise TypeError(f"register_external_parameter needs an nn.Parameter, got {type(param).__name__}")
     module.__dict__.setdefault(_EXTERNAL_ATTR, []).append(param)
-    engine = getattr(module, "_zerorun_engine", None)
-    if engine is not None and engine() is not None:
-        engine().declare_external(module, param)
+    guard = module.__dict__.get("_zerorun_guard", lambda: None)()  # a stage-3 engine's, while it lives
+    if guard is not None:
+        guard.declare_external(module, param)
 
 
 def declared_externals(model: nn.Module) -> list[tuple[nn.Module, nn.Parameter]]:

@@ -111,8 +111,8 @@ class Schedule:
             return None
         unit.open_calls += 1
         out = UnitInputsDone.apply(functools.partial(self.unit_backward_done, unit), *(flat[i] for i in at))
-        unit.in_nodes.append((out[0] if len(at) > 1 else out).grad_fn)  # Note [Program order] in reducer.py
-        for i, t in zip(at, out if len(at) > 1 else (out,)):
+        unit.in_nodes.append(out[0].grad_fn)  # Note [Program order] in reducer.py
+        for i, t in zip(at, out):
             flat[i] = t
         return tree_unflatten(flat, spec)
 

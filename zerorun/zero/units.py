@@ -154,11 +154,7 @@ class Unit:
         dtypes), zeros after; :meth:`_wait` copies the result out into the buffers (Note [Peer units])."""
         device = self.buffers[0].data.device
         send = torch.zeros(self.gather_bytes, dtype=torch.uint8, device=device)
-        at = 0
-        for buf in self.buffers:
-            n = buf.shard_numel * buf.dtype.itemsize
-            send[at:at + n].copy_(buf.shard_data.view(torch.uint8))
-            at += n
+        torch.cat([buf.shard_data.view(torch.uint8) for buf in self.buffers], out=send[:self.slice_bytes])
         self.staged = torch.empty(self.ctx.comm.world_size * self.gather_bytes, dtype=torch.uint8, device=device)
         return [self.ctx.comm.all_gather(self.staged, send)]
 
@@ -224,12 +220,12 @@ class UnitInputsDone(torch.autograd.Function):
     """Identity on a unit's forward inputs whose backward calls ``callback()``: once autograd has computed the
     gradients of a unit's inputs, the unit's backward is done (its parameters' gradient accumulators run as
     soon as they are ready, before anything that depends on them: FSDP2 detects the end of a module's backward
-    the same way). Shapes and dtypes pass through unchanged."""
+    the same way). Shapes and dtypes pass through unchanged; the result is a tuple."""
 
     @staticmethod
     def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor):
         ctx.callback = callback
-        return tensors if len(tensors) != 1 else tensors[0]
+        return tensors
 
     @staticmethod
     def backward(ctx, *grads):
