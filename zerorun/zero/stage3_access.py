@@ -197,12 +197,9 @@ class ParameterGuard:
     def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """Note [External parameters]: the unit running ``module`` gathers ``param``'s unit with itself."""
         unit = self.unit_of.get(param)
-        units, root = self.sched.units, self.sched.root
-        holder = next((u for u in units if u.module is module), None)
-        if holder is None:  # the innermost unit around module
-            owners = [u for u in units if not u.persistent and not u.is_root
-                      and any(m is module for m in u.module.modules())]
-            holder = owners[-1] if owners else root
+        owners = [u for u in self.sched.units if not u.persistent and not u.is_root
+                  and any(m is module for m in u.module.modules())]
+        holder = owners[-1] if owners else self.sched.root  # the innermost unit around module (or it)
         if unit is not None and unit is not holder and not unit.persistent and unit not in holder.external:
             holder.external.append(unit)
         if unit is not None and unit.outer and holder.is_root:  # Note [Outer units]: stays with the root
