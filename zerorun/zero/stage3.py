@@ -46,6 +46,7 @@ benchmarks/results/history.md, issue 38).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Iterable
 
@@ -58,7 +59,7 @@ from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.param_offload import ParamStore
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,
-                                        gathered, placeholder, state_dict_guard)
+                                        placeholder, state_dict_guard)
 from zerorun.zero.stage3_checks import GatherDigest, check_backward_units
 from zerorun.zero.stage3_schedule import Schedule
 from zerorun.zero.unit_plan import match_peers, outer_modules, pick_units, unit_of_params
@@ -156,14 +157,11 @@ class Stage3Engine(ZeroEngine):
         for buf in every:
             buf.unit = self._unit_of_param[buf.params[0]]
             buf.unit.buffers.append(buf)
-        for buf in every:
             buf.shard_data = torch.zeros(buf.shard_numel, dtype=buf.dtype, device=buf.device)
         # the slices become views of a file-backed mapping (Note [Parameter offload])
         self.param_store = (ParamStore([b for b in every if not b.unit.persistent], self.config.offload_path, self.rank)
                             if self.config.offload_params == "disk" else None)
         self.gathering = Gathering(self.comm, self.param_store, ZeroParameter)
-        for unit in self.units:
-            unit.ctx = self.gathering
         if self._deferred:
             replay_slices(self.module, every, self._new_of, self._meta_list, self._replay_group)
         else:
@@ -176,6 +174,7 @@ class Stage3Engine(ZeroEngine):
             buf.views = [buf.view_of(buf.data, p) for p in buf.params]
             buf.placeholders = [placeholder(p) for p in buf.params]  # Note [Parameters at rest]
         for unit in self.units:
+            unit.ctx = self.gathering
             unit.point_params(gathered=False)
         self._release_slices()
 
@@ -223,6 +222,7 @@ class Stage3Engine(ZeroEngine):
             self.param_store.release_all()
 
     # ------------------------------------------------------------------------------------------- user API
+    @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter], modifier_rank: int | None = None):
         """Context manager: ``params`` (an iterable of the model's parameters) whole on every rank inside the
         block, as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``. Every rank of the
@@ -233,14 +233,34 @@ class Stage3Engine(ZeroEngine):
         Raises:
             RuntimeError: a parameter was written inside the block without ``modifier_rank``.
         """
-        return gathered(self, list(params), modifier_rank)
-
-    def write_back(self, bufs: list[FlatBuffer], before: dict) -> None:
-        """After a ``gathered_parameters`` block with a modifier: this rank's slice of each (gathered) buffer
-        in ``bufs`` becomes its kept slice; the master slices take the elements that changed."""
-        for buf in bufs:
-            buf.shard_data.copy_(buf.shard(buf.data))
-        self._masters_take([b for b in bufs if b.group_index >= 0], before)
+        unit_of = self.guard.unit_of
+        units = sorted({unit_of[p] for p in params if p in unit_of}, key=lambda u: u.index)
+        bufs = [buf for u in units for buf in u.buffers]
+        token = object()
+        were_free = [u for u in units if not u.pinned_by and u.active == 0]
+        for u in units:
+            u.unshard()
+            u.pinned_by.add(token)
+        versions = {p: p._version for buf in bufs for p in buf.params}
+        before = {buf: buf.shard_data.clone() for buf in bufs} if modifier_rank is not None else {}
+        try:
+            yield
+        finally:
+            for u in units:
+                u.pinned_by.discard(token)
+            changed = [p for p, v in versions.items() if p._version != v]
+            if modifier_rank is not None:  # this rank's slice of each buffer becomes its kept slice
+                self.comm.wait([self.comm.broadcast(buf.data, modifier_rank) for buf in bufs])
+                for buf in bufs:
+                    buf.shard_data.copy_(buf.shard(buf.data))
+                self._masters_take([b for b in bufs if b.group_index >= 0], before)
+            for u in were_free:
+                u.reshard()
+            if changed and modifier_rank is None:
+                raise RuntimeError(
+                    f"parameter {self.guard.names.get(changed[0], '?')!r} was written inside gathered_parameters "
+                    "without modifier_rank: the write is lost when the parameter is partitioned again; pass "
+                    "modifier_rank=<the rank whose values to keep> (every rank then takes them)")
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The model's ordinary (unsharded) state dict, gathered unit by unit; every rank must call it.

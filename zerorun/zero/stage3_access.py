@@ -39,9 +39,8 @@ without waiting for the first use to be discovered.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -113,38 +112,6 @@ def placeholder(p: torch.Tensor) -> torch.Tensor:
     writes, backed by one element (Note [Parameters at rest])."""
     one = torch.full((1,), float("nan") if p.is_floating_point() else 0, dtype=p.dtype, device=p.device)
     return one.expand(p.shape) if p.dim() else one.view(())
-
-
-@contextlib.contextmanager
-def gathered(engine, params: Iterable[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
-    """:meth:`Stage3Engine.gathered_parameters`' body."""
-    unit_of = engine.guard.unit_of
-    units = sorted({unit_of[p] for p in params if p in unit_of}, key=lambda u: u.index)
-    bufs = [buf for u in units for buf in u.buffers]
-    token = object()
-    were_free = [u for u in units if not u.pinned_by and u.active == 0]
-    for u in units:
-        u.unshard()
-        u.pinned_by.add(token)
-    versions = {p: p._version for buf in bufs for p in buf.params}
-    before = {buf: buf.shard_data.clone() for buf in bufs} if modifier_rank is not None else {}
-    try:
-        yield
-    finally:
-        for u in units:
-            u.pinned_by.discard(token)
-        changed = [p for p, v in versions.items() if p._version != v]
-        if modifier_rank is not None:
-            engine.comm.wait([engine.comm.broadcast(buf.data, modifier_rank) for buf in bufs])
-            engine.write_back(bufs, before)
-        for u in were_free:
-            u.reshard()
-        if changed and modifier_rank is None:
-            names = {p: n for n, p in engine.module.named_parameters()}
-            raise RuntimeError(
-                f"parameter {names.get(changed[0], '?')!r} was written inside gathered_parameters without "
-                "modifier_rank: the write is lost when the parameter is partitioned again; pass "
-                "modifier_rank=<the rank whose values to keep> (every rank then takes them)")
 
 
 class ParameterGuard:
