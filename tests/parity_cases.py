@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import functools
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -237,9 +238,12 @@ def prefetch_order(prefetch_bytes: int | None = None, n_layer: int = 2) -> dict:
     ahead, issued = [], []
 
     def spy(unit, original, wait=True):
-        if wait:
+        # the unit's own turn (the schedule's hooks issue its all-gather, then the units ahead, then wait): was it
+        # already being gathered when its turn came?
+        own = sys._getframe(1).f_code.co_name in ("pre_forward", "pre_backward")
+        if own and not wait:
             ahead.append((unit.name, unit.state.value))
-        elif unit.state.value == "free":
+        elif not own and not wait and unit.state.value == "free":
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
             seen = engine.sched.seen[phase]
             issued.append((unit.name, phase, seen[-1].name if seen else None))
