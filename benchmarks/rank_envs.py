@@ -22,7 +22,11 @@ each step (without a purge delay, as in ``mimalloc-keep``, collecting returns no
 
 from __future__ import annotations
 
-from zerorun.allocator import MIMALLOC_ENV, TCMALLOC_QUIET, TCMALLOC_SONAMES, find_mimalloc
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerorun.allocator import MIMALLOC_ENV, TCMALLOC_QUIET, TCMALLOC_SONAMES, find_mimalloc  # noqa: E402 - torch-free
 
 #: tcmalloc preloaded as zerorun's launcher preloads it (zerorun.allocator.allocator_env), by its preferred soname.
 TCMALLOC = {"LD_PRELOAD": TCMALLOC_SONAMES[0], **TCMALLOC_QUIET}
@@ -60,3 +64,12 @@ ENVS = {
     "tcmalloc-decommit": ({**TCMALLOC, "TCMALLOC_AGGRESSIVE_DECOMMIT": "1"}, None),
     "tcmalloc-release": ({**TCMALLOC, "TCMALLOC_RELEASE_RATE": "10"}, None),
 }
+
+
+if __name__ == "__main__":  # python benchmarks/rank_envs.py: the environments and their variables
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    for name, (env, how) in ENVS.items():
+        print(f"{name}: {' '.join(f'{k}={v}' for k, v in env.items()) or 'none set'}"
+              f"{', rank calls ' + how if how else ''}")

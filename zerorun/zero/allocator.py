@@ -98,7 +98,7 @@ def collect() -> bool:
 
 
 def collect_after_steps(optimizer) -> bool:
-    """Note [Rank allocator]: under mimalloc, :func:`collect` after every ``optimizer.step()`` (a torch
+    """Under mimalloc, :func:`collect` after every ``optimizer.step()`` (Note [Rank allocator]; a torch
     optimizer's step post-hook; an engine steps its optimizer once per training step); under any other malloc
     nothing is registered.
 
