@@ -8,8 +8,9 @@
 Environments (``--envs``, interleaved with the modes; benchmarks/rank_envs.py lists and explains them): ``default``
 as torchrun runs DDP and FSDP2, ``alloc`` glibc tuned, ``tcmalloc`` and ``mimalloc`` as zerorun's launcher gives
 them to ranks (Note [Rank allocator] in zerorun/allocator.py), and variants of each. Without ``--envs`` every
-mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default glibc tuned). Besides step time, each rank's CPU seconds (user + kernel, all threads) and minor page faults
-per step are reported: steadier than wall-clock time on a shared machine.
+mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default glibc tuned). Besides step time,
+each rank's CPU seconds (user + kernel, all threads) and minor page faults per step are reported: steadier than
+wall-clock time on a shared machine.
 
 Every mode runs in fresh processes (started by torchrun), so each rank's peak RSS is its own. Modes are run
 ``--rounds`` times in alternating order and the median of the per-round medians is reported, because these

@@ -21,17 +21,20 @@ page heap and reuses them, so nothing is faulted in after the first step (0.92x,
 grow with holes the way glibc's raised threshold does (realized saving 1.00 and 0.89 there; its peak moves by
 a 32 MiB block between runs: docs/benchmarks.md, "The allocator").
 
-mimalloc (v3, the only one the wheel ships) returns freed memory to the kernel 1 s after the free, shorter than
-a step, which then faults it in again (stage 3 1.22x DDP's CPU time); never returning it runs at tcmalloc's
-speed but holds 100-300 MiB more at the peak (stages 0-3), what earlier phases freed in other sizes. So the
+mimalloc (v3, the only one the wheel ships) returns freed memory to the kernel 1 s after the free, shorter than a
+step, which then faults it in again (stage 3 1.22x DDP's CPU time); never returning it runs at tcmalloc's speed but
+holds 200-340 MiB more than tcmalloc at the peak (stages 0-3), what earlier phases freed in other sizes. So the
 watcher gives mimalloc a purge delay no step outlasts (:data:`MIMALLOC_ENV`; the job's own value wins), and
 ``zero.initialize`` has the engine's optimizer call ``mi_collect(true)`` after each step (zero/allocator.py's
-``collect_after_steps``; host-only, no device sync; nothing under other allocators): a step reuses what it
-frees, and what it freed goes back to the kernel before the next. Measured (55M GPT, 2 gloo ranks, micro-batch
-8; docs/benchmarks.md, "What a fresh install runs"): FINAL. mimalloc's own options did not close the rest
-(benchmarks/results/history.md, "Issue 35: closing mimalloc's memory gap"): without eager commit stage 3 holds
-1479 MiB, but each step faults in 4 KiB pages (1.07x tcmalloc's CPU time); decommitting at once, 1445 MiB at
-1.47x. A job that needs the memory more than the speed asks for ``ZERORUN_ALLOCATOR: glibc``.
+``collect_after_steps``; host-only, no device sync; nothing under other allocators): a step reuses what it frees,
+and what it freed goes back to the kernel before the next. Measured (55M GPT, 2 gloo ranks, micro-batch 8;
+docs/benchmarks.md, "What a fresh install runs"), stages 1-3 then used 1.02x, 1.07-1.09x and 1.05-1.24x tcmalloc's
+CPU time on a loaded machine (0.99-1.02x on a lighter load: the kernel's time for the faults) and held 1698, 1594
+and 1555 MiB at their peak (tcmalloc 1576, 1471, 1382; kept 1865, 1668, 1581), realized saving 1.06, 1.04 and 0.86
+(tcmalloc 0.99, 0.99, 0.96), and 640-840 MiB less than kept between steps. mimalloc's own options did not close the
+rest (benchmarks/results/history.md, "Issue 35: closing mimalloc's memory gap"): without eager commit stage 3 holds
+1476 MiB, but each step faults in 4 KiB pages (1.08-1.10x tcmalloc's CPU time at every stage); decommitting at once,
+1445 MiB at 1.47x. A job that needs the memory more than the speed asks for ``ZERORUN_ALLOCATOR: glibc``.
 """
 
 from __future__ import annotations
