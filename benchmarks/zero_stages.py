@@ -5,20 +5,12 @@
     python benchmarks/zero_stages.py --reverse-registration 1   # modules registered opposite to their use
     python benchmarks/zero_stages.py --modes ddp,1,2 --envs alloc,default   # zerorun's rank env vs torchrun's
 
-Environments (``--envs``, interleaved with the modes; Note [Returning freed memory] in zerorun/zero/allocator.py):
-``alloc`` is glibc tuned as zerorun's launcher gives it to ranks on a node without tcmalloc
-(MALLOC_MMAP_THRESHOLD_=1 MiB, THP_MEM_ALLOC_ENABLE=1), ``default`` none (as plain torchrun runs DDP and
-FSDP2), ``trim`` none but ``malloc_trim(0)`` after every step, ``mmap4``/``mmap16`` fixed 4/16 MiB thresholds,
-``nothp`` 1 MiB without THP, ``tcmalloc`` gperftools' tcmalloc preloaded (what zerorun's launcher gives ranks where
-the node has it: Note
-[Rank allocator]; Debian package libtcmalloc-minimal4), ``jemalloc`` jemalloc preloaded (libjemalloc2),
-``tcmalloc-decommit`` tcmalloc returning freed memory to the kernel at once (``TCMALLOC_AGGRESSIVE_DECOMMIT=1``),
-``tcmalloc-release`` tcmalloc releasing 10x faster than its default (``TCMALLOC_RELEASE_RATE=10``), ``mimalloc``
-mimalloc from its pip wheel as zerorun's launcher gives it where a node has no tcmalloc (keeping what it frees),
-``mimalloc-purgeMS`` mimalloc returning freed memory after MS ms (0, 100, 1000: its default, 10000; -1: never).
-Without ``--envs`` every mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default
-glibc tuned). Besides step time, each rank's CPU seconds (user + kernel, all threads) and minor page faults
-per step are reported: steadier than wall-clock time on a shared machine.
+Environments (``--envs``, interleaved with the modes; benchmarks/rank_envs.py lists and explains them): ``default``
+as torchrun runs DDP and FSDP2, ``alloc`` glibc tuned, ``tcmalloc`` and ``mimalloc`` as zerorun's launcher gives
+them to ranks (Note [Rank allocator] in zerorun/allocator.py), and variants of each. Without ``--envs`` every
+mode, DDP included, gets ``--malloc-mmap-threshold`` and ``--thp`` (by default glibc tuned). Besides step time,
+each rank's CPU seconds (user + kernel, all threads) and minor page faults per step are reported: steadier than
+wall-clock time on a shared machine.
 
 Every mode runs in fresh processes (started by torchrun), so each rank's peak RSS is its own. Modes are run
 ``--rounds`` times in alternating order and the median of the per-round medians is reported, because these
@@ -52,8 +44,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "BENCH "
 sys.path.insert(0, ROOT)
-from zerorun.allocator import (MIMALLOC_KEEP, TCMALLOC_QUIET, TCMALLOC_SONAMES,  # noqa: E402 - torch-free
-                               find_mimalloc)
+from rank_envs import ENVS  # noqa: E402 - benchmarks/rank_envs.py, torch-free
 
 
 def worker(args) -> None:
@@ -164,6 +155,8 @@ def worker(args) -> None:
         loss = float(step(batch).detach())
         if policy == "trim":
             allocator.trim()
+        elif policy == "collect":  # Note [Rank allocator]: once per step, after the optimizer step
+            allocator.collect()
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
@@ -189,32 +182,6 @@ def worker(args) -> None:
 #: DeepSpeed's ZeRO (when installed): mode -> its ``zero_optimization.stage``; ``b``: its buckets of
 #: ``--bucket-mb`` (zerorun's) instead of its defaults
 DEEPSPEED_MODES = {"ds2": 2, "ds3": 3, "ds2b": 2, "ds3b": 3}
-
-#: tcmalloc preloaded as zerorun's launcher preloads it (zerorun.allocator.allocator_env), by its preferred soname.
-TCMALLOC = {"LD_PRELOAD": TCMALLOC_SONAMES[0], **TCMALLOC_QUIET}
-
-#: environments a mode can run in: name -> (variables for the ranks, what the rank does itself).
-ENVS = {
-    "alloc": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
-    "default": ({}, None),
-    "trim": ({}, "trim"),
-    "mmap4": ({"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
-    "mmap16": ({"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "THP_MEM_ALLOC_ENABLE": "1"}, None),
-    "nothp": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, None),
-    # Note [Rank allocator]: what zerorun's launcher gives ranks where the node has tcmalloc (zerorun.launch.plan)
-    "tcmalloc": (TCMALLOC, None),
-    "jemalloc": ({"LD_PRELOAD": "libjemalloc.so.2"}, None),
-    # what zerorun's launcher gives ranks where the node has no tcmalloc: mimalloc from its pip wheel
-    # (cmeel-mimalloc), preloaded by path, keeping what it frees (zerorun.allocator.MIMALLOC_KEEP)
-    "mimalloc": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", **MIMALLOC_KEEP}, None),
-    # mimalloc returning freed memory at once, after 100 ms, 1 s (its default), 10 s, or never (MIMALLOC_PURGE_DELAY)
-    **{f"mimalloc-purge{ms}": ({"LD_PRELOAD": find_mimalloc() or "libmimalloc.so", "MIMALLOC_PURGE_DELAY": str(ms)},
-                               None) for ms in (0, 100, 1000, 10000, -1)},
-    # tcmalloc returning every freed span to the kernel at once (gperftools' aggressive decommit), or 10x faster
-    "tcmalloc-decommit": ({**TCMALLOC, "TCMALLOC_AGGRESSIVE_DECOMMIT": "1"}, None),
-    "tcmalloc-release": ({**TCMALLOC, "TCMALLOC_RELEASE_RATE": "10"}, None),
-}
-
 
 def run_mode(mode: str, args, extra: list[str], env_name: str | None = None) -> list[dict]:
     """Run ``mode`` on ``args.nproc`` ranks of this script in environment ``env_name`` (a key of

@@ -7,47 +7,34 @@ rank imports it (through zero/allocator.py) before it allocates anything.
 Note [Rank allocator]: zerorun's ranks run under gperftools' tcmalloc where their node has it (Debian/Ubuntu
 package ``libtcmalloc-minimal4``; ``.ci/run`` installs it), else under Microsoft's mimalloc, whose shared library
 comes with zerorun from pip (the ``cmeel-mimalloc`` wheel, a dependency: :func:`find_mimalloc`; issue 35: a fresh
-install, where nobody ran apt-get, gets a fast allocator too), either preloaded by each node's watcher
-(:func:`allocator_env`; ``ZERORUN_ALLOCATOR`` in the recipe's ``launch.env`` or the launcher's environment may
-name ``tcmalloc``, ``mimalloc`` or ``glibc``), and under glibc with the tuning of Note [Returning freed memory]
-(zero/allocator.py) where a node has neither (its watcher prints one line saying what to install:
-:func:`fallback_note`). mimalloc is the fallback's replacement, not tcmalloc's: in one
-run on a loaded machine (issue 35; 55M GPT, 2 gloo ranks, micro-batch 8; docs/benchmarks.md, "What a fresh
-install runs"), CPU seconds per step and rank against DDP as torchrun runs it were stage 1 1.08x, stage 2 1.11x,
-stage 3 1.22x under
-mimalloc, 0.93x, 0.92x, 0.84x under tcmalloc and 1.15x, 1.17x, 1.22x under glibc tuned, with realized savings of
-0.99, 0.98, 0.83 (tcmalloc 1.00, 1.00, 0.89; glibc tuned 1.00, 1.00, 0.99): mimalloc faults in a sixth of glibc
-tuned's pages but still pays 0.9-1.4 kernel seconds a step, because it returns freed memory to the kernel after a
-delay (``MIMALLOC_PURGE_DELAY``, 1 s) shorter than a step and faults it in again. So the watcher gives mimalloc
-``MIMALLOC_PURGE_DELAY=-1`` (:data:`MIMALLOC_KEEP`; the job's own value wins): it then keeps
-and reuses what it frees, as tcmalloc does, and in a second run stage 2 took 1.00x tcmalloc's CPU time (4.45
-against 4.47 s a step; 0.84x DDP's step time under torchrun), but held 1618 MiB at its peak against tcmalloc's
-1443 (stage 0: 2022 against 1772, so the realized saving reads 1.29); in a third, stage 1 1.03x and stage 3
-0.94x tcmalloc's CPU time, but stage 3 held 1708 MiB against tcmalloc's 1382 (0.75 of its saving): the price of
-keeping, where a job that needs the memory sets ``MIMALLOC_PURGE_DELAY`` itself or asks for glibc.
-torch's own CPU launcher offers the same preload (``torch.backends.xeon.run_cpu --enable-tcmalloc``). Why: the
-fixed mmap threshold keeps what ZeRO frees off the peak but makes every rank fault in each large block anew on
-every use, and a step of stage 3, which gathers and frees every unit twice, the most; tcmalloc keeps freed
-blocks in its page heap and reuses them, so nothing is faulted in after the first step, and it does not let the
-heap grow with holes the way glibc's raised threshold does. Measured side by side, 2 interleaved rounds on an
-idle machine (55M GPT, 2 gloo ranks, micro-batch 4; ``benchmarks/zero_stages.py --envs default,alloc,tcmalloc``;
-docs/benchmarks.md, "The allocator"): step time glibc tuned -> tcmalloc, stage 1 1.56 -> 1.28 s, stage 2 1.57 ->
-1.27 s,
-stage 3 1.95 -> 1.45 s, DDP 1.68 -> 1.43 s (DDP under glibc's defaults, as torchrun runs it: 1.53 s); peak RSS
-per rank stage 1 1248 -> 1284 MiB, stage 2 1143 -> 1254, stage 3 1094 -> 1154 (glibc defaults: 1417, 1367,
-1241). Stages 2 and 3 keep less of their saving under tcmalloc (realized 0.75 and 0.80, against 1.00 and 0.87
-tuned; tcmalloc's peak also moves between runs: the bytes in use are the same, but its heap grows by a 32 MiB
-block, or not, at a step chosen by chance, when no free span is whole enough for it; neither gperftools'
-aggressive decommit, which faults everything in again, nor its faster release rate, nor releasing free spans
-between phases of the step helped: docs/benchmarks.md, "The allocator"): ``ZERORUN_ALLOCATOR: glibc`` trades that
-speed
-for memory. Those figures are from before stage 3's tails and the adopted gradients (Notes [Outer units],
-[Adopted gradient]); after them, in one run of every mode (benchmarks/results/history.md, "Issue 21: stage 3's
-peak"), tcmalloc keeps 1.02 and 0.92 of stages 2 and 3's saving (1176 and 1108 MiB, glibc tuned 1144 and 1044) at
-1.358 and 1.510 s,
-0.84x and 0.94x DDP as torchrun runs it; at micro-batch 8 stage 3 under tcmalloc keeps 0.90 or 0.75 by run
-(each stage's peak lands on one of two values 62 MiB apart: benchmarks/results/history.md, "Issue 21: stage 3's
-peak").
+install, where nobody ran apt-get, gets a fast allocator too; no wheel on PyPI ships tcmalloc or jemalloc), either
+preloaded by each node's watcher (:func:`allocator_env`; ``ZERORUN_ALLOCATOR`` in the recipe's ``launch.env`` or
+the launcher's environment may name ``tcmalloc``, ``mimalloc`` or ``glibc``), else under glibc with the tuning
+of Note [Returning freed memory] (zero/allocator.py), where the watcher prints one line saying what to install
+(:func:`fallback_note`). torch's own CPU launcher offers the same preload (``torch.backends.xeon.run_cpu
+--enable-tcmalloc``).
+
+Why: glibc tuned's fixed mmap threshold keeps what ZeRO frees off the peak, but every rank maps, faults in and
+unmaps each large block on every use, stage 3 (which gathers and frees every unit twice a step) the most:
+1.17x (stage 2) and 1.22x (stage 3) the CPU time of DDP as torchrun runs it. tcmalloc keeps freed spans in its
+page heap and reuses them, so nothing is faulted in after the first step (0.92x, 0.84x), and its heap does not
+grow with holes the way glibc's raised threshold does (realized saving 1.00 and 0.89 there; its peak moves by
+a 32 MiB block between runs: docs/benchmarks.md, "The allocator").
+
+mimalloc (v3, the only one the wheel ships) returns freed memory to the kernel 1 s after the free, shorter than a
+step, which then faults it in again (stage 3 1.22x DDP's CPU time); never returning it runs at tcmalloc's speed but
+holds 200-340 MiB more than tcmalloc at the peak (stages 0-3), what earlier phases freed in other sizes. So the
+watcher gives mimalloc a purge delay no step outlasts (:data:`MIMALLOC_ENV`; the job's own value wins), and
+``zero.initialize`` has the engine's optimizer call ``mi_collect(true)`` after each step (zero/allocator.py's
+``collect_after_steps``; host-only, no device sync; nothing under other allocators): a step reuses what it frees,
+and what it freed goes back to the kernel before the next. Measured (55M GPT, 2 gloo ranks, micro-batch 8;
+docs/benchmarks.md, "What a fresh install runs"), stages 1-3 then used 1.02x, 1.07-1.09x and 1.05-1.24x tcmalloc's
+CPU time on a loaded machine (0.99-1.02x on a lighter load: the kernel's time for the faults) and held 1698, 1594
+and 1555 MiB at their peak (tcmalloc 1576, 1471, 1382; kept 1865, 1668, 1581), realized saving 1.06, 1.04 and 0.86
+(tcmalloc 0.99, 0.99, 0.96), and 640-840 MiB less than kept between steps. mimalloc's own options did not close the
+rest (benchmarks/results/history.md, "Issue 35: closing mimalloc's memory gap"): without eager commit stage 3 holds
+1476 MiB, but each step faults in 4 KiB pages (1.08-1.10x tcmalloc's CPU time at every stage); decommitting at once,
+1445 MiB at 1.47x. A job that needs the memory more than the speed asks for ``ZERORUN_ALLOCATOR: glibc``.
 """
 
 from __future__ import annotations
@@ -126,9 +113,11 @@ def name() -> str:
 TCMALLOC_SONAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 #: tcmalloc prints a line for every allocation above this many bytes (default 1 GiB): never, for a rank.
 TCMALLOC_QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
-#: mimalloc keeps what a rank frees instead of returning it to the kernel after 1 s (its default, shorter than a
-#: step: every step faulted its memory in again) and reusing it, as tcmalloc does (Note [Rank allocator]).
-MIMALLOC_KEEP = {"MIMALLOC_PURGE_DELAY": "-1"}
+#: mimalloc returns what a rank frees to the kernel once per step, when the engine's optimizer has stepped
+#: (``mi_collect``: zero/allocator.py's ``collect``), not after its default 1 s purge delay (shorter than a step:
+#: the step faulted its memory in again several times) nor never (Note [Rank allocator]). The delay (ms) is one
+#: that no step outlasts.
+MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": str(24 * 3600 * 1000)}
 
 
 def rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -167,7 +156,7 @@ def allocator_env(env: dict[str, str], tcmalloc: str | None, mimalloc: str | Non
     ``auto`` preloads tcmalloc, else mimalloc (``LD_PRELOAD``), unless the job (or the node) preloads a library
     itself (which may be an allocator: ``ZERORUN_ALLOCATOR=preload``) or sets ``MALLOC_MMAP_THRESHOLD_``;
     ``tcmalloc`` and ``mimalloc`` preload that one unless the job preloads its own; mimalloc gets
-    :data:`MIMALLOC_KEEP` unless the job sets it. Otherwise, and for
+    :data:`MIMALLOC_ENV` where the job does not set those variables. Otherwise, and for
     ``glibc``, glibc's tuning (:data:`GLIBC_ENV`) where the job does not set those variables. The result also
     names the choice made (``ZERORUN_ALLOCATOR=tcmalloc``, ``mimalloc``, ``preload`` or ``glibc``) and always
     has :data:`TCMALLOC_QUIET`, which only a tcmalloc reads; the rank reports what it really runs under
@@ -187,8 +176,8 @@ def allocator_env(env: dict[str, str], tcmalloc: str | None, mimalloc: str | Non
     if choice == "auto" and "MALLOC_MMAP_THRESHOLD_" not in env:  # the job tuning glibc asks for glibc
         choice = "tcmalloc" if tcmalloc else "mimalloc" if mimalloc else "glibc"
     if choice in found and not env.get("LD_PRELOAD"):
-        keep = {**MIMALLOC_KEEP, **{k: env[k] for k in MIMALLOC_KEEP if k in env}} if choice == "mimalloc" else {}
-        return {**quiet, **keep, "LD_PRELOAD": found[choice], ALLOCATOR_VAR: choice}
+        mi = {**MIMALLOC_ENV, **{k: env[k] for k in MIMALLOC_ENV if k in env}} if choice == "mimalloc" else {}
+        return {**quiet, **mi, "LD_PRELOAD": found[choice], ALLOCATOR_VAR: choice}
     label = "preload" if env.get("LD_PRELOAD") else "glibc"
     return {**GLIBC_ENV, **{k: env[k] for k in GLIBC_ENV if k in env}, **quiet, ALLOCATOR_VAR: label}
 

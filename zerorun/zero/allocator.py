@@ -1,7 +1,8 @@
-"""glibc's allocator, tuned from inside a rank: ``mallopt`` settings and ``malloc_trim``, through ctypes.
+"""The rank's malloc from inside, through ctypes: glibc's ``mallopt`` settings and ``malloc_trim``, and
+mimalloc's per-step ``mi_collect`` (:func:`collect`, Note [Rank allocator] in zerorun/allocator.py).
 
-Everything here is a no-op (returning False) where glibc is not the C library (macOS, musl). The module does
-not import torch, so a rank can call :func:`configure` before torch allocates anything.
+Each is a no-op (returning False) where its allocator does not serve the process (glibc: macOS, musl). The module
+does not import torch, so a rank can call :func:`configure` before torch allocates anything.
 
 Note [Returning freed memory]: glibc serves a block below its mmap threshold from a heap (an arena) and,
 by default, raises that threshold to the size of every mmapped block freed (up to 32 MiB) and the trim
@@ -34,7 +35,7 @@ import ctypes
 import ctypes.util
 import os
 
-from zerorun.allocator import GLIBC_ENV, MMAP_THRESHOLD, preloaded
+from zerorun.allocator import GLIBC_ENV, MMAP_THRESHOLD, name, preloaded
 
 #: mallopt parameter numbers, from glibc's <malloc.h>.
 M_TRIM_THRESHOLD = -1
@@ -67,6 +68,47 @@ def trim() -> bool:
     """
     lib = _glibc()
     return bool(lib and lib.malloc_trim(0))
+
+
+_mi_collect = None
+
+
+def collect() -> bool:
+    """Return the free memory mimalloc holds to the kernel now (``mi_collect(true)``: every free page of this
+    thread's heap back to the arenas, and every range the arenas were keeping for their purge delay decommitted;
+    Note [Rank allocator]), once per optimizer step. Host-only: no device sync. A no-op under any other malloc.
+
+    Returns:
+        True if mimalloc serves this process's malloc and was asked to collect, else False.
+    """
+    global _mi_collect
+    if _mi_collect is None:
+        _mi_collect = False
+        if name() == "mimalloc":
+            try:
+                fn = ctypes.CDLL(None).mi_collect  # the preloaded library's symbols are the process's
+                fn.argtypes, fn.restype = [ctypes.c_bool], None
+                _mi_collect = fn
+            except (OSError, AttributeError):
+                pass
+    if not _mi_collect:
+        return False
+    _mi_collect(True)
+    return True
+
+
+def collect_after_steps(optimizer) -> bool:
+    """Under mimalloc, :func:`collect` after every ``optimizer.step()`` (Note [Rank allocator]; a torch
+    optimizer's step post-hook; an engine steps its optimizer once per training step); under any other malloc
+    nothing is registered.
+
+    Returns:
+        True if the hook was registered (this process runs under mimalloc), else False.
+    """
+    if name() != "mimalloc":
+        return False
+    optimizer.register_step_post_hook(lambda *_: collect())
+    return True
 
 
 def mallopt(param: int, value: int) -> bool:
