@@ -61,6 +61,8 @@ ENVS = {
     "mimalloc-reset": ({**MIMALLOC, "MIMALLOC_PURGE_DELAY": "0", "MIMALLOC_PURGE_DECOMMITS": "0"}, None),
     **{f"mimalloc-keep-{k}": ({**MIMALLOC, "MIMALLOC_PURGE_DELAY": "-1", **v}, None)
        for k, v in MIMALLOC_OPTIONS.items()},
+    "tbbmalloc": ({"LD_PRELOAD": ":".join(os.path.join(sys.prefix, "lib", f"libtbbmalloc{s}.so.2")
+                                          for s in ("", "_proxy"))}, None),
     "tcmalloc-decommit": ({**TCMALLOC, "TCMALLOC_AGGRESSIVE_DECOMMIT": "1"}, None),
     "tcmalloc-release": ({**TCMALLOC, "TCMALLOC_RELEASE_RATE": "10"}, None),
 }
