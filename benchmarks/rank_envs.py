@@ -11,7 +11,7 @@ node has it; Debian package libtcmalloc-minimal4), ``jemalloc`` jemalloc preload
 ``tcmalloc-release`` tcmalloc releasing 10x faster than its default (``TCMALLOC_RELEASE_RATE=10``), ``mimalloc``
 mimalloc from its pip wheel (cmeel-mimalloc) as zerorun's launcher gives it where a node has no tcmalloc (a purge
 delay no step outlasts; zerorun's engine calls ``mi_collect(true)`` after each optimizer step:
-:func:`zerorun.zero.allocator.collect_after_steps`), ``mimalloc-keep`` never returning freed memory
+:func:`zerorun.zero.allocator.collect`, called by the engine at the end of each step), ``mimalloc-keep`` never returning freed memory
 (``MIMALLOC_PURGE_DELAY=-1``, the launcher's choice before), ``mimalloc-purgeMS`` returning it MS ms after the
 free (0, 100, 1000: mimalloc's default, 10000; -1: never), ``mimalloc-collect`` the same as ``mimalloc`` with the
 rank calling ``collect()`` itself after each step too (measured before the engine did), ``mimalloc-reset``

@@ -52,6 +52,36 @@ class Wide(nn.Module):
         return F.cross_entropy(logits, batch["y"]) + 0 * self.count.sum() * self.flag.any()
 
 
+class MixedBlock(nn.Module):
+    """A stage-3 unit of three dtypes: a float32 ``Linear``, a float64 ``LayerNorm`` and a frozen integer
+    parameter. Input and output ``(B, 16)`` fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(16, 16), nn.LayerNorm(16, dtype=torch.float64)
+        self.count = nn.Parameter(torch.arange(3), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.tanh(self.fc(h)).double()).float() + h + 0 * self.count.sum()
+
+
+class MixedBlocks(nn.Module):
+    """Two :class:`MixedBlock` between fp32 layers. Input as :class:`Wide`'s; output the loss (fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(7, 16), nn.Linear(16, 5)
+        self.blocks = nn.ModuleList(MixedBlock() for _ in range(2))
+        self.flag = nn.Parameter(torch.tensor([True, False]), requires_grad=False)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        h = self.inp(batch["x"])
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.out(h), batch["y"]) + 0 * self.flag.any()
+
+
 class ComplexModel(nn.Module):
     """A linear layer and a complex parameter ``phase`` (never reached: initialize refuses it)."""
 
@@ -62,8 +92,9 @@ class ComplexModel(nn.Module):
 
 
 def _model(kind: str) -> nn.Module:
-    """``wide`` (:class:`Wide`) or ``gpt64`` (the tiny GPT of parity_cases, all float64)."""
-    return Wide() if kind == "wide" else _build("gpt", 0).double()
+    """``wide`` (:class:`Wide`), ``blocks`` (:class:`MixedBlocks`) or ``gpt64`` (the tiny GPT of parity_cases,
+    all float64)."""
+    return Wide() if kind == "wide" else MixedBlocks() if kind == "blocks" else _build("gpt", 0).double()
 
 
 def _batch(kind: str, step: int, micro: int, rank: int) -> object:
@@ -78,7 +109,8 @@ def _loss(out) -> torch.Tensor:
 
 
 def parity(stage: int, kind: str = "wide", steps: int = 10, accum: int = 1, clip: float | None = None,
-           offload: str = "none", offload_path: str | None = None, bucket_mb: float = 0.0005) -> dict:
+           offload: str = "none", offload_path: str | None = None, bucket_mb: float = 0.0005,
+           units: tuple = ()) -> dict:
     """The engine at fp32 against DDP over the same model (its dtypes as built) with AdamW over the parameters,
     step by step. Returns the dtypes the engine left (``dtypes``: name -> dtype of every parameter;
     ``masters``: the dtypes of this rank's master slices), the largest relative differences of the loss, the
@@ -95,7 +127,7 @@ def parity(stage: int, kind: str = "wide", steps: int = 10, accum: int = 1, clip
     engine = initialize(zmodel, optimizer="AdamW", optimizer_kwargs=kwargs,
                         config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, grad_accum_steps=accum, grad_clip=clip,
                                           offload_optimizer=offload, offload_path=offload_path,
-                                          offload_buffer_mb=0.002))
+                                          offload_buffer_mb=0.002, units=units if stage == 3 else ()))
     out = {"dtypes": {n: str(p.dtype) for n, p in zmodel.named_parameters()},
            "masters": sorted({str(m.dtype) for m in engine.master_slices()}),
            "start": all(p.dtype == start[n].dtype and torch.equal(p, start[n])

@@ -141,6 +141,35 @@ def collectives_per_gather() -> dict:
             "collectives": got["collectives"], "gathers": got["gathers"]}
 
 
+class Reordered(Net):
+    """:class:`Net` whose rank 1 runs its blocks in reverse from step ``swap_from`` on (same shapes)."""
+
+    swap = False
+
+    def forward(self, x):
+        for b in (self.blocks[::-1] if self.swap and dist.get_rank() == 1 else self.blocks):
+            x = b(x)
+        return self.head(x).pow(2).mean()
+
+
+def reordered_after_first_step(steps: int = 3) -> str:
+    """Train :class:`Reordered` at stage 3 (prefetch on, the default) with rank 1 reversing its blocks from the
+    second step on; the error raised, or ``""``."""
+    torch.manual_seed(0)
+    model = Reordered()
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=3, units=("Block",)))
+    try:
+        for step in range(steps):
+            model.swap = step >= 1
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            engine.backward(engine(x))
+            engine.step()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
 def units_by_name(units: tuple, stage: int = 3, steps: int = 3) -> dict:
     """Train ``Net`` with ``zero.units`` ``units`` (class or module names) at ``stage``: per-step losses, the
     units and their roles, and the run's description of them (zerorun.zero.units.describe_units)."""

@@ -125,6 +125,17 @@ def test_float64_parameters_stay_float64_and_train_equal_to_ddp(ranks, stage):
 
 
 @slow
+def test_a_unit_of_float32_float64_and_integer_parameters_trains_equal_to_ddp(ranks):
+    """A stage-3 unit whose parameters are float32, float64 and integer (:class:`dtype_cases.MixedBlock`): its
+    three buffers are all-gathered in one collective, as bytes (Note [One all-gather per unit]). Before: torch's
+    coalesced all-gather on gloo mixed the dtypes up, the first loss came out 2x DDP's and then NaN."""
+    for rank, r in enumerate(ranks(2).run(cases.parity, stage=3, kind="blocks", units=("MixedBlock",))):
+        assert r["loss"] <= 1e-6 and r["grad_norm"] <= 1e-5 and r["start"], (rank, r)
+        assert r["params"][F32] <= 1e-5 and r["params"][F64] <= 1e-10, (rank, r)
+        assert r["equal_non_float"] == [True, True, True], (rank, r)  # the blocks' integers and the bool
+
+
+@slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_all_float64_model_on_three_ranks_with_accumulation_and_clipping(ranks, stage):
     _check_parity(ranks(3).run(cases.parity, stage=stage, kind="gpt64", accum=2, clip=0.05, steps=8), fp32=False)

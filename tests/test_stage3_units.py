@@ -28,6 +28,20 @@ def test_a_unit_of_several_flat_buffers_is_gathered_in_one_collective(ranks):
         assert r["gathers"] >= 8 and r["collectives"] == r["gathers"], r  # 3 blocks and the head, twice
 
 
+def test_ranks_that_leave_the_recorded_order_get_the_error_not_a_hang(ranks):
+    """Note [Prefetch]: a pass that deviates from the recorded order prefetches no more. Before, rank 1 running
+    its blocks in reverse from the second step on came back to the recorded order at the middle block and
+    prefetched the last one again: one all-gather more than rank 0, which then paired with the agreement before
+    backward, and the job hung instead of raising Note [Same units on every rank]'s error."""
+    pool = ranks(2)
+    timeout, pool.timeout = pool.timeout, 120
+    try:
+        for error in pool.run(cases.reordered_after_first_step):
+            assert "ranks ran different units in one step" in error, error
+    finally:
+        pool.timeout = timeout
+
+
 def test_units_may_be_named_by_module_as_well_as_by_class():
     """``zero.units`` entries are module names (FSDP2's ``fully_shard(model.tok_embeddings)``) or class names."""
     model = nn.Sequential(nn.Embedding(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))

@@ -25,9 +25,11 @@ mimalloc (v3, the only one the wheel ships) returns freed memory to the kernel 1
 step, which then faults it in again (stage 3 1.22x DDP's CPU time); never returning it runs at tcmalloc's speed but
 holds 200-340 MiB more than tcmalloc at the peak (stages 0-3), what earlier phases freed in other sizes. So the
 watcher gives mimalloc a purge delay no step outlasts (:data:`MIMALLOC_ENV`; the job's own value wins), and
-``zero.initialize`` has the engine's optimizer call ``mi_collect(true)`` after each step (zero/allocator.py's
-``collect_after_steps``; host-only, no device sync; nothing under other allocators): a step reuses what it frees,
-and what it freed goes back to the kernel before the next. Measured (55M GPT, 2 gloo ranks, micro-batch 8;
+the engine calls ``mi_collect(true)`` at the end of each step (zero/allocator.py's ``collect``; host-only, no
+device sync; nothing under other allocators; the optimizer on disk included): a step reuses what it frees, and
+what it freed goes back to the kernel before the next. Processes that run no zerorun engine (a script under
+``zerorun launch``, the DDP and FSDP2 baselines of ``zerorun bench``) are never collected: under mimalloc they keep
+what they free, as under tcmalloc. Measured (55M GPT, 2 gloo ranks, micro-batch 8;
 docs/benchmarks.md, "What a fresh install runs"), stages 1-3 then used 1.02x, 1.07-1.09x and 1.05-1.24x tcmalloc's
 CPU time on a loaded machine (0.99-1.02x on a lighter load: the kernel's time for the faults) and held 1698, 1594
 and 1555 MiB at their peak (tcmalloc 1576, 1471, 1382; kept 1865, 1668, 1581), realized saving 1.06, 1.04 and 0.86
@@ -171,7 +173,8 @@ def allocator_env(env: dict[str, str], tcmalloc: str | None, mimalloc: str | Non
         raise ValueError(f"{ALLOCATOR_VAR}={choice!r}: expected one of {', '.join(ALLOCATORS)}")
     found = {"tcmalloc": tcmalloc, "mimalloc": mimalloc}
     if choice in found and not found[choice]:
-        raise ValueError(f"{ALLOCATOR_VAR}={choice}, but this node has no {choice} (install: {INSTALL_HINT})")
+        how = INSTALL_HINT.split(", or ")[0 if choice == "mimalloc" else 1]
+        raise ValueError(f"{ALLOCATOR_VAR}={choice}, but this node has no {choice} (install: {how})")
     quiet = {**TCMALLOC_QUIET, **{k: env[k] for k in TCMALLOC_QUIET if k in env}}
     if choice == "auto" and "MALLOC_MMAP_THRESHOLD_" not in env:  # the job tuning glibc asks for glibc
         choice = "tcmalloc" if tcmalloc else "mimalloc" if mimalloc else "glibc"

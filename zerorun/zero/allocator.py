@@ -76,7 +76,8 @@ _mi_collect = None
 def collect() -> bool:
     """Return the free memory mimalloc holds to the kernel now (``mi_collect(true)``: every free page of this
     thread's heap back to the arenas, and every range the arenas were keeping for their purge delay decommitted;
-    Note [Rank allocator]), once per optimizer step. Host-only: no device sync. A no-op under any other malloc.
+    Note [Rank allocator]); the engine calls it at the end of every step. Host-only: no device sync. A no-op
+    under any other malloc.
 
     Returns:
         True if mimalloc serves this process's malloc and was asked to collect, else False.
@@ -94,20 +95,6 @@ def collect() -> bool:
     if not _mi_collect:
         return False
     _mi_collect(True)
-    return True
-
-
-def collect_after_steps(optimizer) -> bool:
-    """Under mimalloc, :func:`collect` after every ``optimizer.step()`` (Note [Rank allocator]; a torch
-    optimizer's step post-hook; an engine steps its optimizer once per training step); under any other malloc
-    nothing is registered.
-
-    Returns:
-        True if the hook was registered (this process runs under mimalloc), else False.
-    """
-    if name() != "mimalloc":
-        return False
-    optimizer.register_step_post_hook(lambda *_: collect())
     return True
 
 

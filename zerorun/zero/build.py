@@ -10,7 +10,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerorun.zero import allocator, compiling
+from zerorun.zero import compiling
 from zerorun.zero.config import ZeroConfig
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.precision import refuse_complex
@@ -64,7 +64,7 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
         engine = Stage3Engine(model, **kwargs)
         if compiler is not None:
             compiling.compile_units(engine, compiler)
-        return _collecting(engine)
+        return engine
     if is_deferred(model):
         if param_groups is not None:
             raise ValueError("param_groups of a deferred model must be given at stage 3 only; at stages 0-2 "
@@ -79,12 +79,4 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
     engine = ZeroEngine(model, **kwargs)
     if compiler is not None:
         compiling.compile_whole(model, compiler)
-    return _collecting(engine)
-
-
-def _collecting(engine: ZeroEngine) -> ZeroEngine:
-    """``engine``, whose optimizer returns mimalloc's free memory to the kernel after each step (Note [Rank
-    allocator]; nothing under other allocators, nor with the optimizer on disk, which steps once per chunk)."""
-    if engine.config.offload_optimizer != "disk":
-        allocator.collect_after_steps(engine.optimizer)
     return engine

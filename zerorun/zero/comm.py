@@ -261,12 +261,15 @@ class Comm:
             return _all_gather(output, input, group=self.group, async_op=True)
 
     def all_gather_coalesced(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
-        """:meth:`all_gather` of each pair ``(outputs[i], inputs[i])`` (1-D; any dtypes), issued as one collective
-        with one handle (Note [One all-gather per unit] in units.py); pairs of zero elements are skipped."""
+        """:meth:`all_gather` of each pair ``(outputs[i], inputs[i])`` (1-D; any dtypes: where they differ, every
+        pair as its bytes, ``uint8``), issued as one collective with one handle (Note [One all-gather per unit] in
+        units.py); pairs of zero elements are skipped."""
         pairs = [(o, i) for o, i in zip(outputs, inputs) if o.numel()]
         if self.world_size == 1 or len(pairs) < 2:
             works = [self.all_gather(o, i) for o, i in pairs] or [_Done()]
             return works[0]
+        if len({o.dtype for o, _ in pairs}) > 1:  # Note [One all-gather per unit]: mixed dtypes travel as bytes
+            pairs = [(o.view(torch.uint8), i.view(torch.uint8)) for o, i in pairs]
         for _, i in pairs:
             self._count((self.world_size - 1) * i.nbytes)
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zerorun.zero import allocator
 from zerorun.zero.broadcast import broadcast_coalesced
 from zerorun.zero.comm import Comm
 from zerorun.zero.config import ZeroConfig
@@ -247,7 +248,8 @@ class ZeroEngine(UserModel):
         optimizer step] in ``masters.py``), write them into the parameters (cast to ``precision``) and
         all-gather them, zero the gradients. fp16: the norm is of the unscaled gradients; if it is not finite
         the step is skipped on every rank (:attr:`last_step_skipped`, :attr:`skipped_steps`) and the loss scale
-        lowered (Note [Loss scaling]): the step's one host read.
+        lowered (Note [Loss scaling]): the step's one host read. Under mimalloc, its free memory then goes back to
+        the kernel (``zero.allocator.collect``, Note [Rank allocator]; optimizer offloaded to disk included).
 
         Returns:
             The global gradient L2 norm before clipping: a 0-d fp32 tensor (fp64 when a parameter is float64:
@@ -280,6 +282,7 @@ class ZeroEngine(UserModel):
                 self.last_step_skipped = True
                 self.skipped_steps += 1
                 self._zero_grads()
+                allocator.collect()
                 return norm
             coef = torch.full((), 1.0 / scale, dtype=norm.dtype, device=norm.device)
         if self.config.grad_clip:
@@ -288,6 +291,7 @@ class ZeroEngine(UserModel):
         self.masters.step(grads, coef, self._used())
         self._after_step()
         self._zero_grads()
+        allocator.collect()  # Note [Rank allocator]: under mimalloc what the step freed goes back (host only)
         return norm
 
     def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ class Schedule:
         self.root = next(u for u in units if u.is_root)
         self.order: dict[str, list[Unit]] = {"forward": [], "backward": []}  # Note [Prefetch]: as recorded
         self.seen: dict[str, list[Unit]] = {"forward": [], "backward": []}  # in this pass so far
+        self.deviated = {"forward": False, "backward": False}  # this pass left the recorded order
         self.active: list[Unit] = []
         self.handles: list = []
         self.outer = OuterSchedule(self)
@@ -66,7 +67,9 @@ class Schedule:
         seen.append(unit)
         order = self.order[phase]
         i = len(seen) - 1
-        if not self.config.prefetch or i >= len(order) or order[i] is not unit:
+        if i >= len(order) or order[i] is not unit:  # a pass that deviated prefetches no more (it may come back
+            self.deviated[phase] = True  # to the recorded order on one rank and not on another)
+        if not self.config.prefetch or self.deviated[phase]:
             return
         if phase == "backward" and unit.is_root:  # Note [Prefetch]: not across the loss's backward
             return
@@ -77,6 +80,7 @@ class Schedule:
         if self.seen[phase] and self.seen[phase] != self.order[phase]:
             self.order[phase] = self.seen[phase]
         self.seen[phase] = []
+        self.deviated[phase] = False
 
     def free_all(self) -> None:
         """Free every unit (pins of units go; a ``gathered_parameters`` block keeps its own)."""

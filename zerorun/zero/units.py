@@ -6,8 +6,11 @@ Note [One all-gather per unit]: a unit holds one flat buffer per optimizer param
 decay: its matrices, and its biases and norms) and frozen ones; their all-gathers are issued as one coalesced
 collective (``Comm.all_gather_coalesced``: under NCCL one group launch, under gloo one round), with one handle
 to wait for, each buffer gathered in place into its own storage (no copy in or out, nothing more held; the
-measurement: benchmarks/results/history.md, issue 38). Peer units of different layouts gather in one padded
-message instead (Note [Peer units] in unit_plan.py).
+measurement: benchmarks/results/history.md, issue 38). Where the buffers' dtypes differ (a float64 parameter
+kept beside float32 ones, Note [Wide parameters]; an integer frozen one), every buffer travels as its bytes (a
+``uint8`` view: the same bytes in the same places): torch's coalesced all-gather on gloo mixes up tensors of
+different dtypes (float32 beside float64 came back as garbage and trained to NaN). Peer units of different
+layouts gather in one padded message instead (Note [Peer units] in unit_plan.py).
 """
 
 from __future__ import annotations
