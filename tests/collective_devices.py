@@ -76,12 +76,15 @@ def check(comm: Comm, op: str, tensors) -> None:
         assert t.device == comm.device, f"{op}: a tensor on {t.device}, the group's device is {comm.device}"
 
 
+#: every method of :class:`Comm` that issues a collective (the ones these checks, and program_order_cases, wrap)
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_gather_coalesced", "broadcast")
+
+
 @contextlib.contextmanager
 def device_check():
     """While active, every :class:`Comm` collective checks its tensors' devices (Note [Checking devices on
     CPU])."""
-    saved = {name: getattr(Comm, name) for name in ("all_reduce", "reduce_scatter", "all_gather",
-                                                    "all_gather_coalesced", "broadcast")}
+    saved = {name: getattr(Comm, name) for name in COLLECTIVES}
 
     def wrap(name, method):
         def checked(self, *args, **kwargs):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from collective_devices import COLLECTIVES  # every Comm method that issues a collective
 from zerorun.zero import ZeroConfig, initialize
 from zerorun.zero.comm import Comm
 
@@ -26,9 +27,6 @@ class Net(nn.Module):
 def _x(step: int, micro: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + 10 * micro + dist.get_rank())
     return torch.randn(4, 8, generator=g)
-
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")  # every Comm's, every stage's
 
 
 def _error(call) -> tuple[str, int]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from collective_devices import device_check
+from collective_devices import COLLECTIVES, device_check
 from zerorun.zero import ZeroConfig, initialize
 from zerorun.zero.comm import Comm
 
@@ -66,8 +66,7 @@ class _Unsure:
 def recorded(rng: random.Random, log: list):
     """Record every collective of every :class:`Comm` into ``log``; wrap their handles in :class:`_Unsure`."""
     groups: dict = {}
-    saved = {name: getattr(Comm, name) for name in ("all_reduce", "reduce_scatter", "all_gather",
-                                                    "all_gather_coalesced", "broadcast")}
+    saved = {name: getattr(Comm, name) for name in COLLECTIVES}
 
     def wrap(name, method):
         def issue(self, tensor, *args, **kwargs):
