@@ -32,6 +32,48 @@ def reduce_scatter_matches_native(dtype: str, in_place: bool, numel_per_rank: in
             "bytes_sent": comm.bytes_sent, "expected_bytes": (n - 1) * numel_per_rank * dt.itemsize}
 
 
+def all_gather_coalesced_matches_torch(message_bytes: int) -> dict:
+    """Comm.all_gather_coalesced on gloo (one packed all-gather, Note [One all-gather per unit]) against torch's
+    all_gather of each pair: float32, float64, bfloat16 and int64 pairs of odd sizes (one empty), two gathers
+    in flight at once beside a reduce-scatter. Also how often torch's coalescing manager ran (gloo's coalesced
+    all-gather corrupts the heap: it must not), the bytes counted and the pool's tensors still out."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    calls = []
+    manager = dist.distributed_c10d._coalescing_manager
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return manager(*args, **kwargs)
+
+    g = torch.Generator().manual_seed(r)
+    layouts = [(torch.float32, 3001), (torch.float64, 17), (torch.bfloat16, 5), (torch.int64, 0), (torch.int64, 9)]
+    comm = Comm()
+    gathers = []
+    dist.distributed_c10d._coalescing_manager = spy
+    try:
+        works = []
+        for _ in range(2):
+            inputs = [(torch.randn(k, generator=g) * 100).to(dt) for dt, k in layouts]
+            outputs = [torch.full((n * k,), -1).to(dt) for dt, k in layouts]
+            works.append(comm.all_gather_coalesced(outputs, inputs, message_bytes))
+            gathers.append((inputs, outputs))
+        grads = torch.randn(n * 4096, generator=g)
+        works.append(comm.reduce_scatter(torch.empty(4096), grads))
+        comm.wait(works)
+    finally:
+        dist.distributed_c10d._coalescing_manager = manager
+    wrong = 0
+    for inputs, outputs in gathers:
+        for i, o in zip(inputs, outputs):
+            expected = [torch.empty_like(i) for _ in range(n)]
+            dist.all_gather(expected, i)
+            wrong += int(not torch.equal(o, torch.cat(expected)))
+    payload = sum(dt.itemsize * k for dt, k in layouts)
+    return {"wrong": wrong, "coalescing_calls": len(calls), "bytes_sent": comm.bytes_sent,
+            "expected_bytes": 2 * (n - 1) * max(payload, message_bytes) + (n - 1) * 4096 * 4,
+            "taken": comm.recv_pool.taken}
+
+
 class _Stack(nn.Module):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()

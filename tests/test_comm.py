@@ -38,6 +38,19 @@ def test_gradient_buffers_are_bounded_and_reused(ranks, stage, accum):
         assert r["max_in_flight"] <= r["cap"], r
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("message_bytes", [0, 50_000])
+def test_unit_all_gather_is_one_packed_gather_on_gloo(ranks, world_size, message_bytes):
+    """Note [One all-gather per unit]: under gloo a unit's buffers (any dtypes, one empty) are gathered as one
+    packed all-gather, padded to ``message_bytes`` (Note [Peer units]), the same bits as torch's all_gather of
+    each, never through torch's coalesced all-gather (it corrupted the heap under stage 3's concurrency)."""
+    for r in ranks(world_size).run(cases.all_gather_coalesced_matches_torch, message_bytes=message_bytes):
+        assert r["wrong"] == 0, r
+        assert r["coalescing_calls"] == 0, r
+        assert r["bytes_sent"] == r["expected_bytes"], r
+        assert r["taken"] == 0, r
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_small_buckets_in_flight_are_bounded_too(ranks, stage):
     """Buckets below 1 MiB bypass the pool (heap memory, no page faults to save), but their count in flight is

@@ -169,6 +169,32 @@ class _SummedChunks:
         return True
 
 
+class _Unpacked:
+    """A packed all-gather (:meth:`Comm.all_gather_coalesced`): ``wait`` waits for it, then copies rank ``r``'s
+    bytes ``[at, at + sizes[i])`` of the result into row ``r`` of ``outputs[i]`` (viewed as ``N`` rows of
+    ``sizes[i]`` bytes) and hands both messages back to the pool."""
+
+    def __init__(self, work, send: torch.Tensor, staged: torch.Tensor, outputs: list[torch.Tensor],
+                 sizes: list[int], comm: "Comm") -> None:
+        self.work, self.send, self.staged = work, send, staged
+        self.outputs, self.sizes, self.comm = outputs, sizes, comm
+
+    def is_completed(self) -> bool:
+        return self.staged is None or self.work.is_completed()
+
+    def wait(self) -> bool:
+        if self.staged is not None:
+            self.work.wait()
+            rows, at = self.staged.view(self.comm.world_size, -1), 0
+            for output, n in zip(self.outputs, self.sizes):
+                output.view(torch.uint8).view(rows.shape[0], n).copy_(rows[:, at:at + n])
+                at += n
+            for t in (self.send, self.staged):
+                self.comm.recv_pool.give_back(t)
+            self.send = self.staged = None
+        return True
+
+
 class Comm:
     """Asynchronous collectives on ``group`` that count ``bytes_sent`` (bytes) and ``wait_s`` (seconds).
 
@@ -190,6 +216,8 @@ class Comm:
         self.bytes_sent = 0
         # Note [Reduce-scatter on gloo]
         self.reduce_scatter_via_all_to_all = dist.get_backend(group) == "gloo"
+        # Note [One all-gather per unit] in units.py: torch's coalesced all-gather under NCCL only
+        self.native_coalescing = "nccl" in str(dist.get_backend(group))
         self.recv_pool = BufferPool(keep=self.KEEP_BUFFERS)
 
     @property
@@ -260,25 +288,45 @@ class Comm:
         with self.streams.issue(self.streams.all_gather):
             return _all_gather(output, input, group=self.group, async_op=True)
 
-    def all_gather_coalesced(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
-        """:meth:`all_gather` of each pair ``(outputs[i], inputs[i])`` (1-D; any dtypes: where they differ, every
-        pair as its bytes, ``uint8``), issued as one collective with one handle (Note [One all-gather per unit] in
-        units.py); pairs of zero elements are skipped."""
+    def all_gather_coalesced(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                             message_bytes: int = 0):
+        """:meth:`all_gather` of each pair ``(outputs[i], inputs[i])`` (1-D, any dtypes; pairs of zero elements
+        skipped) as one collective with one handle (Note [One all-gather per unit] in units.py). Under NCCL each
+        pair is gathered in place, as one group launch; elsewhere (gloo), and wherever ``message_bytes`` is
+        given, as one all-gather of a message of this rank's inputs' bytes end to end, zeros after them up to
+        ``message_bytes`` (0: no padding; else at least their sum: Note [Peer units] in unit_plan.py), copied
+        out into the outputs when the handle is waited for."""
         pairs = [(o, i) for o, i in zip(outputs, inputs) if o.numel()]
-        if self.world_size == 1 or len(pairs) < 2:
+        if self.world_size == 1 or (len(pairs) < 2 and not message_bytes):
             works = [self.all_gather(o, i) for o, i in pairs] or [_Done()]
             return works[0]
         if len({o.dtype for o, _ in pairs}) > 1:  # Note [One all-gather per unit]: mixed dtypes travel as bytes
             pairs = [(o.view(torch.uint8), i.view(torch.uint8)) for o, i in pairs]
-        for _, i in pairs:
-            self._count((self.world_size - 1) * i.nbytes)
+        if self.native_coalescing and not message_bytes:
+            self._count((self.world_size - 1) * sum(i.nbytes for _, i in pairs))
 
-        def issue() -> None:
-            for o, i in pairs:
-                _all_gather(o, i, group=self.group)
+            def issue() -> None:
+                for o, i in pairs:
+                    _all_gather(o, i, group=self.group)
 
+            with self.streams.issue(self.streams.all_gather):
+                return coalesced(self.group, issue)
+        return self._all_gather_packed([o for o, _ in pairs], [i for _, i in pairs], message_bytes)
+
+    def _all_gather_packed(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], message_bytes: int):
+        """One all-gather of ``uint8`` messages (Note [One all-gather per unit]): made and filled on the
+        current stream, issued on the all-gather stream; :class:`_Unpacked` copies them out at the wait."""
+        sizes = [i.nbytes for i in inputs]
+        length = max(message_bytes, sum(sizes))
+        device = inputs[0].device
+        send = self.recv_pool.take(length, torch.uint8, device)
+        torch.cat([i.view(torch.uint8) for i in inputs], out=send[:sum(sizes)])
+        send[sum(sizes):].zero_()
+        staged = self.recv_pool.take(self.world_size * length, torch.uint8, device)
+        self._count((self.world_size - 1) * length)
         with self.streams.issue(self.streams.all_gather):
-            return coalesced(self.group, issue)
+            work = _all_gather(staged, send, group=self.group, async_op=True)
+        return _Unpacked(work, send, staged, outputs, sizes, self)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Copy rank ``src``'s ``tensor`` to every rank, in place (not counted as step traffic)."""

@@ -7,7 +7,7 @@
 - :func:`sole_owner`: whether a tensor is the only one on its storage (the reducer adopts such a gradient:
   Note [Adopted gradient] in ``adoption.py``).
 - :func:`coalesced`: several collectives of one kind issued as one (``torch.distributed._coalescing_manager``:
-  one NCCL group launch, one gloo round; Note [One all-gather per unit] in ``units.py``).
+  one NCCL group launch; used under NCCL only, Note [One all-gather per unit] in ``units.py``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def sole_owner(t: torch.Tensor) -> bool:
 
 def coalesced(group: dist.ProcessGroup | None, issue: Callable[[], None]):
     """Run ``issue()``, which issues collectives of one kind on ``group`` (all-gathers, say), as one coalesced
-    collective (``torch.distributed._coalescing_manager(group, async_ops=True)``: under NCCL one group launch,
-    under gloo one round), and return its handle (``.wait()``; on a GPU the current stream waits)."""
+    collective (``torch.distributed._coalescing_manager(group, async_ops=True)``: under NCCL one group launch;
+    not under gloo, whose coalesced all-gather corrupts the heap: Note [One all-gather per unit]), and return
+    its handle (``.wait()``; on a GPU the current stream waits)."""
     with dist.distributed_c10d._coalescing_manager(group, async_ops=True) as manager:
         issue()
     return manager

@@ -20,11 +20,12 @@ from zerorun.zero.units import Unit
 # flat buffers differ (sizes, how many, dtypes: another width, a bias, a frozen or persistent parameter, a
 # bucket split), each peer is gathered in one all-gather of the same number of bytes, the largest peer's
 # slices (``Unit.gather_bytes``: its slices copied into a padded message, the result copied out into its
-# buffers): a misrouted step is then the clear error above. What it costs, for those peers only: one copy of
-# the unit's bytes in and out per gather, the message's bytes while it is in flight, and the smaller peers'
-# padding in traffic (``zerorun estimate`` does not count that padding); memory at rest is unchanged. Peers
-# gathered alike (a GPT's blocks) keep their per-buffer all-gathers into place. Units nested deeper (each
-# Linear of each expert a unit) are not peers: name the experts, or their container's class, in zero.units.
+# buffers): a misrouted step is then the clear error above. What it costs those peers (under NCCL; gloo packs
+# every unit's gather anyway): one copy of the unit's bytes in and out per gather, the message's bytes while it
+# is in flight, and the smaller peers' padding in traffic (``zerorun estimate`` does not count that padding);
+# memory at rest is unchanged. Peers gathered alike (a GPT's blocks) send no padding (Note [One all-gather per
+# unit]). Units nested deeper (each Linear of each expert a unit) are not peers: name the experts, or their
+# container's class, in zero.units.
 def match_peers(units: list[Unit]) -> None:
     """Note [Peer units]: set :attr:`Unit.gather_bytes` of the units held directly by one ``ModuleList`` or
     ``ModuleDict`` to the largest one's slice bytes where their flat buffers differ."""

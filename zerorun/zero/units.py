@@ -2,15 +2,19 @@
 ``stage3.py``), owning its flat buffers, its state and its collectives; and the structure walks its hooks need
 (outputs of any structure, the end of a unit's backward). Which modules are units: ``unit_plan.py``.
 
-Note [One all-gather per unit]: a unit holds one flat buffer per optimizer param group (AdamW with weight
-decay: its matrices, and its biases and norms) and frozen ones; their all-gathers are issued as one coalesced
-collective (``Comm.all_gather_coalesced``: under NCCL one group launch, under gloo one round), with one handle
-to wait for, each buffer gathered in place into its own storage (no copy in or out, nothing more held; the
-measurement: benchmarks/results/history.md, issue 38). Where the buffers' dtypes differ (a float64 parameter
-kept beside float32 ones, Note [Wide parameters]; an integer frozen one), every buffer travels as its bytes (a
-``uint8`` view: the same bytes in the same places): torch's coalesced all-gather on gloo mixes up tensors of
-different dtypes (float32 beside float64 came back as garbage and trained to NaN). Peer units of different
-layouts gather in one padded message instead (Note [Peer units] in unit_plan.py).
+Note [One all-gather per unit]: a unit holds one flat buffer per optimizer param group (AdamW with weight decay:
+its matrices, and its biases and norms) and frozen ones; they are all-gathered as one collective with one handle
+(``Comm.all_gather_coalesced``). Under NCCL that is torch's coalesced all-gather (one group launch), each buffer
+gathered in place into its own storage: no copy in or out, nothing more held. Under gloo it is one all-gather of a
+packed message (this rank's slices end to end as bytes, copied out into the buffers at the wait), which is what
+gloo's own coalesced all-gather does inside (flatten, gather, unflatten) without its fault: run concurrently with
+the other in-flight collectives of a stage-3 step, it corrupted the heap (``malloc(): unaligned tcache chunk
+detected``, or a rank hung: 4 of 4 stress runs of the 2-rank ``root-experts-vary-by-micro-step`` case died within
+16 to 590 runs of it; packed, 2 x 1500 runs and 100 of the 3-rank GPT parity case ran clean, as did 1500 with one
+all-gather per buffer). Where the buffers' dtypes differ (a float64 parameter kept beside float32 ones, Note [Wide
+parameters]; an integer frozen one) every buffer travels as its bytes (a ``uint8`` view: the same bytes in the same
+places). Peer units of different layouts pad that message to the largest peer's (Note [Peer units] in
+unit_plan.py). Measurements: benchmarks/results/history.md, issue 38.
 """
 
 from __future__ import annotations
@@ -62,7 +66,6 @@ class Unit:
         self.state = UnitState.FREE
         self.adopted: list = []  # its parameters whose class the engine switches (Note [Plain while gathered])
         self.gather_bytes = 0  # > 0: one all-gather of this many bytes per rank (Note [Peer units] in unit_plan.py)
-        self.staged: torch.Tensor | None = None  # that all-gather's result, until it is copied out
         self.works: list[Any] = []
         self.ready_buffers = 0
         self.index = -1  # position in the engine's unit list, equal on every rank
@@ -101,8 +104,8 @@ class Unit:
         ctx = self.ctx
         if self.state is UnitState.FREE:
             self.point_params(gathered=True)
-            self.works = self._all_gather_padded() if self.gather_bytes else [ctx.comm.all_gather_coalesced(
-                [buf.data for buf in self.buffers], [buf.shard_data for buf in self.buffers])]
+            self.works = [ctx.comm.all_gather_coalesced([buf.data for buf in self.buffers],
+                                                        [buf.shard_data for buf in self.buffers], self.gather_bytes)]
             self.state = UnitState.GATHERING
             if self.index >= 0:
                 ctx.log.append(self.index)
@@ -152,26 +155,10 @@ class Unit:
             if other.active == 0 and not (other.outer and in_backward()):
                 other.reshard()
 
-    def _all_gather_padded(self) -> list:
-        """One all-gather of :attr:`gather_bytes` per rank holding this rank's slices end to end (as bytes, any
-        dtypes), zeros after; :meth:`_wait` copies the result out into the buffers (Note [Peer units])."""
-        device = self.buffers[0].data.device
-        send = torch.zeros(self.gather_bytes, dtype=torch.uint8, device=device)
-        torch.cat([buf.shard_data.view(torch.uint8) for buf in self.buffers], out=send[:self.slice_bytes])
-        self.staged = torch.empty(self.ctx.comm.world_size * self.gather_bytes, dtype=torch.uint8, device=device)
-        return [self.ctx.comm.all_gather(self.staged, send)]
-
     def _wait(self) -> None:
         if self.works:
             self.ctx.comm.wait(self.works)
             self.works = []
-            if self.staged is not None:  # rank r's slices are row r of the result (Note [Peer units])
-                rows, at = self.staged.view(self.ctx.comm.world_size, self.gather_bytes), 0
-                for buf in self.buffers:
-                    n = buf.shard_numel * buf.dtype.itemsize
-                    buf.data.view(torch.uint8).view(rows.shape[0], n).copy_(rows[:, at:at + n])
-                    at += n
-                self.staged = None
             if self.ctx.store is not None:  # Note [Parameter offload]: the slices' pages go again
                 self.ctx.store.release(self.buffers)
 
