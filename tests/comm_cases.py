@@ -74,6 +74,31 @@ def all_gather_coalesced_matches_torch(message_bytes: int) -> dict:
             "taken": comm.recv_pool.taken}
 
 
+def handles_outlive_their_comm() -> dict:
+    """Note [Last reference on the issuing thread]: a dropped Comm's last all-gather handle is still referenced
+    (retired), and the at-exit hook gives the held and retired handles a reference that is never dropped; a
+    reduce-scatter's handle is not held (its bucket would stay alive)."""
+    import gc
+    import sys
+
+    from zerorun.zero import comm as comm_module
+
+    n = dist.get_world_size()
+    gc.collect()  # earlier cases' engines retire now, not beside this one
+    comm = Comm()
+    gathered = comm.all_gather(torch.empty(4 * n), torch.ones(4))
+    reduced = comm.reduce_scatter(torch.empty(4), torch.ones(4 * n))
+    comm.wait([gathered, reduced])
+    held = [w is gathered for w in comm._held], [w is reduced.work for w in comm._held]
+    del comm, reduced  # the reduce-scatter's handle refers to its Comm
+    gc.collect()
+    retired = [h for h in comm_module._RETIRED if any(w is gathered for w in h)]
+    refs = [sys.getrefcount(h) for h in retired]
+    comm_module._keep_held_handles()
+    return {"gathered_held": any(held[0]), "reduced_held": any(held[1]), "retired": len(retired) == 1,
+            "kept": all(sys.getrefcount(h) > r for h, r in zip(retired, refs))}
+
+
 class _Stack(nn.Module):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()

@@ -38,6 +38,13 @@ def test_gradient_buffers_are_bounded_and_reused(ranks, stage, accum):
         assert r["max_in_flight"] <= r["cap"], r
 
 
+def test_gather_handles_outlive_their_comm_and_the_interpreter(ranks):
+    """Note [Last reference on the issuing thread]: a gloo worker must never drop the last reference to a work
+    whose tensors were made in Python once the interpreter shuts down (it aborted the process at exit)."""
+    for r in ranks(2).run(cases.handles_outlive_their_comm):
+        assert r == {"gathered_held": True, "reduced_held": False, "retired": True, "kept": True}, r
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("message_bytes", [0, 50_000])
 def test_unit_all_gather_is_one_packed_gather_on_gloo(ranks, world_size, message_bytes):

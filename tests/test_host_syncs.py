@@ -72,7 +72,7 @@ def test_agreements_are_cpu_tensors_on_a_gloo_group_beside_nccl(monkeypatch):
     # one gloo group per device group, shared by the engines built over it (a sweep leaves no groups behind)
     assert made == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})] * 2
     agreeing = comm.Comm.__new__(comm.Comm)
-    agreeing.world_size, agreeing.control = 2, "gloo-1"
+    agreeing.world_size, agreeing.control, agreeing._held = 2, "gloo-1", []
 
     def all_reduce(t, group):
         reduced.append((t.device.type, t.dtype, group))

@@ -27,17 +27,37 @@ for its peers' hosts at that point, never for a GPU stream; the gloo group runs 
 (every rank issues the collectives of communicators that can run concurrently in the same order) is not
 touched, and every agreement sits at the same point of the program on every rank. Cost: a small TCP round
 per agreement; gloo must reach every host (``GLOO_SOCKET_IFNAME`` where hosts have several interfaces).
+
+Note [Last reference on the issuing thread]: an asynchronous collective's work holds the tensors it was given;
+a gloo worker thread (NCCL: its watchdog) drops its own reference to the work a moment after marking it done,
+while the waiting thread goes on. Where that drop is the last one, the worker frees the work and with it its
+references to tensors made in Python, which takes the GIL; while the interpreter is shutting down it cannot,
+and the process aborts (``terminate called without an active exception``; the core: the main thread in
+``Py_FinalizeEx``, a gloo worker in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil``; seen in 3 of 8
+runs of ``benchmarks/stage3_small_ops.py`` once stage 3's gathers went through scratch messages, in 0 of 40 on
+a quieter machine later: the rate is the machine's timing, the backtrace is the fault). :class:`Comm` keeps
+the handles of its last ``HELD`` all-gathers, broadcasts and agreements (and the tensors of its host
+agreements, whose works torch drops), so that the issuing thread drops the last reference to each, a few
+collectives later; a Comm dropped hands them to a short list of retired ones, and at exit (``atexit``) the held
+and the retired are kept for the life of the process (the interpreter's shutdown, or a script's engines going
+out of scope just before it, would otherwise drop them first: with the handles held but not this, 1 in 12-16
+runs still aborted). Gradient reductions are not held: that would keep their buckets past their use (stage 2's backward peak
+rose from at most 7 to 11.7 buckets), and the optimizer step follows the last of them, ample time for the
+workers. :meth:`Comm.release_buffers` (before the optimizer step) lets the held handles go early.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import weakref
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from zerorun.zero.streams import DeviceStreams, WaitTimer
-from zerorun.zero.torch_internals import coalesced
+from zerorun.zero.torch_internals import coalesced, keep_for_process
 
 
 # torch >= 2.13 names them *_single and deprecates the *_tensor spellings.
@@ -56,6 +76,17 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
 #: The gloo group made beside each device group, by that group (one per group for the life of the process:
 #: engines built one after another in a sweep share it instead of each leaving a group of TCP connections).
 _CONTROL_GROUPS: dict = {}
+
+#: the held handles of every Comm alive, and of the last ones dropped (Note [Last reference on the issuing
+#: thread]): at exit, all are kept for the life of the process
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_RETIRED: collections.deque = collections.deque(maxlen=4)
+
+
+@atexit.register
+def _keep_held_handles() -> None:
+    for held in [comm._held for comm in list(_LIVE)] + list(_RETIRED):
+        keep_for_process(held)
 
 
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -204,6 +235,9 @@ class Comm:
 
     #: Receive buffers of reduce-scatters on gloo kept for reuse (Note [Reduce-scatter on gloo]).
     KEEP_BUFFERS = 3
+    #: gathers, broadcasts and agreements whose handles are kept after they are issued (Note [Last reference on
+    #: the issuing thread])
+    HELD = 4
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -219,6 +253,9 @@ class Comm:
         # Note [One all-gather per unit] in units.py: torch's coalesced all-gather under NCCL only
         self.native_coalescing = "nccl" in str(dist.get_backend(group))
         self.recv_pool = BufferPool(keep=self.KEEP_BUFFERS)
+        self._held: collections.deque = collections.deque(maxlen=self.HELD)
+        _LIVE.add(self)
+        weakref.finalize(self, _RETIRED.append, self._held).atexit = False
 
     @property
     def wait_s(self) -> float:
@@ -236,7 +273,8 @@ class Comm:
         if not control:
             self._count(2 * (self.world_size - 1) / self.world_size * tensor.nbytes)
         with self.streams.issue(self.streams.reduce_scatter):
-            return dist.all_reduce(tensor, group=self.group, async_op=True)
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return self._hold(work) if control else work
 
     def agree(self, values: Sequence[int | float], dtype: torch.dtype = torch.int64) -> list:
         """The sums over ranks of ``values`` (host numbers, as ``dtype``), summed on the host over the control
@@ -245,6 +283,7 @@ class Comm:
             return list(values)
         sums = torch.tensor(values, dtype=dtype, device="cpu")  # the control group's device
         dist.all_reduce(sums, group=self.control)
+        self._hold(sums)  # Note [Last reference on the issuing thread]: the work, dropped by torch, holds it
         return sums.tolist()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
@@ -266,16 +305,25 @@ class Comm:
             other = 1 - self.rank
             recv = self.recv_pool.take(k, input.dtype, input.device)
             splits = [k, 0] if other == 0 else [0, k]
-            work = dist.all_to_all_single(recv, input[other * k:(other + 1) * k], output_split_sizes=splits,
-                                          input_split_sizes=splits, group=self.group, async_op=True)
+            sent = input[other * k:(other + 1) * k]
+            work = dist.all_to_all_single(recv, sent, output_split_sizes=splits, input_split_sizes=splits,
+                                          group=self.group, async_op=True)
             return _SummedChunks(work, recv, output, self, own=input[self.rank * k:(self.rank + 1) * k])
         recv = self.recv_pool.take(input.numel(), input.dtype, input.device)
         work = dist.all_to_all_single(recv, input, group=self.group, async_op=True)
         return _SummedChunks(work, recv, output, self)
 
     def release_buffers(self) -> None:
-        """Drop the kept receive buffers (their memory is returned once no collective uses them)."""
+        """Drop the kept receive buffers and the held tensors (Note [Last reference on the issuing thread]);
+        their memory is returned once no collective uses them."""
         self.recv_pool.clear()
+        self._held.clear()
+
+    def _hold(self, work):
+        """Keep ``work``, a collective's handle just issued, until ``HELD`` later ones are issued or
+        :meth:`release_buffers` (Note [Last reference on the issuing thread]); return it."""
+        self._held.append(work)
+        return work
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """Concatenate every rank's ``input`` (1-D, ``k`` elements) into ``output`` (1-D, ``N * k``) in rank
@@ -286,7 +334,7 @@ class Comm:
             return _Done()
         self._count((self.world_size - 1) * input.nbytes)
         with self.streams.issue(self.streams.all_gather):
-            return _all_gather(output, input, group=self.group, async_op=True)
+            return self._hold(_all_gather(output, input, group=self.group, async_op=True))
 
     def all_gather_coalesced(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                              message_bytes: int = 0):
@@ -310,7 +358,7 @@ class Comm:
                     _all_gather(o, i, group=self.group)
 
             with self.streams.issue(self.streams.all_gather):
-                return coalesced(self.group, issue)
+                return self._hold(coalesced(self.group, issue))
         return self._all_gather_packed([o for o, _ in pairs], [i for _, i in pairs], message_bytes)
 
     def _all_gather_packed(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], message_bytes: int):
@@ -325,14 +373,14 @@ class Comm:
         staged = self.recv_pool.take(self.world_size * length, torch.uint8, device)
         self._count((self.world_size - 1) * length)
         with self.streams.issue(self.streams.all_gather):
-            work = _all_gather(staged, send, group=self.group, async_op=True)
+            work = self._hold(_all_gather(staged, send, group=self.group, async_op=True))
         return _Unpacked(work, send, staged, outputs, sizes, self)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Copy rank ``src``'s ``tensor`` to every rank, in place (not counted as step traffic)."""
         if self.world_size == 1:
             return _Done()
-        return dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
+        return self._hold(dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True))
 
     def global_rank(self, rank: int) -> int:
         """The rank in the default group of this group's ``rank`` (what a user's logs and messages call it)."""

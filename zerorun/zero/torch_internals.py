@@ -6,6 +6,8 @@
   (stage 3 decides at the end of a unit's backward whether a bucket waits for more gradients).
 - :func:`sole_owner`: whether a tensor is the only one on its storage (the reducer adopts such a gradient:
   Note [Adopted gradient] in ``adoption.py``).
+- :func:`keep_for_process`: an object that outlives the interpreter's shutdown (CPython's ``Py_IncRef``: the
+  handles of the last collectives, Note [Last reference on the issuing thread] in ``comm.py``).
 - :func:`coalesced`: several collectives of one kind issued as one (``torch.distributed._coalescing_manager``:
   one NCCL group launch; used under NCCL only, Note [One all-gather per unit] in ``units.py``).
 """
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from typing import Callable
 
 import torch
@@ -46,3 +49,9 @@ def coalesced(group: dist.ProcessGroup | None, issue: Callable[[], None]):
     with dist.distributed_c10d._coalescing_manager(group, async_ops=True) as manager:
         issue()
     return manager
+
+
+def keep_for_process(obj: object) -> None:
+    """Give ``obj`` one reference that is never dropped (``ctypes.pythonapi.Py_IncRef``): it and what it holds
+    live until the process ends, through the interpreter's shutdown."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
