@@ -203,7 +203,7 @@ class _SummedChunks:
 class _Unpacked:
     """A packed all-gather (:meth:`Comm.all_gather_coalesced`): ``wait`` waits for it, then copies rank ``r``'s
     bytes ``[at, at + sizes[i])`` of the result into row ``r`` of ``outputs[i]`` (viewed as ``N`` rows of
-    ``sizes[i]`` bytes) and hands both messages back to the pool."""
+    ``sizes[i]`` bytes) and frees both messages' memory (after the wait: Note [Streams])."""
 
     def __init__(self, work, send: torch.Tensor, staged: torch.Tensor, outputs: list[torch.Tensor],
                  sizes: list[int], comm: "Comm") -> None:
@@ -220,8 +220,8 @@ class _Unpacked:
             for output, n in zip(self.outputs, self.sizes):
                 output.view(torch.uint8).view(rows.shape[0], n).copy_(rows[:, at:at + n])
                 at += n
-            for t in (self.send, self.staged):
-                self.comm.recv_pool.give_back(t)
+            for t in (self.send, self.staged):  # their memory goes now; the held handle keeps empty tensors
+                t.untyped_storage().resize_(0)
             self.send = self.staged = None
         return True
 
@@ -367,10 +367,10 @@ class Comm:
         sizes = [i.nbytes for i in inputs]
         length = max(message_bytes, sum(sizes))
         device = inputs[0].device
-        send = self.recv_pool.take(length, torch.uint8, device)
+        send = torch.empty(length, dtype=torch.uint8, device=device)
         torch.cat([i.view(torch.uint8) for i in inputs], out=send[:sum(sizes)])
         send[sum(sizes):].zero_()
-        staged = self.recv_pool.take(self.world_size * length, torch.uint8, device)
+        staged = torch.empty(self.world_size * length, dtype=torch.uint8, device=device)
         self._count((self.world_size - 1) * length)
         with self.streams.issue(self.streams.all_gather):
             work = self._hold(_all_gather(staged, send, group=self.group, async_op=True))
