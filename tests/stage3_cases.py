@@ -170,6 +170,25 @@ def reordered_after_first_step(steps: int = 3) -> str:
     return ""
 
 
+def reordered_evaluation() -> dict:
+    """:class:`Reordered` at stage 3 evaluated (forwards without gradients, no backward ever): first in the same
+    order on every rank (the losses), then with rank 1 reversing its blocks (the error raised, or ``""``)."""
+    torch.manual_seed(0)
+    model = Reordered()
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=3, units=("Block",)))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with torch.no_grad():
+        same = [float(engine(x)) for _ in range(2)]
+        model.swap = True
+        try:
+            engine(x)
+            error = ""
+        except RuntimeError as e:
+            error = str(e)
+    return {"same": same, "error": error}
+
+
 def units_by_name(units: tuple, stage: int = 3, steps: int = 3) -> dict:
     """Train ``Net`` with ``zero.units`` ``units`` (class or module names) at ``stage``: per-step losses, the
     units and their roles, and the run's description of them (zerorun.zero.units.describe_units)."""

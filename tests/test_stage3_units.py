@@ -42,6 +42,16 @@ def test_ranks_that_leave_the_recorded_order_get_the_error_not_a_hang(ranks):
         pool.timeout = timeout
 
 
+def test_an_evaluation_in_another_order_on_one_rank_is_an_error_on_every_rank(ranks):
+    """Note [Same units on every rank]: a forward without gradients, which no backward follows, agrees on the
+    units it gathered at its end. Before, an evaluation loop whose rank 1 ran the blocks in reverse (same shapes)
+    paired one rank's blocks with the other's and returned wrong losses silently, forever."""
+    results = ranks(2).run(cases.reordered_evaluation)
+    for r in results:
+        assert len(r["same"]) == 2 and r["same"][0] == r["same"][1], r
+        assert "ranks ran different units in one step" in r["error"], r
+
+
 def test_units_may_be_named_by_module_as_well_as_by_class():
     """``zero.units`` entries are module names (FSDP2's ``fully_shard(model.tok_embeddings)``) or class names."""
     model = nn.Sequential(nn.Embedding(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))

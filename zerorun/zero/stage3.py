@@ -119,12 +119,20 @@ class Stage3Engine(ZeroEngine):
     def __call__(self, *args, **kwargs):
         """As :meth:`ZeroEngine.__call__`. A forward that raises leaves no unit on the stack: afterwards a
         parameter's use between steps is refused as at rest (Note [Parameters at rest]), not taken for a use
-        inside that forward (an all-gather on this rank alone, and an external of the unit that raised)."""
+        inside that forward (an all-gather on this rank alone, and an external of the unit that raised). A forward
+        without gradients ends with the ranks' agreement on the units it gathered (Note [Same units on every rank]).
+
+        Raises:
+            RuntimeError: on every rank, after a forward without gradients in which the ranks ran different units.
+        """
         try:
-            return super().__call__(*args, **kwargs)
+            out = super().__call__(*args, **kwargs)
         except BaseException:
             self.sched.clear_forward()
             raise
+        if not torch.is_grad_enabled():  # Note [Same units on every rank]: no backward follows to agree
+            self.reducer.rider.check_now()
+        return out
 
     # ---------------------------------------------------------------------------------------- construction
     def _sync_initial_state(self) -> None:

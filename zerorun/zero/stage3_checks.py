@@ -3,19 +3,21 @@
 Note [Same units on every rank]: stage 3 all-gathers a unit on every rank together, and collectives pair up in
 the order they are issued. If ranks run different units in one step (an MoE layer whose rank 0 runs expert 0
 while rank 1 runs expert 1, both the same shape), the all-gathers pair one rank's expert 0 with the other's
-expert 1 and training is silently wrong. Each rank therefore keeps the indices of the units it all-gathered
-since the last step (prefetches included) and folds them into a digest ``h`` (a polynomial hash modulo a
-prime below 2**16). At the end of the step's last backward the ranks sum ``[h, h*h]`` (int64) on the host, in
-the reducer's agreement on late and unused gradients (:class:`GatherDigest`, the reducer's ``rider``: one
-agreement, not two; Note [Agreements on the host] in ``comm.py``: a CPU tensor over a gloo group, no GPU
-stall). Every rank's ``h`` is the same exactly when ``N * sum(h*h) == sum(h) ** 2`` (their variance is zero),
-so every rank learns the verdict from the same sums and raises together, before the optimizer step; the digest
-of the forward's all-gathers is also agreed before backward, beside Note [Backward on some ranks]'s marks, so
-that backward's reduce-scatters never pair different units (of different sizes: a gloo abort) either. Only
-then, on the error path, the ranks exchange their unit lists to name the units. All-gathers after that
-(``gathered_parameters``, a state dict) are in the next step's digest. A collision (two different sequences
-with one digest) has a chance of 1 in 65521 per step; a misrouted step that is not caught pairs the
-same-shaped units and is caught at the next step whose routing differs.
+expert 1 and training is silently wrong. Each rank therefore keeps the indices of the units it all-gathered since
+the last step (prefetches included) and folds them into a digest ``h`` (a polynomial hash modulo a prime below
+2**16). At the end of the step's last backward the ranks sum ``[h, h*h]`` (int64) on the host, in the reducer's
+agreement on late and unused gradients (:class:`GatherDigest`, the reducer's ``rider``: one agreement, not two;
+Note [Agreements on the host] in ``comm.py``: a CPU tensor over a gloo group, no GPU stall). Every rank's ``h``
+is the same exactly when ``N * sum(h*h) == sum(h) ** 2`` (their variance is zero), so every rank learns the
+verdict from the same sums and raises together, before the optimizer step; the digest of the forward's
+all-gathers is also agreed before backward, beside Note [Backward on some ranks]'s marks, so that backward's
+reduce-scatters never pair different units (of different sizes: a gloo abort) either. Only then, on the error
+path, the ranks exchange their unit lists to name the units. A forward without gradients (evaluation), which no
+backward follows, agrees on the digest at its end (``GatherDigest.check_now``): one host agreement per evaluation
+forward, none in training. All-gathers outside a forward (``gathered_parameters``, a state dict) are in the next
+step's or evaluation's digest. A collision (two different sequences with one digest) has a chance of 1 in 65521
+per step; a misrouted step that is not caught pairs the same-shaped units and is caught at the next step whose
+routing differs.
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ class GatherDigest:
         outer = self.engine.sched.outer
         codes = outer.codes() if outer.learning else []
         return [x for v in [order_digest(self.engine.gathering.log), *codes] for x in (v, v * v)]
+
+    def check_now(self) -> None:
+        """After a forward without gradients (evaluation: no backward follows to carry the digest), the ranks
+        agree on it now, on the host. Raises RuntimeError on every rank where they ran different units."""
+        engine = self.engine
+        if engine.world_size > 1:
+            h = order_digest(engine.gathering.log)
+            if not alike(engine.world_size, *engine.comm.agree([h, h * h])):
+                _raise_mismatch(engine, engine.gathering.log)
+        engine.gathering.log.clear()
 
     def take(self, sums: list[int]) -> None:
         """``sums``: :meth:`values` summed over the ranks. Raises RuntimeError on every rank where they differ."""
