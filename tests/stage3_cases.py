@@ -345,3 +345,16 @@ def experts(case: str, route: str, stage: int = 3, steps: int = 3) -> dict:
         return {"error": str(e)}
     return {"losses": losses, "param_bytes": engine.memory_bytes()["params"],
             "gather_bytes": {u.name: u.gather_bytes for u in getattr(engine, "units", []) if u.gather_bytes}}
+
+
+def experts_traffic(case: str) -> dict:
+    """``MoE(case, "all")`` at stage 3, every rank running both experts (of different layouts: Note [Peer units]):
+    the bytes this rank sent in its second step (zero/comm.py's count), and whether the experts were padded."""
+    torch.manual_seed(0)
+    config = {"bucket": {"bucket_mb": 0.002}, "persist": {"persistence_threshold": 32}}.get(case, {})
+    engine = initialize(MoE(case, "all"), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=3, units=("experts.0", "experts.1"), **config))
+    train_steps(engine, 1, width=8)
+    sent = engine.comm_stats()["bytes_sent"]
+    train_steps(engine, 1, width=8)
+    return {"sent": engine.comm_stats()["bytes_sent"] - sent, "padded": any(u.gather_bytes for u in engine.units)}

@@ -128,6 +128,24 @@ def test_experts_of_different_layouts_routed_per_rank_are_a_clear_error(ranks, c
 
 
 @pytest.mark.parametrize("case", PEER_CASES)
+def test_the_estimate_counts_the_peer_units_padding(ranks, case):
+    """``zerorun estimate``'s bytes sent per step equal zero/comm.py's count for experts of different layouts run
+    by every rank, the padding of their all-gathers included (Note [Peer units]; before, it was left out)."""
+    import torch
+
+    from zerorun import estimate as est
+
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = cases.MoE(case, "all")
+    config = {"bucket": {"bucket_mb": 0.002}, "persist": {"persistence_threshold": 32}}.get(case, {})
+    layout = est.layout_of(model, units=("experts.0", "experts.1"), **config)
+    want = est.comm_bytes(layout, 3, 2, est.precision_of("fp32", None))
+    for r in ranks(2).run(cases.experts_traffic, case=case):
+        assert r["padded"] and abs(r["sent"] - want) <= 8, (r, want)
+
+
+@pytest.mark.parametrize("case", PEER_CASES)
 def test_experts_that_all_run_train_as_stage_0_without_padding_at_rest(ranks, case):
     """The padded all-gathers change no number (stage 0's losses), and a rank keeps only its own slices at rest:
     stage 3 holds less than stage 0's whole parameters (before: the smaller expert's flat buffers were padded

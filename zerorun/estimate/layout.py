@@ -26,6 +26,7 @@ class UnitCount:
     trainable_params: tuple[tuple[int, ...], ...] = ()  # each trainable buffer's parameters' numels (() : one each)
     trainable_bytes: tuple[int, ...] = ()  # bytes per element of each trainable buffer (() : the precision's)
     frozen_bytes: tuple[int, ...] = ()  # of each frozen buffer (one per dtype)
+    peers: str = ""  # the ModuleList/ModuleDict holding it among its peers (Note [Peer units] in zero/unit_plan.py)
 
     @property
     def numel(self) -> int:
@@ -124,12 +125,15 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
                       for u, ps in _by_unit([(names[p][1], p) for p in frozen], unit_index).items()}
     indexed = [(i, name) for i, (name, _) in enumerate(unit_modules + outer)] + [(-1, "<root>"), (-2, PERSISTENT)]
     modules = [m for _, m in unit_modules + outer]
+    parents = {i: name.rpartition(".")[0] for i, name in indexed if 0 <= i < len(unit_modules) and "." in name}
+    lists = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    peers = {i: p for i, p in parents.items() if isinstance(model.get_submodule(p), lists)}
     counted = [UnitCount(name, tuple(sum(b) for b, _ in per_unit.get(i, ())),
                          tuple(n for n, _ in frozen_by_unit.get(i, ())), outer=i >= len(unit_modules),
                          embedding=i >= 0 and isinstance(modules[i], torch.nn.Embedding),
                          trainable_params=tuple(b for b, _ in per_unit.get(i, ())),
                          trainable_bytes=tuple(e for _, e in per_unit.get(i, ())),
-                         frozen_bytes=tuple(e for _, e in frozen_by_unit.get(i, ())))
+                         frozen_bytes=tuple(e for _, e in frozen_by_unit.get(i, ())), peers=peers.get(i, ""))
                for i, name in indexed]
     total = sum(p.numel() for p in names)
     trainable = sum(sum(b) for b, _ in flat)

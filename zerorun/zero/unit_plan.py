@@ -22,7 +22,7 @@ from zerorun.zero.units import Unit
 # slices (``Unit.gather_bytes``: its slices copied into a padded message, the result copied out into its
 # buffers): a misrouted step is then the clear error above. What it costs those peers (under NCCL; gloo packs
 # every unit's gather anyway): one copy of the unit's bytes in and out per gather, the message's bytes while it
-# is in flight, and the smaller peers' padding in traffic (``zerorun estimate`` does not count that padding);
+# is in flight, and the smaller peers' padding in traffic (``zerorun estimate`` counts it);
 # memory at rest is unchanged. Peers gathered alike (a GPT's blocks) send no padding (Note [One all-gather per
 # unit]). Units nested deeper (each Linear of each expert a unit) are not peers: name the experts, or their
 # container's class, in zero.units.
