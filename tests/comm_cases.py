@@ -75,9 +75,9 @@ def all_gather_coalesced_matches_torch(message_bytes: int) -> dict:
 
 
 def handles_outlive_their_comm() -> dict:
-    """Note [Last reference on the issuing thread]: a dropped Comm's last all-gather handle is still referenced
-    (retired), and the at-exit hook gives the held and retired handles a reference that is never dropped; a
-    reduce-scatter's handle is not held (its bucket would stay alive)."""
+    """Note [Last reference on the issuing thread]: a Comm's last all-gather handle is held and the at-exit hook
+    gives the held handles a reference that is never dropped; a reduce-scatter's handle is not held (its bucket
+    would stay alive); a dropped Comm is freed (its handles pinned nothing)."""
     import gc
     import sys
 
@@ -90,13 +90,13 @@ def handles_outlive_their_comm() -> dict:
     reduced = comm.reduce_scatter(torch.empty(4), torch.ones(4 * n))
     comm.wait([gathered, reduced])
     held = [w is gathered for w in comm._held], [w is reduced.work for w in comm._held]
-    del comm, reduced  # the reduce-scatter's handle refers to its Comm
-    gc.collect()
-    retired = [h for h in comm_module._RETIRED if any(w is gathered for w in h)]
-    refs = [sys.getrefcount(h) for h in retired]
+    refs = sys.getrefcount(comm._held)
     comm_module._keep_held_handles()
-    return {"gathered_held": any(held[0]), "reduced_held": any(held[1]), "retired": len(retired) == 1,
-            "kept": all(sys.getrefcount(h) > r for h, r in zip(retired, refs))}
+    kept = sys.getrefcount(comm._held) > refs
+    import weakref
+    gone = weakref.ref(Comm())
+    gc.collect()
+    return {"gathered_held": any(held[0]), "reduced_held": any(held[1]), "kept": kept, "dropped_freed": gone() is None}
 
 
 class _Stack(nn.Module):

@@ -42,7 +42,7 @@ def test_gather_handles_outlive_their_comm_and_the_interpreter(ranks):
     """Note [Last reference on the issuing thread]: a gloo worker must never drop the last reference to a work
     whose tensors were made in Python once the interpreter shuts down (it aborted the process at exit)."""
     for r in ranks(2).run(cases.handles_outlive_their_comm):
-        assert r == {"gathered_held": True, "reduced_held": False, "retired": True, "kept": True}, r
+        assert r == {"gathered_held": True, "reduced_held": False, "kept": True, "dropped_freed": True}, r
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

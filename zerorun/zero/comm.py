@@ -28,22 +28,23 @@ for its peers' hosts at that point, never for a GPU stream; the gloo group runs 
 touched, and every agreement sits at the same point of the program on every rank. Cost: a small TCP round
 per agreement; gloo must reach every host (``GLOO_SOCKET_IFNAME`` where hosts have several interfaces).
 
-Note [Last reference on the issuing thread]: an asynchronous collective's work holds the tensors it was given;
-a gloo worker thread (NCCL: its watchdog) drops its own reference to the work a moment after marking it done,
-while the waiting thread goes on. Where that drop is the last one, the worker frees the work and with it its
-references to tensors made in Python, which takes the GIL; while the interpreter is shutting down it cannot,
-and the process aborts (``terminate called without an active exception``; the core: the main thread in
-``Py_FinalizeEx``, a gloo worker in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil``; seen in 3 of 8
-runs of ``benchmarks/stage3_small_ops.py`` once stage 3's gathers went through scratch messages, in 0 of 40 on
-a quieter machine later: the rate is the machine's timing, the backtrace is the fault). :class:`Comm` keeps
-the handles of its last ``HELD`` all-gathers, broadcasts and agreements (and the tensors of its host
-agreements, whose works torch drops), so that the issuing thread drops the last reference to each, a few
-collectives later; a Comm dropped hands them to a short list of retired ones, and at exit (``atexit``) the held
-and the retired are kept for the life of the process (the interpreter's shutdown, or a script's engines going
-out of scope just before it, would otherwise drop them first: with the handles held but not this, 1 in 12-16
-runs still aborted). Gradient reductions are not held: that would keep their buckets past their use (stage 2's backward peak
-rose from at most 7 to 11.7 buckets), and the optimizer step follows the last of them, ample time for the
-workers. :meth:`Comm.release_buffers` (before the optimizer step) lets the held handles go early.
+Note [Last reference on the issuing thread]: an asynchronous collective's work holds the tensors it was given; a
+gloo worker thread (NCCL: its watchdog) drops its own reference to the work a moment after marking it done, while
+the waiting thread goes on. Where that drop is the last one, the worker frees the work and with it its references
+to tensors made in Python, which takes the GIL; while the interpreter is shutting down it cannot, and the process
+aborts (``terminate called without an active exception``; the core: the main thread in ``Py_FinalizeEx``, a gloo
+worker in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil``; seen in 3 of 8 runs of
+``benchmarks/stage3_small_ops.py`` once stage 3's gathers went through scratch messages, in 0 of 40 on a quieter
+machine later: the rate is the machine's timing, the backtrace is the fault). :class:`Comm` keeps the handles of
+its last ``HELD`` all-gathers, broadcasts and agreements (and the tensors of its host agreements, whose works torch
+drops), so that the issuing thread drops the last reference to each, a few collectives later; at exit (``atexit``)
+the live Comms' held handles are kept for the life of the process. Not solved: a Comm dropped just before exit, and
+the gradient and norm all-reduces, whose handles are not held (a review measured 1-18 aborts in 40 exits straight
+after a step, as at the tree before; holding dropped Comms' handles pinned the flat parameters of the last 4
+stage-2 engines, so that was taken out). Gradient reductions are not held: that would keep their buckets past their
+use (stage 2's backward peak rose from at most 7 to 11.7 buckets), and the optimizer step follows the last of them,
+ample time for the workers. :meth:`Comm.release_buffers` (before the optimizer step) lets the held handles go
+early.
 """
 
 from __future__ import annotations
@@ -77,15 +78,14 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
 #: engines built one after another in a sweep share it instead of each leaving a group of TCP connections).
 _CONTROL_GROUPS: dict = {}
 
-#: the held handles of every Comm alive, and of the last ones dropped (Note [Last reference on the issuing
-#: thread]): at exit, all are kept for the life of the process
+#: every Comm alive: at exit, their held handles are kept for the life of the process (Note [Last reference
+#: on the issuing thread])
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-_RETIRED: collections.deque = collections.deque(maxlen=4)
 
 
 @atexit.register
 def _keep_held_handles() -> None:
-    for held in [comm._held for comm in list(_LIVE)] + list(_RETIRED):
+    for held in [comm._held for comm in list(_LIVE)]:
         keep_for_process(held)
 
 
@@ -255,7 +255,6 @@ class Comm:
         self.recv_pool = BufferPool(keep=self.KEEP_BUFFERS)
         self._held: collections.deque = collections.deque(maxlen=self.HELD)
         _LIVE.add(self)
-        weakref.finalize(self, _RETIRED.append, self._held).atexit = False
 
     @property
     def wait_s(self) -> float:
