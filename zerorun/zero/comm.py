@@ -36,15 +36,14 @@ aborts (``terminate called without an active exception``; the core: the main thr
 worker in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil``; seen in 3 of 8 runs of
 ``benchmarks/stage3_small_ops.py`` once stage 3's gathers went through scratch messages, in 0 of 40 on a quieter
 machine later: the rate is the machine's timing, the backtrace is the fault). :class:`Comm` keeps the handles of
-its last ``HELD`` all-gathers, broadcasts and agreements (and the tensors of its host agreements, whose works torch
-drops), so that the issuing thread drops the last reference to each, a few collectives later; at exit (``atexit``)
+its last ``HELD`` all-gathers, broadcasts and agreements (of its host agreements, only the tensor: torch drops the
+work), so that the issuing thread drops the last reference to each, a few collectives later; at exit (``atexit``)
 the live Comms' held handles are kept for the life of the process. Not solved: a Comm dropped just before exit, and
 the gradient and norm all-reduces, whose handles are not held (a review measured 1-18 aborts in 40 exits straight
 after a step, as at the tree before; holding dropped Comms' handles pinned the flat parameters of the last 4
-stage-2 engines, so that was taken out). Gradient reductions are not held: that would keep their buckets past their
-use (stage 2's backward peak rose from at most 7 to 11.7 buckets), and the optimizer step follows the last of them,
-ample time for the workers. :meth:`Comm.release_buffers` (before the optimizer step) lets the held handles go
-early.
+stage-2 engines, so that was taken out). Gradient reductions are not held: that kept their buckets past their use
+(stage 2's backward peak rose from at most 7 to 11.7 buckets). :meth:`Comm.release_buffers` (before the optimizer
+step) lets the held handles go, which the same review found is what leaves the last step's works unheld at exit.
 """
 
 from __future__ import annotations
@@ -282,7 +281,7 @@ class Comm:
             return list(values)
         sums = torch.tensor(values, dtype=dtype, device="cpu")  # the control group's device
         dist.all_reduce(sums, group=self.control)
-        self._hold(sums)  # Note [Last reference on the issuing thread]: the work, dropped by torch, holds it
+        self._hold(sums)  # Note [Last reference on the issuing thread]: its tensor only (not enough)
         return sums.tolist()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
@@ -313,7 +312,7 @@ class Comm:
         return _SummedChunks(work, recv, output, self)
 
     def release_buffers(self) -> None:
-        """Drop the kept receive buffers and the held tensors (Note [Last reference on the issuing thread]);
+        """Drop the kept receive buffers and the held handles (Note [Last reference on the issuing thread]);
         their memory is returned once no collective uses them."""
         self.recv_pool.clear()
         self._held.clear()
