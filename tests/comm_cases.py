@@ -74,6 +74,29 @@ def all_gather_coalesced_matches_torch(message_bytes: int) -> dict:
             "taken": comm.recv_pool.taken}
 
 
+def packed_gather_edges() -> dict:
+    """Comm.all_gather_coalesced with ``message_bytes`` where this rank's pairs are all empty (rank 0: a peer unit
+    whose members hold nothing here) or there are none: it still sends its zeros, in the same program order;
+    and a ``message_bytes`` below the inputs' bytes is refused before anything is issued."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    comm = Comm()
+    mine = torch.arange(8, dtype=torch.float32) + 100 * r
+    if r == 0:
+        outputs = inputs = [torch.empty(0), torch.empty(0, dtype=torch.int64)]
+    else:
+        outputs, inputs = [torch.full((n * 8,), -1.0)], [mine]
+    comm.wait([comm.all_gather_coalesced(outputs, inputs, message_bytes=64)])
+    comm.wait([comm.all_gather_coalesced([], [], message_bytes=16)])
+    try:
+        comm.all_gather_coalesced([torch.empty(n * 8)], [mine], message_bytes=16)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    rows = [torch.zeros(8) if q == 0 else torch.arange(8, dtype=torch.float32) + 100 * q for q in range(n)]
+    right = r == 0 or torch.equal(outputs[0], torch.cat(rows))
+    return {"right": right, "refused": refused, "bytes_sent": comm.bytes_sent, "expected_bytes": (n - 1) * (64 + 16)}
+
+
 def handles_outlive_their_comm() -> dict:
     """Note [Last reference on the issuing thread]: a Comm's last all-gather handle is held and the at-exit hook
     gives the held handles a reference that is never dropped; a reduce-scatter's handle is not held (its bucket
@@ -81,7 +104,7 @@ def handles_outlive_their_comm() -> dict:
     import gc
     import sys
 
-    from zerorun.zero import comm as comm_module
+    from zerorun.zero import held as held_module
 
     n = dist.get_world_size()
     gc.collect()  # earlier cases' engines retire now, not beside this one
@@ -89,14 +112,54 @@ def handles_outlive_their_comm() -> dict:
     gathered = comm.all_gather(torch.empty(4 * n), torch.ones(4))
     reduced = comm.reduce_scatter(torch.empty(4), torch.ones(4 * n))
     comm.wait([gathered, reduced])
-    held = [w is gathered for w in comm._held], [w is reduced.work for w in comm._held]
-    refs = sys.getrefcount(comm._held)
-    comm_module._keep_held_handles()
-    kept = sys.getrefcount(comm._held) > refs
+    held = [w is gathered for w in comm.held], [w is reduced.work for w in comm.held]
+    refs = sys.getrefcount(comm.held._works)
+    held_module._keep_held_handles()
+    kept = sys.getrefcount(comm.held._works) > refs
     import weakref
     gone = weakref.ref(Comm())
     gc.collect()
     return {"gathered_held": any(held[0]), "reduced_held": any(held[1]), "kept": kept, "dropped_freed": gone() is None}
+
+
+def last_collectives_held(stage: int, clip: float) -> dict:
+    """Note [Last reference on the issuing thread]: the collectives an engine issued up to the end of its last
+    step, as a script that exits right after ``engine.step()`` leaves them. Every torch collective the engine
+    calls is recorded (its work, or None where the call was synchronous and torch dropped the work itself);
+    returned: which of the last ``Comm.HELD`` calls that are not a gradient reduce-scatter are not held by the
+    Comm (a gloo worker could drop their last reference while the interpreter shuts down)."""
+    from zerorun.zero import comm as comm_module
+
+    calls = []  # (name, work or None)
+    names = ("all_reduce", "broadcast", "all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor")
+    saved = {n: getattr(dist, n) for n in names} | {"_all_gather": comm_module._all_gather}
+
+    def spy(name, fn):
+        def call(*args, **kwargs):
+            work = fn(*args, **kwargs)
+            calls.append((name, work if kwargs.get("async_op") else None))
+            return work
+        return call
+
+    for n in names:
+        setattr(dist, n, spy(n, saved[n]))
+    comm_module._all_gather = spy("all_gather", saved["_all_gather"])
+    try:
+        torch.manual_seed(0)
+        engine = initialize(_Stack(16, 4), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                            config=ZeroConfig(stage=stage, grad_clip=clip,
+                                              units=("Linear",) if stage == 3 else ()))
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(3):
+            engine.backward(engine(torch.randn(4, 16, generator=g)))
+            engine.step()
+    finally:
+        for n in names:
+            setattr(dist, n, saved[n])
+        comm_module._all_gather = saved["_all_gather"]
+    held = {id(w) for w in engine.comm.held}
+    last = [(n, w) for n, w in calls if n not in ("all_to_all_single", "reduce_scatter_tensor")][-Comm.HELD:]
+    return {"unheld": [n for n, w in last if w is None or id(w) not in held], "last": [n for n, _ in last]}
 
 
 class _Stack(nn.Module):

@@ -59,6 +59,8 @@ def test_agreements_are_cpu_tensors_on_a_gloo_group_beside_nccl(monkeypatch):
     import torch.distributed as dist
 
     from zerorun.zero import comm
+    from zerorun.zero.comm import _Done
+    from zerorun.zero.held import HeldWorks
 
     made, reduced = [], []
     monkeypatch.setattr(comm, "_CONTROL_GROUPS", {})
@@ -72,11 +74,12 @@ def test_agreements_are_cpu_tensors_on_a_gloo_group_beside_nccl(monkeypatch):
     # one gloo group per device group, shared by the engines built over it (a sweep leaves no groups behind)
     assert made == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})] * 2
     agreeing = comm.Comm.__new__(comm.Comm)
-    agreeing.world_size, agreeing.control, agreeing._held = 2, "gloo-1", []
+    agreeing.world_size, agreeing.control, agreeing.held = 2, "gloo-1", HeldWorks(4)
 
-    def all_reduce(t, group):
+    def all_reduce(t, group, async_op=False):
         reduced.append((t.device.type, t.dtype, group))
         t.mul_(2)
+        return _Done()
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     assert agreeing.agree([1, 0, 3]) == [2, 0, 6]

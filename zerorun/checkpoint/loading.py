@@ -59,7 +59,6 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
 def _read(path: str, engine, rng: dict[str, torch.Tensor], targets: dict[str, Any]) -> None:
     """Read ``targets`` (and this rank's RNG states into ``rng``) from the checkpoint at ``path`` with DCP,
     safely. Collective: every rank learns of any rank's unwritten target and raises the same ZerorunError."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -73,7 +72,7 @@ def _read(path: str, engine, rng: dict[str, torch.Tensor], targets: dict[str, An
         raise ZerorunError(f"{path}: cannot read the checkpoint: {reason(e)}") from None
     problem = planner.unwritten()  # every rank learns of any rank's unwritten target: the same error
     flag = torch.tensor([1.0 if problem else 0.0], device=engine.buffers[0].device)
-    dist.all_reduce(flag, group=group)
+    engine.comm.all_reduce_now(flag)  # a script may end here: Note [Last reference on the issuing thread]
     if flag.item():
         raise ZerorunError(f"{path}: the checkpoint does not hold all of "
                            + (problem if problem else "the targets of another rank") + ": not resumed")

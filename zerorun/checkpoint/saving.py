@@ -121,8 +121,6 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
     Raises:
         ZerorunError: the folder cannot be made or written (naming it and why), identically on every rank.
     """
-    import torch.distributed as dist
-
     t0 = time.perf_counter()
     final = step_dir(root, step)
     tmp, pid = _make_tmp(engine, root, final)
@@ -136,7 +134,7 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
             failed += 1
         else:
             _prune(root, keep, pid)
-    dist.all_reduce(failed, group=engine.comm.group)  # also the barrier: every rank learns of rank 0's failure
+    engine.comm.all_reduce_now(failed)  # also the barrier: every rank learns of rank 0's failure
     if failed.item():
         raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: "
                            + (reason if engine.rank == 0 else "failed on rank 0"))
@@ -151,8 +149,6 @@ def _make_tmp(engine, root: str, final: str) -> tuple[str, int]:
     Returns:
         ``(tmp, pid)``: the folder, and rank 0's pid (what names it when no job id does).
     """
-    import torch.distributed as dist
-
     # [failed, rank 0's pid]: the pid names the save's folder when no job id does (exact in fp32: < 2**24)
     flags = torch.zeros(2, device=engine.buffers[0].device)  # where the collectives run
     reason = ""
@@ -167,7 +163,7 @@ def _make_tmp(engine, root: str, final: str) -> tuple[str, int]:
         except OSError as e:
             flags[0] += 1
             reason = e.strerror
-    dist.all_reduce(flags, group=engine.comm.group)  # every rank learns of rank 0's failure instead of hanging
+    engine.comm.all_reduce_now(flags)  # every rank learns of rank 0's failure instead of hanging
     not_made, pid = flags.tolist()  # a save syncs with the host anyway (it is no steady-state step)
     tmp = _tmp_dir(root, final, int(pid))
     if not_made:

@@ -28,36 +28,20 @@ for its peers' hosts at that point, never for a GPU stream; the gloo group runs 
 touched, and every agreement sits at the same point of the program on every rank. Cost: a small TCP round
 per agreement; gloo must reach every host (``GLOO_SOCKET_IFNAME`` where hosts have several interfaces).
 
-Note [Last reference on the issuing thread]: an asynchronous collective's work holds the tensors it was given; a
-gloo worker thread (NCCL: its watchdog) drops its own reference to the work a moment after marking it done, while
-the waiting thread goes on. Where that drop is the last one, the worker frees the work and with it its references
-to tensors made in Python, which takes the GIL; while the interpreter is shutting down it cannot, and the process
-aborts (``terminate called without an active exception``; the core: the main thread in ``Py_FinalizeEx``, a gloo
-worker in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil``; seen in 3 of 8 runs of
-``benchmarks/stage3_small_ops.py`` once stage 3's gathers went through scratch messages, in 0 of 40 on a quieter
-machine later: the rate is the machine's timing, the backtrace is the fault). :class:`Comm` keeps the handles of
-its last ``HELD`` all-gathers, broadcasts and agreements (of its host agreements, only the tensor: torch drops the
-work), so that the issuing thread drops the last reference to each, a few collectives later; at exit (``atexit``)
-the live Comms' held handles are kept for the life of the process. Not solved: a Comm dropped just before exit, and
-the gradient and norm all-reduces, whose handles are not held (a review measured 1-18 aborts in 40 exits straight
-after a step, as at the tree before; holding dropped Comms' handles pinned the flat parameters of the last 4
-stage-2 engines, so that was taken out). Gradient reductions are not held: that kept their buckets past their use
-(stage 2's backward peak rose from at most 7 to 11.7 buckets). :meth:`Comm.release_buffers` (before the optimizer
-step) lets the held handles go, which the same review found is what leaves the last step's works unheld at exit.
+Note [Last reference on the issuing thread] (zero/held.py): every handle a Comm issues, but those of the
+gradients' reduce-scatters, is held until a few later ones are issued, and kept through the interpreter's exit.
 """
 
 from __future__ import annotations
 
-import atexit
-import collections
-import weakref
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from zerorun.zero.streams import DeviceStreams, WaitTimer
-from zerorun.zero.torch_internals import coalesced, keep_for_process
+from zerorun.zero.held import HeldWorks
+from zerorun.zero.torch_internals import coalesced
 
 
 # torch >= 2.13 names them *_single and deprecates the *_tensor spellings.
@@ -76,17 +60,6 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
 #: The gloo group made beside each device group, by that group (one per group for the life of the process:
 #: engines built one after another in a sweep share it instead of each leaving a group of TCP connections).
 _CONTROL_GROUPS: dict = {}
-
-#: every Comm alive: at exit, their held handles are kept for the life of the process (Note [Last reference
-#: on the issuing thread])
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _keep_held_handles() -> None:
-    for held in [comm._held for comm in list(_LIVE)]:
-        keep_for_process(held)
-
 
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group :meth:`Comm.agree` sums host values on (Note [Agreements on the host]): ``group`` where its
@@ -234,8 +207,7 @@ class Comm:
 
     #: Receive buffers of reduce-scatters on gloo kept for reuse (Note [Reduce-scatter on gloo]).
     KEEP_BUFFERS = 3
-    #: gathers, broadcasts and agreements whose handles are kept after they are issued (Note [Last reference on
-    #: the issuing thread])
+    #: handles kept after they are issued (Note [Last reference on the issuing thread] in held.py)
     HELD = 4
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -252,8 +224,7 @@ class Comm:
         # Note [One all-gather per unit] in units.py: torch's coalesced all-gather under NCCL only
         self.native_coalescing = "nccl" in str(dist.get_backend(group))
         self.recv_pool = BufferPool(keep=self.KEEP_BUFFERS)
-        self._held: collections.deque = collections.deque(maxlen=self.HELD)
-        _LIVE.add(self)
+        self.held = HeldWorks(self.HELD)
 
     @property
     def wait_s(self) -> float:
@@ -271,8 +242,13 @@ class Comm:
         if not control:
             self._count(2 * (self.world_size - 1) / self.world_size * tensor.nbytes)
         with self.streams.issue(self.streams.reduce_scatter):
-            work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return self._hold(work) if control else work
+            return self.held.hold(dist.all_reduce(tensor, group=self.group, async_op=True))
+
+    def all_reduce_now(self, tensor: torch.Tensor) -> None:
+        """:meth:`all_reduce` of a few control values (not counted), waited for: a synchronous all-reduce whose
+        handle is still held (Note [Last reference on the issuing thread] in held.py), for the collectives a
+        script may end on (a checkpoint's flags)."""
+        self.wait([self.all_reduce(tensor, control=True)])
 
     def agree(self, values: Sequence[int | float], dtype: torch.dtype = torch.int64) -> list:
         """The sums over ranks of ``values`` (host numbers, as ``dtype``), summed on the host over the control
@@ -280,8 +256,7 @@ class Comm:
         if self.world_size == 1 or not values:
             return list(values)
         sums = torch.tensor(values, dtype=dtype, device="cpu")  # the control group's device
-        dist.all_reduce(sums, group=self.control)
-        self._hold(sums)  # Note [Last reference on the issuing thread]: its tensor only (not enough)
+        self.held.hold(dist.all_reduce(sums, group=self.control, async_op=True)).wait()
         return sums.tolist()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
@@ -312,16 +287,9 @@ class Comm:
         return _SummedChunks(work, recv, output, self)
 
     def release_buffers(self) -> None:
-        """Drop the kept receive buffers and the held handles (Note [Last reference on the issuing thread]);
-        their memory is returned once no collective uses them."""
+        """Drop the kept receive buffers; their memory is returned once no collective uses them. The held
+        handles stay (Note [Last reference on the issuing thread] in held.py): a few later collectives drop them."""
         self.recv_pool.clear()
-        self._held.clear()
-
-    def _hold(self, work):
-        """Keep ``work``, a collective's handle just issued, until ``HELD`` later ones are issued or
-        :meth:`release_buffers` (Note [Last reference on the issuing thread]); return it."""
-        self._held.append(work)
-        return work
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """Concatenate every rank's ``input`` (1-D, ``k`` elements) into ``output`` (1-D, ``N * k``) in rank
@@ -332,7 +300,7 @@ class Comm:
             return _Done()
         self._count((self.world_size - 1) * input.nbytes)
         with self.streams.issue(self.streams.all_gather):
-            return self._hold(_all_gather(output, input, group=self.group, async_op=True))
+            return self.held.hold(_all_gather(output, input, group=self.group, async_op=True))
 
     def all_gather_coalesced(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                              message_bytes: int = 0):
@@ -341,7 +309,15 @@ class Comm:
         pair is gathered in place, as one group launch; elsewhere (gloo), and wherever ``message_bytes`` is
         given, as one all-gather of a message of this rank's inputs' bytes end to end, zeros after them up to
         ``message_bytes`` (0: no padding; else at least their sum: Note [Peer units] in unit_plan.py), copied
-        out into the outputs when the handle is waited for."""
+        out into the outputs when the handle is waited for.
+
+        Raises:
+            ValueError: ``message_bytes`` is below this rank's inputs' bytes.
+        """
+        if 0 < message_bytes < sum(i.nbytes for i in inputs):
+            raise ValueError(f"all_gather_coalesced: message_bytes={message_bytes} is below the inputs' "
+                             f"{sum(i.nbytes for i in inputs)} bytes")
+        device = inputs[0].device if len(inputs) else self.device  # before the empty pairs are dropped
         pairs = [(o, i) for o, i in zip(outputs, inputs) if o.numel()]
         if self.world_size == 1 or (len(pairs) < 2 and not message_bytes):
             works = [self.all_gather(o, i) for o, i in pairs] or [_Done()]
@@ -356,29 +332,30 @@ class Comm:
                     _all_gather(o, i, group=self.group)
 
             with self.streams.issue(self.streams.all_gather):
-                return self._hold(coalesced(self.group, issue))
-        return self._all_gather_packed([o for o, _ in pairs], [i for _, i in pairs], message_bytes)
+                return self.held.hold(coalesced(self.group, issue))
+        return self._all_gather_packed([o for o, _ in pairs], [i for _, i in pairs], message_bytes, device)
 
-    def _all_gather_packed(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], message_bytes: int):
-        """One all-gather of ``uint8`` messages (Note [One all-gather per unit]): made and filled on the
-        current stream, issued on the all-gather stream; :class:`_Unpacked` copies them out at the wait."""
+    def _all_gather_packed(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], message_bytes: int,
+                           device: torch.device):
+        """One all-gather of ``uint8`` messages on ``device`` (Note [One all-gather per unit]): made and filled
+        on the current stream, issued on the all-gather stream; :class:`_Unpacked` copies them out at the wait."""
         sizes = [i.nbytes for i in inputs]
         length = max(message_bytes, sum(sizes))
-        device = inputs[0].device
         send = torch.empty(length, dtype=torch.uint8, device=device)
-        torch.cat([i.view(torch.uint8) for i in inputs], out=send[:sum(sizes)])
+        if inputs:  # a peer unit's member may hold nothing on this rank: zeros only
+            torch.cat([i.view(torch.uint8) for i in inputs], out=send[:sum(sizes)])
         send[sum(sizes):].zero_()
         staged = torch.empty(self.world_size * length, dtype=torch.uint8, device=device)
         self._count((self.world_size - 1) * length)
         with self.streams.issue(self.streams.all_gather):
-            work = self._hold(_all_gather(staged, send, group=self.group, async_op=True))
+            work = self.held.hold(_all_gather(staged, send, group=self.group, async_op=True))
         return _Unpacked(work, send, staged, outputs, sizes, self)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Copy rank ``src``'s ``tensor`` to every rank, in place (not counted as step traffic)."""
         if self.world_size == 1:
             return _Done()
-        return self._hold(dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True))
+        return self.held.hold(dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True))
 
     def global_rank(self, rank: int) -> int:
         """The rank in the default group of this group's ``rank`` (what a user's logs and messages call it)."""

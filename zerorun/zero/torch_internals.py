@@ -7,7 +7,7 @@
 - :func:`sole_owner`: whether a tensor is the only one on its storage (the reducer adopts such a gradient:
   Note [Adopted gradient] in ``adoption.py``).
 - :func:`keep_for_process`: an object that outlives the interpreter's shutdown (CPython's ``Py_IncRef``: the
-  handles of the last collectives, Note [Last reference on the issuing thread] in ``comm.py``).
+  handles of the last collectives, Note [Last reference on the issuing thread] in ``held.py``).
 - :func:`coalesced`: several collectives of one kind issued as one (``torch.distributed._coalescing_manager``:
   one NCCL group launch; used under NCCL only, Note [One all-gather per unit] in ``units.py``).
 """
