@@ -106,7 +106,7 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
            bucket_mb: float = 0.002, branch_pattern: str = "never", units: tuple = (),
            activation_checkpointing: bool = False, deferred: bool = False, persistence_threshold: int = 0,
            freeze: tuple = (), prefetch_bytes: int | None = None, broadcast_buffers: bool = True,
-           **model_kwargs) -> dict:
+           hierarchy: int | str | None = None, **model_kwargs) -> dict:
     """Train DDP and the zerorun engine side by side; return the largest relative differences.
 
     Also trains a second DDP (``floor_*`` keys) that differs from the first only in summation order: another
@@ -139,7 +139,8 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
                         config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, grad_accum_steps=accum, grad_clip=clip,
                                           units=units, activation_checkpointing=activation_checkpointing,
                                           persistence_threshold=persistence_threshold,
-                                          prefetch_bytes=prefetch_bytes, broadcast_buffers=broadcast_buffers))
+                                          prefetch_bytes=prefetch_bytes, broadcast_buffers=broadcast_buffers,
+                                          hierarchy=hierarchy))
     out = {k: 0.0 for k in ("loss", "grad_norm", "params", "buffers", "floor_loss", "floor_grad_norm",
                             "floor_params", "eval")}
     for step in range(steps):

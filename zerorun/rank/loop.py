@@ -256,6 +256,7 @@ class TrainingRun:
                 job_tokens_per_s=world_size * tokens / step_s, rss_bytes=self.proc.memory_info().rss,
                 peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
                 comm_bytes=comm["bytes_sent"] - prev["bytes_sent"],
+                comm_bytes_inter_node=comm["bytes_inter_node"] - prev["bytes_inter_node"],
                 comm_wait_s=None if comm["wait_s"] is None else comm["wait_s"] - prev["wait_s"],
                 loss_scale=engine.loss_scale, skipped=engine.last_step_skipped,
                 skipped_steps=engine.skipped_steps, interval_steps=self.interval_steps,
@@ -373,4 +374,4 @@ def _zero_config(recipe: Recipe) -> zero.ZeroConfig:
                            offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
                            offload_path=z.offload_path,
                            offload_buffer_mb=z.offload_buffer_mb, grad_accum_dtype=z.grad_accum_dtype,
-                           broadcast_buffers=z.broadcast_buffers)
+                           broadcast_buffers=z.broadcast_buffers, hierarchy=z.hierarchy)

@@ -3,9 +3,10 @@ buckets, stage-3 units, offload) and ``loss_scale`` (fp16)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from zerorun.recipe.values import Strict, optimizer_argument, refuse_bool
 
@@ -111,6 +112,20 @@ class ZeroSpec(Strict):
     # broadcast_buffers; zerorun/zero/config.py). false: each rank keeps its own.
     broadcast_buffers: bool = Field(True, description="copy rank 0's module buffers (BatchNorm statistics) to "
                                     "every rank before each training forward (false: each keeps its own)")
+    # ZeRO++'s hierarchical partitioning (Note [Secondary shards] in zerorun/zero/hierarchy.py).
+    hierarchy: Union[int, str, None] = Field(
+        None, description="stage 3: keep a secondary shard of the parameters within each node (node) or within "
+        "groups of this many consecutive ranks, so that the backward all-gather never leaves them (ZeRO++ hpZ)")
+
+
+    @field_validator("hierarchy", mode="before")
+    @classmethod
+    def _hierarchy(cls, value: Any) -> Any:
+        if value is None or value == "node" or (type(value) is int and value >= 2):
+            return value
+        shown = f"a boolean ({str(value).lower()})" if isinstance(value, bool) else repr(value)
+        raise PydanticCustomError("hierarchy", "expected node or a number of ranks >= 2; got {value}",
+                                  {"value": shown})
 
 
 class LossScaleSpec(Strict):

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from zerorun.zero.streams import DeviceStreams, WaitTimer
 from zerorun.zero.held import HeldWorks
+from zerorun.zero.topology import Topology, topology
 from zerorun.zero.torch_internals import coalesced
 
 
@@ -219,6 +220,8 @@ class Comm:
         self.streams = DeviceStreams(self.device)  # Note [Streams] in streams.py
         self._timer = WaitTimer(self.device)
         self.bytes_sent = 0
+        self.bytes_sent_inter_node = 0  # of bytes_sent, to ranks on other nodes (Note [Nodes of a group])
+        self.topology = topology(group, self.control) if self.world_size > 1 else Topology((0,), 0)
         # Note [Reduce-scatter on gloo]
         self.reduce_scatter_via_all_to_all = dist.get_backend(group) == "gloo"
         # Note [One all-gather per unit] in units.py: torch's coalesced all-gather under NCCL only
@@ -232,7 +235,10 @@ class Comm:
         return self._timer.seconds
 
     def _count(self, nbytes: float) -> None:
+        """Count ``nbytes`` sent by this rank (ring accounting), ``R / (N - 1)`` of them to the ``R`` ranks on
+        other nodes (direct accounting, Note [Nodes of a group] in topology.py: the same ratio for every kind)."""
         self.bytes_sent += int(round(nbytes))
+        self.bytes_sent_inter_node += int(round(nbytes * self.topology.remote / (self.world_size - 1)))
 
     def all_reduce(self, tensor: torch.Tensor, control: bool = False):
         """Sum ``tensor`` (any shape) over all ranks, in place. ``control``: a few bytes of agreement between

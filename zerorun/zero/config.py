@@ -48,6 +48,9 @@ class ZeroConfig:
             micro-steps err 7e-3 relative against 2e-4 in fp32), else ``precision``. Memory: stages 0-1 keep
             a full accumulator of this dtype beside the gradients (4Ψ bytes for fp32); stages 2-3 keep their
             gradient slice in it (4Ψ/N).
+        hierarchy: stage 3: ZeRO++'s hierarchical partitioning (hpZ, Note [Secondary shards] in
+            ``hierarchy.py``): ``"node"`` (a secondary shard over the ranks of each node, from the launch plan) or
+            a number of consecutive ranks (DeepSpeed's ``zero_hpz_partition_size``); ``None``: flat.
         broadcast_buffers: before every training forward (module in training mode, grad enabled), copy rank
             0's module buffers (BatchNorm's running statistics) to every rank, coalesced (DDP's option, name
             and default; Note [Coalesced broadcasts] in ``broadcast.py``). False: each rank keeps its own.
@@ -72,6 +75,7 @@ class ZeroConfig:
     offload_buffer_mb: float = 64.0
     grad_accum_dtype: str | None = None
     broadcast_buffers: bool = True
+    hierarchy: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -102,8 +106,21 @@ class ZeroConfig:
             raise ValueError(f"zero.grad_accum_dtype must be fp32, bf16, fp16 or unset, got {self.grad_accum_dtype!r}")
         if not isinstance(self.broadcast_buffers, bool):
             raise ValueError(f"zero.broadcast_buffers must be true or false, got {self.broadcast_buffers!r}")
+        if self.hierarchy is not None:
+            self._check_hierarchy()
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+
+    def _check_hierarchy(self) -> None:
+        h = self.hierarchy
+        if h != "node" and (isinstance(h, bool) or not isinstance(h, int) or h < 2):
+            raise ValueError(f"zero.hierarchy must be node or a number of ranks >= 2, got {h!r}")
+        if self.stage != 3:
+            raise ValueError(f"zero.hierarchy: hierarchical partitioning (hpZ) shards parameters, which stage 3 "
+                             f"does; this is stage {self.stage}: set zero.stage 3 or remove zero.hierarchy")
+        if self.offload_params != "none":
+            raise ValueError("zero.hierarchy keeps a secondary shard of the parameters in memory; "
+                             "zero.offload_params disk keeps them on disk: use one of them")
 
     @property
     def accum_dtype(self) -> torch.dtype:

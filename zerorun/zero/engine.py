@@ -332,8 +332,15 @@ class ZeroEngine(UserModel):
         return {"host": held["host"], "disk": held["disk"]}
 
     def comm_stats(self) -> dict[str, float]:
-        """Cumulative ``bytes_sent`` (bytes) and ``wait_s`` (seconds) of this rank's collectives."""
-        return {"bytes_sent": self.comm.bytes_sent, "wait_s": self.comm.wait_s}
+        """Cumulative ``bytes_sent`` (bytes), ``bytes_inter_node`` (of them, to ranks on other nodes: Note
+        [Nodes of a group] in topology.py) and ``wait_s`` (seconds) of this rank's collectives."""
+        comms = self._comms()
+        return {"bytes_sent": sum(c.bytes_sent for c in comms),
+                "bytes_inter_node": sum(c.bytes_sent_inter_node for c in comms), "wait_s": self.comm.wait_s}
+
+    def _comms(self) -> list:
+        """The Comms whose bytes this rank's figures count (stage 3 adds its secondary group's)."""
+        return [self.comm]
 
     def optimizer_states(self) -> list[dict[str, torch.Tensor]]:
         """This rank's optimizer state per flat buffer of :attr:`buffers` (``{name: tensor}``; states with one

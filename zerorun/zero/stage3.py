@@ -56,6 +56,7 @@ import torch.nn as nn
 from zerorun.zero.deferred import is_deferred, replay_slices, swap_meta_params
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
+from zerorun.zero.hierarchy import SecondaryShards, hierarchy_size
 from zerorun.zero.param_offload import ParamStore
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,
@@ -169,7 +170,9 @@ class Stage3Engine(ZeroEngine):
         # the slices become views of a file-backed mapping (Note [Parameter offload])
         self.param_store = (ParamStore([b for b in every if not b.unit.persistent], self.config.offload_path, self.rank)
                             if self.config.offload_params == "disk" else None)
-        self.gathering = Gathering(self.comm, self.param_store, ZeroParameter)
+        size = hierarchy_size(self.config.hierarchy, self.comm.topology)  # Note [Secondary shards]
+        self.secondary = SecondaryShards(self.comm, size) if size else None
+        self.gathering = Gathering(self.comm, self.param_store, ZeroParameter, secondary=self.secondary)
         if self._deferred:
             replay_slices(self.module, every, self._new_of, self._meta_list, self._replay_group)
         else:
@@ -197,6 +200,7 @@ class Stage3Engine(ZeroEngine):
         """Units are gathered from the updated slices when next used (one left gathered by a forward that raised
         is freed: stale); persistent parameters (Note [Persistent parameters]) are all-gathered now."""
         self.sched.free_all()
+        self._drop_secondary()
         self._gather_persistent(self._persistent_unit.trainable)  # frozen ones never change: gathered once
         self._release_slices()  # the step wrote every slice
 
@@ -217,7 +221,16 @@ class Stage3Engine(ZeroEngine):
         """As :meth:`ZeroEngine.load_master_slices`; persistent parameters (Note [Persistent parameters]),
         frozen ones included, are all-gathered again from the loaded slices."""
         super().load_master_slices(values, states, param_scalars)
+        self._drop_secondary()
         self._gather_persistent([b for b in self._persistent_unit.buffers if b.group_index < 0])
+
+    def _comms(self) -> list:
+        return [self.comm] + ([self.secondary.comm] if self.secondary is not None else [])
+
+    def _drop_secondary(self) -> None:
+        """The parameters changed: forget the secondary shards (Note [Secondary shards] in hierarchy.py)."""
+        if self.secondary is not None:
+            self.secondary.drop()
 
     def _gather_persistent(self, bufs: list[FlatBuffer]) -> None:
         """All-gather these buffers of the persistent unit from their slices (Note [Persistent parameters])."""
@@ -262,6 +275,7 @@ class Stage3Engine(ZeroEngine):
                 for buf in bufs:
                     buf.shard_data.copy_(buf.shard(buf.data))
                 self._masters_take([b for b in bufs if b.group_index >= 0], before)
+                self._drop_secondary()
             for u in were_free:
                 u.reshard()
             if changed and modifier_rank is None:
@@ -293,6 +307,7 @@ class Stage3Engine(ZeroEngine):
         out["params"] = sum(b.shard_data.nbytes for b in self.buffers + self.frozen_buffers
                             if b.unit.persistent or not in_file)
         out["params"] += sum(b.data.nbytes for b in self._persistent_unit.buffers)  # whole as well
+        out["params"] += self.secondary.nbytes if self.secondary is not None else 0  # empty between steps
         return out
 
     def offload_bytes(self) -> dict[str, int]:

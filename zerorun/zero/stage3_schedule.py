@@ -99,6 +99,7 @@ class Schedule:
             return None
         if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
             self.clear_forward()
+            unit.ctx.forward_with_grad = torch.is_grad_enabled()  # Note [Secondary shards] in hierarchy.py
             self.outer.pass_start()
             for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
                 u.out_nodes, u.in_nodes = [], []
@@ -131,6 +132,7 @@ class Schedule:
                 self.end_pass("forward")
             self.outer.pass_end()
             self.free_all()
+            unit.ctx.forward_with_grad = False
         else:
             unit.reshard()
         return output
@@ -163,6 +165,7 @@ class Schedule:
         (units it left gathered are freed at the step, or by the next forward)."""
         for u in self.active:
             u.active = 0
+            u.ctx.forward_with_grad = False
         self.active = []
         self.outer.running = False
         self.outer.end_saved_hooks()

@@ -43,12 +43,14 @@ class Gathering:
     """What the units of one engine share to gather and free: its collectives (``Comm``), its parameter store
     (``ParamStore`` or ``None``: Note [Parameter offload] in param_offload.py), the indices of the units
     all-gathered since the last step (Note [Same units on every rank] in stage3_checks.py) and the class its
-    parameters take at rest (Note [Plain while gathered] in stage3_access.py)."""
+    parameters take at rest (Note [Plain while gathered] in stage3_access.py), and the secondary shards (hpZ)."""
 
     comm: Any
     store: Any
     guard: type
     log: list[int] = dataclasses.field(default_factory=list)
+    secondary: Any = None  # SecondaryShards where zero.hierarchy is set (Note [Secondary shards] in hierarchy.py)
+    forward_with_grad: bool = False  # inside the root's forward with gradients enabled: a backward follows
 
 
 class Unit:
@@ -104,8 +106,11 @@ class Unit:
         ctx = self.ctx
         if self.state is UnitState.FREE:
             self.point_params(gathered=True)
-            self.works = [ctx.comm.all_gather_coalesced([buf.data for buf in self.buffers],
-                                                        [buf.shard_data for buf in self.buffers], self.gather_bytes)]
+            if ctx.secondary is not None and ctx.secondary.holds(self):  # Note [Secondary shards]
+                self.works = [ctx.secondary.all_gather(self)]
+            else:
+                self.works = [ctx.comm.all_gather_coalesced([b.data for b in self.buffers],
+                                                            [b.shard_data for b in self.buffers], self.gather_bytes)]
             self.state = UnitState.GATHERING
             if self.index >= 0:
                 ctx.log.append(self.index)
@@ -131,6 +136,9 @@ class Unit:
         if self.state is UnitState.FREE or self.persistent or self.pinned_by:
             return
         self._wait()
+        secondary = self.ctx.secondary
+        if secondary is not None and self.ctx.forward_with_grad and not self.gather_bytes and not in_backward():
+            secondary.keep(self)  # Note [Secondary shards]: freed in a forward that a backward follows
         for p in self.adopted:
             p.__class__ = self.ctx.guard
         self.point_params(gathered=False)

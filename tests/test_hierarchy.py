@@ -1,0 +1,43 @@
+"""ZeRO++'s hierarchical partitioning (hpZ, ``zero.hierarchy``; Note [Secondary shards] in
+zerorun/zero/hierarchy.py): the same training as flat stage 3, bit for bit, with the backward all-gathers kept
+inside a node; and what it refuses."""
+
+import pytest
+
+import hierarchy_cases as cases
+from test_zero_parity import check
+
+
+@pytest.mark.parametrize("hierarchy", ["node", 2])
+@pytest.mark.parametrize("accum,checkpointing", [(1, False), (2, True)])
+def test_hpz_trains_the_same_bits_as_flat_stage_3_with_less_sent_between_nodes(ranks, hierarchy, accum,
+                                                                                checkpointing):
+    """4 ranks as 2 nodes of 2: every loss and parameter equals flat stage 3's bits; nothing of the backward
+    crosses a node: bytes to other nodes fall by the backward all-gathers' share; the secondary shards hold
+    1/2 of the gathered units until the step, and nothing after it."""
+    for r in ranks(4).run(cases.against_flat, ranks_per_node=2, hierarchy=hierarchy, accum=accum, steps=3,
+                          activation_checkpointing=checkpointing):
+        assert r["same_losses"] and r["same_params"], r
+        assert r["size"] == 2 and r["remote"] == 2, r
+        assert r["secondary_bytes"] == r["gathered_bytes"] // 2 and r["after_step"] == 0, r
+        for (flat_sent, flat_inter), (hpz_sent, hpz_inter) in zip(r["flat"], r["hpz"]):
+            assert flat_inter == round(flat_sent * 2 / 3), r  # 2 of the 3 other ranks are on the other node
+            assert hpz_inter < 0.75 * flat_inter, r  # of 3 gathers-or-reductions per unit, 1 left the node
+
+
+def test_hpz_matches_ddp(ranks):
+    """As every stage: within 1e-5 of DDP (tests/test_zero_parity.py), 4 ranks as 2 nodes of 2."""
+    check(ranks(4).run(cases.parity, ranks_per_node=2, stage=3, model="gpt", steps=8, hierarchy="node"))
+
+
+@pytest.mark.parametrize("ranks_per_node,config,message", [
+    (2, {"stage": 2, "hierarchy": "node"}, "zero.hierarchy: hierarchical partitioning (hpZ) shards parameters"),
+    (2, {"stage": 3, "hierarchy": 1}, "zero.hierarchy must be node or a number of ranks >= 2, got 1"),
+    (2, {"stage": 3, "hierarchy": "rack"}, "zero.hierarchy must be node or a number of ranks >= 2, got 'rack'"),
+    (2, {"stage": 3, "hierarchy": 2}, "zero.hierarchy: 2 must divide the world size 2 and be below it"),
+    (4, {"stage": 3, "hierarchy": "node"}, "zero.hierarchy: node: all 2 ranks run on one node"),
+    (1, {"stage": 3, "hierarchy": "node"}, "zero.hierarchy: one rank per node"),
+])
+def test_what_cannot_work_is_one_line_on_every_rank(ranks, ranks_per_node, config, message):
+    for r in ranks(2).run(cases.refused, ranks_per_node=ranks_per_node, **config):
+        assert r.startswith(message), r
