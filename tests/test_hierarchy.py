@@ -10,19 +10,31 @@ from test_zero_parity import check
 
 @pytest.mark.parametrize("hierarchy", ["node", 2])
 @pytest.mark.parametrize("accum,checkpointing", [(1, False), (2, True)])
-def test_hpz_trains_the_same_bits_as_flat_stage_3_with_less_sent_between_nodes(ranks, hierarchy, accum,
+def test_hpz_trains_as_flat_stage_3_with_less_sent_between_nodes(ranks, hierarchy, accum,
                                                                                 checkpointing):
-    """4 ranks as 2 nodes of 2: every loss and parameter equals flat stage 3's bits; nothing of the backward
-    crosses a node: bytes to other nodes fall by the backward all-gathers' share; the secondary shards hold
-    1/2 of the gathered units until the step, and nothing after it."""
+    """4 ranks as 2 nodes of 2: losses and parameters within 1e-5 of flat stage 3's (the gradients are summed
+    within a node first: Note [Two-level reduce-scatter]); no all-gather after the first forward crosses a node
+    and the reduce-scatter sends 1/2 as much between them; the secondary shards hold 1/2 of the gathered units
+    until the step, and nothing after it."""
     for r in ranks(4).run(cases.against_flat, ranks_per_node=2, hierarchy=hierarchy, accum=accum, steps=3,
                           activation_checkpointing=checkpointing):
-        assert r["same_losses"] and r["same_params"], r
+        assert r["loss_diff"] <= 1e-5 and r["params_diff"] <= 1e-5, r
         assert r["size"] == 2 and r["remote"] == 2, r
         assert r["secondary_bytes"] == r["gathered_bytes"] // 2 and r["after_step"] == 0, r
         for (flat_sent, flat_inter), (hpz_sent, hpz_inter) in zip(r["flat"], r["hpz"]):
-            assert flat_inter == round(flat_sent * 2 / 3), r  # 2 of the 3 other ranks are on the other node
-            assert hpz_inter < 0.75 * flat_inter, r  # of 3 gathers-or-reductions per unit, 1 left the node
+            assert abs(flat_inter - flat_sent * 2 / 3) <= 8, r  # 2 of the 3 other ranks are on the other node
+            # per micro-step flat sends 3 units' worth between nodes (forward and backward all-gathers, the
+            # reduce-scatter); hpZ the first forward's all-gather and 1/G of each reduce-scatter (G = 2)
+            assert abs(hpz_inter - flat_inter * (1 + accum / 2) / (3 * accum)) <= 16, r
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_two_level_reduce_scatter_sums_as_the_flat_one_with_half_between_nodes(ranks, in_place):
+    """Note [Two-level reduce-scatter]: this rank's chunk of the sum over all ranks (exact, integer-valued), with
+    1/G of the flat form's bytes between nodes (G = 2)."""
+    for r in ranks(4).run(cases.two_level_reduce_scatter, in_place=in_place):
+        assert r["wrong"] == 0, r
+        assert r["inter_node"][1] * 2 == r["inter_node"][0], r
 
 
 def test_hpz_matches_ddp(ranks):

@@ -228,6 +228,7 @@ class Comm:
         self.native_coalescing = "nccl" in str(dist.get_backend(group))
         self.recv_pool = BufferPool(keep=self.KEEP_BUFFERS)
         self.held = HeldWorks(self.HELD)
+        self.two_level = None  # zero.hierarchy: the gradients' reduce-scatter in two levels (hierarchy.py)
 
     @property
     def wait_s(self) -> float:
@@ -272,6 +273,8 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
+        if self.two_level is not None:  # Note [Two-level reduce-scatter] in hierarchy.py (its Comms count)
+            return self.two_level.reduce_scatter(output, input)
         self._count((self.world_size - 1) * output.nbytes)
         with self.streams.issue(self.streams.reduce_scatter):
             return self._issue_reduce_scatter(output, input)
@@ -296,6 +299,8 @@ class Comm:
         """Drop the kept receive buffers; their memory is returned once no collective uses them. The held
         handles stay (Note [Last reference on the issuing thread] in held.py): a few later collectives drop them."""
         self.recv_pool.clear()
+        if self.two_level is not None:
+            self.two_level.release_buffers()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """Concatenate every rank's ``input`` (1-D, ``k`` elements) into ``output`` (1-D, ``N * k``) in rank

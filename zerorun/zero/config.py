@@ -50,7 +50,9 @@ class ZeroConfig:
             gradient slice in it (4Ψ/N).
         hierarchy: stage 3: ZeRO++'s hierarchical partitioning (hpZ, Note [Secondary shards] in
             ``hierarchy.py``): ``"node"`` (a secondary shard over the ranks of each node, from the launch plan) or
-            a number of consecutive ranks (DeepSpeed's ``zero_hpz_partition_size``); ``None``: flat.
+            a number of consecutive ranks (DeepSpeed's ``zero_hpz_partition_size``); the gradients are then
+            reduce-scattered in two levels, within those ranks first (Note [Two-level reduce-scatter]);
+            ``None``: flat.
         broadcast_buffers: before every training forward (module in training mode, grad enabled), copy rank
             0's module buffers (BatchNorm's running statistics) to every rank, coalesced (DDP's option, name
             and default; Note [Coalesced broadcasts] in ``broadcast.py``). False: each rank keeps its own.

@@ -14,11 +14,25 @@ step, a checkpoint's load, ``gathered_parameters(modifier_rank=...)``) and rebui
 Memory: ``1/L`` of the gathered parameters of every unit that ran forward, held from its forward to the step,
 where the primary shard holds ``1/N`` (counted by ``zerorun estimate``). Not for units whose all-gather is padded
 to their peers' (experts of different sizes, Note [Peer units] in unit_plan.py): those always gather flat.
+
+Note [Two-level reduce-scatter]: with ``zero.hierarchy`` the gradients' reduce-scatter runs in two levels, the
+form HSDP and ZeRO++'s hierarchical gradient reduction use (ZeRO++ §3.3): first within the secondary group (the
+``G`` ranks of a node), then across the ``M = N / G`` groups among the ranks of the same place in each (rank
+``l`` of every node). A bucket of ``n`` bytes then sends ``(M - 1) / M * n / G`` bytes per rank between nodes,
+where the flat reduce-scatter sends ``(N - G) / N * n``: ``G`` times fewer. The ``N`` chunks of the bucket are
+first reordered as ``[G, M]`` (chunk ``m * G + l`` to place ``l * M + m``, one copy of the bucket) so that the
+inner level leaves each rank the ``M`` chunks of its place ``l`` and the outer level gives node ``m`` its chunk
+``m * G + l``: this rank's own shard, as the flat reduce-scatter gives it. The outer level needs the inner's
+sums: it is issued when the handle is waited for (a point in program order on every rank; on a GPU the wait
+is a stream wait, no host sync), so it overlaps no computation. The sums are those of another order than the
+flat collective's (within a node first): equal to fp32 rounding (tests/test_hierarchy.py, against DDP).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 from zerorun.zero.comm import Comm
 from zerorun.zero.topology import Topology, subgroup
@@ -96,3 +110,42 @@ class SecondaryShards:
     def nbytes(self) -> int:
         """Bytes of the secondary slices held now."""
         return sum(t.nbytes for t in self._slices.values())
+
+
+class TwoLevelReduceScatter:
+    """The gradients' reduce-scatter of a Comm over ``N`` ranks in two levels (Note [Two-level reduce-scatter]):
+    ``inner``, a Comm over this rank's ``G`` consecutive ranks; ``outer``, made here over the ranks of the same
+    place in every group. Both count their own bytes."""
+
+    def __init__(self, comm: Comm, inner: Comm) -> None:
+        self.inner, self.groups = inner, comm.world_size // inner.world_size
+        place, size = inner.rank, inner.world_size
+        self.outer = Comm(subgroup(comm.group, [place + j * size for j in range(self.groups)]))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
+        """As :meth:`Comm.reduce_scatter`: ``input`` 1-D of ``N * k`` elements summed over the ranks, elements
+        ``[r*k, (r+1)*k)`` into ``output`` (``k`` elements, may be that slice of ``input``) on rank ``r``."""
+        k, size = output.numel(), self.inner.world_size
+        reordered = input.view(self.groups, size, k).transpose(0, 1).reshape(-1)  # a copy, [G, M, k]
+        middle = torch.empty(self.groups * k, dtype=input.dtype, device=input.device)
+        first = self.inner.reduce_scatter(middle, reordered)
+        return _Chained(first, lambda: self.outer.reduce_scatter(output, middle))
+
+    def release_buffers(self) -> None:
+        self.inner.release_buffers()
+        self.outer.release_buffers()
+
+
+class _Chained:
+    """A two-level collective's handle: ``wait`` waits for ``first``, then issues the second level
+    (``then()``) and waits for it (Note [Two-level reduce-scatter])."""
+
+    def __init__(self, first, then) -> None:
+        self.first, self.then = first, then
+
+    def wait(self) -> bool:
+        if self.then is not None:
+            self.first.wait()
+            second, self.then, self.first = self.then(), None, None
+            second.wait()
+        return True

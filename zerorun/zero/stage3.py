@@ -56,7 +56,7 @@ import torch.nn as nn
 from zerorun.zero.deferred import is_deferred, replay_slices, swap_meta_params
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
-from zerorun.zero.hierarchy import SecondaryShards, hierarchy_size
+from zerorun.zero.hierarchy import SecondaryShards, TwoLevelReduceScatter, hierarchy_size
 from zerorun.zero.param_offload import ParamStore
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,
@@ -172,6 +172,8 @@ class Stage3Engine(ZeroEngine):
                             if self.config.offload_params == "disk" else None)
         size = hierarchy_size(self.config.hierarchy, self.comm.topology)  # Note [Secondary shards]
         self.secondary = SecondaryShards(self.comm, size) if size else None
+        if self.secondary is not None:  # Note [Two-level reduce-scatter] in hierarchy.py
+            self.comm.two_level = TwoLevelReduceScatter(self.comm, self.secondary.comm)
         self.gathering = Gathering(self.comm, self.param_store, ZeroParameter, secondary=self.secondary)
         if self._deferred:
             replay_slices(self.module, every, self._new_of, self._meta_list, self._replay_group)
@@ -225,7 +227,8 @@ class Stage3Engine(ZeroEngine):
         self._gather_persistent([b for b in self._persistent_unit.buffers if b.group_index < 0])
 
     def _comms(self) -> list:
-        return [self.comm] + ([self.secondary.comm] if self.secondary is not None else [])
+        two = self.comm.two_level
+        return [self.comm] + ([two.inner, two.outer] if two is not None else [])
 
     def _drop_secondary(self) -> None:
         """The parameters changed: forget the secondary shards (Note [Secondary shards] in hierarchy.py)."""
