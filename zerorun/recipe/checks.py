@@ -45,10 +45,12 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
     if z.prefetch_bytes is not None and z.stage != 3:
         raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: units are prefetched (all-gathered ahead of use) "
                            "at zero.stage 3 only")
-    if z.hierarchy is not None and (recipe.runtime != "zero" or z.stage != 3):
-        raise ZerorunError(f"{where('zero', 'hierarchy')}: a secondary shard of the parameters (ZeRO++ hpZ) is "
-                           "zerorun's zero.stage 3 knob" + (f"; the {recipe.runtime} baseline does not take it"
-                                                            if recipe.runtime != "zero" else ""))
+    for field, what in (("hierarchy", "a secondary shard of the parameters (ZeRO++ hpZ)"),
+                        ("quantize_weights", "quantizing the parameter all-gathers (ZeRO++ qwZ)")):
+        if getattr(z, field) is not None and (recipe.runtime != "zero" or z.stage != 3):
+            raise ZerorunError(f"{where('zero', field)}: {what} is zerorun's zero.stage 3 knob"
+                               + (f"; the {recipe.runtime} baseline does not take it" if recipe.runtime != "zero"
+                                  else ""))
     if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
         raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "
                            "baseline does not take it")

@@ -117,6 +117,11 @@ class ZeroSpec(Strict):
         None, description="stage 3: keep a secondary shard of the parameters within each node (node) or within "
         "groups of this many consecutive ranks, so that the backward all-gather never leaves them (ZeRO++ hpZ)")
 
+    # ZeRO++'s quantized weights (Note [Quantized weights] in zerorun/zero/quantize.py).
+    quantize_weights: Optional[Literal["int8"]] = Field(
+        None, description="stage 3: all-gather the parameters as int8 blocks with a scale each (ZeRO++ qwZ); the "
+        "sharded master copy stays exact, only forward and backward see the rounding")
+    quantize_block: int = Field(256, ge=1, description="elements per scale of zero.quantize_weights")
 
     @field_validator("hierarchy", mode="before")
     @classmethod

@@ -53,6 +53,9 @@ class ZeroConfig:
             a number of consecutive ranks (DeepSpeed's ``zero_hpz_partition_size``); the gradients are then
             reduce-scattered in two levels, within those ranks first (Note [Two-level reduce-scatter]);
             ``None``: flat.
+        quantize_weights: stage 3: ``"int8"``: parameters all-gathered from their shards as int8 blocks with
+            an fp32 scale each (ZeRO++'s qwZ, Note [Quantized weights] in ``quantize.py``); ``None``: exact.
+        quantize_block: elements per scale of ``quantize_weights``.
         broadcast_buffers: before every training forward (module in training mode, grad enabled), copy rank
             0's module buffers (BatchNorm's running statistics) to every rank, coalesced (DDP's option, name
             and default; Note [Coalesced broadcasts] in ``broadcast.py``). False: each rank keeps its own.
@@ -78,6 +81,8 @@ class ZeroConfig:
     grad_accum_dtype: str | None = None
     broadcast_buffers: bool = True
     hierarchy: int | str | None = None
+    quantize_weights: str | None = None
+    quantize_block: int = 256
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -110,6 +115,13 @@ class ZeroConfig:
             raise ValueError(f"zero.broadcast_buffers must be true or false, got {self.broadcast_buffers!r}")
         if self.hierarchy is not None:
             self._check_hierarchy()
+        if self.quantize_weights not in (None, "int8"):
+            raise ValueError(f"zero.quantize_weights must be int8 or unset, got {self.quantize_weights!r}")
+        if self.quantize_weights and self.stage != 3:
+            raise ValueError(f"zero.quantize_weights: parameters are all-gathered (and quantized on the way) at "
+                             f"stage 3; this is stage {self.stage}: set zero.stage 3 or remove it")
+        if isinstance(self.quantize_block, bool) or not isinstance(self.quantize_block, int) or self.quantize_block < 1:
+            raise ValueError(f"zero.quantize_block must be an integer >= 1, got {self.quantize_block!r}")
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
 

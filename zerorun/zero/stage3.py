@@ -59,6 +59,7 @@ from zerorun.zero.flat import FlatBuffer, pack
 from zerorun.zero.hierarchy import SecondaryShards, TwoLevelReduceScatter, hierarchy_size
 from zerorun.zero.param_offload import ParamStore
 from zerorun.zero.precision import DTYPES
+from zerorun.zero.quantize import WeightQuantizer
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,
                                         placeholder, state_dict_guard)
 from zerorun.zero.stage3_checks import GatherDigest, check_backward_units
@@ -174,7 +175,9 @@ class Stage3Engine(ZeroEngine):
         self.secondary = SecondaryShards(self.comm, size) if size else None
         if self.secondary is not None:  # Note [Two-level reduce-scatter] in hierarchy.py
             self.comm.two_level = TwoLevelReduceScatter(self.comm, self.secondary.comm)
-        self.gathering = Gathering(self.comm, self.param_store, ZeroParameter, secondary=self.secondary)
+        quantizer = WeightQuantizer(self.config.quantize_block) if self.config.quantize_weights else None
+        self.gathering = Gathering(self.comm, self.param_store, ZeroParameter, secondary=self.secondary,
+                                   quantizer=quantizer)  # Note [Quantized weights] in quantize.py
         if self._deferred:
             replay_slices(self.module, every, self._new_of, self._meta_list, self._replay_group)
         else:
@@ -201,6 +204,7 @@ class Stage3Engine(ZeroEngine):
     def _after_step(self) -> None:
         """Units are gathered from the updated slices when next used (one left gathered by a forward that raised
         is freed: stale); persistent parameters (Note [Persistent parameters]) are all-gathered now."""
+        self.gathering.training = False  # Gathering.training: the pass is over
         self.sched.free_all()
         self._drop_secondary()
         self._gather_persistent(self._persistent_unit.trainable)  # frozen ones never change: gathered once
@@ -262,9 +266,10 @@ class Stage3Engine(ZeroEngine):
         bufs = [buf for u in units for buf in u.buffers]
         token = object()
         were_free = [u for u in units if not u.pinned_by and u.active == 0]
-        for u in units:
-            u.unshard()
-            u.pinned_by.add(token)
+        with self.gathering.exact():
+            for u in units:
+                u.unshard()
+                u.pinned_by.add(token)
         versions = {p: p._version for buf in bufs for p in buf.params}
         before = {buf: buf.shard_data.clone() for buf in bufs} if modifier_rank is not None else {}
         try:
@@ -295,7 +300,8 @@ class Stage3Engine(ZeroEngine):
             ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an
             empty dict.
         """
-        return full_state_dict(self.module, self.units, keep=not rank0_only or self.rank == 0)
+        with self.gathering.exact():
+            return full_state_dict(self.module, self.units, keep=not rank0_only or self.rank == 0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full state dict on every rank (see :meth:`full_state_dict`)."""

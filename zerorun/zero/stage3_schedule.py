@@ -91,15 +91,16 @@ class Schedule:
 
     # ------------------------------------------------------------------------------------------- forward
     def pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        if not unit.is_root and not in_backward():
+        if unit.is_root and not in_backward():  # a new forward: whatever an interrupted one left on the stack goes
+            self.clear_forward()
+            unit.ctx.training = torch.is_grad_enabled()  # Gathering.training, before the root's own gather
+        elif not in_backward():
             self.outer.listed_call(unit)
         unit.unshard(wait=False)  # waited for below, after the all-gathers of the units ahead are issued
         if in_backward():
             unit.unshard()
             return None
-        if unit.is_root:  # a new forward: whatever an interrupted one left on the stack goes
-            self.clear_forward()
-            unit.ctx.forward_with_grad = torch.is_grad_enabled()  # Note [Secondary shards] in hierarchy.py
+        if unit.is_root:
             self.outer.pass_start()
             for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
                 u.out_nodes, u.in_nodes = [], []
@@ -132,7 +133,6 @@ class Schedule:
                 self.end_pass("forward")
             self.outer.pass_end()
             self.free_all()
-            unit.ctx.forward_with_grad = False
         else:
             unit.reshard()
         return output
@@ -165,7 +165,7 @@ class Schedule:
         (units it left gathered are freed at the step, or by the next forward)."""
         for u in self.active:
             u.active = 0
-            u.ctx.forward_with_grad = False
+            u.ctx.training = False
         self.active = []
         self.outer.running = False
         self.outer.end_saved_hooks()

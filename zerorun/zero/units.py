@@ -19,6 +19,7 @@ unit_plan.py). Measurements: benchmarks/results/history.md, issue 38.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any, Callable
@@ -43,14 +44,28 @@ class Gathering:
     """What the units of one engine share to gather and free: its collectives (``Comm``), its parameter store
     (``ParamStore`` or ``None``: Note [Parameter offload] in param_offload.py), the indices of the units
     all-gathered since the last step (Note [Same units on every rank] in stage3_checks.py) and the class its
-    parameters take at rest (Note [Plain while gathered] in stage3_access.py), and the secondary shards (hpZ)."""
+    parameters take at rest (Note [Plain while gathered] in stage3_access.py), the secondary shards (hpZ) and the
+    weights' quantizer (qwZ)."""
 
     comm: Any
     store: Any
     guard: type
     log: list[int] = dataclasses.field(default_factory=list)
     secondary: Any = None  # SecondaryShards where zero.hierarchy is set (Note [Secondary shards] in hierarchy.py)
-    forward_with_grad: bool = False  # inside the root's forward with gradients enabled: a backward follows
+    # from a forward with gradients enabled until the optimizer step (or an evaluation's forward): the gathers
+    # of a training pass (Notes [Secondary shards] in hierarchy.py, [Quantized weights] in quantize.py)
+    training: bool = False
+    quantizer: Any = None  # WeightQuantizer where zero.quantize_weights is set (Note [Quantized weights])
+
+    @contextlib.contextmanager
+    def exact(self):
+        """Inside the block, gathers are from the primary shards and exact (a state dict, ``gathered_parameters``
+        between a backward and its step)."""
+        was, self.training = self.training, False
+        try:
+            yield
+        finally:
+            self.training = was
 
 
 class Unit:
@@ -106,8 +121,11 @@ class Unit:
         ctx = self.ctx
         if self.state is UnitState.FREE:
             self.point_params(gathered=True)
-            if ctx.secondary is not None and ctx.secondary.holds(self):  # Note [Secondary shards]
+            if ctx.secondary is not None and ctx.training and ctx.secondary.holds(self):  # Note [Secondary shards]
                 self.works = [ctx.secondary.all_gather(self)]
+            elif ctx.quantizer is not None and ctx.training and not self.gather_bytes:  # Note [Quantized weights]
+                self.works = [ctx.quantizer.all_gather(ctx.comm, [b.data for b in self.buffers],
+                                                       [b.shard_data for b in self.buffers])]
             else:
                 self.works = [ctx.comm.all_gather_coalesced([b.data for b in self.buffers],
                                                             [b.shard_data for b in self.buffers], self.gather_bytes)]
@@ -137,7 +155,7 @@ class Unit:
             return
         self._wait()
         secondary = self.ctx.secondary
-        if secondary is not None and self.ctx.forward_with_grad and not self.gather_bytes and not in_backward():
+        if secondary is not None and self.ctx.training and not self.gather_bytes and not in_backward():
             secondary.keep(self)  # Note [Secondary shards]: freed in a forward that a backward follows
         for p in self.adopted:
             p.__class__ = self.ctx.guard

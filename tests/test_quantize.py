@@ -1,0 +1,69 @@
+"""ZeRO++'s quantized weights (qwZ, ``zero.quantize_weights: int8``; Note [Quantized weights] in
+zerorun/zero/quantize.py): blockwise int8 all-gathers whose rounding only forward and backward see."""
+
+import pytest
+import torch
+
+import quantize_cases as cases
+from zerorun.zero.quantize import WeightQuantizer, blocks, message_bytes, quantize_into
+
+
+@pytest.mark.parametrize("numel,block", [(1, 256), (255, 256), (256, 256), (1000, 7), (4099, 2048)])
+def test_blockwise_int8_rounds_within_half_a_step_of_each_block(numel, block):
+    x = torch.randn(numel, dtype=torch.float64).float() * torch.logspace(-3, 3, numel)
+    x[numel // 2:numel // 2 + 3] = 0.0
+    message = torch.empty(message_bytes([(numel, torch.float32)], block), dtype=torch.uint8)
+    quantize_into(message, x, block)
+    nb = blocks(numel, block)
+    q = message[:nb * block].view(torch.int8).float().view(nb, block)
+    scales = message[nb * block:].clone().view(torch.float32)
+    back = (q * scales[:, None]).view(-1)[:numel]
+    step = torch.nn.functional.pad(x, (0, nb * block - numel)).view(nb, block).abs().amax(1) / 127
+    assert torch.all((back - x).abs().view(-1) <= (step.repeat_interleave(block)[:numel] / 2) * (1 + 1e-6))
+    assert torch.all(q.abs() <= 127)
+    assert message.numel() == nb * block + 4 * nb
+
+
+def test_a_block_of_zeros_and_integer_slices_come_back_exact():
+    class Comm:  # one rank: the gather is the message itself
+        world_size = 1
+
+        def all_gather(self, output, input):
+            output.copy_(input)
+            return type("Done", (), {"wait": lambda self: True})()
+
+    ints, zeros = torch.arange(-5, 6), torch.zeros(300)
+    outs = [torch.empty_like(ints), torch.empty_like(zeros)]
+    WeightQuantizer(64).all_gather(Comm(), outs, [ints, zeros]).wait()
+    assert torch.equal(outs[0], ints) and torch.equal(outs[1], zeros)
+
+
+@pytest.mark.parametrize("block", [64, 256])
+def test_qwz_trains_close_to_exact_stage_3_and_sends_a_quarter(ranks, block):
+    """2 ranks, tiny GPT, AdamW lr 1e-3, 4 steps: every rank's forward reads the same weights, each within half
+    a quantization step of the exact engine's; the losses stay within 1% of the exact run's."""
+    for r in ranks(2).run(cases.against_exact, block=block):
+        assert r["same_on_every_rank"] and r["changed"], r
+        assert r["rounding"] <= 0.5 * (1 + 1e-4), r
+        assert max(r["loss_diff"]) <= 1e-2 and r["loss_diff"][0] > 0, r
+
+
+
+@pytest.mark.parametrize("block", [64, 2048])
+def test_the_parameter_gathers_send_int8_and_a_scale_per_block(ranks, block):
+    for r in ranks(2).run(cases.gather_bytes, block=block):
+        for exact, quantized in r["sent"]:
+            assert exact - quantized == r["expected_saving"], r
+
+
+def test_the_sharded_master_is_never_rounded(ranks):
+    """lr 0: after steps with quantized gathers the state dict is the exact engine's, bit for bit."""
+    for r in ranks(2).run(cases.against_exact, block=256, lr=0.0, steps=2):
+        assert r["changed"] and r["states_equal"], r
+
+
+def test_qwz_with_hpz_on_two_nodes(ranks):
+    """4 ranks as 2 nodes of 2 with zero.hierarchy: node: the backward gathers the dequantized secondary shards;
+    the same bound on the losses."""
+    for r in ranks(4).run(cases.against_exact, block=256, ranks_per_node=2, hierarchy="node"):
+        assert r["same_on_every_rank"] and max(r["loss_diff"]) <= 1e-2, r
