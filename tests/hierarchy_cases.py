@@ -107,3 +107,30 @@ def two_level_reduce_scatter(in_place: bool) -> dict:
         inter = [flat.bytes_sent_inter_node, sum(c.bytes_sent_inter_node for c in (two, two.two_level.inner,
                                                                                     two.two_level.outer))]
         return {"wrong": wrong, "inter_node": inter}
+
+
+def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int = 2) -> dict:
+    """``estimate_cases.CONFIGS[config]``'s model at stage 3 with ``hierarchy`` and ``accum`` micro-steps on this
+    rank's node: bytes sent and bytes to other nodes in each step (zero/comm.py's count) and the secondary
+    shards' bytes just before each ``step()`` (``SecondaryShards.nbytes``; 0 without ``hierarchy``)."""
+    import estimate_cases
+
+    model, model_kwargs, units, opt, opt_kwargs, bucket_mb, _, persistence = estimate_cases.CONFIGS[config]
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    with on_nodes(ranks_per_node):
+        engine = initialize(estimate_cases.build(model, model_kwargs), optimizer=opt, optimizer_kwargs=dict(opt_kwargs),
+                            config=ZeroConfig(stage=3, bucket_mb=bucket_mb, units=units, grad_accum_steps=accum,
+                                              persistence_threshold=persistence, hierarchy=hierarchy))
+        out = {"sent": [], "inter_node": [], "secondary": []}
+        for step in range(steps):
+            before = engine.comm_stats()
+            for micro in range(accum):
+                batch = parity_cases._batch(model, step, micro, rank, world_size, "never")
+                engine.backward(parity_cases._loss(engine(batch)))
+            out["secondary"].append(engine.secondary.nbytes if engine.secondary is not None else 0)
+            engine.step()
+            now = engine.comm_stats()
+            out["sent"].append(now["bytes_sent"] - before["bytes_sent"])
+            out["inter_node"].append(now["bytes_inter_node"] - before["bytes_inter_node"])
+        engine.close()
+    return out

@@ -20,9 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "recipes/tiny.yaml")
 
 
-def step(rank, n, time_s, samples_per_s, comm, rss=100, states=(10, 20, 30)):
+def step(rank, n, time_s, samples_per_s, comm, rss=100, states=(10, 20, 30), inter=0):
     return {"event": "step", "rank": rank, "step": n, "step_time_s": time_s, "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * 31, "comm_bytes": comm, "peak_rss_bytes": rss,
+            "tokens_per_s": samples_per_s * 31, "comm_bytes": comm, "comm_bytes_inter_node": inter,
+            "peak_rss_bytes": rss,
             "model_state_bytes": dict(zip(("params", "grads", "optimizer"), states))}
 
 
@@ -43,6 +44,25 @@ def test_measure_takes_the_slowest_rank_after_warmup():
     assert m["comm_bytes_per_step"] == 200 and m["time_to_first_step_s"] == 4.5
     with pytest.raises(ValueError, match="no step after the 5 warm-up steps"):
         measure(events, warmup=5)
+
+
+def test_bytes_to_other_nodes_per_step_beside_bytes_sent_and_null_where_not_observed():
+    """``comm_bytes_inter_node_per_step``: the median over steps of the largest ``comm_bytes_inter_node`` any rank
+    sent (Note [Nodes of a group]); a baseline's null events give null in the JSON and ``-`` in the tables."""
+    from zerorun.bench.output import markdown_table
+
+    zero = [step(r, n, 0.1, 40, 300, inter=[100, 150, 90][n - 1] + r) for n in (1, 2, 3) for r in (0, 1)]
+    ddp = [step(r, n, 0.1, 40, 300, inter=None) for n in (1, 2, 3) for r in (0, 1)]
+    assert measure(zero, warmup=0)["comm_bytes_inter_node_per_step"] == 101
+    assert measure(ddp, warmup=0)["comm_bytes_inter_node_per_step"] is None
+    rows = [Row(Combination("a", "ddp"), status="ok", runs=[measure(ddp, warmup=0)]),
+            Row(Combination("a", "zero", 3), status="ok", runs=[measure(zero, warmup=0), measure(zero, warmup=2)])]
+    summarize(rows)
+    assert rows[0].to_json()["metrics"]["comm_bytes_inter_node_per_step"] is None
+    assert rows[1].metrics["comm_bytes_inter_node_per_step"] == {"median": 96, "min": 91, "max": 101}
+    table = markdown_table(rows, ["ddp"])
+    assert "| to other nodes (MiB) |" in table
+    assert "| 0.00 | - | " in table.splitlines()[2] and "| 0.00 | 0.00 | " in table.splitlines()[3], table
 
 
 def test_percentile_nearest_rank():

@@ -213,10 +213,26 @@ def test_summary_means_over_the_whole_run():
     text = rendered(summary(state))
     r0 = row_of(text, 0)
     assert re.search(r"node0\s+0\s+done\s+40\s+600 MiB\s+4\.00 MiB/2\.00 MiB/4\.00 MiB\s+53\.3/s\s+6\.8k/s\s+150 ms"
-                     r"\s+40%\s+1 ms", r0), r0
+                     r"\s+40%\s+73 B\s+-\s+1 ms", r0), r0  # 3,000 bytes sent in 41 steps; none to other nodes
     assert "stopped" in row_of(text, 1)
     assert re.search(r"total time\s+42 s", text) and re.search(r"time to first step\s+10 s", text)
     assert re.search(r"final validation loss\s+2\.5000", text) and "last checkpoint" in text
+
+
+def test_summary_shows_bytes_sent_per_step_and_to_other_nodes_where_the_job_spans_nodes():
+    """Per rank the mean bytes sent per step and, of them, to other nodes (``comm_bytes_inter_node``, Note
+    [Nodes of a group]); the latter column only where the job runs on more than one node or sent some there."""
+    state = JobState(name="gpt-stdlib", stage=3, precision="fp32", world_size=2, hosts=["a x 2", "b x 2"],
+                     started=T0)
+    for step in (1, 20, 40):
+        state.update(step_event(0, step, comm_bytes=4 * MiB * (1 if step == 1 else 20),
+                                comm_bytes_inter_node=MiB * (1 if step == 1 else 20)))
+    assert re.search(r"sent\s+to other.*per step\s+nodes", rendered(summary(state)), re.S)
+    assert re.search(r"40%\s+4\.00 MiB\s+1\.00 MiB\s", rendered(summary(state))), rendered(summary(state))
+    one = JobState(name="gpt-stdlib", stage=3, precision="fp32", world_size=1, hosts=["a x 1"], started=T0)
+    for step in (1, 20):
+        one.update(step_event(0, step, comm_bytes_inter_node=0))
+    assert "sent" in rendered(summary(one)) and "other" not in rendered(summary(one))
 
 
 def test_flop_rates_in_readable_units():

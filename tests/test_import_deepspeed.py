@@ -375,3 +375,32 @@ def test_cli_takes_the_auto_options_and_says_what_to_fill_in(tmp_path, monkeypat
     assert "zerorun: fill in train.optimizer.lr: 'auto' in the config (the HF Trainer's learning_rate): give --lr " \
            "or set it\n" in err and "fill in train.steps" not in err
     assert f"zerorun: dropped {_OFFLOAD_CPU}\n" in err
+
+
+def test_hpz_partition_size_is_zero_hierarchy(tmp_path):
+    """ZeRO++'s ``zero_hpz_partition_size`` N > 1 is ``zero.hierarchy: N`` (Note [Secondary shards]); 1 is flat
+    stage 3, nothing to say; below stage 3 it is listed as dropped; a bad size is one line naming the field
+    (before: every value was dropped as "no zerorun equivalent")."""
+    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
+    assert Recipe.model_validate(data).zero.hierarchy == 2 and not dropped
+    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}})
+    assert "hierarchy" not in data["zero"] and not dropped
+    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})
+    assert "hierarchy" not in data["zero"]
+    assert dropped == ["zero_optimization.zero_hpz_partition_size: stage 3 only (zero.hierarchy)"]
+    for size, message in ((0, "expected a number of ranks >= 1, got 0"), (1.5, "expected an integer, got 1.5"),
+                          (3, "3 must divide the hostfile's 4 ranks and be below it")):
+        with pytest.raises(ZerorunError, match=rf"ds\.json: zero_optimization\.zero_hpz_partition_size: {message}$"):
+            _run(tmp_path, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": size}})
+
+
+@pytest.mark.parametrize("key,name", [("zero_quantized_weights", "qwZ"), ("zero_quantized_gradients", "qgZ")])
+def test_quantized_collectives_are_listed_as_not_taken_yet(tmp_path, key, name):
+    """ZeRO++'s quantized weights and gradients: true is listed among the fields zerorun does not take yet (before:
+    "no zerorun equivalent", and false was listed too); false is what zerorun does; not a boolean: one line."""
+    data, text, dropped = _run(tmp_path, {"zero_optimization": {"stage": 3, key: True}})
+    assert dropped == [f"zero_optimization.{key}: " + dropped[0].split(": ", 1)[1]] and "not taken yet" in dropped[0]
+    assert name in dropped[0] and f"#   {dropped[0]}" in text
+    assert _run(tmp_path, {"zero_optimization": {"stage": 3, key: False}})[2] == []
+    with pytest.raises(ZerorunError, match=rf"zero_optimization\.{key}: expected true or false, got 'yes'$"):
+        _run(tmp_path, {"zero_optimization": {"stage": 3, key: "yes"}})

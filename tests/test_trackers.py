@@ -22,7 +22,8 @@ ALL = "log.trackers=[tensorboard,wandb,mlflow,csv]"
 #: the names the issue asks for -> the event field they carry (rank 0's step events; eval events)
 NAMES = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
          "perf/samples_per_s": "job_samples_per_s", "perf/tokens_per_s": "job_tokens_per_s",
-         "memory/peak_rss_bytes": "peak_rss_bytes", "comm/wait_s": "comm_wait_s"}
+         "memory/peak_rss_bytes": "peak_rss_bytes", "comm/wait_s": "comm_wait_s", "comm/bytes": "comm_bytes",
+         "comm/bytes_inter_node": "comm_bytes_inter_node"}
 
 
 @pytest.fixture
@@ -220,3 +221,13 @@ def test_each_tracker_has_its_extra_and_the_test_extra_has_them_all():
     names = {k: {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0] for d in v} for k, v in extras.items()}
     for tracker, (_, extra) in PACKAGES.items():
         assert names[extra] and names[extra] <= names["test"], (tracker, names)
+
+
+def test_bytes_sent_and_to_other_nodes_are_tracker_scalars():
+    """A step event's ``comm_bytes`` and ``comm_bytes_inter_node`` (Note [Nodes of a group]) reach every tracker as
+    ``comm/bytes`` and ``comm/bytes_inter_node``; a baseline's null is not logged (before: neither was)."""
+    from zerorun.telemetry.trackers_spec import scalars
+
+    assert scalars("step", {"comm_bytes": 4096, "comm_bytes_inter_node": 1024, "comm_wait_s": None}) == {
+        "comm/bytes": 4096.0, "comm/bytes_inter_node": 1024.0}
+    assert scalars("step", {"comm_bytes": 4096, "comm_bytes_inter_node": None}) == {"comm/bytes": 4096.0}

@@ -148,8 +148,8 @@ class BaselineEngine:
 
     def comm_stats(self) -> dict[str, Any]:
         """Cumulative ``bytes_sent`` (bytes, ring formulas, ZeRO §7) of this rank's gradient and parameter
-        collectives; ``wait_s`` is ``None`` (not observable for these runtimes)."""
-        return {"bytes_sent": self.bytes_sent, "wait_s": None}
+        collectives; ``bytes_inter_node`` and ``wait_s`` are ``None`` (not observed for these runtimes)."""
+        return {"bytes_sent": self.bytes_sent, "bytes_inter_node": None, "wait_s": None}
 
 
 class DDPEngine(BaselineEngine):

@@ -49,6 +49,11 @@ def write_csv(path: str, rows: list[Row], baselines: list[str]) -> None:
     _atomic_write(path, write)
 
 
+def _maybe(value: float | None, fmt: Callable[[float], str]) -> str:
+    """``fmt(value)``, or ``-`` where the metric was not observed (the baselines' bytes to other nodes)."""
+    return "-" if value is None else fmt(value)
+
+
 def write_png(path: str, rows: list[Row]) -> None:
     """``bench.png``: job samples/s and peak RSS per rank, grouped by runtime/stage, one bar per hostfile.
 
@@ -104,7 +109,7 @@ def render_table(rows: list[Row], baselines: list[str], repeat: int):
 
     table = Table(title="zerorun bench", show_lines=False)
     for name in ("hostfile", "ranks", "runtime", "step ms", "p90 ms", "samples/s", "tokens/s", "weak eff.",
-                 "peak RSS/rank", "states/rank", "sent/rank/step", "1st step s", *[f"vs {b}" for b in baselines]):
+                 "peak RSS/rank", "states/rank", "sent/rank/step", "to other nodes", "1st step s", *[f"vs {b}" for b in baselines]):
         table.add_column(name, justify="left" if name in ("hostfile", "runtime") else "right")
 
     def spread(r: "Row", name: str, fmt: Callable[[float], str]) -> str:
@@ -123,7 +128,8 @@ def render_table(rows: list[Row], baselines: list[str], repeat: int):
                  spread(r, "step_time_s", lambda x: f"{x * 1e3:.0f}"), f"{v('step_time_p90_s') * 1e3:.0f}",
                  spread(r, "samples_per_s", human_rate), human_rate(v("tokens_per_s")),
                  f"{r.scaling_efficiency:.2f}", human_bytes(v("peak_rss_bytes")), human_bytes(v("model_state_bytes")),
-                 human_bytes(v("comm_bytes_per_step")), f"{v('time_to_first_step_s'):.1f}"]
+                 human_bytes(v("comm_bytes_per_step")), _maybe(v("comm_bytes_inter_node_per_step"), human_bytes),
+                 f"{v('time_to_first_step_s'):.1f}"]
         cells += [f"{r.time_vs[b]:.2f}x" if b in r.time_vs else "" for b in baselines]
         table.add_row(*cells)
     reasons = [Text(f"{r.combo.label} on {r.combo.hostfile or 'localhost'} failed: {r.reason}", style="red",
@@ -134,7 +140,8 @@ def render_table(rows: list[Row], baselines: list[str], repeat: int):
 def markdown_table(rows: list[Row], baselines: list[str]) -> str:
     """The results as a Markdown table (medians), for READMEs and reports."""
     head = ["hostfile", "ranks", "runtime", "median step (ms)", "p90 (ms)", "samples/s", "tokens/s", "weak eff.",
-            "peak RSS/rank (MiB)", "model states/rank (MiB)", "sent/rank/step (MiB)", "1st step (s)",
+            "peak RSS/rank (MiB)", "model states/rank (MiB)", "sent/rank/step (MiB)", "to other nodes (MiB)",
+            "1st step (s)",
             *[f"time vs {b}" for b in baselines]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -148,6 +155,7 @@ def markdown_table(rows: list[Row], baselines: list[str]) -> str:
                  f"{v('step_time_p90_s') * 1e3:.0f}", f"{v('samples_per_s'):.1f}", f"{v('tokens_per_s'):.0f}",
                  f"{r.scaling_efficiency:.2f}", f"{v('peak_rss_bytes') / 2**20:.0f}",
                  f"{v('model_state_bytes') / 2**20:.2f}", f"{v('comm_bytes_per_step') / 2**20:.2f}",
+                 _maybe(v("comm_bytes_inter_node_per_step"), lambda b: f"{b / 2**20:.2f}"),
                  f"{v('time_to_first_step_s'):.1f}"]
         cells += [f"{r.time_vs[b]:.2f}x" if b in r.time_vs else "" for b in baselines]
         lines.append("| " + " | ".join(cells) + " |")

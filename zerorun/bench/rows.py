@@ -13,7 +13,7 @@ from zerorun import runfolder
 
 #: Per-run metrics (Note [Bench metrics]) and their CSV/JSON names, in table order.
 METRICS = ("world_size", "step_time_s", "step_time_p90_s", "samples_per_s", "tokens_per_s", "peak_rss_bytes",
-           "model_state_bytes", "comm_bytes_per_step", "time_to_first_step_s")
+           "model_state_bytes", "comm_bytes_per_step", "comm_bytes_inter_node_per_step", "time_to_first_step_s")
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,9 @@ def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     ``tokens_per_s`` of the whole job at the median step time; ``peak_rss_bytes``, the largest peak RSS of any
     rank (bytes; ``ru_maxrss``, or the current RSS where that is larger); ``model_state_bytes``, the largest params + grads + optimizer-state bytes any rank holds;
     ``comm_bytes_per_step``, the median over steps of the largest bytes any rank sent in the step (ring
-    formulas, ZeRO paper §7); ``time_to_first_step_s``, the slowest rank's seconds from its start to the end
+    formulas, ZeRO paper §7); ``comm_bytes_inter_node_per_step``, the same of the bytes sent to ranks on other
+    nodes (``comm_bytes_inter_node``: Note [Nodes of a group] in zero/topology.py; None where a step event has
+    none: the DDP/FSDP2 baselines); ``time_to_first_step_s``, the slowest rank's seconds from its start to the end
     of its first step; ``world_size``.
 
     Raises:
@@ -124,8 +126,24 @@ def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     return {"world_size": world or len(next(iter(steps.values()))), "step_time_s": median,
             "step_time_p90_s": percentile(times, 0.9), "samples_per_s": samples / median,
             "tokens_per_s": tokens / median, "peak_rss_bytes": peak_rss, "model_state_bytes": states,
-            "comm_bytes_per_step": statistics.median(max(e["comm_bytes"] for e in ranks) for ranks in steps.values()),
+            "comm_bytes_per_step": _per_step(steps, "comm_bytes"),
+            "comm_bytes_inter_node_per_step": _per_step(steps, "comm_bytes_inter_node"),
             "time_to_first_step_s": first_step}
+
+
+def _per_step(steps: dict[int, list[dict]], key: str) -> float | None:
+    """The median over ``steps`` (their events, every rank's) of the largest ``key`` any rank reported in the
+    step; None where an event lacks it (not observed)."""
+    if any(e.get(key) is None for ranks in steps.values() for e in ranks):
+        return None
+    return statistics.median(max(e[key] for e in ranks) for ranks in steps.values())
+
+
+def _spread(values: list[float | None]) -> dict[str, float] | None:
+    """``{"median", "min", "max"}`` of one metric over a row's runs; None where a run did not observe it."""
+    if any(v is None for v in values):
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def read_events(run_dir: str) -> list[dict[str, Any]]:
@@ -150,9 +168,7 @@ def summarize(rows: list[Row]) -> None:
     (below 1: faster than the baseline).
     """
     for row in rows:
-        row.metrics = {name: {"median": statistics.median(r[name] for r in row.runs),
-                              "min": min(r[name] for r in row.runs), "max": max(r[name] for r in row.runs)}
-                       for name in METRICS} if row.runs else {}
+        row.metrics = {name: _spread([r.get(name) for r in row.runs]) for name in METRICS} if row.runs else {}
     measured = [r for r in rows if r.metrics]
     for row in measured:
         same = [r for r in measured if r.combo.label == row.combo.label]

@@ -53,7 +53,9 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         activation_checkpointing=r.train.activation_checkpointing if r else False, offload=offload or "all",
         offload_buffer_mb=r.zero.offload_buffer_mb if r else 64.0,
         grad_accum_dtype=r.zero.grad_accum_dtype if r else None,
-        offload_params=bool(r) and r.zero.offload_params == "disk", memory_source=memory.source)
+        offload_params=bool(r) and r.zero.offload_params == "disk", memory_source=memory.source,
+        node_ranks=tuple(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else (),
+        hierarchy=r.zero.hierarchy if r else None)
     return estimate(layout, setup)
 
 

@@ -1,13 +1,31 @@
-"""Communication bytes per rank per step (ZeRO paper §7)."""
+"""Communication bytes per rank per step (ZeRO paper §7), and of them to other nodes (ZeRO++ §3)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from zerorun.estimate.hierarchy import gathered_units, placements
 from zerorun.estimate.layout import PERSISTENT, Layout
 from zerorun.estimate.states import _pad, _stage_buffers, _stage_sizes, _unit_sizes
 from zerorun.estimate.policies import Precision
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank sends per optimizer step: ``sent`` in all, ``inter_node`` of them to ranks on other nodes
+    (``comm_bytes`` and ``comm_bytes_inter_node`` of a step event)."""
+
+    sent: int
+    inter_node: int
+
+
 def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision, grad_accum_steps: int = 1) -> int:
+    """Bytes one rank sends per optimizer step without ``zero.hierarchy``: :func:`traffic`'s ``sent``."""
+    return traffic(layout, stage, world_size, precision, grad_accum_steps).sent
+
+
+def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, grad_accum_steps: int = 1, *,
+            node_ranks: tuple[int, ...] = (), group: int | None = None) -> Traffic:
     """Bytes one rank sends per optimizer step, as ``zero/comm.py`` counts them (ring: (N-1)/N of a buffer per
     reduce-scatter or all-gather, twice that per all-reduce; ZeRO paper §7): stage 0 all-reduces gradients once
     per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
@@ -23,37 +41,60 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
     in backward only if a gradient flows through it, which the layout cannot tell (frozen layers usually come
     first, as when fine-tuning the top of a model, and then none does). Peer units of different layouts (experts
     of different sizes) send the largest peer's slice bytes in each all-gather (Note [Peer units] in
-    ``zero/unit_plan.py``): their padding is counted too."""
+    ``zero/unit_plan.py``): their padding is counted too.
+
+    ``group``: stage 3 with ``zero.hierarchy``, the ranks of a secondary group (:func:`hierarchy.group_size`;
+    Note [Secondary shards]): :func:`_stage3`. ``node_ranks``: the ranks of each node, consecutive (empty: one
+    node); ``inter_node`` counts each collective's bytes as ``zero/comm.py`` does, ``R / (N - 1)`` of them to the
+    ``R`` ranks of its group on other nodes (Note [Nodes of a group] in ``zero/topology.py``), for the rank that
+    sends the most there (ranks differ where nodes hold different numbers of ranks).
+    """
     N = world_size
     if N == 1:
-        return 0
+        return Traffic(0, 0)
     f = (N - 1) / N
     pb, gb = precision.param_bytes, precision.reduce_bytes  # gradients travel in the reduce dtype
     bufs = _stage_buffers(layout, stage)[0]
     sizes = _stage_sizes(layout, stage, pb)[0]  # a float64 buffer travels in float64 (Note [Wide parameters])
     trainable = sum(_pad(n, N) * b for n, b in zip(bufs, sizes))  # bytes of parameters
     grads = sum(_pad(n, N) * max(gb, b) for n, b in zip(bufs, sizes))
-    frozen = frozen_only = persistent = padding = padding_once = 0
-    if stage == 3 and layout.exact:
-        gathered = [u for u in layout.units if u.name != PERSISTENT]
-        frozen = sum(_pad(n, N) * b for u in gathered if u.trainable for n, b in zip(u.frozen, _frozen_sizes(u, pb)))
-        frozen_only = sum(_pad(n, N) * b for u in gathered if not u.trainable
-                          for n, b in zip(u.frozen, _frozen_sizes(u, pb)))
+    norm = 2 * f * 8
+    secondary = 0.0
+    if stage == 0:
+        flat = 2 * f * grads
+    elif stage == 1:
+        flat = f * (grads + trainable) + norm
+    elif stage == 2:
+        flat = grad_accum_steps * f * grads + f * trainable + norm
+    else:
+        flat, secondary = _stage3(layout, N, pb, grad_accum_steps, group, trainable, grads)
+        flat += norm
+    inter = max(flat * remote / (N - 1) + (secondary * remote_g / (group - 1) if group else 0)
+                for remote, remote_g in placements(node_ranks or (N,), group if stage == 3 else None))
+    return Traffic(int(round(flat + secondary)), int(round(inter)))
+
+
+def _stage3(layout: Layout, N: int, pb: int, accum: int, group: int | None, trainable: int,
+            grads: int) -> tuple[float, float]:
+    """Stage 3's bytes per step over all ``N`` ranks and over the secondary group of ``group`` ranks (Note
+    [Secondary shards]): each unit's first all-gather of a step (micro-step 1's forward) is flat, every later
+    one (its backward, the later micro-steps) gathers the secondary slices, ``(group - 1) / group`` of the unit;
+    never the persistent unit nor units padded to their peers'. Gradients and the norm stay flat."""
+    f = (N - 1) / N
+    if layout.exact:
+        twice, once = gathered_units(layout, N, pb, padded=True)
+        twice_s, once_s = gathered_units(layout, N, pb, padded=False)
         persistent = sum(_pad(n, N) * b for u in layout.units if u.name == PERSISTENT
                          for n, b in zip(u.trainable, _unit_sizes(u, pb)))
         padding, padding_once = _peer_padding(layout, N, pb)
-    norm = 2 * f * 8
-    if stage == 0:
-        sent = 2 * f * grads
-    elif stage == 1:
-        sent = f * (grads + trainable) + norm
-    elif stage == 2:
-        sent = grad_accum_steps * f * grads + f * trainable + norm
-    else:
-        gathered_twice = trainable - persistent + frozen  # persistent: all-gathered once per step, after it
-        sent = grad_accum_steps * f * (2 * gathered_twice + frozen_only + grads) + f * persistent + norm
-        sent += grad_accum_steps * (N - 1) * (2 * padding + padding_once)  # Note [Peer units]
-    return int(round(sent))
+    else:  # --params: one buffer, gathered twice
+        twice, once, twice_s, once_s, persistent, padding, padding_once = trainable, 0, 0, 0, 0, 0, 0
+    flat = accum * f * (2 * twice + once + grads) + f * persistent  # persistent: once per step, after it
+    flat += accum * (N - 1) * (2 * padding + padding_once)  # Note [Peer units]
+    if not group:
+        return flat + accum * f * (2 * twice_s + once_s), 0.0
+    later = twice_s + (accum - 1) * (2 * twice_s + once_s)  # micro-step 1's backward, then every gather
+    return flat + f * (twice_s + once_s), (group - 1) / group * later
 
 
 def _peer_padding(layout: Layout, world_size: int, default: int) -> tuple[int, int]:
@@ -76,6 +117,3 @@ def _peer_padding(layout: Layout, world_size: int, default: int) -> tuple[int, i
                 once += max(slices) - own
     return twice, once
 
-
-def _frozen_sizes(u, default: int) -> list[int]:
-    return _unit_sizes(u, default)[len(u.trainable):]

@@ -56,7 +56,13 @@ def render(est: Estimate, console=None) -> None:
                Column("disk", [v(r.disk_per_node) for r in rows], priority=2),
                Column("sent", [v(r.comm_bytes) for r in rows], priority=1),
                Column("comm", [f"{r.comm_s:.3g} s" for r in rows], priority=0)]
-    console.print(Text(f"{unit} per rank (host, disk: per node; sent: per step), by ZeRO stage", style="italic"))
+    inter = s["nodes"] > 1 or any(r.comm_bytes_inter_node for r in rows)  # Note [Nodes of a group]
+    if inter:
+        columns.insert(-1, Column("inter", [v(r.comm_bytes_inter_node) for r in rows], priority=1))
+    if any(r.secondary for r in rows):  # zero.hierarchy (Note [Secondary shards])
+        columns.insert(5, Column("2nd", [v(r.secondary) for r in rows], priority=5))
+    console.print(Text(f"{unit} per rank (host, disk: per node; sent{', inter: to other nodes,' if inter else ':'} "
+                       "per step), by ZeRO stage", style="italic"))
     console.print(render_table(columns, console.width))
     a = est.activations
     if a:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from zerorun.estimate.activations import activation_bytes, working_set
-from zerorun.estimate.communication import comm_bytes
+from zerorun.estimate.communication import traffic
+from zerorun.estimate.hierarchy import group_size, secondary_bytes
 from zerorun.estimate.layout import Layout
 from zerorun.estimate.states import _optimizer_slices, model_states
 from zerorun.estimate.policies import OFFLOADS, OptimizerModel, Precision, grad_accum_bytes
@@ -21,6 +22,8 @@ MIN_HEADROOM = 0.10
 # their reduce-scatters. The estimate is model states + gathered units + max(activations, backward transients)
 # (benchmarks/estimate_vs_measured.py: stage 1 on gloo, whose pending reduce-scatters each hold a receive buffer
 # the size of their bucket, peaks at the end of backward once activations are smaller than the gradients).
+# With zero.hierarchy the secondary shards, held from the forward through backward to the step, are added
+# (Note [Secondary shards] in zero/hierarchy.py).
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -43,6 +46,10 @@ class Setup:
             whenever disk is estimated).
         memory_source: where ``device_memory`` and ``cpu_memory`` came from (Note [Whose memory] in
             estimate/hosts.py), for people.
+        node_ranks: the ranks of each node, in order (a hostfile's slots); empty: ``nodes`` of
+            ``procs_per_node`` (:attr:`node_layout`).
+        hierarchy: ``zero.hierarchy`` (``node``, a number of ranks, or ``None``): the stage-3 rows' secondary
+            shards and their all-gathers (Note [Secondary shards] in zero/hierarchy.py).
     """
 
     nodes: int
@@ -66,6 +73,8 @@ class Setup:
     grad_accum_dtype: str | None = None
     offload_params: bool = False
     memory_source: str = ""
+    node_ranks: tuple[int, ...] = ()
+    hierarchy: int | str | None = None
 
     @property
     def grad_accum_bytes(self) -> int:
@@ -75,6 +84,14 @@ class Setup:
     @property
     def ranks(self) -> int:
         return self.world_size or self.nodes * self.procs_per_node
+
+    @property
+    def node_layout(self) -> tuple[int, ...]:
+        """The ranks of each node, consecutive in rank order (as the launch plan numbers them)."""
+        if self.node_ranks:
+            return self.node_ranks
+        even = self.nodes * self.procs_per_node == self.ranks
+        return (self.procs_per_node,) * self.nodes if even else (self.ranks,)
 
 
 @dataclass
@@ -96,11 +113,13 @@ class StageRow:
     fits: bool
     cpu_per_node: int  # at least the model built in fp32 by every rank at start (Note [Host memory at start])
     disk_per_node: int
-    comm_bytes: int
+    comm_bytes: int  # sent per step
     comm_s: float
     offload_host: int = 0  # per rank: offload_bytes()["host"] (cpu on an accelerator; disk's paging buffer)
     offload_disk: int = 0  # per rank: offload_bytes()["disk"] (the swap file)
     grad_accum: int = 0  # the fp32 gradient accumulation buffer, in model_states (Note [Gradient accumulation buffer])
+    comm_bytes_inter_node: int = 0  # of comm_bytes, to ranks on other nodes (Note [Nodes of a group])
+    secondary: int = 0  # zero.hierarchy's secondary shards, forward to step, in device_total (Note [Secondary shards])
 
     @property
     def label(self) -> str:
@@ -128,9 +147,15 @@ class Estimate:
 # Note [Host memory at start]: on an accelerator every rank builds the whole model in fp32 host memory before
 # moving it to its device (rank/loop.py; meta-device init is used on CPU only), so a node needs at least
 # ranks per node x 4 bytes x all parameters of host memory for a moment, at every stage.
-def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world_size: int | None = None) -> StageRow:
+def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world_size: int | None = None,
+         group: int | None = None) -> StageRow:
+    """One row; ``group``: the secondary group's ranks (zero.hierarchy, stage 3 without offloaded parameters,
+    which the runtime refuses beside it). With ``world_size`` (the search for the fewest nodes: only ``fits``
+    counts) the traffic is counted as on one node."""
     N = world_size or setup.ranks
     p = setup.precision
+    group = group if stage == 3 and not offload.endswith("params") else None
+    secondary = secondary_bytes(layout, N, p.param_bytes, group)
     on_host = setup.device == "cpu"
     optimizer_offload = offload.removesuffix("params").removesuffix("+") or "none"  # "params", "disk+params"
     ms = model_states(layout, stage, N, p, setup.optimizer, optimizer_offload, buffer_mb=setup.offload_buffer_mb,
@@ -138,7 +163,7 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
                       offload_params=offload.endswith("params"))
     ws = working_set(layout, stage, N, p, bucket_mb=setup.bucket_mb, prefetch=setup.prefetch, gloo=on_host,
                      prefetch_bytes=setup.prefetch_bytes)
-    total = ms.total + ws.gathered + max(act, ws.backward)  # Note [Peak]
+    total = ms.total + ws.gathered + max(act, ws.backward) + secondary  # Note [Peak]
     if on_host:  # the device is the host: disk's paging buffer takes the same memory
         total += ms.host
         host_rank = total
@@ -149,10 +174,11 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
     headroom = setup.device_memory - total
     cpu = setup.procs_per_node * host_rank
     fits = headroom >= MIN_HEADROOM * setup.device_memory and cpu <= setup.cpu_memory
-    sent = comm_bytes(layout, stage, N, p, setup.grad_accum_steps)
+    sent = traffic(layout, stage, N, p, setup.grad_accum_steps, node_ranks=() if world_size else setup.node_layout,
+                   group=None if world_size else group)
     return StageRow(stage, offload, ms.params, ms.grads, ms.optimizer, ms.total, ws.total, ws.gathered,
-                    ws.backward, act, total, headroom, fits, cpu, setup.procs_per_node * ms.disk, sent,
-                    sent / setup.bandwidth, ms.host, ms.disk, ms.grad_accum)
+                    ws.backward, act, total, headroom, fits, cpu, setup.procs_per_node * ms.disk, sent.sent,
+                    sent.sent / setup.bandwidth, ms.host, ms.disk, ms.grad_accum, sent.inter_node, secondary)
 
 
 def offload_variants(setup: Setup) -> tuple[str, ...]:
@@ -204,13 +230,19 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
         variants.append((3, "disk+params"))
         notes.append("disk+params: stage 3 with zero.offload_params disk too (the parameter slices in the swap "
                      "files, in memory only while their unit is gathered)")
-    rows = [_row(layout, setup, s, o, act_for(s)) for s, o in variants]
+    group = group_size(setup.hierarchy, setup.node_layout)  # Note [Secondary shards] in zero/hierarchy.py
+    if group:
+        notes.append(f"zero.hierarchy: stage 3 keeps a secondary shard of the parameters, 1/{group} of every unit "
+                     "but the persistent one, from the forward to the step (2nd column, in the total); all-gathers "
+                     "after a unit's first of a step stay within its group of "
+                     f"{group} ranks (ZeRO++ hpZ)")
+    rows = [_row(layout, setup, s, o, act_for(s), group=group) for s, o in variants]
     wide = setup.grad_accum_bytes > setup.precision.grad_bytes
     if wide:  # only ever fp32: wider than 2-byte gradients (Note [Gradient accumulation buffer])
         notes.append("gradients accumulate in fp32 (zero.grad_accum_dtype; unset: fp32 when grad_accum_steps > 1 "
                      "under bf16/fp16), counted in grads: a buffer of the whole model beside them at stages 0-1 "
                      "(Ψ x 4 bytes), the rank's gradient partition kept in fp32 at stages 2-3 (Ψ/N x 4 bytes)")
-    rec = _recommend(setup, layout, rows, act_for)
+    rec = _recommend(setup, layout, rows, act_for, group)
     return Estimate(_setup_info(setup, layout), _params_info(layout), rows, act, rec, notes)
 
 
@@ -251,11 +283,12 @@ def _setup_info(s: Setup, layout: Layout) -> dict:
             "bandwidth_bytes_per_s": s.bandwidth, "micro_batch": s.micro_batch,
             "seq_len": s.seq_len or (layout.shape or {}).get("seq_len"),
             "grad_accum_steps": s.grad_accum_steps, "grad_accum_dtype": s.grad_accum_dtype,
-            "activation_checkpointing": s.activation_checkpointing,
+            "activation_checkpointing": s.activation_checkpointing, "node_ranks": list(s.node_layout),
+            "hierarchy": s.hierarchy,
             "min_headroom": MIN_HEADROOM}
 
 
-def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for) -> str:
+def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for, group: int | None = None) -> str:
     for row in rows:
         if row.fits:
             return (f"stage {row.label}: {format_bytes(row.device_total)} of {format_bytes(setup.device_memory)} "
@@ -267,7 +300,7 @@ def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for) -> s
     if layout.shape and not setup.activation_checkpointing:
         tries.append((act_for(3, checkpointed=True), " with train.activation_checkpointing"))
     for activations, how in tries:
-        nodes = _nodes_for_stage3(layout, setup, activations)
+        nodes = _nodes_for_stage3(layout, setup, activations, group)
         if nodes is not None:
             ranks = count(nodes * setup.procs_per_node, "rank")
             hints.append(f"stage 3{how} fits on {count(nodes, 'node')} ({ranks})")
@@ -291,10 +324,13 @@ def _recommend(setup: Setup, layout: Layout, rows: list[StageRow], act_for) -> s
     return head + ("; " + "; ".join(hints) if hints else "; use more device memory per rank")
 
 
-def _nodes_for_stage3(layout: Layout, setup: Setup, activations: int, max_nodes: int = 1 << 20) -> int | None:
-    """The fewest nodes (of ``setup.procs_per_node`` ranks) on which stage 3 fits, or ``None``."""
+def _nodes_for_stage3(layout: Layout, setup: Setup, activations: int, group: int | None = None,
+                      max_nodes: int = 1 << 20) -> int | None:
+    """The fewest nodes (of ``setup.procs_per_node`` ranks) on which stage 3 fits (with secondary shards of
+    ``group`` ranks), or ``None``."""
     def fits(nodes: int) -> bool:
-        return _row(layout, setup, 3, "none", activations, world_size=nodes * setup.procs_per_node).fits
+        return _row(layout, setup, 3, "none", activations, world_size=nodes * setup.procs_per_node,
+                    group=group).fits
 
     if not fits(max_nodes):
         return None

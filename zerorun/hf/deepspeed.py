@@ -31,7 +31,7 @@ import yaml
 
 from zerorun.errors import ZerorunError
 from zerorun.hf.deepspeed_auto import check_options, mark_fill_in, monitors, resolve_auto
-from zerorun.hf.deepspeed_fields import ALWAYS, CARRIED, not_carried
+from zerorun.hf.deepspeed_fields import ALWAYS, CARRIED, not_carried, zero_plus_plus
 
 class _Import:
     def __init__(self, ds: dict, world_size: int | None, given: dict[str, Any]) -> None:
@@ -257,6 +257,7 @@ class _Import:
                 if name in paths and paths[name] != out["offload_path"]:
                     self.drop(f"zero_optimization.{name}.nvme_path", "one folder holds both swap files here: "
                               f"zero.offload_path is {out['offload_path']}")
+        zero_plus_plus(self, z, out)
         for key in sorted(z):  # an "always on" set true is what zerorun does: not listed
             if not (z[key] is True and ALWAYS.get(key, "").startswith("always on")):
                 self.drop(f"zero_optimization.{key}", ALWAYS.get(key, "no zerorun equivalent"))

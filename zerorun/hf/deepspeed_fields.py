@@ -1,7 +1,9 @@
 """What ``zerorun import-deepspeed`` (deepspeed.py) knows of DeepSpeed's fields: the ZeRO fields zerorun always
-behaves as if set, and the optimizer params carried into the recipe's ``train.optimizer``."""
+behaves as if set, the optimizer params carried into the recipe's ``train.optimizer``, and ZeRO++'s fields."""
 
 from __future__ import annotations
+
+from zerorun.errors import ZerorunError
 
 #: fields zerorun always behaves as if set, or has no use for, with the reason given when dropped
 ALWAYS = {
@@ -37,3 +39,36 @@ def not_carried(key: str, name: str) -> str:
     if key == "bias_correction" and name in ("Adam", "AdamW"):
         return f"torch.optim.{name} always corrects the bias"
     return f"not an argument of torch.optim.{name}"
+
+
+#: ZeRO++'s quantized collectives (Wang et al., arXiv:2306.10209, §3.1 and §3.3), listed as dropped when true
+QUANTIZED = {"zero_quantized_weights": "not taken yet: ZeRO++'s quantized weights (qwZ); zerorun all-gathers "
+                                       "parameters in their own dtype (precision)",
+             "zero_quantized_gradients": "not taken yet: ZeRO++'s quantized gradients (qgZ); zerorun reduce-scatters "
+                                         "gradients in zero.reduce_dtype"}
+
+
+def zero_plus_plus(imp, z: dict, out: dict) -> None:
+    """ZeRO++'s fields of the config's ``zero_optimization`` ``z`` (taken out of it) into the recipe's ``zero``
+    ``out``, through the importer ``imp`` (deepspeed.py): ``zero_hpz_partition_size`` N > 1 is ``zero.hierarchy:
+    N`` (ranks per secondary group, Note [Secondary shards] in zero/hierarchy.py; stage 3 only), 1 nothing;
+    :data:`QUANTIZED` true is listed as dropped, false nothing.
+
+    Raises:
+        ZerorunError: a size that is not an integer >= 1, or that does not divide the hostfile's ranks; a
+            quantization switch that is not true or false (one line naming the field).
+    """
+    field = "zero_optimization.zero_hpz_partition_size"
+    size = imp.num(field, z.pop("zero_hpz_partition_size"), int) if "zero_hpz_partition_size" in z else None
+    if size is not None and size < 1:
+        raise ZerorunError(f"{field}: expected a number of ranks >= 1, got {size}")
+    if size is not None and size > 1 and imp.world and (size >= imp.world or imp.world % size):
+        raise ZerorunError(f"{field}: {size} must divide the hostfile's {imp.world} ranks and be below it")
+    if size is not None and size > 1:
+        if out.get("stage") == 3:
+            out["hierarchy"] = size
+        else:
+            imp.drop(field, "stage 3 only (zero.hierarchy)")
+    for key, why in QUANTIZED.items():
+        if key in z and imp.flag(f"zero_optimization.{key}", z.pop(key)):
+            imp.drop(f"zero_optimization.{key}", why)

@@ -256,7 +256,8 @@ class TrainingRun:
                 job_tokens_per_s=world_size * tokens / step_s, rss_bytes=self.proc.memory_info().rss,
                 peak_rss_bytes=peak_rss_bytes(), model_state_bytes=engine.memory_bytes(),
                 comm_bytes=comm["bytes_sent"] - prev["bytes_sent"],
-                comm_bytes_inter_node=comm["bytes_inter_node"] - prev["bytes_inter_node"],
+                comm_bytes_inter_node=None if comm.get("bytes_inter_node") is None
+                else comm["bytes_inter_node"] - prev["bytes_inter_node"],
                 comm_wait_s=None if comm["wait_s"] is None else comm["wait_s"] - prev["wait_s"],
                 loss_scale=engine.loss_scale, skipped=engine.last_step_skipped,
                 skipped_steps=engine.skipped_steps, interval_steps=self.interval_steps,

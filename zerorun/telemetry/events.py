@@ -16,14 +16,16 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
   ``tokens_per_s`` (this rank, from it), ``job_samples_per_s``, ``job_tokens_per_s`` (world size x this
   rank's), ``tflops``, ``job_tflops`` (achieved model TFLOP/s, see ``probes.flops_per_token``),
   ``rss_bytes``, ``peak_rss_bytes``, ``model_state_bytes``,
-  ``host_mem_bytes``, ``host_mem_used_bytes``; ``comm_bytes`` (sent) and ``comm_wait_s`` (waited in
-  collectives) in total over the ``interval_steps`` steps since the previous step event, which took
-  ``interval_s`` of training time; ``telemetry_s``: seconds spent on telemetry since the previous step
-  event (measuring, the loss all-reduce, writing); written one step late (Note [Deferred loss]); on
-  CUDA ``cuda_allocated_bytes``, ``cuda_reserved_bytes``, ``cuda_peak_bytes``, ``cuda_total_bytes``;
-  ``loss_scale`` (fp16, else null), ``skipped`` (this step was skipped on an fp16 overflow), ``skipped_steps``;
-  ``comm_wait_s`` is null for the DDP/FSDP2 baselines (not observable); ``cpu_percent`` (this rank's process,
-  100 = one core busy) and ``host_cpu_percent`` (the whole host, all cores: 100 = every core busy) since the
+  ``host_mem_bytes``, ``host_mem_used_bytes``; ``comm_bytes`` (bytes sent), ``comm_bytes_inter_node`` (bytes,
+  of them to ranks on other nodes, counted as if each rank sent each piece straight to the ranks that need it:
+  ZeRO++'s direct accounting, Note [Nodes of a group] in ``zero/topology.py``; 0 on one node) and
+  ``comm_wait_s`` (waited in collectives) in total over the ``interval_steps`` steps since the previous step
+  event, which took ``interval_s`` of training time; ``telemetry_s``: seconds spent on telemetry since the
+  previous step event (measuring, the loss all-reduce, writing); written one step late (Note [Deferred
+  loss]); on CUDA ``cuda_allocated_bytes``, ``cuda_reserved_bytes``, ``cuda_peak_bytes``,
+  ``cuda_total_bytes``; ``loss_scale`` (fp16, else null), ``skipped`` (this step was skipped on an fp16
+  overflow), ``skipped_steps``; ``comm_bytes_inter_node`` and ``comm_wait_s`` are null for the DDP/FSDP2
+  baselines (not observed); ``cpu_percent`` (this rank's process, 100 = one core busy) and ``host_cpu_percent`` (the whole host, all cores: 100 = every core busy) since the
   previous step event; on CUDA with nvidia-ml-py ``gpu_util_percent`` (``torch.cuda.utilization``).
 - ``progress`` (rank 0, after every step that ends at least ``steplog.PROGRESS_EVERY_S`` after the previous
   progress event, and the last step): ``step``, ``steps`` (total); ``time`` is when the step ended. A few

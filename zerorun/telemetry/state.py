@@ -16,6 +16,7 @@ from typing import Any
 
 from zerorun import runfolder
 from zerorun.errors import ZerorunError
+from zerorun.telemetry.commtotals import CommTotals
 from zerorun.telemetry.events import Event, from_json, integer, number
 from zerorun.telemetry.logtail import LogTail
 
@@ -62,6 +63,7 @@ class RankState:
     samples: float | None = None
     tokens: float | None = None
     comm_wait_s: float = 0.0
+    comm: CommTotals = field(default_factory=CommTotals)  # bytes sent, per step in the summary
     telemetry_s: float = 0.0
     telemetry_events: int = 0
     first_step_time: float | None = None
@@ -238,6 +240,7 @@ class JobState:
             if r.tokens_per_s is not None:
                 r.tokens = (r.tokens or 0.0) + r.tokens_per_s * r.step_time_s * n
             r.comm_wait_s += wait or 0.0
+            r.comm.add(d, n)
         if number(d, "telemetry_s") is not None and step > 1:
             r.telemetry_s += number(d, "telemetry_s")
             r.telemetry_events += 1

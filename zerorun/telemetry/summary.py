@@ -28,8 +28,9 @@ def host_groups(ranks: list[RankState]) -> list[tuple[str, list[int]]] | None:
             for host, rows in hosts.items()]
 
 
-def rank_columns(ranks: list[RankState]) -> list[Column]:
-    """The summary's per-rank columns, highest priority kept longest."""
+def rank_columns(ranks: list[RankState], nodes: int = 1) -> list[Column]:
+    """The summary's per-rank columns, highest priority kept longest: the mean bytes sent per step, and of them
+    to other nodes where the job ran on more than one of its ``nodes`` or any rank sent some there."""
     def mean(r: RankState, total: float | None) -> str:
         return f"{human_rate(total / r.train_s)}/s" if r.train_s and total is not None else "-"
 
@@ -51,15 +52,19 @@ def rank_columns(ranks: list[RankState]) -> list[Column]:
              Column("mean\nstep", [seconds(r.train_s / r.train_steps if r.train_steps else None) for r in ranks],
                     priority=8),
              Column("comm\nwait", [pct(r.comm_wait_s / r.train_s if r.train_s else None) for r in ranks], priority=2),
-             Column("telemetry\nper event", [seconds(r.telemetry_s / r.telemetry_events if r.telemetry_events
-                                                     else None) for r in ranks], priority=1)]
+             Column("sent\nper step", [short_bytes(r.comm.sent_per_step) for r in ranks], priority=2)]
+    if nodes > 1 or any(r.comm.inter_node for r in ranks):  # Note [Nodes of a group] in zero/topology.py
+        cols.append(Column("to other\nnodes", [short_bytes(r.comm.inter_node_per_step) for r in ranks], priority=2))
+    per_event = [seconds(r.telemetry_s / r.telemetry_events if r.telemetry_events else None) for r in ranks]
+    cols.append(Column("telemetry\nper event", per_event, priority=1))
     return cols
 
 
 def summary(state: JobState, width: int = PLAIN_WIDTH) -> Group:
     """The end-of-job tables for ``state``, fitting ``width`` columns of terminal."""
     ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
-    table = render_table(rank_columns(ranks), width, groups=host_groups(ranks),
+    nodes = max(len(state.hosts), len({r.host for r in ranks if r.host}))
+    table = render_table(rank_columns(ranks, nodes), width, groups=host_groups(ranks),
                          host=Column("host", [r.host or "?" for r in ranks], justify="left", priority=0))
     rows = [("total time", human_duration(state.elapsed_s())),
             ("time to first step", human_duration(state.time_to_first_step_s())),

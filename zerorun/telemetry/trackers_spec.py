@@ -8,11 +8,14 @@ import math
 from typing import Any
 
 #: event field -> tracker scalar name, for rank 0's step events (the loss is the job-wide mean, the rates the
-#: job's; memory is rank 0's) and eval events. A field that is absent or null in an event is not logged.
+#: job's; memory and bytes sent are rank 0's: ``comm_bytes`` over the steps since the previous step event, and of
+#: them ``comm_bytes_inter_node`` to other nodes) and eval events. A field that is absent or null in an event is
+#: not logged.
 STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
                 "job_samples_per_s": "perf/samples_per_s", "job_tokens_per_s": "perf/tokens_per_s",
                 "peak_rss_bytes": "memory/peak_rss_bytes", "cuda_peak_bytes": "memory/peak_device_bytes",
-                "comm_wait_s": "comm/wait_s"}
+                "comm_wait_s": "comm/wait_s", "comm_bytes": "comm/bytes",
+                "comm_bytes_inter_node": "comm/bytes_inter_node"}
 EVAL_SCALARS = {"val_loss": "eval/loss"}
 #: every scalar name, in the CSV's column order
 SCALAR_NAMES = [*STEP_SCALARS.values(), *EVAL_SCALARS.values()]

@@ -1,0 +1,92 @@
+"""The nodes of an estimate's ranks and ZeRO++'s secondary shards (``zero.hierarchy``): which ranks a rank's
+bytes reach on other nodes (Note [Nodes of a group] in zerorun/zero/topology.py) and what the secondary shards
+hold (Note [Secondary shards] in zerorun/zero/hierarchy.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from zerorun.errors import ZerorunError
+from zerorun.estimate.layout import PERSISTENT, Layout
+from zerorun.estimate.states import _pad, _unit_sizes
+
+
+def group_size(hierarchy: int | str | None, node_ranks: tuple[int, ...]) -> int | None:
+    """The ranks of one secondary group for ``zero.hierarchy`` on nodes of ``node_ranks`` ranks each (consecutive
+    ranks, in order, as a launch plan numbers them): the runtime's own choice (``hierarchy_size``), or None
+    when unset.
+
+    Raises:
+        ZerorunError: a setting the runtime refuses on these nodes (its one line, naming ``zero.hierarchy``).
+    """
+    if hierarchy is None:
+        return None
+    from zerorun.zero.hierarchy import hierarchy_size
+    from zerorun.zero.topology import Topology
+
+    nodes = tuple(i for i, k in enumerate(node_ranks) for _ in range(k))
+    try:
+        return hierarchy_size(hierarchy, Topology(nodes, 0))
+    except ValueError as e:
+        raise ZerorunError(str(e)) from None
+
+
+def placements(node_ranks: tuple[int, ...], group: int | None) -> set[tuple[int, int]]:
+    """``(R, R_g)`` of every rank (a set: ranks alike count once): ``R`` the ranks on other nodes than it, ``R_g``
+    those of its secondary group of ``group`` consecutive ranks (0 without one). ``node_ranks``: the ranks of
+    each node, consecutive in order; empty: one node."""
+    world = sum(node_ranks)
+    if not group:  # O(nodes): the estimate's search for the fewest nodes tries millions of ranks
+        return {(world - k, 0) for k in node_ranks} or {(0, 0)}
+    node_of = [i for i, k in enumerate(node_ranks) for _ in range(k)]
+    out = set()
+    for first in range(0, world, group):
+        members = Counter(node_of[first:first + group])
+        for node in members:
+            out.add((world - node_ranks[node], group - members[node]))
+    return out
+
+
+def padded_units(layout: Layout, world_size: int, default: int) -> set[str]:
+    """The units whose all-gather is padded to their peers' (``Unit.gather_bytes > 0``: Note [Peer units] in
+    zero/unit_plan.py): those of one ModuleList or ModuleDict whose padded flat buffers differ."""
+    groups: dict[str, list] = {}
+    for u in layout.units:
+        if u.peers:
+            groups.setdefault(u.peers, []).append(u)
+    out = set()
+    for group in groups.values():
+        shapes = {tuple((_pad(n, world_size), b) for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
+                  for u in group}
+        if len(group) > 1 and len(shapes) > 1:
+            out.update(u.name for u in group)
+    return out
+
+
+def gathered_units(layout: Layout, world_size: int, default: int, padded: bool) -> tuple[int, int]:
+    """Bytes of one all-gather of every unit but the persistent one, padded to ``world_size`` (the unit's own
+    bytes, without its peers' padding), summed over the units holding trainable parameters (gathered in forward
+    and backward) and over those holding frozen ones only (forward only): of the padded units (``padded``), or
+    of the others."""
+    skip = padded_units(layout, world_size, default)
+    twice = once = 0
+    for u in layout.units:
+        if u.name == PERSISTENT or (u.name in skip) != padded:
+            continue
+        nbytes = sum(_pad(n, world_size) * b for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
+        if u.trainable:
+            twice += nbytes
+        else:
+            once += nbytes
+    return twice, once
+
+
+def secondary_bytes(layout: Layout, world_size: int, default: int, group: int | None) -> int:
+    """The bytes of the secondary slices (Note [Secondary shards]) one rank holds from a forward to the optimizer
+    step (``SecondaryShards.nbytes`` just before ``step()``): ``1/group`` of every flat buffer of every unit that
+    ran forward, but the persistent unit and the units padded to their peers'; 0 without a group or layout."""
+    if not group or not layout.exact:
+        return 0
+    skip = padded_units(layout, world_size, default) | {PERSISTENT}
+    return sum(_pad(n, world_size) // group * b for u in layout.units if u.name not in skip
+               for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
