@@ -59,7 +59,7 @@ def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, g
     trainable = sum(_pad(n, N) * b for n, b in zip(bufs, sizes))  # bytes of parameters
     grads = sum(_pad(n, N) * max(gb, b) for n, b in zip(bufs, sizes))
     norm = 2 * f * 8
-    secondary = 0.0
+    secondary = outer = 0.0
     if stage == 0:
         flat = 2 * f * grads
     elif stage == 1:
@@ -67,19 +67,23 @@ def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, g
     elif stage == 2:
         flat = grad_accum_steps * f * grads + f * trainable + norm
     else:
-        flat, secondary = _stage3(layout, N, pb, grad_accum_steps, group, trainable, grads)
+        flat, secondary, outer = _stage3(layout, N, pb, grad_accum_steps, group, trainable, grads)
         flat += norm
-    inter = max(flat * remote / (N - 1) + (secondary * remote_g / (group - 1) if group else 0)
-                for remote, remote_g in placements(node_ranks or (N,), group if stage == 3 else None))
-    return Traffic(int(round(flat + secondary)), int(round(inter)))
+    outer_size = N // group if group and stage == 3 else 0
+    inter = max(flat * remote / (N - 1) + (secondary * remote_g / (group - 1) if outer_size else 0)
+                + (outer * remote_o / (outer_size - 1) if outer_size > 1 else 0)
+                for remote, remote_g, remote_o in placements(node_ranks or (N,), group if stage == 3 else None))
+    return Traffic(int(round(flat + secondary + outer)), int(round(inter)))
 
 
 def _stage3(layout: Layout, N: int, pb: int, accum: int, group: int | None, trainable: int,
-            grads: int) -> tuple[float, float]:
-    """Stage 3's bytes per step over all ``N`` ranks and over the secondary group of ``group`` ranks (Note
-    [Secondary shards]): each unit's first all-gather of a step (micro-step 1's forward) is flat, every later
-    one (its backward, the later micro-steps) gathers the secondary slices, ``(group - 1) / group`` of the unit;
-    never the persistent unit nor units padded to their peers'. Gradients and the norm stay flat."""
+            grads: int) -> tuple[float, float, float]:
+    """Stage 3's bytes per step over all ``N`` ranks, over the secondary group of ``group`` ranks (Note
+    [Secondary shards]) and over the outer group of ``N / group`` ranks: each unit's first all-gather of a step
+    (micro-step 1's forward) is flat, every later one (its backward, the later micro-steps) gathers the secondary
+    slices, ``(group - 1) / group`` of the unit; never the persistent unit nor units padded to their peers'. The
+    gradients' reduce-scatter runs in two levels (Note [Two-level reduce-scatter]): ``(group - 1) / group`` of
+    them over the secondary group, ``(M - 1) / M / group`` over the outer one. The norm stays flat."""
     f = (N - 1) / N
     if layout.exact:
         twice, once = gathered_units(layout, N, pb, padded=True)
@@ -92,9 +96,11 @@ def _stage3(layout: Layout, N: int, pb: int, accum: int, group: int | None, trai
     flat = accum * f * (2 * twice + once + grads) + f * persistent  # persistent: once per step, after it
     flat += accum * (N - 1) * (2 * padding + padding_once)  # Note [Peer units]
     if not group:
-        return flat + accum * f * (2 * twice_s + once_s), 0.0
+        return flat + accum * f * (2 * twice_s + once_s), 0.0, 0.0
     later = twice_s + (accum - 1) * (2 * twice_s + once_s)  # micro-step 1's backward, then every gather
-    return flat + f * (twice_s + once_s), (group - 1) / group * later
+    inner = (group - 1) / group * (later + accum * grads)
+    m = N // group
+    return flat - accum * f * grads + f * (twice_s + once_s), inner, accum * (m - 1) / m * grads / group
 
 
 def _peer_padding(layout: Layout, world_size: int, default: int) -> tuple[int, int]:

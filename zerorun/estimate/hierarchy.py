@@ -31,19 +31,21 @@ def group_size(hierarchy: int | str | None, node_ranks: tuple[int, ...]) -> int 
         raise ZerorunError(str(e)) from None
 
 
-def placements(node_ranks: tuple[int, ...], group: int | None) -> set[tuple[int, int]]:
-    """``(R, R_g)`` of every rank (a set: ranks alike count once): ``R`` the ranks on other nodes than it, ``R_g``
-    those of its secondary group of ``group`` consecutive ranks (0 without one). ``node_ranks``: the ranks of
-    each node, consecutive in order; empty: one node."""
+def placements(node_ranks: tuple[int, ...], group: int | None) -> set[tuple[int, int, int]]:
+    """``(R, R_g, R_o)`` of every rank (a set: ranks alike count once): ``R`` the ranks on other nodes than it,
+    ``R_g`` those of its secondary group of ``group`` consecutive ranks, ``R_o`` those of its outer group (the
+    rank of its place in every secondary group: Note [Two-level reduce-scatter]) (0 and 0 without a group).
+    ``node_ranks``: the ranks of each node, consecutive in order; empty: one node."""
     world = sum(node_ranks)
     if not group:  # O(nodes): the estimate's search for the fewest nodes tries millions of ranks
-        return {(world - k, 0) for k in node_ranks} or {(0, 0)}
+        return {(world - k, 0, 0) for k in node_ranks} or {(0, 0, 0)}
     node_of = [i for i, k in enumerate(node_ranks) for _ in range(k)]
     out = set()
-    for first in range(0, world, group):
-        members = Counter(node_of[first:first + group])
-        for node in members:
-            out.add((world - node_ranks[node], group - members[node]))
+    for rank, node in enumerate(node_of):
+        first, place = rank // group * group, rank % group
+        inner = sum(node_of[r] != node for r in range(first, first + group))
+        outer = sum(node_of[r] != node for r in range(place, world, group))
+        out.add((world - node_ranks[node], inner, outer))
     return out
 
 
