@@ -15,8 +15,10 @@ per rank, over the steps after ``--warmup``:
 Printed as a Markdown table, written as JSON (``benchmarks/results/zero_pp_<model>.json``). The ratio of each
 variant's inter-node bytes to flat's stands beside ZeRO++'s accounting (Wang et al., arXiv:2306.10209, §3:
 flat stage 3 sends 3M across nodes per step, forward all-gather, backward all-gather and reduce-scatter; hpZ
-2M, its backward all-gather staying in the node: 0.667). hpZ is lossless: every variant's losses must be
-flat's, bit for bit (checked; the script exits 1 otherwise). Both "nodes" are this machine, so the "network" is
+2M, its backward all-gather staying in the node; qwZ halves the forward all-gather against fp16). zerorun's
+hpZ also reduce-scatters the gradients in two levels (Note [Two-level reduce-scatter]), and it trains in fp32,
+where int8 is a quarter of the bytes: its figures go below the paper's. Every step's loss is held to flat's
+(:data:`LOSS_TOLERANCE`: hpZ 1e-5 relative, fp32 rounding; with qwZ 1e-2); the script exits 1 otherwise. Both "nodes" are this machine, so the "network" is
 loopback and all 4 ranks share its cores: step times measure contention, bytes are exact.
 
     python benchmarks/zero_pp.py --model tiny                        # recipes/tiny.yaml, ~1 min
@@ -45,10 +47,17 @@ from sshd import LoopbackSshd  # noqa: E402
 VARIANTS: dict[str, list[str]] = {
     "flat": [],
     "hpz": ["zero.hierarchy=node"],
+    "qwz": ["zero.quantize_weights=int8"],
+    "hpz+qwz": ["zero.hierarchy=node", "zero.quantize_weights=int8"],
 }
 
-#: ZeRO++'s cross-node volume per step in units of the model's size M (arXiv:2306.10209, §3)
-PAPER_UNITS: dict[str, float] = {"flat": 3.0, "hpz": 2.0}
+#: ZeRO++'s cross-node volume per step in units of the model's size M in fp16 (arXiv:2306.10209, §3): flat
+#: 3M; hpZ keeps the backward all-gather in the node (2M); qwZ halves the forward all-gather (int8 against fp16)
+PAPER_UNITS: dict[str, float] = {"flat": 3.0, "hpz": 2.0, "qwz": 2.5, "hpz+qwz": 1.5}
+
+#: the largest relative difference of a step's loss from flat's: hpZ sums the gradients in another order
+#: (Note [Two-level reduce-scatter]: fp32 rounding); qwZ's forward sees int8 weights
+LOSS_TOLERANCE: dict[str, float] = {"flat": 0.0, "hpz": 1e-5, "qwz": 1e-2, "hpz+qwz": 1e-2}
 
 #: model name -> (recipe, overrides). ``55m``: the ~55M-parameter GPT of benchmarks/zero_stages.py (12 layers,
 #: d_model 512, 8 heads, vocab 16384, seq 128, untied LM head; stage 3 units Block and Embedding), trained on
@@ -152,11 +161,10 @@ def main() -> None:
                 for key in ("comm_bytes", "comm_bytes_inter_node"):
                     if res["ranks"][r][key] != first[r][key]:
                         failures.append(f"{v}: rank {r} {key} differs between rounds")
-        for res in results:  # lossless: every step's loss the same bits as flat's
-            for r in ranks:
-                if res["ranks"][r]["losses"] != ref["ranks"][r]["losses"]:
-                    failures.append(f"{v}: rank {r} losses {res['ranks'][r]['losses']} != flat's "
-                                    f"{ref['ranks'][r]['losses']}")
+        loss_diff = max(abs(a - b) / abs(b) for res in results for r in ranks
+                        for a, b in zip(res["ranks"][r]["losses"], ref["ranks"][r]["losses"]))
+        if loss_diff > LOSS_TOLERANCE[v]:
+            failures.append(f"{v}: a loss {loss_diff:.3g} relative from flat's (at most {LOSS_TOLERANCE[v]:g})")
         rows[v] = {
             "comm_bytes_per_rank": [first[r]["comm_bytes"] for r in ranks],
             "comm_bytes_inter_node_per_rank": [first[r]["comm_bytes_inter_node"] for r in ranks],
@@ -164,6 +172,7 @@ def main() -> None:
                                              for res in results),
             "peak_rss_bytes_per_rank": [max(res["ranks"][r]["peak_rss_bytes"] for res in results) for r in ranks],
             "final_loss_per_rank": [first[r]["losses"][-1] for r in ranks],
+            "loss_diff_vs_flat": loss_diff,
         }
     flat_inter = max(rows["flat"]["comm_bytes_inter_node_per_rank"])
     for v, row in rows.items():
@@ -175,7 +184,7 @@ def main() -> None:
           f"{n} steps ({args.warmup} warm-up), {args.rounds} round(s); {os.cpu_count()} CPUs, load average "
           f"{load[0]:.1f}\n")
     print("| variant | sent/rank/step (B) | of it inter-node (B) | inter-node vs flat | ZeRO++ (§3) | "
-          "step time (s) | peak RSS/rank (MiB) | final loss |\n|---|---|---|---|---|---|---|---|")
+          "step time (s) | peak RSS/rank (MiB) | final loss | loss vs flat |\n|---|---|---|---|---|---|---|---|---|")
     for v, row in rows.items():
         sent, inter = row["comm_bytes_per_rank"], row["comm_bytes_inter_node_per_rank"]
         show = lambda xs: fmt_bytes(xs[0]) if len(set(xs)) == 1 else " / ".join(map(fmt_bytes, xs))  # noqa: E731
@@ -183,9 +192,7 @@ def main() -> None:
         rss = row["peak_rss_bytes_per_rank"]
         print(f"| {v} | {show(sent)} | {show(inter)} | {row['inter_node_vs_flat']:.3f} | {paper} | "
               f"{row['step_time_s']:.2f} | {min(rss) / 2**20:.0f}-{max(rss) / 2**20:.0f} | "
-              f"{row['final_loss_per_rank'][0]!r} |")
-    print("\nlosses: " + ("every variant's the same bits as flat's at every step and rank" if not
-                          any("losses" in f for f in failures) else "DIFFER"))
+              f"{row['final_loss_per_rank'][0]:.6f} | {row['loss_diff_vs_flat']:.2g} |")
     for f in failures:
         print("FAIL: " + f, file=sys.stderr)
     os.makedirs(os.path.dirname(out_path), exist_ok=True)

@@ -39,8 +39,8 @@ def against_flat(ranks_per_node: int, hierarchy, accum: int = 1, steps: int = 3,
                  activation_checkpointing: bool = False) -> dict:
     """Flat stage 3 and stage 3 with ``hierarchy`` trained side by side on copies of the tiny GPT (SGD: Adam would
     amplify the gradients' other summation order, Note [Summation-order floor] in test_zero_parity.py): the largest
-    relative difference of a loss and of the final parameters, each engine's bytes sent and bytes to other nodes per step, and
-    the secondary shards' bytes before the last step against the gathered bytes of the units."""
+    relative difference of a loss and of the final parameters, each engine's bytes sent and bytes to other nodes
+    per step, and the secondary shards' bytes before the last step against the gathered bytes of the units."""
     with on_nodes(ranks_per_node):
         model = parity_cases._build("gpt", 0)
         engines = [initialize(copy.deepcopy(model), optimizer="SGD", optimizer_kwargs={"lr": 0.1},

@@ -394,7 +394,18 @@ def test_hpz_partition_size_is_zero_hierarchy(tmp_path):
             _run(tmp_path, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": size}})
 
 
-@pytest.mark.parametrize("key,name", [("zero_quantized_weights", "qwZ"), ("zero_quantized_gradients", "qgZ")])
+def test_quantized_weights_are_zero_quantize_weights(tmp_path):
+    """ZeRO++'s ``zero_quantized_weights: true`` is ``zero.quantize_weights: int8`` at stage 3 (Note [Quantized
+    weights]); below stage 3 it is listed as dropped; false is nothing."""
+    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
+    assert Recipe.model_validate(data).zero.quantize_weights == "int8" and not dropped
+    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
+    assert "quantize_weights" not in data["zero"]
+    assert dropped == ["zero_optimization.zero_quantized_weights: stage 3 only (zero.quantize_weights)"]
+    assert _run(tmp_path, {"zero_optimization": {"stage": 3, "zero_quantized_weights": False}})[2] == []
+
+
+@pytest.mark.parametrize("key,name", [("zero_quantized_gradients", "qgZ")])
 def test_quantized_collectives_are_listed_as_not_taken_yet(tmp_path, key, name):
     """ZeRO++'s quantized weights and gradients: true is listed among the fields zerorun does not take yet (before:
     "no zerorun equivalent", and false was listed too); false is what zerorun does; not a boolean: one line."""

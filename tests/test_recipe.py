@@ -347,3 +347,22 @@ def test_an_optimizer_without_weight_decay_takes_the_recipes_default(tmp_path):
     assert r.train.optimizer.name == "Rprop"
     with pytest.raises(ZerorunError, match=r"train\.optimizer\.weight_decay: Rprop has no argument 'weight_decay'"):
         load_recipe(good(tmp_path), ["train.optimizer={name: Rprop, lr: 0.001, weight_decay: 0.0}"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["zero.stage=2", "zero.hierarchy=node"], r"zero\.hierarchy: .* is zerorun's zero\.stage 3 knob$"),
+    (["zero.stage=3", "zero.hierarchy=node", "runtime=fsdp2"], r"zero\.hierarchy: .* the fsdp2 baseline does not"),
+    (["zero.stage=3", "zero.hierarchy=1"], r"zero\.hierarchy: expected node or a number of ranks >= 2; got 1"),
+    (["zero.stage=3", "zero.hierarchy=true"], r"zero\.hierarchy: expected .*; got a boolean \(true\)"),
+    (["zero.stage=3", "zero.hierarchy=node", "zero.offload_params=disk", "zero.offload_path=/tmp/zr-offload"],
+     r"zero\.hierarchy: keeps a secondary shard .* zero\.offload_params disk"),
+    (["zero.stage=1", "zero.quantize_weights=int8"], r"zero\.quantize_weights: .* zero\.stage 3 knob$"),
+    (["zero.stage=3", "zero.quantize_weights=int4"], r"zero\.quantize_weights: Input should be 'int8'"),
+    (["zero.stage=3", "zero.quantize_block=0"], r"zero\.quantize_block: Input should be greater than or equal to 1"),
+])
+def test_zero_plus_plus_settings_are_checked_when_the_recipe_is_read(tmp_path, overrides, message):
+    """ZeRO++'s switches (docs/across-nodes.md): each refusal one line naming its field, before any launch."""
+    with pytest.raises(ZerorunError, match=message):
+        load_recipe(good(tmp_path), overrides)
+    recipe = load_recipe(good(tmp_path), ["zero.stage=3", "zero.hierarchy=2", "zero.quantize_weights=int8"])
+    assert (recipe.zero.hierarchy, recipe.zero.quantize_weights, recipe.zero.quantize_block) == (2, "int8", 256)

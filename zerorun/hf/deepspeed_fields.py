@@ -41,10 +41,8 @@ def not_carried(key: str, name: str) -> str:
     return f"not an argument of torch.optim.{name}"
 
 
-#: ZeRO++'s quantized collectives (Wang et al., arXiv:2306.10209, §3.1 and §3.3), listed as dropped when true
-QUANTIZED = {"zero_quantized_weights": "not taken yet: ZeRO++'s quantized weights (qwZ); zerorun all-gathers "
-                                       "parameters in their own dtype (precision)",
-             "zero_quantized_gradients": "not taken yet: ZeRO++'s quantized gradients (qgZ); zerorun reduce-scatters "
+#: ZeRO++'s quantized gradients (Wang et al., arXiv:2306.10209, §3.3), listed as dropped when true
+QUANTIZED = {"zero_quantized_gradients": "not taken yet: ZeRO++'s quantized gradients (qgZ); zerorun reduce-scatters "
                                          "gradients in zero.reduce_dtype"}
 
 
@@ -52,7 +50,8 @@ def zero_plus_plus(imp, z: dict, out: dict) -> None:
     """ZeRO++'s fields of the config's ``zero_optimization`` ``z`` (taken out of it) into the recipe's ``zero``
     ``out``, through the importer ``imp`` (deepspeed.py): ``zero_hpz_partition_size`` N > 1 is ``zero.hierarchy:
     N`` (ranks per secondary group, Note [Secondary shards] in zero/hierarchy.py; stage 3 only), 1 nothing;
-    :data:`QUANTIZED` true is listed as dropped, false nothing.
+    ``zero_quantized_weights`` true is ``zero.quantize_weights: int8`` (stage 3 only); :data:`QUANTIZED` true is
+    listed as dropped; false nothing.
 
     Raises:
         ZerorunError: a size that is not an integer >= 1, or that does not divide the hostfile's ranks; a
@@ -69,6 +68,12 @@ def zero_plus_plus(imp, z: dict, out: dict) -> None:
             out["hierarchy"] = size
         else:
             imp.drop(field, "stage 3 only (zero.hierarchy)")
+    key = "zero_quantized_weights"  # §3.1: Note [Quantized weights] in zero/quantize.py
+    if key in z and imp.flag(f"zero_optimization.{key}", z.pop(key)):
+        if out.get("stage") == 3:
+            out["quantize_weights"] = "int8"
+        else:
+            imp.drop(f"zero_optimization.{key}", "stage 3 only (zero.quantize_weights)")
     for key, why in QUANTIZED.items():
         if key in z and imp.flag(f"zero_optimization.{key}", z.pop(key)):
             imp.drop(f"zero_optimization.{key}", why)

@@ -51,6 +51,9 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
             raise ZerorunError(f"{where('zero', field)}: {what} is zerorun's zero.stage 3 knob"
                                + (f"; the {recipe.runtime} baseline does not take it" if recipe.runtime != "zero"
                                   else ""))
+    if z.hierarchy is not None and z.offload_params != "none":
+        raise ZerorunError(f"{where('zero', 'hierarchy')}: keeps a secondary shard of the parameters in memory; "
+                           "zero.offload_params disk keeps them on disk: use one of them")
     if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
         raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "
                            "baseline does not take it")
