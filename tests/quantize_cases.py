@@ -23,7 +23,7 @@ def _weights_seen(engine) -> list[torch.Tensor]:
 
 
 def against_exact(block: int, steps: int = 4, lr: float = 1e-3, ranks_per_node: int = 0,
-                  hierarchy=None) -> dict:
+                  hierarchy=None, units: tuple = (), **model_kwargs) -> dict:
     """Stage 3 exact and with ``quantize_weights: int8`` side by side on copies of the tiny GPT (AdamW): per step
     the largest relative loss difference; how far the weights its forward read are from the exact engine's
     in the first forward (largest absolute difference over the largest magnitude / 127: blockwise int8 keeps it
@@ -31,10 +31,10 @@ def against_exact(block: int, steps: int = 4, lr: float = 1e-3, ranks_per_node: 
     every rank read the same weights, whether the final state dicts differ only by training (lr 0: equal bits),
     and the bytes each sent per step."""
     with hierarchy_cases.on_nodes(ranks_per_node or dist.get_world_size()):
-        model = parity_cases._build("gpt", 0)
+        model = parity_cases._build("gpt", 0, **model_kwargs)
         engines = [initialize(copy.deepcopy(model), optimizer="AdamW", optimizer_kwargs={"lr": lr},
                               config=ZeroConfig(stage=3, bucket_mb=0.002, quantize_weights=q, quantize_block=block,
-                                                hierarchy=hierarchy if q else None))
+                                                hierarchy=hierarchy if q else None, units=units))
                    for q in (None, "int8")]
         seen = [_weights_seen(e) for e in engines]
         losses, sent, rounding = [], [], 0.0
@@ -59,7 +59,8 @@ def against_exact(block: int, steps: int = 4, lr: float = 1e-3, ranks_per_node: 
         return {"loss_diff": losses, "rounding": rounding, "same_on_every_rank": all(torch.equal(mine, o) for o in every),
                 "changed": any(not torch.equal(a, b) for a, b in zip(*seen)), "sent": sent,
                 "states_equal": all(torch.equal(states[0][k], states[1][k]) for k in states[0]),
-                "gathers": len(seen[1])}
+                "gathers": len(seen[1]), "root_params": sum(b.numel for u in engines[1].units if u.is_root
+                                                            for b in u.buffers)}
 
 
 def gather_bytes(block: int) -> dict:

@@ -56,6 +56,14 @@ def test_the_parameter_gathers_send_int8_and_a_scale_per_block(ranks, block):
             assert exact - quantized == r["expected_saving"], r
 
 
+def test_a_root_unit_without_parameters_gathers_nothing(ranks):
+    """Units that hold every parameter (the root unit left empty, as the 55M GPT's zero.units [Block, Embedding]
+    with its outer units leave it): the root's quantized gather is no collective, not an IndexError."""
+    for r in ranks(2).run(cases.against_exact, block=256, steps=2, units=("Block", "Embedding"),
+                          tie_embeddings=False):
+        assert r["root_params"] == 0 and r["same_on_every_rank"] and max(r["loss_diff"]) <= 1e-2, r
+
+
 def test_the_sharded_master_is_never_rounded(ranks):
     """lr 0: after steps with quantized gathers the state dict is the exact engine's, bit for bit."""
     for r in ranks(2).run(cases.against_exact, block=256, lr=0.0, steps=2):

@@ -59,7 +59,12 @@ class WeightQuantizer:
 
     def all_gather(self, comm, outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
         """All-gather each ``inputs[i]`` (this rank's slice, ``k_i`` elements) into ``outputs[i]`` (``N * k_i``)
-        through one all-gather of quantized messages; returns a handle whose ``wait`` dequantizes."""
+        through one all-gather of quantized messages; returns a handle whose ``wait`` dequantizes. Pairs of no
+        elements are skipped (a root unit left without parameters gathers nothing)."""
+        pairs = [(o, i) for o, i in zip(outputs, inputs) if i.numel()]
+        if not pairs:
+            return comm.all_gather_coalesced([], [])
+        outputs, inputs = [o for o, _ in pairs], [i for _, i in pairs]
         sizes = [self._size(i) for i in inputs]
         message = torch.empty(sum(sizes), dtype=torch.uint8, device=inputs[0].device)
         at = 0
