@@ -80,3 +80,28 @@ def test_the_estimate_equals_what_the_runtime_counts_on_two_nodes(ranks, config)
                 assert all(abs(s - want.sent) <= 8 for s in r["sent"]), (where, r)
                 assert all(abs(s - want.inter_node) <= 8 for s in r["inter_node"]), (where, r)
                 assert r["secondary"] == [secondary] * len(r["secondary"]), (where, r)
+
+
+@pytest.mark.parametrize("hostfile,hierarchy,message", [
+    ("localhost slots=2\n", "node", "zero.hierarchy: node: all 2 ranks run on one node"),
+    ("127.0.0.2 slots=1\n127.0.0.3 slots=1\n", "node", "zero.hierarchy: one rank per node"),
+    ("127.0.0.2 slots=1\n127.0.0.3 slots=2\n", "node", "zero.hierarchy: node needs the same number of consecutive"),
+    ("127.0.0.2 slots=2\n127.0.0.3 slots=2\n", "3", "zero.hierarchy: 3 must divide the world size 4"),
+])
+def test_train_refuses_a_hierarchy_its_hosts_cannot_take_before_anything_starts(tmp_path, hostfile, hierarchy,
+                                                                                message):
+    """What the ranks would refuse at their setup (after start-up and the model's construction) is the launcher's
+    one line, with the hosts, in a dry run too: nothing is contacted, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    hosts = tmp_path / "hostfile"
+    hosts.write_text(hostfile)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "zerorun", "train", os.path.join(root, "recipes", "tiny.yaml"),
+                          "-H", str(hosts), "--dry-run", "zero.stage=3", f"zero.hierarchy={hierarchy}"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+    assert out.stderr.startswith(f"zerorun: error: {message}") and out.stderr.count("\n") == 1, out.stderr
+    assert "(hosts: " in out.stderr and "torchrun" not in out.stdout

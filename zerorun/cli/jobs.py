@@ -62,6 +62,7 @@ def train(
     hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher,
                            job_env=r.launch.env)
     check_min_nodes(r, hosts)
+    _check_hierarchy(r, hosts)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     local = any(h.is_local for h in hosts)  # else no model check runs: the launcher does the HF checks itself
     if dry_run:  # nothing is contacted; the commands run as printed, then the recipe's checks that need torch
@@ -161,3 +162,21 @@ def launch(
                           ssh_local=ssh_local, preflight_timeout=preflight_timeout, launcher=launcher)
     if not result.ok:
         raise result.error()
+
+
+def _check_hierarchy(recipe, hosts) -> None:
+    """``zero.hierarchy`` against the hosts of the launch plan (one node each, Note [Nodes of a group]), before
+    anything starts: what the ranks would refuse at their setup (zero/placement.py ``hierarchy_size``).
+
+    Raises:
+        ZerorunError: the line the ranks would raise, with the hosts.
+    """
+    if recipe.zero.hierarchy is None or recipe.runtime != "zero":
+        return
+    from zerorun.zero.placement import Topology, hierarchy_size
+
+    nodes = tuple(i for i, h in enumerate(hosts) for _ in range(h.slots))
+    try:
+        hierarchy_size(recipe.zero.hierarchy, Topology(nodes, 0))
+    except ValueError as e:
+        raise ZerorunError(f"{e} (hosts: {', '.join(f'{h.name} x{h.slots}' for h in hosts)})") from None

@@ -4,8 +4,6 @@ hold (Note [Secondary shards] in zerorun/zero/hierarchy.py)."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 from zerorun.errors import ZerorunError
 from zerorun.estimate.layout import PERSISTENT, Layout
 from zerorun.estimate.states import _pad, _unit_sizes
@@ -21,8 +19,7 @@ def group_size(hierarchy: int | str | None, node_ranks: tuple[int, ...]) -> int 
     """
     if hierarchy is None:
         return None
-    from zerorun.zero.hierarchy import hierarchy_size
-    from zerorun.zero.topology import Topology
+    from zerorun.zero.placement import Topology, hierarchy_size
 
     nodes = tuple(i for i, k in enumerate(node_ranks) for _ in range(k))
     try:

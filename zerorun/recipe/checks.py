@@ -45,15 +45,7 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
     if z.prefetch_bytes is not None and z.stage != 3:
         raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: units are prefetched (all-gathered ahead of use) "
                            "at zero.stage 3 only")
-    for field, what in (("hierarchy", "a secondary shard of the parameters (ZeRO++ hpZ)"),
-                        ("quantize_weights", "quantizing the parameter all-gathers (ZeRO++ qwZ)")):
-        if getattr(z, field) is not None and (recipe.runtime != "zero" or z.stage != 3):
-            raise ZerorunError(f"{where('zero', field)}: {what} is zerorun's zero.stage 3 knob"
-                               + (f"; the {recipe.runtime} baseline does not take it" if recipe.runtime != "zero"
-                                  else ""))
-    if z.hierarchy is not None and z.offload_params != "none":
-        raise ZerorunError(f"{where('zero', 'hierarchy')}: keeps a secondary shard of the parameters in memory; "
-                           "zero.offload_params disk keeps them on disk: use one of them")
+    _check_zero_plus_plus(recipe, where)
     if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
         raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "
                            "baseline does not take it")
@@ -72,3 +64,18 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
     if recipe.train.activation_checkpointing and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('train', 'activation_checkpointing')}: needs zero.stage 3 (it checkpoints "
                            "each unit); at stages 0-2 wrap blocks in torch.utils.checkpoint in the model")
+
+
+def _check_zero_plus_plus(recipe, where: Callable[..., str]) -> None:
+    """ZeRO++'s switches (docs/across-nodes.md): stage 3 of zerorun's runtime only; hpZ's secondary shard in
+    memory, not beside parameters offloaded to disk."""
+    z = recipe.zero
+    for field, what in (("hierarchy", "a secondary shard of the parameters (ZeRO++ hpZ)"),
+                        ("quantize_weights", "quantizing the parameter all-gathers (ZeRO++ qwZ)")):
+        if getattr(z, field) is not None and (recipe.runtime != "zero" or z.stage != 3):
+            raise ZerorunError(f"{where('zero', field)}: {what} is zerorun's zero.stage 3 knob"
+                               + (f"; the {recipe.runtime} baseline does not take it" if recipe.runtime != "zero"
+                                  else ""))
+    if z.hierarchy is not None and z.offload_params != "none":
+        raise ZerorunError(f"{where('zero', 'hierarchy')}: keeps a secondary shard of the parameters in memory; "
+                           "zero.offload_params disk keeps them on disk: use one of them")

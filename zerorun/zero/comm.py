@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from zerorun.zero.streams import DeviceStreams, WaitTimer
 from zerorun.zero.held import HeldWorks
-from zerorun.zero.topology import Topology, topology
+from zerorun.zero.placement import Topology
+from zerorun.zero.topology import topology
 from zerorun.zero.torch_internals import coalesced
 
 

@@ -35,40 +35,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerorun.zero.comm import Comm
-from zerorun.zero.topology import Topology, subgroup
+from zerorun.zero.topology import subgroup
 
 if TYPE_CHECKING:
     from zerorun.zero.units import Unit
-
-
-def hierarchy_size(hierarchy: int | str | None, topo: Topology) -> int | None:
-    """The ranks of one secondary group (Note [Secondary shards]) for ``zero.hierarchy`` on ``topo``: None when
-    unset; ``"node"``: the ranks of each node; an integer: that many consecutive ranks.
-
-    Raises:
-        ValueError: a setting that cannot work on this job (one line, naming ``zero.hierarchy``; the same on
-            every rank: the topology is).
-    """
-    if hierarchy is None:
-        return None
-    n = topo.world_size
-    if hierarchy == "node":
-        if topo.num_nodes == 1:
-            raise ValueError(f"zero.hierarchy: node: all {n} ranks run on one node, where the flat all-gather "
-                             "already stays inside it; remove zero.hierarchy (it would only add a second copy)")
-        size = topo.ranks_per_node
-        if size is None or not topo.contiguous:
-            raise ValueError("zero.hierarchy: node needs the same number of consecutive ranks on every node; "
-                             f"this job's ranks run on nodes {list(topo.nodes)}")
-    else:
-        size = hierarchy
-        if size >= n or n % size:
-            raise ValueError(f"zero.hierarchy: {size} must divide the world size {n} and be below it "
-                             "(ranks per secondary group, DeepSpeed's zero_hpz_partition_size)")
-    if size < 2:
-        raise ValueError("zero.hierarchy: one rank per node: its secondary shard would be the whole model; "
-                         "remove zero.hierarchy")
-    return size
 
 
 class SecondaryShards:

@@ -56,8 +56,9 @@ import torch.nn as nn
 from zerorun.zero.deferred import is_deferred, replay_slices, swap_meta_params
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
-from zerorun.zero.hierarchy import SecondaryShards, TwoLevelReduceScatter, hierarchy_size
+from zerorun.zero.hierarchy import SecondaryShards, TwoLevelReduceScatter
 from zerorun.zero.param_offload import ParamStore
+from zerorun.zero.placement import hierarchy_size
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.quantize import WeightQuantizer
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,

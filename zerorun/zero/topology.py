@@ -16,11 +16,12 @@ one rank.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 
 import torch.distributed as dist
+
+from zerorun.zero.placement import Topology
 
 #: groups of some ranks of a group, by (group, global ranks) (made once: engines in a sweep share them)
 _SUBGROUPS: dict = {}
@@ -30,48 +31,6 @@ def node_key() -> str:
     """This process's node: torchrun's node rank (``GROUP_RANK``) where set, else the host name."""
     group_rank = os.environ.get("GROUP_RANK")
     return f"node {group_rank}" if group_rank is not None else f"host {socket.gethostname()}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    """The nodes of a group's ranks (Note [Nodes of a group]).
-
-    Attributes:
-        nodes: the node index of each rank of the group, by group rank (0, 1, ... in order of first rank).
-        rank: this process's rank in the group.
-    """
-
-    nodes: tuple[int, ...]
-    rank: int
-
-    @property
-    def world_size(self) -> int:
-        return len(self.nodes)
-
-    @property
-    def num_nodes(self) -> int:
-        return len(set(self.nodes))
-
-    @property
-    def local_ranks(self) -> list[int]:
-        """The group ranks on this rank's node, in order."""
-        return [r for r, n in enumerate(self.nodes) if n == self.nodes[self.rank]]
-
-    @property
-    def remote(self) -> int:
-        """How many ranks of the group run on other nodes than this rank."""
-        return self.world_size - len(self.local_ranks)
-
-    @property
-    def ranks_per_node(self) -> int | None:
-        """The ranks on each node where every node has the same number, else None."""
-        counts = {self.nodes.count(n) for n in set(self.nodes)}
-        return counts.pop() if len(counts) == 1 else None
-
-    @property
-    def contiguous(self) -> bool:
-        """Whether every node's ranks are consecutive (torchrun numbers a node's workers so)."""
-        return all(self.nodes[r] <= self.nodes[r + 1] for r in range(self.world_size - 1))
 
 
 def topology(group: dist.ProcessGroup | None, control: dist.ProcessGroup | None) -> Topology:
