@@ -134,3 +134,15 @@ def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int 
             out["inter_node"].append(now["bytes_inter_node"] - before["bytes_inter_node"])
         engine.close()
     return out
+
+
+def checkpoint_case(case: str, ranks_per_node: int, **kwargs) -> dict:
+    """tests/checkpoint_cases.py's ``case`` with this rank on its node (the results' tensors as lists: picklable)."""
+    import checkpoint_cases
+
+    with on_nodes(ranks_per_node):
+        out = getattr(checkpoint_cases, case)(**kwargs)
+    key = "saved" if "saved" in out else "loaded"
+    return {"path": out.get("path"), "losses": out["losses"],
+            "masters": [m.tolist() for m in out[key]["masters"]],
+            "optim": [{k: v.tolist() for k, v in s.items()} for s in out[key]["optim"]]}

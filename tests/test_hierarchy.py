@@ -37,6 +37,27 @@ def test_the_two_level_reduce_scatter_sums_as_the_flat_one_with_half_between_nod
         assert r["inter_node"][1] * 2 == r["inter_node"][0], r
 
 
+PLUS = {"hierarchy": "node", "quantize_weights": "int8"}
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", [(PLUS, None), (None, PLUS), (PLUS, PLUS)],
+                         ids=["plus-to-flat", "flat-to-plus", "plus-to-plus"])
+def test_checkpoints_move_between_flat_and_zero_plus_plus(ranks, tmp_path, saved_with, resumed_with):
+    """A checkpoint saved with hpZ and qwZ resumes without them and the other way round (the secondary shards are
+    not saved; the masters never held a rounded value): the loaded masters and optimizer states are the saved
+    ones, bit for bit, 4 ranks as 2 nodes of 2; with the same settings the losses go on as without the save."""
+    saved = ranks(4).run(cases.checkpoint_case, case="save_and_continue", ranks_per_node=2, root=str(tmp_path),
+                         stage=3, save_at=2, steps=4, zero=saved_with)
+    resumed = ranks(4).run(cases.checkpoint_case, case="resume_and_continue", ranks_per_node=2,
+                           path=saved[0]["path"], stage=3, steps=4, zero=resumed_with)
+    for s, r in zip(saved, resumed):
+        assert r["masters"] == s["masters"] and r["optim"] == s["optim"]
+        if saved_with == resumed_with:
+            assert r["losses"] == s["losses"], (r["losses"], s["losses"])
+        else:
+            assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], s["losses"])) <= 1e-2
+
+
 def test_hpz_matches_ddp(ranks):
     """As every stage: within 1e-5 of DDP (tests/test_zero_parity.py), 4 ranks as 2 nodes of 2."""
     check(ranks(4).run(cases.parity, ranks_per_node=2, stage=3, model="gpt", steps=8, hierarchy="node"))
