@@ -42,14 +42,11 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from sshd import LoopbackSshd  # noqa: E402
 
+from zerorun.bench.args import ZERO_VARIANTS  # noqa: E402
+
 #: variant name -> recipe overrides on top of the model's and the common ones. Later ZeRO++ parts add rows
 #: here (e.g. ``"hpz+qwz": [*hpz, <quantized weights>]``, all three).
-VARIANTS: dict[str, list[str]] = {
-    "flat": [],
-    "hpz": ["zero.hierarchy=node"],
-    "qwz": ["zero.quantize_weights=int8"],
-    "hpz+qwz": ["zero.hierarchy=node", "zero.quantize_weights=int8"],
-}
+VARIANTS: dict[str, list[str]] = ZERO_VARIANTS  # zerorun bench --zero-variants runs the same
 
 #: ZeRO++'s cross-node volume per step in units of the model's size M in fp16 (arXiv:2306.10209, §3): flat
 #: 3M; hpZ keeps the backward all-gather in the node (2M); qwZ halves the forward all-gather (int8 against fp16)

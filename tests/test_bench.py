@@ -108,6 +108,23 @@ def test_combinations_and_flags():
         parse_baselines("ddp,deepspeed")
 
 
+def test_zero_variants_are_rows_of_stage_3():
+    """``--zero-variants``: stage 3 once per ZeRO++ variant (docs/across-nodes.md), each with its overrides; other
+    stages once; an unknown variant or one without stage 3 is one line."""
+    from zerorun.bench import parse_zero_variants
+
+    combos = combinations(["a"], [2, 3], ["ddp"], variants=parse_zero_variants("flat, hpz+qwz,flat", [2, 3]))
+    assert [c.label for c in combos] == ["ddp", "stage 2", "stage 3 flat", "stage 3 hpz+qwz"]
+    assert combos[3].overrides(9)[-3:] == ["zero.stage=3", "zero.hierarchy=node", "zero.quantize_weights=int8"]
+    assert not any("hierarchy" in o for o in combos[2].overrides(9) + combos[1].overrides(9))
+    assert Row(combos[3]).to_json()["variant"] == "hpz+qwz" and Row(combos[1]).to_json()["variant"] is None
+    assert parse_zero_variants("", [0]) == []
+    with pytest.raises(ZerorunError, match=r"--zero-variants hpz,qgz: unknown variant 'qgz' \(choose from flat, "):
+        parse_zero_variants("hpz,qgz", [3])
+    with pytest.raises(ZerorunError, match=r"--zero-variants hpz: variants of stage 3; --stages has no 3"):
+        parse_zero_variants("hpz", [0, 2])
+
+
 def zerorun(*args, timeout=600):
     env = {**os.environ, "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, "-m", "zerorun", *args], cwd=ROOT, capture_output=True, text=True,

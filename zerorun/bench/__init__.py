@@ -10,8 +10,8 @@ This module re-exports the public names of the old ``zerorun.bench`` module; the
 each other directly, never through here.
 """
 
-from zerorun.bench.args import (BASELINES, CONTROLLED, check_overrides, parse_baselines, parse_nodes,  # noqa: F401
-                                parse_stages)
+from zerorun.bench.args import (BASELINES, CONTROLLED, ZERO_VARIANTS, check_overrides, parse_baselines,  # noqa: F401
+                                parse_nodes, parse_stages, parse_zero_variants)
 from zerorun.bench.output import markdown_table, render_table, write_csv, write_json, write_png  # noqa: F401
 from zerorun.bench.rows import METRICS, Combination, Row, measure, percentile, read_events, summarize  # noqa: F401
 from zerorun.bench.run import (ENV_NOTE, QuietView, check_allocation, combinations, progress_line,  # noqa: F401

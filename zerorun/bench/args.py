@@ -7,6 +7,14 @@ from zerorun.errors import ZerorunError
 
 BASELINES = ("ddp", "fsdp2")
 
+#: ``--zero-variants``: stage 3's ZeRO++ switches (docs/across-nodes.md) as recipe overrides; ``flat``: none
+ZERO_VARIANTS: dict[str, list[str]] = {
+    "flat": [],
+    "hpz": ["zero.hierarchy=node"],
+    "qwz": ["zero.quantize_weights=int8"],
+    "hpz+qwz": ["zero.hierarchy=node", "zero.quantize_weights=int8"],
+}
+
 
 #: Recipe fields every bench job sets itself (Combo.overrides): the user sets them through the flags instead.
 CONTROLLED = {"train.steps": "--steps and --warmup", "zero.stage": "--stages", "runtime": "--baseline",
@@ -69,4 +77,23 @@ def parse_nodes(text: str | None) -> list[int]:
             raise ZerorunError(f"--nodes {text}: {item!r} is not a node count (1, 2, ...)")
         if int(item) not in out:
             out.append(int(item))
+    return out
+
+
+def parse_zero_variants(text: str | None, stages: list[int]) -> list[str]:
+    """``"flat,hpz"`` -> ``["flat", "hpz"]`` (``None`` or ``""``: none): the variants of stage 3 to run, each
+    one row (:data:`ZERO_VARIANTS`).
+
+    Raises:
+        ZerorunError: an unknown variant, or variants without stage 3 in ``stages``.
+    """
+    out = []
+    for item in (t.strip() for t in (text or "").split(",") if t.strip()):
+        if item not in ZERO_VARIANTS:
+            raise ZerorunError(f"--zero-variants {text}: unknown variant {item!r} (choose from "
+                               f"{', '.join(ZERO_VARIANTS)})")
+        if item not in out:
+            out.append(item)
+    if out and 3 not in stages:
+        raise ZerorunError(f"--zero-variants {text}: variants of stage 3; --stages has no 3")
     return out

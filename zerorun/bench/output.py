@@ -28,7 +28,7 @@ def write_json(path: str, rows: list[Row], info: dict[str, Any]) -> None:
 
 def write_csv(path: str, rows: list[Row], baselines: list[str]) -> None:
     """``bench.csv``: one line per combination; each metric as its median with ``_min`` and ``_max``."""
-    header = ["hostfile", "runtime", "stage", "status", "reason"]
+    header = ["hostfile", "runtime", "stage", "variant", "status", "reason"]
     for name in METRICS:
         header += [name, f"{name}_min", f"{name}_max"]
     header += ["scaling_efficiency"] + [f"time_vs_{b}" for b in baselines]
@@ -38,7 +38,7 @@ def write_csv(path: str, rows: list[Row], baselines: list[str]) -> None:
         w.writerow(header)
         for r in rows:
             line = [r.combo.hostfile or "localhost", r.combo.runtime, "" if r.combo.stage is None else r.combo.stage,
-                    r.status, r.reason or ""]
+                    r.combo.variant or "", r.status, r.reason or ""]
             for name in METRICS:
                 m = r.metrics.get(name)
                 line += [m["median"], m["min"], m["max"]] if m else ["", "", ""]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerorun import runfolder
+from zerorun.bench.args import ZERO_VARIANTS
 
 #: Per-run metrics (Note [Bench metrics]) and their CSV/JSON names, in table order.
 METRICS = ("world_size", "step_time_s", "step_time_p90_s", "samples_per_s", "tokens_per_s", "peak_rss_bytes",
@@ -27,11 +28,14 @@ class Combination:
     runtime: str
     stage: int | None = None
     nodes: int | None = None
+    variant: str | None = None  # stage 3: a ZeRO++ variant of --zero-variants (ZERO_VARIANTS in args.py)
 
     @property
     def label(self) -> str:
-        """``stage 2``, ``ddp`` or ``fsdp2``."""
-        return f"stage {self.stage}" if self.runtime == "zero" else self.runtime
+        """``stage 2``, ``stage 3 hpz``, ``ddp`` or ``fsdp2``."""
+        if self.runtime != "zero":
+            return self.runtime
+        return f"stage {self.stage}" + (f" {self.variant}" if self.variant else "")
 
     def overrides(self, steps: int) -> list[str]:
         """Recipe overrides for this combination's job of ``steps`` optimizer steps: the runtime and stage,
@@ -42,6 +46,7 @@ class Combination:
                "checkpoint.every=0", "checkpoint.dir=null"]
         if self.runtime == "zero":
             out.append(f"zero.stage={self.stage}")
+            out += ZERO_VARIANTS[self.variant] if self.variant else []
         if self.runtime == "ddp" or (self.runtime == "zero" and self.stage != 3):
             out.append("zero.units=[]")
         if not (self.runtime == "zero" and self.stage == 3):
@@ -71,7 +76,8 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         c = self.combo
-        return {"hostfile": c.hostfile, "nodes": c.nodes, "runtime": c.runtime, "stage": c.stage, "label": c.label,
+        return {"hostfile": c.hostfile, "nodes": c.nodes, "runtime": c.runtime, "stage": c.stage,
+                "variant": c.variant, "label": c.label,
                 "status": self.status, "reason": self.reason, "metrics": self.metrics,
                 "scaling_efficiency": self.scaling_efficiency,
                 **{f"time_vs_{b}": v for b, v in self.time_vs.items()}, "runs": self.runs, "run_dirs": self.run_dirs}

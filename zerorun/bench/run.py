@@ -58,13 +58,14 @@ class QuietView(PlainView):
 
 
 def combinations(hostfiles: list[str | None], stages: list[int], baselines: list[str],
-                 nodes: list[int] = ()) -> list[Combination]:
+                 nodes: list[int] = (), variants: list[str] = ()) -> list[Combination]:
     """Per hostfile, then per node count of ``nodes`` (in the order given): the baselines, then zerorun at each
-    stage."""
+    stage, stage 3 once per ZeRO++ variant of ``variants`` where given."""
     places = [(h, None) for h in hostfiles] + [(f"{n} node{'s' * (n != 1)}", n) for n in nodes]
     return [c for h, n in places
             for c in [*(Combination(h, b, nodes=n) for b in baselines),
-                      *(Combination(h, "zero", s, nodes=n) for s in stages)]]
+                      *(Combination(h, "zero", s, nodes=n, variant=v) for s in stages
+                        for v in (variants if s == 3 and variants else [None]))]]
 
 
 def check_allocation(nodes: list[int], hostfiles: list[str]) -> None:
@@ -273,8 +274,9 @@ def _write_results(screen: _Screen, bench_dir: str, info: dict[str, Any]) -> int
 
 def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stages: list[int],
               baselines: list[str], steps: int, warmup: int, repeat: int, out=None,
-              nodes: list[int] = ()) -> tuple[int, int, str]:
-    """Run every combination ``repeat`` times, show the live table, write bench.json/csv/md/png.
+              nodes: list[int] = (), variants: list[str] = ()) -> tuple[int, int, str]:
+    """Run every combination ``repeat`` times, show the live table, write bench.json/csv/md/png. ``variants``:
+    stage 3's ZeRO++ variants (``--zero-variants``), each a row.
 
     Returns:
         ``(failed combinations, all combinations, bench directory)``.
@@ -284,7 +286,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
         JobFailed: interrupted (Ctrl-C or SIGTERM; exit code 130 or 143), after writing what was measured.
     """
     hosts: list[str | None] = list(hostfiles) or ([] if nodes else [None])
-    rows = [Row(c) for c in combinations(hosts, stages, baselines, list(nodes))]
+    rows = [Row(c) for c in combinations(hosts, stages, baselines, list(nodes), list(variants))]
     base = _checked_recipe(recipe_path, overrides, hostfiles, list(nodes), rows, warmup + steps)
     bench_dir = _make_bench_dir(base)
     jobs_dir = os.path.join(bench_dir, JOBS)

@@ -26,13 +26,17 @@ def bench(
     nodes: Optional[str] = typer.Option(None, "--nodes", help="Inside a SLURM allocation, instead of -H: node "
                                         "counts, comma-separated (1,2: the allocation's first node, then its first "
                                         "two), each run through the slurm launcher."),
+    zero_variants: str = typer.Option("", "--zero-variants", help="Stage 3 once per ZeRO++ variant, comma-"
+                                      "separated: flat, hpz, qwz, hpz+qwz (docs/across-nodes.md)."),
 ) -> None:
     """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,
     bench.png in <log.dir>/<name>/bench-<timestamp>/. Exit code 1 when any combination failed."""
-    from zerorun.bench import parse_baselines, parse_nodes, parse_stages, run_bench
+    from zerorun.bench import parse_baselines, parse_nodes, parse_stages, parse_zero_variants, run_bench
 
-    failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], parse_stages(stages),
-                                         parse_baselines(baseline), steps, warmup, repeat, nodes=parse_nodes(nodes))
+    chosen = parse_stages(stages)
+    failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], chosen,
+                                         parse_baselines(baseline), steps, warmup, repeat, nodes=parse_nodes(nodes),
+                                         variants=parse_zero_variants(zero_variants, chosen))
     if failed:
         raise JobFailed(f"bench: {failed} of {total} combinations failed (reasons in {bench_dir}/bench.json)")
 
