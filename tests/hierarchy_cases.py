@@ -109,10 +109,12 @@ def two_level_reduce_scatter(in_place: bool) -> dict:
         return {"wrong": wrong, "inter_node": inter}
 
 
-def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int = 2) -> dict:
+def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int = 2,
+            quantize_block: int | None = None) -> dict:
     """``estimate_cases.CONFIGS[config]``'s model at stage 3 with ``hierarchy`` and ``accum`` micro-steps on this
     rank's node: bytes sent and bytes to other nodes in each step (zero/comm.py's count) and the secondary
-    shards' bytes just before each ``step()`` (``SecondaryShards.nbytes``; 0 without ``hierarchy``)."""
+    shards' bytes just before each ``step()`` (``SecondaryShards.nbytes``; 0 without ``hierarchy``); with
+    ``quantize_block``, qwZ's int8 all-gathers."""
     import estimate_cases
 
     model, model_kwargs, units, opt, opt_kwargs, bucket_mb, _, persistence = estimate_cases.CONFIGS[config]
@@ -120,7 +122,9 @@ def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int 
     with on_nodes(ranks_per_node):
         engine = initialize(estimate_cases.build(model, model_kwargs), optimizer=opt, optimizer_kwargs=dict(opt_kwargs),
                             config=ZeroConfig(stage=3, bucket_mb=bucket_mb, units=units, grad_accum_steps=accum,
-                                              persistence_threshold=persistence, hierarchy=hierarchy))
+                                              persistence_threshold=persistence, hierarchy=hierarchy,
+                                              quantize_weights="int8" if quantize_block else None,
+                                              quantize_block=quantize_block or 256))
         out = {"sent": [], "inter_node": [], "secondary": []}
         for step in range(steps):
             before = engine.comm_stats()

@@ -80,8 +80,9 @@ def test_what_cannot_work_is_one_line_on_every_rank(ranks, ranks_per_node, confi
 def test_the_estimate_equals_what_the_runtime_counts_on_two_nodes(ranks, config):
     """``zerorun estimate``'s bytes sent per step, of them to other nodes (Note [Nodes of a group]), and the
     secondary shards' bytes (Note [Secondary shards]) equal zero/comm.py's count and ``SecondaryShards.nbytes``
-    on 4 ranks as 2 nodes of 2, flat and with hierarchy node and 2, 1 and 2 micro-steps (before: the estimate
-    had no bytes to other nodes, no secondary all-gathers and no secondary shards)."""
+    on 4 ranks as 2 nodes of 2, flat and with hierarchy node and 2, 1 and 2 micro-steps, and with qwZ's int8
+    all-gathers (blocks of 64) flat and with hierarchy (before: the estimate had no bytes to other nodes, no
+    secondary all-gathers and no secondary shards, and counted qwZ's all-gathers exact)."""
     from test_estimate import engine_layout
     from zerorun import estimate as est
 
@@ -90,17 +91,18 @@ def test_the_estimate_equals_what_the_runtime_counts_on_two_nodes(ranks, config)
     layout = engine_layout(estimate_cases.CONFIGS[config], 3)
     fp32 = est.precision_of("fp32", None)
     pool = ranks(4)
-    for hierarchy in (None, "node", 2):
+    for hierarchy, accum, block in [(h, a, None) for h in (None, "node", 2) for a in (1, 2)] + [(None, 1, 64),
+                                                                                               ("node", 2, 64)]:
         group = est.group_size(hierarchy, (2, 2))
-        for accum in (1, 2):
-            want = est.traffic(layout, 3, 4, fp32, accum, node_ranks=(2, 2), group=group)
-            secondary = est.secondary_bytes(layout, 4, fp32.param_bytes, group)
-            where = (config, hierarchy, accum, want, secondary)
-            assert want.inter_node > 0 and (secondary > 0) == (hierarchy is not None), where
-            for r in pool.run(cases.traffic, ranks_per_node=2, hierarchy=hierarchy, accum=accum, config=config):
-                assert all(abs(s - want.sent) <= 8 for s in r["sent"]), (where, r)
-                assert all(abs(s - want.inter_node) <= 8 for s in r["inter_node"]), (where, r)
-                assert r["secondary"] == [secondary] * len(r["secondary"]), (where, r)
+        want = est.traffic(layout, 3, 4, fp32, accum, node_ranks=(2, 2), group=group, quantize_block=block)
+        secondary = est.secondary_bytes(layout, 4, fp32.param_bytes, group)
+        where = (config, hierarchy, accum, block, want, secondary)
+        assert want.inter_node > 0 and (secondary > 0) == (hierarchy is not None), where
+        for r in pool.run(cases.traffic, ranks_per_node=2, hierarchy=hierarchy, accum=accum, config=config,
+                          quantize_block=block):
+            assert all(abs(s - want.sent) <= 8 for s in r["sent"]), (where, r)
+            assert all(abs(s - want.inter_node) <= 8 for s in r["inter_node"]), (where, r)
+            assert r["secondary"] == [secondary] * len(r["secondary"]), (where, r)
 
 
 @pytest.mark.parametrize("hostfile,hierarchy,message", [

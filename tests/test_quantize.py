@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import quantize_cases as cases
-from zerorun.zero.quantize import WeightQuantizer, blocks, message_bytes, quantize_into
+from zerorun.zero.quantize import WeightQuantizer, block_size, blocks, message_bytes, quantize_into
 
 
 @pytest.mark.parametrize("numel,block", [(1, 256), (255, 256), (256, 256), (1000, 7), (4099, 2048)])
@@ -14,6 +14,7 @@ def test_blockwise_int8_rounds_within_half_a_step_of_each_block(numel, block):
     x[numel // 2:numel // 2 + 3] = 0.0
     message = torch.empty(message_bytes([(numel, torch.float32)], block), dtype=torch.uint8)
     quantize_into(message, x, block)
+    block = block_size(numel, block)  # at most the slice
     nb = blocks(numel, block)
     q = message[:nb * block].view(torch.int8).float().view(nb, block)
     scales = message[nb * block:].clone().view(torch.float32)
@@ -75,3 +76,34 @@ def test_qwz_with_hpz_on_two_nodes(ranks):
     the same bound on the losses."""
     for r in ranks(4).run(cases.against_exact, block=256, ranks_per_node=2, hierarchy="node"):
         assert r["same_on_every_rank"] and max(r["loss_diff"]) <= 1e-2, r
+
+
+class _OneRank:
+    """A Comm of one rank: the gather is the message itself."""
+
+    world_size = 1
+
+    def all_gather(self, output, input):
+        output.copy_(input)
+        return type("Done", (), {"wait": lambda self: True})()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_weight_comes_back_nan_not_hidden(bad):
+    """A diverged weight shows in the loss as it would exact: its block comes back NaN (before: a NaN became 0
+    and its block's small values 0; an infinity made its block NaN by accident, or not at all)."""
+    x = torch.full((300,), 0.02)
+    x[5] = bad
+    out = torch.empty(300)
+    WeightQuantizer(256).all_gather(_OneRank(), [out], [x]).wait()
+    assert out[:256].isnan().all() and out[256:].isfinite().all()
+
+
+def test_a_block_larger_than_the_slice_is_the_slice():
+    """``zero.quantize_block`` above a rank's slice sends no padding: 2088 float32 elements, block 65536, are one
+    block of 2088 and one scale (before: 65,540 bytes, 7.8x the exact 8,352)."""
+    assert message_bytes([(2088, torch.float32)], 65536) == 2088 + 4
+    x = torch.linspace(-1, 1, 2088)
+    out = torch.empty(2088)
+    WeightQuantizer(65536).all_gather(_OneRank(), [out], [x]).wait()
+    assert (out - x).abs().max() <= 1 / 127 / 2 * (1 + 1e-6)

@@ -55,7 +55,8 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         grad_accum_dtype=r.zero.grad_accum_dtype if r else None,
         offload_params=bool(r) and r.zero.offload_params == "disk", memory_source=memory.source,
         node_ranks=tuple(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else (),
-        hierarchy=r.zero.hierarchy if r else None)
+        hierarchy=r.zero.hierarchy if r else None,
+        quantize_block=r.zero.quantize_block if r and r.zero.quantize_weights else None)
     return estimate(layout, setup)
 
 

@@ -25,7 +25,8 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
 
 
 def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, grad_accum_steps: int = 1, *,
-            node_ranks: tuple[int, ...] = (), group: int | None = None) -> Traffic:
+            node_ranks: tuple[int, ...] = (), group: int | None = None,
+            quantize_block: int | None = None) -> Traffic:
     """Bytes one rank sends per optimizer step, as ``zero/comm.py`` counts them (ring: (N-1)/N of a buffer per
     reduce-scatter or all-gather, twice that per all-reduce; ZeRO paper §7): stage 0 all-reduces gradients once
     per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
@@ -67,7 +68,7 @@ def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, g
     elif stage == 2:
         flat = grad_accum_steps * f * grads + f * trainable + norm
     else:
-        flat, secondary, outer = _stage3(layout, N, pb, grad_accum_steps, group, trainable, grads)
+        flat, secondary, outer = _stage3(layout, N, pb, grad_accum_steps, group, trainable, grads, quantize_block)
         flat += norm
     outer_size = N // group if group and stage == 3 else 0
     inter = max(flat * remote / (N - 1) + (secondary * remote_g / (group - 1) if outer_size else 0)
@@ -77,30 +78,35 @@ def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, g
 
 
 def _stage3(layout: Layout, N: int, pb: int, accum: int, group: int | None, trainable: int,
-            grads: int) -> tuple[float, float, float]:
+            grads: int, block: int | None = None) -> tuple[float, float, float]:
     """Stage 3's bytes per step over all ``N`` ranks, over the secondary group of ``group`` ranks (Note
     [Secondary shards]) and over the outer group of ``N / group`` ranks: each unit's first all-gather of a step
     (micro-step 1's forward) is flat, every later one (its backward, the later micro-steps) gathers the secondary
     slices, ``(group - 1) / group`` of the unit; never the persistent unit nor units padded to their peers'. The
     gradients' reduce-scatter runs in two levels (Note [Two-level reduce-scatter]): ``(group - 1) / group`` of
-    them over the secondary group, ``(M - 1) / M / group`` over the outer one. The norm stays flat."""
+    them over the secondary group, ``(M - 1) / M / group`` over the outer one. The norm stays flat. With
+    ``block`` (``zero.quantize_weights``, Note [Quantized weights] in zero/quantize.py) the all-gathers from the
+    primary shards send int8 blocks and a scale each (a frozen buffer taken as floating); the secondary ones
+    send the dequantized values, exact bytes."""
     f = (N - 1) / N
     if layout.exact:
         twice, once = gathered_units(layout, N, pb, padded=True)
         twice_s, once_s = gathered_units(layout, N, pb, padded=False)
+        twice_q, once_q = gathered_units(layout, N, pb, padded=False, block=block) if block else (twice_s, once_s)
         persistent = sum(_pad(n, N) * b for u in layout.units if u.name == PERSISTENT
                          for n, b in zip(u.trainable, _unit_sizes(u, pb)))
         padding, padding_once = _peer_padding(layout, N, pb)
     else:  # --params: one buffer, gathered twice
         twice, once, twice_s, once_s, persistent, padding, padding_once = trainable, 0, 0, 0, 0, 0, 0
+        twice_q = once_q = 0
     flat = accum * f * (2 * twice + once + grads) + f * persistent  # persistent: once per step, after it
     flat += accum * (N - 1) * (2 * padding + padding_once)  # Note [Peer units]
     if not group:
-        return flat + accum * f * (2 * twice_s + once_s), 0.0, 0.0
+        return flat + accum * f * (2 * twice_q + once_q), 0.0, 0.0
     later = twice_s + (accum - 1) * (2 * twice_s + once_s)  # micro-step 1's backward, then every gather
     inner = (group - 1) / group * (later + accum * grads)
     m = N // group
-    return flat - accum * f * grads + f * (twice_s + once_s), inner, accum * (m - 1) / m * grads / group
+    return flat - accum * f * grads + f * (twice_q + once_q), inner, accum * (m - 1) / m * grads / group
 
 
 def _peer_padding(layout: Layout, world_size: int, default: int) -> tuple[int, int]:

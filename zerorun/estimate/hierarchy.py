@@ -62,17 +62,21 @@ def padded_units(layout: Layout, world_size: int, default: int) -> set[str]:
     return out
 
 
-def gathered_units(layout: Layout, world_size: int, default: int, padded: bool) -> tuple[int, int]:
+def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
+                   block: int | None = None) -> tuple[int, int]:
     """Bytes of one all-gather of every unit but the persistent one, padded to ``world_size`` (the unit's own
     bytes, without its peers' padding), summed over the units holding trainable parameters (gathered in forward
     and backward) and over those holding frozen ones only (forward only): of the padded units (``padded``), or
-    of the others."""
+    of the others. With ``block``: as int8 messages of ``block`` elements per scale (``zero.quantize_weights``),
+    ``world_size`` times one rank's message."""
     skip = padded_units(layout, world_size, default)
     twice = once = 0
     for u in layout.units:
         if u.name == PERSISTENT or (u.name in skip) != padded:
             continue
-        nbytes = sum(_pad(n, world_size) * b for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
+        nbytes = sum(_pad(n, world_size) * b if block is None else world_size * _quantized(_pad(n, world_size)
+                                                                                          // world_size, block)
+                     for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
         if u.trainable:
             twice += nbytes
         else:
@@ -89,3 +93,12 @@ def secondary_bytes(layout: Layout, world_size: int, default: int, group: int | 
     skip = padded_units(layout, world_size, default) | {PERSISTENT}
     return sum(_pad(n, world_size) // group * b for u in layout.units if u.name not in skip
                for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
+
+
+def _quantized(numel: int, block: int) -> int:
+    """Bytes of one rank's int8 message for a slice of ``numel`` floating elements (zero/quantize.py)."""
+    import torch
+
+    from zerorun.zero.quantize import message_bytes
+
+    return message_bytes([(numel, torch.float32)], block) if numel else 0

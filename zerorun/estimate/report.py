@@ -75,6 +75,7 @@ class Setup:
     memory_source: str = ""
     node_ranks: tuple[int, ...] = ()
     hierarchy: int | str | None = None
+    quantize_block: int | None = None  # zero.quantize_weights: int8, this many elements per scale; None: exact
 
     @property
     def grad_accum_bytes(self) -> int:
@@ -175,7 +176,8 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
     cpu = setup.procs_per_node * host_rank
     fits = headroom >= MIN_HEADROOM * setup.device_memory and cpu <= setup.cpu_memory
     sent = traffic(layout, stage, N, p, setup.grad_accum_steps, node_ranks=() if world_size else setup.node_layout,
-                   group=None if world_size else group)
+                   group=None if world_size else group,
+                   quantize_block=None if stage != 3 or offload.endswith("params") else setup.quantize_block)
     return StageRow(stage, offload, ms.params, ms.grads, ms.optimizer, ms.total, ws.total, ws.gathered,
                     ws.backward, act, total, headroom, fits, cpu, setup.procs_per_node * ms.disk, sent.sent,
                     sent.sent / setup.bandwidth, ms.host, ms.disk, ms.grad_accum, sent.inter_node, secondary)
@@ -284,7 +286,7 @@ def _setup_info(s: Setup, layout: Layout) -> dict:
             "seq_len": s.seq_len or (layout.shape or {}).get("seq_len"),
             "grad_accum_steps": s.grad_accum_steps, "grad_accum_dtype": s.grad_accum_dtype,
             "activation_checkpointing": s.activation_checkpointing, "node_ranks": list(s.node_layout),
-            "hierarchy": s.hierarchy,
+            "hierarchy": s.hierarchy, "quantize_block": s.quantize_block,
             "min_headroom": MIN_HEADROOM}
 
 

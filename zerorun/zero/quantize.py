@@ -8,7 +8,9 @@ arXiv:2306.10209: blockwise quantization, a scale per block, so that one outlier
 precision). Every rank dequantizes every slice, its own included (``q * s`` in the buffer's dtype), so all ranks
 compute with the same weights; the primary shard, which the optimizer steps (the fp32 master at fp32), is never
 rounded: only the forward and backward see the rounding, within ``s / 2`` of each value. A block of zeros gets
-scale 1 (zeros come back exact). Integer and bool buffers travel as they are (their bytes). Per element of a
+scale 1 (zeros come back exact); a block holding a NaN or an infinity comes back all NaN (a diverged weight
+shows, as it would exact). A block is at most the slice (``zero.quantize_block`` above a rank's slice of a
+buffer would pad the message beyond the exact bytes). Integer and bool buffers travel as they are (their bytes). Per element of a
 float32 buffer the message carries ``1 + 4 / block`` bytes instead of 4 (block 256: 3.94x fewer). The secondary
 shards keep the dequantized values: backward computes with the forward's weights. Not for the persistent
 parameters (all-gathered after the step, exact) nor units padded to their peers' (Note [Peer units]).
@@ -22,6 +24,12 @@ import torch
 QMAX = 127
 
 
+def block_size(numel: int, block: int) -> int:
+    """The elements per scale for a slice of ``numel``: ``block``, at most the slice (a larger block would pad the
+    message beyond the exact bytes), at least 1."""
+    return max(1, min(block, numel))
+
+
 def blocks(numel: int, block: int) -> int:
     """The blocks of ``block`` elements covering ``numel`` (the last one padded with zeros)."""
     return -(-numel // block)
@@ -32,20 +40,23 @@ def message_bytes(buffers_numel_dtype: list[tuple[int, torch.dtype]], block: int
     values padded to whole blocks plus an fp32 scale per block; other slices their own bytes."""
     total = 0
     for numel, dtype in buffers_numel_dtype:
-        nb = blocks(numel, block)
-        total += nb * block + 4 * nb if dtype.is_floating_point else numel * dtype.itemsize
+        b = block_size(numel, block)
+        nb = blocks(numel, b)
+        total += nb * b + 4 * nb if dtype.is_floating_point else numel * dtype.itemsize
     return total
 
 
 def quantize_into(out: torch.Tensor, x: torch.Tensor, block: int) -> None:
     """Write ``x`` (1-D floating, ``numel`` elements) into ``out`` (``uint8``, ``blocks * (block + 4)`` bytes):
-    the int8 values of the blocks, then their fp32 scales."""
+    the int8 values of the blocks, then their fp32 scales. A block holding a NaN or an infinity gets a non-finite
+    scale, so that it comes back as NaN: a diverged weight shows in the loss as it would exact."""
+    block = block_size(x.numel(), block)
     nb = blocks(x.numel(), block)
     padded = torch.zeros(nb * block, dtype=torch.float32, device=x.device)
     padded[:x.numel()] = x
     rows = padded.view(nb, block)
     scales = rows.abs().amax(dim=1) / QMAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a block of zeros: exact
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # zeros exact; NaN and inf kept
     q = torch.round(rows / scales[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     out[:nb * block].copy_(q.view(-1).view(torch.uint8))
     out[nb * block:].copy_(scales.view(torch.uint8))
@@ -97,9 +108,10 @@ class _Dequantized:
             for output, n in zip(self.outputs, self.sizes):
                 out_rows = output.view(rows.shape[0], -1)
                 if output.dtype.is_floating_point:
-                    nb = blocks(out_rows.shape[1], self.block)
-                    q = rows[:, at:at + nb * self.block].view(torch.int8).view(rows.shape[0], nb, self.block)
-                    scales = rows[:, at + nb * self.block:at + n].contiguous().view(torch.float32)
+                    b = block_size(out_rows.shape[1], self.block)
+                    nb = blocks(out_rows.shape[1], b)
+                    q = rows[:, at:at + nb * b].view(torch.int8).view(rows.shape[0], nb, b)
+                    scales = rows[:, at + nb * b:at + n].contiguous().view(torch.float32)
                     values = (q.to(torch.float32) * scales[:, :, None]).view(rows.shape[0], -1)
                     out_rows.copy_(values[:, :out_rows.shape[1]])
                 else:
