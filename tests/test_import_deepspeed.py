@@ -388,6 +388,11 @@ def test_hpz_partition_size_is_zero_hierarchy(tmp_path):
     data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})
     assert "hierarchy" not in data["zero"]
     assert dropped == ["zero_optimization.zero_hpz_partition_size: stage 3 only (zero.hierarchy)"]
+    nvme = {"stage": 3, "zero_hpz_partition_size": 2, "offload_param": {"device": "nvme", "nvme_path": "/tmp/x"}}
+    data, _, dropped = _run(tmp_path, {"zero_optimization": nvme})  # a recipe zerorun takes (it refused both)
+    assert "hierarchy" not in data["zero"] and Recipe.model_validate(data).zero.offload_params == "disk"
+    assert dropped == ["zero_optimization.zero_hpz_partition_size: its secondary shard lives in memory; "
+                       "offload_param nvme keeps the parameters on disk (zero.offload_params: disk)"]
     for size, message in ((0, "expected a number of ranks >= 1, got 0"), (1.5, "expected an integer, got 1.5"),
                           (3, "3 must divide the hostfile's 4 ranks and be below it")):
         with pytest.raises(ZerorunError, match=rf"ds\.json: zero_optimization\.zero_hpz_partition_size: {message}$"):

@@ -81,6 +81,20 @@ def test_tiny_recipe_trains_on_two_ranks(tmp_path):
     assert latest.stdout.rstrip().endswith("zerorun: the job finished (exit status 0)"), latest.stdout
 
 
+def test_the_bytes_of_an_evaluation_are_not_a_steps(tmp_path):
+    """At stage 3 an evaluation's forwards all-gather the units; a step event's ``comm_bytes`` and
+    ``comm_bytes_inter_node`` are the step's alone, every step the same (before: the step after each evaluation
+    carried its all-gathers, one more pass over the model, and the summary's mean per step with them)."""
+    out = zerorun("train", TINY, "zero.stage=3", "train.steps=6", "train.eval_every=2", "log.every=1",
+                  f"log.dir={tmp_path / 'runs'}", cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = read_events(tmp_path / "runs")
+    assert len([e for e in events if e["event"] == "eval"]) == 4  # steps 0, 2, 4, 6
+    for rank in (0, 1):
+        sent = [e["comm_bytes"] for e in events if e["event"] == "step" and e["rank"] == rank]
+        assert len(sent) == 6 and len(set(sent)) == 1 and sent[0] > 0, sent
+
+
 def test_live_dashboard_in_a_terminal(tmp_path):
     """Under a pseudo-terminal the launcher draws the live view, then leaves the summary in the scrollback."""
     import fcntl

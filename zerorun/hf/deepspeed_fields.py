@@ -64,8 +64,11 @@ def zero_plus_plus(imp, z: dict, out: dict) -> None:
     if size is not None and size > 1 and imp.world and (size >= imp.world or imp.world % size):
         raise ZerorunError(f"{field}: {size} must divide the hostfile's {imp.world} ranks and be below it")
     if size is not None and size > 1:
-        if out.get("stage") == 3:
+        if out.get("stage") == 3 and out.get("offload_params") != "disk":
             out["hierarchy"] = size
+        elif out.get("stage") == 3:  # the recipe check refuses both: the offloaded parameters are kept
+            imp.drop(field, "its secondary shard lives in memory; offload_param nvme keeps the parameters on disk "
+                            "(zero.offload_params: disk)")
         else:
             imp.drop(field, "stage 3 only (zero.hierarchy)")
     key = "zero_quantized_weights"  # §3.1: Note [Quantized weights] in zero/quantize.py

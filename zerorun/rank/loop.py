@@ -210,7 +210,7 @@ class TrainingRun:
         self.stop = StopRequest(self.rank, self.world_size) if self.recipe.checkpoint.dir else None
         emit("phase", self.rank, phase="first step")
         if t.eval_every and self.start == 0:
-            self.evaluate(0)
+            self._between_steps(self.evaluate, 0)
 
     # ---------------------------------------------------------------------------------------------- steps
     def one_step(self, step: int) -> None:
@@ -274,13 +274,23 @@ class TrainingRun:
         t, ckpt = self.t, self.recipe.checkpoint
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             self.steplog.flush()
-            self.evaluate(step)
+            self._between_steps(self.evaluate, step)
         if ckpt.dir and ((ckpt.every and step % ckpt.every == 0) or step == t.steps):
             self.steplog.flush()
             self.save(step)
         if self.stop is not None and step < t.steps and self.stop.agreed():
             self.steplog.flush()
             self.stop_after(step)
+
+    def _between_steps(self, work, step: int) -> None:
+        """``work(step)`` (an evaluation) with its collectives left out of the next step event's ``comm_*``
+        figures (its forwards' all-gathers were counted in the next step's bytes): the counts before it move by
+        what it sent and waited."""
+        before = self.engine.comm_stats()
+        work(step)
+        after = self.engine.comm_stats()
+        self.comm_prev = {k: v if v is None or after[k] is None else v + after[k] - before[k]
+                          for k, v in self.comm_prev.items()}
 
     def _to_device(self, batch):
         if isinstance(batch, torch.Tensor):
