@@ -125,6 +125,29 @@ def test_zero_variants_are_rows_of_stage_3():
         parse_zero_variants("hpz", [0, 2])
 
 
+def test_bench_passes_its_ssh_options_to_every_job(tmp_path, monkeypatch):
+    """``zerorun bench --ssh-config FILE`` reaches every job's launch, as ``zerorun train``'s does (before: bench
+    had no SSH options; a user's hosts behind an SSH config could not be benched)."""
+    from zerorun import launch
+    from zerorun.bench import run as bench_run
+
+    seen = []
+
+    class Failed:
+        ok = False
+
+        def error(self):
+            return RuntimeError("stopped here")
+
+    monkeypatch.setattr(launch, "run_job", lambda *args, **kwargs: seen.append(kwargs.get("ssh")) or Failed())
+    (tmp_path / "ssh_config").write_text("Host *\n  StrictHostKeyChecking no\n")
+    ssh = launch.ssh_options(None, None, None, str(tmp_path / "ssh_config"))
+    with pytest.raises(RuntimeError, match="stopped here"):
+        bench_run._measure_job(Row(Combination(None, "zero", 2)), TINY, [], str(tmp_path), 2, 1, ssh)
+    assert seen == [ssh]
+    assert "--ssh-config" in zerorun("bench", "--help").stdout
+
+
 def zerorun(*args, timeout=600):
     env = {**os.environ, "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, "-m", "zerorun", *args], cwd=ROOT, capture_output=True, text=True,

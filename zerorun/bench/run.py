@@ -155,9 +155,10 @@ def _make_bench_dir(base) -> str:
     return bench_dir
 
 
-def _measure_job(row: Row, recipe_path: str, overrides: list[str], jobs_dir: str, steps: int, warmup: int) -> None:
+def _measure_job(row: Row, recipe_path: str, overrides: list[str], jobs_dir: str, steps: int, warmup: int,
+                 ssh=None) -> None:
     """Run one job of ``row``'s combination (``warmup + steps`` optimizer steps, its run folder in ``jobs_dir``)
-    and append its metrics and run folder to ``row``.
+    and append its metrics and run folder to ``row``; ``ssh``: the SSH options of its remote hosts.
 
     Raises:
         ZerorunError, ValueError, OSError: the job failed (a :class:`~zerorun.errors.JobFailed` with exit code
@@ -174,7 +175,7 @@ def _measure_job(row: Row, recipe_path: str, overrides: list[str], jobs_dir: str
     # no model check beside each job: its ranks report a model the stage refuses, and the check's CPU time
     # would count in the job's time to first step
     result = launch.run_job(recipe, hosts, view=lambda state: QuietView(sys.stdout, state), model_check=False,
-                            launcher=launcher)
+                            launcher=launcher, ssh=ssh)
     if not result.ok:
         raise result.error()
     row.run_dirs.append(result.run_dir)
@@ -274,9 +275,10 @@ def _write_results(screen: _Screen, bench_dir: str, info: dict[str, Any]) -> int
 
 def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stages: list[int],
               baselines: list[str], steps: int, warmup: int, repeat: int, out=None,
-              nodes: list[int] = (), variants: list[str] = ()) -> tuple[int, int, str]:
+              nodes: list[int] = (), variants: list[str] = (), ssh=None) -> tuple[int, int, str]:
     """Run every combination ``repeat`` times, show the live table, write bench.json/csv/md/png. ``variants``:
-    stage 3's ZeRO++ variants (``--zero-variants``), each a row.
+    stage 3's ZeRO++ variants (``--zero-variants``), each a row; ``ssh``: the remote hosts' SSH options
+    (``--ssh-config``).
 
     Returns:
         ``(failed combinations, all combinations, bench directory)``.
@@ -298,7 +300,7 @@ def run_bench(recipe_path: str, overrides: list[str], hostfiles: list[str], stag
     with screen.live_view():
         for row in rows:
             interrupted = _run_row(row, screen, repeat,
-                                   lambda r: _measure_job(r, recipe_path, overrides, jobs_dir, steps, warmup))
+                                   lambda r: _measure_job(r, recipe_path, overrides, jobs_dir, steps, warmup, ssh))
             summarize(rows)
             write_json(os.path.join(bench_dir, BENCH_JSON), rows, info)
             screen.finished(row)

@@ -28,15 +28,18 @@ def bench(
                                         "two), each run through the slurm launcher."),
     zero_variants: str = typer.Option("", "--zero-variants", help="Stage 3 once per ZeRO++ variant, comma-"
                                       "separated: flat, hpz, qwz, hpz+qwz (docs/across-nodes.md)."),
+    ssh_config: Optional[str] = SSH_CONFIG,
 ) -> None:
     """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,
     bench.png in <log.dir>/<name>/bench-<timestamp>/. Exit code 1 when any combination failed."""
+    from zerorun import launch
     from zerorun.bench import parse_baselines, parse_nodes, parse_stages, parse_zero_variants, run_bench
 
     chosen = parse_stages(stages)
     failed, total, bench_dir = run_bench(recipe, overrides or [], hostfile or [], chosen,
                                          parse_baselines(baseline), steps, warmup, repeat, nodes=parse_nodes(nodes),
-                                         variants=parse_zero_variants(zero_variants, chosen))
+                                         variants=parse_zero_variants(zero_variants, chosen),
+                                         ssh=launch.ssh_options(None, None, None, ssh_config))
     if failed:
         raise JobFailed(f"bench: {failed} of {total} combinations failed (reasons in {bench_dir}/bench.json)")
 
