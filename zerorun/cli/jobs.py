@@ -166,17 +166,16 @@ def launch(
 
 def _check_hierarchy(recipe, hosts) -> None:
     """``zero.hierarchy`` against the hosts of the launch plan (one node each, Note [Nodes of a group]), before
-    anything starts: what the ranks would refuse at their setup (zero/placement.py ``hierarchy_size``).
+    anything starts: what the ranks would refuse at their setup (zero/placement.py ``hierarchy_on_nodes``).
 
     Raises:
         ZerorunError: the line the ranks would raise, with the hosts.
     """
     if recipe.zero.hierarchy is None or recipe.runtime != "zero":
         return
-    from zerorun.zero.placement import Topology, hierarchy_size
+    from zerorun.zero.placement import hierarchy_on_nodes
 
-    nodes = tuple(i for i, h in enumerate(hosts) for _ in range(h.slots))
     try:
-        hierarchy_size(recipe.zero.hierarchy, Topology(nodes, 0))
+        hierarchy_on_nodes(recipe.zero.hierarchy, tuple(h.slots for h in hosts))
     except ValueError as e:
         raise ZerorunError(f"{e} (hosts: {', '.join(f'{h.name} x{h.slots}' for h in hosts)})") from None

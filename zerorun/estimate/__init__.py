@@ -37,7 +37,8 @@ Communication per rank per step counts bytes sent as ``zero/comm.py`` does (ring
 and all-gather send (N-1)/N of the buffer, all-reduce twice that; ZeRO paper §7: 2Ψ elements for stages 0-2,
 3Ψ for stage 3), and of them the bytes to ranks on other nodes as ``Comm`` counts them (Note [Nodes of a group]
 in ``zero/topology.py``; with ``zero.hierarchy`` the secondary group's all-gathers, and the secondary shards'
-memory, Note [Secondary shards] in ``zero/hierarchy.py``: equal to ``SecondaryShards.nbytes``, tests/test_hierarchy.py).
+memory, Note [Secondary shards] in ``zero/hierarchy.py``: equal to ``SecondaryShards.nbytes``,
+tests/test_hierarchy.py).
 Without a recipe (``--params``), the layout is one buffer of Ψ elements.
 
 Note [What is approximate]: the working set stage 3 adds (the root unit, which stays gathered through forward
@@ -67,9 +68,10 @@ from zerorun.estimate.report import MIN_HEADROOM, Estimate, Setup, StageRow, est
 from zerorun.estimate.rendering import render
 from zerorun.estimate.command import detect_memory, from_arguments
 
-__all__ = ["Estimate", "INFLIGHT_BUCKETS", "Traffic", "Layout", "MIN_HEADROOM", "ModelStates", "OFFLOADS", "OptimizerModel",
-           "PERSISTENT", "PRECISIONS", "Precision", "Setup", "StageRow", "UnitCount", "WorkingSet", "activation_bytes",
-           "comm_bytes", "detect_memory", "group_size", "estimate", "format_bytes", "format_count", "from_arguments",
+__all__ = ["Estimate", "INFLIGHT_BUCKETS", "Traffic", "Layout", "MIN_HEADROOM", "ModelStates", "OFFLOADS",
+           "OptimizerModel", "PERSISTENT", "PRECISIONS", "Precision", "Setup", "StageRow", "UnitCount", "WorkingSet",
+           "activation_bytes", "comm_bytes", "detect_memory", "group_size", "estimate", "format_bytes", "format_count",
+           "from_arguments",
            "grad_accum_bytes", "layout_of",
            "layout_of_count", "layout_of_recipe", "model_states", "offload_variants", "optimizer_model",
            "parse_bandwidth", "parse_bytes", "parse_count", "precision_of", "render", "secondary_bytes",

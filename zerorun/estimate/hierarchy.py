@@ -17,13 +17,10 @@ def group_size(hierarchy: int | str | None, node_ranks: tuple[int, ...]) -> int 
     Raises:
         ZerorunError: a setting the runtime refuses on these nodes (its one line, naming ``zero.hierarchy``).
     """
-    if hierarchy is None:
-        return None
-    from zerorun.zero.placement import Topology, hierarchy_size
+    from zerorun.zero.placement import hierarchy_on_nodes
 
-    nodes = tuple(i for i, k in enumerate(node_ranks) for _ in range(k))
     try:
-        return hierarchy_size(hierarchy, Topology(nodes, 0))
+        return hierarchy_on_nodes(hierarchy, node_ranks)
     except ValueError as e:
         raise ZerorunError(str(e)) from None
 

@@ -79,3 +79,17 @@ def hierarchy_size(hierarchy: int | str | None, topo: Topology) -> int | None:
         raise ValueError("zero.hierarchy: one rank per node: its secondary shard would be the whole model; "
                          "remove zero.hierarchy")
     return size
+
+
+def hierarchy_on_nodes(hierarchy: int | str | None, node_ranks: tuple[int, ...]) -> int | None:
+    """:func:`hierarchy_size` on nodes of ``node_ranks`` ranks each, their ranks consecutive in order (as a launch
+    plan numbers them: the hostfile's slots): what ``zerorun train`` and ``zerorun estimate`` check before any
+    rank starts.
+
+    Raises:
+        ValueError: as :func:`hierarchy_size`.
+    """
+    if hierarchy is None:
+        return None
+    nodes = tuple(i for i, k in enumerate(node_ranks) for _ in range(k))
+    return hierarchy_size(hierarchy, Topology(nodes, 0))

@@ -10,8 +10,9 @@ compute with the same weights; the primary shard, which the optimizer steps (the
 rounded: only the forward and backward see the rounding, within ``s / 2`` of each value. A block of zeros gets
 scale 1 (zeros come back exact); a block holding a NaN or an infinity comes back all NaN (a diverged weight
 shows, as it would exact). A block is at most the slice (``zero.quantize_block`` above a rank's slice of a
-buffer would pad the message beyond the exact bytes). Integer and bool buffers travel as they are (their bytes). Per element of a
-float32 buffer the message carries ``1 + 4 / block`` bytes instead of 4 (block 256: 3.94x fewer). The secondary
+buffer would pad the message beyond the exact bytes). Integer and bool buffers travel as they are (their
+bytes). Per element of a float32 buffer the message carries ``1 + 4 / block`` bytes instead of 4 (block 256:
+3.94x fewer). The secondary
 shards keep the dequantized values: backward computes with the forward's weights. Not for the persistent
 parameters (all-gathered after the step, exact) nor units padded to their peers' (Note [Peer units]).
 """
