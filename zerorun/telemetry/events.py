@@ -25,8 +25,9 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
   loss]); on CUDA ``cuda_allocated_bytes``, ``cuda_reserved_bytes``, ``cuda_peak_bytes``,
   ``cuda_total_bytes``; ``loss_scale`` (fp16, else null), ``skipped`` (this step was skipped on an fp16
   overflow), ``skipped_steps``; ``comm_bytes_inter_node`` and ``comm_wait_s`` are null for the DDP/FSDP2
-  baselines (not observed); ``cpu_percent`` (this rank's process, 100 = one core busy) and ``host_cpu_percent`` (the whole host, all cores: 100 = every core busy) since the
-  previous step event; on CUDA with nvidia-ml-py ``gpu_util_percent`` (``torch.cuda.utilization``).
+  baselines (not observed); ``cpu_percent`` (this rank's process, 100 = one core busy) and
+  ``host_cpu_percent`` (the whole host, all cores: 100 = every core busy) since the previous step event; on
+  CUDA with nvidia-ml-py ``gpu_util_percent`` (``torch.cuda.utilization``).
 - ``progress`` (rank 0, after every step that ends at least ``steplog.PROGRESS_EVERY_S`` after the previous
   progress event, and the last step): ``step``, ``steps`` (total); ``time`` is when the step ended. A few
   dozen bytes, so the launcher's step count, progress bar and ETA move with every step it redraws, not only
