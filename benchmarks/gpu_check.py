@@ -6,7 +6,8 @@
 Two runs, each one torchrun job (``gpu_check_rank.py`` on every rank), every case in one process group:
 
 1. world size 1 on NCCL (CPU: gloo): ZeRO stages 0-3 in fp32 and bf16, DDP and FSDP2 (``fully_shard``) in
-   fp32 (zerorun's baselines, ``zerorun/bench/baselines.py``).
+   fp32 (zerorun's baselines, ``zerorun/bench/baselines.py``), and stages 2 and 3 with ZeRO++'s int8 gradients
+   (and weights at stage 3; their parity is within the quantization's, not fp32's; on 2 ranks they quantize).
 2. world size 2 sharing the one GPU: NCCL first; NCCL refuses two ranks on one device ("Duplicate GPU
    detected"), so when that run fails it is run again on gloo with CUDA tensors (gloo stages them through the
    host) and the summary says which ran and why. The 2-rank run uses a smaller GPT (``--small``).
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--precisions", default="fp32,bf16")
-    p.add_argument("--runtimes", default="stage0,stage1,stage2,stage3,ddp,fsdp2")
+    p.add_argument("--runtimes", default="stage0,stage1,stage2,stage3,ddp,fsdp2,stage2-qgz,stage3-qwz-qgz",
+                   help="stageN, ddp, fsdp2; stageN-qgz / stage3-qwz-qgz: with ZeRO++'s int8 gradients / weights")
     p.add_argument("--world-sizes", default="1,2", help="the runs: 1 (one rank), 2 (two ranks on the one GPU)")
     args = p.parse_args(argv)
     if args.device == "cpu" and "--layers" not in (argv if argv is not None else sys.argv):

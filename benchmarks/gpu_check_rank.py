@@ -85,8 +85,10 @@ def make_engine(args, runtime: str, model, precision: str):
     from zerorun import zero
     from zerorun.bench import baselines
 
-    config = zero.ZeroConfig(stage=int(runtime[-1]) if runtime.startswith("stage") else 0, grad_clip=args.clip,
-                             units=("Block", "Embedding"), precision=precision, bucket_mb=args.bucket_mb)
+    stage = int(runtime[5]) if runtime.startswith("stage") else 0  # "stage3", "stage3-qwz-qgz" (ZeRO++)
+    config = zero.ZeroConfig(stage=stage, grad_clip=args.clip, units=("Block", "Embedding"), precision=precision,
+                             bucket_mb=args.bucket_mb, quantize_grads="int8" if "qgz" in runtime else None,
+                             quantize_weights="int8" if "qwz" in runtime else None)
     kwargs = dict(optimizer="AdamW", optimizer_kwargs={"lr": args.lr, "betas": (0.9, 0.95)},
                   param_groups=zero.default_param_groups(model, 0.1), config=config)
     if runtime.startswith("stage"):
@@ -256,7 +258,7 @@ def measure(args, device, runtime: str, precision: str) -> dict:
            "sync_sites": sorted(set(micro_sites + step_sites)),
            "overlap": profile_overlap(step, args.profile_steps)}
     if runtime.startswith("stage"):
-        stage = int(runtime[-1])
+        stage = int(runtime[5])
         out["paper_bytes"] = paper_bytes(out["psi"], stage, precision, dist.get_world_size())
         out["estimate"] = estimate_row(args, base, stage, precision, dist.get_world_size(), device)
     engine.close()

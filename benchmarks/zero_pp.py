@@ -1,12 +1,13 @@
-"""ZeRO++ at stage 3 on two nodes: bytes sent per rank, and of them across nodes, flat against hpZ.
+"""ZeRO++ at stage 3 on two nodes: bytes sent per rank, and of them across nodes, flat against hpZ, qwZ, qgZ.
 
 Starts a loopback sshd (tests/sshd.py) on 127.0.0.2 and 127.0.0.3 and, for each variant in ``--variants``,
 runs ``zerorun train`` of a recipe at ``zero.stage: 3`` with the hostfile ``127.0.0.2 slots=2`` /
 ``127.0.0.3 slots=2``: 4 ranks as a user's two nodes of 2 ranks (torchrun's ``GROUP_RANK`` 0 and 1, Note
 [Nodes of a group] in zerorun/zero/topology.py). A variant is a list of recipe overrides (:data:`VARIANTS`):
 ``flat`` is plain stage 3, ``hpz`` adds ``zero.hierarchy=node`` (Note [Secondary shards] in
-zerorun/zero/hierarchy.py). Every step logs a step event (``log.every=1``); from each run's metrics.jsonl,
-per rank, over the steps after ``--warmup``:
+zerorun/zero/hierarchy.py), ``qwz`` ``zero.quantize_weights=int8``, ``qgz`` ``zero.quantize_grads=int8`` (Note
+[Quantized gradients] in zerorun/zero/quantized_grads.py), ``hpz+qwz+qgz`` all three. Every step logs a step
+event (``log.every=1``); from each run's metrics.jsonl, per rank, over the steps after ``--warmup``:
 
 - ``comm_bytes``: bytes the rank sent in the step (ring accounting; median over steps);
 - ``comm_bytes_inter_node``: of them, bytes to ranks on the other node (ZeRO++'s direct accounting; median);
@@ -15,11 +16,13 @@ per rank, over the steps after ``--warmup``:
 Printed as a Markdown table, written as JSON (``benchmarks/results/zero_pp_<model>.json``). The ratio of each
 variant's inter-node bytes to flat's stands beside ZeRO++'s accounting (Wang et al., arXiv:2306.10209, §3:
 flat stage 3 sends 3M across nodes per step, forward all-gather, backward all-gather and reduce-scatter; hpZ
-2M, its backward all-gather staying in the node; qwZ halves the forward all-gather against fp16). zerorun's
-hpZ also reduce-scatters the gradients in two levels (Note [Two-level reduce-scatter]), and it trains in fp32,
-where int8 is a quarter of the bytes: its figures go below the paper's. Every step's loss is held to flat's
-(:data:`LOSS_TOLERANCE`: hpZ 1e-5 relative, fp32 rounding; with qwZ 1e-2); the script exits 1 otherwise. Both "nodes" are this machine, so the "network" is
-loopback and all 4 ranks share its cores: step times measure contention, bytes are exact.
+2M, its backward all-gather staying in the node; qwZ halves the forward all-gather against fp16; qgZ sends a
+quarter of the reduce-scatter, int4 against fp16: all three 0.75M, 4x). zerorun's hpZ also reduce-scatters the
+gradients in two levels (Note [Two-level reduce-scatter]), and it trains in fp32, where int8 is a quarter of
+the bytes: its figures go below the paper's. Every step's loss is held to flat's (:data:`LOSS_TOLERANCE`: hpZ
+1e-5 relative, fp32 rounding; with quantization 1e-2); the script exits 1 otherwise. Both "nodes" are this
+machine, so the "network" is loopback and all 4 ranks share its cores: step times measure contention, bytes are
+exact.
 
     python benchmarks/zero_pp.py --model tiny                        # recipes/tiny.yaml, ~1 min
     python benchmarks/zero_pp.py --model 55m --steps 4 --warmup 1    # the 55M GPT of zero_stages.py
@@ -44,17 +47,19 @@ from sshd import LoopbackSshd  # noqa: E402
 
 from zerorun.bench.args import ZERO_VARIANTS  # noqa: E402
 
-#: variant name -> recipe overrides on top of the model's and the common ones. Later ZeRO++ parts add rows
-#: here (e.g. ``"hpz+qwz": [*hpz, <quantized weights>]``, all three).
+#: variant name -> recipe overrides on top of the model's and the common ones
 VARIANTS: dict[str, list[str]] = ZERO_VARIANTS  # zerorun bench --zero-variants runs the same
 
 #: ZeRO++'s cross-node volume per step in units of the model's size M in fp16 (arXiv:2306.10209, §3): flat
-#: 3M; hpZ keeps the backward all-gather in the node (2M); qwZ halves the forward all-gather (int8 against fp16)
-PAPER_UNITS: dict[str, float] = {"flat": 3.0, "hpz": 2.0, "qwz": 2.5, "hpz+qwz": 1.5}
+#: 3M; hpZ keeps the backward all-gather in the node (2M); qwZ halves the forward all-gather (int8 against fp16);
+#: qgZ sends a quarter of the gradients' M (int4 against fp16, §3.3)
+PAPER_UNITS: dict[str, float] = {"flat": 3.0, "hpz": 2.0, "qwz": 2.5, "hpz+qwz": 1.5, "qgz": 2.25,
+                                 "hpz+qwz+qgz": 0.75}
 
 #: the largest relative difference of a step's loss from flat's: hpZ sums the gradients in another order
-#: (Note [Two-level reduce-scatter]: fp32 rounding); qwZ's forward sees int8 weights
-LOSS_TOLERANCE: dict[str, float] = {"flat": 0.0, "hpz": 1e-5, "qwz": 1e-2, "hpz+qwz": 1e-2}
+#: (Note [Two-level reduce-scatter]: fp32 rounding); qwZ's forward sees int8 weights, qgZ's step int8 gradients
+LOSS_TOLERANCE: dict[str, float] = {"flat": 0.0, "hpz": 1e-5, "qwz": 1e-2, "hpz+qwz": 1e-2, "qgz": 1e-2,
+                                    "hpz+qwz+qgz": 1e-2}
 
 #: model name -> (recipe, overrides). ``55m``: the ~55M-parameter GPT of benchmarks/zero_stages.py (12 layers,
 #: d_model 512, 8 heads, vocab 16384, seq 128, untied LM head; stage 3 units Block and Embedding), trained on

@@ -89,11 +89,11 @@ def two_level_reduce_scatter(in_place: bool) -> dict:
     float32 gradients (exact sums in any order) of 3 buckets, the output a separate tensor or this rank's slice
     of the input; and the bytes each form sends between nodes."""
     from zerorun.zero.comm import Comm
-    from zerorun.zero.hierarchy import SecondaryShards, TwoLevelReduceScatter
+    from zerorun.zero.hierarchy import TwoLevelReduceScatter
 
     with on_nodes(2):
         flat, two = Comm(), Comm()
-        two.two_level = TwoLevelReduceScatter(two, SecondaryShards(two, 2).comm)
+        two.grad_path = TwoLevelReduceScatter(two, 2)
         n, r, wrong = dist.get_world_size(), dist.get_rank(), 0
         g = torch.Generator().manual_seed(r)
         for k in (1, 7, 1000):
@@ -104,34 +104,36 @@ def two_level_reduce_scatter(in_place: bool) -> dict:
             outs = [x[r * k:(r + 1) * k] if in_place else torch.empty(k) for x in grads]
             flat.wait([flat.reduce_scatter(outs[0], grads[0]), two.reduce_scatter(outs[1], grads[1])])
             wrong += int(not torch.equal(outs[1], expected))
-        inter = [flat.bytes_sent_inter_node, sum(c.bytes_sent_inter_node for c in (two, two.two_level.inner,
-                                                                                    two.two_level.outer))]
+        inter = [flat.bytes_sent_inter_node, sum(c.bytes_sent_inter_node for c in [two] + two.grad_path.comms)]
         return {"wrong": wrong, "inter_node": inter}
 
 
 def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int = 2,
-            quantize_block: int | None = None) -> dict:
-    """``estimate_cases.CONFIGS[config]``'s model at stage 3 with ``hierarchy`` and ``accum`` micro-steps on this
-    rank's node: bytes sent and bytes to other nodes in each step (zero/comm.py's count) and the secondary
+            quantize_block: int | None = None, stage: int = 3, quantize_grads: str | None = None,
+            grad_block: int = 256) -> dict:
+    """``estimate_cases.CONFIGS[config]``'s model at ``stage`` with ``hierarchy`` and ``accum`` micro-steps on
+    this rank's node: bytes sent and bytes to other nodes in each step (zero/comm.py's count) and the secondary
     shards' bytes just before each ``step()`` (``SecondaryShards.nbytes``; 0 without ``hierarchy``); with
-    ``quantize_block``, qwZ's int8 all-gathers."""
+    ``quantize_block``, qwZ's int8 all-gathers; with ``quantize_grads``, qgZ's all-to-alls (``grad_block``)."""
     import estimate_cases
 
     model, model_kwargs, units, opt, opt_kwargs, bucket_mb, _, persistence = estimate_cases.CONFIGS[config]
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with on_nodes(ranks_per_node):
         engine = initialize(estimate_cases.build(model, model_kwargs), optimizer=opt, optimizer_kwargs=dict(opt_kwargs),
-                            config=ZeroConfig(stage=3, bucket_mb=bucket_mb, units=units, grad_accum_steps=accum,
+                            config=ZeroConfig(stage=stage, bucket_mb=bucket_mb, units=units, grad_accum_steps=accum,
                                               persistence_threshold=persistence, hierarchy=hierarchy,
                                               quantize_weights="int8" if quantize_block else None,
-                                              quantize_block=quantize_block or 256))
+                                              quantize_block=quantize_block or grad_block,
+                                              quantize_grads=quantize_grads))
         out = {"sent": [], "inter_node": [], "secondary": []}
         for step in range(steps):
             before = engine.comm_stats()
             for micro in range(accum):
                 batch = parity_cases._batch(model, step, micro, rank, world_size, "never")
                 engine.backward(parity_cases._loss(engine(batch)))
-            out["secondary"].append(engine.secondary.nbytes if engine.secondary is not None else 0)
+            secondary = getattr(engine, "secondary", None)
+            out["secondary"].append(secondary.nbytes if secondary is not None else 0)
             engine.step()
             now = engine.comm_stats()
             out["sent"].append(now["bytes_sent"] - before["bytes_sent"])

@@ -119,8 +119,9 @@ def test_zero_variants_are_rows_of_stage_3():
     assert not any("hierarchy" in o for o in combos[2].overrides(9) + combos[1].overrides(9))
     assert Row(combos[3]).to_json()["variant"] == "hpz+qwz" and Row(combos[1]).to_json()["variant"] is None
     assert parse_zero_variants("", [0]) == []
-    with pytest.raises(ZerorunError, match=r"--zero-variants hpz,qgz: unknown variant 'qgz' \(choose from flat, "):
-        parse_zero_variants("hpz,qgz", [3])
+    assert parse_zero_variants("qgz,hpz+qwz+qgz", [3])[1] == "hpz+qwz+qgz"
+    with pytest.raises(ZerorunError, match=r"--zero-variants hpz,qgx: unknown variant 'qgx' \(choose from flat, "):
+        parse_zero_variants("hpz,qgx", [3])
     with pytest.raises(ZerorunError, match=r"--zero-variants hpz: variants of stage 3; --stages has no 3"):
         parse_zero_variants("hpz", [0, 2])
 

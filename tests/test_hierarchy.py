@@ -37,14 +37,14 @@ def test_the_two_level_reduce_scatter_sums_as_the_flat_one_with_half_between_nod
         assert r["inter_node"][1] * 2 == r["inter_node"][0], r
 
 
-PLUS = {"hierarchy": "node", "quantize_weights": "int8"}
+PLUS = {"hierarchy": "node", "quantize_weights": "int8", "quantize_grads": "int8"}
 
 
 @pytest.mark.parametrize("saved_with,resumed_with", [(PLUS, None), (None, PLUS), (PLUS, PLUS)],
                          ids=["plus-to-flat", "flat-to-plus", "plus-to-plus"])
 def test_checkpoints_move_between_flat_and_zero_plus_plus(ranks, tmp_path, saved_with, resumed_with):
-    """A checkpoint saved with hpZ and qwZ resumes without them and the other way round (the secondary shards are
-    not saved; the masters never held a rounded value): the loaded masters and optimizer states are the saved
+    """A checkpoint saved with hpZ, qwZ and qgZ resumes without them and the other way round (the secondary shards
+    are not saved; the masters never held a rounded weight; qgZ's rounded gradients are stepped, never saved): the loaded masters and optimizer states are the saved
     ones, bit for bit, 4 ranks as 2 nodes of 2; with the same settings the losses go on as without the save."""
     saved = ranks(4).run(cases.checkpoint_case, case="save_and_continue", ranks_per_node=2, root=str(tmp_path),
                          stage=3, save_at=2, steps=4, zero=saved_with)

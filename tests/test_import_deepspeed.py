@@ -399,24 +399,19 @@ def test_hpz_partition_size_is_zero_hierarchy(tmp_path):
             _run(tmp_path, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": size}})
 
 
-def test_quantized_weights_are_zero_quantize_weights(tmp_path):
-    """ZeRO++'s ``zero_quantized_weights: true`` is ``zero.quantize_weights: int8`` at stage 3 (Note [Quantized
-    weights]); below stage 3 it is listed as dropped; false is nothing."""
-    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
-    assert Recipe.model_validate(data).zero.quantize_weights == "int8" and not dropped
-    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
-    assert "quantize_weights" not in data["zero"]
-    assert dropped == ["zero_optimization.zero_quantized_weights: stage 3 only (zero.quantize_weights)"]
-    assert _run(tmp_path, {"zero_optimization": {"stage": 3, "zero_quantized_weights": False}})[2] == []
-
-
-@pytest.mark.parametrize("key,name", [("zero_quantized_gradients", "qgZ")])
-def test_quantized_collectives_are_listed_as_not_taken_yet(tmp_path, key, name):
-    """ZeRO++'s quantized weights and gradients: true is listed among the fields zerorun does not take yet (before:
-    "no zerorun equivalent", and false was listed too); false is what zerorun does; not a boolean: one line."""
-    data, text, dropped = _run(tmp_path, {"zero_optimization": {"stage": 3, key: True}})
-    assert dropped == [f"zero_optimization.{key}: " + dropped[0].split(": ", 1)[1]] and "not taken yet" in dropped[0]
-    assert name in dropped[0] and f"#   {dropped[0]}" in text
+@pytest.mark.parametrize("key,field,value,below,why", [
+    ("zero_quantized_weights", "quantize_weights", "int8", 2, "stage 3 only (zero.quantize_weights)"),
+    ("zero_quantized_gradients", "quantize_grads", "int4", 0, "stages 1-3 only (zero.quantize_grads): stage 0 "
+                                                               "all-reduces")])
+def test_quantized_collectives_are_zero_quantize_switches(tmp_path, key, field, value, below, why):
+    """ZeRO++'s ``zero_quantized_weights: true`` is ``zero.quantize_weights: int8`` (stage 3, Note [Quantized
+    weights]), ``zero_quantized_gradients: true`` is ``zero.quantize_grads: int4`` (DeepSpeed's qgZ width, stages
+    1-3, Note [Quantized gradients]; before: dropped as not taken yet); below that stage listed as dropped; false
+    is nothing; not a boolean: one line."""
+    data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 3, key: True}})
+    assert getattr(Recipe.model_validate(data).zero, field) == value and not dropped
+    data, text, dropped = _run(tmp_path, {"zero_optimization": {"stage": below, key: True}})
+    assert field not in data["zero"] and dropped == [f"zero_optimization.{key}: {why}"] and f"#   {dropped[0]}" in text
     assert _run(tmp_path, {"zero_optimization": {"stage": 3, key: False}})[2] == []
     with pytest.raises(ZerorunError, match=rf"zero_optimization\.{key}: expected true or false, got 'yes'$"):
         _run(tmp_path, {"zero_optimization": {"stage": 3, key: "yes"}})

@@ -5,24 +5,29 @@ import pytest
 import torch
 
 import quantize_cases as cases
-from zerorun.zero.quantize import WeightQuantizer, block_size, blocks, message_bytes, quantize_into
+from zerorun.zero.quantize import (WeightQuantizer, block_size, blocks, dequantize_rows, message_bytes,
+                                   quantize_into)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("numel,block", [(1, 256), (255, 256), (256, 256), (1000, 7), (4099, 2048)])
-def test_blockwise_int8_rounds_within_half_a_step_of_each_block(numel, block):
+def test_blockwise_quantization_rounds_within_half_a_step_of_each_block(numel, block, bits):
+    """int8 (qwZ, qgZ) and int4 (qgZ, two values to a byte): each value back within half its block's step
+    (``max|x| / 127`` or ``/ 7``), the values within the width, the message of the bytes the estimate counts."""
     x = torch.randn(numel, dtype=torch.float64).float() * torch.logspace(-3, 3, numel)
     x[numel // 2:numel // 2 + 3] = 0.0
-    message = torch.empty(message_bytes([(numel, torch.float32)], block), dtype=torch.uint8)
-    quantize_into(message, x, block)
+    message = torch.empty(message_bytes([(numel, torch.float32)], block, bits), dtype=torch.uint8)
+    quantize_into(message, x, block, bits)
     block = block_size(numel, block)  # at most the slice
     nb = blocks(numel, block)
-    q = message[:nb * block].view(torch.int8).float().view(nb, block)
-    scales = message[nb * block:].clone().view(torch.float32)
-    back = (q * scales[:, None]).view(-1)[:numel]
-    step = torch.nn.functional.pad(x, (0, nb * block - numel)).view(nb, block).abs().amax(1) / 127
-    assert torch.all((back - x).abs().view(-1) <= (step.repeat_interleave(block)[:numel] / 2) * (1 + 1e-6))
-    assert torch.all(q.abs() <= 127)
-    assert message.numel() == nb * block + 4 * nb
+    back = dequantize_rows(message.view(1, -1), numel, block, bits)[0]
+    qmax = {8: 127, 4: 7}[bits]
+    step = torch.nn.functional.pad(x, (0, nb * block - numel)).view(nb, block).abs().amax(1) / qmax
+    half = step.repeat_interleave(block)[:numel] / 2
+    assert torch.all((back - x).abs() <= half * (1 + 1e-6))
+    levels = torch.round(back / step.clamp_min(1e-30).repeat_interleave(block)[:numel]).abs()
+    assert torch.all(levels <= qmax)
+    assert message.numel() == (nb * block if bits == 8 else (nb * block + 1) // 2) + 4 * nb
 
 
 def test_a_block_of_zeros_and_integer_slices_come_back_exact():

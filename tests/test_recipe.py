@@ -359,6 +359,10 @@ def test_an_optimizer_without_weight_decay_takes_the_recipes_default(tmp_path):
     (["zero.stage=1", "zero.quantize_weights=int8"], r"zero\.quantize_weights: .* zero\.stage 3 knob$"),
     (["zero.stage=3", "zero.quantize_weights=int4"], r"zero\.quantize_weights: Input should be 'int8'"),
     (["zero.stage=3", "zero.quantize_block=0"], r"zero\.quantize_block: Input should be greater than or equal to 1"),
+    (["zero.stage=0", "zero.quantize_grads=int8"], r"zero\.quantize_grads: .* zero\.stage 1-3; stage 0 all-reduces"),
+    (["zero.stage=2", "zero.quantize_grads=int8", "runtime=ddp"], r"zero\.quantize_grads: .* the ddp baseline does "
+                                                                   r"not take it$"),
+    (["zero.stage=2", "zero.quantize_grads=int2"], r"zero\.quantize_grads: Input should be 'int8' or 'int4'"),
 ])
 def test_zero_plus_plus_settings_are_checked_when_the_recipe_is_read(tmp_path, overrides, message):
     """ZeRO++'s switches (docs/across-nodes.md): each refusal one line naming its field, before any launch."""
@@ -366,3 +370,4 @@ def test_zero_plus_plus_settings_are_checked_when_the_recipe_is_read(tmp_path, o
         load_recipe(good(tmp_path), overrides)
     recipe = load_recipe(good(tmp_path), ["zero.stage=3", "zero.hierarchy=2", "zero.quantize_weights=int8"])
     assert (recipe.zero.hierarchy, recipe.zero.quantize_weights, recipe.zero.quantize_block) == (2, "int8", 256)
+    assert load_recipe(good(tmp_path), ["zero.stage=1", "zero.quantize_grads=int4"]).zero.quantize_grads == "int4"

@@ -13,6 +13,8 @@ ZERO_VARIANTS: dict[str, list[str]] = {
     "hpz": ["zero.hierarchy=node"],
     "qwz": ["zero.quantize_weights=int8"],
     "hpz+qwz": ["zero.hierarchy=node", "zero.quantize_weights=int8"],
+    "qgz": ["zero.quantize_grads=int8"],
+    "hpz+qwz+qgz": ["zero.hierarchy=node", "zero.quantize_weights=int8", "zero.quantize_grads=int8"],
 }
 
 

@@ -27,7 +27,7 @@ def bench(
                                         "counts, comma-separated (1,2: the allocation's first node, then its first "
                                         "two), each run through the slurm launcher."),
     zero_variants: str = typer.Option("", "--zero-variants", help="Stage 3 once per ZeRO++ variant, comma-"
-                                      "separated: flat, hpz, qwz, hpz+qwz (docs/across-nodes.md)."),
+                                      "separated: flat, hpz, qwz, hpz+qwz, qgz, hpz+qwz+qgz (docs/across-nodes.md)."),
     ssh_config: Optional[str] = SSH_CONFIG,
 ) -> None:
     """Run RECIPE on every hostfile at every stage (and the baselines) and compare them: bench.json, bench.csv,

@@ -63,15 +63,15 @@ from zerorun.estimate.layout import (PERSISTENT, Layout, UnitCount, layout_of, l
 from zerorun.estimate.states import ModelStates, model_states
 from zerorun.estimate.activations import INFLIGHT_BUCKETS, WorkingSet, activation_bytes, working_set
 from zerorun.estimate.communication import Traffic, comm_bytes, traffic
-from zerorun.estimate.hierarchy import group_size, secondary_bytes
+from zerorun.estimate.hierarchy import gradient_group, group_size, secondary_bytes
 from zerorun.estimate.report import MIN_HEADROOM, Estimate, Setup, StageRow, estimate, offload_variants
 from zerorun.estimate.rendering import render
 from zerorun.estimate.command import detect_memory, from_arguments
 
 __all__ = ["Estimate", "INFLIGHT_BUCKETS", "Traffic", "Layout", "MIN_HEADROOM", "ModelStates", "OFFLOADS",
            "OptimizerModel", "PERSISTENT", "PRECISIONS", "Precision", "Setup", "StageRow", "UnitCount", "WorkingSet",
-           "activation_bytes", "comm_bytes", "detect_memory", "group_size", "estimate", "format_bytes", "format_count",
-           "from_arguments",
+           "activation_bytes", "comm_bytes", "detect_memory", "gradient_group", "group_size", "estimate",
+           "format_bytes", "format_count", "from_arguments",
            "grad_accum_bytes", "layout_of",
            "layout_of_count", "layout_of_recipe", "model_states", "offload_variants", "optimizer_model",
            "parse_bandwidth", "parse_bytes", "parse_count", "precision_of", "render", "secondary_bytes",

@@ -56,7 +56,9 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         offload_params=bool(r) and r.zero.offload_params == "disk", memory_source=memory.source,
         node_ranks=tuple(h.slots for h in hosts) if hosts and not (nodes or procs_per_node) else (),
         hierarchy=r.zero.hierarchy if r else None,
-        quantize_block=r.zero.quantize_block if r and r.zero.quantize_weights else None)
+        quantize_block=r.zero.quantize_block if r and r.zero.quantize_weights else None,
+        grad_quantize=(8 if r.zero.quantize_grads == "int8" else 4, r.zero.quantize_block)
+        if r and r.zero.quantize_grads else None)
     return estimate(layout, setup)
 
 

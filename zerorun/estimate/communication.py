@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerorun.estimate.hierarchy import gathered_units, placements
+from zerorun.estimate.hierarchy import gathered_units, placements, quantized_bytes
 from zerorun.estimate.layout import PERSISTENT, Layout
 from zerorun.estimate.states import _pad, _stage_buffers, _stage_sizes, _unit_sizes
 from zerorun.estimate.policies import Precision
@@ -26,7 +26,8 @@ def comm_bytes(layout: Layout, stage: int, world_size: int, precision: Precision
 
 def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, grad_accum_steps: int = 1, *,
             node_ranks: tuple[int, ...] = (), group: int | None = None,
-            quantize_block: int | None = None) -> Traffic:
+            quantize_block: int | None = None, grad_group: int | None = None,
+            grad_quantize: tuple[int, int] | None = None) -> Traffic:
     """Bytes one rank sends per optimizer step, as ``zero/comm.py`` counts them (ring: (N-1)/N of a buffer per
     reduce-scatter or all-gather, twice that per all-reduce; ZeRO paper §7): stage 0 all-reduces gradients once
     per step (2Ψ); stages 1-2 reduce-scatter gradients (stage 1 once per step, stage 2 every micro-step) and
@@ -49,6 +50,12 @@ def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, g
     node); ``inter_node`` counts each collective's bytes as ``zero/comm.py`` does, ``R / (N - 1)`` of them to the
     ``R`` ranks of its group on other nodes (Note [Nodes of a group] in ``zero/topology.py``), for the rank that
     sends the most there (ranks differ where nodes hold different numbers of ranks).
+
+    ``grad_group``: the ranks of the inner level of the gradients' reduce-scatter (Note [Two-level
+    reduce-scatter]; ``zero.hierarchy``'s group or, with quantized gradients, a node's: ``placement.gradient_group``;
+    at stage 3 with ``group`` it is ``group``); ``grad_quantize``: ``(bits, block)`` of ``zero.quantize_grads``
+    (Note [Quantized gradients]): every reduce-scatter sends each other rank of its level its chunk's message
+    (:func:`_reduce_scatter`).
     """
     N = world_size
     if N == 1:
@@ -60,31 +67,56 @@ def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, g
     trainable = sum(_pad(n, N) * b for n, b in zip(bufs, sizes))  # bytes of parameters
     grads = sum(_pad(n, N) * max(gb, b) for n, b in zip(bufs, sizes))
     norm = 2 * f * 8
-    secondary = outer = 0.0
+    grad_group = group if stage == 3 and group else grad_group
+    secondary = 0.0
     if stage == 0:
         flat = 2 * f * grads
-    elif stage == 1:
-        flat = f * (grads + trainable) + norm
-    elif stage == 2:
-        flat = grad_accum_steps * f * grads + f * trainable + norm
+    elif stage in (1, 2):
+        flat = f * trainable + norm
     else:
-        flat, secondary, outer = _stage3(layout, N, pb, grad_accum_steps, group, trainable, grads, quantize_block)
+        flat, secondary = _stage3(layout, N, pb, grad_accum_steps, group, trainable, quantize_block)
         flat += norm
-    outer_size = N // group if group and stage == 3 else 0
-    inter = max(flat * remote / (N - 1) + (secondary * remote_g / (group - 1) if outer_size else 0)
+    times = 0 if stage == 0 else 1 if stage == 1 else grad_accum_steps  # reduce-scatters per step
+    levels = _reduce_scatter(bufs, [max(gb, b) for b in sizes], N, grad_group, grad_quantize)
+    flat, inner, outer = flat + times * levels[0], secondary + times * levels[1], times * levels[2]
+    outer_size = N // grad_group if grad_group else 0
+    inter = max(flat * remote / (N - 1) + (inner * remote_g / (grad_group - 1) if outer_size else 0)
                 + (outer * remote_o / (outer_size - 1) if outer_size > 1 else 0)
-                for remote, remote_g, remote_o in placements(node_ranks or (N,), group if stage == 3 else None))
-    return Traffic(int(round(flat + secondary + outer)), int(round(inter)))
+                for remote, remote_g, remote_o in placements(node_ranks or (N,), grad_group))
+    return Traffic(int(round(flat + inner + outer)), int(round(inter)))
+
+
+def _reduce_scatter(bufs: list[int], sizes: list[int], N: int, group: int | None,
+                    quantize: tuple[int, int] | None) -> tuple[float, float, float]:
+    """Bytes one rank sends in one reduce-scatter of every gradient bucket (``bufs`` elements of ``sizes`` bytes
+    each), over all ``N`` ranks, over its inner group of ``group`` ranks and over its outer group of ``N /
+    group`` (Note [Two-level reduce-scatter]: a bucket of ``n`` bytes costs ``(G - 1) / G * n`` within, ``(M - 1)
+    / M * n / G`` across). ``quantize``: ``(bits, block)``, each level an all-to-all of one message per other
+    rank of the level, for a chunk of ``k = n / N`` elements (``M * k`` within, ``k`` across): Note [Quantized
+    gradients] in zero/quantized_grads.py."""
+    padded = [_pad(n, N) for n in bufs]
+    m = N // group if group else 1
+
+    def message(numel: int) -> int:
+        return quantized_bytes(numel, quantize[1], quantize[0]) if quantize else 0
+
+    if not group:
+        if quantize:
+            return sum((N - 1) * message(n // N) for n in padded), 0.0, 0.0
+        return sum((N - 1) / N * n * b for n, b in zip(padded, sizes)), 0.0, 0.0
+    if quantize:
+        return 0.0, sum((group - 1) * message(m * (n // N)) for n in padded), sum((m - 1) * message(n // N)
+                                                                                   for n in padded)
+    nbytes = sum(n * b for n, b in zip(padded, sizes))
+    return 0.0, (group - 1) / group * nbytes, (m - 1) / m * nbytes / group
 
 
 def _stage3(layout: Layout, N: int, pb: int, accum: int, group: int | None, trainable: int,
-            grads: int, block: int | None = None) -> tuple[float, float, float]:
-    """Stage 3's bytes per step over all ``N`` ranks, over the secondary group of ``group`` ranks (Note
-    [Secondary shards]) and over the outer group of ``N / group`` ranks: each unit's first all-gather of a step
-    (micro-step 1's forward) is flat, every later one (its backward, the later micro-steps) gathers the secondary
-    slices, ``(group - 1) / group`` of the unit; never the persistent unit nor units padded to their peers'. The
-    gradients' reduce-scatter runs in two levels (Note [Two-level reduce-scatter]): ``(group - 1) / group`` of
-    them over the secondary group, ``(M - 1) / M / group`` over the outer one. The norm stays flat. With
+            block: int | None = None) -> tuple[float, float]:
+    """Stage 3's all-gather bytes per step over all ``N`` ranks and over the secondary group of ``group`` ranks
+    (Note [Secondary shards]): each unit's first all-gather of a step (micro-step 1's forward) is flat, every
+    later one (its backward, the later micro-steps) gathers the secondary slices, ``(group - 1) / group`` of the
+    unit; never the persistent unit nor units padded to their peers' (the gradients: :func:`_reduce_scatter`). With
     ``block`` (``zero.quantize_weights``, Note [Quantized weights] in zero/quantize.py) the all-gathers from the
     primary shards send int8 blocks and a scale each (a frozen buffer taken as floating); the secondary ones
     send the dequantized values, exact bytes."""
@@ -99,14 +131,12 @@ def _stage3(layout: Layout, N: int, pb: int, accum: int, group: int | None, trai
     else:  # --params: one buffer, gathered twice
         twice, once, twice_s, once_s, persistent, padding, padding_once = trainable, 0, 0, 0, 0, 0, 0
         twice_q = once_q = 0
-    flat = accum * f * (2 * twice + once + grads) + f * persistent  # persistent: once per step, after it
+    flat = accum * f * (2 * twice + once) + f * persistent  # persistent: once per step, after it
     flat += accum * (N - 1) * (2 * padding + padding_once)  # Note [Peer units]
     if not group:
-        return flat + accum * f * (2 * twice_q + once_q), 0.0, 0.0
+        return flat + accum * f * (2 * twice_q + once_q), 0.0
     later = twice_s + (accum - 1) * (2 * twice_s + once_s)  # micro-step 1's backward, then every gather
-    inner = (group - 1) / group * (later + accum * grads)
-    m = N // group
-    return flat - accum * f * grads + f * (twice_q + once_q), inner, accum * (m - 1) / m * grads / group
+    return flat + f * (twice_q + once_q), (group - 1) / group * later
 
 
 def _peer_padding(layout: Layout, world_size: int, default: int) -> tuple[int, int]:

@@ -25,6 +25,22 @@ def group_size(hierarchy: int | str | None, node_ranks: tuple[int, ...]) -> int 
         raise ZerorunError(str(e)) from None
 
 
+def gradient_group(hierarchy: int | str | None, quantized: bool, node_ranks: tuple[int, ...]) -> int | None:
+    """The ranks of the inner level of the gradients' reduce-scatter on nodes of ``node_ranks`` ranks each: the
+    runtime's own choice (``placement.gradient_group``: zero.hierarchy's group, or a node's with quantized
+    gradients), or None (one level).
+
+    Raises:
+        ZerorunError: as :func:`group_size`.
+    """
+    from zerorun.zero.placement import gradient_group_on_nodes
+
+    try:
+        return gradient_group_on_nodes(hierarchy, quantized, node_ranks)
+    except ValueError as e:
+        raise ZerorunError(str(e)) from None
+
+
 def placements(node_ranks: tuple[int, ...], group: int | None) -> set[tuple[int, int, int]]:
     """``(R, R_g, R_o)`` of every rank (a set: ranks alike count once): ``R`` the ranks on other nodes than it,
     ``R_g`` those of its secondary group of ``group`` consecutive ranks, ``R_o`` those of its outer group (the
@@ -71,7 +87,7 @@ def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
     for u in layout.units:
         if u.name == PERSISTENT or (u.name in skip) != padded:
             continue
-        nbytes = sum(_pad(n, world_size) * b if block is None else world_size * _quantized(_pad(n, world_size)
+        nbytes = sum(_pad(n, world_size) * b if block is None else world_size * quantized_bytes(_pad(n, world_size)
                                                                                           // world_size, block)
                      for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
         if u.trainable:
@@ -92,10 +108,11 @@ def secondary_bytes(layout: Layout, world_size: int, default: int, group: int | 
                for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
 
 
-def _quantized(numel: int, block: int) -> int:
-    """Bytes of one rank's int8 message for a slice of ``numel`` floating elements (zero/quantize.py)."""
+def quantized_bytes(numel: int, block: int, bits: int = 8) -> int:
+    """Bytes of one rank's message of ``bits``-wide values for a slice of ``numel`` floating elements
+    (zero/quantize.py)."""
     import torch
 
     from zerorun.zero.quantize import message_bytes
 
-    return message_bytes([(numel, torch.float32)], block) if numel else 0
+    return message_bytes([(numel, torch.float32)], block, bits) if numel else 0

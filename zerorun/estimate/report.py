@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from zerorun.estimate.activations import activation_bytes, working_set
 from zerorun.estimate.communication import traffic
-from zerorun.estimate.hierarchy import group_size, secondary_bytes
+from zerorun.estimate.hierarchy import gradient_group, group_size, secondary_bytes
 from zerorun.estimate.layout import Layout
 from zerorun.estimate.states import _optimizer_slices, model_states
 from zerorun.estimate.policies import OFFLOADS, OptimizerModel, Precision, grad_accum_bytes
@@ -76,6 +76,7 @@ class Setup:
     node_ranks: tuple[int, ...] = ()
     hierarchy: int | str | None = None
     quantize_block: int | None = None  # zero.quantize_weights: int8, this many elements per scale; None: exact
+    grad_quantize: tuple[int, int] | None = None  # zero.quantize_grads: (bits, elements per scale); None: exact
 
     @property
     def grad_accum_bytes(self) -> int:
@@ -149,10 +150,11 @@ class Estimate:
 # moving it to its device (rank/loop.py; meta-device init is used on CPU only), so a node needs at least
 # ranks per node x 4 bytes x all parameters of host memory for a moment, at every stage.
 def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world_size: int | None = None,
-         group: int | None = None) -> StageRow:
+         group: int | None = None, grad_group: int | None = None) -> StageRow:
     """One row; ``group``: the secondary group's ranks (zero.hierarchy, stage 3 without offloaded parameters,
-    which the runtime refuses beside it). With ``world_size`` (the search for the fewest nodes: only ``fits``
-    counts) the traffic is counted as on one node."""
+    which the runtime refuses beside it); ``grad_group``: the inner level of the gradients' reduce-scatter
+    (``placement.gradient_group``). With ``world_size`` (the search for the fewest nodes: only ``fits`` counts)
+    the traffic is counted as on one node."""
     N = world_size or setup.ranks
     p = setup.precision
     group = group if stage == 3 and not offload.endswith("params") else None
@@ -177,7 +179,8 @@ def _row(layout: Layout, setup: Setup, stage: int, offload: str, act: int, world
     fits = headroom >= MIN_HEADROOM * setup.device_memory and cpu <= setup.cpu_memory
     sent = traffic(layout, stage, N, p, setup.grad_accum_steps, node_ranks=() if world_size else setup.node_layout,
                    group=None if world_size else group,
-                   quantize_block=None if stage != 3 or offload.endswith("params") else setup.quantize_block)
+                   quantize_block=None if stage != 3 or offload.endswith("params") else setup.quantize_block,
+                   grad_group=None if world_size else grad_group, grad_quantize=setup.grad_quantize)
     return StageRow(stage, offload, ms.params, ms.grads, ms.optimizer, ms.total, ws.total, ws.gathered,
                     ws.backward, act, total, headroom, fits, cpu, setup.procs_per_node * ms.disk, sent.sent,
                     sent.sent / setup.bandwidth, ms.host, ms.disk, ms.grad_accum, sent.inter_node, secondary)
@@ -238,7 +241,12 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
                      "but the persistent one, from the forward to the step (2nd column, in the total); all-gathers "
                      "after a unit's first of a step stay within its group of "
                      f"{group} ranks (ZeRO++ hpZ)")
-    rows = [_row(layout, setup, s, o, act_for(s), group=group) for s, o in variants]
+    grad_group = gradient_group(setup.hierarchy, bool(setup.grad_quantize), setup.node_layout)
+    if setup.grad_quantize:  # Note [Quantized gradients] in zero/quantized_grads.py
+        notes.append(f"zero.quantize_grads: stages 1-3 reduce-scatter the gradients as {setup.grad_quantize[0]}-bit "
+                     f"blocks of {setup.grad_quantize[1]} with an fp32 scale each (ZeRO++ qgZ)"
+                     + (f", within groups of {grad_group} ranks first" if grad_group else "") + " (sent, inter)")
+    rows = [_row(layout, setup, s, o, act_for(s), group=group, grad_group=grad_group) for s, o in variants]
     wide = setup.grad_accum_bytes > setup.precision.grad_bytes
     if wide:  # only ever fp32: wider than 2-byte gradients (Note [Gradient accumulation buffer])
         notes.append("gradients accumulate in fp32 (zero.grad_accum_dtype; unset: fp32 when grad_accum_steps > 1 "
@@ -287,6 +295,7 @@ def _setup_info(s: Setup, layout: Layout) -> dict:
             "grad_accum_steps": s.grad_accum_steps, "grad_accum_dtype": s.grad_accum_dtype,
             "activation_checkpointing": s.activation_checkpointing, "node_ranks": list(s.node_layout),
             "hierarchy": s.hierarchy, "quantize_block": s.quantize_block,
+            "quantize_grads": list(s.grad_quantize) if s.grad_quantize else None,
             "min_headroom": MIN_HEADROOM}
 
 

@@ -41,17 +41,13 @@ def not_carried(key: str, name: str) -> str:
     return f"not an argument of torch.optim.{name}"
 
 
-#: ZeRO++'s quantized gradients (Wang et al., arXiv:2306.10209, §3.3), listed as dropped when true
-QUANTIZED = {"zero_quantized_gradients": "not taken yet: ZeRO++'s quantized gradients (qgZ); zerorun reduce-scatters "
-                                         "gradients in zero.reduce_dtype"}
-
-
 def zero_plus_plus(imp, z: dict, out: dict) -> None:
     """ZeRO++'s fields of the config's ``zero_optimization`` ``z`` (taken out of it) into the recipe's ``zero``
     ``out``, through the importer ``imp`` (deepspeed.py): ``zero_hpz_partition_size`` N > 1 is ``zero.hierarchy:
     N`` (ranks per secondary group, Note [Secondary shards] in zero/hierarchy.py; stage 3 only), 1 nothing;
-    ``zero_quantized_weights`` true is ``zero.quantize_weights: int8`` (stage 3 only); :data:`QUANTIZED` true is
-    listed as dropped; false nothing.
+    ``zero_quantized_weights`` true is ``zero.quantize_weights: int8`` (stage 3 only);
+    ``zero_quantized_gradients`` true is ``zero.quantize_grads: int4``, the width DeepSpeed's qgZ sends (stages 1-3;
+    Note [Quantized gradients] in zero/quantized_grads.py); false nothing.
 
     Raises:
         ZerorunError: a size that is not an integer >= 1, or that does not divide the hostfile's ranks; a
@@ -77,6 +73,9 @@ def zero_plus_plus(imp, z: dict, out: dict) -> None:
             out["quantize_weights"] = "int8"
         else:
             imp.drop(f"zero_optimization.{key}", "stage 3 only (zero.quantize_weights)")
-    for key, why in QUANTIZED.items():
-        if key in z and imp.flag(f"zero_optimization.{key}", z.pop(key)):
-            imp.drop(f"zero_optimization.{key}", why)
+    key = "zero_quantized_gradients"  # §3.3
+    if key in z and imp.flag(f"zero_optimization.{key}", z.pop(key)):
+        if out.get("stage", 0) >= 1:
+            out["quantize_grads"] = "int4"
+        else:
+            imp.drop(f"zero_optimization.{key}", "stages 1-3 only (zero.quantize_grads): stage 0 all-reduces")

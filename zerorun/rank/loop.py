@@ -386,4 +386,5 @@ def _zero_config(recipe: Recipe) -> zero.ZeroConfig:
                            offload_path=z.offload_path,
                            offload_buffer_mb=z.offload_buffer_mb, grad_accum_dtype=z.grad_accum_dtype,
                            broadcast_buffers=z.broadcast_buffers, hierarchy=z.hierarchy,
-                           quantize_weights=z.quantize_weights, quantize_block=z.quantize_block)
+                           quantize_weights=z.quantize_weights, quantize_grads=z.quantize_grads,
+                           quantize_block=z.quantize_block)

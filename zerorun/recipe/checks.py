@@ -67,8 +67,8 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
 
 
 def _check_zero_plus_plus(recipe, where: Callable[..., str]) -> None:
-    """ZeRO++'s switches (docs/across-nodes.md): stage 3 of zerorun's runtime only; hpZ's secondary shard in
-    memory, not beside parameters offloaded to disk."""
+    """ZeRO++'s switches (docs/across-nodes.md): hpZ and qwZ at stage 3 of zerorun's runtime only, qgZ at stages
+    1-3; hpZ's secondary shard in memory, not beside parameters offloaded to disk."""
     z = recipe.zero
     for field, what in (("hierarchy", "a secondary shard of the parameters (ZeRO++ hpZ)"),
                         ("quantize_weights", "quantizing the parameter all-gathers (ZeRO++ qwZ)")):
@@ -76,6 +76,11 @@ def _check_zero_plus_plus(recipe, where: Callable[..., str]) -> None:
             raise ZerorunError(f"{where('zero', field)}: {what} is zerorun's zero.stage 3 knob"
                                + (f"; the {recipe.runtime} baseline does not take it" if recipe.runtime != "zero"
                                   else ""))
+    if z.quantize_grads is not None and (recipe.runtime != "zero" or z.stage == 0):
+        why = (f"the {recipe.runtime} baseline does not take it" if recipe.runtime != "zero"
+               else "stage 0 all-reduces them as DDP does: set zero.stage 1, 2 or 3")
+        raise ZerorunError(f"{where('zero', 'quantize_grads')}: quantizes the gradients' reduce-scatter of zerorun's "
+                           f"zero.stage 1-3; {why}")
     if z.hierarchy is not None and z.offload_params != "none":
         raise ZerorunError(f"{where('zero', 'hierarchy')}: keeps a secondary shard of the parameters in memory; "
                            "zero.offload_params disk keeps them on disk: use one of them")

@@ -121,7 +121,12 @@ class ZeroSpec(Strict):
     quantize_weights: Optional[Literal["int8"]] = Field(
         None, description="stage 3: all-gather the parameters as int8 blocks with a scale each (ZeRO++ qwZ); the "
         "sharded master copy stays exact, only forward and backward see the rounding")
-    quantize_block: int = Field(256, ge=1, description="elements per scale of zero.quantize_weights")
+    # ZeRO++'s quantized gradients (Note [Quantized gradients] in zerorun/zero/quantized_grads.py).
+    quantize_grads: Optional[Literal["int8", "int4"]] = Field(
+        None, description="stages 1-3: reduce-scatter the gradients as an all-to-all of int8 or int4 blocks with a "
+        "scale each, summed in fp32 on arrival, within each node first (ZeRO++ qgZ)")
+    quantize_block: int = Field(256, ge=1, description="elements per scale of zero.quantize_weights and "
+                                "zero.quantize_grads")
 
     @field_validator("hierarchy", mode="before")
     @classmethod

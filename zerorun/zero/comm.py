@@ -229,7 +229,9 @@ class Comm:
         self.native_coalescing = "nccl" in str(dist.get_backend(group))
         self.recv_pool = BufferPool(keep=self.KEEP_BUFFERS)
         self.held = HeldWorks(self.HELD)
-        self.two_level = None  # zero.hierarchy: the gradients' reduce-scatter in two levels (hierarchy.py)
+        # the gradients' reduce-scatter where it is not this Comm's flat exact one: in two levels (zero.hierarchy)
+        # and/or quantized (zero.quantize_grads): hierarchy.gradient_path
+        self.grad_path = None
 
     @property
     def wait_s(self) -> float:
@@ -274,8 +276,8 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
-        if self.two_level is not None:  # Note [Two-level reduce-scatter] in hierarchy.py (its Comms count)
-            return self.two_level.reduce_scatter(output, input)
+        if self.grad_path is not None:  # Notes [Two-level reduce-scatter], [Quantized gradients] (they count)
+            return self.grad_path.reduce_scatter(output, input)
         self._count((self.world_size - 1) * output.nbytes)
         with self.streams.issue(self.streams.reduce_scatter):
             return self._issue_reduce_scatter(output, input)
@@ -296,12 +298,22 @@ class Comm:
         work = dist.all_to_all_single(recv, input, group=self.group, async_op=True)
         return _SummedChunks(work, recv, output, self)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, splits: list[int]):
+        """Send part ``j`` of ``input`` (1-D, ``splits[j]`` elements, in order) to rank ``j``, and receive rank
+        ``j``'s part for this rank into part ``j`` of ``output`` (the same ``splits``: every rank sends as many
+        elements to each rank as it receives from it). Counted as the bytes sent to other ranks; not held (a
+        gradient reduction's, Note [Quantized gradients] in quantized_grads.py: never a step's last)."""
+        self._count(sum(n for j, n in enumerate(splits) if j != self.rank) * input.element_size())
+        with self.streams.issue(self.streams.reduce_scatter):
+            return dist.all_to_all_single(output, input, output_split_sizes=splits, input_split_sizes=splits,
+                                          group=self.group, async_op=True)
+
     def release_buffers(self) -> None:
         """Drop the kept receive buffers; their memory is returned once no collective uses them. The held
         handles stay (Note [Last reference on the issuing thread] in held.py): a few later collectives drop them."""
         self.recv_pool.clear()
-        if self.two_level is not None:
-            self.two_level.release_buffers()
+        if self.grad_path is not None:
+            self.grad_path.release_buffers()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """Concatenate every rank's ``input`` (1-D, ``k`` elements) into ``output`` (1-D, ``N * k``) in rank

@@ -55,7 +55,11 @@ class ZeroConfig:
             ``None``: flat.
         quantize_weights: stage 3: ``"int8"``: parameters all-gathered from their shards as int8 blocks with
             an fp32 scale each (ZeRO++'s qwZ, Note [Quantized weights] in ``quantize.py``); ``None``: exact.
-        quantize_block: elements per scale of ``quantize_weights``.
+        quantize_grads: stages 1-3: ``"int8"`` or ``"int4"``: the gradients' reduce-scatter as an all-to-all of
+            blocks of that width with an fp32 scale each, summed in fp32 on arrival, within the node first where
+            the ranks run on several nodes (ZeRO++'s qgZ, Note [Quantized gradients] in
+            ``quantized_grads.py``); ``None``: exact.
+        quantize_block: elements per scale of ``quantize_weights`` and ``quantize_grads``.
         broadcast_buffers: before every training forward (module in training mode, grad enabled), copy rank
             0's module buffers (BatchNorm's running statistics) to every rank, coalesced (DDP's option, name
             and default; Note [Coalesced broadcasts] in ``broadcast.py``). False: each rank keeps its own.
@@ -82,6 +86,7 @@ class ZeroConfig:
     broadcast_buffers: bool = True
     hierarchy: int | str | None = None
     quantize_weights: str | None = None
+    quantize_grads: str | None = None
     quantize_block: int = 256
 
     def __post_init__(self) -> None:
@@ -120,6 +125,11 @@ class ZeroConfig:
         if self.quantize_weights and self.stage != 3:
             raise ValueError(f"zero.quantize_weights: parameters are all-gathered (and quantized on the way) at "
                              f"stage 3; this is stage {self.stage}: set zero.stage 3 or remove it")
+        if self.quantize_grads not in (None, "int8", "int4"):
+            raise ValueError(f"zero.quantize_grads must be int8, int4 or unset, got {self.quantize_grads!r}")
+        if self.quantize_grads and self.stage == 0:
+            raise ValueError("zero.quantize_grads quantizes the gradients' reduce-scatter of stages 1-3; stage 0 "
+                             "all-reduces them as DDP does: set zero.stage 1, 2 or 3 or remove it")
         if isinstance(self.quantize_block, bool) or not isinstance(self.quantize_block, int) or self.quantize_block < 1:
             raise ValueError(f"zero.quantize_block must be an integer >= 1, got {self.quantize_block!r}")
         if self.grad_accum_steps < 1:

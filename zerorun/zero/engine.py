@@ -20,6 +20,7 @@ from zerorun.zero.broadcast import broadcast_coalesced
 from zerorun.zero.comm import Comm
 from zerorun.zero.config import ZeroConfig
 from zerorun.zero.flat import FlatBuffer, pack
+from zerorun.zero.hierarchy import gradient_path
 from zerorun.zero.gradnorm import NORM_ROW, global_sum_of_squares, sum_of_squares  # noqa: F401 (re-exported)
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
 from zerorun.zero.optimizers import (NON_ELEMENTWISE_OPTIMIZERS, default_param_groups,  # noqa: F401 (re-exported)
@@ -58,6 +59,8 @@ class ZeroEngine(UserModel):
         self.stage = config.stage
         self.policy = POLICIES[config.stage]  # Note [Stage policies]
         self.comm = Comm(process_group)
+        # Notes [Two-level reduce-scatter] in hierarchy.py, [Quantized gradients] in quantized_grads.py
+        self.comm.grad_path = gradient_path(self.comm, config.hierarchy, config.quantize_grads, config.quantize_block)
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
         optimizer_cls = resolve_optimizer(optimizer, elementwise=elementwise)
@@ -339,8 +342,9 @@ class ZeroEngine(UserModel):
                 "bytes_inter_node": sum(c.bytes_sent_inter_node for c in comms), "wait_s": self.comm.wait_s}
 
     def _comms(self) -> list:
-        """The Comms whose bytes this rank's figures count (stage 3 adds its secondary group's)."""
-        return [self.comm]
+        """The Comms whose bytes this rank's figures count: the engine's and its gradients' levels' (zero.hierarchy
+        or quantized gradients on several nodes: Note [Two-level reduce-scatter] in hierarchy.py)."""
+        return [self.comm] + (self.comm.grad_path.comms if self.comm.grad_path is not None else [])
 
     def optimizer_states(self) -> list[dict[str, torch.Tensor]]:
         """This rank's optimizer state per flat buffer of :attr:`buffers` (``{name: tensor}``; states with one

@@ -35,6 +35,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerorun.zero.comm import Comm
+from zerorun.zero.placement import gradient_group
+from zerorun.zero.quantize import BITS
+from zerorun.zero.quantized_grads import QuantizedReduceScatter
 from zerorun.zero.topology import subgroup
 
 if TYPE_CHECKING:
@@ -46,13 +49,13 @@ class SecondaryShards:
     group they are all-gathered over.
 
     Attributes:
-        comm: collectives over this rank's secondary group (its bytes count in the engine's ``comm_bytes``).
+        comm: collectives over this rank's secondary group, the gradients' inner level's (its bytes count in the
+            engine's ``comm_bytes``).
         size: ``L``, the ranks of the group; ``index``: this rank's place in it.
     """
 
-    def __init__(self, comm: Comm, size: int) -> None:
-        first = comm.rank // size * size  # the node's ranks where size is the ranks per node (consecutive)
-        self.comm = Comm(subgroup(comm.group, list(range(first, first + size))))
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
         self.size, self.index = self.comm.world_size, self.comm.rank
         self._slices: dict = {}  # FlatBuffer -> this rank's 1/L of its gathered data
 
@@ -82,28 +85,50 @@ class SecondaryShards:
         return sum(t.nbytes for t in self._slices.values())
 
 
+def gradient_path(comm: Comm, hierarchy: int | str | None, quantize_grads: str | None, block: int):
+    """The gradients' reduce-scatter of ``comm`` where it is not its flat exact one: in two levels over groups of
+    ``zero.hierarchy``'s ranks (Note [Two-level reduce-scatter]) or, with ``zero.quantize_grads``, of each node's
+    ranks where the nodes allow (:func:`~zerorun.zero.placement.gradient_group`); each level, or the flat one,
+    quantized with ``zero.quantize_grads`` (``int8``/``int4``, ``block`` elements per scale: Note [Quantized
+    gradients] in quantized_grads.py); None: flat and exact.
+
+    Raises:
+        ValueError: ``zero.hierarchy`` the ranks' nodes cannot take (one line, the same on every rank).
+    """
+    bits = BITS[quantize_grads] if quantize_grads else None
+    size = gradient_group(hierarchy, bool(bits), comm.topology)
+    if size:
+        return TwoLevelReduceScatter(comm, size, bits, block)
+    return QuantizedReduceScatter(comm, bits, block) if bits else None
+
+
 class TwoLevelReduceScatter:
     """The gradients' reduce-scatter of a Comm over ``N`` ranks in two levels (Note [Two-level reduce-scatter]):
-    ``inner``, a Comm over this rank's ``G`` consecutive ranks; ``outer``, made here over the ranks of the same
-    place in every group. Both count their own bytes."""
+    over this rank's ``G = size`` consecutive ranks (``inner_comm``, also the secondary shards' group), then over
+    the ranks of the same place in every group (``outer_comm``); each level quantized where ``bits`` is given
+    (Note [Quantized gradients]). Both Comms count their own bytes (:attr:`comms`)."""
 
-    def __init__(self, comm: Comm, inner: Comm) -> None:
-        self.inner, self.groups = inner, comm.world_size // inner.world_size
-        place, size = inner.rank, inner.world_size
-        self.outer = Comm(subgroup(comm.group, [place + j * size for j in range(self.groups)]))
+    def __init__(self, comm: Comm, size: int, bits: int | None = None, block: int = 256) -> None:
+        first = comm.rank // size * size
+        self.groups = comm.world_size // size
+        self.inner_comm = Comm(subgroup(comm.group, list(range(first, first + size))))
+        place = self.inner_comm.rank
+        self.outer_comm = Comm(subgroup(comm.group, [place + j * size for j in range(self.groups)]))
+        self.comms = [self.inner_comm, self.outer_comm]
+        self.inner, self.outer = (c if bits is None else QuantizedReduceScatter(c, bits, block) for c in self.comms)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
         """As :meth:`Comm.reduce_scatter`: ``input`` 1-D of ``N * k`` elements summed over the ranks, elements
         ``[r*k, (r+1)*k)`` into ``output`` (``k`` elements, may be that slice of ``input``) on rank ``r``."""
-        k, size = output.numel(), self.inner.world_size
+        k, size = output.numel(), self.inner_comm.world_size
         reordered = input.view(self.groups, size, k).transpose(0, 1).reshape(-1)  # a copy, [G, M, k]
         middle = torch.empty(self.groups * k, dtype=input.dtype, device=input.device)
         first = self.inner.reduce_scatter(middle, reordered)
         return _Chained(first, lambda: self.outer.reduce_scatter(output, middle))
 
     def release_buffers(self) -> None:
-        self.inner.release_buffers()
-        self.outer.release_buffers()
+        for comm in self.comms:
+            comm.release_buffers()
 
 
 class _Chained:

@@ -81,6 +81,23 @@ def hierarchy_size(hierarchy: int | str | None, topo: Topology) -> int | None:
     return size
 
 
+def gradient_group(hierarchy: int | str | None, quantized: bool, topo: Topology) -> int | None:
+    """The ranks of the inner level of the gradients' two-level reduce-scatter (Note [Two-level reduce-scatter]):
+    ``zero.hierarchy``'s group (:func:`hierarchy_size`); else, with quantized gradients (Note [Quantized
+    gradients]: within the node first, ZeRO++ §3.3), the ranks of each node where there are several nodes of
+    the same number (> 1) of consecutive ranks; else None (one level).
+
+    Raises:
+        ValueError: as :func:`hierarchy_size`.
+    """
+    if hierarchy is not None:
+        return hierarchy_size(hierarchy, topo)
+    size = topo.ranks_per_node
+    if quantized and topo.num_nodes > 1 and topo.contiguous and size is not None and size > 1:
+        return size
+    return None
+
+
 def hierarchy_on_nodes(hierarchy: int | str | None, node_ranks: tuple[int, ...]) -> int | None:
     """:func:`hierarchy_size` on nodes of ``node_ranks`` ranks each, their ranks consecutive in order (as a launch
     plan numbers them: the hostfile's slots): what ``zerorun train`` and ``zerorun estimate`` check before any
@@ -89,7 +106,17 @@ def hierarchy_on_nodes(hierarchy: int | str | None, node_ranks: tuple[int, ...])
     Raises:
         ValueError: as :func:`hierarchy_size`.
     """
-    if hierarchy is None:
-        return None
-    nodes = tuple(i for i, k in enumerate(node_ranks) for _ in range(k))
-    return hierarchy_size(hierarchy, Topology(nodes, 0))
+    return None if hierarchy is None else hierarchy_size(hierarchy, _on_nodes(node_ranks))
+
+
+def gradient_group_on_nodes(hierarchy: int | str | None, quantized: bool, node_ranks: tuple[int, ...]) -> int | None:
+    """:func:`gradient_group` on nodes of ``node_ranks`` ranks each (as :func:`hierarchy_on_nodes`).
+
+    Raises:
+        ValueError: as :func:`hierarchy_size`.
+    """
+    return gradient_group(hierarchy, quantized, _on_nodes(node_ranks))
+
+
+def _on_nodes(node_ranks: tuple[int, ...]) -> Topology:
+    return Topology(tuple(i for i, k in enumerate(node_ranks) for _ in range(k)), 0)

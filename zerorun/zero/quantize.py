@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
-#: the largest magnitude of an int8 value used (symmetric: -127..127)
-QMAX = 127
+#: the largest magnitude of the values of each width (symmetric: -127..127, -7..7)
+QMAX = {8: 127, 4: 7}
+#: the widths a setting names
+BITS = {"int8": 8, "int4": 4}
 
 
 def block_size(numel: int, block: int) -> int:
@@ -36,31 +38,73 @@ def blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
-def message_bytes(buffers_numel_dtype: list[tuple[int, torch.dtype]], block: int) -> int:
-    """Bytes of one rank's quantized message for slices of ``(numel, dtype)``: per floating slice its int8
-    values padded to whole blocks plus an fp32 scale per block; other slices their own bytes."""
+def value_bytes(numel: int, bits: int) -> int:
+    """Bytes of ``numel`` quantized values: one each at 8 bits, two to a byte at 4 (an odd count padded)."""
+    return numel if bits == 8 else (numel + 1) // 2
+
+
+def message_bytes(buffers_numel_dtype: list[tuple[int, torch.dtype]], block: int, bits: int = 8) -> int:
+    """Bytes of one rank's quantized message for slices of ``(numel, dtype)``: per floating slice its values
+    (``bits`` each) padded to whole blocks plus an fp32 scale per block; other slices their own bytes."""
     total = 0
     for numel, dtype in buffers_numel_dtype:
         b = block_size(numel, block)
         nb = blocks(numel, b)
-        total += nb * b + 4 * nb if dtype.is_floating_point else numel * dtype.itemsize
+        total += value_bytes(nb * b, bits) + 4 * nb if dtype.is_floating_point else numel * dtype.itemsize
     return total
 
 
-def quantize_into(out: torch.Tensor, x: torch.Tensor, block: int) -> None:
-    """Write ``x`` (1-D floating, ``numel`` elements) into ``out`` (``uint8``, ``blocks * (block + 4)`` bytes):
-    the int8 values of the blocks, then their fp32 scales. A block holding a NaN or an infinity gets a non-finite
-    scale, so that it comes back as NaN: a diverged weight shows in the loss as it would exact."""
-    block = block_size(x.numel(), block)
-    nb = blocks(x.numel(), block)
-    padded = torch.zeros(nb * block, dtype=torch.float32, device=x.device)
-    padded[:x.numel()] = x
-    rows = padded.view(nb, block)
-    scales = rows.abs().amax(dim=1) / QMAX
+def quantize_rows(x: torch.Tensor, block: int, bits: int = 8) -> torch.Tensor:
+    """Quantize each row of ``x`` (``[R, numel]`` floating) in blocks of ``block`` elements (at most ``numel``):
+    ``uint8`` ``[R, message_bytes([(numel, ...)], block, bits)]``, per row the values of its blocks (int8; at 4
+    bits ``q + 8`` two to a byte, the first in the low half), then their fp32 scales ``max|x| / QMAX``. A block
+    of zeros gets scale 1 (zeros come back exact); a block holding a NaN or an infinity a non-finite scale, so
+    that it comes back as NaN: a diverged value shows as it would exact."""
+    rows_n, numel = x.shape
+    block = block_size(numel, block)
+    nb = blocks(numel, block)
+    padded = torch.zeros(rows_n, nb * block, dtype=torch.float32, device=x.device)
+    padded[:, :numel] = x
+    rows = padded.view(rows_n, nb, block)
+    scales = rows.abs().amax(dim=2) / QMAX[bits]
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # zeros exact; NaN and inf kept
-    q = torch.round(rows / scales[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    out[:nb * block].copy_(q.view(-1).view(torch.uint8))
-    out[nb * block:].copy_(scales.view(torch.uint8))
+    q = torch.round(rows / scales[:, :, None]).clamp_(-QMAX[bits], QMAX[bits]).to(torch.int8).view(rows_n, -1)
+    values = q.view(torch.uint8) if bits == 8 else _pack4(q)
+    return torch.cat([values, scales.view(torch.uint8).view(rows_n, -1)], dim=1)
+
+
+def dequantize_rows(message: torch.Tensor, numel: int, block: int, bits: int = 8) -> torch.Tensor:
+    """The values of :func:`quantize_rows`'s ``message`` (``uint8`` ``[R, bytes]``) for rows of ``numel``
+    elements: float32 ``[R, numel]`` (each within half its block's scale of the value quantized)."""
+    rows_n = message.shape[0]
+    block = block_size(numel, block)
+    nb = blocks(numel, block)
+    vb = value_bytes(nb * block, bits)
+    values = message[:, :vb]
+    q = values.contiguous().view(torch.int8) if bits == 8 else _unpack4(values)[:, :nb * block]
+    scales = message[:, vb:vb + 4 * nb].reshape(-1).clone().view(torch.float32).view(rows_n, nb)
+    return (q.view(rows_n, nb, block).to(torch.float32) * scales[:, :, None]).view(rows_n, -1)[:, :numel]
+
+
+def quantize_into(out: torch.Tensor, x: torch.Tensor, block: int, bits: int = 8) -> None:
+    """Write ``x`` (1-D floating) quantized into ``out`` (``uint8``, its :func:`message_bytes`): one row of
+    :func:`quantize_rows`."""
+    out.copy_(quantize_rows(x.view(1, -1), block, bits).view(-1))
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``[R, n]`` in -7..7 -> uint8 ``[R, ceil(n / 2)]``: ``q + 8`` two to a byte (an odd ``n`` padded
+    with a zero)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    if u.shape[1] % 2:
+        u = torch.nn.functional.pad(u, (0, 1), value=8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """:func:`_pack4`'s inverse: uint8 ``[R, m]`` -> int8 ``[R, 2 m]``."""
+    low, high = packed & 15, packed >> 4
+    return (torch.stack([low, high], dim=2).view(packed.shape[0], -1).to(torch.int16) - 8).to(torch.int8)
 
 
 class WeightQuantizer:
@@ -109,12 +153,7 @@ class _Dequantized:
             for output, n in zip(self.outputs, self.sizes):
                 out_rows = output.view(rows.shape[0], -1)
                 if output.dtype.is_floating_point:
-                    b = block_size(out_rows.shape[1], self.block)
-                    nb = blocks(out_rows.shape[1], b)
-                    q = rows[:, at:at + nb * b].view(torch.int8).view(rows.shape[0], nb, b)
-                    scales = rows[:, at + nb * b:at + n].contiguous().view(torch.float32)
-                    values = (q.to(torch.float32) * scales[:, :, None]).view(rows.shape[0], -1)
-                    out_rows.copy_(values[:, :out_rows.shape[1]])
+                    out_rows.copy_(dequantize_rows(rows[:, at:at + n], out_rows.shape[1], self.block))
                 else:
                     out_rows.view(torch.uint8).copy_(rows[:, at:at + n])
                 at += n

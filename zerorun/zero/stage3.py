@@ -56,9 +56,8 @@ import torch.nn as nn
 from zerorun.zero.deferred import is_deferred, replay_slices, swap_meta_params
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
-from zerorun.zero.hierarchy import SecondaryShards, TwoLevelReduceScatter
+from zerorun.zero.hierarchy import SecondaryShards
 from zerorun.zero.param_offload import ParamStore
-from zerorun.zero.placement import hierarchy_size
 from zerorun.zero.precision import DTYPES
 from zerorun.zero.quantize import WeightQuantizer
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,
@@ -172,10 +171,8 @@ class Stage3Engine(ZeroEngine):
         # the slices become views of a file-backed mapping (Note [Parameter offload])
         self.param_store = (ParamStore([b for b in every if not b.unit.persistent], self.config.offload_path, self.rank)
                             if self.config.offload_params == "disk" else None)
-        size = hierarchy_size(self.config.hierarchy, self.comm.topology)  # Note [Secondary shards]
-        self.secondary = SecondaryShards(self.comm, size) if size else None
-        if self.secondary is not None:  # Note [Two-level reduce-scatter] in hierarchy.py
-            self.comm.two_level = TwoLevelReduceScatter(self.comm, self.secondary.comm)
+        # the secondary shards (Note [Secondary shards]) over the gradients' inner level's group
+        self.secondary = SecondaryShards(self.comm.grad_path.inner_comm) if self.config.hierarchy else None
         quantizer = WeightQuantizer(self.config.quantize_block) if self.config.quantize_weights else None
         self.gathering = Gathering(self.comm, self.param_store, ZeroParameter, secondary=self.secondary,
                                    quantizer=quantizer)  # Note [Quantized weights] in quantize.py
@@ -230,10 +227,6 @@ class Stage3Engine(ZeroEngine):
         super().load_master_slices(values, states, param_scalars)
         self._drop_secondary()
         self._gather_persistent([b for b in self._persistent_unit.buffers if b.group_index < 0])
-
-    def _comms(self) -> list:
-        two = self.comm.two_level
-        return [self.comm] + ([two.inner, two.outer] if two is not None else [])
 
     def _drop_secondary(self) -> None:
         """The parameters changed: forget the secondary shards (Note [Secondary shards] in hierarchy.py)."""
