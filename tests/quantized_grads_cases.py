@@ -139,3 +139,20 @@ def against_ddp(stage: int, quantize_grads: str, optimizer: str, steps: int, ran
         moved = sum(float((r - s0).pow(2).sum()) for r, s0 in zip(ref, start)) ** 0.5
         apart = sum(float((ours[k] - r).pow(2).sum()) for k, r in zip(names, ref)) ** 0.5
         return {"loss_diff": loss_diff, "norm_diff": norm_diff, "params_over_update": apart / moved}
+
+
+def wide(ranks_per_node: int) -> dict:
+    """A float64 bucket of values beyond fp32's range through Comm.reduce_scatter with ``zero.quantize_grads``:
+    whether it is the exact sum (integer multiples of 2 ** 1000, about 1e301: exact in float64) and the bytes
+    it sent."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    with on_nodes(ranks_per_node):
+        comm = Comm()
+        comm.grad_path = path = gradient_path(comm, None, "int4", 64)
+        k = 10
+        x = torch.arange(n * k, dtype=torch.float64) * (r + 1) * 2.0 ** 1000
+        out = torch.empty(k, dtype=torch.float64)
+        comm.wait([comm.reduce_scatter(out, x)])
+        expected = torch.arange(n * k, dtype=torch.float64)[r * k:(r + 1) * k] * sum(range(1, n + 1)) * 2.0 ** 1000
+        return {"equal": torch.equal(out, expected), "dtype": str(out.dtype),
+                "sent": sum(c.bytes_sent for c in [comm] + path.comms)}

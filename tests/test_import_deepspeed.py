@@ -401,13 +401,14 @@ def test_hpz_partition_size_is_zero_hierarchy(tmp_path):
 
 @pytest.mark.parametrize("key,field,value,below,why", [
     ("zero_quantized_weights", "quantize_weights", "int8", 2, "stage 3 only (zero.quantize_weights)"),
-    ("zero_quantized_gradients", "quantize_grads", "int4", 0, "stages 1-3 only (zero.quantize_grads): stage 0 "
-                                                               "all-reduces")])
+    ("zero_quantized_gradients", "quantize_grads", "int4", 2, "DeepSpeed applies it at stage 3 only "
+                                                               "(zero.quantize_grads takes stages 1-3: set it to "
+                                                               "quantize here)")])
 def test_quantized_collectives_are_zero_quantize_switches(tmp_path, key, field, value, below, why):
     """ZeRO++'s ``zero_quantized_weights: true`` is ``zero.quantize_weights: int8`` (stage 3, Note [Quantized
-    weights]), ``zero_quantized_gradients: true`` is ``zero.quantize_grads: int4`` (DeepSpeed's qgZ width, stages
-    1-3, Note [Quantized gradients]; before: dropped as not taken yet); below that stage listed as dropped; false
-    is nothing; not a boolean: one line."""
+    weights]), ``zero_quantized_gradients: true`` is ``zero.quantize_grads: int4`` (DeepSpeed's qgZ width, Note
+    [Quantized gradients]; before: dropped as not taken yet), both at stage 3 only as DeepSpeed reads them (at
+    stage 2 DeepSpeed trains exact: listed as dropped); false is nothing; not a boolean: one line."""
     data, _, dropped = _run(tmp_path, {"zero_optimization": {"stage": 3, key: True}})
     assert getattr(Recipe.model_validate(data).zero, field) == value and not dropped
     data, text, dropped = _run(tmp_path, {"zero_optimization": {"stage": below, key: True}})

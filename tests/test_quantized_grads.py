@@ -88,3 +88,34 @@ def test_the_estimate_equals_what_the_runtime_counts(ranks, stage, per_node):
                           config=0, stage=stage, quantize_grads=bits, grad_block=64):
             assert all(abs(s - want.sent) <= 8 for s in r["sent"]), (where, r)
             assert all(abs(s - want.inter_node) <= 8 for s in r["inter_node"]), (where, r)
+
+
+@pytest.mark.parametrize("per_node", [4, 2])
+def test_float64_gradients_stay_exact(ranks, per_node):
+    """Float64 buckets (Note [Wide parameters]) are reduce-scattered exactly under zero.quantize_grads, in one or
+    two levels: values beyond fp32's range come back as their sum, not NaN (before: quantized through fp32, NaN),
+    and they send their 8 bytes per element."""
+    for r in ranks(4).run(cases.wide, ranks_per_node=per_node):
+        assert r["equal"] and r["dtype"] == "torch.float64", r
+        assert r["sent"] == 3 / 4 * 40 * 8, r  # flat (N-1)/N of 40 elements; two levels 1/2 of them + 1/2 of 1/2
+
+
+def test_the_estimate_counts_float64_buckets_exact():
+    """``zerorun estimate`` counts float64 buckets exact under zero.quantize_grads, as the runtime sends them
+    (before: as quantized messages), and fp32 ones quantized."""
+    import torch
+
+    from test_estimate import engine_layout
+    from zerorun import estimate as est
+
+    import estimate_cases
+
+    fp32 = est.precision_of("fp32", None)
+    layout = engine_layout(estimate_cases.CONFIGS[2], 2)
+    with torch.device("meta"):
+        wide = estimate_cases.build("mlp", {"frozen": True}).double()
+    wide_layout = est.layout_of(wide, bucket_mb=0.0002)
+    for lay, same in ((wide_layout, True), (layout, False)):
+        exact = est.traffic(lay, 2, 4, fp32)
+        quantized = est.traffic(lay, 2, 4, fp32, grad_quantize=(8, 64))
+        assert (exact == quantized) == same, (exact, quantized)

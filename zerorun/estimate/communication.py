@@ -92,23 +92,21 @@ def _reduce_scatter(bufs: list[int], sizes: list[int], N: int, group: int | None
     each), over all ``N`` ranks, over its inner group of ``group`` ranks and over its outer group of ``N /
     group`` (Note [Two-level reduce-scatter]: a bucket of ``n`` bytes costs ``(G - 1) / G * n`` within, ``(M - 1)
     / M * n / G`` across). ``quantize``: ``(bits, block)``, each level an all-to-all of one message per other
-    rank of the level, for a chunk of ``k = n / N`` elements (``M * k`` within, ``k`` across): Note [Quantized
-    gradients] in zero/quantized_grads.py."""
-    padded = [_pad(n, N) for n in bufs]
-    m = N // group if group else 1
-
-    def message(numel: int) -> int:
-        return quantized_bytes(numel, quantize[1], quantize[0]) if quantize else 0
-
-    if not group:
-        if quantize:
-            return sum((N - 1) * message(n // N) for n in padded), 0.0, 0.0
-        return sum((N - 1) / N * n * b for n, b in zip(padded, sizes)), 0.0, 0.0
-    if quantize:
-        return 0.0, sum((group - 1) * message(m * (n // N)) for n in padded), sum((m - 1) * message(n // N)
-                                                                                   for n in padded)
-    nbytes = sum(n * b for n, b in zip(padded, sizes))
-    return 0.0, (group - 1) / group * nbytes, (m - 1) / m * nbytes / group
+    rank of the level, for a chunk of ``k = n / N`` elements (``M * k`` within, ``k`` across), but float64
+    buckets (8 bytes), which stay exact: Note [Quantized gradients] in zero/quantized_grads.py."""
+    m, flat, inner, outer = N // group if group else 1, 0.0, 0.0, 0.0
+    for n, b in zip((_pad(n, N) for n in bufs), sizes):
+        if not quantize or b > 4:  # exact; float64 buckets stay exact under quantize_grads (wide: 8 bytes)
+            if group:
+                inner, outer = inner + (group - 1) / group * n * b, outer + (m - 1) / m * n * b / group
+            else:
+                flat += (N - 1) / N * n * b
+        elif group:
+            inner += (group - 1) * quantized_bytes(m * (n // N), quantize[1], quantize[0])
+            outer += (m - 1) * quantized_bytes(n // N, quantize[1], quantize[0])
+        else:
+            flat += (N - 1) * quantized_bytes(n // N, quantize[1], quantize[0])
+    return flat, inner, outer
 
 
 def _stage3(layout: Layout, N: int, pb: int, accum: int, group: int | None, trainable: int,

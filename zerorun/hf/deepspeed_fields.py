@@ -46,8 +46,9 @@ def zero_plus_plus(imp, z: dict, out: dict) -> None:
     ``out``, through the importer ``imp`` (deepspeed.py): ``zero_hpz_partition_size`` N > 1 is ``zero.hierarchy:
     N`` (ranks per secondary group, Note [Secondary shards] in zero/hierarchy.py; stage 3 only), 1 nothing;
     ``zero_quantized_weights`` true is ``zero.quantize_weights: int8`` (stage 3 only);
-    ``zero_quantized_gradients`` true is ``zero.quantize_grads: int4``, the width DeepSpeed's qgZ sends (stages 1-3;
-    Note [Quantized gradients] in zero/quantized_grads.py); false nothing.
+    ``zero_quantized_gradients`` true is ``zero.quantize_grads: int4``, the width DeepSpeed's qgZ sends, at stage 3
+    (DeepSpeed's stages 1-2 never read it: there it is listed as dropped; Note [Quantized gradients] in
+    zero/quantized_grads.py); false nothing.
 
     Raises:
         ZerorunError: a size that is not an integer >= 1, or that does not divide the hostfile's ranks; a
@@ -75,7 +76,8 @@ def zero_plus_plus(imp, z: dict, out: dict) -> None:
             imp.drop(f"zero_optimization.{key}", "stage 3 only (zero.quantize_weights)")
     key = "zero_quantized_gradients"  # §3.3
     if key in z and imp.flag(f"zero_optimization.{key}", z.pop(key)):
-        if out.get("stage", 0) >= 1:
+        if out.get("stage") == 3:
             out["quantize_grads"] = "int4"
-        else:
-            imp.drop(f"zero_optimization.{key}", "stages 1-3 only (zero.quantize_grads): stage 0 all-reduces")
+        else:  # DeepSpeed's stages 1-2 never read it: they trained exact, as the import does
+            imp.drop(f"zero_optimization.{key}", "DeepSpeed applies it at stage 3 only (zero.quantize_grads takes "
+                                                 "stages 1-3: set it to quantize here)")

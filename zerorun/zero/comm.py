@@ -278,6 +278,12 @@ class Comm:
             return _Done()
         if self.grad_path is not None:  # Notes [Two-level reduce-scatter], [Quantized gradients] (they count)
             return self.grad_path.reduce_scatter(output, input)
+        return self.reduce_scatter_exact(output, input)
+
+    def reduce_scatter_exact(self, output: torch.Tensor, input: torch.Tensor):
+        """:meth:`reduce_scatter` over this Comm's ranks in one level, in ``input``'s dtype, whatever
+        :attr:`grad_path` says (float64 gradients under quantized ones: Note [Quantized gradients]). ``N >= 2``
+        and ``k >= 1``."""
         self._count((self.world_size - 1) * output.nbytes)
         with self.streams.issue(self.streams.reduce_scatter):
             return self._issue_reduce_scatter(output, input)

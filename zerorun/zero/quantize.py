@@ -65,10 +65,10 @@ def quantize_rows(x: torch.Tensor, block: int, bits: int = 8) -> torch.Tensor:
     nb = blocks(numel, block)
     padded = torch.zeros(rows_n, nb * block, dtype=torch.float32, device=x.device)
     padded[:, :numel] = x
-    rows = padded.view(rows_n, nb, block)
-    scales = rows.abs().amax(dim=2) / QMAX[bits]
+    rows = padded.view(rows_n, nb, block)  # the one full-size scratch: what follows works in place
+    scales = torch.linalg.vector_norm(rows, float("inf"), dim=2) / QMAX[bits]  # max |x| per block, NaN kept
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # zeros exact; NaN and inf kept
-    q = torch.round(rows / scales[:, :, None]).clamp_(-QMAX[bits], QMAX[bits]).to(torch.int8).view(rows_n, -1)
+    q = rows.div_(scales[:, :, None]).round_().clamp_(-QMAX[bits], QMAX[bits]).to(torch.int8).view(rows_n, -1)
     values = q.view(torch.uint8) if bits == 8 else _pack4(q)
     return torch.cat([values, scales.view(torch.uint8).view(rows_n, -1)], dim=1)
 
@@ -83,7 +83,7 @@ def dequantize_rows(message: torch.Tensor, numel: int, block: int, bits: int = 8
     values = message[:, :vb]
     q = values.contiguous().view(torch.int8) if bits == 8 else _unpack4(values)[:, :nb * block]
     scales = message[:, vb:vb + 4 * nb].reshape(-1).clone().view(torch.float32).view(rows_n, nb)
-    return (q.view(rows_n, nb, block).to(torch.float32) * scales[:, :, None]).view(rows_n, -1)[:, :numel]
+    return q.view(rows_n, nb, block).to(torch.float32).mul_(scales[:, :, None]).view(rows_n, -1)[:, :numel]
 
 
 def quantize_into(out: torch.Tensor, x: torch.Tensor, block: int, bits: int = 8) -> None:

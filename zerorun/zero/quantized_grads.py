@@ -5,11 +5,14 @@ bucket of ``N * k`` elements (stages 1-3) becomes an all-to-all: the bucket is c
 each quantized in blocks of ``zero.quantize_block`` elements (at most ``k``) with an fp32 scale per block
 (Note [Quantized weights] in quantize.py: symmetric, ``s = max|x| / 127``, or ``/ 7`` at 4 bits, two values to
 a byte); rank ``r`` receives every other rank's chunk ``r``, dequantizes each and adds them to its own chunk in
-full precision (fp32, or the gradients' dtype where wider: Note [Wide parameters] in precision.py), as ZeRO++
-§3.3 describes (Wang et al., arXiv:2306.10209: quantize, all-to-all, dequantize, reduce). A rank's own chunk
-never travels and is never rounded. Per element a rank sends ``1 + 4 / block`` bytes at int8, ``1 / 2 + 4 /
-block`` at int4, where the exact reduce-scatter sends the gradients' bytes (4 in fp32): at block 256, 3.9x
-and 7.5x fewer.
+fp32, as ZeRO++ §3.3 describes (Wang et al., arXiv:2306.10209: quantize, all-to-all, dequantize, reduce). A
+rank's own chunk never travels and is never rounded. Per element a rank sends ``1 + 4 / block`` bytes at int8,
+``1 / 2 + 4 / block`` at int4, where the exact reduce-scatter sends the gradients' bytes (4 in fp32): at
+block 256, 3.9x and 7.8x fewer (at bf16, 2.0x and 3.9x; a block below 4 would send more than bf16). Float64
+buckets (Note [Wide parameters] in precision.py: kept for a range and precision that int8 blocks with fp32 scales would
+lose; a float64 value beyond fp32's range would come back NaN) are reduce-scattered exactly, in float64. Memory:
+the quantization works on an fp32 copy of the bucket (transient), and each pending reduction holds its two
+messages (``(N - 1) / N`` of the bucket's elements at ``1 + 4 / block`` bytes each, int8).
 
 Hierarchically (§3.3's two hops): where the ranks run on several nodes of the same number of consecutive ranks,
 or ``zero.hierarchy`` names a group, the reduce-scatter runs in the two levels of Note [Two-level reduce-scatter]
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from zerorun.zero.precision import is_wide
 from zerorun.zero.quantize import dequantize_rows, message_bytes, quantize_rows
 
 
@@ -48,7 +52,9 @@ class QuantizedReduceScatter:
         """As :meth:`Comm.reduce_scatter`: ``input`` 1-D floating of ``N * k`` elements summed over the ranks
         (within the rounding), elements ``[r*k, (r+1)*k)`` into ``output`` (``k`` elements, may be that slice of
         ``input``) on rank ``r``; a handle whose ``wait`` sums. ``N >= 2`` and ``k >= 1``: Comm.reduce_scatter
-        does the rest itself."""
+        does the rest itself. A float64 input is reduced exactly (Note [Quantized gradients])."""
+        if is_wide(input.dtype):
+            return self.comm.reduce_scatter_exact(output, input)
         n, rank, k = self.comm.world_size, self.comm.rank, output.numel()
         chunks = input.view(n, k)
         m = message_bytes([(k, torch.float32)], self.block, self.bits)
@@ -65,7 +71,7 @@ class QuantizedReduceScatter:
 
 class _Summed:
     """A quantized reduce-scatter's handle: ``wait`` waits, then writes this rank's chunk plus the other ranks'
-    dequantized ones (summed in fp32 or wider) into the output and frees the messages."""
+    dequantized ones (summed in fp32) into the output and frees the messages."""
 
     def __init__(self, work, send: torch.Tensor, recv: torch.Tensor, own: torch.Tensor, output: torch.Tensor,
                  path: QuantizedReduceScatter) -> None:
@@ -75,9 +81,8 @@ class _Summed:
         if self.recv is not None:
             self.work.wait()
             k, path = self.own.numel(), self.path
-            wide = torch.promote_types(torch.float32, self.own.dtype)
             others = dequantize_rows(self.recv.view(path.comm.world_size - 1, -1), k, path.block, path.bits)
-            total = others.to(wide).sum(dim=0) + self.own.to(wide)  # own read before the output (may alias it)
+            total = others.sum(dim=0).add_(self.own)  # fp32; own read before the output is written (may alias)
             self.output.copy_(total)
             for t in (self.send, self.recv):  # after the wait (Note [Streams])
                 t.untyped_storage().resize_(0)
