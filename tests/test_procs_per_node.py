@@ -155,6 +155,11 @@ def test_include_selects_this_machines_gpus_by_place(gpus, tmp_path):
     (["train", TINY, "launch.procs_per_node=many"], r"override 'launch\.procs_per_node=many': launch\.procs_per_node: "
                                                     r"expected ranks per node from 1 to 4096, or gpu .*; got 'many'$"),
     (["train", TINY, "--nproc-per-node", "gpu"], r"^zerorun: error: --nproc-per-node gpu: no GPU visible"),
+    # a number of ranks that --include/--exclude cut short (was: 2 ranks started, silently; DeepSpeed refuses both)
+    (["train", TINY, "--include", "localhost:0,1", "--nproc-per-node", "4"], r"^zerorun: error: --nproc-per-node 4 "
+     r"and --include localhost:0,1: 2 of this machine's 4 slots selected; give the ranks by one of them$"),
+    (["launch", "--exclude", "localhost:3", "--nproc-per-node", "4", "s.py"], r"^zerorun: error: --nproc-per-node 4 "
+     r"and --exclude localhost:3: 3 of this machine's 4 slots selected"),
 ])
 def test_bad_counts_are_one_line_naming_the_flag_or_field(args, expected, tmp_path):
     import re

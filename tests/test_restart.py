@@ -268,6 +268,8 @@ def cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
     (["--nnodes", "0:1"], "zerorun: error: --nnodes 0:1: expected 1 <= MIN <= MAX (node counts)\n"),
     (["--nnodes", "x"], "zerorun: error: --nnodes x: expected N or MIN:MAX, node counts (e.g. 2 or 1:2)\n"),
     (["--nnodes", "1:2", "--num-nodes", "1"], "zerorun: error: --nnodes 1:2 and --num-nodes 1: give one node count\n"),
+    # the flag the user gave, not its value under another name (was "--num-nodes 5: only 2 host(s) selected")
+    (["--nnodes", "2:5"], "zerorun: error: --nnodes 2:5: only 2 host(s) selected\n"),
     (["launch.min_nodes=3"], "zerorun: error: launch.min_nodes 3: more than the job's 2 hosts\n"),
     (["launch.max_restarts=-1"], "launch.max_restarts"),
     (["--max-restarts", "-1"], "--max-restarts"),

@@ -60,7 +60,7 @@ def train(
         _say(said)
         return  # the checkpoint is the last step's: done
     hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher,
-                           job_env=r.launch.env)
+                           job_env=r.launch.env, nodes_flag=f"--nnodes {nnodes}" if nnodes else "")
     check_min_nodes(r, hosts)
     _check_hierarchy(r, hosts)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)

@@ -13,7 +13,7 @@ from zerorun.launch.launcher import Launcher
 
 def select(hostfile: str | None, default_slots: int | str, include: str | None = None, exclude: str | None = None,
            num_nodes: int | None = None, num_procs: int | str | None = None, launcher: Launcher = Launcher.SSH,
-           job_env: dict[str, str] | None = None) -> list[Host]:
+           job_env: dict[str, str] | None = None, nodes_flag: str = "") -> list[Host]:
     """The hosts of a job: the hostfile's (or localhost with ``num_procs``, else ``default_slots``, ranks)
     through ``include``/``exclude``, ``num_nodes`` and ``num_procs`` (hostfile.select_hosts, DeepSpeed's rules).
     ``default_slots`` (``launch.procs_per_node``) and ``num_procs`` (``--nproc-per-node``) are numbers or
@@ -21,11 +21,13 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
     says what a word became where it is not one rank; GPUs counted under the environment the ranks get: this
     one, the environment files' and ``job_env``, the recipe's ``launch.env``). ``launcher``: ``ssh`` (that),
     ``local`` (this machine, no hostfile), ``slurm`` (the allocation's nodes and slots, launch/slurm.py
-    ``allocation_hosts``; a note on stderr says where the slot count comes from).
+    ``allocation_hosts``; a note on stderr says where the slot count comes from). ``nodes_flag``: the flag and
+    value that gave ``num_nodes`` (``--nnodes 1:2``), for messages.
 
     Raises:
         ZerorunError: an unreadable or bad hostfile, a bad allocation, ``gpu`` without a GPU, ``cpu`` with a
-            hostfile, or a selection that leaves no host.
+            hostfile, a selection that leaves no host, or (this machine) a number of ranks ``num_procs`` that
+            ``include`` or ``exclude`` leave fewer slots for (DeepSpeed refuses the two together).
     """
     from zerorun.recipe.hostfile import read_hostfile, select_hosts
     from zerorun.launch.env import env_file_values
@@ -34,7 +36,7 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
     if launcher is Launcher.SLURM:
         from zerorun.launch.slurm import allocation_hosts, describe_slots
 
-        hosts, source = allocation_hosts(default_slots, num_nodes, num_procs)
+        hosts, source = allocation_hosts(default_slots, num_nodes, num_procs, nodes_flag=nodes_flag)
         hosts = select_hosts(hosts, include, exclude, None, None)
         sys.stderr.write(f"zerorun: SLURM job {os.environ.get('SLURM_JOB_ID')}: {len(hosts)} node"
                          f"{'s' if len(hosts) > 1 else ''} ({', '.join(h.name for h in hosts)}), "
@@ -42,7 +44,7 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
         return hosts
     if hostfile and launcher is not Launcher.LOCAL:
         return select_hosts(read_hostfile(hostfile), include, exclude, num_nodes,
-                            hostfile_procs(num_procs, "--nproc-per-node"))
+                            hostfile_procs(num_procs, "--nproc-per-node"), nodes_flag)
     value, name = (num_procs, "--nproc-per-node") if num_procs is not None else (default_slots,
                                                                                  "launch.procs_per_node")
     environ = {**os.environ, **env_file_values(), **(job_env or {})}
@@ -50,7 +52,11 @@ def select(hostfile: str | None, default_slots: int | str, include: str | None =
     note = auto_note(value, name, slots)
     if note:
         sys.stderr.write(note + "\n")
-    hosts = select_hosts([Host("localhost", slots)], include, exclude, num_nodes, None)
+    hosts = select_hosts([Host("localhost", slots)], include, exclude, num_nodes, None, nodes_flag)
+    if isinstance(num_procs, int) and hosts[0].slots != slots:  # fewer slots selected than the ranks asked for
+        given = "--include " + include if include else "--exclude " + str(exclude)
+        raise ZerorunError(f"--nproc-per-node {num_procs} and {given}: {hosts[0].slots} of this machine's {slots} "
+                           "slots selected; give the ranks by one of them")
     return [through_visible(h, environ) for h in hosts]
 
 

@@ -250,9 +250,10 @@ def allocation_nodelist(environ=None) -> str:
 
 
 def allocation_hosts(recipe_slots: int | str, num_nodes: int | None = None, num_procs: int | str | None = None,
-                     environ=None) -> tuple[list[Host], str]:
+                     environ=None, nodes_flag: str = "") -> tuple[list[Host], str]:
     """The allocation's nodes as hosts, in SLURM's order, and the source of their slot count
-    (:func:`slots_per_node`). ``num_nodes``: the first N nodes only.
+    (:func:`slots_per_node`). ``num_nodes``: the first N nodes only (``nodes_flag``: the flag and value that gave
+    it, for messages; default ``--num-nodes N``).
 
     Raises:
         ZerorunError: no node list, ``num_nodes`` above the allocation's nodes, or a bad SLURM variable (named).
@@ -263,7 +264,7 @@ def allocation_hosts(recipe_slots: int | str, num_nodes: int | None = None, num_
     slots, source = slots_per_node(env, recipe_slots, num_procs, len(names))
     if num_nodes is not None:
         if num_nodes > len(names):
-            raise ZerorunError(f"--num-nodes {num_nodes}: the allocation has {len(names)} node"
+            raise ZerorunError(f"{nodes_flag or f'--num-nodes {num_nodes}'}: the allocation has {len(names)} node"
                                f"{'s' if len(names) > 1 else ''} ({nodelist})")
         names = names[:num_nodes]
     return [Host(name, n) for name, n in zip(names, slots)], source

@@ -139,7 +139,7 @@ def _parse_selection(spec: str, flag: str, hosts: list[Host]) -> dict[str, list[
 
 
 def select_hosts(hosts: list[Host], include: str | None = None, exclude: str | None = None,
-                 num_nodes: int | None = None, num_procs: int | None = None) -> list[Host]:
+                 num_nodes: int | None = None, num_procs: int | None = None, nodes_flag: str = "") -> list[Host]:
     """The hosts and slots a job uses, with DeepSpeed's launcher flags.
 
     Args:
@@ -147,6 +147,7 @@ def select_hosts(hosts: list[Host], include: str | None = None, exclude: str | N
         exclude: the same grammar: drop these hosts (without ``:``) or these slots.
         num_nodes: use the first ``num_nodes`` hosts left.
         num_procs: ranks per node (at most each host's slots; the first ones of its selected slots).
+        nodes_flag: the flag and value that gave ``num_nodes``, for messages (default ``--num-nodes N``).
 
     Raises:
         ZerorunError: both include and exclude, an unknown host or slot, a malformed spec, more nodes or procs
@@ -176,7 +177,7 @@ def select_hosts(hosts: list[Host], include: str | None = None, exclude: str | N
         raise ZerorunError(f"--exclude {exclude!r}: no host or slot is left")
     if num_nodes is not None:
         if num_nodes > len(selected):
-            raise ZerorunError(f"--num-nodes {num_nodes}: only {len(selected)} host(s) selected")
+            raise ZerorunError(f"{nodes_flag or f'--num-nodes {num_nodes}'}: only {len(selected)} host(s) selected")
         selected = selected[:num_nodes]
     if num_procs is not None:
         out = []
