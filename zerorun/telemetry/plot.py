@@ -45,6 +45,18 @@ def check_plot_path(path: str) -> None:
         raise ZerorunError(f"--plot {path}: no such folder: {folder}")
 
 
+def latest_try(steps: list[Event]) -> list[Event]:
+    """One rank's step events (in the order written) as the job's last try left them: a step at or below one
+    already seen starts a try resumed from a checkpoint (Note [Job restarts] in launch/restart.py), which
+    replaces the events of that step and after (the steps the failed try ran past the checkpoint)."""
+    out: list[Event] = []
+    for e in steps:
+        while out and out[-1].data["step"] >= e.data["step"]:
+            out.pop()
+        out.append(e)
+    return out
+
+
 def plot_run(state: JobState, events: list[Event], path: str) -> None:
     """Draw into ``path`` (its extension picks the format: .png, .svg, .pdf): top, training loss per rank
     and validation loss over steps; bottom, RSS (solid) and model-state bytes (dashed) per rank in MiB.
@@ -59,7 +71,7 @@ def plot_run(state: JobState, events: list[Event], path: str) -> None:
     plt = _pyplot()
     fig, (ax_loss, ax_mem) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     for rank in sorted({e.rank for e in steps}):
-        mine = [e for e in steps if e.rank == rank]
+        mine = latest_try([e for e in steps if e.rank == rank])
         x = [e.data["step"] for e in mine]
         loss = [number(e.data, "loss") if number(e.data, "loss") is not None else math.nan for e in mine]
         ax_loss.plot(x, loss, label=f"rank {rank}", linewidth=1)

@@ -157,8 +157,8 @@ class JobState:
                 self.steps = self.steps or integer(d, "steps")
         elif e.kind == "eval":
             v, step = number(d, "val_loss"), integer(d, "step")
-            if v is not None and step is not None:
-                self.evals.append((step, v))
+            if v is not None and step is not None:  # a try resumed from a checkpoint replaces later evaluations
+                self.evals = [(s, x) for s, x in self.evals if s < step] + [(step, v)]
         elif e.kind == "checkpoint":
             self.checkpoints.append({"rank": e.rank, **d})
         elif e.kind == "finish":
