@@ -361,7 +361,8 @@ print(json.dumps({"name": which.name(), "full": full, "freed": freed, "after": a
 @pytest.mark.parametrize("stage, offload", [(1, "none"), (3, "none"), (1, "disk")])
 def test_mimalloc_returns_freed_memory_once_per_optimizer_step(tmp_path, stage, offload):
     """Before: the optimizer's step hook collected, so with the optimizer on disk (stepped chunk by chunk, the
-    hook skipped) mimalloc kept everything the job freed, for the purge delay the launcher gives it (24 h)."""
+    hook skipped) mimalloc kept everything the job freed, for the purge delay the launcher gives it (24 h).
+    Stage 3 also collects before each backward (issue 35: its realized saving 0.72 -> 0.81, tcmalloc's 0.86)."""
     from zerorun.allocator import MIMALLOC_ENV
 
     mib, env = 1 << 20, _env_without_allocator_vars()
@@ -374,9 +375,10 @@ def test_mimalloc_returns_freed_memory_once_per_optimizer_step(tmp_path, stage, 
                               capture_output=True, text=True, timeout=120, env=run_env)
         assert proc.returncode == 0, proc.stderr
         r = json.loads(proc.stdout.splitlines()[-1])
+        calls = 3 * (2 if stage == 3 else 1)  # stage 3: before each backward too (what its forward freed)
         if preload:  # kept through the purge delay, returned by collect(); three steps, three collects
             assert r["name"] == "mimalloc" and r["collected"] is True, r
             assert r["freed"] - r["after"] > 250 * mib and r["full"] - r["freed"] < 50 * mib, r
-            assert r["calls"] == 3, r
+            assert r["calls"] == calls, r
         else:  # glibc: a no-op (called, nothing done)
-            assert r == {**r, "name": "glibc", "collected": False, "calls": 3}, r
+            assert r == {**r, "name": "glibc", "collected": False, "calls": calls}, r

@@ -56,6 +56,7 @@ import torch.nn as nn
 from zerorun.zero.deferred import is_deferred, replay_slices, swap_meta_params
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.flat import FlatBuffer, pack
+from zerorun.zero import allocator
 from zerorun.zero.hierarchy import SecondaryShards
 from zerorun.zero.param_offload import ParamStore
 from zerorun.zero.precision import DTYPES
@@ -214,6 +215,7 @@ class Stage3Engine(ZeroEngine):
         unit reaching the loss on some ranks only (Note [Backward on some ranks] in stage3_checks.py)."""
         self._check_backward(loss)
         check_backward_units(self, loss)
+        allocator.collect()  # Note [Rank allocator]: the units the forward freed go back before backward (host only)
         self.sched.backward_start(loss)
         super().backward(loss)
 
