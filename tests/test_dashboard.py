@@ -394,17 +394,25 @@ def test_a_rank_whose_collective_failed_on_a_peer_stays_stopped_whatever_its_exi
 
 def test_a_restarted_jobs_steps_and_evaluations_are_its_last_tries(tmp_path):
     """A job that failed at step 60 and was restarted from its checkpoint at 40 wrote steps 41-60 twice (Note [Job
-    restarts]): the plot's series and the validation losses are the last try's, one point per step (before: the
-    lines went back from 60 to 41, and the failed try's evaluation at 60 counted in the best validation loss)."""
+    restarts]): the plot's series and the validation losses are the last try's, one point per step, from the
+    restart event on (before: the lines went back from 60 to 41, the failed try's evaluation at 60 was the final
+    and best validation loss until the new try evaluated, and a rank the new try ran without kept its steps)."""
     from zerorun.telemetry.plot import latest_try
 
-    events = [step_event(0, s) for s in (20, 40, 60)]
-    events.append(Event("eval", 0, T0 + 30, {"step": 60, "val_loss": 1.0}))
-    events.append(Event("restart", 0, T0 + 31, {"attempt": 1, "max_restarts": 1, "cause": "rank 1 died"}))
-    events += [step_event(0, s, wait=0.5) for s in (41, 60, 80)]
-    events.append(Event("eval", 0, T0 + 40, {"step": 60, "val_loss": 2.0}))
-    series = latest_try([e for e in events if e.kind == "step"])
-    assert [e.data["step"] for e in series] == [20, 40, 41, 60, 80]
-    assert [e.data["comm_wait_s"] for e in series][2:] == [0.5 * 20] * 3  # the second try's events
+    events = [step_event(r, s) for s in (20, 40, 60) for r in (0, 1)]
+    events += [Event("eval", 0, T0 + 29, {"step": 40, "val_loss": 1.5}),
+               Event("eval", 0, T0 + 30, {"step": 60, "val_loss": 1.0})]
+    events.append(Event("restart", 0, T0 + 31, {"attempt": 1, "max_restarts": 1, "cause": "rank 1 died",
+                                                "failed_step": 60, "resume_step": 40}))
     state, _ = load_run(write_run(tmp_path, events))
-    assert state.evals == [(60, 2.0)] and state.best_val == 2.0
+    assert state.evals == [(40, 1.5)] and state.final_val == 1.5  # before the new try's first evaluation
+    events += [step_event(0, s, wait=0.5) for s in (41, 60, 80)]  # the new try runs on rank 0 only
+    events.append(Event("eval", 0, T0 + 40, {"step": 60, "val_loss": 2.0}))
+    series = latest_try(events)
+    assert [e.data["step"] for e in series[0]] == [20, 40, 41, 60, 80]
+    assert [e.data["comm_wait_s"] for e in series[0]][2:] == [0.5 * 20] * 3  # the second try's events
+    assert [e.data["step"] for e in series[1]] == [20, 40]
+    state, _ = load_run(write_run(tmp_path, events))
+    assert state.evals == [(40, 1.5), (60, 2.0)] and state.best_val == 1.5
+    again = events + [step_event(0, 60, wait=0.7)]  # a --resume into the same folder: no restart event
+    assert [e.data["comm_wait_s"] for e in latest_try(again)[0]][-1] == 0.7 * 20

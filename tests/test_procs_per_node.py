@@ -157,9 +157,10 @@ def test_include_selects_this_machines_gpus_by_place(gpus, tmp_path):
     (["train", TINY, "--nproc-per-node", "gpu"], r"^zerorun: error: --nproc-per-node gpu: no GPU visible"),
     # a number of ranks that --include/--exclude cut short (was: 2 ranks started, silently; DeepSpeed refuses both)
     (["train", TINY, "--include", "localhost:0,1", "--nproc-per-node", "4"], r"^zerorun: error: --nproc-per-node 4 "
-     r"and --include localhost:0,1: 2 of this machine's 4 slots selected; give the ranks by one of them$"),
-    (["launch", "--exclude", "localhost:3", "--nproc-per-node", "4", "s.py"], r"^zerorun: error: --nproc-per-node 4 "
-     r"and --exclude localhost:3: 3 of this machine's 4 slots selected"),
+     r"and --include localhost:0,1: 2 of localhost's 4 slots selected; give the ranks by one of them$"),
+    (["launch", "--exclude", "localhost:3", "--num-procs", "4", "s.py"], r"^zerorun: error: --num-procs 4 "
+     r"and --exclude localhost:3: 3 of localhost's 4 slots selected"),  # the option's name as typed
+    (["launch", "--nnodes", "3", "s.py"], r"^zerorun: error: --nnodes 3: only 1 host\(s\) selected$"),
 ])
 def test_bad_counts_are_one_line_naming_the_flag_or_field(args, expected, tmp_path):
     import re

@@ -135,6 +135,21 @@ def test_allocation_hosts(monkeypatch):
         slurm.allocation_hosts(1, num_nodes=4, environ=env)
     with pytest.raises(ZerorunError, match="SLURM_JOB_NODELIST is not"):
         slurm.allocation_hosts(1, environ={"SLURM_JOB_ID": "7"})
+    with pytest.raises(ZerorunError, match=r"^--nnodes 1:4: the allocation has 3 nodes"):  # the flag as typed
+        slurm.allocation_hosts(1, num_nodes=4, environ=env, nodes_flag="--nnodes 1:4")
+
+
+def test_ranks_per_node_that_include_cuts_short_in_an_allocation_are_one_line(monkeypatch):
+    """``--nproc-per-node 2 --include n1:0`` in an allocation started 1 rank, silently (as on one machine)."""
+    from zerorun.launch import Launcher, select
+
+    monkeypatch.setattr(slurm, "expand_nodelist", lambda nodelist: ["n1", "n2"])
+    for k, v in {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS_PER_NODE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ZerorunError, match=r"^--num-procs 2 and --include n1:0: 1 of n1's 2 slots selected; give the "
+                                           r"ranks by one of them$"):
+        select(None, 1, include="n1:0", num_procs=2, launcher=Launcher.SLURM, procs_flag="--num-procs 2")
+    assert [h.slots for h in select(None, 1, include="n1:0,1", num_procs=2, launcher=Launcher.SLURM)] == [2]
 
 
 def test_srun_command_for_two_nodes(monkeypatch):

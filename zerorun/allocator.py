@@ -31,14 +31,15 @@ reuses what it frees, and what it freed goes back to the kernel before the next;
 gathered, whose ranges, kept, did not serve backward's other sizes (its peak 1611 -> 1572 MiB, realized saving 0.72 ->
 0.81 against tcmalloc's 0.86 in one run, for 2% more CPU time). Processes that run no zerorun engine (a script under
 ``zerorun launch``, the DDP and FSDP2 baselines of ``zerorun bench``) are never collected: under mimalloc they keep
-what they free, as under tcmalloc. Measured (55M GPT, 2 gloo ranks, micro-batch 8; docs/benchmarks.md, "What a fresh
-install runs"), stages 1-3 then used 1.02x, 1.07-1.09x and 1.05-1.24x tcmalloc's CPU time on a loaded machine
-(0.99-1.02x on a lighter load: the kernel's time for the faults) and held 1698, 1594 and 1555 MiB at their peak
-(tcmalloc 1576, 1471, 1382; kept 1865, 1668, 1581), realized saving 1.06, 1.04 and 0.86 (tcmalloc 0.99, 0.99, 0.96),
-and 640-840 MiB less than kept between steps. mimalloc's own options did not close the rest
-(benchmarks/results/history.md, "Issue 35: closing mimalloc's memory gap"): without eager commit stage 3 holds 1476
-MiB, but each step faults in 4 KiB pages (1.08-1.10x tcmalloc's CPU time at every stage); decommitting at once, 1445
-MiB at 1.47x. A job that needs the memory more than the speed asks for ``ZERORUN_ALLOCATOR: glibc``.
+what they free, as under tcmalloc. Measured before the backward collect (55M GPT, 2 gloo ranks, micro-batch 8;
+docs/benchmarks.md, "What a fresh install runs", which has the run after it too), stages 1-3 then used 1.02x,
+1.07-1.09x and 1.05-1.24x tcmalloc's CPU time on a loaded machine (0.99-1.02x on a lighter load: the kernel's time for
+the faults) and held 1698, 1594 and 1555 MiB at their peak (tcmalloc 1576, 1471, 1382; kept 1865, 1668, 1581),
+realized saving 1.06, 1.04 and 0.86 (tcmalloc 0.99, 0.99, 0.96), and 640-840 MiB less than kept between steps.
+mimalloc's own options did not close the rest (benchmarks/results/history.md, "Issue 35: closing mimalloc's memory
+gap"): without eager commit stage 3 holds 1476 MiB, but each step faults in 4 KiB pages (1.08-1.10x tcmalloc's CPU
+time at every stage); decommitting at once, 1445 MiB at 1.47x. A job that needs the memory more than the speed asks
+for ``ZERORUN_ALLOCATOR: glibc``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from typing import List, Optional
 
 import typer
 
-from zerorun.cli.options import (EXCLUDE, HOSTFILE, INCLUDE, LAUNCHER, MASTER_ADDR, MASTER_PORT, NNODES, NO_DASHBOARD,
-                                  NPROC, NUM_NODES, NUM_PROCS, PREFLIGHT_S, SSH_CONFIG, SSH_KEY, SSH_LOCAL, SSH_PORT,
-                                  SSH_USER)
+from zerorun.cli.options import (EXCLUDE, HOSTFILE, INCLUDE, LAUNCHER, MASTER_ADDR, MASTER_PORT, NNODES,
+                                  NNODES_NAMES, NO_DASHBOARD, NPROC, NUM_NODES, NUM_PROCS, PREFLIGHT_S, PROCS_NAMES,
+                                  SSH_CONFIG, SSH_KEY, SSH_LOCAL, SSH_PORT, SSH_USER, as_typed)
 from zerorun.errors import ZerorunError
 
 
@@ -60,7 +60,8 @@ def train(
         _say(said)
         return  # the checkpoint is the last step's: done
     hosts = zlaunch.select(hostfile, r.launch.procs_per_node, include, exclude, num_nodes, num_procs, launcher,
-                           job_env=r.launch.env, nodes_flag=f"--nnodes {nnodes}" if nnodes else "")
+                           job_env=r.launch.env, nodes_flag=f"--nnodes {nnodes}" if nnodes else "",
+                           procs_flag=as_typed(num_procs, *PROCS_NAMES))
     check_min_nodes(r, hosts)
     _check_hierarchy(r, hosts)
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
@@ -148,7 +149,8 @@ def launch(
     if not module and not os.path.isfile(script):
         raise ZerorunError(f"{script}: no such script")
     job = zlaunch.Script(script if module else os.path.abspath(script), tuple(args or ()), module, log_dir)
-    hosts = zlaunch.select(hostfile, 1, include, exclude, num_nodes, num_procs, launcher)
+    hosts = zlaunch.select(hostfile, 1, include, exclude, num_nodes, num_procs, launcher,
+                           nodes_flag=as_typed(num_nodes, *NNODES_NAMES), procs_flag=as_typed(num_procs, *PROCS_NAMES))
     if dry_run:
         sys.stdout.write(zlaunch.dry_run(job, hosts, master_port=master_port, master_addr=master_addr,
                                          launcher=launcher, ssh=zlaunch.ssh_options(ssh_user, ssh_port, ssh_key,

@@ -18,6 +18,23 @@ EXCLUDE = typer.Option(None, "--exclude", help="All but these hosts/slots: 'host
 NUM_NODES = typer.Option(None, "--num-nodes", min=1, help="Use the first N hosts.")
 
 
+def as_typed(value, *names: str) -> str:
+    """``NAME VALUE`` for an option with several names (``--nproc-per-node``, ``--num-procs``, ...), ``NAME`` the
+    one on this command line (``sys.argv``), else the first: what an error about the value names."""
+    import sys
+
+    for arg in sys.argv[1:]:
+        for name in names:
+            if arg == name or arg.startswith(name + "="):
+                return f"{name} {value}"
+    return f"{names[0]} {value}"
+
+
+#: the names of the ranks-per-node option (NUM_PROCS, NPROC) and of zerorun launch's node count (NNODES)
+PROCS_NAMES = ("--nproc-per-node", "--nproc_per_node", "--num-procs")
+NNODES_NAMES = ("--nnodes", "--num-nodes")
+
+
 def _procs(value: Optional[str]):
     """``--nproc-per-node``: N or gpu|cpu|auto, as torchrun takes it (Note [Ranks per node], launch/slots.py)."""
     from zerorun.recipe.hostfile import parse_procs
@@ -31,11 +48,11 @@ def _procs(value: Optional[str]):
 _PROCS_HELP = ("Ranks per node: N, gpu (one per visible GPU), cpu (one per CPU, as torchrun) or auto (one per visible "
                "GPU, else 1; torchrun's auto is one per CPU there); with -H at most each host's slots (gpu, auto: "
                "all of them).")
-NUM_PROCS = typer.Option(None, "--nproc-per-node", "--nproc_per_node", "--num-procs", metavar="N|gpu|cpu|auto",
+NUM_PROCS = typer.Option(None, *PROCS_NAMES, metavar="N|gpu|cpu|auto",
                          callback=_procs, help=_PROCS_HELP + " Default: launch.procs_per_node (auto).")
 # `zerorun launch` takes torchrun's names too
-NNODES = typer.Option(None, "--nnodes", "--num-nodes", min=1, help="Use the first N hosts (also --num-nodes).")
-NPROC = typer.Option(None, "--nproc-per-node", "--nproc_per_node", "--num-procs", metavar="N|gpu|cpu|auto",
+NNODES = typer.Option(None, *NNODES_NAMES, min=1, help="Use the first N hosts (also --num-nodes).")
+NPROC = typer.Option(None, *PROCS_NAMES, metavar="N|gpu|cpu|auto",
                      callback=_procs, help=_PROCS_HELP + " Default: 1, as torchrun's.")
 SSH_USER = typer.Option(None, "--ssh-user", help="SSH user (default: from ~/.ssh/config, else yours).")
 SSH_PORT = typer.Option(None, "--ssh-port", min=1, max=65535, help="SSH port (default: from ~/.ssh/config, 22).")

@@ -139,7 +139,8 @@ def _parse_selection(spec: str, flag: str, hosts: list[Host]) -> dict[str, list[
 
 
 def select_hosts(hosts: list[Host], include: str | None = None, exclude: str | None = None,
-                 num_nodes: int | None = None, num_procs: int | None = None, nodes_flag: str = "") -> list[Host]:
+                 num_nodes: int | None = None, num_procs: int | None = None, nodes_flag: str = "",
+                 procs_flag: str = "") -> list[Host]:
     """The hosts and slots a job uses, with DeepSpeed's launcher flags.
 
     Args:
@@ -147,7 +148,8 @@ def select_hosts(hosts: list[Host], include: str | None = None, exclude: str | N
         exclude: the same grammar: drop these hosts (without ``:``) or these slots.
         num_nodes: use the first ``num_nodes`` hosts left.
         num_procs: ranks per node (at most each host's slots; the first ones of its selected slots).
-        nodes_flag: the flag and value that gave ``num_nodes``, for messages (default ``--num-nodes N``).
+        nodes_flag, procs_flag: the flag and value that gave ``num_nodes`` and ``num_procs``, for messages
+            (default ``--num-nodes N``, ``--num-procs N``).
 
     Raises:
         ZerorunError: both include and exclude, an unknown host or slot, a malformed spec, more nodes or procs
@@ -183,7 +185,10 @@ def select_hosts(hosts: list[Host], include: str | None = None, exclude: str | N
         out = []
         for h in selected:
             if num_procs > h.slots:
-                raise ZerorunError(f"--num-procs {num_procs}: host {h.name} has only {h.slots} slot(s)")
+                picked = (f" ({'--include ' + include if include else '--exclude ' + exclude} left {h.slots})"
+                          if include or exclude else "")
+                raise ZerorunError(f"{procs_flag or f'--num-procs {num_procs}'}: host {h.name} has only {h.slots} "
+                                   f"slot(s){picked}")
             out.append(Host(h.name, num_procs, h.slot_ids[:num_procs] if h.slot_ids else None))
         selected = out
     return selected

@@ -10,7 +10,7 @@ import os
 
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.events import Event
-from zerorun.telemetry.state import JobState, number
+from zerorun.telemetry.state import JobState, integer, number
 
 MIB = 1024 ** 2
 
@@ -45,16 +45,24 @@ def check_plot_path(path: str) -> None:
         raise ZerorunError(f"--plot {path}: no such folder: {folder}")
 
 
-def latest_try(steps: list[Event]) -> list[Event]:
-    """One rank's step events (in the order written) as the job's last try left them: a step at or below one
-    already seen starts a try resumed from a checkpoint (Note [Job restarts] in launch/restart.py), which
-    replaces the events of that step and after (the steps the failed try ran past the checkpoint)."""
-    out: list[Event] = []
-    for e in steps:
-        while out and out[-1].data["step"] >= e.data["step"]:
-            out.pop()
-        out.append(e)
-    return out
+def latest_try(events: list[Event]) -> dict[int, list[Event]]:
+    """Each rank's step events as the job's last try left them (Note [Job restarts] in launch/restart.py): a
+    ``restart`` event drops every rank's steps after its ``resume_step`` (the steps the failed try ran past the
+    checkpoint it resumes from, a rank the new try runs without included), and a step at or below one already
+    seen replaces that step and the ones after (a ``--resume`` into the same run folder)."""
+    out: dict[int, list[Event]] = {}
+    for e in events:
+        if e.kind == "restart":
+            resume = integer(e.data, "resume_step") or 0
+            for mine in out.values():
+                while mine and mine[-1].data["step"] > resume:
+                    mine.pop()
+        elif e.kind == "step" and number(e.data, "step") is not None:
+            mine = out.setdefault(e.rank, [])
+            while mine and mine[-1].data["step"] >= e.data["step"]:
+                mine.pop()
+            mine.append(e)
+    return {rank: mine for rank, mine in out.items() if mine}
 
 
 def plot_run(state: JobState, events: list[Event], path: str) -> None:
@@ -65,13 +73,12 @@ def plot_run(state: JobState, events: list[Event], path: str) -> None:
         ZerorunError: matplotlib is not installed, the run has no step events, or ``path`` cannot be written.
     """
     check_plot_path(path)
-    steps = [e for e in events if e.kind == "step" and number(e.data, "step") is not None]
+    steps = latest_try(events)
     if not steps:
         raise ZerorunError(f"--plot {path}: the run has no step events to plot")
     plt = _pyplot()
     fig, (ax_loss, ax_mem) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for rank in sorted({e.rank for e in steps}):
-        mine = latest_try([e for e in steps if e.rank == rank])
+    for rank, mine in sorted(steps.items()):
         x = [e.data["step"] for e in mine]
         loss = [number(e.data, "loss") if number(e.data, "loss") is not None else math.nan for e in mine]
         ax_loss.plot(x, loss, label=f"rank {rank}", linewidth=1)

@@ -157,8 +157,11 @@ class JobState:
                 self.steps = self.steps or integer(d, "steps")
         elif e.kind == "eval":
             v, step = number(d, "val_loss"), integer(d, "step")
-            if v is not None and step is not None:  # a try resumed from a checkpoint replaces later evaluations
+            if v is not None and step is not None:  # a --resume into this run folder replaces later evaluations
                 self.evals = [(s, x) for s, x in self.evals if s < step] + [(step, v)]
+        elif e.kind == "restart":  # Note [Job restarts]: the failed try's evaluations past its checkpoint go
+            resume = integer(d, "resume_step") or 0
+            self.evals = [(s, x) for s, x in self.evals if s <= resume]
         elif e.kind == "checkpoint":
             self.checkpoints.append({"rank": e.rank, **d})
         elif e.kind == "finish":

@@ -76,8 +76,8 @@ _mi_collect = None
 def collect() -> bool:
     """Return the free memory mimalloc holds to the kernel now (``mi_collect(true)``: every free page of this
     thread's heap back to the arenas, and every range the arenas were keeping for their purge delay decommitted;
-    Note [Rank allocator]); the engine calls it at the end of every step. Host-only: no device sync. A no-op
-    under any other malloc.
+    Note [Rank allocator]); the engine calls it at the end of every step, and at stage 3 before each backward.
+    Host-only: no device sync. A no-op under any other malloc.
 
     Returns:
         True if mimalloc serves this process's malloc and was asked to collect, else False.
