@@ -160,8 +160,7 @@ class JobState:
             if v is not None and step is not None:  # a --resume into this run folder replaces later evaluations
                 self.evals = [(s, x) for s, x in self.evals if s < step] + [(step, v)]
         elif e.kind == "restart":  # Note [Job restarts]: the failed try's evaluations past its checkpoint go
-            resume = integer(d, "resume_step") or 0
-            self.evals = [(s, x) for s, x in self.evals if s <= resume]
+            self.evals = [(s, x) for s, x in self.evals if s <= (integer(d, "resume_step") or 0)]
         elif e.kind == "checkpoint":
             self.checkpoints.append({"rank": e.rank, **d})
         elif e.kind == "finish":
@@ -391,11 +390,10 @@ def write_job_file(run_dir: str, state: JobState, status: str, exit_code: int, m
     """Write ``run_dir/job.json``: start and end (Unix s), world size, hosts (and the host of each rank, as
     the hostfile names it), how the job ended: ``status`` (ok | failed | interrupted), the launcher's
     ``exit_code``, a one-line ``message``, for a failure the failing ``rank`` and ``host`` when known, and the
-    SLURM job it ran in (``slurm_job_id``, ``SLURM_JOB_ID``; None outside SLURM)."""
+    SLURM job it ran in (``slurm_job_id``: ``SLURM_JOB_ID``, for ``zerorun attach JOBID``; None outside it)."""
     data = {"started": state.started, "ended": state.ended, "world_size": state.world_size, "hosts": state.hosts,
             "rank_hosts": {str(r): h for r, h in state.rank_hosts.items()}, "status": status, "exit_code": exit_code,
-            "message": message, "rank": rank, "host": host,
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}  # whose run this was (zerorun attach JOBID)
+            "message": message, "rank": rank, "host": host, "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
     tmp = os.path.join(run_dir, runfolder.JOB + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)
