@@ -241,11 +241,13 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
                      "but the persistent one, from the forward to the step (2nd column, in the total); all-gathers "
                      "after a unit's first of a step stay within its group of "
                      f"{group} ranks (ZeRO++ hpZ)")
-    grad_group = gradient_group(setup.hierarchy, bool(setup.grad_quantize), setup.node_layout)
+    # the gradients' inner level below stage 3, where zero.hierarchy does not apply (traffic() takes ``group`` at 3)
+    grad_group = gradient_group(None, bool(setup.grad_quantize), setup.node_layout)
     if setup.grad_quantize:  # Note [Quantized gradients] in zero/quantized_grads.py
         notes.append(f"zero.quantize_grads: stages 1-3 reduce-scatter the gradients as {setup.grad_quantize[0]}-bit "
                      f"blocks of {setup.grad_quantize[1]} with an fp32 scale each (ZeRO++ qgZ)"
-                     + (f", within groups of {grad_group} ranks first" if grad_group else "") + " (sent, inter)")
+                     + (f", within groups of {group or grad_group} ranks first" if group or grad_group else "")
+                     + " (sent, inter)")
     rows = [_row(layout, setup, s, o, act_for(s), group=group, grad_group=grad_group) for s, o in variants]
     wide = setup.grad_accum_bytes > setup.precision.grad_bytes
     if wide:  # only ever fp32: wider than 2-byte gradients (Note [Gradient accumulation buffer])
