@@ -17,12 +17,7 @@ def group_size(hierarchy: int | str | None, node_ranks: tuple[int, ...]) -> int 
     Raises:
         ZerorunError: a setting the runtime refuses on these nodes (its one line, naming ``zero.hierarchy``).
     """
-    from zerorun.zero.placement import hierarchy_on_nodes
-
-    try:
-        return hierarchy_on_nodes(hierarchy, node_ranks)
-    except ValueError as e:
-        raise ZerorunError(str(e)) from None
+    return gradient_group(hierarchy, False, node_ranks)  # without quantized gradients: zero.hierarchy's group
 
 
 def gradient_group(hierarchy: int | str | None, quantized: bool, node_ranks: tuple[int, ...]) -> int | None:
