@@ -201,3 +201,27 @@ def gradient_buffer_pool(stage: int, accum: int, steps: int = 2, width: int = 51
     return {"buckets": len(engine.buffers), "cap": engine.MAX_INFLIGHT + 1, "max_taken": pool.max_taken,
             "allocated": pool.allocated, "recv_allocated": engine.comm.recv_pool.allocated, "taken": pool.taken,
             "max_in_flight": max(in_flight), "launches": len(in_flight)}
+
+
+def reduce_scatter_coalesced_matches_each(world_size_check: int) -> dict:
+    """Comm.reduce_scatter_coalesced of three pairs (float32, odd sizes, one in place, one of chunk 1) against
+    Comm.reduce_scatter of each alone (Note [One reduce-scatter per launch]): bit for bit, the same bytes counted,
+    one collective's handle, and the receive buffer given back."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    assert n == world_size_check
+    gen = torch.Generator().manual_seed(10 + r)
+    ks = [7, 1, 1025]
+    inputs = [torch.randn(n * k, generator=gen) for k in ks]
+    alone, each = Comm(), []
+    for inp, k in zip(inputs, ks):
+        out = torch.empty(k)
+        alone.wait([alone.reduce_scatter(out, inp.clone())])
+        each.append(out)
+    comm = Comm()
+    copies = [inp.clone() for inp in inputs]
+    outs = [copies[0][r * ks[0]:(r + 1) * ks[0]], torch.empty(ks[1]), torch.empty(ks[2])]
+    work = comm.reduce_scatter_coalesced(outs, copies)
+    comm.wait([work, work])  # a second wait is a no-op (the reducer waits once per bucket of the run)
+    return {"equal": all(torch.equal(a, b) for a, b in zip(outs, each)), "bytes": comm.bytes_sent,
+            "bytes_each": alone.bytes_sent, "taken": comm.recv_pool.taken,
+            "untouched": torch.equal(copies[1], inputs[1]) and torch.equal(copies[2], inputs[2])}

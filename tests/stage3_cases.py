@@ -101,7 +101,8 @@ def parameter_classes() -> dict:
 
 def collectives_per_gather() -> dict:
     """AdamW with weight decay: each ``Block`` unit holds two flat buffers (matrices; biases and norms). In a
-    steady step: the all-gather collectives issued (a coalesced one counts once) and the units gathered."""
+    steady step: the all-gather collectives issued (a coalesced one counts once), the units gathered, and the
+    gradients' reduce-scatter collectives (Note [One reduce-scatter per launch])."""
     from zerorun.zero.comm import Comm
     from zerorun.zero.stage3_checks import GatherDigest
 
@@ -109,8 +110,13 @@ def collectives_per_gather() -> dict:
     model = Net()
     engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1},
                         config=ZeroConfig(stage=3, units=("Block",)))
-    got = {"collectives": 0, "gathers": 0, "inside": False}
+    got = {"collectives": 0, "gathers": 0, "inside": False, "reduce_scatters": 0}
     single, coalesced, values = Comm.all_gather, Comm.all_gather_coalesced, GatherDigest.values
+    reduce_scatter = Comm.reduce_scatter_coalesced  # every reduce-scatter of the gradients goes through it
+
+    def scatter(self, *args):
+        got["reduce_scatters"] += 1
+        return reduce_scatter(self, *args)
 
     def one(self, *args):
         got["collectives"] += 0 if got["inside"] else 1
@@ -132,13 +138,16 @@ def collectives_per_gather() -> dict:
     engine.backward(engine(x))
     engine.step()
     Comm.all_gather, Comm.all_gather_coalesced, GatherDigest.values = one, many, digest
+    Comm.reduce_scatter_coalesced = scatter
     try:
         engine.backward(engine(x))
         engine.step()
     finally:
         Comm.all_gather, Comm.all_gather_coalesced, GatherDigest.values = single, coalesced, values
+        Comm.reduce_scatter_coalesced = reduce_scatter
     return {"buffers": [len(u.buffers) for u in engine.units if u.name.startswith("blocks")],
-            "collectives": got["collectives"], "gathers": got["gathers"]}
+            "collectives": got["collectives"], "gathers": got["gathers"], "reduce_scatters": got["reduce_scatters"],
+            "units_with_gradients": sum(bool(u.trainable) for u in engine.units)}
 
 
 class Reordered(Net):

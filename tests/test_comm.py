@@ -21,6 +21,14 @@ def test_reduce_scatter_via_all_to_all_matches_torch(ranks, world_size, dtype, i
         assert r["recv_numel"] == (1 if world_size == 2 else world_size) * r["chunk"], r
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_coalesced_reduce_scatter_equals_each_alone(ranks, world_size):
+    for r in ranks(world_size).run(cases.reduce_scatter_coalesced_matches_each, world_size_check=world_size):
+        assert r["equal"], r  # the same additions in the same order: the same bits
+        assert r["bytes"] == r["bytes_each"] > 0, r
+        assert r["taken"] == 0 and r["untouched"], r
+
+
 @pytest.mark.parametrize("stage,accum", [(2, 1), (2, 3), (3, 3)])
 def test_gradient_buffers_are_bounded_and_reused(ranks, stage, accum):
     steps = 2

@@ -22,10 +22,18 @@ def test_parameters_are_plain_while_their_unit_is_gathered(ranks):
 def test_a_unit_of_several_flat_buffers_is_gathered_in_one_collective(ranks):
     """Note [One all-gather per unit] in units.py: a unit holding one flat buffer per param group (AdamW with
     weight decay: matrices, and biases with norms) is all-gathered in one coalesced collective, not one per
-    buffer (before: two per gather, each a round of latency and a wait)."""
+    buffer (before: two per gather, each a round of latency and a wait), and its gradients reduce-scattered in
+    one (Note [One reduce-scatter per launch] in gloo_reduce_scatter.py; before: one per buffer)."""
     for r in ranks(2).run(cases.collectives_per_gather):
         assert r["buffers"] == [2, 2, 2], r
-        assert r["gathers"] >= 8 and r["collectives"] == r["gathers"], r  # 3 blocks and the head, twice
+        # the root, 3 blocks and the head, twice: 10 units gathered. Note [Units gathered together]: the root's,
+        # the head's and the first block's at the start of the forward are one collective, and the last block's
+        # at the start of its backward with the middle one's prefetch another (before: 10, one per unit)
+        assert r["gathers"] == 10 and r["collectives"] == 7, r
+        # Note [One reduce-scatter per launch]: the last two blocks' two buckets each at their end of backward as
+        # one collective; the first block's (its input needs no gradient: no end of its own) and the head's, four
+        # buckets, in one at the end of backward (before: one per bucket, 8)
+        assert r["units_with_gradients"] == 4 and r["reduce_scatters"] == 3, r
 
 
 def test_ranks_that_leave_the_recorded_order_get_the_error_not_a_hang(ranks):

@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from zerorun.zero import gloo_reduce_scatter
 from zerorun.zero.streams import DeviceStreams, WaitTimer
 from zerorun.zero.held import HeldWorks
 from zerorun.zero.placement import Topology
@@ -148,30 +149,6 @@ class BufferPool:
     def clear(self) -> None:
         """Drop the kept tensors (their memory is returned once nothing else uses them)."""
         self._free.clear()
-
-
-class _SummedChunks:
-    """Reduce-scatter as all-to-all then a local sum (Note [Reduce-scatter on gloo]): ``wait`` waits for the
-    all-to-all into ``recv`` (``N`` chunks of ``k``; on 2 ranks the other rank's chunk only, added to ``own``,
-    this rank's chunk of the input) and writes their sum into ``output`` (``k`` elements)."""
-
-    def __init__(self, work, recv: torch.Tensor, output: torch.Tensor, comm: "Comm",
-                 own: torch.Tensor | None = None) -> None:
-        self.work, self.recv, self.output, self.comm, self.own = work, recv, output, comm, own
-
-    def is_completed(self) -> bool:
-        return self.recv is None or self.work.is_completed()
-
-    def wait(self) -> bool:
-        if self.recv is not None:
-            self.work.wait()
-            if self.own is not None:  # 2 ranks: a + b is b + a, bit for bit
-                torch.add(self.own, self.recv, out=self.output)
-            else:
-                torch.sum(self.recv.view(-1, self.output.numel()), dim=0, out=self.output)
-            self.comm.recv_pool.give_back(self.recv)
-            self.recv = None
-        return True
 
 
 class _Unpacked:
@@ -284,25 +261,23 @@ class Comm:
         """:meth:`reduce_scatter` over this Comm's ranks in one level, in ``input``'s dtype, whatever
         :attr:`grad_path` says (float64 gradients under quantized ones: Note [Quantized gradients]). ``N >= 2``
         and ``k >= 1``."""
-        self._count((self.world_size - 1) * output.nbytes)
-        with self.streams.issue(self.streams.reduce_scatter):
-            return self._issue_reduce_scatter(output, input)
+        return self.reduce_scatter_coalesced([output], [input])
 
-    def _issue_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
-        if not self.reduce_scatter_via_all_to_all:
-            return _reduce_scatter(output, input, group=self.group, async_op=True)
-        k = output.numel()
-        if self.world_size == 2:  # the other rank's chunk only, both ways
-            other = 1 - self.rank
-            recv = self.recv_pool.take(k, input.dtype, input.device)
-            splits = [k, 0] if other == 0 else [0, k]
-            sent = input[other * k:(other + 1) * k]
-            work = dist.all_to_all_single(recv, sent, output_split_sizes=splits, input_split_sizes=splits,
-                                          group=self.group, async_op=True)
-            return _SummedChunks(work, recv, output, self, own=input[self.rank * k:(self.rank + 1) * k])
-        recv = self.recv_pool.take(input.numel(), input.dtype, input.device)
-        work = dist.all_to_all_single(recv, input, group=self.group, async_op=True)
-        return _SummedChunks(work, recv, output, self)
+    def reduce_scatter_coalesced(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
+        """:meth:`reduce_scatter_exact` of each pair ``(outputs[i], inputs[i])`` (one dtype) as one collective with one
+        handle (Note [One reduce-scatter per launch] in gloo_reduce_scatter.py)."""
+        self._count((self.world_size - 1) * sum(o.nbytes for o in outputs))
+        with self.streams.issue(self.streams.reduce_scatter):
+            if self.reduce_scatter_via_all_to_all:
+                return gloo_reduce_scatter.issue(self, outputs, inputs)
+            if len(outputs) == 1:
+                return _reduce_scatter(outputs[0], inputs[0], group=self.group, async_op=True)
+
+            def issue() -> None:
+                for o, i in zip(outputs, inputs):
+                    _reduce_scatter(o, i, group=self.group)
+
+            return coalesced(self.group, issue)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, splits: list[int]):
         """Send part ``j`` of ``input`` (1-D, ``splits[j]`` elements, in order) to rank ``j``, and receive rank

@@ -20,6 +20,7 @@ from zerorun.zero.broadcast import broadcast_coalesced
 from zerorun.zero.comm import Comm
 from zerorun.zero.config import ZeroConfig
 from zerorun.zero.flat import FlatBuffer, pack
+from zerorun.zero.gloo_reduce_scatter import JOIN_BYTES
 from zerorun.zero.hierarchy import gradient_path
 from zerorun.zero.gradnorm import NORM_ROW, global_sum_of_squares, sum_of_squares  # noqa: F401 (re-exported)
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
@@ -108,7 +109,8 @@ class ZeroEngine(UserModel):
 
         self._materialize()
         self.reducer = GradReducer(self.buffers, self.comm, self.policy, reduce_dtype=self.reduce_dtype,
-                                   accum_dtype=config.accum_dtype, max_inflight=self.MAX_INFLIGHT)
+                                   accum_dtype=config.accum_dtype, max_inflight=self.MAX_INFLIGHT,
+                                   coalesce_bytes=min(bucket_bytes, JOIN_BYTES))
         self.reducer.allocate()
 
         # The optimizer sees one fp32 master per flat buffer: the whole buffer at stage 0, this rank's slice

@@ -107,6 +107,13 @@ class FlatBuffer:
         s = self.slots[p]
         return flat[s.offset:s.offset + s.numel].view(s.shape)
 
+    def zero_all_but(self, flat: torch.Tensor, written: set) -> None:
+        """Zero the padding of ``flat`` (shape ``(numel,)``) and the parts of the parameters not in ``written``."""
+        flat[self.unpadded_numel:].zero_()
+        for p in self.params:
+            if p not in written:
+                self.view_of(flat, p).zero_()
+
 
 def pack(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: float) -> list[list[tuple[str, nn.Parameter]]]:
     """Split ``named_params`` into runs of one dtype each (Note [Flat buffer layout]): the parameters of each

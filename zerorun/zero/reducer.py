@@ -67,6 +67,7 @@ import torch.nn as nn
 from zerorun.zero.adoption import adoptable
 from zerorun.zero.comm import BufferPool, Comm
 from zerorun.zero.flat import FlatBuffer
+from zerorun.zero.gloo_reduce_scatter import runs
 from zerorun.zero.policy import StagePolicy
 from zerorun.zero.precision import wide_or
 from zerorun.zero.torch_internals import will_accumulate
@@ -84,6 +85,8 @@ class GradReducer:
         accum_dtype: dtype in which micro-step gradients are summed (``zero.grad_accum_dtype``). A float64
             bucket is reduced and summed in float64 whatever these say (Note [Wide parameters], precision.py).
         max_inflight: ``MAX_INFLIGHT`` (Note [Waiting in hooks]).
+        coalesce_bytes: stage 3: the most bytes of buckets launched together reduced as one collective (Note [One
+            reduce-scatter per launch] in gloo_reduce_scatter.py).
 
     Attributes:
         order: the launch order (Note [Launch order]).
@@ -96,17 +99,16 @@ class GradReducer:
     """
 
     def __init__(self, buffers: list[FlatBuffer], comm: Comm, policy: StagePolicy, *, reduce_dtype: torch.dtype,
-                 accum_dtype: torch.dtype, max_inflight: int) -> None:
-        self.buffers, self.comm, self.policy = buffers, comm, policy
-        self.world_size = comm.world_size
+                 accum_dtype: torch.dtype, max_inflight: int, coalesce_bytes: int = 0) -> None:
+        self.buffers, self.comm, self.policy, self.world_size = buffers, comm, policy, comm.world_size
         self.reduce_dtype, self.accum_dtype = reduce_dtype, accum_dtype
-        self.cap = max_inflight + 1
+        self.cap, self.coalesce_bytes = max_inflight + 1, coalesce_bytes
         self.pool = BufferPool(keep=max_inflight + 1)
         self.rdtype = {b: wide_or(b.dtype, reduce_dtype) for b in buffers}  # Note [Wide parameters] in precision.py
         self.on_ready: list[Callable[[FlatBuffer], None]] = []
         self.rider: Any = None
         self.order = sorted(buffers, key=lambda b: b.order, reverse=True)
-        self.late_fixups = 0
+        self.late_fixups = self.adopted = 0
         self._index = {b: i for i, b in enumerate(buffers)}
         self._slot = {p: b for b in buffers for p in b.params}
         self._expected = dict.fromkeys(self._slot, 1)
@@ -118,7 +120,6 @@ class GradReducer:
         self._adopted: set[FlatBuffer] = set()
         self._used: set[nn.Parameter] = set()
         self.used: set[nn.Parameter] | None = None
-        self.adopted = 0
         self.sync = self.last = False
         self._reset()
         self.handles: list = []
@@ -169,8 +170,7 @@ class GradReducer:
     def begin(self, last_micro_step: bool) -> None:
         """Before a backward: whether it reduces; parameters known unused are complete now (Note
         [Per-parameter readiness])."""
-        self.sync = last_micro_step or self.policy.reduce_every_micro_step
-        self.last = last_micro_step
+        self.sync, self.last = last_micro_step or self.policy.reduce_every_micro_step, last_micro_step
         self._reset()
         if not self.sync:
             return
@@ -231,10 +231,6 @@ class GradReducer:
             for callback in self.on_ready:
                 callback(buf)
 
-    def is_ready(self, buf: FlatBuffer) -> bool:
-        """Whether ``buf``'s gradient is complete in the running backward."""
-        return buf in self._ready
-
     def accumulates_later(self, p: nn.Parameter) -> bool:
         """Inside a backward: whether ``p``'s gradient has not been accumulated yet but will be."""
         return self._count[p] == 0 and will_accumulate(p)
@@ -269,28 +265,34 @@ class GradReducer:
 
     def launch(self, bufs: list[FlatBuffer]) -> None:
         """Stage 3, at a point every rank reaches in the same order (Note [Program order]): launch the buckets of
-        ``bufs`` not launched yet, in that order, whether or not their gradient is complete here."""
-        for buf in [b for b in bufs if self.sync and b not in self._launched]:
+        ``bufs`` not launched yet, in that order, whether or not their gradient is complete here; consecutive ones
+        as one collective (Note [One reduce-scatter per launch] in gloo_reduce_scatter.py)."""
+        todo = [b for b in bufs if self.sync and b not in self._launched]
+        join = self.world_size > 1 and self.comm.grad_path is None and not self.policy.keep_full_grad
+        for run in runs(todo, self.rdtype, self.coalesce_bytes if join else 0):
             self._make_room(None)
-            self._launch(buf)
+            self._launch(run[0]) if len(run) == 1 else self._launch_sharded(run)
 
-    def _launch(self, buf: FlatBuffer) -> None:
-        self._launched.add(buf)
-        n = self.world_size
-        if not self.policy.keep_full_grad:
+    def _launch_sharded(self, run: list[FlatBuffer]) -> None:
+        """Stages 2-3: reduce-scatter the gradients of ``run`` as one collective into their pooled buffers."""
+        for buf in run:
+            self._launched.add(buf)
             if buf.grad is None:  # no parameter of the bucket got a gradient this micro-step
                 buf.grad = self.pool.take(buf.numel, self.rdtype[buf], buf.device)
                 buf.grad.zero_()
             else:  # zero the padding and the parameters that got no gradient
-                written = self._written.pop(buf, set())
-                buf.grad[buf.unpadded_numel:].zero_()
-                for p in buf.params:
-                    if p not in written:
-                        buf.view_of(buf.grad, p).zero_()
+                buf.zero_all_but(buf.grad, self._written.pop(buf, set()))
             if self.rdtype[buf] == torch.float16:  # fp16 divides first (Note [Gradient buffer pool])
-                buf.grad.div_(n)
-            self._pending.append((buf, self.comm.reduce_scatter(buf.shard(buf.grad), buf.grad), None))
-            return
+                buf.grad.div_(self.world_size)
+        work = (self.comm.reduce_scatter(run[0].shard(run[0].grad), run[0].grad) if len(run) == 1 else
+                self.comm.reduce_scatter_coalesced([b.shard(b.grad) for b in run], [b.grad for b in run]))
+        self._pending.extend((buf, work, None) for buf in run)
+
+    def _launch(self, buf: FlatBuffer) -> None:
+        if not self.policy.keep_full_grad:
+            return self._launch_sharded([buf])
+        self._launched.add(buf)
+        n = self.world_size
         for p in buf.params:  # autograd never writes into a bucket a collective reads (Note [Per-parameter ...])
             p.grad = None
         src = buf.grad
@@ -313,10 +315,7 @@ class GradReducer:
         if not self.policy.keep_full_grad:
             predivided = self.rdtype[buf] == torch.float16
             buf.shard_grad.add_(buf.shard(buf.grad), alpha=1.0 if predivided else 1.0 / self.world_size)
-            if buf in self._adopted:
-                self._adopted.discard(buf)
-            else:
-                self.pool.give_back(buf.grad)
+            self._adopted.discard(buf) if buf in self._adopted else self.pool.give_back(buf.grad)
             buf.grad = None
 
     def finish(self) -> None:

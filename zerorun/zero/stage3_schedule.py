@@ -96,17 +96,18 @@ class Schedule:
             unit.ctx.training = torch.is_grad_enabled()  # Gathering.training, before the root's own gather
         elif not in_backward():
             self.outer.listed_call(unit)
-        unit.unshard(wait=False)  # waited for below, after the all-gathers of the units ahead are issued
-        if in_backward():
-            unit.unshard()
-            return None
-        if unit.is_root:
-            self.outer.pass_start()
-            for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
-                u.out_nodes, u.in_nodes = [], []
-        self.enter(unit)
-        if torch.is_grad_enabled():
-            self.note_and_prefetch(unit, "forward")
+        with unit.ctx.together():  # Note [Units gathered together] in units.py
+            unit.unshard(wait=False)  # waited for below, after the all-gathers of the units ahead are issued
+            if in_backward():
+                unit.unshard()
+                return None
+            if unit.is_root:
+                self.outer.pass_start()
+                for u in self.units:  # a forward without backward (evaluation with grad on) keeps no graph alive
+                    u.out_nodes, u.in_nodes = [], []
+            self.enter(unit)
+            if torch.is_grad_enabled():
+                self.note_and_prefetch(unit, "forward")
         unit.unshard()
         if not torch.is_grad_enabled() or unit.is_root:  # the end of backward ends the root's backward
             return None
@@ -172,10 +173,11 @@ class Schedule:
 
     # ------------------------------------------------------------------------------------------ backward
     def pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
-        if not unit.is_root:
+        if not unit.is_root:  # outside the units gathered together: when the tails are gathered differs by rank
             self.outer.before_listed_backward()  # Note [Outer units]: the tails' all-gather comes first
-        unit.unshard(wait=False)  # waited for once the all-gathers of the units ahead are issued too
-        self.note_and_prefetch(unit, "backward")
+        with unit.ctx.together():  # Note [Units gathered together] in units.py
+            unit.unshard(wait=False)  # waited for once the all-gathers of the units ahead are issued too
+            self.note_and_prefetch(unit, "backward")
         unit.unshard()
         if not unit.is_root:
             self.outer.listed_backward(unit)

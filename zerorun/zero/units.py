@@ -15,6 +15,21 @@ all-gather per buffer). Where the buffers' dtypes differ (a float64 parameter ke
 parameters]; an integer frozen one) every buffer travels as its bytes (a ``uint8`` view: the same bytes in the same
 places). Peer units of different layouts pad that message to the largest peer's (Note [Peer units] in
 unit_plan.py). Measurements: benchmarks/results/history.md, issue 38.
+
+Note [Units gathered together]: where a unit's all-gather is issued, the all-gathers of the units it prefetches
+(Note [Prefetch] in stage3.py) and, at the root, of the outer units gathered with it (Note [Outer units]) follow
+at once: at the start of a forward the root's, the embeddings' and the first block's were three collectives
+before the first block could run, each a round trip between ranks on a small model. Inside
+``Gathering.together()`` (the schedule's forward and backward hooks) the exact all-gathers are queued and issued
+as one ``Comm.all_gather_coalesced`` over all their buffers, in the order queued, at the end of the block or at
+the first wait for one of them, whichever comes first; each unit holds the one handle. What is gathered, and
+when each unit may be used, is as before; only the number of collectives falls. A peer unit's padded message
+(Note [Peer units]) goes alone after the ones queued before it; ZeRO++'s gathers (secondary shards, quantized
+weights) are issued one by one as before. Only all-gathers whose grouping is the same on every rank that runs the
+same units may be queued together: a unit's own, its prefetches (decided by the recorded order, agreed) and the
+root's outer units (agreed in the first step); not the tails' (Note [Outer units]: gathered at their outputs'
+gradient or at the first block's backward, whichever comes first on that rank, so one rank would send them in
+the block's message and the other alone: a gloo size mismatch, an NCCL hang).
 """
 
 from __future__ import annotations
@@ -56,6 +71,30 @@ class Gathering:
     # of a training pass (Notes [Secondary shards] in hierarchy.py, [Quantized weights] in quantize.py)
     training: bool = False
     quantizer: Any = None  # WeightQuantizer where zero.quantize_weights is set (Note [Quantized weights])
+    pending: list | None = None  # inside together(): the units whose all-gather is issued at its end
+
+    @contextlib.contextmanager
+    def together(self):
+        """Inside the block, the units' exact all-gathers are issued as one collective at its end, or at the
+        first wait for one of them before it (Note [Units gathered together])."""
+        if self.pending is not None or self.secondary is not None or self.quantizer is not None:
+            yield
+            return
+        self.pending = []
+        try:
+            yield
+        finally:  # issued on an error too: a unit in GATHERING must have its handle
+            self.flush()
+            self.pending = None
+
+    def flush(self) -> None:
+        """Issue the pending units' all-gathers as one (Note [Units gathered together])."""
+        units, self.pending = self.pending, [] if self.pending is not None else None
+        if units:
+            work = self.comm.all_gather_coalesced([b.data for u in units for b in u.buffers],
+                                                  [b.shard_data for u in units for b in u.buffers])
+            for unit in units:
+                unit.works = [work]
 
     @contextlib.contextmanager
     def exact(self):
@@ -126,7 +165,11 @@ class Unit:
             elif ctx.quantizer is not None and ctx.training and not self.gather_bytes:  # Note [Quantized weights]
                 self.works = [ctx.quantizer.all_gather(ctx.comm, [b.data for b in self.buffers],
                                                        [b.shard_data for b in self.buffers])]
+            elif ctx.pending is not None and not self.gather_bytes:  # Note [Units gathered together]
+                ctx.pending.append(self)
             else:
+                if ctx.pending:  # a peer unit's padded message goes alone, after the ones before it
+                    ctx.flush()
                 self.works = [ctx.comm.all_gather_coalesced([b.data for b in self.buffers],
                                                             [b.shard_data for b in self.buffers], self.gather_bytes)]
             self.state = UnitState.GATHERING
@@ -182,6 +225,8 @@ class Unit:
                 other.reshard()
 
     def _wait(self) -> None:
+        if self.ctx.pending and self in self.ctx.pending:
+            self.ctx.flush()
         if self.works:
             self.ctx.comm.wait(self.works)
             self.works = []
