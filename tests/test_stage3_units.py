@@ -4,6 +4,7 @@ rest, units named by module, what the run says of them, and units of different s
 import pytest
 import torch.nn as nn
 
+import gather_group_cases
 import stage3_cases as cases
 from zerorun.zero.unit_plan import pick_units
 
@@ -34,6 +35,21 @@ def test_a_unit_of_several_flat_buffers_is_gathered_in_one_collective(ranks):
         # one collective; the first block's (its input needs no gradient: no end of its own) and the head's, four
         # buckets, in one at the end of backward (before: one per bucket, 8)
         assert r["units_with_gradients"] == 4 and r["reduce_scatters"] == 3, r
+
+
+def test_gathers_issued_together_are_grouped_alike_on_every_rank(ranks):
+    """Note [Units gathered together]: a unit's all-gather and its prefetches go as one collective, so what a
+    rank prefetches must not depend on anything but the units gathered. Before, a call of an already gathered
+    unit on rank 0 alone (it gathers nothing) counted as leaving the recorded order there: from the next step rank
+    1 prefetched three blocks in one message where rank 0 gathered one, and gloo aborted ("Received data size
+    doesn't match expected size"). Now that call is not recorded, both ranks issue the same all-gathers, and the
+    losses are stage 0's."""
+    pool = ranks(2)
+    s3 = pool.run(gather_group_cases.extra_call_on_one_rank, stage=3)
+    s0 = pool.run(gather_group_cases.extra_call_on_one_rank, stage=0)
+    assert s3[0]["gathers"] == s3[1]["gathers"] and len(s3[0]["gathers"]) > 20, s3
+    for a, b in zip(s3, s0):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-5), (a, b)
 
 
 def test_ranks_that_leave_the_recorded_order_get_the_error_not_a_hang(ranks):

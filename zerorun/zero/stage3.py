@@ -31,7 +31,8 @@ all-gathered after the optimizer step, as at stages 1-2. Memory: their whole byt
 tensor besides the slice the optimizer updates); traffic: one all-gather of them per step instead of two.
 0 (the default) keeps every parameter partitioned.
 
-Note [Prefetch]: the order of the units in forward and in backward is recorded, and kept until a pass differs.
+Note [Prefetch]: the order of the units in forward and in backward (those that start while not gathered: Note
+[Units gathered together] in units.py) is recorded, and kept until a pass differs.
 When unit i starts (gradients on) in a pass that follows it, unit i+1's all-gather is issued (``prefetch_bytes``:
 those after i that fit in that many bytes, ``units.units_ahead``), run while i computes; a deviating pass
 prefetches no more. Unit i's own all-gather, where it was not prefetched, is issued first and waited for

@@ -62,7 +62,7 @@ class Schedule:
         """``unit`` starts in ``phase``: record it, and when this pass follows the recorded order so far,
         issue the all-gathers of the units ahead (Note [Prefetch])."""
         seen = self.seen[phase]
-        if seen and seen[-1] is unit:
+        if (seen and seen[-1] is unit) or unit.state is UnitState.GATHERED:  # Note [Units gathered together]
             return
         seen.append(unit)
         order = self.order[phase]

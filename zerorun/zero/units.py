@@ -25,11 +25,14 @@ as one ``Comm.all_gather_coalesced`` over all their buffers, in the order queued
 the first wait for one of them, whichever comes first; each unit holds the one handle. What is gathered, and
 when each unit may be used, is as before; only the number of collectives falls. A peer unit's padded message
 (Note [Peer units]) goes alone after the ones queued before it; ZeRO++'s gathers (secondary shards, quantized
-weights) are issued one by one as before. Only all-gathers whose grouping is the same on every rank that runs the
-same units may be queued together: a unit's own, its prefetches (decided by the recorded order, agreed) and the
-root's outer units (agreed in the first step); not the tails' (Note [Outer units]: gathered at their outputs'
-gradient or at the first block's backward, whichever comes first on that rank, so one rank would send them in
-the block's message and the other alone: a gloo size mismatch, an NCCL hang).
+weights) are issued one by one as before. Only all-gathers whose grouping is the same on every rank that gathers
+the same units may be queued together. A unit's own and the root's outer units' (agreed in the first step) are;
+so are its prefetches, because what a rank prefetches follows from the units it gathered alone: the recorded
+order and "this pass left it" count only units that start while not gathered (Note [Prefetch]; a call of a
+unit already gathered, a block calling a pinned one again on one rank, gathers nothing and once made that rank
+alone stop prefetching: one rank sent three blocks in one message, the other one, and gloo aborted). Not the
+tails' (Note [Outer units]: gathered at their outputs' gradient or at the first block's backward, whichever
+comes first on that rank, so one rank would send them in the block's message and the other alone).
 """
 
 from __future__ import annotations
@@ -84,8 +87,10 @@ class Gathering:
         try:
             yield
         finally:  # issued on an error too: a unit in GATHERING must have its handle
-            self.flush()
-            self.pending = None
+            try:
+                self.flush()
+            finally:
+                self.pending = None
 
     def flush(self) -> None:
         """Issue the pending units' all-gathers as one (Note [Units gathered together])."""

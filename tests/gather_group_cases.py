@@ -1,0 +1,84 @@
+"""Cases run on every rank of a gloo group by tests/test_stage3_units.py: the all-gathers that stage 3 issues
+as one collective (Note [Units gathered together] in zerorun/zero/units.py) are grouped alike on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zerorun.zero import ZeroConfig, initialize, register_external_parameter
+from zerorun.zero.comm import Comm
+from stage3_cases import Block
+
+
+class Reader(Block):
+    """A block that reads ``inner``'s weight (declared external, so ``inner`` is gathered with it) and, while
+    ``extra`` is set, runs ``inner`` once more on a detached input: a call of a unit that is already gathered, which
+    gathers nothing."""
+
+    def __init__(self, inner: Block) -> None:
+        super().__init__()
+        self.__dict__["inner"] = inner  # not a submodule
+        self.extra = False
+
+    def forward(self, x):
+        h = super().forward(x) + 0.0 * self.inner.fc.weight.sum()
+        if self.extra:
+            self.inner(h.detach())
+        return h
+
+
+class Big(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fcs = nn.Sequential(*[nn.Linear(d, d) for _ in range(4)])
+
+    def forward(self, x):
+        return torch.tanh(self.fcs(x)) + x
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        first = Block()
+        self.blocks_a = nn.ModuleList([first, Reader(first)])
+        self.big = Big()
+        self.blocks_b = nn.ModuleList(Block() for _ in range(6))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        for b in [*self.blocks_a, self.big, *self.blocks_b]:
+            x = b(x)
+        return self.head(x).pow(2).mean()
+
+
+def extra_call_on_one_rank(stage: int, steps: int = 3) -> dict:
+    """Train :class:`Net` (units ``Block``, ``Reader``, ``Big``; ``prefetch_bytes`` the size of ``Big`` and one
+    block) with rank 0's ``Reader`` calling its gathered inner block again in the first step only. The losses,
+    and the bytes of each all-gather this rank issued (one list entry per collective)."""
+    torch.manual_seed(0)
+    model = Net()
+    config = ZeroConfig(stage=stage)
+    if stage == 3:
+        register_external_parameter(model.blocks_a[1], model.blocks_a[0].fc.weight)
+        config = ZeroConfig(stage=3, units=("Block", "Reader", "Big"), prefetch_bytes=4352 + 1216)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=config)
+    sizes, losses, gather = [], [], Comm.all_gather_coalesced
+
+    def counted(self, outputs, inputs, message_bytes=0):
+        sizes.append(max(message_bytes, sum(i.nbytes for i in inputs)))
+        return gather(self, outputs, inputs, message_bytes)
+
+    Comm.all_gather_coalesced = counted
+    try:
+        for step in range(steps):
+            model.blocks_a[1].extra = step == 0 and dist.get_rank() == 0
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+    finally:
+        Comm.all_gather_coalesced = gather
+    return {"losses": losses, "gathers": sizes}
