@@ -82,3 +82,48 @@ def extra_call_on_one_rank(stage: int, steps: int = 3) -> dict:
     finally:
         Comm.all_gather_coalesced = gather
     return {"losses": losses, "gathers": sizes}
+
+
+class Shared(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, use: bool = True):
+        return x + torch.tanh(self.fc(x)) if use else x * 1.0
+
+
+class SharedTwice(nn.Module):
+    """``s`` is called before the blocks and after them (weight sharing); ``use_first`` False: its first call
+    reads none of its parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.s = nn.Linear(16, 16), Shared()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(16, 1)
+        self.use_first = True
+
+    def forward(self, x):
+        x = self.s(self.inp(x), use=self.use_first)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.s(x)).pow(2).mean()
+
+
+def first_call_idle_on_one_rank(stage: int, steps: int = 4) -> list[float]:
+    """Train :class:`SharedTwice` (units ``Shared`` and ``Block``) with rank 0's first call of ``s`` reading none
+    of its parameters from the second step on; the losses."""
+    torch.manual_seed(0)
+    model = SharedTwice()
+    config = ZeroConfig(stage=3, units=("Shared", "Block")) if stage == 3 else ZeroConfig(stage=stage)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=config)
+    losses = []
+    for step in range(steps):
+        model.use_first = not (step >= 1 and dist.get_rank() == 0)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses

@@ -52,6 +52,19 @@ def test_gathers_issued_together_are_grouped_alike_on_every_rank(ranks):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5), (a, b)
 
 
+def test_a_unit_called_twice_stays_gathered_until_both_calls_backward(ranks):
+    """Note [Unit lifecycle]: a unit whose gradient buckets are complete is freed in backward only once every
+    forward call's backward has reached it. Before, a unit called before and after the blocks whose first call
+    read none of its parameters on rank 0 was freed there after the second call's backward and gathered again
+    for the first call's, on rank 0 alone: the ranks' collectives parted and the job hung (a gloo abort before
+    the units were gathered together). Now every rank trains to stage 0's losses."""
+    pool = ranks(2)
+    s3 = pool.run(gather_group_cases.first_call_idle_on_one_rank, stage=3)
+    s0 = pool.run(gather_group_cases.first_call_idle_on_one_rank, stage=0)
+    for a, b in zip(s3, s0):
+        assert a == pytest.approx(b, rel=1e-5), (a, b)
+
+
 def test_ranks_that_leave_the_recorded_order_get_the_error_not_a_hang(ranks):
     """Note [Prefetch]: a pass that deviates from the recorded order prefetches no more. Before, rank 1 running
     its blocks in reverse from the second step on came back to the recorded order at the middle block and

@@ -12,8 +12,10 @@ parameters stay views of it, so autograd's saved references stay valid across fr
 Note [Unit lifecycle]: forward pre-hook: all-gather (wait for a prefetch if one is in flight); forward
 post-hook: register pre-backward hooks on the outputs, then free. Pre-backward (the first gradient reaching an
 output): all-gather again. Post-backward: once every trainable parameter of the unit has its gradient (autograd
-accumulates a leaf once per backward, after all its uses), the unit is freed and its gradient buckets are
-reduce-scattered (Note [Launch order] in reducer.py); a unit holding frozen parameters, which no gradient
+accumulates a leaf once per backward, after all its uses) and the backward of each of its forward calls has
+reached the unit's inputs (a unit called twice, whose first call read none of its parameters on one rank, is
+not freed there between the two: it would be gathered again on that rank alone), the unit is freed and its
+gradient buckets are reduce-scattered (Note [Launch order] in reducer.py); a unit holding frozen parameters, which no gradient
 signals, stays gathered until the end of backward. Forward runs inside backward (activation checkpointing's
 recomputation) never free. At the end of the root's forward and of backward, whatever is still gathered (a
 mispredicted prefetch) is freed.
@@ -31,8 +33,8 @@ all-gathered after the optimizer step, as at stages 1-2. Memory: their whole byt
 tensor besides the slice the optimizer updates); traffic: one all-gather of them per step instead of two.
 0 (the default) keeps every parameter partitioned.
 
-Note [Prefetch]: the order of the units in forward and in backward (those that start while not gathered: Note
-[Units gathered together] in units.py) is recorded, and kept until a pass differs.
+Note [Prefetch]: the order of the units in forward and in backward (but the calls of a pinned or running unit:
+Note [Units gathered together] in units.py) is recorded, and kept until a pass differs.
 When unit i starts (gradients on) in a pass that follows it, unit i+1's all-gather is issued (``prefetch_bytes``:
 those after i that fit in that many bytes, ``units.units_ahead``), run while i computes; a deviating pass
 prefetches no more. Unit i's own all-gather, where it was not prefetched, is issued first and waited for

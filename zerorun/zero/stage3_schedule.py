@@ -62,7 +62,9 @@ class Schedule:
         """``unit`` starts in ``phase``: record it, and when this pass follows the recorded order so far,
         issue the all-gathers of the units ahead (Note [Prefetch])."""
         seen = self.seen[phase]
-        if (seen and seen[-1] is unit) or unit.state is UnitState.GATHERED:  # Note [Units gathered together]
+        # Note [Units gathered together]: a unit pinned by another (or by a gathered_parameters block), or called
+        # again inside its own forward, is gathered already on every rank that runs this: not in the order
+        if (seen and seen[-1] is unit) or unit.pinned_by or unit.active > (phase == "forward"):
             return
         seen.append(unit)
         order = self.order[phase]
@@ -198,8 +200,10 @@ class Schedule:
         self.free_if_done(unit)
 
     def free_if_done(self, unit: Unit) -> None:
+        # not while a forward call's backward is still to come (a unit called twice whose first call read none of
+        # its parameters on one rank: freed there, gathered again there alone, a hang)
         if (unit.ready_buffers == len(unit.trainable) and len(unit.trainable) == len(unit.buffers)
-                and in_backward() and (unit in self.seen["backward"] or unit.outer)):
+                and in_backward() and (unit in self.seen["backward"] or unit.outer) and unit.open_calls == 0):
             self.outer.free_if_done(unit) if unit.outer else unit.reshard()
 
     def unit_backward_done(self, unit: Unit) -> None:

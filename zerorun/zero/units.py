@@ -28,9 +28,10 @@ when each unit may be used, is as before; only the number of collectives falls. 
 weights) are issued one by one as before. Only all-gathers whose grouping is the same on every rank that gathers
 the same units may be queued together. A unit's own and the root's outer units' (agreed in the first step) are;
 so are its prefetches, because what a rank prefetches follows from the units it gathered alone: the recorded
-order and "this pass left it" count only units that start while not gathered (Note [Prefetch]; a call of a
-unit already gathered, a block calling a pinned one again on one rank, gathers nothing and once made that rank
-alone stop prefetching: one rank sent three blocks in one message, the other one, and gloo aborted). Not the
+order and "this pass left it" leave out the calls of a unit that is pinned (by a unit that reads it, or a
+``gathered_parameters`` block) or already running (Note [Prefetch]; such a call gathers nothing, and a block
+calling a pinned one again on one rank once made that rank alone stop prefetching: one rank sent three blocks in
+one message, the other one, and gloo aborted). Not the
 tails' (Note [Outer units]: gathered at their outputs' gradient or at the first block's backward, whichever
 comes first on that rank, so one rank would send them in the block's message and the other alone).
 """
