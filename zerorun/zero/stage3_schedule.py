@@ -62,8 +62,8 @@ class Schedule:
         """``unit`` starts in ``phase``: record it, and when this pass follows the recorded order so far,
         issue the all-gathers of the units ahead (Note [Prefetch])."""
         seen = self.seen[phase]
-        # Note [Units gathered together]: a unit pinned by another (or by a gathered_parameters block), or called
-        # again inside its own forward, is gathered already on every rank that runs this: not in the order
+        # a unit pinned by another (or by a gathered_parameters block), or called again inside its own forward, is
+        # gathered already on every rank that runs this: not in the order (Note [Units gathered together])
         if (seen and seen[-1] is unit) or unit.pinned_by or unit.active > (phase == "forward"):
             return
         seen.append(unit)
