@@ -37,7 +37,7 @@ def runs(bufs: list, dtype_of: dict, limit: int) -> list[list]:
     out: list[list] = []
     for buf in bufs:
         last = out[-1] if out else []
-        if (buf.numel and last and dtype_of[buf] == dtype_of[last[0]] and all(b.numel for b in last)
+        if (buf.numel and last and last[0].numel and dtype_of[buf] == dtype_of[last[0]]
                 and sum(b.numel * dtype_of[b].itemsize for b in last + [buf]) <= limit):
             last.append(buf)
         else:
@@ -48,8 +48,9 @@ def runs(bufs: list, dtype_of: dict, limit: int) -> list[list]:
 class SummedChunks:
     """The handle of a reduce-scatter issued as an all-to-all (Note [Reduce-scatter on gloo] in comm.py): ``wait``
     waits for it, then writes into each ``outputs[i]`` (``k_i`` elements) the sum over ranks of its chunk, read
-    from ``recv`` (``N`` rows of ``K = sum(k_i)`` elements, bucket ``i`` at column ``offsets[i]``; on 2 ranks one
-    row, the other rank's chunks, added to ``owns[i]``, this rank's own chunk of bucket ``i``), and frees
+    from ``recv`` (``N`` rows of ``K = sum(k_i)`` elements, bucket ``i`` in the columns after those of the buckets
+    before it; on 2 ranks one row, the other rank's chunks, added to ``owns[i]``, this rank's own chunk of bucket
+    ``i``), and frees
     ``sent`` (the packed message, or ``None``) and gives ``recv`` back to the pool."""
 
     def __init__(self, work, recv: torch.Tensor, outputs: list[torch.Tensor], comm, owns: list | None,

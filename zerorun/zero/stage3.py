@@ -15,10 +15,10 @@ output): all-gather again. Post-backward: once every trainable parameter of the 
 accumulates a leaf once per backward, after all its uses) and the backward of each of its forward calls has
 reached the unit's inputs (a unit called twice, whose first call read none of its parameters on one rank, is
 not freed there between the two: it would be gathered again on that rank alone), the unit is freed and its
-gradient buckets are reduce-scattered (Note [Launch order] in reducer.py); a unit holding frozen parameters, which no gradient
-signals, stays gathered until the end of backward. Forward runs inside backward (activation checkpointing's
-recomputation) never free. At the end of the root's forward and of backward, whatever is still gathered (a
-mispredicted prefetch) is freed.
+gradient buckets are reduce-scattered (Note [Launch order] in reducer.py); a unit holding frozen parameters,
+which no gradient signals, stays gathered until the end of backward. Forward runs inside backward (activation
+checkpointing's recomputation) never free. At the end of the root's forward and of backward, whatever is still
+gathered (a mispredicted prefetch) is freed.
 
 The parts, each owning its state (docs/how-it-is-built.md, "Correctness"): ``Unit`` (units.py), the choice of
 units (unit_plan.py), ``Schedule`` (stage3_schedule.py; ``OuterSchedule`` in stage3_outer.py), ``ParameterGuard``

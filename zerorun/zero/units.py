@@ -31,9 +31,9 @@ so are its prefetches, because what a rank prefetches follows from the units it 
 order and "this pass left it" leave out the calls of a unit that is pinned (by a unit that reads it, or a
 ``gathered_parameters`` block) or already running (Note [Prefetch]; such a call gathers nothing, and a block
 calling a pinned one again on one rank once made that rank alone stop prefetching: one rank sent three blocks in
-one message, the other one, and gloo aborted). Not the
-tails' (Note [Outer units]: gathered at their outputs' gradient or at the first block's backward, whichever
-comes first on that rank, so one rank would send them in the block's message and the other alone).
+one message, the other one, and gloo aborted). Not the tails' (Note [Outer units]: gathered at their outputs'
+gradient or at the first block's backward, whichever comes first on that rank, so one rank would send them in
+the block's message and the other alone).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Gathering:
 
     def flush(self) -> None:
         """Issue the pending units' all-gathers as one (Note [Units gathered together])."""
-        units, self.pending = self.pending, [] if self.pending is not None else None
+        units, self.pending = self.pending, []
         if units:
             work = self.comm.all_gather_coalesced([b.data for u in units for b in u.buffers],
                                                   [b.shard_data for u in units for b in u.buffers])
