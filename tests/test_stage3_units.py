@@ -193,3 +193,24 @@ def test_experts_that_all_run_train_as_stage_0_without_padding_at_rest(ranks, ca
         assert r["losses"] == pytest.approx(w["losses"], rel=1e-5), (r, w)
         assert r["param_bytes"] < w["param_bytes"] / 2 + 1024, (r, w)
     assert got[0]["gather_bytes"] and len(set(got[0]["gather_bytes"].values())) == 1, got[0]
+
+
+def test_gathers_queued_together_leave_no_queue_behind_when_their_collective_raises():
+    """Note [Units gathered together]: ``Gathering.together()`` issues its queue at the end of the block; when that
+    collective raises (a peer gone), the queue goes with the error. Before, it was left empty but set, so every
+    later ``together()`` block queued into it and nothing was issued until some wait."""
+    import types
+
+    import torch.nn as nn
+
+    from zerorun.zero.units import Gathering
+
+    class Failing:
+        def all_gather_coalesced(self, outputs, inputs, message_bytes=0):
+            raise RuntimeError("peer gone")
+
+    ctx = Gathering(comm=Failing(), store=None, guard=nn.Parameter)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        with ctx.together():
+            ctx.pending.append(types.SimpleNamespace(buffers=[]))
+    assert ctx.pending is None
