@@ -97,15 +97,15 @@ class SharedTwice(nn.Module):
     """``s`` is called before the blocks and after them (weight sharing); ``use_first`` False: its first call
     reads none of its parameters."""
 
-    def __init__(self) -> None:
+    def __init__(self, raw: bool = False) -> None:
         super().__init__()
         self.inp, self.s = nn.Linear(16, 16), Shared()
         self.blocks = nn.ModuleList(Block() for _ in range(3))
         self.head = nn.Linear(16, 1)
-        self.use_first = True
+        self.use_first, self.raw = True, raw  # raw: the first call takes the input itself (no gradient)
 
     def forward(self, x):
-        x = self.s(self.inp(x), use=self.use_first)
+        x = self.s(x if self.raw else self.inp(x), use=self.use_first)
         for b in self.blocks:
             x = b(x)
         return self.head(self.s(x)).pow(2).mean()
@@ -127,3 +127,81 @@ def first_call_idle_on_one_rank(stage: int, steps: int = 4) -> list[float]:
         engine.step()
         losses.append(float(loss.detach()))
     return losses
+
+
+def first_call_on_the_input_some_steps(stage: int, steps: int = 4, prefetch_bytes: int | None = None) -> list[float]:
+    """Train :class:`SharedTwice` (units ``Shared`` and ``Block``) with ``s`` first called on the input itself,
+    reading its parameters on rank 0 in even steps only (on rank 1 never): a backward that reaches ``s`` twice on
+    rank 0, in some steps, and once elsewhere. The losses."""
+    torch.manual_seed(0)
+    model = SharedTwice(raw=True)
+    config = ZeroConfig(stage=stage)
+    if stage == 3:
+        config = ZeroConfig(stage=3, units=("Shared", "Block"), prefetch_bytes=prefetch_bytes)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=config)
+    losses = []
+    for step in range(steps):
+        model.use_first = dist.get_rank() == 0 and step % 2 == 0
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+class Expert(nn.Module):
+    def __init__(self, width: int, d: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, width), nn.Linear(width, d)
+
+    def forward(self, x):
+        if x.shape[0] == 0:
+            return x * 1.0  # no token here: it runs, on an empty batch, and reads none of its parameters
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class MoELayer(nn.Module):
+    def __init__(self, widths, d: int = 16) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, len(widths))
+        self.experts = nn.ModuleList(Expert(w, d) for w in widths)
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(-1)
+        out = x.clone()
+        for i, expert in enumerate(self.experts):
+            idx = (choice == i).nonzero().flatten()
+            out = out.index_add(0, idx, expert(x[idx]))
+        return out
+
+
+class SharedMoE(nn.Module):
+    """Three MoE layers of experts of widths 8, 24, 40 (the peers of Note [Peer units]); layer 0 runs again after
+    the others (weight sharing). Each rank routes its own tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MoELayer((8, 24, 40)) for _ in range(3))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for layer in [*self.layers, self.layers[0]]:
+            x = layer(x) + x
+        return self.head(x).pow(2).mean()
+
+
+def shared_moe_routed_per_rank(prefetch_bytes: int | None, steps: int = 5) -> str:
+    """Train :class:`SharedMoE` at stage 3 (units ``Expert``); the error raised on this rank, or ``""``."""
+    torch.manual_seed(0)
+    config = ZeroConfig(stage=3, units=("Expert",), prefetch_bytes=prefetch_bytes)
+    engine = initialize(SharedMoE(), optimizer="SGD", optimizer_kwargs={"lr": 0.002}, config=config)
+    try:
+        for step in range(steps):
+            x = torch.randn(3, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+    except RuntimeError as e:
+        return str(e)
+    return ""

@@ -65,6 +65,32 @@ def test_a_unit_called_twice_stays_gathered_until_both_calls_backward(ranks):
         assert a == pytest.approx(b, rel=1e-5), (a, b)
 
 
+def test_a_second_backward_of_a_unit_on_some_ranks_changes_no_prefetch(ranks):
+    """Note [Prefetch]: the backward order records a unit once per pass. Before, a unit called first on the input
+    itself and again after the blocks entered rank 0's backward order twice in a step where that first call read
+    its parameters there (only there): in the next step rank 0 alone prefetched it again after its backward was
+    done, and gloo aborted (a hang with the default prefetch; the review's MoE probe with a shared layer). Now
+    both ranks prefetch alike and train to stage 0's losses, with one unit ahead or several."""
+    pool = ranks(2)
+    s0 = pool.run(gather_group_cases.first_call_on_the_input_some_steps, stage=0)
+    for prefetch_bytes in (10**6, None):
+        s3 = pool.run(gather_group_cases.first_call_on_the_input_some_steps, stage=3, prefetch_bytes=prefetch_bytes)
+        for a, b in zip(s3, s0):
+            assert a == pytest.approx(b, rel=1e-5), (prefetch_bytes, a, b)
+
+
+def test_experts_whose_backward_order_differs_by_rank_are_an_error_on_every_rank(ranks):
+    """Note [Same units on every rank]: experts of a shared MoE layer, routed per rank, are reached by autograd in
+    another order on each rank (their forward calls are the same). Before, with several units prefetched gloo
+    aborted ("Received data size doesn't match"), and with one the job hung; now every rank raises the error, which
+    says the units differ in backward (not "run every unit on every rank": they all ran)."""
+    pool = ranks(2)
+    for prefetch_bytes in (10**6, None):
+        for error in pool.run(gather_group_cases.shared_moe_routed_per_rank, prefetch_bytes=prefetch_bytes):
+            assert "ranks ran different units in one step" in error and ", in backward:" in error, error
+            assert "Run every unit on every rank" not in error, error
+
+
 def test_ranks_that_leave_the_recorded_order_get_the_error_not_a_hang(ranks):
     """Note [Prefetch]: a pass that deviates from the recorded order prefetches no more. Before, rank 1 running
     its blocks in reverse from the second step on came back to the recorded order at the middle block and

@@ -34,7 +34,9 @@ tensor besides the slice the optimizer updates); traffic: one all-gather of them
 0 (the default) keeps every parameter partitioned.
 
 Note [Prefetch]: the order of the units in forward and in backward (but the calls of a pinned or running unit:
-Note [Units gathered together] in units.py) is recorded, and kept until a pass differs.
+Note [Units gathered together] in units.py) is recorded, and kept until a pass differs. In backward a unit counts
+at its first gradient of the pass only: a second (a unit called twice, whose first call read its parameters on some
+ranks, is reached twice there and once elsewhere) made one rank alone prefetch it again after its backward, a hang.
 When unit i starts (gradients on) in a pass that follows it, unit i+1's all-gather is issued (``prefetch_bytes``:
 those after i that fit in that many bytes, ``units.units_ahead``), run while i computes; a deviating pass
 prefetches no more. Unit i's own all-gather, where it was not prefetched, is issued first and waited for

@@ -63,8 +63,10 @@ class Schedule:
         issue the all-gathers of the units ahead (Note [Prefetch])."""
         seen = self.seen[phase]
         # a unit pinned by another (or by a gathered_parameters block), or called again inside its own forward, is
-        # gathered already on every rank that runs this: not in the order (Note [Units gathered together])
-        if (seen and seen[-1] is unit) or unit.pinned_by or unit.active > (phase == "forward"):
+        # gathered already on every rank that runs this: not in the order (Note [Units gathered together]); nor is
+        # a unit's second backward in a pass (Note [Prefetch]: whether it comes may differ by rank)
+        if (seen and seen[-1] is unit) or unit.pinned_by or unit.active > (phase == "forward") or (
+                phase == "backward" and unit in seen):
             return
         seen.append(unit)
         order = self.order[phase]

@@ -70,6 +70,7 @@ class Gathering:
     store: Any
     guard: type
     log: list[int] = dataclasses.field(default_factory=list)
+    log_in_backward: list[bool] = dataclasses.field(default_factory=list)  # beside ``log``: gathered in backward
     secondary: Any = None  # SecondaryShards where zero.hierarchy is set (Note [Secondary shards] in hierarchy.py)
     # from a forward with gradients enabled until the optimizer step (or an evaluation's forward): the gathers
     # of a training pass (Notes [Secondary shards] in hierarchy.py, [Quantized weights] in quantize.py)
@@ -101,6 +102,11 @@ class Gathering:
                                                   [b.shard_data for u in units for b in u.buffers])
             for unit in units:
                 unit.works = [work]
+
+    def clear_log(self) -> None:
+        """The ranks agreed on the units gathered so far (Note [Same units on every rank])."""
+        self.log.clear()
+        self.log_in_backward.clear()
 
     @contextlib.contextmanager
     def exact(self):
@@ -181,6 +187,7 @@ class Unit:
             self.state = UnitState.GATHERING
             if self.index >= 0:
                 ctx.log.append(self.index)
+                ctx.log_in_backward.append(in_backward())
             for other in self.external:  # Note [External parameters] in stage3_access.py
                 if not other.deferred:  # Note [Outer units]: a tail this backward gathers later
                     other.unshard(wait=False)
