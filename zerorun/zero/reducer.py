@@ -113,14 +113,13 @@ class GradReducer:
         self._slot = {p: b for b in buffers for p in b.params}
         self._expected = dict.fromkeys(self._slot, 1)
         self._count = dict.fromkeys(self._slot, 0)
-        self._recorded = False
         self._pending: deque[tuple[FlatBuffer, Any, Any]] = deque()
         self._result: dict[FlatBuffer, torch.Tensor] = {}
         self._late: dict[FlatBuffer, torch.Tensor] = {}
         self._adopted: set[FlatBuffer] = set()
         self._used: set[nn.Parameter] = set()
         self.used: set[nn.Parameter] | None = None
-        self.sync = self.last = False
+        self.sync = self.last = self._recorded = False
         self._reset()
         self.handles: list = []
 
@@ -188,11 +187,7 @@ class GradReducer:
                 late = self._late[buf] = torch.zeros(buf.numel, dtype=p.grad.dtype, device=buf.device)
             buf.view_of(late, p).add_(p.grad)
             p.grad = None
-            self._count[p] += 1
-            if self._count[p] == self._expected[p]:
-                self._param_ready(buf)
-            return
-        if self.policy.keep_full_grad:
+        elif self.policy.keep_full_grad:
             view = buf.view_of(buf.grad, p)
             if p.grad.data_ptr() != view.data_ptr():  # grads were set to None by someone: keep our layout
                 view.add_(p.grad)
@@ -260,7 +255,7 @@ class GradReducer:
         while self._next < len(self.order) and self.order[self._next] in self._ready:
             if self.policy.bound_in_flight:
                 self._make_room(None)
-            self._launch(self.order[self._next])
+            self._launch([self.order[self._next]])
             self._next += 1
 
     def launch(self, bufs: list[FlatBuffer]) -> None:
@@ -271,7 +266,7 @@ class GradReducer:
         join = self.world_size > 1 and self.comm.grad_path is None and not self.policy.keep_full_grad
         for run in runs(todo, self.rdtype, self.coalesce_bytes if join else 0):
             self._make_room(None)
-            self._launch(run[0]) if len(run) == 1 else self._launch_sharded(run)
+            self._launch(run)
 
     def _launch_sharded(self, run: list[FlatBuffer]) -> None:
         """Stages 2-3: reduce-scatter the gradients of ``run`` as one collective into their pooled buffers."""
@@ -288,9 +283,10 @@ class GradReducer:
                 self.comm.reduce_scatter_coalesced([b.shard(b.grad) for b in run], [b.grad for b in run]))
         self._pending.extend((buf, work, None) for buf in run)
 
-    def _launch(self, buf: FlatBuffer) -> None:
+    def _launch(self, run: list[FlatBuffer]) -> None:
         if not self.policy.keep_full_grad:
-            return self._launch_sharded([buf])
+            return self._launch_sharded(run)
+        buf = run[0]  # stages 0-1 join no buckets (``launch``): a run of one
         self._launched.add(buf)
         n = self.world_size
         for p in buf.params:  # autograd never writes into a bucket a collective reads (Note [Per-parameter ...])
@@ -315,7 +311,9 @@ class GradReducer:
         if not self.policy.keep_full_grad:
             predivided = self.rdtype[buf] == torch.float16
             buf.shard_grad.add_(buf.shard(buf.grad), alpha=1.0 if predivided else 1.0 / self.world_size)
-            self._adopted.discard(buf) if buf in self._adopted else self.pool.give_back(buf.grad)
+            if buf not in self._adopted:
+                self.pool.give_back(buf.grad)
+            self._adopted.discard(buf)
             buf.grad = None
 
     def finish(self) -> None:
