@@ -97,15 +97,15 @@ class SharedTwice(nn.Module):
     """``s`` is called before the blocks and after them (weight sharing); ``use_first`` False: its first call
     reads none of its parameters."""
 
-    def __init__(self, raw: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.inp, self.s = nn.Linear(16, 16), Shared()
         self.blocks = nn.ModuleList(Block() for _ in range(3))
         self.head = nn.Linear(16, 1)
-        self.use_first, self.raw = True, raw  # raw: the first call takes the input itself (no gradient)
+        self.use_first = True
 
     def forward(self, x):
-        x = self.s(x if self.raw else self.inp(x), use=self.use_first)
+        x = self.s(self.inp(x), use=self.use_first)
         for b in self.blocks:
             x = b(x)
         return self.head(self.s(x)).pow(2).mean()
@@ -121,27 +121,6 @@ def first_call_idle_on_one_rank(stage: int, steps: int = 4) -> list[float]:
     losses = []
     for step in range(steps):
         model.use_first = not (step >= 1 and dist.get_rank() == 0)
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
-def first_call_on_the_input_some_steps(stage: int, steps: int = 4, prefetch_bytes: int | None = None) -> list[float]:
-    """Train :class:`SharedTwice` (units ``Shared`` and ``Block``) with ``s`` first called on the input itself,
-    reading its parameters on rank 0 in even steps only (on rank 1 never): a backward that reaches ``s`` twice on
-    rank 0, in some steps, and once elsewhere. The losses."""
-    torch.manual_seed(0)
-    model = SharedTwice(raw=True)
-    config = ZeroConfig(stage=stage)
-    if stage == 3:
-        config = ZeroConfig(stage=3, units=("Shared", "Block"), prefetch_bytes=prefetch_bytes)
-    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=config)
-    losses = []
-    for step in range(steps):
-        model.use_first = dist.get_rank() == 0 and step % 2 == 0
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
         loss = engine(x)
         engine.backward(loss)
@@ -191,17 +170,106 @@ class SharedMoE(nn.Module):
         return self.head(x).pow(2).mean()
 
 
-def shared_moe_routed_per_rank(prefetch_bytes: int | None, steps: int = 5) -> str:
-    """Train :class:`SharedMoE` at stage 3 (units ``Expert``); the error raised on this rank, or ``""``."""
+def shared_moe_routed_per_rank(stage: int, prefetch_bytes: int | None = None, steps: int = 5) -> list[float]:
+    """Train :class:`SharedMoE` (stage 3: units ``Expert``); the losses."""
     torch.manual_seed(0)
-    config = ZeroConfig(stage=3, units=("Expert",), prefetch_bytes=prefetch_bytes)
+    config = ZeroConfig(stage=stage)
+    if stage == 3:
+        config = ZeroConfig(stage=3, units=("Expert",), prefetch_bytes=prefetch_bytes)
     engine = initialize(SharedMoE(), optimizer="SGD", optimizer_kwargs={"lr": 0.002}, config=config)
-    try:
-        for step in range(steps):
-            x = torch.randn(3, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
-            loss = engine(x)
-            engine.backward(loss)
-            engine.step()
-    except RuntimeError as e:
-        return str(e)
-    return ""
+    losses = []
+    for step in range(steps):
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+class Gained(nn.Module):
+    """``mode``: what its forward reads: ``"fc"`` its own parameters, ``"id"`` none (``x * 1.0``: an expert without
+    tokens), ``"gain"`` ``gain``, a parameter of another unit (the root's)."""
+
+    def __init__(self, gain: nn.Parameter, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.__dict__["gain"] = gain  # not a parameter of this module
+
+    def forward(self, x, mode: str = "fc"):
+        return {"fc": lambda: x + torch.tanh(self.fc(x)), "id": lambda: x * 1.0, "gain": lambda: x * self.gain}[mode]()
+
+
+class OnTheInput(nn.Module):
+    """``s`` is called on the input itself, then after a block, in the ``modes`` of :class:`Gained`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.s, self.block, self.head = Gained(self.gain), Block(), nn.Linear(16, 1)
+        self.modes = ("fc", "fc")
+
+    def forward(self, x):
+        x = self.s(x, self.modes[0])
+        return self.head(self.s(self.block(x), self.modes[1])).pow(2).mean()
+
+
+def unit_called_on_the_input(stage: int, pattern: str, prefetch_bytes: int | None = None, steps: int = 3) -> list:
+    """Train :class:`OnTheInput` (stage 3: units ``Gained`` and ``Block``); the losses. ``pattern``:
+    ``"unused-last-step"``: rank 0 reads none of ``s``'s parameters in the first step (both calls ``"id"``);
+    ``"other-units-parameter"``: the first call reads ``s``'s own parameters on rank 0, the root's on the others."""
+    torch.manual_seed(0)
+    model = OnTheInput()
+    config = ZeroConfig(stage=stage)
+    if stage == 3:
+        config = ZeroConfig(stage=3, units=("Gained", "Block"), prefetch_bytes=prefetch_bytes)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=config)
+    losses, rank = [], dist.get_rank()
+    for step in range(steps):
+        if pattern == "unused-last-step":
+            model.modes = ("id", "id") if step == 0 and rank == 0 else ("fc", "fc")
+        else:
+            model.modes = ("fc" if rank == 0 else "gain", "fc")
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+
+class BesideTheInput(nn.Module):
+    """``d`` and then ``s`` run on the input itself, ``block`` on their sum, ``s`` again after it: backward reaches
+    ``s`` twice on a rank where its first call reads its parameters, and ``d`` after that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(16))
+        self.d, self.s, self.block, self.head = Block(), Gained(self.gain), Block(), nn.Linear(16, 1)
+        self.first = "fc"
+
+    def forward(self, x):
+        d = self.d(x)
+        h = self.block(self.s(x, self.first) + d)
+        return self.head(self.s(h)).pow(2).mean()
+
+
+def second_backward_on_one_rank(stage: int, steps: int = 3) -> list[float]:
+    """Train :class:`BesideTheInput` (stage 3: units ``Gained`` and ``Block``, ``prefetch_bytes`` two blocks'
+    worth), ``s``'s first call reading its parameters on rank 0 only; the losses."""
+    torch.manual_seed(0)
+    model = BesideTheInput()
+    config = ZeroConfig(stage=stage)
+    if stage == 3:
+        config = ZeroConfig(stage=3, units=("Gained", "Block"), prefetch_bytes=2 * 1216 + 64)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=config)
+    losses = []
+    for step in range(steps):
+        model.first = "fc" if dist.get_rank() == 0 else "id"
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses

@@ -16,7 +16,8 @@ accumulates a leaf once per backward, after all its uses) and the backward of ea
 reached the unit's inputs (a unit called twice, whose first call read none of its parameters on one rank, is
 not freed there between the two: it would be gathered again on that rank alone), the unit is freed and its
 gradient buckets are reduce-scattered (Note [Launch order] in reducer.py); a unit holding frozen parameters,
-which no gradient signals, stays gathered until the end of backward. Forward runs inside backward (activation
+which no gradient signals, stays gathered until the end of backward, as does one with a call whose inputs need
+no gradient (Note [End of a unit's backward] in stage3_schedule.py). Forward runs inside backward (activation
 checkpointing's recomputation) never free. At the end of the root's forward and of backward, whatever is still
 gathered (a mispredicted prefetch) is freed.
 

@@ -12,9 +12,7 @@ is the same exactly when ``N * sum(h*h) == sum(h) ** 2`` (their variance is zero
 verdict from the same sums and raises together, before the optimizer step; the digest of the forward's
 all-gathers is also agreed before backward, beside Note [Backward on some ranks]'s marks, so that backward's
 reduce-scatters never pair different units (of different sizes: a gloo abort) either. Only then, on the error
-path, the ranks exchange their unit lists to name the units, and whether they parted in backward (the same
-forward calls, autograd reaching the units in another order on each rank: experts of a shared layer routed per
-rank), where "run every unit on every rank" is not the way out. A forward without gradients (evaluation), which no
+path, the ranks exchange their unit lists to name the units. A forward without gradients (evaluation), which no
 backward follows, agrees on the digest at its end (``GatherDigest.check_now``): one host agreement per evaluation
 forward, none in training. All-gathers outside a forward (``gathered_parameters``, a state dict) are in the next
 step's or evaluation's digest. A collision (two different sequences with one digest) has a chance of 1 in 65521
@@ -65,37 +63,26 @@ class GatherDigest:
         if engine.world_size > 1:
             h = order_digest(engine.gathering.log)
             if not alike(engine.world_size, *engine.comm.agree([h, h * h])):
-                _raise_mismatch(engine)
-        engine.gathering.clear_log()
+                _raise_mismatch(engine, engine.gathering.log)
+        engine.gathering.log.clear()
 
     def take(self, sums: list[int]) -> None:
         """``sums``: :meth:`values` summed over the ranks. Raises RuntimeError on every rank where they differ."""
         n, outer = self.engine.world_size, self.engine.sched.outer
         if not alike(n, sums[0], sums[1]):
-            _raise_mismatch(self.engine)
-        self.engine.gathering.clear_log()
+            _raise_mismatch(self.engine, self.engine.gathering.log)
+        self.engine.gathering.log.clear()
         if outer.learning:
             outer.agree([alike(n, a, b) for a, b in zip(sums[2::2], sums[3::2])], sums[2::2])
 
 
-def _raise_mismatch(engine) -> None:
-    """Raise Note [Same units on every rank]'s error on every rank, naming the first all-gather where the units
-    differ, and whether it came in backward (where autograd's order, not the user's code, chose the unit)."""
+def _raise_mismatch(engine, indices: list[int]) -> None:
     names = [u.name or "<root>" for u in engine.units]
     every: list = [None] * engine.world_size
-    mine = (engine.gathering.log, engine.gathering.log_in_backward)
-    dist.all_gather_object(every, mine, group=engine.comm.control)
-    logs = [log for log, _ in every]
-    k = next((k for k in range(max(map(len, logs))) if len({tuple(seq[k:k + 1]) for seq in logs}) > 1), 0)
+    dist.all_gather_object(every, indices, group=engine.comm.control)
+    k = next((k for k in range(max(map(len, every))) if len({tuple(seq[k:k + 1]) for seq in every}) > 1), 0)
     which = ", ".join(f"rank {engine.comm.global_rank(r)}: {names[seq[k]] if k < len(seq) else 'nothing'!r}"
-                      for r, seq in enumerate(logs))
-    if any(k < len(back) and back[k] for _, back in every):
-        raise RuntimeError(
-            f"stage 3: ranks ran different units in one step (all-gather #{k + 1} of the step, in backward: "
-            f"{which}); a unit is all-gathered for its backward on every rank together, so autograd must reach the "
-            "units in the same order on every rank, and here it does not (the ranks' graphs join the units' "
-            "outputs differently: tokens routed per rank through units called more than once, for instance). "
-            "Make the module that chooses between them one unit (zero.units), or use stage 2")
+                      for r, seq in enumerate(every))
     raise RuntimeError(
         f"stage 3: ranks ran different units in one step (all-gather #{k + 1} of the step: {which}); "
         "all-gathers pair up across ranks, so every rank must run the same units in the same order. Run every "
@@ -154,7 +141,9 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     tails = engine.sched.outer.tails()  # Note [Outer units]: deferred where every rank reaches them
     units = listed + tails
     recorded = [u.out_nodes for u in units]
-    ends = [u.in_nodes for u in listed]  # Note [Program order] in reducer.py: the units' ends of backward
+    # Note [Program order] in reducer.py: the units' ends of backward (none for an ``open_ended`` unit: Note [End of a
+    # unit's backward] in stage3_schedule.py)
+    ends = [[] if u.open_ended else u.in_nodes for u in listed]
     for u in engine.units:
         u.out_nodes, u.in_nodes = [], []
         u.deferred = u.ends_agreed = False
@@ -184,7 +173,7 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
             "Make it reach the loss on every rank (e.g. loss = loss + 0.0 * out.sum() where it is not used), "
             "keep it inside a unit that every rank uses (zero.units), or use stage 2")
     if not alike(n, hs, hsq):  # before backward's reduce-scatters, which would pair different units too
-        _raise_mismatch(engine)
+        _raise_mismatch(engine, engine.gathering.log)
 
 
 def _reached(loss: torch.Tensor, wanted: set) -> set:

@@ -119,6 +119,7 @@ class Schedule:
         flat, spec = tree_flatten((args, kwargs))
         at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not at:
+            unit.open_ended = True
             return None
         unit.open_calls += 1
         out = UnitInputsDone.apply(functools.partial(self.unit_backward_done, unit), *(flat[i] for i in at))
@@ -212,7 +213,13 @@ class Schedule:
         """Note [End of a unit's backward]: called when autograd has the gradients of one forward call's inputs
         of ``unit``. After the last such call of the step, a bucket of the unit whose missing parameters will get
         no gradient in this backward (an expert no token reached on this rank) is complete now, with zeros for
-        them, instead of at the end of backward (``GradReducer.force_ready``)."""
+        them, instead of at the end of backward (``GradReducer.force_ready``). A call whose inputs need no gradient
+        (the model's input itself) has no such signal: its unit is ``open_ended``, kept gathered to the end of
+        backward (as FSDP2 reshards such a module at its final callback) and its end not agreed (its buckets
+        reduce at the end of backward). Before, a unit called on the input and again later, freed once its
+        gradient looked complete (a bucket unused in the last step is complete from the start; a first call whose
+        output needs a gradient through another unit's parameter adds none), was gathered again for the first
+        call's backward on some ranks alone: a hang."""
         unit.open_calls -= 1
         if unit.open_calls > 0:
             return
@@ -229,5 +236,5 @@ class Schedule:
         self.end_pass("backward")
         for unit in self.units:
             unit.ready_buffers = unit.open_calls = 0
-            unit.ends_agreed = unit.deferred = False
+            unit.ends_agreed = unit.deferred = unit.open_ended = False
         self.free_all()

@@ -70,7 +70,6 @@ class Gathering:
     store: Any
     guard: type
     log: list[int] = dataclasses.field(default_factory=list)
-    log_in_backward: list[bool] = dataclasses.field(default_factory=list)  # beside ``log``: gathered in backward
     secondary: Any = None  # SecondaryShards where zero.hierarchy is set (Note [Secondary shards] in hierarchy.py)
     # from a forward with gradients enabled until the optimizer step (or an evaluation's forward): the gathers
     # of a training pass (Notes [Secondary shards] in hierarchy.py, [Quantized weights] in quantize.py)
@@ -103,11 +102,6 @@ class Gathering:
             for unit in units:
                 unit.works = [work]
 
-    def clear_log(self) -> None:
-        """The ranks agreed on the units gathered so far (Note [Same units on every rank])."""
-        self.log.clear()
-        self.log_in_backward.clear()
-
     @contextlib.contextmanager
     def exact(self):
         """Inside the block, gathers are from the primary shards and exact (a state dict, ``gathered_parameters``
@@ -138,6 +132,9 @@ class Unit:
         self.ready_buffers = 0
         self.index = -1  # position in the engine's unit list, equal on every rank
         self.open_calls = 0  # forward calls of this step whose backward has not reached the unit's inputs yet
+        # a forward call of this step whose inputs need no gradient: nothing signals the end of its backward, so the
+        # unit stays gathered to the end of backward (Note [End of a unit's backward] in stage3_schedule.py)
+        self.open_ended = False
         self.external: list[Unit] = []  # units whose parameters this unit's forward reads (register_external_parameter)
         self.pinned_by: set = set()  # gathered units (or gathered_parameters blocks) that need this one gathered
         self.active = 0  # forward calls of this unit now on the stack
@@ -187,7 +184,6 @@ class Unit:
             self.state = UnitState.GATHERING
             if self.index >= 0:
                 ctx.log.append(self.index)
-                ctx.log_in_backward.append(in_backward())
             for other in self.external:  # Note [External parameters] in stage3_access.py
                 if not other.deferred:  # Note [Outer units]: a tail this backward gathers later
                     other.unshard(wait=False)
@@ -207,7 +203,7 @@ class Unit:
         """Free the gathered ``data`` (its parameters hold placeholders again, guarded: Note [Parameters at
         rest]) unless the unit is persistent or pinned by another gathered unit; then the units it pinned
         that are not running are freed too (an outer unit in backward: when its own gradient is done)."""
-        if self.state is UnitState.FREE or self.persistent or self.pinned_by:
+        if self.state is UnitState.FREE or self.persistent or self.pinned_by or (self.open_ended and in_backward()):
             return
         self._wait()
         secondary = self.ctx.secondary
