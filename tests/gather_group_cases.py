@@ -12,6 +12,23 @@ from zerorun.zero.comm import Comm
 from stage3_cases import Block
 
 
+def train(model: nn.Module, stage: int, units: tuple, steps: int, prepare=lambda step, rank: None, rows: int = 4,
+          seed_step: int = 100, lr: float = 0.1, **zero) -> list[float]:
+    """Train ``model`` with SGD at ``stage`` (stage 3: ``units`` and the ``zero`` settings), calling
+    ``prepare(step, rank)`` before each step on ``rows`` x 16 inputs seeded by step and rank; the losses."""
+    config = ZeroConfig(stage=3, units=units, **zero) if stage == 3 else ZeroConfig(stage=stage)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": lr}, config=config)
+    losses, rank = [], dist.get_rank()
+    for step in range(steps):
+        prepare(step, rank)
+        x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(seed_step * step + rank))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 class Reader(Block):
     """A block that reads ``inner``'s weight (declared external, so ``inner`` is gathered with it) and, while
     ``extra`` is set, runs ``inner`` once more on a detached input: a call of a unit that is already gathered, which
@@ -116,17 +133,11 @@ def first_call_idle_on_one_rank(stage: int, steps: int = 4) -> list[float]:
     of its parameters from the second step on; the losses."""
     torch.manual_seed(0)
     model = SharedTwice()
-    config = ZeroConfig(stage=3, units=("Shared", "Block")) if stage == 3 else ZeroConfig(stage=stage)
-    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=config)
-    losses = []
-    for step in range(steps):
-        model.use_first = not (step >= 1 and dist.get_rank() == 0)
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+
+    def prepare(step: int, rank: int) -> None:
+        model.use_first = not (step >= 1 and rank == 0)
+
+    return train(model, stage, ("Shared", "Block"), steps, prepare)
 
 
 class Expert(nn.Module):
@@ -173,18 +184,7 @@ class SharedMoE(nn.Module):
 def shared_moe_routed_per_rank(stage: int, prefetch_bytes: int | None = None, steps: int = 5) -> list[float]:
     """Train :class:`SharedMoE` (stage 3: units ``Expert``); the losses."""
     torch.manual_seed(0)
-    config = ZeroConfig(stage=stage)
-    if stage == 3:
-        config = ZeroConfig(stage=3, units=("Expert",), prefetch_bytes=prefetch_bytes)
-    engine = initialize(SharedMoE(), optimizer="SGD", optimizer_kwargs={"lr": 0.002}, config=config)
-    losses = []
-    for step in range(steps):
-        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+    return train(SharedMoE(), stage, ("Expert",), steps, rows=3, lr=0.002, prefetch_bytes=prefetch_bytes)
 
 
 class Gained(nn.Module):
@@ -220,22 +220,14 @@ def unit_called_on_the_input(stage: int, pattern: str, prefetch_bytes: int | Non
     ``"other-units-parameter"``: the first call reads ``s``'s own parameters on rank 0, the root's on the others."""
     torch.manual_seed(0)
     model = OnTheInput()
-    config = ZeroConfig(stage=stage)
-    if stage == 3:
-        config = ZeroConfig(stage=3, units=("Gained", "Block"), prefetch_bytes=prefetch_bytes)
-    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=config)
-    losses, rank = [], dist.get_rank()
-    for step in range(steps):
+
+    def prepare(step: int, rank: int) -> None:
         if pattern == "unused-last-step":
             model.modes = ("id", "id") if step == 0 and rank == 0 else ("fc", "fc")
         else:
             model.modes = ("fc" if rank == 0 else "gain", "fc")
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+
+    return train(model, stage, ("Gained", "Block"), steps, prepare, seed_step=10, prefetch_bytes=prefetch_bytes)
 
 
 
@@ -260,16 +252,45 @@ def second_backward_on_one_rank(stage: int, steps: int = 3) -> list[float]:
     worth), ``s``'s first call reading its parameters on rank 0 only; the losses."""
     torch.manual_seed(0)
     model = BesideTheInput()
-    config = ZeroConfig(stage=stage)
-    if stage == 3:
-        config = ZeroConfig(stage=3, units=("Gained", "Block"), prefetch_bytes=2 * 1216 + 64)
-    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=config)
-    losses = []
-    for step in range(steps):
-        model.first = "fc" if dist.get_rank() == 0 else "id"
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+
+    def prepare(step: int, rank: int) -> None:
+        model.first = "fc" if rank == 0 else "id"
+
+    return train(model, stage, ("Gained", "Block"), steps, prepare, seed_step=10, prefetch_bytes=2 * 1216 + 64)
+
+
+class Reading(nn.Module):
+    """Reads ``other``'s weight in its forward (declared: ``register_external_parameter``)."""
+
+    def __init__(self, other: Block, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.__dict__["other"] = other  # not a submodule
+        register_external_parameter(self, other.fc.weight)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) + 0.01 * (x @ self.other.fc.weight)
+
+
+class MaskedInput(nn.Module):
+    """``s`` takes the input itself, with a learned mask token written into row 1 on rank 1 only (a BERT-style
+    mask where the batch has masked rows): its input needs a gradient on some ranks only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.mask_token = nn.Parameter(torch.ones(16)), nn.Parameter(torch.linspace(-0.1, 0.1, 16))
+        self.e, self.block, self.head = Block(), Block(), nn.Linear(16, 1)
+        self.s = Reading(self.e)
+
+    def forward(self, x):
+        e = self.e(x * self.scale)
+        if dist.get_rank() == 1:
+            x = x.clone()
+            x[1] = self.mask_token
+        return self.head(self.block(self.s(x) + e)).pow(2).mean()
+
+
+def input_needs_gradient_on_some_ranks(stage: int, steps: int = 3) -> list[float]:
+    """Train :class:`MaskedInput` (stage 3: units ``Block`` and ``Reading``); the losses."""
+    torch.manual_seed(0)
+    return train(MaskedInput(), stage, ("Block", "Reading"), steps, seed_step=10)

@@ -142,8 +142,9 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     units = listed + tails
     recorded = [u.out_nodes for u in units]
     # Note [Program order] in reducer.py: the units' ends of backward (none for an ``open_ended`` unit: Note [End of a
-    # unit's backward] in stage3_schedule.py)
+    # unit's backward] in stage3_schedule.py, open-ended on every rank where it is on one)
     ends = [[] if u.open_ended else u.in_nodes for u in listed]
+    open_ended = [int(u.open_ended) for u in listed]
     for u in engine.units:
         u.out_nodes, u.in_nodes = [], []
         u.deferred = u.ends_agreed = False
@@ -153,7 +154,7 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
         return
     found = _reached(loss, {node for nodes in recorded + ends for node in nodes})
     counts = [int(any(n in found for n in nodes)) for nodes in recorded] + \
-        [int(bool(nodes) and all(n in found for n in nodes)) for nodes in ends]
+        [int(bool(nodes) and all(n in found for n in nodes)) for nodes in ends] + open_ended
     n, h = engine.world_size, order_digest(engine.gathering.log)  # Note [Same units on every rank]: so far
     counts += [h, h * h]
     if n > 1:  # Note [Agreements on the host] in comm.py: no device round trip
@@ -163,6 +164,8 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
         u.deferred = m == n
     for u, m in zip(listed, counts[len(units):]):
         u.ends_agreed = m == n
+    for u, m in zip(listed, counts[len(units) + len(listed):]):
+        u.open_ended = m > 0
     partial = [(u, m) for u, m in zip(listed, counts) if 0 < m < n]
     if partial:
         which = "; ".join(f"unit {u.name!r} on {m} of {n} ranks" for u, m in partial[:3])
