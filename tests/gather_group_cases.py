@@ -260,16 +260,17 @@ def second_backward_on_one_rank(stage: int, steps: int = 3) -> list[float]:
 
 
 class Reading(nn.Module):
-    """Reads ``other``'s weight in its forward (declared: ``register_external_parameter``)."""
+    """Reads ``other``'s weight in its forward (declared: ``register_external_parameter``), ``detach``ed or not."""
 
-    def __init__(self, other: Block, d: int = 16) -> None:
+    def __init__(self, other: nn.Module, d: int = 16, detach: bool = False) -> None:
         super().__init__()
-        self.fc = nn.Linear(d, d)
+        self.fc, self.detach = nn.Linear(d, d), detach
         self.__dict__["other"] = other  # not a submodule
         register_external_parameter(self, other.fc.weight)
 
     def forward(self, x):
-        return x + torch.tanh(self.fc(x)) + 0.01 * (x @ self.other.fc.weight)
+        weight = self.other.fc.weight.detach() if self.detach else self.other.fc.weight
+        return x + torch.tanh(self.fc(x)) + 0.01 * (x @ weight)
 
 
 class MaskedInput(nn.Module):
@@ -294,3 +295,38 @@ def input_needs_gradient_on_some_ranks(stage: int, steps: int = 3) -> list[float
     """Train :class:`MaskedInput` (stage 3: units ``Block`` and ``Reading``); the losses."""
     torch.manual_seed(0)
     return train(MaskedInput(), stage, ("Block", "Reading"), steps, seed_step=10)
+
+
+class Masking(nn.Module):
+    """Writes ``token`` into the ``rows`` of its input (none: the token goes unused)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, token, rows: list[int]):
+        if rows:
+            x = x.clone()
+            x[rows] = token
+        return x + torch.tanh(self.fc(x))
+
+
+class UnusedTokenOnSomeRanks(nn.Module):
+    """``s`` takes the input and a learned mask token on every rank, and uses the token on rank 1 only; ``r``,
+    run before it, reads ``s``'s weight (declared, detached)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.token = nn.Parameter(torch.ones(16)), nn.Parameter(torch.linspace(-0.1, 0.1, 16))
+        self.s = Masking()
+        self.r, self.block, self.head = Reading(self.s, detach=True), Block(), nn.Linear(16, 1)
+
+    def forward(self, x):
+        rows = [1] if dist.get_rank() == 1 else []
+        return self.head(self.block(self.r(x * self.scale) + self.s(x, self.token, rows))).pow(2).mean()
+
+
+def token_unused_on_some_ranks(stage: int, steps: int = 3) -> list[float]:
+    """Train :class:`UnusedTokenOnSomeRanks` (stage 3: units ``Masking``, ``Reading``, ``Block``); the losses."""
+    torch.manual_seed(0)
+    return train(UnusedTokenOnSomeRanks(), stage, ("Masking", "Reading", "Block"), steps, seed_step=10, lr=0.02)

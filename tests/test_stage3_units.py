@@ -96,6 +96,8 @@ def test_a_unit_called_on_the_input_stays_gathered_to_the_end_of_backward(ranks)
     # open-ended on every rank where it is on one: the input of s needs a gradient on rank 1 only, and s reads
     # another unit's weight (before: freed after its backward on rank 1, it let that unit go, gathered again there)
     assert_stage0_losses(two, gather_group_cases.input_needs_gradient_on_some_ranks)
+    # and a call whose inputs the loss does not reach on some ranks: the mask token passed to s is unused on rank 0
+    assert_stage0_losses(two, gather_group_cases.token_unused_on_some_ranks)
 
 
 def test_ranks_that_leave_the_recorded_order_get_the_error_not_a_hang(ranks):

@@ -144,7 +144,6 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     # Note [Program order] in reducer.py: the units' ends of backward (none for an ``open_ended`` unit: Note [End of a
     # unit's backward] in stage3_schedule.py, open-ended on every rank where it is on one)
     ends = [[] if u.open_ended else u.in_nodes for u in listed]
-    open_ended = [int(u.open_ended) for u in listed]
     for u in engine.units:
         u.out_nodes, u.in_nodes = [], []
         u.deferred = u.ends_agreed = False
@@ -153,8 +152,10 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
             u.ends_agreed = bool(nodes)
         return
     found = _reached(loss, {node for nodes in recorded + ends for node in nodes})
-    counts = [int(any(n in found for n in nodes)) for nodes in recorded] + \
-        [int(bool(nodes) and all(n in found for n in nodes)) for nodes in ends] + open_ended
+    reached = [bool(nodes) and all(n in found for n in nodes) for nodes in ends]
+    # a call whose end the loss does not reach (inputs that need a gradient, unused) is never signalled either
+    open_ended = [int(u.open_ended or (bool(nodes) and not r)) for u, nodes, r in zip(listed, ends, reached)]
+    counts = [int(any(n in found for n in nodes)) for nodes in recorded] + [int(r) for r in reached] + open_ended
     n, h = engine.world_size, order_digest(engine.gathering.log)  # Note [Same units on every rank]: so far
     counts += [h, h * h]
     if n > 1:  # Note [Agreements on the host] in comm.py: no device round trip

@@ -214,7 +214,8 @@ class Schedule:
         of ``unit``. After the last such call of the step, a bucket of the unit whose missing parameters will get
         no gradient in this backward (an expert no token reached on this rank) is complete now, with zeros for
         them, instead of at the end of backward (``GradReducer.force_ready``). A call whose inputs need no gradient
-        (the model's input itself) has no such signal: its unit is ``open_ended``, on every rank where it is on one
+        (the model's input itself) has no such signal, nor has one whose inputs the loss does not reach (a mask token
+        passed in and used on some ranks only): its unit is ``open_ended``, on every rank where it is on one
         (agreed before backward: ``check_backward_units``), kept gathered to the end of backward (as FSDP2 reshards
         such a module at its final callback), with the units it reads, and its end not agreed (its buckets reduce
         at the end of backward). Before, a unit called on the input and again later, freed once its
