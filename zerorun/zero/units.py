@@ -132,8 +132,9 @@ class Unit:
         self.ready_buffers = 0
         self.index = -1  # position in the engine's unit list, equal on every rank
         self.open_calls = 0  # forward calls of this step whose backward has not reached the unit's inputs yet
-        # a forward call of this step whose inputs need no gradient: nothing signals the end of its backward, so the
-        # unit stays gathered to the end of backward (Note [End of a unit's backward] in stage3_schedule.py)
+        # a forward call of this step whose inputs need no gradient, or that the loss reaches but not its inputs, on
+        # some rank: nothing signals the end of its backward, so the unit stays gathered to the end of backward on
+        # every rank (Note [End of a unit's backward] in stage3_schedule.py)
         self.open_ended = False
         self.external: list[Unit] = []  # units whose parameters this unit's forward reads (register_external_parameter)
         self.pinned_by: set = set()  # gathered units (or gathered_parameters blocks) that need this one gathered
