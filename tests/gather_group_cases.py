@@ -9,24 +9,16 @@ import torch.nn as nn
 
 from zerorun.zero import ZeroConfig, initialize, register_external_parameter
 from zerorun.zero.comm import Comm
-from stage3_cases import Block
+from stage3_cases import Block, train_steps
 
 
 def train(model: nn.Module, stage: int, units: tuple, steps: int, prepare=lambda step, rank: None, rows: int = 4,
           seed_step: int = 100, lr: float = 0.1, **zero) -> list[float]:
-    """Train ``model`` with SGD at ``stage`` (stage 3: ``units`` and the ``zero`` settings), calling
-    ``prepare(step, rank)`` before each step on ``rows`` x 16 inputs seeded by step and rank; the losses."""
+    """Train ``model`` with SGD at ``stage`` (stage 3: ``units`` and the ``zero`` settings) for ``steps`` steps of
+    ``stage3_cases.train_steps``; the losses."""
     config = ZeroConfig(stage=3, units=units, **zero) if stage == 3 else ZeroConfig(stage=stage)
     engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": lr}, config=config)
-    losses, rank = [], dist.get_rank()
-    for step in range(steps):
-        prepare(step, rank)
-        x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(seed_step * step + rank))
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+    return train_steps(engine, steps, 16, prepare, rows, seed_step)
 
 
 class Reader(Block):

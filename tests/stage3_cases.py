@@ -31,12 +31,14 @@ class Net(nn.Module):
         return self.head(x).pow(2).mean()
 
 
-def train_steps(engine, steps: int, width: int) -> list[float]:
-    """``steps`` optimizer steps of ``engine`` on this rank's batches of 4 x ``width`` (seeded by step and
-    rank); the losses."""
+def train_steps(engine, steps: int, width: int, prepare=lambda step, rank: None, rows: int = 4,
+                seed_step: int = 10) -> list[float]:
+    """``steps`` optimizer steps of ``engine`` on this rank's batches of ``rows`` x ``width`` (seeded by
+    ``seed_step * step + rank``), calling ``prepare(step, rank)`` before each; the losses."""
     losses = []
     for step in range(steps):
-        x = torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        prepare(step, dist.get_rank())
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed_step * step + dist.get_rank()))
         loss = engine(x)
         engine.backward(loss)
         engine.step()
