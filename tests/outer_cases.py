@@ -14,12 +14,18 @@ VOCAB, WIDTH, SEQ = 512, 32, 16
 
 
 class Block(nn.Module):
+    """``read``, when set: a callable giving a weight that the forward also reads, after its own work, into a side
+    loss kept in ``aux`` (not returned: autograd reaches that read off the block's output's path)."""
+
     def __init__(self, d: int = WIDTH) -> None:
         super().__init__()
         self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.read = self.aux = None
 
     def forward(self, x):
-        return x + self.down(torch.relu(self.up(self.norm(x))))
+        out = x + self.down(torch.relu(self.up(self.norm(x))))
+        self.aux = None if self.read is None else 1e-2 * F.linear(x, self.read()).square().mean()
+        return out
 
 
 class Latents(nn.Module):
@@ -44,16 +50,18 @@ class PenaltyHead(nn.Linear):
 
 
 class TinyGPT(nn.Module):
-    """Token embedding, a position table on the root, ``depth`` blocks, final norm and LM head; ``tied``: the
-    head's weight is the embedding's; ``head_by_weight``: the root reads the head's weight itself instead of
-    calling it; ``final_norm``: off, no ``ln_f``; ``head_penalty``, ``detach_aux`` and ``root_penalty``: losses that
+    """Token embedding, a position table on the root, ``depth`` blocks, final norm and LM head; ``tied``: the head's
+    weight is the embedding's; ``head_by_weight``: the root reads the head's weight itself instead of calling
+    it; ``final_norm``: off, no ``ln_f``; ``head_penalty``, ``detach_aux`` and ``root_penalty``: losses that
     make autograd read the head's weight off its output's path (:class:`PenaltyHead`, ``head.weight.detach()``,
-    a penalty in the root); ``extra``: a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or
-    ``None``: not at all); ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
+    a penalty in the root); ``probe``: a block (a listed unit) called after the head, whose output is unused and
+    whose side loss (:class:`Block`'s ``aux``) reads the head's weight where ``probe_reads`` is set; ``extra``:
+    a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or ``None``: not at all);
+    ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
 
     def __init__(self, depth: int = 4, tied: bool = False, head_by_weight: bool = False, max_norm: bool = False,
                  root_writes: bool = False, latents: bool = False, final_norm: bool = True,
-                 head_penalty: bool = False, detach_aux: bool = False) -> None:
+                 head_penalty: bool = False, detach_aux: bool = False, probe: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH, max_norm=0.5 if max_norm else None)
         self.latents = Latents() if latents else None
@@ -68,6 +76,7 @@ class TinyGPT(nn.Module):
         self.head = (PenaltyHead if head_penalty else nn.Linear)(WIDTH, VOCAB, bias=False)
         self.detach_aux = detach_aux
         self.root_penalty = False  # set per step by train(penalty_from=...)
+        self.probe, self.probe_reads = (Block() if probe else None), False  # probe_reads: by train(probe_from=...)
         if tied:
             self.head.weight = self.wte.weight
         self.head_by_weight = head_by_weight
@@ -100,6 +109,10 @@ class TinyGPT(nn.Module):
             loss = loss + 1e-2 * self.head.weight.square().sum()
         if self.detach_aux:  # an auxiliary loss through the head's weight, stop-gradient
             loss = loss + 1e-2 * F.linear(x, self.head.weight.detach()).square().mean()
+        if self.probe is not None:
+            self.probe.read = (lambda: self.head.weight) if self.probe_reads else None
+            self.probe(x)
+            loss = loss + self.probe.aux if self.probe.aux is not None else loss
         return loss
 
 
@@ -128,12 +141,13 @@ def _read_head(model: nn.Module, grad: torch.Tensor) -> torch.Tensor:
 def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpointing: bool = False,
           declare: bool = False, evaluate: bool = False, skips=None, hook_after: bool = False,
           interrupt: bool = False, experts=None, penalty_from: int | None = None, read_in_backward: bool = False,
-          **model_kw) -> dict:
+          probe_from: int | None = None, **model_kw) -> dict:
     """Losses and grad norms of ``steps`` steps of :class:`TinyGPT` (``extras[step]``, per rank: a dict
     ``{rank: where}`` or one value for all, says where ``extra`` runs; the last entry repeats; ``skips[step]``:
     the blocks LayerDrop skips; ``interrupt``: before each optimizer step, a forward that raises half way,
     caught; ``experts[step][micro_step]``: the root experts that run; ``penalty_from``: the step from which the
-    root adds a penalty on the head's weight; ``read_in_backward``: from the second step, a hook on the loss reads
+    root adds a penalty on the head's weight; ``probe_from``: the step from which the probe block reads it;
+    ``read_in_backward``: from the second step, a hook on the loss reads
     the head's weight with gradients on, before the head's backward), the outer units' schedules, and the error
     of the first step that raised."""
     engine = _engine(stage, accum, checkpointing, declare, **model_kw)
@@ -143,6 +157,7 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
     try:
         for step in range(steps):
             engine.module.root_penalty = penalty_from is not None and step >= penalty_from
+            engine.module.probe_reads = probe_from is not None and step >= probe_from
             where = extras[min(step, len(extras) - 1)]
             where = where.get(rank) if isinstance(where, dict) else where
             if evaluate:  # before the step (the first: while the schedule is learned) and after it
@@ -221,3 +236,24 @@ def gathered_at_points(steps: int = 3, with_root: bool = False) -> dict:
         engine.step()
         out.append({"points": list(record), "max_bytes": top["bytes"]})
     return {"steps": out, "sizes": {name: p.nbytes for name, p in watched.items()}}
+
+
+def saved_hook_calls(depth: int, checkpointing: bool = False, steps: int = 3) -> list[int]:
+    """Stage 3, :class:`TinyGPT` with ``depth`` blocks: per step, how many tensors autograd saved went through the
+    tails' saved-tensor hooks (Note [Tails saved]); the losses must stay stage 0's elsewhere."""
+    engine = _engine(3, checkpointing=checkpointing, depth=depth)
+    outer, calls = engine.sched.outer, [0]
+    pack = outer._tail_pack
+
+    def counting(t):
+        calls[0] += 1
+        return pack(t)
+
+    outer._tail_pack = counting  # looked up when the hooks are pushed, at each forward's start
+    out = []
+    for ids in _batches(steps, 1):
+        calls[0] = 0
+        engine.backward(engine((ids, None)))
+        engine.step()
+        out.append(calls[0])
+    return out

@@ -45,13 +45,15 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
                                 {"extras": ["end", {0: "end", 1: "start"}]},
                                 {"extras": ["end", {0: "end", 1: "start"}, "start"], "head_by_weight": True,
                                  "final_norm": False},
-                                {"head_penalty": True}, {"penalty_from": 1}, {"detach_aux": True}],
+                                {"head_penalty": True}, {"penalty_from": 1}, {"detach_aux": True},
+                                {"probe": True, "probe_from": 1}],
                          ids=["plain", "accum", "checkpointing", "tied", "head-by-weight", "evaluate",
                               "extra-everywhere", "extra-on-rank0", "extra-later-on-one-rank", "layerdrop",
                               "returns-a-view", "hook-added-later", "moves-between-micro-steps",
                               "forward-interrupted-before-step", "root-experts-vary-by-micro-step",
                               "tail-moves-on-one-rank", "only-tail-late-on-one-rank",
-                              "penalty-inside-the-head", "root-penalty-from-step-2", "aux-loss-on-detached-head"])
+                              "penalty-inside-the-head", "root-penalty-from-step-2", "aux-loss-on-detached-head",
+                              "block-reads-the-head-off-its-output-from-step-2"])
 def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     """Losses and grad norms equal stage 0's (fp32, 1e-5 relative) on 2 ranks, also when the blocks that run
     change from step to step (LayerDrop, the first block included); a module that ran before the first block
@@ -67,7 +69,9 @@ def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     both (the only tail, ``extra``, moved before the blocks), is gathered before the first block's all-gather
     on that rank, so the all-gathers stay in the same order on every rank; and a tail whose weight autograd
     reads before its output's gradient comes (a penalty computed inside the head, one the root adds from step
-    2 on, an auxiliary loss through the detached weight) is gathered before that read."""
+    2 on, an auxiliary loss through the detached weight, a block called after the head whose side loss reads
+    the head's weight from step 2 on, inside the block where no saved-tensor hook marks it: Note [Tails saved])
+    is gathered before that read."""
     pool = ranks(2)
     s3 = pool.run(cases.train, stage=3, **kw)
     s0 = pool.run(cases.train, stage=0, **kw)
@@ -107,6 +111,18 @@ def test_a_module_that_leaves_its_schedule_is_an_error_and_declaring_it_keeps_it
     for a, b in zip(declared, s0):
         assert a["error"] is None and a["schedule"]["extra"][0] is False, a
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+
+
+def test_the_tails_saved_tensor_hooks_cost_nothing_inside_the_listed_units(ranks):
+    """Note [Tails saved]: from the second step (when the tails are known) the hooks see the tensors saved by the
+    root's own ops only: as many with 8 blocks as with 2, with activation checkpointing too (before: every
+    tensor the blocks saved, a Python call each)."""
+    pool = ranks(2)
+    for checkpointing in (False, True):
+        two = pool.run(cases.saved_hook_calls, depth=2, checkpointing=checkpointing)
+        eight = pool.run(cases.saved_hook_calls, depth=8, checkpointing=checkpointing)
+        assert two == eight and two[0] == two[1], (two, eight)
+        assert two[0][0] == 0 and 0 < two[0][1] == two[0][2] < 20, two
 
 
 def test_a_tail_read_in_backward_before_its_gather_is_an_error(ranks):

@@ -141,6 +141,7 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     tails = engine.sched.outer.tails()  # Note [Outer units]: deferred where every rank reaches them
     units = listed + tails
     recorded = [u.out_nodes for u in units]
+    unmarked, engine.sched.outer.read_unmarked = engine.sched.outer.read_unmarked, set()  # Note [Tails saved]
     # Note [Program order] in reducer.py: the units' ends of backward (none for an ``open_ended`` unit: Note [End of a
     # unit's backward] in stage3_schedule.py, open-ended on every rank where it is on one)
     ends = [[] if u.open_ended else u.in_nodes for u in listed]
@@ -155,7 +156,8 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     reached = [bool(nodes) and all(n in found for n in nodes) for nodes in ends]
     # a call whose end the loss does not reach (inputs that need a gradient, unused) is never signalled either
     open_ended = [int(u.open_ended or (bool(nodes) and not r)) for u, nodes, r in zip(listed, ends, reached)]
-    counts = [int(any(n in found for n in nodes)) for nodes in recorded] + [int(r) for r in reached] + open_ended
+    counts = ([int(any(n in found for n in nodes) and u not in unmarked) for u, nodes in zip(units, recorded)]
+              + [int(r) for r in reached] + open_ended)
     n, h = engine.world_size, order_digest(engine.gathering.log)  # Note [Same units on every rank]: so far
     counts += [h, h * h]
     if n > 1:  # Note [Agreements on the host] in comm.py: no device round trip

@@ -35,14 +35,23 @@ first call" does not.
   LM head is not held through the loss's backward, the step's peak (a log-softmax over the vocabulary).
   Autograd may read a tail's parameters before its outputs' gradient comes, through tensors it saved in
   forward on another path (a weight penalty on the head, in the root or inside the head's own forward; an
-  auxiliary loss through ``head.weight.detach()``): while the root's forward runs, ``saved_tensors_hooks``
-  mark every saved tensor on a tail's storage, and unpacking one in backward gathers the tails first. Such a
-  read comes, on every rank alike, before any listed unit's backward (or after the tails' gather), so the
-  all-gather order stays the same. A tail whose parameters user code reads with autograd recording in
-  backward before its gather raises as a scheduled unit does. The first step's record is a third value per
-  outer unit in the same agreement.
+  auxiliary loss through ``head.weight.detach()``): while the root's forward runs (outside the listed units: Note
+  [Tails saved]), ``saved_tensors_hooks`` mark every saved tensor on a tail's storage, and unpacking one in backward
+  gathers the tails first. Such a read comes, on every rank alike, before any listed unit's backward (or after the
+  tails' gather), so the all-gather order stays the same. A tail whose parameters user code reads with autograd
+  recording in backward before its gather raises as a scheduled unit does. The first step's record is a third value
+  per outer unit in the same agreement.
 
 Evaluation (a forward with gradients off) gathers the scheduled units with the root.
+
+Note [Tails saved]: the hooks cost a Python call per tensor autograd saves, and most are saved inside the listed
+units (386 per step in the small-ops benchmark's one unit: 3% of its step). So they are lifted for the outermost
+listed unit's forward call (``pause_saved_hooks``; only where they are the innermost hooks pushed, as a module's
+own ``saved_tensors_hooks`` or activation checkpointing may push others above them) and pushed again when it
+returns. A tail's parameter can be read there only through the guard (outer units stay guarded while gathered:
+Note [Plain while gathered]), which notes a read that autograd records (``read_unmarked``); such a tail, or every
+tail after a listed call that never returned (its error caught inside the forward), is reported unreached in the
+agreement before backward, so every rank gathers it with the root in that backward, not at its gradient.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ import functools
 import torch
 
 from zerorun.zero.stage3_checks import check_no_writes
-from zerorun.zero.torch_internals import in_backward
+from zerorun.zero.torch_internals import in_backward, top_pack_hook
 from zerorun.zero.units import Unit, UnitState
 
 
@@ -95,6 +104,8 @@ class OuterSchedule:
         self.anchor_entered = False  # that unit's backward has begun
         self.listed_begun = False  # a listed unit's backward has begun in this backward
         self.saved_hooks = None  # saved_tensors_hooks over the root's forward when there are tails
+        self.paused_by: Unit | None = None  # the listed unit whose forward call runs without them (Note [Tails saved])
+        self.read_unmarked: set[Unit] = set()  # tails read there with autograd recording: not deferred this backward
         self.tail_storages: dict[int, Unit] = {}
 
     def hook(self) -> None:
@@ -130,9 +141,22 @@ class OuterSchedule:
             self.saved_hooks.__enter__()
 
     def end_saved_hooks(self) -> None:
-        if self.saved_hooks is not None:
+        if self.saved_hooks is not None and self.paused_by is None:
             self.saved_hooks.__exit__(None, None, None)
-            self.saved_hooks = None
+        self.saved_hooks = self.paused_by = None
+
+    def pause_saved_hooks(self, unit: Unit) -> None:
+        """Note [Tails saved]: ``unit``'s forward call begins; the tails' saved-tensor hooks go for it when they
+        are the innermost ones (no other hooks pushed above them)."""
+        if self.saved_hooks is not None and self.paused_by is None and top_pack_hook() is self.saved_hooks.pack_hook:
+            self.saved_hooks.__exit__(None, None, None)
+            self.paused_by = unit
+
+    def resume_saved_hooks(self, unit: Unit) -> None:
+        """Note [Tails saved]: ``unit``'s forward call has ended; the hooks come back after its outermost call."""
+        if self.paused_by is unit and unit.active == 0:
+            self.paused_by = None
+            self.saved_hooks.__enter__()
 
     def _tail_pack(self, t: torch.Tensor):
         unit = self.tail_storages.get(t.untyped_storage()._cdata)
@@ -149,6 +173,8 @@ class OuterSchedule:
 
     def pass_end(self) -> None:
         self.running = False
+        if self.paused_by is not None:  # Note [Tails saved]: a listed call that never returned (its error caught)
+            self.read_unmarked.update(self.tails())
         self.end_saved_hooks()
         for unit in self.outers:  # Note [Writes inside a unit's forward]: the root's forward may write them too
             if unit.state is UnitState.GATHERED:
@@ -259,6 +285,8 @@ class OuterSchedule:
         # an evaluation's forward decides nothing; a read that autograd does not record (detach, no_grad) is
         # not needed in backward
         recorded = torch.is_grad_enabled() and getattr(func, "__name__", "") != "detach"
+        if self.paused_by is not None and self.rec[unit].tail and recorded:  # Note [Tails saved]
+            self.read_unmarked.add(unit)
         if holder is not unit and (self.running or in_backward()) and recorded:
             if self.learning:
                 self.rec[unit].used_outside = True

@@ -100,6 +100,7 @@ class Schedule:
             unit.ctx.training = torch.is_grad_enabled()  # Gathering.training, before the root's own gather
         elif not in_backward():
             self.outer.listed_call(unit)
+            self.outer.pause_saved_hooks(unit)  # Note [Tails saved] in stage3_outer.py
         with unit.ctx.together():  # Note [Units gathered together] in units.py
             unit.unshard(wait=False)  # waited for below, after the all-gathers of the units ahead are issued
             if in_backward():
@@ -132,6 +133,7 @@ class Schedule:
         if in_backward():  # recomputation under activation checkpointing: the unit is still needed
             return output
         self.leave(unit)
+        self.outer.resume_saved_hooks(unit)
         self.watch(unit, output, functools.partial(self.pre_backward, unit))
         check_no_writes(unit)
         if unit.is_root:
