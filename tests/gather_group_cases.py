@@ -322,3 +322,33 @@ def token_unused_on_some_ranks(stage: int, steps: int = 3) -> list[float]:
     """Train :class:`UnusedTokenOnSomeRanks` (stage 3: units ``Masking``, ``Reading``, ``Block``); the losses."""
     torch.manual_seed(0)
     return train(UnusedTokenOnSomeRanks(), stage, ("Masking", "Reading", "Block"), steps, seed_step=10, lr=0.02)
+
+
+class LateNet(nn.Module):
+    """Three Linears, each a unit; ``extra`` runs on rank 0 only: its forward all-gather has no partner."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra, self.b = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = self.a(x)
+        if dist.get_rank() == 0:
+            x = self.extra(x)
+        return self.b(x).pow(2).mean()
+
+
+def unit_on_some_ranks(timeout_s: float) -> str:
+    """One step of :class:`LateNet` at stage 3 over a gloo group whose collectives time out after ``timeout_s``;
+    the error this rank raised."""
+    import datetime
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    torch.manual_seed(0)
+    engine = initialize(LateNet(), optimizer="SGD", optimizer_kwargs={"lr": 0.1}, process_group=group,
+                        config=ZeroConfig(stage=3, units=("Linear",)))
+    try:
+        train_steps(engine, 1, 16)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 import gather_group_cases
 import stage3_cases as cases
+from distributed import RankPool
 from zerorun.zero.unit_plan import pick_units
 
 
@@ -249,3 +250,21 @@ def test_gathers_queued_together_leave_no_queue_behind_when_their_collective_rai
         with ctx.together():
             ctx.pending.append(types.SimpleNamespace(buffers=[]))
     assert ctx.pending is None
+
+
+@pytest.mark.slow
+def test_a_unit_run_on_some_ranks_times_out_with_the_units_each_rank_gathered():
+    """A unit whose forward runs on rank 0 only (Note [Same units on every rank]: no check can see it before its
+    all-gather without a collective of its own) hangs until the collective timeout; then every rank raises one
+    clear error naming where it waited and the units it gathered, not gloo's ("Timed out waiting 5000ms for recv
+    operation to complete"). Its own pool: the timed-out group is left broken."""
+    pool = RankPool(2, timeout=120)
+    try:
+        errors = pool.run(gather_group_cases.unit_on_some_ranks, timeout_s=5)
+    finally:
+        pool.close(kill=True)
+    assert errors[0].startswith("stage 3: rank 0 timed out in forward, waiting for the all-gather of 'b'"), errors
+    assert errors[1].startswith("stage 3: rank 1 timed out in the agreement before backward"), errors
+    assert "in order: '<root>', 'a', 'extra', 'b'." in errors[0] and "in order: '<root>', 'a', 'b'." in errors[1]
+    assert all("or use stage 2" in e for e in errors), errors
+

@@ -69,7 +69,7 @@ from zerorun.zero.precision import DTYPES
 from zerorun.zero.quantize import WeightQuantizer
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,
                                         placeholder, state_dict_guard)
-from zerorun.zero.stage3_checks import GatherDigest, check_backward_units
+from zerorun.zero.stage3_checks import GatherDigest, check_backward_units, timed_out
 from zerorun.zero.stage3_schedule import Schedule
 from zerorun.zero.unit_plan import match_peers, outer_modules, pick_units, unit_of_params
 from zerorun.zero.units import Gathering, Unit
@@ -136,9 +136,12 @@ class Stage3Engine(ZeroEngine):
         """
         try:
             out = super().__call__(*args, **kwargs)
-        except BaseException:
+        except BaseException as e:
+            clear = timed_out(self, e, "forward")  # Note [Same units on every rank]: a unit run on some ranks
             self.sched.clear_forward()
-            raise
+            if clear is None:
+                raise
+            raise clear from e
         if not torch.is_grad_enabled():  # Note [Same units on every rank]: no backward follows to agree
             self.reducer.rider.check_now()
         return out
@@ -220,10 +223,18 @@ class Stage3Engine(ZeroEngine):
         returned the loss in. What :meth:`_check_backward` refuses raises before any gather or check; so does a
         unit reaching the loss on some ranks only (Note [Backward on some ranks] in stage3_checks.py)."""
         self._check_backward(loss)
-        check_backward_units(self, loss)
-        allocator.collect()  # Note [Rank allocator]: the units the forward freed go back before backward (host only)
-        self.sched.backward_start(loss)
-        super().backward(loss)
+        where = "the agreement before backward"
+        try:
+            check_backward_units(self, loss)
+            where = "backward"
+            allocator.collect()  # Note [Rank allocator]: the units the forward freed go back before backward (host)
+            self.sched.backward_start(loss)
+            super().backward(loss)
+        except RuntimeError as e:
+            clear = timed_out(self, e, where)  # Note [Same units on every rank]: a unit run on some ranks only
+            if clear is None:
+                raise
+            raise clear from e
 
     def _finish_backward(self) -> None:
         super()._finish_backward()

@@ -17,13 +17,18 @@ backward follows, agrees on the digest at its end (``GatherDigest.check_now``): 
 forward, none in training. All-gathers outside a forward (``gathered_parameters``, a state dict) are in the next
 step's or evaluation's digest. A collision (two different sequences with one digest) has a chance of 1 in 65521
 per step; a misrouted step that is not caught pairs the same-shaped units and is caught at the next step whose
-routing differs.
+routing differs. A unit whose forward runs on some ranks only is not seen before its all-gather, which waits for
+partners that never come (a check before each all-gather would be a collective of its own): when the group's
+collective timeout (``launch.collective_timeout_s``) ends the wait, each rank raises one line naming where it
+waited and the units it all-gathered in the step so far (:func:`timed_out`), in place of gloo's own message.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from zerorun.zero.units import UnitState
 
 
 _PRIME = 65521
@@ -88,6 +93,29 @@ def _raise_mismatch(engine, indices: list[int]) -> None:
         "all-gathers pair up across ranks, so every rank must run the same units in the same order. Run every "
         "unit on every rank (an MoE expert that gets no tokens on a rank still runs, on an empty batch), or "
         "make the module that chooses between them one unit (zero.units), or use stage 2")
+
+
+def timed_out(engine, error: BaseException, where: str) -> RuntimeError | None:
+    """Note [Same units on every rank]: a stage-3 collective that timed out (``launch.collective_timeout_s``) in
+    ``where`` ("forward", "backward", "the agreement before backward") is most often ranks that ran different units
+    (a unit whose forward ran on some ranks only leaves the others out of its all-gather, which no check before it
+    can see without a collective of its own). The error to raise instead of gloo's or NCCL's, which name nothing:
+    the collective, and the units this rank all-gathered in the step so far, in order, to compare across ranks;
+    None when ``error`` is not a timeout."""
+    text = str(error).lower()
+    if not isinstance(error, RuntimeError) or ("timed out" not in text and "timeout" not in text):
+        return None
+    names = [u.name or "<root>" for u in engine.units]
+    waiting = [repr(u.name or "<root>") for u in engine.units if u.state is UnitState.GATHERING]
+    what = f", waiting for the all-gather of {', '.join(waiting)}: the other ranks did not issue it" if waiting else (
+        ": the other ranks did not reach it")
+    return RuntimeError(
+        f"stage 3: rank {engine.comm.global_rank(engine.rank)} timed out in {where}{what}. "
+        "The units this rank all-gathered in this step, in order: "
+        f"{', '.join(repr(names[i]) for i in engine.gathering.log) or 'none'}. Every rank must run the same units "
+        "in the same order (compare this line across ranks): a unit whose forward runs on some ranks only leaves "
+        "the others out of its all-gather. Run every unit on every rank, make the module that chooses between "
+        "them one unit (zero.units), or use stage 2")
 
 
 def check_no_writes(unit) -> None:
