@@ -200,15 +200,18 @@ def reordered_evaluation() -> dict:
     return {"same": same, "error": error}
 
 
-def units_by_name(units: tuple, stage: int = 3, steps: int = 3) -> dict:
-    """Train ``Net`` with ``zero.units`` ``units`` (class or module names) at ``stage``: per-step losses, the
-    units and their roles, and the run's description of them (zerorun.zero.units.describe_units)."""
+def units_by_name(units: tuple, stage: int = 3, steps: int = 3, tie: bool = False, **zero) -> dict:
+    """Train ``Net`` with ``zero.units`` ``units`` (class or module names) and the other ``zero`` settings at
+    ``stage`` (``tie``: blocks 0 and 1 share one ``fc``): per-step losses, the units and their roles, and the
+    run's description of them (zerorun.zero.unit_plan.describe_units)."""
     from zerorun.zero.unit_plan import describe_units
 
     torch.manual_seed(0)
     model = Net()
+    if tie:
+        model.blocks[1].fc = model.blocks[0].fc
     engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
-                        config=ZeroConfig(stage=stage, units=units if stage == 3 else ()))
+                        config=ZeroConfig(stage=stage, units=units if stage == 3 else (), **zero))
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
     losses = []
     for _ in range(steps):

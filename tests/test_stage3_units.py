@@ -137,6 +137,21 @@ def test_units_may_be_named_by_module_as_well_as_by_class():
         pick_units(model, ("",))
 
 
+def test_units_that_would_never_be_gathered_are_refused_and_never_picked():
+    """The model's own class is the root (before: "no module of class Net", while listing Net among its classes);
+    a ModuleList is never called, so its hooks never run (before: taken as a unit whose parameters every block
+    then read from outside it, a warning per parameter); the automatic choice looks inside one instead."""
+    model = cases.Net(n=4)
+    with pytest.raises(ValueError, match=r"^zero.units: 'Net' names the whole model, which is the root unit"):
+        pick_units(model, ("Net",))
+    for entry in ("blocks", "ModuleList"):
+        with pytest.raises(ValueError, match=r"^zero.units: 'blocks' is a ModuleList, which is never called .* name "
+                                             r"the class of the modules it holds \(Block\) instead"):
+            pick_units(model, (entry,))
+    lists = nn.Sequential(nn.ModuleList([nn.Linear(8, 8)]), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    assert [n for n, _ in pick_units(lists, ())] == ["0.0", "1", "2", "3"]
+
+
 def test_a_named_head_is_a_unit_and_trains_as_stage_0(ranks):
     """The head named in ``zero.units`` is a unit of its own (not an outer unit picked automatically), the
     losses are stage 0's, and the run's description names every unit with its bytes."""
@@ -152,6 +167,21 @@ def test_a_named_head_is_a_unit_and_trains_as_stage_0(ranks):
     assert "1 x Linear (head), 0.1 KiB each" in lines[0], lines
     assert not any("outer units" in line for line in lines), lines
     assert any("outer units, picked automatically" in line and "head 0.1 KiB" in line for line in auto[0]["lines"])
+
+
+def test_the_run_says_why_a_unit_owns_no_parameter_and_what_the_root_holds(ranks):
+    """A unit without parameters of its own is named with why (before: every one was said to share a weight
+    with modules outside it, persistent norms and parameterless modules too); the root's parameters are named
+    (before: only its bytes; here a Linear shared by two blocks), and training equals stage 0's."""
+    pool = ranks(2)
+    persistent = pool.run(cases.units_by_name, units=("Block", "LayerNorm"), persistence_threshold=32)[0]["lines"]
+    assert ("stage 3: blocks.0.norm, blocks.1.norm, blocks.2.norm, head own no parameter of their own (persistent, "
+            "zero.persistence_threshold): not units") in persistent, persistent  # the head: 17 elements
+    tied = pool.run(cases.units_by_name, units=("Block",), tie=True)
+    assert ("stage 3 parameters that stay gathered: root 1.1 KiB, blocks.0.fc.weight, blocks.0.fc.bias (through each "
+            "forward and backward)") in tied[0]["lines"], tied[0]["lines"]
+    for r, want in zip(tied, pool.run(cases.units_by_name, units=(), stage=0, tie=True)):
+        assert r["losses"] == pytest.approx(want["losses"], rel=1e-5)
 
 
 def test_a_unit_reading_another_units_weight_before_its_own_trains_as_stage_0(ranks):

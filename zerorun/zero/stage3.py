@@ -104,7 +104,8 @@ class Stage3Engine(ZeroEngine):
         self.frozen_buffers: list[FlatBuffer] = []  # frozen parameters: sharded and gathered with their unit
         super().__init__(model, param_groups=param_groups, config=config, process_group=process_group, **kwargs)
         # the root stays even when persistence left it empty: its forward hooks end the recorded pass
-        self.units_without_params = [u.name for u in self.units if not (u.buffers or u.is_root or u.persistent)]
+        self.units_without_params = self._why_no_params([u for u in self.units
+                                                         if not (u.buffers or u.is_root or u.persistent)])
         self.units = [u for u in self.units if u.buffers or u.is_root]
         for i, unit in enumerate(self.units):
             unit.index = i
@@ -147,6 +148,18 @@ class Stage3Engine(ZeroEngine):
         return out
 
     # ---------------------------------------------------------------------------------------- construction
+    def _why_no_params(self, units: list[Unit]) -> dict[str, list[str]]:
+        """The names of ``units`` (named or picked, holding no parameter of their own), by why, for the run's log
+        (``unit_plan.describe_units``)."""
+        out: dict[str, list[str]] = {}
+        for unit in units:
+            kinds = {"persistent" if self._unit_of_param[p].persistent else "root" for p in unit.module.parameters()}
+            why = {frozenset(): "no parameters", frozenset({"persistent"}): "persistent, zero.persistence_threshold",
+                   frozenset({"root"}): "a weight shared with modules outside them stays with the root"}.get(
+                frozenset(kinds), "persistent, or shared with modules outside them and kept with the root")
+            out.setdefault(why, []).append(unit.name)
+        return out
+
     def _sync_initial_state(self) -> None:
         if not self._deferred:
             super()._sync_initial_state()

@@ -53,15 +53,20 @@ def pick_units(model: nn.Module, entries: tuple[str, ...]) -> list[tuple[str, nn
     top down (a larger one is split into its children); smaller modules stay in their parent's unit.
 
     Raises:
-        ValueError: an entry names neither a module nor a class of ``model``; one names the model itself.
+        ValueError: an entry names neither a module nor a class of ``model``; one names the model itself (or its
+            class); one names a module that is never called (a ``ModuleList``: no ``forward`` of its own).
     """
     if entries:
         named = dict(model.named_modules())
-        if "" in entries:
-            raise ValueError("zero.units: '' names the whole model, which is the root unit already")
+        own = type(model).__name__
+        if "" in entries or (own in entries and not any(type(m).__name__ == own for m in model.modules()
+                                                        if m is not model)):
+            raise ValueError(f"zero.units: {'' if '' in entries else own!r} names the whole model, which is the root "
+                             "unit already")
         by_name = {e for e in entries if e in named}
         classes = set(entries) - by_name
         found = [(n, m) for n, m in model.named_modules() if n and (n in by_name or type(m).__name__ in classes)]
+        _check_called(found)
         missing = classes - {type(m).__name__ for _, m in found}
         if missing:
             kinds = sorted({type(m).__name__ for m in model.modules()})
@@ -77,13 +82,29 @@ def pick_units(model: nn.Module, entries: tuple[str, ...]) -> list[tuple[str, nn
         for name, child in module.named_children():
             full = f"{prefix}.{name}" if prefix else name
             count = sum(p.numel() for p in child.parameters())
-            if count > high and any(True for _ in child.children()):
+            if (count > high or not _called(child)) and any(True for _ in child.children()):
                 visit(full, child)
-            elif count >= low:
+            elif count >= low and _called(child):
                 units.append((full, child))
 
     visit("", model)
     return units
+
+
+def _called(module: nn.Module) -> bool:
+    """Whether ``module`` has a ``forward`` of its own (a ``ModuleList``, ``ModuleDict`` or ``ParameterList`` is
+    never called: its hooks, which gather a unit, would never run)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _check_called(found: list[tuple[str, nn.Module]]) -> None:
+    """Raises ValueError naming the first of ``found`` that is never called, and the classes inside it."""
+    for name, module in found:
+        if not _called(module):
+            inside = sorted({type(m).__name__ for m in module.children()})
+            raise ValueError(f"zero.units: {name!r} is a {type(module).__name__}, which is never called (it has no "
+                             f"forward of its own), so it cannot be gathered when it runs: name the class of the "
+                             f"modules it holds ({', '.join(inside) or 'none'}) instead")
 
 
 def outer_modules(model: nn.Module, unit_modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -135,12 +156,19 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
-def describe_units(units: list[Unit], without_params: list[str] = ()) -> list[str]:
+def _held(unit: Unit) -> str:
+    """The parameters ``unit`` holds: the first three names, and how many in all."""
+    names = [n for buf in unit.buffers for n in buf.names]
+    return f"{', '.join(names[:3])}{f', ... {len(names)} in all' if len(names) > 3 else ''}"
+
+
+def describe_units(units: list[Unit], without_params: dict[str, list[str]] | None = None) -> list[str]:
     """What stage 3 gathers and frees, for the run's log: the listed units grouped by class (count, names,
     gathered bytes each), the outer units picked automatically (Note [Outer units] in stage3_outer.py), and
     what stays gathered (the root's own parameters through each forward and backward, the persistent ones
-    always), with their bytes (padding included); ``without_params``: modules named or picked as units that own
-    no parameter (a weight tied across units belongs to the root: Note [Units] in stage3.py)."""
+    always), with their bytes (padding included) and the root's parameters (a weight tied across units belongs to
+    the root: Note [Units] in stage3.py); ``without_params``: modules named or picked as units that own no
+    parameter, by why (none, persistent, shared)."""
     by_class: dict[str, list[Unit]] = {}
     for u in units:
         if not (u.is_root or u.outer or u.persistent):
@@ -154,16 +182,15 @@ def describe_units(units: list[Unit], without_params: list[str] = ()) -> list[st
             names = f"{', '.join(u.name for u in group[:3])}, ..."  # not one run: no range
         parts.append(f"{len(group)} x {cls} ({names}), {size} each")
     lines = [f"stage 3 units, gathered and freed one by one: {'; '.join(parts) or 'none'}"]
-    if without_params:
-        lines.append(f"stage 3: {', '.join(without_params)} own no parameter of their own (a weight shared with "
-                     "modules outside them stays with the root): not units")
+    for why, names in (without_params or {}).items():
+        lines.append(f"stage 3: {', '.join(names)} own no parameter of their own ({why}): not units")
     outer = [f"{u.name} {_mib(u.gathered_bytes)}" for u in units if u.outer]
     if outer:
         lines.append(f"stage 3 outer units, picked automatically and gathered on a schedule learned in the first "
                      f"step: {', '.join(outer)} (name a module in zero.units to make it a unit of its own)")
-    kept = [f"{'root' if u.is_root else 'persistent'} {_mib(u.gathered_bytes)}" for u in units
-            if (u.is_root or u.persistent) and u.buffers]
+    kept = [f"root {_mib(u.gathered_bytes)}, {_held(u)} (through each forward and backward)" if u.is_root else
+            f"persistent {_mib(u.gathered_bytes)} (always: zero.persistence_threshold)"
+            for u in units if (u.is_root or u.persistent) and u.buffers]
     if kept:
-        lines.append(f"stage 3 parameters that stay gathered: {', '.join(kept)} (root: through each forward and "
-                     "backward; persistent: always, zero.persistence_threshold)")
+        lines.append(f"stage 3 parameters that stay gathered: {'; '.join(kept)}")
     return lines
