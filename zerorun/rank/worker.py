@@ -105,11 +105,36 @@ def report_failure(e: BaseException, rank: int) -> int:
         return 2
     tb = traceback.format_exception(type(e), e, e.__traceback__)
     tb = "".join(tb).strip().splitlines()
-    frames = traceback.extract_tb(e.__traceback__)
-    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+    frame = raised_at(e)
+    where = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else None
     emit("error", rank, type=type(e).__name__, message=str(e).strip().splitlines()[0] if str(e).strip() else "",
-         traceback="\n".join(tb[-12:]), user_error=False, peer_failure=is_peer_failure(e), where=where)
+         traceback="\n".join(tb[-40:]), user_error=False, peer_failure=is_peer_failure(e), where=where)
     return 130 if isinstance(e, KeyboardInterrupt) else 1
+
+
+def raised_at(e: BaseException) -> traceback.FrameSummary | None:
+    """Where the one-line error says ``e`` was raised: the deepest frame outside torch, zerorun and Python's own
+    library (the user's model or data code, or a library it calls, such as ``transformers``), else the deepest.
+    A torch error in the user's forward is otherwise placed in torch's ``Linear.forward``, or at stage 3 in
+    zerorun's parameter guard (``ZeroParameter.__torch_function__``), naming neither the user's file nor line."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return None
+    import sysconfig
+
+    import zerorun
+
+    packages = [sys.modules.get("torch"), zerorun]
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in packages if m is not None and m.__file__)
+    paths = sysconfig.get_paths()
+    stdlib, installed = os.path.join(paths["stdlib"], ""), (os.path.join(paths["purelib"], ""),
+                                                            os.path.join(paths["platlib"], ""))
+
+    def theirs(path: str) -> bool:  # site-packages may lie inside the standard library's folder
+        return path.startswith(skip) or (path.startswith(stdlib) and not path.startswith(installed))
+
+    own = [f for f in frames if not theirs(os.path.abspath(f.filename))]
+    return own[-1] if own else frames[-1]
 
 
 if __name__ == "__main__":
