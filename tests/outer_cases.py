@@ -55,15 +55,17 @@ class TinyGPT(nn.Module):
     it; ``final_norm``: off, no ``ln_f``; ``head_penalty``, ``detach_aux`` and ``root_penalty``: losses that
     make autograd read the head's weight off its output's path (:class:`PenaltyHead`, ``head.weight.detach()``,
     a penalty in the root); ``probe``: a block (a listed unit) called after the head, whose output is unused and
-    whose side loss (:class:`Block`'s ``aux``) reads the head's weight where ``probe_reads`` is set; ``extra``:
+    whose side loss (:class:`Block`'s ``aux``) reads the head's weight where ``probe_reads`` is set;
+    ``frozen_wte``: the token embedding frozen (no gradient flows through it); ``extra``:
     a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or ``None``: not at all);
     ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
 
     def __init__(self, depth: int = 4, tied: bool = False, head_by_weight: bool = False, max_norm: bool = False,
                  root_writes: bool = False, latents: bool = False, final_norm: bool = True,
-                 head_penalty: bool = False, detach_aux: bool = False, probe: bool = False) -> None:
+                 head_penalty: bool = False, detach_aux: bool = False, probe: bool = False,
+                 frozen_wte: bool = False) -> None:
         super().__init__()
-        self.wte = nn.Embedding(VOCAB, WIDTH, max_norm=0.5 if max_norm else None)
+        self.wte = nn.Embedding(VOCAB, WIDTH, max_norm=0.5 if max_norm else None).requires_grad_(not frozen_wte)
         self.latents = Latents() if latents else None
         self.root_writes = root_writes
         self.fail_at: int | None = None  # a forward that raises before this block (interrupted, caught)

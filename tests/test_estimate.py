@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+import torch.nn as nn
 
 import estimate_cases as cases
 from zerorun import estimate as est
@@ -121,6 +122,13 @@ def test_layout_counts_and_largest_unit():
         frozen = cases.build("mlp", {"frozen": True})
     layout = est.layout_of(frozen)
     assert layout.frozen == 7 * 13 + 13 and layout.trainable + layout.frozen == layout.total
+    complex_model = nn.Linear(2, 2)
+    complex_model.c = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"^parameter 'c' is torch.complex64: zerorun's ZeRO engine does not"):
+        est.layout_of(complex_model)  # as the run refuses it (before: an estimate of a model that cannot train)
+    # the largest by bytes: a float64 Linear holds twice a float32 one of as many elements (before: the first)
+    wide = est.layout_of(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double(), nn.Linear(4, 2)), units=("Linear",))
+    assert wide.largest_unit.name == "1" and wide.largest_unit.nbytes(4) == 20 * 8, wide.largest_unit
 
 
 def test_activations_reduce_to_korthikanti_with_16_bit_and_dropout():

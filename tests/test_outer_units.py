@@ -46,14 +46,14 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
                                 {"extras": ["end", {0: "end", 1: "start"}, "start"], "head_by_weight": True,
                                  "final_norm": False},
                                 {"head_penalty": True}, {"penalty_from": 1}, {"detach_aux": True},
-                                {"probe": True, "probe_from": 1}],
+                                {"probe": True, "probe_from": 1}, {"frozen_wte": True}],
                          ids=["plain", "accum", "checkpointing", "tied", "head-by-weight", "evaluate",
                               "extra-everywhere", "extra-on-rank0", "extra-later-on-one-rank", "layerdrop",
                               "returns-a-view", "hook-added-later", "moves-between-micro-steps",
                               "forward-interrupted-before-step", "root-experts-vary-by-micro-step",
                               "tail-moves-on-one-rank", "only-tail-late-on-one-rank",
                               "penalty-inside-the-head", "root-penalty-from-step-2", "aux-loss-on-detached-head",
-                              "block-reads-the-head-off-its-output-from-step-2"])
+                              "block-reads-the-head-off-its-output-from-step-2", "frozen-embedding"])
 def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     """Losses and grad norms equal stage 0's (fp32, 1e-5 relative) on 2 ranks, also when the blocks that run
     change from step to step (LayerDrop, the first block included); a module that ran before the first block
@@ -71,7 +71,8 @@ def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     reads before its output's gradient comes (a penalty computed inside the head, one the root adds from step
     2 on, an auxiliary loss through the detached weight, a block called after the head whose side loss reads
     the head's weight from step 2 on, inside the block where no saved-tensor hook marks it: Note [Tails saved])
-    is gathered before that read."""
+    is gathered before that read; a frozen embedding, through which no gradient flows, is not gathered in
+    backward at all."""
     pool = ranks(2)
     s3 = pool.run(cases.train, stage=3, **kw)
     s0 = pool.run(cases.train, stage=0, **kw)
@@ -89,8 +90,9 @@ def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     assert not tails["experts"], tails  # its Linears run, not the ModuleList: read outside its forward
     if kw.get("tied"):  # the tied weight is the root's: neither module holds a parameter of its own
         assert "wte" not in schedule and "head" not in schedule, schedule
-    else:  # gathered again when the first block's backward begins; the head runs after the first block
-        assert schedule["wte"] == (True, 1) and schedule["head"] == (False, None), schedule
+    else:  # gathered again when the first block's backward begins (frozen: not in backward); the head runs after
+        assert schedule["wte"] == (True, None if kw.get("frozen_wte") else 1), schedule  # the first block
+        assert schedule["head"] == (False, None), schedule
     assert schedule["extra"][0] == (kw.get("extras", [None])[0] == "start"), schedule
     if kw.get("latents"):
         assert schedule["latents"] == (False, None), schedule

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerorun.errors import ZerorunError
+from zerorun.estimate.policies import PRECISIONS
 
 
 #: The stage-3 unit of parameters held whole (``zero.persistence_threshold``; Note [Persistent parameters]).
@@ -31,6 +32,12 @@ class UnitCount:
     @property
     def numel(self) -> int:
         return sum(self.trainable) + sum(self.frozen)
+
+    def nbytes(self, default: int) -> int:
+        """Bytes of its parameters (unpadded), ``default`` per element where its buffers' own are not given."""
+        trainable = self.trainable_bytes or (default,) * len(self.trainable)
+        frozen = self.frozen_bytes or (default,) * len(self.frozen)
+        return sum(n * b for n, b in zip(self.trainable + self.frozen, trainable + frozen))
 
 
 @dataclass(frozen=True)
@@ -69,9 +76,11 @@ class Layout:
 
     @property
     def largest_unit(self) -> UnitCount | None:
-        """The largest listed stage-3 unit (not the root, an outer or the persistent unit), or ``None``."""
+        """The listed stage-3 unit of the most bytes (not the root, an outer or the persistent unit; a float64
+        unit holds twice a float32 one of as many elements), or ``None``."""
         inner = [u for u in self.units if u.name not in ("<root>", PERSISTENT) and not u.outer]
-        return max(inner, key=lambda u: u.numel) if inner else None
+        default = PRECISIONS[self.precision or "fp32"].param_bytes
+        return max(inner, key=lambda u: u.nbytes(default)) if inner else None
 
 
 def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), weight_decay: float = 0.0,
@@ -84,14 +93,17 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     ``persistence_threshold`` elements form the unit ``PERSISTENT``, held whole (Note [Persistent parameters]).
 
     Raises:
-        ValueError: a name in ``units`` matches no module class (from ``pick_units``).
+        ValueError: a name in ``units`` matches no module class (from ``pick_units``); a parameter is complex,
+            which the engine refuses (``refuse_complex``).
     """
     import torch
 
     from zerorun.zero.engine import default_param_groups
     from zerorun.zero.flat import pack as pack_params
-    from zerorun.zero.precision import DTYPES, compute_dtype
+    from zerorun.zero.precision import DTYPES, compute_dtype, refuse_complex
     from zerorun.zero.unit_plan import outer_modules, pick_units, unit_of_params
+
+    refuse_complex(model)  # Note [Wide parameters] in zero/precision.py: as the run refuses it
 
     names = {}
     for i, (name, p) in enumerate(model.named_parameters()):

@@ -17,7 +17,8 @@ first call" does not.
 - An outer unit that, in the first step, ran only before the first listed unit's call, on every rank, and
   whose parameters nothing else read (a GPT's token and position embeddings) is also freed when that first
   call begins, and in backward gathered only when the first call's unit begins its backward (or at the start
-  of backward if, in the first step, its output's gradient came earlier). The first step records this (the
+  of backward if, in the first step, its output's gradient came earlier; not at all if it holds frozen parameters
+  only and no gradient came through it on any rank: a frozen embedding). The first step records this (the
   outer units are gathered with the root meanwhile); the agreement at the end of its last backward compares
   the records across ranks (``[x, x*x]`` per value, with the gather digest: ``stage3_checks.GatherDigest``), and only a
   unit every rank agrees on is scheduled so.
@@ -72,7 +73,9 @@ class OuterRecord:
     """What the first step learns of one outer unit and what every rank agreed on it (Note [Outer units])."""
 
     first: int | None = None  # it ran after the first listed unit's call (1) or only before it (0)
-    bfirst: int | None = None  # its output's gradient came after that unit's backward began (1) or before (0)
+    # its output's gradient came after that unit's backward began (1) or before (0); scheduled and None: no gradient
+    # came on any rank and it holds frozen parameters only: not gathered in backward
+    bfirst: int | None = None
     btail: int | None = None  # every gradient of its outputs came before any listed unit's backward began (1)
     used_outside: bool = False  # its parameters were read outside its own forward
     declared: bool = False  # register_external_parameter(model, one of its parameters): stays with the root
@@ -226,7 +229,8 @@ class OuterSchedule:
         self.anchor_entered = False
         self.listed_begun = False
         for unit in self.scheduled_units():
-            if self.rec[unit].bfirst == 0 or self.first_call is None:
+            bfirst = self.rec[unit].bfirst
+            if bfirst == 0 or (self.first_call is None and bfirst is not None):
                 unit.unshard(wait=False)
 
     def listed_backward(self, unit: Unit) -> None:
@@ -315,7 +319,8 @@ class OuterSchedule:
             rec = self.rec[unit]
             if same[3 * i] and same[3 * i + 1] and sums[3 * i] > 0:
                 rec.scheduled = True
-                rec.bfirst = rec.bfirst if sums[3 * i + 1] > 0 else 0  # no gradient seen: at the start
+                # no gradient seen: at the start, or never where nothing of it trains (a frozen embedding)
+                rec.bfirst = rec.bfirst if sums[3 * i + 1] > 0 else 0 if unit.trainable else None
                 self.sched.root.external.remove(unit)
                 unit.pinned_by.discard(self.sched.root)
             else:  # stays with the root: its record was this rank's alone
