@@ -249,9 +249,17 @@ def test_relative_paths_are_the_recipe_folders_and_overrides_the_working_directo
 
 
 def test_units_below_stage_3_are_refused(tmp_path):
-    with pytest.raises(ZerorunError, match=r"zero\.units: units are gathered and freed at zero\.stage 3 only"):
-        load_recipe(good(tmp_path), ["zero.stage=2", "zero.units=[Block]"])
+    """Refused naming where the stage comes from and the override that drops the knob (a new user switching a
+    stage-3 recipe to stage 2 from the command line was told only that units are for stage 3)."""
+    with pytest.raises(ZerorunError, match=r"zero\.units: units are gathered and freed at zero\.stage 3 only "
+                                           r"\(override 'zero\.stage=2': zero\.stage is 2\): remove it for that "
+                                           r"stage \(on the command line: zero\.units=\[\]\)$"):
+        load_recipe(good(tmp_path), ["zero.stage=3", "zero.units=[Block]", "zero.stage=2"])
     assert load_recipe(good(tmp_path), ["zero.stage=3", "zero.units=[Block]"]).zero.units == ["Block"]
+    assert load_recipe(good(tmp_path), ["zero.stage=3", "zero.units=[Block]", "zero.stage=2", "zero.units=[]"])
+    with pytest.raises(ZerorunError, match=r"\(on the command line: zero\.prefetch_bytes=null\)$"):
+        load_recipe(good(tmp_path), ["zero.stage=1", "zero.prefetch_bytes=5"])
+    assert load_recipe(good(tmp_path), ["zero.stage=1", "zero.prefetch_bytes=5", "zero.prefetch_bytes=null"])
 
 
 def test_persistence_threshold_is_a_stage_3_count(tmp_path):

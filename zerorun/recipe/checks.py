@@ -27,15 +27,16 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
             raise ZerorunError(f"{where('zero', 'offload_path')}: not a directory: {z.offload_path}")
     if z.offload_params != "none" and (z.stage != 3 or recipe.runtime != "zero"):
         raise ZerorunError(f"{where('zero', 'offload_params')}: parameters are partitioned, and offloaded, at "
-                           "zerorun's zero.stage 3 only")
+                           f"zerorun's zero.stage 3 only{_stage_is(recipe, where, 'offload_params', 'none')}")
     if recipe.zero.units and recipe.zero.stage != 3 and recipe.runtime != "fsdp2":
-        raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only")
+        raise ZerorunError(f"{where('zero', 'units')}: units are gathered and freed at zero.stage 3 only"
+                           f"{_stage_is(recipe, where, 'units', '[]')}")
     if recipe.zero.persistence_threshold and recipe.runtime != "zero":
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: zerorun's stage 3 knob; the "
                            f"{recipe.runtime} baseline does not take it")
     if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
-                           "at zero.stage 3 only")
+                           f"at zero.stage 3 only{_stage_is(recipe, where, 'persistence_threshold', '0')}")
     if z.prefetch_bytes is not None and recipe.runtime != "zero":
         raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: zerorun's stage 3 knob; the {recipe.runtime} "
                            "baseline does not take it")
@@ -44,7 +45,7 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
                            "prefetched): remove one of them (zero.prefetch_bytes: 0 also prefetches nothing)")
     if z.prefetch_bytes is not None and z.stage != 3:
         raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: units are prefetched (all-gathered ahead of use) "
-                           "at zero.stage 3 only")
+                           f"at zero.stage 3 only{_stage_is(recipe, where, 'prefetch_bytes', 'null')}")
     _check_zero_plus_plus(recipe, where)
     if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
         raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "
@@ -64,6 +65,15 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
     if recipe.train.activation_checkpointing and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('train', 'activation_checkpointing')}: needs zero.stage 3 (it checkpoints "
                            "each unit); at stages 0-2 wrap blocks in torch.utils.checkpoint in the model")
+
+
+def _stage_is(recipe, where: Callable[..., str], field: str, off: str) -> str:
+    """For a stage-3 knob set at another stage of zerorun's runtime: where that stage comes from (the recipe's
+    line, or an override switching a stage-3 recipe to another stage) and how to drop the knob for it."""
+    if recipe.zero.stage == 3 or recipe.runtime != "zero":
+        return ""
+    return (f" ({where('zero', 'stage')} is {recipe.zero.stage}): remove it for that stage (on the command line: "
+            f"zero.{field}={off})")
 
 
 def _check_zero_plus_plus(recipe, where: Callable[..., str]) -> None:
