@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zerorun.rank.worker import raised_at
+import zerorun.zero.build
+from zerorun.rank.worker import one_line_warning, raised_at
 from zerorun.zero.unit_plan import pick_units
 
 
@@ -40,3 +41,14 @@ def test_a_library_the_user_calls_counts_as_theirs_but_pythons_own_library_does_
     assert "transformers" in frame.filename, frame
     frame = raised_at(_raised(lambda: __import__("json").loads("{")))
     assert frame.filename == __file__, frame
+
+
+def test_a_ranks_warning_is_one_line_naming_the_users_place_only():
+    """Before: Python's two lines, the second a source line of torch's (``result = torch_func_method(...)``) for
+    stage 3's warnings, raised on behalf of a torch operation."""
+    inside = one_line_warning(UserWarning("stage 3: parameter 'w' is used outside its unit"), UserWarning,
+                              torch.overrides.__file__, 1794)
+    assert inside == "UserWarning: stage 3: parameter 'w' is used outside its unit\n"
+    assert one_line_warning("kept", UserWarning, zerorun.zero.build.__file__, 64) == "UserWarning: kept\n"
+    assert one_line_warning("old API", FutureWarning, __file__, 7) == f"FutureWarning: old API (at {__file__}:7)\n"
+

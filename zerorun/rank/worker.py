@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 
 from zerorun.errors import ZerorunError
 from zerorun.launch.exiting import exit_now
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     allocator.configure()  # Note [Returning freed memory]: every runtime, baselines included, before torch allocates
     rank = int(os.environ.get("RANK", 0))
     rankstream.install(rank)  # Note [Rank streams] in telemetry/rankstream.py
+    warnings.formatwarning = one_line_warning
     emit("phase", rank, phase="importing torch")  # Note [Rank phases] in telemetry/phases.py
     threads = os.environ.get("OMP_NUM_THREADS")
     try:
@@ -118,23 +120,32 @@ def raised_at(e: BaseException) -> traceback.FrameSummary | None:
     A torch error in the user's forward is otherwise placed in torch's ``Linear.forward``, or at stage 3 in
     zerorun's parameter guard (``ZeroParameter.__torch_function__``), naming neither the user's file nor line."""
     frames = traceback.extract_tb(e.__traceback__)
-    if not frames:
-        return None
+    own = [f for f in frames if not _below_the_user(f.filename)]
+    return own[-1] if own else frames[-1] if frames else None
+
+
+def _below_the_user(path: str) -> bool:
+    """Whether ``path`` is torch's, zerorun's or Python's own library (site-packages, which may lie inside the
+    standard library's folder, is not: a library the user's code calls, such as ``transformers``)."""
     import sysconfig
 
     import zerorun
 
+    path = os.path.abspath(path)
     packages = [sys.modules.get("torch"), zerorun]
     skip = tuple(os.path.dirname(m.__file__) + os.sep for m in packages if m is not None and m.__file__)
     paths = sysconfig.get_paths()
-    stdlib, installed = os.path.join(paths["stdlib"], ""), (os.path.join(paths["purelib"], ""),
-                                                            os.path.join(paths["platlib"], ""))
+    installed = (os.path.join(paths["purelib"], ""), os.path.join(paths["platlib"], ""))
+    return path.startswith(skip) or (path.startswith(os.path.join(paths["stdlib"], ""))
+                                     and not path.startswith(installed))
 
-    def theirs(path: str) -> bool:  # site-packages may lie inside the standard library's folder
-        return path.startswith(skip) or (path.startswith(stdlib) and not path.startswith(installed))
 
-    own = [f for f in frames if not theirs(os.path.abspath(f.filename))]
-    return own[-1] if own else frames[-1]
+def one_line_warning(message, category, filename: str, lineno: int, line: str | None = None) -> str:
+    """A rank's warning as one line (``warnings.formatwarning``): ``Category: message``, with `` (at file:line)``
+    where that is the user's code; Python's own form adds the source line, and for zerorun's warnings, raised on
+    behalf of a torch operation, a place in torch (``torch/overrides.py``) that names nothing of the user's."""
+    where = "" if _below_the_user(filename) else f" (at {filename}:{lineno})"
+    return f"{category.__name__}: {message}{where}\n"
 
 
 if __name__ == "__main__":
