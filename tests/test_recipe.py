@@ -177,6 +177,16 @@ def test_every_problem_is_shown_on_its_own_line_unknown_fields_first(tmp_path):
     ]
 
 
+def test_a_field_in_the_wrong_section_is_pointed_to_where_it_lives(tmp_path):
+    """Before: only "unknown field" for a field whose name is right but whose section is not."""
+    with pytest.raises(ZerorunError) as e:
+        load_recipe(good(tmp_path), ["zero.precision=bf16", "zero.activation_checkpointing=true"])
+    assert sorted(str(e.value).splitlines()) == [
+        "override 'zero.activation_checkpointing=true': zero.activation_checkpointing: unknown field (did you mean "
+        "'train.activation_checkpointing'?)",
+        "override 'zero.precision=bf16': zero.precision: unknown field (did you mean 'precision'?)"]
+
+
 def test_cli_prints_every_problem_with_its_prefix_and_exits_2(tmp_path, capsys, monkeypatch):
     import sys
 

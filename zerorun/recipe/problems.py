@@ -28,6 +28,16 @@ def _fields_at(model: Any, loc: tuple) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+def _elsewhere(model: Any, key: str, loc: tuple) -> list[str]:
+    """The dotted names of the fields called ``key`` at the top of the recipe or in its sections (``precision``,
+    ``train.activation_checkpointing``), but the one at ``loc``: where a field put in the wrong section lives."""
+    found = [key] if key in _fields_at(model, ()) else []
+    for section in _fields_at(model, ()):
+        if key in _fields_at(model, (section,)):
+            found.append(f"{section}.{key}")
+    return [name for name in found if tuple(name.split(".")) != loc]
+
+
 def _number_choice(text: str, expected: str) -> bool:
     """Whether the number ``text`` (a quoted one) is one of pydantic's ``expected`` choices ("0, 1, 2 or 3"):
     only then would removing the quotes help."""
@@ -57,8 +67,9 @@ def validation_problems(errors: list[dict], path: str, root: yaml.Node | None, o
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
             close = difflib.get_close_matches(str(loc[-1]), _fields_at(model, loc[:-1]), n=1) if model else []
-            if close:
-                msg += f" (did you mean {close[0]!r}?)"
+            other = _elsewhere(model, str(loc[-1]), loc) if model and not close else []
+            if close or other:  # a typo in its section, or the right name in another (zero.precision)
+                msg += f" (did you mean {(close or other)[0]!r}?)"
         elif err["type"] == "missing":
             msg = "required field is missing"
         elif err["type"] == "literal_error" and is_number_text(err.get("input")) and \
