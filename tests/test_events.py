@@ -1,7 +1,7 @@
 import io
 import json
 
-from zerorun.telemetry.events import PREFIX, SCHEMA_VERSION, emit, format_event, parse_line
+from zerorun.telemetry.events import PREFIX, SCHEMA_VERSION, Event, emit, format_event, parse_line
 
 
 def test_round_trip():
@@ -27,3 +27,12 @@ def test_malformed_and_foreign_lines_are_logs():
 
 def test_event_behind_a_prefix_from_a_remote_shell():
     assert parse_line("[node 1] " + format_event("start", 2)).rank == 2
+
+
+def test_model_ready_at_stage_3_is_one_line():
+    """Stage 3's units are rank 0's own lines before it (which modules, their bytes, the outer and the root ones);
+    before, a second line listed the units, outer units and the root together as "units"."""
+    from zerorun.telemetry.format import describe
+
+    ready = Event("model_ready", 0, 0.0, {"params": 34_688, "stage": 3, "units": ["blocks.0", "pos_emb", ""]})
+    assert describe(ready) == ["[rank 0] model ready: 34,688 parameters, ZeRO stage 3"]

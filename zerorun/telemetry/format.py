@@ -132,12 +132,10 @@ def describe(e: Event) -> list[str]:
         about = ", ".join([f"pid {d.get('pid', '?')}", f"torch {d.get('torch', '?')}"]
                           + ([str(d["device"])] if d.get("device") else []))
         return [f"{who} started on {d.get('host', '?')} ({about})"]
-    if e.kind == "model_ready":
-        units = d.get("units") or []
-        shown = ", ".join(map(str, units[:6])) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
+    if e.kind == "model_ready":  # stage 3's units: rank 0's lines before it (zero/unit_plan.py, describe_units)
         params = integer(d, "params")
         return [f"{who} model ready: {params:,} parameters, ZeRO stage {d.get('stage', '?')}" if params is not None
-                else f"{who} model ready"] + ([f"{who} stage 3 units: {shown}"] if units else [])
+                else f"{who} model ready"]
     if e.kind == "eval":
         v = number(d, "val_loss")
         return [f"eval step {d.get('step', '?')}: validation loss " + (f"{v:.4f}" if v is not None else "?")]
