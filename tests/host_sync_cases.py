@@ -40,3 +40,13 @@ def steady_reads(combos: list[tuple[int, str]], accum: int = 2, warmup: int = 2)
         phases["step"] = dict(step.sites)
         out[f"{stage}/{precision}"] = phases
     return out
+
+
+def group_timeouts() -> list[float]:
+    """``torch_internals.group_timeout`` (seconds) of a gloo group made with a 7 s timeout and of the world."""
+    import datetime
+
+    from zerorun.zero.torch_internals import group_timeout
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=7))
+    return [group_timeout(group).total_seconds(), group_timeout(None).total_seconds()]

@@ -50,11 +50,20 @@ def test_steady_micro_steps_read_nothing_but_the_agreements(ranks):
                 assert sites == ({AGREE: agreements} if agreements else {}), (phase, where)
 
 
+def test_a_groups_timeout_is_read_from_torch(ranks):
+    """The control group beside an NCCL group takes that group's timeout (below): torch's private options, read
+    in zero/torch_internals.py, still give a gloo group's own (7 s) and the world's (torch's default here)."""
+    for got in ranks(2).run(cases.group_timeouts):
+        assert got[0] == 7.0 and got[1] > 7.0, got
+
+
 def test_agreements_are_cpu_tensors_on_a_gloo_group_beside_nccl(monkeypatch):
     """Note [Agreements on the host]: under an NCCL group (or any device backend without CPU tensors), Comm.agree
     sums a CPU tensor over a gloo group of the same ranks made beside it (by those ranks only, once per group);
     under gloo, MPI, or a group with a gloo backend for CPU tensors, over the group itself. The read of ``AGREE``
     above is that CPU tensor's."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -66,13 +75,17 @@ def test_agreements_are_cpu_tensors_on_a_gloo_group_beside_nccl(monkeypatch):
     monkeypatch.setattr(comm, "_CONTROL_GROUPS", {})
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or f"gloo-{len(made)}")
+    waits = {"main": datetime.timedelta(seconds=600), "other": None}  # launch.collective_timeout_s; unknown
+    monkeypatch.setattr(comm, "group_timeout", waits.get)
     for backend, group, want in (("nccl", "main", "gloo-1"), ("nccl", "main", "gloo-1"), ("xccl", "other", "gloo-2"),
                                  ("gloo", "main", "main"), ("cuda:nccl,cpu:gloo", "main", "main"),
                                  ("mpi", "main", "main")):
         monkeypatch.setattr(dist, "get_backend", lambda group, b=backend: b)
         assert comm.control_group(group) == want, backend
-    # one gloo group per device group, shared by the engines built over it (a sweep leaves no groups behind)
-    assert made == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})] * 2
+    # one gloo group per device group, shared by the engines built over it (a sweep leaves no groups behind), whose
+    # collectives wait as long as the device group's (before: torch's default, 30 minutes)
+    assert made == [([0, 1], {"backend": "gloo", "use_local_synchronization": True, "timeout": waits[g]})
+                    for g in ("main", "other")]
     agreeing = comm.Comm.__new__(comm.Comm)
     agreeing.world_size, agreeing.control, agreeing.held = 2, "gloo-1", HeldWorks(4)
 

@@ -44,7 +44,7 @@ from zerorun.zero.streams import DeviceStreams, WaitTimer
 from zerorun.zero.held import HeldWorks
 from zerorun.zero.placement import Topology
 from zerorun.zero.topology import topology
-from zerorun.zero.torch_internals import coalesced
+from zerorun.zero.torch_internals import coalesced, group_timeout
 
 
 # torch >= 2.13 names them *_single and deprecates the *_tensor spellings.
@@ -68,14 +68,16 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group :meth:`Comm.agree` sums host values on (Note [Agreements on the host]): ``group`` where its
     backend takes CPU tensors (gloo, MPI, or a backend string naming gloo beside a device backend), else a gloo
     group of the same ranks, made once per group (by those ranks only: ``use_local_synchronization``) and
-    shared by every engine over it."""
+    shared by every engine over it, whose collectives wait as long as ``group``'s (``launch.collective_timeout_s``;
+    before, torch's 30-minute default for a new gloo group)."""
     backend = str(dist.get_backend(group))
     if "gloo" in backend or backend == "mpi":
         return group
     key = group if group is not None else dist.group.WORLD  # a new default group after a re-init: a new key
     if key not in _CONTROL_GROUPS:
         ranks = dist.get_process_group_ranks(key)
-        _CONTROL_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        _CONTROL_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+                                              timeout=group_timeout(key))  # as long as the group it serves
     return _CONTROL_GROUPS[key]
 
 

@@ -10,6 +10,8 @@
   handles of the last collectives, Note [Last reference on the issuing thread] in ``held.py``).
 - :func:`top_pack_hook`: the innermost saved-tensor pack hook pushed (stage 3 lifts its own only when it is that
   one: Note [Tails saved] in ``stage3_outer.py``).
+- :func:`group_timeout`: a process group's collective timeout (stage 3's control group, made beside an NCCL group,
+  waits as long as that group: ``launch.collective_timeout_s``, not torch's 30-minute default).
 - :func:`coalesced`: several collectives of one kind issued as one (``torch.distributed._coalescing_manager``:
   one NCCL group launch; used under NCCL only, Note [One all-gather per unit] in ``units.py``).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 from typing import Callable
 
 import torch
@@ -48,6 +51,18 @@ def top_pack_hook() -> Callable | None:
     (``torch._C._autograd._top_saved_tensors_default_hooks``)."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return None if top is None else top[0]
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
+    """How long ``group``'s collectives wait (its device backend's ``options._timeout``), or None where torch
+    does not say."""
+    group = group if group is not None else dist.group.WORLD
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return None
 
 
 def coalesced(group: dist.ProcessGroup | None, issue: Callable[[], None]):
