@@ -20,8 +20,8 @@ CONFIGS = [
     # frozen params (the frozen bias persistent), tiny buckets
     ("mlp", {"frozen": True}, (), "SGD", {"lr": 0.1, "momentum": 0.9}, 0.0002, 1, 20),
     ("mlp", {"batchnorm": True}, (), "SGD", {"lr": 0.1}, 0.0002, 2, 0),                 # no optimizer state
-    # a frozen token embedding (an outer unit of frozen parameters only, no gradient through it: gathered in
-    # forward only, as the estimate counts it; before, the engine gathered it again for the whole backward)
+    # a frozen token embedding: an outer unit of frozen parameters only, gathered in backward too (at its start:
+    # no gradient says when); before, the estimate counted it in forward only
     ("gpt", {"tie_embeddings": False, "frozen": "tok_emb"}, ("Block",), "AdamW", {"lr": 1e-3}, 25.0, 1, 0),
 ]
 

@@ -352,3 +352,26 @@ def unit_on_some_ranks(timeout_s: float) -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+class TimeoutNet(LateNet):
+    """Raises the user's own error mentioning a timeout after ``a``, on every rank (with ``b``'s all-gather in
+    flight: prefetched)."""
+
+    def forward(self, x):
+        self.a(x)
+        raise RuntimeError("fetching the remote feature store timed out after 5 s")
+
+
+def user_error_mentioning_a_timeout() -> str:
+    """The error a stage-3 forward of :class:`TimeoutNet` raises on this rank (twice: the second forward's, after
+    the first step's schedule)."""
+    torch.manual_seed(0)
+    engine = initialize(TimeoutNet(), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=3, units=("Linear",)))
+    for _ in range(2):
+        try:
+            engine(torch.randn(4, 16))
+        except RuntimeError as e:
+            error = str(e)
+    return error

@@ -56,14 +56,15 @@ class TinyGPT(nn.Module):
     make autograd read the head's weight off its output's path (:class:`PenaltyHead`, ``head.weight.detach()``,
     a penalty in the root); ``probe``: a block (a listed unit) called after the head, whose output is unused and
     whose side loss (:class:`Block`'s ``aux``) reads the head's weight where ``probe_reads`` is set;
-    ``frozen_wte``: the token embedding frozen (no gradient flows through it); ``extra``:
+    ``frozen_wte``: the token embedding frozen (no gradient flows through it); ``block_reads``: the last block's side
+    loss reads that module's weight detached; ``extra``:
     a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or ``None``: not at all);
     ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
 
     def __init__(self, depth: int = 4, tied: bool = False, head_by_weight: bool = False, max_norm: bool = False,
                  root_writes: bool = False, latents: bool = False, final_norm: bool = True,
                  head_penalty: bool = False, detach_aux: bool = False, probe: bool = False,
-                 frozen_wte: bool = False) -> None:
+                 frozen_wte: bool = False, block_reads: str | None = None) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH, max_norm=0.5 if max_norm else None).requires_grad_(not frozen_wte)
         self.latents = Latents() if latents else None
@@ -79,6 +80,8 @@ class TinyGPT(nn.Module):
         self.detach_aux = detach_aux
         self.root_penalty = False  # set per step by train(penalty_from=...)
         self.probe, self.probe_reads = (Block() if probe else None), False  # probe_reads: by train(probe_from=...)
+        if block_reads:  # a block's side loss through another module's weight, detached (Block.read)
+            self.blocks[-1].read = lambda: getattr(self, block_reads).weight.detach()
         if tied:
             self.head.weight = self.wte.weight
         self.head_by_weight = head_by_weight
@@ -111,6 +114,8 @@ class TinyGPT(nn.Module):
             loss = loss + 1e-2 * self.head.weight.square().sum()
         if self.detach_aux:  # an auxiliary loss through the head's weight, stop-gradient
             loss = loss + 1e-2 * F.linear(x, self.head.weight.detach()).square().mean()
+        for block in self.blocks:
+            loss = loss + block.aux if block.aux is not None else loss
         if self.probe is not None:
             self.probe.read = (lambda: self.head.weight) if self.probe_reads else None
             self.probe(x)
@@ -239,23 +244,3 @@ def gathered_at_points(steps: int = 3, with_root: bool = False) -> dict:
         out.append({"points": list(record), "max_bytes": top["bytes"]})
     return {"steps": out, "sizes": {name: p.nbytes for name, p in watched.items()}}
 
-
-def saved_hook_calls(depth: int, checkpointing: bool = False, steps: int = 3) -> list[int]:
-    """Stage 3, :class:`TinyGPT` with ``depth`` blocks: per step, how many tensors autograd saved went through the
-    tails' saved-tensor hooks (Note [Tails saved]); the losses must stay stage 0's elsewhere."""
-    engine = _engine(3, checkpointing=checkpointing, depth=depth)
-    outer, calls = engine.sched.outer, [0]
-    pack = outer._tail_pack
-
-    def counting(t):
-        calls[0] += 1
-        return pack(t)
-
-    outer._tail_pack = counting  # looked up when the hooks are pushed, at each forward's start
-    out = []
-    for ids in _batches(steps, 1):
-        calls[0] = 0
-        engine.backward(engine((ids, None)))
-        engine.step()
-        out.append(calls[0])
-    return out

@@ -282,6 +282,13 @@ def test_gathers_queued_together_leave_no_queue_behind_when_their_collective_rai
     assert ctx.pending is None
 
 
+def test_a_users_error_that_mentions_a_timeout_is_not_taken_for_a_collectives(ranks):
+    """Only gloo's and NCCL's wordings of a collective that timed out are rewritten (before: any RuntimeError
+    saying "timed out", which became "waiting for the all-gather of 'b'")."""
+    for error in ranks(2).run(gather_group_cases.user_error_mentioning_a_timeout):
+        assert error == "fetching the remote feature store timed out after 5 s", error
+
+
 @pytest.mark.slow
 def test_a_unit_run_on_some_ranks_times_out_with_the_units_each_rank_gathered():
     """A unit whose forward runs on rank 0 only (Note [Same units on every rank]: no check can see it before its

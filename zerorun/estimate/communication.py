@@ -38,12 +38,13 @@ def traffic(layout: Layout, stage: int, world_size: int, precision: Precision, g
     gathered among them) are control traffic on the host, not counted (Note [Agreements on the host] in
     ``zero/comm.py``).
     Parameters travel in ``precision.param_bytes``, gradients in ``precision.reduce_bytes``, or both in a
-    buffer's own bytes per element where the layout gives them (float64: 8, Note [Wide parameters]). A stage-3 unit
-    holding only frozen parameters is counted as gathered in forward only: it is gathered again
+    buffer's own bytes per element where the layout gives them (float64: 8, Note [Wide parameters]). A listed
+    stage-3 unit holding only frozen parameters is counted as gathered in forward only: it is gathered again
     in backward only if a gradient flows through it, which the layout cannot tell (frozen layers usually come
-    first, as when fine-tuning the top of a model, and then none does). Peer units of different layouts (experts
-    of different sizes) send the largest peer's slice bytes in each all-gather (Note [Peer units] in
-    ``zero/unit_plan.py``): their padding is counted too.
+    first, as when fine-tuning the top of a model, and then none does); the root and the outer units (a frozen
+    token embedding) are gathered in backward too, at points every rank reaches (Note [Outer units]). Peer units
+    of different layouts (experts of different sizes) send the largest peer's slice bytes in each all-gather
+    (Note [Peer units] in ``zero/unit_plan.py``): their padding is counted too.
 
     ``group``: stage 3 with ``zero.hierarchy``, the ranks of a secondary group (:func:`hierarchy.group_size`;
     Note [Secondary shards]): :func:`_stage3`. ``node_ranks``: the ranks of each node, consecutive (empty: one

@@ -73,8 +73,10 @@ def padded_units(layout: Layout, world_size: int, default: int) -> set[str]:
 def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
                    block: int | None = None) -> tuple[int, int]:
     """Bytes of one all-gather of every unit but the persistent one, padded to ``world_size`` (the unit's own
-    bytes, without its peers' padding), summed over the units holding trainable parameters (gathered in forward
-    and backward) and over those holding frozen ones only (forward only): of the padded units (``padded``), or
+    bytes, without its peers' padding), summed over the units gathered in forward and backward (those holding
+    trainable parameters; the root and the outer units, which backward gathers at the points every rank reaches
+    whatever they hold) and over the listed units holding frozen ones only (forward only): of the padded units
+    (``padded``), or
     of the others. With ``block``: as int8 messages of ``block`` elements per scale (``zero.quantize_weights``),
     ``world_size`` times one rank's message."""
     skip = padded_units(layout, world_size, default)
@@ -85,7 +87,7 @@ def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
         nbytes = sum(_pad(n, world_size) * b if block is None else world_size * quantized_bytes(_pad(n, world_size)
                                                                                           // world_size, block)
                      for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
-        if u.trainable:
+        if u.trainable or u.outer or u.name == "<root>":
             twice += nbytes
         else:
             once += nbytes

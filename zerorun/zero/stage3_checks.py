@@ -25,6 +25,8 @@ waited and the units it all-gathered in the step so far (:func:`timed_out`), in 
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -95,6 +97,12 @@ def _raise_mismatch(engine, indices: list[int]) -> None:
         "make the module that chooses between them one unit (zero.units), or use stage 2")
 
 
+#: How gloo (tcp/unbound_buffer.cc, tcp/pair.cc) and NCCL (ProcessGroupNCCL.cpp) word a collective that timed out;
+#: a user's own error that mentions a timeout is not one (it passes through unchanged).
+_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (send|recv) operation|Socket Timeout|"
+                                 r"timeout caused pair closure|collective operation timeout")
+
+
 def timed_out(engine, error: BaseException, where: str) -> RuntimeError | None:
     """Note [Same units on every rank]: a stage-3 collective that timed out (``launch.collective_timeout_s``) in
     ``where`` ("forward", "backward", "the agreement before backward") is most often ranks that ran different units
@@ -102,8 +110,7 @@ def timed_out(engine, error: BaseException, where: str) -> RuntimeError | None:
     can see without a collective of its own). The error to raise instead of gloo's or NCCL's, which name nothing:
     the collective, and the units this rank all-gathered in the step so far, in order, to compare across ranks;
     None when ``error`` is not a timeout."""
-    text = str(error).lower()
-    if not isinstance(error, RuntimeError) or ("timed out" not in text and "timeout" not in text):
+    if not isinstance(error, RuntimeError) or not _COLLECTIVE_TIMEOUT.search(str(error)):
         return None
     names = [u.name or "<root>" for u in engine.units]
     waiting = [repr(u.name or "<root>") for u in engine.units if u.state is UnitState.GATHERING]
@@ -169,7 +176,7 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     tails = engine.sched.outer.tails()  # Note [Outer units]: deferred where every rank reaches them
     units = listed + tails
     recorded = [u.out_nodes for u in units]
-    unmarked, engine.sched.outer.read_unmarked = engine.sched.outer.read_unmarked, set()  # Note [Tails saved]
+    unsafe = engine.sched.outer.read_unrecorded  # Note [Outer units]: read without autograd recording: not deferred
     # Note [Program order] in reducer.py: the units' ends of backward (none for an ``open_ended`` unit: Note [End of a
     # unit's backward] in stage3_schedule.py, open-ended on every rank where it is on one)
     ends = [[] if u.open_ended else u.in_nodes for u in listed]
@@ -184,7 +191,7 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     reached = [bool(nodes) and all(n in found for n in nodes) for nodes in ends]
     # a call whose end the loss does not reach (inputs that need a gradient, unused) is never signalled either
     open_ended = [int(u.open_ended or (bool(nodes) and not r)) for u, nodes, r in zip(listed, ends, reached)]
-    counts = ([int(any(n in found for n in nodes) and u not in unmarked) for u, nodes in zip(units, recorded)]
+    counts = ([int(any(n in found for n in nodes) and u not in unsafe) for u, nodes in zip(units, recorded)]
               + [int(r) for r in reached] + open_ended)
     n, h = engine.world_size, order_digest(engine.gathering.log)  # Note [Same units on every rank]: so far
     counts += [h, h * h]

@@ -17,8 +17,7 @@ first call" does not.
 - An outer unit that, in the first step, ran only before the first listed unit's call, on every rank, and
   whose parameters nothing else read (a GPT's token and position embeddings) is also freed when that first
   call begins, and in backward gathered only when the first call's unit begins its backward (or at the start
-  of backward if, in the first step, its output's gradient came earlier; not at all if it holds frozen parameters
-  only and no gradient came through it on any rank: a frozen embedding). The first step records this (the
+  of backward if, in the first step, its output's gradient came earlier). The first step records this (the
   outer units are gathered with the root meanwhile); the agreement at the end of its last backward compares
   the records across ranks (``[x, x*x]`` per value, with the gather digest: ``stage3_checks.GatherDigest``), and only a
   unit every rank agrees on is scheduled so.
@@ -36,23 +35,19 @@ first call" does not.
   LM head is not held through the loss's backward, the step's peak (a log-softmax over the vocabulary).
   Autograd may read a tail's parameters before its outputs' gradient comes, through tensors it saved in
   forward on another path (a weight penalty on the head, in the root or inside the head's own forward; an
-  auxiliary loss through ``head.weight.detach()``): while the root's forward runs (outside the listed units: Note
-  [Tails saved]), ``saved_tensors_hooks`` mark every saved tensor on a tail's storage, and unpacking one in backward
-  gathers the tails first. Such a read comes, on every rank alike, before any listed unit's backward (or after the
-  tails' gather), so the all-gather order stays the same. A tail whose parameters user code reads with autograd
-  recording in backward before its gather raises as a scheduled unit does. The first step's record is a third value
-  per outer unit in the same agreement.
+  auxiliary loss through ``head.weight.detach()``): while the root's forward runs, ``saved_tensors_hooks``
+  mark every saved tensor on a tail's storage, and unpacking one in backward gathers the tails first. Such a
+  read comes, on every rank alike, before any listed unit's backward (or after the tails' gather), so the
+  all-gather order stays the same. A tail whose parameters user code reads with autograd recording in
+  backward before its gather raises as a scheduled unit does. The first step's record is a third value per
+  outer unit in the same agreement.
+- A read of an outer unit's parameters outside its own forward that autograd does not record (``detach()``, under
+  ``no_grad``) returns an alias that a later op may save (``F.linear(x, head.weight.detach())`` in a block): its
+  backward reads it, and no gradient of the unit waits for it. Such a unit is kept gathered to the end of that
+  backward and, a tail, not deferred (``read_unrecorded``, reported unreached in the agreement before backward).
+  Before, it was freed once its own gradient was complete, and the alias read freed memory (a segfault).
 
 Evaluation (a forward with gradients off) gathers the scheduled units with the root.
-
-Note [Tails saved]: the hooks cost a Python call per tensor autograd saves, and most are saved inside the listed
-units (386 per step in the small-ops benchmark's one unit: 3% of its step). So they are lifted for the outermost
-listed unit's forward call (``pause_saved_hooks``; only where they are the innermost hooks pushed, as a module's
-own ``saved_tensors_hooks`` or activation checkpointing may push others above them) and pushed again when it
-returns. A tail's parameter can be read there only through the guard (outer units stay guarded while gathered:
-Note [Plain while gathered]), which notes a read that autograd records (``read_unmarked``); such a tail, or every
-tail after a listed call that never returned (its error caught inside the forward), is reported unreached in the
-agreement before backward, so every rank gathers it with the root in that backward, not at its gradient.
 """
 
 from __future__ import annotations
@@ -64,7 +59,7 @@ import functools
 import torch
 
 from zerorun.zero.stage3_checks import check_no_writes
-from zerorun.zero.torch_internals import in_backward, top_pack_hook
+from zerorun.zero.torch_internals import in_backward
 from zerorun.zero.units import Unit, UnitState
 
 
@@ -73,9 +68,7 @@ class OuterRecord:
     """What the first step learns of one outer unit and what every rank agreed on it (Note [Outer units])."""
 
     first: int | None = None  # it ran after the first listed unit's call (1) or only before it (0)
-    # its output's gradient came after that unit's backward began (1) or before (0); scheduled and None: no gradient
-    # came on any rank and it holds frozen parameters only: not gathered in backward
-    bfirst: int | None = None
+    bfirst: int | None = None  # its output's gradient came after that unit's backward began (1) or before (0)
     btail: int | None = None  # every gradient of its outputs came before any listed unit's backward began (1)
     used_outside: bool = False  # its parameters were read outside its own forward
     declared: bool = False  # register_external_parameter(model, one of its parameters): stays with the root
@@ -107,8 +100,10 @@ class OuterSchedule:
         self.anchor_entered = False  # that unit's backward has begun
         self.listed_begun = False  # a listed unit's backward has begun in this backward
         self.saved_hooks = None  # saved_tensors_hooks over the root's forward when there are tails
-        self.paused_by: Unit | None = None  # the listed unit whose forward call runs without them (Note [Tails saved])
-        self.read_unmarked: set[Unit] = set()  # tails read there with autograd recording: not deferred this backward
+        # outer units read outside their own forward without autograd recording since the last backward (detach,
+        # no_grad): what the read returned may be saved by a later op, whose backward reads it, no gradient of the
+        # unit waiting for it: kept gathered to the end of backward, and not deferred (a tail)
+        self.read_unrecorded: set[Unit] = set()
         self.tail_storages: dict[int, Unit] = {}
 
     def hook(self) -> None:
@@ -144,22 +139,9 @@ class OuterSchedule:
             self.saved_hooks.__enter__()
 
     def end_saved_hooks(self) -> None:
-        if self.saved_hooks is not None and self.paused_by is None:
+        if self.saved_hooks is not None:
             self.saved_hooks.__exit__(None, None, None)
-        self.saved_hooks = self.paused_by = None
-
-    def pause_saved_hooks(self, unit: Unit) -> None:
-        """Note [Tails saved]: ``unit``'s forward call begins; the tails' saved-tensor hooks go for it when they
-        are the innermost ones (no other hooks pushed above them)."""
-        if self.saved_hooks is not None and self.paused_by is None and top_pack_hook() is self.saved_hooks.pack_hook:
-            self.saved_hooks.__exit__(None, None, None)
-            self.paused_by = unit
-
-    def resume_saved_hooks(self, unit: Unit) -> None:
-        """Note [Tails saved]: ``unit``'s forward call has ended; the hooks come back after its outermost call."""
-        if self.paused_by is unit and unit.active == 0:
-            self.paused_by = None
-            self.saved_hooks.__enter__()
+            self.saved_hooks = None
 
     def _tail_pack(self, t: torch.Tensor):
         unit = self.tail_storages.get(t.untyped_storage()._cdata)
@@ -176,8 +158,6 @@ class OuterSchedule:
 
     def pass_end(self) -> None:
         self.running = False
-        if self.paused_by is not None:  # Note [Tails saved]: a listed call that never returned (its error caught)
-            self.read_unmarked.update(self.tails())
         self.end_saved_hooks()
         for unit in self.outers:  # Note [Writes inside a unit's forward]: the root's forward may write them too
             if unit.state is UnitState.GATHERED:
@@ -229,8 +209,7 @@ class OuterSchedule:
         self.anchor_entered = False
         self.listed_begun = False
         for unit in self.scheduled_units():
-            bfirst = self.rec[unit].bfirst
-            if bfirst == 0 or (self.first_call is None and bfirst is not None):
+            if self.rec[unit].bfirst == 0 or self.first_call is None:
                 unit.unshard(wait=False)
 
     def listed_backward(self, unit: Unit) -> None:
@@ -276,7 +255,8 @@ class OuterSchedule:
         with it at the start of backward, is not; unless a parameter of it that was unused last time (so
         complete at once: Note [Per-parameter readiness]) still gets its gradient in this backward (an expert
         that runs in this micro-step only), whose computation may need the weights: then at the end."""
-        if any(self.sched.reducer.accumulates_later(p) for buf in unit.trainable for p in buf.params):
+        if unit in self.read_unrecorded or any(self.sched.reducer.accumulates_later(p) for buf in unit.trainable
+                                                for p in buf.params):
             return
         unit.pinned_by.discard(self.sched.root)
         unit.reshard()
@@ -289,8 +269,8 @@ class OuterSchedule:
         # an evaluation's forward decides nothing; a read that autograd does not record (detach, no_grad) is
         # not needed in backward
         recorded = torch.is_grad_enabled() and getattr(func, "__name__", "") != "detach"
-        if self.paused_by is not None and self.rec[unit].tail and recorded:  # Note [Tails saved]
-            self.read_unmarked.add(unit)
+        if holder is not unit and (self.running or in_backward()) and not recorded:
+            self.read_unrecorded.add(unit)  # F.linear(x, head.weight.detach()) inside a block saves the alias
         if holder is not unit and (self.running or in_backward()) and recorded:
             if self.learning:
                 self.rec[unit].used_outside = True
@@ -319,8 +299,7 @@ class OuterSchedule:
             rec = self.rec[unit]
             if same[3 * i] and same[3 * i + 1] and sums[3 * i] > 0:
                 rec.scheduled = True
-                # no gradient seen: at the start, or never where nothing of it trains (a frozen embedding)
-                rec.bfirst = rec.bfirst if sums[3 * i + 1] > 0 else 0 if unit.trainable else None
+                rec.bfirst = rec.bfirst if sums[3 * i + 1] > 0 else 0  # no gradient seen: at the start
                 self.sched.root.external.remove(unit)
                 unit.pinned_by.discard(self.sched.root)
             else:  # stays with the root: its record was this rank's alone

@@ -100,7 +100,6 @@ class Schedule:
             unit.ctx.training = torch.is_grad_enabled()  # Gathering.training, before the root's own gather
         elif not in_backward():
             self.outer.listed_call(unit)
-            self.outer.pause_saved_hooks(unit)  # Note [Tails saved] in stage3_outer.py
         with unit.ctx.together():  # Note [Units gathered together] in units.py
             unit.unshard(wait=False)  # waited for below, after the all-gathers of the units ahead are issued
             if in_backward():
@@ -133,7 +132,6 @@ class Schedule:
         if in_backward():  # recomputation under activation checkpointing: the unit is still needed
             return output
         self.leave(unit)
-        self.outer.resume_saved_hooks(unit)
         self.watch(unit, output, functools.partial(self.pre_backward, unit))
         check_no_writes(unit)
         if unit.is_root:
@@ -238,6 +236,7 @@ class Schedule:
     def backward_end(self) -> None:
         """After the reductions of a backward: the recorded order is kept, every unit freed."""
         self.end_pass("backward")
+        self.outer.read_unrecorded = set()
         for unit in self.units:
             unit.ready_buffers = unit.open_calls = 0
             unit.ends_agreed = unit.deferred = unit.open_ended = False

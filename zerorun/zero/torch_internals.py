@@ -8,8 +8,6 @@
   Note [Adopted gradient] in ``adoption.py``).
 - :func:`keep_for_process`: an object that outlives the interpreter's shutdown (CPython's ``Py_IncRef``: the
   handles of the last collectives, Note [Last reference on the issuing thread] in ``held.py``).
-- :func:`top_pack_hook`: the innermost saved-tensor pack hook pushed (stage 3 lifts its own only when it is that
-  one: Note [Tails saved] in ``stage3_outer.py``).
 - :func:`group_timeout`: a process group's collective timeout (stage 3's control group, made beside an NCCL group,
   waits as long as that group: ``launch.collective_timeout_s``, not torch's 30-minute default).
 - :func:`coalesced`: several collectives of one kind issued as one (``torch.distributed._coalescing_manager``:
@@ -44,13 +42,6 @@ def sole_owner(t: torch.Tensor) -> bool:
     the tensors and storage objects holding the storage)."""
     storage = t.untyped_storage()  # held here, so counted: t's and this one's
     return torch._C._storage_Use_Count(storage._cdata) <= 2
-
-
-def top_pack_hook() -> Callable | None:
-    """The pack hook of the innermost ``torch.autograd.graph.saved_tensors_hooks`` in effect on this thread, or None
-    (``torch._C._autograd._top_saved_tensors_default_hooks``)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return None if top is None else top[0]
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
