@@ -57,7 +57,8 @@ class TinyGPT(nn.Module):
     a penalty in the root); ``probe``: a block (a listed unit) called after the head, whose output is unused and
     whose side loss (:class:`Block`'s ``aux``) reads the head's weight where ``probe_reads`` is set;
     ``frozen_wte``: the token embedding frozen (no gradient flows through it); ``block_reads``: the last block's side
-    loss reads that module's weight detached; ``extra``:
+    loss reads that module's weight detached (``"head"``, ``"ln_f"``) or through ``.data`` (``"head.data"``);
+    ``extra``:
     a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or ``None``: not at all);
     ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
 
@@ -81,7 +82,9 @@ class TinyGPT(nn.Module):
         self.root_penalty = False  # set per step by train(penalty_from=...)
         self.probe, self.probe_reads = (Block() if probe else None), False  # probe_reads: by train(probe_from=...)
         if block_reads:  # a block's side loss through another module's weight, detached (Block.read)
-            self.blocks[-1].read = lambda: getattr(self, block_reads).weight.detach()
+            name, _, how = block_reads.partition(".")  # "head", "ln_f" (detach()), "head.data"
+            self.blocks[-1].read = (lambda: getattr(self, name).weight.data) if how else (
+                lambda: getattr(self, name).weight.detach())
         if tied:
             self.head.weight = self.wte.weight
         self.head_by_weight = head_by_weight

@@ -47,7 +47,7 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
                                  "final_norm": False},
                                 {"head_penalty": True}, {"penalty_from": 1}, {"detach_aux": True},
                                 {"probe": True, "probe_from": 1}, {"frozen_wte": True},
-                                {"block_reads": "head"}, {"block_reads": "ln_f"}],
+                                {"block_reads": "head"}, {"block_reads": "ln_f"}, {"block_reads": "head.data"}],
                          ids=["plain", "accum", "checkpointing", "tied", "head-by-weight", "evaluate",
                               "extra-everywhere", "extra-on-rank0", "extra-later-on-one-rank", "layerdrop",
                               "returns-a-view", "hook-added-later", "moves-between-micro-steps",
@@ -55,7 +55,8 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
                               "tail-moves-on-one-rank", "only-tail-late-on-one-rank",
                               "penalty-inside-the-head", "root-penalty-from-step-2", "aux-loss-on-detached-head",
                               "block-reads-the-head-off-its-output-from-step-2", "frozen-embedding",
-                              "block-reads-the-head-detached", "block-reads-the-final-norm-detached"])
+                              "block-reads-the-head-detached", "block-reads-the-final-norm-detached",
+                              "block-reads-the-heads-data"])
 def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     """Losses and grad norms equal stage 0's (fp32, 1e-5 relative) on 2 ranks, also when the blocks that run
     change from step to step (LayerDrop, the first block included); a module that ran before the first block
@@ -74,8 +75,9 @@ def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     2 on, an auxiliary loss through the detached weight, a block called after the head whose side loss reads
     the head's weight from step 2 on) is gathered before that read; a frozen embedding, through which no
     gradient flows, trains as stage 0; a block whose side loss reads the head's or the final norm's weight
-    detached (an alias autograd saves, which no gradient of theirs waits for) keeps them gathered to the end of
-    backward (before: freed once their own gradient was complete; "storage of size 0", or a segfault)."""
+    detached or through ``.data`` (an alias autograd saves, which no gradient of theirs waits for) keeps them
+    gathered to the end of backward (before: freed once their own gradient was complete; "storage of size 0", or
+    a segfault)."""
     pool = ranks(2)
     s3 = pool.run(cases.train, stage=3, **kw)
     s0 = pool.run(cases.train, stage=0, **kw)
@@ -88,7 +90,9 @@ def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     assert s3[0]["schedule"] == s3[1]["schedule"] and tails == s3[1]["tails"]
     # tails (gathered in backward when their outputs' gradient comes): the final norm always, the head unless
     # the root reads its weight; ``extra`` where it ran after the blocks on both ranks in the first step
-    assert tails.get("ln_f", True) and tails.get("head", True) == (not kw.get("head_by_weight")), tails
+    # (or reads it through .data: a use, as p.data hands out the values)
+    assert tails.get("ln_f", True) and tails.get("head", True) == (
+        not kw.get("head_by_weight") and kw.get("block_reads") != "head.data"), tails
     assert tails["extra"] == (kw.get("extras", [None])[0] == "end"), tails
     assert not tails["experts"], tails  # its Linears run, not the ModuleList: read outside its forward
     if kw.get("tied"):  # the tied weight is the root's: neither module holds a parameter of its own

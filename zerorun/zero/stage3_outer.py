@@ -41,9 +41,9 @@ first call" does not.
   all-gather order stays the same. A tail whose parameters user code reads with autograd recording in
   backward before its gather raises as a scheduled unit does. The first step's record is a third value per
   outer unit in the same agreement.
-- A read of an outer unit's parameters outside its own forward that autograd does not record (``detach()``, under
-  ``no_grad``) returns an alias that a later op may save (``F.linear(x, head.weight.detach())`` in a block): its
-  backward reads it, and no gradient of the unit waits for it. Such a unit is kept gathered to the end of that
+- A read of an outer unit's parameters outside its own forward that autograd does not record (``detach()``,
+  ``.data``, under ``no_grad``) returns an alias that a later op may save (``F.linear(x, head.weight.detach())``
+  in a block): its backward reads it, and no gradient of the unit waits for it. Such a unit is kept gathered to the end of that
   backward and, a tail, not deferred (``read_unrecorded``, reported unreached in the agreement before backward).
   Before, it was freed once its own gradient was complete, and the alias read freed memory (a segfault).
 
@@ -268,8 +268,10 @@ class OuterSchedule:
         holder = self.sched.active[-1] if self.sched.active else None
         # an evaluation's forward decides nothing; a read that autograd does not record (detach, no_grad) is
         # not needed in backward
-        recorded = torch.is_grad_enabled() and getattr(func, "__name__", "") != "detach"
-        if holder is not unit and (self.running or in_backward()) and not recorded:
+        name = getattr(func, "__name__", "")
+        recorded = torch.is_grad_enabled() and name != "detach"
+        # an alias autograd does not track: detach(), p.data (the guard's only "__get__"), any read under no_grad
+        if holder is not unit and (self.running or in_backward()) and (not recorded or name == "__get__"):
             self.read_unrecorded.add(unit)  # F.linear(x, head.weight.detach()) inside a block saves the alias
         if holder is not unit and (self.running or in_backward()) and recorded:
             if self.learning:
