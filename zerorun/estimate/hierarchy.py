@@ -76,9 +76,8 @@ def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
     bytes, without its peers' padding), summed over the units gathered in forward and backward (those holding
     trainable parameters; the root and the outer units, which backward gathers at the points every rank reaches
     whatever they hold) and over the listed units holding frozen ones only (forward only): of the padded units
-    (``padded``), or
-    of the others. With ``block``: as int8 messages of ``block`` elements per scale (``zero.quantize_weights``),
-    ``world_size`` times one rank's message."""
+    (``padded``), or of the others. With ``block``: as int8 messages of ``block`` elements per scale
+    (``zero.quantize_weights``), ``world_size`` times one rank's message."""
     skip = padded_units(layout, world_size, default)
     twice = once = 0
     for u in layout.units:

@@ -43,8 +43,9 @@ first call" does not.
   outer unit in the same agreement.
 - A read of an outer unit's parameters outside its own forward that autograd does not record (``detach()``,
   ``.data``, under ``no_grad``) returns an alias that a later op may save (``F.linear(x, head.weight.detach())``
-  in a block): its backward reads it, and no gradient of the unit waits for it. Such a unit is kept gathered to the end of that
-  backward and, a tail, not deferred (``read_unrecorded``, reported unreached in the agreement before backward).
+  in a block): its backward reads it, and no gradient of the unit waits for it. Such a unit is kept gathered to
+  the end of that backward and, a tail, not deferred (``read_unrecorded``, reported unreached in the agreement
+  before backward).
   Before, it was freed once its own gradient was complete, and the alias read freed memory (a segfault).
 
 Evaluation (a forward with gradients off) gathers the scheduled units with the root.
@@ -101,8 +102,8 @@ class OuterSchedule:
         self.listed_begun = False  # a listed unit's backward has begun in this backward
         self.saved_hooks = None  # saved_tensors_hooks over the root's forward when there are tails
         # outer units read outside their own forward without autograd recording since the last backward (detach,
-        # no_grad): what the read returned may be saved by a later op, whose backward reads it, no gradient of the
-        # unit waiting for it: kept gathered to the end of backward, and not deferred (a tail)
+        # .data, no_grad): what the read returned may be saved by a later op, whose backward reads it, no gradient
+        # of the unit waiting for it: kept gathered to the end of backward, and not deferred (a tail)
         self.read_unrecorded: set[Unit] = set()
         self.tail_storages: dict[int, Unit] = {}
 
@@ -266,14 +267,15 @@ class OuterSchedule:
         """A parameter of the outer unit ``unit`` is about to be read by ``func`` (Note [Parameters at rest]):
         ``True`` when it may be, ``False`` to go on as for any unit."""
         holder = self.sched.active[-1] if self.sched.active else None
-        # an evaluation's forward decides nothing; a read that autograd does not record (detach, no_grad) is
-        # not needed in backward
+        # an evaluation's forward decides nothing; a read that autograd records is a use (it decides the schedule);
+        # one it does not track, detach(), p.data (the guard's only "__get__") or any read under no_grad, returns an
+        # alias a later op may save: kept to the end of backward (Note [Outer units])
         name = getattr(func, "__name__", "")
         recorded = torch.is_grad_enabled() and name != "detach"
-        # an alias autograd does not track: detach(), p.data (the guard's only "__get__"), any read under no_grad
-        if holder is not unit and (self.running or in_backward()) and (not recorded or name == "__get__"):
+        outside = holder is not unit and (self.running or in_backward())
+        if outside and (not recorded or name == "__get__"):
             self.read_unrecorded.add(unit)  # F.linear(x, head.weight.detach()) inside a block saves the alias
-        if holder is not unit and (self.running or in_backward()) and recorded:
+        if outside and recorded:
             if self.learning:
                 self.rec[unit].used_outside = True
             elif self.rec[unit].scheduled or unit.deferred and unit.state is UnitState.FREE:
