@@ -40,12 +40,15 @@ def against_flat(ranks_per_node: int, hierarchy, accum: int = 1, steps: int = 3,
     """Flat stage 3 and stage 3 with ``hierarchy`` trained side by side on copies of the tiny GPT (SGD: Adam would
     amplify the gradients' other summation order, Note [Summation-order floor] in test_zero_parity.py): the largest
     relative difference of a loss and of the final parameters, each engine's bytes sent and bytes to other nodes
-    per step, and the secondary shards' bytes before the last step against the gathered bytes of the units."""
+    per step, and the secondary shards' bytes before the last step against the gathered bytes of the units. Every
+    unit is gathered in backward too (``zero.keep_root_bytes`` 0: the tiny GPT's root would stay gathered from
+    forward to backward, Note [Kept from forward to backward]; tests/test_estimate.py counts that case)."""
     with on_nodes(ranks_per_node):
         model = parity_cases._build("gpt", 0)
         engines = [initialize(copy.deepcopy(model), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
                               config=ZeroConfig(stage=3, bucket_mb=0.002, grad_accum_steps=accum, hierarchy=h,
-                                                activation_checkpointing=activation_checkpointing))
+                                                activation_checkpointing=activation_checkpointing,
+                                                keep_root_bytes=0))
                    for h in (None, hierarchy)]
         loss_diff, sent = 0.0, [[], []]
         for step in range(steps):
@@ -108,16 +111,18 @@ def two_level_reduce_scatter(in_place: bool) -> dict:
         return {"wrong": wrong, "inter_node": inter}
 
 
-def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int = 2,
+def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int = 3,
             quantize_block: int | None = None, stage: int = 3, quantize_grads: str | None = None,
             grad_block: int = 256) -> dict:
     """``estimate_cases.CONFIGS[config]``'s model at ``stage`` with ``hierarchy`` and ``accum`` micro-steps on
     this rank's node: bytes sent and bytes to other nodes in each step (zero/comm.py's count) and the secondary
     shards' bytes just before each ``step()`` (``SecondaryShards.nbytes``; 0 without ``hierarchy``); with
-    ``quantize_block``, qwZ's int8 all-gathers; with ``quantize_grads``, qgZ's all-to-alls (``grad_block``)."""
+    ``quantize_block``, qwZ's int8 all-gathers; with ``quantize_grads``, qgZ's all-to-alls (``grad_block``). The
+    first step is left out: it learns the outer units' schedule (Note [Outer units]), gathering them with the
+    root and keeping nothing from forward to backward, where the estimate counts a steady step."""
     import estimate_cases
 
-    model, model_kwargs, units, opt, opt_kwargs, bucket_mb, _, persistence = estimate_cases.CONFIGS[config]
+    model, model_kwargs, units, opt, opt_kwargs, bucket_mb, _, persistence, keep = estimate_cases.CONFIGS[config]
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with on_nodes(ranks_per_node):
         engine = initialize(estimate_cases.build(model, model_kwargs), optimizer=opt, optimizer_kwargs=dict(opt_kwargs),
@@ -125,7 +130,8 @@ def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int 
                                               persistence_threshold=persistence, hierarchy=hierarchy,
                                               quantize_weights="int8" if quantize_block else None,
                                               quantize_block=quantize_block or grad_block,
-                                              quantize_grads=quantize_grads))
+                                              quantize_grads=quantize_grads,
+                                              **({} if keep is None else {"keep_root_bytes": keep})))
         out = {"sent": [], "inter_node": [], "secondary": []}
         for step in range(steps):
             before = engine.comm_stats()
@@ -139,7 +145,7 @@ def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int 
             out["sent"].append(now["bytes_sent"] - before["bytes_sent"])
             out["inter_node"].append(now["bytes_inter_node"] - before["bytes_inter_node"])
         engine.close()
-    return out
+    return {k: v[1:] for k, v in out.items()}
 
 
 def checkpoint_case(case: str, ranks_per_node: int, **kwargs) -> dict:

@@ -126,7 +126,11 @@ class TinyGPT(nn.Module):
         return loss
 
 
-def _engine(stage: int, accum: int = 1, checkpointing: bool = False, declare: bool = False, **model_kw):
+def _engine(stage: int, accum: int = 1, checkpointing: bool = False, declare: bool = False, keep: int | None = 0,
+            **model_kw):
+    """``keep``: ``zero.keep_root_bytes`` (``None``: its default, under which TinyGPT's root and outer units, all
+    small, are kept from forward to backward); 0, the cases' default, frees them after every forward, so that the
+    tails are deferred (Note [Kept from forward to backward])."""
     torch.manual_seed(0)
     model = TinyGPT(**model_kw)
     if declare:
@@ -134,7 +138,8 @@ def _engine(stage: int, accum: int = 1, checkpointing: bool = False, declare: bo
         register_external_parameter(model, model.extra.bias)
     return initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
                       config=ZeroConfig(stage=stage, grad_accum_steps=accum, units=("Block",) if stage == 3 else (),
-                                        activation_checkpointing=checkpointing))
+                                        activation_checkpointing=checkpointing,
+                                        **({} if keep is None else {"keep_root_bytes": keep})))
 
 
 def _batches(steps: int, accum: int) -> list:
@@ -151,16 +156,17 @@ def _read_head(model: nn.Module, grad: torch.Tensor) -> torch.Tensor:
 def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpointing: bool = False,
           declare: bool = False, evaluate: bool = False, skips=None, hook_after: bool = False,
           interrupt: bool = False, experts=None, penalty_from: int | None = None, read_in_backward: bool = False,
-          probe_from: int | None = None, **model_kw) -> dict:
+          probe_from: int | None = None, keep: int | None = 0, grad_eval: bool = False, **model_kw) -> dict:
     """Losses and grad norms of ``steps`` steps of :class:`TinyGPT` (``extras[step]``, per rank: a dict
     ``{rank: where}`` or one value for all, says where ``extra`` runs; the last entry repeats; ``skips[step]``:
     the blocks LayerDrop skips; ``interrupt``: before each optimizer step, a forward that raises half way,
     caught; ``experts[step][micro_step]``: the root experts that run; ``penalty_from``: the step from which the
     root adds a penalty on the head's weight; ``probe_from``: the step from which the probe block reads it;
     ``read_in_backward``: from the second step, a hook on the loss reads
-    the head's weight with gradients on, before the head's backward), the outer units' schedules, and the error
-    of the first step that raised."""
-    engine = _engine(stage, accum, checkpointing, declare, **model_kw)
+    the head's weight with gradients on, before the head's backward; ``grad_eval``: before each optimizer step,
+    a forward with gradients on whose loss no backward follows; ``keep``: :func:`_engine`'s), the outer units'
+    schedules, the units kept from forward to backward, and the error of the first step that raised."""
+    engine = _engine(stage, accum, checkpointing, declare, keep, **model_kw)
     batches = _batches(steps, accum)
     out = {"losses": [], "norms": [], "error": None, "reads": []}
     rank = dist.get_rank()
@@ -193,6 +199,8 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
                 except ValueError:
                     pass
                 engine.module.fail_at = None
+            if grad_eval:  # the units it keeps gathered must not outlive the step: stale values after it
+                out["losses"].append(float(engine((batches[0], None))))
             out["norms"].append(float(engine.step()))
             if evaluate:
                 with torch.no_grad():
@@ -203,16 +211,18 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
         rec = engine.sched.outer.rec  # Note [Outer units]: what the first step learned of each
         out["schedule"] = {u.name: (rec[u].scheduled, rec[u].bfirst) for u in engine.units if u.outer}
         out["tails"] = {u.name: rec[u].tail for u in engine.units if u.outer}
+        out["kept"] = sorted(u.name or "<root>" for u in engine.sched.outer.kept())
     return out
 
 
-def gathered_at_points(steps: int = 3, with_root: bool = False) -> dict:
+def gathered_at_points(steps: int = 3, with_root: bool = False, keep: int | None = 0) -> dict:
     """Stage 3, :class:`TinyGPT` with 4 blocks, ``steps`` steps: which outer units are gathered (or being
     gathered) when each block's forward and each block's backward begins and when the loss's backward reaches
     the logits (``"loss backward"``, before the head's backward), and the most parameter bytes
     gathered at those points (outer, root and listed units together: what sits beside the activations), per
-    step. ``with_root``: the embedding declared read by the root, so kept with it (as before outer units)."""
-    engine = _engine(3)
+    step, and how many times each was all-gathered before the first block's backward. ``with_root``: the
+    embedding declared read by the root, so kept with it (as before outer units); ``keep``: :func:`_engine`'s."""
+    engine = _engine(3, keep=keep)
     model = engine.module
     if with_root:
         register_external_parameter(model, model.wte.weight)
@@ -225,6 +235,9 @@ def gathered_at_points(steps: int = 3, with_root: bool = False) -> dict:
             record.append((tag, [n for n, p in watched.items() if p.untyped_storage().nbytes() >= p.nbytes]))
         gathered = sum(b.data.untyped_storage().nbytes() for u in engine.units if not u.persistent for b in u.buffers)
         top["bytes"] = max(top["bytes"], gathered)
+        if tag == "backward 0":  # the units' all-gathers so far in this step (Note [Same units on every rank])
+            index = {u.index: u.name for u in engine.units}
+            top["gathers"] = [index[i] for i in engine.gathering.log]
 
     for i, block in enumerate(engine.module.blocks):
         block.register_forward_pre_hook(lambda m, a, i=i: now(f"forward {i}") if torch.is_grad_enabled() else None)
@@ -244,6 +257,7 @@ def gathered_at_points(steps: int = 3, with_root: bool = False) -> dict:
         top["bytes"] = 0
         engine.backward(engine((ids, None)))
         engine.step()
-        out.append({"points": list(record), "max_bytes": top["bytes"]})
+        out.append({"points": list(record), "max_bytes": top["bytes"],
+                    "gathers": {n: top["gathers"].count(n) for n in watched}})
     return {"steps": out, "sizes": {name: p.nbytes for name, p in watched.items()}}
 

@@ -266,7 +266,8 @@ class BorrowNet(nn.Module):
 
 def borrow(stage: int, first: bool = True, compile_backend: str = "", emb: bool = False, steps: int = 3) -> dict:
     """Train ``BorrowNet`` at ``stage``: per-step losses; at stage 3 the units each unit gathers with itself
-    (Note [External parameters]), which outer units stayed tails, and the stage-3 warnings."""
+    (Note [External parameters]), which outer units stayed tails (``zero.keep_root_bytes`` 0: else the small
+    root and outer units are kept from forward to backward and no tail is deferred), and the stage-3 warnings."""
     import warnings
 
     torch.manual_seed(0)
@@ -276,7 +277,8 @@ def borrow(stage: int, first: bool = True, compile_backend: str = "", emb: bool 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
-                            config=ZeroConfig(stage=stage, units=("Borrower",) if stage == 3 else ()))
+                            config=ZeroConfig(stage=stage, units=("Borrower",) if stage == 3 else (),
+                                              keep_root_bytes=0))
         losses = train_steps(engine, steps, width=16)
     units = getattr(engine, "units", [])
     return {"losses": losses, "external": {u.name: sorted(o.name for o in u.external) for u in units if u.external},

@@ -53,11 +53,11 @@ def test_communication_is_2psi_and_3psi_elements():
 
 
 def engine_layout(config, stage, precision="fp32"):
-    model, model_kwargs, units, _, opt_kwargs, bucket_mb, _, persistence = config
+    model, model_kwargs, units, _, opt_kwargs, bucket_mb, _, persistence, keep = config
     with torch.device("meta"):
         m = cases.build(model, model_kwargs)
     return est.layout_of(m, bucket_mb=bucket_mb, units=units if stage == 3 else (), precision=precision,
-                         persistence_threshold=persistence)
+                         persistence_threshold=persistence, **({} if keep is None else {"keep_root_bytes": keep}))
 
 
 def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtype=None, offload="none",
@@ -66,7 +66,7 @@ def assert_engine_reports(pool, stage, world_size, precision="fp32", reduce_dtyp
                        offload=offload, offload_path=offload_path, offload_params="disk" if offload_params else "none")
     p = est.precision_of(precision, reduce_dtype)
     for i, config in enumerate(cases.CONFIGS):
-        _, _, _, opt, opt_kwargs, _, accum, _ = config
+        _, _, _, opt, opt_kwargs, _, accum, _, _ = config
         layout = engine_layout(config, stage, precision)
         # the ranks are CPU processes: the engine's "device" is the host (cpu offload keeps its bytes there)
         want = est.model_states(layout, stage, world_size, p, est.optimizer_model(opt, opt_kwargs), offload,

@@ -34,6 +34,27 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
     assert {"ln_f", "head"} <= set(first["loss backward"])
 
 
+def test_a_small_root_and_its_outer_units_stay_gathered_from_forward_into_backward(ranks):
+    """Note [Kept from forward to backward]: with ``zero.keep_root_bytes`` at its default (1 MiB), from the second
+    step on TinyGPT's final norm and head (a few KiB) are all-gathered once per step, in forward, stay gathered
+    through the loss's backward and are freed once their gradient is complete, before the blocks' backward; the
+    embedding keeps its schedule. With 0 (the other cases) they are all-gathered twice, not held through the
+    loss's backward. (Before: twice, whatever their size, with saved-tensor hooks over the whole forward.)"""
+    kept = ranks(2).run(cases.gathered_at_points, keep=None)[0]
+    freed = ranks(2).run(cases.gathered_at_points)[0]
+    for step, other in zip(kept["steps"][1:], freed["steps"][1:]):
+        points = dict(step["points"])
+        assert {"ln_f", "head"} <= set(points["loss backward"]), step
+        for i in range(4):
+            assert "wte" not in points[f"forward {i}"], step
+        for i in (0, 1, 2):
+            assert not {"ln_f", "head"} & set(points[f"backward {i}"]), step
+        assert (step["gathers"]["ln_f"], step["gathers"]["head"]) == (1, 1), step
+        assert (other["gathers"]["ln_f"], other["gathers"]["head"]) == (2, 2), other
+    first = kept["steps"][0]["gathers"]  # the first step learns: gathered with the root, twice
+    assert (first["ln_f"], first["head"]) == (2, 2), first
+
+
 @pytest.mark.parametrize("kw", [{}, {"accum": 2}, {"checkpointing": True}, {"tied": True},
                                 {"head_by_weight": True}, {"evaluate": True},
                                 {"extras": ["start"]}, {"extras": [{0: "start", 1: None}]},
@@ -47,7 +68,8 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
                                  "final_norm": False},
                                 {"head_penalty": True}, {"penalty_from": 1}, {"detach_aux": True},
                                 {"probe": True, "probe_from": 1}, {"frozen_wte": True},
-                                {"block_reads": "head"}, {"block_reads": "ln_f"}, {"block_reads": "head.data"}],
+                                {"block_reads": "head"}, {"block_reads": "ln_f"}, {"block_reads": "head.data"},
+                                {"grad_eval": True, "accum": 2}],
                          ids=["plain", "accum", "checkpointing", "tied", "head-by-weight", "evaluate",
                               "extra-everywhere", "extra-on-rank0", "extra-later-on-one-rank", "layerdrop",
                               "returns-a-view", "hook-added-later", "moves-between-micro-steps",
@@ -56,7 +78,7 @@ def test_outer_units_are_gathered_only_around_their_use(ranks):
                               "penalty-inside-the-head", "root-penalty-from-step-2", "aux-loss-on-detached-head",
                               "block-reads-the-head-off-its-output-from-step-2", "frozen-embedding",
                               "block-reads-the-head-detached", "block-reads-the-final-norm-detached",
-                              "block-reads-the-heads-data"])
+                              "block-reads-the-heads-data", "forward-without-backward-before-step"])
 def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     """Losses and grad norms equal stage 0's (fp32, 1e-5 relative) on 2 ranks, also when the blocks that run
     change from step to step (LayerDrop, the first block included); a module that ran before the first block
@@ -77,11 +99,18 @@ def test_stage3_with_outer_units_equals_stage0(ranks, kw):
     gradient flows, trains as stage 0; a block whose side loss reads the head's or the final norm's weight
     detached or through ``.data`` (an alias autograd saves, which no gradient of theirs waits for) keeps them
     gathered to the end of backward (before: freed once their own gradient was complete; "storage of size 0", or
-    a segfault)."""
+    a segfault). All of it again with the root and the outer units with it kept gathered from forward into
+    backward (``zero.keep_root_bytes`` at its default: Note [Kept from forward to backward]; the other runs set
+    0), a forward with gradients on whose loss no backward follows before the step included (what it keeps must
+    not outlive the step)."""
     pool = ranks(2)
     s3 = pool.run(cases.train, stage=3, **kw)
     s0 = pool.run(cases.train, stage=0, **kw)
-    for a, b in zip(s3, s0):
+    kept = pool.run(cases.train, stage=3, keep=None, **kw)
+    assert s3[0]["kept"] == [] and kept[0]["kept"] == kept[1]["kept"] and "<root>" in kept[0]["kept"], kept
+    assert set(kept[0]["kept"]) == {"<root>"} | {n for n, (scheduled, _) in kept[0]["schedule"].items()
+                                               if not scheduled}, kept[0]
+    for a, b in zip(s3 + kept, s0 + s0):
         assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
         assert a["norms"] == pytest.approx(b["norms"], rel=1e-5)

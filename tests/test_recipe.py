@@ -283,21 +283,22 @@ def test_persistence_threshold_is_a_stage_3_count(tmp_path):
         == 100000
 
 
-def test_prefetch_bytes_is_a_stage_3_count(tmp_path):
-    with pytest.raises(ZerorunError, match=r"zero\.prefetch_bytes: .* at zero\.stage 3 only"):
-        load_recipe(good(tmp_path), ["zero.stage=2", "zero.prefetch_bytes=100"])
-    with pytest.raises(ZerorunError, match=r"zero\.prefetch_bytes: .* the fsdp2 baseline does not take it"):
-        load_recipe(good(tmp_path), ["zero.stage=3", "zero.prefetch_bytes=0", "runtime=fsdp2"])
+@pytest.mark.parametrize("field", ["prefetch_bytes", "keep_root_bytes"])
+def test_stage_3_byte_counts_are_refused_elsewhere_and_when_not_counts(tmp_path, field):
+    with pytest.raises(ZerorunError, match=rf"zero\.{field}: .* at zero\.stage 3 only"):
+        load_recipe(good(tmp_path), ["zero.stage=2", f"zero.{field}=100"])
+    with pytest.raises(ZerorunError, match=rf"zero\.{field}: .* the fsdp2 baseline does not take it"):
+        load_recipe(good(tmp_path), ["zero.stage=3", f"zero.{field}=0", "runtime=fsdp2"])
     for bad in ("-1", "abc", "1.5", "true"):
-        with pytest.raises(ZerorunError, match=r"zero\.prefetch_bytes") as info:
-            load_recipe(good(tmp_path), ["zero.stage=3", f"zero.prefetch_bytes={bad}"])
+        with pytest.raises(ZerorunError, match=rf"zero\.{field}") as info:
+            load_recipe(good(tmp_path), ["zero.stage=3", f"zero.{field}={bad}"])
         assert "\n" not in str(info.value)
-    assert load_recipe(good(tmp_path), ["zero.stage=3", "zero.prefetch_bytes=0"]).zero.prefetch_bytes == 0
+    assert getattr(load_recipe(good(tmp_path), ["zero.stage=3", f"zero.{field}=0"]).zero, field) == 0
     from zerorun.zero import ZeroConfig
 
     for bad in (True, 1.5, "abc", -1):  # the library's config names the field too
-        with pytest.raises(ValueError, match=r"zero\.prefetch_bytes must be an integer >= 0 or unset"):
-            ZeroConfig(stage=3, prefetch_bytes=bad)
+        with pytest.raises(ValueError, match=rf"zero\.{field} must be an integer >= 0"):
+            ZeroConfig(stage=3, **{field: bad})
 
 
 @pytest.mark.parametrize("override", ["zero.bucket_mb=.inf", "launch.collective_timeout_s=.nan",

@@ -37,10 +37,12 @@ def test_a_unit_of_several_flat_buffers_is_gathered_in_one_collective(ranks):
     one (Note [One reduce-scatter per launch] in gloo_reduce_scatter.py; before: one per buffer)."""
     for r in ranks(2).run(cases.collectives_per_gather):
         assert r["buffers"] == [2, 2, 2], r
-        # the root, 3 blocks and the head, twice: 10 units gathered. Note [Units gathered together]: the root's,
-        # the head's and the first block's at the start of the forward are one collective, and the last block's
-        # at the start of its backward with the middle one's prefetch another (before: 10, one per unit)
-        assert r["gathers"] == 10 and r["collectives"] == 7, r
+        # 3 blocks twice, the root and the head once (small: kept gathered from forward into backward, Note [Kept
+        # from forward to backward]; with zero.keep_root_bytes 0, twice: 10 gathers in 7 collectives): 8 units
+        # gathered. Note [Units gathered together]: the root's, the head's and the first block's at the start of
+        # the forward are one collective, and the last block's at the start of its backward with the middle one's
+        # prefetch another (before: one per unit)
+        assert r["gathers"] == 8 and r["collectives"] == 5, r
         # Note [One reduce-scatter per launch]: the last two blocks' two buckets each at their end of backward as
         # one collective; the first block's (its input needs no gradient: no end of its own) and the head's, four
         # buckets, in one at the end of backward (before: one per bucket, 8)

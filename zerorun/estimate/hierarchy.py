@@ -75,10 +75,11 @@ def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
     """Bytes of one all-gather of every unit but the persistent one, padded to ``world_size`` (the unit's own
     bytes, without its peers' padding), summed over the units gathered in forward and backward (those holding
     trainable parameters; the root and the outer units, which backward gathers at the points every rank reaches
-    whatever they hold) and over the listed units holding frozen ones only (forward only): of the padded units
-    (``padded``), or of the others. With ``block``: as int8 messages of ``block`` elements per scale
-    (``zero.quantize_weights``), ``world_size`` times one rank's message."""
+    whatever they hold) and over the listed units holding frozen ones only and the :func:`kept_units` (forward
+    only): of the padded units (``padded``), or of the others. With ``block``: as int8 messages of ``block``
+    elements per scale (``zero.quantize_weights``), ``world_size`` times one rank's message."""
     skip = padded_units(layout, world_size, default)
+    kept = kept_units(layout, world_size, default)
     twice = once = 0
     for u in layout.units:
         if u.name == PERSISTENT or (u.name in skip) != padded:
@@ -86,11 +87,22 @@ def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
         nbytes = sum(_pad(n, world_size) * b if block is None else world_size * quantized_bytes(_pad(n, world_size)
                                                                                           // world_size, block)
                      for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
-        if u.trainable or u.outer or u.name == "<root>":
+        if (u.trainable or u.outer or u.name == "<root>") and u.name not in kept:
             twice += nbytes
         else:
             once += nbytes
     return twice, once
+
+
+def kept_units(layout: Layout, world_size: int, default: int) -> set[str]:
+    """The units a forward with gradients on leaves gathered into its backward (Note [Kept from forward to
+    backward] in zero/stage3_outer.py): the root and the outer units but those taken to run before the first
+    listed unit (embeddings, and modules registered before it: the first step schedules those), when their padded
+    bytes together are at most ``layout.keep_root_bytes``; else none."""
+    units = [u for u in layout.units if u.name == "<root>" or (u.outer and not (u.embedding or u.early))]
+    nbytes = sum(_pad(n, world_size) * b for u in units
+                 for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
+    return {u.name for u in units} if 0 < layout.keep_root_bytes and nbytes <= layout.keep_root_bytes else set()
 
 
 def secondary_bytes(layout: Layout, world_size: int, default: int, group: int | None) -> int:

@@ -28,6 +28,7 @@ class UnitCount:
     trainable_bytes: tuple[int, ...] = ()  # bytes per element of each trainable buffer (() : the precision's)
     frozen_bytes: tuple[int, ...] = ()  # of each frozen buffer (one per dtype)
     peers: str = ""  # the ModuleList/ModuleDict holding it among its peers (Note [Peer units] in zero/unit_plan.py)
+    early: bool = False  # an outer unit registered before the first listed unit: taken to run before it (scheduled)
 
     @property
     def numel(self) -> int:
@@ -58,6 +59,9 @@ class Layout:
         buffer_bytes, frozen_bytes: stages 0-2: bytes per element of each trainable flat buffer and of each
             frozen parameter, as the engine holds them (``()``: the precision's): 8 for a float64 one (Note
             [Wide parameters] in zero/precision.py), an integer parameter's own.
+        keep_root_bytes: stage 3's ``zero.keep_root_bytes`` (Note [Kept from forward to backward] in
+            zero/stage3_outer.py): the root and the outer units but embeddings, when their gathered bytes together
+            are at most this, are gathered once per micro-step (:func:`kept_units`); 0: twice.
     """
 
     total: int
@@ -73,6 +77,7 @@ class Layout:
     buffer_params: tuple[tuple[int, ...], ...] = ()
     buffer_bytes: tuple[int, ...] = ()
     frozen_bytes: tuple[int, ...] = ()
+    keep_root_bytes: int = 0
 
     @property
     def largest_unit(self) -> UnitCount | None:
@@ -84,13 +89,15 @@ class Layout:
 
 
 def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), weight_decay: float = 0.0,
-              decay_1d: bool = False, precision: str = "fp32", persistence_threshold: int = 0) -> Layout:
+              decay_1d: bool = False, precision: str = "fp32", persistence_threshold: int = 0,
+              keep_root_bytes: int | None = None) -> Layout:
     """The :class:`Layout` the engine builds for ``model`` (any device, meta included) with the worker's param
     groups (``default_param_groups``), ``bucket_mb`` buffers and stage-3 ``units`` (empty: picked by size), at
     ``precision``: the engine casts floating-point parameters to it before packing, so ``bucket_mb`` counts
     elements of that size (``model`` itself is not changed); float64 ones stay and are packed apart (Note [Wide
     parameters] in zero/precision.py). Stage 3: parameters of at most
-    ``persistence_threshold`` elements form the unit ``PERSISTENT``, held whole (Note [Persistent parameters]).
+    ``persistence_threshold`` elements form the unit ``PERSISTENT``, held whole (Note [Persistent parameters]);
+    ``keep_root_bytes``: ``zero.keep_root_bytes`` (``None``: its default).
 
     Raises:
         ValueError: a name in ``units`` matches no module class (from ``pick_units``); a parameter is complex,
@@ -98,6 +105,7 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     """
     import torch
 
+    from zerorun.zero.config import KEEP_ROOT_BYTES
     from zerorun.zero.engine import default_param_groups
     from zerorun.zero.flat import pack as pack_params
     from zerorun.zero.precision import DTYPES, compute_dtype, refuse_complex
@@ -140,12 +148,15 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     parents = {i: name.rpartition(".")[0] for i, name in indexed if 0 <= i < len(unit_modules) and "." in name}
     lists = (torch.nn.ModuleList, torch.nn.ModuleDict)
     peers = {i: p for i, p in parents.items() if isinstance(model.get_submodule(p), lists)}
+    position = {m: k for k, m in enumerate(model.modules())}
+    first = min((position[m] for _, m in unit_modules), default=len(position))
     counted = [UnitCount(name, tuple(sum(b) for b, _ in per_unit.get(i, ())),
                          tuple(n for n, _ in frozen_by_unit.get(i, ())), outer=i >= len(unit_modules),
                          embedding=i >= 0 and isinstance(modules[i], torch.nn.Embedding),
                          trainable_params=tuple(b for b, _ in per_unit.get(i, ())),
                          trainable_bytes=tuple(e for _, e in per_unit.get(i, ())),
-                         frozen_bytes=tuple(e for _, e in frozen_by_unit.get(i, ())), peers=peers.get(i, ""))
+                         frozen_bytes=tuple(e for _, e in frozen_by_unit.get(i, ())), peers=peers.get(i, ""),
+                         early=i >= len(unit_modules) and position[modules[i]] < first)
                for i, name in indexed]
     total = sum(p.numel() for p in names)
     trainable = sum(sum(b) for b, _ in flat)
@@ -156,7 +167,8 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
                   units=tuple(u for u in counted if u.numel),
                   exact=True, shape=dict(shape) if isinstance(shape, dict) else None, precision=precision,
                   buffer_params=tuple(b for b, _ in flat), buffer_bytes=tuple(e for _, e in flat),
-                  frozen_bytes=tuple(as_cast[p].element_size() for p in frozen))
+                  frozen_bytes=tuple(as_cast[p].element_size() for p in frozen),
+                  keep_root_bytes=KEEP_ROOT_BYTES if keep_root_bytes is None else keep_root_bytes)
 
 
 def _by_unit(named: list, unit_index: dict) -> dict[int, list]:
@@ -207,6 +219,7 @@ def layout_of_recipe(recipe, precision: str | None = None) -> Layout:
         return layout_of(model, bucket_mb=recipe.zero.bucket_mb, units=tuple(recipe.zero.units),
                          weight_decay=opt.weight_decay, decay_1d=opt.decay_1d,
                          precision=precision or recipe.precision,
-                         persistence_threshold=recipe.zero.persistence_threshold)
+                         persistence_threshold=recipe.zero.persistence_threshold,
+                         keep_root_bytes=recipe.zero.keep_root_bytes)
     except ValueError as e:
         raise ZerorunError(f"recipe: {e}") from None

@@ -387,4 +387,5 @@ def _zero_config(recipe: Recipe) -> zero.ZeroConfig:
                            offload_buffer_mb=z.offload_buffer_mb, grad_accum_dtype=z.grad_accum_dtype,
                            broadcast_buffers=z.broadcast_buffers, hierarchy=z.hierarchy,
                            quantize_weights=z.quantize_weights, quantize_grads=z.quantize_grads,
-                           quantize_block=z.quantize_block)
+                           quantize_block=z.quantize_block,
+                           **({} if z.keep_root_bytes is None else {"keep_root_bytes": z.keep_root_bytes}))

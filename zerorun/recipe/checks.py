@@ -37,15 +37,17 @@ def check_engine_fields(recipe, where: Callable[..., str]) -> None:
     if recipe.zero.persistence_threshold and recipe.zero.stage != 3:
         raise ZerorunError(f"{where('zero', 'persistence_threshold')}: parameters are partitioned, or kept whole, "
                            f"at zero.stage 3 only{_stage_is(recipe, where, 'persistence_threshold', '0')}")
-    if z.prefetch_bytes is not None and recipe.runtime != "zero":
-        raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: zerorun's stage 3 knob; the {recipe.runtime} "
-                           "baseline does not take it")
+    for field, what in (("prefetch_bytes", "units are prefetched (all-gathered ahead of use)"),
+                        ("keep_root_bytes", "the root unit is kept gathered from forward into backward")):
+        if getattr(z, field) is not None and recipe.runtime != "zero":
+            raise ZerorunError(f"{where('zero', field)}: zerorun's stage 3 knob; the {recipe.runtime} "
+                               "baseline does not take it")
+        if getattr(z, field) is not None and z.stage != 3:
+            raise ZerorunError(f"{where('zero', field)}: {what} at zero.stage 3 only"
+                               f"{_stage_is(recipe, where, field, 'null')}")
     if z.prefetch_bytes is not None and not z.prefetch:
         raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: set while zero.prefetch is false (nothing is "
                            "prefetched): remove one of them (zero.prefetch_bytes: 0 also prefetches nothing)")
-    if z.prefetch_bytes is not None and z.stage != 3:
-        raise ZerorunError(f"{where('zero', 'prefetch_bytes')}: units are prefetched (all-gathered ahead of use) "
-                           f"at zero.stage 3 only{_stage_is(recipe, where, 'prefetch_bytes', 'null')}")
     _check_zero_plus_plus(recipe, where)
     if recipe.runtime != "zero" and z.grad_accum_dtype is not None:
         raise ZerorunError(f"{where('zero', 'grad_accum_dtype')}: zerorun's engine knob; the {recipe.runtime} "

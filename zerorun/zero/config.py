@@ -8,6 +8,9 @@ import torch
 
 from zerorun.zero.precision import DTYPES, LossScaleConfig
 
+#: ``ZeroConfig.keep_root_bytes``'s default: 1 MiB (Note [Kept from forward to backward] in stage3_outer.py).
+KEEP_ROOT_BYTES = 2**20
+
 
 @dataclass(frozen=True)
 class ZeroConfig:
@@ -31,6 +34,11 @@ class ZeroConfig:
             the next unit, whatever its size (Note [Prefetch] in ``stage3.py``).
         persistence_threshold: stage 3: parameters of at most this many elements stay whole on every rank
             (Note [Persistent parameters] in ``stage3.py``); 0 for none.
+        keep_root_bytes: stage 3: the root unit and the outer units gathered with it (a GPT's final norm and LM
+            head) stay gathered from the end of a forward with gradients on into its backward when their gathered
+            bytes together are at most this (default 1 MiB): one all-gather fewer per micro-step and no
+            saved-tensor hooks, for those bytes held through the loss's backward; 0: freed after every forward
+            (Note [Kept from forward to backward] in ``stage3_outer.py``).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: dtype of parameters, gradients and collectives; fp32
             master slices and optimizer states either way (Note [Mixed precision] in ``precision.py``).
         reduce_dtype: ``None`` (reduce gradients in ``precision``) or ``"fp32"`` (reduce an fp32 copy).
@@ -75,6 +83,7 @@ class ZeroConfig:
     prefetch: bool = True
     prefetch_bytes: int | None = None
     persistence_threshold: int = 0
+    keep_root_bytes: int = KEEP_ROOT_BYTES
     precision: str = "fp32"
     reduce_dtype: str | None = None
     loss_scale: LossScaleConfig = LossScaleConfig()
@@ -110,6 +119,9 @@ class ZeroConfig:
         if self.prefetch_bytes is not None and (isinstance(self.prefetch_bytes, bool)
                                                 or not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0):
             raise ValueError(f"zero.prefetch_bytes must be an integer >= 0 or unset, got {self.prefetch_bytes!r}")
+        keep = self.keep_root_bytes
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"zero.keep_root_bytes must be an integer >= 0, got {self.keep_root_bytes!r}")
         if self.persistence_threshold < 0:
             raise ValueError(f"zero.persistence_threshold must be >= 0, got {self.persistence_threshold}")
         if self.bucket_mb <= 0:

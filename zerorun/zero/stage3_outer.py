@@ -49,6 +49,18 @@ first call" does not.
   Before, it was freed once its own gradient was complete, and the alias read freed memory (a segfault).
 
 Evaluation (a forward with gradients off) gathers the scheduled units with the root.
+
+Note [Kept from forward to backward]: the root and the outer units gathered with it (from the second step on:
+those not scheduled, a GPT's final norm and LM head, a tied embedding) are the first units backward needs. When
+their gathered bytes together are at most ``zero.keep_root_bytes`` (1 MiB by default), a forward with gradients
+on leaves them gathered at its end, as FSDP2 leaves its root module unsharded after forward, instead of freeing
+them and gathering them again when backward begins: one all-gather fewer per micro-step, and no tails (nothing
+is deferred, so no saved-tensor hooks over the forward, the larger part of stage 3's Python on a model of many
+small ops: benchmarks/results/history.md, issue 38), for at most that many bytes held through the loss's
+backward. In backward they are freed as before (an outer unit once its gradient buckets are complete, the root
+at the end); the optimizer step and a forward with gradients off free them too. Every rank decides alike: the
+bytes are the same everywhere and the scheduled units agreed; the first step, which learns, keeps nothing.
+Larger ones (an untied LM head of ``V x d``) are freed after forward and the tails deferred, as above.
 """
 
 from __future__ import annotations
@@ -120,7 +132,19 @@ class OuterSchedule:
         return [u for u in self.outers if self.rec[u].scheduled]
 
     def tails(self) -> list[Unit]:
-        return [u for u in self.outers if self.rec[u].tail]
+        """The tails deferred in backward where their outputs reach the loss on every rank: none while the root
+        and the outer units with it are kept (Note [Kept from forward to backward])."""
+        return [] if self.kept() else [u for u in self.outers if self.rec[u].tail]
+
+    def kept(self) -> list[Unit]:
+        """Note [Kept from forward to backward]: the units a forward with gradients on leaves gathered at its end:
+        the root and the outer units not scheduled, when their gathered bytes together are at most
+        ``zero.keep_root_bytes``, once the first step has learned the schedule; else none."""
+        cap = self.sched.config.keep_root_bytes
+        if self.learning or not cap:
+            return []
+        units = [self.sched.root] + [u for u in self.outers if not self.rec[u].scheduled]
+        return units if sum(u.gathered_bytes for u in units) <= cap else []
 
     def declare(self, unit: Unit) -> None:
         """A parameter of ``unit`` was declared external to the root: it stays with the root."""

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
@@ -86,12 +86,18 @@ class Schedule:
         self.seen[phase] = []
         self.deviated[phase] = False
 
-    def free_all(self) -> None:
-        """Free every unit (pins of units go; a ``gathered_parameters`` block keeps its own)."""
+    def free_all(self, keep: Iterable[Unit] = ()) -> None:
+        """Free every unit but those in ``keep`` (Note [Kept from forward to backward] in stage3_outer.py):
+        pins of units go; a ``gathered_parameters`` block keeps its own."""
+        keep = set(keep)
         for unit in self.units:
-            unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
+            if unit not in keep:
+                unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
         for unit in self.units:
-            unit.reshard()
+            if unit not in keep:
+                unit.reshard()
+            elif unit.state is UnitState.GATHERED:
+                unit.keep_secondary()
 
     # ------------------------------------------------------------------------------------------- forward
     def pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
@@ -138,7 +144,7 @@ class Schedule:
             if torch.is_grad_enabled():
                 self.end_pass("forward")
             self.outer.pass_end()
-            self.free_all()
+            self.free_all(keep=self.outer.kept() if torch.is_grad_enabled() else ())
         else:
             unit.reshard()
         return output
@@ -189,7 +195,8 @@ class Schedule:
 
     def backward_start(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` begins: the root is gathered first, whatever structure held the loss."""
-        if self.root.state is UnitState.FREE and loss.requires_grad:
+        # a kept root (Note [Kept from forward to backward] in stage3_outer.py) is gathered already: it starts backward
+        if loss.requires_grad and (self.root.state is UnitState.FREE or self.root in self.outer.kept()):
             self.pre_backward(self.root, None)
         self.outer.backward_start()
 

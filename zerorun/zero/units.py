@@ -207,9 +207,7 @@ class Unit:
         if self.state is UnitState.FREE or self.persistent or self.pinned_by or (self.open_ended and in_backward()):
             return
         self._wait()
-        secondary = self.ctx.secondary
-        if secondary is not None and self.ctx.training and not self.gather_bytes and not in_backward():
-            secondary.keep(self)  # Note [Secondary shards]: freed in a forward that a backward follows
+        self.keep_secondary()
         for p in self.adopted:
             p.__class__ = self.ctx.guard
         self.point_params(gathered=False)
@@ -217,6 +215,14 @@ class Unit:
         if in_backward() and self.open_calls > 0:  # its backward goes on: its first ops' input gradients, which
             return  # may read the units it reads, come after its own parameters' (released at its end)
         self.release_external()
+
+    def keep_secondary(self) -> None:
+        """At the end of its use in a forward that a backward follows (freed, or kept gathered: Note [Kept from
+        forward to backward] in stage3_outer.py), this rank's secondary slices of the gathered unit are kept, so
+        that its later all-gathers stay within the secondary group (Note [Secondary shards] in hierarchy.py)."""
+        secondary = self.ctx.secondary
+        if secondary is not None and self.ctx.training and not self.gather_bytes and not in_backward():
+            secondary.keep(self)
 
     def point_params(self, gathered: bool) -> None:
         """The flat buffers' storage gets its bytes and the parameters view it (``gathered``), or the parameters
