@@ -23,18 +23,19 @@ def _weights_seen(engine) -> list[torch.Tensor]:
 
 
 def against_exact(block: int, steps: int = 4, lr: float = 1e-3, ranks_per_node: int = 0,
-                  hierarchy=None, units: tuple = (), **model_kwargs) -> dict:
+                  hierarchy=None, units: tuple = (), keep: int | None = None, **model_kwargs) -> dict:
     """Stage 3 exact and with ``quantize_weights: int8`` side by side on copies of the tiny GPT (AdamW): per step
     the largest relative loss difference; how far the weights its forward read are from the exact engine's
     in the first forward (largest absolute difference over the largest magnitude / 127: blockwise int8 keeps it
     within 1/2), whether
     every rank read the same weights, whether the final state dicts differ only by training (lr 0: equal bits),
-    and the bytes each sent per step."""
+    and the bytes each sent per step. ``keep``: ``zero.keep_root_bytes`` (``None``: its default)."""
     with hierarchy_cases.on_nodes(ranks_per_node or dist.get_world_size()):
         model = parity_cases._build("gpt", 0, **model_kwargs)
         engines = [initialize(copy.deepcopy(model), optimizer="AdamW", optimizer_kwargs={"lr": lr},
                               config=ZeroConfig(stage=3, bucket_mb=0.002, quantize_weights=q, quantize_block=block,
-                                                hierarchy=hierarchy if q else None, units=units))
+                                                hierarchy=hierarchy if q else None, units=units,
+                                                **({} if keep is None else {"keep_root_bytes": keep})))
                    for q in (None, "int8")]
         seen = [_weights_seen(e) for e in engines]
         losses, sent, rounding = [], [], 0.0
@@ -65,11 +66,12 @@ def against_exact(block: int, steps: int = 4, lr: float = 1e-3, ranks_per_node: 
 
 def gather_bytes(block: int) -> dict:
     """Per step, what stage 3 with ``quantize_weights`` sends against the exact engine: both gather every unit in
-    forward and backward; the difference must be the all-gathers' (N - 1) * (slice bytes - message bytes) per
-    unit and gather (the reduce-scatters and the norm are the same)."""
+    forward and backward (``zero.keep_root_bytes`` 0: none kept from forward to backward, Note [Kept from forward
+    to backward]); the difference must be the all-gathers' (N - 1) * (slice bytes - message bytes) per unit and
+    gather (the reduce-scatters and the norm are the same)."""
     from zerorun.zero.quantize import message_bytes
 
-    r = against_exact(block=block, steps=2)
+    r = against_exact(block=block, steps=2, keep=0)
     engine = initialize(parity_cases._build("gpt", 0), optimizer="SGD", optimizer_kwargs={"lr": 0.0},
                         config=ZeroConfig(stage=3, bucket_mb=0.002))
     n = dist.get_world_size()

@@ -221,7 +221,8 @@ def units_by_name(units: tuple, stage: int = 3, steps: int = 3, tie: bool = Fals
         losses.append(float(loss.detach()))
     roles = {u.name: "outer" if u.outer else "root" if u.is_root else "listed" for u in getattr(engine, "units", [])
              if not u.persistent}
-    lines = describe_units(engine.units, engine.units_without_params) if stage == 3 else []
+    lines = (describe_units(engine.units, engine.units_without_params, engine.config.keep_root_bytes)
+             if stage == 3 else [])
     return {"losses": losses, "roles": roles, "lines": lines}
 
 

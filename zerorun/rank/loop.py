@@ -159,7 +159,8 @@ class TrainingRun:
             load_pretrained_slices(self.model, self.engine)
         units = [u.name or "<root>" for u in getattr(self.engine, "units", [])]
         if units and self.rank == 0 and recipe.runtime == "zero":  # what stage 3 gathers, and the bytes of each
-            for line in describe_units(self.engine.units, self.engine.units_without_params):
+            for line in describe_units(self.engine.units, self.engine.units_without_params,
+                                       self.engine.config.keep_root_bytes):
                 emit("log", self.rank, message=line)
         emit("model_ready", self.rank, params=sum(p.numel() for p in self.model.parameters()),
              trainable=self.engine.num_params, stage=recipe.zero.stage, runtime=recipe.runtime,

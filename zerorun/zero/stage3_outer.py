@@ -139,12 +139,16 @@ class OuterSchedule:
     def kept(self) -> list[Unit]:
         """Note [Kept from forward to backward]: the units a forward with gradients on leaves gathered at its end:
         the root and the outer units not scheduled, when their gathered bytes together are at most
-        ``zero.keep_root_bytes``, once the first step has learned the schedule; else none."""
+        ``zero.keep_root_bytes``, once the first step has learned the schedule, and none of them reads another
+        unit's parameters (Note [External parameters] in stage3_access.py: a penalty the root adds on a block's
+        weight; that unit is gathered with the root again when backward begins); else none."""
         cap = self.sched.config.keep_root_bytes
         if self.learning or not cap:
             return []
         units = [self.sched.root] + [u for u in self.outers if not self.rec[u].scheduled]
-        return units if sum(u.gathered_bytes for u in units) <= cap else []
+        if sum(u.gathered_bytes for u in units) > cap or any(o not in units for u in units for o in u.external):
+            return []
+        return units
 
     def declare(self, unit: Unit) -> None:
         """A parameter of ``unit`` was declared external to the root: it stays with the root."""

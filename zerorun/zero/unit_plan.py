@@ -162,13 +162,15 @@ def _held(unit: Unit) -> str:
     return f"{', '.join(names[:3])}{f', ... {len(names)} in all' if len(names) > 3 else ''}"
 
 
-def describe_units(units: list[Unit], without_params: dict[str, list[str]] | None = None) -> list[str]:
+def describe_units(units: list[Unit], without_params: dict[str, list[str]] | None = None,
+                   keep_root_bytes: int = 0) -> list[str]:
     """What stage 3 gathers and frees, for the run's log: the listed units grouped by class (count, names,
     gathered bytes each), the outer units picked automatically (Note [Outer units] in stage3_outer.py), and
     what stays gathered (the root's own parameters through each forward and backward, the persistent ones
     always), with their bytes (padding included) and the root's parameters (a weight tied across units belongs to
     the root: Note [Units] in stage3.py); ``without_params``: modules named or picked as units that own no
-    parameter, by why (none, persistent, shared)."""
+    parameter, by why (none, persistent, shared); ``keep_root_bytes``: ``zero.keep_root_bytes``, said where the
+    root and the outer units but embeddings fit in it (Note [Kept from forward to backward] in stage3_outer.py)."""
     by_class: dict[str, list[Unit]] = {}
     for u in units:
         if not (u.is_root or u.outer or u.persistent):
@@ -193,4 +195,9 @@ def describe_units(units: list[Unit], without_params: dict[str, list[str]] | Non
             for u in units if (u.is_root or u.persistent) and u.buffers]
     if kept:
         lines.append(f"stage 3 parameters that stay gathered: {'; '.join(kept)}")
+    held = sum(u.gathered_bytes for u in units if u.is_root or (u.outer and not isinstance(u.module, nn.Embedding)))
+    if 0 < held <= keep_root_bytes:
+        lines.append(f"stage 3: the root and the outer units the first step does not schedule ({_mib(held)} at most) "
+                     f"stay gathered from each forward into its backward (zero.keep_root_bytes {_mib(keep_root_bytes)};"
+                     " 0 frees them after forward)")
     return lines
