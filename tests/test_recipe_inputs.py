@@ -346,3 +346,14 @@ def test_omp_num_threads_must_be_a_positive_whole_number(tmp_path, monkeypatch, 
     assert node.env["OMP_NUM_THREADS"] == "2"
     for good_value in ("4", " 2 ", ""):  # empty: unset
         assert parse_env_file(f"OMP_NUM_THREADS={good_value}\n") == {"OMP_NUM_THREADS": good_value}
+
+
+def test_a_text_where_a_list_belongs_says_how_to_write_the_list(tmp_path):
+    """``zero.units: Block`` (no brackets), in the file or as an override: one line showing the list (before:
+    pydantic's "Input should be a valid list", which named no way out)."""
+    with pytest.raises(ZerorunError, match=r"^override 'zero\.units=Block': zero\.units: expected a list: \[Block\] "
+                                           r"\(got the text 'Block'\)$"):
+        load_recipe(good(tmp_path), ["zero.stage=3", "zero.units=Block"])
+    with pytest.raises(ZerorunError, match=r"^override 'data\.paths=a\.txt': data\.paths: expected a list: "
+                                           r"\[a\.txt\] \(got the text 'a\.txt'\)$"):
+        load_recipe(good(tmp_path), ["data.paths=a.txt"])

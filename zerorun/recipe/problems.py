@@ -76,6 +76,8 @@ def validation_problems(errors: list[dict], path: str, root: yaml.Node | None, o
                 _number_choice(err["input"], str(err.get("ctx", {}).get("expected", ""))):
             # zero.stage: '2' was "Input should be 0, 1, 2 or 3", which reads as if 2 were refused
             msg = f"{err['input']!r} is text (quoted?): expected {err['ctx']['expected']}"
+        elif err["type"] == "list_type" and isinstance(err.get("input"), str):  # zero.units: Block
+            msg = f"expected a list: [{err['input']}] (got the text {err['input']!r})"
         if err.get("input") == "auto" and err["type"] != "literal_error":
             msg = "'auto' (a value the HF Trainer fills in: zerorun import-deepspeed lists it): give a value"
         source = override_for(loc, overrides)

@@ -1,0 +1,116 @@
+"""``zerorun show`` and ``--plot``: a run folder read back (telemetry/state.py ``load_run``, telemetry/plot.py),
+fed with hand-made events written as a run writes them: no processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from test_dashboard import T0, step_event, three_rank_events
+from zerorun.errors import ZerorunError
+from zerorun.telemetry.console import RunRecorder
+from zerorun.telemetry.events import Event
+from zerorun.telemetry.state import JobState, load_run, write_job_file
+
+
+def write_run(tmp_path, events, lines=()) -> str:
+    run_dir = str(tmp_path / "runs" / "gpt-stdlib" / "20261130-000000-abcd")
+    rec = RunRecorder(run_dir)
+    for e in events:
+        rec.event(e)
+    rec.close()
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.writelines(lines)
+    with open(os.path.join(run_dir, "recipe.yaml"), "w") as f:
+        f.write("name: gpt-stdlib\nzero: {stage: 2}\nprecision: fp32\ntrain: {steps: 100}\n")
+    state = JobState(world_size=3, hosts=["node0x1"], started=T0)
+    state.end(T0 + 50)
+    write_job_file(run_dir, state, "ok", 0)
+    return run_dir
+
+
+def test_show_reprints_the_summary_from_the_run_directory(tmp_path, capsys):
+    from zerorun import cli
+
+    run_dir = write_run(tmp_path, three_rank_events(), lines=['{"v": 1, "event": "step", "rank": 0, "ti\n'])
+    state, events = load_run(run_dir)
+    assert len(events) == len(three_rank_events())  # the cut-off last line is skipped
+    assert (state.name, state.stage, state.steps, state.world_size) == ("gpt-stdlib", 2, 100, 3)
+    cli.show(run_dir, plot=None)
+    text = capsys.readouterr().out.replace("│", " ")
+    assert "zerorun · gpt-stdlib · summary" in text and re.search(r"total time\s+50 s", text)
+    assert all(re.search(rf"node{r}\s+{r}\s", text) for r in range(3))
+
+
+def test_show_of_a_missing_run_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "zerorun", "show", str(tmp_path / "nope")], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "nope: no such run folder (give runs/<name> or runs/<name>/<timestamp>)" in out.stderr
+    empty = write_run(tmp_path, [])
+    with pytest.raises(ZerorunError, match=r"metrics\.jsonl: no telemetry events in it"):
+        load_run(empty)
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    from zerorun.telemetry.plot import plot_run
+
+    run_dir = write_run(tmp_path, three_rank_events())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(ZerorunError, match=r"--plot needs matplotlib .*: pip install matplotlib"):
+        plot_run(*load_run(run_dir), str(tmp_path / "loss.png"))
+
+
+def test_plot_draws_loss_and_memory(tmp_path):
+    pytest.importorskip("matplotlib")
+    from zerorun.telemetry.plot import plot_run
+
+    path = tmp_path / "loss.png"
+    plot_run(*load_run(write_run(tmp_path, three_rank_events())), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    with pytest.raises(ZerorunError, match="no such folder"):  # found before drawing
+        plot_run(*load_run(write_run(tmp_path, three_rank_events())), str(tmp_path / "no" / "dir" / "x.png"))
+
+
+@pytest.mark.parametrize("name", ["", "noext", "loss.txt"])
+def test_plot_path_without_an_image_extension_is_refused_before_writing(tmp_path, name):
+    """`--plot DIR` used to write DIR.png and report DIR; `--plot noext` wrote noext.png and then failed."""
+    from zerorun.telemetry.plot import check_plot_path
+
+    path = str(tmp_path / name) if name else str(tmp_path)
+    with pytest.raises(ZerorunError, match=re.escape(f"--plot {path}: give an image file name ending in .png")):
+        check_plot_path(path)
+    assert sorted(os.listdir(tmp_path)) == []
+    check_plot_path(str(tmp_path / "loss.png"))  # a good name passes
+    with pytest.raises(ZerorunError, match="no such folder"):
+        check_plot_path(str(tmp_path / "missing" / "loss.png"))
+
+
+def test_a_restarted_jobs_steps_and_evaluations_are_its_last_tries(tmp_path):
+    """A job that failed at step 60 and was restarted from its checkpoint at 40 wrote steps 41-60 twice (Note [Job
+    restarts]): the plot's series and the validation losses are the last try's, one point per step, from the
+    restart event on (before: the lines went back from 60 to 41, the failed try's evaluation at 60 was the final
+    and best validation loss until the new try evaluated, and a rank the new try ran without kept its steps)."""
+    from zerorun.telemetry.plot import latest_try
+
+    events = [step_event(r, s) for s in (20, 40, 60) for r in (0, 1)]
+    events += [Event("eval", 0, T0 + 29, {"step": 40, "val_loss": 1.5}),
+               Event("eval", 0, T0 + 30, {"step": 60, "val_loss": 1.0})]
+    events.append(Event("restart", 0, T0 + 31, {"attempt": 1, "max_restarts": 1, "cause": "rank 1 died",
+                                                "failed_step": 60, "resume_step": 40}))
+    state, _ = load_run(write_run(tmp_path, events))
+    assert state.evals == [(40, 1.5)] and state.final_val == 1.5  # before the new try's first evaluation
+    events += [step_event(0, s, wait=0.5) for s in (41, 60, 80)]  # the new try runs on rank 0 only
+    events.append(Event("eval", 0, T0 + 40, {"step": 60, "val_loss": 2.0}))
+    series = latest_try(events)
+    assert [e.data["step"] for e in series[0]] == [20, 40, 41, 60, 80]
+    assert [e.data["comm_wait_s"] for e in series[0]][2:] == [0.5 * 20] * 3  # the second try's events
+    assert [e.data["step"] for e in series[1]] == [20, 40]
+    state, _ = load_run(write_run(tmp_path, events))
+    assert state.evals == [(40, 1.5), (60, 2.0)] and state.best_val == 1.5
+    again = events + [step_event(0, 60, wait=0.7)]  # a --resume into the same folder: no restart event
+    assert [e.data["comm_wait_s"] for e in latest_try(again)[0]][-1] == 0.7 * 20
