@@ -111,15 +111,13 @@ def two_level_reduce_scatter(in_place: bool) -> dict:
         return {"wrong": wrong, "inter_node": inter}
 
 
-def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int = 3,
+def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int = 2,
             quantize_block: int | None = None, stage: int = 3, quantize_grads: str | None = None,
             grad_block: int = 256) -> dict:
     """``estimate_cases.CONFIGS[config]``'s model at ``stage`` with ``hierarchy`` and ``accum`` micro-steps on
     this rank's node: bytes sent and bytes to other nodes in each step (zero/comm.py's count) and the secondary
     shards' bytes just before each ``step()`` (``SecondaryShards.nbytes``; 0 without ``hierarchy``); with
-    ``quantize_block``, qwZ's int8 all-gathers; with ``quantize_grads``, qgZ's all-to-alls (``grad_block``). The
-    first step is left out: it learns the outer units' schedule (Note [Outer units]), gathering them with the
-    root and keeping nothing from forward to backward, where the estimate counts a steady step."""
+    ``quantize_block``, qwZ's int8 all-gathers; with ``quantize_grads``, qgZ's all-to-alls (``grad_block``)."""
     import estimate_cases
 
     model, model_kwargs, units, opt, opt_kwargs, bucket_mb, _, persistence, keep = estimate_cases.CONFIGS[config]
@@ -145,7 +143,7 @@ def traffic(ranks_per_node: int, hierarchy, accum: int, config: int, steps: int 
             out["sent"].append(now["bytes_sent"] - before["bytes_sent"])
             out["inter_node"].append(now["bytes_inter_node"] - before["bytes_inter_node"])
         engine.close()
-    return {k: v[1:] for k, v in out.items()}
+    return out
 
 
 def checkpoint_case(case: str, ranks_per_node: int, **kwargs) -> dict:

@@ -156,7 +156,8 @@ def _read_head(model: nn.Module, grad: torch.Tensor) -> torch.Tensor:
 def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpointing: bool = False,
           declare: bool = False, evaluate: bool = False, skips=None, hook_after: bool = False,
           interrupt: bool = False, experts=None, penalty_from: int | None = None, read_in_backward: bool = False,
-          probe_from: int | None = None, keep: int | None = 0, grad_eval: bool = False, **model_kw) -> dict:
+          probe_from: int | None = None, keep: int | None = 0, grad_eval: bool = False, between: str = "",
+          **model_kw) -> dict:
     """Losses and grad norms of ``steps`` steps of :class:`TinyGPT` (``extras[step]``, per rank: a dict
     ``{rank: where}`` or one value for all, says where ``extra`` runs; the last entry repeats; ``skips[step]``:
     the blocks LayerDrop skips; ``interrupt``: before each optimizer step, a forward that raises half way,
@@ -164,16 +165,19 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
     root adds a penalty on the head's weight; ``probe_from``: the step from which the probe block reads it;
     ``read_in_backward``: from the second step, a hook on the loss reads
     the head's weight with gradients on, before the head's backward; ``grad_eval``: before each optimizer step,
-    a forward with gradients on whose loss no backward follows; ``keep``: :func:`_engine`'s), the outer units'
-    schedules, the units kept from forward to backward, and the error of the first step that raised."""
+    a forward with gradients on whose loss no backward follows; ``keep``: :func:`_engine`'s; ``between``: user
+    code between each forward and its backward from the second step on, :func:`_between`), the outer units'
+    schedules, the units kept from forward to backward, the bytes sent in each step, and the error of the first
+    step that raised."""
     engine = _engine(stage, accum, checkpointing, declare, keep, **model_kw)
     batches = _batches(steps, accum)
-    out = {"losses": [], "norms": [], "error": None, "reads": []}
+    out = {"losses": [], "norms": [], "error": None, "reads": [], "sent": []}
     rank = dist.get_rank()
     try:
         for step in range(steps):
             engine.module.root_penalty = penalty_from is not None and step >= penalty_from
             engine.module.probe_reads = probe_from is not None and step >= probe_from
+            sent = engine.comm_stats()["bytes_sent"]
             where = extras[min(step, len(extras) - 1)]
             where = where.get(rank) if isinstance(where, dict) else where
             if evaluate:  # before the step (the first: while the schedule is learned) and after it
@@ -188,10 +192,13 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
                     engine.module.use_experts = experts[min(step, len(experts) - 1)][i]
                 batch = (batches[step * accum + i], here) + ((set(skips[step]),) if skips else ())
                 loss = engine(batch)
+                loss, alias = _between(engine.module, between if step >= 1 else "", loss)
                 if read_in_backward and step >= 1:
                     loss.register_hook(lambda grad: _read_head(engine.module, grad))
                 engine.backward(loss)
                 out["losses"].append(float(loss))
+                if alias is not None:  # read after the backward that freed what it viewed
+                    out["reads"].append(float(alias.norm()))
             if interrupt:
                 engine.module.fail_at = 2
                 try:
@@ -202,6 +209,7 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
             if grad_eval:  # the units it keeps gathered must not outlive the step: stale values after it
                 out["losses"].append(float(engine((batches[0], None))))
             out["norms"].append(float(engine.step()))
+            out["sent"].append(engine.comm_stats()["bytes_sent"] - sent)
             if evaluate:
                 with torch.no_grad():
                     out["losses"].append(float(engine((batches[0], None))))
@@ -213,6 +221,18 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
         out["tails"] = {u.name: rec[u].tail for u in engine.units if u.outer}
         out["kept"] = sorted(u.name or "<root>" for u in engine.sched.outer.kept())
     return out
+
+
+def _between(model: nn.Module, what: str, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """User code between a forward and its backward (Note [Kept from forward to backward]): ``"penalty"`` adds
+    one on the head's weight to the loss, ``"write_bias"`` adds to the final norm's bias in place, ``"detach_head"``
+    takes the head's weight detached (returned, read after the backward); ``""``: nothing."""
+    if what == "penalty":
+        return loss + 0.1 * model.head.weight.square().sum(), None
+    if what == "write_bias":
+        with torch.no_grad():
+            model.ln_f.bias.add_(0.5)
+    return loss, model.head.weight.detach() if what == "detach_head" else None
 
 
 def gathered_at_points(steps: int = 3, with_root: bool = False, keep: int | None = 0) -> dict:

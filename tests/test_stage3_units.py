@@ -184,8 +184,8 @@ def test_the_run_says_why_a_unit_owns_no_parameter_and_what_the_root_holds(ranks
     assert ("stage 3 parameters that stay gathered: root 1.1 KiB, blocks.0.fc.weight, blocks.0.fc.bias (through each "
             "forward and backward)") in tied[0]["lines"], tied[0]["lines"]
     # Note [Kept from forward to backward]: the root and the head, 1.1 KiB together, under zero.keep_root_bytes
-    assert ("stage 3: the root and the outer units the first step does not schedule (1.1 KiB at most) stay gathered "
-            "from each forward into its backward (zero.keep_root_bytes 1.00 MiB; 0 frees them after forward)"
+    assert ("stage 3: the root and the outer units, 1.1 KiB together, are gathered once per step and kept from each "
+            "forward into its backward (zero.keep_root_bytes 1.00 MiB; 0 frees them after forward)"
             ) in tied[0]["lines"], tied[0]["lines"]
     assert not any("into its backward" in line for line in persistent), persistent  # zero.keep_root_bytes 0
     for r, want in zip(tied, pool.run(cases.units_by_name, units=(), stage=0, tie=True)):

@@ -117,7 +117,7 @@ def test_the_cli_refuses_a_missing_tracker_package_in_one_line_exit_2(tmp_path):
 @pytest.mark.parametrize("value,expected", [
     ("[csv,csv]", "log.trackers.1: 'csv' is named twice"),
     ("[comet]", "log.trackers.0: Input should be 'tensorboard', 'wandb', 'mlflow' or 'csv'"),
-    ("csv", "log.trackers: Input should be a valid list"),
+    ("csv", "log.trackers: expected a list: [csv] (got the text 'csv')"),
 ])
 def test_bad_tracker_lists_are_refused_naming_the_field(value, expected):
     with pytest.raises(ZerorunError) as e:

@@ -38,10 +38,9 @@ and all-gather send (N-1)/N of the buffer, all-reduce twice that; ZeRO paper §7
 3Ψ for stage 3), and of them the bytes to ranks on other nodes as ``Comm`` counts them (Note [Nodes of a group]
 in ``zero/topology.py``; with ``zero.hierarchy`` the secondary group's all-gathers, and the secondary shards'
 memory, Note [Secondary shards] in ``zero/hierarchy.py``: equal to ``SecondaryShards.nbytes``,
-tests/test_hierarchy.py). At stage 3 the root and the outer units a forward keeps gathered into its backward are
-gathered once per micro-step (``zero.keep_root_bytes``, Note [Kept from forward to backward] in
-``zero/stage3_outer.py``); the outer units the first step schedules instead, gathered in backward too, are taken
-to be the embeddings and the modules registered before the first listed unit (``hierarchy.kept_units``).
+tests/test_hierarchy.py). At stage 3 the root and the outer units, where they hold at most ``zero.keep_root_bytes``
+together, are gathered once per micro-step (Note [Kept from forward to backward] in ``zero/stage3_outer.py``;
+``hierarchy.kept_units``).
 Without a recipe (``--params``), the layout is one buffer of Ψ elements.
 
 Note [What is approximate]: the working set stage 3 adds (the root unit, which stays gathered through forward

@@ -28,7 +28,6 @@ class UnitCount:
     trainable_bytes: tuple[int, ...] = ()  # bytes per element of each trainable buffer (() : the precision's)
     frozen_bytes: tuple[int, ...] = ()  # of each frozen buffer (one per dtype)
     peers: str = ""  # the ModuleList/ModuleDict holding it among its peers (Note [Peer units] in zero/unit_plan.py)
-    early: bool = False  # an outer unit registered before the first listed unit: taken to run before it (scheduled)
 
     @property
     def numel(self) -> int:
@@ -60,8 +59,8 @@ class Layout:
             frozen parameter, as the engine holds them (``()``: the precision's): 8 for a float64 one (Note
             [Wide parameters] in zero/precision.py), an integer parameter's own.
         keep_root_bytes: stage 3's ``zero.keep_root_bytes`` (Note [Kept from forward to backward] in
-            zero/stage3_outer.py): the root and the outer units but embeddings, when their gathered bytes together
-            are at most this, are gathered once per micro-step (:func:`kept_units`); 0: twice.
+            zero/stage3_outer.py): the root and the outer units, when their gathered bytes together are at most
+            this, are gathered once per micro-step (``estimate.hierarchy.kept_units``); 0: twice.
     """
 
     total: int
@@ -148,15 +147,12 @@ def layout_of(model, *, bucket_mb: float = 25.0, units: tuple[str, ...] = (), we
     parents = {i: name.rpartition(".")[0] for i, name in indexed if 0 <= i < len(unit_modules) and "." in name}
     lists = (torch.nn.ModuleList, torch.nn.ModuleDict)
     peers = {i: p for i, p in parents.items() if isinstance(model.get_submodule(p), lists)}
-    position = {m: k for k, m in enumerate(model.modules())}
-    first = min((position[m] for _, m in unit_modules), default=len(position))
     counted = [UnitCount(name, tuple(sum(b) for b, _ in per_unit.get(i, ())),
                          tuple(n for n, _ in frozen_by_unit.get(i, ())), outer=i >= len(unit_modules),
                          embedding=i >= 0 and isinstance(modules[i], torch.nn.Embedding),
                          trainable_params=tuple(b for b, _ in per_unit.get(i, ())),
                          trainable_bytes=tuple(e for _, e in per_unit.get(i, ())),
-                         frozen_bytes=tuple(e for _, e in frozen_by_unit.get(i, ())), peers=peers.get(i, ""),
-                         early=i >= len(unit_modules) and position[modules[i]] < first)
+                         frozen_bytes=tuple(e for _, e in frozen_by_unit.get(i, ())), peers=peers.get(i, ""))
                for i, name in indexed]
     total = sum(p.numel() for p in names)
     trainable = sum(sum(b) for b, _ in flat)

@@ -134,6 +134,8 @@ class ParameterGuard:
             RuntimeError: outside a forward or backward, naming the parameter and the ways out.
         """
         unit = self.unit_of.get(p)
+        if unit is not None and unit.held:  # Note [Kept from forward to backward]: as at rest until its backward
+            raise self.at_rest(p, func)
         if unit is None or (unit.state is UnitState.GATHERED and not unit.outer):
             return
         if unit.outer and self.sched.outer.use(unit, func):  # Note [Outer units]
@@ -155,7 +157,11 @@ class ParameterGuard:
             unit.unshard()
             unit.pinned_by.add(holder)
             return
-        raise RuntimeError(
+        raise self.at_rest(p, func)
+
+    def at_rest(self, p: nn.Parameter, func: Any) -> RuntimeError:
+        """The error for a use of ``p``'s values outside a forward or backward (Note [Parameters at rest])."""
+        return RuntimeError(
             f"stage 3: parameter {self.names.get(p, '?')!r} is partitioned (each rank holds 1/{self.world_size} of "
             f"it between uses) and {getattr(func, '__name__', func)} used its values outside a forward or backward: "
             "read or write it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank "

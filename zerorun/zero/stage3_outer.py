@@ -12,8 +12,9 @@ the unit that made that first call (every rank runs the same listed units: Note 
 Counting calls instead would break models whose depth changes between steps (LayerDrop, early exit); "the
 first call" does not.
 
-- Every outer unit is gathered with the root: at the start of the forward and again at the start of backward,
-  and in backward freed as soon as its own gradient buckets are complete (the LM head early in backward).
+- Every outer unit is gathered with the root: at the start of the forward and again at the start of backward
+  (unless kept between the two: Note [Kept from forward to backward]), and in backward freed as soon as its own
+  gradient buckets are complete (the LM head early in backward).
 - An outer unit that, in the first step, ran only before the first listed unit's call, on every rank, and
   whose parameters nothing else read (a GPT's token and position embeddings) is also freed when that first
   call begins, and in backward gathered only when the first call's unit begins its backward (or at the start
@@ -50,17 +51,22 @@ first call" does not.
 
 Evaluation (a forward with gradients off) gathers the scheduled units with the root.
 
-Note [Kept from forward to backward]: the root and the outer units gathered with it (from the second step on:
-those not scheduled, a GPT's final norm and LM head, a tied embedding) are the first units backward needs. When
-their gathered bytes together are at most ``zero.keep_root_bytes`` (1 MiB by default), a forward with gradients
-on leaves them gathered at its end, as FSDP2 leaves its root module unsharded after forward, instead of freeing
-them and gathering them again when backward begins: one all-gather fewer per micro-step, and no tails (nothing
-is deferred, so no saved-tensor hooks over the forward, the larger part of stage 3's Python on a model of many
-small ops: benchmarks/results/history.md, issue 38), for at most that many bytes held through the loss's
-backward. In backward they are freed as before (an outer unit once its gradient buckets are complete, the root
-at the end); the optimizer step and a forward with gradients off free them too. Every rank decides alike: the
-bytes are the same everywhere and the scheduled units agreed; the first step, which learns, keeps nothing.
-Larger ones (an untied LM head of ``V x d``) are freed after forward and the tails deferred, as above.
+Note [Kept from forward to backward]: when the root and every outer unit together hold at most
+``zero.keep_root_bytes`` when gathered (1 MiB by default: a GPT of a few layers, a model of small modules), none
+of the above applies to them: they are all-gathered once per micro-step, with the root at the start of the
+forward, and stay gathered past its end into its backward, as FSDP2 leaves its root module unsharded after
+forward; in backward each outer unit is freed once its gradient buckets are complete, the root at the end. Freeing
+a megabyte early would save nothing measurable, and gathering it again costs a round trip; with no tail deferred
+there are no saved-tensor hooks over the forward, the larger part of stage 3's Python on a model of many small
+ops (benchmarks/results/history.md, issue 38). The first step learns as above, but schedules nothing. Every
+rank decides alike (the bytes are the same everywhere), and the same from the first step (``zerorun
+estimate`` counts them once: ``estimate.hierarchy.kept_units``). Between the forward and its backward they are
+guarded as at rest: user code reading or writing them there is refused as where they are freed (before this
+window existed a read there was refused, and a write would now be lost when they are freed), until the backward,
+a new forward, ``gathered_parameters`` or ``full_state_dict`` begins. Where one of them reads another unit's
+parameters (a root penalty on a block's weight: Note [External parameters]) nothing is kept: that unit must be
+gathered again for the backward. The optimizer step, a forward with gradients off and a checkpoint's load free
+them too. Larger ones (an LM head of ``V x d``) follow the schedule above.
 """
 
 from __future__ import annotations
@@ -118,6 +124,9 @@ class OuterSchedule:
         # of the unit waiting for it: kept gathered to the end of backward, and not deferred (a tail)
         self.read_unrecorded: set[Unit] = set()
         self.tail_storages: dict[int, Unit] = {}
+        # Note [Kept from forward to backward]: the root and every outer unit fit in zero.keep_root_bytes together
+        cap = sched.config.keep_root_bytes
+        self.small = 0 < cap and sum(u.gathered_bytes for u in [sched.root] + self.outers) <= cap
 
     def hook(self) -> None:
         """Gather the outer units with the root until the first step has learned their schedule, and hook their
@@ -132,23 +141,16 @@ class OuterSchedule:
         return [u for u in self.outers if self.rec[u].scheduled]
 
     def tails(self) -> list[Unit]:
-        """The tails deferred in backward where their outputs reach the loss on every rank: none while the root
-        and the outer units with it are kept (Note [Kept from forward to backward])."""
-        return [] if self.kept() else [u for u in self.outers if self.rec[u].tail]
+        """The tails deferred in backward where their outputs reach the loss on every rank: none where the root
+        and the outer units are small enough to be kept (Note [Kept from forward to backward])."""
+        return [] if self.small else [u for u in self.outers if self.rec[u].tail]
 
     def kept(self) -> list[Unit]:
         """Note [Kept from forward to backward]: the units a forward with gradients on leaves gathered at its end:
-        the root and the outer units not scheduled, when their gathered bytes together are at most
-        ``zero.keep_root_bytes``, once the first step has learned the schedule, and none of them reads another
-        unit's parameters (Note [External parameters] in stage3_access.py: a penalty the root adds on a block's
-        weight; that unit is gathered with the root again when backward begins); else none."""
-        cap = self.sched.config.keep_root_bytes
-        if self.learning or not cap:
-            return []
-        units = [self.sched.root] + [u for u in self.outers if not self.rec[u].scheduled]
-        if sum(u.gathered_bytes for u in units) > cap or any(o not in units for u in units for o in u.external):
-            return []
-        return units
+        the root and every outer unit when they are :attr:`small` and none of them reads another unit's parameters
+        (Note [External parameters] in stage3_access.py); else none."""
+        units = [self.sched.root] + self.outers
+        return units if self.small and not any(o not in units for u in units for o in u.external) else []
 
     def declare(self, unit: Unit) -> None:
         """A parameter of ``unit`` was declared external to the root: it stays with the root."""
@@ -197,7 +199,7 @@ class OuterSchedule:
         if not self.running or self.first_call is not None:
             return
         self.first_call = unit
-        for outer in self.scheduled_units():
+        for outer in self.scheduled_units() if not self.small else ():  # Note [Kept from forward to backward]
             if outer.active == 0:
                 outer.reshard()
 

@@ -97,12 +97,20 @@ class Schedule:
             if unit not in keep:
                 unit.reshard()
             elif unit.state is UnitState.GATHERED:
-                unit.keep_secondary()
+                unit.hold()
+
+    def end_hold(self) -> None:
+        """The units kept from a forward (Note [Kept from forward to backward] in stage3_outer.py) are ordinary
+        gathered units again: their backward, a new forward or an engine call that gathers begins."""
+        for unit in self.units:
+            if unit.held:
+                unit.end_hold()
 
     # ------------------------------------------------------------------------------------------- forward
     def pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
         if unit.is_root and not in_backward():  # a new forward: whatever an interrupted one left on the stack goes
             self.clear_forward()
+            self.end_hold()
             unit.ctx.training = torch.is_grad_enabled()  # Gathering.training, before the root's own gather
         elif not in_backward():
             self.outer.listed_call(unit)
@@ -195,8 +203,9 @@ class Schedule:
 
     def backward_start(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` begins: the root is gathered first, whatever structure held the loss."""
-        # a kept root (Note [Kept from forward to backward] in stage3_outer.py) is gathered already: it starts backward
-        if loss.requires_grad and (self.root.state is UnitState.FREE or self.root in self.outer.kept()):
+        held = self.root.held  # Note [Kept from forward to backward] in stage3_outer.py: gathered already
+        self.end_hold()
+        if loss.requires_grad and (self.root.state is UnitState.FREE or held):
             self.pre_backward(self.root, None)
         self.outer.backward_start()
 

@@ -170,7 +170,7 @@ def describe_units(units: list[Unit], without_params: dict[str, list[str]] | Non
     always), with their bytes (padding included) and the root's parameters (a weight tied across units belongs to
     the root: Note [Units] in stage3.py); ``without_params``: modules named or picked as units that own no
     parameter, by why (none, persistent, shared); ``keep_root_bytes``: ``zero.keep_root_bytes``, said where the
-    root and the outer units but embeddings fit in it (Note [Kept from forward to backward] in stage3_outer.py)."""
+    root and the outer units fit in it together (Note [Kept from forward to backward] in stage3_outer.py)."""
     by_class: dict[str, list[Unit]] = {}
     for u in units:
         if not (u.is_root or u.outer or u.persistent):
@@ -195,9 +195,9 @@ def describe_units(units: list[Unit], without_params: dict[str, list[str]] | Non
             for u in units if (u.is_root or u.persistent) and u.buffers]
     if kept:
         lines.append(f"stage 3 parameters that stay gathered: {'; '.join(kept)}")
-    held = sum(u.gathered_bytes for u in units if u.is_root or (u.outer and not isinstance(u.module, nn.Embedding)))
+    held = sum(u.gathered_bytes for u in units if u.is_root or u.outer)
     if 0 < held <= keep_root_bytes:
-        lines.append(f"stage 3: the root and the outer units the first step does not schedule ({_mib(held)} at most) "
-                     f"stay gathered from each forward into its backward (zero.keep_root_bytes {_mib(keep_root_bytes)};"
-                     " 0 frees them after forward)")
+        lines.append(f"stage 3: the root and the outer units, {_mib(held)} together, are gathered once per step and "
+                     f"kept from each forward into its backward (zero.keep_root_bytes {_mib(keep_root_bytes)}; 0 frees "
+                     "them after forward)")
     return lines

@@ -144,6 +144,7 @@ class Unit:
         self.ends_agreed = False  # this backward, every rank reaches its end of backward (its buckets reduce there)
         # Note [Outer units]: a tail that this backward gathers at its own outputs' gradient, not with the root
         self.deferred = False
+        self.held = False  # gathered past its forward's end for its backward (Note [Kept from forward to backward])
 
     @property
     def trainable(self) -> list[FlatBuffer]:
@@ -212,9 +213,27 @@ class Unit:
             p.__class__ = self.ctx.guard
         self.point_params(gathered=False)
         self.state = UnitState.FREE
+        self.held = False
         if in_backward() and self.open_calls > 0:  # its backward goes on: its first ops' input gradients, which
             return  # may read the units it reads, come after its own parameters' (released at its end)
         self.release_external()
+
+    def hold(self) -> None:
+        """Note [Kept from forward to backward] in stage3_outer.py: the gathered unit stays gathered past the end of
+        the forward for its backward; until then its parameters are guarded as at rest (user code reading them
+        between the forward and its backward is refused, as where the unit is freed)."""
+        self.held = True
+        self.keep_secondary()
+        for p in self.adopted:
+            p.__class__ = self.ctx.guard
+
+    def end_hold(self) -> None:
+        """The window after the forward ends (backward, a new forward, an engine call that gathers): the unit is an
+        ordinary gathered one again, its parameters plain unless it is an outer unit (Note [Plain while gathered])."""
+        self.held = False
+        if not self.outer and self.state is UnitState.GATHERED:
+            for p in self.adopted:
+                p.__class__ = nn.Parameter
 
     def keep_secondary(self) -> None:
         """At the end of its use in a forward that a backward follows (freed, or kept gathered: Note [Kept from
