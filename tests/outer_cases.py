@@ -3,6 +3,8 @@ zerorun/zero/stage3_outer.py): the modules outside the listed stage-3 units."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -58,6 +60,7 @@ class TinyGPT(nn.Module):
     whose side loss (:class:`Block`'s ``aux``) reads the head's weight where ``probe_reads`` is set;
     ``frozen_wte``: the token embedding frozen (no gradient flows through it); ``block_reads``: the last block's side
     loss reads that module's weight detached (``"head"``, ``"ln_f"``) or through ``.data`` (``"head.data"``);
+    ``block_penalty``: the root adds a penalty on the first block's weight (a listed unit's, read after it ran);
     ``extra``:
     a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or ``None``: not at all);
     ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
@@ -65,8 +68,9 @@ class TinyGPT(nn.Module):
     def __init__(self, depth: int = 4, tied: bool = False, head_by_weight: bool = False, max_norm: bool = False,
                  root_writes: bool = False, latents: bool = False, final_norm: bool = True,
                  head_penalty: bool = False, detach_aux: bool = False, probe: bool = False,
-                 frozen_wte: bool = False, block_reads: str | None = None) -> None:
+                 frozen_wte: bool = False, block_reads: str | None = None, block_penalty: bool = False) -> None:
         super().__init__()
+        self.block_penalty = block_penalty
         self.wte = nn.Embedding(VOCAB, WIDTH, max_norm=0.5 if max_norm else None).requires_grad_(not frozen_wte)
         self.latents = Latents() if latents else None
         self.root_writes = root_writes
@@ -115,6 +119,8 @@ class TinyGPT(nn.Module):
             loss = loss + self.head.aux
         if self.root_penalty:  # the root reads the head's weight (a regularizer switched on after warmup)
             loss = loss + 1e-2 * self.head.weight.square().sum()
+        if self.block_penalty:
+            loss = loss + 1e-2 * self.blocks[0].up.weight.square().sum()
         if self.detach_aux:  # an auxiliary loss through the head's weight, stop-gradient
             loss = loss + 1e-2 * F.linear(x, self.head.weight.detach()).square().mean()
         for block in self.blocks:
@@ -192,7 +198,7 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
                     engine.module.use_experts = experts[min(step, len(experts) - 1)][i]
                 batch = (batches[step * accum + i], here) + ((set(skips[step]),) if skips else ())
                 loss = engine(batch)
-                loss, alias = _between(engine.module, between if step >= 1 else "", loss)
+                loss, alias = _between(engine, between if step >= 1 else "", loss)
                 if read_in_backward and step >= 1:
                     loss.register_hook(lambda grad: _read_head(engine.module, grad))
                 engine.backward(loss)
@@ -223,10 +229,21 @@ def train(stage: int, steps: int = 4, accum: int = 1, extras=(None,), checkpoint
     return out
 
 
-def _between(model: nn.Module, what: str, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _between(engine, what: str, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """User code between a forward and its backward (Note [Kept from forward to backward]): ``"penalty"`` adds
     one on the head's weight to the loss, ``"write_bias"`` adds to the final norm's bias in place, ``"detach_head"``
-    takes the head's weight detached (returned, read after the backward); ``""``: nothing."""
+    takes the head's weight detached (returned, read after the backward), each after an empty
+    ``gathered_parameters`` block where prefixed ``"gathered_"``; ``"probe"``: the probe block called directly,
+    its side loss reading the head's weight, added to the loss; ``""``: nothing."""
+    model = engine.module
+    if what.startswith("gathered_"):
+        with engine.gathered_parameters([]) if engine.stage == 3 else contextlib.nullcontext():
+            pass
+        what = what.removeprefix("gathered_")
+    if what == "probe":
+        model.probe.read = lambda: model.head.weight
+        model.probe(torch.ones(2, SEQ, WIDTH))
+        return loss + model.probe.aux, None
     if what == "penalty":
         return loss + 0.1 * model.head.weight.square().sum(), None
     if what == "write_bias":

@@ -194,7 +194,8 @@ def parity(stage: int, model: str = "gpt", steps: int = 20, accum: int = 1, clip
 def memory(stage: int, model: str = "gpt", units: tuple = (), precision: str = "fp32",
            persistence_threshold: int = 0) -> dict:
     """The engine's reported model-state bytes after one step, with Ψ and the padded numel (``persistent``:
-    of the stage-3 persistent parameters' buffers)."""
+    of the stage-3 persistent parameters' buffers; ``kept``: of the units kept from forward to backward, gathered
+    once a step instead of twice, Note [Kept from forward to backward] in zerorun/zero/stage3_outer.py)."""
     m = _build(model, 0)
     engine = initialize(m, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
                         config=ZeroConfig(stage=stage, bucket_mb=0.002, units=units, precision=precision,
@@ -205,6 +206,7 @@ def memory(stage: int, model: str = "gpt", units: tuple = (), precision: str = "
             "padded": sum(b.numel for b in engine.buffers), "world_size": dist.get_world_size(),
             "comm": engine.comm_stats(),
             "persistent": sum(b.numel for b in getattr(engine, "_persistent_unit", None).buffers) if stage == 3 else 0,
+            "kept": sum(b.numel for u in engine.sched.outer.kept() for b in u.trainable) if stage == 3 else 0,
             "persistent_params": sorted(n for b in engine._persistent_unit.buffers for n in b.names)
             if stage == 3 else []}
 

@@ -125,13 +125,15 @@ def test_reported_bytes_match_zero_paper(ranks, world_size, stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bytes_sent_per_step(ranks, stage):
     """Ring collectives, ZeRO §7: stage 0 all-reduce, stages 1-2 reduce-scatter + all-gather: 2Ψ(N-1)/N x 4 bytes;
-    stage 3 all-gathers twice (forward, backward) and reduce-scatters once: 3Ψ(N-1)/N x 4 bytes (plus the
-    8-byte global-norm all-reduce at stages 1-3, fp64: Note [Gradient norm]; the digest of the units gathered
-    and the outer units' windows are agreed on the host, control traffic not counted: Note [Agreements on the
-    host] in zerorun/zero/comm.py)."""
+    stage 3 all-gathers twice (forward, backward) and reduce-scatters once: 3Ψ(N-1)/N x 4 bytes, but the root
+    and outer units kept from forward to backward (here the tiny GPT's, Note [Kept from forward to backward] in
+    zerorun/zero/stage3_outer.py), gathered once (plus the 8-byte global-norm all-reduce at stages 1-3, fp64:
+    Note [Gradient norm]; the digest of the units gathered and the outer units' windows are agreed on the host,
+    control traffic not counted: Note [Agreements on the host] in zerorun/zero/comm.py)."""
     for r in shared_run(ranks, 3, cases.memory, stage=stage, units=("Block",) if stage == 3 else ()):
         n, padded = r["world_size"], r["padded"]
-        expected = (3 if stage == 3 else 2) * padded * (n - 1) // n * 4
+        assert (r["kept"] > 0) == (stage == 3), r
+        expected = ((3 if stage == 3 else 2) * padded - r["kept"]) * (n - 1) // n * 4
         extra = 0 if stage == 0 else round(2 * (n - 1) / n * 8)
         assert r["comm"]["bytes_sent"] == expected + extra
 
@@ -210,7 +212,8 @@ def test_stage3_persistent_parameters_match_ddp(ranks, world_size):
 
 def test_stage3_persistent_parameters_bytes(ranks):
     """Persistent parameters are held whole (their bytes count N times a slice) and cost one all-gather per
-    step (after the optimizer step) instead of two; the others as in ZeRO §5 and §7."""
+    step (after the optimizer step) instead of two; the others as in ZeRO §5 and §7 (the kept units once: Note
+    [Kept from forward to backward])."""
     for r in ranks(3).run(cases.memory, stage=3, units=("Block",), persistence_threshold=100):
         n, padded, pers = r["world_size"], r["padded"], r["persistent"]
         assert pers > 0 and r["persistent_params"] and all(
@@ -218,7 +221,7 @@ def test_stage3_persistent_parameters_bytes(ranks):
             for name in r["persistent_params"]), r["persistent_params"]
         assert r["bytes"]["params"] == (padded // n + pers) * 4
         # the norm (the unit digest and the outer units' windows are agreed on the host, not counted)
-        step = (3 * (padded - pers) + 2 * pers) * (n - 1) // n * 4 + round(2 * (n - 1) / n * 8)
+        step = (3 * (padded - pers) + 2 * pers - r["kept"]) * (n - 1) // n * 4 + round(2 * (n - 1) / n * 8)
         construction = pers * (n - 1) // n * 4  # the persistent parameters are all-gathered once when built
         assert r["comm"]["bytes_sent"] == step + construction
 

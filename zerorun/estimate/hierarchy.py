@@ -97,8 +97,7 @@ def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
 def kept_units(layout: Layout, world_size: int, default: int) -> set[str]:
     """The units a forward with gradients on leaves gathered into its backward (Note [Kept from forward to
     backward] in zero/stage3_outer.py): the root and every outer unit, when their padded bytes together are at
-    most ``layout.keep_root_bytes``; else none. (Not seen here: where one of them reads another unit's parameters,
-    the engine keeps none.)"""
+    most ``layout.keep_root_bytes``; else none."""
     units = [u for u in layout.units if u.name == "<root>" or u.outer]
     nbytes = sum(_pad(n, world_size) * b for u in units
                  for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))

@@ -287,7 +287,7 @@ class Stage3Engine(ZeroEngine):
         Raises:
             RuntimeError: a parameter was written inside the block without ``modifier_rank``.
         """
-        self.sched.end_hold()  # Note [Kept from forward to backward] in stage3_outer.py
+        self.sched.free_held()  # Note [Kept from forward to backward] in stage3_outer.py
         unit_of = self.guard.unit_of
         units = sorted({unit_of[p] for p in params if p in unit_of}, key=lambda u: u.index)
         bufs = [buf for u in units for buf in u.buffers]
@@ -327,7 +327,7 @@ class Stage3Engine(ZeroEngine):
             ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an
             empty dict.
         """
-        self.sched.end_hold()  # Note [Kept from forward to backward] in stage3_outer.py
+        self.sched.free_held()  # Note [Kept from forward to backward] in stage3_outer.py
         with self.gathering.exact():
             return full_state_dict(self.module, self.units, keep=not rank0_only or self.rank == 0)
 

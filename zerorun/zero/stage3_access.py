@@ -134,8 +134,8 @@ class ParameterGuard:
             RuntimeError: outside a forward or backward, naming the parameter and the ways out.
         """
         unit = self.unit_of.get(p)
-        if unit is not None and unit.held:  # Note [Kept from forward to backward]: as at rest until its backward
-            raise self.at_rest(p, func)
+        if unit is not None and unit.held and not (self.sched.active or in_backward()):
+            raise self.at_rest(p, func)  # Note [Kept from forward to backward]: as at rest until its backward
         if unit is None or (unit.state is UnitState.GATHERED and not unit.outer):
             return
         if unit.outer and self.sched.outer.use(unit, func):  # Note [Outer units]

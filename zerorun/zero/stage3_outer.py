@@ -52,21 +52,23 @@ first call" does not.
 Evaluation (a forward with gradients off) gathers the scheduled units with the root.
 
 Note [Kept from forward to backward]: when the root and every outer unit together hold at most
-``zero.keep_root_bytes`` when gathered (1 MiB by default: a GPT of a few layers, a model of small modules), none
-of the above applies to them: they are all-gathered once per micro-step, with the root at the start of the
-forward, and stay gathered past its end into its backward, as FSDP2 leaves its root module unsharded after
-forward; in backward each outer unit is freed once its gradient buckets are complete, the root at the end. Freeing
-a megabyte early would save nothing measurable, and gathering it again costs a round trip; with no tail deferred
-there are no saved-tensor hooks over the forward, the larger part of stage 3's Python on a model of many small
-ops (benchmarks/results/history.md, issue 38). The first step learns as above, but schedules nothing. Every
-rank decides alike (the bytes are the same everywhere), and the same from the first step (``zerorun
-estimate`` counts them once: ``estimate.hierarchy.kept_units``). Between the forward and its backward they are
-guarded as at rest: user code reading or writing them there is refused as where they are freed (before this
-window existed a read there was refused, and a write would now be lost when they are freed), until the backward,
-a new forward, ``gathered_parameters`` or ``full_state_dict`` begins. Where one of them reads another unit's
-parameters (a root penalty on a block's weight: Note [External parameters]) nothing is kept: that unit must be
-gathered again for the backward. The optimizer step, a forward with gradients off and a checkpoint's load free
-them too. Larger ones (an LM head of ``V x d``) follow the schedule above.
+``zero.keep_root_bytes`` when gathered (1 MiB by default: a GPT of a few layers, a model of small modules), none of
+the above applies to them: they are all-gathered once per micro-step, with the root at the start of the forward,
+and stay gathered past its end into its backward, as FSDP2 leaves its root module unsharded after forward; in
+backward each outer unit is freed once its gradient buckets are complete, the root at the end. Freeing a megabyte
+early would save nothing measurable, and gathering it again costs a round trip; with no tail deferred there are no
+saved-tensor hooks over the forward, the larger part of stage 3's Python on a model of many small ops
+(benchmarks/results/history.md, issue 38). The first step learns as above; a unit it schedules is gathered with the
+root's all-gather and not freed at the first listed call. Every rank decides alike (the bytes are the same
+everywhere), and the same from the first step (``zerorun estimate`` counts them once:
+``estimate.hierarchy.kept_units``). Between the forward and its backward they are guarded as at rest: user code
+reading or writing them there, outside a forward, is refused as where they are freed (before this window existed a
+read there was refused, and a write would now be lost when they are freed), until the backward or a new forward
+begins; ``gathered_parameters`` and ``full_state_dict`` there free them first (a read-only block would otherwise
+leave them unguarded). The units their forward reads (a root penalty on a block's weight: Note [External
+parameters]) are freed at the forward's end and gathered again when backward begins, as with the root. The
+optimizer step, a forward with gradients off and a checkpoint's load free them too. Larger ones (an LM head of
+``V x d``) follow the schedule above.
 """
 
 from __future__ import annotations
@@ -147,10 +149,8 @@ class OuterSchedule:
 
     def kept(self) -> list[Unit]:
         """Note [Kept from forward to backward]: the units a forward with gradients on leaves gathered at its end:
-        the root and every outer unit when they are :attr:`small` and none of them reads another unit's parameters
-        (Note [External parameters] in stage3_access.py); else none."""
-        units = [self.sched.root] + self.outers
-        return units if self.small and not any(o not in units for u in units for o in u.external) else []
+        the root and every outer unit when they are :attr:`small`; else none."""
+        return [self.sched.root] + self.outers if self.small else []
 
     def declare(self, unit: Unit) -> None:
         """A parameter of ``unit`` was declared external to the root: it stays with the root."""

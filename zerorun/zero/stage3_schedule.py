@@ -99,6 +99,16 @@ class Schedule:
             elif unit.state is UnitState.GATHERED:
                 unit.hold()
 
+    def free_held(self) -> None:
+        """Free the units kept from a forward (Note [Kept from forward to backward] in stage3_outer.py), before an
+        engine call that gathers between a forward and its backward: they are at rest again, the backward gathers
+        them as it would have without the hold."""
+        held = [u for u in self.units if u.held]
+        for unit in held:
+            unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
+        for unit in held:
+            unit.reshard()
+
     def end_hold(self) -> None:
         """The units kept from a forward (Note [Kept from forward to backward] in stage3_outer.py) are ordinary
         gathered units again: their backward, a new forward or an engine call that gathers begins."""
@@ -203,9 +213,11 @@ class Schedule:
 
     def backward_start(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` begins: the root is gathered first, whatever structure held the loss."""
-        held = self.root.held  # Note [Kept from forward to backward] in stage3_outer.py: gathered already
+        held = [u for u in self.units if u.held]  # Note [Kept from forward to backward] in stage3_outer.py
         self.end_hold()
-        if loss.requires_grad and (self.root.state is UnitState.FREE or held):
+        for unit in held:  # the units their forward read, freed at its end (a block's weight in a root penalty)
+            unit.gather_external()
+        if loss.requires_grad and (self.root.state is UnitState.FREE or self.root in held):
             self.pre_backward(self.root, None)
         self.outer.backward_start()
 

@@ -235,6 +235,18 @@ class Unit:
             for p in self.adopted:
                 p.__class__ = nn.Parameter
 
+    def gather_external(self) -> None:
+        """All-gather the units this gathered unit's forward reads (:attr:`external`), pinned by it, as
+        :meth:`unshard` does with its own all-gather, and wait for them: a unit kept from its forward into its
+        backward (Note [Kept from forward to backward] in stage3_outer.py) whose external units the forward's end
+        freed."""
+        others = [o for o in self.external if not o.deferred]
+        for other in others:
+            other.unshard(wait=False)
+            other.pinned_by.add(self)
+        for other in others:
+            other.unshard()
+
     def keep_secondary(self) -> None:
         """At the end of its use in a forward that a backward follows (freed, or kept gathered: Note [Kept from
         forward to backward] in stage3_outer.py), this rank's secondary slices of the gathered unit are kept, so
