@@ -130,3 +130,14 @@ def save_every_step(root: str, stage: int, steps: int, keep: int) -> list[str]:
         checkpoint.save(engine, root, step, scheduler=scheduler, position=checkpoint.DataPosition(),
                         recipe=_recipe(), keep=keep)
     return sorted(os.listdir(root))
+
+
+def save_with_a_bad_recipe(root: str) -> str:
+    """A save whose ``recipe`` lacks ``train`` (rank 0 fails while finishing it): what each rank raised."""
+    engine, scheduler = _engine(2, 0)
+    _train(engine, scheduler, range(1, 2))
+    try:
+        checkpoint.save(engine, root, 1, scheduler=scheduler, position=checkpoint.DataPosition(), recipe={}, keep=1)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"

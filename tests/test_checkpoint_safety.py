@@ -325,3 +325,15 @@ def test_a_save_leaves_another_jobs_save_folders(ranks, tmp_path):
     others = [".step-00000001.0123456789ab.tmp", ".step-00000001.0123456789ab.old.tmp"]
     left = ranks(2).run(safety_cases.save_beside_another_job, root=str(tmp_path), others=others)[0]
     assert left == sorted(others) + ["step-00000001"], left
+
+
+def test_a_save_that_rank_0_cannot_finish_for_another_reason_raises_on_every_rank(ranks, tmp_path):
+    """Rank 0 fails while finishing a save with an error that is no disk's (a library caller's recipe without
+    ``train``): it raises that error and the other ranks a one-line error naming rank 0 (found by review: they
+    waited for rank 0 forever)."""
+    import checkpoint_cases
+
+    got = ranks(2).run(checkpoint_cases.save_with_a_bad_recipe, root=str(tmp_path / "ckpt"))
+    assert got[0].startswith("KeyError: 'train'"), got
+    assert got[1].startswith("ZerorunError: checkpoint.dir: cannot save step 1 into ") and got[1].endswith(
+        "failed on rank 0"), got

@@ -120,6 +120,8 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
 
     Raises:
         ZerorunError: the folder cannot be made or written (naming it and why), identically on every rank.
+        Exception: whatever else rank 0 raised while finishing the save (a ``recipe`` without ``train``), there;
+            the other ranks raise ZerorunError naming rank 0 (before, they waited for it forever).
     """
     t0 = time.perf_counter()
     final = step_dir(root, step)
@@ -127,14 +129,20 @@ def save(engine, root: str, step: int, *, scheduler, position: DataPosition, rec
     layout = _write_shards(engine, tmp, step)
     reason = None
     failed = torch.zeros(1, device=engine.buffers[0].device)
+    error: Exception | None = None
     if engine.rank == 0:
-        reason = _publish(tmp, final, root, step,
-                          lambda: _meta(engine, step, layout, scheduler, position, recipe, tmp))
+        try:
+            reason = _publish(tmp, final, root, step,
+                              lambda: _meta(engine, step, layout, scheduler, position, recipe, tmp))
+        except Exception as e:  # anything else: told to the other ranks below, raised here as it is
+            error, reason = e, f"{type(e).__name__}: {e}"
         if reason is not None:  # a full disk or a file-size limit: nothing half-written is left to be taken
             failed += 1
         else:
             _prune(root, keep, pid)
     engine.comm.all_reduce_now(failed)  # also the barrier: every rank learns of rank 0's failure
+    if error is not None:
+        raise error
     if failed.item():
         raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: "
                            + (reason if engine.rank == 0 else "failed on rank 0"))
