@@ -34,11 +34,11 @@ class ZeroConfig:
             the next unit, whatever its size (Note [Prefetch] in ``stage3.py``).
         persistence_threshold: stage 3: parameters of at most this many elements stay whole on every rank
             (Note [Persistent parameters] in ``stage3.py``); 0 for none.
-        keep_root_bytes: stage 3: the root unit and the outer units gathered with it (a GPT's final norm and LM
-            head) stay gathered from the end of a forward with gradients on into its backward when their gathered
-            bytes together are at most this (default 1 MiB): one all-gather fewer per micro-step and no
-            saved-tensor hooks, for those bytes held through the loss's backward; 0: freed after every forward
-            (Note [Kept from forward to backward] in ``stage3_outer.py``).
+        keep_root_bytes: stage 3: where the root unit and every outer unit (a GPT's embeddings, final norm and LM
+            head) hold at most this many bytes together when gathered (default 1 MiB), they are all-gathered once
+            per micro-step and stay gathered from the end of a forward with gradients on into its backward: one
+            all-gather fewer per micro-step and no saved-tensor hooks, for those bytes held through the loss's
+            backward; 0: freed after every forward (Note [Kept from forward to backward] in ``stage3_outer.py``).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: dtype of parameters, gradients and collectives; fp32
             master slices and optimizer states either way (Note [Mixed precision] in ``precision.py``).
         reduce_dtype: ``None`` (reduce gradients in ``precision``) or ``"fp32"`` (reduce an fp32 copy).

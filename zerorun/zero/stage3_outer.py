@@ -81,6 +81,7 @@ import torch
 
 from zerorun.zero.stage3_checks import check_no_writes
 from zerorun.zero.torch_internals import in_backward
+from zerorun.zero.unit_plan import kept_bytes
 from zerorun.zero.units import Unit, UnitState
 
 
@@ -128,7 +129,7 @@ class OuterSchedule:
         self.tail_storages: dict[int, Unit] = {}
         # Note [Kept from forward to backward]: the root and every outer unit fit in zero.keep_root_bytes together
         cap = sched.config.keep_root_bytes
-        self.small = 0 < cap and sum(u.gathered_bytes for u in [sched.root] + self.outers) <= cap
+        self.small = 0 < cap and kept_bytes(sched.units) <= cap
 
     def hook(self) -> None:
         """Gather the outer units with the root until the first step has learned their schedule, and hook their

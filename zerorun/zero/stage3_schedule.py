@@ -90,23 +90,23 @@ class Schedule:
         """Free every unit but those in ``keep`` (Note [Kept from forward to backward] in stage3_outer.py):
         pins of units go; a ``gathered_parameters`` block keeps its own."""
         keep = set(keep)
+        self._free([u for u in self.units if u not in keep])
         for unit in self.units:
-            if unit not in keep:
-                unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
-        for unit in self.units:
-            if unit not in keep:
-                unit.reshard()
-            elif unit.state is UnitState.GATHERED:
+            if unit in keep and unit.state is UnitState.GATHERED:
                 unit.hold()
 
     def free_held(self) -> None:
         """Free the units kept from a forward (Note [Kept from forward to backward] in stage3_outer.py), before an
         engine call that gathers between a forward and its backward: they are at rest again, the backward gathers
         them as it would have without the hold."""
-        held = [u for u in self.units if u.held]
-        for unit in held:
+        self._free([u for u in self.units if u.held])
+
+    @staticmethod
+    def _free(units: list[Unit]) -> None:
+        """Free ``units``: their pins by units go first (a ``gathered_parameters`` block keeps its own)."""
+        for unit in units:
             unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
-        for unit in held:
+        for unit in units:
             unit.reshard()
 
     def end_hold(self) -> None:

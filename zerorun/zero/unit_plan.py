@@ -162,6 +162,12 @@ def _held(unit: Unit) -> str:
     return f"{', '.join(names[:3])}{f', ... {len(names)} in all' if len(names) > 3 else ''}"
 
 
+def kept_bytes(units: list[Unit]) -> int:
+    """The gathered bytes of the root and the outer units among ``units`` together: what ``zero.keep_root_bytes``
+    bounds (Note [Kept from forward to backward] in stage3_outer.py)."""
+    return sum(u.gathered_bytes for u in units if u.is_root or u.outer)
+
+
 def describe_units(units: list[Unit], without_params: dict[str, list[str]] | None = None,
                    keep_root_bytes: int = 0) -> list[str]:
     """What stage 3 gathers and frees, for the run's log: the listed units grouped by class (count, names,
@@ -195,7 +201,7 @@ def describe_units(units: list[Unit], without_params: dict[str, list[str]] | Non
             for u in units if (u.is_root or u.persistent) and u.buffers]
     if kept:
         lines.append(f"stage 3 parameters that stay gathered: {'; '.join(kept)}")
-    held = sum(u.gathered_bytes for u in units if u.is_root or u.outer)
+    held = kept_bytes(units)
     if 0 < held <= keep_root_bytes:
         lines.append(f"stage 3: the root and the outer units, {_mib(held)} together, are gathered once per step and "
                      f"kept from each forward into its backward (zero.keep_root_bytes {_mib(keep_root_bytes)}; 0 frees "
