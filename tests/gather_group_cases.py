@@ -338,14 +338,26 @@ class LateNet(nn.Module):
         return self.b(x).pow(2).mean()
 
 
-def unit_on_some_ranks(timeout_s: float) -> str:
-    """One step of :class:`LateNet` at stage 3 over a gloo group whose collectives time out after ``timeout_s``;
-    the error this rank raised."""
+class LoopNet(LateNet):
+    """``b`` called once more on rank 1 than on rank 0 (a loop as long as each rank's own sequence): its second
+    all-gather there has no partner."""
+
+    def forward(self, x):
+        x = self.a(x)
+        for _ in range(1 + dist.get_rank()):
+            x = self.b(x)
+        return x.pow(2).mean()
+
+
+def unit_on_some_ranks(timeout_s: float, net: str = "late") -> str:
+    """One step of :class:`LateNet` (``net="loop"``: :class:`LoopNet`) at stage 3 over a gloo group whose
+    collectives time out after ``timeout_s``; the error this rank raised."""
     import datetime
 
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     torch.manual_seed(0)
-    engine = initialize(LateNet(), optimizer="SGD", optimizer_kwargs={"lr": 0.1}, process_group=group,
+    engine = initialize({"late": LateNet, "loop": LoopNet}[net](), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        process_group=group,
                         config=ZeroConfig(stage=3, units=("Linear",)))
     try:
         train_steps(engine, 1, 16)

@@ -144,7 +144,7 @@ def _engine(stage: int, accum: int = 1, checkpointing: bool = False, declare: bo
         register_external_parameter(model, model.extra.bias)
     return initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
                       config=ZeroConfig(stage=stage, grad_accum_steps=accum, units=("Block",) if stage == 3 else (),
-                                        activation_checkpointing=checkpointing,
+                                        activation_checkpointing=checkpointing and stage == 3,
                                         **({} if keep is None else {"keep_root_bytes": keep})))
 
 

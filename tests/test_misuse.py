@@ -30,3 +30,19 @@ def test_a_model_held_by_a_stage3_engine_is_refused_by_a_second_one(ranks, stage
         error, issued = r["error"]
         assert error.startswith("this model is held by a stage 3 engine already (parameter ") and issued == 0, r
         assert "build a fresh model" in error and r["norm"] > 0, f"rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("stage,units", [(0, ()), (1, ()), (2, ()), (3, ()), (3, ("Linear",))])
+@pytest.mark.parametrize("how", ["tensor", "autograd", "before_step"])
+def test_a_backward_outside_engine_backward_is_refused_naming_the_parameter(ranks, stage, units, how):
+    """Note [One backward per micro-step]: an auxiliary loss's ``.backward(retain_graph=True)`` before
+    ``engine.backward`` trained silently on this rank's gradient at stages 0-1 and raised a bare KeyError at
+    stages 2-3; now every rank raises one line naming the parameter. ``torch.autograd.grad`` on the input still
+    works (it accumulates into no parameter)."""
+    names = {n for n, _ in cases.Net().named_parameters()}
+    results = ranks(2).run(cases.backward_outside, stage=stage, units=units, how=how)
+    for rank, (error, grad_error) in enumerate(results):
+        assert error.startswith("parameter '") and error.split("'")[1] in names, f"rank {rank}: {error}"
+        assert "got a gradient from a backward outside engine.backward" in error and "\n" not in error, error
+        assert grad_error == "no error", f"rank {rank}: {grad_error}"
+    assert results[0][0] == results[1][0]

@@ -313,3 +313,16 @@ def test_a_unit_run_on_some_ranks_times_out_with_the_units_each_rank_gathered():
     assert "in order: '<root>', 'a', 'extra', 'b'." in errors[0] and "in order: '<root>', 'a', 'b'." in errors[1]
     assert all("or use stage 2" in e for e in errors), errors
 
+
+def test_a_unit_called_more_times_on_some_ranks_times_out_the_same_way():
+    """A unit called once more on rank 1 (a loop over it as long as each rank's own sequence) gathers once more
+    there: the same kind as a unit run on some ranks only (it hung until the pool's timeout in a review), and the
+    same error on every rank after the collective timeout, each naming the units it gathered."""
+    pool = RankPool(2, timeout=120)
+    try:
+        errors = pool.run(gather_group_cases.unit_on_some_ranks, timeout_s=5, net="loop")
+    finally:
+        pool.close(kill=True)
+    assert errors[0].startswith("stage 3: rank 0 timed out in the agreement before backward"), errors
+    assert errors[1].startswith("stage 3: rank 1 timed out in forward, waiting for the all-gather of 'b'"), errors
+    assert "in order: '<root>', 'a', 'b'." in errors[0] and "in order: '<root>', 'a', 'b', 'b'." in errors[1]

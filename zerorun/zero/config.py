@@ -146,6 +146,9 @@ class ZeroConfig:
             raise ValueError(f"zero.quantize_block must be an integer >= 1, got {self.quantize_block!r}")
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+        if self.activation_checkpointing and self.stage != 3:
+            raise ValueError(f"activation_checkpointing recomputes each stage-3 unit's forward in backward; this is "
+                             f"stage {self.stage}: set zero.stage 3, or apply torch.utils.checkpoint in the model")
 
     def _check_hierarchy(self) -> None:
         h = self.hierarchy

@@ -1,20 +1,19 @@
 """The gradient reducer: when each bucket's gradient is complete, in which order buckets are reduced, how many
 reductions are in flight. One mechanism; a :class:`~zerorun.zero.policy.StagePolicy` says what stages change.
 
-Note [Per-parameter readiness]: a bucket is reduced once every one of its parameters is complete. A
-parameter is complete when its gradient has been accumulated as many times as in the last step that reduced
-(autograd accumulates a leaf once per graph task, so a layer used twice under reentrant
-``torch.utils.checkpoint``, whose recomputations run as graph tasks of their own, accumulates twice; the first
-step assumes once); a parameter that got no gradient in that step is complete at the start of backward (known
-unused: its bucket is reduced early, with zeros, or at stages 0-1 with the micro-steps' sum so far). A guess
-can be wrong (the graph changed): a gradient that arrives after its bucket was launched is kept aside
-(stages 0-1 detach ``p.grad`` from the bucket at launch, so autograd never writes into a buffer a collective
-is reading), and at the end of the step's last backward the ranks agree, with one sum on the host of one flag
-per bucket and one per parameter (Note [Agreements on the host] in ``comm.py``: no GPU stall; control
-traffic, not counted in ``bytes_sent``; the parameters' flags are Note [Unused parameters]'s mask, in
-``masters.py``), which buckets got late gradients anywhere, in any micro-step; those are reduced once more and
-added (reduction is linear: the late gradients of all micro-steps are summed first).
-The result is the right gradient at every stage, whatever the graph does; a wrong guess costs a collective.
+Note [Per-parameter readiness]: a bucket is reduced once every one of its parameters is complete. A parameter is
+complete when its gradient has been accumulated as many times as in the last step that reduced (autograd accumulates
+a leaf once per graph task, so a layer used twice under reentrant ``torch.utils.checkpoint``, whose recomputations
+run as graph tasks of their own, accumulates twice; the first step assumes once); a parameter that got no gradient
+in that step is complete at the start of backward (known unused: its bucket is reduced early, with zeros, or at
+stages 0-1 with the micro-steps' sum so far). A guess can be wrong (the graph changed): a gradient that arrives
+after its bucket was launched is kept aside (stages 0-1 detach ``p.grad`` from the bucket at launch, so autograd
+never writes into a buffer a collective is reading), and at the end of the step's last backward the ranks agree,
+with one sum on the host of one flag per bucket and one per parameter (Note [Agreements on the host] in ``comm.py``:
+no GPU stall; control traffic, not counted in ``bytes_sent``; the parameters' flags are Note [Unused parameters]'s
+mask, in ``masters.py``), which buckets got late gradients anywhere, in any micro-step; those are reduced once more
+and added (reduction is linear: the late gradients of all micro-steps are summed first). The result is the right
+gradient at every stage, whatever the graph does; a wrong guess costs a collective.
 
 Note [Launch order]: every rank must issue the same collectives in the same order. In the first step,
 buckets are launched by the registration index of their first parameter, descending (the order backward
@@ -33,21 +32,20 @@ micro-step (a fresh large block costs a page fault per page on every use: Note [
 zero/allocator.py), dropped when the optimizer step begins. The reduce-scatter runs in place and this rank's
 slice is added, divided by N, to the slice it keeps (fp16 divides first, for its range, as DDP).
 
-Note [Program order]: NCCL pairs a communicator's collectives by the order they are issued, and communicators
-that can run at the same time must be issued in the same order on every rank, or it may deadlock (gloo
-pairs by order too: a mismatch hangs or mixes data). So every rank issues the same sequence of collectives
-whatever the timing: no launch is decided by a handle's ``is_completed()``, nor by when a gradient arrives
-where ranks may differ. Stages 0-2 run no other collective in backward: buckets are launched as they become
-ready, in the launch order. Stage 3 all-gathers units in backward on the same group (as FSDP2 issues
-all-gather and reduce-scatter on one group at program-ordered points, overlapping through streams: Note
-[Streams] in streams.py), and readiness differs between ranks (an expert unused on one rank is complete at
-the start of backward; an outer unit's gradient comes before or after a listed unit's all-gather: Note
-[Outer units]). So stage 3 (``policy.ordered_launch``) launches at two points only: a listed unit's end of
-backward (Note [End of a unit's backward]), where every rank agreed before backward that it reaches it
-(``check_backward_units``), launches that unit's buckets in their fixed order, complete here or not (a
-gradient after it is late: Note [Per-parameter readiness]); the end of backward launches every bucket left
-(the root's, outer units', persistent ones, a unit's whose end some rank does not reach) in the launch
-order. Memory: a bucket's full gradient is held until its point (outer units': the end of backward).
+Note [Program order]: NCCL pairs a communicator's collectives by the order they are issued, and communicators that
+can run at the same time must be issued in the same order on every rank, or it may deadlock (gloo pairs by order
+too: a mismatch hangs or mixes data). So every rank issues the same sequence of collectives whatever the timing: no
+launch is decided by a handle's ``is_completed()``, nor by when a gradient arrives where ranks may differ. Stages
+0-2 run no other collective in backward: buckets are launched as they become ready, in the launch order. Stage 3
+all-gathers units in backward on the same group (as FSDP2 issues all-gather and reduce-scatter on one group at
+program-ordered points, overlapping through streams: Note [Streams] in streams.py), and readiness differs between
+ranks (an expert unused on one rank is complete at the start of backward; an outer unit's gradient comes before or
+after a listed unit's all-gather: Note [Outer units]). So stage 3 (``policy.ordered_launch``) launches at two points
+only: a listed unit's end of backward (Note [End of a unit's backward]), where every rank agreed before backward
+that it reaches it (``check_backward_units``), launches that unit's buckets in their fixed order, complete here or
+not (a gradient after it is late: Note [Per-parameter readiness]); the end of backward launches every bucket left
+(the root's, outer units', persistent ones, a unit's whose end some rank does not reach) in the launch order.
+Memory: a bucket's full gradient is held until its point (outer units': the end of backward).
 
 Note [Waiting in hooks]: with ``MAX_INFLIGHT + 1`` reductions in flight (each holds a bucket-sized buffer:
 the full gradient at stages 2-3, gloo's receive buffer at stage 1), or as many pool buffers taken, the oldest
@@ -71,6 +69,7 @@ from zerorun.zero.gloo_reduce_scatter import runs
 from zerorun.zero.policy import StagePolicy
 from zerorun.zero.precision import wide_or
 from zerorun.zero.torch_internals import will_accumulate
+from zerorun.zero.user_model import backward_outside_engine
 from zerorun.zero.weakhook import weak_hook
 
 
@@ -119,7 +118,7 @@ class GradReducer:
         self._adopted: set[FlatBuffer] = set()
         self._used: set[nn.Parameter] = set()
         self.used: set[nn.Parameter] | None = None
-        self.sync = self.last = self._recorded = False
+        self.sync = self.last = self._recorded = self.running = False  # running: inside engine.backward
         self._reset()
         self.handles: list = []
 
@@ -170,6 +169,7 @@ class GradReducer:
         """Before a backward: whether it reduces; parameters known unused are complete now (Note
         [Per-parameter readiness])."""
         self.sync, self.last = last_micro_step or self.policy.reduce_every_micro_step, last_micro_step
+        self.running = True
         self._reset()
         if not self.sync:
             return
@@ -180,6 +180,8 @@ class GradReducer:
 
     def _on_grad(self, p: nn.Parameter) -> None:
         buf = self._slot[p]
+        if not self.running:  # Note [One backward per micro-step] in user_model.py
+            raise backward_outside_engine(next(n for n, q in zip(buf.names, buf.params) if q is p))
         self._used.add(p)  # Note [Unused parameters]
         if buf in self._launched:  # Note [Per-parameter readiness]: a gradient after the launch
             late = self._late.get(buf)
@@ -319,6 +321,7 @@ class GradReducer:
     def finish(self) -> None:
         """After a backward: launch what is left (unused parameters: zeros), wait for every reduction, reduce
         late gradients again, learn readiness and (first step) the launch order."""
+        self.running = False
         if not self.sync:
             for buf in self.buffers:  # micro-steps summed in zero.grad_accum_dtype
                 if buf.acc is not None:

@@ -226,6 +226,7 @@ class Stage3Engine(ZeroEngine):
         """Units are gathered from the updated slices when next used (one left gathered by a forward that raised
         is freed: stale); persistent parameters (Note [Persistent parameters]) are all-gathered now."""
         self.gathering.training = False  # Gathering.training: the pass is over
+        self.sched.unpin_second_order()  # Note [Backward outside engine.backward]
         self.sched.free_all()
         self._drop_secondary()
         self._gather_persistent(self._persistent_unit.trainable)  # frozen ones never change: gathered once
@@ -248,6 +249,8 @@ class Stage3Engine(ZeroEngine):
             if clear is None:
                 raise
             raise clear from e
+        finally:
+            self.sched.engine_pass = False  # Note [Backward outside engine.backward]
 
     def _finish_backward(self) -> None:
         super()._finish_backward()

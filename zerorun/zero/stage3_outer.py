@@ -182,6 +182,8 @@ class OuterSchedule:
     def _tail_unpack(self, saved):
         if not isinstance(saved, _TailSaved):
             return saved
+        if self.sched.in_foreign():  # Note [Backward outside engine.backward]: every outer unit gathered at its start
+            return saved.tensor
         if saved.unit.deferred:  # read by a node before the tails' gather (a penalty on the head's weight)
             self.gather_tails()
         if saved.unit.state is UnitState.GATHERING:
@@ -268,6 +270,9 @@ class OuterSchedule:
                 outer.unshard(wait=False)
 
     def pre_backward(self, unit: Unit, grad: torch.Tensor | None = None) -> None:
+        if self.sched.in_foreign():  # Note [Backward outside engine.backward]: gathered at its start, learns nothing
+            unit.unshard()
+            return
         rec = self.rec[unit]
         if self.learning:  # every backward of the first step counts: before the anchor once is before
             rec.bfirst = _fold(rec.bfirst, int(self.anchor_entered), min)

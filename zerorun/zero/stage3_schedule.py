@@ -1,11 +1,26 @@
 """Stage 3's schedule: when each unit is gathered and freed (Notes [Unit lifecycle] and [Prefetch] in
 ``stage3.py``): the units' recorded order, the forward calls on the stack, and the hooks, which only call in.
+
+Note [Backward outside engine.backward]: ``torch.autograd.grad`` over the model's output (an adversarial example's
+input gradient, an input-gradient penalty, inside the model's forward or between it and ``engine.backward``) runs
+the units' backward hooks as any backward does, but without ``engine.backward``'s start (the root, the units kept
+from forward, the outer units gathered at their scheduled points) and end (every unit freed, the pass's record
+reset). The outer units' schedule then found a scheduled unit free at its output's gradient and refused it as a
+deviation, naming a gradient that was never taken. So the first unit hook of such a pass (``begin_foreign``) gathers
+the root and every outer unit, as at the start of a backward before any schedule is learned, and queues the pass's
+end on autograd's engine (``end_foreign``: every unit not needed by a running forward freed, the pass's record
+dropped; the outer units' first-step record learns nothing from it). Every rank runs the same call, so the
+all-gathers are in the same order everywhere. With ``create_graph=True`` the pass builds a graph whose nodes hold
+views of the units' gathered parameters (``W.t()`` for a linear layer's input gradient) and run in a later backward,
+with no hook of their unit before them: a freed unit read there was torch's "storage of size 0" error. So every unit
+such a pass gathers stays gathered (pinned by ``second_order``) until the end of the next ``engine.backward`` or the
+optimizer step: the memory of stage 2 for those units over that window, and the numbers of stage 0.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -34,12 +49,13 @@ class Schedule:
         self.deviated = {"forward": False, "backward": False}  # this pass left the recorded order
         self.active: list[Unit] = []
         self.handles: list = []
+        self.engine_pass = self.foreign = False  # an engine.backward runs; another backward runs (Note [Backward
+        self.second_order = object()  # outside engine.backward]), and the pin of the units its graph reads
         self.outer = OuterSchedule(self)
 
     def hook(self, checkpointing: bool) -> None:
         """Register the forward hooks of every listed unit and the root (outer units: :class:`OuterSchedule`);
-        with ``checkpointing``, a listed unit's forward is recomputed in backward (``torch.utils.checkpoint``,
-        non-reentrant)."""
+        with ``checkpointing``, a listed unit's forward is recomputed in backward (:func:`checkpointed`)."""
         for unit in self.units:
             if unit.persistent or unit.outer:
                 continue
@@ -47,14 +63,7 @@ class Schedule:
                                                                       with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(functools.partial(self.post_forward, unit)))
             if checkpointing and not unit.is_root:
-                forward = unit.module.forward
-
-                def checkpointed(*args, _forward=forward, **kw):
-                    if not torch.is_grad_enabled():
-                        return _forward(*args, **kw)
-                    return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kw)
-
-                unit.module.forward = checkpointed
+                unit.module.forward = checkpointed(unit.module.forward, unit.module)
         self.outer.hook()
 
     # ------------------------------------------------------------------------------------------ prefetch
@@ -202,17 +211,66 @@ class Schedule:
 
     # ------------------------------------------------------------------------------------------ backward
     def pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
-        if not unit.is_root:  # outside the units gathered together: when the tails are gathered differs by rank
-            self.outer.before_listed_backward()  # Note [Outer units]: the tails' all-gather comes first
+        foreign = self.in_foreign()  # Note [Backward outside engine.backward]
+        if not unit.is_root and not foreign:  # outside the units gathered together: when the tails are gathered
+            self.outer.before_listed_backward()  # differs by rank (Note [Outer units]: their all-gather first)
         with unit.ctx.together():  # Note [Units gathered together] in units.py
             unit.unshard(wait=False)  # waited for once the all-gathers of the units ahead are issued too
             self.note_and_prefetch(unit, "backward")
         unit.unshard()
-        if not unit.is_root:
+        if foreign:
+            self.pin_second_order([unit])
+        elif not unit.is_root:
             self.outer.listed_backward(unit)
+
+    def in_foreign(self) -> bool:
+        """Inside a backward hook: whether this backward is not ``engine.backward``'s; the first hook of such a pass
+        begins it (Note [Backward outside engine.backward])."""
+        if not self.engine_pass and not self.foreign and in_backward():
+            self.begin_foreign()
+        return self.foreign
+
+    def begin_foreign(self) -> None:
+        """A backward outside ``engine.backward`` begins: the root and every outer unit are gathered (the units kept
+        from the forward are ordinary gathered units again), and its end is queued."""
+        self.foreign = True
+        held = [u for u in self.units if u.held]
+        self.end_hold()
+        for unit in held:
+            unit.gather_external()
+        everything = [self.root] + self.outer.outers
+        with self.root.ctx.together():
+            for unit in everything:
+                unit.unshard(wait=False)
+        for unit in everything:
+            unit.unshard()
+        self.pin_second_order(everything)
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_foreign)
+
+    def pin_second_order(self, units: list[Unit]) -> None:
+        """In a backward outside ``engine.backward`` that records a graph (``create_graph=True``), ``units`` stay
+        gathered until the end of the next ``engine.backward`` or the step (Note [Backward outside engine.backward])."""
+        if torch.is_grad_enabled():
+            for unit in units:
+                unit.pinned_by.add(self.second_order)
+
+    def unpin_second_order(self) -> None:
+        for unit in self.units:
+            unit.pinned_by.discard(self.second_order)
+
+    def end_foreign(self) -> None:
+        """The backward outside ``engine.backward`` is over: its record goes; outside a forward every unit is freed
+        (but those pinned by ``second_order``), inside one they are freed when it ends."""
+        self.foreign = False
+        self.seen["backward"], self.deviated["backward"] = [], False
+        for unit in self.units:
+            unit.ready_buffers = 0
+        if not self.active:
+            self.free_all()
 
     def backward_start(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` begins: the root is gathered first, whatever structure held the loss."""
+        self.engine_pass = True
         held = [u for u in self.units if u.held]  # Note [Kept from forward to backward] in stage3_outer.py
         self.end_hold()
         for unit in held:  # the units their forward read, freed at its end (a block's weight in a root penalty)
@@ -263,9 +321,54 @@ class Schedule:
 
     def backward_end(self) -> None:
         """After the reductions of a backward: the recorded order is kept, every unit freed."""
+        self.engine_pass = False
+        self.unpin_second_order()
         self.end_pass("backward")
         self.outer.read_unrecorded = set()
         for unit in self.units:
             unit.ready_buffers = unit.open_calls = 0
             unit.ends_agreed = unit.deferred = unit.open_ended = False
         self.free_all()
+
+
+# Note [Recomputed as first run]: ``ZeroConfig.activation_checkpointing`` recomputes each listed unit's forward in
+# backward (``torch.utils.checkpoint``, non-reentrant, which restores the RNG: dropout draws the same mask). A
+# forward that changes the unit's buffers (BatchNorm's running statistics and ``num_batches_tracked``, a decaying
+# gate kept as a buffer) ran twice under torch's checkpoint: the statistics were updated twice (the count 6 after 3
+# steps), and the recomputation read the buffers as the first run left them, so the gradients differed from stage
+# 0's from the first step. Here the recomputation runs on copies of the buffers as the first run found them, and the
+# module's own buffers are put back after it: the statistics are updated once and the gradients are stage 0's.
+# Which buffers a call changed cannot be told without a host sync (BatchNorm's kernel writes its running statistics
+# without bumping their version counters), so every buffer is copied: a unit's buffers once more per forward call,
+# kept to its backward (none for a unit without buffers, as a transformer block).
+def checkpointed(forward: Callable, module: nn.Module) -> Callable:
+    """``forward`` (a listed unit's, ``module``'s) recomputed in backward (Note [Recomputed as first run]). A unit
+    without buffers gets torch's checkpoint alone, which ``torch.compile`` traces whole (Note [Compiling per unit] in
+    compiling.py); the copies of a unit's buffers are Python that it does not."""
+
+    def plain(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        found = [(m, name, b.detach().clone()) for m in module.modules() for name, b in m._buffers.items()
+                 if b is not None]
+
+        def replay(*a: Any, **kw: Any) -> Any:
+            if not in_backward() or not found:
+                return forward(*a, **kw)
+            now = [(m, name, m._buffers[name]) for m, name, _ in found]
+            for m, name, value in found:
+                m._buffers[name] = value.clone()  # the recomputation's own copy (a retained graph runs it again)
+            try:
+                return forward(*a, **kw)
+            finally:
+                for m, name, b in now:
+                    m._buffers[name] = b
+
+        return torch.utils.checkpoint.checkpoint(replay, *args, use_reentrant=False, **kwargs)
+
+    return run if any(True for _ in module.buffers()) else plain

@@ -5,6 +5,15 @@ Note [The user's model stays the user's]: the engine lays out, reduces and updat
 objects trainable when it was built. A parameter unfrozen later would never be trained, one frozen later
 would still be updated (zero gradients, weight decay, momentum), and a Parameter object put in the place of
 another would never be trained: all silently. Each is a clear error instead, naming the parameter.
+
+Note [One backward per micro-step]: the engine reduces the gradients that ``engine.backward`` accumulates. A
+backward the user runs around it on the same parameters (``aux.backward(retain_graph=True)`` on an output, then
+``engine.backward(loss)``) accumulated into the gradient buffers unreduced at stages 0-1 (the step silently
+trained on this rank's share of it) and failed inside the reducer at stages 2-3 (a ``KeyError``). So a
+parameter's gradient accumulated outside ``engine.backward`` raises, in the gradient hook, on every rank that runs
+that backward, naming the parameter: as DDP refuses a second backward of one iteration. Gradients of other
+tensors (``torch.autograd.grad(loss, inputs)``: adversarial examples, input-gradient penalties) accumulate into
+no parameter and pass. The micro-step's gradients are spoiled: the error is for a program to stop at.
 """
 
 from __future__ import annotations
@@ -17,6 +26,15 @@ import torch.nn as nn
 
 if TYPE_CHECKING:
     from zerorun.zero.flat import FlatBuffer
+
+
+def backward_outside_engine(name: str) -> RuntimeError:
+    """The error of Note [One backward per micro-step], for the parameter ``name``."""
+    return RuntimeError(
+        f"parameter {name!r} got a gradient from a backward outside engine.backward (tensor.backward() or "
+        "torch.autograd.backward over the model): the engine reduces only what engine.backward accumulates, so it "
+        "would train on this rank's gradient alone. Add the losses and call engine.backward(total) once per "
+        "micro-step; for gradients of inputs only, use torch.autograd.grad(loss, inputs)")
 
 
 class UserModel:
