@@ -180,6 +180,11 @@ def test_bad_flags_are_one_line_errors(tmp_path):
     out = zerorun("bench", TINY, "train.optimizer.bogus=1", f"log.dir={tmp_path}")  # torch's: checked in a child
     assert out.returncode == 2 and "train.optimizer.bogus: AdamW has no argument 'bogus'" in out.stderr
     assert out.stderr.count("\n") == 1
+    broken = tmp_path / "broken.py"
+    broken.write_text("def build(:\n")  # every combination failed on it, one job each, before one line said so
+    out = zerorun("bench", TINY, f"model.module={broken}", f"log.dir={tmp_path}")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "broken.py" in out.stderr, out.stderr
+    assert "SyntaxError" in out.stderr or "syntax" in out.stderr.lower(), out.stderr
     assert not list(tmp_path.glob("*/bench-*"))  # nothing ran, nothing written
 
 

@@ -108,8 +108,9 @@ def progress_line(row: Row, done: int, total: int) -> str:
 def _checked_recipe(recipe_path: str, overrides: list[str], hostfiles: list[str], nodes: list[int],
                     rows: list[Row], steps: int):
     """The recipe of the first combination of ``rows`` that accepts it (``steps`` optimizer steps a job), once
-    the hostfiles, ``--nodes``, the overrides and the optimizer (in a child process: zerorun/rank/modelcheck.py) are
-    checked. A recipe that no combination accepts is bad input; one that some combinations refuse (zero.units
+    the hostfiles, ``--nodes``, the overrides, the optimizer and the model (in a child process, on the meta device:
+    zerorun/rank/modelcheck.py) are checked: a broken model module is one line before any job, not one failed job
+    per combination. A recipe that no combination accepts is bad input; one that some combinations refuse (zero.units
     below stage 3, say) fails those combinations only, when their turn comes; a model that a stage refuses is
     reported by that job's ranks.
 
@@ -134,7 +135,7 @@ def _checked_recipe(recipe_path: str, overrides: list[str], hostfiles: list[str]
             first_error = first_error or e
     if base is None:
         raise first_error
-    problem = modelcheck.start(base, recipe_path, base_overrides, model=False, beside=False).wait()
+    problem = modelcheck.start(base, recipe_path, base_overrides, beside=False).wait()  # the model's module too
     if problem:
         raise ZerorunError(problem)
     return base
