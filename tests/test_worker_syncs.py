@@ -123,10 +123,10 @@ def test_recipe_refuses_a_broadcast_buffers_that_is_not_a_boolean():
         load_recipe(TINY, ["zero.broadcast_buffers=sometimes"])
 
 
-def stop_agreed_case(backend: str) -> dict:
-    """StopRequest.agreed with the job's group on ``backend``, rank 1 signalled. "nccl" stands in by name (the
-    group here is gloo): the agreement then goes over the gloo group made beside it (Note [Agreements on the
-    host]), which is returned too, so it passes only if the flag stays on the host."""
+def stop_agreed_case(backend: str, signalled: tuple = (1,)) -> dict:
+    """StopRequest.agreed with the job's group on ``backend``, the ranks in ``signalled`` signalled. "nccl" stands in
+    by name (the group here is gloo): the agreement then goes over the gloo group made beside it (Note [Agreements
+    on the host]), which is returned too, so it passes only if the flag stays on the host."""
     import signal
 
     from zerorun.rank.stopsignal import StopRequest
@@ -138,7 +138,7 @@ def stop_agreed_case(backend: str) -> dict:
     try:
         stop = StopRequest(dist.get_rank(), dist.get_world_size())
         first = stop.agreed()
-        if dist.get_rank() == 1:
+        if dist.get_rank() in signalled:
             stop.signal = signal.SIGTERM
         beside = dist.group.WORLD in comm._CONTROL_GROUPS
         return {"first": first, "second": stop.agreed(), "rank": stop.rank, "beside": beside}
@@ -154,3 +154,11 @@ def test_sigterm_agreement_is_taken_on_the_host(ranks, backend):
     job makes no device sync for it every step; beside NCCL it uses the job's one gloo group for agreements."""
     for r in ranks(2).run(stop_agreed_case, backend=backend):
         assert r == {"first": False, "second": True, "rank": 1, "beside": backend == "nccl"}, r
+
+
+def test_a_sigterm_every_rank_got_names_no_rank(ranks):
+    """Killing torchrun's agent makes the kernel send SIGTERM to each of its ranks; the result said "stopped by
+    SIGTERM (sent to rank 0)" (a review), as if one rank had been signalled. Now only a lone signalled rank is
+    named."""
+    for r in ranks(2).run(stop_agreed_case, backend="gloo", signalled=(0, 1)):
+        assert r == {"first": False, "second": True, "rank": None, "beside": False}, r

@@ -37,7 +37,7 @@ class StopRequest:
     def __init__(self, rank: int = 0, world_size: int = 1) -> None:
         self.signal: int | None = None
         self.own_rank, self.world_size = rank, world_size
-        self.rank: int | None = None  # the lowest rank that got SIGTERM, once agreed() returned True
+        self.rank: int | None = None  # the one rank that got SIGTERM, once agreed() returned True
         signal.signal(signal.SIGTERM, self._record)
 
     def _record(self, signum, _frame) -> None:
@@ -45,21 +45,24 @@ class StopRequest:
             self.signal = signum
 
     def agreed(self) -> bool:
-        """True on every rank when any rank got SIGTERM (one int32 all-reduce with MAX of ``world_size - rank``
-        on a signalled rank and 0 elsewhere: the largest names the lowest such rank). Every rank calls it at
-        the same step. A decision of the hosts, taken on the host, over the job's gloo group for such
-        agreements (the default group on gloo; beside NCCL, the one the engine's agreements use: Note
-        [Agreements on the host] in zerorun/zero/comm.py), so that the check, made every step, never waits
-        for the GPU's queued work (a read of a device tensor would)."""
+        """True on every rank when any rank got SIGTERM (one int32 all-reduce with MAX of ``[world_size - rank,
+        rank]`` on a signalled rank and ``[0, -1]`` elsewhere: the first names the lowest such rank, the second the
+        highest; :attr:`rank` is that rank when it is the only one, else ``None``: a signal every rank got, as when
+        torchrun's agent is killed and the kernel sends its ranks SIGTERM, went to no rank in particular). Every
+        rank calls it at the same step. A decision of the hosts, taken on the host, over the job's gloo group for
+        such agreements (the default group on gloo; beside NCCL, the one the engine's agreements use: Note
+        [Agreements on the host] in zerorun/zero/comm.py), so that the check, made every step, never waits for
+        the GPU's queued work (a read of a device tensor would)."""
         import torch
         import torch.distributed as dist
 
         from zerorun.zero.comm import control_group
 
-        mine = self.world_size - self.own_rank if self.signal is not None else 0
-        flag = torch.tensor([mine], dtype=torch.int32, device="cpu")
+        mine = [self.world_size - self.own_rank, self.own_rank] if self.signal is not None else [0, -1]
+        flag = torch.tensor(mine, dtype=torch.int32, device="cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group(None))
-        got = int(flag.item())
+        got, highest = (int(v) for v in flag.tolist())
         if got:
-            self.rank = self.world_size - got
+            lowest = self.world_size - got
+            self.rank = lowest if lowest == highest else None
         return bool(got)
