@@ -36,3 +36,20 @@ def test_model_ready_at_stage_3_is_one_line():
 
     ready = Event("model_ready", 0, 0.0, {"params": 34_688, "stage": 3, "units": ["blocks.0", "pos_emb", ""]})
     assert describe(ready) == ["[rank 0] model ready: 34,688 parameters, ZeRO stage 3"]
+
+
+def test_an_error_that_a_peer_caused_is_one_line_without_its_traceback():
+    """A rank killed by SIGKILL made its peer fail in gloo ("Connection reset by peer", a paragraph ending in
+    "GLHF!") and the console showed that error with six traceback lines above the line that blames the killed
+    rank (a review). A peer failure (Note [Blame] in zerorun/launch/blame.py) is now one line; the rank's own
+    errors keep their traceback."""
+    from zerorun.telemetry.format import describe
+
+    message = "[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:53399: Connection reset by peer\nGLHF!"
+    data = {"type": "RuntimeError", "message": message, "traceback": "Traceback\n  File x\n  y\nRuntimeError: boom"}
+    assert describe(Event("error", 0, 0.0, {**data, "peer_failure": True})) == [
+        "[rank 0] stopped: another rank failed (RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:53399: Connection reset by peer)"]
+    own = describe(Event("error", 0, 0.0, data))
+    assert own[0] == f"[rank 0] error: RuntimeError: {message}" and own[1:] == [
+        "[rank 0]   Traceback", "[rank 0]     File x", "[rank 0]     y", "[rank 0]   RuntimeError: boom"]
