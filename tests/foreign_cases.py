@@ -50,6 +50,7 @@ def train(stage: int, pattern: str, keep: int | None = None, units: tuple = ("Bl
           steps: int = 3) -> dict:
     """``pattern``: ``"fgsm"`` (the input's gradient by ``torch.autograd.grad``, then a step on the perturbed input),
     ``"penalty"`` (``create_graph=True`` between the forward and ``engine.backward``, the penalty trained through),
+    ``"param_penalty"`` (the same of the gradients of the first block's parameters),
     ``"inside_create_graph"`` / ``"inside_detached"`` (the penalty inside the model's forward). Returns the losses,
     the full state dict and, at stage 3, the units gathered right after each ``torch.autograd.grad`` outside a
     forward, and after each step."""
@@ -74,6 +75,9 @@ def train(stage: int, pattern: str, keep: int | None = None, units: tuple = ("Bl
                 gx, = torch.autograd.grad(logits.square().sum(), x, create_graph=True)
                 after_grad.append(gathered())
                 loss = loss + 0.1 * gx.square().mean()
+            elif pattern == "param_penalty":  # a gradient-norm penalty on the first block's parameters
+                gp = torch.autograd.grad(loss, list(engine.module.blocks[0].parameters()), create_graph=True)
+                loss = loss + 0.1 * sum(g.square().sum() for g in gp)
             engine.backward(loss)
             losses.append(loss.item())
         engine.step()

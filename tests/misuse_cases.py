@@ -102,16 +102,17 @@ def second_engine(stage: int) -> dict:
 def backward_outside(stage: int, units: tuple, how: str) -> list[str]:
     """Note [One backward per micro-step]: a backward over the engine's output run around ``engine.backward``
     (``how``: ``"tensor"``, an auxiliary loss's ``.backward(retain_graph=True)``; ``"autograd"``,
-    ``torch.autograd.backward``; ``"before_step"``, a plain ``loss.backward()`` where ``engine.backward`` belongs).
-    Returns the errors raised, then the error of ``torch.autograd.grad`` on the input (none: it reaches no
-    parameter's gradient)."""
+    ``torch.autograd.backward``; ``"into_a_parameter"``, ``torch.autograd.backward(..., inputs=[a parameter])``;
+    ``"before_step"``, a plain ``loss.backward()`` where ``engine.backward`` belongs). Returns the error raised and
+    the collectives issued before it, then the same of ``torch.autograd.grad`` on the input (no error: it reaches
+    no parameter's gradient)."""
     torch.manual_seed(0)
     engine = initialize(Net(), optimizer="AdamW", config=ZeroConfig(stage=stage, units=units))
     x = _x(0, 0).requires_grad_()
     loss = engine(x)
     calls = {"tensor": lambda: (loss * 2).backward(retain_graph=True),
              "autograd": lambda: torch.autograd.backward([loss * 2], retain_graph=True),
+             "into_a_parameter": lambda: torch.autograd.backward([loss * 2], inputs=[engine.module.a.weight],
+                                                                 retain_graph=True),
              "before_step": lambda: loss.backward(retain_graph=True)}
-    errors = [_error(calls[how])[0]]
-    errors.append(_error(lambda: torch.autograd.grad(engine(x), x))[0])
-    return errors
+    return [_error(calls[how]), _error(lambda: torch.autograd.grad(engine(x), x))]

@@ -11,16 +11,17 @@ def _rel(a, b) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
 
 
-@pytest.mark.parametrize("pattern", ["fgsm", "penalty", "inside_create_graph", "inside_detached"])
+@pytest.mark.parametrize("pattern", ["fgsm", "penalty", "param_penalty", "inside_create_graph", "inside_detached"])
 @pytest.mark.parametrize("keep,units,accum", [(0, ("Block",), 1), (None, ("Block",), 1), (0, (), 1),
                                               (0, ("Block",), 2)])
 def test_autograd_grad_around_engine_backward_trains_as_stage_0(ranks, pattern, keep, units, accum):
-    """At bf2f9b1 12 of these 16 cases failed: with outer units that do not fit zero.keep_root_bytes (0 here; any
+    """At bf2f9b1 16 of these 20 cases failed: with outer units that do not fit zero.keep_root_bytes (0 here; any
     model with an LM head) the adversarial example's input gradient and a penalty computed between the forward and
     engine.backward raised "module 'inp' ... took a gradient before the first listed unit's backward began" (a
     gradient never taken), and a penalty inside the forward with create_graph=True raised torch's "storage of size
-    0" in backward, at every keep_root_bytes. After a ``torch.autograd.grad`` outside a forward, only the units a
-    recorded graph still reads stay gathered (none for the adversarial example); after the step, none."""
+    0" in backward, at every keep_root_bytes; a penalty on parameters' gradients was refused as a read at rest
+    (``torch.autograd.grad`` with parameters as inputs). After a ``torch.autograd.grad`` outside a forward, only the
+    units a recorded graph still reads stay gathered (none for the adversarial example); after the step, none."""
     pool = ranks(2)
     ref = pool.run(cases.train, stage=0, pattern=pattern, accum=accum)
     got = pool.run(cases.train, stage=3, pattern=pattern, keep=keep, units=units, accum=accum)

@@ -33,16 +33,17 @@ def test_a_model_held_by_a_stage3_engine_is_refused_by_a_second_one(ranks, stage
 
 
 @pytest.mark.parametrize("stage,units", [(0, ()), (1, ()), (2, ()), (3, ()), (3, ("Linear",))])
-@pytest.mark.parametrize("how", ["tensor", "autograd", "before_step"])
+@pytest.mark.parametrize("how", ["tensor", "autograd", "into_a_parameter", "before_step"])
 def test_a_backward_outside_engine_backward_is_refused_naming_the_parameter(ranks, stage, units, how):
     """Note [One backward per micro-step]: an auxiliary loss's ``.backward(retain_graph=True)`` before
     ``engine.backward`` trained silently on this rank's gradient at stages 0-1 and raised a bare KeyError at
-    stages 2-3; now every rank raises one line naming the parameter. ``torch.autograd.grad`` on the input still
-    works (it accumulates into no parameter)."""
+    stages 2-3; now every rank raises one line naming the parameter, before any collective (at stage 3 before the
+    first all-gather, so that a rank running it alone does not wait for the others; ``inputs=[a parameter]`` was
+    refused there as a read at rest). ``torch.autograd.grad`` on the input still works."""
     names = {n for n, _ in cases.Net().named_parameters()}
     results = ranks(2).run(cases.backward_outside, stage=stage, units=units, how=how)
-    for rank, (error, grad_error) in enumerate(results):
+    for rank, ((error, issued), grad_error) in enumerate(results):
         assert error.startswith("parameter '") and error.split("'")[1] in names, f"rank {rank}: {error}"
         assert "got a gradient from a backward outside engine.backward" in error and "\n" not in error, error
-        assert grad_error == "no error", f"rank {rank}: {grad_error}"
+        assert issued == 0 and grad_error[0] == "no error", f"rank {rank}: {issued} {grad_error}"
     assert results[0][0] == results[1][0]

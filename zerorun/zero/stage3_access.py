@@ -52,7 +52,8 @@ from zerorun.zero.units import UnitState
 #: torch functions that read only metadata (or manage hooks) and never the values.
 _METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "nelement", "element_size", "__hash__",
                        "is_floating_point", "is_complex", "requires_grad_", "register_hook",
-                       "register_post_accumulate_grad_hook", "__len__", "stride", "is_contiguous"})
+                       "register_post_accumulate_grad_hook", "__len__", "stride", "is_contiguous",
+                       "grad", "backward"})  # torch.autograd's: their graph reads the values, its hooks gather them
 _EXTERNAL_ATTR = "_zerorun_external_params"
 _DATA = torch.Tensor.data
 

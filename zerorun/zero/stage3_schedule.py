@@ -9,12 +9,18 @@ reset). The outer units' schedule then found a scheduled unit free at its output
 deviation, naming a gradient that was never taken. So the first unit hook of such a pass (``begin_foreign``) gathers
 the root and every outer unit, as at the start of a backward before any schedule is learned, and queues the pass's
 end on autograd's engine (``end_foreign``: every unit not needed by a running forward freed, the pass's record
-dropped; the outer units' first-step record learns nothing from it). Every rank runs the same call, so the
-all-gathers are in the same order everywhere. With ``create_graph=True`` the pass builds a graph whose nodes hold
-views of the units' gathered parameters (``W.t()`` for a linear layer's input gradient) and run in a later backward,
-with no hook of their unit before them: a freed unit read there was torch's "storage of size 0" error. So every unit
-such a pass gathers stays gathered (pinned by ``second_order``) until the end of the next ``engine.backward`` or the
-optimizer step: the memory of stage 2 for those units over that window, and the numbers of stage 0.
+dropped; the outer units' first-step record learns nothing from it). Every rank must run the same call, so that the
+all-gathers pair up (one run on rank 0 alone, a saliency map for logging, waits for the others until the collective
+timeout, as a unit run on some ranks only: Note [Same units on every rank] in stage3_checks.py); a pass that will
+accumulate into a parameter (``loss.backward()``, ``torch.autograd.backward(..., inputs=[param])``) raises before
+any all-gather (Note [One backward per micro-step] in user_model.py). Parameters may be the inputs of
+``torch.autograd.grad`` (a gradient-norm penalty): the guard of Note [Parameters at rest] in stage3_access.py lets
+autograd's own functions pass, since only the graph reads the values, and its hooks gather them. With
+``create_graph=True`` the pass builds a graph whose nodes hold views of the units' gathered parameters (``W.t()``
+for a linear layer's input gradient) and run in a later backward, with no hook of their unit before them: a freed
+unit read there was torch's "storage of size 0" error. So every unit such a pass gathers stays gathered (pinned by
+``second_order``) until the end of the next ``engine.backward`` or the optimizer step: the memory of stage 2 for
+those units over that window, and the numbers of stage 0.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zerorun.zero.stage3_checks import check_no_writes
 from zerorun.zero.stage3_outer import OuterSchedule
-from zerorun.zero.torch_internals import in_backward
+from zerorun.zero.torch_internals import in_backward, will_accumulate
 from zerorun.zero.units import Unit, UnitInputsDone, UnitState, tensors_in, units_ahead
+from zerorun.zero.user_model import backward_outside_engine
 
 
 class Schedule:
@@ -232,7 +239,17 @@ class Schedule:
 
     def begin_foreign(self) -> None:
         """A backward outside ``engine.backward`` begins: the root and every outer unit are gathered (the units kept
-        from the forward are ordinary gathered units again), and its end is queued."""
+        from the forward are ordinary gathered units again), and its end is queued. One that will accumulate into a
+        parameter raises first (Note [One backward per micro-step] in user_model.py), before any all-gather (run
+        on one rank, the all-gathers would wait for the others)."""
+        named = [(n, p) for u in self.units for b in u.trainable for n, p in zip(b.names, b.params)]
+        try:
+            with torch._C.DisableTorchFunctionSubclass():  # only the parameters' autograd edges: no value is read
+                stray = next((n for n, p in named if will_accumulate(p)), None)
+        except RuntimeError:  # torch refuses to say inside torch.autograd.grad, which accumulates into no leaf
+            stray = None
+        if stray is not None:
+            raise backward_outside_engine(stray)
         self.foreign = True
         held = [u for u in self.units if u.held]
         self.end_hold()
