@@ -12,7 +12,7 @@ import typer
 from zerorun.cli.options import (EXCLUDE, HOSTFILE, INCLUDE, LAUNCHER, MASTER_ADDR, MASTER_PORT, NNODES,
                                   NNODES_NAMES, NO_DASHBOARD, NPROC, NUM_NODES, NUM_PROCS, PREFLIGHT_S, PROCS_NAMES,
                                   SSH_CONFIG, SSH_KEY, SSH_LOCAL, SSH_PORT, SSH_USER, as_typed)
-from zerorun.errors import ZerorunError
+from zerorun.errors import INT64_MAX, ZerorunError
 
 
 def train(
@@ -34,7 +34,7 @@ def train(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Write the run into this folder (made if "
                                           "missing) instead of a new <log.dir>/<name>/<timestamp>-<job> (zerorun submit's "
                                           "batch script uses it)."),
-    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", min=0,
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", min=0, max=INT64_MAX,
                                                help="Start a failed job again from its latest checkpoint up to N "
                                                "times (launch.max_restarts)."),
     nnodes: Optional[str] = typer.Option(None, "--nnodes", metavar="[MIN:]N", help="torchrun's: use the first N "
@@ -133,7 +133,8 @@ def launch(
                                     "rendezvous (what zerorun launch does without -H; refused with -H)."),
     no_dashboard: bool = NO_DASHBOARD,
     launcher: Optional[str] = LAUNCHER,
-    max_restarts: int = typer.Option(0, "--max-restarts", "--max_restarts", min=0, help="Run the script again "
+    max_restarts: int = typer.Option(0, "--max-restarts", "--max_restarts", min=0, max=INT64_MAX,
+                                     help="Run the script again "
                                      "after a failure, up to N times (it resumes itself, as under torchrun)."),
 ) -> None:
     """Run your own SCRIPT on every rank of the hostfile (or one local rank per --nproc-per-node), with the same
