@@ -48,7 +48,7 @@ def train(
     from zerorun.checkpoint import lock as checkpoint_lock
     from zerorun.launch.restart import check_min_nodes, restart_options, run_training
     from zerorun.recipe import load_recipe
-    from zerorun.checkpoint.resume import prepare_resume
+    from zerorun.checkpoint.resume import batch_change, prepare_resume
 
     # the optimizer and HF checks import torch: the model check does them beside the launch (zerorun/rank/modelcheck.py,
     # Note [HF checks after the header] in zerorun/hf/files.py)
@@ -64,6 +64,7 @@ def train(
                            procs_flag=as_typed(num_procs, *PROCS_NAMES))
     check_min_nodes(r, hosts)
     _check_hierarchy(r, hosts)
+    said += [line for line in [batch_change(r, sum(h.slots for h in hosts))] if line]
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     local = any(h.is_local for h in hosts)  # else no model check runs: the launcher does the HF checks itself
     if dry_run:  # nothing is contacted; the commands run as printed, then the recipe's checks that need torch
