@@ -127,7 +127,7 @@ def test_planner_never_unpickles_and_checks_every_target_was_written(saved2, tmp
                  no_dist=True)
     assert not os.path.exists(pwned)
 
-    path = str(tmp_path / "step-00000002")
+    path = str(tmp_path / "step-00000001")  # saved2 is step 1's checkpoint
     shutil.copytree(saved2, path)
     with open(os.path.join(path, ".metadata"), "rb") as f:
         md = pickle.load(f)

@@ -203,3 +203,24 @@ def test_readme_commands_stay(command):
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         lines = [line for line in f.read().splitlines() if line.strip()]
     assert lines[-1] == "pip install torch==2.13.0 -e '.[test]' && python -m pytest -q"
+
+
+def test_the_run_folder_files_hold_what_the_docs_say(tmp_path):
+    """README and getting-started said "everything the ranks printed is in output.log", which held 0 bytes after
+    a run: zerorun's own lines from the ranks are telemetry events (``log``), recorded in metrics.jsonl; output.log
+    holds every other line (Note [Run folder])."""
+    from zerorun.telemetry.console import RunRecorder
+    from zerorun.telemetry.events import Event
+
+    rec = RunRecorder(str(tmp_path))
+    rec.event(Event("log", 0, 1.0, {"message": "resumed from ckpt/step-00000010"}))
+    rec.line(0, "a line of the user's code")
+    rec.close()
+    assert "resumed from" in (tmp_path / "metrics.jsonl").read_text()
+    assert (tmp_path / "output.log").read_text() == "[node 0] a line of the user's code\n"
+    for page in ("README.md", "docs/getting-started.md"):
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            text = " ".join(f.read().split())
+        assert "everything the ranks printed" not in text
+        assert ("metrics.jsonl`, zerorun's own lines from the ranks (`[rank 0] resumed from ...`) among them; every "
+                "other line the ranks and torchrun printed") in text, page

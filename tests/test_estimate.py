@@ -203,3 +203,31 @@ def test_a_hosts_memory_probe_is_read_as_its_smallest_gpu_and_the_smallest_host(
     assert (m.device, m.device_bytes, m.host_bytes) == ("cuda (nvidia-smi)", 40960 * 2**20, 2 * 2**30)
     with pytest.raises(ZerorunError, match="d: cannot read its memory"):
         parse_probe("d", "sh: grep: not found\n")
+
+
+def _placements_by_rank(node_ranks, group):
+    """:func:`placements` counted rank by rank, as defined: the reference for the arithmetic one."""
+    node_of = [i for i, k in enumerate(node_ranks) for _ in range(k)]
+    world = len(node_of)
+    return {(world - node_ranks[node], sum(node_of[r] != node for r in range(rank // group * group,
+                                                                          rank // group * group + group)),
+             sum(node_of[r] != node for r in range(rank % group, world, group))) for rank, node in enumerate(node_of)}
+
+
+@pytest.mark.parametrize("node_ranks,group", [((4, 4), 2), ((4, 4, 4), 4), ((3, 5), 4), ((8,) * 6, 12),
+                                              ((2, 6, 4), 6), ((1,) * 12, 3), ((5, 0, 3), 2), ((16, 16), 32)])
+def test_placements_of_groups_equal_rank_by_rank_counts(node_ranks, group):
+    assert set(est.hierarchy.placements(node_ranks, group)) == _placements_by_rank(node_ranks, group)
+
+
+def test_the_largest_layout_takes_seconds():
+    """100,000 nodes of 10 ranks, the most ranks ``--nodes`` and ``--procs-per-node`` take: the ranks per node
+    and the placements in secondary groups were counted in O(nodes x ranks) (minutes at 100,000 nodes)."""
+    import time
+
+    layout = (10,) * est.sizes.MAX_NODES
+    t0 = time.perf_counter()
+    assert est.gradient_group(None, True, layout) == 10 and est.group_size("node", layout) == 10
+    assert est.hierarchy.placements(layout, 10) == {(999_990, 0, 99_999)}
+    assert est.hierarchy.placements(layout, 20) == {(999_990, 10, 49_999)}
+    assert time.perf_counter() - t0 < 10

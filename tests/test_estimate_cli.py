@@ -33,6 +33,14 @@ from zerorun import estimate as est
     (["--largest-layer", "1B"], "zerorun: error: estimate: give a recipe file or --params\n"),
     (["--params", "7B", "--largest-layer", ""], "zerorun: error: --largest-layer: cannot read ''"),  # was ignored
     (["recipes/tiny.yaml", "--params", "1B"], "zerorun: error: estimate: give a recipe file or --params, not both"),
+    # ran for minutes in 11 GB, and raised MemoryError with a traceback
+    (["--params", "7B", "--nodes", "100000000"], "zerorun: error: --nodes 100000000: more than 100,000 nodes\n"),
+    (["--params", "7B", "--nodes", "100000000000", "--procs-per-node", "100000000"],
+     "zerorun: error: --nodes 100000000000: more than 100,000 nodes\n"),
+    (["--params", "7B", "--procs-per-node", "100000000"],
+     "zerorun: error: --procs-per-node 100000000: more than 1,024 ranks per node\n"),
+    (["--params", "7B", "--nodes", "100000", "--procs-per-node", "11"],
+     "zerorun: error: --nodes 100000 x --procs-per-node 11: 1,100,000 ranks, more than 1,000,000\n"),
 ])
 def test_bad_flags_are_one_line_exit_2(capsys, monkeypatch, args, expected):
     from zerorun import cli

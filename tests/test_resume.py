@@ -117,3 +117,92 @@ def test_resume_just_works_first_run_then_more_steps(tmp_path):
         prepare_resume(load_recipe(TINY, ["train.steps=5", f"log.dir={tmp_path / 'runs'}"]), LATEST)
     assert str(e.value) == (f"--resume: {default / 'step-00000006'} was saved after step 6 and train.steps is 5: "
                             "nothing left to train (raise train.steps to train on)")
+
+
+def _checkpoint(folder, meta_step, marker_step=None):
+    """A checkpoint folder as far as ``read_meta`` reads it: ``COMPLETE`` and ``zerorun.json``."""
+    from zerorun.checkpoint import files
+
+    folder.mkdir()
+    marker = {"saved_at": 1.0} if marker_step is None else {"step": marker_step, "saved_at": 1.0}
+    (folder / files.MARKER).write_text(json.dumps(marker))
+    meta = {"format": files.FORMAT, "step": meta_step, "world_size": 2, "layout": {}, "scheduler": {}, "data": {}}
+    (folder / files.META).write_text(json.dumps(meta))
+    return str(folder)
+
+
+@pytest.mark.parametrize("name,meta_step,marker_step,differs", [
+    ("step-00000574", 57, 574, "the folder's name step-00000574 and its COMPLETE marker's step 574"),
+    ("step-00000574", 57, None, "the folder's name step-00000574"),
+    ("best", 57, 574, "its COMPLETE marker's step 574"),  # a folder renamed by the user: its marker still says
+    ("step-00000574", 575, 575, "the folder's name step-00000574"),
+])
+def test_a_hand_edited_step_is_refused(tmp_path, name, meta_step, marker_step, differs):
+    from zerorun.checkpoint import files
+
+    path = _checkpoint(tmp_path / name, meta_step, marker_step)
+    with pytest.raises(ZerorunError) as e:
+        files.read_meta(path)
+    assert str(e.value) == (f"{path}/zerorun.json: step {meta_step} differs from {differs}: the checkpoint is "
+                            "inconsistent (edited by hand?); refusing it")
+    assert e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("step", ["574", 57.0, True, -1, None])
+def test_a_step_that_is_no_whole_number_is_refused(tmp_path, step):
+    from zerorun.checkpoint import files
+
+    path = _checkpoint(tmp_path / "step-00000574", step, 574)
+    with pytest.raises(ZerorunError) as e:
+        files.read_meta(path)
+    assert str(e.value) == f"{path}/zerorun.json: step: expected a whole number of steps, got {step!r}"
+
+
+@pytest.mark.parametrize("name,marker_step", [("step-00000574", 574), ("step-00000574", None), ("best", 574)])
+def test_a_consistent_step_is_read(tmp_path, name, marker_step):
+    from zerorun.checkpoint import files
+
+    assert files.read_meta(_checkpoint(tmp_path / name, 574, marker_step))["step"] == 574
+
+
+def _saved(recipe, world_size=2) -> dict:
+    """``zerorun.json``'s fields that a resume compares: the recipe the checkpoint was saved under (as JSON) and
+    its ranks."""
+    return {"step": 10, "world_size": world_size, "recipe": json.loads(json.dumps(recipe.model_dump()))}
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], None),
+    (["train.optimizer.lr=1.0"], "train.optimizer.lr 1.0 in the recipe, 0.003 in the checkpoint: the checkpoint's "
+                                 "is used"),
+    (["train.optimizer.lr=1.0", "train.optimizer.weight_decay=0.0"],
+     "train.optimizer.lr 1.0 in the recipe, 0.003 in the checkpoint; train.optimizer.weight_decay 0.0 in the "
+     "recipe, 0.1 in the checkpoint: the checkpoint's are used"),
+    (["train.optimizer.betas=[0.8, 0.9]"], "train.optimizer.betas [0.8, 0.9] in the recipe, unset in the "
+                                           "checkpoint: the checkpoint's is used"),
+])
+def test_changed_optimizer_options_are_said_on_resume(overrides, expected):
+    from zerorun.checkpoint.resume import optimizer_change
+
+    line = optimizer_change(_saved(load_recipe(TINY)), load_recipe(TINY, overrides))
+    assert line == (None if expected is None else f"zerorun: resuming with {expected} (the optimizer's options "
+                    "are restored with its states; start without --resume to use the recipe's)")
+
+
+@pytest.mark.parametrize("world,overrides,expected", [
+    (2, [], None),
+    (4, ["train.micro_batch_size=2"], None),  # the same 8 samples
+    (2, ["train.micro_batch_size=2"], "4 samples (2 ranks x 1 accumulation steps x 2 samples per micro-batch)"),
+    (4, ["train.grad_accum_steps=3"], "48 samples (4 ranks x 3 accumulation steps x 4 samples per micro-batch)"),
+])
+def test_a_changed_global_batch_is_said_on_resume(tmp_path, monkeypatch, world, overrides, expected):
+    from zerorun.checkpoint import files
+    from zerorun.checkpoint.resume import batch_change
+
+    r = load_recipe(TINY, overrides)
+    r.checkpoint.resume = str(tmp_path)
+    monkeypatch.setattr(files, "read_meta", lambda path: _saved(load_recipe(TINY)) if path == str(tmp_path) else 0)
+    line = batch_change(r, world)
+    assert line == (None if expected is None else f"zerorun: resuming with a global batch of {expected}, the "
+                    "checkpoint's was 8 samples (2 ranks x 1 accumulation steps x 4 samples per micro-batch): the "
+                    "loss curve changes")

@@ -58,7 +58,34 @@ def read_meta(path: str) -> dict[str, Any]:
     if not isinstance(meta, dict) or missing or meta.get("format") != FORMAT:
         raise ZerorunError(f"{meta_path}: not a zerorun checkpoint of format {FORMAT}"
                            + (f" (missing key {missing[0]!r})" if missing else ""))
+    _check_step(path, meta["step"], meta_path)
     return meta
+
+
+def _check_step(path: str, step: Any, meta_path: str) -> None:
+    """``zerorun.json``'s ``step``: a whole number, the same as the folder's name (``step-00000574``, when it has
+    that form) and the ``COMPLETE`` marker's ``step`` (when it holds one), both written by the same save.
+
+    Raises:
+        ZerorunError: naming ``zerorun.json`` and what it disagrees with (a hand-edited step resumed "after
+            step 57" on step 574's weights).
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ZerorunError(f"{meta_path}: step: expected a whole number of steps, got {step!r}")
+    others = []
+    m = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+    if m and int(m.group(1)) != step:
+        others.append(f"the folder's name {m.group(0)}")
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+            marked = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        marked = None
+    if isinstance(marked, int) and marked != step:
+        others.append(f"its {MARKER} marker's step {marked}")
+    if others:
+        raise ZerorunError(f"{meta_path}: step {step} differs from {' and '.join(others)}: the checkpoint is "
+                           "inconsistent (edited by hand?); refusing it")
 
 
 def list_complete(root: str) -> list[tuple[float, int, str]]:

@@ -15,6 +15,7 @@ changed ``train.steps`` or ``train.schedule`` does to the LR: Note [LR schedule 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -92,10 +93,50 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
     if step > steps:
         raise ZerorunError(f"--resume: {path} was saved after step {step} and train.steps is {steps}: nothing "
                            "left to train (raise train.steps to train on)")
-    line = schedule_change(meta, recipe, step)
-    if line:
-        say(line)
+    for line in (schedule_change(meta, recipe, step), optimizer_change(meta, recipe)):
+        if line:
+            say(line)
     return True
+
+
+def optimizer_change(meta: dict, recipe) -> str | None:
+    """One line naming the ``train.optimizer`` options of ``recipe`` that differ from the checkpoint's (``meta``,
+    its ``zerorun.json``): the checkpoint's are used, restored with the optimizer's states (its param groups);
+    ``None`` when none differs or the checkpoint holds no recipe."""
+    saved = ((meta.get("recipe") or {}).get("train") or {}).get("optimizer")
+    if not isinstance(saved, dict):
+        return None
+    now = json.loads(json.dumps(recipe.train.optimizer.model_dump()))  # as zerorun.json holds it (lists)
+    changes = [f"train.optimizer.{k} {now.get(k, 'unset')} in the recipe, {saved.get(k, 'unset')} in the checkpoint"
+               for k in sorted(set(now) | set(saved)) if k != "name" and now.get(k) != saved.get(k)]
+    if not changes:
+        return None
+    one = len(changes) == 1
+    return (f"zerorun: resuming with {'; '.join(changes)}: the checkpoint's {'is' if one else 'are'} used (the "
+            "optimizer's options are restored with its states; start without --resume to use the recipe's)")
+
+
+def batch_change(recipe, world: int) -> str | None:
+    """One line when the global batch of ``recipe`` on ``world`` ranks differs from the one the checkpoint it
+    resumes from was saved under (its ranks x ``train.grad_accum_steps`` x ``train.micro_batch_size``), as a
+    restart on fewer ranks says it (Note [Lost nodes]); ``None`` when it is the same or not known."""
+    from zerorun.checkpoint import files as checkpoint
+
+    if recipe.checkpoint.resume is None:
+        return None
+    meta = checkpoint.read_meta(recipe.checkpoint.resume)
+    train = ((meta.get("recipe") or {}).get("train") or {})
+    old = (meta.get("world_size"), train.get("grad_accum_steps", 1), train.get("micro_batch_size"))
+    if not all(isinstance(v, int) for v in old):
+        return None
+    new = (world, recipe.train.grad_accum_steps, recipe.train.micro_batch_size)
+    if old[0] * old[1] * old[2] == new[0] * new[1] * new[2]:
+        return None
+
+    def said(w: int, a: int, m: int) -> str:
+        return f"{w * a * m} samples ({w} ranks x {a} accumulation steps x {m} samples per micro-batch)"
+    return (f"zerorun: resuming with a global batch of {said(*new)}, the checkpoint's was {said(*old)}: the loss "
+            "curve changes")
 
 
 def schedule_change(meta: dict, recipe, step: int) -> str | None:

@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from zerorun.cli.options import NO_DASHBOARD
+from zerorun.errors import INT64_MAX
 from zerorun.recipe.hostfile import MAX_SLOTS
 
 
@@ -16,7 +17,8 @@ def submit(
     recipe: str = typer.Argument(..., help="Recipe YAML file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="FIELD=VALUE overrides, as zerorun train takes "
                                                     "them; after '--': more sbatch arguments."),
-    nodes: int = typer.Option(1, "--nodes", "-N", min=1, help="Nodes to allocate (one torchrun agent on each)."),
+    nodes: int = typer.Option(1, "--nodes", "-N", min=1, max=INT64_MAX,
+                              help="Nodes to allocate (one torchrun agent on each)."),
     procs_per_node: Optional[int] = typer.Option(None, "--procs-per-node", min=1, max=MAX_SLOTS,
                                                  help="Ranks per node (default: launch.procs_per_node)."),
     time_limit: Optional[str] = typer.Option(None, "--time", "-t", help="sbatch's --time, e.g. 01:00:00."),
@@ -29,7 +31,7 @@ def submit(
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, max=MAX_SLOTS,
                                                 help="GPUs per node to ask for; one rank per GPU (also from "
                                                 "sbatch's --gpus-per-node/--gres after '--')."),
-    save_before: int = typer.Option(120, "--save-before", min=0, metavar="SECONDS",
+    save_before: int = typer.Option(120, "--save-before", min=0, max=INT64_MAX, metavar="SECONDS",
                                     help="With checkpoint.dir: SIGUSR1 this long before the time limit makes the "
                                     "ranks save and stop (--signal=B:USR1@SECONDS); 0: none."),
 ) -> None:

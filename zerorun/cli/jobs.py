@@ -12,7 +12,7 @@ import typer
 from zerorun.cli.options import (EXCLUDE, HOSTFILE, INCLUDE, LAUNCHER, MASTER_ADDR, MASTER_PORT, NNODES,
                                   NNODES_NAMES, NO_DASHBOARD, NPROC, NUM_NODES, NUM_PROCS, PREFLIGHT_S, PROCS_NAMES,
                                   SSH_CONFIG, SSH_KEY, SSH_LOCAL, SSH_PORT, SSH_USER, as_typed)
-from zerorun.errors import ZerorunError
+from zerorun.errors import INT64_MAX, ZerorunError
 
 
 def train(
@@ -34,7 +34,7 @@ def train(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Write the run into this folder (made if "
                                           "missing) instead of a new <log.dir>/<name>/<timestamp>-<job> (zerorun submit's "
                                           "batch script uses it)."),
-    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", min=0,
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", min=0, max=INT64_MAX,
                                                help="Start a failed job again from its latest checkpoint up to N "
                                                "times (launch.max_restarts)."),
     nnodes: Optional[str] = typer.Option(None, "--nnodes", metavar="[MIN:]N", help="torchrun's: use the first N "
@@ -48,7 +48,7 @@ def train(
     from zerorun.checkpoint import lock as checkpoint_lock
     from zerorun.launch.restart import check_min_nodes, restart_options, run_training
     from zerorun.recipe import load_recipe
-    from zerorun.checkpoint.resume import prepare_resume
+    from zerorun.checkpoint.resume import batch_change, prepare_resume
 
     # the optimizer and HF checks import torch: the model check does them beside the launch (zerorun/rank/modelcheck.py,
     # Note [HF checks after the header] in zerorun/hf/files.py)
@@ -64,6 +64,7 @@ def train(
                            procs_flag=as_typed(num_procs, *PROCS_NAMES))
     check_min_nodes(r, hosts)
     _check_hierarchy(r, hosts)
+    said += [line for line in [batch_change(r, sum(h.slots for h in hosts))] if line]
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     local = any(h.is_local for h in hosts)  # else no model check runs: the launcher does the HF checks itself
     if dry_run:  # nothing is contacted; the commands run as printed, then the recipe's checks that need torch
@@ -133,7 +134,8 @@ def launch(
                                     "rendezvous (what zerorun launch does without -H; refused with -H)."),
     no_dashboard: bool = NO_DASHBOARD,
     launcher: Optional[str] = LAUNCHER,
-    max_restarts: int = typer.Option(0, "--max-restarts", "--max_restarts", min=0, help="Run the script again "
+    max_restarts: int = typer.Option(0, "--max-restarts", "--max_restarts", min=0, max=INT64_MAX,
+                                     help="Run the script again "
                                      "after a failure, up to N times (it resumes itself, as under torchrun)."),
 ) -> None:
     """Run your own SCRIPT on every rank of the hostfile (or one local rank per --nproc-per-node), with the same

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from zerorun.errors import INT64_MAX
+
 # Options shared by `train` and `launch` (hosts, selection, SSH).
 HOSTFILE = typer.Option(None, "-H", "--hostfile", help="DeepSpeed-style hostfile.")
 MASTER_PORT = typer.Option(None, "--master-port", "--master_port", min=1, max=65535,
@@ -15,7 +17,7 @@ MASTER_ADDR = typer.Option(None, "--master-addr", "--master_addr",
                                 "hostfile and the SSH config).")
 INCLUDE = typer.Option(None, "--include", help="Only these hosts/slots: 'host1@host2:0,1'.")
 EXCLUDE = typer.Option(None, "--exclude", help="All but these hosts/slots: 'host1@host2:0,1'.")
-NUM_NODES = typer.Option(None, "--num-nodes", min=1, help="Use the first N hosts.")
+NUM_NODES = typer.Option(None, "--num-nodes", min=1, max=INT64_MAX, help="Use the first N hosts.")
 
 
 def as_typed(value, *names: str) -> str:
@@ -51,7 +53,7 @@ _PROCS_HELP = ("Ranks per node: N, gpu (one per visible GPU), cpu (one per CPU, 
 NUM_PROCS = typer.Option(None, *PROCS_NAMES, metavar="N|gpu|cpu|auto",
                          callback=_procs, help=_PROCS_HELP + " Default: launch.procs_per_node (auto).")
 # `zerorun launch` takes torchrun's names too
-NNODES = typer.Option(None, *NNODES_NAMES, min=1, help="Use the first N hosts (also --num-nodes).")
+NNODES = typer.Option(None, *NNODES_NAMES, min=1, max=INT64_MAX, help="Use the first N hosts (also --num-nodes).")
 NPROC = typer.Option(None, *PROCS_NAMES, metavar="N|gpu|cpu|auto",
                      callback=_procs, help=_PROCS_HELP + " Default: 1, as torchrun's.")
 SSH_USER = typer.Option(None, "--ssh-user", help="SSH user (default: from ~/.ssh/config, else yours).")

@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 
 from zerorun.cli.options import SSH_CONFIG, SSH_KEY, SSH_PORT, SSH_USER
-from zerorun.errors import JobFailed
+from zerorun.errors import INT64_MAX, JobFailed
 
 
 def bench(
@@ -19,10 +19,11 @@ def bench(
     hostfile: Optional[List[str]] = typer.Option(None, "-H", "--hostfile",
                                                  help="A hostfile to bench on; repeat for several."),
     stages: str = typer.Option("0,1,2,3", "--stages", help="ZeRO stages, comma-separated."),
-    steps: int = typer.Option(30, "--steps", min=1, help="Measured optimizer steps per job."),
-    warmup: int = typer.Option(5, "--warmup", min=0, help="Optimizer steps left out before measuring."),
+    steps: int = typer.Option(30, "--steps", min=1, max=INT64_MAX, help="Measured optimizer steps per job."),
+    warmup: int = typer.Option(5, "--warmup", min=0, max=INT64_MAX, help="Optimizer steps left out before measuring."),
     baseline: str = typer.Option("", "--baseline", help="Baselines to run too: ddp, fsdp2 (comma-separated)."),
-    repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per combination; the median is reported."),
+    repeat: int = typer.Option(1, "--repeat", min=1, max=INT64_MAX,
+                               help="Runs per combination; the median is reported."),
     nodes: Optional[str] = typer.Option(None, "--nodes", help="Inside a SLURM allocation, instead of -H: node "
                                         "counts, comma-separated (1,2: the allocation's first node, then its first "
                                         "two), each run through the slurm launcher."),
@@ -51,8 +52,9 @@ def estimate(
     params: Optional[str] = typer.Option(None, "--params", help="Parameter count without a recipe: 7B, 350M."),
     largest_layer: Optional[str] = typer.Option(None, "--largest-layer", help="With --params: parameters of the "
                                                 "largest layer (stage 3 gathers it), e.g. 0.5B."),
-    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes (default: the hostfile's, else 1)."),
-    procs_per_node: Optional[int] = typer.Option(None, "--procs-per-node", min=1,
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, max=INT64_MAX,
+                                        help="Nodes (default: the hostfile's, else 1)."),
+    procs_per_node: Optional[int] = typer.Option(None, "--procs-per-node", min=1, max=INT64_MAX,
                                                  help="Ranks per node (default: hostfile slots or "
                                                       "launch.procs_per_node)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16 or fp16 (fp32 master); "
@@ -67,7 +69,8 @@ def estimate(
     ssh_user: Optional[str] = SSH_USER, ssh_port: Optional[int] = SSH_PORT, ssh_key: Optional[str] = SSH_KEY,
     ssh_config: Optional[str] = SSH_CONFIG,
     bandwidth: str = typer.Option("100Gbps", "--bandwidth", help="Link speed per rank: 100Gbps, 12.5GB/s."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="Samples per micro-batch "
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, max=INT64_MAX,
+                                              help="Samples per micro-batch "
                                               "(default: train.micro_batch_size, else 1)."),
     offload: Optional[str] = typer.Option(None, "--offload", help="Optimizer offload rows besides none: none, "
                                           "cpu, disk or all (default: the recipe's zero.offload_optimizer if "
@@ -135,8 +138,10 @@ def import_deepspeed(
                                            "train_batch_size and set launch.procs_per_node."),
     lr: Optional[float] = typer.Option(None, "--lr", help="The learning rate, for the config's \"auto\" "
                                        "(the HF Trainer's learning_rate)."),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Optimizer steps, for \"auto\" (max_steps)."),
-    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", min=1, help="Samples per rank per "
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, max=INT64_MAX,
+                                        help="Optimizer steps, for \"auto\" (max_steps)."),
+    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", min=1, max=INT64_MAX,
+                                                   help="Samples per rank per "
                                                    "micro-step, for \"auto\" (per_device_train_batch_size)."),
 ) -> None:
     """Print a recipe made from a DeepSpeed config (ZeRO stage, offload, precision and loss scaling, clipping,

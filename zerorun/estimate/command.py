@@ -7,7 +7,7 @@ from zerorun.estimate.hosts import choose, detect_memory  # noqa: F401 - detect_
 from zerorun.estimate.layout import layout_of_count, layout_of_recipe
 from zerorun.estimate.policies import OFFLOADS, optimizer_model, precision_of
 from zerorun.estimate.report import Estimate, Setup, estimate
-from zerorun.estimate.sizes import parse_bandwidth, parse_bytes, parse_count
+from zerorun.estimate.sizes import check_ranks, parse_bandwidth, parse_bytes, parse_count
 
 
 def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | None, params: str | None,
@@ -38,6 +38,7 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
         raise ZerorunError(f"--offload: {offload!r} is not one of {', '.join(OFFLOADS)}")
     r, layout, prec, offload = _model(recipe, overrides, params, largest_layer, precision, offload)
     ppn = _procs_per_node(procs_per_node, hosts, r)
+    check_ranks(nodes or (len(hosts) if hosts else 1), ppn)
     memory = choose(hostfile=hostfile, ssh=ssh, procs_per_node=ppn,
                     device_memory=None if device_memory is None else parse_bytes(device_memory, "--gpu-memory"),
                     host_memory=None if cpu_memory is None else parse_bytes(cpu_memory, "--host-memory"))

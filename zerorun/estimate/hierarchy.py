@@ -4,6 +4,8 @@ hold (Note [Secondary shards] in zerorun/zero/hierarchy.py)."""
 
 from __future__ import annotations
 
+import functools
+
 from zerorun.errors import ZerorunError
 from zerorun.estimate.layout import PERSISTENT, Layout
 from zerorun.estimate.states import _pad, _unit_sizes
@@ -28,10 +30,17 @@ def gradient_group(hierarchy: int | str | None, quantized: bool, node_ranks: tup
     Raises:
         ZerorunError: as :func:`group_size`.
     """
-    from zerorun.zero.placement import gradient_group_on_nodes
+    from zerorun.zero import placement
 
+    class Nodes(placement.Topology):  # the runtime's, its ranks per node counted in O(ranks), not O(nodes x ranks)
+        @property
+        def ranks_per_node(self) -> int | None:
+            counts = {k for k in node_ranks if k}
+            return counts.pop() if len(counts) == 1 else None
+
+    topo = Nodes(tuple(i for i, k in enumerate(node_ranks) for _ in range(k)), 0)
     try:
-        return gradient_group_on_nodes(hierarchy, quantized, node_ranks)
+        return placement.gradient_group(hierarchy, quantized, topo)
     except ValueError as e:
         raise ZerorunError(str(e)) from None
 
@@ -44,14 +53,23 @@ def placements(node_ranks: tuple[int, ...], group: int | None) -> set[tuple[int,
     world = sum(node_ranks)
     if not group:  # O(nodes): the estimate's search for the fewest nodes tries millions of ranks
         return {(world - k, 0, 0) for k in node_ranks} or {(0, 0, 0)}
-    node_of = [i for i, k in enumerate(node_ranks) for _ in range(k)]
-    out = set()
-    for rank, node in enumerate(node_of):
-        first, place = rank // group * group, rank % group
-        inner = sum(node_of[r] != node for r in range(first, first + group))
-        outer = sum(node_of[r] != node for r in range(place, world, group))
-        out.add((world - node_ranks[node], inner, outer))
-    return out
+    return _grouped(tuple(node_ranks), group)
+
+
+@functools.lru_cache(maxsize=8)
+def _grouped(node_ranks: tuple[int, ...], group: int) -> frozenset[tuple[int, int, int]]:
+    """:func:`placements` with a group, counted from each node's span of ranks: O(ranks), not O(ranks^2 / group)."""
+    world, out, start = sum(node_ranks), set(), 0
+    for k in node_ranks:
+        end = start + k
+        for rank in range(start, end):
+            first, place = rank // group * group, rank % group
+            inner = group - (min(end, first + group) - max(start, first))  # of its group's ranks, those elsewhere
+            here = (end - place + group - 1) // group - (start - place + group - 1) // group  # r = place mod group
+            outer = (world - place + group - 1) // group - here
+            out.add((world - k, inner, outer))
+        start = end
+    return frozenset(out)
 
 
 def padded_units(layout: Layout, world_size: int, default: int) -> set[str]:

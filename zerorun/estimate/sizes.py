@@ -28,6 +28,22 @@ def _split(text: str, flag: str, example: str) -> tuple[float, str]:
 
 #: the largest count of parameters :func:`parse_count` takes (a thousand T).
 MAX_COUNT = 10**15
+#: the most nodes, ranks per node and ranks ``zerorun estimate`` takes: beyond today's largest jobs (~100k GPUs);
+#: ``--nodes 100000000`` took minutes and 11 GB, the rank count beyond that a MemoryError.
+MAX_NODES, MAX_PROCS_PER_NODE, MAX_RANKS = 100_000, 1_024, 1_000_000
+
+
+def check_ranks(nodes: int, procs_per_node: int, node_ranks: tuple[int, ...] = ()) -> None:
+    """Raises ZerorunError: ``nodes`` above :data:`MAX_NODES`, ``procs_per_node`` above
+    :data:`MAX_PROCS_PER_NODE`, or more ranks in all (``node_ranks``' sum when given) than :data:`MAX_RANKS`."""
+    if nodes > MAX_NODES:
+        raise ZerorunError(f"--nodes {nodes}: more than {MAX_NODES:,} nodes")
+    if procs_per_node > MAX_PROCS_PER_NODE:
+        raise ZerorunError(f"--procs-per-node {procs_per_node}: more than {MAX_PROCS_PER_NODE:,} ranks per node")
+    ranks = sum(node_ranks) if node_ranks else nodes * procs_per_node
+    if ranks > MAX_RANKS:
+        raise ZerorunError(f"--nodes {nodes} x --procs-per-node {procs_per_node}: {ranks:,} ranks, more than "
+                           f"{MAX_RANKS:,}")
 
 
 def parse_count(text: str, flag: str = "--params") -> int:

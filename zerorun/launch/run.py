@@ -90,10 +90,11 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
         if check is not None:
             check.stop()
         raise
+    source = "--run-dir" if run_dir else "log.dir"  # where the folder came from, for its write errors
     run_dir = _make_run_dir(prepared, job, recipe, run_dir, check)
     state = _job_state(prepared.plan, job, recipe, started)
     shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
-    return _supervise(prepared, state, run_dir, recipe, check, shown)
+    return _supervise(prepared, state, run_dir, recipe, check, shown, source)
 
 
 def _make_run_dir(prepared, job, recipe, run_dir: str | None, check) -> str:
@@ -170,19 +171,24 @@ def prefer_check(result, check):
     return result
 
 
-def _supervise(prepared, state, run_dir: str, recipe, check, view) -> Outcome:
+def _supervise(prepared, state, run_dir: str, recipe, check, view, source: str = "log.dir") -> Outcome:
     """Print the header, run the nodes under the supervisor with the model check beside them, record
-    everything, and return the :class:`Outcome`."""
+    everything, and return the :class:`Outcome`. A run folder that cannot be written (``source`` named it)
+    stops the job with one line (Note [Run folder write failure] in telemetry/console.py)."""
     from zerorun.launch.supervisor import Supervisor
     from zerorun.telemetry.console import RunRecorder
-    from zerorun.telemetry.state import write_job_file
-
     plan = prepared.plan
     hosts = ", ".join(f"{n.host.name}x{n.nproc}" for n in plan.nodes)
     what = f"ZeRO stage {recipe.zero.stage}, {recipe.precision}" if recipe is not None else "user script"
     view.print(f"zerorun: {state.name}: {count(plan.world_size, 'rank')} on {hosts}, {what}; job {plan.job_id}; "
                f"run dir {run_dir}")
-    recorder = RunRecorder(run_dir, recipe)
+    try:
+        recorder = RunRecorder(run_dir, recipe, source)
+    except ZerorunError:
+        prepared.close()
+        if check is not None:
+            check.stop()
+        raise
 
     def on_event(e):
         recorder.event(e)
@@ -196,7 +202,8 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> Outcome:
         view.line(node_rank, line)
 
     supervisor = Supervisor(plan, prepared.nodes, prepared.lines, on_event, on_line, grace_s=prepared.grace_s,
-                            require_finish=recipe is not None, check=check.problem if check else None,
+                            require_finish=recipe is not None,
+                            check=lambda: recorder.failed or (check.problem() if check else None),
                             on_stopping=state.stopping)
     result = None
     try:
@@ -211,11 +218,30 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view) -> Outcome:
         state.end()
         view.close()  # the summary table, also after a failure or Ctrl-C
         if result is not None:
-            write_job_file(run_dir, state, result.status, result.exit_code, result.message, result.rank,
-                           result.host)
+            result = _record_end(run_dir, state, result, source)
     for host, why in supervisor.unverified.items():
         sys.stderr.write(f"zerorun: warning: {host}: could not check that the job's processes are gone: {why}\n")
     return _finish(result, state, run_dir, view)
+
+
+def _record_end(run_dir: str, state, result: Outcome, source: str) -> Outcome:
+    """Write ``job.json`` for ``result``; when it cannot be written, a job that succeeded fails with one line
+    naming ``source`` and the file (exit code 2), a job that failed keeps its own line and a warning says it."""
+    from zerorun.telemetry.state import write_job_file
+
+    try:
+        write_job_file(run_dir, state, result.status, result.exit_code, result.message, result.rank, result.host)
+    except OSError as e:
+        try:
+            os.remove(os.path.join(run_dir, runfolder.JOB + ".tmp"))  # never a half-written file left
+        except OSError:
+            pass
+        why = f"{source}: cannot write {os.path.join(run_dir, runfolder.JOB)}: {e.strerror or e}"
+        if result.ok:
+            return dataclasses.replace(result, status="failed", exit_code=2, message=why)
+        if not result.message.startswith(f"{source}: cannot write"):  # else the job's line says it already
+            sys.stderr.write(f"zerorun: warning: {why}\n")
+    return result
 
 
 def _finish(result: Outcome, state, run_dir: str, view) -> Outcome:

@@ -14,6 +14,8 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from zerorun.errors import INT64_MAX
+
 
 def admits_bool(annotation: Any) -> bool:
     """Whether a field of this type means to take ``true``/``false`` (bool, ``bool | None``, Any)."""
@@ -151,9 +153,20 @@ def finite_values(cls, value: Any) -> Any:
     return value
 
 
+def within_int64(cls, value: Any) -> Any:
+    """Refuse a whole number beyond a signed 64-bit integer in any field (Note [Integer bounds] in errors.py)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        bound = f"at most {INT64_MAX}" if value > 0 else f"at least {-INT64_MAX - 1}"
+        raise PydanticCustomError("int64", f"expected a whole number {bound} (64 bits), got a whole number of "
+                                           f"{len(str(abs(value)))} digits")
+    return value
+
+
 class Strict(BaseModel):
     """The base of a recipe section: unknown keys refused, no ``.inf``/``.nan`` (YAML's would pass and then
-    reach the ranks as null through JSON), no boolean for a number or text (:func:`refuse_bool`)."""
+    reach the ranks as null through JSON), no boolean for a number or text (:func:`refuse_bool`), no whole
+    number beyond 64 bits (:func:`within_int64`)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     _no_bool_numbers = field_validator("*", mode="before")(classmethod(refuse_bool))
+    _int64 = field_validator("*", mode="after")(classmethod(within_int64))

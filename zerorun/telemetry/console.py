@@ -10,6 +10,7 @@ import time
 from typing import TextIO
 
 from zerorun import runfolder
+from zerorun.errors import ZerorunError
 from zerorun.telemetry.events import Event, integer, number
 from zerorun.telemetry.format import count, describe, human_bytes, human_rate  # noqa: F401 - human_*: used by others
 from zerorun.telemetry.phases import slowest
@@ -23,35 +24,77 @@ _NODE_NOTE = re.compile(r"\[node \d+\] zerorun: note: ")
 class RunRecorder:
     """Writes ``metrics.jsonl`` (one event per line, as emitted; not ``progress`` events, whose every field is in
     the step events too) and ``output.log`` (every other line, prefixed ``[node N]``) in ``run_dir``; and the
-    step and eval events to the ``recipe``'s ``log.trackers`` (Note [Trackers in the launcher])."""
+    step and eval events to the ``recipe``'s ``log.trackers`` (Note [Trackers in the launcher]).
 
-    def __init__(self, run_dir: str, recipe=None) -> None:
-        os.makedirs(run_dir, exist_ok=True)
-        self.metrics = open(os.path.join(run_dir, runfolder.METRICS), "a", encoding="utf-8")
-        self.log = open(os.path.join(run_dir, runfolder.OUTPUT), "a", encoding="utf-8")
+    Note [Run folder write failure]: a write that fails (a full disk, a quota, a file-size limit) is cut back to
+    the file's size before it, so the file holds whole lines only, and sets :attr:`failed` to one line naming
+    ``source`` (the field or flag that named the folder), the file and the reason (``log.dir: cannot write
+    runs/tiny/.../metrics.jsonl: No space left on device``); nothing more is written. The launcher polls
+    :attr:`failed` beside the model check's problem (launch/run.py): the job is stopped and fails with that line
+    and exit code 2, as a rank's full ``checkpoint.dir`` does, never with a traceback.
+
+    Raises:
+        ZerorunError: a file cannot be opened (the same line).
+    """
+
+    def __init__(self, run_dir: str, recipe=None, source: str = "log.dir") -> None:
+        self.source = source
+        self.failed: str | None = None
         self.trackers = None
+        self._fds: dict[str, int] = {}
+        for name in (runfolder.METRICS, runfolder.OUTPUT):
+            path = os.path.join(run_dir, name)
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+                self._fds[name] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            except OSError as e:
+                self.close()
+                raise ZerorunError(self._why(path, e)) from None
+        self._paths = {name: os.path.join(run_dir, name) for name in self._fds}
         if recipe is not None and recipe.log.trackers:
             from zerorun.telemetry.trackers import TrackerSink
 
             self.trackers = TrackerSink(run_dir, recipe)
+
+    def _why(self, path: str, e: OSError) -> str:
+        return f"{self.source}: cannot write {path}: {e.strerror or e}"
+
+    def _append(self, name: str, text: str) -> None:
+        """Append ``text`` (whole lines) to the file ``name``, all of it or none (Note [Run folder write
+        failure])."""
+        if self.failed is not None:
+            return
+        fd, data = self._fds[name], text.encode("utf-8")
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as e:
+            self.failed = self._why(self._paths[name], e)
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
 
     def event(self, event: Event) -> None:
         if self.trackers is not None:
             self.trackers.event(event)
         if event.kind == "progress":
             return
-        self.metrics.write(json.dumps(event.to_json(), separators=(",", ":")) + "\n")
-        self.metrics.flush()
+        self._append(runfolder.METRICS, json.dumps(event.to_json(), separators=(",", ":")) + "\n")
 
     def line(self, node_rank: int, line: str) -> None:
-        self.log.write(f"[node {node_rank}] {line}\n")
-        self.log.flush()
+        self._append(runfolder.OUTPUT, f"[node {node_rank}] {line}\n")
 
     def close(self) -> None:
         if self.trackers is not None:
             self.trackers.close()
-        self.metrics.close()
-        self.log.close()
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = {}
 
 
 class PlainView:
