@@ -314,6 +314,7 @@ def test_a_unit_run_on_some_ranks_times_out_with_the_units_each_rank_gathered():
     assert all("or use stage 2" in e for e in errors), errors
 
 
+@pytest.mark.slow
 def test_a_unit_called_more_times_on_some_ranks_times_out_the_same_way():
     """A unit called once more on rank 1 (a loop over it as long as each rank's own sequence) gathers once more
     there: the same kind as a unit run on some ranks only (it hung until the pool's timeout in a review), and the
