@@ -38,7 +38,7 @@ from zerorun import estimate as est
     (["--params", "7B", "--nodes", "100000000000", "--procs-per-node", "100000000"],
      "zerorun: error: --nodes 100000000000: more than 100,000 nodes\n"),
     (["--params", "7B", "--procs-per-node", "100000000"],
-     "zerorun: error: --procs-per-node 100000000: more than 1,024 ranks per node\n"),
+     "zerorun: error: --procs-per-node 100000000: more than 4,096 ranks per node\n"),
     (["--params", "7B", "--nodes", "100000", "--procs-per-node", "11"],
      "zerorun: error: --nodes 100000 x --procs-per-node 11: 1,100,000 ranks, more than 1,000,000\n"),
 ])

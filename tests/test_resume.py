@@ -189,6 +189,25 @@ def test_changed_optimizer_options_are_said_on_resume(overrides, expected):
                     "are restored with its states; start without --resume to use the recipe's)")
 
 
+def test_the_optimizer_options_said_on_resume_are_those_the_checkpoint_trains_with():
+    """A second resume: the checkpoint was saved by a run that resumed with lr 0.01 in its recipe and trained on
+    with the first run's 0.003 (its param groups'). The line named 0.01 as the checkpoint's, and a recipe back at
+    0.01 got no line at all (a review); the param groups are what is restored. Another optimizer is refused
+    before the launch (the ranks refused it after, as "another model")."""
+    from zerorun.checkpoint.resume import optimizer_change
+
+    meta = _saved(load_recipe(TINY, ["train.optimizer.lr=0.01"]))
+    meta["layout"] = {"optimizer": "AdamW", "param_groups": [{"lr": 3e-4, "initial_lr": 0.003, "weight_decay": 0.1},
+                                                             {"lr": 3e-4, "initial_lr": 0.003, "weight_decay": 0.0}]}
+    assert optimizer_change(meta, load_recipe(TINY)) is None  # the recipe's 0.003 is what trains
+    line = optimizer_change(meta, load_recipe(TINY, ["train.optimizer.lr=0.01"]))
+    assert line.startswith("zerorun: resuming with train.optimizer.lr 0.01 in the recipe, 0.003 in the checkpoint: "
+                           "the checkpoint's is used"), line
+    with pytest.raises(ZerorunError, match=r"^--resume: the checkpoint: train.optimizer SGD in the recipe, AdamW in "
+                                           r"the checkpoint: its states are AdamW's"):
+        optimizer_change(meta, load_recipe(TINY, ["train.optimizer={name: SGD, lr: 0.01}"]))
+
+
 @pytest.mark.parametrize("world,overrides,expected", [
     (2, [], None),
     (4, ["train.micro_batch_size=2"], None),  # the same 8 samples

@@ -36,7 +36,8 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
     meta = check(path)
     problem = compare_layout(engine, meta["layout"])
     if problem:
-        raise ZerorunError(f"{os.path.join(path, META)}: another model: {problem}")
+        what = "another optimizer" if problem.startswith("optimizer ") else "another model"
+        raise ZerorunError(f"{os.path.join(path, META)}: {what}: {problem}")
     rank = dist.get_rank(engine.comm.group)
     # ranks beyond the saved world size keep their own RNG state (Note [Exact resume])
     rng = {k: v.clone() for k, v in rng_tensors(rank).items()} if rank < meta["world_size"] else {}

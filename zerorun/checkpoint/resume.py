@@ -93,22 +93,40 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
     if step > steps:
         raise ZerorunError(f"--resume: {path} was saved after step {step} and train.steps is {steps}: nothing "
                            "left to train (raise train.steps to train on)")
-    for line in (schedule_change(meta, recipe, step), optimizer_change(meta, recipe)):
+    for line in (schedule_change(meta, recipe, step), optimizer_change(meta, recipe, path)):
         if line:
             say(line)
     return True
 
 
-def optimizer_change(meta: dict, recipe) -> str | None:
-    """One line naming the ``train.optimizer`` options of ``recipe`` that differ from the checkpoint's (``meta``,
-    its ``zerorun.json``): the checkpoint's are used, restored with the optimizer's states (its param groups);
-    ``None`` when none differs or the checkpoint holds no recipe."""
+def optimizer_change(meta: dict, recipe, path: str = "the checkpoint") -> str | None:
+    """One line naming the ``train.optimizer`` options of ``recipe`` that differ from those the checkpoint
+    (``meta``, its ``zerorun.json``) trains with: its param groups' (``initial_lr`` is the base lr, the largest
+    ``weight_decay`` the decay group's), restored with the optimizer's states, so the checkpoint's are used; where a
+    group holds no such option, the recipe it was saved with. ``None`` when none differs or nothing is known.
+
+    Raises:
+        ZerorunError: the recipe names another optimizer than the checkpoint's (the ranks would refuse it after
+            the launch).
+    """
     saved = ((meta.get("recipe") or {}).get("train") or {}).get("optimizer")
+    groups = (meta.get("layout") or {}).get("param_groups")
     if not isinstance(saved, dict):
         return None
     now = json.loads(json.dumps(recipe.train.optimizer.model_dump()))  # as zerorun.json holds it (lists)
-    changes = [f"train.optimizer.{k} {now.get(k, 'unset')} in the recipe, {saved.get(k, 'unset')} in the checkpoint"
-               for k in sorted(set(now) | set(saved)) if k != "name" and now.get(k) != saved.get(k)]
+    old_name = (meta.get("layout") or {}).get("optimizer") or saved.get("name")
+    if isinstance(old_name, str) and old_name != now.get("name"):
+        raise ZerorunError(f"--resume: {path}: train.optimizer {now.get('name')} in "
+                           f"the recipe, {old_name} in the checkpoint: its states are {old_name}'s; resume with "
+                           f"train.optimizer.name {old_name}, or start without --resume")
+    used = dict(saved)
+    if isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups):
+        used.update({k: v for k, v in groups[0].items() if k in now or k in saved})
+        used["lr"] = groups[0].get("initial_lr", groups[0].get("lr", saved.get("lr")))
+        decays = [g["weight_decay"] for g in groups if isinstance(g.get("weight_decay"), (int, float))]
+        used["weight_decay"] = max(decays) if decays else saved.get("weight_decay")
+    changes = [f"train.optimizer.{k} {now.get(k, 'unset')} in the recipe, {used.get(k, 'unset')} in the checkpoint"
+               for k in sorted(set(now) | set(saved)) if k != "name" and now.get(k) != used.get(k)]
     if not changes:
         return None
     one = len(changes) == 1

@@ -6,6 +6,7 @@ import math
 import re
 
 from zerorun.errors import ZerorunError
+from zerorun.recipe.hostfile import MAX_SLOTS
 
 
 # ------------------------------------------------------------------------------------------------- sizes
@@ -30,7 +31,7 @@ def _split(text: str, flag: str, example: str) -> tuple[float, str]:
 MAX_COUNT = 10**15
 #: the most nodes, ranks per node and ranks ``zerorun estimate`` takes: beyond today's largest jobs (~100k GPUs);
 #: ``--nodes 100000000`` took minutes and 11 GB, the rank count beyond that a MemoryError.
-MAX_NODES, MAX_PROCS_PER_NODE, MAX_RANKS = 100_000, 1_024, 1_000_000
+MAX_NODES, MAX_PROCS_PER_NODE, MAX_RANKS = 100_000, MAX_SLOTS, 1_000_000  # per node: as a hostfile's slots
 
 
 def check_ranks(nodes: int, procs_per_node: int, node_ranks: tuple[int, ...] = ()) -> None:

@@ -155,8 +155,8 @@ def describe(e: Event) -> list[str]:
         if d.get("type") == "KeyboardInterrupt":
             return [f"{who} interrupted (Ctrl-C)"]
         if d.get("peer_failure"):  # Note [Blame] in zerorun/launch/blame.py: a consequence, one line
-            first = str(d.get("message", "")).splitlines()[0] if d.get("message") else ""
-            return [f"{who} stopped: another rank failed ({d.get('type', 'Error')}: {first[:120]})"]
+            first = (str(d.get("message", "")).splitlines() or [""])[0].split(". ")[0]  # its first sentence
+            return [f"{who} stopped: another rank failed ({d.get('type', 'Error')}: {first[:160]})"]
         lines = [f"{who} error: {d.get('type', 'Error')}: {d.get('message', '')}"]
         if isinstance(d.get("traceback"), str) and not d.get("user_error"):
             lines += [f"{who}   {line}" for line in d["traceback"].splitlines()[-6:]]
