@@ -203,6 +203,13 @@ def test_the_optimizer_options_said_on_resume_are_those_the_checkpoint_trains_wi
     line = optimizer_change(meta, load_recipe(TINY, ["train.optimizer.lr=0.01"]))
     assert line.startswith("zerorun: resuming with train.optimizer.lr 0.01 in the recipe, 0.003 in the checkpoint: "
                            "the checkpoint's is used"), line
+    from zerorun.checkpoint.resume import schedule_change
+    from zerorun.rank.schedule import lr_multiplier
+
+    tiny = load_recipe(TINY)  # the LRs said around the resume point are the 0.003 it trains with, not 0.01
+    line = schedule_change(meta, load_recipe(TINY, [f"train.steps={tiny.train.steps + 10}"]), tiny.train.steps)
+    old = 0.003 * lr_multiplier(tiny.train.schedule, tiny.train.steps)(tiny.train.steps - 1)
+    assert f"(lr {old:.3g} at step {tiny.train.steps}," in line, line
     with pytest.raises(ZerorunError, match=r"^--resume: the checkpoint: train.optimizer SGD in the recipe, AdamW in "
                                            r"the checkpoint: its states are AdamW's"):
         optimizer_change(meta, load_recipe(TINY, ["train.optimizer={name: SGD, lr: 0.01}"]))

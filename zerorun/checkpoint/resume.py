@@ -169,7 +169,9 @@ def schedule_change(meta: dict, recipe, step: int) -> str | None:
         old_spec = ScheduleSpec.model_validate(saved.get("schedule") or {})
         old_steps = int(saved["steps"])
         base = float((saved.get("optimizer") or {}).get("lr", recipe.train.optimizer.lr))
-    except (KeyError, TypeError, ValueError):
+        # the base LR it trains with: its param groups' (a resumed run's saved recipe may name another)
+        base = float(((meta.get("layout") or {}).get("param_groups") or [{}])[0].get("initial_lr", base))
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None  # a checkpoint without its recipe's schedule: nothing to compare with
     new_spec, new_steps = recipe.train.schedule, recipe.train.steps
     changes = [f"train.steps {old_steps} -> {new_steps}"] if old_steps != new_steps else []
