@@ -122,3 +122,24 @@ def test_a_full_log_dir_stops_the_job_with_one_line(tmp_path):
     finally:
         subprocess.run(["umount", fs], check=False)
         os.rmdir(fs)
+
+
+def test_a_run_folder_that_cannot_be_made_is_not_left_half_written(tmp_path, monkeypatch):
+    """A disk that fills while the run folder's first files are written: the one line as before, and no folder
+    holding a 0-byte recipe.yaml left behind (a review found one)."""
+    from types import SimpleNamespace
+
+    from zerorun.launch import record
+
+    def write(run_dir, *args):
+        os.makedirs(run_dir)
+        open(os.path.join(run_dir, "recipe.yaml"), "w").close()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(record, "write", write)
+    prepared = SimpleNamespace(plan=SimpleNamespace(job_id="abcd1234"), close=lambda: None, workdir=".",
+                               user_env={}, srun=None)
+    recipe = SimpleNamespace(name="tiny", log=SimpleNamespace(dir=str(tmp_path)))
+    with pytest.raises(ZerorunError, match=r"^log\.dir: cannot create the run directory .*: No space left on device$"):
+        launch_run._make_run_dir(prepared, None, recipe, None, None)
+    assert list((tmp_path / "tiny").iterdir()) == []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -111,6 +112,7 @@ def _make_run_dir(prepared, job, recipe, run_dir: str | None, check) -> str:
     name = recipe.name if recipe is not None else job.name
     source = "--run-dir" if run_dir else "log.dir"  # where the folder came from, for the error below
     run_dir = run_dir or new_run_dir(recipe.log.dir if recipe is not None else job.log_dir, name, plan.job_id)
+    existed = os.path.exists(run_dir)
     try:
         record.write(run_dir, plan, recipe, prepared.workdir, prepared.user_env, prepared.srun)
         if os.path.exists(os.path.join(run_dir, runfolder.JOB)):  # a folder given again (a requeued batch job)
@@ -119,6 +121,8 @@ def _make_run_dir(prepared, job, recipe, run_dir: str | None, check) -> str:
         prepared.close()
         if check is not None:
             check.stop()
+        if not existed:  # no half-written folder left (a 0-byte recipe.yaml on a full disk)
+            shutil.rmtree(run_dir, ignore_errors=True)
         raise ZerorunError(f"{source}: cannot create the run directory {run_dir}: {e.strerror}") from None
     if os.environ.get("SLURM_JOB_ID"):
         from zerorun.slurm.jobs import JOB_FILE, remember
