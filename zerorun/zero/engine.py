@@ -229,7 +229,10 @@ class ZeroEngine(UserModel):
         self.reducer.begin(last_micro_step=self._micro_step + 1 == self.config.grad_accum_steps)
         if self.scaler is not None:  # Note [Loss scaling]
             loss = loss.float() * self.scaler.scale
-        (loss / self.config.grad_accum_steps).backward()
+        try:
+            (loss / self.config.grad_accum_steps).backward()
+        finally:  # Note [One backward per micro-step] in user_model.py: over, also when it raised
+            self.reducer.running = False
         self._finish_backward()
         self._micro_step += 1
 

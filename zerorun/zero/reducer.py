@@ -118,7 +118,7 @@ class GradReducer:
         self._adopted: set[FlatBuffer] = set()
         self._used: set[nn.Parameter] = set()
         self.used: set[nn.Parameter] | None = None
-        self.sync = self.last = self._recorded = self.running = False  # running: inside engine.backward
+        self.sync = self.last = self._recorded = self.running = False  # running: engine.backward's
         self._reset()
         self.handles: list = []
 
@@ -321,7 +321,6 @@ class GradReducer:
     def finish(self) -> None:
         """After a backward: launch what is left (unused parameters: zeros), wait for every reduction, reduce
         late gradients again, learn readiness and (first step) the launch order."""
-        self.running = False
         if not self.sync:
             for buf in self.buffers:  # micro-steps summed in zero.grad_accum_dtype
                 if buf.acc is not None:

@@ -249,8 +249,6 @@ class Stage3Engine(ZeroEngine):
             if clear is None:
                 raise
             raise clear from e
-        finally:
-            self.sched.engine_pass = False  # Note [Backward outside engine.backward]
 
     def _finish_backward(self) -> None:
         super()._finish_backward()

@@ -56,7 +56,7 @@ class Schedule:
         self.deviated = {"forward": False, "backward": False}  # this pass left the recorded order
         self.active: list[Unit] = []
         self.handles: list = []
-        self.engine_pass = self.foreign = False  # an engine.backward runs; another backward runs (Note [Backward
+        self.foreign = False  # a backward not engine.backward's runs (reducer.running: one that is; Note [Backward
         self.second_order = object()  # outside engine.backward]), and the pin of the units its graph reads
         self.outer = OuterSchedule(self)
 
@@ -233,7 +233,7 @@ class Schedule:
     def in_foreign(self) -> bool:
         """Inside a backward hook: whether this backward is not ``engine.backward``'s; the first hook of such a pass
         begins it (Note [Backward outside engine.backward])."""
-        if not self.engine_pass and not self.foreign and in_backward():
+        if not self.reducer.running and not self.foreign and in_backward():
             self.begin_foreign()
         return self.foreign
 
@@ -287,7 +287,6 @@ class Schedule:
 
     def backward_start(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` begins: the root is gathered first, whatever structure held the loss."""
-        self.engine_pass = True
         held = [u for u in self.units if u.held]  # Note [Kept from forward to backward] in stage3_outer.py
         self.end_hold()
         for unit in held:  # the units their forward read, freed at its end (a block's weight in a root penalty)
@@ -338,7 +337,6 @@ class Schedule:
 
     def backward_end(self) -> None:
         """After the reductions of a backward: the recorded order is kept, every unit freed."""
-        self.engine_pass = False
         self.unpin_second_order()
         self.end_pass("backward")
         self.outer.read_unrecorded = set()
