@@ -367,18 +367,21 @@ def unit_on_some_ranks(timeout_s: float, net: str = "late") -> str:
 
 
 class TimeoutNet(LateNet):
-    """Raises the user's own error mentioning a timeout after ``a``, on every rank (with ``b``'s all-gather in
-    flight: prefetched)."""
+    """Raises the user's own error ``message`` (one that mentions a timeout or a closed connection) after ``a``,
+    on every rank (with ``b``'s all-gather in flight: prefetched)."""
+
+    message = ""
 
     def forward(self, x):
         self.a(x)
-        raise RuntimeError("fetching the remote feature store timed out after 5 s")
+        raise RuntimeError(self.message)
 
 
-def user_error_mentioning_a_timeout() -> str:
-    """The error a stage-3 forward of :class:`TimeoutNet` raises on this rank (twice: the second forward's, after
-    the first step's schedule)."""
+def user_error_mentioning_a_timeout(message: str) -> str:
+    """The error a stage-3 forward of :class:`TimeoutNet` raising ``message`` raises on this rank (twice: the
+    second forward's, after the first step's schedule)."""
     torch.manual_seed(0)
+    TimeoutNet.message = message
     engine = initialize(TimeoutNet(), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
                         config=ZeroConfig(stage=3, units=("Linear",)))
     for _ in range(2):

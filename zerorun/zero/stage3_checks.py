@@ -101,6 +101,10 @@ def _raise_mismatch(engine, indices: list[int]) -> None:
 #: a user's own error that mentions a timeout is not one (it passes through unchanged).
 _COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (send|recv) operation|Socket Timeout|"
                                  r"timeout caused pair closure|collective operation timeout")
+#: How gloo (tcp/pair.cc) and NCCL word a peer that left while this rank waited: the rank that timed out first
+#: closes its connections, so the others see this, not a timeout of their own.
+_PEER_CLOSED = re.compile(r"\[[^\]]*pair\.cc:\d+\] (Connection closed by peer|Read error .*Connection reset by peer|"
+                          r"Socket closed)|ncclRemoteError|remote process exited")
 
 
 def timed_out(engine, error: BaseException, where: str) -> RuntimeError | None:
@@ -108,16 +112,25 @@ def timed_out(engine, error: BaseException, where: str) -> RuntimeError | None:
     ``where`` ("forward", "backward", "the agreement before backward") is most often ranks that ran different units
     (a unit whose forward ran on some ranks only leaves the others out of its all-gather, which no check before it
     can see without a collective of its own). The error to raise instead of gloo's or NCCL's, which name nothing:
-    the collective, and the units this rank all-gathered in the step so far, in order, to compare across ranks;
-    None when ``error`` is not a timeout."""
-    if not isinstance(error, RuntimeError) or not _COLLECTIVE_TIMEOUT.search(str(error)):
+    the collective, and the units this rank all-gathered in the step so far, in order, to compare across ranks.
+    The rank that times out first closes its connections, so its peers see a closed connection rather than a
+    timeout of their own (which one is first is a race): a closed connection gets the same line, saying so,
+    and stays a peer failure (Note [Blame] in launch/blame.py). None when ``error`` is neither."""
+    if not isinstance(error, RuntimeError):
+        return None
+    if _COLLECTIVE_TIMEOUT.search(str(error)):
+        how = "timed out"
+    elif _PEER_CLOSED.search(str(error)):
+        how = "lost a peer (it timed out or failed)"
+    else:
         return None
     names = [u.name or "<root>" for u in engine.units]
     waiting = [repr(u.name or "<root>") for u in engine.units if u.state is UnitState.GATHERING]
-    what = f", waiting for the all-gather of {', '.join(waiting)}: the other ranks did not issue it" if waiting else (
-        ": the other ranks did not reach it")
+    what = f", waiting for the all-gather of {', '.join(waiting)}" if waiting else ""
+    if how == "timed out":
+        what += ": the other ranks did not issue it" if waiting else ": the other ranks did not reach it"
     return RuntimeError(
-        f"stage 3: rank {engine.comm.global_rank(engine.rank)} timed out in {where}{what}. "
+        f"stage 3: rank {engine.comm.global_rank(engine.rank)} {how} in {where}{what}. "
         "The units this rank all-gathered in this step, in order: "
         f"{', '.join(repr(names[i]) for i in engine.gathering.log) or 'none'}. Every rank must run the same units "
         "in the same order (compare this line across ranks): a unit whose forward runs on some ranks only leaves "
