@@ -331,8 +331,9 @@ def test_ranks_of_a_node_without_tcmalloc_run_under_mimalloc(tmp_path):
 
 # Note [Rank allocator]: 300 MiB freed under mimalloc stay resident until collect() purges them (with a purge
 # delay no test outlasts, as the launcher gives it); the engine calls collect() at the end of every step, with the
-# optimizer on disk too (argv[3]: zero.offload_optimizer).
-COLLECT = """
+# optimizer on disk too: three steps of each (stage, zero.offload_optimizer) in CONFIGS, the calls each made.
+CONFIGS = [(1, "none"), (3, "none"), (1, "disk")]
+COLLECT = f"""
 import json, os, sys
 import torch, torch.distributed as dist
 from zerorun import allocator as which
@@ -346,36 +347,40 @@ after = allocator.rss_bytes()
 calls = []
 real = allocator.collect
 allocator.collect = lambda: calls.append(1) or real()
-dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="file://" + os.path.join(sys.argv[1], "pg"), rank=0, world_size=1)
 from zerorun import zero
-engine = zero.initialize(torch.nn.Linear(8, 8), config=zero.ZeroConfig(
-    stage=int(sys.argv[2]), offload_optimizer=sys.argv[3], offload_path=os.path.dirname(sys.argv[1])))
-for _ in range(3):
-    engine.backward(engine(torch.randn(2, 8)).sum())
-    engine.step()
-print(json.dumps({"name": which.name(), "full": full, "freed": freed, "after": after, "collected": collected,
-                  "calls": len(calls)}))
+counts = []
+for stage, offload in {CONFIGS!r}:
+    calls.clear()
+    engine = zero.initialize(torch.nn.Linear(8, 8), config=zero.ZeroConfig(
+        stage=stage, offload_optimizer=offload, offload_path=os.path.join(sys.argv[1], f"opt{{len(counts)}}")))
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        engine.step()
+    counts.append(len(calls))
+print(json.dumps({{"name": which.name(), "full": full, "freed": freed, "after": after, "collected": collected,
+                  "calls": counts}}))
 """
 
 
-@pytest.mark.parametrize("stage, offload", [(1, "none"), (3, "none"), (1, "disk")])
-def test_mimalloc_returns_freed_memory_once_per_optimizer_step(tmp_path, stage, offload):
+def test_mimalloc_returns_freed_memory_once_per_optimizer_step(tmp_path):
     """Before: the optimizer's step hook collected, so with the optimizer on disk (stepped chunk by chunk, the
     hook skipped) mimalloc kept everything the job freed, for the purge delay the launcher gives it (24 h).
     Stage 3 also collects before each backward (issue 35: its realized saving 0.72 -> 0.81, tcmalloc's 0.86)."""
     from zerorun.allocator import MIMALLOC_ENV
 
     mib, env = 1 << 20, _env_without_allocator_vars()
+    calls = [3 * (2 if stage == 3 else 1) for stage, _ in CONFIGS]  # stage 3: before each backward too
     for preload, extra in [(allocator.find_mimalloc(), MIMALLOC_ENV), (None, {})]:
         run_env = {**{k: v for k, v in env.items() if k != "LD_PRELOAD"}, **extra}
         if preload:
             run_env["LD_PRELOAD"] = preload
-        args = [str(tmp_path / f"pg{bool(preload)}"), str(stage), offload]
-        proc = subprocess.run([sys.executable, "-c", COLLECT, *args],
+        run_dir = tmp_path / f"preload{bool(preload)}"
+        run_dir.mkdir()
+        proc = subprocess.run([sys.executable, "-c", COLLECT, str(run_dir)],
                               capture_output=True, text=True, timeout=120, env=run_env)
         assert proc.returncode == 0, proc.stderr
         r = json.loads(proc.stdout.splitlines()[-1])
-        calls = 3 * (2 if stage == 3 else 1)  # stage 3: before each backward too (what its forward freed)
         if preload:  # kept through the purge delay, returned by collect(); three steps, three collects
             assert r["name"] == "mimalloc" and r["collected"] is True, r
             assert r["freed"] - r["after"] > 250 * mib and r["full"] - r["freed"] < 50 * mib, r

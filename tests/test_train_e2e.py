@@ -328,7 +328,7 @@ def test_a_rank_crash_caused_by_the_recipe_is_reported_as_the_recipe_error(tmp_p
     crashes first, the launcher waits for the check and reports the recipe's field, exit 2, not the ranks'
     TypeError. The check is slowed here by an interpreter wrapper (launch.python) that sleeps for it only."""
     wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *zerorun.rank.modelcheck*) sleep 12;; esac\nexec {sys.executable} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *zerorun.rank.modelcheck*) sleep 8;; esac\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     out = zerorun("train", TINY, "train.optimizer.bogus=1", f"launch.python={wrapper}", "train.eval_every=0",
                   f"log.dir={tmp_path / 'runs'}", "--no-dashboard", cwd=ROOT)
