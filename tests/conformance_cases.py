@@ -11,6 +11,7 @@ or ``{"error": "<type>: <message>"}``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 import warnings
@@ -72,6 +73,13 @@ def _halve_grad(p: nn.Parameter) -> None:
     p.grad.mul_(0.5)
 
 
+def _log_and_halve(logged: list, p: nn.Parameter) -> None:
+    """A post-accumulate hook registered after ``initialize``: this rank's gradient is there, and halving it
+    halves what is reduced (Note [User gradient hooks run first]); before, ``p.grad`` was None at stages 2-3."""
+    logged.append(float(p.grad.norm()))
+    p.grad.mul_(0.5)
+
+
 class Block(nn.Module):
     """The unit class (``zero.units: [Block]``)."""
 
@@ -119,6 +127,8 @@ class Net(nn.Module):
             self.inp.weight.register_hook(_mask_two_rows)
         if kind == "post_accumulate_hook":
             self.head.weight.register_post_accumulate_grad_hook(_halve_grad)
+        if kind == "sparse_embedding":  # Note [Sparse gradients]: before, stages 2-3 raised torch's copy_ error
+            self.emb = nn.Embedding(4, 16, sparse=True)
         if kind == "clamp_in_forward":
             self.blocks[1].clamp = True
         if kind == "tied_by_attribute":
@@ -148,6 +158,8 @@ class Net(nn.Module):
                 h = unwrap(b(h, rank == 0) if self.kind == "expert_some_ranks" else b(h), self.out)
         if self.kind == "zero_element":
             h = (h + (h @ self.empty.t()).sum(-1, keepdim=True)) * self.scale
+        if self.kind == "sparse_embedding":
+            h = h + self.emb(y)
         logits = self.head(h)
         loss = F.cross_entropy(logits, y)
         if self.kind in ("penalty", "penalty_declared"):  # a unit's weight read after the unit ran
@@ -199,6 +211,9 @@ def train(kind: str, stage: int, steps: int = STEPS, group=None) -> dict:
             engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
                                 param_groups=groups, config=config, process_group=group)
             rank = dist.get_rank(group)
+            if kind == "post_accumulate_hook_later":  # a unit's weight and a root one
+                for p in (model.blocks[0].fc.weight, model.head.weight):
+                    p.register_post_accumulate_grad_hook(functools.partial(_log_and_halve, model.logged))
             for step in range(steps):
                 if kind == "replace" and step == 1:
                     model.head.weight = nn.Parameter(torch.zeros(4, 16))
@@ -234,7 +249,8 @@ def train(kind: str, stage: int, steps: int = STEPS, group=None) -> dict:
 
 
 #: kinds that must match stage 0 at every stage
-MATCH = ["plain", "grad_hook", "grad_hook_deferred", "grad_hook_meta_capture", "post_accumulate_hook", "penalty",
+MATCH = ["plain", "grad_hook", "grad_hook_deferred", "grad_hook_meta_capture", "post_accumulate_hook",
+         "post_accumulate_hook_later", "sparse_embedding", "penalty",
          "penalty_declared", "tied_by_attribute",
          "norm_in_forward", "unit_out_dataclass", "unit_out_object", "unit_out_namedtuple", "unit_out_nested",
          "root_out_dataclass", "root_out_object", "expert_some_ranks", "zero_element", "gathered_write",

@@ -188,6 +188,14 @@ def test_private_torch_apis_still_behave():
     y.register_hook(hook)
     y.sum().backward()
     assert seen == {"in": True, "w": True, "unused": False}
+    order = []  # run_last: the first hook registered runs after the ones registered after it, from then on
+    first = w.register_post_accumulate_grad_hook(lambda p: order.append("first"))
+    w.register_post_accumulate_grad_hook(lambda p: order.append("second"))
+    torch_internals.run_last(w, first)
+    (w * 2).sum().backward()
+    torch_internals.run_last(w, first)  # already last: nothing moves
+    (w * 2).sum().backward()
+    assert order == ["second", "first"] * 2
 
 
 def test_gradient_norm_is_exact_to_fp32(ranks):

@@ -28,9 +28,8 @@ none on any rank is then not stepped (Note [Unused parameters] in ``masters.py``
 Note [Gradient buffer pool]: at stages 2-3 a bucket's full gradient exists only from its first parameter's
 gradient until its reduce-scatter is done. It comes from a pool (``comm.BufferPool``) that keeps at most
 ``MAX_INFLIGHT + 1`` buffers, allocated in the first backward of a step and reused by every bucket and
-micro-step (a fresh large block costs a page fault per page on every use: Note [Returning freed memory] in
-zero/allocator.py), dropped when the optimizer step begins. The reduce-scatter runs in place and this rank's
-slice is added, divided by N, to the slice it keeps (fp16 divides first, for its range, as DDP).
+micro-step (why: ``BufferPool``), dropped when the optimizer step begins. The reduce-scatter runs in place and
+this rank's slice is added, divided by N, to the slice it keeps (fp16 divides first, for its range, as DDP).
 
 Note [Program order]: NCCL pairs a communicator's collectives by the order they are issued, and communicators that
 can run at the same time must be issued in the same order on every rank, or it may deadlock (gloo pairs by order
@@ -68,7 +67,7 @@ from zerorun.zero.flat import FlatBuffer
 from zerorun.zero.gloo_reduce_scatter import runs
 from zerorun.zero.policy import StagePolicy
 from zerorun.zero.precision import wide_or
-from zerorun.zero.torch_internals import will_accumulate
+from zerorun.zero.torch_internals import run_last, will_accumulate
 from zerorun.zero.user_model import backward_outside_engine
 from zerorun.zero.weakhook import weak_hook
 
@@ -90,8 +89,7 @@ class GradReducer:
     Attributes:
         order: the launch order (Note [Launch order]).
         late_fixups: buckets reduced a second time because a gradient came after their launch, in all.
-        adopted: bucket gradients taken from autograd without a copy (Note [Adopted gradient] in
-            ``adoption.py``), in all.
+        adopted: bucket gradients taken from autograd without a copy, in all (Note [Adopted gradient]).
         on_ready: callbacks ``f(buf)`` run when a bucket's gradient is complete (stage 3 frees its unit).
         rider: ``None``, or an object whose ``values()`` (ints) join the agreement of the step's last backward, and
             ``take(sums)`` their sums over ranks (stage 3: Note [Same units on every rank] in stage3_checks.py).
@@ -111,7 +109,6 @@ class GradReducer:
         self._index = {b: i for i, b in enumerate(buffers)}
         self._slot = {p: b for b in buffers for p in b.params}
         self._expected = dict.fromkeys(self._slot, 1)
-        self._count = dict.fromkeys(self._slot, 0)
         self._pending: deque[tuple[FlatBuffer, Any, Any]] = deque()
         self._result: dict[FlatBuffer, torch.Tensor] = {}
         self._late: dict[FlatBuffer, torch.Tensor] = {}
@@ -163,7 +160,7 @@ class GradReducer:
         self._launched: set[FlatBuffer] = set()
         self._written: dict[FlatBuffer, set] = {}
         self._next = 0
-        self._count = dict.fromkeys(self._count, 0)
+        self._count = dict.fromkeys(self._slot, 0)
 
     def begin(self, last_micro_step: bool) -> None:
         """Before a backward: whether it reduces; parameters known unused are complete now (Note
@@ -171,6 +168,8 @@ class GradReducer:
         self.sync, self.last = last_micro_step or self.policy.reduce_every_micro_step, last_micro_step
         self.running = True
         self._reset()
+        for p, handle in zip(self._slot, self.handles):  # Note [User gradient hooks run first] in user_model.py
+            run_last(p, handle)
         if not self.sync:
             return
         for p, n in self._expected.items():
@@ -183,6 +182,8 @@ class GradReducer:
         if not self.running:  # Note [One backward per micro-step] in user_model.py
             raise backward_outside_engine(next(n for n, q in zip(buf.names, buf.params) if q is p))
         self._used.add(p)  # Note [Unused parameters]
+        if p.grad.layout != torch.strided:  # Note [Sparse gradients] in user_model.py
+            p.grad = p.grad.to_dense()
         if buf in self._launched:  # Note [Per-parameter readiness]: a gradient after the launch
             late = self._late.get(buf)
             if late is None:

@@ -10,6 +10,8 @@
   handles of the last collectives, Note [Last reference on the issuing thread] in ``held.py``).
 - :func:`group_timeout`: a process group's collective timeout (stage 3's control group, made beside an NCCL group,
   waits as long as that group: ``launch.collective_timeout_s``, not torch's 30-minute default).
+- :func:`run_last`: a gradient hook moved behind the ones registered after it (the reducer's: Note [User gradient
+  hooks run first] in ``user_model.py``).
 - :func:`coalesced`: several collectives of one kind issued as one (``torch.distributed._coalescing_manager``:
   one NCCL group launch; used under NCCL only, Note [One all-gather per unit] in ``units.py``).
 """
@@ -34,6 +36,16 @@ def will_accumulate(p: torch.Tensor) -> bool:
     """Inside a backward: whether the running graph task will execute ``p``'s gradient accumulator (``p`` a
     leaf that requires grad) (``torch._C._will_engine_execute_node``). Must be called inside backward."""
     return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node))
+
+
+def run_last(p: torch.Tensor, handle) -> None:
+    """Move the post-accumulate-grad hook of ``handle`` (from ``p.register_post_accumulate_grad_hook``) behind
+    every other one on ``p``: torch runs them in the order of the dict ``p._post_accumulate_grad_hooks``, read
+    at each call with ``PyDict_Next``, which sees the order of insertion (not ``OrderedDict.move_to_end``'s):
+    the hook is taken out and put in again."""
+    hooks = p._post_accumulate_grad_hooks
+    if hooks and next(reversed(hooks)) != handle.id:
+        hooks[handle.id] = hooks.pop(handle.id)
 
 
 def sole_owner(t: torch.Tensor) -> bool:

@@ -14,6 +14,20 @@ parameter's gradient accumulated outside ``engine.backward`` raises, in the grad
 that backward, naming the parameter: as DDP refuses a second backward of one iteration. Gradients of other
 tensors (``torch.autograd.grad(loss, inputs)``: adversarial examples, input-gradient penalties) accumulate into
 no parameter and pass. The micro-step's gradients are spoiled: the error is for a program to stop at.
+
+Note [User gradient hooks run first]: the reducer takes each parameter's gradient in a post-accumulate-grad hook
+and, at stages 2-3, moves it into a bucket and sets ``p.grad`` to None. torch runs a parameter's post-accumulate
+hooks in the order they were registered, so a user's hook registered after ``initialize`` (a gradient scaled or
+logged per parameter) ran after the reducer's: it found ``p.grad`` None (an ``AttributeError`` in the user's
+code), and a scaling would have been lost. Under DDP a user's hook runs before the gradient is reduced, whenever
+it was registered. So each ``engine.backward`` first moves the reducer's hook behind the others on every
+parameter (``torch_internals.run_last``): a user's hook sees and may change this rank's gradient, before its
+reduction, as under DDP.
+
+Note [Sparse gradients]: a parameter whose gradient is sparse (``nn.Embedding(sparse=True)``) gets it densified
+in the reducer's hook: the bucket is dense, and at stages 2-3 copying a sparse tensor into it raised torch's
+"copy_() between dense and sparse Tensors is not implemented". The reduced gradient, and ``p.grad`` at stages
+0-1, are dense: the same values as DDP's sparse all-reduce, in the memory of ``sparse=False``.
 """
 
 from __future__ import annotations
