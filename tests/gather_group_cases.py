@@ -390,3 +390,21 @@ def user_error_mentioning_a_timeout(message: str) -> str:
         except RuntimeError as e:
             error = str(e)
     return error
+
+
+def state_dict_on_rank0_only(timeout_s: float) -> str:
+    """``if rank == 0: engine.state_dict()`` at stage 3 (local at stages 0-2) over a gloo group whose collectives
+    time out after ``timeout_s``, the other rank going on to a barrier on that group: the error each rank raised."""
+    import datetime
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    torch.manual_seed(0)
+    engine = initialize(LateNet(), optimizer="SGD", optimizer_kwargs={"lr": 0.1}, process_group=group,
+                        config=ZeroConfig(stage=3, units=("Linear",)))
+    try:
+        if dist.get_rank() == 0:
+            engine.state_dict()
+        dist.barrier(group)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

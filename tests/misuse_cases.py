@@ -116,3 +116,26 @@ def backward_outside(stage: int, units: tuple, how: str) -> list[str]:
                                                                  retain_graph=True),
              "before_step": lambda: loss.backward(retain_graph=True)}
     return [_error(calls[how]), _error(lambda: torch.autograd.grad(engine(x), x))]
+
+
+def closed_engine(stage: int, tmp: str) -> list[tuple[str, int]]:
+    """An engine (the optimizer on disk: a swap file and a reader thread) trains a step and is closed; then a
+    forward, a backward and a step: each one's error and the collectives issued before it (before the fix:
+    forward and backward ran on, and the step failed inside a thread pool: "cannot schedule new futures after
+    shutdown")."""
+    torch.manual_seed(0)
+    engine = initialize(Net(), optimizer="AdamW", config=ZeroConfig(stage=stage, offload_optimizer="disk",
+                                                                    offload_path=f"{tmp}/rank{dist.get_rank()}"))
+    loss = engine(_x(0, 0))
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    return [_error(lambda: engine(_x(1, 0))), _error(lambda: engine.backward(loss)), _error(engine.step)]
+
+
+def loss_not_scalar(stage: int) -> tuple[str, int]:
+    """``engine.backward`` of a loss of 4 elements: the error and the collectives issued before it."""
+    torch.manual_seed(0)
+    engine = initialize(Net(), optimizer="AdamW", config=ZeroConfig(stage=stage))
+    loss = engine(_x(0, 0)).repeat(4)
+    return _error(lambda: engine.backward(loss))

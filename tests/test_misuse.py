@@ -10,8 +10,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("stage,units", [(0, ()), (1, ()), (2, ()), (3, ()), (3, ("Linear",))])
 @pytest.mark.parametrize("kind,message", [
-    ("double_backward", "2 backward calls without step(); grad_accum_steps is 1: call step() first (the engine "
-                        "is unchanged)"),
+    ("double_backward", "2 backward calls without engine.step(); grad_accum_steps is 1: call engine.step() first "
+                        "(the engine is unchanged; engine.optimizer.step() does not step it)"),
     ("early_step", "step() after 2 backward calls; grad_accum_steps is 4: run the remaining micro-steps first "
                    "(the engine is unchanged)"),
 ])
@@ -47,3 +47,18 @@ def test_a_backward_outside_engine_backward_is_refused_naming_the_parameter(rank
         assert "got a gradient from a backward outside engine.backward" in error and "\n" not in error, error
         assert issued == 0 and grad_error[0] == "no error", f"rank {rank}: {issued} {grad_error}"
     assert results[0][0] == results[1][0]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_closed_engine_refuses_forward_backward_and_step(ranks, stage, tmp_path):
+    """After ``engine.close()`` (its swap file and reader thread released) forward and backward ran on and a
+    step failed inside a thread pool ("cannot schedule new futures after shutdown"); now each is one line on
+    every rank, before any collective."""
+    for rank, r in enumerate(ranks(2).run(cases.closed_engine, stage=stage, tmp=str(tmp_path))):
+        assert all(e.startswith("this engine was closed (engine.close())") and n == 0 for e, n in r), (rank, r)
+
+
+def test_a_loss_that_is_not_a_scalar_is_named_with_its_shape(ranks):
+    for error, issued in ranks(2).run(cases.loss_not_scalar, stage=3):
+        assert error == ("backward needs a scalar loss tensor, got Tensor of shape (4,) (reduce it: loss.mean() or "
+                         "loss.sum())") and issued == 0, error

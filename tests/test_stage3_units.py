@@ -358,3 +358,17 @@ def test_a_unit_called_more_times_on_some_ranks_times_out_the_same_way():
     assert re.match(f"stage 3: rank 0 {_HOW} in the agreement before backward", errors[0]), errors
     assert re.match(f"stage 3: rank 1 {_HOW} in forward, waiting for the all-gather of 'b'", errors[1]), errors
     assert "in order: '<root>', 'a', 'b'." in errors[0] and "in order: '<root>', 'a', 'b', 'b'." in errors[1]
+
+
+@pytest.mark.slow
+def test_a_state_dict_asked_on_one_rank_only_is_one_line_after_the_timeout():
+    """``if rank == 0: torch.save(engine.state_dict(), ...)``, the DDP habit, all-gathers every unit at stage 3
+    on rank 0 alone: it waits for the collective timeout, then says why in one line (before: gloo's "Timed out
+    waiting 3000ms for send operation"). Its own pool: the timed-out group is left broken."""
+    pool = RankPool(2, timeout=120)
+    try:
+        errors = pool.run(gather_group_cases.state_dict_on_rank0_only, timeout_s=3)
+    finally:
+        pool.close(kill=True)
+    assert errors[0].startswith("stage 3: rank 0 timed out in full_state_dict() or lost its peer there: it "
+                                "all-gathers every unit, so every rank must call it"), errors

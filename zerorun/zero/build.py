@@ -37,12 +37,14 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
         elementwise: declare an optimizer class outside ``optimizers.ELEMENTWISE_OPTIMIZERS`` elementwise.
 
     Raises:
-        ValueError: unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``; a
+        ValueError: ``model`` is not an ``nn.Module``; unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``; a
             model a stage-3 engine already holds (its parameters are partitioned into that engine); at stage 3,
             a model or unit compiled in place (``nn.Module.compile``); a complex parameter (named; Note [Wide
             parameters] in ``precision.py``). All before any collective.
         RuntimeError: ``torch.distributed`` is not initialized.
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
     from zerorun.zero.deferred import is_deferred, materialize

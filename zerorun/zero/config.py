@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,11 @@ from zerorun.zero.precision import DTYPES, LossScaleConfig
 
 #: ``ZeroConfig.keep_root_bytes``'s default: 1 MiB (Note [Kept from forward to backward] in stage3_outer.py).
 KEEP_ROOT_BYTES = 2**20
+
+
+def _finite(value) -> bool:
+    """Whether ``value`` is an int or float (not a bool) and finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -99,8 +105,9 @@ class ZeroConfig:
     quantize_block: int = 256
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {self.stage}")
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        self._check_types()
         if self.precision not in DTYPES:
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if self.reduce_dtype not in (None, "fp32"):
@@ -114,22 +121,14 @@ class ZeroConfig:
         if self.offload_params == "disk" and (self.stage != 3 or not self.offload_path):
             raise ValueError("zero.offload_params disk needs zero.stage 3 (parameters partitioned) and "
                              "zero.offload_path (a folder for the swap files)")
-        if self.offload_buffer_mb <= 0:
-            raise ValueError(f"zero.offload_buffer_mb must be > 0, got {self.offload_buffer_mb}")
         if self.prefetch_bytes is not None and (isinstance(self.prefetch_bytes, bool)
                                                 or not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0):
             raise ValueError(f"zero.prefetch_bytes must be an integer >= 0 or unset, got {self.prefetch_bytes!r}")
         keep = self.keep_root_bytes
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"zero.keep_root_bytes must be an integer >= 0, got {self.keep_root_bytes!r}")
-        if self.persistence_threshold < 0:
-            raise ValueError(f"zero.persistence_threshold must be >= 0, got {self.persistence_threshold}")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"zero.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"zero.grad_accum_dtype must be fp32, bf16, fp16 or unset, got {self.grad_accum_dtype!r}")
-        if not isinstance(self.broadcast_buffers, bool):
-            raise ValueError(f"zero.broadcast_buffers must be true or false, got {self.broadcast_buffers!r}")
         if self.hierarchy is not None:
             self._check_hierarchy()
         if self.quantize_weights not in (None, "int8"):
@@ -144,11 +143,30 @@ class ZeroConfig:
                              "all-reduces them as DDP does: set zero.stage 1, 2 or 3 or remove it")
         if isinstance(self.quantize_block, bool) or not isinstance(self.quantize_block, int) or self.quantize_block < 1:
             raise ValueError(f"zero.quantize_block must be an integer >= 1, got {self.quantize_block!r}")
-        if self.grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
         if self.activation_checkpointing and self.stage != 3:
             raise ValueError(f"activation_checkpointing recomputes each stage-3 unit's forward in backward; this is "
                              f"stage {self.stage}: set zero.stage 3, or apply torch.utils.checkpoint in the model")
+
+    def _check_types(self) -> None:
+        """The numbers, flags and names: a wrong type is one line naming the field (before: a string bucket size
+        was a TypeError from a comparison, 2.5 accumulation steps could never step, a negative or NaN
+        ``grad_clip`` flipped or poisoned every gradient, ``units="Block"`` was read as its letters)."""
+        for name in ("bucket_mb", "offload_buffer_mb"):
+            if not _finite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"zero.{name} must be a number > 0, got {getattr(self, name)!r}")
+        for name, least in (("grad_accum_steps", 1), ("persistence_threshold", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"zero.{name} must be an integer >= {least}, got {value!r}")
+        if self.grad_clip is not None and (not _finite(self.grad_clip) or self.grad_clip < 0):
+            raise ValueError(f"zero.grad_clip must be a number >= 0 (0: no clipping) or unset, got {self.grad_clip!r}")
+        for name in ("activation_checkpointing", "prefetch", "broadcast_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"zero.{name} must be true or false, got {getattr(self, name)!r}")
+        units = (self.units,) if isinstance(self.units, str) else self.units  # one name
+        if not isinstance(units, (tuple, list)) or not all(isinstance(u, str) and u for u in units):
+            raise ValueError(f"zero.units must be a list of module class names or qualified names, got {units!r}")
+        object.__setattr__(self, "units", tuple(units))
 
     def _check_hierarchy(self) -> None:
         h = self.hierarchy

@@ -190,7 +190,9 @@ class ZeroEngine(UserModel):
         return self.masters.master_slices()
 
     def close(self) -> None:
-        """Release the offload swap file and its reader thread (also done at process exit)."""
+        """Release the offload swap file and its reader thread (also done at process exit); forward, backward and
+        step raise from then on."""
+        self.closed = True
         self.masters.close()
 
     @property
@@ -239,11 +241,15 @@ class ZeroEngine(UserModel):
     def _check_backward(self, loss: Any) -> None:
         """What :meth:`backward` refuses, checked before any collective (stage 3's gathers and checks too): the
         engine is unchanged and the same processes go on with a correct call. Raises RuntimeError."""
+        self.check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise RuntimeError(f"backward needs a scalar loss tensor, got {type(loss).__name__}")
+            shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
+            raise RuntimeError(f"backward needs a scalar loss tensor, got {type(loss).__name__}{shape} (reduce it: "
+                               "loss.mean() or loss.sum())")
         if self._micro_step >= self.config.grad_accum_steps:
-            raise RuntimeError(f"{self._micro_step + 1} backward calls without step(); grad_accum_steps is "
-                               f"{self.config.grad_accum_steps}: call step() first (the engine is unchanged)")
+            raise RuntimeError(f"{self._micro_step + 1} backward calls without engine.step(); grad_accum_steps is "
+                               f"{self.config.grad_accum_steps}: call engine.step() first (the engine is unchanged; "
+                               "engine.optimizer.step() does not step it)")
 
     def _finish_backward(self) -> None:
         self.reducer.finish()
@@ -268,6 +274,7 @@ class ZeroEngine(UserModel):
         Raises:
             RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step.
         """
+        self.check_parameters()  # a closed engine; parameters replaced or frozen since the backward
         if self._micro_step != self.config.grad_accum_steps:  # before any collective
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
                                f"{self.config.grad_accum_steps}: run the remaining micro-steps first (the "

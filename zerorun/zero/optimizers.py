@@ -59,8 +59,12 @@ def optimizer_class(optimizer: str | type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise ValueError(f"unknown optimizer {optimizer!r}: not a class in torch.optim")
         return cls
+    if isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's initialize(optimizer=opt) habit
+        raise ValueError(f"optimizer: got an instance of {type(optimizer).__name__}; the engine makes the optimizer "
+                         "over its flat slices: pass its class or name and its options, e.g. optimizer="
+                         f"{type(optimizer).__name__!r}, optimizer_kwargs={{'lr': ...}} (or param_groups)")
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-        raise ValueError(f"optimizer {optimizer!r} is not a torch.optim.Optimizer class")
+        raise ValueError(f"optimizer {optimizer!r:.80} is not a torch.optim.Optimizer class")
     return optimizer
 
 

@@ -69,7 +69,7 @@ from zerorun.zero.precision import DTYPES
 from zerorun.zero.quantize import WeightQuantizer
 from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, declared_externals, full_state_dict,
                                         placeholder, state_dict_guard)
-from zerorun.zero.stage3_checks import GatherDigest, check_backward_units, timed_out
+from zerorun.zero.stage3_checks import GatherDigest, called_on_some_ranks, check_backward_units, timed_out
 from zerorun.zero.stage3_schedule import Schedule
 from zerorun.zero.unit_plan import match_peers, outer_modules, pick_units, unit_of_params
 from zerorun.zero.units import Gathering, Unit
@@ -327,10 +327,19 @@ class Stage3Engine(ZeroEngine):
             On rank 0 (or every rank unless ``rank0_only``): ``{name: tensor}`` with the keys and shapes of
             ``model.state_dict()`` of the unsharded model (CPU clones, in the parameters' dtype); elsewhere an
             empty dict.
+
+        Raises:
+            RuntimeError: called on some ranks only: one line when the collective timeout ends the wait.
         """
         self.sched.free_held()  # Note [Kept from forward to backward] in stage3_outer.py
-        with self.gathering.exact():
-            return full_state_dict(self.module, self.units, keep=not rank0_only or self.rank == 0)
+        try:
+            with self.gathering.exact():
+                return full_state_dict(self.module, self.units, keep=not rank0_only or self.rank == 0)
+        except RuntimeError as e:
+            clear = called_on_some_ranks(self, e, "full_state_dict()")
+            if clear is None:
+                raise
+            raise clear from e
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full state dict on every rank (see :meth:`full_state_dict`)."""

@@ -138,6 +138,19 @@ def timed_out(engine, error: BaseException, where: str) -> RuntimeError | None:
         "them one unit (zero.units), or use stage 2")
 
 
+def called_on_some_ranks(engine, error: BaseException, call: str) -> RuntimeError | None:
+    """The error to raise instead of gloo's or NCCL's when ``call`` (``"full_state_dict()"``), a collective that
+    all-gathers every unit, timed out or lost its peer: most often it ran on some ranks only (``if rank == 0:
+    torch.save(engine.state_dict())``, which is local at stages 0-2); None when ``error`` is neither."""
+    if not isinstance(error, RuntimeError) or not (_COLLECTIVE_TIMEOUT.search(str(error))
+                                                   or _PEER_CLOSED.search(str(error))):
+        return None
+    return RuntimeError(
+        f"stage 3: rank {engine.comm.global_rank(engine.rank)} timed out in {call} or lost its peer there: it "
+        "all-gathers every unit, so every rank must call it (sd = engine.full_state_dict() on every rank, then "
+        "save sd on rank 0, where it holds the whole state dict)")
+
+
 def check_no_writes(unit) -> None:
     """Note [Writes inside a unit's forward]: at stage 3 a unit's parameters are a gathered copy from its
     all-gather until the unit is freed after its forward; an in-place write to one of them there (a clamp or

@@ -55,6 +55,16 @@ class UserModel:
     """Mixed into :class:`~zerorun.zero.engine.ZeroEngine` (which provides ``_param_slots``, ``buffers``,
     ``comm``, ``masters`` and the slice accessors)."""
 
+    #: set by ``close()``: forward, backward and step are refused from then on
+    closed = False
+
+    def check_open(self) -> None:
+        """Raises RuntimeError once ``close()`` released the engine's swap files and reader thread (before: a
+        forward and a backward ran on, and a step failed inside a thread pool)."""
+        if self.closed:
+            raise RuntimeError("this engine was closed (engine.close()): it trains no more; build a new one with "
+                               "zerorun.zero.initialize (and load a checkpoint to go on)")
+
     def check_parameters(self) -> None:
         """Note [The user's model stays the user's]: the engine partitions, reduces and updates the
         ``nn.Parameter`` objects that were trainable when it was built. Called before every forward and
@@ -62,8 +72,10 @@ class UserModel:
 
         Raises:
             RuntimeError: a parameter was replaced by another object, or its ``requires_grad`` changed, after
-                :func:`initialize` (either would otherwise be silently ignored); the message names it.
+                :func:`initialize` (either would otherwise be silently ignored); the message names it; the
+                engine was closed.
         """
+        self.check_open()
         with torch._C.DisableTorchFunctionSubclass():  # stage 3's guard is not asked (Note [Parameters at rest])
             changed = [(name, q, p, trainable) for mod, key, name, p, trainable in self._param_slots
                        if (q := mod._parameters.get(key)) is not p or q.requires_grad != trainable]
