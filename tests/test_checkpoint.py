@@ -276,7 +276,44 @@ def test_bench_jobs_save_no_checkpoints():
 def test_resume_takes_an_optional_path():
     from zerorun.cli import optional_value
 
-    assert optional_value(["train", "r.yaml", "--resume"], "--resume", "latest") == ["train", "r.yaml", "--resume=latest"]
+    assert optional_value(["train", "r.yaml", "--resume"], "--resume", "latest") == ["train", "r.yaml",
+                                                                                      "--resume=latest"]
     assert optional_value(["train", "r.yaml", "--resume", "zero.stage=1"], "--resume", "latest")[2] == "--resume=latest"
     assert optional_value(["train", "r.yaml", "--resume", "--dry-run"], "--resume", "latest")[2] == "--resume=latest"
-    assert optional_value(["train", "r.yaml", "--resume", "ck/step-3"], "--resume", "latest")[2:] == ["--resume", "ck/step-3"]
+    assert optional_value(["train", "r.yaml", "--resume", "ck/step-3"], "--resume", "latest")[2:] == ["--resume",
+                                                                                                      "ck/step-3"]
+
+
+def test_library_save_and_load_take_optional_arguments_and_refuse_bad_ones(ranks, tmp_path):
+    """Found by review of the library path: ``scheduler=None`` raised AttributeError, ``recipe={}`` KeyError,
+    a recipe or scheduler state that is not JSON-able TypeError, ``step=-1`` made ``step--0000001``; each left
+    its ``.step-N.<job>.tmp`` folder behind. Now the arguments are optional or refused in one line on every
+    rank before anything is written, and a scheduler given to ``load`` must match the checkpoint's."""
+    root = tmp_path / "ckpt"
+    got = ranks(2).run(cases.library_arguments, root=str(root))
+    for rank, r in enumerate(got):
+        assert r["step=-1"] == "ZerorunError: checkpoint.save: step: expected a whole number >= 0, got -1"
+        assert r["step=2.0"] == "ZerorunError: checkpoint.save: step: expected a whole number >= 0, got 2.0"
+        assert r["keep=-1"].startswith("ZerorunError: checkpoint.save: keep: expected a whole number >= 0")
+        assert r["recipe"] == ("ZerorunError: checkpoint.save: recipe['train']['collate'][1]: object is not "
+                               "JSON-able (expected JSON-able data or None)")
+        assert r["scheduler"] == ("ZerorunError: checkpoint.save: scheduler.state_dict()['fn']: object is not "
+                                  "JSON-able: zerorun.json cannot hold this scheduler")
+        assert r["position"].startswith("ZerorunError: checkpoint.save: position: expected a DataPosition")
+        assert r["rank 1's step"] == ("ZerorunError: checkpoint.save: step: expected a whole number >= 0, got -1"
+                                      if rank else "ZerorunError: checkpoint.save: rank 1 was given an argument "
+                                      "it refused (its error names it): every rank must pass the same; nothing "
+                                      "was saved")
+        assert r["left"] == [], r["left"]  # nothing written: not even the folder
+        assert r["bare"] == ("ok", str(root / "step-00000001")) and r["scheduled"][0] == "ok"
+        assert r["load bare"] == ("ok", (1, (0, 0))) and r["load scheduled"] == ("ok", (2, (0, 0)))
+        assert r["load bare with a scheduler"] == (f"ZerorunError: {root / 'step-00000001' / 'zerorun.json'}: "
+                                                   "saved without a scheduler: load it with scheduler=None")
+        assert r["load scheduled without one"] == (f"ZerorunError: {root / 'step-00000002' / 'zerorun.json'}: "
+                                                   "holds a scheduler's state: pass the scheduler (scheduler=...) "
+                                                   "to restore it")
+        assert r["load micro_batch_size=0"] == ("ZerorunError: checkpoint.load: micro_batch_size: expected a whole "
+                                                "number > 0 or None, got 0")
+    meta = checkpoint.read_meta(str(root / "step-00000001"))
+    assert meta["scheduler"] is None and meta["recipe"] is None and meta["data"]["micro_batch_size"] is None
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002"]  # keep=0 (the default) keeps every one
