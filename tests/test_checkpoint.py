@@ -317,3 +317,29 @@ def test_library_save_and_load_take_optional_arguments_and_refuse_bad_ones(ranks
     meta = checkpoint.read_meta(str(root / "step-00000001"))
     assert meta["scheduler"] is None and meta["recipe"] is None and meta["data"]["micro_batch_size"] is None
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002"]  # keep=0 (the default) keeps every one
+
+
+def test_a_folder_that_is_no_checkpoint_is_named_so(tmp_path):
+    """Found by review: the root of checkpoints, an empty folder or one of other files was "not a complete
+    checkpoint (no COMPLETE marker: its save did not finish)", though no save ever ran there."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ZerorunError, match=r"^.*empty: not a checkpoint \(no zerorun.json, .metadata or .distcp file"):
+        checkpoint.check(str(tmp_path / "empty"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(ZerorunError, match=r"other: not a checkpoint \("):
+        checkpoint.check(str(tmp_path / "other"))
+    root = tmp_path / "ckpt"
+    for step in (2, 4, 6):
+        os.makedirs(root / f"step-{step:08d}")
+        if step < 6:
+            (root / f"step-{step:08d}" / checkpoint.MARKER).write_text(f'{{"step": {step}, "saved_at": {step}}}')
+    with pytest.raises(ZerorunError) as e:
+        checkpoint.check(str(root))
+    assert str(e.value) == (f"{root}: a folder of checkpoints, not a checkpoint: pass one of its step-N folders, "
+                            f"e.g. the newest complete one, {root / 'step-00000004'}")
+    half = root / "step-00000006"
+    (half / ".metadata").write_text("")
+    with pytest.raises(ZerorunError, match=r"step-00000006: not a complete checkpoint \(no COMPLETE marker: its save"):
+        checkpoint.check(str(half))
+    assert checkpoint.resolve(str(root)) == str(root / "step-00000004")  # --resume ROOT and consolidate: its latest
