@@ -195,3 +195,23 @@ def library_arguments(root: str) -> dict:
     _attempt(out, "load micro_batch_size=0", lambda: checkpoint.load(bare, engine, micro_batch_size=0))
     engine.close()
     return out
+
+
+def run_docs_snippet(page: str, heading: str, cwd: str) -> dict:
+    """Run the first Python block after ``heading`` in the Markdown ``page`` as the script it shows, in ``cwd``
+    (its ``dist.init_process_group`` does nothing: the pool's group is up, as torchrun's would be); return
+    what it ended with."""
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    block = text[text.index(heading):].split("```python\n", 1)[1].split("```", 1)[0]
+    old_cwd, init = os.getcwd(), dist.init_process_group
+    dist.init_process_group = lambda *args, **kwargs: None
+    os.chdir(cwd)
+    names: dict = {"__name__": "__main__"}
+    try:
+        exec(compile(block, page, "exec"), names)  # noqa: S102 - the documentation's own example
+    finally:
+        os.chdir(old_cwd)
+        dist.init_process_group = init
+    return {"step": names["step"], "position": names["position"], "path": names["path"],
+            "last_epoch": names["scheduler"].last_epoch}

@@ -343,3 +343,13 @@ def test_a_folder_that_is_no_checkpoint_is_named_so(tmp_path):
     with pytest.raises(ZerorunError, match=r"step-00000006: not a complete checkpoint \(no COMPLETE marker: its save"):
         checkpoint.check(str(half))
     assert checkpoint.resolve(str(root)) == str(root / "step-00000004")  # --resume ROOT and consolidate: its latest
+
+
+def test_the_library_example_of_the_docs_runs(ranks, tmp_path):
+    """docs/checkpoints.md's "From your own script" example, as written, on 2 ranks."""
+    page = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "checkpoints.md")
+    for r in ranks(2).run(cases.run_docs_snippet, page=page, heading="## From your own script", cwd=str(tmp_path)):
+        assert r == {"step": 5, "position": checkpoint.DataPosition(0, 0), "path": "checkpoints/step-00000005",
+                     "last_epoch": 10}, r
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000005"]
+    assert checkpoint.check(str(tmp_path / "checkpoints" / "step-00000005"))["scheduler"]["last_epoch"] == 5
