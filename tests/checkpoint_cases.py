@@ -88,7 +88,8 @@ def save_and_continue(root: str, stage: int, save_at: int, steps: int, zero: dic
     losses = _train(engine, scheduler, range(save_at + 1, steps + 1))
     end = snapshot(engine)
     engine.close()
-    return {"path": path, "losses": losses, "bytes": nbytes, "seconds": seconds, "saved": saved, "end": end, "full": {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None}
+    return {"path": path, "losses": losses, "bytes": nbytes, "seconds": seconds, "saved": saved, "end": end,
+            "full": {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None}
 
 
 def resume_and_continue(path: str, stage: int, steps: int, zero: dict | None = None, **model_kwargs) -> dict:
@@ -97,7 +98,8 @@ def resume_and_continue(path: str, stage: int, steps: int, zero: dict | None = N
     model's state dict right after the load (``params``)."""
     engine, scheduler = _engine(stage, 1, zero=zero, **model_kwargs)
     torch.manual_seed(999)  # overwritten by the checkpoint's RNG state where the rank existed at the save
-    step, position = checkpoint.load(path, engine, scheduler=scheduler, micro_batch_size=GLOBAL_BATCH // dist.get_world_size())
+    step, position = checkpoint.load(path, engine, scheduler=scheduler,
+                                     micro_batch_size=GLOBAL_BATCH // dist.get_world_size())
     loaded = snapshot(engine)
     full = engine.full_state_dict(rank0_only=False)
     params = {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None
@@ -132,12 +134,84 @@ def save_every_step(root: str, stage: int, steps: int, keep: int) -> list[str]:
     return sorted(os.listdir(root))
 
 
-def save_with_a_bad_recipe(root: str) -> str:
-    """A save whose ``recipe`` lacks ``train`` (rank 0 fails while finishing it): what each rank raised."""
+def save_that_rank_0_cannot_finish(root: str) -> dict:
+    """A save that rank 0 cannot finish for a reason no disk's (its ``zerorun.json`` content fails: an
+    exception of rank 0 alone after DCP's save returned): what each rank raised and what ``root`` holds."""
+    from zerorun.checkpoint import saving
+
     engine, scheduler = _engine(2, 0)
     _train(engine, scheduler, range(1, 2))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("meta broke\nsecond line")
+
+    real, saving._meta = saving._meta, (broken if dist.get_rank() == 0 else saving._meta)
     try:
-        checkpoint.save(engine, root, 1, scheduler=scheduler, position=checkpoint.DataPosition(), recipe={}, keep=1)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return "saved"
+        checkpoint.save(engine, root, 1, scheduler=scheduler, position=checkpoint.DataPosition(), recipe=_recipe(),
+                        keep=1)
+        got = "saved"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        got = f"{type(e).__name__}: {e}"
+    finally:
+        saving._meta = real
+    dist.barrier()
+    return {"raised": got, "left": sorted(os.listdir(root))}
+
+
+class _Unjsonable:
+    def state_dict(self) -> dict:
+        return {"base_lrs": [0.1], "fn": object()}
+
+
+def _attempt(out: dict, name: str, fn) -> None:
+    try:
+        out[name] = ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out[name] = f"{type(e).__name__}: {e}"
+
+
+def library_arguments(root: str) -> dict:
+    """Saves with the library's optional and bad arguments into ``root``: what each raised and, after the bad
+    ones, what ``root`` holds."""
+    engine, scheduler = _engine(1, 0)
+    _train(engine, scheduler, range(1, 2))
+    out: dict = {}
+    bad = {"step=-1": dict(step=-1), "step=2.0": dict(step=2.0), "keep=-1": dict(step=1, keep=-1),
+           "recipe": dict(step=1, recipe={"train": {"micro_batch_size": 2, "collate": [1, object()]}}),
+           "scheduler": dict(step=1, scheduler=_Unjsonable()),
+           "position": dict(step=1, position=(3, 5)),
+           "rank 1's step": dict(step=1 - 2 * dist.get_rank())}
+    for name, kwargs in bad.items():
+        _attempt(out, name, lambda: checkpoint.save(engine, root, **kwargs))
+    out["left"] = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    _attempt(out, "bare", lambda: checkpoint.save(engine, root, 1)[0])
+    _attempt(out, "scheduled", lambda: checkpoint.save(engine, root, 2, scheduler=scheduler)[0])
+    bare, scheduled = checkpoint.step_dir(root, 1), checkpoint.step_dir(root, 2)
+    for name, path, sched in (("load bare", bare, None), ("load bare with a scheduler", bare, scheduler),
+                              ("load scheduled", scheduled, scheduler),
+                              ("load scheduled without one", scheduled, None)):
+        _attempt(out, name, lambda: (lambda s, p: (s, (p.epoch, p.batch)))(
+            *checkpoint.load(path, engine, scheduler=sched)))
+    _attempt(out, "load micro_batch_size=0", lambda: checkpoint.load(bare, engine, micro_batch_size=0))
+    engine.close()
+    return out
+
+
+def run_docs_snippet(page: str, heading: str, cwd: str) -> dict:
+    """Run the first Python block after ``heading`` in the Markdown ``page`` as the script it shows, in ``cwd``
+    (its ``dist.init_process_group`` does nothing: the pool's group is up, as torchrun's would be); return
+    what it ended with."""
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    block = text[text.index(heading):].split("```python\n", 1)[1].split("```", 1)[0]
+    old_cwd, init = os.getcwd(), dist.init_process_group
+    dist.init_process_group = lambda *args, **kwargs: None
+    os.chdir(cwd)
+    names: dict = {"__name__": "__main__"}
+    try:
+        exec(compile(block, page, "exec"), names)  # noqa: S102 - the documentation's own example
+    finally:
+        os.chdir(old_cwd)
+        dist.init_process_group = init
+    return {"step": names["step"], "position": names["position"], "path": names["path"],
+            "last_epoch": names["scheduler"].last_epoch}

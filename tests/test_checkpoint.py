@@ -276,7 +276,80 @@ def test_bench_jobs_save_no_checkpoints():
 def test_resume_takes_an_optional_path():
     from zerorun.cli import optional_value
 
-    assert optional_value(["train", "r.yaml", "--resume"], "--resume", "latest") == ["train", "r.yaml", "--resume=latest"]
+    assert optional_value(["train", "r.yaml", "--resume"], "--resume", "latest") == ["train", "r.yaml",
+                                                                                      "--resume=latest"]
     assert optional_value(["train", "r.yaml", "--resume", "zero.stage=1"], "--resume", "latest")[2] == "--resume=latest"
     assert optional_value(["train", "r.yaml", "--resume", "--dry-run"], "--resume", "latest")[2] == "--resume=latest"
-    assert optional_value(["train", "r.yaml", "--resume", "ck/step-3"], "--resume", "latest")[2:] == ["--resume", "ck/step-3"]
+    assert optional_value(["train", "r.yaml", "--resume", "ck/step-3"], "--resume", "latest")[2:] == ["--resume",
+                                                                                                      "ck/step-3"]
+
+
+def test_library_save_and_load_take_optional_arguments_and_refuse_bad_ones(ranks, tmp_path):
+    """Found by review of the library path: ``scheduler=None`` raised AttributeError, ``recipe={}`` KeyError,
+    a recipe or scheduler state that is not JSON-able TypeError, ``step=-1`` made ``step--0000001``; each left
+    its ``.step-N.<job>.tmp`` folder behind. Now the arguments are optional or refused in one line on every
+    rank before anything is written, and a scheduler given to ``load`` must match the checkpoint's."""
+    root = tmp_path / "ckpt"
+    got = ranks(2).run(cases.library_arguments, root=str(root))
+    for rank, r in enumerate(got):
+        assert r["step=-1"] == "ZerorunError: checkpoint.save: step: expected a whole number >= 0, got -1"
+        assert r["step=2.0"] == "ZerorunError: checkpoint.save: step: expected a whole number >= 0, got 2.0"
+        assert r["keep=-1"].startswith("ZerorunError: checkpoint.save: keep: expected a whole number >= 0")
+        assert r["recipe"] == ("ZerorunError: checkpoint.save: recipe['train']['collate'][1]: object is not "
+                               "JSON-able (expected JSON-able data or None)")
+        assert r["scheduler"] == ("ZerorunError: checkpoint.save: scheduler.state_dict()['fn']: object is not "
+                                  "JSON-able: zerorun.json cannot hold this scheduler")
+        assert r["position"].startswith("ZerorunError: checkpoint.save: position: expected a DataPosition")
+        assert r["rank 1's step"] == ("ZerorunError: checkpoint.save: step: expected a whole number >= 0, got -1"
+                                      if rank else "ZerorunError: checkpoint.save: rank 1 was given an argument "
+                                      "it refused (its error names it): every rank must pass the same; nothing "
+                                      "was saved")
+        assert r["left"] == [], r["left"]  # nothing written: not even the folder
+        assert r["bare"] == ("ok", str(root / "step-00000001")) and r["scheduled"][0] == "ok"
+        assert r["load bare"] == ("ok", (1, (0, 0))) and r["load scheduled"] == ("ok", (2, (0, 0)))
+        assert r["load bare with a scheduler"] == (f"ZerorunError: {root / 'step-00000001' / 'zerorun.json'}: "
+                                                   "saved without a scheduler: load it with scheduler=None")
+        assert r["load scheduled without one"] == (f"ZerorunError: {root / 'step-00000002' / 'zerorun.json'}: "
+                                                   "holds a scheduler's state: pass the scheduler (scheduler=...) "
+                                                   "to restore it")
+        assert r["load micro_batch_size=0"] == ("ZerorunError: checkpoint.load: micro_batch_size: expected a whole "
+                                                "number > 0 or None, got 0")
+    meta = checkpoint.read_meta(str(root / "step-00000001"))
+    assert meta["scheduler"] is None and meta["recipe"] is None and meta["data"]["micro_batch_size"] is None
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002"]  # keep=0 (the default) keeps every one
+
+
+def test_a_folder_that_is_no_checkpoint_is_named_so(tmp_path):
+    """Found by review: the root of checkpoints, an empty folder or one of other files was "not a complete
+    checkpoint (no COMPLETE marker: its save did not finish)", though no save ever ran there."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ZerorunError, match=r"^.*empty: not a checkpoint \(no zerorun.json, .metadata or .distcp file"):
+        checkpoint.check(str(tmp_path / "empty"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(ZerorunError, match=r"other: not a checkpoint \("):
+        checkpoint.check(str(tmp_path / "other"))
+    root = tmp_path / "ckpt"
+    for step in (2, 4, 6):
+        os.makedirs(root / f"step-{step:08d}")
+        if step < 6:
+            (root / f"step-{step:08d}" / checkpoint.MARKER).write_text(f'{{"step": {step}, "saved_at": {step}}}')
+    with pytest.raises(ZerorunError) as e:
+        checkpoint.check(str(root))
+    assert str(e.value) == (f"{root}: a folder of checkpoints, not a checkpoint: pass one of its step-N folders, "
+                            f"e.g. the newest complete one, {root / 'step-00000004'}")
+    half = root / "step-00000006"
+    (half / ".metadata").write_text("")
+    with pytest.raises(ZerorunError, match=r"step-00000006: not a complete checkpoint \(no COMPLETE marker: its save"):
+        checkpoint.check(str(half))
+    assert checkpoint.resolve(str(root)) == str(root / "step-00000004")  # --resume ROOT and consolidate: its latest
+
+
+def test_the_library_example_of_the_docs_runs(ranks, tmp_path):
+    """docs/checkpoints.md's "From your own script" example, as written, on 2 ranks."""
+    page = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "checkpoints.md")
+    for r in ranks(2).run(cases.run_docs_snippet, page=page, heading="## From your own script", cwd=str(tmp_path)):
+        assert r == {"step": 5, "position": checkpoint.DataPosition(0, 0), "path": "checkpoints/step-00000005",
+                     "last_epoch": 10}, r
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000005"]
+    assert checkpoint.check(str(tmp_path / "checkpoints" / "step-00000005"))["scheduler"]["last_epoch"] == 5

@@ -40,12 +40,13 @@ def read_meta(path: str) -> dict[str, Any]:
     """``zerorun.json`` of the checkpoint at ``path``, after checking that the checkpoint is complete.
 
     Raises:
-        ZerorunError: no such folder, no ``COMPLETE`` marker (half-written), unreadable or malformed JSON.
+        ZerorunError: no such folder, a folder of checkpoints (naming its newest complete one), one with no
+            checkpoint file, no ``COMPLETE`` marker (half-written), unreadable or malformed JSON.
     """
     if not os.path.isdir(path):
         raise ZerorunError(f"{path}: no such checkpoint directory")
     if not os.path.isfile(os.path.join(path, MARKER)):
-        raise ZerorunError(f"{path}: not a complete checkpoint (no {MARKER} marker: its save did not finish)")
+        raise ZerorunError(_not_complete(path))
     meta_path = os.path.join(path, META)
     try:
         with open(meta_path, encoding="utf-8") as f:
@@ -60,6 +61,19 @@ def read_meta(path: str) -> dict[str, Any]:
                            + (f" (missing key {missing[0]!r})" if missing else ""))
     _check_step(path, meta["step"], meta_path)
     return meta
+
+
+def _not_complete(path: str) -> str:
+    """Why the folder ``path``, which has no ``COMPLETE`` marker, is no checkpoint to load, in one line."""
+    names = os.listdir(path)
+    if any(_STEP_DIR.fullmatch(n) for n in names):
+        newest = latest(path)
+        return f"{path}: a folder of checkpoints, not a checkpoint: " + (
+            f"pass one of its step-N folders, e.g. the newest complete one, {newest}" if newest else
+            f"none of its step-N folders is complete (each lacks its {MARKER} marker)")
+    if not any(n in (META, ".metadata") or n.endswith(".distcp") for n in names):
+        return f"{path}: not a checkpoint (no {META}, .metadata or .distcp file in it)"
+    return f"{path}: not a complete checkpoint (no {MARKER} marker: its save did not finish)"
 
 
 def _check_step(path: str, step: Any, meta_path: str) -> None:

@@ -16,24 +16,39 @@ from zerorun.checkpoint.saving import quiet_sharded_tensor, rng_tensors
 from zerorun.errors import ZerorunError
 
 
-def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, DataPosition]:
+def load(path: str, engine, *, scheduler=None, micro_batch_size: int | None = None) -> tuple[int, DataPosition]:
     """Restore ``engine`` (masters, optimizer states, frozen parameters, module buffers), ``scheduler``, the
-    param groups' options and this rank's RNG states from the checkpoint at ``path`` (any world size and
-    stage: Note [Checkpoint layout]). Collective.
+    param groups' options and this rank's RNG states from the checkpoint at ``path`` (a ``step-N`` folder
+    :func:`~zerorun.checkpoint.saving.save` wrote; any world size and stage: Note [Checkpoint layout] in
+    zero/state.py). Collective: every rank calls it.
+
+    Args:
+        scheduler: the LR scheduler to restore: given exactly when the checkpoint was saved with one.
+        micro_batch_size: this run's; None: the same as the checkpoint's (it matters only at another world size).
 
     Returns:
         ``(step, position)``: the step the checkpoint was saved after and this rank's data position for the
-        current world size and ``micro_batch_size`` (Note [Exact resume]).
+        current world size and ``micro_batch_size`` (Note [Exact resume] in saving.py).
 
     Raises:
-        ZerorunError: incomplete or unreadable checkpoint, or one of another model (the message names the
-            file and the key), identically on every rank.
+        ZerorunError: not a checkpoint (the folder of ``step-N`` ones: naming the newest to pass), an incomplete or
+            unreadable one, one of another model (the message names the file and the key), a ``scheduler``
+            given for a checkpoint saved without one or the other way round, a ``micro_batch_size`` that is no
+            whole number > 0 (these before anything is restored), identically on every rank.
     """
     import torch.distributed as dist
 
     from zerorun.zero.state import CheckpointMismatch, compare_layout, load_engine_state
 
+    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool)
+                                         or micro_batch_size < 1):
+        raise ZerorunError(f"checkpoint.load: micro_batch_size: expected a whole number > 0 or None, got "
+                           f"{micro_batch_size!r}")
     meta = check(path)
+    if (scheduler is None) != (meta["scheduler"] is None):
+        raise ZerorunError(f"{os.path.join(path, META)}: " + (
+            "saved without a scheduler: load it with scheduler=None" if scheduler is not None else
+            "holds a scheduler's state: pass the scheduler (scheduler=...) to restore it"))
     problem = compare_layout(engine, meta["layout"])
     if problem:
         what = "another optimizer" if problem.startswith("optimizer ") else "another model"
@@ -45,7 +60,8 @@ def load(path: str, engine, *, scheduler, micro_batch_size: int) -> tuple[int, D
         load_engine_state(engine, meta["layout"], functools.partial(_read, path, engine, rng))
     except CheckpointMismatch as e:  # e.g. disk offload and an optimizer state this optimizer does not keep
         raise ZerorunError(f"{os.path.join(path, META)}: another optimizer: {e}") from None
-    scheduler.load_state_dict(meta["scheduler"])
+    if scheduler is not None:
+        scheduler.load_state_dict(meta["scheduler"])
     engine.skipped_steps = int(meta.get("skipped_steps", 0))
     if engine.scaler is not None and meta.get("loss_scaler"):  # fp16 after fp16; else the recipe's initial scale
         engine.scaler.load_state_dict(meta["loss_scaler"])
@@ -79,11 +95,14 @@ def _read(path: str, engine, rng: dict[str, torch.Tensor], targets: dict[str, An
                            + (problem if problem else "the targets of another rank") + ": not resumed")
 
 
-def _position(data: dict[str, Any], world_size: int, micro_batch_size: int) -> DataPosition:
+def _position(data: dict[str, Any], world_size: int, micro_batch_size: int | None) -> DataPosition:
     """This rank's data position from the checkpoint's ``data`` record: the same samples consumed in the epoch
-    with another world size or micro-batch size (Note [Exact resume])."""
+    with another world size or micro-batch size (Note [Exact resume] in saving.py); a micro-batch size not
+    known (None) on either side is taken to be the other's."""
     position = DataPosition(data["epoch"], data["batch"])
-    if (data["world_size"], data["micro_batch_size"]) != (world_size, micro_batch_size):
-        samples = data["batch"] * data["micro_batch_size"] * data["world_size"]
+    saved = data.get("micro_batch_size") or micro_batch_size or 1
+    micro_batch_size = micro_batch_size or saved
+    if (data["world_size"], saved) != (world_size, micro_batch_size):
+        samples = data["batch"] * saved * data["world_size"]
         position.batch = samples // (micro_batch_size * world_size)
     return position

@@ -104,50 +104,142 @@ def _tmp_dir(root: str, final: str, pid: int) -> str:
     return os.path.join(root, f".{os.path.basename(final)}.{_job_token(pid)}.tmp")
 
 
-def save(engine, root: str, step: int, *, scheduler, position: DataPosition, recipe: dict[str, Any],
-         keep: int) -> tuple[str, float, int]:
-    """Save a checkpoint of ``engine`` after ``step`` under ``root``, atomically (Note [Atomic checkpoints]),
-    and keep only the ``keep`` most recent complete ones. Collective: every rank of the engine calls it.
+def save(engine, root: str, step: int, *, scheduler=None, position: DataPosition | None = None,
+         recipe: dict[str, Any] | None = None, keep: int = 0) -> tuple[str, float, int]:
+    """Save a checkpoint of ``engine`` after ``step`` under ``root`` (into ``root/step-N``), atomically (Note
+    [Atomic checkpoints]), and keep only the ``keep`` most recent complete ones. Collective: every rank of the
+    engine calls it, with the same arguments; they are checked on every rank before anything is written.
 
     Args:
-        scheduler: the LR scheduler (its ``state_dict`` must be JSON-able, as LambdaLR's is).
-        position: this rank's data position after ``step`` (equal on every rank).
-        recipe: the resolved recipe as JSON-able data.
+        step: the step just trained (a whole number >= 0).
+        scheduler: the LR scheduler, or None (none is saved; :func:`~zerorun.checkpoint.loading.load` then
+            takes none); its ``state_dict`` must be JSON-able, as LambdaLR's is.
+        position: this rank's data position after ``step`` (equal on every rank); None: ``DataPosition()``.
+        recipe: JSON-able data saved with the checkpoint (the CLI's resolved recipe); its
+            ``train.micro_batch_size``, if any, lets a resume at another world size find its data position.
+        keep: how many complete checkpoints to keep in ``root``, the newest; 0 (the default) keeps every one.
 
     Returns:
         ``(path, seconds, bytes)``: the checkpoint folder, wall time of the save (s) and, on rank 0, its size
         on disk (bytes, every rank's files; 0 on other ranks).
 
     Raises:
-        ZerorunError: the folder cannot be made or written (naming it and why), identically on every rank.
-        Exception: whatever else rank 0 raised while finishing the save (a ``recipe`` without ``train``), there;
-            the other ranks raise ZerorunError naming rank 0 (before, they waited for it forever).
+        ZerorunError: one line on every rank, with nothing left on disk: an argument that is not as above
+            (naming it, ``checkpoint.save: <argument>: ...``), before anything is written; the folder cannot be
+            made or written (naming it and why); rank 0 failed while finishing the save (any exception: it
+            names it, the other ranks name rank 0).
     """
     t0 = time.perf_counter()
+    scheduler_state, micro = _check_arguments(engine, step, scheduler, position, recipe, keep)
+    position = position if position is not None else DataPosition()
+    tensors, layout = _state(engine)  # before the folder is made: a failure leaves nothing behind
     final = step_dir(root, step)
     tmp, pid = _make_tmp(engine, root, final)
-    layout = _write_shards(engine, tmp, step)
+    _write_shards(engine, tmp, step, tensors)
     reason = None
     failed = torch.zeros(1, device=engine.buffers[0].device)
-    error: Exception | None = None
     if engine.rank == 0:
-        try:
-            reason = _publish(tmp, final, root, step,
-                              lambda: _meta(engine, step, layout, scheduler, position, recipe, tmp))
-        except Exception as e:  # anything else: told to the other ranks below, raised here as it is
-            error, reason = e, f"{type(e).__name__}: {e}"
-        if reason is not None:  # a full disk or a file-size limit: nothing half-written is left to be taken
+        def meta() -> dict[str, Any]:
+            return _meta(engine, step, layout, scheduler_state, position, recipe, micro, tmp)
+        try:  # whatever fails, nothing half-written is left to be taken (_publish removes it)
+            reason = _publish(tmp, final, root, step, meta)
+        except Exception as e:  # noqa: BLE001 - told to the other ranks below, one line on every rank
+            text = str(e).strip()
+            reason = f"{type(e).__name__}" + (f": {text.splitlines()[0]}" if text else "")
+        if reason is not None:
             failed += 1
         else:
             _prune(root, keep, pid)
     engine.comm.all_reduce_now(failed)  # also the barrier: every rank learns of rank 0's failure
-    if error is not None:
-        raise error
     if failed.item():
         raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: "
                            + (reason if engine.rank == 0 else "failed on rank 0"))
     size = sum(os.path.getsize(os.path.join(final, n)) for n in os.listdir(final)) if engine.rank == 0 else 0
     return final, time.perf_counter() - t0, size
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _unjsonable(value: Any, where: str) -> str | None:
+    """The first part of ``value`` (``where`` and its key path) that ``json.dump`` cannot write, or None."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    if isinstance(value, (list, tuple)):
+        return next(filter(None, (_unjsonable(v, f"{where}[{i}]") for i, v in enumerate(value))), None)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not (k is None or isinstance(k, (bool, int, float, str))):
+                return f"{where}: key {k!r} ({type(k).__name__})"
+            found = _unjsonable(v, f"{where}[{k!r}]")
+            if found:
+                return found
+        return None
+    return f"{where}: {type(value).__name__}"
+
+
+def _arguments(step, scheduler, position, recipe, keep) -> tuple[dict[str, Any] | None, int | None]:
+    """:func:`save`'s arguments checked on this rank. Returns the scheduler's state (or None) and the
+    recipe's ``train.micro_batch_size`` (or None).
+
+    Raises:
+        ZerorunError: ``checkpoint.save: <argument>: ...``, one line.
+    """
+    if not _whole(step):
+        raise ZerorunError(f"checkpoint.save: step: expected a whole number >= 0, got {step!r}")
+    if not _whole(keep):
+        raise ZerorunError(f"checkpoint.save: keep: expected a whole number >= 0 (0 keeps every checkpoint), "
+                           f"got {keep!r}")
+    if position is not None and not (isinstance(position, DataPosition) and _whole(position.epoch)
+                                     and _whole(position.batch)):
+        raise ZerorunError(f"checkpoint.save: position: expected a DataPosition of whole numbers >= 0 or None, "
+                           f"got {position!r}")
+    micro = None
+    if recipe is not None:
+        bad = _unjsonable(recipe, "recipe") if isinstance(recipe, dict) else "recipe: not a dict"
+        if bad:
+            raise ZerorunError(f"checkpoint.save: {bad} is not JSON-able (expected JSON-able data or None)")
+        train = recipe.get("train")
+        micro = train.get("micro_batch_size") if isinstance(train, dict) else None
+        if micro is not None and not (_whole(micro) and micro > 0):
+            raise ZerorunError(f"checkpoint.save: recipe['train']['micro_batch_size']: expected a whole number > 0, "
+                               f"got {micro!r}")
+    state = None
+    if scheduler is not None:
+        if not callable(getattr(scheduler, "state_dict", None)):
+            raise ZerorunError(f"checkpoint.save: scheduler: expected an LR scheduler (with state_dict) or None, "
+                               f"got {type(scheduler).__name__}")
+        state = scheduler.state_dict()
+        bad = _unjsonable(state, "scheduler.state_dict()")
+        if bad:
+            raise ZerorunError(f"checkpoint.save: {bad} is not JSON-able: zerorun.json cannot hold this scheduler")
+    return state, micro
+
+
+def _check_arguments(engine, step, scheduler, position, recipe, keep) -> tuple[dict[str, Any] | None, int | None]:
+    """:func:`_arguments` on every rank, agreed on before anything is written: a rank whose arguments are
+    fine raises too when another rank's are not (instead of waiting for it in the save's collectives).
+    Collective.
+
+    Raises:
+        ZerorunError: this rank's one line, or one naming the first rank whose arguments are not.
+    """
+    problem, found = None, (None, None)
+    try:
+        found = _arguments(step, scheduler, position, recipe, keep)
+    except ZerorunError as e:
+        problem = str(e)
+    flags = torch.zeros(engine.world_size, device=engine.buffers[0].device)
+    flags[engine.rank] = 1.0 if problem else 0.0
+    engine.comm.all_reduce_now(flags)
+    if problem:
+        raise ZerorunError(problem)
+    bad = [r for r, f in enumerate(flags.tolist()) if f]
+    if bad:
+        raise ZerorunError(f"checkpoint.save: rank {bad[0]} was given an argument it refused (its error names "
+                           "it): every rank must pass the same; nothing was saved")
+    return found
 
 
 def _make_tmp(engine, root: str, final: str) -> tuple[str, int]:
@@ -180,19 +272,27 @@ def _make_tmp(engine, root: str, final: str) -> tuple[str, int]:
     return tmp, int(pid)
 
 
-def _write_shards(engine, tmp: str, step: int) -> dict[str, Any]:
-    """Every rank writes its shards and RNG states into ``tmp`` with DCP; returns the engine's layout (Note
-    [Checkpoint layout]). Collective; on failure rank 0 removes ``tmp`` and every rank raises ZerorunError."""
+def _state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's shards and RNG states to save, and the engine's layout (Note [Checkpoint layout])."""
+    import torch.distributed as dist
+
+    from zerorun.zero.state import engine_state
+
+    tensors, layout = engine_state(engine)
+    tensors.update(rng_tensors(dist.get_rank(engine.comm.group)))
+    return tensors, layout
+
+
+def _write_shards(engine, tmp: str, step: int, tensors: dict[str, Any]) -> None:
+    """Every rank writes ``tensors`` (:func:`_state`) into ``tmp`` with DCP. Collective; on failure rank 0
+    removes ``tmp`` and every rank raises ZerorunError."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from zerorun.zero.state import engine_state
     from zerorun.zero.state_paging import WRITER_OPTIONS
 
     group = engine.comm.group
-    tensors, layout = engine_state(engine)
-    tensors.update(rng_tensors(dist.get_rank(group)))
     pager = getattr(tensors, "pager", None)  # disk offload: Note [Paged checkpoints] in zero/state_paging.py
     try:
         with quiet_sharded_tensor():
@@ -205,23 +305,24 @@ def _write_shards(engine, tmp: str, step: int) -> dict[str, Any]:
         if engine.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise ZerorunError(f"checkpoint.dir: cannot save step {step} into {tmp}: {why}") from None
-    return layout
 
 
-def _meta(engine, step: int, layout, scheduler, position: DataPosition, recipe: dict[str, Any],
-          tmp: str) -> dict[str, Any]:
+def _meta(engine, step: int, layout, scheduler: dict[str, Any] | None, position: DataPosition,
+          recipe: dict[str, Any] | None, micro: int | None, tmp: str) -> dict[str, Any]:
     """``zerorun.json``'s content (rank 0, once every rank's files are in ``tmp``: dcp.save has returned, its
-    coordinator having gathered them all)."""
+    coordinator having gathered them all): ``scheduler`` is its state, ``micro`` the micro-batch size (None:
+    unknown)."""
     from zerorun.recipe import masked
 
     return {
         "format": FORMAT, "step": step, "world_size": engine.world_size, "stage": engine.stage,
-        "layout": layout, "scheduler": scheduler.state_dict(),
+        "layout": layout, "scheduler": scheduler,
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "skipped_steps": engine.skipped_steps,
         "data": {"epoch": position.epoch, "batch": position.batch, "world_size": engine.world_size,
-                 "micro_batch_size": recipe["train"]["micro_batch_size"]},
-        "recipe": masked(recipe),  # launch.env values masked (Note [Masked environment values])
+                 "micro_batch_size": micro},
+        # launch.env values masked (Note [Masked environment values] in recipe/text.py)
+        "recipe": masked(recipe) if recipe is not None else None,
         "files": {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
                          "sha256": _sha256(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}}
 
@@ -229,7 +330,11 @@ def _meta(engine, step: int, layout, scheduler, position: DataPosition, recipe: 
 def _publish(tmp: str, final: str, root: str, step: int, meta: Callable[[], dict[str, Any]]) -> str | None:
     """Rank 0: write ``meta()`` into ``tmp``, rename it to ``final`` (an earlier save of the step set aside, put
     back on failure) and mark it complete (Note [Atomic checkpoints]). Returns None, or why it failed (an
-    OSError: a full disk, a file-size limit), with nothing half-written left."""
+    OSError: a full disk, a file-size limit), with nothing half-written left.
+
+    Raises:
+        Exception: any other exception (of ``meta()``), after removing what was written as for an OSError.
+    """
     old = tmp[:-len(".tmp")] + ".old.tmp"
     moved = renamed = False
     try:
@@ -244,19 +349,25 @@ def _publish(tmp: str, final: str, root: str, step: int, meta: Callable[[], dict
         _fsync(root)
         _write_json(os.path.join(final, MARKER), {"step": step, "saved_at": time.time()})
         _fsync(final)
-    except OSError as e:
+    except BaseException as e:  # noqa: BLE001 - whatever it is, nothing half-written is left
         shutil.rmtree(final if renamed else tmp, ignore_errors=True)
         if moved and not os.path.exists(final):
             os.rename(old, final)  # the earlier save of this step, complete, back in place
+        if not isinstance(e, OSError):
+            raise
         return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
     return None
 
 
 def _prune(root: str, keep: int, pid: int) -> None:
-    """Rank 0, after a complete save: remove all but the ``keep`` newest complete checkpoints, and this job's
-    set-aside earlier saves."""
-    for _, _, path in list_complete(root)[:-keep]:
+    """Rank 0, after a complete save: remove all but the ``keep`` newest complete checkpoints (``keep`` 0:
+    none), and this job's set-aside earlier saves."""
+    for _, _, path in (list_complete(root)[:-keep] if keep else []):
         shutil.rmtree(path, ignore_errors=True)
-    for name in os.listdir(root):
+    try:
+        names = os.listdir(root)
+    except OSError:  # the save is complete: leftovers are removed by the next one
+        return
+    for name in names:
         if name.startswith(".") and name.endswith(f".{_job_token(pid)}.old.tmp"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
