@@ -37,10 +37,10 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
         elementwise: declare an optimizer class outside ``optimizers.ELEMENTWISE_OPTIMIZERS`` elementwise.
 
     Raises:
-        ValueError: ``model`` is not an ``nn.Module``; unsupported stage, unknown or non-elementwise optimizer, malformed ``param_groups``; a
-            model a stage-3 engine already holds (its parameters are partitioned into that engine); at stage 3,
-            a model or unit compiled in place (``nn.Module.compile``); a complex parameter (named; Note [Wide
-            parameters] in ``precision.py``). All before any collective.
+        ValueError: ``model`` is not an ``nn.Module``; unsupported stage, unknown or non-elementwise optimizer,
+            malformed ``param_groups``; a model a stage-3 engine already holds (its parameters are partitioned
+            into that engine); at stage 3, a model or unit compiled in place (``nn.Module.compile``); a complex
+            parameter (named; Note [Wide parameters] in ``precision.py``). All before any collective.
         RuntimeError: ``torch.distributed`` is not initialized.
     """
     if not isinstance(model, nn.Module):
