@@ -52,6 +52,23 @@ def test_torchrun_root_cause_is_blamed_not_the_rank_it_terminated():
     assert result.message == "rank process ended (killed by SIGABRT)"
 
 
+def test_a_rank_killed_by_its_own_abort_is_named_with_its_last_words():
+    """A rank that gloo aborted (a collective mismatch: "Received data size doesn't match expected size") said
+    only "rank process ended (killed by SIGABRT)"; the reason was in output.log alone. Its ``what():`` line (the
+    file:line in brackets left out) or CPython's fatal error now ends the message."""
+    what = ("[rank 1]   what():  [enforce fail at ../third_party/gloo/gloo/transport/tcp/pair.cc:446] op.preamble.length "
+            "<= op.nbytes. Received data size doesn't match expected size. Is there a distributed collective mismatch?")
+    result = supervise(["[rank 1] terminate called after throwing an instance of 'gloo::EnforceNotMet'", what, REPORT]
+                       + SUMMARY.splitlines())
+    assert (result.rank, result.message) == (1, "rank process ended (killed by SIGABRT): op.preamble.length <= "
+                                                "op.nbytes. Received data size doesn't match expected size. Is there "
+                                                "a distributed collective mismatch?")
+    result = supervise(["[rank 1]: Fatal Python error: Segmentation fault", REPORT] + SUMMARY.splitlines())
+    assert result.message == "rank process ended (killed by SIGABRT): Fatal Python error: Segmentation fault"
+    result = supervise(["[rank 0]   what():  something else", REPORT] + SUMMARY.splitlines())
+    assert result.message == "rank process ended (killed by SIGABRT)"  # another rank's words are not rank 1's
+
+
 def test_own_error_beats_peer_failure_and_silent_ranks():
     peer = format_event("error", 0, type="RuntimeError", message="Connection reset by peer", peer_failure=True)
     own = format_event("error", 1, type="ValueError", message="bad batch", peer_failure=False, where="m.py:3 in f")

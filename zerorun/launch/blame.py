@@ -54,7 +54,9 @@ def failure(seen: Observed, plan: LaunchPlan, node_rank: int | None) -> Outcome:
         return _error_outcome(plan, min(own, key=lambda e: e.time))
     if silent and not reason:
         rank = silent[0]
-        return Outcome("failed", 1, rank, _host(plan, rank), f"rank process ended ({describe_exit(exits[rank])})")
+        words = f": {seen.last_words[rank]}" if rank in seen.last_words else ""  # an abort's message
+        return Outcome("failed", 1, rank, _host(plan, rank),
+                       f"rank process ended ({describe_exit(exits[rank])}){words}")
     if reason:
         node = plan.nodes[reason_node]
         where = "" if node.host.name in reason else f" on {node.host.name}"

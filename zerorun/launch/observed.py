@@ -19,6 +19,9 @@ from zerorun.launch.nodes import Ended, Line, Message
 from zerorun.telemetry.events import Event, parse_line
 
 _RANK_LINE = re.compile(r"^\[rank (\d+)\]")
+#: a rank's last words before an abort: C++'s std::terminate (gloo's "what():  [enforce fail at pair.cc:446] ...
+#: Received data size doesn't match expected size"), CPython's "Fatal Python error: ..."; a leading [file:line] goes
+_LAST_WORDS = re.compile(r"^\[rank (\d+)\]:?\s+(?:what\(\):\s+(?:\[[^\]]*\]\s*)?(.+)|(Fatal Python error: .+))")
 #: what a node's torchrun prints when it gets a signal itself (SLURM's scancel or time limit signals every process)
 _AGENT_SIGNALLED = re.compile(r"Received (?:Signals\.)?\w+ death signal, shutting down workers")
 
@@ -45,6 +48,7 @@ class Observed:
         self.root_causes: list[int] = []  # the failure report's first observed failure, per node
         self.agent_signalled = False  # a node's torchrun said it got a signal (not only some rank)
         self.heard: dict[int, float] = {}  # global rank -> when its last line or event arrived
+        self.last_words: dict[int, str] = {}  # global rank -> its abort's message (_LAST_WORDS), for blame
 
     def take(self, message: Message) -> Event | Line | None:
         """Record ``message``; return the telemetry event it carries, the :class:`Line` to show, or None (a
@@ -65,6 +69,9 @@ class Observed:
         m = _RANK_LINE.match(line)
         if m:
             self.heard[int(m.group(1))] = time.time()
+            words = _LAST_WORDS.match(line)
+            if words:
+                self.last_words[int(words.group(1))] = (words.group(2) or words.group(3)).strip()[:200]
         if _AGENT_SIGNALLED.search(line):
             self.agent_signalled = True
         if line.strip() and not line.startswith("[rank "):
