@@ -158,6 +158,13 @@ def save_that_rank_0_cannot_finish(root: str) -> dict:
     return {"raised": got, "left": sorted(os.listdir(root))}
 
 
+class _Raising:
+    """A scheduler whose ``state_dict`` raises (on one rank: that rank raised before the others' agreement)."""
+
+    def state_dict(self):
+        raise RuntimeError("scheduler state unavailable")
+
+
 class _Unjsonable:
     def state_dict(self) -> dict:
         return {"base_lrs": [0.1], "fn": object()}
@@ -180,7 +187,9 @@ def library_arguments(root: str) -> dict:
            "recipe": dict(step=1, recipe={"train": {"micro_batch_size": 2, "collate": [1, object()]}}),
            "scheduler": dict(step=1, scheduler=_Unjsonable()),
            "position": dict(step=1, position=(3, 5)),
-           "rank 1's step": dict(step=1 - 2 * dist.get_rank())}
+           "rank 1's step": dict(step=1 - 2 * dist.get_rank()),
+           "steps differ": dict(step=1 + dist.get_rank()),  # each valid: rank 1's shards went to another folder
+           "rank 1's scheduler raises": dict(step=1, scheduler=_Raising() if dist.get_rank() else None)}
     for name, kwargs in bad.items():
         _attempt(out, name, lambda: checkpoint.save(engine, root, **kwargs))
     out["left"] = sorted(os.listdir(root)) if os.path.isdir(root) else []
@@ -193,6 +202,8 @@ def library_arguments(root: str) -> dict:
         _attempt(out, name, lambda: (lambda s, p: (s, (p.epoch, p.batch)))(
             *checkpoint.load(path, engine, scheduler=sched)))
     _attempt(out, "load micro_batch_size=0", lambda: checkpoint.load(bare, engine, micro_batch_size=0))
+    _attempt(out, "load: rank 0's scheduler", lambda: checkpoint.load(  # rank 1 waited for rank 0 (a hang)
+        bare, engine, scheduler=scheduler if dist.get_rank() == 0 else None))
     engine.close()
     return out
 

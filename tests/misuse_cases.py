@@ -139,3 +139,17 @@ def loss_not_scalar(stage: int) -> tuple[str, int]:
     engine = initialize(Net(), optimizer="AdamW", config=ZeroConfig(stage=stage))
     loss = engine(_x(0, 0)).repeat(4)
     return _error(lambda: engine.backward(loss))
+
+
+def hook_returns_a_value(stage: int) -> str:
+    """A post-accumulate hook registered after ``initialize`` that returns the gradient (``p.grad.mul_`` does):
+    the error ``engine.backward`` raises."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = initialize(model, optimizer="AdamW", config=ZeroConfig(stage=stage))
+    model.b.weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
+    try:
+        engine.backward(engine(_x(0, 0)))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

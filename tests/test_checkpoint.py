@@ -303,7 +303,20 @@ def test_library_save_and_load_take_optional_arguments_and_refuse_bad_ones(ranks
         assert r["rank 1's step"] == ("ZerorunError: checkpoint.save: step: expected a whole number >= 0, got -1"
                                       if rank else "ZerorunError: checkpoint.save: rank 1 was given an argument "
                                       "it refused (its error names it): every rank must pass the same; nothing "
-                                      "was saved")
+                                      "was done")
+        # found by a review: steps that differ (each valid) left a step folder marked complete without rank 1's
+        # shards; a scheduler raising on one rank, or a load argument refused on one rank, hung the others
+        assert r["steps differ"] == (f"ZerorunError: checkpoint.save: the ranks were given different values of step "
+                                     f"(this rank: {1 + rank}): every rank must pass the same; nothing was done")
+        assert r["rank 1's scheduler raises"] == (
+            "ZerorunError: checkpoint.save: RuntimeError: scheduler state unavailable" if rank else
+            "ZerorunError: checkpoint.save: rank 1 was given an argument it refused (its error names it): every "
+            "rank must pass the same; nothing was done")
+        assert r["load: rank 0's scheduler"] == (
+            "ZerorunError: checkpoint.load: rank 0 was given an argument it refused (its error names it): every "
+            "rank must pass the same; nothing was done" if rank else
+            f"ZerorunError: {root / 'step-00000001' / 'zerorun.json'}: saved without a scheduler: load it with "
+            "scheduler=None")
         assert r["left"] == [], r["left"]  # nothing written: not even the folder
         assert r["bare"] == ("ok", str(root / "step-00000001")) and r["scheduled"][0] == "ok"
         assert r["load bare"] == ("ok", (1, (0, 0))) and r["load scheduled"] == ("ok", (2, (0, 0)))

@@ -62,3 +62,12 @@ def test_a_loss_that_is_not_a_scalar_is_named_with_its_shape(ranks):
     for error, issued in ranks(2).run(cases.loss_not_scalar, stage=3):
         assert error == ("backward needs a scalar loss tensor, got Tensor of shape (4,) (reduce it: loss.mean() or "
                          "loss.sum())") and issued == 0, error
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_gradient_hook_that_returns_a_value_gets_torchs_message(ranks, stage):
+    """Note [User gradient hooks run first]: torch passes a post-accumulate hook's return value on to the next hook
+    (the reducer's, now last) and then refuses it; at stages 2-3 the reducer's hook raised a KeyError printing the
+    whole gradient first."""
+    for error in ranks(2).run(cases.hook_returns_a_value, stage=stage):
+        assert error == "Tensor post accumulate grad hooks should return None.", error

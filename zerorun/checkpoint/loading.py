@@ -12,7 +12,7 @@ import torch
 
 from zerorun.checkpoint.files import META, DataPosition, check
 from zerorun.checkpoint.safety import SafeLoadPlanner, SafeReader, reason
-from zerorun.checkpoint.saving import quiet_sharded_tensor, rng_tensors
+from zerorun.checkpoint.saving import agreed, quiet_sharded_tensor, rng_tensors
 from zerorun.errors import ZerorunError
 
 
@@ -38,21 +38,9 @@ def load(path: str, engine, *, scheduler=None, micro_batch_size: int | None = No
     """
     import torch.distributed as dist
 
-    from zerorun.zero.state import CheckpointMismatch, compare_layout, load_engine_state
+    from zerorun.zero.state import CheckpointMismatch, load_engine_state
 
-    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool)
-                                         or micro_batch_size < 1):
-        raise ZerorunError(f"checkpoint.load: micro_batch_size: expected a whole number > 0 or None, got "
-                           f"{micro_batch_size!r}")
-    meta = check(path)
-    if (scheduler is None) != (meta["scheduler"] is None):
-        raise ZerorunError(f"{os.path.join(path, META)}: " + (
-            "saved without a scheduler: load it with scheduler=None" if scheduler is not None else
-            "holds a scheduler's state: pass the scheduler (scheduler=...) to restore it"))
-    problem = compare_layout(engine, meta["layout"])
-    if problem:
-        what = "another optimizer" if problem.startswith("optimizer ") else "another model"
-        raise ZerorunError(f"{os.path.join(path, META)}: {what}: {problem}")
+    meta = agreed(engine, lambda: _checked(path, engine, scheduler, micro_batch_size), "checkpoint.load")
     rank = dist.get_rank(engine.comm.group)
     # ranks beyond the saved world size keep their own RNG state (Note [Exact resume])
     rng = {k: v.clone() for k, v in rng_tensors(rank).items()} if rank < meta["world_size"] else {}
@@ -71,6 +59,27 @@ def load(path: str, engine, *, scheduler=None, micro_batch_size: int | None = No
         else:
             torch.cuda.set_rng_state(value)
     return int(meta["step"]), _position(meta["data"], engine.world_size, micro_batch_size)
+
+
+def _checked(path: str, engine, scheduler, micro_batch_size: int | None) -> dict[str, Any]:
+    """:func:`load`'s arguments and the checkpoint's ``zerorun.json`` checked on this rank, before anything is
+    restored. Returns that metadata. Raises ZerorunError (see :func:`load`)."""
+    from zerorun.zero.state import compare_layout
+
+    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool)
+                                         or micro_batch_size < 1):
+        raise ZerorunError(f"checkpoint.load: micro_batch_size: expected a whole number > 0 or None, got "
+                           f"{micro_batch_size!r}")
+    meta = check(path)
+    if (scheduler is None) != (meta["scheduler"] is None):
+        raise ZerorunError(f"{os.path.join(path, META)}: " + (
+            "saved without a scheduler: load it with scheduler=None" if scheduler is not None else
+            "holds a scheduler's state: pass the scheduler (scheduler=...) to restore it"))
+    problem = compare_layout(engine, meta["layout"])
+    if problem:
+        what = "another optimizer" if problem.startswith("optimizer ") else "another model"
+        raise ZerorunError(f"{os.path.join(path, META)}: {what}: {problem}")
+    return meta
 
 
 def _read(path: str, engine, rng: dict[str, torch.Tensor], targets: dict[str, Any]) -> None:

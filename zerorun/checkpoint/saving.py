@@ -130,7 +130,8 @@ def save(engine, root: str, step: int, *, scheduler=None, position: DataPosition
             names it, the other ranks name rank 0).
     """
     t0 = time.perf_counter()
-    scheduler_state, micro = _check_arguments(engine, step, scheduler, position, recipe, keep)
+    scheduler_state, micro = agreed(engine, lambda: _arguments(step, scheduler, position, recipe, keep),
+                                    "checkpoint.save", {"step": step if _whole(step) else 0})
     position = position if position is not None else DataPosition()
     tensors, layout = _state(engine)  # before the folder is made: a failure leaves nothing behind
     final = step_dir(root, step)
@@ -217,28 +218,44 @@ def _arguments(step, scheduler, position, recipe, keep) -> tuple[dict[str, Any] 
     return state, micro
 
 
-def _check_arguments(engine, step, scheduler, position, recipe, keep) -> tuple[dict[str, Any] | None, int | None]:
-    """:func:`_arguments` on every rank, agreed on before anything is written: a rank whose arguments are
-    fine raises too when another rank's are not (instead of waiting for it in the save's collectives).
-    Collective.
+def agreed(engine, check: Callable[[], Any], who: str, same: dict[str, int] | None = None) -> Any:
+    """``check()`` on every rank, agreed on before anything is written or read: a rank whose own check passes
+    raises too when another rank's does not (instead of waiting for it in the collectives that follow), and
+    the ints in ``same`` (``{"step": 3}``, the same keys on every rank) must be equal on every rank (compared by
+    their residues modulo 65521 and their squares, summed: equal exactly when the sums' variance is zero; values
+    that differ by a multiple of 65521 pass). Collective. Returns ``check()``.
 
     Raises:
-        ZerorunError: this rank's one line, or one naming the first rank whose arguments are not.
+        ZerorunError: this rank's own error (a ZerorunError's line; any other exception as ``who: Type: text``),
+            or one naming the first rank whose check failed, or the ``same`` values that differ.
     """
-    problem, found = None, (None, None)
+    problem, found = None, None
     try:
-        found = _arguments(step, scheduler, position, recipe, keep)
+        found = check()
     except ZerorunError as e:
         problem = str(e)
-    flags = torch.zeros(engine.world_size, device=engine.buffers[0].device)
+    except Exception as e:  # noqa: BLE001 - any failure of one rank's check, one line on every rank
+        problem = f"{who}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    same = same or {}
+    values = [v % 65521 for v in same.values()]
+    flags = torch.zeros(engine.world_size + 2 * len(values), dtype=torch.float64, device=engine.buffers[0].device)
     flags[engine.rank] = 1.0 if problem else 0.0
+    for i, v in enumerate(values):
+        flags[engine.world_size + 2 * i], flags[engine.world_size + 2 * i + 1] = float(v), float(v * v)
     engine.comm.all_reduce_now(flags)
     if problem:
         raise ZerorunError(problem)
-    bad = [r for r, f in enumerate(flags.tolist()) if f]
+    sums = flags.tolist()
+    bad = [r for r, f in enumerate(sums[:engine.world_size]) if f]
     if bad:
-        raise ZerorunError(f"checkpoint.save: rank {bad[0]} was given an argument it refused (its error names "
-                           "it): every rank must pass the same; nothing was saved")
+        raise ZerorunError(f"{who}: rank {bad[0]} was given an argument it refused (its error names it): every "
+                           "rank must pass the same; nothing was done")
+    n, rest = engine.world_size, sums[engine.world_size:]
+    differ = [name for k, name in enumerate(same) if n * rest[2 * k + 1] != rest[2 * k] ** 2]
+    if differ:
+        raise ZerorunError(f"{who}: the ranks were given different values of {', '.join(differ)} (this rank: "
+                           f"{', '.join(str(same[d]) for d in differ)}): every rank must pass the same; nothing "
+                           "was done")
     return found
 
 

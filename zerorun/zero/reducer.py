@@ -117,7 +117,6 @@ class GradReducer:
         self.used: set[nn.Parameter] | None = None
         self.sync = self.last = self._recorded = self.running = False  # running: engine.backward's
         self._reset()
-        self.handles: list = []
 
     # ------------------------------------------------------------------------------------------ allocation
     def allocate(self) -> None:
@@ -178,17 +177,18 @@ class GradReducer:
         self._launch_ready()
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        buf = self._slot[p]
+        buf = self._slot.get(p)
+        if buf is None:  # a user's hook before it returned a value (torch passes it on, then raises that it must not)
+            return
         if not self.running:  # Note [One backward per micro-step] in user_model.py
             raise backward_outside_engine(next(n for n, q in zip(buf.names, buf.params) if q is p))
         self._used.add(p)  # Note [Unused parameters]
         if p.grad.layout != torch.strided:  # Note [Sparse gradients] in user_model.py
             p.grad = p.grad.to_dense()
         if buf in self._launched:  # Note [Per-parameter readiness]: a gradient after the launch
-            late = self._late.get(buf)
-            if late is None:
-                late = self._late[buf] = torch.zeros(buf.numel, dtype=p.grad.dtype, device=buf.device)
-            buf.view_of(late, p).add_(p.grad)
+            if buf not in self._late:
+                self._late[buf] = torch.zeros(buf.numel, dtype=p.grad.dtype, device=buf.device)
+            buf.view_of(self._late[buf], p).add_(p.grad)
             p.grad = None
         elif self.policy.keep_full_grad:
             view = buf.view_of(buf.grad, p)

@@ -22,7 +22,10 @@ logged per parameter) ran after the reducer's: it found ``p.grad`` None (an ``At
 code), and a scaling would have been lost. Under DDP a user's hook runs before the gradient is reduced, whenever
 it was registered. So each ``engine.backward`` first moves the reducer's hook behind the others on every
 parameter (``torch_internals.run_last``): a user's hook sees and may change this rank's gradient, before its
-reduction, as under DDP.
+reduction, as under DDP. A user's hook that returns a value (``lambda p: p.grad.mul_(0.5)`` returns the
+gradient) has torch pass that value to the next hook and then raise "Tensor post accumulate grad hooks should
+return None": the reducer's hook lets such a value through, so torch's message is the one raised (before: a
+``KeyError`` printing the gradient).
 
 Note [Sparse gradients]: a parameter whose gradient is sparse (``nn.Embedding(sparse=True)``) gets it densified
 in the reducer's hook: the bucket is dense, and at stages 2-3 copying a sparse tensor into it raised torch's
