@@ -89,7 +89,7 @@ class GradReducer:
     Attributes:
         order: the launch order (Note [Launch order]).
         late_fixups: buckets reduced a second time because a gradient came after their launch, in all.
-        adopted: bucket gradients taken from autograd without a copy, in all (Note [Adopted gradient]).
+        adopted: bucket gradients taken from autograd without a copy, in all (Note [Adopted gradient] in adoption.py).
         on_ready: callbacks ``f(buf)`` run when a bucket's gradient is complete (stage 3 frees its unit).
         rider: ``None``, or an object whose ``values()`` (ints) join the agreement of the step's last backward, and
             ``take(sums)`` their sums over ranks (stage 3: Note [Same units on every rank] in stage3_checks.py).
