@@ -12,7 +12,7 @@ import torch
 
 from zerorun.checkpoint.files import META, DataPosition, check
 from zerorun.checkpoint.safety import SafeLoadPlanner, SafeReader, reason
-from zerorun.checkpoint.saving import agreed, quiet_sharded_tensor, rng_tensors
+from zerorun.checkpoint.saving import agreed, quiet_sharded_tensor, rng_tensors, whole
 from zerorun.errors import ZerorunError
 
 
@@ -66,8 +66,7 @@ def _checked(path: str, engine, scheduler, micro_batch_size: int | None) -> dict
     restored. Returns that metadata. Raises ZerorunError (see :func:`load`)."""
     from zerorun.zero.state import compare_layout
 
-    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool)
-                                         or micro_batch_size < 1):
+    if micro_batch_size is not None and not (whole(micro_batch_size) and micro_batch_size > 0):
         raise ZerorunError(f"checkpoint.load: micro_batch_size: expected a whole number > 0 or None, got "
                            f"{micro_batch_size!r}")
     meta = check(path)

@@ -131,7 +131,7 @@ def save(engine, root: str, step: int, *, scheduler=None, position: DataPosition
     """
     t0 = time.perf_counter()
     scheduler_state, micro = agreed(engine, lambda: _arguments(step, scheduler, position, recipe, keep),
-                                    "checkpoint.save", {"step": step if _whole(step) else 0})
+                                    "checkpoint.save", {"step": step if whole(step) else 0})
     position = position if position is not None else DataPosition()
     tensors, layout = _state(engine)  # before the folder is made: a failure leaves nothing behind
     final = step_dir(root, step)
@@ -159,7 +159,8 @@ def save(engine, root: str, step: int, *, scheduler=None, position: DataPosition
     return final, time.perf_counter() - t0, size
 
 
-def _whole(value: Any) -> bool:
+def whole(value: Any) -> bool:
+    """Whether ``value`` is an int (not a bool) >= 0."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -187,13 +188,13 @@ def _arguments(step, scheduler, position, recipe, keep) -> tuple[dict[str, Any] 
     Raises:
         ZerorunError: ``checkpoint.save: <argument>: ...``, one line.
     """
-    if not _whole(step):
+    if not whole(step):
         raise ZerorunError(f"checkpoint.save: step: expected a whole number >= 0, got {step!r}")
-    if not _whole(keep):
+    if not whole(keep):
         raise ZerorunError(f"checkpoint.save: keep: expected a whole number >= 0 (0 keeps every checkpoint), "
                            f"got {keep!r}")
-    if position is not None and not (isinstance(position, DataPosition) and _whole(position.epoch)
-                                     and _whole(position.batch)):
+    if position is not None and not (isinstance(position, DataPosition) and whole(position.epoch)
+                                     and whole(position.batch)):
         raise ZerorunError(f"checkpoint.save: position: expected a DataPosition of whole numbers >= 0 or None, "
                            f"got {position!r}")
     micro = None
@@ -203,7 +204,7 @@ def _arguments(step, scheduler, position, recipe, keep) -> tuple[dict[str, Any] 
             raise ZerorunError(f"checkpoint.save: {bad} is not JSON-able (expected JSON-able data or None)")
         train = recipe.get("train")
         micro = train.get("micro_batch_size") if isinstance(train, dict) else None
-        if micro is not None and not (_whole(micro) and micro > 0):
+        if micro is not None and not (whole(micro) and micro > 0):
             raise ZerorunError(f"checkpoint.save: recipe['train']['micro_batch_size']: expected a whole number > 0, "
                                f"got {micro!r}")
     state = None

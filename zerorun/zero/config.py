@@ -124,9 +124,6 @@ class ZeroConfig:
         if self.prefetch_bytes is not None and (isinstance(self.prefetch_bytes, bool)
                                                 or not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0):
             raise ValueError(f"zero.prefetch_bytes must be an integer >= 0 or unset, got {self.prefetch_bytes!r}")
-        keep = self.keep_root_bytes
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise ValueError(f"zero.keep_root_bytes must be an integer >= 0, got {self.keep_root_bytes!r}")
         if self.grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"zero.grad_accum_dtype must be fp32, bf16, fp16 or unset, got {self.grad_accum_dtype!r}")
         if self.hierarchy is not None:
@@ -141,8 +138,6 @@ class ZeroConfig:
         if self.quantize_grads and self.stage == 0:
             raise ValueError("zero.quantize_grads quantizes the gradients' reduce-scatter of stages 1-3; stage 0 "
                              "all-reduces them as DDP does: set zero.stage 1, 2 or 3 or remove it")
-        if isinstance(self.quantize_block, bool) or not isinstance(self.quantize_block, int) or self.quantize_block < 1:
-            raise ValueError(f"zero.quantize_block must be an integer >= 1, got {self.quantize_block!r}")
         if self.activation_checkpointing and self.stage != 3:
             raise ValueError(f"activation_checkpointing recomputes each stage-3 unit's forward in backward; this is "
                              f"stage {self.stage}: set zero.stage 3, or apply torch.utils.checkpoint in the model")
@@ -154,7 +149,8 @@ class ZeroConfig:
         for name in ("bucket_mb", "offload_buffer_mb"):
             if not _finite(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ValueError(f"zero.{name} must be a number > 0, got {getattr(self, name)!r}")
-        for name, least in (("grad_accum_steps", 1), ("persistence_threshold", 0)):
+        for name, least in (("grad_accum_steps", 1), ("persistence_threshold", 0), ("keep_root_bytes", 0),
+                            ("quantize_block", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"zero.{name} must be an integer >= {least}, got {value!r}")

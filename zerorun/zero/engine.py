@@ -274,7 +274,7 @@ class ZeroEngine(UserModel):
         Raises:
             RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step.
         """
-        self.check_parameters()  # a closed engine; parameters replaced or frozen since the backward
+        self.check_open()
         if self._micro_step != self.config.grad_accum_steps:  # before any collective
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
                                f"{self.config.grad_accum_steps}: run the remaining micro-steps first (the "

@@ -107,6 +107,16 @@ _PEER_CLOSED = re.compile(r"\[[^\]]*pair\.cc:\d+\] (Connection closed by peer|Re
                           r"Socket closed)|ncclRemoteError|remote process exited")
 
 
+def _how(error: BaseException) -> str | None:
+    """How a collective ended for ``error``: ``"timed out"``, ``"lost a peer (it timed out or failed)"``, or None
+    (not gloo's or NCCL's wording of either)."""
+    if isinstance(error, RuntimeError) and _COLLECTIVE_TIMEOUT.search(str(error)):
+        return "timed out"
+    if isinstance(error, RuntimeError) and _PEER_CLOSED.search(str(error)):
+        return "lost a peer (it timed out or failed)"
+    return None
+
+
 def timed_out(engine, error: BaseException, where: str) -> RuntimeError | None:
     """Note [Same units on every rank]: a stage-3 collective that timed out (``launch.collective_timeout_s``) in
     ``where`` ("forward", "backward", "the agreement before backward") is most often ranks that ran different units
@@ -116,13 +126,8 @@ def timed_out(engine, error: BaseException, where: str) -> RuntimeError | None:
     The rank that times out first closes its connections, so its peers see a closed connection rather than a
     timeout of their own (which one is first is a race): a closed connection gets the same line, saying so,
     and stays a peer failure (Note [Blame] in launch/blame.py). None when ``error`` is neither."""
-    if not isinstance(error, RuntimeError):
-        return None
-    if _COLLECTIVE_TIMEOUT.search(str(error)):
-        how = "timed out"
-    elif _PEER_CLOSED.search(str(error)):
-        how = "lost a peer (it timed out or failed)"
-    else:
+    how = _how(error)
+    if how is None:
         return None
     names = [u.name or "<root>" for u in engine.units]
     waiting = [repr(u.name or "<root>") for u in engine.units if u.state is UnitState.GATHERING]
@@ -142,8 +147,7 @@ def called_on_some_ranks(engine, error: BaseException, call: str) -> RuntimeErro
     """The error to raise instead of gloo's or NCCL's when ``call`` (``"full_state_dict()"``), a collective that
     all-gathers every unit, timed out or lost its peer: most often it ran on some ranks only (``if rank == 0:
     torch.save(engine.state_dict())``, which is local at stages 0-2); None when ``error`` is neither."""
-    if not isinstance(error, RuntimeError) or not (_COLLECTIVE_TIMEOUT.search(str(error))
-                                                   or _PEER_CLOSED.search(str(error))):
+    if _how(error) is None:
         return None
     return RuntimeError(
         f"stage 3: rank {engine.comm.global_rank(engine.rank)} timed out in {call} or lost its peer there: it "
