@@ -1,5 +1,5 @@
 """Cases run on every rank of a gloo group by tests/test_activation_checkpointing.py (Note [Recomputed as first
-run] in zerorun/zero/stage3_schedule.py): stage 3 with ``activation_checkpointing`` against stage 0 without it."""
+run] in zerorun/zero/recompute.py): stage 3 with ``activation_checkpointing`` against stage 0 without it."""
 
 from __future__ import annotations
 

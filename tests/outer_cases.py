@@ -234,7 +234,9 @@ def _between(engine, what: str, loss: torch.Tensor) -> tuple[torch.Tensor, torch
     one on the head's weight to the loss, ``"write_bias"`` adds to the final norm's bias in place, ``"detach_head"``
     takes the head's weight detached (returned, read after the backward), each after an empty
     ``gathered_parameters`` block where prefixed ``"gathered_"``; ``"probe"``: the probe block called directly,
-    its side loss reading the head's weight, added to the loss; ``""``: nothing."""
+    its side loss reading the head's weight, added to the loss; ``"last_block"``: the last block called again, its
+    output's mean added to the loss; ``"detach_last_block"``: its first weight taken detached (as ``"detach_head"``);
+    ``""``: nothing."""
     model = engine.module
     if what.startswith("gathered_"):
         with engine.gathered_parameters([]) if engine.stage == 3 else contextlib.nullcontext():
@@ -244,6 +246,10 @@ def _between(engine, what: str, loss: torch.Tensor) -> tuple[torch.Tensor, torch
         model.probe.read = lambda: model.head.weight
         model.probe(torch.ones(2, SEQ, WIDTH))
         return loss + model.probe.aux, None
+    if what == "last_block":
+        return loss + model.blocks[-1](torch.ones(2, SEQ, WIDTH)).mean(), None
+    if what == "detach_last_block":
+        return loss, model.blocks[-1].up.weight.detach()
     if what == "penalty":
         return loss + 0.1 * model.head.weight.square().sum(), None
     if what == "write_bias":
@@ -298,3 +304,19 @@ def gathered_at_points(steps: int = 3, with_root: bool = False, keep: int | None
                     "gathers": {n: top["gathers"].count(n) for n in watched}})
     return {"steps": out, "sizes": {name: p.nbytes for name, p in watched.items()}}
 
+
+
+def kept_on_one_rank(steps: int = 3) -> dict:
+    """:func:`train` at stage 3 with the default ``zero.keep_root_bytes`` (the last block is kept from each forward
+    into its backward: Note [Kept from forward to backward]), but rank 1 never keeps it (``Schedule.keeps_last``
+    made false there): the agreement before backward must free it on every rank, so that every rank all-gathers it
+    again in backward."""
+    from zerorun.zero.stage3_schedule import Schedule
+
+    keeps_last = Schedule.keeps_last
+    if dist.get_rank() == 1:
+        Schedule.keeps_last = lambda self, unit: False
+    try:
+        return train(stage=3, steps=steps, keep=None)
+    finally:
+        Schedule.keeps_last = keeps_last

@@ -230,14 +230,15 @@ def deferred_equals_normal(world_size_check: bool = True) -> dict:
             "rng": torch.equal(after_normal, after_meta), "units": [u.name for u in engine.units]}
 
 
-def prefetch_order(prefetch_bytes: int | None = None, n_layer: int = 2) -> dict:
+def prefetch_order(prefetch_bytes: int | None = None, n_layer: int = 2, keep: int | None = None) -> dict:
     """Unit order recorded by stage 3 after two steps (Note [Prefetch]), whether the step-2 gathers were
     issued ahead of use (the all-gather of the next unit in flight when the current unit starts), and, for
     each all-gather of step 2 issued ahead of use, the unit in use then (``issued``: (unit, phase, in use)),
-    and each block's gathered bytes."""
+    and each block's gathered bytes. ``keep``: ``zero.keep_root_bytes`` (None: its default)."""
     model = _build("gpt", 0, n_layer=n_layer)
+    extra = {} if keep is None else {"keep_root_bytes": keep}
     engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
-                        config=ZeroConfig(stage=3, units=("Block",), prefetch_bytes=prefetch_bytes))
+                        config=ZeroConfig(stage=3, units=("Block",), prefetch_bytes=prefetch_bytes, **extra))
     ahead, issued = [], []
 
     def spy(unit, original, wait=True):

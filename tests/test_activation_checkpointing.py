@@ -1,5 +1,5 @@
 """``activation_checkpointing`` at stage 3 trains as stage 0 without it (Note [Recomputed as first run] in
-zerorun/zero/stage3_schedule.py): buffers a unit's forward changes are changed once, and the recomputation sees them
+zerorun/zero/recompute.py): buffers a unit's forward changes are changed once, and the recomputation sees them
 as the first run did."""
 
 import pytest

@@ -42,12 +42,11 @@ def test_a_unit_of_several_flat_buffers_is_gathered_in_one_collective(ranks):
     one (Note [One reduce-scatter per launch] in gloo_reduce_scatter.py; before: one per buffer)."""
     for r in ranks(2).run(cases.collectives_per_gather):
         assert r["buffers"] == [2, 2, 2], r
-        # 3 blocks twice, the root and the head once (small: kept gathered from forward into backward, Note [Kept
-        # from forward to backward]; with zero.keep_root_bytes 0, twice: 10 gathers in 7 collectives): 8 units
-        # gathered. Note [Units gathered together]: the root's, the head's and the first block's at the start of
-        # the forward are one collective, and the last block's at the start of its backward with the middle one's
-        # prefetch another (before: one per unit)
-        assert r["gathers"] == 8 and r["collectives"] == 5, r
+        # 2 blocks twice; the root, the head and the last block once (small: kept gathered from forward into
+        # backward, Note [Kept from forward to backward]; with zero.keep_root_bytes 0, all twice: 10 gathers in 7
+        # collectives): 7 units gathered. Note [Units gathered together]: the root's, the head's and the first
+        # block's at the start of the forward are one collective (before: one per unit)
+        assert r["gathers"] == 7 and r["collectives"] == 5, r
         # Note [One reduce-scatter per launch]: the last two blocks' two buckets each at their end of backward as
         # one collective; the first block's (its input needs no gradient: no end of its own) and the head's, four
         # buckets, in one at the end of backward (before: one per bucket, 8)
@@ -188,10 +187,11 @@ def test_the_run_says_why_a_unit_owns_no_parameter_and_what_the_root_holds(ranks
     tied = pool.run(cases.units_by_name, units=("Block",), tie=True)
     assert ("stage 3 parameters that stay gathered: root 1.1 KiB, blocks.0.fc.weight, blocks.0.fc.bias (through each "
             "forward and backward)") in tied[0]["lines"], tied[0]["lines"]
-    # Note [Kept from forward to backward]: the root and the head, 1.1 KiB together, under zero.keep_root_bytes
+    # Note [Kept from forward to backward]: the root and the head, 1.1 KiB together, under zero.keep_root_bytes, and
+    # with them the last block
     assert ("stage 3: the root and the outer units, 1.1 KiB together, are gathered once per step and kept from each "
-            "forward into its backward (zero.keep_root_bytes 1.00 MiB; 0 frees them after forward)"
-            ) in tied[0]["lines"], tied[0]["lines"]
+            "forward into its backward, and so is the last listed unit, blocks.2 1.2 KiB, where the forward ends "
+            "with it (zero.keep_root_bytes 1.00 MiB; 0 frees them after forward)") in tied[0]["lines"], tied[0]["lines"]
     assert not any("into its backward" in line for line in persistent), persistent  # zero.keep_root_bytes 0
     for r, want in zip(tied, pool.run(cases.units_by_name, units=(), stage=0, tie=True)):
         assert r["losses"] == pytest.approx(want["losses"], rel=1e-5)

@@ -39,8 +39,8 @@ and all-gather send (N-1)/N of the buffer, all-reduce twice that; ZeRO paper §7
 in ``zero/topology.py``; with ``zero.hierarchy`` the secondary group's all-gathers, and the secondary shards'
 memory, Note [Secondary shards] in ``zero/hierarchy.py``: equal to ``SecondaryShards.nbytes``,
 tests/test_hierarchy.py). At stage 3 the root and the outer units, where they hold at most ``zero.keep_root_bytes``
-together, are gathered once per micro-step (Note [Kept from forward to backward] in ``zero/stage3_outer.py``;
-``hierarchy.kept_units``).
+together, are gathered once per micro-step, and the last listed unit too where it fits with them (Note [Kept from
+forward to backward] in ``zero/stage3_outer.py``; ``hierarchy.kept_units``).
 Without a recipe (``--params``), the layout is one buffer of Ψ elements.
 
 Note [What is approximate]: the working set stage 3 adds (the root unit, which stays gathered through forward

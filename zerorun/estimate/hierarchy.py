@@ -115,11 +115,19 @@ def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
 def kept_units(layout: Layout, world_size: int, default: int) -> set[str]:
     """The units a forward with gradients on leaves gathered into its backward (Note [Kept from forward to
     backward] in zero/stage3_outer.py): the root and every outer unit, when their padded bytes together are at
-    most ``layout.keep_root_bytes``; else none."""
+    most ``layout.keep_root_bytes``, and the last listed unit too when it fits with them (the runtime keeps the
+    last of the recorded forward order: the model's last listed module where it runs them in their order);
+    else none."""
+    def padded(u) -> int:
+        return sum(_pad(n, world_size) * b for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
+
     units = [u for u in layout.units if u.name == "<root>" or u.outer]
-    nbytes = sum(_pad(n, world_size) * b for u in units
-                 for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
-    return {u.name for u in units} if 0 < layout.keep_root_bytes and nbytes <= layout.keep_root_bytes else set()
+    nbytes, cap = sum(padded(u) for u in units), layout.keep_root_bytes
+    if not (0 < cap and nbytes <= cap):
+        return set()
+    listed = [u for u in layout.units if u.name not in ("<root>", PERSISTENT) and not u.outer and padded(u)]
+    last = [u.name for u in listed[-1:] if nbytes + padded(u) <= cap]
+    return {u.name for u in units} | set(last)
 
 
 def secondary_bytes(layout: Layout, world_size: int, default: int, group: int | None) -> int:

@@ -60,7 +60,8 @@ class Layout:
             [Wide parameters] in zero/precision.py), an integer parameter's own.
         keep_root_bytes: stage 3's ``zero.keep_root_bytes`` (Note [Kept from forward to backward] in
             zero/stage3_outer.py): the root and the outer units, when their gathered bytes together are at most
-            this, are gathered once per micro-step (``estimate.hierarchy.kept_units``); 0: twice.
+            this, are gathered once per micro-step, and the last listed unit too where it fits with them
+            (``estimate.hierarchy.kept_units``); 0: twice.
     """
 
     total: int

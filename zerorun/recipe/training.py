@@ -90,11 +90,13 @@ class ZeroSpec(Strict):
     # Stage 3: parameters of at most this many elements stay whole on every rank (0: none).
     persistence_threshold: int = Field(0, ge=0, description="stage 3: parameters of at most this many elements "
                                        "stay whole on every rank (0: none)")
-    # Stage 3: the root and the outer units stay gathered from forward into backward up to these bytes together.
+    # Stage 3: the root and the outer units (and the last unit) stay gathered from forward into backward up to these
+    # bytes together.
     keep_root_bytes: int | None = Field(None, ge=0, description="stage 3: the root unit and the outer units "
                                         "(embeddings, final norm, LM head) are gathered once per step and kept from "
                                         "the end of forward into backward when their bytes together are at most "
-                                        "this (unset: 1 MiB; 0: freed after every forward)")
+                                        "this, and the forward's last unit too where it fits with them (unset: "
+                                        "1 MiB; 0: freed after every forward)")
     # Mixed precision and offload (zerorun/zero/precision.py, offload.py): reduce gradients in fp32 instead of
     # the 2-byte precision; where the fp32 master slices and optimizer states live (none | cpu | disk), the
     # folder for disk's swap files and the host buffer (MiB) they are paged through.

@@ -44,7 +44,8 @@ class ZeroConfig:
             head) hold at most this many bytes together when gathered (default 1 MiB), they are all-gathered once
             per micro-step and stay gathered from the end of a forward with gradients on into its backward: one
             all-gather fewer per micro-step and no saved-tensor hooks, for those bytes held through the loss's
-            backward; 0: freed after every forward (Note [Kept from forward to backward] in ``stage3_outer.py``).
+            backward; so does the forward's last listed unit (the first of backward) where it fits with them; 0:
+            freed after every forward (Note [Kept from forward to backward] in ``stage3_outer.py``).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: dtype of parameters, gradients and collectives; fp32
             master slices and optimizer states either way (Note [Mixed precision] in ``precision.py``).
         reduce_dtype: ``None`` (reduce gradients in ``precision``) or ``"fp32"`` (reduce an fp32 copy).

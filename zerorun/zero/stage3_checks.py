@@ -224,10 +224,13 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
     counts = ([int(any(n in found for n in nodes) and u not in unsafe) for u, nodes in zip(units, recorded)]
               + [int(r) for r in reached] + open_ended)
     n, h = engine.world_size, order_digest(engine.gathering.log)  # Note [Same units on every rank]: so far
-    counts += [h, h * h]
+    held = [u for u in listed if u.held]  # Note [Kept from forward to backward] in stage3_outer.py: the last unit
+    counts += [len(held), h, h * h]
     if n > 1:  # Note [Agreements on the host] in comm.py: no device round trip
         counts = engine.comm.agree(counts)
-    *counts, hs, hsq = counts
+    *counts, kept, hs, hsq = counts
+    if kept != n * len(held):  # kept on some ranks only: gathered again in backward on every rank instead
+        engine.sched.free(held)
     for u, m in zip(tails, counts[len(listed):]):
         u.deferred = m == n
     for u, m in zip(listed, counts[len(units):]):

@@ -69,6 +69,15 @@ leave them unguarded). The units their forward reads (a root penalty on a block'
 parameters]) are freed at the forward's end and gathered again when backward begins, as with the root. The
 optimizer step, a forward with gradients off and a checkpoint's load free them too. Larger ones (an LM head of
 ``V x d``) follow the schedule above.
+With them, the listed unit that ends the forward stays gathered too, where its bytes fit in ``zero.keep_root_bytes``
+with theirs: it is the first unit of backward, gathered again at once otherwise, with no prefetch to hide it (the
+root's backward issues none: Note [Prefetch] in stage3.py); torchtitan leaves its last block unsharded after
+forward for the same reason, and DeepSpeed's ``stage3_max_reuse_distance`` keeps a parameter used again that soon.
+It is the last unit of the recorded forward order (``Schedule.keeps_last``), not freed at the end of its own call
+and kept when the forward ends with it; ``zerorun estimate`` takes the model's last listed unit. The model of many
+small ops in one unit (``benchmarks/stage3_small_ops.py``) then adds one all-gather per step over stage 2, not two.
+Whether it was kept is agreed before backward (``check_backward_units``): a rank whose forward ended elsewhere
+(a recorded order that differs) would otherwise all-gather it alone; then every rank frees it and gathers it again.
 """
 
 from __future__ import annotations
@@ -128,8 +137,8 @@ class OuterSchedule:
         self.read_unrecorded: set[Unit] = set()
         self.tail_storages: dict[int, Unit] = {}
         # Note [Kept from forward to backward]: the root and every outer unit fit in zero.keep_root_bytes together
-        cap = sched.config.keep_root_bytes
-        self.small = 0 < cap and kept_bytes(sched.units) <= cap
+        cap, self.kept_nbytes = sched.config.keep_root_bytes, kept_bytes(sched.units)
+        self.small = 0 < cap and self.kept_nbytes <= cap
 
     def hook(self) -> None:
         """Gather the outer units with the root until the first step has learned their schedule, and hook their

@@ -26,12 +26,13 @@ those units over that window, and the numbers of stage 0.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from zerorun.zero.recompute import checkpointed
 from zerorun.zero.stage3_checks import check_no_writes
 from zerorun.zero.stage3_outer import OuterSchedule
 from zerorun.zero.torch_internals import in_backward, will_accumulate
@@ -59,10 +60,12 @@ class Schedule:
         self.foreign = False  # a backward not engine.backward's runs (reducer.running: one that is; Note [Backward
         self.second_order = object()  # outside engine.backward]), and the pin of the units its graph reads
         self.outer = OuterSchedule(self)
+        listed = [u for u in units if not (u.is_root or u.outer or u.persistent) and u.buffers]
+        self.last_listed = max(listed, key=lambda u: u.index, default=None)  # the first step's guess of the last
 
     def hook(self, checkpointing: bool) -> None:
         """Register the forward hooks of every listed unit and the root (outer units: :class:`OuterSchedule`);
-        with ``checkpointing``, a listed unit's forward is recomputed in backward (:func:`checkpointed`)."""
+        with ``checkpointing``, a listed unit's forward is recomputed in backward (``recompute.checkpointed``)."""
         for unit in self.units:
             if unit.persistent or unit.outer:
                 continue
@@ -106,7 +109,7 @@ class Schedule:
         """Free every unit but those in ``keep`` (Note [Kept from forward to backward] in stage3_outer.py):
         pins of units go; a ``gathered_parameters`` block keeps its own."""
         keep = set(keep)
-        self._free([u for u in self.units if u not in keep])
+        self.free([u for u in self.units if u not in keep])
         for unit in self.units:
             if unit in keep and unit.state is UnitState.GATHERED:
                 unit.hold()
@@ -115,10 +118,10 @@ class Schedule:
         """Free the units kept from a forward (Note [Kept from forward to backward] in stage3_outer.py), before an
         engine call that gathers between a forward and its backward: they are at rest again, the backward gathers
         them as it would have without the hold."""
-        self._free([u for u in self.units if u.held])
+        self.free([u for u in self.units if u.held])
 
     @staticmethod
-    def _free(units: list[Unit]) -> None:
+    def free(units: list[Unit]) -> None:
         """Free ``units``: their pins by units go first (a ``gathered_parameters`` block keeps its own)."""
         for unit in units:
             unit.pinned_by = {h for h in unit.pinned_by if not isinstance(h, Unit)}
@@ -175,13 +178,31 @@ class Schedule:
         self.watch(unit, output, functools.partial(self.pre_backward, unit))
         check_no_writes(unit)
         if unit.is_root:
+            keep = self.kept() if torch.is_grad_enabled() else []
             if torch.is_grad_enabled():
                 self.end_pass("forward")
             self.outer.pass_end()
-            self.free_all(keep=self.outer.kept() if torch.is_grad_enabled() else ())
-        else:
+            self.free_all(keep=keep)
+        elif not self.keeps_last(unit):
             unit.reshard()
         return output
+
+    def keeps_last(self, unit: Unit) -> bool:
+        """Whether ``unit``, at the end of its forward call, is the last unit of the recorded forward order (before
+        one is recorded: the model's last listed unit) and fits in ``zero.keep_root_bytes`` with the root and the
+        outer units: then it stays gathered into backward, whose first unit it is (Note [Kept from forward to
+        backward] in stage3_outer.py)."""
+        order = self.order["forward"]
+        return (torch.is_grad_enabled() and self.outer.small and unit is (order[-1] if order else self.last_listed)
+                and self.outer.kept_nbytes + unit.gathered_bytes <= self.config.keep_root_bytes)
+
+    def kept(self) -> list[Unit]:
+        """The units a forward with gradients on leaves gathered at its end (Note [Kept from forward to backward] in
+        stage3_outer.py): the root and every outer unit when they are small, and the unit :meth:`keeps_last` kept
+        if this forward's last unit is it."""
+        last = self.seen["forward"][-1] if self.seen["forward"] else None
+        tail = [last] if last is not None and not last.is_root and self.keeps_last(last) else []
+        return self.outer.kept() + [u for u in tail if u.state is not UnitState.FREE]
 
     def enter(self, unit: Unit) -> None:
         """``unit``'s forward call begins: it is on the stack."""
@@ -344,46 +365,3 @@ class Schedule:
             unit.ready_buffers = unit.open_calls = 0
             unit.ends_agreed = unit.deferred = unit.open_ended = False
         self.free_all()
-
-
-# Note [Recomputed as first run]: ``ZeroConfig.activation_checkpointing`` recomputes each listed unit's forward in
-# backward (``torch.utils.checkpoint``, non-reentrant, which restores the RNG: dropout draws the same mask). A
-# forward that changes the unit's buffers (BatchNorm's running statistics and ``num_batches_tracked``, a decaying
-# gate kept as a buffer) ran twice under torch's checkpoint: the statistics were updated twice (the count 6 after 3
-# steps), and the recomputation read the buffers as the first run left them, so the gradients differed from stage
-# 0's from the first step. Here the recomputation runs on copies of the buffers as the first run found them, and the
-# module's own buffers are put back after it: the statistics are updated once and the gradients are stage 0's.
-# Which buffers a call changed cannot be told without a host sync (BatchNorm's kernel writes its running statistics
-# without bumping their version counters), so every buffer is copied: a unit's buffers once more per forward call,
-# kept to its backward (none for a unit without buffers, as a transformer block).
-def checkpointed(forward: Callable, module: nn.Module) -> Callable:
-    """``forward`` (a listed unit's, ``module``'s) recomputed in backward (Note [Recomputed as first run]). A unit
-    without buffers gets torch's checkpoint alone, which ``torch.compile`` traces whole (Note [Compiling per unit] in
-    compiling.py); the copies of a unit's buffers are Python that it does not."""
-
-    def plain(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        found = [(m, name, b.detach().clone()) for m in module.modules() for name, b in m._buffers.items()
-                 if b is not None]
-
-        def replay(*a: Any, **kw: Any) -> Any:
-            if not in_backward() or not found:
-                return forward(*a, **kw)
-            now = [(m, name, m._buffers[name]) for m, name, _ in found]
-            for m, name, value in found:
-                m._buffers[name] = value.clone()  # the recomputation's own copy (a retained graph runs it again)
-            try:
-                return forward(*a, **kw)
-            finally:
-                for m, name, b in now:
-                    m._buffers[name] = b
-
-        return torch.utils.checkpoint.checkpoint(replay, *args, use_reentrant=False, **kwargs)
-
-    return run if any(True for _ in module.buffers()) else plain
