@@ -340,7 +340,7 @@ class LateNet(nn.Module):
 
 class LoopNet(LateNet):
     """``b`` called once more on rank 1 than on rank 0 (a loop as long as each rank's own sequence): its second
-    all-gather there has no partner."""
+    all-gather there has no partner (where ``b``, the last unit, is not kept from forward to backward)."""
 
     def forward(self, x):
         x = self.a(x)
@@ -349,16 +349,16 @@ class LoopNet(LateNet):
         return x.pow(2).mean()
 
 
-def unit_on_some_ranks(timeout_s: float, net: str = "late") -> str:
+def unit_on_some_ranks(timeout_s: float, net: str = "late", keep: int | None = None) -> str:
     """One step of :class:`LateNet` (``net="loop"``: :class:`LoopNet`) at stage 3 over a gloo group whose
-    collectives time out after ``timeout_s``; the error this rank raised."""
+    collectives time out after ``timeout_s``; the error this rank raised. ``keep``: ``zero.keep_root_bytes``."""
     import datetime
 
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     torch.manual_seed(0)
+    extra = {} if keep is None else {"keep_root_bytes": keep}
     engine = initialize({"late": LateNet, "loop": LoopNet}[net](), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
-                        process_group=group,
-                        config=ZeroConfig(stage=3, units=("Linear",)))
+                        process_group=group, config=ZeroConfig(stage=3, units=("Linear",), **extra))
     try:
         train_steps(engine, 1, 16)
     except RuntimeError as e:
@@ -375,6 +375,14 @@ class TimeoutNet(LateNet):
     def forward(self, x):
         self.a(x)
         raise RuntimeError(self.message)
+
+
+def loop_net(stage: int, steps: int = 3) -> list[float]:
+    """Train :class:`LoopNet` (stage 3: each Linear a unit, the default ``zero.keep_root_bytes``); the losses."""
+    torch.manual_seed(0)
+    engine = initialize(LoopNet(), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                        config=ZeroConfig(stage=stage, units=("Linear",) if stage == 3 else ()))
+    return train_steps(engine, steps, 16)
 
 
 def user_error_mentioning_a_timeout(message: str) -> str:

@@ -61,12 +61,13 @@ class TinyGPT(nn.Module):
     ``frozen_wte``: the token embedding frozen (no gradient flows through it); ``block_reads``: the last block's side
     loss reads that module's weight detached (``"head"``, ``"ln_f"``) or through ``.data`` (``"head.data"``);
     ``block_penalty``: the root adds a penalty on the first block's weight (a listed unit's, read after it ran);
-    ``extra``:
+    ``root_writes``: the root clamps the final norm's weight (True), or scales a block's bias after the blocks ran
+    (``"blocks.0"``, ``"blocks.3"``: the last one, kept from forward to backward by default); ``extra``:
     a Linear on the root, run where ``batch[1]`` says (``"start"``, ``"end"`` or ``None``: not at all);
     ``batch[2]``, when given: the blocks to skip (LayerDrop, the same on every rank)."""
 
     def __init__(self, depth: int = 4, tied: bool = False, head_by_weight: bool = False, max_norm: bool = False,
-                 root_writes: bool = False, latents: bool = False, final_norm: bool = True,
+                 root_writes: bool | str = False, latents: bool = False, final_norm: bool = True,
                  head_penalty: bool = False, detach_aux: bool = False, probe: bool = False,
                  frozen_wte: bool = False, block_reads: str | None = None, block_penalty: bool = False) -> None:
         super().__init__()
@@ -98,7 +99,7 @@ class TinyGPT(nn.Module):
         x = self.wte(ids) + self.wpe[: ids.shape[1]]
         if self.latents is not None:
             x = x + self.latents(x.shape[0])
-        if self.root_writes:
+        if self.root_writes is True:
             with torch.no_grad():
                 self.ln_f.weight.clamp_(max=0.9)
         if extra == "start":
@@ -108,6 +109,9 @@ class TinyGPT(nn.Module):
                 raise ValueError("interrupted")
             if not skip or i not in skip[0]:
                 x = block(x)
+        if self.root_writes in ("blocks.0", "blocks.3"):  # a block written after it ran (kept, or at rest)
+            with torch.no_grad():
+                self.blocks[int(self.root_writes[-1])].down.bias.mul_(0.9)
         if extra == "end":
             x = x + self.extra(x)
         for i in self.use_experts:

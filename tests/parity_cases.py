@@ -195,18 +195,22 @@ def memory(stage: int, model: str = "gpt", units: tuple = (), precision: str = "
            persistence_threshold: int = 0) -> dict:
     """The engine's reported model-state bytes after one step, with Ψ and the padded numel (``persistent``:
     of the stage-3 persistent parameters' buffers; ``kept``: of the units kept from forward to backward, gathered
-    once a step instead of twice, Note [Kept from forward to backward] in zerorun/zero/stage3_outer.py)."""
+    once a step instead of twice, Note [Kept from forward to backward] in zerorun/zero/stage3_outer.py, seen as
+    they are held at the forward's end; ``kept_units``: their names)."""
     m = _build(model, 0)
     engine = initialize(m, optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
                         config=ZeroConfig(stage=stage, bucket_mb=0.002, units=units, precision=precision,
                                           persistence_threshold=persistence_threshold))
+    held = []
+    for unit in getattr(engine, "units", []):
+        unit.hold = functools.partial(lambda u, hold: (held.append(u), hold())[1], unit, unit.hold)
     engine.backward(_loss(engine(_batch(model, 0, 0, dist.get_rank(), dist.get_world_size(), "never"))))
     engine.step()
     return {"bytes": engine.memory_bytes(), "psi": engine.num_params,
             "padded": sum(b.numel for b in engine.buffers), "world_size": dist.get_world_size(),
             "comm": engine.comm_stats(),
             "persistent": sum(b.numel for b in getattr(engine, "_persistent_unit", None).buffers) if stage == 3 else 0,
-            "kept": sum(b.numel for u in engine.sched.outer.kept() for b in u.trainable) if stage == 3 else 0,
+            "kept": sum(b.numel for u in held for b in u.trainable), "kept_units": [u.name for u in held],
             "persistent_params": sorted(n for b in engine._persistent_unit.buffers for n in b.names)
             if stage == 3 else []}
 

@@ -338,7 +338,8 @@ class MoE(nn.Module):
         if case == "frozen":
             small.fc1.requires_grad_(False)
         self.route = route
-        self.inp, self.experts, self.head = nn.Linear(8, 16), nn.ModuleList([small, big]), nn.Linear(16, 1)
+        pair = [big, small] if case == "reversed" else [small, big]  # reversed: the last one, kept, is padded
+        self.inp, self.experts, self.head = nn.Linear(8, 16), nn.ModuleList(pair), nn.Linear(16, 1)
 
     def forward(self, x):
         h = self.inp(x)
@@ -349,8 +350,9 @@ class MoE(nn.Module):
 
 
 def experts(case: str, route: str, stage: int = 3, steps: int = 3) -> dict:
-    """Train ``MoE(case, route)`` at ``stage`` (``case``: basic, bias, bucket, persist, subclass, frozen; see
-    Note [Peer units]): per-step losses, or the error; the parameter bytes this rank holds at rest."""
+    """Train ``MoE(case, route)`` at ``stage`` (``case``: basic, bias, bucket, persist, subclass, frozen, reversed
+    (the big expert first); see Note [Peer units]): per-step losses, or the error; the parameter bytes this rank
+    holds at rest."""
     torch.manual_seed(0)
     config = {"bucket": {"bucket_mb": 0.002}, "persist": {"persistence_threshold": 32}}.get(case, {})
     units = ("experts.0", "experts.1") if stage == 3 else ()  # by name: whatever their classes

@@ -229,7 +229,7 @@ def test_compiled_units_see_the_same_externals_and_tails_as_eager(ranks):
     assert eager[0]["tails"] == ["head", "norm"], eager[0]
 
 
-PEER_CASES = ["basic", "bias", "bucket", "persist", "subclass", "frozen"]
+PEER_CASES = ["basic", "bias", "bucket", "persist", "subclass", "frozen", "reversed"]
 
 
 @pytest.mark.parametrize("case", PEER_CASES)
@@ -246,7 +246,9 @@ def test_experts_of_different_layouts_routed_per_rank_are_a_clear_error(ranks, c
 @pytest.mark.parametrize("case", PEER_CASES)
 def test_the_estimate_counts_the_peer_units_padding(ranks, case):
     """``zerorun estimate``'s bytes sent per step equal zero/comm.py's count for experts of different layouts run
-    by every rank, the padding of their all-gathers included (Note [Peer units]; before, it was left out)."""
+    by every rank, the padding of their all-gathers included (Note [Peer units]; before, it was left out), also
+    where the last one, padded, is kept from forward to backward (``reversed``: found by review, its padding was
+    counted twice)."""
     import torch
 
     from zerorun import estimate as est
@@ -349,15 +351,25 @@ def test_a_unit_run_on_some_ranks_times_out_with_the_units_each_rank_gathered():
 def test_a_unit_called_more_times_on_some_ranks_times_out_the_same_way():
     """A unit called once more on rank 1 (a loop over it as long as each rank's own sequence) gathers once more
     there: the same kind as a unit run on some ranks only (it hung until the pool's timeout in a review), and the
-    same error on every rank after the collective timeout, each naming the units it gathered."""
+    same error on every rank after the collective timeout, each naming the units it gathered. (Here the unit is
+    the last, and ``zero.keep_root_bytes`` 0, so that it is freed after each call: kept, it trains as stage 0,
+    ``test_the_last_unit_called_more_times_on_some_ranks_trains_as_stage_0``.)"""
     pool = RankPool(2, timeout=120)
     try:
-        errors = pool.run(gather_group_cases.unit_on_some_ranks, timeout_s=5, net="loop")
+        errors = pool.run(gather_group_cases.unit_on_some_ranks, timeout_s=5, net="loop", keep=0)
     finally:
         pool.close(kill=True)
     assert re.match(f"stage 3: rank 0 {_HOW} in the agreement before backward", errors[0]), errors
     assert re.match(f"stage 3: rank 1 {_HOW} in forward, waiting for the all-gather of 'b'", errors[1]), errors
     assert "in order: '<root>', 'a', 'b'." in errors[0] and "in order: '<root>', 'a', 'b', 'b'." in errors[1]
+
+
+def test_the_last_unit_called_more_times_on_some_ranks_trains_as_stage_0(ranks):
+    """Note [Kept from forward to backward]: the last unit, kept gathered from its first call into backward, needs
+    no second all-gather for a second call on one rank: the same losses as stage 0."""
+    want = ranks(2).run(gather_group_cases.loop_net, stage=0)
+    for got, w in zip(ranks(2).run(gather_group_cases.loop_net, stage=3), want):
+        assert got == pytest.approx(w, rel=1e-5), (got, w)
 
 
 @pytest.mark.slow

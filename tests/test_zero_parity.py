@@ -125,14 +125,15 @@ def test_reported_bytes_match_zero_paper(ranks, world_size, stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bytes_sent_per_step(ranks, stage):
     """Ring collectives, ZeRO §7: stage 0 all-reduce, stages 1-2 reduce-scatter + all-gather: 2Ψ(N-1)/N x 4 bytes;
-    stage 3 all-gathers twice (forward, backward) and reduce-scatters once: 3Ψ(N-1)/N x 4 bytes, but the root
-    and outer units kept from forward to backward (here the tiny GPT's, Note [Kept from forward to backward] in
-    zerorun/zero/stage3_outer.py), gathered once (plus the 8-byte global-norm all-reduce at stages 1-3, fp64:
-    Note [Gradient norm]; the digest of the units gathered and the outer units' windows are agreed on the host,
-    control traffic not counted: Note [Agreements on the host] in zerorun/zero/comm.py)."""
+    stage 3 all-gathers twice (forward, backward) and reduce-scatters once: 3Ψ(N-1)/N x 4 bytes, but the root, the
+    outer units and the last block kept from forward to backward (here the tiny GPT's, Note [Kept from forward to
+    backward] in zerorun/zero/stage3_outer.py), gathered once (plus the 8-byte global-norm all-reduce at stages 1-3,
+    fp64: Note [Gradient norm]; the digest of the units gathered and the outer units' windows are agreed on the
+    host, control traffic not counted: Note [Agreements on the host] in zerorun/zero/comm.py)."""
     for r in shared_run(ranks, 3, cases.memory, stage=stage, units=("Block",) if stage == 3 else ()):
         n, padded = r["world_size"], r["padded"]
         assert (r["kept"] > 0) == (stage == 3), r
+        assert r["kept_units"] == (["blocks.1", "pos_emb", "ln_f", ""] if stage == 3 else []), r
         expected = ((3 if stage == 3 else 2) * padded - r["kept"]) * (n - 1) // n * 4
         extra = 0 if stage == 0 else round(2 * (n - 1) / n * 8)
         assert r["comm"]["bytes_sent"] == expected + extra

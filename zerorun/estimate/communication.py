@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerorun.estimate.hierarchy import gathered_units, placements, quantized_bytes
+from zerorun.estimate.hierarchy import gathered_units, kept_units, placements, quantized_bytes
 from zerorun.estimate.layout import PERSISTENT, Layout
 from zerorun.estimate.states import _pad, _stage_buffers, _stage_sizes, _unit_sizes
 from zerorun.estimate.policies import Precision
@@ -141,18 +141,20 @@ def _stage3(layout: Layout, N: int, pb: int, accum: int, group: int | None, trai
 def _peer_padding(layout: Layout, world_size: int, default: int) -> tuple[int, int]:
     """Note [Peer units] (zero/unit_plan.py): the bytes of padding one rank sends in one all-gather of each peer
     unit (the largest peer's slice bytes less its own), summed over the units gathered in forward and backward
-    (holding trainable parameters) and over those gathered in forward only (frozen ones)."""
+    (holding trainable parameters) and over those gathered in forward only (frozen ones, and the unit kept from
+    forward to backward: ``hierarchy.kept_units``)."""
     groups: dict[str, list] = {}
     for u in layout.units:
         if u.peers:
             groups.setdefault(u.peers, []).append(u)
+    kept = kept_units(layout, world_size, default)
     twice = once = 0
     for group in (g for g in groups.values() if len(g) > 1):
         slices = [sum(_pad(n, world_size) // world_size * b for n, b in zip(u.trainable + u.frozen,
                                                                             _unit_sizes(u, default)))
                   for u in group]
         for u, own in zip(group, slices):
-            if u.trainable:
+            if u.trainable and u.name not in kept:
                 twice += max(slices) - own
             else:
                 once += max(slices) - own

@@ -312,6 +312,8 @@ class Stage3Engine(ZeroEngine):
                     buf.shard_data.copy_(buf.shard(buf.data))
                 self._masters_take([b for b in bufs if b.group_index >= 0], before)
                 self._drop_secondary()
+                for u in units:  # kept: not a write to a gathered copy (Note [Writes inside a unit's forward])
+                    u.versions = u.param_versions()
             for u in were_free:
                 u.reshard()
             if changed and modifier_rank is None:

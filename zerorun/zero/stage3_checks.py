@@ -155,12 +155,14 @@ def called_on_some_ranks(engine, error: BaseException, call: str) -> RuntimeErro
         "save sd on rank 0, where it holds the whole state dict)")
 
 
-def check_no_writes(unit) -> None:
+def check_no_writes(unit, own: bool = True) -> None:
     """Note [Writes inside a unit's forward]: at stage 3 a unit's parameters are a gathered copy from its
     all-gather until the unit is freed after its forward; an in-place write to one of them there (a clamp or
     max-norm constraint under ``torch.no_grad()``) would change only that copy and be lost when it is freed,
     so the step would train from other values than stage 0's. It is noticed by the parameters' version
-    counters, read when the unit was gathered and again at the end of its forward (no collective).
+    counters, read when the unit was gathered and again at the end of its forward (no collective), and at the end
+    of the model's forward for every unit still gathered then (``own`` False: the root's forward, or another
+    unit's, wrote a unit that had run, kept or read as an external; found by review: lost without a word).
 
     Raises:
         RuntimeError: naming the first parameter written and the ways out.
@@ -172,11 +174,14 @@ def check_no_writes(unit) -> None:
     names = [n for buf in unit.buffers for n in buf.names]
     for name, a, b in zip(names, before, now):
         if a != b:
+            what = repr(unit.name or "<root>")
+            where = (f"the forward of its unit {what}" if own else
+                     f"the model's forward while its unit {what} was gathered")
             raise RuntimeError(
-                f"stage 3: parameter {name!r} was written in place inside the forward of its unit "
-                f"{unit.name or '<root>'!r} (e.g. a clamp or max-norm constraint): at stage 3 the unit holds a "
-                "gathered copy only during its forward, so the write would be lost. Apply it outside the forward, "
-                "inside engine.gathered_parameters([...], modifier_rank=0), or use stage 0-2")
+                f"stage 3: parameter {name!r} was written in place inside {where} (e.g. a "
+                "clamp or max-norm constraint): at stage 3 the unit holds a gathered copy only during its forward, so "
+                "the write would be lost. Apply it outside the forward, inside engine.gathered_parameters([...], "
+                "modifier_rank=0), or use stage 0-2")
 
 
 # Note [Backward on some ranks]: a unit's backward all-gathers its parameters (and reduce-scatters its

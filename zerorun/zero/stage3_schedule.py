@@ -178,6 +178,9 @@ class Schedule:
         self.watch(unit, output, functools.partial(self.pre_backward, unit))
         check_no_writes(unit)
         if unit.is_root:
+            for u in self.units:  # Note [Writes inside a unit's forward]: the root's forward may write any of them
+                if u is not unit and u.state is UnitState.GATHERED:
+                    check_no_writes(u, own=False)
             keep = self.kept() if torch.is_grad_enabled() else []
             if torch.is_grad_enabled():
                 self.end_pass("forward")
