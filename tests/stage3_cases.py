@@ -377,3 +377,21 @@ def experts_traffic(case: str) -> dict:
     sent = engine.comm_stats()["bytes_sent"]
     train_steps(engine, 1, width=8)
     return {"sent": engine.comm_stats()["bytes_sent"] - sent, "padded": any(u.gather_bytes for u in engine.units)}
+
+
+def trims_before_backward(stage: int, steps: int = 3) -> int:
+    """How many times ``Net`` trained ``steps`` steps at ``stage`` (on CPU) asked for glibc's heap to be trimmed
+    (``allocator.trim_dynamic``: Note [Trimmed before backward] in zerorun/zero/allocator.py)."""
+    from zerorun.zero import allocator
+
+    calls = []
+    real = allocator.trim_dynamic
+    allocator.trim_dynamic = lambda: calls.append(1) or real()
+    try:
+        torch.manual_seed(0)
+        engine = initialize(Net(), optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                            config=ZeroConfig(stage=stage, units=("Block",) if stage == 3 else ()))
+        train_steps(engine, steps, 16)
+    finally:
+        allocator.trim_dynamic = real
+    return len(calls)

@@ -105,6 +105,33 @@ def test_configure_leaves_a_threshold_set_in_the_environment():
     assert r["freed"] - r["base"] > 80 << 20, r  # the user's 64 MiB threshold governs: blocks stay in the heap
 
 
+DYNAMIC = """
+import json, sys
+from zerorun.zero import allocator
+if sys.argv[1] == "configure":
+    allocator.configure()
+print(json.dumps(allocator.dynamic_glibc()))
+"""
+
+
+def test_only_glibcs_own_defaults_are_trimmed_before_a_stage_3_backward():
+    """Note [Trimmed before backward]: glibc with its dynamic mmap threshold is trimmed; not where a threshold is
+    fixed (the environment, a tunable, ``configure()``) or another malloc serves the process."""
+    env = _env_without_allocator_vars()
+
+    def dynamic(arg: str, extra: dict) -> bool:
+        proc = subprocess.run([sys.executable, "-c", DYNAMIC, arg], capture_output=True, text=True, timeout=60,
+                              env={**env, **extra})
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    assert dynamic("plain", {}) is True
+    assert dynamic("configure", {}) is False
+    assert dynamic("plain", {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}) is False
+    assert dynamic("plain", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}) is False
+    assert dynamic("plain", {"LD_PRELOAD": allocator.find_mimalloc()}) is False
+
+
 def test_launcher_gives_ranks_the_allocator_environment():
     from zerorun.recipe.hostfile import Host
     from zerorun.allocator import GLIBC_ENV, rank_env

@@ -384,3 +384,10 @@ def test_a_state_dict_asked_on_one_rank_only_is_one_line_after_the_timeout():
         pool.close(kill=True)
     assert errors[0].startswith("stage 3: rank 0 timed out in full_state_dict() or lost its peer there: it "
                                 "all-gathers every unit, so every rank must call it"), errors
+
+
+def test_stage_3_on_cpu_trims_glibcs_heap_before_each_backward(ranks):
+    """Note [Trimmed before backward] in zerorun/zero/allocator.py: once per backward at stage 3 (whose units the
+    forward freed), not at stage 2."""
+    assert ranks(2).run(cases.trims_before_backward, stage=3) == [3, 3]
+    assert ranks(2).run(cases.trims_before_backward, stage=2) == [0, 0]

@@ -70,6 +70,38 @@ def trim() -> bool:
     return bool(lib and lib.malloc_trim(0))
 
 
+# Note [Trimmed before backward]: under glibc's own defaults (a library user's ranks under torchrun: no preloaded
+# allocator, no fixed mmap threshold) stage 3's peak grew across issue 38's rebuild: each unit's packed all-gather
+# allocates messages of other sizes than its gathered buffers, so a hole a step leaves seldom fits the next request
+# and the heap's free bytes grow step after step (benchmarks/results/history.md, "The same, diagnosed (stop 54)"):
+# 1500-1620 MiB per rank on the 55M GPT, about stage 0's. A fixed mmap threshold set that late (after torch read
+# THP_MEM_ALLOC_ENABLE) costs a quarter of the step in page faults. ``malloc_trim(0)`` before each backward, once the
+# forward has freed its units, gives the freed pages back instead: 1362 MiB for 0.13 kernel seconds more a step
+# (2.4 CPU s); at the step's end as well, 1325-1353 MiB but 0.27 more. Only on CPU: on a GPU the units are device
+# memory, which glibc never holds.
+_dynamic: bool | None = None
+
+
+def dynamic_glibc() -> bool:
+    """Whether this process's malloc is glibc with its default, dynamic mmap threshold: no preloaded allocator, no
+    ``MALLOC_MMAP_THRESHOLD_`` or ``glibc.malloc.mmap_threshold`` tunable, :func:`configure` not called (Note
+    [Trimmed before backward]). Decided at the first call; :func:`configure` makes it False."""
+    global _dynamic
+    if _dynamic is None:
+        _dynamic = (not preloaded() and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+                    and "mmap_threshold" not in os.environ.get("GLIBC_TUNABLES", "") and _glibc() is not None)
+    return _dynamic
+
+
+def trim_dynamic() -> bool:
+    """Note [Trimmed before backward]: :func:`trim` where :func:`dynamic_glibc`, else nothing. Host-only.
+
+    Returns:
+        True if glibc released some memory, else False.
+    """
+    return dynamic_glibc() and trim()
+
+
 _mi_collect = None
 
 
@@ -134,4 +166,8 @@ def configure() -> bool:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", GLIBC_ENV["THP_MEM_ALLOC_ENABLE"])
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    fixed = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    if fixed:
+        global _dynamic
+        _dynamic = False  # Note [Trimmed before backward]: no longer glibc's default
+    return fixed

@@ -242,6 +242,8 @@ class Stage3Engine(ZeroEngine):
             check_backward_units(self, loss)
             where = "backward"
             allocator.collect()  # Note [Rank allocator]: the units the forward freed go back before backward (host)
+            if self.comm.device.type == "cpu":
+                allocator.trim_dynamic()  # Note [Trimmed before backward] in allocator.py
             self.sched.backward_start(loss)
             super().backward(loss)
         except RuntimeError as e:
