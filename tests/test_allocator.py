@@ -129,6 +129,11 @@ def test_only_glibcs_own_defaults_are_trimmed_before_a_stage_3_backward():
     assert dynamic("configure", {}) is False
     assert dynamic("plain", {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}) is False
     assert dynamic("plain", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}) is False
+    # the other settings that turn glibc's dynamic threshold off (found by review: a raised trim threshold was
+    # trimmed anyway)
+    assert dynamic("plain", {"MALLOC_TRIM_THRESHOLD_": str(1 << 30)}) is False
+    assert dynamic("plain", {"MALLOC_TOP_PAD_": str(1 << 20)}) is False
+    assert dynamic("plain", {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0"}) is False
     assert dynamic("plain", {"LD_PRELOAD": allocator.find_mimalloc()}) is False
 
 

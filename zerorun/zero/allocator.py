@@ -82,14 +82,21 @@ def trim() -> bool:
 _dynamic: bool | None = None
 
 
+#: glibc's settings that fix its mmap threshold (glibc's malloc.c: setting any of them turns the dynamic one off),
+#: as environment variables and as ``GLIBC_TUNABLES`` names (``glibc.malloc.<name>``).
+FIXING = {"MALLOC_MMAP_THRESHOLD_": "mmap_threshold", "MALLOC_TRIM_THRESHOLD_": "trim_threshold",
+          "MALLOC_TOP_PAD_": "top_pad", "MALLOC_MMAP_MAX_": "mmap_max"}
+
+
 def dynamic_glibc() -> bool:
-    """Whether this process's malloc is glibc with its default, dynamic mmap threshold: no preloaded allocator, no
-    ``MALLOC_MMAP_THRESHOLD_`` or ``glibc.malloc.mmap_threshold`` tunable, :func:`configure` not called (Note
-    [Trimmed before backward]). Decided at the first call; :func:`configure` makes it False."""
+    """Whether this process's malloc is glibc with its default, dynamic mmap threshold: no preloaded allocator, none
+    of :data:`FIXING`'s variables or tunables set, :func:`configure` not called (Note [Trimmed before backward]).
+    Decided at the first call; :func:`configure` makes it False."""
     global _dynamic
     if _dynamic is None:
-        _dynamic = (not preloaded() and "MALLOC_MMAP_THRESHOLD_" not in os.environ
-                    and "mmap_threshold" not in os.environ.get("GLIBC_TUNABLES", "") and _glibc() is not None)
+        tunables = os.environ.get("GLIBC_TUNABLES", "")
+        fixed = any(var in os.environ or f"glibc.malloc.{name}" in tunables for var, name in FIXING.items())
+        _dynamic = not preloaded() and _glibc() is not None and not fixed
     return _dynamic
 
 

@@ -179,7 +179,7 @@ def check_no_writes(unit, own: bool = True) -> None:
                      f"the model's forward while its unit {what} was gathered")
             raise RuntimeError(
                 f"stage 3: parameter {name!r} was written in place inside {where} (e.g. a "
-                "clamp or max-norm constraint): at stage 3 the unit holds a gathered copy only during its forward, so "
+                "clamp or max-norm constraint): at stage 3 the unit holds a gathered copy only while it is in use, so "
                 "the write would be lost. Apply it outside the forward, inside engine.gathered_parameters([...], "
                 "modifier_rank=0), or use stage 0-2")
 

@@ -203,10 +203,11 @@ def describe_units(units: list[Unit], without_params: dict[str, list[str]] | Non
         lines.append(f"stage 3 parameters that stay gathered: {'; '.join(kept)}")
     held = kept_bytes(units)
     if 0 < held <= keep_root_bytes:
-        listed = [u for u in units if not (u.is_root or u.outer or u.persistent) and u.buffers][-1:]
         last = "".join(f", and so is the last listed unit, {u.name} {_mib(u.gathered_bytes)}, where the forward ends "
-                       "with it" for u in listed if held + u.gathered_bytes <= keep_root_bytes)
-        lines.append(f"stage 3: the root and the outer units, {_mib(held)} together, are gathered once per step and "
-                     f"kept from each forward into its backward{last} (zero.keep_root_bytes {_mib(keep_root_bytes)}; "
-                     "0 frees them after forward)")
+                       "with it" if held + u.gathered_bytes <= keep_root_bytes else
+                       f" (the last listed unit, {u.name} {_mib(u.gathered_bytes)}, does not fit with them)"
+                       for u in [u for u in units if not (u.is_root or u.outer or u.persistent) and u.buffers][-1:])
+        lines.append(f"stage 3: the root and the outer units, {_mib(held)} together, are gathered once per micro-step "
+                     f"and kept from each forward into its backward, not on the schedule above{last} "
+                     f"(zero.keep_root_bytes {_mib(keep_root_bytes)}; 0 frees them after forward)")
     return lines
