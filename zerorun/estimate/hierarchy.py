@@ -102,9 +102,9 @@ def gathered_units(layout: Layout, world_size: int, default: int, padded: bool,
     for u in layout.units:
         if u.name == PERSISTENT or (u.name in skip) != padded:
             continue
-        nbytes = sum(_pad(n, world_size) * b if block is None else world_size * quantized_bytes(_pad(n, world_size)
-                                                                                          // world_size, block)
-                     for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
+        nbytes = _padded_bytes(u, world_size, default) if block is None else sum(
+            world_size * quantized_bytes(_pad(n, world_size) // world_size, block)
+            for n, _ in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
         if (u.trainable or u.outer or u.name == "<root>") and u.name not in kept:
             twice += nbytes
         else:
@@ -118,16 +118,19 @@ def kept_units(layout: Layout, world_size: int, default: int) -> set[str]:
     most ``layout.keep_root_bytes``, and the last listed unit too when it fits with them (the runtime keeps the
     last of the recorded forward order: the model's last listed module where it runs them in their order);
     else none."""
-    def padded(u) -> int:
-        return sum(_pad(n, world_size) * b for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
-
     units = [u for u in layout.units if u.name == "<root>" or u.outer]
-    nbytes, cap = sum(padded(u) for u in units), layout.keep_root_bytes
+    nbytes, cap = sum(_padded_bytes(u, world_size, default) for u in units), layout.keep_root_bytes
     if not (0 < cap and nbytes <= cap):
         return set()
-    listed = [u for u in layout.units if u.name not in ("<root>", PERSISTENT) and not u.outer and padded(u)]
-    last = [u.name for u in listed[-1:] if nbytes + padded(u) <= cap]
+    listed = [u for u in layout.units if u.name not in ("<root>", PERSISTENT) and not u.outer
+              and _padded_bytes(u, world_size, default)]
+    last = [u.name for u in listed[-1:] if nbytes + _padded_bytes(u, world_size, default) <= cap]
     return {u.name for u in units} | set(last)
+
+
+def _padded_bytes(u, world_size: int, default: int) -> int:
+    """Bytes of one all-gather of layout unit ``u``: its flat buffers padded to ``world_size``, whole."""
+    return sum(_pad(n, world_size) * b for n, b in zip(u.trainable + u.frozen, _unit_sizes(u, default)))
 
 
 def secondary_bytes(layout: Layout, world_size: int, default: int, group: int | None) -> int:

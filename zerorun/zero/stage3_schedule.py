@@ -36,6 +36,7 @@ from zerorun.zero.recompute import checkpointed
 from zerorun.zero.stage3_checks import check_no_writes
 from zerorun.zero.stage3_outer import OuterSchedule
 from zerorun.zero.torch_internals import in_backward, will_accumulate
+from zerorun.zero.unit_plan import last_listed
 from zerorun.zero.units import Unit, UnitInputsDone, UnitState, tensors_in, units_ahead
 from zerorun.zero.user_model import backward_outside_engine
 
@@ -60,8 +61,7 @@ class Schedule:
         self.foreign = False  # a backward not engine.backward's runs (reducer.running: one that is; Note [Backward
         self.second_order = object()  # outside engine.backward]), and the pin of the units its graph reads
         self.outer = OuterSchedule(self)
-        listed = [u for u in units if not (u.is_root or u.outer or u.persistent) and u.buffers]
-        self.last_listed = max(listed, key=lambda u: u.index, default=None)  # the first step's guess of the last
+        self.last_listed = last_listed(units)  # the first step's guess of the forward's last unit
 
     def hook(self, checkpointing: bool) -> None:
         """Register the forward hooks of every listed unit and the root (outer units: :class:`OuterSchedule`);
@@ -203,9 +203,11 @@ class Schedule:
         """The units a forward with gradients on leaves gathered at its end (Note [Kept from forward to backward] in
         stage3_outer.py): the root and every outer unit when they are small, and the unit :meth:`keeps_last` kept
         if this forward's last unit is it."""
+        keep = self.outer.kept()
         last = self.seen["forward"][-1] if self.seen["forward"] else None
-        tail = [last] if last is not None and not last.is_root and self.keeps_last(last) else []
-        return self.outer.kept() + [u for u in tail if u.state is not UnitState.FREE]
+        if last is not None and not last.is_root and last.state is not UnitState.FREE and self.keeps_last(last):
+            keep.append(last)
+        return keep
 
     def enter(self, unit: Unit) -> None:
         """``unit``'s forward call begins: it is on the stack."""

@@ -168,6 +168,14 @@ def kept_bytes(units: list[Unit]) -> int:
     return sum(u.gathered_bytes for u in units if u.is_root or u.outer)
 
 
+def last_listed(units: list[Unit]) -> Unit | None:
+    """The model's last listed unit holding parameters (not the root, an outer or the persistent unit), by the
+    units' order: the first step's guess of the unit that ends the forward (Note [Kept from forward to backward] in
+    stage3_outer.py); None without one."""
+    listed = [u for u in units if not (u.is_root or u.outer or u.persistent) and u.buffers]
+    return max(listed, key=lambda u: u.index, default=None)
+
+
 def describe_units(units: list[Unit], without_params: dict[str, list[str]] | None = None,
                    keep_root_bytes: int = 0) -> list[str]:
     """What stage 3 gathers and frees, for the run's log: the listed units grouped by class (count, names,
@@ -203,11 +211,13 @@ def describe_units(units: list[Unit], without_params: dict[str, list[str]] | Non
         lines.append(f"stage 3 parameters that stay gathered: {'; '.join(kept)}")
     held = kept_bytes(units)
     if 0 < held <= keep_root_bytes:
-        last = "".join(f", and so is the last listed unit, {u.name} {_mib(u.gathered_bytes)}, where the forward ends "
-                       "with it" if held + u.gathered_bytes <= keep_root_bytes else
-                       f" (the last listed unit, {u.name} {_mib(u.gathered_bytes)}, does not fit with them)"
-                       for u in [u for u in units if not (u.is_root or u.outer or u.persistent) and u.buffers][-1:])
+        last, said = last_listed(units), ""
+        if last is not None:
+            unit = f"the last listed unit, {last.name} {_mib(last.gathered_bytes)}"
+            fits = held + last.gathered_bytes <= keep_root_bytes
+            said = (f", and so is {unit}, where the forward ends with it" if fits else
+                    f" ({unit}, does not fit with them)")
         lines.append(f"stage 3: the root and the outer units, {_mib(held)} together, are gathered once per micro-step "
-                     f"and kept from each forward into its backward, not on the schedule above{last} "
+                     f"and kept from each forward into its backward, not on the schedule above{said} "
                      f"(zero.keep_root_bytes {_mib(keep_root_bytes)}; 0 frees them after forward)")
     return lines
