@@ -153,3 +153,121 @@ def hook_returns_a_value(stage: int) -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+class _Raises(torch.autograd.Function):
+    """Identity whose backward raises while ``armed`` (a check in a custom autograd function)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if _Raises.armed:
+            raise ValueError("a check in backward failed")
+        return grad
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Deep(nn.Module):
+    """Three blocks and a head (an outer unit at stage 3); the backward raises between blocks 1 and 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList(Block() for _ in range(3)), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = _Raises.apply(block(x)) if i == 1 else block(x)
+        return self.head(x).square().mean()
+
+
+def backward_that_raised(stage: int, accum: int, fail_step: int, fail_micro: int, how: str) -> dict:
+    """Note [A backward that raised]: 4 steps of ``Deep``; at ``fail_step``/``fail_micro`` the backward raises on
+    every rank midway (``how``: ``"function"``, a custom autograd function's; ``"outside"``, an auxiliary loss's
+    ``.backward()`` outside ``engine.backward``). Then a backward and a step (each one's error and the collectives
+    issued before it), ``engine.zero_grad()``, and the next step; ``zero_grad()`` also opens every step (nothing to
+    drop). Returns the errors and the largest relative difference of the parameters from plain PyTorch's (gradients
+    averaged over the ranks) that skipped the failed step."""
+    torch.manual_seed(0)
+    model = Deep()
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
+                        param_groups=[{"params": list(model.parameters())}],
+                        config=ZeroConfig(stage=stage, grad_accum_steps=accum, units=("Block",) if stage == 3 else ()))
+    errors = []
+    for step in range(4):
+        engine.zero_grad()
+        for micro in range(accum):
+            if (step, micro) == (fail_step, fail_micro):
+                _Raises.armed = how == "function"
+                try:
+                    loss = engine(_x(step, micro))
+                    if how == "outside":
+                        (loss * 2).backward(retain_graph=True)
+                    engine.backward(loss)
+                except (ValueError, RuntimeError) as e:
+                    errors.append(str(e))
+                finally:
+                    _Raises.armed = False
+                loss = engine(_x(step, micro))  # a forward is not refused
+                errors += [_error(lambda: engine.backward(loss)), _error(engine.step)]
+                engine.zero_grad()
+                break
+            engine.backward(engine(_x(step, micro)))
+        else:
+            engine.step()
+            for micro in range(accum):
+                (ref(_x(step, micro)) / accum).backward()
+            for p in ref.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+            ropt.step()
+            ropt.zero_grad()
+    sd = engine.full_state_dict(rank0_only=False)
+    worst = max(float((sd[k] - v).abs().max() / v.abs().max()) for k, v in ref.state_dict().items())
+    return {"errors": errors, "rel": worst}
+
+
+def zero_grad_on_one_rank(stage: int) -> dict:
+    """Note [A backward that raised]: rank 0 alone calls ``engine.zero_grad()`` after the first of two micro-steps
+    (stages 0-1 issue no collective before the last), then every rank runs the step: the error each rank raises at
+    the end of the last backward, the error the step then raises, and, after ``zero_grad()`` on every rank and one
+    more step, the largest relative difference from plain PyTorch that trained that one step."""
+    torch.manual_seed(0)
+    model = Deep()
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
+                        param_groups=[{"params": list(model.parameters())}],
+                        config=ZeroConfig(stage=stage, grad_accum_steps=2))
+    engine.backward(engine(_x(0, 0)))
+    if dist.get_rank() == 0:
+        engine.zero_grad()
+        engine.backward(engine(_x(0, 0)))
+    loss = engine(_x(0, 1))
+    errors = [_error(lambda: engine.backward(loss)), _error(engine.step)]
+    engine.zero_grad()
+    for micro in range(2):
+        engine.backward(engine(_x(1, micro)))
+        (ref(_x(1, micro)) / 2).backward()
+    engine.step()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    ropt.step()
+    sd = engine.full_state_dict(rank0_only=False)
+    worst = max(float((sd[k] - v).abs().max() / v.abs().max()) for k, v in ref.state_dict().items())
+    return {"errors": errors, "rel": worst}

@@ -71,3 +71,35 @@ def test_a_gradient_hook_that_returns_a_value_gets_torchs_message(ranks, stage):
     whole gradient first."""
     for error in ranks(2).run(cases.hook_returns_a_value, stage=stage):
         assert error == "Tensor post accumulate grad hooks should return None.", error
+
+
+@pytest.mark.parametrize("stage,accum,fail_step,fail_micro,how", [
+    (0, 1, 1, 0, "function"), (1, 3, 1, 1, "function"), (2, 3, 2, 2, "function"), (3, 1, 0, 0, "function"),
+    (3, 2, 1, 1, "function"), (2, 1, 1, 0, "outside"), (0, 2, 0, 1, "outside")])
+def test_after_a_backward_that_raised_zero_grad_drops_the_step_and_training_goes_on(
+        ranks, stage, accum, fail_step, fail_micro, how):
+    """Note [A backward that raised]: a backward raising midway on every rank left partial gradients: stages 0-1
+    trained silently on them summed with the next step's, stages 2-3 failed inside the reducer (a bare KeyError).
+    Now backward and step are refused in one line naming the error, before any collective, until
+    ``engine.zero_grad()``; then training equals plain PyTorch that skipped the batch, in the first step (stage 3
+    learning its schedule) or later, at any micro-step; ``zero_grad()`` with nothing to drop changes nothing."""
+    for rank, r in enumerate(ranks(2).run(cases.backward_that_raised, stage=stage, accum=accum, fail_step=fail_step,
+                                          fail_micro=fail_micro, how=how)):
+        raised, *refused = r["errors"]
+        assert raised == "a check in backward failed" if how == "function" else "outside engine.backward" in raised
+        for error, issued in refused:
+            assert error.startswith(f"a backward raised ({'ValueError: a check' if how == 'function' else 'Runt'}")
+            assert "engine.zero_grad() on every rank" in error and "\n" not in error and issued == 0, (rank, error)
+        assert r["rel"] <= 1e-5, f"rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_zero_grad_on_some_ranks_only_is_an_error_on_every_rank(ranks, stage):
+    """Note [A backward that raised]: gradients dropped on one rank alone (a step skipped where one rank saw a NaN
+    loss) would train on gradients that differ by rank, silently; now every rank raises at the end of the step's
+    last backward, the step is refused, and after ``zero_grad()`` on every rank training goes on right."""
+    for rank, r in enumerate(ranks(2).run(cases.zero_grad_on_one_rank, stage=stage)):
+        (mismatch, _), (refused, issued) = r["errors"]
+        assert mismatch.startswith("engine.zero_grad() dropped this step's gradients on some ranks only"), r
+        assert refused.startswith("a backward raised (RuntimeError: engine.zero_grad() dropped") and issued == 0, r
+        assert r["rel"] <= 1e-5, f"rank {rank}: {r}"

@@ -91,6 +91,17 @@ class _Done:
         return True
 
 
+def alike(n: int, total: float, squares: float) -> bool:
+    """Whether a value whose sum over ``n`` ranks is ``total`` and whose squares sum to ``squares`` is the same
+    on every rank (their variance is zero)."""
+    return n * squares == total ** 2
+
+
+# Note [Gradient buffer pool]: at stages 2-3 a bucket's full gradient exists only from its first parameter's
+# gradient until its reduce-scatter is done. It comes from the reducer's pool (this class) that keeps at most
+# ``MAX_INFLIGHT + 1`` buffers, allocated in the first backward of a step and reused by every bucket and
+# micro-step (why: ``BufferPool``), dropped when the optimizer step begins. The reduce-scatter runs in place and
+# this rank's slice is added, divided by N, to the slice it keeps (fp16 divides first, for its range, as DDP).
 class BufferPool:
     """1-D scratch tensors kept for reuse, because a fresh large block costs a page fault per page on every
     use on CPU (blocks of 1 MiB or more are mmapped and returned at free: Note [Returning freed memory] in

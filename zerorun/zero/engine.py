@@ -29,7 +29,7 @@ from zerorun.zero.optimizers import (NON_ELEMENTWISE_OPTIMIZERS, default_param_g
 from zerorun.zero.policy import POLICIES
 from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_inputs, cast_model, is_wide
 from zerorun.zero.reducer import GradReducer
-from zerorun.zero.user_model import UserModel
+from zerorun.zero.user_model import UserModel, spoiled_by
 
 __all__ = ["ZeroConfig", "ZeroEngine", "default_param_groups", "resolve_optimizer"]
 
@@ -223,8 +223,8 @@ class ZeroEngine(UserModel):
         the last micro-step ``p.grad`` is the reduced gradient at stage 0 and ``None`` above (Note [Stage policies]).
 
         Raises:
-            RuntimeError: ``loss`` is not a scalar tensor, or more micro-steps than ``grad_accum_steps`` were
-                run without :meth:`step`.
+            RuntimeError: ``loss`` is not a scalar tensor, more micro-steps than ``grad_accum_steps`` were run
+                without :meth:`step`, or a backward raised since (Note [A backward that raised] in user_model.py).
         """
         self._check_backward(loss)
         self.check_parameters()
@@ -233,15 +233,19 @@ class ZeroEngine(UserModel):
             loss = loss.float() * self.scaler.scale
         try:
             (loss / self.config.grad_accum_steps).backward()
-        finally:  # Note [One backward per micro-step] in user_model.py: over, also when it raised
+            self.reducer.running = False  # Note [One backward per micro-step] in user_model.py: over
+            self._finish_backward()
+        except BaseException as e:  # Note [A backward that raised] in user_model.py: this step's gradients partial
             self.reducer.running = False
-        self._finish_backward()
+            self.reducer.spoiled = self.reducer.spoiled or spoiled_by(e)
+            raise
         self._micro_step += 1
 
     def _check_backward(self, loss: Any) -> None:
         """What :meth:`backward` refuses, checked before any collective (stage 3's gathers and checks too): the
         engine is unchanged and the same processes go on with a correct call. Raises RuntimeError."""
         self.check_open()
+        self.check_grads()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
             raise RuntimeError(f"backward needs a scalar loss tensor, got {type(loss).__name__}{shape} (reduce it: "
@@ -272,9 +276,11 @@ class ZeroEngine(UserModel):
             the read waits for the step.
 
         Raises:
-            RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step.
+            RuntimeError: fewer than ``grad_accum_steps`` backward calls since the last step, or a backward raised
+                since (Note [A backward that raised] in user_model.py).
         """
         self.check_open()
+        self.check_grads()
         if self._micro_step != self.config.grad_accum_steps:  # before any collective
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
                                f"{self.config.grad_accum_steps}: run the remaining micro-steps first (the "
@@ -283,8 +289,8 @@ class ZeroEngine(UserModel):
         self.comm.release_buffers()
         grads = [self._grad_slice(buf) for buf in self.buffers]
         sq = global_sum_of_squares(grads)
-        if self.policy.partition_optimizer:
-            sq = self._all_reduce_norm(sq)
+        if self.policy.partition_optimizer:  # summed over the ranks
+            self.comm.wait([self.comm.all_reduce(sq)])
         norm = sq.sqrt().to(self._norm_dtype)
         coef = None
         self.last_step_skipped = False
@@ -309,13 +315,9 @@ class ZeroEngine(UserModel):
         allocator.collect()  # Note [Rank allocator]: under mimalloc what the step freed goes back (host only)
         return norm
 
-    def _all_reduce_norm(self, sq: torch.Tensor) -> torch.Tensor:
-        """The squared gradient norm ``sq`` (0-d fp64) summed over the ranks."""
-        self.comm.wait([self.comm.all_reduce(sq)])
-        return sq
-
-    def _zero_grads(self) -> None:
-        self.reducer.zero_grads()
+    def _zero_grads(self, discard: bool = False) -> None:
+        """After the step: zero the gradients; with ``discard``, drop a step's (Note [A backward that raised])."""
+        self.reducer.discard() if discard else self.reducer.zero_grads()
         self._micro_step = 0
 
     # ------------------------------------------------------------------------------------------------ report

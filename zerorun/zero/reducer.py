@@ -25,12 +25,6 @@ in registration order (they are the parameters' storage and the optimizer's part
 what is rebuilt. A parameter that gets no gradient in a step gets a zero gradient in its bucket; one that got
 none on any rank is then not stepped (Note [Unused parameters] in ``masters.py``).
 
-Note [Gradient buffer pool]: at stages 2-3 a bucket's full gradient exists only from its first parameter's
-gradient until its reduce-scatter is done. It comes from a pool (``comm.BufferPool``) that keeps at most
-``MAX_INFLIGHT + 1`` buffers, allocated in the first backward of a step and reused by every bucket and
-micro-step (why: ``BufferPool``), dropped when the optimizer step begins. The reduce-scatter runs in place and
-this rank's slice is added, divided by N, to the slice it keeps (fp16 divides first, for its range, as DDP).
-
 Note [Program order]: NCCL pairs a communicator's collectives by the order they are issued, and communicators that
 can run at the same time must be issued in the same order on every rank, or it may deadlock (gloo pairs by order
 too: a mismatch hangs or mixes data). So every rank issues the same sequence of collectives whatever the timing: no
@@ -62,13 +56,14 @@ import torch
 import torch.nn as nn
 
 from zerorun.zero.adoption import adoptable
+from zerorun.zero.agreements import agree_at_step_end, launch_order
 from zerorun.zero.comm import BufferPool, Comm
 from zerorun.zero.flat import FlatBuffer
 from zerorun.zero.gloo_reduce_scatter import runs
 from zerorun.zero.policy import StagePolicy
 from zerorun.zero.precision import wide_or
 from zerorun.zero.torch_internals import run_last, will_accumulate
-from zerorun.zero.user_model import backward_outside_engine
+from zerorun.zero.user_model import backward_outside_engine, spoiled_by
 from zerorun.zero.weakhook import weak_hook
 
 
@@ -91,8 +86,9 @@ class GradReducer:
         late_fixups: buckets reduced a second time because a gradient came after their launch, in all.
         adopted: bucket gradients taken from autograd without a copy, in all (Note [Adopted gradient] in adoption.py).
         on_ready: callbacks ``f(buf)`` run when a bucket's gradient is complete (stage 3 frees its unit).
-        rider: ``None``, or an object whose ``values()`` (ints) join the agreement of the step's last backward, and
-            ``take(sums)`` their sums over ranks (stage 3: Note [Same units on every rank] in stage3_checks.py).
+        rider: ``None``, or an object whose values join the agreement of the step's last backward (``agreements``).
+        spoiled: why this step's gradients are partial, or ``None``; dropped: 1 where ``engine.zero_grad`` dropped
+            gradients since the last step, else 0 (Note [A backward that raised] in user_model.py).
     """
 
     def __init__(self, buffers: list[FlatBuffer], comm: Comm, policy: StagePolicy, *, reduce_dtype: torch.dtype,
@@ -106,7 +102,6 @@ class GradReducer:
         self.rider: Any = None
         self.order = sorted(buffers, key=lambda b: b.order, reverse=True)
         self.late_fixups = self.adopted = 0
-        self._index = {b: i for i, b in enumerate(buffers)}
         self._slot = {p: b for b in buffers for p in b.params}
         self._expected = dict.fromkeys(self._slot, 1)
         self._pending: deque[tuple[FlatBuffer, Any, Any]] = deque()
@@ -116,6 +111,7 @@ class GradReducer:
         self._used: set[nn.Parameter] = set()
         self.used: set[nn.Parameter] | None = None
         self.sync = self.last = self._recorded = self.running = False  # running: engine.backward's
+        self.spoiled, self.dropped = None, 0
         self._reset()
 
     # ------------------------------------------------------------------------------------------ allocation
@@ -154,9 +150,8 @@ class GradReducer:
     # -------------------------------------------------------------------------------------------- backward
     def _reset(self) -> None:
         self._nready = dict.fromkeys(self.buffers, 0)
-        self._ready: set[FlatBuffer] = set()
+        self._ready, self._launched = set(), set()  # buckets complete, launched
         self._ready_seq: list[FlatBuffer] = []  # in the order they became ready
-        self._launched: set[FlatBuffer] = set()
         self._written: dict[FlatBuffer, set] = {}
         self._next = 0
         self._count = dict.fromkeys(self._slot, 0)
@@ -181,7 +176,9 @@ class GradReducer:
         if buf is None:  # a user's hook before it returned a value (torch passes it on, then raises that it must not)
             return
         if not self.running:  # Note [One backward per micro-step] in user_model.py
-            raise backward_outside_engine(next(n for n, q in zip(buf.names, buf.params) if q is p))
+            error = backward_outside_engine(next(n for n, q in zip(buf.names, buf.params) if q is p))
+            self.spoiled = self.spoiled or spoiled_by(error)  # autograd accumulated into p.grad already
+            raise error
         self._used.add(p)  # Note [Unused parameters]
         if p.grad.layout != torch.strided:  # Note [Sparse gradients] in user_model.py
             p.grad = p.grad.to_dense()
@@ -244,11 +241,8 @@ class GradReducer:
     def _make_room(self, need_buffer: FlatBuffer | None) -> None:
         """Note [Waiting in hooks]: wait for the oldest reductions until one more fits."""
         def full() -> bool:
-            if need_buffer is not None and not self.pool.fits(need_buffer.numel, self.rdtype[need_buffer],
-                                                              need_buffer.device) and self.pool.taken >= self.cap:
-                return True
-            return len(self._pending) >= self.cap
-
+            return len(self._pending) >= self.cap or need_buffer is not None and self.pool.taken >= self.cap and (
+                not self.pool.fits(need_buffer.numel, self.rdtype[need_buffer], need_buffer.device))
         while full() and self._pending:
             self._complete(*self._pending.popleft())
 
@@ -339,8 +333,9 @@ class GradReducer:
         if self.last:  # Note [Per-parameter readiness]: once per optimizer step
             self._fix_late()
         self._expected = dict(self._count)
-        if not self._recorded:
-            self._record_order(unused)
+        if not self._recorded:  # Note [Launch order]: rank 0's ready order, its unused buckets first
+            self._recorded = True
+            self.order = launch_order(self.comm, self.buffers, unused + [b for b in self._ready_seq if b not in unused])
         if self.policy.keep_full_grad and self.policy.reduced_grad_visible:
             for buf in self.buffers:
                 result = self._result.get(buf)
@@ -353,15 +348,11 @@ class GradReducer:
         """Note [Per-parameter readiness]: the ranks agree on the buckets that got gradients after their launch;
         each is reduced again and added. Note [Unused parameters]: the same agreement carries this rank's
         used-parameter mask; :attr:`used` becomes the parameters that got a gradient on some rank."""
-        params, ride = list(self._slot), self.rider.values() if self.rider is not None else []
-        flags = [int(p in self._used) for p in params] + [int(b in self._late) for b in self.buffers] + ride
-        if self.world_size > 1:  # one agreement on the host: a flag per parameter (used), per bucket (late)
-            flags = self.comm.agree(flags)
-        self.used = {p for p, n in zip(params, flags) if n}
-        late = [b for b, n in zip(self.buffers, flags[len(params):]) if n]
-        if self.rider is not None:
-            self.rider.take(flags[len(params) + len(self.buffers):])
-        for buf in late:
+        params = list(self._slot)
+        used, late = agree_at_step_end(self.comm, [p in self._used for p in params],
+                                       [b in self._late for b in self.buffers], self.dropped, self.rider)
+        self.used = {p for p, u in zip(params, used) if u}
+        for buf in (b for b, x in zip(self.buffers, late) if x):
             self.late_fixups += 1
             delta = self._late.pop(buf, None)
             delta = (torch.zeros(buf.numel, dtype=self.rdtype[buf], device=buf.device) if delta is None
@@ -376,17 +367,26 @@ class GradReducer:
             (self._result[buf] if self.policy.keep_full_grad else buf.shard_grad).add_(out)
         self._late.clear()
 
-    def _record_order(self, unused: list[FlatBuffer]) -> None:
-        """Note [Launch order]: rank 0's ready order, its unused buckets first, on every rank."""
-        self._recorded = True
-        seq = unused + [b for b in self._ready_seq if b not in unused]
-        index = torch.tensor([self._index[b] for b in seq], dtype=torch.int64, device=self.comm.device)
-        self.comm.wait([self.comm.broadcast(index, 0)])
-        self.order = [self.buffers[i] for i in index.tolist()]
+    def discard(self) -> None:
+        """Drop every gradient since the last step (``engine.zero_grad``: Note [A backward that raised] in
+        user_model.py): the reductions in flight, issued alike on every rank, are waited for first."""
+        while self._pending:
+            self._complete(*self._pending.popleft())
+        for buf in self.buffers if not self.policy.keep_full_grad else ():
+            if buf.grad is not None and buf not in self._adopted:  # a bucket filling when the backward raised
+                self.pool.give_back(buf.grad)
+            buf.grad = None
+            for p in buf.params:
+                p.grad = None
+        self._adopted.clear()
+        self._late.clear()
+        self.zero_grads()
+        self.running, self.spoiled, self.dropped = False, None, 1
 
     def zero_grads(self) -> None:
         """After the optimizer step (or a skipped one): zero the kept gradients; ``p.grad`` views again."""
         self.pool.clear()
+        self.dropped = 0
         self._used, self.used = set(), None  # Note [Unused parameters]: learnt again in the next step
         for buf in self.buffers:
             if self.policy.keep_full_grad:

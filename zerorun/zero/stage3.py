@@ -252,6 +252,15 @@ class Stage3Engine(ZeroEngine):
                 raise
             raise clear from e
 
+    def _zero_grads(self, discard: bool = False) -> None:
+        """As :meth:`ZeroEngine._zero_grads`; a drop (Note [A backward that raised] in user_model.py) frees every
+        unit and resets the backward's state too."""
+        super()._zero_grads(discard)
+        if discard:
+            self.gathering.training = False
+            self.sched.discard()
+            self._drop_secondary()
+
     def _finish_backward(self) -> None:
         super()._finish_backward()
         self.sched.backward_end()

@@ -30,6 +30,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from zerorun.zero.comm import alike
 from zerorun.zero.units import UnitState
 
 
@@ -42,12 +43,6 @@ def order_digest(indices: list[int]) -> int:
     for i in indices:
         h = (h * 257 + i + 1) % _PRIME
     return h
-
-
-def alike(n: int, total: float, squares: float) -> bool:
-    """Whether a value whose sum over ``n`` ranks is ``total`` and whose squares sum to ``squares`` is the same
-    on every rank (their variance is zero)."""
-    return n * squares == total ** 2
 
 
 class GatherDigest:

@@ -363,8 +363,15 @@ class Schedule:
 
     def backward_end(self) -> None:
         """After the reductions of a backward: the recorded order is kept, every unit freed."""
-        self.unpin_second_order()
         self.end_pass("backward")
+        self.discard()
+
+    def discard(self) -> None:
+        """Every unit freed and the backward's state reset: at its end, or at ``engine.zero_grad`` after a backward
+        that raised (its order not recorded: Note [A backward that raised] in user_model.py)."""
+        self.unpin_second_order()
+        self.foreign = False
+        self.seen["backward"], self.deviated["backward"] = [], False
         self.outer.read_unrecorded = set()
         for unit in self.units:
             unit.ready_buffers = unit.open_calls = 0

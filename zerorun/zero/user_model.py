@@ -13,7 +13,7 @@ trained on this rank's share of it) and failed inside the reducer at stages 2-3 
 parameter's gradient accumulated outside ``engine.backward`` raises, in the gradient hook, on every rank that runs
 that backward, naming the parameter: as DDP refuses a second backward of one iteration. Gradients of other
 tensors (``torch.autograd.grad(loss, inputs)``: adversarial examples, input-gradient penalties) accumulate into
-no parameter and pass. The micro-step's gradients are spoiled: the error is for a program to stop at.
+no parameter and pass. The step's gradients are then partial: Note [A backward that raised].
 
 Note [User gradient hooks run first]: the reducer takes each parameter's gradient in a post-accumulate-grad hook
 and, at stages 2-3, moves it into a bucket and sets ``p.grad`` to None. torch runs a parameter's post-accumulate
@@ -31,6 +31,23 @@ Note [Sparse gradients]: a parameter whose gradient is sparse (``nn.Embedding(sp
 in the reducer's hook: the bucket is dense, and at stages 2-3 copying a sparse tensor into it raised torch's
 "copy_() between dense and sparse Tensors is not implemented". The reduced gradient, and ``p.grad`` at stages
 0-1, are dense: the same values as DDP's sparse all-reduce, in the memory of ``sparse=False``.
+
+Note [A backward that raised]: a backward that raises midway (a custom autograd function's check, a user's
+gradient hook, an out-of-memory error; or one outside ``engine.backward``: Note [One backward per micro-step])
+leaves some of the step's gradients accumulated and others not, at stages 2-3 a bucket half filled. The next
+backward added to them: stages 0-1 trained silently on that partial gradient summed with the next micro-step's,
+stages 2-3 failed inside the reducer (a ``KeyError``). Plain PyTorch leaves the choice to the user:
+``optimizer.zero_grad()`` and the next batch. So after it, ``engine.backward`` and ``engine.step`` raise one line
+naming the error, before any collective, until ``engine.zero_grad()`` (DeepSpeed's name): it waits for the
+reductions in flight, drops every gradient since the last step (every micro-step of it, as
+``optimizer.zero_grad()``), frees stage 3's units and begins the step again; training goes on as plain PyTorch
+that skipped the batch. A forward (evaluation) is not refused. The reductions in flight pair up only where every
+rank raised at the same point (an error every rank meets alike); an error on one rank alone leaves the others
+waiting in a collective until the collective timeout, as under DDP. A drop on some ranks only would train on
+gradients that differ by rank (a step skipped where one rank saw a NaN loss): whether this step's gradients
+were dropped rides the step's agreement (``agreements.py``), and where the ranks differ every rank raises at
+the end of its last backward. A call with nothing to drop (no backward since the step, none raised) does
+nothing, so a loop may call it at the start of every step, as with torch's optimizers.
 """
 
 from __future__ import annotations
@@ -54,6 +71,18 @@ def backward_outside_engine(name: str) -> RuntimeError:
         "micro-step; for gradients of inputs only, use torch.autograd.grad(loss, inputs)")
 
 
+def spoiled_by(error: BaseException) -> str:
+    """``error`` in one line, for the refusal of Note [A backward that raised]."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
+def zero_grad_on_some_ranks() -> RuntimeError:
+    """The error of Note [A backward that raised] where ``engine.zero_grad`` dropped gradients on some ranks."""
+    return RuntimeError("engine.zero_grad() dropped this step's gradients on some ranks only, so the ranks' gradients "
+                        "differ and this step is refused on every rank: call engine.zero_grad() on every rank alike "
+                        "(after a backward that raised on every rank), then run the step again")
+
+
 class UserModel:
     """Mixed into :class:`~zerorun.zero.engine.ZeroEngine` (which provides ``_param_slots``, ``buffers``,
     ``comm``, ``masters`` and the slice accessors)."""
@@ -67,6 +96,26 @@ class UserModel:
         if self.closed:
             raise RuntimeError("this engine was closed (engine.close()): it trains no more; build a new one with "
                                "zerorun.zero.initialize (and load a checkpoint to go on)")
+
+    def check_grads(self) -> None:
+        """Note [A backward that raised]: raises RuntimeError, before any collective, after a backward that raised,
+        until :meth:`zero_grad`."""
+        if self.reducer.spoiled is not None:
+            raise RuntimeError(f"a backward raised ({self.reducer.spoiled}) and left this step's gradients partial: "
+                               "backward and step are refused until engine.zero_grad() on every rank drops them "
+                               "(every micro-step since the last engine.step()); then run the step again")
+
+    def zero_grad(self) -> None:
+        """Drop every gradient accumulated since the last :meth:`step` (all its micro-steps) and begin the step
+        again, after a backward that raised (Note [A backward that raised]). Every rank must call it; it issues no
+        collective (it waits for the reductions in flight). Nothing to drop: a no-op.
+
+        Raises:
+            RuntimeError: the engine was closed.
+        """
+        self.check_open()
+        if self._micro_step or self.reducer.spoiled is not None:
+            self._zero_grads(discard=True)
 
     def check_parameters(self) -> None:
         """Note [The user's model stays the user's]: the engine partitions, reduces and updates the
