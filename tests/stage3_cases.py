@@ -203,9 +203,7 @@ def reordered_evaluation() -> dict:
 def units_by_name(units: tuple, stage: int = 3, steps: int = 3, tie: bool = False, **zero) -> dict:
     """Train ``Net`` with ``zero.units`` ``units`` (class or module names) and the other ``zero`` settings at
     ``stage`` (``tie``: blocks 0 and 1 share one ``fc``): per-step losses, the units and their roles, and the
-    run's description of them (zerorun.zero.unit_plan.describe_units)."""
-    from zerorun.zero.unit_plan import describe_units
-
+    run's description of them (``engine.describe_units()``, the lines ``zerorun train`` prints)."""
     torch.manual_seed(0)
     model = Net()
     if tie:
@@ -221,8 +219,7 @@ def units_by_name(units: tuple, stage: int = 3, steps: int = 3, tie: bool = Fals
         losses.append(float(loss.detach()))
     roles = {u.name: "outer" if u.outer else "root" if u.is_root else "listed" for u in getattr(engine, "units", [])
              if not u.persistent}
-    lines = (describe_units(engine.units, engine.units_without_params, engine.config.keep_root_bytes)
-             if stage == 3 else [])
+    lines = engine.describe_units() if stage == 3 else []
     return {"losses": losses, "roles": roles, "lines": lines}
 
 

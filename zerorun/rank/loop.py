@@ -32,7 +32,6 @@ from zerorun.recipe import Recipe
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import cuda_memory, flops_per_token, host_memory, peak_rss_bytes
 from zerorun.telemetry.steplog import StepLog
-from zerorun.zero.unit_plan import describe_units
 
 
 def train(recipe: Recipe, rank: int) -> None:
@@ -159,8 +158,7 @@ class TrainingRun:
             load_pretrained_slices(self.model, self.engine)
         units = [u.name or "<root>" for u in getattr(self.engine, "units", [])]
         if units and self.rank == 0 and recipe.runtime == "zero":  # what stage 3 gathers, and the bytes of each
-            for line in describe_units(self.engine.units, self.engine.units_without_params,
-                                       self.engine.config.keep_root_bytes):
+            for line in self.engine.describe_units():
                 emit("log", self.rank, message=line)
         emit("model_ready", self.rank, params=sum(p.numel() for p in self.model.parameters()),
              trainable=self.engine.num_params, stage=recipe.zero.stage, runtime=recipe.runtime,

@@ -71,7 +71,7 @@ from zerorun.zero.stage3_access import (ParameterGuard, ZeroParameter, adopt, de
                                         placeholder, state_dict_guard)
 from zerorun.zero.stage3_checks import GatherDigest, called_on_some_ranks, check_backward_units, timed_out
 from zerorun.zero.stage3_schedule import Schedule
-from zerorun.zero.unit_plan import match_peers, outer_modules, pick_units, unit_of_params
+from zerorun.zero.unit_plan import describe_units, match_peers, outer_modules, pick_units, unit_of_params
 from zerorun.zero.units import Gathering, Unit
 
 
@@ -359,6 +359,12 @@ class Stage3Engine(ZeroEngine):
         return self.full_state_dict(rank0_only=False)
 
     # ------------------------------------------------------------------------------------------------ report
+    def describe_units(self) -> list[str]:
+        """What this engine gathers and frees, the lines ``zerorun train`` prints at stage 3: the units by class and
+        their gathered bytes, the outer units, what stays gathered and what is kept from forward to backward, with
+        the bytes of each (``unit_plan.describe_units``). Local: no collective."""
+        return describe_units(self.units, self.units_without_params, self.config.keep_root_bytes)
+
     def memory_bytes(self) -> dict[str, int]:
         """As :meth:`ZeroEngine.memory_bytes`, at rest: ``params`` counts this rank's slices, plus the whole
         persistent parameters (Note [Persistent parameters]) (theory, fp32 Adam: 16Ψ/N in all, ZeRO §5)."""
