@@ -96,6 +96,21 @@ def _is_full_write(func, args) -> bool:
     return t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
 
 
+def _lives(log: list) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """The lives of every meta storage in the recorded ``log`` (Note [Record and replay]): the op index of each
+    storage's last use, and per op index the storages whose current life ends after it (a full write starts a new
+    life: the storage is freed before it and the write gets fresh memory)."""
+    last_use: dict[int, int] = {}
+    ends_life: dict[int, list[int]] = {}
+    for i, (func, args, kwargs, out) in enumerate(log):
+        used = {key(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor) and t.is_meta}
+        k = key(args[0]) if _is_full_write(func, args) else None
+        if k in used and k in last_use:
+            ends_life.setdefault(last_use[k], []).append(k)
+        last_use.update(dict.fromkeys(used, i))
+    return last_use, ends_life
+
+
 def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None],
            device: torch.device | str | None = None, tensors: list[torch.Tensor] | None = None,
            process_group: dist.ProcessGroup | None | bool = False) -> int:
@@ -135,16 +150,7 @@ def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None],
         if t.is_meta:
             wanted.setdefault(key(t), []).append(t)
 
-    # Lives of every storage: the op index of its last use; a full write starts a new life.
-    last_use: dict[int, int] = {}
-    ends_life: dict[int, list[int]] = {}  # op index -> storages whose current life ends after it
-    for i, (func, args, kwargs, out) in enumerate(log):
-        used = {key(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor) and t.is_meta}
-        k = key(args[0]) if _is_full_write(func, args) else None
-        if k in used and k in last_use:
-            ends_life.setdefault(last_use[k], []).append(k)
-        last_use.update(dict.fromkeys(used, i))
-
+    last_use, ends_life = _lives(log)
     real: dict[int, torch.UntypedStorage] = {}
 
     def to_real(x):
