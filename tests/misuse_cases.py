@@ -209,7 +209,7 @@ def backward_that_raised(stage: int, accum: int, fail_step: int, fail_micro: int
                         config=ZeroConfig(stage=stage, grad_accum_steps=accum, units=("Block",) if stage == 3 else ()))
     errors = []
     for step in range(4):
-        engine.zero_grad()
+        engine.zero_grad(set_to_none=False)  # torch's argument is taken
         for micro in range(accum):
             if (step, micro) == (fail_step, fail_micro):
                 _Raises.armed = how == "function"

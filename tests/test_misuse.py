@@ -97,7 +97,8 @@ def test_after_a_backward_that_raised_zero_grad_drops_the_step_and_training_goes
 def test_zero_grad_on_some_ranks_only_is_an_error_on_every_rank(ranks, stage):
     """Note [A backward that raised]: gradients dropped on one rank alone (a step skipped where one rank saw a NaN
     loss) would train on gradients that differ by rank, silently; now every rank raises at the end of the step's
-    last backward, the step is refused, and after ``zero_grad()`` on every rank training goes on right."""
+    last backward, the step is refused, and after ``zero_grad()`` on every rank training goes on right. (At stages
+    2-3 the micro-step run again on one rank reduce-scatters there alone: a wait until the collective timeout.)"""
     for rank, r in enumerate(ranks(2).run(cases.zero_grad_on_one_rank, stage=stage)):
         (mismatch, _), (refused, issued) = r["errors"]
         assert mismatch.startswith("engine.zero_grad() dropped this step's gradients on some ranks only"), r

@@ -33,8 +33,8 @@ in the reducer's hook: the bucket is dense, and at stages 2-3 copying a sparse t
 0-1, are dense: the same values as DDP's sparse all-reduce, in the memory of ``sparse=False``.
 
 Note [A backward that raised]: a backward that raises midway (a custom autograd function's check, a user's
-gradient hook, an out-of-memory error; or one outside ``engine.backward``: Note [One backward per micro-step])
-leaves some of the step's gradients accumulated and others not, at stages 2-3 a bucket half filled. The next
+gradient hook, an out-of-memory error; at stages 0-2 one outside ``engine.backward`` too, Note [One backward per
+micro-step], which stage 3 refuses before any gradient accumulates: nothing to drop there) leaves some of the step's gradients accumulated and others not, at stages 2-3 a bucket half filled. The next
 backward added to them: stages 0-1 trained silently on that partial gradient summed with the next micro-step's,
 stages 2-3 failed inside the reducer (a ``KeyError``). Plain PyTorch leaves the choice to the user:
 ``optimizer.zero_grad()`` and the next batch. So after it, ``engine.backward`` and ``engine.step`` raise one line
@@ -44,9 +44,12 @@ reductions in flight, drops every gradient since the last step (every micro-step
 that skipped the batch. A forward (evaluation) is not refused. The reductions in flight pair up only where every
 rank raised at the same point (an error every rank meets alike); an error on one rank alone leaves the others
 waiting in a collective until the collective timeout, as under DDP. A drop on some ranks only would train on
-gradients that differ by rank (a step skipped where one rank saw a NaN loss): whether this step's gradients
-were dropped rides the step's agreement (``agreements.py``), and where the ranks differ every rank raises at
-the end of its last backward. A call with nothing to drop (no backward since the step, none raised) does
+gradients that differ by rank (a step skipped where one rank saw a NaN loss). At stages 0-1, which reduce at the
+last micro-step only, whether this step's gradients were dropped rides the step's agreement (``agreements.py``),
+and where the ranks differ every rank raises at the end of its last backward; at stages 2-3 the micro-step run
+again reduce-scatters on that rank alone, so the ranks' collectives differ before any agreement: a wait until
+the collective timeout, as any step skipped on one rank under DDP (a check before that would be a collective
+per micro-step). A call with nothing to drop (no backward since the step, none raised) does
 nothing, so a loop may call it at the start of every step, as with torch's optimizers.
 """
 
@@ -73,7 +76,7 @@ def backward_outside_engine(name: str) -> RuntimeError:
 
 def spoiled_by(error: BaseException) -> str:
     """``error`` in one line, for the refusal of Note [A backward that raised]."""
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def zero_grad_on_some_ranks() -> RuntimeError:
@@ -105,10 +108,12 @@ class UserModel:
                                "backward and step are refused until engine.zero_grad() on every rank drops them "
                                "(every micro-step since the last engine.step()); then run the step again")
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient accumulated since the last :meth:`step` (all its micro-steps) and begin the step
         again, after a backward that raised (Note [A backward that raised]). Every rank must call it; it issues no
-        collective (it waits for the reductions in flight). Nothing to drop: a no-op.
+        collective (it waits for the reductions in flight). Nothing to drop: a no-op. ``set_to_none`` is taken as
+        torch's optimizers take it and changes nothing: the gradients live in the engine's buffers, zeroed either
+        way.
 
         Raises:
             RuntimeError: the engine was closed.
