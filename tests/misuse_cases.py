@@ -193,6 +193,33 @@ class Deep(nn.Module):
         return self.head(x).square().mean()
 
 
+def _deep_and_reference(stage: int, accum: int):
+    """``Deep`` under an engine of ``stage`` (units ``Block`` at stage 3), AdamW lr 1e-2, and a copy for plain
+    PyTorch with its optimizer: ``(engine, ref, ropt)``."""
+    torch.manual_seed(0)
+    model = Deep()
+    ref = copy.deepcopy(model)
+    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
+                        param_groups=[{"params": list(model.parameters())}],
+                        config=ZeroConfig(stage=stage, grad_accum_steps=accum, units=("Block",) if stage == 3 else ()))
+    return engine, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+
+def _averaged_step(ref: nn.Module, ropt) -> None:
+    """Plain PyTorch's step on the gradients averaged over the ranks (DDP's numbers)."""
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    ropt.step()
+    ropt.zero_grad()
+
+
+def _rel(engine, ref: nn.Module) -> float:
+    """The largest relative difference of the engine's parameters from ``ref``'s."""
+    sd = engine.full_state_dict(rank0_only=False)
+    return max(float((sd[k] - v).abs().max() / v.abs().max()) for k, v in ref.state_dict().items())
+
+
 def backward_that_raised(stage: int, accum: int, fail_step: int, fail_micro: int, how: str) -> dict:
     """Note [A backward that raised]: 4 steps of ``Deep``; at ``fail_step``/``fail_micro`` the backward raises on
     every rank midway (``how``: ``"function"``, a custom autograd function's; ``"outside"``, an auxiliary loss's
@@ -200,13 +227,7 @@ def backward_that_raised(stage: int, accum: int, fail_step: int, fail_micro: int
     issued before it), ``engine.zero_grad()``, and the next step; ``zero_grad()`` also opens every step (nothing to
     drop). Returns the errors and the largest relative difference of the parameters from plain PyTorch's (gradients
     averaged over the ranks) that skipped the failed step."""
-    torch.manual_seed(0)
-    model = Deep()
-    ref = copy.deepcopy(model)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
-                        param_groups=[{"params": list(model.parameters())}],
-                        config=ZeroConfig(stage=stage, grad_accum_steps=accum, units=("Block",) if stage == 3 else ()))
+    engine, ref, ropt = _deep_and_reference(stage, accum)
     errors = []
     for step in range(4):
         engine.zero_grad(set_to_none=False)  # torch's argument is taken
@@ -231,14 +252,8 @@ def backward_that_raised(stage: int, accum: int, fail_step: int, fail_micro: int
             engine.step()
             for micro in range(accum):
                 (ref(_x(step, micro)) / accum).backward()
-            for p in ref.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
-            ropt.step()
-            ropt.zero_grad()
-    sd = engine.full_state_dict(rank0_only=False)
-    worst = max(float((sd[k] - v).abs().max() / v.abs().max()) for k, v in ref.state_dict().items())
-    return {"errors": errors, "rel": worst}
+            _averaged_step(ref, ropt)
+    return {"errors": errors, "rel": _rel(engine, ref)}
 
 
 def zero_grad_on_one_rank(stage: int) -> dict:
@@ -246,13 +261,7 @@ def zero_grad_on_one_rank(stage: int) -> dict:
     (stages 0-1 issue no collective before the last), then every rank runs the step: the error each rank raises at
     the end of the last backward, the error the step then raises, and, after ``zero_grad()`` on every rank and one
     more step, the largest relative difference from plain PyTorch that trained that one step."""
-    torch.manual_seed(0)
-    model = Deep()
-    ref = copy.deepcopy(model)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
-                        param_groups=[{"params": list(model.parameters())}],
-                        config=ZeroConfig(stage=stage, grad_accum_steps=2))
+    engine, ref, ropt = _deep_and_reference(stage, 2)
     engine.backward(engine(_x(0, 0)))
     if dist.get_rank() == 0:
         engine.zero_grad()
@@ -264,10 +273,5 @@ def zero_grad_on_one_rank(stage: int) -> dict:
         engine.backward(engine(_x(1, micro)))
         (ref(_x(1, micro)) / 2).backward()
     engine.step()
-    for p in ref.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-    ropt.step()
-    sd = engine.full_state_dict(rank0_only=False)
-    worst = max(float((sd[k] - v).abs().max() / v.abs().max()) for k, v in ref.state_dict().items())
-    return {"errors": errors, "rel": worst}
+    _averaged_step(ref, ropt)
+    return {"errors": errors, "rel": _rel(engine, ref)}
