@@ -51,9 +51,10 @@ def train(stage: int, pattern: str, keep: int | None = None, units: tuple = ("Bl
     """``pattern``: ``"fgsm"`` (the input's gradient by ``torch.autograd.grad``, then a step on the perturbed input),
     ``"penalty"`` (``create_graph=True`` between the forward and ``engine.backward``, the penalty trained through),
     ``"param_penalty"`` (the same of the gradients of the first block's parameters),
-    ``"inside_create_graph"`` / ``"inside_detached"`` (the penalty inside the model's forward). Returns the losses,
+    ``"inside_create_graph"`` / ``"inside_detached"`` (the penalty inside the model's forward), ``"raises"`` (in the
+    first step, the input's gradient by a pass that raises midway, caught; ``""``: none). Returns the losses,
     the full state dict and, at stage 3, the units gathered right after each ``torch.autograd.grad`` outside a
-    forward, and after each step."""
+    forward, and after each step, and at stage 3 the outer units' learned schedule (``(scheduled, tail)``)."""
     torch.manual_seed(0)
     inside = pattern.removeprefix("inside_") if pattern.startswith("inside_") else ""
     extra = {} if keep is None or stage != 3 else {"keep_root_bytes": keep}
@@ -75,6 +76,13 @@ def train(stage: int, pattern: str, keep: int | None = None, units: tuple = ("Bl
                 gx, = torch.autograd.grad(logits.square().sum(), x, create_graph=True)
                 after_grad.append(gathered())
                 loss = loss + 0.1 * gx.square().mean()
+            elif pattern == "raises" and step == 0:  # the input's gradient, whose pass raises midway (a hook's check)
+                handle = logits.register_hook(_raise)
+                try:
+                    torch.autograd.grad(loss, x, retain_graph=True)
+                except ValueError:
+                    pass
+                handle.remove()
             elif pattern == "param_penalty":  # a gradient-norm penalty on the first block's parameters
                 gp = torch.autograd.grad(loss, list(engine.module.blocks[0].parameters()), create_graph=True)
                 loss = loss + 0.1 * sum(g.square().sum() for g in gp)
@@ -83,5 +91,11 @@ def train(stage: int, pattern: str, keep: int | None = None, units: tuple = ("Bl
         engine.step()
         after_step.append(gathered())
     every = sorted(u.name or "<root>" for u in getattr(engine, "units", []) if not u.persistent)
+    rec = engine.sched.outer.rec if stage == 3 else {}  # Note [Outer units]: what the first step learned
     return {"losses": losses, "state": engine.full_state_dict(rank0_only=False), "after_grad": after_grad,
-            "after_step": after_step, "every": every}
+            "after_step": after_step, "every": every,
+            "schedule": {u.name: (r.scheduled, r.tail) for u, r in rec.items()}}
+
+
+def _raise(grad: torch.Tensor) -> None:
+    raise ValueError("a check in the input gradient's pass failed")

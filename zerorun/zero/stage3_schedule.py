@@ -20,7 +20,9 @@ autograd's own functions pass, since only the graph reads the values, and its ho
 for a linear layer's input gradient) and run in a later backward, with no hook of their unit before them: a freed
 unit read there was torch's "storage of size 0" error. So every unit such a pass gathers stays gathered (pinned by
 ``second_order``) until the end of the next ``engine.backward`` or the optimizer step: the memory of stage 2 for
-those units over that window, and the numbers of stage 0.
+those units over that window, and the numbers of stage 0. A pass that raises midway never reaches its end: the next
+forward or ``engine.backward`` ends it first (before, every later ``engine.backward`` ran as such a pass, and the
+outer units' first step learned nothing from it).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class Schedule:
     # ------------------------------------------------------------------------------------------- forward
     def pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
         if unit.is_root and not in_backward():  # a new forward: whatever an interrupted one left on the stack goes
+            self.end_stale_foreign()
             self.clear_forward()
             self.end_hold()
             unit.ctx.training = torch.is_grad_enabled()  # Gathering.training, before the root's own gather
@@ -311,8 +314,16 @@ class Schedule:
         if not self.active:
             self.free_all()
 
+    def end_stale_foreign(self) -> None:
+        """A backward outside ``engine.backward`` that raised never reached its end (``end_foreign`` is queued on
+        autograd's engine, which runs it only when the pass finishes): end it before a new forward or
+        ``engine.backward`` begins (Note [Backward outside engine.backward])."""
+        if self.foreign and not in_backward():
+            self.end_foreign()
+
     def backward_start(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` begins: the root is gathered first, whatever structure held the loss."""
+        self.end_stale_foreign()
         held = [u for u in self.units if u.held]  # Note [Kept from forward to backward] in stage3_outer.py
         self.end_hold()
         for unit in held:  # the units their forward read, freed at its end (a block's weight in a root penalty)
