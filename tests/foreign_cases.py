@@ -24,7 +24,8 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     """``inside``: the forward adds an input-gradient penalty of its own (``"create_graph"``: trained through, as
-    a gradient penalty; ``"detached"``: computed without a graph, a constant term)."""
+    a gradient penalty; ``"detached"``: computed without a graph, a constant term; ``"retry"``: trained through,
+    after a first try whose pass raised midway)."""
 
     def __init__(self, inside: str = "") -> None:
         super().__init__()
@@ -35,7 +36,9 @@ class Net(nn.Module):
         logits = self.head(self.blocks[1](self.blocks[0](self.inp(x))))
         loss = F.cross_entropy(logits, y)
         if self.inside:
-            g, = torch.autograd.grad(logits.square().sum(), x, create_graph=self.inside == "create_graph",
+            if self.inside == "retry":  # a first try whose pass raises midway, caught; then with a graph
+                _try_raising(logits, x)
+            g, = torch.autograd.grad(logits.square().sum(), x, create_graph=self.inside != "detached",
                                      retain_graph=True)
             loss = loss + 0.1 * g.square().mean()
         return loss, logits
@@ -51,8 +54,9 @@ def train(stage: int, pattern: str, keep: int | None = None, units: tuple = ("Bl
     """``pattern``: ``"fgsm"`` (the input's gradient by ``torch.autograd.grad``, then a step on the perturbed input),
     ``"penalty"`` (``create_graph=True`` between the forward and ``engine.backward``, the penalty trained through),
     ``"param_penalty"`` (the same of the gradients of the first block's parameters),
-    ``"inside_create_graph"`` / ``"inside_detached"`` (the penalty inside the model's forward), ``"raises"`` (in the
-    first step, the input's gradient by a pass that raises midway, caught; ``""``: none). Returns the losses,
+    ``"inside_create_graph"`` / ``"inside_detached"`` / ``"inside_retry"`` (the penalty inside the model's forward),
+    ``"raises"`` (in the first step, the input's gradient by a pass that raises midway, caught; ``""``: none),
+    ``"raises_then_retry"`` (that in every step, then ``"penalty"``'s). Returns the losses,
     the full state dict and, at stage 3, the units gathered right after each ``torch.autograd.grad`` outside a
     forward, and after each step, and at stage 3 the outer units' learned schedule (``(scheduled, tail)``)."""
     torch.manual_seed(0)
@@ -77,12 +81,11 @@ def train(stage: int, pattern: str, keep: int | None = None, units: tuple = ("Bl
                 after_grad.append(gathered())
                 loss = loss + 0.1 * gx.square().mean()
             elif pattern == "raises" and step == 0:  # the input's gradient, whose pass raises midway (a hook's check)
-                handle = logits.register_hook(_raise)
-                try:
-                    torch.autograd.grad(loss, x, retain_graph=True)
-                except ValueError:
-                    pass
-                handle.remove()
+                _try_raising(logits, x)
+            elif pattern == "raises_then_retry":  # then the same again with a graph, a penalty trained through
+                _try_raising(logits, x)
+                gx, = torch.autograd.grad(logits.square().sum(), x, create_graph=True)
+                loss = loss + 0.1 * gx.square().mean()
             elif pattern == "param_penalty":  # a gradient-norm penalty on the first block's parameters
                 gp = torch.autograd.grad(loss, list(engine.module.blocks[0].parameters()), create_graph=True)
                 loss = loss + 0.1 * sum(g.square().sum() for g in gp)
@@ -99,3 +102,13 @@ def train(stage: int, pattern: str, keep: int | None = None, units: tuple = ("Bl
 
 def _raise(grad: torch.Tensor) -> None:
     raise ValueError("a check in the input gradient's pass failed")
+
+
+def _try_raising(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``torch.autograd.grad`` of ``out`` to ``x`` whose pass raises midway (a hook's check on ``out``), caught."""
+    handle = out.register_hook(_raise)
+    try:
+        torch.autograd.grad(out.square().sum(), x, retain_graph=True)
+    except ValueError:
+        pass
+    handle.remove()

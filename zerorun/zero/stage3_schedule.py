@@ -21,8 +21,10 @@ for a linear layer's input gradient) and run in a later backward, with no hook o
 unit read there was torch's "storage of size 0" error. So every unit such a pass gathers stays gathered (pinned by
 ``second_order``) until the end of the next ``engine.backward`` or the optimizer step: the memory of stage 2 for
 those units over that window, and the numbers of stage 0. A pass that raises midway never reaches its end: the next
-forward or ``engine.backward`` ends it first (before, every later ``engine.backward`` ran as such a pass, and the
-outer units' first step learned nothing from it).
+forward or ``engine.backward`` ends it first (before, the next ``engine.backward`` ran as such a pass, and the outer
+units' first step learned nothing from it). A pass run before that (the same ``torch.autograd.grad`` again, inside
+the forward or after it) finds it begun: if it records a graph, it pins the root and the outer units the raising
+pass gathered at its start, as its own start would have (found by review: else the end freed them under its graph).
 """
 
 from __future__ import annotations
@@ -261,9 +263,12 @@ class Schedule:
 
     def in_foreign(self) -> bool:
         """Inside a backward hook: whether this backward is not ``engine.backward``'s; the first hook of such a pass
-        begins it (Note [Backward outside engine.backward])."""
+        begins it (Note [Backward outside engine.backward]). A pass run after one that raised finds it still begun:
+        what its start gathered is pinned again when this one records a graph."""
         if not self.reducer.running and not self.foreign and in_backward():
             self.begin_foreign()
+        elif self.foreign and not self.reducer.running:
+            self.pin_second_order([self.root] + self.outer.outers)
         return self.foreign
 
     def begin_foreign(self) -> None:
