@@ -379,3 +379,25 @@ def gathered_write_mixed(precision: str = "bf16") -> dict:
         engine.step()
         out[stage] = _full(engine)["blocks.0.fc.weight"]
     return out
+
+
+def gathered_write_then_raise(stage: int) -> dict:
+    """Rank 0 writes a weight inside ``gathered_parameters(modifier_rank=0)``, then the block raises on every rank
+    (caught), then one step: the weight right after the block and the full state dict after the step, per rank.
+    Plain PyTorch keeps a write made before an exception, so every rank must hold rank 0's."""
+    torch.manual_seed(0)
+    model = Net("plain")
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 1e-3},
+                        config=ZeroConfig(stage=stage, units=("Block",) if stage == 3 else ()))
+    w = model.blocks[0].fc.weight
+    try:
+        with engine.gathered_parameters([w], modifier_rank=0), torch.no_grad():
+            if dist.get_rank() == 0:
+                w.fill_(0.25)
+            raise ValueError("a check inside the block failed")
+    except ValueError:
+        pass
+    after_block = _full(engine)["blocks.0.fc.weight"]
+    engine.backward(_loss(engine(_batch(0, dist.get_rank()))))
+    engine.step()
+    return {"after_block": after_block, "after_step": _full(engine)}

@@ -124,6 +124,21 @@ def test_zero_element_parameter_consolidates(ranks, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_gathered_write_is_kept_on_every_rank_when_the_block_raises(ranks, stage):
+    """A ``gathered_parameters(modifier_rank=0)`` block that raised on every rank after rank 0's write: at stages
+    0-2 rank 0 kept the write and the others did not (the broadcast was skipped), and the ranks trained on with
+    different weights, silently. Now every rank holds rank 0's write, as plain PyTorch keeps a write made before
+    an exception, and the ranks stay equal after a step."""
+    import torch
+
+    r0, r1 = ranks(2).run(cases.gathered_write_then_raise, stage=stage)
+    for r in (r0, r1):
+        assert torch.equal(r["after_block"], torch.full_like(r["after_block"], 0.25)), (stage, r["after_block"])
+    assert all(torch.equal(r0["after_step"][k], r1["after_step"][k]) for k in r0["after_step"]), stage
+
+
+@pytest.mark.slow
 def test_gathered_write_reaches_the_masters(ranks):
     """bf16 keeps fp32 master slices apart from the parameters: a write made in gathered_parameters with a
     modifier rank is kept by the optimizer step at every stage (SGD lr 1e-3 moves it by about 1e-3)."""

@@ -156,16 +156,18 @@ class UserModel:
         """Context manager: ``params`` whole inside the block (they always are at stages 0-2; stage 3 gathers
         them, :meth:`Stage3Engine.gathered_parameters`). Every rank must enter it. With ``modifier_rank`` (a
         rank of the engine's group), the values that rank holds on exit are broadcast to every rank and kept,
-        master slices included: in-place writes made there take effect everywhere."""
+        master slices included: in-place writes made there take effect everywhere, also when the block raises (on
+        every rank: before, the ranks went on with different values, silently)."""
         params = list(params)
         bufs = [b for b in self.buffers if any(p in b.slots for p in params)]
         before = {b: self._param_slice(b).clone() for b in bufs} if modifier_rank is not None else {}
-        yield
-        if modifier_rank is None:
-            return
-        tensors = [b.data for b in bufs] + [p.data for p in params if not p.requires_grad]
-        self.comm.wait([self.comm.broadcast(t, modifier_rank) for t in tensors])
-        self._masters_take(bufs, before)
+        try:
+            yield
+        finally:
+            if modifier_rank is not None:
+                tensors = [b.data for b in bufs] + [p.data for p in params if not p.requires_grad]
+                self.comm.wait([self.comm.broadcast(t, modifier_rank) for t in tensors])
+                self._masters_take(bufs, before)
 
     def _masters_take(self, bufs: list[FlatBuffer], before: dict) -> None:
         """The master slices of ``bufs`` take the elements of their parameter slices that differ from
