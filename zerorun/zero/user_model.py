@@ -83,7 +83,7 @@ def zero_grad_on_some_ranks() -> RuntimeError:
     """The error of Note [A backward that raised] where ``engine.zero_grad`` dropped gradients on some ranks."""
     return RuntimeError("engine.zero_grad() dropped this step's gradients on some ranks only, so the ranks' gradients "
                         "differ and this step is refused on every rank: call engine.zero_grad() on every rank alike "
-                        "(after a backward that raised on every rank), then run the step again")
+                        "(after a backward that raised on every rank), then begin the step again")
 
 
 class UserModel:
@@ -106,7 +106,8 @@ class UserModel:
         if self.reducer.spoiled is not None:
             raise RuntimeError(f"a backward raised ({self.reducer.spoiled}) and left this step's gradients partial: "
                                "backward and step are refused until engine.zero_grad() on every rank drops them "
-                               "(every micro-step since the last engine.step()); then run the step again")
+                               "(every micro-step since the last engine.step()); then begin the step again, with this batch or the "
+                               "next")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient accumulated since the last :meth:`step` (all its micro-steps) and begin the step
