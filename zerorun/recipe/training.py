@@ -93,10 +93,10 @@ class ZeroSpec(Strict):
     # Stage 3: the root and the outer units (and the last unit) stay gathered from forward into backward up to these
     # bytes together.
     keep_root_bytes: int | None = Field(None, ge=0, description="stage 3: the root unit and the outer units "
-                                        "(embeddings, final norm, LM head) are gathered once per micro-step and kept from "
-                                        "the end of forward into backward when their bytes together are at most "
-                                        "this, and the forward's last unit too where it fits with them (unset: "
-                                        "1 MiB; 0: freed after every forward)")
+                                        "(embeddings, final norm, LM head) are gathered once per micro-step and "
+                                        "kept from the end of forward into backward when their bytes together are "
+                                        "at most this, and the forward's last unit too where it fits with them "
+                                        "(unset: 1 MiB; 0: freed after every forward)")
     # Mixed precision and offload (zerorun/zero/precision.py, offload.py): reduce gradients in fp32 instead of
     # the 2-byte precision; where the fp32 master slices and optimizer states live (none | cpu | disk), the
     # folder for disk's swap files and the host buffer (MiB) they are paged through.

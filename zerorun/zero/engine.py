@@ -317,7 +317,10 @@ class ZeroEngine(UserModel):
 
     def _zero_grads(self, discard: bool = False) -> None:
         """After the step: zero the gradients; with ``discard``, drop a step's (Note [A backward that raised])."""
-        self.reducer.discard() if discard else self.reducer.zero_grads()
+        if discard:
+            self.reducer.discard()
+        else:
+            self.reducer.zero_grads()
         self._micro_step = 0
 
     # ------------------------------------------------------------------------------------------------ report

@@ -34,9 +34,10 @@ in the reducer's hook: the bucket is dense, and at stages 2-3 copying a sparse t
 
 Note [A backward that raised]: a backward that raises midway (a custom autograd function's check, a user's
 gradient hook, an out-of-memory error; at stages 0-2 one outside ``engine.backward`` too, Note [One backward per
-micro-step], which stage 3 refuses before any gradient accumulates: nothing to drop there) leaves some of the step's gradients accumulated and others not, at stages 2-3 a bucket half filled. The next
-backward added to them: stages 0-1 trained silently on that partial gradient summed with the next micro-step's,
-stages 2-3 failed inside the reducer (a ``KeyError``). Plain PyTorch leaves the choice to the user:
+micro-step], which stage 3 refuses before any gradient accumulates: nothing to drop there) leaves some of the
+step's gradients accumulated and others not, at stages 2-3 a bucket half filled. The next backward added to them:
+stages 0-1 trained silently on that partial gradient summed with the next micro-step's, stages 2-3 failed inside
+the reducer (a ``KeyError``). Plain PyTorch leaves the choice to the user:
 ``optimizer.zero_grad()`` and the next batch. So after it, ``engine.backward`` and ``engine.step`` raise one line
 naming the error, before any collective, until ``engine.zero_grad()`` (DeepSpeed's name): it waits for the
 reductions in flight, drops every gradient since the last step (every micro-step of it, as
@@ -106,8 +107,8 @@ class UserModel:
         if self.reducer.spoiled is not None:
             raise RuntimeError(f"a backward raised ({self.reducer.spoiled}) and left this step's gradients partial: "
                                "backward and step are refused until engine.zero_grad() on every rank drops them "
-                               "(every micro-step since the last engine.step()); then begin the step again, with this batch or the "
-                               "next")
+                               "(every micro-step since the last engine.step()); then begin the step again, with "
+                               "this batch or the next")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient accumulated since the last :meth:`step` (all its micro-steps) and begin the step
