@@ -170,9 +170,9 @@ def test_a_named_head_is_a_unit_and_trains_as_stage_0(ranks):
             assert r["losses"] == pytest.approx(want["losses"], rel=1e-5)
     lines = named[0]["lines"]
     assert lines[0].startswith("stage 3 units, gathered and freed one by one: 3 x Block (blocks.0, blocks.1, blocks.2), ")
-    assert "1 x Linear (head), 0.1 KiB each" in lines[0], lines
+    assert "1 x Linear (head), 72 B each" in lines[0], lines
     assert not any("outer units" in line for line in lines), lines
-    assert any("outer units, picked automatically" in line and "head 0.1 KiB" in line for line in auto[0]["lines"])
+    assert any("outer units, picked automatically" in line and "head 72 B" in line for line in auto[0]["lines"])
 
 
 def test_the_run_says_why_a_unit_owns_no_parameter_and_what_the_root_holds(ranks):

@@ -26,6 +26,7 @@ from zerorun.zero.gradnorm import NORM_ROW, global_sum_of_squares, sum_of_square
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
 from zerorun.zero.optimizers import (NON_ELEMENTWISE_OPTIMIZERS, default_param_groups,  # noqa: F401 (re-exported)
                                      resolve_optimizer)
+from zerorun.zero.param_writes import DifferingWrites, ParamWrites
 from zerorun.zero.policy import POLICIES
 from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_inputs, cast_model, is_wide
 from zerorun.zero.reducer import GradReducer
@@ -55,15 +56,12 @@ class ZeroEngine(UserModel):
     def __init__(self, model: nn.Module, *, optimizer: str | type, optimizer_kwargs: dict[str, Any],
                  param_groups: list[dict[str, Any]] | None, config: ZeroConfig,
                  process_group: dist.ProcessGroup | None, elementwise: bool = False) -> None:
-        self.module = model
-        self.config = config
-        self.stage = config.stage
+        self.module, self.config, self.stage = model, config, config.stage
         self.policy = POLICIES[config.stage]  # Note [Stage policies]
         self.comm = Comm(process_group)
         # Notes [Two-level reduce-scatter] in hierarchy.py, [Quantized gradients] in quantized_grads.py
         self.comm.grad_path = gradient_path(self.comm, config.hierarchy, config.quantize_grads, config.quantize_block)
-        self.world_size = self.comm.world_size
-        self.rank = self.comm.rank
+        self.world_size, self.rank = self.comm.world_size, self.comm.rank
         optimizer_cls = resolve_optimizer(optimizer, elementwise=elementwise)
         optimizer_kwargs = dict(optimizer_kwargs)
         if param_groups is None:
@@ -72,15 +70,12 @@ class ZeroEngine(UserModel):
         self.param_dtype = DTYPES[config.precision]
         self.reduce_dtype = torch.float32 if config.reduce_dtype == "fp32" else self.param_dtype
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
-        self.last_step_skipped = False
-        self.skipped_steps = 0
+        self.last_step_skipped, self.skipped_steps = False, 0
         self._cast(model)
         self._frozen = [p for p in model.parameters() if not p.requires_grad]
         self._sync_initial_state()
 
-        names = {}
-        for i, (name, p) in enumerate(model.named_parameters()):
-            names[p] = (i, name)
+        names = {p: (i, name) for i, (name, p) in enumerate(model.named_parameters())}
         seen: set[nn.Parameter] = set()
         self.buffers: list[FlatBuffer] = []
         bucket_bytes = int(config.bucket_mb * 2**20)
@@ -118,7 +113,9 @@ class ZeroEngine(UserModel):
         self.masters = self._build_masters(optimizer_cls, optimizer_kwargs, group_options)
         self.optimizer = self.masters.optimizer
         self._opt_params = self.masters.params
-
+        # Notes [Writes between steps] and [Writes that differ by rank] (stages 1-2) in param_writes.py
+        self.writes = ParamWrites(self.buffers) if self.stage < 3 else None
+        self.reducer.rider = DifferingWrites(self) if self.policy.gather_after_step else None
         self._micro_step = 0
         # Note [The user's model stays the user's]: the parameter objects and their trainability are fixed here
         self._param_slots = [(mod, key, f"{mname}.{key}" if mname else key, p, p.requires_grad)
@@ -185,8 +182,10 @@ class ZeroEngine(UserModel):
     def master_slices(self) -> list[torch.Tensor]:
         """This rank's fp32 master values: one 1-D fp32 tensor (float64 for a float64 buffer: Note [Wide
         parameters] in ``precision.py``) per flat buffer of :attr:`buffers`, in that order, of ``shard_numel``
-        elements (stage 0: ``numel``), padding included. fp32 without offload: views
-        of the parameters; ``cpu``: the host masters; ``disk``: read from the swap file. Do not modify."""
+        elements (stage 0: ``numel``), padding included. fp32 without offload: views of the parameters; ``cpu``: the
+        host masters; ``disk``: read from the swap file. Do not modify. Writes since the step are taken first (Note
+        [Writes between steps] in param_writes.py: a checkpoint saves them)."""
+        self._take_writes()
         return self.masters.master_slices()
 
     def close(self) -> None:
@@ -204,6 +203,8 @@ class ZeroEngine(UserModel):
         """Stages 1-2: all-gather the updated slices into the full parameters."""
         if self.policy.gather_after_step:
             self.comm.wait([self.comm.all_gather(buf.data, buf.shard(buf.data)) for buf in self.buffers])
+        if self.writes is not None:  # Note [Writes between steps] in param_writes.py: the engine wrote them
+            self.writes.mark()
 
     # ----------------------------------------------------------------------------------------------- forward
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -285,6 +286,7 @@ class ZeroEngine(UserModel):
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
                                f"{self.config.grad_accum_steps}: run the remaining micro-steps first (the "
                                "engine is unchanged)")
+        self._take_writes()  # Note [Writes between steps] in param_writes.py
         self.reducer.pool.clear()  # Note [Gradient buffer pool]: not held through the optimizer step
         self.comm.release_buffers()
         grads = [self._grad_slice(buf) for buf in self.buffers]
@@ -353,15 +355,12 @@ class ZeroEngine(UserModel):
 
     def comm_stats(self) -> dict[str, float]:
         """Cumulative ``bytes_sent`` (bytes), ``bytes_inter_node`` (of them, to ranks on other nodes: Note
-        [Nodes of a group] in topology.py) and ``wait_s`` (seconds) of this rank's collectives."""
-        comms = self._comms()
+        [Nodes of a group] in topology.py) and ``wait_s`` (seconds) of this rank's collectives: the engine's Comm and
+        its gradients' levels' (zero.hierarchy or quantized gradients on several nodes: Note [Two-level
+        reduce-scatter] in hierarchy.py)."""
+        comms = [self.comm] + (self.comm.grad_path.comms if self.comm.grad_path is not None else [])
         return {"bytes_sent": sum(c.bytes_sent for c in comms),
                 "bytes_inter_node": sum(c.bytes_sent_inter_node for c in comms), "wait_s": self.comm.wait_s}
-
-    def _comms(self) -> list:
-        """The Comms whose bytes this rank's figures count: the engine's and its gradients' levels' (zero.hierarchy
-        or quantized gradients on several nodes: Note [Two-level reduce-scatter] in hierarchy.py)."""
-        return [self.comm] + (self.comm.grad_path.comms if self.comm.grad_path is not None else [])
 
     def optimizer_states(self) -> list[dict[str, torch.Tensor]]:
         """This rank's optimizer state per flat buffer of :attr:`buffers` (``{name: tensor}``; states with one

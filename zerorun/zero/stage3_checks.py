@@ -171,6 +171,8 @@ def check_no_writes(unit, own: bool = True) -> None:
         if a != b:
             what = repr(unit.name or "<root>")
             where = (f"the forward of its unit {what}" if own else
+                     "the model's forward or since the last step, outside engine.gathered_parameters (a persistent "
+                     "parameter, zero.persistence_threshold: gathered always)" if unit.persistent else
                      f"the model's forward while its unit {what} was gathered")
             raise RuntimeError(
                 f"stage 3: parameter {name!r} was written in place inside {where} (e.g. a "

@@ -153,6 +153,8 @@ def unit_of_params(model: nn.Module, unit_modules: list[nn.Module],
 
 
 def _mib(nbytes: int) -> str:
+    if nbytes < 2**10:
+        return f"{nbytes} B"
     return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 

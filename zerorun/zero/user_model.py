@@ -64,6 +64,7 @@ import torch.nn as nn
 
 if TYPE_CHECKING:
     from zerorun.zero.flat import FlatBuffer
+    from zerorun.zero.param_writes import ParamWrites
 
 
 def backward_outside_engine(name: str) -> RuntimeError:
@@ -93,6 +94,8 @@ class UserModel:
 
     #: set by ``close()``: forward, backward and step are refused from then on
     closed = False
+    #: stages 0-2: the parameters' version counters when the engine last wrote them (Note [Writes between steps])
+    writes: ParamWrites | None = None
 
     def check_open(self) -> None:
         """Raises RuntimeError once ``close()`` released the engine's swap files and reader thread (before: a
@@ -171,20 +174,34 @@ class UserModel:
                 self.comm.wait([self.comm.broadcast(t, modifier_rank) for t in tensors])
                 self._masters_take(bufs, before)
 
-    def _masters_take(self, bufs: list[FlatBuffer], before: dict) -> None:
+    def _masters_take(self, bufs: list[FlatBuffer], before: dict | None = None) -> None:
         """The master slices of ``bufs`` take the elements of their parameter slices that differ from
-        ``before[buf]`` (their values before a user's write); nothing to do where masters are the slices."""
+        ``before[buf]`` (their values before a user's write; ``None``: the masters cast to the parameters' dtype,
+        Note [Writes between steps] in param_writes.py); nothing to do where masters are the slices. The
+        comparison runs on the masters' device (host memory with optimizer offload)."""
+        if not bufs:
+            return
         index = {b: i for i, b in enumerate(self.buffers)}
-        masters = self.master_slices()
+        masters = self.masters.master_slices()
         changed = {}
         for buf in bufs:
             i = index.get(buf)
             now = self._param_slice(buf)
             if i is None or masters[i].data_ptr() == now.data_ptr():
                 continue
-            moved = now != before[buf]
+            now = now.to(masters[i].device)
+            was = masters[i].to(now.dtype) if before is None else before[buf].to(now.device)
+            moved = now != was
             if bool(moved.any()):
                 changed[i] = masters[i].clone()
                 changed[i][moved] = now[moved].to(changed[i].dtype)
         if changed:  # the optimizer state stays as it is
             self.masters.set_values([changed.get(i, m) for i, m in enumerate(masters)])
+        if self.writes is not None:
+            self.writes.mark(bufs)
+
+    def _take_writes(self) -> None:
+        """Note [Writes between steps] in param_writes.py: the masters take the parameters written in place since
+        the engine last wrote them (stages 0-2; host reads of version counters, a comparison where written)."""
+        if self.writes is not None:
+            self._masters_take(self.writes.written())
