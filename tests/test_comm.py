@@ -159,3 +159,23 @@ def test_streams_and_wait_timer_on_cpu():
     with timer.timing():
         time.sleep(0.01)
     assert 0.01 <= timer.seconds < 1.0
+
+
+@pytest.mark.slow
+def test_destroy_process_group_joins_gloos_workers_after_an_engine():
+    """Note [Last reference on the issuing thread]: building the first optimizer imports
+    ``torch.distributed.nn.functional``, whose default arguments then held the default group, so
+    ``destroy_process_group()`` left both gloo workers running into the interpreter's shutdown (the race that
+    aborts exits). zerorun imports it first: the script ends with no gloo worker thread."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import _free_port
+
+    script = os.path.join(os.path.dirname(__file__), "destroy_after_engine.py")
+    out = subprocess.run([sys.executable, script, str(_free_port()), "2"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    threads = out.stdout.strip().splitlines()[-1].split(",")
+    assert "pt_gloo_runloop" not in threads and "gloo_tcp_loop" not in threads, threads
