@@ -39,10 +39,10 @@ def test_writes_that_differ_by_rank_are_an_error_at_stages_1_2(ranks, stage, acc
         assert r["error"].endswith("or use stage 0") and "\n" not in r["error"], f"rank {rank}: {r}"
 
 
-@pytest.mark.parametrize("stage,precision,offload", [(0, "bf16", "none"), (2, "fp32", "cpu")])
+@pytest.mark.parametrize("stage,precision,offload", [(0, "bf16", "none"), (2, "fp32", "cpu"), (1, "bf16", "disk")])
 def test_a_checkpoint_saved_after_a_write_holds_it(ranks, tmp_path, stage, precision, offload):
     """A checkpoint saves the masters: saved after a write and before the next step, it held the values from
-    before the write where the masters are separate tensors."""
+    before the write where the masters are separate tensors (with disk offload too, found by review)."""
     assert ranks(2).run(cases.saved_after_a_write, root=str(tmp_path), stage=stage, precision=precision,
                         offload=offload) == [True] * 2
 
@@ -53,3 +53,15 @@ def test_a_persistent_parameter_written_between_steps_at_stage_3_is_named_as_suc
     for error in ranks(2).run(cases.persistent_write_at_stage_3):
         assert error.startswith("stage 3: parameter '2.bias' was written in place inside the model's forward or since "
                                 "the last step, outside engine.gathered_parameters (a persistent parameter"), error
+
+
+@pytest.mark.parametrize("stage,precision,offload,block,write", [
+    (0, "bf16", "none", "b.bias", True), (2, "fp32", "cpu", "b.bias", True), (1, "bf16", "none", "b.bias", True),
+    (1, "fp32", "cpu", "b.weight", False), (0, "bf16", "none", "b.weight", False)])
+def test_a_write_before_a_gathered_parameters_block_is_kept(ranks, stage, precision, offload, block, write):
+    """Found by review: a write made directly and then a ``gathered_parameters(modifier_rank=0)`` block was lost
+    (the block's end wrote the masters back over every buffer), and at stages 1-2 taken for a write that differs
+    by rank (only this rank's slice was written back)."""
+    for rank, r in enumerate(ranks(2).run(cases.written_before_a_block, stage=stage, precision=precision,
+                                          offload=offload, block=block, write=write)):
+        assert r == {"kept": True, "error": None}, f"rank {rank}: {r}"

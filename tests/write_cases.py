@@ -16,16 +16,18 @@ from zerorun.zero import ZeroConfig, initialize
 
 
 class Net(nn.Module):
-    """Two layers; ``forward`` clamps ``b.weight`` in place under ``no_grad`` first (a constraint applied alike on
-    every rank: it reads no data)."""
+    """Two layers; with ``clamp``, ``forward`` clamps ``b.weight`` in place under ``no_grad`` first (a constraint
+    applied alike on every rank: it reads no data)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clamp: bool = True) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.clamp = clamp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            self.b.weight.clamp_(-0.3, 0.3)
+        if self.clamp:
+            with torch.no_grad():
+                self.b.weight.clamp_(-0.3, 0.3)
         return self.b(torch.tanh(self.a(x))).square().mean()
 
 
@@ -181,3 +183,33 @@ def persistent_write_at_stage_3() -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def written_before_a_block(stage: int, precision: str, offload: str = "none", block: str = "b.bias",
+                           write: bool = True) -> dict:
+    """``a.weight`` halved in place on every rank, then a ``gathered_parameters(modifier_rank=0)`` block over
+    ``block`` (``write``: rank 0 adds 1 to it there), then a step that changes nothing (SGD, lr 0): whether
+    ``a.weight`` is its first value (in ``precision``) halved, bit for bit, and the error raised (``None``). No
+    write in the forward (it would take the earlier write with its own)."""
+    torch.manual_seed(0)
+    model = Net(clamp=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.0},
+                            config=ZeroConfig(stage=stage, precision=precision, offload_optimizer=offload,
+                                              offload_path=tmp))
+        first = model.a.weight.detach().clone()
+        param = model.get_parameter(block)
+        error = None
+        try:
+            with torch.no_grad():
+                model.a.weight.mul_(0.5)
+                with engine.gathered_parameters([param], modifier_rank=0):
+                    if write and dist.get_rank() == 0:
+                        param.add_(1.0)
+            engine.backward(engine(_batch(0, dist.get_rank())))
+            engine.step()
+        except RuntimeError as e:
+            error = str(e)
+        kept = torch.equal(model.a.weight.detach(), first * 0.5)
+        engine.close()
+    return {"kept": kept, "error": error}

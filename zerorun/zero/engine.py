@@ -185,7 +185,7 @@ class ZeroEngine(UserModel):
         elements (stage 0: ``numel``), padding included. fp32 without offload: views of the parameters; ``cpu``: the
         host masters; ``disk``: read from the swap file. Do not modify. Writes since the step are taken first (Note
         [Writes between steps] in param_writes.py: a checkpoint saves them)."""
-        self._take_writes()
+        self.take_writes()
         return self.masters.master_slices()
 
     def close(self) -> None:
@@ -286,7 +286,7 @@ class ZeroEngine(UserModel):
             raise RuntimeError(f"step() after {self._micro_step} backward calls; grad_accum_steps is "
                                f"{self.config.grad_accum_steps}: run the remaining micro-steps first (the "
                                "engine is unchanged)")
-        self._take_writes()  # Note [Writes between steps] in param_writes.py
+        self.take_writes()  # Note [Writes between steps] in param_writes.py
         self.reducer.pool.clear()  # Note [Gradient buffer pool]: not held through the optimizer step
         self.comm.release_buffers()
         grads = [self._grad_slice(buf) for buf in self.buffers]

@@ -79,7 +79,7 @@ class DifferingWrites:
             RuntimeError: on every rank, where a parameter's values differ between ranks, naming it.
         """
         bufs = [b for b, n in zip(self.engine.buffers, sums) if n > 0]
-        if not bufs:
+        if not bufs or self.engine.world_size == 1:
             return
         comm = self.engine.comm
         firsts = [b.data.clone() for b in bufs]

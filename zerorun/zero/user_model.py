@@ -164,6 +164,7 @@ class UserModel:
         master slices included: in-place writes made there take effect everywhere, also when the block raises (on
         every rank: before, the ranks went on with different values, silently)."""
         params = list(params)
+        self.take_writes()  # before ``before``: a write made before the block is the user's (found by review)
         bufs = [b for b in self.buffers if any(p in b.slots for p in params)]
         before = {b: self._param_slice(b).clone() for b in bufs} if modifier_rank is not None else {}
         try:
@@ -200,8 +201,9 @@ class UserModel:
         if self.writes is not None:
             self.writes.mark(bufs)
 
-    def _take_writes(self) -> None:
+    def take_writes(self) -> None:
         """Note [Writes between steps] in param_writes.py: the masters take the parameters written in place since
-        the engine last wrote them (stages 0-2; host reads of version counters, a comparison where written)."""
+        the engine last wrote them (stages 0-2; host reads of version counters, a comparison where written). Done
+        by the step, a checkpoint's save and ``gathered_parameters``; local, no collective."""
         if self.writes is not None:
             self._masters_take(self.writes.written())
