@@ -65,3 +65,10 @@ def test_a_write_before_a_gathered_parameters_block_is_kept(ranks, stage, precis
     for rank, r in enumerate(ranks(2).run(cases.written_before_a_block, stage=stage, precision=precision,
                                           offload=offload, block=block, write=write)):
         assert r == {"kept": True, "error": None}, f"rank {rank}: {r}"
+
+
+def test_a_data_write_at_stage_3_is_named_as_such(ranks):
+    """The error named torch's descriptor (``__get__``) where the user wrote ``p.data``."""
+    for error in ranks(2).run(cases.data_read_at_stage_3):
+        assert error.startswith("stage 3: parameter 'a.weight' is partitioned (each rank holds 1/2 of it between "
+                                "uses) and .data used its values outside a forward or backward"), error

@@ -213,3 +213,15 @@ def written_before_a_block(stage: int, precision: str, offload: str = "none", bl
         kept = torch.equal(model.a.weight.detach(), first * 0.5)
         engine.close()
     return {"kept": kept, "error": error}
+
+
+def data_read_at_stage_3() -> str:
+    """Stage 3, ``a.weight.data`` read between steps (WGAN's ``p.data.clamp_(...)``): the error."""
+    torch.manual_seed(0)
+    model = Net(clamp=False)
+    initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=ZeroConfig(stage=3))
+    try:
+        model.a.weight.data.clamp_(-0.01, 0.01)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

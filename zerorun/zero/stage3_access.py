@@ -162,9 +162,11 @@ class ParameterGuard:
 
     def at_rest(self, p: nn.Parameter, func: Any) -> RuntimeError:
         """The error for a use of ``p``'s values outside a forward or backward (Note [Parameters at rest])."""
+        what = getattr(func, "__name__", func)
+        what = ".data" if what == "__get__" else what  # the only descriptor the guard sees (p.data)
         return RuntimeError(
             f"stage 3: parameter {self.names.get(p, '?')!r} is partitioned (each rank holds 1/{self.world_size} of "
-            f"it between uses) and {getattr(func, '__name__', func)} used its values outside a forward or backward: "
+            f"it between uses) and {what} used its values outside a forward or backward: "
             "read or write it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank "
             "(modifier_rank: the rank whose writes are kept), or read engine.full_state_dict()")
 
