@@ -20,7 +20,9 @@ stage and world size (its model states, working set, activations and device tota
 (``torch.cuda.set_sync_debug_mode("warn")``, its warnings counted with the line that made each) in one
 steady micro-step (forward + backward) and one optimizer step; the fraction of communication time hidden
 behind compute from a ``torch.profiler`` trace (NCCL kernels against the other kernels on the GPU's
-timeline; with gloo, its collectives' spans on the host). Writes ``<out>.json`` (every figure, per rank) and
+timeline; with gloo, its collectives' spans on the host). Once per run: the agreements' gloo group beside the
+job's, and that a parameter written in place between steps is kept with the masters on the device and in host
+memory (Note [Writes between steps]). Writes ``<out>.json`` (every figure, per rank) and
 ``<out>.md`` (rank 0's table and the command) and prints the table.
 """
 
@@ -81,9 +83,11 @@ def fmt_mib(n) -> str:
 def table(run_: dict) -> list[str]:
     """Markdown rows of rank 0's cases of one run."""
     control = next((r.get("control") for r in run_["rows"] if r.get("rank") == 0), None)
+    writes = next((r.get("writes") for r in run_["rows"] if r.get("rank") == 0), None)
     lines = [f"\n### world size {run_['world_size']}, {run_['backend']}" +
              (f" (NCCL refused: {run_['fallback_reason'][:200]})" if run_.get("fallback_reason") else ""),
              "", f"Agreements' group (Note [Agreements on the host]): {control}", "",
+             f"Writes between steps (Note [Writes between steps]): {writes}", "",
              "| precision | runtime | parity loss / norm / params (rel) | peak (MiB) | paper states (MiB) "
              "| estimate states / total (MiB) | samples/s | syncs micro / step | comm hidden |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -280,6 +280,35 @@ def control_check() -> str:
         return f"{type(e).__name__}: {e}"
 
 
+def writes_check(device) -> str:
+    """Note [Writes between steps] (zerorun/zero/param_writes.py) on this device: a weight halved in place after
+    each of two steps that change nothing (SGD, lr 0) keeps both halvings, with the masters on the device (stage 2,
+    bf16) and in host memory (stage 1, fp32, optimizer offload ``cpu``): "kept", else the first that lost one, or
+    the error."""
+    from zerorun.zero import ZeroConfig, initialize
+
+    try:
+        for stage, precision, offload in ((2, "bf16", "none"), (1, "fp32", "cpu")):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(16, 16).to(device)
+            engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.0},
+                                config=ZeroConfig(stage=stage, precision=precision, offload_optimizer=offload))
+            first, x = model.weight.detach().clone(), torch.randn(4, 16, device=device)
+            for write in (True, True, False):
+                engine.backward(engine(x).float().square().mean())
+                engine.step()
+                if write:
+                    with torch.no_grad():
+                        model.weight.mul_(0.5)
+            kept = torch.equal(model.weight.detach(), first * 0.25)
+            engine.close()
+            if not kept:
+                return f"lost at stage {stage}, {precision}, optimizer offload {offload}"
+        return "kept (stage 2 bf16, masters on the device; stage 1 fp32, optimizer offload cpu)"
+    except Exception as e:  # noqa: BLE001 - reported, the cases still run
+        return f"{type(e).__name__}: {e}"
+
+
 def agreed_over_budget(t_start: float, budget_s: float, device) -> bool:
     """Whether any rank is past its time budget (a MAX all-reduce: every rank stops at the same case)."""
     flag = torch.tensor([1.0 if time.time() - t_start > budget_s else 0.0], device=device)
@@ -298,7 +327,7 @@ def main(args) -> None:
         torch.backends.cudnn.allow_tf32 = False
     kwargs = {"device_id": device} if args.backend == "nccl" else {}
     dist.init_process_group(args.backend, **kwargs)
-    control = control_check()
+    control, writes = control_check(), writes_check(device)
     cases = [(p, r) for p in args.precisions.split(",") for r in args.runtimes.split(",")
              if p == "fp32" or r.startswith("stage")]  # the baselines run fp32 (zerorun/bench/baselines.py)
     for precision, runtime in cases:
@@ -314,7 +343,7 @@ def main(args) -> None:
                 row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             row["case_s"] = round(time.perf_counter() - t_case, 2)
         row.update(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=args.backend, control=control,
-                   since_start_s=round(time.time() - t_start, 1))
+                   writes=writes, since_start_s=round(time.time() - t_start, 1))
         sys.stdout.write(PREFIX + json.dumps(row) + "\n")
         sys.stdout.flush()
         if cuda:

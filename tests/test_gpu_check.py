@@ -45,6 +45,7 @@ def test_runs_on_cpu_and_writes_its_summary(tmp_path):
                                     ("bf16", "stage2-qgz")])
     for r in run["rows"]:
         assert "error" not in r, r
+        assert r["writes"].startswith("kept (stage 2 bf16"), r["writes"]  # Note [Writes between steps]
         assert r["samples_per_s"] > 0 and r["peak_bytes"] is None  # no CUDA: no device peak
         assert (r["syncs_per_micro_step"], r["syncs_per_optimizer_step"], r["sync_sites"]) == (0, 0, [])
         assert r["overlap"]["comm_spans"] > 0 and 0 <= r["overlap"]["fraction"] <= 1, r["overlap"]
@@ -56,3 +57,4 @@ def test_runs_on_cpu_and_writes_its_summary(tmp_path):
             assert r["estimate"]["model_states"] >= r["paper_bytes"] * 0.9
     md = (out.parent / "gc.md").read_text()
     assert "### world size 2, gloo" in md and md.count("| fp32 | ") == 3 and md.count("| bf16 | ") == 2
+    assert "Writes between steps (Note [Writes between steps]): kept" in md
