@@ -275,3 +275,48 @@ def zero_grad_on_one_rank(stage: int) -> dict:
     engine.step()
     _averaged_step(ref, ropt)
     return {"errors": errors, "rel": _rel(engine, ref)}
+
+
+def optimizer_habits(stage: int, kind: str) -> dict:
+    """Note [The engine's optimizer]: after one step, ``kind``: ``add_group`` (``engine.optimizer.add_param_group``
+    over ``b``'s parameters), ``rank0_state`` (every rank loads rank 0's ``engine.optimizer.state_dict()``),
+    ``plain_state`` (a plain torch AdamW's state over the model's parameters), ``own_state`` (each rank its own
+    state into a fresh engine, with the model's values). Returns the error (``None``) and, for ``own_state``, the
+    largest relative difference of two more steps' losses from the uninterrupted engine's."""
+    torch.manual_seed(0)
+    model = Net()
+    fresh = copy.deepcopy(model)
+    make = lambda m: initialize(m, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},  # noqa: E731
+                                config=ZeroConfig(stage=stage, bucket_mb=2**-10))
+    engine = make(model)
+    engine.backward(engine(_x(0, 0)))
+    engine.step()
+    try:
+        if kind == "add_group":
+            engine.optimizer.add_param_group({"params": list(model.b.parameters()), "lr": 0.1})
+        elif kind == "rank0_state":
+            box = [engine.optimizer.state_dict()]
+            dist.broadcast_object_list(box, src=0)
+            engine.optimizer.load_state_dict(box[0])
+        elif kind == "plain_state":
+            plain = torch.optim.AdamW(fresh.parameters())
+            engine.optimizer.load_state_dict(plain.state_dict())
+        else:
+            other = make(fresh)
+            other.optimizer.load_state_dict(copy.deepcopy(engine.optimizer.state_dict()))
+            with torch.no_grad():
+                for p, q in zip(fresh.parameters(), model.parameters()):
+                    p.copy_(q)
+            rel = 0.0
+            for step in (1, 2):
+                losses = []
+                for e in (engine, other):
+                    loss = e(_x(step, 0))
+                    e.backward(loss)
+                    e.step()
+                    losses.append(float(loss))
+                rel = max(rel, abs(losses[1] - losses[0]) / abs(losses[0]))
+            return {"error": None, "rel": rel}
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"error": None}

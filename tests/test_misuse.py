@@ -104,3 +104,32 @@ def test_zero_grad_on_some_ranks_only_is_an_error_on_every_rank(ranks, stage):
         assert mismatch.startswith("engine.zero_grad() dropped this step's gradients on some ranks only"), r
         assert refused.startswith("a backward raised (RuntimeError: engine.zero_grad() dropped") and issued == 0, r
         assert r["rel"] <= 1e-5, f"rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("kind,message", [
+    ("add_group", "engine.optimizer.add_param_group: the engine's optimizer steps this rank's fp32 master slices"),
+    ("rank0_state", "engine.optimizer.load_state_dict: "),
+    ("plain_state", "engine.optimizer.load_state_dict: the state was not saved by a zerorun engine's optimizer"),
+])
+def test_torch_optimizer_habits_on_engine_optimizer_are_refused_on_every_rank(ranks, stage, kind, message):
+    """Note [The engine's optimizer] (found by review): a group added after initialize was stepped twice (stage 0)
+    or ignored (stages 1-3), and rank 0's optimizer state loaded on every rank trained rank 1 with rank 0's
+    moments (or, where the slices differ in size, failed on one rank while the others waited): each raises one
+    line on every rank. At stage 0 rank 0's state is every rank's, and loads."""
+    for rank, r in enumerate(ranks(2).run(cases.optimizer_habits, stage=stage, kind=kind)):
+        if kind == "rank0_state" and stage == 0:  # every rank's state is the same whole one: loads, as under DDP
+            assert r["error"] is None, f"rank {rank}: {r}"
+            continue
+        assert r["error"] is not None and r["error"].startswith(message) and "\n" not in r["error"], f"rank {rank}: {r}"
+        if kind == "rank0_state":
+            own = "another rank could not load its state" if rank == 0 else "saved by rank 0 of 2"
+            assert own in r["error"], f"rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_each_ranks_own_optimizer_state_loads_as_in_torch(ranks, stage):
+    """Each rank loading the ``engine.optimizer.state_dict()`` it saved (with the model's values) goes on as the
+    uninterrupted engine."""
+    for rank, r in enumerate(ranks(2).run(cases.optimizer_habits, stage=stage, kind="own_state")):
+        assert r["error"] is None and r["rel"] <= 1e-6, f"rank {rank}: {r}"

@@ -24,6 +24,7 @@ from zerorun.zero.gloo_reduce_scatter import JOIN_BYTES
 from zerorun.zero.hierarchy import gradient_path
 from zerorun.zero.gradnorm import NORM_ROW, global_sum_of_squares, sum_of_squares  # noqa: F401 (re-exported)
 from zerorun.zero.offload import CpuMasters, DiskMasters, Masters
+from zerorun.zero.optimizer_guard import guard
 from zerorun.zero.optimizers import (NON_ELEMENTWISE_OPTIMIZERS, default_param_groups,  # noqa: F401 (re-exported)
                                      resolve_optimizer)
 from zerorun.zero.param_writes import DifferingWrites, ParamWrites
@@ -112,7 +113,7 @@ class ZeroEngine(UserModel):
         # above (offload.py; sub-groups of it with disk offload).
         self.masters = self._build_masters(optimizer_cls, optimizer_kwargs, group_options)
         self.optimizer = self.masters.optimizer
-        self._opt_params = self.masters.params
+        guard(self.optimizer, self.comm, self.stage)  # Note [The engine's optimizer] in optimizer_guard.py
         # Notes [Writes between steps] and [Writes that differ by rank] (stages 1-2) in param_writes.py
         self.writes = ParamWrites(self.buffers) if self.stage < 3 else None
         self.reducer.rider = DifferingWrites(self) if self.policy.gather_after_step else None
