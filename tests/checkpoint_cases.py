@@ -226,3 +226,30 @@ def run_docs_snippet(page: str, heading: str, cwd: str) -> dict:
         dist.init_process_group = init
     return {"step": names["step"], "position": names["position"], "path": names["path"],
             "last_epoch": names["scheduler"].last_epoch}
+
+
+def buffers_after_load(root: str, stage: int, load_stage: int) -> dict:
+    """A BatchNorm model trained one step on rank-different data (its running statistics then differ by rank, as
+    under DDP), saved, and loaded into a fresh engine at ``load_stage``: whether this rank's loaded buffers are
+    rank 0's at the save, bit for bit (what a DDP checkpoint holds)."""
+    import torch.nn as nn
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6), nn.BatchNorm1d(6))
+        return model, initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1},
+                                 config=ZeroConfig(stage=stage if seed == 0 else load_stage))
+
+    model, engine = build(0)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    box = [{k: v.clone() for k, v in model.state_dict(keep_vars=True).items() if "running" in k}]
+    dist.broadcast_object_list(box, src=0)  # rank 0's buffers
+    path, _, _ = checkpoint.save(engine, root, 1)
+    engine.close()
+    model, engine = build(1)
+    checkpoint.load(path, engine)
+    got = {k: v for k, v in model.state_dict(keep_vars=True).items() if "running" in k}
+    engine.close()
+    return {"rank0": all(torch.equal(got[k], v) for k, v in box[0].items()), "keys": sorted(got)}

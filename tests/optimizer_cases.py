@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.zero import ZeroConfig, default_param_groups, initialize
-from parity_cases import _batch, _build, rel
+from parity_cases import _batch, _build, _loss, rel
 
 #: every class of zero.optimizers.ELEMENTWISE_OPTIMIZERS, with options that exercise its per-element state
 ALLOWED = [
@@ -116,3 +116,22 @@ def refusals() -> dict:
     out["declared_renamed_adamw"] = _distance(_train(RenamedAdamW, {"lr": 1e-2}, 2, 3, elementwise=True),
                                               _train(RenamedAdamW, {"lr": 1e-2}, None, 3))
     return out
+
+
+def tensor_lr(stage: int, steps: int = 3) -> float:
+    """Adam with ``lr`` a tensor (torch's CPU default path takes it) against the same ``lr`` as a float: the largest
+    relative difference of the losses (the engine chose ``foreach=True`` itself, which torch refuses with a tensor
+    ``lr``: found by review)."""
+    out = []
+    for lr in (torch.tensor(1e-2), 1e-2):
+        model = _build("mlp", 0)
+        engine = initialize(model, optimizer="Adam", optimizer_kwargs={"lr": lr},
+                            param_groups=[{"params": list(model.parameters())}], config=ZeroConfig(stage=stage))
+        losses = []
+        for step in range(steps):
+            loss = _loss(engine(_batch("mlp", step, 0, dist.get_rank(), dist.get_world_size(), "always")))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        out.append(losses)
+    return max(rel(a, b) for a, b in zip(*out))

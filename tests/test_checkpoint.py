@@ -366,3 +366,13 @@ def test_the_library_example_of_the_docs_runs(ranks, tmp_path):
                      "last_epoch": 10}, r
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000005"]
     assert checkpoint.check(str(tmp_path / "checkpoints" / "step-00000005"))["scheduler"]["last_epoch"] == 5
+
+
+@pytest.mark.parametrize("stage,load_stage", [(0, 0), (2, 3), (3, 3)])
+def test_module_buffers_that_differ_by_rank_load_as_rank_0s(ranks, tmp_path, stage, load_stage):
+    """Note [Checkpoint layout] (found by review): BatchNorm running statistics differ by rank after a step on
+    each rank's batch; every rank offered its own to DCP, which wrote each from a rank of its choosing, so a load
+    brought back a mix (a running mean from rank 1, a running variance from rank 0). They load as rank 0's."""
+    for rank, r in enumerate(ranks(2).run(cases.buffers_after_load, root=str(tmp_path), stage=stage,
+                                          load_stage=load_stage)):
+        assert r["rank0"] and len(r["keys"]) == 4, f"rank {rank}: {r}"

@@ -74,3 +74,11 @@ def test_initialize_refuses_undeclared_and_runs_declared(ranks):
         for name in ("TrustRatio", "RenamedAdamW"):
             assert res[name] is not None and name in res[name] and "elementwise=True" in res[name], res
         assert res["declared_renamed_adamw"] <= TOL, res
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_tensor_lr_trains_as_a_float_one(ranks, stage):
+    """The engine chose ``foreach=True`` where the user chose nothing, and torch refuses a tensor ``lr`` there: the
+    error named an option the user never set (found by review). torch's default path takes it, as in plain
+    PyTorch."""
+    assert max(ranks(2).run(cases.tensor_lr, stage=stage)) <= 1e-6

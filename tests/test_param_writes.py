@@ -72,3 +72,14 @@ def test_a_data_write_at_stage_3_is_named_as_such(ranks):
     for error in ranks(2).run(cases.data_read_at_stage_3):
         assert error.startswith("stage 3: parameter 'a.weight' is partitioned (each rank holds 1/2 of it between "
                                 "uses) and .data used its values outside a forward or backward"), error
+
+
+def test_a_module_called_directly_at_stage_3_is_named_or_runs_as_a_unit(ranks):
+    """A module outside every unit called directly (not through the model's forward) is refused with the way out
+    (found by review: the error said only "outside a forward", where the user was inside that module's); named in
+    ``zero.units`` it runs, equal to the plain layer."""
+    for r in ranks(2).run(cases.direct_call_at_stage_3, units=("a",)):
+        assert r["error"].startswith("stage 3: parameter 'b.weight' is partitioned") and r["error"].endswith(
+            "to call a module that holds it directly (an LM head in a generation loop), name that module in "
+            "zero.units"), r
+    assert ranks(2).run(cases.direct_call_at_stage_3, units=("a", "b")) == [{"error": None, "same": True}] * 2

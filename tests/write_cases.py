@@ -225,3 +225,20 @@ def data_read_at_stage_3() -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def direct_call_at_stage_3(units: tuple) -> dict:
+    """Stage 3, ``b`` called directly under ``no_grad`` (as a generation loop calls an LM head): the error, or
+    whether the output equals the plain layer's from ``full_state_dict`` (``b`` named in ``units``)."""
+    torch.manual_seed(0)
+    model = Net(clamp=False)
+    plain = copy.deepcopy(model)
+    engine = initialize(model, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, config=ZeroConfig(stage=3, units=units))
+    h = torch.randn(4, 8)
+    try:
+        with torch.no_grad():
+            out = model.b(h)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    plain.load_state_dict(engine.full_state_dict(rank0_only=False))
+    return {"error": None, "same": torch.equal(out, plain.b(h).detach())}

@@ -37,11 +37,14 @@ def multi_tensor_kwargs(optimizer_cls: type, kwargs: dict[str, Any], host: bool)
     """``kwargs`` with the multi-tensor implementation chosen where the user chose none (Note [One optimizer
     step]): ``fused=True`` for a step in host memory (``host``) where torch has a fused CPU kernel for
     ``optimizer_cls`` (Adam, AdamW, SGD, Adagrad), else ``foreach=True``; unchanged when the user set
-    ``foreach`` or ``fused``, or when the class's ``__init__`` names neither (a user's class)."""
+    ``foreach`` or ``fused``, when the class's ``__init__`` names neither (a user's class), and where torch's
+    multi-tensor paths refuse the options (a tensor ``lr`` without ``capturable``, ``differentiable``: torch's
+    own default path then, as in plain PyTorch; found by review: torch's error named a ``foreach`` never set)."""
     import inspect
 
     named = inspect.signature(optimizer_cls.__init__).parameters
-    if "foreach" in kwargs or "fused" in kwargs or "foreach" not in named or kwargs.get("capturable"):
+    if ("foreach" in kwargs or "fused" in kwargs or "foreach" not in named or kwargs.get("capturable")
+            or kwargs.get("differentiable") or isinstance(kwargs.get("lr"), torch.Tensor)):
         return dict(kwargs)
     fused_cpu = host and "fused" in named and optimizer_cls in (torch.optim.Adam, torch.optim.AdamW,
                                                                  torch.optim.SGD, torch.optim.Adagrad)

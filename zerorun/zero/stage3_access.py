@@ -168,7 +168,8 @@ class ParameterGuard:
             f"stage 3: parameter {self.names.get(p, '?')!r} is partitioned (each rank holds 1/{self.world_size} of "
             f"it between uses) and {what} used its values outside a forward or backward: "
             "read or write it inside `with engine.gathered_parameters([param], modifier_rank=0):` on every rank "
-            "(modifier_rank: the rank whose writes are kept), or read engine.full_state_dict()")
+            "(modifier_rank: the rank whose writes are kept), or read engine.full_state_dict(); to call a module "
+            "that holds it directly (an LM head in a generation loop), name that module in zero.units")
 
     def declare_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """Note [External parameters]: the unit running ``module`` gathers ``param``'s unit with itself."""

@@ -12,7 +12,11 @@ even chunking cannot express ranges cut by another parameter's slice) and, on lo
 ranges from whichever chunks overlap them: that is the resharding to another world size or stage. A rank
 that holds a whole parameter (stage 0, frozen parameters at stages 0-2, a parameter inside one slice)
 reads and writes a plain tensor; DCP writes replicated tensors once. Scalar optimizer states (``step``) are
-stored per parameter as plain tensors (``optim/<name>/step``); module buffers as ``model/<key>``.
+stored per parameter as plain tensors (``optim/<name>/step``); module buffers as ``model/<key>``, rank 0's: they may
+differ by rank (a BatchNorm's running statistics, updated from each rank's batch, as under DDP, whose checkpoints
+hold rank 0's), and DCP writes each replicated tensor from whichever rank its planner picks, so every rank
+offering its own brought back a mix of ranks' values (found by review: a layer's running mean from rank 1, its
+running variance from rank 0).
 
 Model weights are stored once, as the fp32 master values (:meth:`ZeroEngine.master_slices`; a float64
 parameter's master and states are float64: Note [Wide parameters] in ``precision.py``): at fp32
@@ -245,7 +249,8 @@ def engine_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
         else:
             order.append([key, key])
             buffers[key] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
-            tensors[f"model/{key}"] = t.detach()
+            if engine.rank == 0:  # Note [Checkpoint layout]: rank 0's buffers
+                tensors[f"model/{key}"] = t.detach()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     layout = {"params": params, "buffers": buffers, "state_dict": order,
               "optimizer": type(engine.optimizer).__name__, "optim_state": optim_state,
