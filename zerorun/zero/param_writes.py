@@ -93,10 +93,9 @@ class DifferingWrites:
                 f"stage {self.engine.stage}: parameter {name!r} was written in place with values that differ "
                 "between ranks since the last step (a write that depends on the rank's data, e.g. "
                 "nn.Embedding(max_norm=...) renorming the rows of this rank's batch, or one made on some ranks "
-                "only): at stages 1-2 each rank steps "
-                "one slice of it, so the step would mix the ranks' writes (DDP and stage 0 let each rank's copy "
-                "drift instead). Make the write the same on every rank (after engine.step(), inside "
-                "engine.gathered_parameters([...], modifier_rank=0)), or use stage 0")
+                "only): at stages 1-2 each rank steps one slice of it, so the step would mix the ranks' writes (DDP "
+                "and stage 0 let each rank's copy drift instead). Make the write the same on every rank (after "
+                "engine.step(), inside engine.gathered_parameters([...], modifier_rank=0)), or use stage 0")
 
 
 def _bits(flat: torch.Tensor, slot) -> torch.Tensor:

@@ -112,10 +112,11 @@ def holdings(engine, masters: list[torch.Tensor] | None = None) -> list[Holding]
 
 def _masters(engine) -> list[torch.Tensor]:
     """The engine's master slices; placeholders of their shapes (no memory) when they are on disk. The parameters
-    written since the step are taken first (Note [Writes between steps] in param_writes.py)."""
-    engine.take_writes()
+    written since the step are taken first (Note [Writes between steps] in param_writes.py: ``master_slices`` takes
+    them; the paged path reads the swap file itself)."""
     disk = paged_masters(engine)
     if disk is not None:
+        engine.take_writes()
         return [placeholder(s.numel(), d) for s, d in zip(disk.slices, disk.dtypes)]
     return engine.master_slices()
 
