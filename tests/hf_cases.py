@@ -31,10 +31,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def stage3_matches_stage0(folder: str, units: list[str], steps: int = 4) -> dict:
+def stage3_matches_stage0(folder: str, units: list[str], steps: int = 4, precision: str = "fp32") -> dict:
     """Train ``steps`` AdamW steps at stage 0 (``from_pretrained``) and at stage 3 (meta device + slice loading)
-    from ``folder``; return the largest relative differences of loss, grad norm, initial and final parameters,
-    and the bytes this rank read from the files against the model's fp32 bytes."""
+    from ``folder`` in ``precision``; return the largest relative differences of loss, grad norm, initial and
+    final parameters, and the bytes this rank read from the files against the model's fp32 bytes."""
     from zerorun.hf.load import load_pretrained_slices
     from zerorun.hf.model import build_model
     from zerorun.zero import ZeroConfig, deferred_init, initialize
@@ -45,7 +45,8 @@ def stage3_matches_stage0(folder: str, units: list[str], steps: int = 4) -> dict
     opt = dict(lr=1e-3, weight_decay=0.1)
     ref_model = build_model(pretrained=folder)
     vocab = ref_model.hf.config.vocab_size
-    ref = initialize(ref_model, optimizer="AdamW", optimizer_kwargs=opt, config=ZeroConfig(stage=0, grad_clip=None))
+    ref = initialize(ref_model, optimizer="AdamW", optimizer_kwargs=opt,
+                     config=ZeroConfig(stage=0, grad_clip=None, precision=precision))
     ref_init = {k: v.clone() for k, v in ref.state_dict().items()}
     ref_losses, ref_norms = _train(ref, steps, vocab)
     ref_final = ref.state_dict()
@@ -53,7 +54,7 @@ def stage3_matches_stage0(folder: str, units: list[str], steps: int = 4) -> dict
     model = deferred_init(build_model, pretrained=folder)
     assert model.pretrained == folder and next(model.parameters()).is_meta
     engine = initialize(model, optimizer="AdamW", optimizer_kwargs=opt,
-                        config=ZeroConfig(stage=3, grad_clip=None, units=tuple(units)))
+                        config=ZeroConfig(stage=3, grad_clip=None, units=tuple(units), precision=precision))
     nbytes = load_pretrained_slices(model, engine)
     init = engine.full_state_dict(rank0_only=False)
     losses, norms = _train(engine, steps, vocab)

@@ -53,3 +53,18 @@ def test_an_error_that_a_peer_caused_is_one_line_without_its_traceback():
     own = describe(Event("error", 0, 0.0, data))
     assert own[0] == f"[rank 0] error: RuntimeError: {message}" and own[1:] == [
         "[rank 0]   Traceback", "[rank 0]     File x", "[rank 0]     y", "[rank 0]   RuntimeError: boom"]
+
+
+def test_an_infinite_or_nan_number_where_a_count_belongs_is_unknown_not_a_traceback(tmp_path):
+    """A hand-edited metrics.jsonl with ``"peak_rss_bytes": 1e400`` (JSON reads it as infinity) or ``"step": NaN``
+    made ``zerorun show`` end in OverflowError / ValueError from ``int()`` (a review); such a count is unknown."""
+    from zerorun.telemetry.events import integer
+    from zerorun.telemetry.jobfiles import load_run
+
+    assert [integer({"n": v}, "n") for v in (float("inf"), float("-inf"), float("nan"), 7.9)] == [None, None, None, 7]
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"v": 1, "event": "step", "rank": 0, "time": 1, "step": 1, "steps": 10, "loss": 1.0, '
+        '"peak_rss_bytes": 1e400}\n'
+        '{"v": 1, "event": "step", "rank": 0, "time": 2, "step": NaN, "loss": 0.5}\n')
+    state, events = load_run(str(tmp_path))
+    assert len(events) == 2 and state.step == 1 and state.ranks[0].peak_rss_bytes is None

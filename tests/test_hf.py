@@ -76,6 +76,14 @@ def _recipe(path, model: dict, data: dict | None = None, **extra) -> str:
     ({"hf": {"config": {"model_type": "llama"}}, "module": "m.py"}, r"model: give model\.module .* one of them"),
     ({"factory": "f"}, r"model: give model\.module .* one of them"),
     ({"module": os.path.join(ROOT, "recipes/models/gpt.py"), "task": "causal-lm"}, r"model\.task: a model\.hf field"),
+    # a review: a model_type's own code ran (model.kwargs went to from_pretrained), and BERT trained as a
+    # causal LM attending to later tokens, both without a word
+    ({"hf": {"config": {"model_type": "llama"}}, "kwargs": {"trust_remote_code": True}},
+     r"^.*r\.yaml:1: model\.kwargs\.trust_remote_code: zerorun never runs a model folder's own code \(its auto_map\)"),
+    ({"hf": {"config": {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                        "intermediate_size": 64}}},
+     r"model\.hf\.config: model_type 'bert' is an encoder: its causal-lm model \(BertLMHeadModel\) lets each "
+     r"position see later tokens unless the config sets is_decoder: true"),
 ])
 def test_bad_hf_model_is_one_line(tmp_path, model, pattern):
     with pytest.raises(ZerorunError, match=pattern) as e:
@@ -145,6 +153,26 @@ def _custom_code_tokenizer(hf_dir, tmp_path, where: str = "tokenizer_config.json
     config["auto_map"] = {"AutoTokenizer": ["evil_tok.EvilTokenizer", "evil_tok.EvilTokenizer"]}
     path.write_text(json.dumps(config))
     return str(folder), pwned
+
+
+def test_a_model_folder_s_own_code_never_runs(tmp_path, hf_dir):
+    """A Llama folder whose config.json has an auto_map naming its own module: the module ran when model.kwargs
+    (or a library call) passed trust_remote_code=True on to from_pretrained (a review); now that is refused in
+    one line, and without it the folder builds as the model_type's class, its module never imported."""
+    import shutil
+
+    from zerorun.hf.model import build_model
+
+    folder, pwned = tmp_path / "remote", tmp_path / "PWNED"
+    shutil.copytree(hf_dir["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_my.MyModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_my.py").write_text(f"open({str(pwned)!r}, 'w').write('ran')\n")
+    with pytest.raises(ZerorunError, match=r"^model\.kwargs\.trust_remote_code: zerorun never runs a model folder's"):
+        build_model(pretrained=str(folder), trust_remote_code=True)
+    assert type(build_model(pretrained=str(folder)).hf).__name__ == "LlamaForCausalLM"
+    assert not pwned.exists()
 
 
 @pytest.mark.parametrize("where", ["tokenizer_config.json", "config.json"])
@@ -293,6 +321,18 @@ def test_stage3_from_pretrained_matches_stage0(ranks, hf_dir, arch, unit):
             assert r[key] <= TOL, f"rank {rank}: {key} differs from stage 0 by {r[key]:.3g} ({r})"
         # each rank reads its half of the weights (plus partial rows at its slice ends), not the model
         assert r["read_bytes"] < 0.6 * r["model_bytes"], r
+
+
+@pytest.mark.slow
+def test_stage3_from_pretrained_in_bf16_equals_stage0(ranks, hf_dir):
+    """bf16: every stage makes its fp32 masters from the bf16 parameters (Note [Mixed precision]); stage 3 read
+    the file's fp32 values into its masters unrounded, so from step 2 on it trained off stages 0-2 (a review:
+    grad norm 3.2% off at step 20, 3.7e-4 here after 4 steps); now equal but for the grad norm's fp32 summation
+    order (within 1e-7)."""
+    for r in ranks(2).run(cases.stage3_matches_stage0, folder=hf_dir["llama"], units=["LlamaDecoderLayer"],
+                          precision="bf16"):
+        assert r["init_equal"] and r["changed"], r
+        assert r["loss"] == r["params"] == 0.0 and r["grad_norm"] < 1e-6, r
 
 
 # ------------------------------------------------------------------------------------------ zerorun train + consolidate --hf

@@ -1,4 +1,4 @@
-"""``zerorun show`` and ``--plot``: a run folder read back (telemetry/state.py ``load_run``, telemetry/plot.py),
+"""``zerorun show`` and ``--plot``: a run folder read back (telemetry/jobfiles.py ``load_run``, telemetry/plot.py),
 fed with hand-made events written as a run writes them: no processes."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from test_dashboard import T0, step_event, three_rank_events
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.console import RunRecorder
 from zerorun.telemetry.events import Event
-from zerorun.telemetry.state import JobState, load_run, write_job_file
+from zerorun.telemetry.jobfiles import load_run, write_job_file
+from zerorun.telemetry.state import JobState
 
 
 def write_run(tmp_path, events, lines=()) -> str:
@@ -104,6 +105,7 @@ def test_a_restarted_jobs_steps_and_evaluations_are_its_last_tries(tmp_path):
                                                 "failed_step": 60, "resume_step": 40}))
     state, _ = load_run(write_run(tmp_path, events))
     assert state.evals == [(40, 1.5)] and state.final_val == 1.5  # before the new try's first evaluation
+    assert state.step == 40 and state.eta_s() is None  # the new try starts at 40, its pace not known yet (was 60)
     events += [step_event(0, s, wait=0.5) for s in (41, 60, 80)]  # the new try runs on rank 0 only
     events.append(Event("eval", 0, T0 + 40, {"step": 60, "val_loss": 2.0}))
     series = latest_try(events)

@@ -17,15 +17,17 @@ import psutil
 import pytest
 
 from test_train_e2e import ROOT, TINY, job_id, survivors
-from zerorun.telemetry.state import load_run
+from zerorun.telemetry.jobfiles import load_run
 
 pytestmark = pytest.mark.slow
 
 
 def test_sigterm_to_the_launcher_saves_a_checkpoint_at_a_step_boundary(tmp_path):
+    """Every rank saves the same step; the steps since the last step event are in one more (``log.every`` far
+    off: before, steps 2 to the stop were in no event, no tracker, and the summary's rows said step 1)."""
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-m", "zerorun", "train", TINY, "train.steps=100000",
-                             "train.eval_every=0", "log.every=1", f"log.dir={tmp_path / 'runs'}",
+                             "train.eval_every=0", "log.every=100000", f"log.dir={tmp_path / 'runs'}",
                              f"checkpoint.dir={ckpt}", 'launch.env={OMP_NUM_THREADS: "1"}', "--no-dashboard"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
@@ -34,6 +36,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_at_a_step_boundary(tmp_path)
     for line in proc.stdout:
         if line.startswith("step"):
             break
+    time.sleep(1.0)  # steps past step 1, the last logged one
     proc.send_signal(signal.SIGTERM)
     t0 = time.time()
     out, err = proc.communicate(timeout=60)
@@ -44,6 +47,10 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_at_a_step_boundary(tmp_path)
     stopped = [e for e in events if e["event"] == "stopped"]
     assert {e["rank"] for e in stopped} == {0, 1} and len({e["step"] for e in stopped}) == 1
     step = stopped[0]["step"]
+    for rank in (0, 1):
+        logged = [e for e in events if e["event"] == "step" and e["rank"] == rank]
+        assert logged[-1]["step"] == step > 1 and sum(e["interval_steps"] for e in logged) == step, logged
+    assert re.search(rf"localhost\s+0\s+stopped\s+{step}\s", out), out
     name = f"step-{step:08d}"
     assert sorted(os.listdir(ckpt)) == [name] and os.path.exists(ckpt / name / "COMPLETE")
     assert f"stopped by SIGTERM after step {step}: every rank saved checkpoint {ckpt / name} and exited" in err

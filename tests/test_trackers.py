@@ -125,12 +125,13 @@ def test_bad_tracker_lists_are_refused_naming_the_field(value, expected):
     assert str(e.value) == f"override 'log.trackers={value}': {expected}"
 
 
-def _sink_run(run_dir, overrides, events):
-    """A job's tracker writing, without the job: ``events`` fed to the launcher's tracker thread."""
+def _sink_run(run_dir, overrides, events, job=None):
+    """A job's tracker writing, without the job: ``events`` fed to the launcher's tracker thread (``job``: the
+    launcher's job id)."""
     from zerorun.telemetry.trackers import TrackerSink
 
     warnings = []
-    sink = TrackerSink(str(run_dir), load_recipe(TINY, overrides), warn=warnings.append)
+    sink = TrackerSink(str(run_dir), load_recipe(TINY, overrides), warn=warnings.append, job=job)
     for e in events:
         sink.event(e)
     sink.close()
@@ -151,29 +152,80 @@ def test_a_resumed_job_continues_the_same_runs(offline):
     logs 3-6: one wandb run id, one MLflow run, one TensorBoard folder whose steps 3-4 are run 2's."""
     ckpt = offline / "ckpt"
     base = [ALL, "log.wandb.mode=offline", f"log.dir={offline / 'runs'}", f"checkpoint.dir={ckpt}"]
-    assert _sink_run(offline / "run1", base, _steps(1, 4)) == []  # no finish event: a failed job
+    assert _sink_run(offline / "run1", base, _steps(1, 4), job="job1") == []  # no finish event: a failed job
     first = identity(offline / "run1")
-    assert identity(ckpt) == first and first["name"] == "run1"
-    (ckpt / "step-00000002").mkdir()
+    assert identity(ckpt) == {"jobs": {"job1": first}} and first["name"] == "run1"
+    _checkpoint(ckpt, 2, "job1")
     finish = [Event("finish", 0, 0.0, {"steps": 6}), Event("eval", 0, 0.0, {"step": 6, "val_loss": 4.5})]
     assert _sink_run(offline / "run2", base + [f"checkpoint.resume={ckpt / 'step-00000002'}"],
-                     _steps(3, 6, offset=0.5) + finish) == []
+                     _steps(3, 6, offset=0.5) + finish, job="job2") == []
     second = identity(offline / "run2")
-    assert second == first and identity(ckpt) == first  # the same name, folder and run ids
+    assert second == first and identity(ckpt) == {"jobs": {"job1": first, "job2": first}}  # the same runs
 
     resumed = {s: 5.0 - s / 10 + (0.5 if s > 2 else 0.0) for s in range(1, 7)}
     board = tensorboard_scalars(first["tensorboard"])
     assert board["train/loss"] == pytest.approx(resumed, rel=1e-6) and board["eval/loss"] == {6: 4.5}
-    mlflow = mlflow_scalars(first["mlflow"]["tracking_uri"], first["mlflow"]["run_id"], ["train/loss"])
-    assert sorted(mlflow["train/loss"]) == [1, 2, 3, 4, 5, 6]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(first["mlflow"]["tracking_uri"])
+    history = sorted((m.step, m.timestamp) + (m.value,) for m in client.get_metric_history(
+        first["mlflow"]["run_id"], "train/loss"))  # MLflow cannot take points back: steps 3-4 twice, run 2's later
+    assert [s for s, _, _ in history] == [1, 2, 3, 3, 4, 4, 5, 6]
+    assert {s: v for s, _, v in history} == pytest.approx(resumed, rel=1e-6)
     assert client.get_run(first["mlflow"]["run_id"]).info.status == "FINISHED"
     assert len(client.search_runs([client.get_experiment_by_name("tiny").experiment_id])) == 1
     assert wandb_run(str(offline / "run1" / "wandb"))[0] == wandb_run(str(offline / "run2" / "wandb"))[0] \
         == first["wandb"]
     assert csv_scalars(str(offline / "run2" / "metrics.csv"))["train/loss"] == {s: resumed[s] for s in (3, 4, 5, 6)}
+
+
+def _checkpoint(ckpt, step, job):
+    """A checkpoint folder of ``step`` saved by launcher job ``job`` (as far as the trackers read it)."""
+    folder = ckpt / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "zerorun.json").write_text(json.dumps({"format": 1, "step": step, "job": job}))
+    return folder
+
+
+def test_a_resume_continues_the_runs_of_the_job_that_saved_the_checkpoint(offline):
+    """Job A saves step 2; job B starts on the same checkpoint folder without --resume and is killed before it
+    saves; --resume of A's step 2 continues A's runs (before: trackers.json beside the checkpoints named the last
+    job started, so the resumed job wrote A's weights' losses into B's TensorBoard folder and MLflow run). A
+    checkpoint folder of an earlier zerorun (one identity, no jobs) is continued as before."""
+    ckpt = offline / "ckpt"
+    base = ["log.trackers=[tensorboard,mlflow]", f"log.dir={offline / 'runs'}", f"checkpoint.dir={ckpt}"]
+    assert _sink_run(offline / "a", base, _steps(1, 2), job="a") == []
+    _checkpoint(ckpt, 2, "a")
+    assert _sink_run(offline / "b", base, _steps(1, 1, offset=1.0), job="b") == []
+    a, b = identity(offline / "a"), identity(offline / "b")
+    assert a["mlflow"]["run_id"] != b["mlflow"]["run_id"] and a["tensorboard"] != b["tensorboard"]
+    assert _sink_run(offline / "c", base + [f"checkpoint.resume={ckpt / 'step-00000002'}"], _steps(3, 4),
+                     job="c") == []
+    assert identity(offline / "c") == a
+    assert tensorboard_scalars(a["tensorboard"])["train/loss"] == pytest.approx({1: 4.9, 2: 4.8, 3: 4.7, 4: 4.6})
+    assert tensorboard_scalars(b["tensorboard"])["train/loss"] == pytest.approx({1: 5.9})
+    no_job = _checkpoint(ckpt, 3, None)  # saved by a program of its own: its job's runs are unknown, new ones
+    assert _sink_run(offline / "d", base + [f"checkpoint.resume={no_job}"], _steps(4, 4), job="d") == []
+    assert identity(offline / "d")["mlflow"]["run_id"] not in (a["mlflow"]["run_id"], b["mlflow"]["run_id"])
+    (ckpt / "trackers.json").write_text(json.dumps(b))  # an earlier zerorun's file
+    assert _sink_run(offline / "e", base + [f"checkpoint.resume={ckpt / 'step-00000002'}"], _steps(3, 3),
+                     job="e") == []
+    assert identity(offline / "e") == b
+
+
+def test_a_restarted_job_drops_its_csv_rows_after_the_checkpoint(offline):
+    """A restart from step 2's checkpoint into the same run folder: metrics.csv's rows of steps 3-4 that the
+    failed try wrote go, as TensorBoard purges them (before: the CSV ran 1, 2, 3, 4, 3, 4, 5)."""
+    base = ["log.trackers=[csv]", f"log.dir={offline / 'runs'}", f"checkpoint.dir={offline / 'ckpt'}"]
+    assert _sink_run(offline / "run", base, _steps(1, 4), job="j") == []
+    with open(offline / "run" / "metrics.csv", "a") as f:
+        f.write("5,1.0,4.5")  # a row cut short (a full disk)
+    resume = _checkpoint(offline / "ckpt", 2, "j")
+    assert _sink_run(offline / "run", base + [f"checkpoint.resume={resume}"], _steps(3, 5, offset=0.5), job="j") == []
+    rows = (offline / "run" / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["step", "1", "2", "3", "4", "5"]
+    assert csv_scalars(str(offline / "run" / "metrics.csv"))["train/loss"] == pytest.approx(
+        {1: 4.9, 2: 4.8, 3: 5.2, 4: 5.1, 5: 5.0})
 
 
 def test_a_job_started_again_in_its_run_folder_continues_its_runs(offline):

@@ -19,7 +19,8 @@ from zerorun.telemetry.console import PlainView, RunRecorder
 from zerorun.telemetry.dashboard import LiveView, render
 from zerorun.telemetry.events import Event
 from zerorun.telemetry.format import log_lines, short_bytes
-from zerorun.telemetry.state import JobState, write_job_file
+from zerorun.telemetry.jobfiles import write_job_file
+from zerorun.telemetry.state import JobState
 from zerorun.telemetry.summary import summary
 
 GiB, MiB = 1024 ** 3, 1024 ** 2
@@ -263,11 +264,17 @@ def test_show_takes_the_latest_run_of_a_recipe_folder_and_says_how_it_ended(tmp_
     assert outcome(stopped) == ("the job was interrupted (exit status 130): stopped by SIGINT: every rank was "
                                 "terminated")
     assert "did not record how it ended" in outcome(write_run(tmp_path, "killed", None))
+    for i, text in enumerate(["{bad", "[]"]):  # a review: said "no job.json: the launcher was killed"
+        broken = write_run(tmp_path, f"broken{i}", "ok")
+        with open(os.path.join(broken, "job.json"), "w") as f:
+            f.write(text)
+        assert outcome(broken) == (f"the job's record of how it ended cannot be read ({broken}/job.json: not the "
+                                   "JSON object zerorun writes)")
 
 
 def test_show_names_the_failed_rank_from_the_events_when_job_json_does_not(tmp_path):
     from zerorun.telemetry.show import outcome
-    from zerorun.telemetry.state import load_run
+    from zerorun.telemetry.jobfiles import load_run
 
     events = [Event("start", r, T0, {"host": "node1"}) for r in range(2)]
     events.append(Event("error", 1, T0 + 1, {"type": "RuntimeError", "message": "boom", "user_error": False}))

@@ -4,7 +4,7 @@
 A checkpoint is a folder ``<checkpoint.dir>/step-00000100/`` holding torch.distributed.checkpoint (DCP)
 files (every rank writes only its own shards: Note [Checkpoint layout] in ``zero/state.py``), ``zerorun.json``
 (step, scheduler, optimizer param-group options, fp16 loss scaler and skipped steps, data position, layout,
-resolved recipe) and the marker
+resolved recipe, the launcher's job id) and the marker
 ``COMPLETE``.
 
 Note [Atomic checkpoints]: ranks write into ``.step-N.<job>.tmp`` (named by the job, so that a save never
@@ -97,6 +97,14 @@ def _job_token(pid: int) -> str:
 
     job = os.environ.get(JOB_ENV, "")
     return job if job and job.replace("-", "").isalnum() else f"p{pid}"
+
+
+def _launcher_job() -> str | None:
+    """The launcher's job id that saves (``zerorun.json``'s ``job``: whose tracker runs a resume continues, Note
+    [Tracker resume] in telemetry/trackers.py); None in a program of its own."""
+    from zerorun.launch.marks import JOB_ENV
+
+    return os.environ.get(JOB_ENV) or None
 
 
 def _tmp_dir(root: str, final: str, pid: int) -> str:
@@ -336,7 +344,7 @@ def _meta(engine, step: int, layout, scheduler: dict[str, Any] | None, position:
         "format": FORMAT, "step": step, "world_size": engine.world_size, "stage": engine.stage,
         "layout": layout, "scheduler": scheduler,
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-        "skipped_steps": engine.skipped_steps,
+        "skipped_steps": engine.skipped_steps, "job": _launcher_job(),
         "data": {"epoch": position.epoch, "batch": position.batch, "world_size": engine.world_size,
                  "micro_batch_size": micro},
         # launch.env values masked (Note [Masked environment values] in recipe/text.py)

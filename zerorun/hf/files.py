@@ -18,6 +18,10 @@ import os
 
 from zerorun.errors import ZerorunError
 
+#: why ``trust_remote_code`` is refused (the recipe's field or the keyword is named in front)
+REMOTE_CODE = ("zerorun never runs a model folder's own code (its auto_map); the architecture comes from "
+               "config.json's model_type")
+
 
 def read_json(path: str, what: str) -> dict:
     """The JSON object in ``path``.

@@ -97,13 +97,15 @@ class _Slices(Sequence):
             return self.cached[1]
         self.cached = None
         buf = self.buffers[i]
-        out = torch.zeros(buf.shard_numel, dtype=torch.float32)
+        out = torch.zeros(buf.shard_numel, dtype=torch.float64 if buf.dtype == torch.float64 else torch.float32)
         for p, slot in buf.slots.items():
             lo, hi = max(slot.offset, buf.lo), min(slot.offset + slot.numel, buf.lo + buf.shard_numel)
             if lo < hi:
                 key = self.key_of[id(p)]
                 self.nbytes += self.index[key].read(key, lo - slot.offset, hi - slot.offset,
                                                     out[lo - buf.lo:hi - buf.lo])
+        if buf.dtype.itemsize < out.dtype.itemsize:  # the master is made from the 2-byte parameter, as at stages
+            out = out.to(buf.dtype).to(out.dtype)  # 0-2 (Note [Mixed precision] in zero/precision.py)
         self.cached = (i, out)
         return out
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from zerorun.errors import ZerorunError
 from zerorun.hf import offline
-from zerorun.hf.files import read_config, safetensors_files
+from zerorun.hf.files import REMOTE_CODE, read_config, safetensors_files
 
 #: the prefix of the Hugging Face model's parameter names inside :class:`CausalLM` (``hf.model.embed_tokens...``)
 PREFIX = "hf."
@@ -110,26 +110,44 @@ def _check_known_keys(values: dict, config_class, where: str, model_type: str) -
 
 
 def check_causal_lm(cfg, where: str = "model.hf") -> None:
-    """Raise :class:`ZerorunError` when ``AutoModelForCausalLM`` has no model class for ``cfg``."""
+    """Raise :class:`ZerorunError` when ``AutoModelForCausalLM`` has no model class for ``cfg``, or when that
+    class is an encoder's (BERT, RoBERTa, ELECTRA, ...) and ``cfg.is_decoder`` is false: it then attends to
+    later tokens, so the causal-lm labels leak into the input (transformers only logs a warning; its class checks
+    ``not config.is_decoder``, which is how such a class is told apart)."""
+    import inspect
+
     from transformers import AutoModelForCausalLM
 
     if type(cfg) not in AutoModelForCausalLM._model_mapping:
         raise ZerorunError(f"{where}: model_type {cfg.model_type!r} has no causal-lm model "
                            "(AutoModelForCausalLM)")
+    cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+    try:
+        encoder = "not config.is_decoder" in inspect.getsource(cls.__init__)
+    except (OSError, TypeError):  # no source shipped
+        encoder = False
+    if encoder and not getattr(cfg, "is_decoder", False):
+        raise ZerorunError(f"{where}: model_type {cfg.model_type!r} is an encoder: its causal-lm model "
+                           f"({cls.__name__}) lets each position see later tokens unless the config sets "
+                           "is_decoder: true (in model.hf.config, or the folder's config.json)")
 
 
 def build_model(*, pretrained: str | None = None, config: str | dict | None = None, task: str = "causal-lm",
                 **kwargs: Any) -> CausalLM:
-    """The :class:`CausalLM` of a local pretrained folder or a config, fp32, from local files only.
+    """The :class:`CausalLM` of a local pretrained folder or a config, fp32, from local files only, never
+    running the folder's own code (``trust_remote_code=False`` whatever ``auto_map`` says).
 
     On the meta device a pretrained model is built from its config only (Note [Pretrained at stage 3]).
     ``kwargs`` go to ``from_config``/``from_pretrained`` (e.g. ``attn_implementation: eager``).
 
     Raises:
-        ZerorunError: as :func:`load_config`; an unknown task; a model type without a causal-lm head.
+        ZerorunError: as :func:`load_config`; an unknown task; a model type without a causal-lm head;
+            ``trust_remote_code`` true in ``kwargs``.
     """
     if task != "causal-lm":
         raise ZerorunError(f"model.task: unknown task {task!r} (known: causal-lm)")
+    if kwargs.pop("trust_remote_code", False):
+        raise ZerorunError(f"model.kwargs.trust_remote_code: {REMOTE_CODE}")
     cfg = load_config(pretrained, config)
     check_causal_lm(cfg)
     from transformers import AutoModelForCausalLM
@@ -138,7 +156,7 @@ def build_model(*, pretrained: str | None = None, config: str | dict | None = No
     if pretrained is not None and not on_meta:
         safetensors_files(pretrained)
         hf = AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, dtype=torch.float32,
-                                                  local_files_only=True, **kwargs)
+                                                  local_files_only=True, trust_remote_code=False, **kwargs)
         return CausalLM(hf)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **kwargs)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False, **kwargs)
     return CausalLM(hf, pretrained=pretrained)

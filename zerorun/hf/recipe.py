@@ -28,8 +28,10 @@ def resolve_hf_model(model, base: str, where: Callable[..., str], deep: bool = T
     Raises:
         ZerorunError: ``<recipe>:<line>: model.hf...: <problem>``.
     """
-    from zerorun.hf.files import read_config, safetensors_files
+    from zerorun.hf.files import REMOTE_CODE, read_config, safetensors_files
 
+    if (model.kwargs or {}).get("trust_remote_code"):
+        raise ZerorunError(f"{where('model', 'kwargs', 'trust_remote_code')}: {REMOTE_CODE}")
     hf = model.hf
     if hf.pretrained is not None:
         hf.pretrained = _path(hf.pretrained, base)

@@ -94,6 +94,10 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
     source = "--run-dir" if run_dir else "log.dir"  # where the folder came from, for its write errors
     run_dir = _make_run_dir(prepared, job, recipe, run_dir, check)
     state = _job_state(prepared.plan, job, recipe, started)
+    if started is not None:  # a restart: the job's earlier tries are in its run folder
+        from zerorun.telemetry.jobfiles import replay
+
+        replay(state, run_dir)
     shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
     return _supervise(prepared, state, run_dir, recipe, check, shown, source)
 
@@ -187,7 +191,7 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view, source: str =
     view.print(f"zerorun: {state.name}: {count(plan.world_size, 'rank')} on {hosts}, {what}; job {plan.job_id}; "
                f"run dir {run_dir}")
     try:
-        recorder = RunRecorder(run_dir, recipe, source)
+        recorder = RunRecorder(run_dir, recipe, source, job=plan.job_id)
     except ZerorunError:
         prepared.close()
         if check is not None:
@@ -231,7 +235,7 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view, source: str =
 def _record_end(run_dir: str, state, result: Outcome, source: str) -> Outcome:
     """Write ``job.json`` for ``result``; when it cannot be written, a job that succeeded fails with one line
     naming ``source`` and the file (exit code 2), a job that failed keeps its own line and a warning says it."""
-    from zerorun.telemetry.state import write_job_file
+    from zerorun.telemetry.jobfiles import write_job_file
 
     try:
         write_job_file(run_dir, state, result.status, result.exit_code, result.message, result.rank, result.host)
@@ -260,7 +264,7 @@ def _finish(result: Outcome, state, run_dir: str, view) -> Outcome:
         else:
             message = f"job: {result.message} (logs: {run_dir})"
         return dataclasses.replace(result, message=message, run_dir=run_dir, state=state)
-    summary = f"done in {result.elapsed_s:.1f} s"
+    summary = f"done in {state.elapsed_s():.1f} s"  # the job's, every try: the summary's total time
     if state.evals:
         summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
     view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, runfolder.METRICS)}")

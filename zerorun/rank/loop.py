@@ -204,6 +204,7 @@ class TrainingRun:
         self.first_step_s = None
         self.shape = getattr(self.model, "shape", None)  # for the FLOPs of a step
         self.interval_steps, self.interval_s = 0, 0.0  # training steps and their time since the last step event
+        self.unlogged = None  # (step, tokens, grad norm, lr) of a step past the last step event
         self.steplog = StepLog(self.rank, self.world_size, self.device, clipped=bool(t.grad_clip))
         # Note [Checkpoint on SIGTERM] in rank/stopsignal.py
         self.stop = StopRequest(self.rank, self.world_size) if self.recipe.checkpoint.dir else None
@@ -237,6 +238,7 @@ class TrainingRun:
             self.first_step_s = time.time() - self.t_start
         self.steplog.flush()  # the previous logged step's event (Note [Deferred loss] in telemetry/steplog.py)
         self.steplog.progress(step, t.steps)  # rank 0: the launcher's step count moves every step
+        self.unlogged = None if logged else (step, tokens, grad_norm, lr)  # a stop logs it (after_step)
         if logged:
             self._log_step(step, tokens, grad_norm, lr)
 
@@ -278,6 +280,8 @@ class TrainingRun:
             self.steplog.flush()
             self.save(step)
         if self.stop is not None and step < t.steps and self.stop.agreed():
+            if self.unlogged is not None:  # the steps since the last step event, else in no event and no tracker
+                self._log_step(*self.unlogged)
             self.steplog.flush()
             self.stop_after(step)
 

@@ -28,7 +28,7 @@ import time
 from zerorun import runfolder
 from zerorun.errors import ZerorunError
 from zerorun.slurm.jobs import JobInfo, check_job_id, find_run_dir, job_info, submitted_job
-from zerorun.telemetry.state import read_json
+from zerorun.telemetry.jobfiles import read_json
 
 POLL_S = 1.0  # how often SLURM is asked whether the job still waits or runs
 #: seconds a run's own start (job.json ``started``, the batch node's clock) may read before SLURM's StartTime

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from zerorun import runfolder
 from zerorun.errors import ZerorunError
-from zerorun.telemetry.state import read_json
+from zerorun.telemetry.jobfiles import read_json
 
 #: SLURM job states in which the job's batch script may still run (squeue's long names). Not COMPLETING: SLURM
 #: enters it as soon as it signals the job (scancel, time limit), while ``zerorun train`` in the batch script

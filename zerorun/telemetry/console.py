@@ -24,7 +24,8 @@ _NODE_NOTE = re.compile(r"\[node \d+\] zerorun: note: ")
 class RunRecorder:
     """Writes ``metrics.jsonl`` (one event per line, as emitted; not ``progress`` events, whose every field is in
     the step events too) and ``output.log`` (every other line, prefixed ``[node N]``) in ``run_dir``; and the
-    step and eval events to the ``recipe``'s ``log.trackers`` (Note [Trackers in the launcher]).
+    step and eval events to the ``recipe``'s ``log.trackers`` (Note [Trackers in the launcher]; ``job``: the
+    launcher's job id, Note [Tracker resume]).
 
     Note [Run folder write failure]: a write that fails (a full disk, a quota, a file-size limit) is cut back to
     the file's size before it, so the file holds whole lines only, and sets :attr:`failed` to one line naming
@@ -37,7 +38,7 @@ class RunRecorder:
         ZerorunError: a file cannot be opened (the same line).
     """
 
-    def __init__(self, run_dir: str, recipe=None, source: str = "log.dir") -> None:
+    def __init__(self, run_dir: str, recipe=None, source: str = "log.dir", job: str | None = None) -> None:
         self.source = source
         self.failed: str | None = None
         self.trackers = None
@@ -54,7 +55,7 @@ class RunRecorder:
         if recipe is not None and recipe.log.trackers:
             from zerorun.telemetry.trackers import TrackerSink
 
-            self.trackers = TrackerSink(run_dir, recipe)
+            self.trackers = TrackerSink(run_dir, recipe, job=job)
 
     def _why(self, path: str, e: OSError) -> str:
         return f"{self.source}: cannot write {path}: {e.strerror or e}"

@@ -53,6 +53,7 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -131,6 +132,7 @@ def number(data: dict, key: str) -> float | None:
 
 
 def integer(data: dict, key: str) -> int | None:
-    """``data[key]`` as an int (truncated), or ``None`` like :func:`number`."""
+    """``data[key]`` as an int (truncated), or ``None`` like :func:`number` and for an infinity or NaN (a
+    hand-edited ``1e400``)."""
     v = number(data, key)
-    return int(v) if v is not None else None
+    return int(v) if v is not None and math.isfinite(v) else None

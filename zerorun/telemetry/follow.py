@@ -18,7 +18,8 @@ from typing import Callable
 
 from zerorun import runfolder
 from zerorun.telemetry.events import from_json
-from zerorun.telemetry.state import JobState, run_header
+from zerorun.telemetry.jobfiles import run_header
+from zerorun.telemetry.state import JobState
 
 _NODE_LINE = re.compile(r"^\[node (-?\d+)\] ?(.*)$")
 
@@ -44,7 +45,7 @@ class Tail:
 
 def new_state(run_dir: str, started: float | None = None) -> JobState:
     """A :class:`JobState` for a run that has not ended: name, stage, precision and steps from the run folder's
-    ``recipe.yaml`` (:func:`~zerorun.telemetry.state.run_header`), started at ``started`` (Unix s; default
+    ``recipe.yaml`` (:func:`~zerorun.telemetry.jobfiles.run_header`), started at ``started`` (Unix s; default
     now)."""
     return JobState(**run_header(run_dir), started=started)
 

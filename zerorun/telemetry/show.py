@@ -14,7 +14,8 @@ from typing import TextIO
 
 from zerorun import runfolder
 from zerorun.errors import ZerorunError
-from zerorun.telemetry.state import JobState, load_run, read_json
+from zerorun.telemetry.jobfiles import load_run, read_json
+from zerorun.telemetry.state import JobState
 
 _STAMP = re.compile(r"^\d{8}-\d{6}")  # the launcher's run folder names: 20261130-194757-d519
 
@@ -45,8 +46,11 @@ def find_run(path: str) -> tuple[str, int]:
 def outcome(run_dir: str, state: JobState | None = None) -> str:
     """One line on how the job of ``run_dir`` ended, from its ``job.json`` (and, for a failure that does not
     name its rank, the ranks of ``state`` that failed or exited on their own)."""
-    job = read_json(os.path.join(run_dir, runfolder.JOB))
+    path = os.path.join(run_dir, runfolder.JOB)
+    job = read_json(path)
     status, code, message = job.get("status"), job.get("exit_code"), str(job.get("message") or "")
+    if status is None and os.path.exists(path):
+        return f"the job's record of how it ended cannot be read ({path}: not the JSON object zerorun writes)"
     if status is None:
         return ("the job did not record how it ended (no job.json: the launcher was killed, or is still running)")
     if status == "ok":

@@ -7,17 +7,13 @@ types (a newer worker, a hand-written line) only leaves the affected values unkn
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerorun import runfolder
-from zerorun.errors import ZerorunError
 from zerorun.telemetry.commtotals import CommTotals
-from zerorun.telemetry.events import Event, from_json, integer, number
+from zerorun.telemetry.events import Event, integer, number
 from zerorun.telemetry.logtail import LogTail
 
 STRAGGLER_RATIO = 1.10  # busy time per step this much above the other ranks' median marks the straggler
@@ -159,8 +155,8 @@ class JobState:
             v, step = number(d, "val_loss"), integer(d, "step")
             if v is not None and step is not None:  # a --resume into this run folder replaces later evaluations
                 self.evals = [(s, x) for s, x in self.evals if s < step] + [(step, v)]
-        elif e.kind == "restart":  # Note [Job restarts]: the failed try's evaluations past its checkpoint go
-            self.evals = [(s, x) for s, x in self.evals if s <= (integer(d, "resume_step") or 0)]
+        elif e.kind == "restart":
+            self._restart(integer(d, "resume_step") or 0, e.time)
         elif e.kind == "checkpoint":
             self.checkpoints.append({"rank": e.rank, **d})
         elif e.kind == "finish":
@@ -185,6 +181,15 @@ class JobState:
         """The launcher stops the job itself (a failure, or a problem found beside it): the nodes' stop noise is
         not shown as an interruption (:meth:`LogTail.stopping`)."""
         self.log.stopping()
+
+    def _restart(self, resume: int, when: float) -> None:
+        """A restart (Note [Job restarts] in launch/restart.py): the failed try's evaluations past its checkpoint
+        go, and the job's step and pace start again from the checkpoint ``resume``, where the new try starts (at
+        ``when``, Unix s)."""
+        self.evals = [(s, x) for s, x in self.evals if s <= resume]
+        self.progress, self.first_progress = (resume, when), None
+        for r in self.ranks.values():
+            r.step = min(r.step, resume)
 
     def _progress(self, step: int | None, when: float) -> None:
         if step is None:
@@ -321,80 +326,3 @@ class JobState:
     @property
     def best_val(self) -> float | None:
         return min(v for _, v in self.evals) if self.evals else None
-
-
-def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
-    """A finished (or stopped) run's :class:`JobState` and events, from ``run_dir``'s ``metrics.jsonl``,
-    ``recipe.yaml`` and ``job.json`` (the last two optional). Lines that are not events (a line cut short when
-    the launcher was killed) are skipped.
-
-    Raises:
-        ZerorunError: ``run_dir`` has no readable ``metrics.jsonl``, or it holds no event.
-    """
-    path = os.path.join(run_dir, runfolder.METRICS)
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            events = [e for e in map(from_json, f) if e is not None]
-    except OSError as err:
-        raise ZerorunError(f"{path}: cannot read the run's metrics ({err.strerror}); "
-                           "is RUN_DIR a run directory (runs/<name>/<timestamp>)?") from None
-    if not events:
-        raise ZerorunError(f"{path}: no telemetry events in it (the job ended before any rank started)")
-    job = read_json(os.path.join(run_dir, runfolder.JOB))
-    started, ended = number(job, "started"), number(job, "ended")
-    hosts = job.get("hosts") if isinstance(job.get("hosts"), list) else None
-    rank_hosts = job.get("rank_hosts") if isinstance(job.get("rank_hosts"), dict) else {}
-    state = JobState(**run_header(run_dir), world_size=integer(job, "world_size"),
-                     hosts=[str(h) for h in hosts or []],
-                     rank_hosts={int(r): str(h) for r, h in rank_hosts.items() if str(r).isdigit()},
-                     started=started if started is not None else min((e.time for e in events), default=0.0))
-    for e in events:
-        state.update(e)
-    state.end(ended if ended is not None else max((e.time for e in events), default=state.started))
-    return state, events
-
-
-def run_header(run_dir: str) -> dict:
-    """``name``, ``stage``, ``precision`` and ``steps`` of the run in ``run_dir`` from its ``recipe.yaml``
-    (the name of the folder above when there is none), as :class:`JobState`'s keyword arguments."""
-    recipe = _read_yaml(os.path.join(run_dir, runfolder.RECIPE))
-    train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
-    zero = recipe.get("zero") if isinstance(recipe.get("zero"), dict) else {}
-    return {"name": str(recipe.get("name", os.path.basename(os.path.dirname(os.path.abspath(run_dir))))),
-            "stage": integer(zero, "stage"), "precision": recipe.get("precision"), "steps": integer(train, "steps")}
-
-
-def read_json(path: str) -> dict:
-    """The JSON object in ``path``; ``{}`` when it cannot be read or is not an object."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _read_yaml(path: str) -> dict:
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def write_job_file(run_dir: str, state: JobState, status: str, exit_code: int, message: str = "",
-                   rank: int | None = None, host: str | None = None) -> None:
-    """Write ``run_dir/job.json``: start and end (Unix s), world size, hosts (and the host of each rank, as
-    the hostfile names it), how the job ended: ``status`` (ok | failed | interrupted), the launcher's
-    ``exit_code``, a one-line ``message``, for a failure the failing ``rank`` and ``host`` when known, and the
-    SLURM job it ran in (``slurm_job_id``: ``SLURM_JOB_ID``, for ``zerorun attach JOBID``; None outside it)."""
-    data = {"started": state.started, "ended": state.ended, "world_size": state.world_size, "hosts": state.hosts,
-            "rank_hosts": {str(r): h for r, h in state.rank_hosts.items()}, "status": status, "exit_code": exit_code,
-            "message": message, "rank": rank, "host": host, "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
-    tmp = os.path.join(run_dir, runfolder.JOB + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, os.path.join(run_dir, runfolder.JOB))

@@ -13,13 +13,17 @@ launch nor the dashboard. A tracker that fails (a server down, a full disk) is o
 then left out: it never stops the job.
 
 Note [Tracker resume]: a run's identity (its name, the TensorBoard folder, the wandb run id, the MLflow tracking
-URI and run id) is written as ``trackers.json`` into the run folder and into ``checkpoint.dir`` beside the
-checkpoints. A job resuming a checkpoint (``checkpoint.resume``, set by ``--resume``) reads the file beside that
-checkpoint and continues the same runs: TensorBoard writes into the same folder with ``purge_step`` (the steps
-after the checkpoint that a failed job logged are hidden), wandb resumes the run id (``resume="allow"``; steps
-logged again are ignored by wandb, the same values on a bit-identical resume), MLflow reopens the run. The same job
-started again in its run folder (a restart, a requeued batch job) finds the file there first. The CSV is the run
-folder's, as ``metrics.jsonl`` is.
+URI and run id) is written as ``trackers.json`` into the run folder, and into ``checkpoint.dir`` beside the
+checkpoints under the launcher's job id (``{"jobs": {job: identity}}``): every job that starts on the folder adds
+its own, and each checkpoint's ``zerorun.json`` names the job that saved it. A job resuming a checkpoint
+(``checkpoint.resume``, set by ``--resume``) continues the runs of the job that saved that checkpoint (a job started
+on the folder since, killed before it saved anything, is not the one continued): TensorBoard writes into the same
+folder with ``purge_step`` and the CSV drops its rows after the checkpoint (the steps after it that a failed job
+logged are gone); wandb resumes the run id (``resume="allow"``) and MLflow reopens the run, and neither can take
+back a point once logged: wandb ignores the steps logged again (its values stay the failed job's), MLflow keeps
+both (the later timestamp is the resumed job's). The same job started again in its run folder (a restart, a
+requeued batch job) finds the file there first. The CSV is the run folder's, as ``metrics.jsonl`` is. A
+``trackers.json`` of an earlier zerorun (one identity, no ``jobs``) is continued as before.
 """
 
 from __future__ import annotations
@@ -168,9 +172,12 @@ class CsvTracker:
     def __init__(self, ctx: Context) -> None:
         os.makedirs(ctx.run_dir, exist_ok=True)
         path = os.path.join(ctx.run_dir, runfolder.METRICS_CSV)
+        names = ["step", "time", *SCALAR_NAMES]
+        if ctx.identity and os.path.exists(path):  # continued: the rows after the checkpoint go (Note [Tracker resume])
+            _keep_rows(path, names, ctx.resumed_step)
         new = not os.path.exists(path) or os.path.getsize(path) == 0
         self.file = open(path, "a", encoding="utf-8", newline="")
-        self.writer = csv.DictWriter(self.file, ["step", "time", *SCALAR_NAMES])
+        self.writer = csv.DictWriter(self.file, names)
         if new:
             self.writer.writeheader()
         self.identity: dict[str, Any] = {}
@@ -183,48 +190,84 @@ class CsvTracker:
         self.file.close()
 
 
+def _keep_rows(path: str, names: list[str], last: int) -> None:
+    """Rewrite the CSV ``path`` (whole or not at all) with its rows of steps up to ``last`` only, under the header
+    ``names`` (a row cut short by a full disk goes too)."""
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if (row.get("step") or "").isdigit() and int(row["step"]) <= last]
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, names, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
 TRACKERS: dict[str, Callable[[Context], Any]] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker,
                                                  "mlflow": MlflowTracker, "csv": CsvTracker}
 
 
+def _read_object(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` when it cannot be read or is not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def read_identity(run_dir: str, recipe) -> tuple[dict[str, Any], int]:
     """The identity of the runs a job continues (Note [Tracker resume]): the run folder's ``trackers.json`` (the
-    same job started again in its folder), else the one beside ``checkpoint.resume``; ``{}`` when there is none
-    (new runs). And the step the job resumes after: ``checkpoint.resume``'s, 0 when it starts from step 0."""
+    same job started again in its folder), else the identity of the job that saved ``checkpoint.resume``; ``{}``
+    when there is none (new runs). And the step the job resumes after: ``checkpoint.resume``'s, 0 when it starts
+    from step 0."""
     resume = recipe.checkpoint.resume
     match = re.search(r"step-(\d+)$", os.path.normpath(resume)) if resume else None
-    folders = [run_dir] + ([os.path.dirname(os.path.normpath(resume))] if resume else [])
-    for folder in folders:
-        try:
-            with open(os.path.join(folder, IDENTITY), encoding="utf-8") as f:
-                identity = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(identity, dict) and identity:
-            return identity, int(match.group(1)) if match else 0
-    return {}, 0
+    step = int(match.group(1)) if match else 0
+    own = _read_object(os.path.join(run_dir, IDENTITY))
+    if own or not resume:
+        return own, step
+    from zerorun.checkpoint.files import META
+
+    beside = _read_object(os.path.join(os.path.dirname(os.path.normpath(resume)), IDENTITY))
+    if "jobs" not in beside:  # an earlier zerorun's file: one identity, the last job's
+        return beside, step
+    job = _read_object(os.path.join(resume, META)).get("job")
+    identity = beside["jobs"].get(job) if isinstance(job, str) and isinstance(beside["jobs"], dict) else None
+    return (identity, step) if isinstance(identity, dict) else ({}, step)
 
 
-def write_identity(identity: dict[str, Any], folders: list[str]) -> None:
-    """Write ``identity`` as ``trackers.json`` into each of ``folders`` (made if missing), whole or not at all.
+def _write_json(folder: str, value: dict[str, Any]) -> None:
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{IDENTITY}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, os.path.join(folder, IDENTITY))
+
+
+def write_identity(identity: dict[str, Any], run_dir: str, checkpoints: str | None, job: str | None) -> None:
+    """Write ``identity`` as ``trackers.json`` into ``run_dir``, and under ``job`` into the one in
+    ``checkpoints`` (``checkpoint.dir``, which this job holds: Note [Checkpoint folder lock]; the other jobs'
+    identities kept), each whole or not at all. Without ``checkpoints`` or ``job``: the run folder's only.
 
     Raises:
         OSError: a folder or file cannot be written.
     """
-    for folder in folders:
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{IDENTITY}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(identity, f, indent=1)
-        os.replace(tmp, os.path.join(folder, IDENTITY))
+    _write_json(run_dir, identity)
+    if checkpoints and job:
+        jobs = _read_object(os.path.join(checkpoints, IDENTITY)).get("jobs")
+        _write_json(checkpoints, {"jobs": {**(jobs if isinstance(jobs, dict) else {}), job: identity}})
 
 
 class TrackerSink:
     """Feeds rank 0's step and eval events to the recipe's ``log.trackers``, on a thread of its own (Note
-    [Trackers in the launcher]). ``warn``: where a tracker's failure goes, one line (default: stderr)."""
+    [Trackers in the launcher]). ``warn``: where a tracker's failure goes, one line (default: stderr); ``job``:
+    the launcher's job id (Note [Tracker resume])."""
 
-    def __init__(self, run_dir: str, recipe, warn: Callable[[str], None] | None = None) -> None:
-        self.run_dir, self.recipe = run_dir, recipe
+    def __init__(self, run_dir: str, recipe, warn: Callable[[str], None] | None = None,
+                 job: str | None = None) -> None:
+        self.run_dir, self.recipe, self.job = run_dir, recipe, job
         self.warn = warn or (lambda line: sys.stderr.write(line + "\n"))
         self.finished = False  # rank 0 sent its finish event: the runs end as FINISHED, else FAILED
         self._queue: queue.Queue = queue.Queue()
@@ -262,9 +305,8 @@ class TrackerSink:
                 continue
             opened.append((name, tracker))
             merged.update(tracker.identity)
-        ckpt = self.recipe.checkpoint.dir
         try:
-            write_identity(merged, [self.run_dir] + ([ckpt] if ckpt else []))
+            write_identity(merged, self.run_dir, self.recipe.checkpoint.dir, self.job)
         except OSError as e:
             self.warn(f"zerorun: warning: log.trackers: cannot write {IDENTITY} ({e.strerror}): a resumed job "
                       "starts new tracker runs")
