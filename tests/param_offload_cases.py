@@ -17,6 +17,22 @@ from zerorun import checkpoint
 from zerorun.zero import ZeroConfig, deferred_init, initialize
 
 
+def _resident_bytes(store) -> int | None:
+    """Bytes of ``store``'s mapping resident in this process now (``/proc/self/smaps``); ``None`` when there is
+    no mapping (or it is not found)."""
+    if store.map is None:
+        return None
+    found = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 6 and "-" in head[0] and store.file.path in line:
+                found = True
+            elif found and head[0] == "Rss:":
+                return int(head[1]) * 1024
+    return None
+
+
 def _params_files(swap: str) -> list[str]:
     return glob.glob(os.path.join(swap, f"zerorun-offload-params-rank{dist.get_rank()}-*.bin"))
 
@@ -36,10 +52,10 @@ def offload_params_run(root: str, swap: str) -> dict:
     out["file_while_running"] = len(_params_files(swap)) == 1
     out["slice_bytes"] = sum(b.shard_data.nbytes for b in engine.buffers)
     losses = _train(engine, scheduler, range(1, 3))
-    out["resident_after_step"] = store.resident_bytes()
-    out["resident_touched"] = (sum(float(b.shard_data.sum()) for b in engine.buffers), store.resident_bytes())[1]
+    out["resident_after_step"] = _resident_bytes(store)
+    out["resident_touched"] = (sum(float(b.shard_data.sum()) for b in engine.buffers), _resident_bytes(store))[1]
     store.release_all()
-    out["resident_released"] = store.resident_bytes()
+    out["resident_released"] = _resident_bytes(store)
     out["memory_params"] = engine.memory_bytes()["params"]
     out["offload_disk"] = engine.offload_bytes()["disk"]
     path, _, _ = checkpoint.save(engine, root, 2, scheduler=scheduler, position=checkpoint.DataPosition(),

@@ -84,6 +84,10 @@ def _recipe(path, model: dict, data: dict | None = None, **extra) -> str:
                         "intermediate_size": 64}}},
      r"model\.hf\.config: model_type 'bert' is an encoder: its causal-lm model \(BertLMHeadModel\) lets each "
      r"position see later tokens unless the config sets is_decoder: true"),
+    ({"hf": {"config": {"model_type": "xlnet", "d_model": 32, "n_layer": 1, "n_head": 2, "d_inner": 64}}},
+     r"model\.hf\.config: model_type 'xlnet' has a causal-lm class \(XLNetLMHeadModel\) that is not one"),
+    ({"hf": {"config": {"model_type": "xlm", "emb_dim": 32, "n_layers": 1, "n_heads": 2, "is_encoder": False}}},
+     r"model\.hf\.config: model_type 'xlm' has a causal-lm class \(XLMWithLMHeadModel\) that is not one"),
 ])
 def test_bad_hf_model_is_one_line(tmp_path, model, pattern):
     with pytest.raises(ZerorunError, match=pattern) as e:
@@ -275,6 +279,14 @@ def test_hf_data_formats_cache_and_streaming(tmp_path, hf_dir, monkeypatch):
     (tmp_path / "t.txt").write_text("hello world\n" * 100)
     text, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(tmp_path / "t.txt"), seq_len=12, val_fraction=0))
     assert len(text) == 100 and bytes(text[1].tolist()) == b"hello world\n"
+    # ... with a tokenizer too, in several batches of lines: no eos between them (a review: one every 4 MiB)
+    (tmp_path / "t.txt").write_text("hello world\n" * 1000)
+    calls.clear()
+    text, _ = hfdata.build_hf_datasets(DataSpec(kind="hf", path=str(tmp_path / "t.txt"), tokenizer=hf_dir["tok"],
+                                                seq_len=4, val_fraction=0))
+    ids = torch.cat([text[i] for i in range(len(text))])
+    eos = hfdata.Tokenizer(hf_dir["tok"]).eos
+    assert eos is not None and eos not in ids.tolist() and len(calls) == 3, calls
 
 
 @pytest.mark.parametrize("data,pattern", [
@@ -286,9 +298,19 @@ def test_hf_data_formats_cache_and_streaming(tmp_path, hf_dir, monkeypatch):
     ({"kind": "hf", "path": "JSONL", "tokenizer": "nowhere"}, r"data\.tokenizer: not a folder: "),
     ({"kind": "hf", "path": "r.yaml"}, r"data\.path: .*r\.yaml: unknown format"),
     ({"kind": "text", "paths": ["{stdlib}/json/*.py"], "tokenizer": "tok"}, r"data\.tokenizer: a data\.kind 'hf' field"),
+    # a review: a traceback (pyarrow's ArrowInvalid naming no file; UnicodeDecodeError under estimate), and an
+    # empty JSONL blamed on text_field
+    ({"kind": "hf", "path": "e.parquet"}, r"data\.path: .*e\.parquet: not a readable parquet file: .*0 bytes"),
+    ({"kind": "hf", "path": "bad.parquet"}, r"data\.path: .*bad\.parquet: not a readable parquet file: "),
+    ({"kind": "hf", "path": "bin.jsonl"}, r"data\.path: .*bin\.jsonl:1: not JSON: 'utf-8' codec can't decode"),
+    ({"kind": "hf", "path": "e.jsonl"}, r"data\.path: .*e\.jsonl: no records in it \(an empty file\)"),
 ])
 def test_bad_hf_data_is_one_line(tmp_path, hf_dir, data, pattern):
     paths = _formats(tmp_path, hf_dir["jsonl"])
+    (tmp_path / "e.parquet").write_bytes(b"")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 4)
+    (tmp_path / "bin.jsonl").write_bytes(b"\x80\x81 garbage\n")
+    (tmp_path / "e.jsonl").write_bytes(b"\n\n")
     data = dict(data, seq_len=16)
     data["path"] = {"JSONL": paths["jsonl"], "PARQUET": paths["parquet"], "SAVED": paths["saved"]}.get(
         data.get("path"), data.get("path"))

@@ -29,7 +29,8 @@ def test_two_clusters_at_once_and_stop_leaves_nothing(tmp_path, slurm_cluster):
         marker = f"zr-fixture-{tmp_path.name}"
         job = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "--wrap", f"exec -a {marker} sleep 300"],
                              env=other.client_env(), capture_output=True, text=True, timeout=30, check=True)
-        assert other.jobs() == [job.stdout.strip().split(";")[0]]
+        # the srun above may still be listed, completing, on a loaded machine (seen: ['1', '2'])
+        assert job.stdout.strip().split(";")[0] in other.jobs()
         daemons = list(other.pids().values())
     finally:
         other.stop()

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -156,6 +157,7 @@ def test_a_resumed_job_continues_the_same_runs(offline):
     first = identity(offline / "run1")
     assert identity(ckpt) == {"jobs": {"job1": first}} and first["name"] == "run1"
     _checkpoint(ckpt, 2, "job1")
+    time.sleep(1.0)  # TensorBoard reads event files in name order (<second>.<pid>.<count>: "10" before "9")
     finish = [Event("finish", 0, 0.0, {"steps": 6}), Event("eval", 0, 0.0, {"step": 6, "val_loss": 4.5})]
     assert _sink_run(offline / "run2", base + [f"checkpoint.resume={ckpt / 'step-00000002'}"],
                      _steps(3, 6, offset=0.5) + finish, job="job2") == []
@@ -210,7 +212,42 @@ def test_a_resume_continues_the_runs_of_the_job_that_saved_the_checkpoint(offlin
     (ckpt / "trackers.json").write_text(json.dumps(b))  # an earlier zerorun's file
     assert _sink_run(offline / "e", base + [f"checkpoint.resume={ckpt / 'step-00000002'}"], _steps(3, 3),
                      job="e") == []
-    assert identity(offline / "e") == b
+    assert identity(offline / "e") == b and identity(ckpt)["earlier"] == b
+    # kept for the next resume of a checkpoint that names no job (a review: continued once, then forgotten)
+    assert _sink_run(offline / "f", base + [f"checkpoint.resume={no_job}"], _steps(4, 4), job="f") == []
+    assert identity(offline / "f") == b
+
+
+def test_a_resume_of_a_renamed_checkpoint_and_a_restart_from_step_0_keep_what_came_before(offline):
+    """The step a job resumes after is its checkpoint's (zerorun.json), whatever the folder's name: a copy named
+    ``best`` made TensorBoard hide every step (purge from step 1) and the CSV drop every row. A restart from
+    step 0 evaluates step 0 again: the first try's step-0 evaluation goes (before: twice in TensorBoard and
+    the CSV)."""
+    import shutil
+
+    ckpt = offline / "ckpt"
+    base = ["log.trackers=[tensorboard,csv]", f"log.dir={offline / 'runs'}", f"checkpoint.dir={ckpt}"]
+    step0 = [Event("eval", 0, 0.0, {"step": 0, "val_loss": 6.0})]
+    assert _sink_run(offline / "a", base, step0 + _steps(1, 2), job="a") == []
+    shutil.copytree(_checkpoint(ckpt, 2, "a"), ckpt / "best")
+    assert _sink_run(offline / "b", base + [f"checkpoint.resume={ckpt / 'best'}"], _steps(3, 3), job="b") == []
+    a = identity(offline / "a")
+    assert tensorboard_scalars(a["tensorboard"])["train/loss"] == pytest.approx({1: 4.9, 2: 4.8, 3: 4.7})
+    again = [Event("eval", 0, 0.0, {"step": 0, "val_loss": 5.5})] + _steps(1, 1)
+    time.sleep(1.0)  # TensorBoard reads event files in name order (see above)
+    assert _sink_run(offline / "a", base, again, job="a") == []  # restarted from step 0 in its run folder
+    board = tensorboard_scalars(a["tensorboard"])
+    assert board["eval/loss"] == {0: 5.5} and board["train/loss"] == pytest.approx({1: 4.9})
+    rows = (offline / "a" / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["step", "0", "1"] and "recipe" in _tensorboard_texts(a["tensorboard"])
+
+
+def _tensorboard_texts(folder) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(folder)
+    acc.Reload()
+    return [t.removesuffix("/text_summary") for t in acc.Tags()["tensors"]]
 
 
 def test_a_restarted_job_drops_its_csv_rows_after_the_checkpoint(offline):
@@ -235,6 +272,7 @@ def test_a_job_started_again_in_its_run_folder_continues_its_runs(offline):
     base = ["log.trackers=[tensorboard,mlflow]", f"log.dir={offline / 'runs'}", "model.kwargs.x@y=1"]
     assert _sink_run(offline / "run", base, _steps(1, 3)) == []
     first = identity(offline / "run")
+    time.sleep(1.0)  # TensorBoard reads event files in name order (see the test above)
     assert _sink_run(offline / "run", base, _steps(1, 2, offset=0.5)) == []
     assert identity(offline / "run") == first
     board = tensorboard_scalars(first["tensorboard"])

@@ -21,9 +21,9 @@ loss scaler (scale, good steps since its last change, skipped steps) and param-g
 rank's RNG state (dropout) is restored after everything that consumes random numbers at start-up, and the
 data stream restarts at the same epoch and micro-batch (the sampler's order depends only on seed and epoch;
 the loader has its own generator, so creating it never draws from the global RNG). With another world
-size, micro-batch size or stage, model and optimizer states are resharded exactly; the data stream resumes
-at the same number of samples consumed in the epoch (its order differs, being split over other ranks) and
-ranks beyond the saved world size keep their fresh RNG state.
+size, micro-batch size or stage, model and optimizer states are resharded exactly; the data stream resumes at
+the samples consumed in the epoch rounded down to whole micro-batches on every rank (its order differs, being
+split over other ranks) and ranks beyond the saved world size keep their fresh RNG state.
 
 Loading never unpickles arbitrary objects: DCP's tensor files are read with ``torch.load(weights_only=True)``,
 its ``.metadata`` with an unpickler that admits only DCP's metadata classes (:class:`SafeReader`), every

@@ -2,7 +2,8 @@
 with a fast tokenizer, cached beside the data and packed into ``seq_len`` blocks.
 
 Note [Token cache]: the token ids of the whole source (documents joined by the tokenizer's eos token, none for
-the byte-level fallback) are written to ``<data path>.zerorun-tokens/<key>.bin`` (uint16 when the vocabulary
+the byte-level fallback; a text file is one document, tokenized in batches of whole lines with no eos between
+them) are written to ``<data path>.zerorun-tokens/<key>.bin`` (uint16 when the vocabulary
 fits, else int32) with a ``.json`` beside it; ``key`` hashes the source files' paths, sizes and modification
 times, the text field, and the tokenizer's own serialization, so a changed file or tokenizer makes a new cache
 and the stale one is removed. Local rank 0 of each node writes it (under a temporary name, renamed when
@@ -16,6 +17,7 @@ data position of a checkpoint is a block index.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -30,7 +32,7 @@ from torch.utils.data import Dataset
 from zerorun.errors import ZerorunError
 from zerorun.hf.files import refuse_remote_code, remote_code  # noqa: F401 - used here, and by others from here
 
-VERSION = 1
+VERSION = 2  # 2: no eos between a text file's batches of lines
 BATCH_BYTES = 4 << 20  # text per tokenizer call
 
 
@@ -87,21 +89,38 @@ def columns_of(path: str) -> list[str] | None:
     if fmt == "text":
         return None
     if fmt == "jsonl":
-        with open(files[0], encoding="utf-8") as f:
+        with open(files[0], "rb") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        record = json.loads(line)
+                        record = json.loads(line)  # bytes: json reads UTF-8 and says where it is not
                     except ValueError as e:
                         raise ZerorunError(f"data.path: {files[0]}:{i}: not JSON: {e}") from None
                     return list(record) if isinstance(record, dict) else []
-        return []
+        raise ZerorunError(f"data.path: {files[0]}: no records in it (an empty file)")
     _need_pyarrow()
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
+    with _arrow_file(files[0], fmt):
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
 
-        return list(pq.ParquetFile(files[0]).schema_arrow.names)
-    return list(_arrow_reader(files[0]).schema.names)
+            return list(pq.ParquetFile(files[0]).schema_arrow.names)
+        return list(_arrow_reader(files[0]).schema.names)
+
+
+@contextlib.contextmanager
+def _arrow_file(name: str, fmt: str) -> Iterator[None]:
+    """pyarrow's errors reading ``name`` (a 0-byte or damaged Parquet or arrow file: ``ArrowInvalid``, which named
+    no file) as one line naming it.
+
+    Raises:
+        ZerorunError: ``data.path: <file>: not a readable <fmt> file: <pyarrow's reason>``.
+    """
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        raise ZerorunError(f"data.path: {name}: not a readable {fmt} file: {e}") from None
 
 
 def _need_pyarrow() -> None:
@@ -150,13 +169,14 @@ def iter_texts(path: str, text_field: str) -> Iterator[tuple[list[str], float]]:
         return
     _need_pyarrow()
     batch, size = [], 0
-    for texts, fraction in _arrow_batches(fmt, files, text_field):
-        for t in texts:
-            batch.append(t)
-            size += len(t)
-            if size >= BATCH_BYTES:
-                yield batch, fraction
-                batch, size = [], 0
+    with _arrow_file(path, fmt):
+        for texts, fraction in _arrow_batches(fmt, files, text_field):
+            for t in texts:
+                batch.append(t)
+                size += len(t)
+                if size >= BATCH_BYTES:
+                    yield batch, fraction
+                    batch, size = [], 0
     yield batch, 1.0
 
 
@@ -255,6 +275,7 @@ def tokenize_to_cache(path: str, text_field: str, tokenizer: Tokenizer,
     if os.path.isfile(cache):
         return cache
     dtype = np.uint16 if tokenizer.vocab_size <= 65535 else np.int32
+    eos = tokenizer.eos if source_files(path)[0] != "text" else None  # a text file: one document
     tmp = f"{cache}.{os.getpid()}.tmp"
     try:
         os.makedirs(folder, exist_ok=True)
@@ -265,8 +286,8 @@ def tokenize_to_cache(path: str, text_field: str, tokenizer: Tokenizer,
                 if not texts:
                     continue
                 for ids in tokenizer.encode(texts):
-                    if tokenizer.eos is not None and n:
-                        out.write(np.asarray([tokenizer.eos], dtype=dtype).tobytes())
+                    if eos is not None and n:
+                        out.write(np.asarray([eos], dtype=dtype).tobytes())
                         n += 1
                     out.write(ids.astype(dtype).tobytes())
                     n += len(ids)

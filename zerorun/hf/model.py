@@ -109,11 +109,15 @@ def _check_known_keys(values: dict, config_class, where: str, model_type: str) -
                                + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
+#: model types whose AutoModelForCausalLM class trains no causal language model on ``labels=input_ids``
+NOT_CAUSAL = frozenset({"xlm", "xlnet"})
+
+
 def check_causal_lm(cfg, where: str = "model.hf") -> None:
     """Raise :class:`ZerorunError` when ``AutoModelForCausalLM`` has no model class for ``cfg``, or when that
     class is an encoder's (BERT, RoBERTa, ELECTRA, ...) and ``cfg.is_decoder`` is false: it then attends to
     later tokens, so the causal-lm labels leak into the input (transformers only logs a warning; its class checks
-    ``not config.is_decoder``, which is how such a class is told apart)."""
+    ``not config.is_decoder``, which is how such a class is told apart); or a model type of :data:`NOT_CAUSAL`."""
     import inspect
 
     from transformers import AutoModelForCausalLM
@@ -126,6 +130,10 @@ def check_causal_lm(cfg, where: str = "model.hf") -> None:
         encoder = "not config.is_decoder" in inspect.getsource(cls.__init__)
     except (OSError, TypeError):  # no source shipped
         encoder = False
+    if cfg.model_type in NOT_CAUSAL:  # no flag makes them causal: refused whatever the config says
+        raise ZerorunError(f"{where}: model_type {cfg.model_type!r} has a causal-lm class ({cls.__name__}) that is "
+                           "not one: it attends to later tokens and its loss does not shift the labels (each "
+                           "position predicts its own input token)")
     if encoder and not getattr(cfg, "is_decoder", False):
         raise ZerorunError(f"{where}: model_type {cfg.model_type!r} is an encoder: its causal-lm model "
                            f"({cls.__name__}) lets each position see later tokens unless the config sets "

@@ -4,13 +4,13 @@ micro-batches a rank trains on, resumable at a checkpoint's data position."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from zerorun.recipe import DataSpec, expand_data_paths
-from zerorun.rank.userload import UserCodeError, call_factory
+from zerorun.rank.userload import UserCodeError, call_factory, load_module
 
 
 class ByteWindows(Dataset):
@@ -57,38 +57,104 @@ def read_corpus(patterns: list[str]) -> torch.Tensor:
     for path in expand_data_paths(patterns):
         with open(path, "rb") as f:
             chunks.append(f.read())
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    data = bytearray(b"".join(chunks))
+    if not data:  # torch.frombuffer refuses an empty buffer
+        raise UserCodeError(f"data.paths: the files matched ({', '.join(expand_data_paths(patterns))}) are empty")
+    return torch.frombuffer(data, dtype=torch.uint8)
 
 
-def build_datasets(spec: DataSpec, progress=None) -> tuple[Dataset, Dataset | None]:
-    """``(train, validation or None)`` for a recipe's ``data`` section.
+def build_datasets(spec: DataSpec, progress=None) -> tuple[Dataset, Dataset | None, Callable[[list], Any]]:
+    """``(train, validation or None, collate)`` for a recipe's ``data`` section: ``collate(samples)`` makes a
+    micro-batch of a list of samples (:func:`collate_of`).
 
     ``text``: the last ``val_fraction`` of the corpus's bytes is the validation split.
     ``module``: ``factory(**kwargs)`` returns a Dataset or a ``(train, val)`` pair.
     ``hf``: tokenized blocks (zerorun/hf/data.py), ``progress(message)`` called while tokenizing.
 
     Raises:
-        UserCodeError: the data factory fails or returns something that is not a Dataset.
+        UserCodeError: the data factory fails or returns something that is not a Dataset; no ``data.collate``.
     """
     if spec.kind == "hf":
         import os
 
         from zerorun.hf.data import build_hf_datasets
 
-        return build_hf_datasets(spec, progress, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        return *build_hf_datasets(spec, progress, local_rank=int(os.environ.get("LOCAL_RANK", 0))), stacked
     if spec.kind == "text":
         tokens = read_corpus(spec.paths)
         n_val = int(len(tokens) * spec.val_fraction)
         train = ByteWindows(tokens[:len(tokens) - n_val], spec.seq_len)
         val = ByteWindows(tokens[len(tokens) - n_val:], spec.seq_len) if n_val > spec.seq_len else None
-        return train, val
-    out: Any = call_factory(spec.module, spec.factory, spec.kwargs)
+        return train, val, stacked
+    module = load_module(spec.module)
+    out: Any = call_factory(spec.module, spec.factory, spec.kwargs, module=module, field="data.kwargs")
     train, val = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     for what, ds in (("train", train), ("validation", val)):
-        if ds is not None and not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
-            raise UserCodeError(f"{spec.module}: {spec.factory}() returned a {what} set of type "
-                                f"{type(ds).__name__}, not a map-style Dataset")
-    return train, val
+        wrong = _not_a_dataset(ds) if ds is not None or what == "train" else None
+        if wrong:
+            raise UserCodeError(f"{spec.module}: {spec.factory}() returned {wrong} as the {what} set, not a "
+                                "map-style Dataset (return a Dataset, or a tuple (train, validation))")
+    return train, val, collate_of(spec, module)
+
+
+def check_sizes(spec: DataSpec, train, val, world_size: int, t) -> str | None:
+    """Check that ``train`` fills one micro-batch on every rank (``t``: the recipe's ``train``); a note when
+    ``train.eval_every`` asks for validation and there is no validation sample (None: nothing to say).
+
+    Raises:
+        UserCodeError: too few training samples, naming the data's source.
+    """
+    source = f" ({spec.module}: {spec.factory}())" if spec.kind == "module" else ""
+    if len(train) < world_size * t.micro_batch_size:
+        raise UserCodeError(f"data{source}: {len(train)} training samples, fewer than one micro-batch on every rank "
+                            f"({world_size} ranks x {t.micro_batch_size})")
+    if not t.eval_every or (val is not None and len(val) > 0):
+        return None
+    why = f"{spec.factory}() returned no validation set" if spec.kind == "module" else \
+        f"data.val_fraction {spec.val_fraction} of the data holds no sample of data.seq_len {spec.seq_len}"
+    return f"note: train.eval_every {t.eval_every}, but no validation sample ({why}): no validation loss"
+
+
+def collate_of(spec: DataSpec, module: Any) -> Callable[[list], Any]:
+    """``data.collate``, the function of ``module`` (``data.module``) that makes a micro-batch of a list of samples
+    (a DataLoader's ``collate_fn``: padding samples of different lengths), else :func:`stacked`.
+
+    Raises:
+        UserCodeError: ``module`` has no such function.
+    """
+    if spec.collate is None:
+        return stacked
+    fn = getattr(module, spec.collate, None)
+    if not callable(fn):
+        raise UserCodeError(f"{spec.module}: has no callable {spec.collate!r} (data.collate)")
+    return fn
+
+
+def stacked(samples: list) -> Any:
+    """torch's ``default_collate`` of ``samples`` (tensors of one shape stacked, dicts and tuples field by field).
+
+    Raises:
+        UserCodeError: they cannot be stacked (samples of different shapes): one line, not torch's traceback.
+    """
+    try:
+        return default_collate(samples)
+    except (RuntimeError, TypeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserCodeError(f"data: {len(samples)} samples cannot be stacked into one micro-batch ({reason}): give "
+                            "samples of one shape, or name a function of data.module that pads them in "
+                            "data.collate") from None
+
+
+def _not_a_dataset(ds: Any) -> str | None:
+    """What ``ds`` is when it is not a map-style dataset (``None``, text, an object without ``__len__`` and
+    ``__getitem__``, a list or tuple of datasets rather than of samples), else ``None``."""
+    if ds is None or isinstance(ds, (str, bytes)):
+        return repr(ds) if ds is None else f"a {type(ds).__name__}"
+    if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+        return f"a {type(ds).__name__}"
+    if isinstance(ds, (list, tuple)) and ds and all(isinstance(d, Dataset) for d in ds):
+        return f"a {type(ds).__name__} of {len(ds)} Datasets"
+    return None
 
 
 class _SkipSampler(torch.utils.data.Sampler):
@@ -104,11 +170,11 @@ class _SkipSampler(torch.utils.data.Sampler):
         return max(0, len(self.sampler) - self.skip)
 
 
-def batch_stream(dataset, sampler, micro_batch_size: int, position) -> Iterator[Any]:
-    """Endless micro-batches of ``micro_batch_size`` samples from ``dataset`` in ``sampler``'s order (a
-    ``DistributedSampler``: ``set_epoch`` is called at each epoch), starting at ``position`` (a
-    :class:`zerorun.checkpoint.DataPosition`), which is kept up to date as batches are yielded (Note [Exact
-    resume] in checkpoint/saving.py)."""
+def batch_stream(dataset, sampler, micro_batch_size: int, position, collate=stacked) -> Iterator[Any]:
+    """Endless micro-batches of ``micro_batch_size`` samples from ``dataset``, made by ``collate``
+    (:func:`collate_of`), in ``sampler``'s order (a ``DistributedSampler``: ``set_epoch`` is called at each epoch),
+    starting at ``position`` (a :class:`zerorun.checkpoint.DataPosition`), which is kept up to date as batches are
+    yielded (Note [Exact resume] in checkpoint/saving.py)."""
     from torch.utils.data import DataLoader
 
     generator = torch.Generator()  # the loader's own: making its iterator draws no global random number
@@ -116,7 +182,8 @@ def batch_stream(dataset, sampler, micro_batch_size: int, position) -> Iterator[
     while True:
         sampler.set_epoch(position.epoch)
         loader = DataLoader(dataset, batch_size=micro_batch_size,
-                            sampler=_SkipSampler(sampler, skip * micro_batch_size), drop_last=True, generator=generator)
+                            sampler=_SkipSampler(sampler, skip * micro_batch_size), drop_last=True, generator=generator,
+                            collate_fn=collate)
         for batch in loader:
             position.batch += 1
             yield batch

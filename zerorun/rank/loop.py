@@ -20,14 +20,14 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler, default_collate
+from torch.utils.data import DistributedSampler
 
 from zerorun import checkpoint, zero
 from zerorun.errors import ZerorunError
-from zerorun.rank.data import batch_stream, build_datasets, eval_batches
+from zerorun.rank.data import batch_stream, build_datasets, check_sizes, eval_batches
 from zerorun.rank.schedule import continue_schedule, lr_multiplier
 from zerorun.rank.stopsignal import Stopped, StopRequest
-from zerorun.rank.userload import UserCodeError, build_model, extract_loss
+from zerorun.rank.userload import build_model, extract_loss
 from zerorun.recipe import Recipe
 from zerorun.telemetry.events import emit
 from zerorun.telemetry.probes import cuda_memory, flops_per_token, host_memory, peak_rss_bytes
@@ -122,12 +122,11 @@ class TrainingRun:
         samples than one micro-batch on every rank."""
         rank = self.rank
         emit("phase", rank, phase="loading data")
-        self.train_set, self.val_set = build_datasets(self.recipe.data,
-                                                      progress=lambda message: emit("log", rank, message=message))
-        per_step = self.world_size * self.t.micro_batch_size
-        if len(self.train_set) < per_step:
-            raise UserCodeError(f"data: {len(self.train_set)} training samples, fewer than one micro-batch on "
-                                f"every rank ({self.world_size} ranks x {self.t.micro_batch_size})")
+        self.train_set, self.val_set, self.collate = build_datasets(
+            self.recipe.data, progress=lambda message: emit("log", rank, message=message))
+        note = check_sizes(self.recipe.data, self.train_set, self.val_set, self.world_size, self.t)
+        if note and rank == 0:
+            emit("log", rank, message=note)
 
     def set_up_zero(self) -> None:
         """The engine (``runtime``: zerorun's ZeRO, or torch's DDP/FSDP2 for `zerorun bench`), pretrained
@@ -197,7 +196,7 @@ class TrainingRun:
         """The batch stream from the data position, the step log, the SIGTERM watch (with ``checkpoint.dir``),
         and the eval before the first step of a fresh run."""
         t = self.t
-        self.batches = batch_stream(self.train_set, self.sampler, t.micro_batch_size, self.position)
+        self.batches = batch_stream(self.train_set, self.sampler, t.micro_batch_size, self.position, self.collate)
         self.model.train()
         self.proc = psutil.Process()
         self.comm_prev = self.engine.comm_stats()
@@ -324,7 +323,7 @@ class TrainingRun:
         total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of per-sample losses, samples
         with torch.no_grad():
             for indices in plan:
-                batch = self._to_device(default_collate([val_set[i] for i in indices or [0]]))
+                batch = self._to_device(self.collate([val_set[i] for i in indices or [0]]))
                 loss = extract_loss(self.engine(batch), self.source[0]).detach().double()
                 if indices:  # an empty one only keeps the forwards in step with the other ranks
                     total += torch.stack([loss * len(indices), loss.new_tensor(len(indices))])

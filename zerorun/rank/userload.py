@@ -48,14 +48,16 @@ def load_module(spec: str) -> Any:
         raise UserCodeError(f"{spec}: cannot import: {type(e).__name__}: {e}") from e
 
 
-def call_factory(spec: str, factory: str, kwargs: dict[str, Any]) -> Any:
-    """``factory(**kwargs)`` from the module ``spec`` (see :func:`load_module`).
+def call_factory(spec: str, factory: str, kwargs: dict[str, Any], module: Any = None,
+                 field: str = "model.kwargs") -> Any:
+    """``factory(**kwargs)`` from the module ``spec`` (see :func:`load_module`; ``module``: it, imported already),
+    ``kwargs`` being the recipe's ``field``.
 
     Raises:
         UserCodeError: no such callable, or ``kwargs`` do not fit its signature.
         FactoryError: calling it raised.
     """
-    module = load_module(spec)
+    module = module if module is not None else load_module(spec)
     fn = getattr(module, factory, None)
     if not callable(fn):
         raise UserCodeError(f"{spec}: has no callable {factory!r}")
@@ -67,7 +69,7 @@ def call_factory(spec: str, factory: str, kwargs: dict[str, Any]) -> Any:
         try:
             signature.bind(**kwargs)
         except TypeError as e:
-            raise UserCodeError(f"{spec}: {factory}() does not take model.kwargs {kwargs}: {e}") from None
+            raise UserCodeError(f"{spec}: {factory}() does not take {field} {kwargs}: {e}") from None
     try:
         return fn(**kwargs)
     except Exception as e:  # noqa: BLE001

@@ -141,6 +141,8 @@ def _resolve_data(recipe: Recipe, at: _Source, check_hf: bool) -> None:
     stray = [f for f in ("path", "tokenizer", "text_field") if f in d.model_fields_set]
     if d.kind != "hf" and stray:
         raise ZerorunError(f"{at.where('data', stray[0])}: a data.kind 'hf' field (kind is {d.kind!r})")
+    if d.kind != "module" and d.collate is not None:
+        raise ZerorunError(f"{at.where('data', 'collate')}: a data.kind 'module' field (kind is {d.kind!r})")
     if d.kind == "hf":
         from zerorun.hf.recipe import resolve_hf_data
 

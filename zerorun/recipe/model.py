@@ -107,6 +107,9 @@ class DataSpec(Strict):
                                 "Dataset or a (train, val) pair: factory(**kwargs)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="kind module: keyword arguments of "
                                    "data.factory")
+    collate: str | None = Field(None, description="kind module: the function in data.module that makes a "
+                                "micro-batch of a list of samples (a DataLoader's collate_fn, e.g. padding); "
+                                "unset: torch's default_collate, which stacks samples of one shape")
 
     _finite = field_validator("kwargs")(classmethod(finite_values))
 

@@ -19,11 +19,12 @@ its own, and each checkpoint's ``zerorun.json`` names the job that saved it. A j
 (``checkpoint.resume``, set by ``--resume``) continues the runs of the job that saved that checkpoint (a job started
 on the folder since, killed before it saved anything, is not the one continued): TensorBoard writes into the same
 folder with ``purge_step`` and the CSV drops its rows after the checkpoint (the steps after it that a failed job
-logged are gone); wandb resumes the run id (``resume="allow"``) and MLflow reopens the run, and neither can take
+logged are gone; from step 0, step 0's evaluation too, which the job makes again); wandb resumes the run id (``resume="allow"``) and MLflow reopens the run, and neither can take
 back a point once logged: wandb ignores the steps logged again (its values stay the failed job's), MLflow keeps
 both (the later timestamp is the resumed job's). The same job started again in its run folder (a restart, a
 requeued batch job) finds the file there first. The CSV is the run folder's, as ``metrics.jsonl`` is. A
-``trackers.json`` of an earlier zerorun (one identity, no ``jobs``) is continued as before.
+``trackers.json`` of an earlier zerorun (one identity, no ``jobs``) is kept as ``earlier`` and continued by a
+resume of a checkpoint that names no job (saved by an earlier zerorun).
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ _MLFLOW_BATCH = 100  # MLflow's most parameters per log_batch
 
 class Context:
     """What a tracker is opened with: the run folder, the recipe, the run's name, the identity of the run it
-    continues (Note [Tracker resume]; ``{}`` for a new run) and the step the job resumes after (0: from the
-    start)."""
+    continues (Note [Tracker resume]; ``{}`` for a new run), the step the job resumes after (0: from the start)
+    and ``first_step``, the first it logs (0 from the start: its evaluation at step 0 comes again)."""
 
     def __init__(self, run_dir: str, recipe, identity: dict[str, Any], resumed_step: int) -> None:
         from zerorun.recipe.text import masked
 
         self.run_dir, self.recipe, self.identity, self.resumed_step = run_dir, recipe, identity, resumed_step
+        self.first_step = resumed_step + 1 if resumed_step else 0  # from step 0: its evaluation comes again
         self.name = str(identity.get("name") or os.path.basename(os.path.normpath(run_dir)))
         self.params = masked(json.loads(recipe.model_dump_json()))  # Note [Masked environment values]
 
@@ -70,9 +72,9 @@ class TensorBoardTracker:
         spec = ctx.recipe.log.tensorboard
         folder = ctx.identity.get("tensorboard") or os.path.abspath(spec.dir or os.path.join(ctx.run_dir,
                                                                                               runfolder.TENSORBOARD))
-        continued = bool(ctx.identity)  # what the earlier job logged after the resumed step is hidden
-        self.writer = SummaryWriter(folder, purge_step=ctx.resumed_step + 1 if continued else None)
-        if not continued:
+        continued = bool(ctx.identity)  # what the earlier job logged from the first step logged again is hidden
+        self.writer = SummaryWriter(folder, purge_step=ctx.first_step if continued else None)
+        if not continued or ctx.first_step == 0:
             self.writer.add_text("recipe", "```\n" + json.dumps(ctx.params, indent=2) + "\n```", 0)
         self.identity = {"tensorboard": folder}
 
@@ -174,7 +176,7 @@ class CsvTracker:
         path = os.path.join(ctx.run_dir, runfolder.METRICS_CSV)
         names = ["step", "time", *SCALAR_NAMES]
         if ctx.identity and os.path.exists(path):  # continued: the rows after the checkpoint go (Note [Tracker resume])
-            _keep_rows(path, names, ctx.resumed_step)
+            _keep_rows(path, names, ctx.first_step - 1)
         new = not os.path.exists(path) or os.path.getsize(path) == 0
         self.file = open(path, "a", encoding="utf-8", newline="")
         self.writer = csv.DictWriter(self.file, names)
@@ -220,21 +222,22 @@ def _read_object(path: str) -> dict[str, Any]:
 def read_identity(run_dir: str, recipe) -> tuple[dict[str, Any], int]:
     """The identity of the runs a job continues (Note [Tracker resume]): the run folder's ``trackers.json`` (the
     same job started again in its folder), else the identity of the job that saved ``checkpoint.resume``; ``{}``
-    when there is none (new runs). And the step the job resumes after: ``checkpoint.resume``'s, 0 when it starts
-    from step 0."""
+    when there is none (new runs). And the step the job resumes after: ``checkpoint.resume``'s (its
+    ``zerorun.json``'s, whatever the folder is named), 0 when it starts from step 0."""
+    from zerorun.checkpoint.files import META
+
     resume = recipe.checkpoint.resume
+    meta = _read_object(os.path.join(resume, META)) if resume else {}
     match = re.search(r"step-(\d+)$", os.path.normpath(resume)) if resume else None
-    step = int(match.group(1)) if match else 0
+    step = meta.get("step") if isinstance(meta.get("step"), int) else int(match.group(1)) if match else 0
     own = _read_object(os.path.join(run_dir, IDENTITY))
     if own or not resume:
         return own, step
-    from zerorun.checkpoint.files import META
-
     beside = _read_object(os.path.join(os.path.dirname(os.path.normpath(resume)), IDENTITY))
     if "jobs" not in beside:  # an earlier zerorun's file: one identity, the last job's
         return beside, step
-    job = _read_object(os.path.join(resume, META)).get("job")
-    identity = beside["jobs"].get(job) if isinstance(job, str) and isinstance(beside["jobs"], dict) else None
+    job, jobs = meta.get("job"), beside["jobs"] if isinstance(beside["jobs"], dict) else {}
+    identity = jobs.get(job) if isinstance(job, str) else beside.get("earlier")  # saved by an earlier zerorun
     return (identity, step) if isinstance(identity, dict) else ({}, step)
 
 
@@ -256,8 +259,10 @@ def write_identity(identity: dict[str, Any], run_dir: str, checkpoints: str | No
     """
     _write_json(run_dir, identity)
     if checkpoints and job:
-        jobs = _read_object(os.path.join(checkpoints, IDENTITY)).get("jobs")
-        _write_json(checkpoints, {"jobs": {**(jobs if isinstance(jobs, dict) else {}), job: identity}})
+        found = _read_object(os.path.join(checkpoints, IDENTITY))
+        jobs = found.get("jobs") if isinstance(found.get("jobs"), dict) else {}
+        earlier = found.get("earlier", found if found and "jobs" not in found else None)  # an earlier zerorun's
+        _write_json(checkpoints, {"jobs": {**jobs, job: identity}, **({"earlier": earlier} if earlier else {})})
 
 
 class TrackerSink:

@@ -112,10 +112,8 @@ def _lives(log: list) -> tuple[dict[int, int], dict[int, list[int]]]:
 
 
 def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None],
-           device: torch.device | str | None = None, tensors: list[torch.Tensor] | None = None,
-           process_group: dist.ProcessGroup | None | bool = False) -> int:
-    """Replay ``model``'s recorded construction on ``device`` (default: the construction device, Note [Record
-    and replay]).
+           tensors: list[torch.Tensor] | None = None, process_group: dist.ProcessGroup | None | bool = False) -> int:
+    """Replay ``model``'s recorded construction on its construction device (Note [Record and replay]).
 
     ``keep(tensor, real_tensor)`` is called once for every tensor of ``tensors`` (default: the parameters and
     buffers of ``model``): for a meta tensor at the last op of its storage, with its real values (shape and
@@ -136,7 +134,7 @@ def replay(model: nn.Module, keep: Callable[[torch.Tensor, torch.Tensor], None],
         raise RuntimeError("model was not built by zerorun.zero.deferred_init")
     rec: Record = model._zerorun_deferred  # type: ignore[attr-defined]
     log, rng = rec.log, rec.rng
-    device = torch.device(device) if device is not None else rec.device
+    device = rec.device
     wanted: dict[int, list[torch.Tensor]] = {}
     if tensors is None:
         tensors = list(model.parameters()) + list(model.buffers())

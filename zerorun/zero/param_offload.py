@@ -75,21 +75,6 @@ class ParamStore:
         if self.map is not None:
             self.map.madvise(mmap.MADV_DONTNEED, 0, self.size)
 
-    def resident_bytes(self) -> int | None:
-        """Bytes of the mapping resident in this process now (``/proc/self/smaps``), for tests and reports;
-        ``None`` when there is no mapping (or it is not found)."""
-        if self.map is None:
-            return None
-        found = False
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split()
-                if len(head) >= 6 and "-" in head[0] and self.file.path in line:
-                    found = True
-                elif found and head[0] == "Rss:":
-                    return int(head[1]) * 1024
-        return None
-
     def close(self) -> None:
         """Remove the swap file (also done at process exit); the mapping stays valid until the process ends."""
         self.file.close()

@@ -219,9 +219,6 @@ class Stage3Engine(ZeroEngine):
     def _param_slice(self, buf: FlatBuffer) -> torch.Tensor:
         return buf.shard_data
 
-    def _grad_slice(self, buf: FlatBuffer) -> torch.Tensor:
-        return buf.shard_grad
-
     def _after_step(self) -> None:
         """Units are gathered from the updated slices when next used (one left gathered by a forward that raised
         is freed: stale); persistent parameters (Note [Persistent parameters]) are all-gathered now."""

@@ -179,11 +179,6 @@ class OuterSchedule:
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._tail_pack, self._tail_unpack)
             self.saved_hooks.__enter__()
 
-    def end_saved_hooks(self) -> None:
-        if self.saved_hooks is not None:
-            self.saved_hooks.__exit__(None, None, None)
-            self.saved_hooks = None
-
     def _tail_pack(self, t: torch.Tensor):
         unit = self.tail_storages.get(t.untyped_storage()._cdata)
         return t if unit is None else _TailSaved(unit, t)
@@ -200,8 +195,11 @@ class OuterSchedule:
         return saved.tensor
 
     def pass_end(self) -> None:
+        """The root's forward ends, or raised: the saved-tensor hooks over it go."""
         self.running = False
-        self.end_saved_hooks()
+        if self.saved_hooks is not None:
+            self.saved_hooks.__exit__(None, None, None)
+            self.saved_hooks = None
 
     def listed_call(self, unit: Unit) -> None:
         """A listed unit's forward call begins (before its all-gather is issued)."""

@@ -244,8 +244,7 @@ class Schedule:
             u.active = 0
             u.ctx.training = False
         self.active = []
-        self.outer.running = False
-        self.outer.end_saved_hooks()
+        self.outer.pass_end()
 
     # ------------------------------------------------------------------------------------------ backward
     def pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
