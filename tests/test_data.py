@@ -45,7 +45,38 @@ DATA = textwrap.dedent("""\
 
     def returns(what):
         ds = TensorDataset(torch.arange(8.0))
-        return {"none": None, "none_train": (None, ds), "text": "abc", "list": [ds, ds], "three": (ds, ds, ds)}[what]
+        return {"none": None, "none_train": (None, ds), "text": "abc", "list": [ds, ds], "three": (ds, ds, ds),
+                "columns": {"input_ids": [1, 2], "label": [0, 1]}, "negative": Negative()}[what]
+
+
+    class Negative(Dataset):
+        def __len__(self):
+            return -1
+
+        def __getitem__(self, i):
+            return torch.zeros(2)
+
+
+    def raises(samples):
+        raise ValueError("my collate is broken")
+
+
+    def nothing(samples):
+        return None
+
+
+    def arrays(samples):
+        import numpy
+        return {"x": numpy.zeros(2)}
+
+
+    class Collator:
+        def __call__(self, samples):
+            return pad(samples)
+
+
+    collator = Collator()
+    forty_two = 42
     """)
 
 
@@ -58,7 +89,9 @@ def module(tmp_path):
 
 @pytest.mark.parametrize("what,wrong", [
     ("none", "None as the train set"), ("none_train", "None as the train set"), ("text", "a str as the train set"),
-    ("list", "a list of 2 Datasets as the train set"), ("three", "a tuple of 3 Datasets as the train set")])
+    ("list", "a list of 2 Datasets as the train set"), ("three", "a tuple of 3 Datasets as the train set"),
+    ("columns", "a dict as the train set"),
+    ("negative", "a Negative whose len() raised ValueError: __len__() should return >= 0 as the train set")])
 def test_a_factory_that_returns_no_dataset_is_one_line(module, what, wrong):
     """A review: None was a TypeError traceback from len(); text passed and failed in the model's forward; a list
     [train, val] or a 3-tuple of datasets trained as a dataset of 2 or 3 'samples'."""
@@ -71,6 +104,13 @@ def test_a_factory_that_returns_no_dataset_is_one_line(module, what, wrong):
     assert (len(train), len(val)) == (8, 2) and collate is stacked
 
 
+def test_kwargs_yaml_read_as_one_key_get_a_hint(module):
+    """``data.kwargs={n:1}`` (no space) is YAML's key 'n:1' with no value: the message says how to write it."""
+    with pytest.raises(UserCodeError, match=r"good\(\) does not take data\.kwargs \{'n:1': None\}: .*\(YAML reads "
+                                            r"\{a:1\} as the key 'a:1': write \{a: 1\}\)$"):
+        build_datasets(DataSpec(kind="module", module=module, factory="good", kwargs={"n:1": None}))
+
+
 def test_samples_of_different_shapes_need_data_collate(module):
     """torch's collate error was a traceback naming neither the data nor the way out, and a recipe had no
     collate_fn to give (DeepSpeed and accelerate users pass one)."""
@@ -81,8 +121,23 @@ def test_samples_of_different_shapes_need_data_collate(module):
         collate([train[0], train[1]])
     train, val, collate = build_datasets(DataSpec(kind="module", module=module, factory="ragged", collate="pad"))
     assert torch.equal(collate([train[0], train[1]])["x"], torch.tensor([[0.0, 0, 0, 0], [1, 1, 1, 1]]))
-    with pytest.raises(UserCodeError, match=r"datamod\.py: has no callable 'nope' \(data\.collate\)$"):
-        build_datasets(DataSpec(kind="module", module=module, factory="ragged", collate="nope"))
+    where = f"{module}: data.collate"
+    for name, wrong in [("nope", "is not in the module"), ("forty_two", "is int 42, not a function"),
+                        ("Collator", "is a class: name a function, or an instance made in the module (a collator "
+                                     "object)")]:
+        with pytest.raises(UserCodeError) as e:
+            build_datasets(DataSpec(kind="module", module=module, factory="ragged", collate=name))
+        assert str(e.value) == f"{where} {name!r} {wrong}"
+    # a new user's review: each of these was a traceback blaming the model's forward, torch or zerorun
+    for name, wrong in [("raises", f"raised ValueError: my collate is broken (at {module}:"),
+                        ("nothing", "returned NoneType, not a batch holding tensors"),
+                        ("arrays", "returned dict, not a batch holding tensors")]:
+        train, val, collate = build_datasets(DataSpec(kind="module", module=module, factory="ragged", collate=name))
+        with pytest.raises(UserCodeError) as e:
+            collate([train[0], train[1]])
+        assert str(e.value).startswith(f"{where} {name!r} {wrong}"), str(e.value)
+    train, val, collate = build_datasets(DataSpec(kind="module", module=module, factory="ragged", collate="collator"))
+    assert collate([train[1]])["x"].shape == (1, 4)
 
 
 def test_data_collate_is_a_module_field_and_an_empty_text_corpus_is_one_line(tmp_path):

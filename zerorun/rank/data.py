@@ -4,9 +4,11 @@ micro-batches a rank trains on, resumable at a checkpoint's data position."""
 from __future__ import annotations
 
 import itertools
+import traceback
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import Dataset, default_collate
 
 from zerorun.recipe import DataSpec, expand_data_paths
@@ -124,10 +126,28 @@ def collate_of(spec: DataSpec, module: Any) -> Callable[[list], Any]:
     """
     if spec.collate is None:
         return stacked
-    fn = getattr(module, spec.collate, None)
-    if not callable(fn):
-        raise UserCodeError(f"{spec.module}: has no callable {spec.collate!r} (data.collate)")
-    return fn
+    fn, where = getattr(module, spec.collate, None), f"{spec.module}: data.collate {spec.collate!r}"
+    if fn is None or isinstance(fn, type) or not callable(fn):
+        what = "not in the module" if fn is None else "a class: name a function, or an instance made in the " \
+            "module (a collator object)" if isinstance(fn, type) else f"{type(fn).__name__} {fn!r}, not a function"
+        raise UserCodeError(f"{where} is {what}")
+
+    def collate(samples: list) -> Any:
+        try:
+            batch = fn(samples)
+        except Exception as e:  # noqa: BLE001 - the user's function: one line naming it, its file and line
+            raise UserCodeError(f"{where} raised {type(e).__name__}: {e}{_at(e)}") from None
+        if not any(isinstance(x, torch.Tensor) for x in tree_leaves(batch)):
+            raise UserCodeError(f"{where} returned {type(batch).__name__}, not a batch holding tensors")
+        return batch
+
+    return collate
+
+
+def _at(e: BaseException) -> str:
+    """`` (at FILE:LINE)`` of the innermost frame of ``e``'s traceback, '' without one."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def stacked(samples: list) -> Any:
@@ -148,10 +168,14 @@ def stacked(samples: list) -> Any:
 def _not_a_dataset(ds: Any) -> str | None:
     """What ``ds`` is when it is not a map-style dataset (``None``, text, an object without ``__len__`` and
     ``__getitem__``, a list or tuple of datasets rather than of samples), else ``None``."""
-    if ds is None or isinstance(ds, (str, bytes)):
+    if ds is None or isinstance(ds, (str, bytes, dict)):  # a dict: of columns, most often (zip them into samples)
         return repr(ds) if ds is None else f"a {type(ds).__name__}"
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
         return f"a {type(ds).__name__}"
+    try:
+        len(ds)
+    except Exception as e:  # noqa: BLE001 - the user's __len__ (negative, not an int)
+        return f"a {type(ds).__name__} whose len() raised {type(e).__name__}: {e}"
     if isinstance(ds, (list, tuple)) and ds and all(isinstance(d, Dataset) for d in ds):
         return f"a {type(ds).__name__} of {len(ds)} Datasets"
     return None

@@ -69,7 +69,9 @@ def call_factory(spec: str, factory: str, kwargs: dict[str, Any], module: Any = 
         try:
             signature.bind(**kwargs)
         except TypeError as e:
-            raise UserCodeError(f"{spec}: {factory}() does not take {field} {kwargs}: {e}") from None
+            hint = " (YAML reads {a:1} as the key 'a:1': write {a: 1})" if any(
+                v is None and ":" in str(k) for k, v in kwargs.items()) else ""
+            raise UserCodeError(f"{spec}: {factory}() does not take {field} {kwargs}: {e}{hint}") from None
     try:
         return fn(**kwargs)
     except Exception as e:  # noqa: BLE001

@@ -40,6 +40,7 @@ import time
 from typing import Any, Callable
 
 from zerorun import runfolder
+from zerorun.telemetry.jobfiles import read_json
 from zerorun.telemetry.trackers_spec import SCALAR_NAMES, flat_params, scalars
 
 IDENTITY = runfolder.TRACKERS
@@ -209,16 +210,6 @@ TRACKERS: dict[str, Callable[[Context], Any]] = {"tensorboard": TensorBoardTrack
                                                  "mlflow": MlflowTracker, "csv": CsvTracker}
 
 
-def _read_object(path: str) -> dict[str, Any]:
-    """The JSON object in ``path``; ``{}`` when it cannot be read or is not an object."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def read_identity(run_dir: str, recipe) -> tuple[dict[str, Any], int]:
     """The identity of the runs a job continues (Note [Tracker resume]): the run folder's ``trackers.json`` (the
     same job started again in its folder), else the identity of the job that saved ``checkpoint.resume``; ``{}``
@@ -227,13 +218,13 @@ def read_identity(run_dir: str, recipe) -> tuple[dict[str, Any], int]:
     from zerorun.checkpoint.files import META
 
     resume = recipe.checkpoint.resume
-    meta = _read_object(os.path.join(resume, META)) if resume else {}
+    meta = read_json(os.path.join(resume, META)) if resume else {}
     match = re.search(r"step-(\d+)$", os.path.normpath(resume)) if resume else None
     step = meta.get("step") if isinstance(meta.get("step"), int) else int(match.group(1)) if match else 0
-    own = _read_object(os.path.join(run_dir, IDENTITY))
+    own = read_json(os.path.join(run_dir, IDENTITY))
     if own or not resume:
         return own, step
-    beside = _read_object(os.path.join(os.path.dirname(os.path.normpath(resume)), IDENTITY))
+    beside = read_json(os.path.join(os.path.dirname(os.path.normpath(resume)), IDENTITY))
     if "jobs" not in beside:  # an earlier zerorun's file: one identity, the last job's
         return beside, step
     job, jobs = meta.get("job"), beside["jobs"] if isinstance(beside["jobs"], dict) else {}
@@ -259,7 +250,7 @@ def write_identity(identity: dict[str, Any], run_dir: str, checkpoints: str | No
     """
     _write_json(run_dir, identity)
     if checkpoints and job:
-        found = _read_object(os.path.join(checkpoints, IDENTITY))
+        found = read_json(os.path.join(checkpoints, IDENTITY))
         jobs = found.get("jobs") if isinstance(found.get("jobs"), dict) else {}
         earlier = found.get("earlier", found if found and "jobs" not in found else None)  # an earlier zerorun's
         _write_json(checkpoints, {"jobs": {**jobs, job: identity}, **({"earlier": earlier} if earlier else {})})
