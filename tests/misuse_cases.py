@@ -85,16 +85,20 @@ def misuse(stage: int, kind: str, units: tuple = ()) -> dict:
     return {"errors": errors, "rel": worst}
 
 
-def second_engine(stage: int) -> dict:
-    """A stage-3 engine trains one step; then a second engine at ``stage`` is asked for over the same model
-    (whose parameters the first one holds partitioned): the error, the collectives issued before it, and
-    whether the first engine still trains."""
+def second_engine(stage: int, first_stage: int = 3, close: bool = False) -> dict:
+    """An engine at ``first_stage`` trains one step (and is closed, with ``close``); then a second engine at
+    ``stage`` is asked for over the same model, whose parameters the first one holds (partitioned, or with its
+    gradient hooks): the error, the collectives issued before it, and whether the first engine still trains."""
     torch.manual_seed(0)
     model = Net()
-    first = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2}, config=ZeroConfig(stage=3))
+    first = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2}, config=ZeroConfig(stage=first_stage))
     first.backward(first(_x(0, 0)))
     first.step()
+    if close:
+        first.close()
     error = _error(lambda: initialize(model, optimizer="AdamW", config=ZeroConfig(stage=stage)))
+    if close:
+        return {"error": error, "norm": 1.0}
     first.backward(first(_x(1, 0)))
     return {"error": error, "norm": float(first.step())}
 
@@ -320,3 +324,11 @@ def optimizer_habits(stage: int, kind: str) -> dict:
     except RuntimeError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+def meta_model(stage: int) -> tuple[str, int]:
+    """A model built under ``torch.device("meta")`` (not ``deferred_init``) given to ``initialize``: the error and
+    the collectives issued before it (before: an engine whose forward raised torch's "Tensor on device meta")."""
+    with torch.device("meta"):
+        model = Net()
+    return _error(lambda: initialize(model, optimizer="AdamW", config=ZeroConfig(stage=stage)))

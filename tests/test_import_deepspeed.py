@@ -312,3 +312,14 @@ def test_quantized_collectives_are_zero_quantize_switches(tmp_path, key, field, 
     assert _run(tmp_path, {"zero_optimization": {"stage": 3, key: False}})[2] == []
     with pytest.raises(ZerorunError, match=rf"zero_optimization\.{key}: expected true or false, got 'yes'$"):
         _run(tmp_path, {"zero_optimization": {"stage": 3, key: "yes"}})
+
+
+def test_steps_per_print_is_kept_when_train_steps_is_not_known(tmp_path):
+    """A review: with train.steps unknown (the 1000-step placeholder to fill in), steps_per_print 2000 became
+    log.every 1000, the placeholder's, not DeepSpeed's 2000; with total_num_steps known it is capped by it."""
+    data, _, _ = _run(tmp_path, {"steps_per_print": 2000, "train_micro_batch_size_per_gpu": 1})
+    assert data["log"]["every"] == 2000 and data["train"]["steps"] == 1000
+    Recipe.model_validate(data)  # every above steps is a recipe: a job logs its last step anyway
+    data, _, _ = _run(tmp_path, {"steps_per_print": 2000, "train_micro_batch_size_per_gpu": 1,
+                                 "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500}}})
+    assert data["log"]["every"] == 500 and data["train"]["steps"] == 500

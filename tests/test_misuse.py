@@ -23,13 +23,24 @@ def test_misuse_raises_before_any_collective_and_training_goes_on(ranks, stage, 
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_model_held_by_a_stage3_engine_is_refused_by_a_second_one(ranks, stage):
-    """Its parameters are partitioned into the first engine for as long as the model lives: a second engine
-    over it is one clear error on every rank, before any collective, and the first trains on."""
-    for rank, r in enumerate(ranks(2).run(cases.second_engine, stage=stage)):
+@pytest.mark.parametrize("first_stage,close", [(3, False), (1, False), (0, True)])
+def test_a_model_held_by_an_engine_is_refused_by_a_second_one(ranks, stage, first_stage, close):
+    """Its parameters are partitioned into the first engine (stage 3), or carry its gradient hooks (stages 0-2),
+    for as long as the model lives, closed or not: a second engine over it is one clear error on every rank,
+    before any collective, and the first trains on. (Stages 0-2: the second engine was accepted and its first
+    backward said "a gradient from a backward outside engine.backward", though the user called it.)"""
+    for rank, r in enumerate(ranks(2).run(cases.second_engine, stage=stage, first_stage=first_stage, close=close)):
         error, issued = r["error"]
-        assert error.startswith("this model is held by a stage 3 engine already (parameter ") and issued == 0, r
+        assert error.startswith(f"this model is held by a stage {first_stage} engine already (parameter ") and \
+            issued == 0, r
         assert "build a fresh model" in error and r["norm"] > 0, f"rank {rank}: {r}"
+
+
+def test_a_model_on_the_meta_device_outside_deferred_init_is_one_line(ranks):
+    for stage in range(4):
+        for rank, (error, issued) in enumerate(ranks(2).run(cases.meta_model, stage=stage)):
+            assert error.startswith("parameter 'a.weight' is on the meta device and has no values: build the model "
+                                    "with zerorun.zero.deferred_init(factory, ...)") and issued == 0, (stage, error)
 
 
 @pytest.mark.parametrize("stage,units", [(0, ()), (1, ()), (2, ()), (3, ()), (3, ("Linear",))])

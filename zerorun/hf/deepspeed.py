@@ -14,7 +14,7 @@ fp32 -> ``zero.reduce_dtype``; ``data_types.grad_accum_dtype`` -> ``zero.grad_ac
 (or derived from ``train_batch_size`` and the hostfile's slots) -> ``train.micro_batch_size``/``grad_accum_steps``;
 ``optimizer`` (Adam/AdamW/SGD/Adagrad and the params torch.optim's class also takes: :data:`CARRIED`) ->
 ``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR -> ``train.schedule`` (and
-``train.steps`` from ``total_num_steps``); ``steps_per_print`` -> ``log.every`` (at most ``train.steps``);
+``train.steps`` from ``total_num_steps``); ``steps_per_print`` -> ``log.every`` (at most a known ``train.steps``);
 the ``tensorboard``/``wandb``/``csv_monitor`` monitors -> ``log.trackers``. The HF Trainer's ``"auto"`` values
 are filled in first (Note [HF Trainer auto] in ``deepspeed_auto.py``). Every other field is listed as dropped,
 with the reason, in the recipe's header comment and on stderr, except a flag zerorun always follows set true
@@ -37,6 +37,7 @@ class _Import:
     def __init__(self, ds: dict, world_size: int | None, given: dict[str, Any]) -> None:
         self.ds, self.world, self.given = ds, world_size, given
         self.dropped: list[str] = []
+        self.steps_known = 0  # train.steps from --steps or the scheduler's total_num_steps (0: the placeholder)
         self.recipe: dict[str, Any] = {"name": "imported",
                                        "model": {"module": "path/to/model.py", "factory": "build_model"},
                                        "data": {"kind": "text", "paths": ["{stdlib}/**/*.py"], "seq_len": 128},
@@ -96,7 +97,7 @@ class _Import:
         self.scheduler(ds.pop("scheduler", None))
         train = self.recipe["train"]
         if self.given.get("steps"):
-            train["steps"] = self.given["steps"]
+            train["steps"] = self.steps_known = self.given["steps"]
         if self.given.get("lr"):  # the HF Trainer's optimizer is AdamW
             train.setdefault("optimizer", {"name": "AdamW"})["lr"] = self.given["lr"]
         if "gradient_clipping" in ds:
@@ -106,8 +107,8 @@ class _Import:
         log = monitors(ds, self.drop)  # Note [HF Trainer auto] in deepspeed_auto.py
         if "steps_per_print" in ds:
             every = self.num("steps_per_print", ds.pop("steps_per_print"), int)
-            if every:  # a step event at least at the last step
-                log["every"] = min(every, train["steps"])
+            if every:  # not above train.steps once known (not the 1000-step placeholder): its last step logs anyway
+                log["every"] = min(every, train["steps"]) if self.steps_known else every
         if log:
             self.recipe["log"] = log
         comm = ds.pop("communication_data_type", None)
@@ -317,7 +318,7 @@ class _Import:
         if "total_num_steps" in p:
             steps = self.num("scheduler.params.total_num_steps", p.pop("total_num_steps"), int)
             if steps:
-                train["steps"] = steps
+                train["steps"] = self.steps_known = steps
         if kind == "WarmupLR":
             schedule["decay"] = "constant"
         elif kind == "WarmupDecayLR":

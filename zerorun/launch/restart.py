@@ -267,7 +267,7 @@ def run_with_restarts(recipe, hosts: list[Host], run: Callable, *, max_restarts:
         if result.lost and result.host and min_nodes is not None:
             lost = {result.host: "its node was lost"}
         attempt += 1
-        point = resume_point(recipe, say, result.run_dir, initial) if recipe is not None else (0, None)
+        point = resume_point(recipe, say, result.run_dir, initial) if recipe is not None else (0, "")
         if point is None:  # the last step's checkpoint was saved before the failure: the job is done
             return dataclasses.replace(result, status="ok", exit_code=0, rank=None, host=None, message="", lost=False)
         _announce(result.run_dir, say, attempt, max_restarts, cause, step, point)
@@ -289,11 +289,12 @@ def _give_up(attempt: int, max_restarts: int, failures: list[tuple], say: Callab
 
 
 def _announce(run_dir, say, attempt, max_restarts, cause, step, point) -> None:
-    resume_step, path = point
-    where = f"checkpoint {path} (after step {resume_step})" if path else "step 0 (no checkpoint yet)"
-    say(f"zerorun: restart {attempt} of {max_restarts} after {cause} (last step reported: {step}); resuming from {where}")
+    resume_step, path = point  # path "": a user's script, which resumes from checkpoints of its own
+    where = f"resuming from checkpoint {path} (after step {resume_step})" if path else \
+        "resuming from step 0 (no checkpoint yet)" if path is None else "the script started again, as it is"
+    say(f"zerorun: restart {attempt} of {max_restarts} after {cause} (last step reported: {step}); {where}")
     try:
         record(run_dir, attempt=attempt, max_restarts=max_restarts, cause=cause, failed_step=step,
-               resume_step=resume_step, checkpoint=path)
+               resume_step=resume_step if path != "" else None, checkpoint=path or None)  # a script's: unknown
     except OSError as e:
         sys.stderr.write(f"zerorun: warning: cannot record the restart in {run_dir}: {e.strerror}\n")

@@ -52,8 +52,8 @@ def latest_try(events: list[Event]) -> dict[int, list[Event]]:
     seen replaces that step and the ones after (a ``--resume`` into the same run folder)."""
     out: dict[int, list[Event]] = {}
     for e in events:
-        if e.kind == "restart":
-            resume = integer(e.data, "resume_step") or 0
+        if e.kind == "restart" and integer(e.data, "resume_step") is not None:  # None: a script's, unknown
+            resume = integer(e.data, "resume_step")
             for mine in out.values():
                 while mine and mine[-1].data["step"] > resume:
                     mine.pop()

@@ -155,8 +155,8 @@ class JobState:
             v, step = number(d, "val_loss"), integer(d, "step")
             if v is not None and step is not None:  # a --resume into this run folder replaces later evaluations
                 self.evals = [(s, x) for s, x in self.evals if s < step] + [(step, v)]
-        elif e.kind == "restart":
-            self._restart(integer(d, "resume_step") or 0, e.time)
+        elif e.kind == "restart" and integer(d, "resume_step") is not None:  # None: a script's, unknown
+            self._restart(integer(d, "resume_step"), e.time)
         elif e.kind == "checkpoint":
             self.checkpoints.append({"rank": e.rank, **d})
         elif e.kind == "finish":

@@ -5,6 +5,7 @@ engine.py never imports stage3.py (which imports engine.py): zero/ has no import
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -15,6 +16,18 @@ from zerorun.zero.config import ZeroConfig
 from zerorun.zero.engine import ZeroEngine
 from zerorun.zero.precision import refuse_complex
 from zerorun.zero.stage3 import Stage3Engine
+
+#: id of each parameter an engine at stages 0-2 holds (its gradient hooks stay on it for as long as it lives) ->
+#: the engine's stage; an entry goes with its parameter (a deep copy of the model is not held). By id: a tensor's
+#: ``==`` is elementwise, so a WeakKeyDictionary's lookups raise.
+_HELD: dict[int, int] = {}
+
+
+def _hold(model: nn.Module, stage: int) -> None:
+    for p in model.parameters():
+        if id(p) not in _HELD:
+            _HELD[id(p)] = stage
+            weakref.finalize(p, _HELD.pop, id(p), None)
 
 
 def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_kwargs: dict[str, Any] | None = None,
@@ -38,8 +51,10 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
 
     Raises:
         ValueError: ``model`` is not an ``nn.Module``; unsupported stage, unknown or non-elementwise optimizer,
-            malformed ``param_groups``; a model a stage-3 engine already holds (its parameters are partitioned
-            into that engine); at stage 3, a model or unit compiled in place (``nn.Module.compile``); a complex
+            malformed ``param_groups``; a model an engine already holds (its parameters partitioned into a
+            stage-3 engine, or carrying the gradient hooks of one at stages 0-2, closed or not); at stage 3, a
+            model or unit compiled in place (``nn.Module.compile``); a parameter on the meta device outside
+            ``deferred_init``; a complex
             parameter (named; Note [Wide parameters] in ``precision.py``). All before any collective.
         RuntimeError: ``torch.distributed`` is not initialized.
     """
@@ -52,12 +67,19 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
 
     model, compiler = compiling.unwrap(model)  # Note [Compiling per unit]
     refuse_complex(model)  # Note [Wide parameters] in precision.py
-    held = next((name for name, p in model.named_parameters() if held_by_stage3(p)), None)
+    held = next(((name, 3 if held_by_stage3(p) else _HELD[id(p)]) for name, p in model.named_parameters()
+                 if held_by_stage3(p) or id(p) in _HELD), None)
     if held is not None:
-        raise ValueError(f"this model is held by a stage 3 engine already (parameter {held!r} is partitioned into "
-                         "it, and stays so while the model lives): build a fresh model for a new engine, or keep "
-                         "training with the first one (its full_state_dict() has the whole parameters)")
+        how = "is partitioned into it" if held[1] == 3 else "carries its gradient hooks"
+        raise ValueError(f"this model is held by a stage {held[1]} engine already (parameter {held[0]!r} {how}, "
+                         "and stays so while the model lives, closed or not): build a fresh model for a new engine, "
+                         "or keep training with the first one (its full_state_dict() has the whole parameters)")
 
+    meta = None if is_deferred(model) else next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"parameter {meta!r} is on the meta device and has no values: build the model with "
+                         "zerorun.zero.deferred_init(factory, ...) (its construction is recorded and replayed), or "
+                         "give it values first (model.to_empty(device=...) and your initialization)")
     config = config or ZeroConfig()
     kwargs = dict(optimizer=optimizer, optimizer_kwargs=optimizer_kwargs or {}, param_groups=param_groups,
                   config=config, process_group=process_group, elementwise=elementwise)
@@ -79,6 +101,7 @@ def initialize(model: nn.Module, *, optimizer: str | type = "AdamW", optimizer_k
             if name in metas and metas[name] is not p:
                 carry_hooks(metas[name], p, name)
     engine = ZeroEngine(model, **kwargs)
+    _hold(model, config.stage)
     if compiler is not None:
         compiling.compile_whole(model, compiler)
     return engine
