@@ -1,4 +1,4 @@
-"""Where a rank's one-line error says it was raised (worker.raised_at): the user's own line, not torch's or
+"""Where a rank's one-line error says it was raised (userload.raised_at): the user's own line, not torch's or
 zerorun's frame below it (a new user's stage-3 run placed a dtype error of their forward in zerorun's parameter
 guard, and at stage 2 in torch's Linear.forward)."""
 
@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 import zerorun.zero.build
-from zerorun.rank.worker import one_line_warning, raised_at
+from zerorun.rank.userload import raised_at
+from zerorun.rank.worker import one_line_warning
 from zerorun.zero.unit_plan import pick_units
 
 

@@ -4,7 +4,6 @@ micro-batches a rank trains on, resumable at a checkpoint's data position."""
 from __future__ import annotations
 
 import itertools
-import traceback
 from typing import Any, Callable, Iterator
 
 import torch
@@ -12,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import Dataset, default_collate
 
 from zerorun.recipe import DataSpec, expand_data_paths
-from zerorun.rank.userload import UserCodeError, call_factory, load_module
+from zerorun.rank.userload import UserCodeError, call_factory, load_module, raised_at
 
 
 class ByteWindows(Dataset):
@@ -136,18 +135,14 @@ def collate_of(spec: DataSpec, module: Any) -> Callable[[list], Any]:
         try:
             batch = fn(samples)
         except Exception as e:  # noqa: BLE001 - the user's function: one line naming it, its file and line
-            raise UserCodeError(f"{where} raised {type(e).__name__}: {e}{_at(e)}") from None
+            frame = raised_at(e)  # the user's line, not torch's below it (a torch.stack in the function)
+            at = f" (at {frame.filename}:{frame.lineno} in {frame.name})" if frame else ""
+            raise UserCodeError(f"{where} raised {type(e).__name__}: {e}{at}") from None
         if not any(isinstance(x, torch.Tensor) for x in tree_leaves(batch)):
             raise UserCodeError(f"{where} returned {type(batch).__name__}, not a batch holding tensors")
         return batch
 
     return collate
-
-
-def _at(e: BaseException) -> str:
-    """`` (at FILE:LINE)`` of the innermost frame of ``e``'s traceback, '' without one."""
-    frames = traceback.extract_tb(e.__traceback__)
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def stacked(samples: list) -> Any:

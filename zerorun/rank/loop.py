@@ -304,11 +304,10 @@ class TrainingRun:
         return batch
 
     def _tokens_in(self, batch) -> int:
-        x = batch if isinstance(batch, torch.Tensor) else None
-        if isinstance(batch, (dict, list, tuple)):  # input_ids, else the first tensor (a list: (inputs, labels))
-            values = list(batch.values()) if isinstance(batch, dict) else list(batch)
-            x = batch.get("input_ids") if isinstance(batch, dict) else None
-            x = x if x is not None else next((v for v in values if isinstance(v, torch.Tensor)), None)
+        x = batch.get("input_ids") if isinstance(batch, dict) else batch if isinstance(batch, torch.Tensor) else None
+        if x is None and isinstance(batch, (dict, list, tuple)):  # the first tensor (a list: (inputs, labels))
+            x = next((v for v in (batch.values() if isinstance(batch, dict) else batch) if isinstance(v, torch.Tensor)),
+                     None)
         if x is None or x.dim() < 2:
             return 0
         return x.shape[0] * (x.shape[1] - 1 if self.recipe.data.kind in ("text", "hf") else x.shape[1])

@@ -1,4 +1,5 @@
-"""Loading the user's model and data modules: a ``.py`` file path or a dotted module name, and a factory."""
+"""Loading the user's model and data modules (a ``.py`` file path or a dotted module name, and a factory), and
+where in the user's code an error was raised (:func:`raised_at`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import inspect
 import importlib.util
 import os
 import sys
+import traceback
 from typing import Any
 
 from zerorun.errors import ZerorunError
@@ -115,3 +117,29 @@ def extract_loss(output: Any, module: str):
         raise UserCodeError(f"{module}: forward's loss must be a scalar floating-point tensor, got shape "
                             f"{tuple(loss.shape)} {loss.dtype}")
     return loss
+
+
+def raised_at(e: BaseException) -> traceback.FrameSummary | None:
+    """Where the one-line error says ``e`` was raised: the deepest frame outside torch, zerorun and Python's own
+    library (the user's model or data code, or a library it calls, such as ``transformers``), else the deepest.
+    A torch error in the user's forward is otherwise placed in torch's ``Linear.forward``, or at stage 3 in
+    zerorun's parameter guard (``ZeroParameter.__torch_function__``), naming neither the user's file nor line."""
+    frames = traceback.extract_tb(e.__traceback__)
+    own = [f for f in frames if not below_the_user(f.filename)]
+    return own[-1] if own else frames[-1] if frames else None
+
+
+def below_the_user(path: str) -> bool:
+    """Whether ``path`` is torch's, zerorun's or Python's own library (site-packages, which may lie inside the
+    standard library's folder, is not: a library the user's code calls, such as ``transformers``)."""
+    import sysconfig
+
+    import zerorun
+
+    path = os.path.abspath(path)
+    packages = [sys.modules.get("torch"), zerorun]
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in packages if m is not None and m.__file__)
+    paths = sysconfig.get_paths()
+    installed = (os.path.join(paths["purelib"], ""), os.path.join(paths["platlib"], ""))
+    return path.startswith(skip) or (path.startswith(os.path.join(paths["stdlib"], ""))
+                                     and not path.startswith(installed))

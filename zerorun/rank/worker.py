@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import re
-import sys
 import traceback
 import warnings
 
@@ -19,6 +18,7 @@ from zerorun.errors import ZerorunError
 from zerorun.launch.exiting import exit_now
 from zerorun.recipe import Recipe
 from zerorun.rank.stopsignal import STOPPED_EXIT, Stopped
+from zerorun.rank.userload import below_the_user, raised_at
 from zerorun.telemetry import rankstream
 from zerorun.telemetry.events import emit
 
@@ -114,37 +114,11 @@ def report_failure(e: BaseException, rank: int) -> int:
     return 130 if isinstance(e, KeyboardInterrupt) else 1
 
 
-def raised_at(e: BaseException) -> traceback.FrameSummary | None:
-    """Where the one-line error says ``e`` was raised: the deepest frame outside torch, zerorun and Python's own
-    library (the user's model or data code, or a library it calls, such as ``transformers``), else the deepest.
-    A torch error in the user's forward is otherwise placed in torch's ``Linear.forward``, or at stage 3 in
-    zerorun's parameter guard (``ZeroParameter.__torch_function__``), naming neither the user's file nor line."""
-    frames = traceback.extract_tb(e.__traceback__)
-    own = [f for f in frames if not _below_the_user(f.filename)]
-    return own[-1] if own else frames[-1] if frames else None
-
-
-def _below_the_user(path: str) -> bool:
-    """Whether ``path`` is torch's, zerorun's or Python's own library (site-packages, which may lie inside the
-    standard library's folder, is not: a library the user's code calls, such as ``transformers``)."""
-    import sysconfig
-
-    import zerorun
-
-    path = os.path.abspath(path)
-    packages = [sys.modules.get("torch"), zerorun]
-    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in packages if m is not None and m.__file__)
-    paths = sysconfig.get_paths()
-    installed = (os.path.join(paths["purelib"], ""), os.path.join(paths["platlib"], ""))
-    return path.startswith(skip) or (path.startswith(os.path.join(paths["stdlib"], ""))
-                                     and not path.startswith(installed))
-
-
 def one_line_warning(message, category, filename: str, lineno: int, line: str | None = None) -> str:
     """A rank's warning as one line (``warnings.formatwarning``): ``Category: message``, with `` (at file:line)``
     where that is the user's code; Python's own form adds the source line, and for zerorun's warnings, raised on
     behalf of a torch operation, a place in torch (``torch/overrides.py``) that names nothing of the user's."""
-    where = "" if _below_the_user(filename) else f" (at {filename}:{lineno})"
+    where = "" if below_the_user(filename) else f" (at {filename}:{lineno})"
     return f"{category.__name__}: {message}{where}\n"
 
 
