@@ -114,5 +114,11 @@ def test_a_restarted_jobs_steps_and_evaluations_are_its_last_tries(tmp_path):
     assert [e.data["step"] for e in series[1]] == [20, 40]
     state, _ = load_run(write_run(tmp_path, events))
     assert state.evals == [(40, 1.5), (60, 2.0)] and state.best_val == 1.5
+    script = events + [Event("restart", 0, T0 + 50, {"attempt": 2, "max_restarts": 2, "cause": "x",
+                                                     "failed_step": 80, "resume_step": None})]
+    # a user's script resumes from checkpoints of its own: its restart names no step and drops nothing (before:
+    # taken as step 0, every step and evaluation of the first tries went)
+    assert [e.data["step"] for e in latest_try(script)[0]] == [20, 40, 41, 60, 80]
+    assert load_run(write_run(tmp_path, script))[0].evals == [(40, 1.5), (60, 2.0)]
     again = events + [step_event(0, 60, wait=0.7)]  # a --resume into the same folder: no restart event
     assert [e.data["comm_wait_s"] for e in latest_try(again)[0]][-1] == 0.7 * 20
