@@ -212,6 +212,8 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 MailProg=/bin/true
 KillWait={kill_wait}
+# a step's processes slow to end on a loaded machine must not drain the node ("Kill task failed", 60 s default)
+UnkillableStepTimeout=300
 MinJobAge=300
 InactiveLimit=0
 SlurmctldTimeout=30

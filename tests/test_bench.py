@@ -65,6 +65,18 @@ def test_bytes_to_other_nodes_per_step_beside_bytes_sent_and_null_where_not_obse
     assert "| 0.00 | - | " in table.splitlines()[2] and "| 0.00 | 0.00 | " in table.splitlines()[3], table
 
 
+def test_markdown_says_not_run_for_combinations_an_interrupted_bench_did_not_reach():
+    """Found by review: after a Ctrl-C, bench.md listed the combinations never run as "failed:" with no reason,
+    where bench.json, bench.csv and the terminal said pending."""
+    from zerorun.bench.output import markdown_table
+
+    rows = [Row(Combination("a", "zero", 1), status="failed", reason="stage 1 refused the recipe (logs: x)"),
+            Row(Combination("a", "zero", 3))]
+    lines = markdown_table(rows, []).splitlines()
+    assert lines[2].startswith("| a | | stage 1 | failed: stage 1 refused the recipe |"), lines
+    assert lines[3].startswith("| a | | stage 3 | not run (pending) |"), lines
+
+
 def test_percentile_nearest_rank():
     assert percentile([5, 1, 4, 2, 3], 0.9) == 5
     assert percentile(list(range(1, 11)), 0.9) == 9
@@ -124,6 +136,19 @@ def test_zero_variants_are_rows_of_stage_3():
         parse_zero_variants("hpz,qgx", [3])
     with pytest.raises(ZerorunError, match=r"--zero-variants hpz: variants of stage 3; --stages has no 3"):
         parse_zero_variants("hpz", [0, 2])
+
+
+def test_an_ssh_file_that_is_no_regular_file_is_said_so(tmp_path):
+    """Found by review: ``--ssh-config /dev/null`` (or a folder) was "no such file", though it exists."""
+    from zerorun import launch
+    from zerorun.errors import ZerorunError
+
+    for flag, args, path in (("--ssh-config", (None, None, None, "/dev/null"), "/dev/null"),
+                             ("--ssh-key", (None, None, str(tmp_path), None), str(tmp_path)),
+                             ("--ssh-key", (None, None, str(tmp_path / "none"), None), str(tmp_path / "none"))):
+        with pytest.raises(ZerorunError) as e:
+            launch.ssh_options(*args)
+        assert str(e.value) == f"{flag} {path}: " + ("no such file" if path.endswith("none") else "not a regular file")
 
 
 def test_bench_passes_its_ssh_options_to_every_job(tmp_path, monkeypatch):

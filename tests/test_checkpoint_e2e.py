@@ -110,6 +110,8 @@ def test_kill_during_save_then_resume_exactly_and_at_another_stage(tmp_path):
     resumed, other, out = resumed(), other(), out()
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from " + str(tmp_path / "killed" / "ckpt" / "step-00000003") in resumed.stdout
+    assert (f"zerorun: 1 unfinished save in {tmp_path / 'killed' / 'ckpt'} ignored: resuming from the latest complete "
+            "checkpoint, step-00000003\n") in resumed.stdout, resumed.stdout
     after = {s: v for s, v in losses(tmp_path / "killed" / "runs").items() if s > 3}
     assert sorted(after) == [4, 5, 6, 7, 8]
     assert max(rel(after[s], reference[s]) for s in after) <= 1e-6, (after, reference)
@@ -118,7 +120,8 @@ def test_kill_during_save_then_resume_exactly_and_at_another_stage(tmp_path):
     after = losses(tmp_path / "stage1" / "runs")
     assert sorted(after) == [7, 8] and max(rel(after[s], reference[s]) for s in after) <= 1e-5
 
-    assert out.returncode == 0 and "wrote " in out.stdout, out.stderr
+    assert out.returncode == 0 and re.search(rf"wrote \d+ tensors \(.*\) of {tmp_path / 'full' / 'ckpt'}/step-\d{{8}} "
+                                             rf"to {tmp_path / 'model.safetensors'}$", out.stdout), out.stdout
     spec = importlib.util.spec_from_file_location("gpt_for_test", os.path.join(ROOT, "recipes/models/gpt.py"))
     gpt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpt)

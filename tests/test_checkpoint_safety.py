@@ -45,6 +45,16 @@ def _rewrite(path: str, edit) -> None:
                      for n in sorted(os.listdir(path)) if n not in (checkpoint.META, checkpoint.MARKER)}
     with open(os.path.join(path, checkpoint.META), "w") as f:
         json.dump(info, f)
+    _reseal(path)
+
+
+def _reseal(path: str) -> None:
+    """The ``COMPLETE`` marker's SHA-256 of zerorun.json made that of the file as it is now (an attacker's edit)."""
+    marker = os.path.join(path, checkpoint.MARKER)
+    sealed = json.loads(open(marker).read())
+    sealed["sha256"] = hashlib.sha256(open(os.path.join(path, checkpoint.META), "rb").read()).hexdigest()
+    with open(marker, "w") as f:
+        json.dump(sealed, f)
 
 
 class _Payload:
@@ -232,9 +242,45 @@ def test_layout_that_disagrees_with_the_saved_tensors_is_one_line(saved2, tmp_pa
     info["layout"]["params"][0]["shape"] = shape
     with open(os.path.join(path, checkpoint.META), "w") as f:
         json.dump(info, f)
+    _reseal(path)
     with pytest.raises(ZerorunError, match=r"zerorun\.json: " + expected) as e:
         checkpoint.consolidate(path, str(tmp_path / "m.safetensors"))
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "m.safetensors")
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("data.batch", -5, "data.batch: -5"),
+    ("data.epoch", "1", "data.epoch: '1'"),
+    ("data.micro_batch_size", 0, "data.micro_batch_size: 0"),
+    ("data", None, "data: None"),
+    ("scheduler.last_epoch", "abc", "scheduler.last_epoch: 'abc'"),
+    ("scheduler.base_lrs", ["x"], "scheduler.base_lrs: \\['x'\\]"),
+    ("scheduler", [], "scheduler: \\[\\]"),
+    ("skipped_steps", 1.5, "skipped_steps: 1.5"),
+    ("loss_scaler", 3, "loss_scaler: 3"),
+    ("world_size+data.world_size", 7, "world_size: 7 with 2 data files"),
+    ("data.world_size", 3, "data.world_size: 3 with world_size 2"),
+    ("world_size", 0, "world_size: 0"),
+])
+def test_hand_edited_fields_are_one_line_before_any_rank_reads_them(saved2, tmp_path, field, value, expected):
+    """Found by review: zerorun.json's data position, scheduler state and world size, edited (and the marker's
+    SHA-256 of it made to match), reached the ranks: a traceback inside a rank's data loader or scheduler after
+    "resumed from", or a silently different data position."""
+    path = str(tmp_path / "step-00000001")
+    shutil.copytree(saved2, path)
+    info = json.loads(open(os.path.join(path, checkpoint.META)).read())
+    for name in field.split("+"):
+        *outer, last = name.split(".")
+        holder = info
+        for key in outer:
+            holder = holder[key]
+        holder[last] = value
+    with open(os.path.join(path, checkpoint.META), "w") as f:
+        json.dump(info, f)
+    _reseal(path)
+    with pytest.raises(ZerorunError, match=rf"^{re.escape(os.path.join(path, checkpoint.META))}: {expected} is not "
+                                           r"what a save writes: edited by hand\? refusing the checkpoint$"):
+        checkpoint.check(path)
 
 
 def _files_entry(path: str, name: str, target: str) -> None:
@@ -245,6 +291,7 @@ def _files_entry(path: str, name: str, target: str) -> None:
     info["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     with open(os.path.join(path, checkpoint.META), "w") as f:
         json.dump(info, f)
+    _reseal(path)
 
 
 @pytest.mark.parametrize("name", ["ABS", "../outside", "../../../../../../../../..ABS", "sub/inside", "..", "."])

@@ -3,11 +3,15 @@ the first line says and the layout of the printed table (the formulas and the en
 tests/test_estimate.py)."""
 
 import json
+import os
 
 import pytest
 import torch
 
 from zerorun import estimate as est
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TINY, _LOCAL2 = os.path.join(_ROOT, "recipes", "tiny.yaml"), os.path.join(_ROOT, "hostfiles", "localhost-2")
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -41,6 +45,10 @@ from zerorun import estimate as est
      "zerorun: error: --procs-per-node 100000000: more than 4,096 ranks per node\n"),
     (["--params", "7B", "--nodes", "100000", "--procs-per-node", "11"],
      "zerorun: error: --nodes 100000 x --procs-per-node 11: 1,100,000 ranks, more than 1,000,000\n"),
+    # a layout the hostfile cannot launch (zerorun train refuses it) was planned (found by review)
+    ([_TINY, "-H", _LOCAL2, "--procs-per-node", "3"],
+     "zerorun: error: --procs-per-node 3: host localhost has only 2 slot(s)\n"),
+    ([_TINY, "-H", _LOCAL2, "--nodes", "3"], "zerorun: error: --nodes 3: only 1 host(s) selected\n"),
 ])
 def test_bad_flags_are_one_line_exit_2(capsys, monkeypatch, args, expected):
     from zerorun import cli
@@ -242,3 +250,26 @@ def test_memory_from_the_flags_or_this_machine_said_on_the_first_line(capsys, mo
         assert out["device_memory"] == 16 * 2**30 and out["memory_source"] == "--host-memory and this machine (localhost)"
     out = run_cli(capsys, monkeypatch, "--params", "1B")
     assert out.splitlines()[0].startswith("Memory from this machine (localhost): "), out
+
+
+@pytest.mark.parametrize("body,code,expected", [
+    ("import sys; sys.exit(3)", 2, "models.py: build_model(**{}) raised SystemExit: 3 (a factory that parses the "
+                                   "command line or exits cannot build the model here)\n"),
+    ("import argparse; argparse.ArgumentParser().parse_args()", 2,
+     "models.py: build_model(**{}) raised SystemExit: 2 (a factory that parses"),
+    ("raise KeyboardInterrupt", 130, "interrupted\n"),
+])
+def test_a_factory_that_exits_is_one_line(capsys, monkeypatch, tmp_path, body, code, expected):
+    """Found by review: a factory calling sys.exit (or argparse's parse_args) made estimate exit with its code and
+    no line, and a Ctrl-C inside it exited 130 silently; zerorun train said one line for both."""
+    from zerorun import cli
+
+    (tmp_path / "models.py").write_text(f"def build_model():\n    {body}\n")
+    (tmp_path / "r.yaml").write_text("name: x\nmodel: {module: models.py, factory: build_model}\n"
+                                     "data: {kind: text, paths: ['{stdlib}/json/*.py'], seq_len: 8}\n"
+                                     "train: {steps: 2, micro_batch_size: 2}\n")
+    monkeypatch.setattr("sys.argv", ["zerorun", "estimate", str(tmp_path / "r.yaml")])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr().err.splitlines(keepends=True)[-1]
+    assert e.value.code == code and err.startswith("zerorun: error: ") and expected in err, err

@@ -14,7 +14,7 @@ import torch
 from test_train_e2e import TINY, zerorun
 from zerorun.errors import ZerorunError
 from zerorun.recipe import ScheduleSpec, load_recipe
-from zerorun.checkpoint.resume import LATEST, prepare_resume
+from zerorun.checkpoint.resume import LATEST, check_save_folder, prepare_resume
 from zerorun.rank.schedule import continue_schedule, lr_multiplier
 
 
@@ -232,3 +232,53 @@ def test_a_changed_global_batch_is_said_on_resume(tmp_path, monkeypatch, world, 
     assert line == (None if expected is None else f"zerorun: resuming with a global batch of {expected}, the "
                     "checkpoint's was 8 samples (2 ranks x 1 accumulation steps x 4 samples per micro-batch): the "
                     "loss curve changes")
+
+
+def _complete(root, step: int, saved_at: float) -> str:
+    """A complete checkpoint folder as far as ``list_complete`` reads it (its ``COMPLETE`` marker)."""
+    from zerorun.checkpoint import files
+
+    path = root / f"step-{step:08d}"
+    path.mkdir(parents=True)
+    (path / files.MARKER).write_text(json.dumps({"saved_at": saved_at}))
+    return str(path)
+
+
+def test_a_job_never_saves_beside_checkpoints_it_does_not_continue(tmp_path):
+    """Note [One job's checkpoints per folder] (found by review: a second run of the same command line without
+    --resume replaced the first run's step 10 and pruned its steps 20 and 30, without a word)."""
+    default = tmp_path / "tiny" / "checkpoints"
+    _complete(default, 20, 1.0)
+    _complete(default, 30, 2.0)
+    (default / ".step-00000040.abc.tmp").mkdir()
+    fresh = [f"log.dir={tmp_path}", "checkpoint.every=10"]
+    with pytest.raises(ZerorunError) as e:
+        prepare_resume(load_recipe(TINY, fresh), None)
+    assert str(e.value) == (
+        f"checkpoint.dir {default} holds 2 checkpoints of an earlier job (step-00000030 the latest): a new job would "
+        "save beside them, replacing and pruning them (checkpoint.keep 2). Continue that job with --resume, give this "
+        f"one a folder of its own (checkpoint.dir={default}-2), or remove them first")
+    assert e.value.exit_code == 2
+    other = tmp_path / "elsewhere"
+    elsewhere = _complete(other, 10, 3.0)
+    r = load_recipe(TINY, fresh)
+    r.checkpoint.resume = elsewhere  # as prepare_resume sets it for --resume PATH (whose checks need a real one)
+    with pytest.raises(ZerorunError, match=rf"^checkpoint.dir {default} holds 2 checkpoints of an earlier job "
+                                           rf"\(step-00000030 the latest\): this job resumes from {elsewhere} and "
+                                           "would save beside them, replacing"):
+        check_save_folder(r)
+    # what may go on: continuing the folder's job, from its latest or an older step of it; a job that saves
+    # nothing; a folder of its own, holding no checkpoint or only unfinished saves
+    for resume in (str(default / "step-00000030"), str(default / "step-00000020")):
+        r = load_recipe(TINY, fresh)
+        r.checkpoint.resume = resume
+        check_save_folder(r)
+    assert prepare_resume(load_recipe(TINY, [f"log.dir={tmp_path}"]), None)
+    (tmp_path / "unfinished" / "step-00000050").mkdir(parents=True)  # no marker: not complete
+    for folder, resume in ((tmp_path / "new", None), (tmp_path / "new", elsewhere), (other, elsewhere),
+                           (tmp_path / "unfinished", None)):
+        r = load_recipe(TINY, [*fresh, f"checkpoint.dir={folder}"])
+        r.checkpoint.resume = resume
+        check_save_folder(r)
+    r = load_recipe(TINY, [*fresh, f"checkpoint.dir={tmp_path / 'unfinished'}"])
+    assert prepare_resume(r, LATEST) and r.checkpoint.resume is None  # none to continue: step 0, saving there

@@ -146,9 +146,10 @@ def markdown_table(rows: list[Row], baselines: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         host = os.path.basename(r.combo.hostfile) if r.combo.hostfile else "localhost"
-        if not r.metrics:
+        if not r.metrics:  # a combination not run (the bench interrupted) is no failure
             reason = (r.reason or "").split(" (logs: ")[0]
-            lines.append(f"| {host} | | {r.combo.label} | failed: {reason} |" + " |" * (len(head) - 4))
+            said = f"failed: {reason}" if r.status == "failed" else f"not run ({r.status})"
+            lines.append(f"| {host} | | {r.combo.label} | {said} |" + " |" * (len(head) - 4))
             continue
         v = r.value
         cells = [host, str(int(v("world_size"))), r.combo.label, f"{v('step_time_s') * 1e3:.0f}",

@@ -101,7 +101,8 @@ def progress_line(row: Row, done: int, total: int) -> str:
     if row.status != "ok" or not row.metrics:
         return f"{head}: failed: {row.reason}"
     v = row.value
-    return (f"{head}: ok, {int(v('world_size'))} ranks, {v('step_time_s') * 1e3:.0f} ms/step (median), "
+    world = int(v("world_size"))
+    return (f"{head}: ok, {world} rank{'s' * (world != 1)}, {v('step_time_s') * 1e3:.0f} ms/step (median), "
             f"{v('samples_per_s'):.1f} samples/s, peak RSS {human_bytes(v('peak_rss_bytes'))}/rank")
 
 

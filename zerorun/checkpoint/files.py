@@ -60,7 +60,22 @@ def read_meta(path: str) -> dict[str, Any]:
         raise ZerorunError(f"{meta_path}: not a zerorun checkpoint of format {FORMAT}"
                            + (f" (missing key {missing[0]!r})" if missing else ""))
     _check_step(path, meta["step"], meta_path)
+    marker = _marker(path)
+    if isinstance(marker.get("sha256"), str) and marker["sha256"] != _sha256(meta_path):  # older ones hold none
+        raise ZerorunError(f"{meta_path}: changed since it was saved (its SHA-256 differs from the {MARKER} "
+                           "marker's): edited by hand? refusing the checkpoint")
     return meta
+
+
+def _marker(path: str) -> dict[str, Any]:
+    """The ``COMPLETE`` marker's content (``step``, ``saved_at``, ``sha256`` of ``zerorun.json``), ``{}`` when it
+    is unreadable (a marker is its existence first)."""
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
 
 
 def _not_complete(path: str) -> str:
@@ -90,11 +105,7 @@ def _check_step(path: str, step: Any, meta_path: str) -> None:
     m = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
     if m and int(m.group(1)) != step:
         others.append(f"the folder's name {m.group(0)}")
-    try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-            marked = json.load(f).get("step")
-    except (OSError, ValueError, AttributeError):
-        marked = None
+    marked = _marker(path).get("step")
     if isinstance(marked, int) and marked != step:
         others.append(f"its {MARKER} marker's step {marked}")
     if others:
@@ -159,9 +170,15 @@ def check(path: str) -> dict[str, Any]:
 
     metadata = SafeReader(path).check_files()  # first: it names the key a truncated file cuts, refuses bad pickles
     check_layout(meta, metadata, os.path.join(path, META))
-    files = meta.get("files") or {}
+    _check_fields(meta, os.path.join(path, META), len({i.relative_path for i in metadata.storage_data.values()}))
+    files = meta.get("files")
     if not isinstance(files, dict):
         raise ZerorunError(f"{os.path.join(path, META)}: files: expected a mapping of file names, got {files!r}")
+    # every file DCP reads is checked: one left out of the list would load unchecked (found by review)
+    for name in sorted({".metadata"} | {info.relative_path for info in metadata.storage_data.values()}):
+        if name not in files:
+            raise ZerorunError(f"{os.path.join(path, META)}: files: {name} is not listed (a checkpoint lists every "
+                               "file it was saved with, with its size and SHA-256): edited by hand? refusing it")
     for name, want in files.items():
         file = _confined(path, name, want)
         if not os.path.isfile(file):
@@ -170,6 +187,47 @@ def check(path: str) -> dict[str, Any]:
             raise ZerorunError(f"{file}: changed since it was saved (size or SHA-256 differs): corrupted or "
                                "truncated; resume from another checkpoint")
     return meta
+
+
+def _count(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _check_fields(meta: dict[str, Any], where: str, data_files: int) -> None:
+    """The fields of ``zerorun.json`` the ranks read besides the layout: ``world_size`` (at most ``data_files``,
+    DCP's data files: one per rank at least), ``data`` (Note [Exact resume] in saving.py), ``scheduler``'s counters
+    and rates, ``skipped_steps``, ``loss_scaler``: a hand edit is one line naming the field, not a rank's traceback.
+
+    Raises:
+        ZerorunError: naming ``where`` and the field.
+    """
+    data, sched = meta.get("data"), meta.get("scheduler")
+    counts = [("world_size", meta["world_size"], 1), ("skipped_steps", meta.get("skipped_steps", 0), 0)]
+    bad = [(f, repr(v)) for f, v, least in counts if not _count(v, least)]
+    if not bad and meta["world_size"] > data_files:  # each rank writes one at least (its RNG state)
+        bad.append(("world_size", f"{meta['world_size']} with {data_files} data file{'s' * (data_files != 1)}"))
+    if not isinstance(data, dict):
+        bad.append(("data", repr(data)))
+    else:
+        bad += [(f"data.{k}", repr(data.get(k))) for k in ("epoch", "batch") if not _count(data.get(k))]
+        if data.get("world_size") != meta["world_size"]:
+            bad.append(("data.world_size", f"{data.get('world_size')!r} with world_size {meta['world_size']!r}"))
+        if data.get("micro_batch_size") is not None and not _count(data["micro_batch_size"], 1):
+            bad.append(("data.micro_batch_size", repr(data["micro_batch_size"])))
+    if sched is not None and not isinstance(sched, dict):
+        bad.append(("scheduler", repr(sched)))
+    elif sched is not None:
+        bad += [(f"scheduler.{k}", repr(sched[k])) for k in ("last_epoch", "_step_count")
+                if k in sched and not _count(sched[k], -1)]
+        bad += [(f"scheduler.{k}", repr(sched[k])) for k in ("base_lrs", "_last_lr") if k in sched and not (
+            isinstance(sched[k], list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                               for x in sched[k]))]
+    if meta.get("loss_scaler") is not None and not isinstance(meta["loss_scaler"], dict):
+        bad.append(("loss_scaler", repr(meta["loss_scaler"])))
+    if bad:
+        field, value = bad[0]
+        raise ZerorunError(f"{where}: {field}: {value} is not what a save writes: edited by hand? refusing the "
+                           "checkpoint")
 
 
 def _confined(path: str, name: Any, want: Any) -> str:

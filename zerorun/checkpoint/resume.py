@@ -11,6 +11,14 @@ resumes next time. ``--resume PATH`` names a checkpoint, or a folder of them (it
 anything else is an error, as is a checkpoint that fails its checks (``checkpoint.check``). A checkpoint
 saved after ``train.steps`` or later leaves nothing to train: an error, not a job that does nothing. What a
 changed ``train.steps`` or ``train.schedule`` does to the LR: Note [LR schedule on resume] in ``rank/schedule.py``.
+
+Note [One job's checkpoints per folder]: a job prunes its folder to ``checkpoint.keep`` and replaces a ``step-N``
+of the same number, so a folder holds the checkpoints of one line of jobs, each resumed from the last. A job
+that would save into a folder holding complete checkpoints it does not continue (a new job without ``--resume``
+on the default folder of an earlier run of the recipe; a ``--resume PATH`` from another folder) is refused before
+it starts (:func:`check_save_folder`), naming the ways out: ``--resume``, a folder of its own, or removing them.
+Otherwise the earlier job's checkpoints, of later steps too, were replaced or pruned without a word (found by
+review). Hugging Face's example scripts refuse a non-empty ``output_dir`` in the same way.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
     """
     resume = resume if resume is not None else recipe.checkpoint.resume  # the recipe's own: checked as PATH
     if resume is None:
+        check_save_folder(recipe)
         return True
     say = say or (lambda line: print(line, file=sys.stdout, flush=True))
     from zerorun.checkpoint import files as checkpoint
@@ -79,7 +88,12 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
                 + (f" ({cut} unfinished save{'s' * (cut > 1)} ignored)" if cut else "")
                 + ": starting from step 0" + ("" if ckpt.every else "; it will be saved there at the end"))
             ckpt.resume = None
+            check_save_folder(recipe)
             return True
+        cut = _incomplete(ckpt.dir)
+        if cut:  # a save cut short: the line says which checkpoint is taken instead
+            say(f"zerorun: {cut} unfinished save{'s' * (cut > 1)} in {ckpt.dir} ignored: resuming from the latest "
+                f"complete checkpoint, {os.path.basename(path)}")
     else:
         path = checkpoint.resolve(resume)
     meta = checkpoint.check(path)
@@ -93,10 +107,34 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
     if step > steps:
         raise ZerorunError(f"--resume: {path} was saved after step {step} and train.steps is {steps}: nothing "
                            "left to train (raise train.steps to train on)")
+    check_save_folder(recipe)
     for line in (schedule_change(meta, recipe, step), optimizer_change(meta, recipe, path)):
         if line:
             say(line)
     return True
+
+
+def check_save_folder(recipe) -> None:
+    """Note [One job's checkpoints per folder]: the job may save into ``checkpoint.dir`` (none set: it saves
+    nothing): the folder holds no complete checkpoint, or the one ``checkpoint.resume`` names is among them.
+
+    Raises:
+        ZerorunError: the folder holds complete checkpoints this job does not continue, naming the latest.
+    """
+    from zerorun.checkpoint.files import list_complete
+
+    ckpt = recipe.checkpoint
+    found = list_complete(ckpt.dir) if ckpt.dir else []
+    if not found or (ckpt.resume and os.path.realpath(os.path.dirname(ckpt.resume)) == os.path.realpath(ckpt.dir)):
+        return
+    latest = os.path.basename(found[-1][2])
+    held = f"{len(found)} checkpoints of an earlier job ({latest} the latest)" if len(found) > 1 else \
+        f"a checkpoint of an earlier job ({latest})"
+    why = (f"this job resumes from {ckpt.resume} and would save beside them" if ckpt.resume else
+           "a new job would save beside them")
+    raise ZerorunError(f"checkpoint.dir {ckpt.dir} holds {held}: {why}, replacing and pruning them "
+                       f"(checkpoint.keep {ckpt.keep}). Continue that job with --resume, give this one a folder of "
+                       f"its own (checkpoint.dir={ckpt.dir}-2), or remove them first")
 
 
 def optimizer_change(meta: dict, recipe, path: str = "the checkpoint") -> str | None:

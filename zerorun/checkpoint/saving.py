@@ -373,7 +373,8 @@ def _publish(tmp: str, final: str, root: str, step: int, meta: Callable[[], dict
         os.rename(tmp, final)
         renamed = True
         _fsync(root)
-        _write_json(os.path.join(final, MARKER), {"step": step, "saved_at": time.time()})
+        _write_json(os.path.join(final, MARKER), {"step": step, "saved_at": time.time(),  # zerorun.json's too
+                                                  "sha256": _sha256(os.path.join(final, META))})
         _fsync(final)
     except BaseException as e:  # noqa: BLE001 - whatever it is, nothing half-written is left
         shutil.rmtree(final if renamed else tmp, ignore_errors=True)

@@ -43,6 +43,8 @@ def main() -> None:
         # prog_name: `python -m zerorun` too is `zerorun` in usage lines and in the shell completion it installs
         code = app(args=argv, prog_name="zerorun", standalone_mode=False, obj={"sbatch_args": sbatch_args})
         if isinstance(code, int) and code:  # typer.Exit(code): attach passes on the job's exit status
+            if code == 130:  # typer returns 130 for a KeyboardInterrupt (Ctrl-C), as a job stopped by it exits
+                _err("interrupted")
             sys.exit(code)
     except ZerorunError as e:
         _err(str(e))

@@ -120,16 +120,18 @@ def consolidate(
 ) -> None:
     """Write the model of a sharded checkpoint as one fp32 state dict (no training processes needed)."""
     from zerorun.checkpoint import consolidate as run
+    from zerorun.checkpoint import resolve
     from zerorun.telemetry.console import human_bytes
 
+    source = resolve(ckpt_dir)  # a folder of checkpoints: its latest, named in the line below
     if hf:
         from zerorun.hf.export import export_hf
 
-        count, nbytes = export_hf(ckpt_dir, out, max_shard_size=max_shard_size)
-        print(f"zerorun: wrote {count} weight file{'s' * (count != 1)} ({human_bytes(nbytes)}) to {out}")
+        count, nbytes = export_hf(source, out, max_shard_size=max_shard_size)
+        print(f"zerorun: wrote {count} weight file{'s' * (count != 1)} ({human_bytes(nbytes)}) of {source} to {out}")
         return
-    count, nbytes = run(ckpt_dir, out)
-    print(f"zerorun: wrote {count} tensors ({human_bytes(nbytes)}) to {out}")
+    count, nbytes = run(source, out)
+    print(f"zerorun: wrote {count} tensors ({human_bytes(nbytes)}) of {source} to {out}")
 
 
 def import_deepspeed(

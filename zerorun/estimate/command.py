@@ -30,10 +30,12 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
     """
     _check_sources(recipe, params, largest_layer)
     hosts = None
-    if hostfile:
-        from zerorun.recipe.hostfile import read_hostfile
+    if hostfile:  # the layout zerorun train could launch on it: no more nodes than hosts, ranks than slots
+        from zerorun.recipe.hostfile import read_hostfile, select_hosts
 
         hosts = read_hostfile(hostfile)
+        select_hosts(hosts, num_nodes=nodes, num_procs=procs_per_node, nodes_flag=f"--nodes {nodes}",
+                     procs_flag=f"--procs-per-node {procs_per_node}")
     if offload is not None and offload not in OFFLOADS:
         raise ZerorunError(f"--offload: {offload!r} is not one of {', '.join(OFFLOADS)}")
     r, layout, prec, offload = _model(recipe, overrides, params, largest_layer, precision, offload)

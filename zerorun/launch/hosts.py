@@ -83,5 +83,5 @@ def ssh_options(user: str | None = None, port: int | None = None, key: str | Non
 
     for flag, path in (("--ssh-key", key), ("--ssh-config", config)):
         if path is not None and not os.path.isfile(path):
-            raise ZerorunError(f"{flag} {path}: no such file")
+            raise ZerorunError(f"{flag} {path}: " + ("not a regular file" if os.path.exists(path) else "no such file"))
     return SshOptions(user=user, port=port, key=key, config=config)

@@ -109,14 +109,5 @@ def hierarchy_on_nodes(hierarchy: int | str | None, node_ranks: tuple[int, ...])
     return None if hierarchy is None else hierarchy_size(hierarchy, _on_nodes(node_ranks))
 
 
-def gradient_group_on_nodes(hierarchy: int | str | None, quantized: bool, node_ranks: tuple[int, ...]) -> int | None:
-    """:func:`gradient_group` on nodes of ``node_ranks`` ranks each (as :func:`hierarchy_on_nodes`).
-
-    Raises:
-        ValueError: as :func:`hierarchy_size`.
-    """
-    return gradient_group(hierarchy, quantized, _on_nodes(node_ranks))
-
-
 def _on_nodes(node_ranks: tuple[int, ...]) -> Topology:
     return Topology(tuple(i for i, k in enumerate(node_ranks) for _ in range(k)), 0)

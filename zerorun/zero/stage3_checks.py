@@ -157,7 +157,7 @@ def check_no_writes(unit, own: bool = True) -> None:
     so the step would train from other values than stage 0's. It is noticed by the parameters' version
     counters, read when the unit was gathered and again at the end of its forward (no collective), and at the end
     of the model's forward for every unit still gathered then (``own`` False: the root's forward, or another
-    unit's, wrote a unit that had run, kept or read as an external; found by review: lost without a word).
+    unit's, wrote a unit that had run, kept or read as an external).
 
     Raises:
         RuntimeError: naming the first parameter written and the ways out.

@@ -46,8 +46,7 @@ first call" does not.
   ``.data``, under ``no_grad``) returns an alias that a later op may save (``F.linear(x, head.weight.detach())``
   in a block): its backward reads it, and no gradient of the unit waits for it. Such a unit is kept gathered to
   the end of that backward and, a tail, not deferred (``read_unrecorded``, reported unreached in the agreement
-  before backward).
-  Before, it was freed once its own gradient was complete, and the alias read freed memory (a segfault).
+  before backward), else the alias would read freed memory.
 
 Evaluation (a forward with gradients off) gathers the scheduled units with the root.
 
@@ -62,9 +61,8 @@ saved-tensor hooks over the forward, the larger part of stage 3's Python on a mo
 root's all-gather and not freed at the first listed call. Every rank decides alike (the bytes are the same
 everywhere), and the same from the first step (``zerorun estimate`` counts them once:
 ``estimate.hierarchy.kept_units``). Between the forward and its backward they are guarded as at rest: user code
-reading or writing them there, outside a forward, is refused as where they are freed (before this window existed a
-read there was refused, and a write would now be lost when they are freed), until the backward or a new forward
-begins; ``gathered_parameters`` and ``full_state_dict`` there free them first (a read-only block would otherwise
+reading or writing them there, outside a forward, is refused as where they are freed (a write would be lost),
+until the backward or a new forward begins; ``gathered_parameters`` and ``full_state_dict`` there free them first (a read-only block would otherwise
 leave them unguarded). The units their forward reads (a root penalty on a block's weight: Note [External
 parameters]) are freed at the forward's end and gathered again when backward begins, as with the root. The
 optimizer step, a forward with gradients off and a checkpoint's load free them too. Larger ones (an LM head of

@@ -21,10 +21,9 @@ for a linear layer's input gradient) and run in a later backward, with no hook o
 unit read there was torch's "storage of size 0" error. So every unit such a pass gathers stays gathered (pinned by
 ``second_order``) until the end of the next ``engine.backward`` or the optimizer step: the memory of stage 2 for
 those units over that window, and the numbers of stage 0. A pass that raises midway never reaches its end: the next
-forward or ``engine.backward`` ends it first (before, the next ``engine.backward`` ran as such a pass, and the outer
-units' first step learned nothing from it). A pass run before that (the same ``torch.autograd.grad`` again, inside
+forward or ``engine.backward`` ends it first. A pass run before that (the same ``torch.autograd.grad`` again, inside
 the forward or after it) finds it begun: if it records a graph, it pins the root and the outer units the raising
-pass gathered at its start, as its own start would have (found by review: else the end freed them under its graph).
+pass gathered at its start, as its own start would have (else the end would free them under its graph).
 """
 
 from __future__ import annotations
@@ -361,10 +360,8 @@ class Schedule:
         passed in and used on some ranks only): its unit is ``open_ended``, on every rank where it is on one
         (agreed before backward: ``check_backward_units``), kept gathered to the end of backward (as FSDP2 reshards
         such a module at its final callback), with the units it reads, and its end not agreed (its buckets reduce
-        at the end of backward). Before, a unit called on the input and again later, freed once its
-        gradient looked complete (a bucket unused in the last step is complete from the start; a first call whose
-        output needs a gradient through another unit's parameter adds none), was gathered again for the first
-        call's backward on some ranks alone: a hang."""
+        at the end of backward): freed once its gradient looked complete (a bucket unused in the last step is
+        complete from the start), it would be gathered again for the first call's backward on some ranks alone."""
         unit.open_calls -= 1
         if unit.open_calls > 0:
             return

@@ -43,11 +43,6 @@ def topology(group: dist.ProcessGroup | None, control: dist.ProcessGroup | None)
     return Topology(tuple(order.index(k) for k in keys), dist.get_rank(group))
 
 
-def node_group(group: dist.ProcessGroup | None, topo: Topology) -> dist.ProcessGroup:
-    """The process group of the ranks of ``group`` on this rank's node (:func:`subgroup`)."""
-    return subgroup(group, topo.local_ranks)
-
-
 def subgroup(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.ProcessGroup:
     """The process group of ``ranks`` (ranks of ``group``, this one among them), with ``group``'s backend, made by
     those ranks only (``use_local_synchronization``) and once for the life of the process (engines in a sweep
