@@ -105,6 +105,26 @@ def test_summarize_repeats_scaling_and_baseline_ratios():
     assert rows[0].time_vs == {} and rows[4].metrics == {} and rows[4].scaling_efficiency is None
 
 
+def test_every_hostfile_of_the_smallest_world_size_is_weak_scaling_s_base():
+    """Found by review: of two hostfiles of 3 ranks, the second got a weak-scaling efficiency of 0.38 against the
+    first, though the smallest world size is 1.0 by definition; a larger one is against the first given."""
+    rows = [Row(Combination("a", "zero", 2), runs=[run(3, 0.2)]), Row(Combination("b", "zero", 2), runs=[run(3, 0.5)]),
+            Row(Combination("c", "zero", 2), runs=[run(6, 0.4)])]
+    summarize(rows)
+    assert [r.scaling_efficiency for r in rows] == [1.0, 1.0, pytest.approx(0.5)]
+
+
+def test_two_hostfiles_of_one_file_name_are_told_apart():
+    """Found by review: ``a/hosts`` and ``b/hosts`` both showed as ``hosts`` in the tables and progress lines."""
+    from zerorun.bench.output import markdown_table
+
+    rows = [Row(c, status="ok", runs=[run(2, 0.2)]) for c in combinations(["a/hosts", "b/hosts", "c/other"], [2], [])]
+    assert [r.combo.host_name for r in rows] == ["a/hosts", "b/hosts", "other"]
+    summarize(rows)
+    assert [line.split(" | ")[0] for line in markdown_table(rows, []).splitlines()[2:]] == ["| a/hosts", "| b/hosts",
+                                                                                           "| other"]
+
+
 def test_combinations_and_flags():
     combos = combinations(["a", "b"], [0, 2], ["ddp"])
     assert [(c.hostfile, c.label) for c in combos] == [("a", "ddp"), ("a", "stage 0"), ("a", "stage 2"),

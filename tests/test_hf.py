@@ -5,6 +5,7 @@ download; the HF offline flags are set)."""
 from __future__ import annotations
 
 import importlib.util
+import hashlib
 import json
 import shutil
 import os
@@ -418,6 +419,9 @@ def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir, monkeypat
     info["recipe"]["model"] = {"hf": {"config": config}, "kwargs": {"trust_remote_code": True}}
     info["recipe"]["data"]["tokenizer"], tok_pwned = _custom_code_tokenizer(hf_dir, tmp_path)
     (evil / "zerorun.json").write_text(json.dumps(info))
+    marker = json.loads((evil / "COMPLETE").read_text())  # the forger seals the edited zerorun.json too
+    marker["sha256"] = hashlib.sha256((evil / "zerorun.json").read_bytes()).hexdigest()
+    (evil / "COMPLETE").write_text(json.dumps(marker))
     monkeypatch.chdir(evil)
     monkeypatch.setattr(sys, "argv", ["zerorun", "consolidate", str(evil), "--out", str(tmp_path / "e"), "--hf"])
     main()

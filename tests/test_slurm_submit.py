@@ -133,6 +133,22 @@ def test_submit_errors_are_one_line(tmp_path):
     assert out.returncode == 2 and "expected an option" in out.stderr
 
 
+def test_a_job_that_would_save_beside_another_jobs_checkpoints_is_refused_at_submit(tmp_path):
+    """Note [One job's checkpoints per folder]: at submit, not after the queue wait (the job's own train would
+    refuse it too); with --resume (the latest) it continues them."""
+    from zerorun.slurm.submit import submit
+
+    step = tmp_path / "runs" / "tiny" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text('{"saved_at": 1.0}')
+    overrides = [f"log.dir={tmp_path / 'runs'}", "checkpoint.every=10"]
+    with pytest.raises(ZerorunError, match=r"holds a checkpoint of an earlier job \(step-00000010\): a new job "):
+        submit(TINY, overrides, SubmitOptions(nodes=1), dry_run=True, out=open(os.devnull, "w"))
+    assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == ["checkpoints"]  # no run folder made
+    assert submit(TINY, overrides, SubmitOptions(nodes=1, resume="latest"), dry_run=True,
+                  out=open(os.devnull, "w"))[0] is None
+
+
 def test_dry_run_writes_the_script_into_a_new_run_folder(tmp_path):
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no sbatch needed
     out = zerorun("submit", TINY, "zero.stage=1", f"log.dir={tmp_path}/runs", "--nodes", "2", "--dry-run", "--",

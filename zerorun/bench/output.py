@@ -87,7 +87,7 @@ def write_png(path: str, rows: list[Row]) -> None:
                     lo.append((m["median"] - m["min"]) / scale)
                     hi.append((m["max"] - m["median"]) / scale)
             world = next((int(r.value("world_size")) for r in measured if r.combo.hostfile == host), None)
-            name = f"{os.path.basename(host) if host else 'localhost'}" + \
+            name = next(r.combo.host_name for r in rows if r.combo.hostfile == host) + \
                 (f" ({world} rank{'s' * (world != 1)})" if world else "")
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name)
         ax.set_xticks(range(len(labels)), labels)
@@ -117,7 +117,7 @@ def render_table(rows: list[Row], baselines: list[str], repeat: int):
         return fmt(m["median"]) + (f" ({fmt(m['min'])}-{fmt(m['max'])})" if repeat > 1 else "")
 
     for r in rows:
-        host = os.path.basename(r.combo.hostfile) if r.combo.hostfile else "localhost"
+        host = r.combo.host_name
         if not r.metrics:
             status = {"pending": "[dim]pending[/]", "running": "[yellow]running[/]"}.get(r.status, "[red]failed[/]")
             table.add_row(Text(host), "", Text(r.combo.label), status)
@@ -145,7 +145,7 @@ def markdown_table(rows: list[Row], baselines: list[str]) -> str:
             *[f"time vs {b}" for b in baselines]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        host = os.path.basename(r.combo.hostfile) if r.combo.hostfile else "localhost"
+        host = r.combo.host_name
         if not r.metrics:  # a combination not run (the bench interrupted) is no failure
             reason = (r.reason or "").split(" (logs: ")[0]
             said = f"failed: {reason}" if r.status == "failed" else f"not run ({r.status})"

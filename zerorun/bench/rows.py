@@ -29,6 +29,12 @@ class Combination:
     stage: int | None = None
     nodes: int | None = None
     variant: str | None = None  # stage 3: a ZeRO++ variant of --zero-variants (ZERO_VARIANTS in args.py)
+    name: str | None = field(default=None, compare=False)  # the hostfile as tables say it (run.combinations)
+
+    @property
+    def host_name(self) -> str:
+        """The hostfile's file name in tables and progress lines (its path where two hostfiles share the name)."""
+        return self.name or (os.path.basename(self.hostfile) if self.hostfile else "localhost")
 
     @property
     def label(self) -> str:
@@ -169,7 +175,8 @@ def summarize(rows: list[Row]) -> None:
     step time relative to the baselines of the same hostfile.
 
     Weak scaling (per-rank micro-batch fixed): efficiency = (samples/s at N ranks / N) / (samples/s at N0 ranks
-    / N0), N0 the smallest world size among the successful rows of the same runtime and stage (1.0 there).
+    / N0), N0 the smallest world size among the successful rows of the same runtime and stage (1.0 there, on every
+    hostfile of N0 ranks; the larger ones against the first such hostfile given).
     ``time_vs[b]`` = median step time of the row / median step time of baseline ``b`` on the same hostfile
     (below 1: faster than the baseline).
     """
@@ -178,7 +185,8 @@ def summarize(rows: list[Row]) -> None:
     measured = [r for r in rows if r.metrics]
     for row in measured:
         same = [r for r in measured if r.combo.label == row.combo.label]
-        smallest = min(same, key=lambda r: r.value("world_size"))
+        smallest = min(same, key=lambda r: r.value("world_size"))  # the first hostfile given of that size
+        smallest = row if row.value("world_size") == smallest.value("world_size") else smallest
         per_rank = row.value("samples_per_s") / row.value("world_size")
         row.scaling_efficiency = per_rank / (smallest.value("samples_per_s") / smallest.value("world_size"))
         row.time_vs = {}

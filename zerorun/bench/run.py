@@ -62,9 +62,11 @@ def combinations(hostfiles: list[str | None], stages: list[int], baselines: list
     """Per hostfile, then per node count of ``nodes`` (in the order given): the baselines, then zerorun at each
     stage, stage 3 once per ZeRO++ variant of ``variants`` where given."""
     places = [(h, None) for h in hostfiles] + [(f"{n} node{'s' * (n != 1)}", n) for n in nodes]
+    base = [os.path.basename(h) for h in hostfiles if h]
+    named = {h: h if h and base.count(os.path.basename(h)) > 1 else None for h, _ in places}  # same file names
     return [c for h, n in places
-            for c in [*(Combination(h, b, nodes=n) for b in baselines),
-                      *(Combination(h, "zero", s, nodes=n, variant=v) for s in stages
+            for c in [*(Combination(h, b, nodes=n, name=named[h]) for b in baselines),
+                      *(Combination(h, "zero", s, nodes=n, variant=v, name=named[h]) for s in stages
                         for v in (variants if s == 3 and variants else [None]))]]
 
 
@@ -97,7 +99,7 @@ def progress_line(row: Row, done: int, total: int) -> str:
     ``...: failed: REASON``."""
     from zerorun.telemetry.console import human_bytes
 
-    head = f"zerorun: bench {done}/{total}: {row.combo.label} on {os.path.basename(row.combo.hostfile or 'localhost')}"
+    head = f"zerorun: bench {done}/{total}: {row.combo.label} on {row.combo.host_name}"
     if row.status != "ok" or not row.metrics:
         return f"{head}: failed: {row.reason}"
     v = row.value
@@ -222,7 +224,7 @@ class _Screen:
         from rich.markup import escape
 
         self.progress.update(self.task, description=escape(f"{row.combo.label} on "
-                             f"{os.path.basename(row.combo.hostfile or 'localhost')} ({k + 1}/{self.repeat})"))
+                             f"{row.combo.host_name} ({k + 1}/{self.repeat})"))
         self.refresh()
 
     def finished(self, row: Row) -> None:

@@ -277,6 +277,7 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
         ZerorunError (exit code 2): a bad recipe or override (one line each, as ``zerorun train``), no sbatch on
             PATH, sbatch refusing the job (its stderr in one line), a folder that cannot be written.
     """
+    from zerorun.checkpoint.resume import check_save_folder
     from zerorun.launch.run import new_run_dir
     from zerorun.recipe import load_recipe, masked_yaml
 
@@ -288,6 +289,10 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
     recipe = load_recipe(recipe_path, overrides, check_optimizer=False)
     if options.resume not in (None, "latest") and not os.path.exists(options.resume):
         raise ZerorunError(f"--resume {options.resume}: no such checkpoint")
+    if options.resume != "latest":  # refused now, not in the job (Note [One job's checkpoints per folder])
+        planned = recipe.model_copy(deep=True)
+        planned.checkpoint.resume = os.path.abspath(options.resume) if options.resume else planned.checkpoint.resume
+        check_save_folder(planned)
     sbatch = None if dry_run else shutil.which("sbatch")
     if not dry_run and sbatch is None:
         raise ZerorunError("sbatch: not found on PATH (zerorun submit needs SLURM's client commands; "
