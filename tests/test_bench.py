@@ -70,11 +70,28 @@ def test_markdown_says_not_run_for_combinations_an_interrupted_bench_did_not_rea
     where bench.json, bench.csv and the terminal said pending."""
     from zerorun.bench.output import markdown_table
 
+    import io
+
+    from zerorun.bench.run import _run_row, _Screen
+    from zerorun.errors import JobFailed
+
     rows = [Row(Combination("a", "zero", 1), status="failed", reason="stage 1 refused the recipe (logs: x)"),
-            Row(Combination("a", "zero", 3))]
+            Row(Combination("a", "zero", 2)), Row(Combination("a", "zero", 3))]
+
+    def stopped(row):
+        e = JobFailed("job: stopped by SIGINT: every rank was terminated")
+        e.exit_code = 130
+        raise e
+
+    # the combination running at the Ctrl-C is interrupted, not failed (found by review too)
+    screen = _Screen(io.StringIO(), rows, [], 1)
+    with screen.live_view():
+        assert _run_row(rows[1], screen, 1, stopped) is not None
+    assert rows[1].status == "interrupted"
     lines = markdown_table(rows, []).splitlines()
     assert lines[2].startswith("| a | | stage 1 | failed: stage 1 refused the recipe |"), lines
-    assert lines[3].startswith("| a | | stage 3 | not run (pending) |"), lines
+    assert lines[3].startswith("| a | | stage 2 | interrupted |"), lines
+    assert lines[4].startswith("| a | | stage 3 | not run (pending) |"), lines
 
 
 def test_percentile_nearest_rank():

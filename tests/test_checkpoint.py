@@ -356,6 +356,15 @@ def test_library_save_and_load_take_optional_arguments_and_refuse_bad_ones(ranks
                                                 "number > 0 or None, got 0")
     meta = checkpoint.read_meta(str(root / "step-00000001"))
     assert meta["scheduler"] is None and meta["recipe"] is None and meta["data"]["micro_batch_size"] is None
+    # zerorun train refuses it before launching (found by review: the ranks refused it, with a script's hint)
+    from test_train_e2e import TINY
+    from zerorun.checkpoint.resume import prepare_resume
+    from zerorun.recipe import load_recipe
+
+    with pytest.raises(ZerorunError) as e:
+        prepare_resume(load_recipe(TINY, [f"log.dir={tmp_path}"]), str(root / "step-00000001"))
+    assert str(e.value) == (f"{root / 'step-00000001' / 'zerorun.json'}: saved without an LR scheduler (by a script "
+                            "of your own?): zerorun train resumes checkpoints saved with one")
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002"]  # keep=0 (the default) keeps every one
 
 

@@ -81,6 +81,11 @@ def test_setup_line_of_a_hostfile_with_uneven_slots(capsys, monkeypatch, tmp_pat
     (tmp_path / "hosts").write_text("localhost slots=3\n127.0.0.1 slots=1\n")
     out = run_cli(capsys, monkeypatch, "recipes/tiny.yaml", "-H", str(tmp_path / "hosts"))
     assert "4 ranks (2 nodes, up to 3 per node)" in out, out
+    # the layout zerorun train launches on it (found by review: --nodes 2 planned 2 x 3 = 6 ranks)
+    out = run_cli(capsys, monkeypatch, "recipes/tiny.yaml", "-H", str(tmp_path / "hosts"), "--nodes", "2")
+    assert "4 ranks (2 nodes, up to 3 per node)" in out, out
+    out = run_cli(capsys, monkeypatch, "recipes/tiny.yaml", "-H", str(tmp_path / "hosts"), "--procs-per-node", "1")
+    assert "2 ranks (2 nodes x 1)" in out, out
 
 
 def test_recipe_with_hostfile_as_json(capsys, monkeypatch, tmp_path):
@@ -258,6 +263,7 @@ def test_memory_from_the_flags_or_this_machine_said_on_the_first_line(capsys, mo
     ("import argparse; argparse.ArgumentParser().parse_args()", 2,
      "models.py: build_model(**{}) raised SystemExit: 2 (a factory that parses"),
     ("raise KeyboardInterrupt", 130, "interrupted\n"),
+    ("raise GeneratorExit", 2, "models.py: build_model(**{}) raised GeneratorExit: \n"),
 ])
 def test_a_factory_that_exits_is_one_line(capsys, monkeypatch, tmp_path, body, code, expected):
     """Found by review: a factory calling sys.exit (or argparse's parse_args) made estimate exit with its code and

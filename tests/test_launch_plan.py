@@ -100,3 +100,23 @@ def test_the_dry_run_plans_what_the_job_runs(aliases, monkeypatch, tmp_path, nam
             assert option(cmd, name) == option(argv, name), name
     if names[0] == "zr-h2":
         assert prepared.plan.master_addr == "127.0.0.2"
+
+
+@pytest.mark.parametrize("facts,expected", [
+    # found by review: "version mismatch: torch None there, 2.13.0+cpu here" for a host without torch
+    ({"torch": None}, "torch is not installed for /opt/py"),
+    ({"zerorun": None, "torch": None}, "zerorun is not installed for /opt/py"),
+    ({"torch": "2.1.0"}, "version mismatch: torch 2.1.0 there, 2.13.0 here"),
+    ({"workdir": False}, "working directory missing: /work"),
+    ({"missing": ["m"]}, "module missing: m"),
+    ({}, None),
+])
+def test_what_the_preflight_probe_found_is_one_line(facts, expected):
+    from zerorun.launch.preflight import facts_problem
+
+    local = {"zerorun": "0.1.0", "torch": "2.13.0"}
+    found = {**local, "workdir": True, "missing": [], **facts}
+    assert facts_problem(found, local, "/opt/py", "/work") == expected
+    assert facts_problem(found, local, "/opt/py", "/work", port=29500) == (
+        expected or "master port 29500 is already in use there")  # the probe could not bind it (no "port")
+    assert facts_problem({**found, "port": 29500}, local, "/opt/py", "/work", port=29500) == expected

@@ -47,11 +47,13 @@ def rank_pid(job: str, rank: int, proc: subprocess.Popen) -> int:
     raise AssertionError(f"the job ended before rank {rank} started: {proc.stderr.read()}")
 
 
-def kill_after_first_checkpoint(tmp_path, name: str, proc: subprocess.Popen, rank: int, before_kill=None):
-    """Kill ``rank`` (SIGKILL) of the job ``proc`` as soon as its first checkpoint (step 3) is complete; returns
-    the job id."""
+def kill_after_first_checkpoint(tmp_path, name: str, proc: subprocess.Popen, rank: int, before_kill=None,
+                                agent: bool = False):
+    """Kill ``rank`` (SIGKILL; with ``agent``, its torchrun agent) of the job ``proc`` as soon as its first
+    checkpoint (step 3) is complete; returns the job id."""
     job = job_id(proc.stdout.readline())
     pid = rank_pid(job, rank, proc)
+    pid = psutil.Process(pid).ppid() if agent else pid
     # a checkpoint is the job's once the launcher has recorded its event (Note [Job restarts] in launch/restart.py),
     # which comes after its COMPLETE marker: wait for the event, else a kill between the two rightly makes the
     # restart start from step 0
@@ -116,6 +118,24 @@ def test_rank_killed_mid_run_restarts_from_the_checkpoint_with_the_same_losses(t
     done = float(re.search(r"zerorun: done in ([\d.]+) s", out).group(1))
     total = re.search(r"total time\s+(?:(\d+):)?(\d+(?:\.\d)?)(?: s)?\n", summary)
     assert abs(done - (60 * int(total.group(1) or 0) + float(total.group(2)))) <= 0.6, (done, summary)
+
+
+def test_a_killed_torchrun_agent_restarts_from_the_checkpoint_its_orphaned_ranks_saved(tmp_path, tiny_reference):
+    """Found by review: the node watcher stops the ranks a killed agent orphans with SIGTERM, on which they save a
+    checkpoint together and exit; the launcher took that for a stop someone asked for ("stopped by SIGTERM",
+    exit 143) and never restarted. It is the node's failure: restarted from that checkpoint, exact from there."""
+    proc = start(tmp_path, "agent", "--max-restarts", "1")
+    job = kill_after_first_checkpoint(tmp_path, "agent", proc, rank=1, agent=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    resumed, [restart] = losses(tmp_path, "agent")
+    start_step = restart["resume_step"]
+    assert restart["checkpoint"] == str(tmp_path / "agent" / "ck" / f"step-{start_step:08d}") and start_step >= 3
+    assert re.fullmatch(rf"job: node 0 on localhost ended \(its torchrun agent was killed by SIGKILL; 2 orphaned rank "
+                        rf"processes stopped\); every rank saved checkpoint {re.escape(restart['checkpoint'])} after "
+                        rf"step {start_step} first", restart["cause"]), restart
+    assert resumed == {s: tiny_reference[s] for s in range(start_step + 1, STEPS + 1)}
+    assert survivors(job) == []
 
 
 @pytest.mark.ssh

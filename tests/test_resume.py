@@ -269,7 +269,8 @@ def test_a_job_never_saves_beside_checkpoints_it_does_not_continue(tmp_path):
         check_save_folder(r)
     # what may go on: continuing the folder's job, from its latest or an older step of it; a job that saves
     # nothing; a folder of its own, holding no checkpoint or only unfinished saves
-    for resume in (str(default / "step-00000030"), str(default / "step-00000020")):
+    os.symlink(default / "step-00000030", tmp_path / "best")  # a link kept outside the folder (found by review)
+    for resume in (str(default / "step-00000030"), str(default / "step-00000020"), str(tmp_path / "best")):
         r = load_recipe(TINY, fresh)
         r.checkpoint.resume = resume
         check_save_folder(r)

@@ -104,6 +104,10 @@ def test_the_body_runs_zerorun_train_with_the_exact_arguments(tmp_path):
     assert cwd == str(work)
     assert argv == ["-m", "zerorun", "train", TINY, "--launcher", "slurm", "--num-procs", "2", "--no-dashboard",
                     "--run-dir", run_dir, *overrides]
+    # requeued, it continues its own checkpoints (found by review: refused beside them, or from step 0 before)
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "REAL": sys.executable, "SLURM_RESTART_COUNT": "1"})
+    assert json.loads(out.stdout)[1:] == argv[:11] + ["--resume"] + argv[11:], out.stdout
     assert slurm_jobs.script_run_dir(text) == run_dir  # what attach reads back from the job's script
     # a line break in an override stays inside its quotes and out of the header comment
     overrides = ["name=two\nlines"]
@@ -145,7 +149,10 @@ def test_a_job_that_would_save_beside_another_jobs_checkpoints_is_refused_at_sub
     with pytest.raises(ZerorunError, match=r"holds a checkpoint of an earlier job \(step-00000010\): a new job "):
         submit(TINY, overrides, SubmitOptions(nodes=1), dry_run=True, out=open(os.devnull, "w"))
     assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == ["checkpoints"]  # no run folder made
-    assert submit(TINY, overrides, SubmitOptions(nodes=1, resume="latest"), dry_run=True,
+    for resume in ("latest", str(step.parent), str(step)):  # a folder of checkpoints: its latest (found by review)
+        assert submit(TINY, overrides, SubmitOptions(nodes=1, resume=resume), dry_run=True,
+                      out=open(os.devnull, "w"))[0] is None
+    assert submit(TINY, [*overrides, f"checkpoint.resume={step.parent}"], SubmitOptions(nodes=1), dry_run=True,
                   out=open(os.devnull, "w"))[0] is None
 
 
@@ -164,8 +171,8 @@ def test_dry_run_writes_the_script_into_a_new_run_folder(tmp_path):
 
 def test_resume_goes_to_the_jobs_train(tmp_path):
     """``zerorun submit --resume`` makes the job's zerorun train resume (the latest checkpoint, or a given one
-    as an absolute path), so the same script submitted again or requeued continues; a missing path is one
-    line."""
+    as an absolute path), so the same script submitted again or requeued continues (without it, a requeued run
+    does); a missing path is one line."""
     def train_line(*args):
         out = zerorun("submit", TINY, f"log.dir={tmp_path}/runs", "--dry-run", *args, cwd=str(tmp_path))
         assert out.returncode == 0, out.stderr
@@ -174,7 +181,7 @@ def test_resume_goes_to_the_jobs_train(tmp_path):
     assert "--no-dashboard --resume --run-dir" in train_line("--resume")
     (tmp_path / "ck" / "step-1").mkdir(parents=True)
     assert f"--resume={tmp_path}/ck/step-1 --run-dir" in train_line("--resume", "ck/step-1")
-    assert "--resume" not in train_line()
+    assert ' --run-dir "$RUN_DIR" ${SLURM_RESTART_COUNT:+--resume}' in train_line()  # only when requeued
     out = zerorun("submit", TINY, "--dry-run", "--resume", "nope/step-3", cwd=str(tmp_path))
     assert out.returncode == 2 and out.stderr == "zerorun: error: --resume nope/step-3: no such checkpoint\n"
 

@@ -353,7 +353,9 @@ def test_env_reports_versions_backends_and_which_hosts_answer(sshd, tmp_path):
     hosts = hostfile(tmp_path, "localhost slots=2\n127.0.0.2 slots=1\ndown slots=1\n")
     out = subprocess.run([sys.executable, "-m", "zerorun", "env", "-H", hosts, "--ssh-config", sshd.config],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    # a host that does not answer fails the command (found by review: exit 0), after the whole report
+    assert out.returncode == 1 and out.stderr == ("zerorun: error: 1 of the hostfile's hosts did not answer: down "
+                                                  "(rows above)\n"), out.stdout + out.stderr
     rows = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in out.stdout.splitlines()}
     import zerorun
 

@@ -209,6 +209,9 @@ def test_error_in_user_forward_names_its_line(tmp_path):
     ("def build_model():\n    raise ValueError('bad width')\n", r"build_model\(\*\*\{\}\) raised ValueError: bad width",
      "train"),  # the check leaves it to the ranks
     ("def build_model():\n    return 3\n", r"build_model\(\) returned int, not a torch\.nn\.Module", "dry-run"),
+    # found by review: --dry-run passed it, the ranks then exited
+    ("def build_model():\n    import sys\n    sys.exit(3)\n", r"build_model\(\*\*\{\}\) raised SystemExit: 3 \(a "
+     r"factory that parses the command line or exits cannot build the model here\)", "dry-run"),
     (BROKEN_FORWARD.format(body="return {'logits': self.w(batch.float()[:, :4])}"),
      r"model\.py: forward returned dict with no loss", "train"),  # only the ranks run forward
 ])

@@ -119,12 +119,14 @@ def render_table(rows: list[Row], baselines: list[str], repeat: int):
     for r in rows:
         host = r.combo.host_name
         if not r.metrics:
-            status = {"pending": "[dim]pending[/]", "running": "[yellow]running[/]"}.get(r.status, "[red]failed[/]")
+            status = {"pending": "[dim]pending[/]", "running": "[yellow]running[/]",
+                      "interrupted": "[yellow]interrupted[/]"}.get(r.status, "[red]failed[/]")
             table.add_row(Text(host), "", Text(r.combo.label), status)
             continue
         v = r.value
         cells = [Text(host), str(int(v("world_size"))),
-                 escape(r.combo.label) + ("" if r.status == "ok" else " [red](failed)[/]"),
+                 escape(r.combo.label) + {"ok": "", "interrupted": " [yellow](interrupted)[/]"}.get(
+                     r.status, " [red](failed)[/]"),
                  spread(r, "step_time_s", lambda x: f"{x * 1e3:.0f}"), f"{v('step_time_p90_s') * 1e3:.0f}",
                  spread(r, "samples_per_s", human_rate), human_rate(v("tokens_per_s")),
                  f"{r.scaling_efficiency:.2f}", human_bytes(v("peak_rss_bytes")), human_bytes(v("model_state_bytes")),
@@ -148,7 +150,7 @@ def markdown_table(rows: list[Row], baselines: list[str]) -> str:
         host = r.combo.host_name
         if not r.metrics:  # a combination not run (the bench interrupted) is no failure
             reason = (r.reason or "").split(" (logs: ")[0]
-            said = f"failed: {reason}" if r.status == "failed" else f"not run ({r.status})"
+            said = {"failed": f"failed: {reason}", "interrupted": "interrupted"}.get(r.status, f"not run ({r.status})")
             lines.append(f"| {host} | | {r.combo.label} | {said} |" + " |" * (len(head) - 4))
             continue
         v = r.value

@@ -62,7 +62,8 @@ class Combination:
 
 @dataclass
 class Row:
-    """The result of one combination: ``status`` ok | failed, the failure ``reason``, the per-run metrics
+    """The result of one combination: ``status`` pending | running | ok | failed | interrupted (Ctrl-C or SIGTERM
+    while it ran), the failure ``reason``, the per-run metrics
     ``runs`` (one dict of :data:`METRICS` per successful repeat), the job run directories, and after
     :func:`summarize` the aggregated ``metrics`` (name -> ``{"median", "min", "max"}``) and relative numbers."""
 

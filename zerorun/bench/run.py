@@ -252,7 +252,7 @@ def _run_row(row: Row, screen: _Screen, repeat: int, run_job: Callable[[Row], No
         screen.progress.advance(screen.task)
         if interrupted:
             break
-    row.status = "failed" if row.reason else "ok"
+    row.status = "interrupted" if interrupted else "failed" if row.reason else "ok"  # a stop is no failure
     return interrupted
 
 

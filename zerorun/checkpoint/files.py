@@ -170,7 +170,8 @@ def check(path: str) -> dict[str, Any]:
 
     metadata = SafeReader(path).check_files()  # first: it names the key a truncated file cuts, refuses bad pickles
     check_layout(meta, metadata, os.path.join(path, META))
-    _check_fields(meta, os.path.join(path, META), len({i.relative_path for i in metadata.storage_data.values()}))
+    _check_fields(meta, os.path.join(path, META), {k.split("/")[1] for k in metadata.state_dict_metadata
+                                                   if k.startswith("rng/") and k.count("/") == 2})
     files = meta.get("files")
     if not isinstance(files, dict):
         raise ZerorunError(f"{os.path.join(path, META)}: files: expected a mapping of file names, got {files!r}")
@@ -193,35 +194,46 @@ def _count(value: Any, least: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def _check_fields(meta: dict[str, Any], where: str, data_files: int) -> None:
-    """The fields of ``zerorun.json`` the ranks read besides the layout: ``world_size`` (at most ``data_files``,
-    DCP's data files: one per rank at least), ``data`` (Note [Exact resume] in saving.py), ``scheduler``'s counters
-    and rates, ``skipped_steps``, ``loss_scaler``: a hand edit is one line naming the field, not a rank's traceback.
+def _finite(values: Any) -> bool:
+    return isinstance(values, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                            and math.isfinite(x) for x in values)
+
+
+def _check_fields(meta: dict[str, Any], where: str, rng_ranks: set[str]) -> None:
+    """The fields of ``zerorun.json`` the ranks read besides the layout: ``world_size`` (the ranks whose RNG
+    states DCP holds: ``rng/R/...``, one set per rank), ``data`` (Note [Exact resume] in saving.py), the LR
+    scheduler's state (torch's ``LambdaLR``: its rates, counters and one entry per param group),
+    ``skipped_steps``, ``loss_scaler``: a hand edit is one line naming the field, not a rank's traceback or a
+    silently different run. The ranks also turn a scheduler state torch refuses into one line (loading.py).
 
     Raises:
         ZerorunError: naming ``where`` and the field.
     """
-    data, sched = meta.get("data"), meta.get("scheduler")
-    counts = [("world_size", meta["world_size"], 1), ("skipped_steps", meta.get("skipped_steps", 0), 0)]
+    data, sched, world = meta.get("data"), meta.get("scheduler"), meta["world_size"]
+    counts = [("world_size", world, 1), ("skipped_steps", meta.get("skipped_steps", 0), 0)]
     bad = [(f, repr(v)) for f, v, least in counts if not _count(v, least)]
-    if not bad and meta["world_size"] > data_files:  # each rank writes one at least (its RNG state)
-        bad.append(("world_size", f"{meta['world_size']} with {data_files} data file{'s' * (data_files != 1)}"))
+    if not bad and rng_ranks and rng_ranks != {str(r) for r in range(world)}:
+        bad.append(("world_size", f"{world} with the RNG states of {len(rng_ranks)} ranks"))
+    if not bad and meta.get("skipped_steps", 0) > meta["step"]:
+        bad.append(("skipped_steps", f"{meta['skipped_steps']} of {meta['step']} steps"))
     if not isinstance(data, dict):
         bad.append(("data", repr(data)))
     else:
         bad += [(f"data.{k}", repr(data.get(k))) for k in ("epoch", "batch") if not _count(data.get(k))]
-        if data.get("world_size") != meta["world_size"]:
-            bad.append(("data.world_size", f"{data.get('world_size')!r} with world_size {meta['world_size']!r}"))
+        if data.get("world_size") != world:
+            bad.append(("data.world_size", f"{data.get('world_size')!r} with world_size {world!r}"))
         if data.get("micro_batch_size") is not None and not _count(data["micro_batch_size"], 1):
             bad.append(("data.micro_batch_size", repr(data["micro_batch_size"])))
     if sched is not None and not isinstance(sched, dict):
         bad.append(("scheduler", repr(sched)))
     elif sched is not None:
-        bad += [(f"scheduler.{k}", repr(sched[k])) for k in ("last_epoch", "_step_count")
-                if k in sched and not _count(sched[k], -1)]
-        bad += [(f"scheduler.{k}", repr(sched[k])) for k in ("base_lrs", "_last_lr") if k in sched and not (
-            isinstance(sched[k], list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                               for x in sched[k]))]
+        groups = len(sched["base_lrs"]) if _finite(sched.get("base_lrs")) else None
+        bad += [(f"scheduler.{k}", repr(sched.get(k))) for k, ok in [
+            ("base_lrs", groups), ("last_epoch", _count(sched.get("last_epoch"), -1)),
+            ("_step_count", _count(sched.get("_step_count", 0))),
+            ("_last_lr", "_last_lr" not in sched or _finite(sched["_last_lr"]) and len(sched["_last_lr"]) == groups),
+            ("lr_lambdas", isinstance(sched.get("lr_lambdas"), list) and len(sched["lr_lambdas"]) == groups
+             and all(x is None or isinstance(x, dict) for x in sched["lr_lambdas"]))] if not ok]
     if meta.get("loss_scaler") is not None and not isinstance(meta["loss_scaler"], dict):
         bad.append(("loss_scaler", repr(meta["loss_scaler"])))
     if bad:

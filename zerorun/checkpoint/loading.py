@@ -49,7 +49,11 @@ def load(path: str, engine, *, scheduler=None, micro_batch_size: int | None = No
     except CheckpointMismatch as e:  # e.g. disk offload and an optimizer state this optimizer does not keep
         raise ZerorunError(f"{os.path.join(path, META)}: another optimizer: {e}") from None
     if scheduler is not None:
-        scheduler.load_state_dict(meta["scheduler"])
+        try:
+            scheduler.load_state_dict(meta["scheduler"])
+        except Exception as e:  # noqa: BLE001 - a state torch refuses (edited by hand; files._check_fields)
+            raise ZerorunError(f"{os.path.join(path, META)}: scheduler: cannot be restored ({type(e).__name__}: "
+                               f"{e}): edited by hand? refusing the checkpoint") from None
     engine.skipped_steps = int(meta.get("skipped_steps", 0))
     if engine.scaler is not None and meta.get("loss_scaler"):  # fp16 after fp16; else the recipe's initial scale
         engine.scaler.load_state_dict(meta["loss_scaler"])

@@ -97,6 +97,9 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
     else:
         path = checkpoint.resolve(resume)
     meta = checkpoint.check(path)
+    if meta["scheduler"] is None:  # the ranks would refuse it after the launch (loading.py), with a script's hint
+        raise ZerorunError(f"{os.path.join(path, checkpoint.META)}: saved without an LR scheduler (by a script of "
+                           "your own?): zerorun train resumes checkpoints saved with one")
     ckpt.resume = path
     ckpt.dir = ckpt.dir or os.path.dirname(path)  # keep saving beside it
     step, steps = int(meta["step"]), recipe.train.steps
@@ -125,8 +128,8 @@ def check_save_folder(recipe) -> None:
 
     ckpt = recipe.checkpoint
     found = list_complete(ckpt.dir) if ckpt.dir else []
-    if not found or (ckpt.resume and os.path.realpath(os.path.dirname(ckpt.resume)) == os.path.realpath(ckpt.dir)):
-        return
+    if not found or (ckpt.resume and os.path.dirname(os.path.realpath(ckpt.resume)) == os.path.realpath(ckpt.dir)):
+        return  # the resumed checkpoint (through a link to it too) is one of the folder's
     latest = os.path.basename(found[-1][2])
     held = f"{len(found)} checkpoints of an earlier job ({latest} the latest)" if len(found) > 1 else \
         f"a checkpoint of an earlier job ({latest})"

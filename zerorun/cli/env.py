@@ -187,8 +187,19 @@ def check_hosts(hostfile: str, ssh=None, timeout: float = 30.0, local_gpus: str 
     return [(f"host {h.name} (slots={h.slots})", found[h.name]) for h in hosts]
 
 
-def report(hostfile: str | None = None, ssh=None) -> str:
-    """The whole report as aligned ``name  value`` lines."""
+def aligned(lines: list[tuple[str, str]]) -> str:
+    """The report's rows as aligned ``name  value`` lines."""
+    width = max(len(k) for k, _ in lines)
+    return "".join(f"{k.ljust(width)}  {v}\n" for k, v in lines)
+
+
+def unreachable(lines: list[tuple[str, str]]) -> list[str]:
+    """The hosts of :func:`report_lines` that did not answer (``host NAME (slots=N)`` rows not reachable)."""
+    return [k.split()[1] for k, v in lines if k.startswith("host ") and not v.startswith(("reachable", "local"))]
+
+
+def report_lines(hostfile: str | None = None, ssh=None) -> list[tuple[str, str]]:
+    """The report's ``(name, value)`` rows."""
     import zerorun
 
     lines = [("zerorun", f"{zerorun.__version__} ({os.path.dirname(zerorun.__file__)})"),
@@ -198,5 +209,4 @@ def report(hostfile: str | None = None, ssh=None) -> str:
     lines += [(name, _version(name)) for name in PACKAGES if name != "torch"]
     if hostfile:
         lines += check_hosts(hostfile, ssh, local_gpus=dict(lines).get("GPUs", ""))
-    width = max(len(k) for k, _ in lines)
-    return "".join(f"{k.ljust(width)}  {v}\n" for k, v in lines)
+    return lines

@@ -167,8 +167,13 @@ def env_report(
 ) -> None:
     """Print what a bug report needs: zerorun, python and torch versions, backends, CPU and GPUs, the
     launcher's libraries (fabric, paramiko, ...), and with -H whether each host is reachable."""
-    from zerorun.cli.env import report
+    from zerorun.cli.env import aligned, report_lines, unreachable
+    from zerorun.errors import JobFailed
     from zerorun.launch import ssh_options
 
     ssh = ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
-    sys.stdout.write(report(hostfile, ssh))
+    lines = report_lines(hostfile, ssh)
+    sys.stdout.write(aligned(lines))
+    down = unreachable(lines)
+    if down:  # `zerorun env -H hosts && zerorun train ...` stops here (found by review: exit 0)
+        raise JobFailed(f"{len(down)} of the hostfile's hosts did not answer: {', '.join(down)} (rows above)")

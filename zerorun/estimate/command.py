@@ -33,9 +33,9 @@ def from_arguments(*, recipe: str | None, overrides: list[str], hostfile: str | 
     if hostfile:  # the layout zerorun train could launch on it: no more nodes than hosts, ranks than slots
         from zerorun.recipe.hostfile import read_hostfile, select_hosts
 
-        hosts = read_hostfile(hostfile)
-        select_hosts(hosts, num_nodes=nodes, num_procs=procs_per_node, nodes_flag=f"--nodes {nodes}",
-                     procs_flag=f"--procs-per-node {procs_per_node}")
+        hosts = select_hosts(read_hostfile(hostfile), num_nodes=nodes, num_procs=procs_per_node,
+                             nodes_flag=f"--nodes {nodes}", procs_flag=f"--procs-per-node {procs_per_node}")
+        nodes = procs_per_node = None  # the selected hosts say both, each host its own slots
     if offload is not None and offload not in OFFLOADS:
         raise ZerorunError(f"--offload: {offload!r} is not one of {', '.join(OFFLOADS)}")
     r, layout, prec, offload = _model(recipe, overrides, params, largest_layer, precision, offload)

@@ -146,18 +146,22 @@ def _check(check: HostCheck, opts: SshOptions, python: str, ask: dict, env: dict
                          f"probe failed (exit status {status}): {last}")
         return
     facts = check.facts = json.loads(line.split(" ", 1)[1])
-    if facts["zerorun"] is None:
-        check.problem = f"zerorun is not installed for {python}"
-    elif facts["zerorun"] != local["zerorun"]:
-        check.problem = f"version mismatch: zerorun {facts['zerorun']} there, {local['zerorun']} here"
-    elif facts["torch"] != local["torch"]:
-        check.problem = f"version mismatch: torch {facts['torch']} there, {local['torch']} here"
-    elif not facts["workdir"]:
-        check.problem = f"working directory missing: {ask['workdir']}"
-    elif facts["missing"]:
-        check.problem = f"module missing: {', '.join(facts['missing'])}"
-    elif ask.get("port") is not None and facts["port"] is None:
-        check.problem = f"master port {ask['port']} is already in use there"
+    check.problem = facts_problem(facts, local, python, ask["workdir"], ask.get("port"))
+
+
+def facts_problem(facts: dict, local: dict, python: str, workdir: str, port: int | None = None) -> str | None:
+    """What the probe found (``facts``) that the job cannot run with, against this machine's versions
+    (``local``), in one line (``port``: the master port it was asked to bind there); None when nothing."""
+    for name in ("zerorun", "torch"):  # a package missing there is said so, not "version None"
+        if facts[name] is None:
+            return f"{name} is not installed for {python}"
+        if facts[name] != local[name]:
+            return f"version mismatch: {name} {facts[name]} there, {local[name]} here"
+    if not facts["workdir"]:
+        return f"working directory missing: {workdir}"
+    if facts["missing"]:
+        return f"module missing: {', '.join(facts['missing'])}"
+    return f"master port {port} is already in use there" if port is not None and facts.get("port") is None else None
 
 
 def local_versions() -> dict:

@@ -105,6 +105,9 @@ class Supervisor:
         zerorun/rank/stopsignal.py): the result names it and its host. A save the launcher asked for (SIGUSR1 from
         SLURM before the time limit) is job-wide and named by that signal."""
         e = self.seen.stopped.get(0) or next(iter(self.seen.stopped.values()))
+        lost = self._lost_node() if self._save is None and self._stop is None else None
+        if lost is not None:
+            return lost
         by = e.data.get("signalled_rank")
         if (self._save is None and self._stop is None and not self.seen.agent_signalled and isinstance(by, int)
                 and not isinstance(by, bool)):
@@ -112,6 +115,23 @@ class Supervisor:
             return Outcome("interrupted", 143, by, node.host.name if node else None,
                            self._stopped_message("SIGTERM", f" (sent to rank {by})"))
         return Outcome("interrupted", 143, message=self._stopped_message(self._save or "SIGTERM"))
+
+    def _lost_node(self) -> Outcome | None:
+        """A stop nobody asked for: a node whose torchrun agent or watcher died stopped its ranks (SIGTERM from the
+        watcher or the kernel: Note [Node watcher] in launch/node.py), which saved a checkpoint with their peers
+        and exited. That is a failure (Note [Blame]; ``launch.max_restarts`` restarts from that checkpoint), not a
+        stop; before, it ended the job as "stopped by SIGTERM", never restarted. The nodes are given a few seconds
+        to end and say why (the watcher's note comes once its ranks are gone). None: no node ended for a reason
+        of its own (a SIGTERM sent to a rank or by SLURM)."""
+        deadline = time.time() + 10.0
+        while len(self.seen.ended) < len(self.nodes) and time.time() < deadline:
+            self._drain(0.1)
+        if blame.end_reason(self.seen, len(self.nodes), None)[1] is None:
+            return None
+        out = blame.failure(self.seen, self.plan, None)
+        e = self.seen.stopped.get(0) or next(iter(self.seen.stopped.values()))
+        out.message += f"; every rank saved checkpoint {e.data.get('path')} after step {e.data.get('step')} first"
+        return out
 
     def _watch(self) -> Outcome:
         seen = self.seen

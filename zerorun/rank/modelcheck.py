@@ -141,7 +141,9 @@ def main() -> None:
             os.chdir(ask["workdir"])
         layout_of_recipe(recipe)
     except FactoryError as e:
-        if isinstance(e.__cause__, TypeError):  # a wrong argument (model.kwargs), not the meta device
+        # a wrong argument (model.kwargs), not the meta device; a factory that exits (sys.exit, argparse) does so
+        # on every rank too
+        if isinstance(e.__cause__, (TypeError, SystemExit)):
             sys.stderr.write(f"{PREFIX}{e}\n")
             sys.exit(2)
     except ZerorunError as e:

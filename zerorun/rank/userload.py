@@ -76,7 +76,9 @@ def call_factory(spec: str, factory: str, kwargs: dict[str, Any], module: Any = 
             raise UserCodeError(f"{spec}: {factory}() does not take {field} {kwargs}: {e}{hint}") from None
     try:
         return fn(**kwargs)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - sys.exit or argparse inside it: the same one line
+    except KeyboardInterrupt:
+        raise  # Ctrl-C: the caller's "interrupted"
+    except BaseException as e:  # noqa: BLE001 - sys.exit, argparse, GeneratorExit inside it: the same one line
         hint = " (a factory that parses the command line or exits cannot build the model here)" if isinstance(
             e, SystemExit) else ""
         raise FactoryError(f"{spec}: {factory}(**{kwargs}) raised {type(e).__name__}: {e}{hint}") from e

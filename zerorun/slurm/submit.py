@@ -179,8 +179,9 @@ def _header(recipe, options: SubmitOptions, run_dir: str, procs: int, command: l
         "# (--launcher slurm; the first node is the rendezvous host) and --num-procs ranks on each. Every event goes",
         "# to RUN_DIR/metrics.jsonl, every line of the ranks to RUN_DIR/output.log, zerorun's own progress to",
         "# RUN_DIR/slurm-JOBID.out. A job submitted again appends to the same run folder (set RUN_DIR and --output",
-        "# to another folder to keep runs apart). With --resume (zerorun submit --resume) a job submitted again, or",
-        "# requeued, continues from the latest checkpoint of checkpoint.dir (SLURM's time limit saves one).",
+        "# to another folder to keep runs apart). A requeued job continues from the latest checkpoint of",
+        "# checkpoint.dir (SLURM's time limit saves one); with --resume (zerorun submit --resume) a job submitted",
+        "# again does too.",
     ]
 
 
@@ -224,7 +225,11 @@ def _body(argv: list[str], run_dir: str, workdir: str, resume: bool, again: str)
         f"cd {q(workdir)} || exit 1",
         "# the Python that ran zerorun submit: every node must see it at this path (a shared file system)",
         "exec " + shlex.join(argv[:5]) + " \\",
-        "    " + shlex.join(argv[5:10 + cut]) + ' --run-dir "$RUN_DIR"' + (" \\" if argv[10 + cut:] else ""),
+        # a requeued run (SLURM_RESTART_COUNT set) continues the job's own checkpoints: Note [One job's checkpoints
+        # per folder] in zerorun/checkpoint/resume.py refuses a new start beside them
+        "    " + shlex.join(argv[5:10 + cut]) + ' --run-dir "$RUN_DIR"' + ("" if resume else
+                                                                          " ${SLURM_RESTART_COUNT:+--resume}")
+        + (" \\" if argv[10 + cut:] else ""),
     ]
     if argv[10 + cut:]:
         lines.append("    " + shlex.join(argv[10 + cut:]))
@@ -277,6 +282,7 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
         ZerorunError (exit code 2): a bad recipe or override (one line each, as ``zerorun train``), no sbatch on
             PATH, sbatch refusing the job (its stderr in one line), a folder that cannot be written.
     """
+    from zerorun.checkpoint.files import resolve
     from zerorun.checkpoint.resume import check_save_folder
     from zerorun.launch.run import new_run_dir
     from zerorun.recipe import load_recipe, masked_yaml
@@ -291,7 +297,8 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
         raise ZerorunError(f"--resume {options.resume}: no such checkpoint")
     if options.resume != "latest":  # refused now, not in the job (Note [One job's checkpoints per folder])
         planned = recipe.model_copy(deep=True)
-        planned.checkpoint.resume = os.path.abspath(options.resume) if options.resume else planned.checkpoint.resume
+        given = options.resume or planned.checkpoint.resume
+        planned.checkpoint.resume = resolve(given) if given else None  # a folder of checkpoints: its latest
         check_save_folder(planned)
     sbatch = None if dry_run else shutil.which("sbatch")
     if not dry_run and sbatch is None:
