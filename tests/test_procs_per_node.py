@@ -241,3 +241,17 @@ def test_a_hostfile_host_keeps_its_slots():
     assert parse_hostfile("a slots=8\n") == [Host("a", 8)]
     with pytest.raises(ZerorunError, match=r"^hostfile:1: a: slots must be a positive integer, got 'auto'$"):
         parse_hostfile("a slots=auto\n")
+
+
+def test_a_recipes_procs_per_node_beside_a_hostfile_is_said_to_give_way(gpus, tmp_path):
+    """DeepSpeed's rule: with a hostfile each host runs its slots= ranks; a recipe's launch.procs_per_node that
+    differs is said so in one line (found by review: silently ignored), not where the slots agree or
+    --num-procs decides."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=1\n")
+    _, err, _ = dry_run("train", TINY, "-H", str(hosts))  # tiny.yaml sets launch.procs_per_node: 2
+    assert err == (f"zerorun: launch.procs_per_node 2 is for runs without a hostfile: each host of "
+                                   f"{hosts} runs its slots= ranks (localhost 1); --num-procs N runs N on each\n")
+    for args in (["launch.procs_per_node=1"], ["--num-procs", "1"]):
+        _, err, _ = dry_run("train", TINY, "-H", str(hosts), *args)
+        assert err == "", args

@@ -187,6 +187,11 @@ def check_hosts(hostfile: str, ssh=None, timeout: float = 30.0, local_gpus: str 
     return [(f"host {h.name} (slots={h.slots})", found[h.name]) for h in hosts]
 
 
+def report(hostfile: str | None = None, ssh=None) -> str:
+    """The whole report as aligned ``name  value`` lines."""
+    return aligned(report_lines(hostfile, ssh))
+
+
 def aligned(lines: list[tuple[str, str]]) -> str:
     """The report's rows as aligned ``name  value`` lines."""
     width = max(len(k) for k, _ in lines)

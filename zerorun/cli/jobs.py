@@ -65,6 +65,9 @@ def train(
     check_min_nodes(r, hosts)
     _check_hierarchy(r, hosts)
     said += [line for line in [batch_change(r, sum(h.slots for h in hosts))] if line]
+    rule = _slots_rule(r, hosts, hostfile, num_procs, launcher)
+    if rule:  # on stderr, as the notes on what a procs_per_node word became (launch/hosts.py)
+        sys.stderr.write(rule + "\n")
     ssh = zlaunch.ssh_options(ssh_user, ssh_port, ssh_key, ssh_config)
     local = any(h.is_local for h in hosts)  # else no model check runs: the launcher does the HF checks itself
     if dry_run:  # nothing is contacted; the commands run as printed, then the recipe's checks that need torch
@@ -86,6 +89,19 @@ def train(
                               launcher=launcher, job_id=job_id)  # Note [Job restarts]
     if not result.ok:
         raise result.error()
+
+
+def _slots_rule(r, hosts, hostfile: str | None, num_procs, launcher) -> str | None:
+    """One line where the recipe sets ``launch.procs_per_node`` and a hostfile's ``slots=`` decide instead (as
+    DeepSpeed's launcher: found by review, silently ignored), else None."""
+    from zerorun import launch as zlaunch
+
+    given = r.launch.procs_per_node
+    if not hostfile or launcher is zlaunch.Launcher.LOCAL or num_procs is not None \
+            or "procs_per_node" not in r.launch.model_fields_set or {h.slots for h in hosts} == {given}:
+        return None
+    return (f"zerorun: launch.procs_per_node {given} is for runs without a hostfile: each host of {hostfile} runs "
+            f"its slots= ranks ({', '.join(f'{h.name} {h.slots}' for h in hosts)}); --num-procs N runs N on each")
 
 
 def _say(lines: list[str]) -> None:

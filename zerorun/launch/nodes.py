@@ -25,6 +25,11 @@ class Line:
     text: str
 
 
+#: How a node's end reason begins where the scheduler stopped the job (SLURM's time limit or scancel,
+#: launch/slurm_step.py): a stop from outside, as a SIGTERM to the launcher is, not a lost node.
+SCHEDULER_STOP = "SLURM ended the job step"
+
+
 @dataclass(frozen=True)
 class Ended:
     """Node ``node_rank`` ended with exit ``status`` (128 + N for a signal N, as a shell reports it; 255 a lost

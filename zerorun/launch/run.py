@@ -92,11 +92,12 @@ def run_job(job, hosts: list[Host], *, recipe_path: str | None = None, overrides
             check.stop()
         raise
     source = "--run-dir" if run_dir else "log.dir"  # where the folder came from, for its write errors
-    run_dir = _make_run_dir(prepared, job, recipe, run_dir, check)
-    state = _job_state(prepared.plan, job, recipe, started)
-    if started is not None:  # a restart: the job's earlier tries are in its run folder
-        from zerorun.telemetry.jobfiles import replay
+    from zerorun.telemetry.jobfiles import earlier_rank_hosts, replay
 
+    earlier = earlier_rank_hosts(run_dir) if started is not None and run_dir else {}  # before job.json goes
+    run_dir = _make_run_dir(prepared, job, recipe, run_dir, check)
+    state = _job_state(prepared.plan, job, recipe, started, earlier)
+    if started is not None:  # a restart: the job's earlier tries are in its run folder
         replay(state, run_dir)
     shown = (view or (lambda st: open_view(st, out, dashboard)))(state)
     return _supervise(prepared, state, run_dir, recipe, check, shown, source)
@@ -136,8 +137,9 @@ def _make_run_dir(prepared, job, recipe, run_dir: str | None, check) -> str:
     return run_dir
 
 
-def _job_state(plan, job, recipe, started: float | None):
-    """The job's :class:`~zerorun.telemetry.state.JobState` before it starts, for the views."""
+def _job_state(plan, job, recipe, started: float | None, earlier: dict[int, str] | None = None):
+    """The job's :class:`~zerorun.telemetry.state.JobState` before it starts, for the views; ``earlier``: the
+    hosts of a restarted job's ranks in its earlier tries (a rank left out of a smaller world keeps its host)."""
     from zerorun.telemetry.state import JobState
 
     return JobState(name=recipe.name if recipe is not None else job.name,
@@ -145,8 +147,9 @@ def _job_state(plan, job, recipe, started: float | None):
                     precision=recipe.precision if recipe is not None else None, world_size=plan.world_size,
                     hosts=[f"{n.host.name}x{n.nproc}" for n in plan.nodes],
                     steps=recipe.train.steps if recipe is not None else None,
-                    rank_hosts={r: n.host.name for n in plan.nodes
-                                for r in range(n.first_rank, n.first_rank + n.nproc)}, started=started)
+                    rank_hosts={**(earlier or {}), **{r: n.host.name for n in plan.nodes
+                                                      for r in range(n.first_rank, n.first_rank + n.nproc)}},
+                    started=started)
 
 
 def new_run_dir(log_dir: str, name: str, job_id: str) -> str:

@@ -26,7 +26,7 @@ import threading
 import time
 
 from zerorun.errors import ZerorunError
-from zerorun.launch.nodes import Ended, Line
+from zerorun.launch.nodes import SCHEDULER_STOP, Ended, Line
 from zerorun.launch.marks import JOB_ENV, signal_marked
 from zerorun.launch.plan import NodeSpec
 from zerorun.launch.runner import node_spec_json
@@ -101,7 +101,7 @@ class SlurmStep:
         """Why node ``node`` ended when it could not say itself: SLURM ended the step (its time limit, scancel),
         or srun's report of its task; else None."""
         if self.cancelled:
-            return f"SLURM ended the job step: {self.cancelled}"
+            return f"{SCHEDULER_STOP}: {self.cancelled}"
         return self.end_reasons.get(node)
 
     def _read(self) -> None:

@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from zerorun.launch import blame
-from zerorun.launch.nodes import Line, Node
+from zerorun.launch.nodes import SCHEDULER_STOP, Line, Node
 from zerorun.launch.observed import Observed
 from zerorun.launch.outcome import Outcome
 from zerorun.launch.plan import LaunchPlan
@@ -122,12 +122,13 @@ class Supervisor:
         and exited. That is a failure (Note [Blame]; ``launch.max_restarts`` restarts from that checkpoint), not a
         stop; before, it ended the job as "stopped by SIGTERM", never restarted. The nodes are given a few seconds
         to end and say why (the watcher's note comes once its ranks are gone). None: no node ended for a reason
-        of its own (a SIGTERM sent to a rank or by SLURM)."""
+        of its own (a SIGTERM sent to a rank), or SLURM ended the step (its time limit, scancel)."""
         deadline = time.time() + 10.0
         while len(self.seen.ended) < len(self.nodes) and time.time() < deadline:
             self._drain(0.1)
-        if blame.end_reason(self.seen, len(self.nodes), None)[1] is None:
-            return None
+        reasons = [self.seen.end_reason(n) for n in range(len(self.nodes))]
+        if not any(reasons) or any(r and r.startswith(SCHEDULER_STOP) for r in reasons):
+            return None  # no node lost, or SLURM stopped the step (its time limit): a stop from outside
         out = blame.failure(self.seen, self.plan, None)
         e = self.seen.stopped.get(0) or next(iter(self.seen.stopped.values()))
         out.message += f"; every rank saved checkpoint {e.data.get('path')} after step {e.data.get('step')} first"

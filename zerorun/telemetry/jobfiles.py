@@ -32,10 +32,8 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
     job = read_json(os.path.join(run_dir, runfolder.JOB))
     started, ended = number(job, "started"), number(job, "ended")
     hosts = job.get("hosts") if isinstance(job.get("hosts"), list) else None
-    rank_hosts = job.get("rank_hosts") if isinstance(job.get("rank_hosts"), dict) else {}
     state = JobState(**run_header(run_dir), world_size=integer(job, "world_size"),
-                     hosts=[str(h) for h in hosts or []],
-                     rank_hosts={int(r): str(h) for r, h in rank_hosts.items() if str(r).isdigit()},
+                     hosts=[str(h) for h in hosts or []], rank_hosts=_rank_hosts(job),
                      started=started if started is not None else min((e.time for e in events), default=0.0))
     for e in events:
         state.update(e)
@@ -51,6 +49,17 @@ def _events(path: str) -> list[Event]:
     """
     with open(path, encoding="utf-8", errors="replace") as f:
         return [e for e in map(from_json, f) if e is not None]
+
+
+def earlier_rank_hosts(run_dir: str) -> dict[int, str]:
+    """The hosts of the ranks of the try recorded in ``run_dir``'s job.json (a restarted job's earlier one), by
+    rank; ``{}`` when there is none or it cannot be read."""
+    return _rank_hosts(read_json(os.path.join(run_dir, runfolder.JOB)))
+
+
+def _rank_hosts(job: dict) -> dict[int, str]:
+    found = job.get("rank_hosts")
+    return {int(r): str(h) for r, h in found.items() if str(r).isdigit()} if isinstance(found, dict) else {}
 
 
 def replay(state: JobState, run_dir: str) -> None:
