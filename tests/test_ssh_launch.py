@@ -339,8 +339,8 @@ def test_preflight_detects_master_port_in_use_and_a_missing_module(sshd, tmp_pat
                              text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr == f"zerorun: error: preflight: 127.0.0.2: master port {port} is already in use there\n"
-    out = zerorun("train", TINY, "model.module=no_such_model_module", "-H", hosts, "--ssh-config", sshd.config,
-                  cwd=ROOT)
+    out = zerorun("train", TINY, "model.module=no_such_model_module", "launch.procs_per_node=1", "-H", hosts,
+                  "--ssh-config", sshd.config, cwd=ROOT)  # the hosts' slots: no note on procs_per_node
     assert out.returncode == 2 and out.stderr.splitlines() == [
         f"zerorun: error: preflight: {h}: module missing: no_such_model_module" for h in ("127.0.0.2", "127.0.0.3")]
 
