@@ -117,6 +117,14 @@ def test_resume_just_works_first_run_then_more_steps(tmp_path):
         prepare_resume(load_recipe(TINY, ["train.steps=5", f"log.dir={tmp_path / 'runs'}"]), LATEST)
     assert str(e.value) == (f"--resume: {default / 'step-00000006'} was saved after step 6 and train.steps is 5: "
                             "nothing left to train (raise train.steps to train on)")
+    # a job that starts from the recipe's checkpoint.resume (fine-tuning) into a folder of its own, with a bare
+    # --resume (a requeued batch job's): none of its own yet, so from the recipe's, not from step 0 (found by review)
+    said, start = [], str(default / "step-00000006")
+    r = load_recipe(TINY, ["train.steps=8", f"log.dir={tmp_path / 'runs'}", f"checkpoint.dir={tmp_path / 'ft'}",
+                           f"checkpoint.resume={start}"])
+    assert prepare_resume(r, LATEST, say=said.append) and r.checkpoint.resume == start
+    assert said[0] == (f"zerorun: no checkpoint in {tmp_path / 'ft'} yet: starting from the recipe's "
+                       f"checkpoint.resume, {start}"), said
 
 
 def _checkpoint(folder, meta_step, marker_step=None):

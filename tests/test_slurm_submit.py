@@ -182,6 +182,7 @@ def test_resume_goes_to_the_jobs_train(tmp_path):
     (tmp_path / "ck" / "step-1").mkdir(parents=True)
     assert f"--resume={tmp_path}/ck/step-1 --run-dir" in train_line("--resume", "ck/step-1")
     assert ' --run-dir "$RUN_DIR" ${SLURM_RESTART_COUNT:+--resume}' in train_line()  # only when requeued
+    assert "--resume" not in train_line("runtime=ddp")  # a baseline saves no checkpoints (found by review: exit 2)
     out = zerorun("submit", TINY, "--dry-run", "--resume", "nope/step-3", cwd=str(tmp_path))
     assert out.returncode == 2 and out.stderr == "zerorun: error: --resume nope/step-3: no such checkpoint\n"
 

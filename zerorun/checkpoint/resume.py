@@ -68,7 +68,8 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
         ZerorunError: a baseline runtime (no checkpoints), a PATH that does not exist or holds no complete
             checkpoint, a checkpoint that fails its checks, or one saved after a later step than ``train.steps``.
     """
-    resume = resume if resume is not None else recipe.checkpoint.resume  # the recipe's own: checked as PATH
+    initial = recipe.checkpoint.resume  # the recipe's own (a pretrained start): checked as PATH
+    resume = resume if resume is not None else initial
     if resume is None:
         check_save_folder(recipe)
         return True
@@ -79,23 +80,11 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
     if recipe.runtime != "zero":
         raise ZerorunError(f"--resume: checkpoints are zerorun's (runtime zero); the {recipe.runtime} baseline "
                            "does not save them")
-    if resume == LATEST:
-        ckpt.dir = ckpt.dir or default_dir(recipe)
-        path = checkpoint.latest(ckpt.dir)
-        if path is None:
-            cut = _incomplete(ckpt.dir)
-            say(f"zerorun: no checkpoint in {ckpt.dir} yet"
-                + (f" ({cut} unfinished save{'s' * (cut > 1)} ignored)" if cut else "")
-                + ": starting from step 0" + ("" if ckpt.every else "; it will be saved there at the end"))
-            ckpt.resume = None
-            check_save_folder(recipe)
-            return True
-        cut = _incomplete(ckpt.dir)
-        if cut:  # a save cut short: the line says which checkpoint is taken instead
-            say(f"zerorun: {cut} unfinished save{'s' * (cut > 1)} in {ckpt.dir} ignored: resuming from the latest "
-                f"complete checkpoint, {os.path.basename(path)}")
-    else:
-        path = checkpoint.resolve(resume)
+    path = _latest(recipe, initial, say) if resume == LATEST else checkpoint.resolve(resume)
+    if path is None:
+        ckpt.resume = None
+        check_save_folder(recipe)
+        return True
     meta = checkpoint.check(path)
     if meta["scheduler"] is None:  # the ranks would refuse it after the launch (loading.py), with a script's hint
         raise ZerorunError(f"{os.path.join(path, checkpoint.META)}: saved without an LR scheduler (by a script of "
@@ -115,6 +104,29 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
         if line:
             say(line)
     return True
+
+
+def _latest(recipe, initial: str | None, say: Callable[[str], None]) -> str | None:
+    """A bare ``--resume``: the latest complete checkpoint of ``checkpoint.dir`` (its default made), else the
+    recipe's own ``checkpoint.resume`` (``initial``: a pretrained start; found by review: a requeued fine-tuning
+    job started from step 0), else None (step 0); ``say`` says which where it is not the latest, or none."""
+    from zerorun.checkpoint import files as checkpoint
+
+    ckpt = recipe.checkpoint
+    ckpt.dir = ckpt.dir or default_dir(recipe)
+    path, cut = checkpoint.latest(ckpt.dir), _incomplete(ckpt.dir)
+    unfinished = f" ({cut} unfinished save{'s' * (cut > 1)} ignored)" if cut else ""
+    if path is None and initial is not None:
+        say(f"zerorun: no checkpoint in {ckpt.dir} yet{unfinished}: starting from the recipe's checkpoint.resume, "
+            f"{initial}")
+        return checkpoint.resolve(initial)
+    if path is None:
+        say(f"zerorun: no checkpoint in {ckpt.dir} yet{unfinished}: starting from step 0"
+            + ("" if ckpt.every else "; it will be saved there at the end"))
+    elif cut:  # a save cut short: the line says which checkpoint is taken instead
+        say(f"zerorun: {cut} unfinished save{'s' * (cut > 1)} in {ckpt.dir} ignored: resuming from the latest "
+            f"complete checkpoint, {os.path.basename(path)}")
+    return path
 
 
 def check_save_folder(recipe) -> None:

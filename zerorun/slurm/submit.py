@@ -151,7 +151,8 @@ def render_script(*, recipe, recipe_path: str, overrides: list[str], options: Su
     again = f"sbatch {script}" if options.resume is not None else resubmit_command(
         command or ["zerorun", "submit", recipe_path, *overrides])
     argv = train_argv(recipe_path, overrides, procs, python or sys.executable, options.resume)
-    return "\n".join(lines + _body(argv, run_dir, workdir, options.resume is not None, again)) + "\n"
+    requeue = options.resume is None and recipe.runtime == "zero"  # the baselines save no checkpoints
+    return "\n".join(lines + _body(argv, run_dir, workdir, options.resume is not None, again, requeue)) + "\n"
 
 
 def resubmit_command(command: list[str]) -> str:
@@ -204,9 +205,10 @@ def _directives(recipe, options: SubmitOptions, run_dir: str, procs: int, early:
     return lines
 
 
-def _body(argv: list[str], run_dir: str, workdir: str, resume: bool, again: str) -> list[str]:
+def _body(argv: list[str], run_dir: str, workdir: str, resume: bool, again: str, requeue: bool) -> list[str]:
     """The script's commands: refuse to run as a job array's task, set RUN_DIR, cd to where submit ran, and
-    ``exec`` zerorun train (the batch shell becomes the launcher: ``B:`` signals reach it)."""
+    ``exec`` zerorun train (the batch shell becomes the launcher: ``B:`` signals reach it); with ``requeue``, a
+    requeued run adds ``--resume``."""
     q = shlex.quote
     cut = resume  # --resume goes on the options' line
     lines = [
@@ -227,8 +229,8 @@ def _body(argv: list[str], run_dir: str, workdir: str, resume: bool, again: str)
         "exec " + shlex.join(argv[:5]) + " \\",
         # a requeued run (SLURM_RESTART_COUNT set) continues the job's own checkpoints: Note [One job's checkpoints
         # per folder] in zerorun/checkpoint/resume.py refuses a new start beside them
-        "    " + shlex.join(argv[5:10 + cut]) + ' --run-dir "$RUN_DIR"' + ("" if resume else
-                                                                          " ${SLURM_RESTART_COUNT:+--resume}")
+        "    " + shlex.join(argv[5:10 + cut]) + ' --run-dir "$RUN_DIR"' + (" ${SLURM_RESTART_COUNT:+--resume}"
+                                                                          if requeue else "")
         + (" \\" if argv[10 + cut:] else ""),
     ]
     if argv[10 + cut:]:
