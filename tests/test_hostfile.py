@@ -25,6 +25,8 @@ def test_parses_deepspeed_format_with_comments_and_blank_lines():
      r"hf:1: host name '-oProxyCommand=touch\$\{IFS\}/tmp/x' starts with '-': ssh would take it for an option"),
     ("worker-1 slots=1\n-p2222 slots=1\n", r"hf:2: host name '-p2222' starts with '-'"),
     ("- slots=1\n", r"hf:1: host name '-' starts with '-'"),
+    # a name with YAML's colon was reached over SSH as 'localhost:' (found by review)
+    ("localhost: slots=2\n", r"^hf:1: host name 'localhost:' ends with ':': write 'localhost slots=N'$"),
 ])
 def test_bad_hostfiles_name_the_line(text, expected):
     with pytest.raises(ZerorunError, match=expected) as info:

@@ -60,6 +60,8 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (["nonsense"], r"override 'nonsense': expected FIELD=VALUE"),
     (["name.x=1"], r"override 'name.x=1': name is not a mapping"),
     (["train.optimizer.name=Adamm"], r"^override 'train.optimizer.name=Adamm': train\.optimizer\.name: unknown optimizer"),
+    (["train.optimizer.name=AdamWW"], r"unknown optimizer 'AdamWW': not a class in torch\.optim \(did you mean "
+                                      r"'AdamW'\?\)$"),  # as field typos are (found by review)
     (["train.optimizer.name=LBFGS"], r"optimizer LBFGS is not elementwise"),
     (["train.optimizer.momentum=0.9"], r"train\.optimizer\.momentum: AdamW has no argument 'momentum'"),
     (["train.optimizer.betas=[0.9]"], r"train\.optimizer: AdamW\(.*betas=\[0\.9\]\) refused these values: "

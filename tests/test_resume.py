@@ -117,6 +117,9 @@ def test_resume_just_works_first_run_then_more_steps(tmp_path):
         prepare_resume(load_recipe(TINY, ["train.steps=5", f"log.dir={tmp_path / 'runs'}"]), LATEST)
     assert str(e.value) == (f"--resume: {default / 'step-00000006'} was saved after step 6 and train.steps is 5: "
                             "nothing left to train (raise train.steps to train on)")
+    with pytest.raises(ZerorunError) as e:  # another recipe's checkpoint: said first (found by review: the advice
+        prepare_resume(load_recipe(TINY, ["name=mlp", "train.steps=5"]), str(default))  # to raise train.steps only)
+    assert str(e.value).startswith(f"--resume: {default / 'step-00000006'} was saved by recipe 'tiny' after step 6 ")
     # a job that starts from the recipe's checkpoint.resume (fine-tuning) into a folder of its own, with a bare
     # --resume (a requeued batch job's): none of its own yet, so from the recipe's, not from step 0 (found by review)
     said, start = [], str(default / "step-00000006")
@@ -291,3 +294,13 @@ def test_a_job_never_saves_beside_checkpoints_it_does_not_continue(tmp_path):
         check_save_folder(r)
     r = load_recipe(TINY, [*fresh, f"checkpoint.dir={tmp_path / 'unfinished'}"])
     assert prepare_resume(r, LATEST) and r.checkpoint.resume is None  # none to continue: step 0, saving there
+    # the folder it suggests is free (found by review: "-2", taken by the first one who followed the advice)
+    _complete(tmp_path / "tiny" / "checkpoints-2", 10, 4.0)
+    with pytest.raises(ZerorunError) as e:
+        prepare_resume(load_recipe(TINY, [*fresh, f"checkpoint.dir={default}-2"]), None)
+    assert str(e.value) == (
+        f"checkpoint.dir {default}-2 holds a checkpoint of an earlier job (step-00000010): a new job would save beside "
+        "it, replacing and pruning it (checkpoint.keep 2). Continue that job with --resume, give this one a folder of "
+        f"its own (checkpoint.dir={default}-2-2), or remove it first")
+    with pytest.raises(ZerorunError, match=r"\(checkpoint\.dir=.*/checkpoints-3\)"):
+        prepare_resume(load_recipe(TINY, fresh), None)

@@ -206,6 +206,8 @@ def test_error_in_user_forward_names_its_line(tmp_path):
     ("import torch\ndef build_model(:\n", r"model\.py: cannot import: SyntaxError", "train"),
     ("import no_such_module_xyz\n", r"model\.py: cannot import: ModuleNotFoundError", "dry-run"),
     ("def other():\n    pass\n", r"model\.py: has no callable 'build_model'", "dry-run"),
+    ("def build_modle():\n    pass\n", r"model\.py: has no callable 'build_model' \(did you mean 'build_modle'\?\)",
+     "dry-run"),
     ("def build_model():\n    raise ValueError('bad width')\n", r"build_model\(\*\*\{\}\) raised ValueError: bad width",
      "train"),  # the check leaves it to the ranks
     ("def build_model():\n    return 3\n", r"build_model\(\) returned int, not a torch\.nn\.Module", "dry-run"),

@@ -96,9 +96,11 @@ def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None
         say(f"zerorun: {path} was saved after step {step}, the last of train.steps: the job is done, nothing to "
             "train (raise train.steps to train on)")
         return False
+    saved_by = (meta.get("recipe") or {}).get("name")  # another recipe's checkpoint: said first (found by review)
+    other = f" by recipe {saved_by!r}" if isinstance(saved_by, str) and saved_by != recipe.name else ""
     if step > steps:
-        raise ZerorunError(f"--resume: {path} was saved after step {step} and train.steps is {steps}: nothing "
-                           "left to train (raise train.steps to train on)")
+        raise ZerorunError(f"--resume: {path} was saved{other} after step {step} and train.steps is {steps}: "
+                           "nothing left to train (raise train.steps to train on)")
     check_save_folder(recipe)
     for line in (schedule_change(meta, recipe, step), optimizer_change(meta, recipe, path)):
         if line:
@@ -142,14 +144,15 @@ def check_save_folder(recipe) -> None:
     found = list_complete(ckpt.dir) if ckpt.dir else []
     if not found or (ckpt.resume and os.path.dirname(os.path.realpath(ckpt.resume)) == os.path.realpath(ckpt.dir)):
         return  # the resumed checkpoint (through a link to it too) is one of the folder's
-    latest = os.path.basename(found[-1][2])
+    latest, them = os.path.basename(found[-1][2]), "them" if len(found) > 1 else "it"
     held = f"{len(found)} checkpoints of an earlier job ({latest} the latest)" if len(found) > 1 else \
         f"a checkpoint of an earlier job ({latest})"
-    why = (f"this job resumes from {ckpt.resume} and would save beside them" if ckpt.resume else
-           "a new job would save beside them")
-    raise ZerorunError(f"checkpoint.dir {ckpt.dir} holds {held}: {why}, replacing and pruning them "
+    why = (f"this job resumes from {ckpt.resume} and would save beside {them}" if ckpt.resume else
+           f"a new job would save beside {them}")
+    free = next(f"{ckpt.dir}-{n}" for n in range(2, 10**6) if not list_complete(f"{ckpt.dir}-{n}"))
+    raise ZerorunError(f"checkpoint.dir {ckpt.dir} holds {held}: {why}, replacing and pruning {them} "
                        f"(checkpoint.keep {ckpt.keep}). Continue that job with --resume, give this one a folder of "
-                       f"its own (checkpoint.dir={ckpt.dir}-2), or remove them first")
+                       f"its own (checkpoint.dir={free}), or remove {them} first")
 
 
 def optimizer_change(meta: dict, recipe, path: str = "the checkpoint") -> str | None:

@@ -62,7 +62,11 @@ def call_factory(spec: str, factory: str, kwargs: dict[str, Any], module: Any = 
     module = module if module is not None else load_module(spec)
     fn = getattr(module, factory, None)
     if not callable(fn):
-        raise UserCodeError(f"{spec}: has no callable {factory!r}")
+        import difflib
+
+        near = difflib.get_close_matches(factory, [n for n, v in vars(module).items() if callable(v)
+                                                   and not n.startswith("_")], n=1)
+        raise UserCodeError(f"{spec}: has no callable {factory!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C callable without a signature: let the call say

@@ -82,6 +82,8 @@ def parse_hostfile(text: str, path: str = "hostfile") -> list[Host]:
         if not m:
             raise ZerorunError(f"{path}:{lineno}: malformed line {raw.strip()!r}: expected 'HOST slots=N'")
         name, slots_text = m.group("host"), m.group("slots")
+        if name.endswith(":"):  # 'host: slots=2' (YAML's habit): no host name ends so (IPv6 ones neither)
+            raise ZerorunError(f"{path}:{lineno}: host name {name!r} ends with ':': write '{name[:-1]} slots=N'")
         if slots_text is None:
             raise ZerorunError(f"{path}:{lineno}: {name}: missing slots=N")
         try:

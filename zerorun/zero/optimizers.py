@@ -57,7 +57,13 @@ def optimizer_class(optimizer: str | type) -> type:
     if isinstance(optimizer, str):
         cls = getattr(torch.optim, optimizer, None)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise ValueError(f"unknown optimizer {optimizer!r}: not a class in torch.optim")
+            import difflib
+
+            names = [n for n, c in vars(torch.optim).items() if isinstance(c, type)
+                     and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer]
+            near = difflib.get_close_matches(optimizer, names, n=1)
+            raise ValueError(f"unknown optimizer {optimizer!r}: not a class in torch.optim"
+                             + (f" (did you mean {near[0]!r}?)" if near else ""))
         return cls
     if isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's initialize(optimizer=opt) habit
         raise ValueError(f"optimizer: got an instance of {type(optimizer).__name__}; the engine makes the optimizer "
