@@ -367,3 +367,16 @@ def test_only_the_agent_holding_other_nodes_store_exits_through_teardown():
     assert not hosts_store_for_others(["--nnodes=2", "--node-rank=1"])
     assert not hosts_store_for_others(["--nnodes=1", "--node-rank=0"])
     assert not hosts_store_for_others(["--nproc-per-node=2", "train.py"])  # torchrun's default: one node
+
+
+def test_the_continue_command_is_the_launchers_own_line_with_a_bare_resume():
+    """Found by review: "continue with zerorun train ... --resume" left the user to rebuild the command line (a
+    checkpoint.every override forgotten); launch.env values stay out of it (job.json keeps the message)."""
+    from zerorun.launch.supervisor import continue_command
+
+    assert continue_command(["/bin/zerorun", "train", "r.yaml", "checkpoint.every=50", "--resume", "/ck/step-1",
+                             "zero.stage=3"]) == "zerorun train r.yaml checkpoint.every=50 zero.stage=3 --resume"
+    assert continue_command(["zerorun", "train", "my runs/r.yaml", "--resume=/ck", "launch.env.TOKEN=s3cret",
+                             "--no-dashboard"]) == ("zerorun train 'my runs/r.yaml' 'launch.env.TOKEN=<masked>' "
+                                                    "--no-dashboard --resume")
+    assert continue_command(["zerorun", "launch", "s.py"]) == "zerorun train ... --resume"

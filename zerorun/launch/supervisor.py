@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import queue
+import shlex
 import signal
+import sys
 import threading
 import time
 from typing import Callable
@@ -19,6 +21,22 @@ from zerorun.launch.outcome import Outcome
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.teardown import signal_running, teardown
 from zerorun.telemetry.events import Event
+
+
+def continue_command(argv: list[str]) -> str:
+    """The command line that continues a stopped ``zerorun train`` from its latest checkpoint: ``argv`` (this
+    launcher's) with a bare ``--resume`` in place of any other, ``launch.env`` values masked (the line is kept
+    in job.json); ``zerorun train ... --resume`` for another command (found by review: the user rebuilt it)."""
+    words = list(argv[1:])
+    if words[:1] != ["train"]:
+        return "zerorun train ... --resume"
+    out = []
+    for i, w in enumerate(words):
+        if w.startswith("--resume=") or w == "--resume" or (i and words[i - 1] == "--resume" and "=" not in w
+                                                             and not w.startswith("-")):
+            continue
+        out.append(f"{w.split('=', 1)[0]}=<masked>" if w.startswith("launch.env") and "=" in w else w)
+    return shlex.join(["zerorun", *out, "--resume"])
 
 
 class Supervisor:
@@ -94,7 +112,7 @@ class Supervisor:
         1)"``)."""
         stopped = self.seen.stopped
         e = stopped.get(0) or next(iter(stopped.values()))  # the save is collective: one is enough
-        again = os.environ.get("ZERORUN_CONTINUE") or "zerorun train ... --resume"  # a submitted job's: its resubmit
+        again = os.environ.get("ZERORUN_CONTINUE") or continue_command(sys.argv)  # a submitted job's: its resubmit
         return (f"stopped by {sig}{to} after step {e.data.get('step')}: every rank saved checkpoint "
                 f"{e.data.get('path')} and exited; continue with {again}")
 
