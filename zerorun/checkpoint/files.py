@@ -59,8 +59,8 @@ def read_meta(path: str) -> dict[str, Any]:
     if not isinstance(meta, dict) or missing or meta.get("format") != FORMAT:
         raise ZerorunError(f"{meta_path}: not a zerorun checkpoint of format {FORMAT}"
                            + (f" (missing key {missing[0]!r})" if missing else ""))
-    _check_step(path, meta["step"], meta_path)
     marker = _marker(path)
+    _check_step(path, meta["step"], meta_path, marker.get("step"))
     if isinstance(marker.get("sha256"), str) and marker["sha256"] != _sha256(meta_path):  # older ones hold none
         raise ZerorunError(f"{meta_path}: changed since it was saved (its SHA-256 differs from the {MARKER} "
                            "marker's): edited by hand? refusing the checkpoint")
@@ -91,9 +91,10 @@ def _not_complete(path: str) -> str:
     return f"{path}: not a complete checkpoint (no {MARKER} marker: its save did not finish)"
 
 
-def _check_step(path: str, step: Any, meta_path: str) -> None:
+def _check_step(path: str, step: Any, meta_path: str, marked: Any) -> None:
     """``zerorun.json``'s ``step``: a whole number, the same as the folder's name (``step-00000574``, when it has
-    that form) and the ``COMPLETE`` marker's ``step`` (when it holds one), both written by the same save.
+    that form) and the ``COMPLETE`` marker's ``step`` (``marked``, when it holds one), both written by the same
+    save.
 
     Raises:
         ZerorunError: naming ``zerorun.json`` and what it disagrees with (a hand-edited step resumed "after
@@ -105,7 +106,6 @@ def _check_step(path: str, step: Any, meta_path: str) -> None:
     m = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
     if m and int(m.group(1)) != step:
         others.append(f"the folder's name {m.group(0)}")
-    marked = _marker(path).get("step")
     if isinstance(marked, int) and marked != step:
         others.append(f"its {MARKER} marker's step {marked}")
     if others:

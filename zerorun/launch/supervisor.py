@@ -20,6 +20,7 @@ from zerorun.launch.observed import Observed
 from zerorun.launch.outcome import Outcome
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.teardown import signal_running, teardown
+from zerorun.recipe.text import MASK
 from zerorun.telemetry.events import Event
 
 
@@ -35,7 +36,7 @@ def continue_command(argv: list[str]) -> str:
         if w.startswith("--resume=") or w == "--resume" or (i and words[i - 1] == "--resume" and "=" not in w
                                                              and not w.startswith("-")):
             continue
-        out.append(f"{w.split('=', 1)[0]}=<masked>" if w.startswith("launch.env") and "=" in w else w)
+        out.append(f"{w.split('=', 1)[0]}={MASK}" if w.startswith("launch.env") and "=" in w else w)
     return shlex.join(["zerorun", *out, "--resume"])
 
 
@@ -110,8 +111,7 @@ class Supervisor:
         """What the ranks that stopped on SIGTERM saved (Note [Checkpoint on SIGTERM] in zerorun/rank/stopsignal.py):
         the step, the checkpoint, and how to continue; ``to`` names where the signal went (``" (sent to rank
         1)"``)."""
-        stopped = self.seen.stopped
-        e = stopped.get(0) or next(iter(stopped.values()))  # the save is collective: one is enough
+        e = self._stop_event()
         again = os.environ.get("ZERORUN_CONTINUE") or continue_command(sys.argv)  # a submitted job's: its resubmit
         return (f"stopped by {sig}{to} after step {e.data.get('step')}: every rank saved checkpoint "
                 f"{e.data.get('path')} and exited; continue with {again}")
@@ -122,7 +122,7 @@ class Supervisor:
         to a rank alone (``kill`` of one process), which the ranks agreed on and name (``signalled_rank``,
         zerorun/rank/stopsignal.py): the result names it and its host. A save the launcher asked for (SIGUSR1 from
         SLURM before the time limit) is job-wide and named by that signal."""
-        e = self.seen.stopped.get(0) or next(iter(self.seen.stopped.values()))
+        e = self._stop_event()
         lost = self._lost_node() if self._save is None and self._stop is None else None
         if lost is not None:
             return lost
@@ -133,6 +133,11 @@ class Supervisor:
             return Outcome("interrupted", 143, by, node.host.name if node else None,
                            self._stopped_message("SIGTERM", f" (sent to rank {by})"))
         return Outcome("interrupted", 143, message=self._stopped_message(self._save or "SIGTERM"))
+
+    def _stop_event(self) -> Event:
+        """A ``stopped`` event of the ranks that saved on SIGTERM (rank 0's where it came): the save is collective,
+        so one says its step and checkpoint for all."""
+        return self.seen.stopped.get(0) or next(iter(self.seen.stopped.values()))
 
     def _lost_node(self) -> Outcome | None:
         """A stop nobody asked for: a node whose torchrun agent or watcher died stopped its ranks (SIGTERM from the
@@ -147,8 +152,7 @@ class Supervisor:
         reasons = [self.seen.end_reason(n) for n in range(len(self.nodes))]
         if not any(reasons) or any(r and r.startswith(SCHEDULER_STOP) for r in reasons):
             return None  # no node lost, or SLURM stopped the step (its time limit): a stop from outside
-        out = blame.failure(self.seen, self.plan, None)
-        e = self.seen.stopped.get(0) or next(iter(self.seen.stopped.values()))
+        out, e = blame.failure(self.seen, self.plan, None), self._stop_event()
         out.message += f"; every rank saved checkpoint {e.data.get('path')} after step {e.data.get('step')} first"
         return out
 

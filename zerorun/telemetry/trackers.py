@@ -19,8 +19,8 @@ its own, and each checkpoint's ``zerorun.json`` names the job that saved it. A j
 (``checkpoint.resume``, set by ``--resume``) continues the runs of the job that saved that checkpoint (a job started
 on the folder since, killed before it saved anything, is not the one continued): TensorBoard writes into the same
 folder with ``purge_step`` and the CSV drops its rows after the checkpoint (the steps after it that a failed job
-logged are gone; from step 0, step 0's evaluation too, which the job makes again); wandb resumes the run id (``resume="allow"``) and MLflow reopens the run, and neither can take
-back a point once logged: wandb ignores the steps logged again (its values stay the failed job's), MLflow keeps
+logged are gone; from step 0, step 0's evaluation too, which the job makes again); wandb resumes the run id
+(``resume="allow"``) and MLflow reopens the run, and neither can take back a point once logged: wandb ignores the steps logged again (its values stay the failed job's), MLflow keeps
 both (the later timestamp is the resumed job's). The same job started again in its run folder (a restart, a
 requeued batch job) finds the file there first. The CSV is the run folder's, as ``metrics.jsonl`` is. A
 ``trackers.json`` of an earlier zerorun (one identity, no ``jobs``) is kept as ``earlier`` and continued by a

@@ -62,8 +62,8 @@ root's all-gather and not freed at the first listed call. Every rank decides ali
 everywhere), and the same from the first step (``zerorun estimate`` counts them once:
 ``estimate.hierarchy.kept_units``). Between the forward and its backward they are guarded as at rest: user code
 reading or writing them there, outside a forward, is refused as where they are freed (a write would be lost),
-until the backward or a new forward begins; ``gathered_parameters`` and ``full_state_dict`` there free them first (a read-only block would otherwise
-leave them unguarded). The units their forward reads (a root penalty on a block's weight: Note [External
+until the backward or a new forward begins; ``gathered_parameters`` and ``full_state_dict`` there free them
+first (a read-only block would otherwise leave them unguarded). The units their forward reads (a root penalty on a block's weight: Note [External
 parameters]) are freed at the forward's end and gathered again when backward begins, as with the root. The
 optimizer step, a forward with gradients off and a checkpoint's load free them too. Larger ones (an LM head of
 ``V x d``) follow the schedule above.
