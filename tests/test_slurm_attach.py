@@ -123,6 +123,27 @@ def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):
     assert stuck.state == "COMPLETING" and slurm_attach.exit_status(stuck, str(tmp_path), "8") == 1
 
 
+def test_a_job_that_records_no_run_folder_is_named_by_the_state_it_ends_in(monkeypatch):
+    """A job of the user's own script that runs no zerorun train: attach names the state it ends in, not SLURM's
+    COMPLETING clean-up on the way (found by a suite run: "ended (COMPLETING)", now and then), and a node stuck in
+    that clean-up ends the wait after COMPLETING_WAIT_S."""
+    from zerorun.slurm import attach as slurm_attach
+
+    def nowhere(job_id, info):
+        raise ZerorunError("not zerorun's")
+
+    monkeypatch.setattr(slurm_attach, "find_run_dir", nowhere)
+    states = iter([slurm_jobs.JobInfo("9", "RUNNING"), slurm_jobs.JobInfo("9", "COMPLETING"),
+                   slurm_jobs.JobInfo("9", "COMPLETING"), slurm_jobs.JobInfo("9", "COMPLETED")])
+    monkeypatch.setattr(slurm_attach, "job_info", lambda job_id: next(states))
+    with pytest.raises(ZerorunError, match=r"^job 9 ended \(COMPLETED\) and no zerorun train in it recorded"):
+        slurm_attach._wait_for_record("9", 0.001)
+    monkeypatch.setattr(slurm_attach, "COMPLETING_WAIT_S", 0.05)
+    monkeypatch.setattr(slurm_attach, "job_info", lambda job_id: slurm_jobs.JobInfo("9", "COMPLETING"))
+    with pytest.raises(ZerorunError, match=r"^job 9 ended \(COMPLETING\)"):
+        slurm_attach._wait_for_record("9", 0.001)
+
+
 def test_attach_follows_a_job_across_slurms_requeue(tmp_path, monkeypatch):
     """Issue 34 item 14: SLURM requeues a running job (COMPLETING with Restarts counted up, its zerorun train
     records exit 143, then PENDING for BeginTime, then a second run that completes). attach exited 143

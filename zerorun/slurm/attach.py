@@ -70,12 +70,19 @@ def _wait_for_record(job_id: str, poll_s: float) -> str:
     Raises:
         ZerorunError: the job ended (or SLURM forgot it) before any did.
     """
+    completing_until = None
     while True:
         time.sleep(poll_s)
         info = job_info(job_id)
         try:
             return find_run_dir(job_id, info)
         except ZerorunError:
+            # SLURM's clean-up: the line names the state the job ends in (COMPLETED, FAILED), or COMPLETING where a
+            # node is stuck in it for COMPLETING_WAIT_S (found by a suite run: "ended (COMPLETING)", now and then)
+            if info is not None and info.state == "COMPLETING":
+                completing_until = completing_until or time.monotonic() + COMPLETING_WAIT_S
+                if time.monotonic() < completing_until:
+                    continue
             if info is None or not info.active:
                 raise ZerorunError(f"job {job_id} ended ({info.state if info else 'SLURM no longer knows it'}) "
                                    "and no zerorun train in it recorded a run folder") from None
