@@ -13,8 +13,9 @@ fp32 -> ``zero.reduce_dtype``; ``data_types.grad_accum_dtype`` -> ``zero.grad_ac
 ``gradient_clipping`` -> ``train.grad_clip``; ``train_micro_batch_size_per_gpu``/``gradient_accumulation_steps``
 (or derived from ``train_batch_size`` and the hostfile's slots) -> ``train.micro_batch_size``/``grad_accum_steps``;
 ``optimizer`` (Adam/AdamW/SGD/Adagrad and the params torch.optim's class also takes: :data:`CARRIED`) ->
-``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR -> ``train.schedule`` (and
-``train.steps`` from ``total_num_steps``); ``steps_per_print`` -> ``log.every`` (at most a known ``train.steps``);
+``train.optimizer``; ``scheduler`` WarmupLR/WarmupDecayLR/WarmupCosineLR, or none -> ``train.schedule`` (and
+``train.steps`` from ``total_num_steps``: Note [DeepSpeed's schedules] in ``deepspeed_schedule.py``);
+``steps_per_print`` -> ``log.every`` (at most a known ``train.steps``);
 the ``tensorboard``/``wandb``/``csv_monitor`` monitors -> ``log.trackers``. The HF Trainer's ``"auto"`` values
 are filled in first (Note [HF Trainer auto] in ``deepspeed_auto.py``). Every other field is listed as dropped,
 with the reason, in the recipe's header comment and on stderr, except a flag zerorun always follows set true
@@ -23,20 +24,21 @@ and a feature left off (false, ``enabled: false``).
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 import yaml
 
 from zerorun.errors import ZerorunError
-from zerorun.hf.deepspeed_auto import check_options, mark_fill_in, monitors, resolve_auto
-from zerorun.hf.deepspeed_fields import ALWAYS, CARRIED, not_carried, zero_plus_plus
+from zerorun.hf.deepspeed_auto import check_options, has_auto, mark_fill_in, monitors, resolve_auto
+from zerorun.hf.deepspeed_fields import ALWAYS, CARRIED, not_carried, parse_config, zero_plus_plus
+from zerorun.hf.deepspeed_schedule import finish_schedule, map_scheduler
 
 class _Import:
-    def __init__(self, ds: dict, world_size: int | None, given: dict[str, Any]) -> None:
-        self.ds, self.world, self.given = ds, world_size, given
+    def __init__(self, ds: dict, world_size: int | None, given: dict[str, Any], hf_config: bool) -> None:
+        self.ds, self.world, self.given, self.hf_config = ds, world_size, given, hf_config
         self.dropped: list[str] = []
+        self.fill_in: list[str] = []  # "field: why" lines for the recipe's header
         self.steps_known = 0  # train.steps from --steps or the scheduler's total_num_steps (0: the placeholder)
         self.recipe: dict[str, Any] = {"name": "imported",
                                        "model": {"module": "path/to/model.py", "factory": "build_model"},
@@ -94,15 +96,16 @@ class _Import:
             z = {"stage": 1 if z else 0}
         self.zero(dict(self.section("zero_optimization", z or None)))  # 0, [] and "" read as absent, as before
         self.optimizer(ds.pop("optimizer", None))
-        self.scheduler(ds.pop("scheduler", None))
+        map_scheduler(self, ds.pop("scheduler", None), self.hf_config)  # Note [DeepSpeed's schedules]
         train = self.recipe["train"]
         if self.given.get("steps"):
             train["steps"] = self.steps_known = self.given["steps"]
+        finish_schedule(self.recipe, self.steps_known)
         if self.given.get("lr"):  # the HF Trainer's optimizer is AdamW
             train.setdefault("optimizer", {"name": "AdamW"})["lr"] = self.given["lr"]
         if "gradient_clipping" in ds:
             clip = self.num("gradient_clipping", ds.pop("gradient_clipping"))
-            if clip:
+            if clip and clip > 0:  # DeepSpeed clips only above 0 (-1 wrote a recipe that did not load)
                 train["grad_clip"] = clip
         log = monitors(ds, self.drop)  # Note [HF Trainer auto] in deepspeed_auto.py
         if "steps_per_print" in ds:
@@ -195,10 +198,30 @@ class _Import:
         elif total is not None and self.world is not None and micro * accum * self.world != total:
             raise ZerorunError(f"train_batch_size: {total} != train_micro_batch_size_per_gpu {micro} x "
                                f"gradient_accumulation_steps {accum} x {self.world} ranks (the hostfile's slots)")
+        elif total is not None and self.world is None:  # no hostfile: the ranks it implies (passed over before a review)
+            self._implied_ranks(total, micro, accum)
         if micro:
             train["micro_batch_size"] = micro
+        else:  # DeepSpeed refuses a config without either; the placeholder 1 trained without a word
+            self.fill_in.append("train.micro_batch_size: not in the config (train_micro_batch_size_per_gpu, or "
+                                "train_batch_size with --hostfile): give --micro-batch-size or set it")
         if accum:
             train["grad_accum_steps"] = accum
+
+    def _implied_ranks(self, total: int, micro: int, accum: int) -> None:
+        """``train_batch_size`` beside a micro-batch and accumulation, no hostfile: the ranks they imply, under
+        "Fill in" (the recipe trains on as many ranks as it is launched on).
+
+        Raises:
+            ZerorunError: ``total`` not a multiple of ``micro`` x ``accum`` (DeepSpeed asserts it for any world).
+        """
+        if total % (micro * accum):
+            raise ZerorunError(f"train_batch_size: {total} is not train_micro_batch_size_per_gpu {micro} x "
+                               f"gradient_accumulation_steps {accum} x a number of ranks (DeepSpeed refuses it too)")
+        ranks = total // (micro * accum)
+        self.fill_in.append(f"ranks: train_batch_size {total} is micro-batch {micro} x {accum} accumulation steps x {ranks} "
+                            f"rank{'s' * (ranks != 1)}: train on {ranks} (zerorun train -H hostfile; or import "
+                            "with --hostfile)")
 
     def zero(self, z: dict) -> None:
         out = self.recipe["zero"]
@@ -298,43 +321,6 @@ class _Import:
             self.drop(f"optimizer.params.{key}", not_carried(key, out["name"]))
         self.recipe["train"]["optimizer"] = out
 
-    def scheduler(self, sched: Any) -> None:
-        sched = self.section("scheduler", sched)
-        if not sched:
-            return
-        kind = sched.get("type")
-        p = dict(self.section("scheduler.params", sched.get("params")))
-        schedule: dict[str, Any] = {}
-        train = self.recipe["train"]
-        if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-            self.drop("scheduler", f"type {kind!r}: train.schedule has linear warm-up, then cosine/linear/constant")
-            return
-        if "warmup_num_steps" in p:
-            schedule["warmup_steps"] = self.num("scheduler.params.warmup_num_steps", p.pop("warmup_num_steps"), int)
-        if "warmup_max_lr" in p:
-            lr = self.num("scheduler.params.warmup_max_lr", p.pop("warmup_max_lr"))
-            if lr:
-                train.setdefault("optimizer", {"name": "AdamW"})["lr"] = lr
-        if "total_num_steps" in p:
-            steps = self.num("scheduler.params.total_num_steps", p.pop("total_num_steps"), int)
-            if steps:
-                train["steps"] = self.steps_known = steps
-        if kind == "WarmupLR":
-            schedule["decay"] = "constant"
-        elif kind == "WarmupDecayLR":
-            schedule.update(decay="linear", min_lr_ratio=0.0)
-        else:
-            schedule.update(decay="cosine", min_lr_ratio=self.num("scheduler.params.cos_min_ratio",
-                                                                  p.pop("cos_min_ratio", 0.0001)))
-        for key in ("warmup_min_lr", "warmup_min_ratio"):
-            if p.pop(key, 0):
-                self.drop(f"scheduler.params.{key}", "zerorun's warm-up starts at lr/warmup_steps")
-        if p.pop("warmup_type", "linear") != "linear":
-            self.drop("scheduler.params.warmup_type", "zerorun's warm-up is linear")
-        for key in sorted(p):
-            self.drop(f"scheduler.params.{key}", "no zerorun equivalent")
-        train["schedule"] = {k: v for k, v in schedule.items() if v is not None}  # 'auto': listed, left out
-
 
 def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tuple[str, list[str], list[str]]:
     """``(recipe YAML text, dropped fields as "field: reason", what to fill in)`` for DeepSpeed config ``path``.
@@ -352,13 +338,7 @@ def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tu
     from zerorun.recipe import read_text
 
     check_options(given)
-    text = read_text(path, "DeepSpeed config")
-    try:
-        ds = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ZerorunError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
-    if not isinstance(ds, dict):
-        raise ZerorunError(f"{path}: a DeepSpeed config is a JSON object")
+    ds = parse_config(path, read_text(path, "DeepSpeed config"))
     world = procs = None
     if hostfile:
         from zerorun.recipe.hostfile import read_hostfile
@@ -366,8 +346,12 @@ def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tu
         hosts = read_hostfile(hostfile)
         world, procs = sum(h.slots for h in hosts), hosts[0].slots
     try:
+        hf_config = has_auto(ds)  # written for the HF Trainer, which fills its "auto" values
         ds, notes, fill_in = resolve_auto(ds, given)
-        imp = _Import(ds, world, given)
+        if hf_config and not ds.get("scheduler"):  # Note [DeepSpeed's schedules]
+            notes.append("scheduler: none, so the HF Trainer's own (lr_scheduler_type linear, warmup_steps 0): "
+                         "linear decay to 0")
+        imp = _Import(ds, world, given, hf_config)
         recipe = imp.run()
     except ZerorunError as e:
         raise ZerorunError(f"{path}: {e}") from None
@@ -375,10 +359,12 @@ def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tu
         raise ZerorunError(f"{path}: a field has an unexpected value: {e}") from None
     if procs:
         recipe["launch"] = {"procs_per_node": procs}
-    if (notes or fill_in) and given.get("steps") is None and not any(f.startswith("train.steps:") for f in fill_in):
-        fill_in.append("train.steps: not in the config (the HF Trainer's max_steps or num_train_epochs): give "
-                       "--steps or set it")
-    mark_fill_in(recipe, fill_in)
+    if given.get("steps") is None and not imp.steps_known and not any(f.startswith("train.steps:") for f in fill_in):
+        # 'auto' for the HF Trainer's config; a plain one's 1000-step placeholder was not named (a review)
+        (fill_in if hf_config else imp.fill_in).append("train.steps: not in the config (a scheduler's total_num_steps, the HF Trainer's max_steps "
+                           "or num_train_epochs): give --steps or set it")
+    mark_fill_in(recipe, fill_in)  # the HF Trainer's 'auto' values; the placeholders below stay loadable
+    fill_in += [line for line in imp.fill_in if not any(f.split(":")[0] == line.split(":")[0] for f in fill_in)]
     fill_in = ["model, data: placeholders (a model module or model.hf; your data)"] + fill_in
     head = [f"# Imported from {path} by zerorun import-deepspeed" + (f" (hostfile {hostfile})" if hostfile else ""),
             "# Fill in, then: zerorun train recipe.yaml" + (f" -H {hostfile}" if hostfile else "")]

@@ -43,6 +43,15 @@ OPTIONS = {"lr": ([(("optimizer", "params"), "lr"), (("scheduler", "params"), "w
                                 "per_device_train_batch_size")}
 
 
+def has_auto(value: Any) -> bool:
+    """Whether a DeepSpeed config (or any value in it) holds an ``"auto"``: it was written for the HF Trainer."""
+    if isinstance(value, dict):
+        return any(has_auto(v) for v in value.values())
+    if isinstance(value, list):
+        return any(has_auto(v) for v in value)
+    return value == AUTO
+
+
 def check_options(given: dict[str, Any]) -> None:
     """Raises ZerorunError: ``--lr`` not a finite number > 0 (typer takes nan, inf and 0 as floats)."""
     lr = given.get("lr")

@@ -3,6 +3,8 @@ behaves as if set, the optimizer params carried into the recipe's ``train.optimi
 
 from __future__ import annotations
 
+import json
+
 from zerorun.errors import ZerorunError
 
 #: fields zerorun always behaves as if set, or has no use for, with the reason given when dropped
@@ -81,3 +83,44 @@ def zero_plus_plus(imp, z: dict, out: dict) -> None:
         else:  # DeepSpeed's stages 1-2 never read it: they trained exact, as the import does
             imp.drop(f"zero_optimization.{key}", "DeepSpeed applies it at stage 3 only (zero.quantize_grads takes "
                                                  "stages 1-3: set it to quantize here)")
+
+
+def parse_config(path: str, text: str) -> dict:
+    """The DeepSpeed config at ``path`` (its ``text``) read as DeepSpeed reads it: Hjson where it is not JSON
+    (comments and trailing commas, which DeepSpeed takes; refused before a review), a duplicate key refused, every top-level
+    section's ``enabled`` read as DeepSpeed's pydantic models read it (``"true"`` and ``1`` are true; before, only
+    JSON's ``true`` was, and ``"fp16": {"enabled": "true"}`` trained in fp32 without a word).
+
+    Raises:
+        ZerorunError: an empty file, not Hjson/JSON (naming the line), a duplicate key, not an object, an
+            ``enabled`` that is not a boolean (one line naming the file and the field).
+    """
+    import hjson
+    from pydantic import TypeAdapter, ValidationError
+
+    def no_duplicates(pairs: list) -> dict:
+        keys = [k for k, _ in pairs]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:  # DeepSpeed: "Duplicate key in DeepSpeed config"
+            raise ZerorunError(f"{path}: {twice[0]}: duplicate key (DeepSpeed refuses it too)")
+        return dict(pairs)
+
+    if not text.strip():
+        raise ZerorunError(f"{path}: empty file: a DeepSpeed config is a JSON object")
+    try:  # JSON first: its Infinity and NaN reach the fields' own checks, which name them
+        ds = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        try:
+            ds = hjson.loads(text, object_pairs_hook=no_duplicates)
+        except (ValueError, OverflowError):  # HjsonDecodeError is a ValueError; 1e999 overflows
+            raise ZerorunError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+    if not isinstance(ds, dict):
+        raise ZerorunError(f"{path}: a DeepSpeed config is a JSON object")
+    for name, section in ds.items():
+        if isinstance(section, dict) and "enabled" in section and section["enabled"] != "auto":
+            try:
+                section["enabled"] = TypeAdapter(bool).validate_python(section["enabled"])
+            except ValidationError:
+                raise ZerorunError(f"{path}: {name}.enabled: expected true or false, got "
+                                   f"{section['enabled']!r}") from None
+    return ds
