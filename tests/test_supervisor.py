@@ -92,6 +92,21 @@ def test_only_peer_failures_blame_the_rank_that_went_quiet():
     assert result.rank == 1 and result.message.startswith("rank 1 finished while its peers still needed it")
 
 
+def test_a_rank_hung_beside_the_one_that_timed_out_is_named_not_its_teardown():
+    """One node: rank 1 hangs, rank 0 times out (a peer failure) and exits 1, and torchrun then stops rank 1 with
+    SIGTERM. The job said "rank 1: rank process ended (killed by SIGTERM)", the teardown, and left out rank 0's
+    timeout (a review); a rank that torchrun's report names as the first failure keeps its own exit."""
+    step = format_event("step", 1, step=3)
+    peer = format_event("error", 0, type="RuntimeError", message="Timed out waiting 10000ms", peer_failure=True)
+    report = '@zerorun-node {"failures": [{"rank": 0, "exit_code": 1}, {"rank": 1, "exit_code": -15}], "root_cause": 0}'
+    result = supervise([step, peer, report])
+    assert result.rank == 1 and result.message.startswith("rank 1 stopped responding (last heard "), result.message
+    assert result.message.endswith("rank 0 then failed: RuntimeError: Timed out waiting 10000ms")
+    killed = '@zerorun-node {"failures": [{"rank": 1, "exit_code": -9}, {"rank": 0, "exit_code": 1}], "root_cause": 1}'
+    result = supervise([step, peer, killed])  # the OOM killer: rank 1 died first
+    assert (result.rank, result.message) == (1, "rank process ended (killed by SIGKILL)")
+
+
 def test_node_that_ends_without_rank_output_is_named_with_its_last_line():
     plan = build_plan([Host("localhost", 1), Host("127.0.0.2", 1)], "{}", "job", 12345)
     q: queue.Queue = queue.Queue()

@@ -6,7 +6,8 @@ crash, a signal, ``os._exit``) is found in torchrun's failure report (Note [Fail
 launch/torchrun.py), so the supervisor gives the failing node a few seconds to end and send it
 (:func:`has_cause`). A node that ended for a reason of its own (a lost SSH connection, a killed watcher or
 agent) is blamed over its peers' consequences; when every error is a peer failure, the rank that went quiet
-first is (:func:`quiet_rank`).
+first is (:func:`quiet_rank`), counting as quiet a rank its torchrun stopped after another rank's failure (the
+failure report names that one first): a hung rank on the node of the rank that timed out waiting for it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def failure(seen: Observed, plan: LaunchPlan, node_rank: int | None) -> Outcome:
     reason_node, reason = end_reason(seen, len(plan.nodes), node_rank)
     if own:
         return _error_outcome(plan, min(own, key=lambda e: e.time))
+    torn_down = {r for r in silent if exits[r] in (-signal.SIGTERM, -signal.SIGKILL)
+                 and seen.root_causes and r not in seen.root_causes}  # by torchrun, after the first failure
+    if silent and set(silent) <= torn_down and seen.errors and not reason:
+        quiet = quiet_rank(seen, plan, torn_down)  # a hung rank: its peers timed out (before: "killed by SIGTERM")
+        if quiet is not None:
+            return quiet
     if silent and not reason:
         rank = silent[0]
         words = f": {seen.last_words[rank]}" if rank in seen.last_words else ""  # an abort's message
@@ -83,13 +90,14 @@ def _error_outcome(plan: LaunchPlan, event) -> Outcome:
     return Outcome("failed", 2 if user else 1, event.rank, _host(plan, event.rank), msg)
 
 
-def quiet_rank(seen: Observed, plan: LaunchPlan) -> Outcome | None:
+def quiet_rank(seen: Observed, plan: LaunchPlan, torn_down: set[int] = frozenset()) -> Outcome | None:
     """Note [Blame], continued: when every error is a peer failure (a timeout, a reset connection), the rank
     to blame is one that went quiet first: one that reported no error and did not finish (hung, e.g. SIGSTOP,
     or exited without a word), or that finished while its peers still needed it, the one last heard from
-    earliest."""
+    earliest. ``torn_down``: ranks whose torchrun stopped them after another rank's failure (its failure report
+    names another first), quiet as well: a rank hung on the node of the rank that timed out."""
     first_error = min((seen.error_arrival.get(r, e.time) for r, e in seen.errors.items()), default=time.time())
-    failed = {r for r, code in seen.exits().items() if code != 0}
+    failed = {r for r, code in seen.exits().items() if code != 0} - set(torn_down)
     quiet = [r for r in range(plan.world_size) if r not in seen.errors and r not in failed
              and (r not in seen.finished or seen.finish_time.get(r, first_error) < first_error)]
     if not quiet:
