@@ -143,3 +143,25 @@ def test_a_run_folder_that_cannot_be_made_is_not_left_half_written(tmp_path, mon
     with pytest.raises(ZerorunError, match=r"^log\.dir: cannot create the run directory .*: No space left on device$"):
         launch_run._make_run_dir(prepared, None, recipe, None, None)
     assert list((tmp_path / "tiny").iterdir()) == []
+
+
+def test_a_run_folder_removed_while_the_job_runs_is_a_warning_not_a_failure(tmp_path, capsys):
+    """``rm -rf`` of the run folder during a job that then succeeds: it ended with "log.dir: cannot write
+    .../job.json", exit code 2 (bad input), and no word when the folder went (a review). Now a warning at the
+    next step event, once, and a warning at the end; the job's result stays its own (Note [Run folder removed])."""
+    run_dir = tmp_path / "run"
+    rec = console.RunRecorder(str(run_dir))
+    rec.event(Event("step", 0, 1.0, {"step": 1}))
+    assert rec.removed is None and capsys.readouterr().err == ""
+    shutil.rmtree(run_dir)
+    for step in (2, 3):
+        rec.event(Event("step", 0, 1.0, {"step": step}))
+    rec.close()
+    assert rec.removed == str(run_dir) and rec.failed is None
+    assert capsys.readouterr().err == (f"zerorun: warning: log.dir: {run_dir} was removed while the job runs: its "
+                                       "record (metrics.jsonl, output.log, job.json) is lost from here; the job "
+                                       "goes on\n")
+    result = launch_run._record_end(str(run_dir), JobState(), Outcome("ok", 0), "log.dir")
+    assert (result.status, result.exit_code) == ("ok", 0)
+    assert capsys.readouterr().err == (f"zerorun: warning: log.dir: cannot write {run_dir / runfolder.JOB}: No "
+                                       "such file or directory (the run folder was removed while the job ran)\n")

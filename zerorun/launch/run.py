@@ -237,7 +237,9 @@ def _supervise(prepared, state, run_dir: str, recipe, check, view, source: str =
 
 def _record_end(run_dir: str, state, result: Outcome, source: str) -> Outcome:
     """Write ``job.json`` for ``result``; when it cannot be written, a job that succeeded fails with one line
-    naming ``source`` and the file (exit code 2), a job that failed keeps its own line and a warning says it."""
+    naming ``source`` and the file (exit code 2), a job that failed keeps its own line and a warning says it.
+    A run folder removed while the job ran (made at its start, gone now: Note [Run folder removed] in
+    telemetry/console.py) is a warning, whatever the result."""
     from zerorun.telemetry.jobfiles import write_job_file
 
     try:
@@ -248,7 +250,9 @@ def _record_end(run_dir: str, state, result: Outcome, source: str) -> Outcome:
         except OSError:
             pass
         why = f"{source}: cannot write {os.path.join(run_dir, runfolder.JOB)}: {e.strerror or e}"
-        if result.ok:
+        if not os.path.isdir(run_dir):
+            why += " (the run folder was removed while the job ran)"
+        elif result.ok:
             return dataclasses.replace(result, status="failed", exit_code=2, message=why)
         if not result.message.startswith(f"{source}: cannot write"):  # else the job's line says it already
             sys.stderr.write(f"zerorun: warning: {why}\n")

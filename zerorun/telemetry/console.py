@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from typing import TextIO
 
@@ -34,6 +35,11 @@ class RunRecorder:
     :attr:`failed` beside the model check's problem (launch/run.py): the job is stopped and fails with that line
     and exit code 2, as a rank's full ``checkpoint.dir`` does, never with a traceback.
 
+    Note [Run folder removed]: a run folder removed while the job runs is no write failure (the open files take
+    writes into their removed inodes): found at the next step event, it is said once on stderr and the job goes
+    on; at its end ``job.json`` cannot be written, which a job that succeeded reports as a warning, not as the
+    failure (exit code 2, "bad input") it was before a review.
+
     Raises:
         ZerorunError: a file cannot be opened (the same line).
     """
@@ -41,6 +47,7 @@ class RunRecorder:
     def __init__(self, run_dir: str, recipe=None, source: str = "log.dir", job: str | None = None) -> None:
         self.source = source
         self.failed: str | None = None
+        self.removed: str | None = None  # the run folder, once found removed (Note [Run folder removed])
         self.trackers = None
         self._fds: dict[str, int] = {}
         for name in (runfolder.METRICS, runfolder.OUTPUT):
@@ -82,7 +89,22 @@ class RunRecorder:
             self.trackers.event(event)
         if event.kind == "progress":
             return
+        if event.kind == "step" and not self.removed:
+            self._check_removed()
         self._append(runfolder.METRICS, json.dumps(event.to_json(), separators=(",", ":")) + "\n")
+
+    def _check_removed(self) -> None:
+        """Note [Run folder removed]: the run's files were removed while the job runs (``rm -rf`` of the run
+        folder): say so once on stderr; the job goes on, and its end is not a failure (launch/run.py)."""
+        path = self._paths.get(runfolder.METRICS)
+        try:
+            gone = os.fstat(self._fds[runfolder.METRICS]).st_nlink == 0
+        except (OSError, KeyError):
+            return
+        if gone:
+            self.removed = os.path.dirname(path)
+            sys.stderr.write(f"zerorun: warning: {self.source}: {self.removed} was removed while the job runs: its "
+                             "record (metrics.jsonl, output.log, job.json) is lost from here; the job goes on\n")
 
     def line(self, node_rank: int, line: str) -> None:
         self._append(runfolder.OUTPUT, f"[node {node_rank}] {line}\n")
