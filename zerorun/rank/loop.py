@@ -68,9 +68,13 @@ class TrainingRun:
         self.set_up_zero()
         self.resume()
         self.start_loop()
-        for step in range(self.start + 1, self.t.steps + 1):
-            self.one_step(step)
-            self.after_step(step)
+        try:
+            for step in range(self.start + 1, self.t.steps + 1):
+                self.one_step(step)
+                self.after_step(step)
+        except BaseException:
+            self.steplog.flush_if_done()  # the last step done before a failure (Note [Deferred loss])
+            raise
         self.finish()
 
     # ------------------------------------------------------------------------------------------ set up

@@ -7,7 +7,9 @@ So the all-reduce is started asynchronously when the step is logged and waited f
 by which time it is done: the event goes out one step late (its ``time`` is still when its step ended), the
 training does not wait for it. Every rank
 issues it at the same point of the same step, so collectives stay in the same order on every rank. A loss
-that is not finite still stops the job, one step later, naming the step it came from.
+that is not finite still stops the job, one step later, naming the step it came from. A rank that fails
+writes the queued event if its all-reduce has completed (:meth:`StepLog.flush_if_done`), so the last step
+done before the failure is in the record.
 
 Note [Values read at log steps]: on a GPU, reading a tensor's value on the host (``.item()``, ``float()``)
 waits for every kernel queued before it: a loss read per micro-step stalls the pipeline every micro-step
@@ -51,8 +53,9 @@ class StepLog:
         self.rank, self.world_size, self.device, self.stream = rank, world_size, device, stream
         self.clipped = clipped
         self.telemetry_s = 0.0  # seconds spent measuring and sending since the last queued event
-        # (wait for the values, the values, step, fields, the fields that are tensors), Note [Deferred loss]
-        self._pending: tuple[Any, Any, int, dict[str, Any], list[str]] | None = None
+        # (wait for the values, whether they came, the values, step, fields, the fields that are tensors),
+        # Note [Deferred loss]
+        self._pending: tuple[Any, Any, Any, int, dict[str, Any], list[str]] | None = None
         self._loss_sum: Any = None  # 0-dim fp64 on ``device``: the losses added since the last step event
         self._losses = 0
         self._last_progress = float("-inf")  # time.monotonic() of the last progress event
@@ -104,10 +107,10 @@ class StepLog:
             values = [self._scalar(local_loss)] + [self._scalar(fields[k]) for k in tensors]
             mean = torch.stack(values)
             work = dist.all_reduce(mean, async_op=True)
-            wait, mean = _pinned_copy(work, mean) if mean.is_cuda else (work.wait, mean)
+            wait, done, mean = _pinned_copy(work, mean) if mean.is_cuda else (work.wait, work.is_completed, mean)
             fields = {**fields, **self._cpu(), **self._gpu()}  # CPU use since the last event, GPU utilization
         fields = {**fields, "telemetry_s": self.telemetry_s, "time": round(time.time(), 3)}
-        self._pending = (wait, mean, step, fields, tensors)
+        self._pending = (wait, done, mean, step, fields, tensors)
         self.telemetry_s = 0.0
 
     def _scalar(self, value: Any) -> Any:
@@ -144,7 +147,7 @@ class StepLog:
             return
         from zerorun.telemetry.events import emit
 
-        wait, mean, step, fields, tensors = self._pending
+        wait, _, mean, step, fields, tensors = self._pending
         self._pending = None
         with self.measuring():
             wait()
@@ -156,11 +159,23 @@ class StepLog:
                 raise FloatingPointError(f"the loss is {loss} at step {step} (diverged): {hint}")
             emit("step", self.rank, stream=self.stream, step=step, loss=loss, **fields)
 
+    def flush_if_done(self) -> None:
+        """At a rank's failure: write the queued event if its all-reduce has completed, never waiting (a peer may
+        be gone). The last step done before the failure was missing from the record and the summary (Note
+        [Deferred loss]; a review). A loss that is not finite is left out: the failure's own error stays."""
+        if self._pending is None or not self._pending[1]():
+            return
+        try:
+            self.flush()
+        except FloatingPointError:
+            pass
 
-def _pinned_copy(work: Any, mean: Any) -> tuple[Any, Any]:
+
+def _pinned_copy(work: Any, mean: Any) -> tuple[Any, Any, Any]:
     """``mean`` (a CUDA tensor being all-reduced by ``work``) copied to pinned host memory behind the
-    all-reduce: returns (a wait for that copy's event, the host tensor). The flush then waits for that copy
-    only, not for the kernels queued after it (``work.wait()`` on NCCL is a stream wait, not the host's)."""
+    all-reduce: returns (a wait for that copy's event, whether it has completed, the host tensor). The flush
+    then waits for that copy only, not for the kernels queued after it (``work.wait()`` on NCCL is a stream
+    wait, not the host's)."""
     import torch
 
     work.wait()
@@ -168,4 +183,4 @@ def _pinned_copy(work: Any, mean: Any) -> tuple[Any, Any]:
     host.copy_(mean, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-    return copied.synchronize, host
+    return copied.synchronize, copied.query, host
