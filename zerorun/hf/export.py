@@ -106,7 +106,7 @@ def _write_model(cfg, full_state: dict, path: str, tmp: str, max_shard_size: str
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerorun.hf.model import PREFIX
+    from zerorun.hf.model import PREFIX, distinct_tied
 
     state = {k[len(PREFIX):]: v for k, v in full_state.items() if k.startswith(PREFIX)}
     # Note [Untrusted checkpoints]: the recipe in zerorun.json is the checkpoint's, not the user's: the
@@ -116,6 +116,9 @@ def _write_model(cfg, full_state: dict, path: str, tmp: str, max_shard_size: str
         delattr(cfg, "auto_map")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
+        if distinct_tied(model, state.get):  # trained apart: kept apart (Note [Tied weights stored apart])
+            cfg.tie_word_embeddings = False
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
     persistent = set(model.state_dict())
     missing = sorted(persistent - set(state))
     if missing:

@@ -14,7 +14,7 @@ safetensors files (:func:`zerorun.hf.load.load_pretrained_slices`). Anywhere els
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -93,7 +93,10 @@ def load_config(pretrained: str | None = None, config: str | dict | None = None,
 
 def _check_known_keys(values: dict, config_class, where: str, model_type: str) -> None:
     """Refuse a key the config class does not know (a typo such as ``hidden_sizee``: transformers keeps it as
-    an attribute and builds the default size instead, which can be far larger than meant).
+    an attribute and builds the default size instead, which can be far larger than meant). A key transformers
+    takes in its own way is known too: a legacy name it converts (``torch_dtype``, ``rope_theta`` and
+    ``rope_scaling``, which nearly every folder written by transformers 4 has; refused before a review) or a
+    generation setting it moves out; what it keeps as a plain attribute is a typo.
 
     Raises:
         ZerorunError: naming the key and the closest known one.
@@ -103,10 +106,25 @@ def _check_known_keys(values: dict, config_class, where: str, model_type: str) -
 
     known = set(config_class().to_dict()) | set(inspect.signature(config_class.__init__).parameters) | {"auto_map"}
     for key in values:
-        if key not in known and not key.startswith("_"):
+        if key not in known and not key.startswith("_") and _kept_as_attribute(config_class, key, values[key]):
             close = difflib.get_close_matches(key, sorted(known), n=1)
             raise ZerorunError(f"{where}: unknown {model_type} config key {key!r}"
                                + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
+def _kept_as_attribute(config_class, key: str, value: Any) -> bool:
+    """Whether ``config_class(key=value)`` keeps ``key`` as a plain attribute (transformers' way with a key it
+    does not know); a key it converts or moves out is not kept. A value the class refuses counts as kept."""
+    import logging
+
+    quiet = logging.getLogger("transformers")
+    level, quiet.level = quiet.level, logging.ERROR  # its deprecation notes for the legacy names
+    try:
+        return key in config_class(**{key: value}).to_dict()
+    except Exception:  # noqa: BLE001 - the class's own checks: the key's error is the one to give
+        return True
+    finally:
+        quiet.level = level
 
 
 #: model types whose AutoModelForCausalLM class trains no causal language model on ``labels=input_ids``
@@ -150,21 +168,72 @@ def build_model(*, pretrained: str | None = None, config: str | dict | None = No
 
     Raises:
         ZerorunError: as :func:`load_config`; an unknown task; a model type without a causal-lm head;
-            ``trust_remote_code`` true in ``kwargs``.
+            ``trust_remote_code`` true in ``kwargs``, or an ``attn_implementation`` of the Hub's; a weight missing
+            from a pretrained folder (as stage 3's loader).
     """
     if task != "causal-lm":
         raise ZerorunError(f"model.task: unknown task {task!r} (known: causal-lm)")
     if kwargs.pop("trust_remote_code", False):
         raise ZerorunError(f"model.kwargs.trust_remote_code: {REMOTE_CODE}")
+    impl = kwargs.get("attn_implementation")
+    if isinstance(impl, str) and "/" in impl:  # transformers fetches and runs a kernel from the Hub (a review)
+        raise ZerorunError(f"model.kwargs.attn_implementation: {impl!r} names a kernel on the Hugging Face Hub: "
+                           "zerorun never runs code from the Hub; use eager, sdpa or an installed one "
+                           "(flash_attention_2)")
     cfg = load_config(pretrained, config)
     check_causal_lm(cfg)
     from transformers import AutoModelForCausalLM
 
     on_meta = torch.empty(0).device.type == "meta"
     if pretrained is not None and not on_meta:
-        safetensors_files(pretrained)
-        hf = AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, dtype=torch.float32,
-                                                  local_files_only=True, trust_remote_code=False, **kwargs)
+        files = safetensors_files(pretrained)
+        hf, info = AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, dtype=torch.float32,
+                                                        local_files_only=True, trust_remote_code=False,
+                                                        output_loading_info=True, **kwargs)
+        if info.get("missing_keys"):  # transformers initializes them at random, with a log line only
+            raise ZerorunError(f"model.hf.pretrained: {pretrained} has no weights for "
+                               f"{sorted(info['missing_keys'])[0]} ({len(info['missing_keys'])} missing; "
+                               f"{len(files)} safetensors file{'s' * (len(files) != 1)})")
         return CausalLM(hf)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False, **kwargs)
+    if pretrained is not None and distinct_tied(hf, _folder_tensors(pretrained)):
+        cfg.tie_word_embeddings = False  # Note [Tied weights stored apart]
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False, **kwargs)
     return CausalLM(hf, pretrained=pretrained)
+
+
+def distinct_tied(hf: nn.Module, stored: Callable[[str], torch.Tensor | None]) -> str | None:
+    """Note [Tied weights stored apart]: a folder (or checkpoint) of a model whose config ties weights
+    (``tie_word_embeddings``: the LM head is the input embedding) may still hold each of them, with different
+    values; ``from_pretrained`` then unties them and loads both. Stage 3 builds the model from the config on
+    the meta device and loaded only the first (and ``consolidate --hf`` re-tied the trained head to the
+    embedding): a different model at stage 3 than at stages 0-2 (a review). Returns the first name of a tied
+    parameter of ``hf`` whose stored tensor (``stored(name)``: None when not stored) differs from another of
+    its names', else None; the caller builds the model untied."""
+    names: dict[int, list[str]] = {}
+    for name, p in hf.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for group in names.values():
+        tensors = [(n, t) for n in group if (t := stored(n)) is not None]
+        for name, t in tensors[1:]:
+            if t.shape != tensors[0][1].shape or not torch.equal(t, tensors[0][1]):
+                return name
+    return None
+
+
+def _folder_tensors(folder: str) -> Callable[[str], torch.Tensor | None]:
+    """``name -> tensor`` of the folder's safetensors files (None when none holds it), read on demand."""
+    from safetensors import safe_open
+
+    where = {}
+    for path in safetensors_files(folder):
+        with safe_open(path, "pt") as f:
+            where.update({key: path for key in f.keys()})
+
+    def read(name: str) -> torch.Tensor | None:
+        if name not in where:
+            return None
+        with safe_open(where[name], "pt") as f:
+            return f.get_tensor(name)
+
+    return read

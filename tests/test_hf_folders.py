@@ -1,0 +1,115 @@
+"""model.hf on folders as the Hub has them (a review): a config.json written by transformers 4, a weight missing
+from the files, and a tied model whose folder still holds its LM head apart; every stage builds the model that
+``from_pretrained`` builds, or one line names what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from zerorun.errors import ZerorunError  # noqa: E402
+from zerorun.hf.model import build_model  # noqa: E402
+
+from test_hf import _maker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    """A tiny tied Llama saved with ``save_pretrained`` (no ``lm_head.weight`` in its file)."""
+    root = tmp_path_factory.mktemp("hf_folders")
+    return _maker().make_model(str(root / "llama"), "llama", vocab_size=61, hidden_size=16, intermediate_size=24)
+
+
+def _copy(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_a_transformers_4_config_is_read(llama, tmp_path):
+    """``torch_dtype``, ``rope_theta`` and ``rope_scaling`` (nearly every Hub folder) were refused as unknown
+    keys, although transformers reads them; a typo is still refused."""
+    folder = _copy(llama, tmp_path / "v4")
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    theta = (cfg.pop("rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    cfg.pop("dtype", None)
+    cfg.update(torch_dtype="float32", rope_theta=theta, rope_scaling=None)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    ids = torch.arange(12).view(2, 6) % 61
+    assert torch.equal(_logits(build_model(pretrained=folder), ids), _logits(build_model(pretrained=llama), ids))
+    cfg["hidden_sizee"] = 8
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ZerorunError, match=r"unknown llama config key 'hidden_sizee' \(did you mean 'hidden_size'"):
+        build_model(pretrained=folder)
+
+
+def test_a_weight_missing_from_the_folder_is_refused_at_every_stage(llama, tmp_path):
+    """Stages 0-2 (``from_pretrained``) trained the layer from random values without a word; stage 3 refused."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(llama, tmp_path / "missing")
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ZerorunError, match=r"model\.hf\.pretrained: .*missing has no weights for "
+                                           r"model\.layers\.1\.mlp\.up_proj\.weight \(1 missing"):
+        build_model(pretrained=folder)
+
+
+def test_a_tied_model_stored_with_its_own_head_is_untied_at_every_stage(llama, tmp_path):
+    """A folder whose config ties the head to the embedding but which holds a different ``lm_head.weight``:
+    ``from_pretrained`` unties them; stage 3's build (meta) tied them and read the embedding only, and the
+    export re-tied the trained head (a review: logits 25 apart)."""
+    from safetensors.torch import load_file, save_file
+
+    from zerorun.hf.export import _write_model
+    from zerorun.hf.model import load_config
+
+    folder = _copy(llama, tmp_path / "tiedextra")
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    head = torch.randn(state["model.embed_tokens.weight"].shape, generator=torch.Generator().manual_seed(5))
+    save_file({**state, "lm_head.weight": head}, path, metadata={"format": "pt"})
+    whole = build_model(pretrained=folder).hf
+    with torch.device("meta"):
+        meta = build_model(pretrained=folder).hf
+    for model in (whole, meta):
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(whole.lm_head.weight, head)
+    assert [n for n, _ in meta.named_parameters()] == [n for n, _ in whole.named_parameters()]
+    trained = {f"hf.{k}": v for k, v in whole.state_dict().items()}
+    out = tmp_path / "export"
+    out.mkdir()
+    _write_model(load_config(folder), trained, "ckpt", str(out), "5GB")
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert torch.equal(exported.lm_head.weight, head)
+    ids = torch.arange(12).view(2, 6) % 61
+    assert torch.equal(_logits(exported, ids), _logits(whole, ids))
+
+
+def test_a_hub_kernel_is_refused(llama):
+    """``attn_implementation: kernels-community/flash-attn`` reached transformers' Hub kernel loader, stopped only
+    by the offline flags (a kernel in the local cache would have run)."""
+    with pytest.raises(ZerorunError, match=r"^model\.kwargs\.attn_implementation: 'kernels-community/flash-attn' "
+                                           r"names a kernel on the Hugging Face Hub"):
+        build_model(pretrained=llama, attn_implementation="kernels-community/flash-attn")
