@@ -67,6 +67,12 @@ def test_a_rank_killed_by_its_own_abort_is_named_with_its_last_words():
     assert result.message == "rank process ended (killed by SIGABRT): Fatal Python error: Segmentation fault"
     result = supervise(["[rank 0]   what():  something else", REPORT] + SUMMARY.splitlines())
     assert result.message == "rank process ended (killed by SIGABRT)"  # another rank's words are not rank 1's
+    # gloo's C++ abort writes to the rank's standard error directly, with no rank in front (a review: the message
+    # ended at "killed by SIGABRT"); the one rank of the node killed by SIGABRT said it
+    result = supervise(["terminate called after throwing an instance of 'gloo::EnforceNotMet'", what.split("] ", 1)[1],
+                        REPORT] + SUMMARY.splitlines())
+    assert result.message.startswith("rank process ended (killed by SIGABRT): op.preamble.length <= op.nbytes."), \
+        result.message
 
 
 def test_own_error_beats_peer_failure_and_silent_ranks():

@@ -61,7 +61,8 @@ def failure(seen: Observed, plan: LaunchPlan, node_rank: int | None) -> Outcome:
             return quiet
     if silent and not reason:
         rank = silent[0]
-        words = f": {seen.last_words[rank]}" if rank in seen.last_words else ""  # an abort's message
+        words = last_words(seen, plan, rank, exits[rank])
+        words = f": {words}" if words else ""  # an abort's message
         return Outcome("failed", 1, rank, _host(plan, rank),
                        f"rank process ended ({describe_exit(exits[rank])}){words}")
     if reason:
@@ -76,6 +77,19 @@ def failure(seen: Observed, plan: LaunchPlan, node_rank: int | None) -> Outcome:
     tail = seen.tails.get(node_rank)
     return Outcome("failed", 1, None, node.host.name if node else None,
                    f"node {node_rank} ended ({what})" + (f": {tail[-1]}" if tail else ""))
+
+
+def last_words(seen: Observed, plan: LaunchPlan, rank: int, code: int) -> str | None:
+    """What ``rank`` said as it aborted: its own line, or for a rank killed by SIGABRT, an abort's line of its
+    node that names no rank (C++ writes to the rank's standard error directly), when no other rank of the
+    node was killed by SIGABRT too."""
+    if rank in seen.last_words:
+        return seen.last_words[rank]
+    node = plan.node_of_rank(rank)
+    if code != -signal.SIGABRT or node is None or node.node_rank not in seen.node_last_words:
+        return None
+    aborted = [r for r, c in seen.exits().items() if c == -signal.SIGABRT and plan.node_of_rank(r) is node]
+    return seen.node_last_words[node.node_rank] if aborted == [rank] else None
 
 
 def _error_outcome(plan: LaunchPlan, event) -> Outcome:

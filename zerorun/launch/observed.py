@@ -22,6 +22,8 @@ _RANK_LINE = re.compile(r"^\[rank (\d+)\]")
 #: a rank's last words before an abort: C++'s std::terminate (gloo's "what():  [enforce fail at pair.cc:446] ...
 #: Received data size doesn't match expected size"), CPython's "Fatal Python error: ..."; a leading [file:line] goes
 _LAST_WORDS = re.compile(r"^\[rank (\d+)\]:?\s+(?:what\(\):\s+(?:\[[^\]]*\]\s*)?(.+)|(Fatal Python error: .+))")
+#: the same written by C++ straight to the rank's standard error, with no rank in front (gloo's abort: a review)
+_NODE_LAST_WORDS = re.compile(r"^\s*(?:what\(\):\s+(?:\[[^\]]*\]\s*)?(.+)|(Fatal Python error: .+))")
 #: what a node's torchrun prints when it gets a signal itself (SLURM's scancel or time limit signals every process)
 _AGENT_SIGNALLED = re.compile(r"Received (?:Signals\.)?\w+ death signal, shutting down workers")
 
@@ -49,6 +51,7 @@ class Observed:
         self.agent_signalled = False  # a node's torchrun said it got a signal (not only some rank)
         self.heard: dict[int, float] = {}  # global rank -> when its last line or event arrived
         self.last_words: dict[int, str] = {}  # global rank -> its abort's message (_LAST_WORDS), for blame
+        self.node_last_words: dict[int, str] = {}  # node rank -> an abort's message no rank is named in
 
     def take(self, message: Message) -> Event | Line | None:
         """Record ``message``; return the telemetry event it carries, the :class:`Line` to show, or None (a
@@ -76,6 +79,9 @@ class Observed:
             self.agent_signalled = True
         if line.strip() and not line.startswith("[rank "):
             self.tails[message.node_rank].append(line.strip())
+            words = _NODE_LAST_WORDS.match(line)
+            if words:
+                self.node_last_words[message.node_rank] = (words.group(1) or words.group(2)).strip()[:200]
         return message
 
     def _event(self, event: Event) -> None:
