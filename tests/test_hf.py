@@ -414,18 +414,24 @@ def test_train_then_consolidate_hf_reloads_bit_equal(tmp_path, hf_dir, monkeypat
     (evil / "evilmod.py").write_text(f"import pathlib\npathlib.Path({str(pwned)!r}).touch()\n"
                                      "from transformers import LlamaForCausalLM as Evil\n")
     info = json.loads((evil / "zerorun.json").read_text())
+    trained = info["model_config"]  # the config it trained, saved with it: the export's, not the folder's now
+    assert trained["model_type"] == "llama" and trained["tie_word_embeddings"] is True
     config = json.load(open(os.path.join(hf_dir["llama"], "config.json")))
     config.update(auto_map={"AutoModelForCausalLM": "evilmod.Evil"}, _name_or_path=str(evil))
-    info["recipe"]["model"] = {"hf": {"config": config}, "kwargs": {"trust_remote_code": True}}
     info["recipe"]["data"]["tokenizer"], tok_pwned = _custom_code_tokenizer(hf_dir, tmp_path)
-    (evil / "zerorun.json").write_text(json.dumps(info))
-    marker = json.loads((evil / "COMPLETE").read_text())  # the forger seals the edited zerorun.json too
-    marker["sha256"] = hashlib.sha256((evil / "zerorun.json").read_bytes()).hexdigest()
-    (evil / "COMPLETE").write_text(json.dumps(marker))
-    monkeypatch.chdir(evil)
-    monkeypatch.setattr(sys, "argv", ["zerorun", "consolidate", str(evil), "--out", str(tmp_path / "e"), "--hf"])
-    main()
-    assert not pwned.exists() and "evilmod" not in sys.modules
+    # twice: the saved config forged, the recipe's folder gone; then no saved config (an older checkpoint)
+    for forged in ({**trained, "auto_map": config["auto_map"], "_name_or_path": str(evil)}, None):
+        info["model_config"] = forged
+        info["recipe"]["model"] = ({"hf": {"pretrained": str(tmp_path / "gone")}} if forged
+                                   else {"hf": {"config": config}, "kwargs": {"trust_remote_code": True}})
+        (evil / "zerorun.json").write_text(json.dumps(info))
+        marker = json.loads((evil / "COMPLETE").read_text())  # the forger seals the edited zerorun.json too
+        marker["sha256"] = hashlib.sha256((evil / "zerorun.json").read_bytes()).hexdigest()
+        (evil / "COMPLETE").write_text(json.dumps(marker))
+        monkeypatch.chdir(evil)
+        monkeypatch.setattr(sys, "argv", ["zerorun", "consolidate", str(evil), "--out", str(tmp_path / "e"), "--hf"])
+        main()
+        assert not pwned.exists() and "evilmod" not in sys.modules
     # the tokenizer config is copied without auto_map, the folder's code is not copied, nothing imported
     exported = json.loads((tmp_path / "e" / "tokenizer_config.json").read_text())
     assert "auto_map" not in exported and exported == {k: v for k, v in json.loads(

@@ -113,3 +113,22 @@ def test_a_hub_kernel_is_refused(llama):
     with pytest.raises(ZerorunError, match=r"^model\.kwargs\.attn_implementation: 'kernels-community/flash-attn' "
                                            r"names a kernel on the Hugging Face Hub"):
         build_model(pretrained=llama, attn_implementation="kernels-community/flash-attn")
+
+
+def test_an_export_that_does_not_fit_its_config_is_one_line(llama, tmp_path):
+    """A checkpoint exported with a config of fewer layers dropped the trained layer without a word; one of
+    another intermediate size ended in a bare traceback (a review: config.json edited after training)."""
+    from zerorun.hf.export import _write_model
+    from zerorun.hf.model import load_config
+
+    trained = {f"hf.{k}": v for k, v in build_model(pretrained=llama).hf.state_dict().items()}
+    fewer = load_config(llama)
+    fewer.num_hidden_layers = 1
+    with pytest.raises(ZerorunError, match=r"^ckpt: the checkpoint holds model\.layers\.1\..*, not of the llama model "
+                                           r"of its config \(0 missing, 9 more\)$"):
+        _write_model(fewer, trained, "ckpt", str(tmp_path), "5GB")
+    wider = load_config(llama)
+    wider.intermediate_size = 32
+    with pytest.raises(ZerorunError, match=r"^ckpt: the checkpoint does not fit the llama model of its config: size "
+                                           r"mismatch for model\.layers\.0\.mlp\.gate_proj\.weight"):
+        _write_model(wider, trained, "ckpt", str(tmp_path), "5GB")

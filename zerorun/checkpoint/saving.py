@@ -349,8 +349,17 @@ def _meta(engine, step: int, layout, scheduler: dict[str, Any] | None, position:
                  "micro_batch_size": micro},
         # launch.env values masked (Note [Masked environment values] in recipe/text.py)
         "recipe": masked(recipe) if recipe is not None else None,
+        "model_config": _model_config(engine.module),
         "files": {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
                          "sha256": _sha256(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}}
+
+
+def _model_config(model) -> dict[str, Any] | None:
+    """The config the model was built from, when it names one (``model.hf``'s ``CausalLM.export_config``): what
+    ``zerorun consolidate --hf`` rebuilds the model from, not the pretrained folder's ``config.json`` as it is at
+    export time (a review: edited or removed since, it exported another model or none); else None."""
+    export = getattr(model, "export_config", None)
+    return export() if callable(export) else None
 
 
 def _publish(tmp: str, final: str, root: str, step: int, meta: Callable[[], dict[str, Any]]) -> str | None:

@@ -69,7 +69,9 @@ def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, in
     if not hf:
         raise ZerorunError(f"{path}: --hf needs a checkpoint of a model.hf recipe (this one trained "
                            f"{(recipe.get('model') or {}).get('module')}); drop --hf for a plain state dict")
-    cfg = load_config(hf.get("pretrained"), hf.get("config"))
+    saved = meta.get("model_config")  # the config it trained (older checkpoints: the recipe's folder or config)
+    cfg = load_config(config=saved, where=f"{path}: model_config") if isinstance(saved, dict) else \
+        load_config(hf.get("pretrained"), hf.get("config"))
     out = os.path.abspath(out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ZerorunError(f"--out {out}: not a directory")
@@ -120,11 +122,17 @@ def _write_model(cfg, full_state: dict, path: str, tmp: str, max_shard_size: str
             cfg.tie_word_embeddings = False
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
     persistent = set(model.state_dict())
-    missing = sorted(persistent - set(state))
-    if missing:
-        raise ZerorunError(f"{path}: the checkpoint lacks {missing[0]} of the {cfg.model_type} model "
-                           f"({len(missing)} missing)")
-    model.load_state_dict({k: v for k, v in state.items() if k in persistent}, assign=True, strict=True)
+    missing, extra = sorted(persistent - set(state)), sorted(set(state) - persistent)
+    if missing or extra:  # an extra tensor was dropped without a word (a config edited after training)
+        what = f"lacks {missing[0]}" if missing else f"holds {extra[0]}, not"
+        raise ZerorunError(f"{path}: the checkpoint {what} of the {cfg.model_type} model of its config "
+                           f"({len(missing)} missing, {len(extra)} more)")
+    try:
+        model.load_state_dict(state, assign=True, strict=True)
+    except RuntimeError as e:  # a shape the config does not give: a traceback before
+        first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e))
+        raise ZerorunError(f"{path}: the checkpoint does not fit the {cfg.model_type} model of its config: "
+                           f"{first}") from None
     model.tie_weights()
     model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
 

@@ -52,6 +52,13 @@ class CausalLM(nn.Module):
             # not apply its GPT activation formula to another block design
             self.shape = {"n_layer": layers, "d_model": width}
 
+    def export_config(self) -> dict[str, Any]:
+        """The wrapped model's config as JSON-able values (``model_type`` among them): saved with every checkpoint,
+        ``zerorun consolidate --hf`` rebuilds the trained model from it (zerorun/checkpoint/saving.py)."""
+        import json
+
+        return json.loads(self.hf.config.to_json_string(use_diff=False))
+
     def forward(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
             ids, mask, labels = batch, None, batch
