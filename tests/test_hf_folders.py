@@ -132,3 +132,28 @@ def test_an_export_that_does_not_fit_its_config_is_one_line(llama, tmp_path):
     with pytest.raises(ZerorunError, match=r"^ckpt: the checkpoint does not fit the llama model of its config: size "
                                            r"mismatch for model\.layers\.0\.mlp\.gate_proj\.weight"):
         _write_model(wider, trained, "ckpt", str(tmp_path), "5GB")
+
+
+def test_an_export_replaces_the_tokenizer_and_says_when_it_has_none(tmp_path, monkeypatch, capsys):
+    """An export into a folder holding an earlier export kept that one's tokenizer files (a byte-level model
+    beside a BPE tokenizer); a tokenizer folder gone since training left the export without one, unsaid."""
+    from safetensors.torch import save_file
+
+    from zerorun import checkpoint
+    from zerorun.hf import export
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("tokenizer.json", "vocab.json", "model.safetensors", "notes.txt"):
+        (out / name).write_text("old")
+    meta = {"recipe": {"model": {"hf": {"config": {"model_type": "llama"}}},
+                       "data": {"tokenizer": str(tmp_path / "gone")}}}
+    monkeypatch.setattr(checkpoint, "resolve", lambda ckpt: ckpt)
+    monkeypatch.setattr(checkpoint, "check", lambda path: meta)
+    monkeypatch.setattr(checkpoint, "consolidate", lambda path, full: save_file({}, full))
+    monkeypatch.setattr(export, "_write_model", lambda cfg, state, path, tmp, size: save_file(
+        {"w": torch.zeros(2)}, os.path.join(tmp, "model.safetensors")))
+    export.export_hf("ckpt", str(out))
+    assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt"]  # the user's own file stays
+    assert capsys.readouterr().err == (f"zerorun: warning: data.tokenizer {tmp_path / 'gone'}: not a folder (moved or "
+                                       "removed since training): the export has no tokenizer files\n")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 from zerorun.errors import ZerorunError
 from zerorun.files import apply_umask
@@ -87,6 +88,9 @@ def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, in
         tokenizer = (recipe.get("data") or {}).get("tokenizer")
         if tokenizer and os.path.isdir(tokenizer):
             _copy_tokenizer(tokenizer, tmp)
+        elif tokenizer:  # the export had none, without a word (a review)
+            sys.stderr.write(f"zerorun: warning: data.tokenizer {tokenizer}: not a folder (moved or removed since "
+                             "training): the export has no tokenizer files\n")
         for name in os.listdir(tmp):  # safetensors writes 0600: the umask's permissions (zerorun/files.py)
             apply_umask(os.path.join(tmp, name))
         _move_in(tmp, out)  # complete: now replace
@@ -139,11 +143,12 @@ def _write_model(cfg, full_state: dict, path: str, tmp: str, max_shard_size: str
 
 def _move_in(tmp: str, out: str) -> None:
     """Move the complete export in ``tmp`` to ``out``: into an existing folder, replacing files of the same
-    names and a previous export's weight files (its shards would mix with this one's); else ``tmp`` becomes
-    ``out``."""
+    names and a previous export's weight and tokenizer files (its shards would mix with this one's, its
+    tokenizer would stand for another); else ``tmp`` becomes ``out``."""
     if os.path.isdir(out):
-        for name in os.listdir(out):
-            if name.startswith("model") and name.endswith((".safetensors", ".index.json")):
+        for name in os.listdir(out):  # a previous export's tokenizer files too: a byte-level model kept a BPE's
+            if (name.startswith("model") and name.endswith((".safetensors", ".index.json"))
+                    or name in TOKENIZER_FILES):
                 os.remove(os.path.join(out, name))
         for name in os.listdir(tmp):
             os.replace(os.path.join(tmp, name), os.path.join(out, name))
