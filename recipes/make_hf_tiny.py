@@ -76,8 +76,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(CONFIGS), default="llama")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    make_tokenizer(args.out)
-    make_model(args.out, args.model)
+    tok = make_tokenizer(args.out)  # the model's bos/eos are the tokenizer's (generate() stopped at '"', id 2)
+    make_model(args.out, args.model, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     make_jsonl(os.path.join(args.out, "data.jsonl"))
     print(f"wrote {args.out}: config.json, model.safetensors, tokenizer files, data.jsonl")
 

@@ -157,3 +157,22 @@ def test_an_export_replaces_the_tokenizer_and_says_when_it_has_none(tmp_path, mo
     assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt"]  # the user's own file stays
     assert capsys.readouterr().err == (f"zerorun: warning: data.tokenizer {tmp_path / 'gone'}: not a folder (moved or "
                                        "removed since training): the export has no tokenizer files\n")
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_the_tiny_folder_s_model_stops_at_its_tokenizer_s_eos(tmp_path, monkeypatch, model):
+    """recipes/make_hf_tiny.py wrote bos 1, eos 2 (Llama's defaults: id 2 is '"' here) or GPT-2's 50256, outside
+    the vocabulary of 512, beside a tokenizer whose eos is <|endoftext|>, id 0 (a review)."""
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    maker = _maker()
+    monkeypatch.setattr(maker, "make_jsonl", lambda path: path)
+    monkeypatch.setattr(sys, "argv", ["make_hf_tiny.py", str(tmp_path), "--model", model])
+    maker.main()
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert tok.convert_ids_to_tokens(tok.eos_token_id) == "<|endoftext|>"
+    for cfg in (hf.config, hf.generation_config):
+        assert (cfg.bos_token_id, cfg.eos_token_id) == (tok.bos_token_id, tok.eos_token_id)
