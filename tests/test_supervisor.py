@@ -98,6 +98,13 @@ def test_only_peer_failures_blame_the_rank_that_went_quiet():
     assert result.rank == 1 and result.message.startswith("rank 1 finished while its peers still needed it")
 
 
+def test_a_rank_that_exits_with_its_own_code_is_named_with_its_last_line():
+    """``raise SystemExit("fatal: ...")`` in a script: the job said only "rank process ended (exit code 1)"."""
+    report = '@zerorun-node {"failures": [{"rank": 1, "exit_code": 1}, {"rank": 0, "exit_code": -15}], "root_cause": 1}'
+    result = supervise(["[rank 1] loading", "[rank 1] fatal: bad config on rank 1", "[rank 0] waiting", report])
+    assert (result.rank, result.message) == (1, "rank process ended (exit code 1): fatal: bad config on rank 1")
+
+
 def test_a_rank_hung_beside_the_one_that_timed_out_is_named_not_its_teardown():
     """One node: rank 1 hangs, rank 0 times out (a peer failure) and exits 1, and torchrun then stops rank 1 with
     SIGTERM. The job said "rank 1: rank process ended (killed by SIGTERM)", the teardown, and left out rank 0's

@@ -80,11 +80,13 @@ def failure(seen: Observed, plan: LaunchPlan, node_rank: int | None) -> Outcome:
 
 
 def last_words(seen: Observed, plan: LaunchPlan, rank: int, code: int) -> str | None:
-    """What ``rank`` said as it aborted: its own line, or for a rank killed by SIGABRT, an abort's line of its
-    node that names no rank (C++ writes to the rank's standard error directly), when no other rank of the
-    node was killed by SIGABRT too."""
+    """What ``rank`` said as it ended: its own abort line; for a rank that exited with a code of its own, the
+    last line it printed; for a rank killed by SIGABRT, an abort's line of its node that names no rank (C++
+    writes to the rank's standard error directly), when no other rank of the node was killed by SIGABRT too."""
     if rank in seen.last_words:
         return seen.last_words[rank]
+    if code > 0:  # an exit of its own: its last line (a SystemExit's message; a review found it only in the log)
+        return seen.last_line.get(rank)
     node = plan.node_of_rank(rank)
     if code != -signal.SIGABRT or node is None or node.node_rank not in seen.node_last_words:
         return None

@@ -52,6 +52,7 @@ class Observed:
         self.heard: dict[int, float] = {}  # global rank -> when its last line or event arrived
         self.last_words: dict[int, str] = {}  # global rank -> its abort's message (_LAST_WORDS), for blame
         self.node_last_words: dict[int, str] = {}  # node rank -> an abort's message no rank is named in
+        self.last_line: dict[int, str] = {}  # global rank -> the last line it printed (a SystemExit's message)
 
     def take(self, message: Message) -> Event | Line | None:
         """Record ``message``; return the telemetry event it carries, the :class:`Line` to show, or None (a
@@ -72,6 +73,9 @@ class Observed:
         m = _RANK_LINE.match(line)
         if m:
             self.heard[int(m.group(1))] = time.time()
+            text = line[m.end():].strip(" :")
+            if text:
+                self.last_line[int(m.group(1))] = text[:200]
             words = _LAST_WORDS.match(line)
             if words:
                 self.last_words[int(words.group(1))] = (words.group(2) or words.group(3)).strip()[:200]
