@@ -122,3 +122,16 @@ def test_a_restarted_jobs_steps_and_evaluations_are_its_last_tries(tmp_path):
     assert load_run(write_run(tmp_path, script))[0].evals == [(40, 1.5), (60, 2.0)]
     again = events + [step_event(0, 60, wait=0.7)]  # a --resume into the same folder: no restart event
     assert [e.data["comm_wait_s"] for e in latest_try(again)[0]][-1] == 0.7 * 20
+
+
+def test_show_gives_each_rank_the_status_the_live_view_gave(tmp_path):
+    """A rank that exited with code 3 showed ``exit 3`` live but ``stopped`` in ``zerorun show``: the exits
+    torchrun reported were not kept (a review). job.json keeps them, and show applies them as the live view."""
+    run_dir = write_run(tmp_path, three_rank_events())
+    state = JobState(world_size=3, hosts=["node0x1"], started=T0)
+    state.rank_exited(2, 3)
+    state.rank_exited(1, -9)
+    state.end(T0 + 50)
+    write_job_file(run_dir, state, "failed", 1, "rank process ended (exit code 3)", 2, "node2")
+    shown, _ = load_run(run_dir)
+    assert {r: s.status for r, s in shown.ranks.items()} == {0: "stopped", 1: "killed", 2: "exit 3"}

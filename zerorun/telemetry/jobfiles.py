@@ -37,6 +37,10 @@ def load_run(run_dir: str) -> tuple[JobState, list[Event]]:
                      started=started if started is not None else min((e.time for e in events), default=0.0))
     for e in events:
         state.update(e)
+    exits = job.get("rank_exits") if isinstance(job.get("rank_exits"), dict) else {}
+    for rank, code in exits.items():  # as the live view had them: show said "stopped" for a rank's "exit 3"
+        if str(rank).isdigit() and isinstance(code, int) and not isinstance(code, bool):
+            state.rank_exited(int(rank), code)
     state.end(ended if ended is not None else max((e.time for e in events), default=state.started))
     return state, events
 
@@ -110,11 +114,13 @@ def write_job_file(run_dir: str, state: JobState, status: str, exit_code: int, m
                    rank: int | None = None, host: str | None = None) -> None:
     """Write ``run_dir/job.json``: start and end (Unix s), world size, hosts (and the host of each rank, as
     the hostfile names it), how the job ended: ``status`` (ok | failed | interrupted), the launcher's
-    ``exit_code``, a one-line ``message``, for a failure the failing ``rank`` and ``host`` when known, and the
-    SLURM job it ran in (``slurm_job_id``: ``SLURM_JOB_ID``, for ``zerorun attach JOBID``; None outside it)."""
+    ``exit_code``, a one-line ``message``, for a failure the failing ``rank`` and ``host`` when known, the
+    SLURM job it ran in (``slurm_job_id``: ``SLURM_JOB_ID``, for ``zerorun attach JOBID``; None outside it),
+    and the exit status of each rank that ended on its own (``rank_exits``, as torchrun reported them)."""
     data = {"started": state.started, "ended": state.ended, "world_size": state.world_size, "hosts": state.hosts,
             "rank_hosts": {str(r): h for r, h in state.rank_hosts.items()}, "status": status, "exit_code": exit_code,
-            "message": message, "rank": rank, "host": host, "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+            "message": message, "rank": rank, "host": host, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "rank_exits": {str(r): c for r, c in state.rank_exit_codes.items()}}
     tmp = os.path.join(run_dir, runfolder.JOB + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)

@@ -117,6 +117,7 @@ class JobState:
         self.started = started if started is not None else time.time()
         self.ended: float | None = None
         self.ranks: dict[int, RankState] = {}
+        self.rank_exit_codes: dict[int, int] = {}  # rank_exited's, kept in job.json for zerorun show
         self.evals: list[tuple[int, float]] = []
         self.checkpoints: list[dict[str, Any]] = []
         self.log = LogTail(log_lines)
@@ -258,6 +259,7 @@ class JobState:
         rank that reported why it ended keeps its status: ``done``, ``error``, and ``stopped`` (its collective
         failed because a peer went away, Note [Blame], or it saved and stopped on SIGTERM), whichever node it
         ran on and whenever its exit code arrived (Note [Rank exits] in launch/torchrun.py)."""
+        self.rank_exit_codes[rank] = code
         r = self.ranks.get(rank)
         if r is None or r.status in ("done", "error", "stopped"):
             return
