@@ -176,3 +176,24 @@ def test_the_tiny_folder_s_model_stops_at_its_tokenizer_s_eos(tmp_path, monkeypa
     assert tok.convert_ids_to_tokens(tok.eos_token_id) == "<|endoftext|>"
     for cfg in (hf.config, hf.generation_config):
         assert (cfg.bos_token_id, cfg.eos_token_id) == (tok.bos_token_id, tok.eos_token_id)
+
+
+def test_a_broken_folder_is_named_at_stages_0_to_2_as_at_stage_3(llama, tmp_path):
+    """A truncated file said "SafetensorError: ... incomplete metadata" naming no file, a tensor of another shape
+    "look at the above report" (which was not shown), where stage 3 names both (a review)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(llama, tmp_path / "shape")
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(20, 16)
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ZerorunError, match=r"^model\.hf\.pretrained: model\.layers\.0\.mlp\.up_proj\.weight in .*shape "
+                                           r"has shape \[20, 16\], the model expects \[24, 16\]$"):
+        build_model(pretrained=folder)
+    folder = _copy(llama, tmp_path / "cut")
+    path = os.path.join(folder, "model.safetensors")
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(ZerorunError, match=r"^model\.hf\.pretrained: .*cut/model\.safetensors: not a readable "
+                                           r"safetensors file: "):
+        build_model(pretrained=folder)

@@ -194,9 +194,13 @@ def build_model(*, pretrained: str | None = None, config: str | dict | None = No
     on_meta = torch.empty(0).device.type == "meta"
     if pretrained is not None and not on_meta:
         files = safetensors_files(pretrained)
-        hf, info = AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, dtype=torch.float32,
-                                                        local_files_only=True, trust_remote_code=False,
-                                                        output_loading_info=True, **kwargs)
+        try:
+            hf, info = AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, dtype=torch.float32,
+                                                            local_files_only=True, trust_remote_code=False,
+                                                            output_loading_info=True, **kwargs)
+        except Exception:  # noqa: BLE001 - named as stage 3's loader names it, where it can be; else as raised
+            _diagnose(pretrained, files, cfg)
+            raise
         if info.get("missing_keys"):  # transformers initializes them at random, with a log line only
             raise ZerorunError(f"model.hf.pretrained: {pretrained} has no weights for "
                                f"{sorted(info['missing_keys'])[0]} ({len(info['missing_keys'])} missing; "
@@ -226,6 +230,32 @@ def distinct_tied(hf: nn.Module, stored: Callable[[str], torch.Tensor | None]) -
             if t.shape != tensors[0][1].shape or not torch.equal(t, tensors[0][1]):
                 return name
     return None
+
+
+def _diagnose(folder: str, files: list[str], cfg) -> None:
+    """Why ``from_pretrained`` failed on ``folder``, in one line naming the file and tensor, as stage 3's loader
+    says it (zerorun/hf/load.py): transformers named neither ("SafetensorError: incomplete metadata", "look at
+    the above report"; a review).
+
+    Raises:
+        ZerorunError: a file that is not safetensors (or truncated), a tensor of another shape than the model's.
+    """
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    shapes = {}
+    for path in files:
+        try:
+            with safe_open(path, "pt") as f:
+                shapes.update({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types
+            raise ZerorunError(f"model.hf.pretrained: {path}: not a readable safetensors file: {e}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
+    for name, p in model.named_parameters():
+        if name in shapes and shapes[name] != list(p.shape):
+            raise ZerorunError(f"model.hf.pretrained: {name} in {folder} has shape {shapes[name]}, the model "
+                               f"expects {list(p.shape)}")
 
 
 def _folder_tensors(folder: str) -> Callable[[str], torch.Tensor | None]:
