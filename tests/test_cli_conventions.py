@@ -98,6 +98,7 @@ def test_launch_takes_torchruns_options(tmp_path):
     (["launch", "--bogus", "s.py"], r"No such option: --bogus"),  # was: "--bogus: no such script"
     (["launch", "--nproc-per-node", "0", "s.py"], r"^zerorun: error: Invalid value for '--nproc-per-node'"),
     (["launch", "missing.py"], r"missing\.py: no such script"),
+    (["launch", "sub"], r"sub: a folder, not a script \(give the \.py file, or -m for a module\)"),  # "no such script"
     (["launch", "--standalone", "-H", "hosts", "s.py"], r"--standalone runs on this machine alone"),
     # was "Input should be greater than or equal to 1" for nan, and inf was taken
     # and 1e10 was a traceback (OverflowError in the preflight's thread joins)
@@ -109,6 +110,7 @@ def test_launch_options_before_the_script_are_never_the_script(tmp_path, args, e
     import re
 
     (tmp_path / "s.py").write_text("print('hi')\n")
+    (tmp_path / "sub").mkdir()
     out = zerorun(*args, cwd=str(tmp_path))
     assert out.returncode == 2 and re.search(expected, out.stderr), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr

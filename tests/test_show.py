@@ -16,6 +16,7 @@ from zerorun.telemetry.console import RunRecorder
 from zerorun.telemetry.events import Event
 from zerorun.telemetry.jobfiles import load_run, write_job_file
 from zerorun.telemetry.state import JobState
+from zerorun.telemetry.show import find_run
 
 
 def write_run(tmp_path, events, lines=()) -> str:
@@ -52,6 +53,13 @@ def test_show_of_a_missing_run_is_one_line(tmp_path):
                          text=True)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "nope: no such run folder (give runs/<name> or runs/<name>/<timestamp>)" in out.stderr
+    # a file given was "no such run folder" (a review); its metrics.jsonl is read as its folder
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    with pytest.raises(ZerorunError, match=r"notes\.txt: a file, not a run folder \(give runs/<name>"):
+        find_run(str(notes))
+    full = write_run(tmp_path / "full", three_rank_events())
+    assert find_run(os.path.join(full, "metrics.jsonl"))[0] == full
     empty = write_run(tmp_path, [])
     with pytest.raises(ZerorunError, match=r"metrics\.jsonl: no telemetry events in it"):
         load_run(empty)

@@ -164,8 +164,9 @@ def launch(
     launcher = zlaunch.choose_launcher("local" if standalone and launcher is None else launcher, hostfile)
     if standalone and launcher is not zlaunch.Launcher.LOCAL:
         raise ZerorunError(f"--standalone runs on this machine alone: drop it or --launcher {launcher}")
-    if not module and not os.path.isfile(script):
-        raise ZerorunError(f"{script}: no such script")
+    if not module and not os.path.isfile(script):  # a folder said "no such script" (a review)
+        raise ZerorunError(f"{script}: " + ("a folder, not a script (give the .py file, or -m for a module)"
+                                            if os.path.isdir(script) else "no such script"))
     job = zlaunch.Script(script if module else os.path.abspath(script), tuple(args or ()), module, log_dir)
     hosts = zlaunch.select(hostfile, 1, include, exclude, num_nodes, num_procs, launcher,
                            nodes_flag=as_typed(num_nodes, *NNODES_NAMES), procs_flag=as_typed(num_procs, *PROCS_NAMES))

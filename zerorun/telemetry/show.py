@@ -29,8 +29,11 @@ def find_run(path: str) -> tuple[str, int]:
     """
     if os.path.isfile(os.path.join(path, runfolder.METRICS)):
         return path, 1
+    if os.path.isfile(path) and os.path.basename(path) == runfolder.METRICS:  # its folder, as meant
+        return os.path.dirname(path) or ".", 1
     if not os.path.isdir(path):
-        raise ZerorunError(f"{path}: no such run folder (give runs/<name> or runs/<name>/<timestamp>)")
+        what = "a file, not a run folder" if os.path.exists(path) else "no such run folder"
+        raise ZerorunError(f"{path}: {what} (give runs/<name> or runs/<name>/<timestamp>)")
     runs = [os.path.join(path, d) for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, runfolder.METRICS))]
     if not runs:
         raise ZerorunError(f"{path}: no run in it: neither it nor a folder in it holds a metrics.jsonl "
