@@ -98,6 +98,10 @@ def test_launch_takes_torchruns_options(tmp_path):
     (["launch", "--bogus", "s.py"], r"No such option: --bogus"),  # was: "--bogus: no such script"
     (["launch", "--nproc-per-node", "0", "s.py"], r"^zerorun: error: Invalid value for '--nproc-per-node'"),
     (["launch", "missing.py"], r"missing\.py: no such script"),
+    *[(["launch", opt, "x", "s.py"], rf"No such option: {opt}: a torchrun option; {why}")  # "No such option" alone
+      for opt, why in (("--rdzv-endpoint", "no rendezvous to set up: zerorun starts every node itself"),
+                       ("--node_rank", "a node's rank is its place in the hostfile"),
+                       ("--tee", "every rank's output is on the console and in output.log"))],
     (["launch", "sub"], r"sub: a folder, not a script \(give the \.py file, or -m for a module\)"),  # "no such script"
     (["launch", "--standalone", "-H", "hosts", "s.py"], r"--standalone runs on this machine alone"),
     # was "Input should be greater than or equal to 1" for nan, and inf was taken

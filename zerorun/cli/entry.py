@@ -79,6 +79,12 @@ def _usage_error(e: Exception) -> int | None:
             _err(f"No such option: {e.option_name}" + (f" (did you mean {' or '.join(maybe)}?)" if maybe else "")
                  + hint)
             return 2
+        from zerorun.cli.suggest import torchrun_hint
+
+        torchrun = torchrun_hint(sys.argv, e.option_name)
+        if torchrun is not None:
+            _err(f"No such option: {e.option_name}{torchrun}")
+            return 2
         if sys.argv[1:2] == ["submit"]:
             from zerorun.slurm.submit import misplaced_option
 

@@ -69,3 +69,28 @@ def override_hint(argv: list[str], option: str) -> str | None:
         return None
     shown = " or ".join(shlex.quote(f"{path}={_value(argv, option, path)}") for path in paths)
     return f"; recipe fields are set by overrides: {shown}"
+
+
+_STARTS_NODES = "zerorun starts every node itself from the hostfile (-H; --launcher ssh or slurm)"
+#: torchrun options ``zerorun launch`` has no use for, with what does their work here (a review: each said only
+#: "No such option")
+TORCHRUN_ONLY = {
+    "rdzv-backend": f"no rendezvous to set up: {_STARTS_NODES}",
+    "rdzv-endpoint": f"no rendezvous to set up: {_STARTS_NODES}",
+    "rdzv-id": f"no rendezvous to set up: {_STARTS_NODES}",
+    "rdzv-conf": f"no rendezvous to set up: {_STARTS_NODES}",
+    "node-rank": f"a node's rank is its place in the hostfile: {_STARTS_NODES}",
+    "local-addr": f"the hostfile's names are the nodes' addresses: {_STARTS_NODES}",
+    "tee": "every rank's output is on the console and in output.log in the run folder (--log-dir: its parent)",
+    "redirects": "every rank's output is on the console and in output.log in the run folder (--log-dir: its parent)",
+    "no-python": "zerorun launch runs a Python script (or -m module) on every rank",
+    "start-method": "the ranks are started as torchrun's default does",
+}
+
+
+def torchrun_hint(argv: list[str], option: str) -> str | None:
+    """``: <what does its work>`` for a torchrun option ``zerorun launch`` does not take, else None."""
+    if argv[1:2] != ["launch"]:
+        return None
+    key = option.lstrip("-").split("=", 1)[0].replace("_", "-")
+    return f": a torchrun option; {TORCHRUN_ONLY[key]}" if key in TORCHRUN_ONLY else None
