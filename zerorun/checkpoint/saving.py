@@ -99,14 +99,6 @@ def _job_token(pid: int) -> str:
     return job if job and job.replace("-", "").isalnum() else f"p{pid}"
 
 
-def _launcher_job() -> str | None:
-    """The launcher's job id that saves (``zerorun.json``'s ``job``: whose tracker runs a resume continues, Note
-    [Tracker resume] in telemetry/trackers.py); None in a program of its own."""
-    from zerorun.launch.marks import JOB_ENV
-
-    return os.environ.get(JOB_ENV) or None
-
-
 def _tmp_dir(root: str, final: str, pid: int) -> str:
     """The folder a save of ``final`` is written into first: ``.step-N.<job>.tmp`` (Note [Atomic checkpoints])."""
     return os.path.join(root, f".{os.path.basename(final)}.{_job_token(pid)}.tmp")
@@ -337,29 +329,26 @@ def _meta(engine, step: int, layout, scheduler: dict[str, Any] | None, position:
           recipe: dict[str, Any] | None, micro: int | None, tmp: str) -> dict[str, Any]:
     """``zerorun.json``'s content (rank 0, once every rank's files are in ``tmp``: dcp.save has returned, its
     coordinator having gathered them all): ``scheduler`` is its state, ``micro`` the micro-batch size (None:
-    unknown)."""
+    unknown). ``job``: the launcher's job id that saves (whose tracker runs a resume continues, Note [Tracker
+    resume] in telemetry/trackers.py; None in a program of its own). ``model_config``: the config the model was
+    built from where it names one (``model.hf``'s ``CausalLM.zerorun_model_config``), which ``consolidate --hf``
+    rebuilds it from, not the pretrained folder's ``config.json`` at export time (a review: edited or removed
+    since, it exported another model or none)."""
+    from zerorun.launch.marks import JOB_ENV
     from zerorun.recipe import masked
 
     return {
         "format": FORMAT, "step": step, "world_size": engine.world_size, "stage": engine.stage,
         "layout": layout, "scheduler": scheduler,
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-        "skipped_steps": engine.skipped_steps, "job": _launcher_job(),
+        "skipped_steps": engine.skipped_steps, "job": os.environ.get(JOB_ENV) or None,
         "data": {"epoch": position.epoch, "batch": position.batch, "world_size": engine.world_size,
                  "micro_batch_size": micro},
         # launch.env values masked (Note [Masked environment values] in recipe/text.py)
         "recipe": masked(recipe) if recipe is not None else None,
-        "model_config": _model_config(engine.module),
+        "model_config": getattr(engine.module, "zerorun_model_config", lambda: None)(),
         "files": {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
                          "sha256": _sha256(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}}
-
-
-def _model_config(model) -> dict[str, Any] | None:
-    """The config the model was built from, when it names one (``model.hf``'s ``CausalLM.export_config``): what
-    ``zerorun consolidate --hf`` rebuilds the model from, not the pretrained folder's ``config.json`` as it is at
-    export time (a review: edited or removed since, it exported another model or none); else None."""
-    export = getattr(model, "export_config", None)
-    return export() if callable(export) else None
 
 
 def _publish(tmp: str, final: str, root: str, step: int, meta: Callable[[], dict[str, Any]]) -> str | None:

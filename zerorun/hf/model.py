@@ -52,7 +52,7 @@ class CausalLM(nn.Module):
             # not apply its GPT activation formula to another block design
             self.shape = {"n_layer": layers, "d_model": width}
 
-    def export_config(self) -> dict[str, Any]:
+    def zerorun_model_config(self) -> dict[str, Any]:
         """The wrapped model's config as JSON-able values (``model_type`` among them): saved with every checkpoint,
         ``zerorun consolidate --hf`` rebuilds the trained model from it (zerorun/checkpoint/saving.py)."""
         import json
