@@ -198,7 +198,7 @@ class _Import:
         elif total is not None and self.world is not None and micro * accum * self.world != total:
             raise ZerorunError(f"train_batch_size: {total} != train_micro_batch_size_per_gpu {micro} x "
                                f"gradient_accumulation_steps {accum} x {self.world} ranks (the hostfile's slots)")
-        elif total is not None and self.world is None:  # no hostfile: the ranks it implies (passed over before a review)
+        elif total is not None and self.world is None:  # no hostfile: the ranks it implies (passed over before)
             self._implied_ranks(total, micro, accum)
         if micro:
             train["micro_batch_size"] = micro
@@ -219,9 +219,9 @@ class _Import:
             raise ZerorunError(f"train_batch_size: {total} is not train_micro_batch_size_per_gpu {micro} x "
                                f"gradient_accumulation_steps {accum} x a number of ranks (DeepSpeed refuses it too)")
         ranks = total // (micro * accum)
-        self.fill_in.append(f"ranks: train_batch_size {total} is micro-batch {micro} x {accum} accumulation steps x {ranks} "
-                            f"rank{'s' * (ranks != 1)}: train on {ranks} (zerorun train -H hostfile; or import "
-                            "with --hostfile)")
+        self.fill_in.append(f"ranks: train_batch_size {total} is micro-batch {micro} x {accum} accumulation steps "
+                            f"x {ranks} rank{'s' * (ranks != 1)}: train on {ranks} (zerorun train -H hostfile; or "
+                            "import with --hostfile)")
 
     def zero(self, z: dict) -> None:
         out = self.recipe["zero"]
@@ -361,8 +361,9 @@ def import_deepspeed(path: str, hostfile: str | None = None, **given: Any) -> tu
         recipe["launch"] = {"procs_per_node": procs}
     if given.get("steps") is None and not imp.steps_known and not any(f.startswith("train.steps:") for f in fill_in):
         # 'auto' for the HF Trainer's config; a plain one's 1000-step placeholder was not named (a review)
-        (fill_in if hf_config else imp.fill_in).append("train.steps: not in the config (a scheduler's total_num_steps, the HF Trainer's max_steps "
-                           "or num_train_epochs): give --steps or set it")
+        (fill_in if hf_config else imp.fill_in).append(
+            "train.steps: not in the config (a scheduler's total_num_steps, the HF Trainer's max_steps or "
+            "num_train_epochs): give --steps or set it")
     mark_fill_in(recipe, fill_in)  # the HF Trainer's 'auto' values; the placeholders below stay loadable
     fill_in += [line for line in imp.fill_in if not any(f.split(":")[0] == line.split(":")[0] for f in fill_in)]
     fill_in = ["model, data: placeholders (a model module or model.hf; your data)"] + fill_in

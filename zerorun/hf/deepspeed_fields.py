@@ -87,9 +87,9 @@ def zero_plus_plus(imp, z: dict, out: dict) -> None:
 
 def parse_config(path: str, text: str) -> dict:
     """The DeepSpeed config at ``path`` (its ``text``) read as DeepSpeed reads it: Hjson where it is not JSON
-    (comments and trailing commas, which DeepSpeed takes; refused before a review), a duplicate key refused, every top-level
-    section's ``enabled`` read as DeepSpeed's pydantic models read it (``"true"`` and ``1`` are true; before, only
-    JSON's ``true`` was, and ``"fp16": {"enabled": "true"}`` trained in fp32 without a word).
+    (comments and trailing commas, which DeepSpeed takes; refused before a review), a duplicate key refused,
+    every top-level section's ``enabled`` read as DeepSpeed's pydantic models read it (``"true"`` and ``1`` are
+    true; before, only JSON's ``true`` was, and ``"fp16": {"enabled": "true"}`` trained in fp32 without a word).
 
     Raises:
         ZerorunError: an empty file, not Hjson/JSON (naming the line), a duplicate key, not an object, an
