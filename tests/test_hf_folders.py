@@ -53,6 +53,18 @@ def test_a_transformers_4_config_is_read(llama, tmp_path):
         json.dump(cfg, f)
     ids = torch.arange(12).view(2, 6) % 61
     assert torch.equal(_logits(build_model(pretrained=folder), ids), _logits(build_model(pretrained=llama), ids))
+    from transformers import AutoConfig
+
+    from zerorun.hf.model import load_config
+
+    for scaling in ({"type": "linear", "factor": 4.0}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64}):
+        cfg.update(rope_theta=500000.0, rope_scaling=scaling)  # the theta was lost: 10000 (the check's probe)
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        assert load_config(folder).rope_parameters == AutoConfig.from_pretrained(folder).rope_parameters
+        assert load_config(folder).rope_parameters["rope_theta"] == 500000.0
     cfg["hidden_sizee"] = 8
     with open(path, "w") as f:
         json.dump(cfg, f)

@@ -122,12 +122,13 @@ def _check_known_keys(values: dict, config_class, where: str, model_type: str) -
 def _kept_as_attribute(config_class, key: str, value: Any) -> bool:
     """Whether ``config_class(key=value)`` keeps ``key`` as a plain attribute (transformers' way with a key it
     does not know); a key it converts or moves out is not kept. A value the class refuses counts as kept."""
+    import copy
     import logging
 
     quiet = logging.getLogger("transformers")
     level, quiet.level = quiet.level, logging.ERROR  # its deprecation notes for the legacy names
-    try:
-        return key in config_class(**{key: value}).to_dict()
+    try:  # a copy: transformers writes into the value (rope_scaling gained rope_theta 10000; a review)
+        return key in config_class(**{key: copy.deepcopy(value)}).to_dict()
     except Exception:  # noqa: BLE001 - the class's own checks: the key's error is the one to give
         return True
     finally:
