@@ -118,6 +118,11 @@ def test_a_rank_hung_beside_the_one_that_timed_out_is_named_not_its_teardown():
     killed = '@zerorun-node {"failures": [{"rank": 1, "exit_code": -9}, {"rank": 0, "exit_code": 1}], "root_cause": 1}'
     result = supervise([step, peer, killed])  # the OOM killer: rank 1 died first
     assert (result.rank, result.message) == (1, "rank process ended (killed by SIGKILL)")
+    # rank 1 killed by SIGKILL, its peer's "connection closed" reported first: a death, not a hang (a review)
+    reset = format_event("error", 0, type="RuntimeError", message="Connection closed by peer", peer_failure=True)
+    report = '@zerorun-node {"failures": [{"rank": 0, "exit_code": 1}, {"rank": 1, "exit_code": -9}], "root_cause": 0}'
+    result = supervise([step, reset, report])
+    assert (result.rank, result.message) == (1, "rank process ended (killed by SIGKILL)")
 
 
 def test_node_that_ends_without_rank_output_is_named_with_its_last_line():

@@ -12,12 +12,17 @@ failure report names that one first): a hung rank on the node of the rank that t
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
 from zerorun.launch.observed import Observed
 from zerorun.launch.outcome import Outcome, describe_exit
 from zerorun.launch.plan import LaunchPlan
+
+
+#: a peer's error that says it waited in vain (gloo: "Timed out waiting", "Application timeout caused pair closure")
+_TIMEOUT = re.compile(r"time(d)? ?out", re.IGNORECASE)
 
 
 def _host(plan: LaunchPlan, rank: int) -> str | None:
@@ -55,7 +60,8 @@ def failure(seen: Observed, plan: LaunchPlan, node_rank: int | None) -> Outcome:
         return _error_outcome(plan, min(own, key=lambda e: e.time))
     torn_down = {r for r in silent if exits[r] in (-signal.SIGTERM, -signal.SIGKILL)
                  and seen.root_causes and r not in seen.root_causes}  # by torchrun, after the first failure
-    if silent and set(silent) <= torn_down and seen.errors and not reason:
+    timed_out = any(_TIMEOUT.search(e.data.get("message", "")) for e in seen.errors.values())
+    if silent and set(silent) <= torn_down and timed_out and not reason:  # a rank killed (OOM) resets, not times out
         quiet = quiet_rank(seen, plan, torn_down)  # a hung rank: its peers timed out (before: "killed by SIGTERM")
         if quiet is not None:
             return quiet
