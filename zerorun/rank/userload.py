@@ -82,6 +82,10 @@ def call_factory(spec: str, factory: str, kwargs: dict[str, Any], module: Any = 
         return fn(**kwargs)
     except KeyboardInterrupt:
         raise  # Ctrl-C: the caller's "interrupted"
+    except ZerorunError as e:
+        if spec.startswith("zerorun."):  # zerorun's own factory (model.hf): its line as it is, as at stage 3
+            raise
+        raise FactoryError(f"{spec}: {factory}(**{kwargs}) raised {type(e).__name__}: {e}") from e
     except BaseException as e:  # noqa: BLE001 - sys.exit, argparse, GeneratorExit inside it: the same one line
         hint = " (a factory that parses the command line or exits cannot build the model here)" if isinstance(
             e, SystemExit) else ""
