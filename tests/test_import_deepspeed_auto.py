@@ -64,12 +64,13 @@ def test_hf_trainer_auto_config_without_options_lists_what_to_fill_in(tmp_path):
     assert (r.log.wandb.project, r.log.wandb.entity, r.log.tensorboard.dir) == ("my-project", "my-team", "logs/zero3")
     assert r.train.grad_accum_steps == 1 and r.train.grad_clip == 1.0 and r.precision == "fp32"
     assert r.train.optimizer.kwargs() == {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
-    assert (r.train.schedule.warmup_steps, r.train.schedule.decay) == (0, "linear")
+    assert (r.train.schedule.warmup_steps, r.train.schedule.decay) == (3, "linear")  # DeepSpeed's 2, a step behind
     assert (r.zero.stage, r.zero.offload_optimizer, r.zero.offload_params) == (3, "cpu", "none")
     assert sorted(dropped) == [
         "comet: not supported (log.trackers has tensorboard, wandb, mlflow, csv)",
         "csv_monitor.job_name: zerorun writes metrics.csv in the run folder",
         "csv_monitor.output_path: zerorun writes metrics.csv in the run folder",
+        "scheduler.params.warmup_type: log (DeepSpeed's default): zerorun's warm-up is linear, from lr/warmup_steps",
         "wandb.group: no zerorun equivalent (runs are named after the run folder)",
         _OFFLOAD_CPU,
         "zero_optimization.stage3_gather_16bit_weights_on_model_save: zerorun consolidate writes full weights from "

@@ -24,19 +24,34 @@ def _lrs(data) -> list[float]:
     return [t.optimizer.lr * f(i) for i in range(t.steps)]
 
 
-def test_warmup_decay_lr_decays_as_deepspeed_does(tmp_path):
-    """WarmupDecayLR: after the warm-up DeepSpeed's LR at step i (from 0) is max_lr (T - i) / (T - W)
-    (deepspeed/runtime/lr_schedules.py); the recipe's ended at 0 on the last step, one step early."""
-    T, W = 10, 3
+def deepspeed_decay_lr(k: int, T: int, W: int, low: float, high: float) -> float | None:
+    """WarmupDecayLR's LR at optimizer step ``k`` (from 0) after its warm-up, as DeepSpeed computes it
+    (deepspeed/runtime/lr_schedules.py): the engine steps the scheduler after each optimizer step, so step k trains
+    at iteration k - 1; W is max(2, warmup_num_steps); None during the warm-up."""
+    i, W = k - 1, max(2, W)
+    if i < W:
+        return None
+    return low + (high - low) * max(0.0, (T - i) / max(1.0, T - W))
+
+
+@pytest.mark.parametrize("T,W,low", [(10, 3, 0.0), (10, 0, 0.0), (12, 1, 0.0), (20, 5, 2e-4), (7, 6, 0.0)])
+def test_warmup_decay_lr_decays_as_deepspeed_does(tmp_path, T, W, low):
+    """After the warm-up, the recipe's LR is DeepSpeed's at every optimizer step: it ended at 0 on the last step
+    and ran a step early (two reviews), and ignored the floor warmup_min_lr the decay ends at."""
     ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 5e-4}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": T, "warmup_num_steps": W,
-                                                            "warmup_max_lr": 2e-3, "warmup_type": "linear"}}}
+                                                            "warmup_max_lr": 2e-3, "warmup_min_lr": low,
+                                                            "warmup_type": "linear"}}}
     data, _, dropped = _run(tmp_path, ds, hosts=None)
     lrs = _lrs(data)
     assert len(lrs) == T
-    for i in range(W, T):
-        assert lrs[i] == pytest.approx(2e-3 * (T - i) / (T - W), rel=1e-12), i
-    assert [d.split(":")[0] for d in dropped] == ["optimizer.params.lr"]  # 5e-4: the scheduler sets the LR
+    after = [(k, deepspeed_decay_lr(k, T, W, low, 2e-3)) for k in range(T)]
+    assert data["train"]["schedule"]["warmup_steps"] == max(2, W) + 1  # DeepSpeed's floor, and its lag
+    for k, want in after:
+        if want is not None:
+            assert lrs[k] == pytest.approx(want, rel=1e-12), (k, lrs)
+    assert {d.split(":")[0] for d in dropped} == {"optimizer.params.lr"} | ({"scheduler.params.warmup_min_lr"}
+                                                                           if low else set())
 
 
 def test_deepspeeds_scheduler_defaults_apply(tmp_path):
@@ -44,11 +59,15 @@ def test_deepspeeds_scheduler_defaults_apply(tmp_path):
     recipe took zerorun's 3e-4 with no warm-up. The log warm-up, which zerorun does not have, is named."""
     data, _, dropped = _run(tmp_path, {"scheduler": {"type": "WarmupLR", "params": {}}}, hosts=None)
     s = data["train"]["schedule"]
-    assert (s["warmup_steps"], s["decay"], data["train"]["optimizer"]["lr"]) == (1000, "constant", 0.001)
+    assert (s["warmup_steps"], s["decay"], data["train"]["optimizer"]["lr"]) == (1001, "constant", 0.001)
     assert any(d.startswith("scheduler.params.warmup_type: log (DeepSpeed's default)") for d in dropped), dropped
     data, _, _ = _run(tmp_path, {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 50}}},
                       hosts=None)
-    assert data["train"]["schedule"] == {"warmup_steps": 1000, "decay": "cosine", "min_lr_ratio": 0.0001}
+    assert data["train"]["schedule"] == {"warmup_steps": 1001, "decay": "cosine", "min_lr_ratio": 0.0001}
+    # warmup_min_lr == warmup_max_lr: DeepSpeed's constant LR, no warm-up
+    data, _, dropped = _run(tmp_path, {"scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 3e-4, "warmup_max_lr": 3e-4, "warmup_num_steps": -5}}}, hosts=None)
+    assert set(_lrs({**data, "train": {**data["train"], "steps": 5}})) == {3e-4} and not dropped
 
 
 @pytest.mark.parametrize("scheduler", [None, {"type": "OneCycle", "params": {"cycle_min_lr": 1e-5}}])

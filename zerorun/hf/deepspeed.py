@@ -96,11 +96,11 @@ class _Import:
             z = {"stage": 1 if z else 0}
         self.zero(dict(self.section("zero_optimization", z or None)))  # 0, [] and "" read as absent, as before
         self.optimizer(ds.pop("optimizer", None))
-        map_scheduler(self, ds.pop("scheduler", None), self.hf_config)  # Note [DeepSpeed's schedules]
+        end = map_scheduler(self, ds.pop("scheduler", None), self.hf_config)  # Note [DeepSpeed's schedules]
         train = self.recipe["train"]
         if self.given.get("steps"):
             train["steps"] = self.steps_known = self.given["steps"]
-        finish_schedule(self.recipe, self.steps_known)
+        finish_schedule(self.recipe, self.steps_known, end)
         if self.given.get("lr"):  # the HF Trainer's optimizer is AdamW
             train.setdefault("optimizer", {"name": "AdamW"})["lr"] = self.given["lr"]
         if "gradient_clipping" in ds:
