@@ -392,3 +392,32 @@ def trims_before_backward(stage: int, steps: int = 3) -> int:
     finally:
         allocator.trim_dynamic = real
     return len(calls)
+
+
+class Branchy(nn.Module):
+    """A review's model: a trunk, then one of two heads of different sizes, chosen by the data (each rank of a
+    2-rank job takes another), and a module never called; no container, so no automatic listed unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.never = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.left, self.right = nn.Linear(8, 1), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return (self.left(h) if float(x.sum()) > 0 else self.right(h)).pow(2).mean()
+
+
+def branchy(stage: int, steps: int = 4) -> list[float]:
+    """Per-step losses of :class:`Branchy` at ``stage`` with automatic units (rank 0 takes the left head)."""
+    torch.manual_seed(0)
+    engine = initialize(Branchy(), optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
+                        config=ZeroConfig(stage=stage))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).abs() * (1 if dist.get_rank() == 0 else -1)
+    losses = []
+    for _ in range(steps):
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses

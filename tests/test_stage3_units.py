@@ -158,6 +158,16 @@ def test_units_that_would_never_be_gathered_are_refused_and_never_picked():
     assert [n for n, _ in pick_units(lists, ())] == ["0.0", "1", "2", "3"]
 
 
+def test_automatic_units_are_taken_inside_containers_only(ranks):
+    """A model whose forward skips a module on some ranks (a data-dependent head) hung or aborted at stage 3 with
+    automatic units (a review): its attributes were picked as listed units, gathered on use. Now automatic units
+    come from ModuleList/ModuleDict/Sequential only; such a model trains to stage 0's losses."""
+    assert pick_units(cases.Branchy(), ()) == []
+    assert [n for n, _ in pick_units(cases.Net(n=4), ())][:1] == ["blocks.0"]
+    for got, want in zip(ranks(2).run(cases.branchy, stage=3), ranks(2).run(cases.branchy, stage=0)):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_a_named_head_is_a_unit_and_trains_as_stage_0(ranks):
     """The head named in ``zero.units`` is a unit of its own (not an outer unit picked automatically), the
     losses are stage 0's, and the run's description names every unit with its bytes."""

@@ -50,7 +50,13 @@ def pick_units(model: nn.Module, entries: tuple[str, ...]) -> list[tuple[str, nn
     With ``entries`` (``zero.units``): each is a module's qualified name in ``model`` (``transformer.wte``, as
     FSDP2's ``fully_shard(model.tok_embeddings)``) or a class name (``Block``: every module of that class).
     Without: Note [Automatic units] — modules holding between 1/64 and 1/4 of the parameters, taken from the
-    top down (a larger one is split into its children); smaller modules stay in their parent's unit.
+    top down (a larger one is split into its children), inside a ``ModuleList``, ``ModuleDict`` or
+    ``nn.Sequential`` (a model's repeated blocks, or in one of them); smaller modules stay in their parent's
+    unit. Modules outside such containers (a GPT's embeddings and head) are outer units (Note [Outer units]),
+    gathered at points every rank reaches: an attribute of the model that some ranks skip (a data-dependent
+    branch) was picked as a listed unit, whose all-gathers are paired by use, and hung or aborted the job (a
+    review; stages 0-2 trained it as DDP). A model without such containers has the root as its only unit
+    (its parameters gathered for the whole pass); name its modules in ``zero.units`` to divide it.
 
     Raises:
         ValueError: an entry names neither a module nor a class of ``model``; one names the model itself (or its
@@ -78,17 +84,22 @@ def pick_units(model: nn.Module, entries: tuple[str, ...]) -> list[tuple[str, nn
     low, high = total / 64, total / 4
     units: list[tuple[str, nn.Module]] = []
 
-    def visit(prefix: str, module: nn.Module) -> None:
+    def visit(prefix: str, module: nn.Module, held: bool) -> None:
+        held = held or isinstance(module, _CONTAINERS)
         for name, child in module.named_children():
             full = f"{prefix}.{name}" if prefix else name
             count = sum(p.numel() for p in child.parameters())
             if (count > high or not _called(child)) and any(True for _ in child.children()):
-                visit(full, child)
-            elif count >= low and _called(child):
+                visit(full, child, held)
+            elif count >= low and _called(child) and held:
                 units.append((full, child))
 
-    visit("", model)
+    visit("", model, False)
     return units
+
+
+#: containers whose modules are automatic units (Note [Automatic units])
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def _called(module: nn.Module) -> bool:
