@@ -159,10 +159,14 @@ class StepLog:
                 raise FloatingPointError(f"the loss is {loss} at step {step} (diverged): {hint}")
             emit("step", self.rank, stream=self.stream, step=step, loss=loss, **fields)
 
-    def flush_if_done(self) -> None:
-        """At a rank's failure: write the queued event if its all-reduce has completed, never waiting (a peer may
-        be gone). The last step done before the failure was missing from the record and the summary (Note
-        [Deferred loss]; a review). A loss that is not finite is left out: the failure's own error stays."""
+    def flush_if_done(self, wait_s: float = 1.0) -> None:
+        """At a rank's failure: write the queued event once its all-reduce has completed, waiting at most
+        ``wait_s`` seconds for it (its peers issued it at the same step, a moment apart; one may be gone). The
+        last step done before the failure was missing from the record and the summary (Note [Deferred loss];
+        two reviews). A loss that is not finite is left out: the failure's own error stays."""
+        deadline = time.monotonic() + wait_s
+        while self._pending is not None and not self._pending[1]() and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self._pending is None or not self._pending[1]():
             return
         try:
