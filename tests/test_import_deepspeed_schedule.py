@@ -112,6 +112,8 @@ def test_hjson_is_read_and_a_duplicate_key_refused(tmp_path):
     assert data["zero"]["stage"] == 2
     with pytest.raises(ZerorunError, match=r"ds\.json: zero_optimization: duplicate key"):
         _run(tmp_path, '{"zero_optimization": {"stage": 2}, "zero_optimization": {"stage": 3}}', hosts=None)
+    with pytest.raises(ZerorunError, match=r"ds\.json:3: not valid JSON: "):  # Hjson's line, not JSON's 1 (a review)
+        _run(tmp_path, '// stage 2\n{"zero_optimization": {"stage": 2},\n "fp16": {"enabled" true}}', hosts=None)
     with pytest.raises(ZerorunError, match=r"ds\.json: empty file"):
         _run(tmp_path, "  \n", hosts=None)
 

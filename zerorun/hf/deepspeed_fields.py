@@ -112,8 +112,9 @@ def parse_config(path: str, text: str) -> dict:
     except json.JSONDecodeError as e:
         try:
             ds = hjson.loads(text, object_pairs_hook=no_duplicates)
-        except (ValueError, OverflowError):  # HjsonDecodeError is a ValueError; 1e999 overflows
-            raise ZerorunError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+        except (ValueError, OverflowError) as h:  # HjsonDecodeError is a ValueError; 1e999 overflows
+            line, msg = max((e.lineno, e.msg), (getattr(h, "lineno", 0), getattr(h, "msg", str(h))))
+            raise ZerorunError(f"{path}:{line}: not valid JSON: {msg}") from None  # where the reader got farther
     if not isinstance(ds, dict):
         raise ZerorunError(f"{path}: a DeepSpeed config is a JSON object")
     for name, section in ds.items():
