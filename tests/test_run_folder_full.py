@@ -165,3 +165,13 @@ def test_a_run_folder_removed_while_the_job_runs_is_a_warning_not_a_failure(tmp_
     assert (result.status, result.exit_code) == ("ok", 0)
     assert capsys.readouterr().err == (f"zerorun: warning: log.dir: cannot write {run_dir / runfolder.JOB}: No "
                                        "such file or directory (the run folder was removed while the job ran)\n")
+
+
+def test_the_done_line_does_not_point_into_a_removed_run_folder(tmp_path, capsys):
+    """The last line named the removed folder's metrics.jsonl (a review of the change above)."""
+    from zerorun.telemetry.console import PlainView
+
+    view = PlainView(sys.stdout, JobState(world_size=1, started=0.0))
+    view.state.end(1.0)
+    launch_run._finish(Outcome("ok", 0), view.state, str(tmp_path / "gone"), view)
+    assert capsys.readouterr().out.strip().endswith(f"no metrics: {tmp_path / 'gone'} was removed")

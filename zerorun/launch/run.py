@@ -274,5 +274,7 @@ def _finish(result: Outcome, state, run_dir: str, view) -> Outcome:
     summary = f"done in {state.elapsed_s():.1f} s"  # the job's, every try: the summary's total time
     if state.evals:
         summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
-    view.print(f"zerorun: {summary}; metrics: {os.path.join(run_dir, runfolder.METRICS)}")
+    metrics = os.path.join(run_dir, runfolder.METRICS)
+    view.print(f"zerorun: {summary}; " + (f"metrics: {metrics}" if os.path.exists(metrics) else
+                                          f"no metrics: {run_dir} was removed"))  # Note [Run folder removed]
     return dataclasses.replace(result, run_dir=run_dir, state=state)
