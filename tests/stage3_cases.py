@@ -46,6 +46,17 @@ def train_steps(engine, steps: int, width: int, prepare=lambda step, rank: None,
     return losses
 
 
+def same_batch_steps(engine, x: torch.Tensor, steps: int) -> list[float]:
+    """``steps`` optimizer steps of ``engine`` on the same batch ``x``; the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def parameter_classes() -> dict:
     """The Python class of a block's parameters inside its forward (gathered) and between steps (at rest), and
     the guard's calls made while the blocks compute (Note [Plain while gathered] in stage3_access.py)."""
@@ -210,13 +221,8 @@ def units_by_name(units: tuple, stage: int = 3, steps: int = 3, tie: bool = Fals
         model.blocks[1].fc = model.blocks[0].fc
     engine = initialize(model, optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
                         config=ZeroConfig(stage=stage, units=units if stage == 3 else (), **zero))
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
-    losses = []
-    for _ in range(steps):
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
+    losses = same_batch_steps(engine, torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank())),
+                              steps)
     roles = {u.name: "outer" if u.outer else "root" if u.is_root else "listed" for u in getattr(engine, "units", [])
              if not u.persistent}
     lines = engine.describe_units() if stage == 3 else []
@@ -414,10 +420,4 @@ def branchy(stage: int, steps: int = 4) -> list[float]:
     engine = initialize(Branchy(), optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
                         config=ZeroConfig(stage=stage))
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).abs() * (1 if dist.get_rank() == 0 else -1)
-    losses = []
-    for _ in range(steps):
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+    return same_batch_steps(engine, x, steps)
