@@ -414,10 +414,11 @@ class Branchy(nn.Module):
         return (self.left(h) if float(x.sum()) > 0 else self.right(h)).pow(2).mean()
 
 
-def branchy(stage: int, steps: int = 4) -> list[float]:
-    """Per-step losses of :class:`Branchy` at ``stage`` with automatic units (rank 0 takes the left head)."""
+def branchy(stage: int, steps: int = 4) -> dict:
+    """Per-step losses of :class:`Branchy` at ``stage`` with automatic units (rank 0 takes the left head), and
+    what the run says of its units."""
     torch.manual_seed(0)
     engine = initialize(Branchy(), optimizer="AdamW", optimizer_kwargs={"lr": 1e-2},
                         config=ZeroConfig(stage=stage))
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).abs() * (1 if dist.get_rank() == 0 else -1)
-    return same_batch_steps(engine, x, steps)
+    return {"losses": same_batch_steps(engine, x, steps), "lines": engine.describe_units() if stage == 3 else []}

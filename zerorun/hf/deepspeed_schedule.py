@@ -19,7 +19,9 @@ leaves a field out, and were missed before a review: the recipe trained at zeror
   (T - W) at the last step, exactly (the review's table found it a step early). The cosine reaches
   ``cos_min_ratio`` at the last step where DeepSpeed's would one step later.
 - Warm-up: DeepSpeed's ``warmup_type`` is ``log`` unless set (LR in proportion to log(i + 1) / log(W)), and it
-  starts at ``warmup_min_lr``; zerorun's warm-up is linear from lr / W. Both are named under "Dropped". With
+  starts at ``warmup_min_lr``; zerorun's warm-up is linear from lr / W (with ``warmup_type: linear`` it reaches
+  the peak one step before DeepSpeed's, whose log warm-up reaches it a step early too). Both are named under
+  "Dropped". With
   ``warmup_min_lr`` equal to ``warmup_max_lr`` (DeepSpeed's way to a constant LR) the recipe has no warm-up.
 """
 

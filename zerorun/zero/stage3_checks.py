@@ -247,7 +247,9 @@ def check_backward_units(engine, loss: torch.Tensor) -> None:
             f"{'; and more' if len(partial) > 3 else ''}): its backward would all-gather its parameters on those "
             "ranks alone (a hang). "
             "Make it reach the loss on every rank (e.g. loss = loss + 0.0 * out.sum() where it is not used), "
-            "keep it inside a unit that every rank uses (zero.units), or use stage 2")
+            "keep it inside a unit that every rank uses (zero.units: the class of a module every rank runs, such as "
+            "the MoE layer holding the experts; automatic units take the modules of a ModuleList, ModuleDict or "
+            "nn.Sequential), or use stage 2")
     if not alike(n, hs, hsq):  # before backward's reduce-scatters, which would pair different units too
         _raise_mismatch(engine, engine.gathering.log)
 

@@ -210,7 +210,9 @@ def describe_units(units: list[Unit], without_params: dict[str, list[str]] | Non
         if len(group) > 3 and [u.index for u in group] != list(range(group[0].index, group[-1].index + 1)):
             names = f"{', '.join(u.name for u in group[:3])}, ..."  # not one run: no range
         parts.append(f"{len(group)} x {cls} ({names}), {size} each")
-    lines = [f"stage 3 units, gathered and freed one by one: {'; '.join(parts) or 'none'}"]
+    none = ("none (automatic units come from a ModuleList, ModuleDict or nn.Sequential: the parameters below are "
+            "gathered for each whole pass; name modules in zero.units to divide them)")
+    lines = [f"stage 3 units, gathered and freed one by one: {'; '.join(parts) or none}"]
     for why, names in (without_params or {}).items():
         lines.append(f"stage 3: {', '.join(names)} own no parameter of their own ({why}): not units")
     outer = [f"{u.name} {_mib(u.gathered_bytes)}" for u in units if u.outer]
