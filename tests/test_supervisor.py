@@ -47,9 +47,11 @@ def supervise(lines: list[str]):
 
 
 def test_torchrun_root_cause_is_blamed_not_the_rank_it_terminated():
-    result = supervise([REPORT] + SUMMARY.splitlines())
+    sup, result = supervised([REPORT] + SUMMARY.splitlines())
     assert (result.rank, result.exit_code) == (1, 1)
     assert result.message == "rank process ended (killed by SIGABRT)"
+    # the rank torchrun stopped after it shows "stopped", as zerorun's own teardown's; it showed "killed" (a review)
+    assert sup.rank_exits == {1: -6}
 
 
 def test_a_rank_killed_by_its_own_abort_is_named_with_its_last_words():
@@ -385,7 +387,7 @@ def test_torchrun_failure_report_is_data_the_blame_reads():
     assert report == {"failures": [{"rank": 0, "exit_code": -15}, {"rank": 1, "exit_code": -6}], "root_cause": 1}
     sup, result = supervised(["@zerorun-node " + json.dumps(report)])
     assert (result.rank, result.message) == (1, "rank process ended (killed by SIGABRT)")
-    assert sup.rank_exits == {0: -15, 1: -6}
+    assert sup.rank_exits == {1: -6}  # rank 0: torchrun's SIGTERM after rank 1's failure, shown as stopped
     result = supervise(SUMMARY.splitlines())
     assert (result.rank, result.message) == (None, "node 0 ended (exit code 1): exitcode  : -6 (pid: 102)")
 

@@ -58,8 +58,7 @@ def failure(seen: Observed, plan: LaunchPlan, node_rank: int | None) -> Outcome:
     reason_node, reason = end_reason(seen, len(plan.nodes), node_rank)
     if own:
         return _error_outcome(plan, min(own, key=lambda e: e.time))
-    torn_down = {r for r in silent if exits[r] in (-signal.SIGTERM, -signal.SIGKILL)
-                 and seen.root_causes and r not in seen.root_causes}  # by torchrun, after the first failure
+    torn_down = torn_down_by_torchrun(seen) & set(silent)
     timed_out = any(_TIMEOUT.search(e.data.get("message", "")) for e in seen.errors.values())
     if silent and set(silent) <= torn_down and timed_out and not reason:  # a rank killed (OOM) resets, not times out
         quiet = quiet_rank(seen, plan, torn_down)  # a hung rank: its peers timed out (before: "killed by SIGTERM")
@@ -83,6 +82,13 @@ def failure(seen: Observed, plan: LaunchPlan, node_rank: int | None) -> Outcome:
     tail = seen.tails.get(node_rank)
     return Outcome("failed", 1, None, node.host.name if node else None,
                    f"node {node_rank} ended ({what})" + (f": {tail[-1]}" if tail else ""))
+
+
+def torn_down_by_torchrun(seen: Observed) -> set[int]:
+    """Ranks a torchrun stopped (SIGTERM, or SIGKILL after its grace) after another rank's failure: its failure
+    report names another rank as the first observed failure."""
+    return {r for r, code in seen.exits().items() if code in (-signal.SIGTERM, -signal.SIGKILL)
+            and seen.root_causes and r not in seen.root_causes}
 
 
 def last_words(seen: Observed, plan: LaunchPlan, rank: int, code: int) -> str | None:

@@ -218,7 +218,8 @@ class Supervisor:
                 if blame.has_cause(seen, nodes, node_rank) or len(seen.ended) >= nodes or time.time() > t0 + 5.0:
                     break
             self._drain(0.1)
-        self.rank_exits = seen.exits()  # before teardown: what happened, not how it was stopped
+        stopped = blame.torn_down_by_torchrun(seen)  # shown as stopped, as zerorun's own teardown's (a review)
+        self.rank_exits = {r: c for r, c in seen.exits().items() if r not in stopped}  # what happened, not the stop
         return blame.failure(seen, self.plan, node_rank)
 
     def _teardown(self) -> None:
