@@ -134,10 +134,11 @@ def test_bad_hf_recipe_exits_2_with_one_line(tmp_path):
 def test_data_vocabulary_larger_than_the_model_is_one_line(tmp_path, hf_dir):
     small = {"hf": {"config": {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
                                "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 200}}}
-    with pytest.raises(ZerorunError, match=r"r\.yaml:1: data\.tokenizer: the tokenizer in .* has 300 token ids, "
-                                           r"more than the model's vocab_size 200"):
-        load_recipe(_recipe(tmp_path / "r.yaml", small, {"kind": "hf", "path": hf_dir["jsonl"],
-                                                         "tokenizer": hf_dir["tok"]}))
+    for deep in (True, False):  # also before the ranks start (they printed IndexErrors first: a review)
+        with pytest.raises(ZerorunError, match=r"r\.yaml:1: data\.tokenizer: the tokenizer in .* has 300 token "
+                                               r"ids, more than the model's vocab_size 200"):
+            load_recipe(_recipe(tmp_path / "r.yaml", small, {"kind": "hf", "path": hf_dir["jsonl"],
+                                                             "tokenizer": hf_dir["tok"]}), check_hf=deep)
     small["hf"]["config"]["vocab_size"] = 100
     with pytest.raises(ZerorunError, match=r"data\.kind: byte-level data \(256 ids\) has 256 token ids"):
         load_recipe(_recipe(tmp_path / "r.yaml", small))

@@ -112,3 +112,19 @@ def refuse_remote_code(folder: str) -> None:
         raise ZerorunError(f"data.tokenizer: {found}: auto_map names tokenizer code of the folder: zerorun never "
                            "runs a model folder's code (trust_remote_code); use a folder with a tokenizer.json "
                            "and a standard tokenizer_class, or remove auto_map")
+
+
+def tokenizer_json_size(folder: str) -> int | None:
+    """The number of token ids of ``folder``'s ``tokenizer.json`` (its model's vocabulary and added tokens: the
+    largest id + 1), read as JSON without ``transformers`` (Note [HF checks after the header]); None when the
+    folder has no such file or it is not of that shape (the model check's own reading then decides)."""
+    path = os.path.join(folder, "tokenizer.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        vocab = data["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [t["id"] for t in data.get("added_tokens") or []]
+        return max(ids) + 1 if ids and all(isinstance(i, int) for i in ids) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

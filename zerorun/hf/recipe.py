@@ -45,8 +45,9 @@ def resolve_hf_model(model, base: str, where: Callable[..., str], deep: bool = T
 
             cfg = load_config(hf.pretrained, hf.config, where="model.hf")
             check_causal_lm(cfg)
-        else:
-            read_config(hf.pretrained, hf.config, where="model.hf")
+        else:  # the config's vocab_size from its JSON (Note [HF checks after the header]): check_vocab's
+            values = read_config(hf.pretrained, hf.config, where="model.hf")[0]
+            cfg = type("Shallow", (), {"vocab_size": values.get("vocab_size")})
         if hf.pretrained is not None:
             safetensors_files(hf.pretrained)
     except ZerorunError as e:
@@ -105,9 +106,10 @@ def resolve_hf_data(data, base: str, where: Callable[..., str], deep: bool = Tru
             raise ZerorunError(f"{where('data', 'tokenizer')}: {str(e).removeprefix('data.tokenizer: ')}") from None
 
 
-def check_vocab(model, data, where: Callable[..., str]) -> None:
+def check_vocab(model, data, where: Callable[..., str], deep: bool = True) -> None:
     """A ``model.hf`` must embed every id its data yields: ``data.kind: text`` bytes (256), ``hf`` the
-    tokenizer's ids (``len(tokenizer)``, 256 byte-level); else ranks would fail inside the embedding.
+    tokenizer's ids (``len(tokenizer)``, 256 byte-level); else ranks would fail inside the embedding. Not
+    ``deep`` (the launcher before its header): the ids ``tokenizer.json`` holds, read as JSON, where it has them.
 
     Raises:
         ZerorunError: the data's vocabulary is larger than the model config's ``vocab_size``.
@@ -117,12 +119,19 @@ def check_vocab(model, data, where: Callable[..., str]) -> None:
         return
     need, what = 256, "byte-level data (256 ids)"
     if data.kind == "hf" and data.tokenizer is not None:
-        from zerorun.hf.data import Tokenizer
+        from zerorun.hf.files import tokenizer_json_size
 
-        try:
-            need, what = Tokenizer(data.tokenizer).vocab_size, f"the tokenizer in {data.tokenizer}"
+        try:  # tokenizer.json's ids, without transformers: before the ranks start (they printed IndexErrors first)
+            need = tokenizer_json_size(data.tokenizer) if not deep else None
+            if deep:
+                from zerorun.hf.data import Tokenizer  # imports torch and transformers
+
+                need = Tokenizer(data.tokenizer).vocab_size
         except ZerorunError as e:
             raise ZerorunError(f"{where('data', 'tokenizer')}: {str(e).removeprefix('data.tokenizer: ')}") from None
+        if need is None:
+            return  # not a tokenizer.json zerorun reads itself: the model check's deep check says it
+        what = f"the tokenizer in {data.tokenizer}"
     if need > vocab:
         field = where("data", "tokenizer") if data.kind == "hf" and data.tokenizer else where("data", "kind")
         raise ZerorunError(f"{field}: {what} has {need} token ids, more than the model's vocab_size {vocab}")

@@ -165,7 +165,7 @@ def _resolve_data(recipe: Recipe, at: _Source, check_hf: bool) -> None:
     if recipe.model.hf is not None:
         from zerorun.hf.recipe import check_vocab
 
-        check_vocab(recipe.model, d, at.where)
+        check_vocab(recipe.model, d, at.where, deep=check_hf)
 
 
 def _resolve_launch(recipe: Recipe, at: _Source) -> None:
