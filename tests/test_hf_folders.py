@@ -109,6 +109,15 @@ def test_a_tied_model_stored_with_its_own_head_is_untied_at_every_stage(llama, t
         assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert torch.equal(whole.lm_head.weight, head)
     assert [n for n, _ in meta.named_parameters()] == [n for n, _ in whole.named_parameters()]
+    from zerorun.hf.model import distinct_tied
+
+    asked = []  # only the tied weights' tensors are read: stage 3 reads no whole tensor on a rank (Note [Slice reads])
+    assert distinct_tied(whole, lambda name: asked.append(name) or state.get(name)) is None
+    assert sorted(asked) == [], asked  # untied now: nothing to compare
+    with torch.device("meta"):
+        tied = build_model(pretrained=llama).hf
+    distinct_tied(tied, lambda name: asked.append(name) or None)
+    assert sorted(asked) == ["lm_head.weight", "model.embed_tokens.weight"], asked
     trained = {f"hf.{k}": v for k, v in whole.state_dict().items()}
     out = tmp_path / "export"
     out.mkdir()

@@ -96,7 +96,7 @@ class _Import:
             z = {"stage": 1 if z else 0}
         self.zero(dict(self.section("zero_optimization", z or None)))  # 0, [] and "" read as absent, as before
         self.optimizer(ds.pop("optimizer", None))
-        end = map_scheduler(self, ds.pop("scheduler", None), self.hf_config)  # Note [DeepSpeed's schedules]
+        end = map_scheduler(self, ds.pop("scheduler", None))  # Note [DeepSpeed's schedules]
         train = self.recipe["train"]
         if self.given.get("steps"):
             train["steps"] = self.steps_known = self.given["steps"]

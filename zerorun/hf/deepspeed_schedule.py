@@ -34,11 +34,11 @@ DS_WARMUP_STEPS, DS_MAX_LR, DS_COS_MIN_RATIO = 1000, 0.001, 0.0001
 KINDS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
-def map_scheduler(imp, sched: Any, hf_config: bool) -> tuple[float, int, int] | None:
+def map_scheduler(imp, sched: Any) -> tuple[float, int, int] | None:
     """Write ``imp.recipe``'s ``train.schedule`` (and the LR a ``WarmupLR``/``WarmupDecayLR`` sets, and
     ``train.steps`` from ``total_num_steps``) for DeepSpeed's ``scheduler`` section ``sched`` (Note
-    [DeepSpeed's schedules]). ``imp``: the import (``deepspeed._Import``: ``section``, ``num``, ``drop``);
-    ``hf_config``: the config has ``"auto"`` values (the HF Trainer's, whose default schedule is linear).
+    [DeepSpeed's schedules]). ``imp``: the import (``deepspeed._Import``: ``section``, ``num``, ``drop``, and
+    ``hf_config``: the config has ``"auto"`` values, the HF Trainer's, whose default schedule is linear).
 
     Returns:
         For a linear decay, ``(floor, warm-up, lag)`` for :func:`finish_schedule`, which sets ``min_lr_ratio``
@@ -47,7 +47,7 @@ def map_scheduler(imp, sched: Any, hf_config: bool) -> tuple[float, int, int] | 
     Raises:
         ZerorunError: a field of the wrong type (from ``imp.num``/``imp.section``).
     """
-    sched = imp.section("scheduler", sched)
+    sched, hf_config = imp.section("scheduler", sched), imp.hf_config
     train = imp.recipe["train"]
     if not sched or sched.get("type") not in KINDS:
         if sched:

@@ -225,7 +225,7 @@ def distinct_tied(hf: nn.Module, stored: Callable[[str], torch.Tensor | None]) -
     names: dict[int, list[str]] = {}
     for name, p in hf.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    for group in names.values():
+    for group in (g for g in names.values() if len(g) > 1):  # tied ones only: the others are never read
         tensors = [(n, t) for n in group if (t := stored(n)) is not None]
         for name, t in tensors[1:]:
             if t.shape != tensors[0][1].shape or not torch.equal(t, tensors[0][1]):
@@ -241,16 +241,9 @@ def _diagnose(folder: str, files: list[str], cfg) -> None:
     Raises:
         ZerorunError: a file that is not safetensors (or truncated), a tensor of another shape than the model's.
     """
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    shapes = {}
-    for path in files:
-        try:
-            with safe_open(path, "pt") as f:
-                shapes.update({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
-        except Exception as e:  # noqa: BLE001 - safetensors' own error types
-            raise ZerorunError(f"model.hf.pretrained: {path}: not a readable safetensors file: {e}") from None
+    shapes = {key: shape for key, (_, shape) in _stored(files).items()}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
     for name, p in model.named_parameters():
@@ -259,19 +252,37 @@ def _diagnose(folder: str, files: list[str], cfg) -> None:
                                f"expects {list(p.shape)}")
 
 
-def _folder_tensors(folder: str) -> Callable[[str], torch.Tensor | None]:
-    """``name -> tensor`` of the folder's safetensors files (None when none holds it), read on demand."""
+def _stored(files: list[str]) -> dict[str, tuple[str, list[int]]]:
+    """``{tensor name: (its file, its shape)}`` of safetensors ``files``, from their headers.
+
+    Raises:
+        ZerorunError: a file that is not safetensors, or truncated, naming it.
+    """
     from safetensors import safe_open
 
-    where = {}
-    for path in safetensors_files(folder):
-        with safe_open(path, "pt") as f:
-            where.update({key: path for key in f.keys()})
+    out = {}
+    for path in files:
+        try:
+            with safe_open(path, "pt") as f:
+                out.update({key: (path, list(f.get_slice(key).get_shape())) for key in f.keys()})
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types
+            raise ZerorunError(f"model.hf.pretrained: {path}: not a readable safetensors file: {e}") from None
+    return out
+
+
+def _folder_tensors(folder: str) -> Callable[[str], torch.Tensor | None]:
+    """``name -> tensor`` of the folder's safetensors files (None when none holds it), read on demand; the
+    headers are read at the first call."""
+    from safetensors import safe_open
+
+    where: dict[str, tuple[str, list[int]]] = {}
 
     def read(name: str) -> torch.Tensor | None:
+        if not where:
+            where.update(_stored(safetensors_files(folder)))
         if name not in where:
             return None
-        with safe_open(where[name], "pt") as f:
+        with safe_open(where[name][0], "pt") as f:
             return f.get_tensor(name)
 
     return read

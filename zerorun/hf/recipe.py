@@ -39,15 +39,14 @@ def resolve_hf_model(model, base: str, where: Callable[..., str], deep: bool = T
         hf.config = _path(hf.config, base)
     field = "pretrained" if hf.pretrained is not None else "config"
     try:
-        cfg = None
         if deep:
             from zerorun.hf.model import check_causal_lm, load_config
 
             cfg = load_config(hf.pretrained, hf.config, where="model.hf")
             check_causal_lm(cfg)
+            vocab = getattr(cfg, "vocab_size", None)
         else:  # the config's vocab_size from its JSON (Note [HF checks after the header]): check_vocab's
-            values = read_config(hf.pretrained, hf.config, where="model.hf")[0]
-            cfg = type("Shallow", (), {"vocab_size": values.get("vocab_size")})
+            vocab = read_config(hf.pretrained, hf.config, where="model.hf")[0].get("vocab_size")
         if hf.pretrained is not None:
             safetensors_files(hf.pretrained)
     except ZerorunError as e:
@@ -58,7 +57,6 @@ def resolve_hf_model(model, base: str, where: Callable[..., str], deep: bool = T
             if msg.startswith(head):
                 msg = msg[len(head):]
         raise ZerorunError(f"{prefix}: {msg}") from None
-    vocab = getattr(cfg, "vocab_size", None)
     model._hf_vocab_size = vocab if isinstance(vocab, int) else None  # for check_vocab, not serialized
     if model.factory != "build_model":
         raise ZerorunError(f"{where('model', 'factory')}: a model module's factory; model.hf takes none")
@@ -122,11 +120,12 @@ def check_vocab(model, data, where: Callable[..., str], deep: bool = True) -> No
         from zerorun.hf.files import tokenizer_json_size
 
         try:  # tokenizer.json's ids, without transformers: before the ranks start (they printed IndexErrors first)
-            need = tokenizer_json_size(data.tokenizer) if not deep else None
             if deep:
                 from zerorun.hf.data import Tokenizer  # imports torch and transformers
 
                 need = Tokenizer(data.tokenizer).vocab_size
+            else:
+                need = tokenizer_json_size(data.tokenizer)
         except ZerorunError as e:
             raise ZerorunError(f"{where('data', 'tokenizer')}: {str(e).removeprefix('data.tokenizer: ')}") from None
         if need is None:
