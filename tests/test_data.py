@@ -220,17 +220,3 @@ def test_a_job_with_ragged_samples_trains_with_data_collate_and_stops_in_one_lin
     [line] = out.stderr.strip().splitlines()
     assert out.returncode == 2 and line.startswith("zerorun: error: rank ") and (
         "give samples of one shape, or name a function of data.module that pads them in data.collate (logs: ") in line
-
-
-def test_tokens_are_counted_in_list_and_tuple_batches_too():
-    """A new user's review: an ``(inputs, labels)`` batch showed 0 tok/s (and 0 FLOP/s): only a tensor or a dict
-    was looked into. The first tensor of a list or tuple counts now, as a dict's ``input_ids`` (else first)."""
-    from types import SimpleNamespace
-
-    from zerorun.rank.loop import TrainingRun
-
-    run = SimpleNamespace(recipe=SimpleNamespace(data=SimpleNamespace(kind="module")))
-    ids, labels = torch.zeros(4, 16, dtype=torch.long), torch.zeros(4)
-    for batch in (ids, (ids, labels), [ids, labels], {"input_ids": ids, "x": labels}, {"x": ids}):
-        assert TrainingRun._tokens_in(run, batch) == 64, type(batch)
-    assert TrainingRun._tokens_in(run, (labels,)) == 0  # one dimension: no tokens to count

@@ -7,11 +7,11 @@ import itertools
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_leaves
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from zerorun.recipe import DataSpec, expand_data_paths
 from zerorun.rank.userload import UserCodeError, call_factory, load_module, raised_at
+from zerorun.zero.trees import map_tensors, tensors_in
 
 
 class ByteWindows(Dataset):
@@ -138,7 +138,7 @@ def collate_of(spec: DataSpec, module: Any) -> Callable[[list], Any]:
             frame = raised_at(e)  # the user's line, not torch's below it (a torch.stack in the function)
             at = f" (at {frame.filename}:{frame.lineno} in {frame.name})" if frame else ""
             raise UserCodeError(f"{where} raised {type(e).__name__}: {e}{at}") from None
-        if not any(isinstance(x, torch.Tensor) for x in tree_leaves(batch)):
+        if not tensors_in(batch):  # Note [Batch structures] in zero/trees.py: a dataclass, a BatchEncoding too
             raise UserCodeError(f"{where} returned {type(batch).__name__}, not a batch holding tensors")
         return batch
 
@@ -155,14 +155,45 @@ def stacked(samples: list) -> Any:
         return default_collate(samples)
     except (RuntimeError, TypeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(e, TypeError) and "default_collate" in reason:  # a sample type it does not know (a dataclass)
+            raise UserCodeError(f"data: samples of type {type(samples[0]).__name__} cannot be made into a "
+                                "micro-batch by torch's default collate (tensors, numbers, dicts, lists and tuples of "
+                                "them): name a function of data.module that batches them in data.collate") from None
         raise UserCodeError(f"data: {len(samples)} samples cannot be stacked into one micro-batch ({reason}): give "
                             "samples of one shape, or name a function of data.module that pads them in "
                             "data.collate") from None
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it on ``device`` (copied asynchronously from pinned memory), its
+    containers' types kept (Note [Batch structures] in zero/trees.py); another object with a ``.to`` method is
+    moved by it, as accelerate's ``send_to_device`` does."""
+    def other(obj: Any) -> Any:
+        move = getattr(obj, "to", None)
+        return move(device) if callable(move) and not isinstance(obj, type) else obj
+
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch, other)
+
+
+def tokens_in(batch: Any, next_token: bool) -> int:
+    """The tokens of a micro-batch, for its throughput: the elements of its ``input_ids`` (a mapping's), else of
+    its first integer tensor of two or more dimensions (batch x sequence); 0 where it holds none (a regression's
+    float features, an image batch, are not tokens). ``next_token`` (text and Hugging Face data): each sequence of
+    ``T + 1`` ids trains ``T`` targets."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if not isinstance(ids, torch.Tensor):
+        ids = next((t for t in tensors_in(batch) if t.dim() >= 2 and not (
+            t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)), None)
+    if ids is None or ids.dim() < 2:
+        return 0
+    return ids.shape[0] * (ids.shape[1] - 1 if next_token else ids.shape[1])
+
+
 def _not_a_dataset(ds: Any) -> str | None:
     """What ``ds`` is when it is not a map-style dataset (``None``, text, an object without ``__len__`` and
     ``__getitem__``, a list or tuple of datasets rather than of samples), else ``None``."""
+    if isinstance(ds, IterableDataset):  # its len() does not make it indexable (DataLoader refuses a sampler)
+        return f"a {type(ds).__name__} (an IterableDataset)"
     if ds is None or isinstance(ds, (str, bytes, dict)):  # a dict: of columns, most often (zip them into samples)
         return repr(ds) if ds is None else f"a {type(ds).__name__}"
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):

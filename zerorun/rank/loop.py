@@ -24,7 +24,7 @@ from torch.utils.data import DistributedSampler
 
 from zerorun import checkpoint, zero
 from zerorun.errors import ZerorunError
-from zerorun.rank.data import batch_stream, build_datasets, check_sizes, eval_batches
+from zerorun.rank.data import batch_stream, build_datasets, check_sizes, eval_batches, to_device, tokens_in
 from zerorun.rank.schedule import continue_schedule, lr_multiplier
 from zerorun.rank.stopsignal import Stopped, StopRequest
 from zerorun.rank.userload import build_model, extract_loss
@@ -64,8 +64,13 @@ class TrainingRun:
         """Every phase in order; returns when ``train.steps`` are done (raises Stopped on SIGTERM)."""
         self.set_up()
         self.build_model()
-        self.load_data()
+        deferred = zero.is_deferred(self.model)  # Note [Data after the model's random draws]
+        if not deferred:
+            self.load_data()  # before the engine: a data error is said first
         self.set_up_zero()
+        if deferred:
+            self.load_data()
+        self.deal_samples()
         self.resume()
         self.start_loop()
         try:
@@ -134,7 +139,7 @@ class TrainingRun:
 
     def set_up_zero(self) -> None:
         """The engine (``runtime``: zerorun's ZeRO, or torch's DDP/FSDP2 for `zerorun bench`), pretrained
-        weights at stage 3, the model_ready event, the LR scheduler, the data sampler and the per-rank seed.
+        weights at stage 3, the model_ready event and the LR scheduler.
 
         Raises:
             ZerorunError: the recipe asks for something this model cannot do (units, optimizer, groups).
@@ -167,6 +172,19 @@ class TrainingRun:
              trainable=self.engine.num_params, stage=recipe.zero.stage, runtime=recipe.runtime,
              model_state_bytes=self.engine.memory_bytes(), units=units)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.engine.optimizer, lr_multiplier(t.schedule, t.steps))
+
+    def deal_samples(self) -> None:
+        """The sampler that deals the training samples to the ranks, and the per-rank seed of training's own
+        random numbers (dropout).
+
+        Note [Data after the model's random draws]: as in a plain script (``torch.manual_seed``, the model, the
+        data), the data factory runs after the model's construction has drawn its random numbers, so a factory
+        that draws some (a random split, synthetic data) gets the same ones at every stage. With ``zero.meta_init``
+        at stage 3 those draws happen in the replay of the construction (zero/deferred.py), inside
+        ``zero.initialize``: the data is loaded after it there (it got the seed's first numbers instead, and with
+        them other data than stages 0-2: a review), and before the engine elsewhere, so that a data error comes
+        first."""
+        t = self.t
         self.sampler = DistributedSampler(self.train_set, num_replicas=self.world_size, rank=self.rank,
                                           shuffle=True, seed=t.seed, drop_last=True)
         torch.manual_seed(t.seed + 1 + self.rank)  # dropout and other training randomness differ per rank
@@ -223,8 +241,8 @@ class TrainingRun:
         t0 = time.perf_counter()
         tokens = 0
         for _ in range(t.grad_accum_steps):
-            batch = self._to_device(next(self.batches))
-            tokens += self._tokens_in(batch)
+            batch = to_device(next(self.batches), self.device)
+            tokens += tokens_in(batch, self.recipe.data.kind in ("text", "hf"))
             loss = extract_loss(self.engine(batch), self.source[0])
             self.engine.backward(loss)
             self.steplog.add_loss(loss)  # summed on the device, read at log steps (Note [Values read at log steps])
@@ -298,24 +316,6 @@ class TrainingRun:
         self.comm_prev = {k: v if v is None or after[k] is None else v + after[k] - before[k]
                           for k, v in self.comm_prev.items()}
 
-    def _to_device(self, batch):
-        if isinstance(batch, torch.Tensor):
-            return batch.to(self.device, non_blocking=True)
-        if isinstance(batch, dict):
-            return {k: self._to_device(v) for k, v in batch.items()}
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self._to_device(v) for v in batch)
-        return batch
-
-    def _tokens_in(self, batch) -> int:
-        x = batch.get("input_ids") if isinstance(batch, dict) else batch if isinstance(batch, torch.Tensor) else None
-        if x is None and isinstance(batch, (dict, list, tuple)):  # the first tensor (a list: (inputs, labels))
-            x = next((v for v in (batch.values() if isinstance(batch, dict) else batch) if isinstance(v, torch.Tensor)),
-                     None)
-        if x is None or x.dim() < 2:
-            return 0
-        return x.shape[0] * (x.shape[1] - 1 if self.recipe.data.kind in ("text", "hf") else x.shape[1])
-
     # ------------------------------------------------------------------------------------ eval, save, end
     def evaluate(self, step: int) -> None:
         """The exact mean loss over the validation samples (every one once, over all ranks: ``data.eval_batches``;
@@ -328,7 +328,7 @@ class TrainingRun:
         total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of per-sample losses, samples
         with torch.no_grad():
             for indices in plan:
-                batch = self._to_device(self.collate([val_set[i] for i in indices or [0]]))
+                batch = to_device(self.collate([val_set[i] for i in indices or [0]]), device)
                 loss = extract_loss(self.engine(batch), self.source[0]).detach().double()
                 if indices:  # an empty one only keeps the forwards in step with the other ranks
                     total += torch.stack([loss * len(indices), loss.new_tensor(len(indices))])

@@ -25,7 +25,7 @@ class FactoryError(UserCodeError):
 
 def load_module(spec: str) -> Any:
     """Import ``spec``: a path to a ``.py`` file (its folder is put on ``sys.path`` for its own imports) or a
-    dotted module name.
+    dotted module name. A file is executed once per process, as ``import`` does (Note [One module per file]).
 
     Raises:
         UserCodeError: the file is missing or importing it raised (the exception type and message are given).
@@ -37,17 +37,56 @@ def load_module(spec: str) -> Any:
             folder = os.path.dirname(os.path.abspath(spec))
             if folder not in sys.path:
                 sys.path.insert(0, folder)
-            name = "zerorun_user_" + os.path.splitext(os.path.basename(spec))[0]
-            module_spec = importlib.util.spec_from_file_location(name, spec)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[name] = module
-            module_spec.loader.exec_module(module)
-            return module
+            return _import_file(os.path.realpath(spec))
         return importlib.import_module(spec)
     except UserCodeError:
         raise
     except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
         raise UserCodeError(f"{spec}: cannot import: {type(e).__name__}: {e}") from e
+
+
+# Note [One module per file]: ``model.module`` and ``data.module`` may name one file, and either may ``import`` the
+# other by its name (its folder is on ``sys.path``). Each was executed again per load, as a module of its own: state
+# the data factory set at module level was missing in the model's copy (a KeyError in forward), and classes of one
+# copy were not those of the other (a review). A file is now one module per process: the one it became the first
+# time, under ``zerorun_user_<name>`` and, where that name is free, its plain name too, so that the user's own
+# ``import model`` finds the same module (and a file the user's code imported first is taken as it is).
+def _import_file(path: str) -> Any:
+    """The module of the ``.py`` file at ``path`` (a real path), executed the first time only."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    stamp = os.stat(path).st_mtime_ns  # a file changed since (a long-lived process: tests) is executed again
+    known = _FILES.get(path, (None, None))
+    if known[1] == stamp:
+        return known[0]
+    plain = sys.modules.get(stem)
+    if known[0] is None and plain is not None and _file_of(plain) == path:  # the user's code imported it first
+        _FILES[path] = (plain, stamp)
+        return plain
+    name = f"zerorun_user_{stem}" if known[0] is None else known[0].__name__
+    while known[0] is None and name in sys.modules:  # another file of the same name
+        name += "_"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    free = stem not in sys.modules or sys.modules[stem] is known[0]
+    names = [name] + ([stem] if stem.isidentifier() and free else [])
+    for n in names:
+        sys.modules[n] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        for n in names:
+            sys.modules.pop(n, None)
+        raise
+    _FILES[path] = (module, stamp)
+    return module
+
+
+_FILES: dict[str, tuple[Any, int]] = {}  # real path -> (its module, the file's mtime then): Note [One module per file]
+
+
+def _file_of(module: Any) -> str | None:
+    file = getattr(module, "__file__", None)
+    return os.path.realpath(file) if file else None
 
 
 def call_factory(spec: str, factory: str, kwargs: dict[str, Any], module: Any = None,
@@ -87,7 +126,8 @@ def call_factory(spec: str, factory: str, kwargs: dict[str, Any], module: Any = 
             raise
         raise FactoryError(f"{spec}: {factory}(**{kwargs}) raised {type(e).__name__}: {e}") from e
     except BaseException as e:  # noqa: BLE001 - sys.exit, argparse, GeneratorExit inside it: the same one line
-        hint = " (a factory that parses the command line or exits cannot build the model here)" if isinstance(
+        what = "the data" if field.startswith("data.") else "the model"
+        hint = f" (a factory that parses the command line or exits cannot build {what} here)" if isinstance(
             e, SystemExit) else ""
         raise FactoryError(f"{spec}: {factory}(**{kwargs}) raised {type(e).__name__}: {e}{hint}") from e
 
@@ -113,7 +153,8 @@ def extract_loss(output: Any, module: str):
     ``output.loss`` (the Hugging Face convention).
 
     Raises:
-        UserCodeError: no loss found, or the loss is not a scalar floating-point tensor.
+        UserCodeError: no loss found, the loss is not a scalar floating-point tensor, or with gradients on it
+            needs none.
     """
     import torch
 
@@ -128,6 +169,10 @@ def extract_loss(output: Any, module: str):
     if loss.numel() != 1 or not loss.is_floating_point():
         raise UserCodeError(f"{module}: forward's loss must be a scalar floating-point tensor, got shape "
                             f"{tuple(loss.shape)} {loss.dtype}")
+    if torch.is_grad_enabled() and not loss.requires_grad:  # torch's own error named neither file nor cause
+        raise UserCodeError(f"{module}: forward's loss does not depend on any trainable parameter (it needs no "
+                            "gradient): compute it from the model's outputs, not under torch.no_grad(), .detach(), "
+                            ".item() or as a constant")
     return loss
 
 

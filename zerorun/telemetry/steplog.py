@@ -155,6 +155,9 @@ class StepLog:
             loss = values[0]
             fields = {**fields, **dict(zip(tensors, values[1:]))}
             if not math.isfinite(loss):
+                if step == 1:  # before any update: no learning rate made it (a review)
+                    raise FloatingPointError(f"the loss is {loss} at step 1, before any update: the model's forward "
+                                             "or the data give it (a log of 0, a division by 0, NaN in a sample)")
                 hint = "lower train.optimizer.lr" + ("" if self.clipped else " or set train.grad_clip")
                 raise FloatingPointError(f"the loss is {loss} at step {step} (diverged): {hint}")
             emit("step", self.rank, stream=self.stream, step=step, loss=loss, **fields)

@@ -40,7 +40,8 @@ from zerorun.zero.stage3_checks import check_no_writes
 from zerorun.zero.stage3_outer import OuterSchedule
 from zerorun.zero.torch_internals import in_backward, will_accumulate
 from zerorun.zero.unit_plan import last_listed
-from zerorun.zero.units import Unit, UnitInputsDone, UnitState, tensors_in, units_ahead
+from zerorun.zero.trees import tensors_in
+from zerorun.zero.units import Unit, UnitInputsDone, UnitState, units_ahead
 from zerorun.zero.user_model import backward_outside_engine
 
 

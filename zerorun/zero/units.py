@@ -1,6 +1,6 @@
 """Stage 3's unit: a group of parameters all-gathered and freed together (Notes [Units], [Unit lifecycle] in
-``stage3.py``), owning its flat buffers, its state and its collectives; and the structure walks its hooks need
-(outputs of any structure, the end of a unit's backward). Which modules are units: ``unit_plan.py``.
+``stage3.py``), owning its flat buffers, its state and its collectives; and the end of a unit's backward
+(``UnitInputsDone``). Which modules are units: ``unit_plan.py``.
 
 Note [One all-gather per unit]: a unit holds one flat buffer per optimizer param group (AdamW with weight decay:
 its matrices, and its biases and norms) and frozen ones; they are all-gathered as one collective with one handle
@@ -301,27 +301,6 @@ def units_ahead(order: list[Unit], i: int, limit: int | None) -> list[Unit]:
             break
         ahead.append(unit)
     return ahead
-
-
-def tensors_in(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
-    """Every tensor inside ``obj``: a tensor, or (recursively, 32 levels deep at most) lists, tuples (named
-    tuples too), dicts (``transformers``' ``ModelOutput`` too), dataclass instances and plain objects' attributes
-    (an object with a ``.loss``). Used to find a unit's outputs, whatever structure holds them."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if _depth > 32 or obj is None or isinstance(obj, (str, bytes, int, float, bool, nn.Module)):
-        return []
-    if isinstance(obj, dict):
-        values = list(obj.values())
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        values = list(obj)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and not callable(obj):
-        values = list(vars(obj).values())
-    else:
-        return []
-    return [t for v in values for t in tensors_in(v, _depth + 1)]
 
 
 class UnitInputsDone(torch.autograd.Function):
