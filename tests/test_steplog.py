@@ -51,6 +51,28 @@ def test_loss_is_averaged_in_the_background_and_divergence_still_stops(ranks):
         assert r["error"].endswith("(diverged): lower train.optimizer.lr"), r["error"]
 
 
+def first_step_nan_case() -> str:
+    import torch
+    import torch.distributed as dist
+
+    from zerorun.telemetry.steplog import StepLog
+
+    log = StepLog(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), stream=io.StringIO())
+    log.log(1, float("nan") if dist.get_rank() == 0 else 1.0, {"steps": 3})
+    try:
+        log.flush()
+    except FloatingPointError as e:
+        return str(e)
+    return ""
+
+
+def test_a_loss_not_finite_at_step_1_is_not_called_divergence(ranks):
+    """A review: NaN from the first forward was told to lower the learning rate, before any update had run."""
+    for error in ranks(2).run(first_step_nan_case):
+        assert error == ("the loss is nan at step 1, before any update: the model's forward or the data give it (a "
+                         "log of 0, a division by 0, NaN in a sample)")
+
+
 def interval_case() -> dict:
     """Losses added on the device over an interval, a tensor grad norm among the fields, with the read counted."""
     import torch
