@@ -144,3 +144,38 @@ def test_bad_resume_is_one_line_exit_2(args, expected):
 def test_consolidate_missing_dir_is_one_line_exit_2(tmp_path):
     out = zerorun("consolidate", str(tmp_path / "nope"), "--out", str(tmp_path / "m.pt"), cwd=ROOT)
     assert out.returncode == 2 and out.stderr.strip() == f"zerorun: error: {tmp_path / 'nope'}: no such checkpoint directory"
+
+
+def _file_size_limit(nbytes: int):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+
+def test_consolidate_output_errors_are_one_line_and_leave_nothing(tmp_path):
+    """A review: a full disk (here: the file-size limit) was torch's or safetensors' traceback, exit 1, and left
+    the temporary file; --max-shard-size was a traceback or ignored; a shard file was 'no such directory'."""
+    out = zerorun("train", TINY, "train.steps=1", f"checkpoint.dir={tmp_path / 'ckpt'}", f"log.dir={tmp_path / 'runs'}",
+                  cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    step = tmp_path / "ckpt" / "step-00000001"
+    for name in ("m.safetensors", "m.pt"):
+        target = tmp_path / "small" / name
+        result = subprocess.run([sys.executable, "-m", "zerorun", "consolidate", str(step), "--out", str(target)],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=_file_size_limit(4096))
+        assert result.returncode == 2 and result.stderr.splitlines() == [
+            f"zerorun: error: --out {target}: cannot write: File too large"], result.stderr
+        assert os.listdir(tmp_path / "small") == []  # no temporary file left
+    (tmp_path / "a-file").write_text("x")
+    for args, line in (
+            ([str(step / "zerorun.json"), "--out", "m.pt"],
+             f"{step / 'zerorun.json'}: a file, not a checkpoint folder: give the step-N folder that holds it, or the "
+             "folder of step-N folders"),
+            ([str(step), "--out", str(tmp_path / "a-file" / "m.pt")],
+             f"--out {tmp_path / 'a-file' / 'm.pt'}: cannot write: {tmp_path / 'a-file'} is a file, not a folder"),
+            ([str(step), "--out", "m.pt", "--max-shard-size", "1KB"],
+             "--max-shard-size 1KB: only with --hf (a .safetensors or .pt file is written whole)"),
+            ([str(step), "--out", str(tmp_path / "hf"), "--hf", "--max-shard-size=-5MB"],
+             "--max-shard-size -5MB: give a positive whole number and a unit, as 5GB, 500MB or 2GiB")):
+        result = zerorun("consolidate", *args, cwd=ROOT)
+        assert result.returncode == 2 and result.stderr.splitlines() == [f"zerorun: error: {line}"], result.stderr

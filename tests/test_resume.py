@@ -304,3 +304,26 @@ def test_a_job_never_saves_beside_checkpoints_it_does_not_continue(tmp_path):
         f"its own (checkpoint.dir={default}-2-2), or remove it first")
     with pytest.raises(ZerorunError, match=r"\(checkpoint\.dir=.*/checkpoints-3\)"):
         prepare_resume(load_recipe(TINY, fresh), None)
+
+
+def test_a_step_folder_holding_what_no_save_writes_is_not_replaced(tmp_path):
+    """A review: a save of step 10 removed a user's notes kept in step-00000010 without a word (exit 0), and a file
+    of that name was replaced, its set-aside copy left behind. A save's own names (an unfinished save's) may go."""
+    folder = tmp_path / "ckpt"
+    (folder / "step-00000020").mkdir(parents=True)
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "zerorun.json"):  # a save cut before its marker
+        (folder / "step-00000020" / name).write_text("x")
+    recipe = load_recipe(TINY, [f"checkpoint.dir={folder}", "checkpoint.every=10"])
+    check_save_folder(recipe)
+    (folder / "step-00000010").mkdir()
+    (folder / "step-00000010" / "notes.txt").write_text("precious")
+    with pytest.raises(ZerorunError) as e:
+        check_save_folder(recipe)
+    assert str(e.value) == (f"checkpoint.dir {folder}: step-00000010 holds notes.txt, which a save of that step would "
+                            "remove (it holds what no checkpoint does): move it out, or give this job another "
+                            "checkpoint.dir")
+    (folder / "step-00000010" / "notes.txt").unlink()
+    (folder / "step-00000010").rmdir()
+    (folder / "step-00000010").write_text("x")
+    with pytest.raises(ZerorunError, match=r"step-00000010 is a file, which a save of that step would remove"):
+        check_save_folder(recipe)

@@ -3,13 +3,14 @@ process group. Nothing is unpickled (Note [Untrusted checkpoints] in ``safety.py
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
 import torch
 
 from zerorun.checkpoint.files import check, resolve
-from zerorun.checkpoint.safety import SafeLoadPlanner, SafeReader, reason
+from zerorun.checkpoint.safety import SafeLoadPlanner, SafeReader, reason, why_not_written
 from zerorun.errors import ZerorunError
 
 
@@ -84,6 +85,9 @@ def _write(state: dict[str, torch.Tensor], out: str, step: int) -> None:
     from zerorun.files import apply_umask
 
     directory = os.path.dirname(os.path.abspath(out))
+    above = next((d for d in _folders_above(directory) if os.path.exists(d) and not os.path.isdir(d)), None)
+    if above is not None:
+        raise ZerorunError(f"--out {out}: cannot write: {above} is a file, not a folder")
     tmp = os.path.join(directory, "." + os.path.basename(out) + ".tmp")
     try:
         os.makedirs(directory, exist_ok=True)
@@ -92,8 +96,19 @@ def _write(state: dict[str, torch.Tensor], out: str, step: int) -> None:
 
             save_file(state, tmp, metadata={"format": "pt", "zerorun_step": str(step)})
         else:
-            torch.save(state, tmp)
+            with open(tmp, "wb") as f:  # a failed write raises from its OSError (torch says only "unexpected pos")
+                torch.save(state, f)
         apply_umask(tmp)  # safetensors writes 0600 (zerorun/files.py)
         os.replace(tmp, out)
-    except OSError as e:
-        raise ZerorunError(f"--out {out}: cannot write: {e.strerror}") from None
+    except Exception as e:  # noqa: BLE001 - a full disk, a read-only folder: one line, and no partial file left
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise ZerorunError(f"--out {out}: cannot write: {why_not_written(e, directory)}") from None
+
+
+def _folders_above(directory: str) -> list[str]:
+    """``directory`` and every folder above it, nearest first."""
+    out = [directory]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out

@@ -18,7 +18,7 @@ from zerorun.errors import ZerorunError
 MARKER = "COMPLETE"
 META = "zerorun.json"
 FORMAT = 1
-_STEP_DIR = re.compile(r"step-(\d+)")  # fullmatch
+STEP_DIR = re.compile(r"step-(\d+)")  # fullmatch
 
 
 @dataclass
@@ -43,6 +43,9 @@ def read_meta(path: str) -> dict[str, Any]:
         ZerorunError: no such folder, a folder of checkpoints (naming its newest complete one), one with no
             checkpoint file, no ``COMPLETE`` marker (half-written), unreadable or malformed JSON.
     """
+    if os.path.isfile(path):  # a file of a checkpoint (a shard), or a consolidated one
+        raise ZerorunError(f"{path}: a file, not a checkpoint folder: give the step-N folder that holds it, or the "
+                           "folder of step-N folders")
     if not os.path.isdir(path):
         raise ZerorunError(f"{path}: no such checkpoint directory")
     if not os.path.isfile(os.path.join(path, MARKER)):
@@ -81,7 +84,7 @@ def _marker(path: str) -> dict[str, Any]:
 def _not_complete(path: str) -> str:
     """Why the folder ``path``, which has no ``COMPLETE`` marker, is no checkpoint to load, in one line."""
     names = os.listdir(path)
-    if any(_STEP_DIR.fullmatch(n) for n in names):
+    if any(STEP_DIR.fullmatch(n) for n in names):
         newest = latest(path)
         return f"{path}: a folder of checkpoints, not a checkpoint: " + (
             f"pass one of its step-N folders, e.g. the newest complete one, {newest}" if newest else
@@ -103,7 +106,7 @@ def _check_step(path: str, step: Any, meta_path: str, marked: Any) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ZerorunError(f"{meta_path}: step: expected a whole number of steps, got {step!r}")
     others = []
-    m = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+    m = STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
     if m and int(m.group(1)) != step:
         others.append(f"the folder's name {m.group(0)}")
     if isinstance(marked, int) and marked != step:
@@ -121,7 +124,7 @@ def list_complete(root: str) -> list[tuple[float, int, str]]:
     except OSError:
         return []
     for name in names:
-        m = _STEP_DIR.fullmatch(name)
+        m = STEP_DIR.fullmatch(name)
         marker = os.path.join(root, name, MARKER)
         if m and os.path.isfile(marker):
             try:
@@ -147,9 +150,12 @@ def resolve(path: str) -> str:
         ZerorunError: missing folder, or a folder of checkpoints none of which is complete.
     """
     path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isfile(path):  # a file of a checkpoint (a shard), or a consolidated one
+        raise ZerorunError(f"{path}: a file, not a checkpoint folder: give the step-N folder that holds it, or the "
+                           "folder of step-N folders")
     if not os.path.isdir(path):
         raise ZerorunError(f"{path}: no such checkpoint directory")
-    if not os.path.exists(os.path.join(path, META)) and any(_STEP_DIR.fullmatch(n) for n in os.listdir(path)):
+    if not os.path.exists(os.path.join(path, META)) and any(STEP_DIR.fullmatch(n) for n in os.listdir(path)):
         found = latest(path)
         if found is None:
             raise ZerorunError(f"{path}: no complete checkpoint in it (every step-* folder lacks its {MARKER} marker)")

@@ -141,6 +141,10 @@ def check_save_folder(recipe) -> None:
     from zerorun.checkpoint.files import list_complete
 
     ckpt = recipe.checkpoint
+    foreign = _not_ours(ckpt.dir) if ckpt.dir else None
+    if foreign:
+        raise ZerorunError(f"checkpoint.dir {ckpt.dir}: {foreign}, which a save of that step would remove (it holds "
+                           "what no checkpoint does): move it out, or give this job another checkpoint.dir")
     found = list_complete(ckpt.dir) if ckpt.dir else []
     if not found or (ckpt.resume and os.path.dirname(os.path.realpath(ckpt.resume)) == os.path.realpath(ckpt.dir)):
         return  # the resumed checkpoint (through a link to it too) is one of the folder's
@@ -153,6 +157,33 @@ def check_save_folder(recipe) -> None:
     raise ZerorunError(f"checkpoint.dir {ckpt.dir} holds {held}: {why}, replacing and pruning {them} "
                        f"(checkpoint.keep {ckpt.keep}). Continue that job with --resume, give this one a folder of "
                        f"its own (checkpoint.dir={free}), or remove {them} first")
+
+
+#: the names a save writes into a step folder (DCP's metadata and data files, zerorun.json, the COMPLETE marker)
+_SAVED = re.compile(r"\.metadata|__\d+_\d+\.distcp|zerorun\.json|COMPLETE")
+
+
+def _not_ours(folder: str) -> str | None:
+    """A ``step-N`` entry of ``folder`` that a save of step N would replace, holding what no save writes: a file
+    of that name, or a file of another name inside (a save had removed a user's notes, without a word: a review).
+    Returns it in words, or None."""
+    from zerorun.checkpoint.files import STEP_DIR
+
+    try:
+        names = sorted(n for n in os.listdir(folder) if STEP_DIR.fullmatch(n))
+    except OSError:  # not made yet, or unreadable: the save says so itself
+        return None
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            return f"{name} is a file"
+        try:
+            other = next((n for n in sorted(os.listdir(path)) if not _SAVED.fullmatch(n)), None)
+        except OSError:
+            continue
+        if other is not None:
+            return f"{name} holds {other}"
+    return None
 
 
 def optimizer_change(meta: dict, recipe, path: str = "the checkpoint") -> str | None:

@@ -16,7 +16,7 @@ i.e. an arbitrary pickle. zerorun saves tensors only, so:
 
 Tensor data itself is read by DCP's ``FileSystemReader`` with ``torch.load(weights_only=True)``, and
 ``.metadata`` by a restricted unpickler (:class:`SafeReader`, which runs :func:`check_entries`). A failed save
-is explained in one line by :func:`_why`.
+is explained in one line by :func:`why_not_written`.
 """
 
 from __future__ import annotations
@@ -280,17 +280,23 @@ def reason(e: BaseException) -> str:
     return str(first) if isinstance(first, ZerorunError) else _first_line(first)
 
 
-def _why(e: BaseException, folder: str) -> str:
-    """One line saying why DCP's save into ``folder`` failed: the first ``OSError``'s reason and file ("No
-    space left on device", "File too large"); else, since torch's zip writer reports a short write only as
-    "unexpected pos", the cause found on this host (a file of ``folder`` at the file-size limit, less than
-    1 MiB free on its device); else the first failure's first line."""
+def why_not_written(e: BaseException, folder: str) -> str:
+    """One line saying why a save into ``folder`` failed (DCP's, or one file's: ``zerorun consolidate``): the
+    first ``OSError``'s reason and file ("No space left on device", "File too large"), among the failures and what
+    raised them (torch's zip writer raises "unexpected pos" from the ``OSError`` of the write; safetensors' Rust
+    writer says "(os error 28)"); else the cause found on this host (a file of ``folder`` at the file-size limit,
+    less than 1 MiB free on its device); else the first failure's first line."""
+    import re
     import resource
 
     failures = _failures(e)
     for f in failures:
-        if isinstance(f, OSError) and f.strerror:
-            return f.strerror + (f" ({f.filename})" if f.filename else "")
+        for link in _raised_from(f):
+            if isinstance(link, OSError) and link.strerror:
+                return link.strerror + (f" ({link.filename})" if link.filename else "")
+            number = re.search(r"\(os error (\d+)\)", str(link))
+            if number:
+                return os.strerror(int(number.group(1)))
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     try:
         sizes = [os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)]
@@ -304,3 +310,11 @@ def _why(e: BaseException, folder: str) -> str:
     first = failures[0]
     text = str(first).strip()
     return f"{type(first).__name__}: {text.splitlines()[0]}" if text else type(first).__name__
+
+
+def _raised_from(e: BaseException, most: int = 8) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or while handling, nearest first."""
+    out = [e]
+    while len(out) < most and (out[-1].__cause__ or out[-1].__context__) is not None:
+        out.append(out[-1].__cause__ or out[-1].__context__)
+    return out

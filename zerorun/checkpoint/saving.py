@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 from zerorun.checkpoint.files import FORMAT, MARKER, META, DataPosition, _sha256, list_complete, step_dir
-from zerorun.checkpoint.safety import _why
+from zerorun.checkpoint.safety import why_not_written
 from zerorun.errors import ZerorunError
 
 
@@ -318,7 +318,7 @@ def _write_shards(engine, tmp: str, step: int, tensors: dict[str, Any]) -> None:
                                                                   **(WRITER_OPTIONS if pager else {})),
                      planner=pager.save_planner() if pager else None, process_group=group)
     except CheckpointException as e:  # raised on every rank alike (DCP gathers and broadcasts the failures)
-        why = _why(e, tmp)
+        why = why_not_written(e, tmp)
         dist.barrier(group)  # every rank has looked at the folder before rank 0 removes it
         if engine.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 
 from zerorun.cli.options import SSH_CONFIG, SSH_KEY, SSH_PORT, SSH_USER
-from zerorun.errors import INT64_MAX, JobFailed
+from zerorun.errors import INT64_MAX, JobFailed, ZerorunError
 
 
 def bench(
@@ -116,18 +116,22 @@ def consolidate(
     hf: bool = typer.Option(False, "--hf", help="Write a Hugging Face folder (model.hf recipes): config.json, "
                             "safetensors shards, tokenizer files; AutoModelForCausalLM.from_pretrained loads it "
                             "(docs/hugging-face.md)."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="With --hf: largest weight file."),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="With --hf: largest weight file "
+                                                 "(default 5GB)."),
 ) -> None:
     """Write the model of a sharded checkpoint as one fp32 state dict (no training processes needed)."""
     from zerorun.checkpoint import consolidate as run
     from zerorun.checkpoint import resolve
     from zerorun.telemetry.console import human_bytes
 
+    if max_shard_size is not None and not hf:  # it was ignored without a word (a review)
+        raise ZerorunError(f"--max-shard-size {max_shard_size}: only with --hf (a .safetensors or .pt file is written "
+                           "whole)")
     source = resolve(ckpt_dir)  # a folder of checkpoints: its latest, named in the line below
     if hf:
         from zerorun.hf.export import export_hf
 
-        count, nbytes = export_hf(source, out, max_shard_size=max_shard_size)
+        count, nbytes = export_hf(source, out, max_shard_size=max_shard_size or "5GB")
         print(f"zerorun: wrote {count} weight file{'s' * (count != 1)} ({human_bytes(nbytes)}) of {source} to {out}")
         return
     count, nbytes = run(source, out)

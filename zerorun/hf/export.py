@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 
+from zerorun.checkpoint.safety import why_not_written
 from zerorun.errors import ZerorunError
 from zerorun.files import apply_umask
 
@@ -63,6 +64,7 @@ def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, in
     from zerorun.hf.model import load_config
 
     offline()
+    _check_shard_size(max_shard_size)
     path = checkpoint.resolve(ckpt)
     meta = checkpoint.check(path)
     recipe = meta.get("recipe") or {}
@@ -94,12 +96,28 @@ def export_hf(ckpt: str, out: str, max_shard_size: str = "5GB") -> tuple[int, in
         for name in os.listdir(tmp):  # safetensors writes 0600: the umask's permissions (zerorun/files.py)
             apply_umask(os.path.join(tmp, name))
         _move_in(tmp, out)  # complete: now replace
-    except OSError as e:
-        raise ZerorunError(f"--out {out}: cannot write: {e.strerror}") from None
+    except ZerorunError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a full disk (safetensors' own error type), a read-only folder: one line
+        raise ZerorunError(f"--out {out}: cannot write: {why_not_written(e, os.path.dirname(out))}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     weights = [f for f in os.listdir(out) if f.endswith(".safetensors")]
     return len(weights), sum(os.path.getsize(os.path.join(out, f)) for f in weights)
+
+
+def _check_shard_size(size: str) -> None:
+    """Raises ZerorunError unless ``size`` is a positive size as ``save_pretrained`` reads it ("5GB", "500MB",
+    "2GiB"): "banana" and "0" were transformers' traceback, "-5MB" one file per tensor."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        nbytes = convert_file_size_to_int(size)
+    except ValueError:
+        nbytes = None
+    if nbytes is None or nbytes <= 0:
+        raise ZerorunError(f"--max-shard-size {size}: give a positive whole number and a unit, as 5GB, 500MB or "
+                           "2GiB")
 
 
 def _write_model(cfg, full_state: dict, path: str, tmp: str, max_shard_size: str) -> None:
