@@ -143,3 +143,38 @@ def test_show_gives_each_rank_the_status_the_live_view_gave(tmp_path):
     write_job_file(run_dir, state, "failed", 1, "rank process ended (exit code 3)", 2, "node2")
     shown, _ = load_run(run_dir)
     assert {r: s.status for r, s in shown.ranks.items()} == {0: "stopped", 1: "killed", 2: "exit 3"}
+
+
+def test_a_resumed_or_restarted_job_says_so(tmp_path, capsys):
+    """A review: a run resumed from step 16 showed 'steps 40/40' with nothing saying 24 were trained by it, a
+    restarted one no restart, and the done line of a resumed job evaluated once read 'validation loss 4.7302 ->
+    4.7302', a 'from' value never taken."""
+    from types import SimpleNamespace
+
+    from zerorun.launch.outcome import Outcome
+    from zerorun.launch.run import _finish
+    from zerorun.telemetry.summary import summary
+
+    events = [Event("log", r, T0 + 1, {"message": "resumed from ckpt/step-00000016 after step 16",
+                                       "resumed_step": 16}) for r in (0, 1, 2)]
+    events += [step_event(r, s) for s in (20, 40) for r in (0, 1, 2)]
+    events += [Event("restart", 0, T0 + 20, {"attempt": 1, "max_restarts": 1, "cause": "x", "failed_step": 40,
+                                             "resume_step": 20}),
+               Event("log", 0, T0 + 21, {"message": "resumed from ckpt/step-00000020 after step 20",
+                                         "resumed_step": 20}),
+               step_event(0, 40), Event("eval", 0, T0 + 30, {"step": 40, "val_loss": 4.7302})]
+    run_dir = write_run(tmp_path, events)
+    state, _ = load_run(run_dir)
+    assert (state.resumed_step, state.restarts) == (16, 1)  # the job's own start, not the restart's
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(summary(state))
+    text = console.export_text()
+    assert re.search(r"resumed from\s+step 16 \(24 steps trained by this job\)", text), text
+    assert re.search(r"restarts\s+1 \(after a failure; from the last checkpoint\)", text), text
+    lines = []
+    _finish(Outcome("ok", 0), state, run_dir, SimpleNamespace(print=lines.append))
+    assert "; validation loss 4.7302 at step 40; metrics:" in lines[0], lines
+    fresh, _ = load_run(write_run(tmp_path / "fresh", three_rank_events()))
+    assert (fresh.resumed_step, fresh.restarts) == (None, 0)

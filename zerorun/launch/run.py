@@ -272,8 +272,10 @@ def _finish(result: Outcome, state, run_dir: str, view) -> Outcome:
             message = f"job: {result.message} (logs: {run_dir})"
         return dataclasses.replace(result, message=message, run_dir=run_dir, state=state)
     summary = f"done in {state.elapsed_s():.1f} s"  # the job's, every try: the summary's total time
-    if state.evals:
+    if len(state.evals) > 1:
         summary += f"; validation loss {state.evals[0][1]:.4f} -> {state.final_val:.4f} (best {state.best_val:.4f})"
+    elif state.evals:  # one evaluation (a resumed job's last): no "from" value was ever taken
+        summary += f"; validation loss {state.final_val:.4f} at step {state.evals[0][0]}"
     metrics = os.path.join(run_dir, runfolder.METRICS)
     view.print(f"zerorun: {summary}; " + (f"metrics: {metrics}" if os.path.exists(metrics) else
                                           f"no metrics: {run_dir} was removed"))  # Note [Run folder removed]

@@ -212,7 +212,7 @@ class TrainingRun:
         self.start, self.position = checkpoint.load(path, self.engine, scheduler=self.scheduler,
                                                     micro_batch_size=self.t.micro_batch_size)
         continue_schedule(self.scheduler)  # this recipe's schedule from the saved step (Note [LR schedule on resume])
-        emit("log", self.rank, message=f"resumed from {path} after step {self.start}")
+        emit("log", self.rank, message=f"resumed from {path} after step {self.start}", resumed_step=self.start)
 
     def start_loop(self) -> None:
         """The batch stream from the data position, the step log, the SIGTERM watch (with ``checkpoint.dir``),

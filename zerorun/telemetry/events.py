@@ -38,7 +38,8 @@ fields. Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per
 - ``stopped`` (every rank, on SIGTERM with ``checkpoint.dir``, zerorun/rank/stopsignal.py): ``step``, ``steps``,
   ``signal``, ``path`` (the checkpoint saved, also in a ``checkpoint`` event from rank 0), ``signalled_rank``
   (the lowest rank that got the signal).
-- ``log`` (rank 0): ``message``, a line for people (e.g. where training resumed from).
+- ``log`` (rank 0): ``message``, a line for people (e.g. where training resumed from); ``resumed_step`` with
+  the line of a resume (the checkpoint's step).
 - ``phase`` (every rank, before it trains): ``phase``, what the rank starts doing now, one of
   ``telemetry.phases.PHASES`` (importing torch, joining the process group, building the model, ...): the
   launcher says what the slowest rank is doing while it waits for the first step (Note [Rank phases]).

@@ -120,6 +120,8 @@ class JobState:
         self.rank_exit_codes: dict[int, int] = {}  # rank_exited's, kept in job.json for zerorun show
         self.evals: list[tuple[int, float]] = []
         self.checkpoints: list[dict[str, Any]] = []
+        self.resumed_step: int | None = None  # the checkpoint's step this job resumed from (--resume)
+        self.restarts = 0  # tries after a failure (Note [Job restarts] in launch/restart.py)
         self.log = LogTail(log_lines)
         self.progress: tuple[int, float] | None = None
         self.first_progress: tuple[int, float] | None = None
@@ -156,8 +158,12 @@ class JobState:
             v, step = number(d, "val_loss"), integer(d, "step")
             if v is not None and step is not None:  # a --resume into this run folder replaces later evaluations
                 self.evals = [(s, x) for s, x in self.evals if s < step] + [(step, v)]
-        elif e.kind == "restart" and integer(d, "resume_step") is not None:  # None: a script's, unknown
-            self._restart(integer(d, "resume_step"), e.time)
+        elif e.kind == "restart":
+            self.restarts += 1
+            if integer(d, "resume_step") is not None:  # None: a script's, unknown
+                self._restart(integer(d, "resume_step"), e.time)
+        elif e.kind == "log" and integer(d, "resumed_step") is not None and not self.restarts:  # the job's start
+            self.resumed_step = integer(d, "resumed_step")
         elif e.kind == "checkpoint":
             self.checkpoints.append({"rank": e.rank, **d})
         elif e.kind == "finish":

@@ -69,6 +69,11 @@ def summary(state: JobState, width: int = PLAIN_WIDTH) -> Group:
     rows = [("total time", human_duration(state.elapsed_s())),
             ("time to first step", human_duration(state.time_to_first_step_s())),
             ("steps", f"{state.step}/{state.steps or '?'}")]
+    if state.resumed_step is not None:  # a review: a resumed job's summary read as if it had trained every step
+        rows.append(("resumed from", f"step {state.resumed_step} ({max(0, state.step - state.resumed_step)} steps "
+                                     "trained by this job)"))
+    if state.restarts:
+        rows.append(("restarts", f"{state.restarts} (after a failure; from the last checkpoint)"))
     if state.last_loss is not None:
         rows.append(("final training loss", f"{state.last_loss:.4f}"))
     rows.append(("final validation loss", "-" if state.final_val is None else f"{state.final_val:.4f}"))
