@@ -160,7 +160,11 @@ class Net(nn.Module):
             h = (h + (h @ self.empty.t()).sum(-1, keepdim=True)) * self.scale
         if self.kind == "sparse_embedding":
             h = h + self.emb(y)
-        logits = self.head(h)
+        if self.kind == "half_in_forward" and self.calls >= 2:  # a review: stage 2 then trained nothing, exit 0
+            self.head.half()
+            logits = self.head(h.half()).float()
+        else:
+            logits = self.head(h)
         loss = F.cross_entropy(logits, y)
         if self.kind in ("penalty", "penalty_declared"):  # a unit's weight read after the unit ran
             loss = loss + 1e-2 * self.blocks[0].fc.weight.pow(2).sum()
@@ -220,6 +224,8 @@ def train(kind: str, stage: int, steps: int = STEPS, group=None) -> dict:
                 if kind == "write_at_rest" and step == 1:
                     with torch.no_grad():
                         model.blocks[0].fc.weight.fill_(0.25)
+                if kind == "data_swap" and step == 1:  # new memory, not the engine's: its updates went nowhere
+                    model.head.weight.data = model.head.weight.data.clone()
                 if kind == "data_write_at_rest" and step == 1:
                     model.blocks[0].fc.weight.data.fill_(0.25)
                 if kind == "gathered_write" and step == 1:
@@ -265,6 +271,7 @@ ERRORS = {
     "unfreeze": ((1, 2, 3), "'head.weight' was unfrozen"),
     "freeze_later": ((1, 2, 3), "'head.weight' was frozen"),
     "replace": ((1, 2, 3), "'head.weight' was replaced"),
+    "half_in_forward": ((1, 2, 3), "'head.weight' was cast to torch.float16 after zerorun.initialize"),
     "write_at_rest": ((3,), "'blocks.0.fc.weight' is partitioned"),
     "read_at_rest": ((3,), "'blocks.1.fc.weight' is partitioned"),
     "data_write_at_rest": ((3,), "'blocks.0.fc.weight' is partitioned"),
@@ -272,7 +279,7 @@ ERRORS = {
     "clamp_in_forward": ((3,), "'blocks.1.fc.weight' was written in place inside the forward of its unit"),
 }
 #: kinds whose stage 0 itself raises the same error (so there is no reference run to compare)
-STAGE0_ERRORS = {"unfreeze", "freeze_later", "replace"}
+STAGE0_ERRORS = {"unfreeze", "freeze_later", "replace", "half_in_forward"}
 
 
 def run_all(kinds: list[str] | None = None) -> dict:
@@ -401,3 +408,9 @@ def gathered_write_then_raise(stage: int) -> dict:
     engine.backward(_loss(engine(_batch(0, dist.get_rank()))))
     engine.step()
     return {"after_block": after_block, "after_step": _full(engine)}
+
+
+def data_swap() -> dict:
+    """``p.data = ...`` between steps at stages 0-2 (stage 3 refuses the read of ``.data`` at rest): ``{stage:
+    result}``."""
+    return {stage: train("data_swap", stage) for stage in (0, 1, 2)}

@@ -162,7 +162,8 @@ def test_consolidate_output_errors_are_one_line_and_leave_nothing(tmp_path):
     for name in ("m.safetensors", "m.pt"):
         target = tmp_path / "small" / name
         result = subprocess.run([sys.executable, "-m", "zerorun", "consolidate", str(step), "--out", str(target)],
-                                cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=_file_size_limit(4096))
+                                cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                preexec_fn=_file_size_limit(4096))
         assert result.returncode == 2 and result.stderr.splitlines() == [
             f"zerorun: error: --out {target}: cannot write: File too large"], result.stderr
         assert os.listdir(tmp_path / "small") == []  # no temporary file left

@@ -17,7 +17,7 @@ import torch
 
 import checkpoint_cases as cases
 from zerorun import checkpoint
-from zerorun.checkpoint.safety import _why
+from zerorun.checkpoint.safety import why_not_written
 from zerorun.errors import ZerorunError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,12 +218,12 @@ def test_short_write_reported_by_torch_is_explained(tmp_path, monkeypatch):
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
-        why = _why(opaque, str(tmp_path))
+        why = why_not_written(opaque, str(tmp_path))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert why == "File too large (the file-size limit, ulimit -f, is 4096 bytes)"
     monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=3, f_frsize=4096))
-    assert _why(opaque, str(tmp_path)) == "No space left on device (12288 bytes free)"
+    assert why_not_written(opaque, str(tmp_path)) == "No space left on device (12288 bytes free)"
 
 
 @pytest.mark.parametrize("shape,expected", [

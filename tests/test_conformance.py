@@ -148,3 +148,12 @@ def test_gathered_write_reaches_the_masters(ranks):
         for stage, w in r.items():
             assert torch.allclose(w, torch.full_like(w, 0.25), atol=5e-3), (stage, w)
             assert torch.allclose(w, r[0], atol=2e-3), stage
+
+
+def test_a_parameter_given_other_memory_is_refused_at_stages_0_to_2(ranks):
+    """``p.data = p.data.clone()`` after initialize: the step updated the flat buffer the parameter no longer
+    viewed, so it never trained again (as a model.half() in forward did at stage 2: a review)."""
+    for r in ranks(2).run(cases.data_swap):
+        for stage in (0, 1, 2):
+            assert "'head.weight' holds other memory than the engine's after zerorun.initialize" in \
+                r[stage].get("error", ""), (stage, r[stage])

@@ -186,6 +186,23 @@ def test_plain_view_when_not_a_terminal_is_periodic_lines_and_a_summary():
     assert "zerorun · tiny · summary" in text and "\x1b[" not in text  # plain text, no terminal escapes
 
 
+def test_steps_skipped_on_an_fp16_overflow_are_said(tmp_path):
+    """A review: an fp16 run whose every step was skipped (the model never updated) showed ordinary step lines, then
+    'steps 8/8' and done."""
+    out = io.StringIO()
+    view = open_view(JobState(name="tiny", world_size=1, steps=8, started=T0), out, dashboard=True)
+    view.min_interval_s = 0.0
+    for step in (1, 8):
+        e = step_event(0, step)
+        e.data.update(skipped=True, skipped_steps=step, loss_scale=2.0 ** (16 - step))
+        view.event(e)
+    view.close()
+    steps = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert "  skipped 1 (fp16 overflow, loss scale 32768)" in steps[0] and "  skipped 8 (fp16 overflow, loss scale " \
+        "256)" in steps[-1], steps
+    assert re.search(r"skipped steps\s+8 of 8 \(fp16 overflow: the model was not updated at them\)", out.getvalue())
+
+
 def test_live_view_on_a_terminal_and_summary_at_close():
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=150, record=True)

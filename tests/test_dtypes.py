@@ -59,6 +59,29 @@ def test_cast_model_casts_fp32_and_leaves_float64_integers_and_bool():
     assert torch.equal(m.wide, wide)
 
 
+def test_parameters_the_model_made_in_a_2_byte_dtype_are_named_when_cast():
+    """A review: a model built in bf16 was silently trained in fp32 at the default precision (twice its memory, other
+    numbers; a forward casting its inputs to bf16 then failed on mat1 and mat2's dtypes). The cast stays (the
+    precision is the recipe's), and rank 0's warning names them and the way to keep them."""
+    from zerorun.zero.precision import cast_and_report
+
+    m = nn.Module()
+    m.a = nn.Linear(2, 2).bfloat16()
+    m.b = nn.Linear(2, 2)
+    m.wide = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    kept, warning = cast_and_report(m, torch.float32, "fp32")
+    assert kept == {"wide": torch.float64} and m.a.weight.dtype == torch.float32
+    assert warning == ("precision fp32 casts parameters the model made in another dtype to torch.float32: a.weight "
+                       "(bfloat16), a.bias (bfloat16) (set precision to theirs, bf16 or fp16, to train in it)")
+    m.a.half()
+    kept, warning = cast_and_report(m, torch.bfloat16, "bf16")
+    assert warning == ("precision bf16 casts the floating parameters to torch.bfloat16 except 1 kept in their own "
+                       "dtype (computed, reduced and stepped in it): wide (float64); precision bf16 casts parameters "
+                       "the model made in another dtype to torch.bfloat16: a.weight (float16), a.bias (float16) (set "
+                       "precision to theirs, bf16 or fp16, to train in it)")
+    assert cast_and_report(nn.Linear(2, 2), torch.float32, "fp32") == ({}, None)
+
+
 def test_gradient_norm_sums_float64_gradients_in_float64():
     """Values 1 + k·1e-9: fp32 squares would lose the 1e-9 part (fp32's ulp at 1 is 1.2e-7)."""
     small = 1 + 1e-9 * torch.arange(100, dtype=torch.float64)

@@ -206,6 +206,9 @@ class PlainView:
                 parts.append(f"{human_rate(number(d, key))} {unit}")
         if number(d, "rss_bytes") is not None:
             parts.append(f"rss {human_bytes(number(d, 'rss_bytes'))}")
+        skipped, scale = integer(d, "skipped_steps"), number(d, "loss_scale")
+        if skipped:  # fp16 overflows: a run whose every step was skipped looked normal (a review)
+            parts.append(f"skipped {skipped}" + (f" (fp16 overflow, loss scale {scale:g})" if scale else ""))
         eta = s.eta_s()
         if eta is not None:
             parts.append(f"eta {eta:.0f} s")

@@ -122,6 +122,7 @@ class JobState:
         self.checkpoints: list[dict[str, Any]] = []
         self.resumed_step: int | None = None  # the checkpoint's step this job resumed from (--resume)
         self.restarts = 0  # tries after a failure (Note [Job restarts] in launch/restart.py)
+        self.skipped_steps = 0  # optimizer steps skipped on an fp16 overflow (Note [Loss scaling] in zero/precision.py)
         self.log = LogTail(log_lines)
         self.progress: tuple[int, float] | None = None
         self.first_progress: tuple[int, float] | None = None
@@ -239,6 +240,7 @@ class JobState:
                 r.trends[key] = [*r.trends.get(key, [])[1 - TREND:], getattr(r, key)]
         if r.loss is not None and r.rank == min(self.ranks):
             self.last_loss = r.loss
+            self.skipped_steps = integer(d, "skipped_steps") or 0  # fp16 overflows, every rank alike
         self._memory(r, d)
         if isinstance(d.get("model_state_bytes"), dict):
             r.model_state_bytes = {k: v for k, v in d["model_state_bytes"].items() if isinstance(v, int)}

@@ -72,6 +72,9 @@ def summary(state: JobState, width: int = PLAIN_WIDTH) -> Group:
     if state.resumed_step is not None:  # a review: a resumed job's summary read as if it had trained every step
         rows.append(("resumed from", f"step {state.resumed_step} ({max(0, state.step - state.resumed_step)} steps "
                                      "trained by this job)"))
+    if state.skipped_steps:
+        rows.append(("skipped steps", f"{state.skipped_steps} of {state.step} (fp16 overflow: the model was not "
+                                      "updated at them)"))
     if state.restarts:
         rows.append(("restarts", f"{state.restarts} (after a failure; from the last checkpoint)"))
     if state.last_loss is not None:

@@ -29,7 +29,7 @@ from zerorun.zero.optimizers import (NON_ELEMENTWISE_OPTIMIZERS, default_param_g
                                      resolve_optimizer)
 from zerorun.zero.param_writes import DifferingWrites, ParamWrites
 from zerorun.zero.policy import POLICIES
-from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_inputs, cast_model, is_wide
+from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_and_report, cast_inputs, is_wide
 from zerorun.zero.reducer import GradReducer
 from zerorun.zero.user_model import UserModel, spoiled_by
 
@@ -119,18 +119,19 @@ class ZeroEngine(UserModel):
         self.reducer.rider = DifferingWrites(self) if self.policy.gather_after_step else None
         self._micro_step = 0
         # Note [The user's model stays the user's]: the parameter objects and their trainability are fixed here
-        self._param_slots = [(mod, key, f"{mname}.{key}" if mname else key, p, p.requires_grad)
+        self._param_slots = [(mod, key, f"{mname}.{key}" if mname else key, p, p.requires_grad, p.dtype,
+                              p.data_ptr() if self.stage < 3 and p.requires_grad else None)  # a view of its buffer
                              for mname, mod in model.named_modules() for key, p in mod._parameters.items()
                              if p is not None]
 
     def _cast(self, model: nn.Module) -> None:
-        """Cast ``model`` to the precision (Note [Mixed precision]); under bf16/fp16 rank 0 warns once naming the
-        parameters left in their own dtype (Note [Wide parameters] in ``precision.py``)."""
-        self.kept_dtypes = {n: str(d).removeprefix("torch.") for n, d in cast_model(model, self.param_dtype).items()}
-        if self.kept_dtypes and self.param_dtype != torch.float32 and self.rank == 0:
-            warnings.warn(f"precision {self.config.precision} casts the floating parameters to {self.param_dtype} "
-                          f"except {len(self.kept_dtypes)} kept in their own dtype (computed, reduced and stepped in "
-                          "it): " + ", ".join(f"{n} ({d})" for n, d in self.kept_dtypes.items()), stacklevel=4)
+        """Cast ``model`` to the precision (Note [Mixed precision]); rank 0 warns once naming the parameters left in
+        their own dtype under bf16/fp16 (Note [Wide parameters] in ``precision.py``) and those cast from another
+        dtype below fp32."""
+        kept, warning = cast_and_report(model, self.param_dtype, self.config.precision)
+        self.kept_dtypes = {n: str(d).removeprefix("torch.") for n, d in kept.items()}
+        if warning and self.rank == 0:
+            warnings.warn(warning, stacklevel=4)
 
     # ------------------------------------------------------------------------------------- stage policy hooks
     def _sync_initial_state(self) -> None:

@@ -147,6 +147,33 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     return kept
 
 
+def cast_and_report(model: nn.Module, dtype: torch.dtype, precision: str) -> tuple[dict[str, torch.dtype], str | None]:
+    """:func:`cast_model`, and what to warn of: under bf16/fp16 the floating parameters kept in their own dtype
+    (Note [Wide parameters]); at any precision those the model made in another dtype below fp32 and cast to
+    ``dtype`` (bf16 layers at fp32: twice their memory, other numbers; a forward that casts its inputs to them
+    fails on the dtypes: a review), naming at most five of each.
+
+    Returns:
+        ``(kept, warning)``: :func:`cast_model`'s result, and the warning's text or ``None``.
+    """
+    recast = {n: p.dtype for n, p in model.named_parameters()
+              if p.is_floating_point() and not is_wide(p.dtype) and p.dtype not in (torch.float32, dtype)}
+    kept = cast_model(model, dtype)
+
+    def names(found: dict[str, torch.dtype]) -> str:
+        listed = ", ".join(f"{n} ({str(d).removeprefix('torch.')})" for n, d in list(found.items())[:5])
+        return listed + (f", ... {len(found)} in all" if len(found) > 5 else "")
+
+    said = []
+    if kept and dtype != torch.float32:
+        said.append(f"precision {precision} casts the floating parameters to {dtype} except {len(kept)} kept in "
+                    f"their own dtype (computed, reduced and stepped in it): {names(kept)}")
+    if recast:
+        said.append(f"precision {precision} casts parameters the model made in another dtype to {dtype}: "
+                    f"{names(recast)} (set precision to theirs, bf16 or fp16, to train in it)")
+    return kept, "; ".join(said) or None
+
+
 def refuse_complex(model: nn.Module) -> None:
     """Note [Wide parameters]: raises ValueError naming ``model``'s first complex parameter, if it has one (no
     collective: every rank, built alike, raises the same)."""

@@ -133,21 +133,30 @@ class UserModel:
         backward; O(number of parameters), no collective.
 
         Raises:
-            RuntimeError: a parameter was replaced by another object, or its ``requires_grad`` changed, after
-                :func:`initialize` (either would otherwise be silently ignored); the message names it; the
-                engine was closed.
+            RuntimeError: a parameter was replaced by another object, its ``requires_grad`` or its dtype changed,
+                or at stages 0-2 its memory (no longer a view of its flat buffer), after :func:`initialize` (each
+                would otherwise be silently ignored); the message names it; the engine was closed.
         """
         self.check_open()
         with torch._C.DisableTorchFunctionSubclass():  # stage 3's guard is not asked (Note [Parameters at rest])
-            changed = [(name, q, p, trainable) for mod, key, name, p, trainable in self._param_slots
-                       if (q := mod._parameters.get(key)) is not p or q.requires_grad != trainable]
-        for name, q, p, trainable in changed[:1]:
+            changed = [(name, q, p, trainable, dtype) for mod, key, name, p, trainable, dtype, ptr in self._param_slots
+                       if (q := mod._parameters.get(key)) is not p or q.requires_grad != trainable or q.dtype != dtype
+                       or ptr not in (None, q.data_ptr())]
+        for name, q, p, trainable, dtype in changed[:1]:
             if q is not p:
                 raise RuntimeError(
                     f"parameter {name!r} was replaced by another object after zerorun.initialize: the engine "
                     "trains the Parameter objects it was given, so the new one would never be trained. Write the "
                     "new values into the existing parameter in place instead (with torch.no_grad(): "
                     "p.copy_(values); at stage 3 inside engine.gathered_parameters([p], modifier_rank=0))")
+            if q.dtype != dtype or q.requires_grad == trainable:  # a review: stage 2 trained nothing, exit 0
+                what = f"was cast to {q.dtype}" if q.dtype != dtype else "holds other memory than the engine's"
+                raise RuntimeError(
+                    f"parameter {name!r} {what} after zerorun.initialize (a model.half(), .to() or p.data = ... in "
+                    f"the model): the engine keeps it as {dtype} in its flat buffers, so the step's updates would "
+                    "not reach it, or be undone. Choose the parameters' dtype with precision (bf16, fp16), cast "
+                    "inputs or activations in forward instead, and write values in place (with torch.no_grad(): "
+                    "p.copy_(values))")
             if q.requires_grad != trainable:
                 raise RuntimeError(
                     f"parameter {name!r} was {'unfrozen' if q.requires_grad else 'frozen'} "
