@@ -134,6 +134,9 @@ def test_waiting_for_ranks_says_what_the_slowest_rank_does():
     state.update(step_event(0, 1))
     assert "waiting" not in rendered(render(state, now=T0 + 30, width=100), 100)
     assert all(not isinstance(e, Event) or e.kind != "phase" for e in state.log)  # not in the log panel
+    one = JobState(name="j", world_size=1, steps=10, started=T0)  # a review: "(all 1 ranks)"
+    assert [line for line in rendered(render(one, now=T0 + 2, width=100), 100).splitlines()
+            if "waiting" in line][0].strip(" │") == "waiting for ranks: starting (the one rank) for 2.0 s"
 
 
 def test_plain_view_prints_each_slowest_phase_once():

@@ -102,7 +102,13 @@ def test_a_job_that_never_ran_is_not_sent_to_a_missing_output_file(tmp_path):
     (tmp_path / "slurm-11.out").write_text("srun: error\n")
     out = io.StringIO()
     slurm_attach._ended("11", str(tmp_path), cancelled, out)
-    assert out.getvalue().endswith(f"; its output: {tmp_path / 'slurm-11.out'}\n")
+    assert out.getvalue().endswith(f"metric; its output: {tmp_path / 'slurm-11.out'}\n")
+    # a review: the job's own one-line cause (a recipe broken after submit) was only in the file
+    (tmp_path / "slurm-11.out").write_text("zerorun: error: old\nnoise\nzerorun: error: bad.yaml:2: invalid YAML\nx\n")
+    out = io.StringIO()
+    slurm_attach._ended("11", str(tmp_path), slurm_jobs.JobInfo("11", "FAILED", exit_code="2:0"), out)
+    assert out.getvalue() == ("zerorun: job 11 ended (FAILED, exit code 2:0) before any rank wrote a metric: "
+                              f"bad.yaml:2: invalid YAML; its output: {tmp_path / 'slurm-11.out'}\n")
 
 
 def test_attach_waits_while_a_signalled_job_completes(tmp_path, monkeypatch):

@@ -233,6 +233,11 @@ def test_gpus_per_node_start_one_rank_per_gpu(tmp_path):
     with pytest.raises(ZerorunError, match=re.escape("launch.procs_per_node is 2 but the job asks for 8 GPUs per "
                                                      "node: give --procs-per-node 2")):
         render(TINY, sbatch_args=("--gpus-per-node=8",))  # the recipe says 2: which one is meant?
+    # a review: for a recipe's 2 ranks on 1 GPU it suggested --procs-per-node 2, which is then refused
+    with pytest.raises(ZerorunError) as e:
+        render(TINY, gpus_per_node=1)
+    assert str(e.value) == ("launch.procs_per_node is 2 but the job asks for 1 GPU per node: give --gpus-per-node 2 "
+                            "for 2 ranks per node, or launch.procs_per_node=1 for one rank per GPU")
 
 
 def test_job_arrays_are_refused(tmp_path):
@@ -246,6 +251,12 @@ def test_job_arrays_are_refused(tmp_path):
         assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
         assert out.stderr.startswith("zerorun: error: sbatch -") and "job array" in out.stderr
         assert not (tmp_path / "runs").exists()
+    for args in (["--nodes=5"], ["-N", "5"]):  # a review: the job ran on 5 nodes, "submitted ... on 1 node"
+        out = zerorun("submit", TINY, f"log.dir={tmp_path}/runs", "--dry-run", "--", *args, env=env,
+                      cwd=str(tmp_path))
+        assert out.returncode == 2 and out.stderr.splitlines() == [
+            f"zerorun: error: sbatch {args[0].split('=')[0]} 5: give zerorun submit's --nodes instead (the ranks it "
+            "starts and the job's own lines follow it)"], out.stderr
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho ran\n")
     fake.chmod(0o755)
@@ -292,8 +303,12 @@ def test_early_save_signal_and_time_limits(tmp_path):
         script(tmp_path, ck, time="00:02:00")
     assert [time_limit_s(t) for t in ("30", "30:15", "01:00:00", "2-3", "2-03:04", "1-00:00:01", "UNLIMITED")] == [
         1800, 1815, 3600, 2 * 86400 + 3 * 3600, 2 * 86400 + 3 * 3600 + 240, 86401, None]
-    with pytest.raises(ZerorunError, match="--time 1h: expected minutes"):
+    with pytest.raises(ZerorunError, match="--time 1h: expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS "
+                                           "or UNLIMITED$"):
         time_limit_s("1h")
+    # a review: SLURM reads 0 as no limit, which was refused with checkpoints ("the save signal would come at once")
+    assert [time_limit_s(t) for t in ("0", "0:0", "0-0")] == [None] * 3
+    assert "--time=0" in directives(script(tmp_path, ck, time="0"))
 
 
 def test_a_misplaced_sbatch_option_and_a_refused_submit(tmp_path):

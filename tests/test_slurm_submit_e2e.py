@@ -34,6 +34,12 @@ def test_refused_unknown_and_pending_jobs(slurm_cluster, tmp_path):
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
     assert out.stderr.startswith("zerorun: error: sbatch refused the job: ") and "partition" in out.stderr
     assert not (tmp_path / "refused").exists()  # nothing queued: no run folder left (issue 34 item 15)
+    # more nodes than the cluster has: queued, pending for ever without a word (a review); sbatch --test-only says so
+    before = slurm_cluster.jobs()
+    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "5", f"log.dir={tmp_path / 'too-many'}")
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("zerorun: error: sbatch refused the job: ") and "not available" in out.stderr
+    assert not (tmp_path / "too-many").exists() and slurm_cluster.jobs() == before
     out = zerorun(slurm_cluster, tmp_path, "attach", "987654")
     assert out.returncode == 2 and out.stderr.startswith("zerorun: error: job 987654: unknown to SLURM")
     assert len(out.stderr.splitlines()) == 1

@@ -165,9 +165,20 @@ def _how(info: JobInfo | None) -> str:
 
 def _output(run_dir: str, job_id: str) -> str:
     """``"; its output: PATH"`` when the job's ``slurm-JOBID.out`` exists (a job cancelled before it ran has
-    none), else ``""``."""
+    none), else ``""``; with the last ``zerorun: error:`` line in it, that line's message first (a review: a
+    recipe broken before the job started was told only by the file)."""
     path = os.path.join(run_dir, f"slurm-{job_id}.out")
-    return f"; its output: {path}" if os.path.isfile(path) else ""
+    if not os.path.isfile(path):
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    error = next((line.removeprefix("zerorun: error: ") for line in reversed(lines)
+                  if line.startswith("zerorun: error: ")), None)
+    return (f": {error}" if error else "") + f"; its output: {path}"
 
 
 def _ended(job_id: str, run_dir: str, info: JobInfo | None, out) -> int:

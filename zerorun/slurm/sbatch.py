@@ -49,15 +49,19 @@ def option_values(groups: list[list[str]], *names: str) -> list[tuple[str, str]]
 
 
 def refuse_array(groups: list[list[str]]) -> None:
-    """Refuse a job array: its tasks would all train into one run folder and one ``checkpoint.dir`` at once.
+    """Refuse a job array (its tasks would all train into one run folder and one ``checkpoint.dir`` at once),
+    and sbatch's own node count (a review: ``-- --nodes=5`` was said "on 1 node").
 
     Raises:
-        ZerorunError: ``--array``/``-a`` among the sbatch arguments.
+        ZerorunError: ``--array``/``-a`` or ``--nodes``/``-N`` among the sbatch arguments.
     """
     for name, value in option_values(groups, *_ARRAY):
         raise ZerorunError(f"sbatch {name} {value}: a job array's tasks would all train into one run folder and "
                            "one checkpoint.dir at the same time; submit one job per setting instead (zerorun "
                            "submit RECIPE FIELD=VALUE ..., each gets its own run folder)")
+    for name, value in option_values(groups, "--nodes", "-N"):  # the ranks and the message follow zerorun's own
+        raise ZerorunError(f"sbatch {name} {value}: give zerorun submit's --nodes instead (the ranks it starts "
+                           "and the job's own lines follow it)")
 
 
 def _gres_gpus(text: str, source: str) -> int | None:
@@ -111,13 +115,14 @@ def ranks_per_node(procs_flag: int | None, gpus: int | None, recipe) -> tuple[in
                            "submitted (#SBATCH --ntasks-per-node): give --procs-per-node N")
     if procs_flag is not None:
         if gpus and procs_flag > gpus:
-            raise ZerorunError(f"--procs-per-node {procs_flag}: more ranks than the {gpus} GPUs per node asked for")
+            raise ZerorunError(f"--procs-per-node {procs_flag}: more ranks than the {_gpus(gpus)} per node asked for")
         procs, source = procs_flag, "--procs-per-node"
     elif gpus:
-        if recipe_set and isinstance(ppn, int) and ppn != gpus:
-            raise ZerorunError(f"launch.procs_per_node is {ppn} but the job asks for {gpus} GPUs per node: give "
-                               f"--procs-per-node {ppn} to run {ppn} rank{'s' * (ppn != 1)} per node, or "
-                               f"launch.procs_per_node={gpus} for one rank per GPU")
+        if recipe_set and isinstance(ppn, int) and ppn != gpus:  # --procs-per-node above the GPUs is refused
+            fewer = (f"--procs-per-node {ppn} to run {ppn} rank{'s' * (ppn != 1)} per node" if ppn < gpus else
+                     f"--gpus-per-node {ppn} for {ppn} ranks per node")
+            raise ZerorunError(f"launch.procs_per_node is {ppn} but the job asks for {_gpus(gpus)} per node: give "
+                               f"{fewer}, or launch.procs_per_node={gpus} for one rank per GPU")
         procs, source = gpus, "one rank per GPU"
     elif ppn == "gpu":
         raise ZerorunError("launch.procs_per_node gpu: the job asks for no GPU: give --gpus-per-node N (or "
@@ -130,9 +135,13 @@ def ranks_per_node(procs_flag: int | None, gpus: int | None, recipe) -> tuple[in
     return procs, source
 
 
+def _gpus(n: int) -> str:
+    return f"{n} GPU{'s' * (n != 1)}"
+
+
 def time_limit_s(text: str) -> int | None:
     """sbatch's ``--time`` in seconds (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``), None for
-    ``UNLIMITED``/``INFINITE``.
+    ``UNLIMITED``/``INFINITE`` and ``0`` (SLURM's "no limit").
 
     Raises:
         ZerorunError: another form.
@@ -141,13 +150,14 @@ def time_limit_s(text: str) -> int | None:
         return None
     m = re.fullmatch(r"\s*(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?\s*", text)
     if not m:
-        raise ZerorunError(f"--time {text}: expected minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")
+        raise ZerorunError(f"--time {text}: expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or "
+                           "UNLIMITED")
     days, a, b, c = (int(g) if g else None for g in m.groups())
     if days is not None:  # D-H, D-H:M, D-H:M:S
-        return days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
-    if c is not None:
-        return a * 3600 + b * 60 + c
-    return a * 60 + (b or 0)
+        total = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    else:
+        total = a * 3600 + b * 60 + c if c is not None else a * 60 + (b or 0)
+    return total or None  # 0: no limit, as SLURM reads it (a review: it was refused with checkpoints only)
 
 
 def signal_directive(save_before: int, checkpoints: bool, time_text: str | None) -> str | None:

@@ -35,7 +35,7 @@ class Waiting:
     def who(self) -> str:
         """``rank 1 of 4``, ``ranks 0-2 of 4``, ``all 4 ranks``."""
         if len(self.ranks) == self.world:
-            return f"all {self.world} ranks"
+            return "the one rank" if self.world == 1 else f"all {self.world} ranks"
         return (f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {rank_list(self.ranks)}") \
             + f" of {self.world}"
 
