@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import io
 import re
 import subprocess
 import sys
@@ -320,3 +321,31 @@ def test_stage_3_only_fields_are_cleared_for_the_other_combinations():
     for combo in combinations([None], [0, 1, 2, 3], ["ddp", "fsdp2"]):
         r = load_recipe(TINY, stage3 + combo.overrides(3))
         assert r.zero.persistence_threshold == (1000 if combo.label == "stage 3" else 0), combo.label
+
+
+def test_the_screen_table_cuts_no_value_at_80_columns():
+    """A review: in an 80-column terminal rich's table cut every cell to '…', the ratios against the baselines too
+    ('0.…'). Columns of least use go first now (Note [Fitting the width]); a failed or pending row says so."""
+    from types import SimpleNamespace as NS
+
+    from rich.console import Console
+
+    from zerorun.bench.output import render_table
+
+    vals = dict(world_size=2, step_time_s=0.1234, step_time_p90_s=0.15, samples_per_s=123.4, tokens_per_s=15000,
+                peak_rss_bytes=450 * 2**20, model_state_bytes=3 * 2**20, comm_bytes_per_step=2 * 2**20,
+                comm_bytes_inter_node_per_step=None, time_to_first_step_s=12.3)
+
+    def row(label, status="ok"):
+        metrics = {k: {"median": x, "min": x, "max": x} for k, x in vals.items()} if status == "ok" else {}
+        return NS(combo=NS(label=label, host_name="localhost", hostfile=None), status=status, metrics=metrics,
+                  value=vals.__getitem__, scaling_efficiency=1.0, time_vs={"ddp": 1.05, "fsdp2": 0.92}, reason="boom")
+
+    rows = [row("stage 0"), row("stage 3"), row("fsdp2", "failed"), row("stage 2", "pending")]
+    for width in (60, 80, 120):
+        console = Console(file=io.StringIO(), width=width, record=True)
+        console.print(render_table(rows, ["ddp", "fsdp2"], 1, width))
+        text = console.export_text()
+        assert "…" not in text and max(len(line) for line in text.splitlines()) <= width, text
+        assert re.search(r"stage 3\s+123\s+.*123\.4\s+.*1\.05x\s+0\.92x", text), text
+        assert "fsdp2 failed" in text and "stage 2 pending" in text and "fsdp2 on localhost failed: boom" in text

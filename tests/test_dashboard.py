@@ -220,6 +220,18 @@ def test_live_view_on_a_terminal_and_summary_at_close():
     assert isinstance(open_view(state, io.StringIO(), dashboard=True), PlainView)
 
 
+def test_the_live_views_lines_above_it_are_not_broken_into_lines():
+    """A review: at 60 columns the done line's metrics path was broken over lines by rich (a copy carried the
+    breaks); the terminal wraps it itself now."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=40)
+    view = LiveView(JobState(name="j", world_size=1, steps=1, started=T0), console, refresh_per_second=20)
+    path = "/tmp/runs/gpt-stdlib/20261207-014548-42ff/metrics.jsonl"
+    view.print(f"zerorun: done in 4.0 s; validation loss 5.4179 -> 3.4922 (best 3.4922); metrics: {path}")
+    view.close()
+    assert f"metrics: {path}\n" in out.getvalue(), out.getvalue()
+
+
 def test_summary_means_over_the_whole_run():
     state = make_state()
     state.update(Event("finish", 0, T0 + 40, {"peak_rss_bytes": 600 * MiB}))

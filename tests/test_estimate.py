@@ -231,3 +231,28 @@ def test_the_largest_layout_takes_seconds():
     assert est.hierarchy.placements(layout, 10) == {(999_990, 0, 99_999)}
     assert est.hierarchy.placements(layout, 20) == {(999_990, 10, 49_999)}
     assert time.perf_counter() - t0 < 10
+
+
+def test_stage3_sent_says_what_it_assumes_of_the_forward_order():
+    """A review: a model registering its head before its blocks kept its head from forward into backward, the
+    estimate counted the last block (the model's order, which is all a layout has); a frozen block behind a trainable
+    embedding is gathered in backward too, counted in forward only. Both assumptions are said where they apply."""
+    from zerorun.estimate.report import stage3_assumptions
+
+    class Head(nn.Module):  # the head registered first, run last
+        def __init__(self, frozen: bool = False):
+            super().__init__()
+            self.head = nn.Linear(8, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.blocks[0].requires_grad_(not frozen)
+
+    layout = est.layout_of(Head(), units=("blocks.1", "head"))
+    [note] = stage3_assumptions(layout, 2, 4)
+    assert note.startswith("stage 3 sent: counts blocks.1 as the unit the forward ends with, kept into backward (the "
+                           "last listed unit in the model's order); the run keeps the one its forward really ends "
+                           "with"), note
+    assert stage3_assumptions(est.layout_of(Head(), units=("blocks.1", "head"), keep_root_bytes=0), 2, 4) == []
+    notes = stage3_assumptions(est.layout_of(Head(frozen=True), units=("Linear",), keep_root_bytes=0), 2, 4)
+    assert notes == ["stage 3 sent: 1 unit holding frozen parameters only (blocks.0) counted as gathered in forward "
+                     "only; where a gradient flows through one (a trainable module runs before it), its backward "
+                     "gathers it again"], notes

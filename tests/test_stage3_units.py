@@ -204,14 +204,16 @@ def test_the_run_says_why_a_unit_owns_no_parameter_and_what_the_root_holds(ranks
     # Note [Kept from forward to backward]: the root and the head, 1.1 KiB together, under zero.keep_root_bytes, and
     # with them the last block
     assert ("stage 3: the root and the outer units, 1.1 KiB together, are gathered once per micro-step and kept from "
-            "each forward into its backward, not on the schedule above, and so is the last listed unit, blocks.2 "
-            "1.2 KiB, where the forward ends with it (zero.keep_root_bytes 1.00 MiB; 0 frees them after forward)"
+            "each forward into its backward, not on the schedule above, and so is the unit the forward ends with where "
+            "it fits with them (the last listed in the model's order, blocks.2 1.2 KiB) (zero.keep_root_bytes 1.00 "
+            "MiB; 0 frees them after forward)"
             ) in tied[0]["lines"], tied[0]["lines"]
     # the same with a budget that holds the root and the head but not the last block
     small = pool.run(cases.units_by_name, units=("Block",), tie=True, keep_root_bytes=2048)
     assert ("stage 3: the root and the outer units, 1.1 KiB together, are gathered once per micro-step and kept from "
-            "each forward into its backward, not on the schedule above (the last listed unit, blocks.2 1.2 KiB, does "
-            "not fit with them) (zero.keep_root_bytes 2.0 KiB; 0 frees them after forward)") in small[0]["lines"], small
+            "each forward into its backward, not on the schedule above (the unit the forward ends with too where it "
+            "fits with them; the last listed in the model's order, blocks.2 1.2 KiB, does not) (zero.keep_root_bytes "
+            "2.0 KiB; 0 frees them after forward)") in small[0]["lines"], small
     assert not any("into its backward" in line for line in persistent), persistent  # zero.keep_root_bytes 0
     for r, want in zip(tied, pool.run(cases.units_by_name, units=(), stage=0, tie=True)):
         assert r["losses"] == pytest.approx(want["losses"], rel=1e-5)

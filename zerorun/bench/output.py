@@ -99,44 +99,50 @@ def write_png(path: str, rows: list[Row]) -> None:
     os.replace(tmp, path)
 
 
-def render_table(rows: list[Row], baselines: list[str], repeat: int):
-    """The results as a rich Table (medians; ``min-max`` beside step time and samples/s when repeated), with
-    the reason of each failed combination below it."""
+def render_table(rows: list[Row], baselines: list[str], repeat: int, width: int = 220, chosen: dict | None = None):
+    """The results as a table fitted to ``width`` columns (medians; ``min-max`` beside step time and samples/s
+    when repeated), with the reason of each failed combination below it. It cuts no value: the columns of least
+    use go first where they do not fit (Note [Fitting the width] in telemetry/layout.py; rich's table cut every
+    cell to ``…`` at 80 columns, the ratios included: a review); ``chosen``: the live view's memory of them."""
     from rich.console import Group
-    from rich.markup import escape
-    from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="zerorun bench", show_lines=False)
-    for name in ("hostfile", "ranks", "runtime", "step ms", "p90 ms", "samples/s", "tokens/s", "weak eff.",
-                 "peak RSS/rank", "states/rank", "sent/rank/step", "to other nodes", "1st step s", *[f"vs {b}" for b in baselines]):
-        table.add_column(name, justify="left" if name in ("hostfile", "runtime") else "right")
+    from zerorun.telemetry.layout import Column, render_table as fitted
 
     def spread(r: "Row", name: str, fmt: Callable[[float], str]) -> str:
         m = r.metrics[name]
         return fmt(m["median"]) + (f" ({fmt(m['min'])}-{fmt(m['max'])})" if repeat > 1 else "")
 
-    for r in rows:
-        host = r.combo.host_name
-        if not r.metrics:
-            status = {"pending": "[dim]pending[/]", "running": "[yellow]running[/]",
-                      "interrupted": "[yellow]interrupted[/]"}.get(r.status, "[red]failed[/]")
-            table.add_row(Text(host), "", Text(r.combo.label), status)
-            continue
-        v = r.value
-        cells = [Text(host), str(int(v("world_size"))),
-                 escape(r.combo.label) + {"ok": "", "interrupted": " [yellow](interrupted)[/]"}.get(
-                     r.status, " [red](failed)[/]"),
-                 spread(r, "step_time_s", lambda x: f"{x * 1e3:.0f}"), f"{v('step_time_p90_s') * 1e3:.0f}",
-                 spread(r, "samples_per_s", human_rate), human_rate(v("tokens_per_s")),
-                 f"{r.scaling_efficiency:.2f}", human_bytes(v("peak_rss_bytes")), human_bytes(v("model_state_bytes")),
-                 human_bytes(v("comm_bytes_per_step")), _maybe(v("comm_bytes_inter_node_per_step"), human_bytes),
-                 f"{v('time_to_first_step_s'):.1f}"]
-        cells += [f"{r.time_vs[b]:.2f}x" if b in r.time_vs else "" for b in baselines]
-        table.add_row(*cells)
+    def column(header: str, value: Callable[["Row"], str], priority: int | None = None) -> Column:
+        return Column(header, [value(r) if r.metrics else "" for r in rows], priority=priority)
+
+    def runtime(r: "Row") -> Text:
+        said = {"ok": "", "interrupted": " (interrupted)", "pending": " pending", "running": " running"}.get(
+            r.status, " (failed)" if r.metrics else " failed")
+        return Text(r.combo.label) + Text(said, style="red" if "failed" in said else "yellow")
+
+    columns = [
+        column("ranks", lambda r: str(int(r.value("world_size"))), 3),
+        Column("runtime", [runtime(r) for r in rows], justify="left"),
+        column("step ms", lambda r: spread(r, "step_time_s", lambda x: f"{x * 1e3:.0f}")),
+        column("p90 ms", lambda r: f"{r.value('step_time_p90_s') * 1e3:.0f}", 1),
+        column("samples/s", lambda r: spread(r, "samples_per_s", human_rate)),
+        column("tokens/s", lambda r: human_rate(r.value("tokens_per_s")), 2),
+        column("weak eff.", lambda r: f"{r.scaling_efficiency:.2f}", 1),
+        column("peak RSS\n/rank", lambda r: human_bytes(r.value("peak_rss_bytes")), 4),
+        column("states\n/rank", lambda r: human_bytes(r.value("model_state_bytes")), 2),
+        column("sent/rank\n/step", lambda r: human_bytes(r.value("comm_bytes_per_step")), 3),
+        column("to other\nnodes", lambda r: _maybe(r.value("comm_bytes_inter_node_per_step"), human_bytes), 1),
+        column("1st step s", lambda r: f"{r.value('time_to_first_step_s'):.1f}", 0),
+        *[column(f"vs {b}", lambda r, b=b: f"{r.time_vs[b]:.2f}x" if b in r.time_vs else "") for b in baselines]]
+    hosts: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        hosts.setdefault(r.combo.host_name, []).append(i)
+    table = fitted(columns, width, groups=list(hosts.items()), chosen=chosen,
+                   host=Column("hostfile", [Text(r.combo.host_name) for r in rows], justify="left", priority=0))
     reasons = [Text(f"{r.combo.label} on {r.combo.hostfile or 'localhost'} failed: {r.reason}", style="red",
                     no_wrap=True, overflow="ellipsis") for r in rows if r.status == "failed"]
-    return Group(table, *reasons)
+    return Group(Text("zerorun bench", style="bold"), table, *reasons)
 
 
 def markdown_table(rows: list[Row], baselines: list[str]) -> str:

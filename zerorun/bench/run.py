@@ -203,11 +203,13 @@ class _Screen:
                                  TimeElapsedColumn(), console=self.console)
         self.task = self.progress.add_task("bench", total=len(rows) * repeat)
         self.live = None
+        self.chosen: dict = {}  # the columns kept at each width (Note [Columns chosen once per width])
 
     def view(self):
         from rich.console import Group
 
-        return Group(render_table(self.rows, self.baselines, self.repeat), self.progress)
+        return Group(render_table(self.rows, self.baselines, self.repeat, self.console.width, self.chosen),
+                     self.progress)
 
     def live_view(self):
         """The rich ``Live`` of :meth:`view` (entered by the caller; transient off a terminal)."""
@@ -263,7 +265,7 @@ def _write_results(screen: _Screen, bench_dir: str, info: dict[str, Any]) -> int
 
     rows, baselines, console = screen.rows, screen.baselines, screen.console
     if not console.is_terminal:  # the live view is transient off a terminal: print the final table once
-        console.print(render_table(rows, baselines, screen.repeat))
+        console.print(render_table(rows, baselines, screen.repeat, console.width))
     write_csv(os.path.join(bench_dir, BENCH_CSV), rows, baselines)
     _atomic_write(os.path.join(bench_dir, BENCH_MD),
                   lambda f: f.write(f"`{info['command']}`\n\n{markdown_table(rows, baselines)}\n\n{ENV_NOTE}\n"))
@@ -273,7 +275,7 @@ def _write_results(screen: _Screen, bench_dir: str, info: dict[str, Any]) -> int
         console.print(Text(f"zerorun: note: {e}"))  # not markup: "pip install 'zerorun[plot]'" must survive
     failed = [r for r in rows if r.status != "ok"]
     console.print(Text(f"zerorun: bench: {len(rows) - len(failed)} of {len(rows)} combinations succeeded; "
-                       f"results in {bench_dir}"))
+                       f"results in {bench_dir}"), soft_wrap=True)  # a path the terminal wraps, unbroken
     return len(failed)
 
 

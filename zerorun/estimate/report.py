@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 from zerorun.estimate.activations import activation_bytes, working_set
 from zerorun.estimate.communication import traffic
-from zerorun.estimate.hierarchy import gradient_group, group_size, secondary_bytes
-from zerorun.estimate.layout import Layout
+from zerorun.estimate.hierarchy import gradient_group, group_size, kept_units, secondary_bytes
+from zerorun.estimate.layout import PERSISTENT, Layout
 from zerorun.estimate.states import _optimizer_slices, model_states
 from zerorun.estimate.policies import OFFLOADS, OptimizerModel, Precision, grad_accum_bytes
 from zerorun.estimate.sizes import format_bytes
@@ -255,7 +255,30 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
                      "under bf16/fp16), counted in grads: a buffer of the whole model beside them at stages 0-1 "
                      "(Ψ x 4 bytes), the rank's gradient partition kept in fp32 at stages 2-3 (Ψ/N x 4 bytes)")
     rec = _recommend(setup, layout, rows, act_for, group)
+    notes += stage3_assumptions(layout, setup.ranks, setup.precision.param_bytes)
     return Estimate(_setup_info(setup, layout), _params_info(layout), rows, act, rec, notes)
+
+
+def stage3_assumptions(layout: Layout, world_size: int, param_bytes: int) -> list[str]:
+    """What stage 3's bytes sent assume of the order the forward runs its units, which the layout cannot see
+    (a review found both off for a model that registers its head before its blocks, or freezes a block behind a
+    trainable embedding): the unit kept from forward into backward taken as the last listed one in the model's
+    order (Note [Kept from forward to backward] in zero/stage3_outer.py: the run keeps the one its forward ends
+    with), and units holding frozen parameters only taken as gathered in forward only (no gradient through them)."""
+    notes = []
+    listed = [u for u in layout.units if u.name not in ("<root>", PERSISTENT) and not u.outer]
+    last = [u.name for u in listed if u.name in kept_units(layout, world_size, param_bytes)]
+    if last:
+        notes.append(f"stage 3 sent: counts {last[0]} as the unit the forward ends with, kept into backward (the last "
+                     "listed unit in the model's order); the run keeps the one its forward really ends with, so a "
+                     "model that runs its units in another order sends that unit's bytes less or more")
+    frozen = [u.name for u in listed if u.frozen and not u.trainable]
+    if frozen:
+        notes.append(f"stage 3 sent: {len(frozen)} unit{'s' * (len(frozen) != 1)} holding frozen parameters only "
+                     f"({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}) counted as gathered in forward "
+                     "only; where a gradient flows through one (a trainable module runs before it), its backward "
+                     "gathers it again")
+    return notes
 
 
 def _activations(layout: Layout, setup: Setup, notes: list[str]) -> dict | None:

@@ -289,7 +289,9 @@ class LiveView:
             self.state.add_line(node_rank, line)  # into the log panel, torchrun's noise folded (state.LogTail)
 
     def print(self, text: str) -> None:
-        self.console.print(Text(text))
+        """``text`` above the live view, as one line the terminal wraps itself: rich's wrap put line breaks into
+        the paths of the done line (a review), which a copy then carried."""
+        self.console.print(Text(text), soft_wrap=True)
 
     def close(self) -> None:
         """Stop the live view (its last frame stays on screen) and print the summary below it."""

@@ -228,10 +228,10 @@ def describe_units(units: list[Unit], without_params: dict[str, list[str]] | Non
     if 0 < held <= keep_root_bytes:
         last, said = last_listed(units), ""
         if last is not None:
-            unit = f"the last listed unit, {last.name} {_mib(last.gathered_bytes)}"
-            fits = held + last.gathered_bytes <= keep_root_bytes
-            said = (f", and so is {unit}, where the forward ends with it" if fits else
-                    f" ({unit}, does not fit with them)")
+            unit = f"the last listed in the model's order, {last.name} {_mib(last.gathered_bytes)}"  # not the run's
+            fits = held + last.gathered_bytes <= keep_root_bytes  # order, which the first step records (a review)
+            said = (f", and so is the unit the forward ends with where it fits with them ({unit})" if fits else
+                    f" (the unit the forward ends with too where it fits with them; {unit}, does not)")
         lines.append(f"stage 3: the root and the outer units, {_mib(held)} together, are gathered once per micro-step "
                      f"and kept from each forward into its backward, not on the schedule above{said} "
                      f"(zero.keep_root_bytes {_mib(keep_root_bytes)}; 0 frees them after forward)")
