@@ -134,6 +134,11 @@ def test_waiting_for_ranks_says_what_the_slowest_rank_does():
     state.update(step_event(0, 1))
     assert "waiting" not in rendered(render(state, now=T0 + 30, width=100), 100)
     assert all(not isinstance(e, Event) or e.kind != "phase" for e in state.log)  # not in the log panel
+    deferred = JobState(name="j", world_size=2, steps=10, started=T0)  # stage 3, zero.meta_init: data after ZeRO
+    deferred.update(phase(0, "loading data after the model", 3))
+    deferred.update(phase(1, "setting up ZeRO", 3))
+    assert [line for line in rendered(render(deferred, now=T0 + 4, width=100), 100).splitlines()
+            if "waiting" in line][0].strip(" │") == "waiting for ranks: setting up ZeRO (rank 1 of 2) for 1.0 s"
     one = JobState(name="j", world_size=1, steps=10, started=T0)  # a review: "(all 1 ranks)"
     assert [line for line in rendered(render(one, now=T0 + 2, width=100), 100).splitlines()
             if "waiting" in line][0].strip(" │") == "waiting for ranks: starting (the one rank) for 2.0 s"

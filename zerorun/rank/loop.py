@@ -69,7 +69,7 @@ class TrainingRun:
             self.load_data()  # before the engine: a data error is said first
         self.set_up_zero()
         if deferred:
-            self.load_data()
+            self.load_data("loading data after the model")
         self.deal_samples()
         self.resume()
         self.start_loop()
@@ -126,11 +126,11 @@ class TrainingRun:
         if zero.is_deferred(self.model):
             zero.place_on(self.model, self.device)
 
-    def load_data(self) -> None:
+    def load_data(self, phase: str = "loading data") -> None:
         """The training and validation sets (``data``); raises UserCodeError when the training set holds fewer
-        samples than one micro-batch on every rank."""
+        samples than one micro-batch on every rank. ``phase``: the rank's phase event (Note [Rank phases])."""
         rank = self.rank
-        emit("phase", rank, phase="loading data")
+        emit("phase", rank, phase=phase)
         self.train_set, self.val_set, self.collate = build_datasets(
             self.recipe.data, progress=lambda message: emit("log", rank, message=message))
         note = check_sizes(self.recipe.data, self.train_set, self.val_set, self.world_size, self.t)

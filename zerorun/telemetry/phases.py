@@ -19,7 +19,7 @@ from zerorun.telemetry.format import human_duration, rank_list
 #: a rank's phases before its first step event, in order.
 SCRIPT = "running the script"  # zerorun launch's ranks: no longer waited for
 PHASES = ("starting", "importing torch", "joining the process group", "building the model", "loading data",
-          "setting up ZeRO", "loading the checkpoint", "first step", SCRIPT)
+          "setting up ZeRO", "loading data after the model", "loading the checkpoint", "first step", SCRIPT)
 
 
 @dataclass(frozen=True)
