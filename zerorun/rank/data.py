@@ -165,7 +165,7 @@ def stacked(samples: list) -> Any:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it on ``device`` (copied asynchronously from pinned memory), its
+    """``batch`` with every tensor in it on ``device`` (``non_blocking``: asynchronous from pinned memory), its
     containers' types kept (Note [Batch structures] in zero/trees.py); another object with a ``.to`` method is
     moved by it, as accelerate's ``send_to_device`` does."""
     def other(obj: Any) -> Any:
