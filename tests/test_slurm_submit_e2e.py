@@ -34,12 +34,25 @@ def test_refused_unknown_and_pending_jobs(slurm_cluster, tmp_path):
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
     assert out.stderr.startswith("zerorun: error: sbatch refused the job: ") and "partition" in out.stderr
     assert not (tmp_path / "refused").exists()  # nothing queued: no run folder left (issue 34 item 15)
-    # more nodes than the cluster has: queued, pending for ever without a word (a review); sbatch --test-only says so
+    # more nodes than the partition has: queued, pending for ever without a word (a review)
     before = slurm_cluster.jobs()
-    out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "5", f"log.dir={tmp_path / 'too-many'}")
-    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
-    assert out.stderr.startswith("zerorun: error: sbatch refused the job: ") and "not available" in out.stderr
+    for args in (["--nodes", "5"], ["--nodes", "3", "--", "--partition=debug"]):
+        out = zerorun(slurm_cluster, tmp_path, "submit", TINY, *args[:2], f"log.dir={tmp_path / 'too-many'}",
+                      *args[2:])
+        assert out.returncode == 2 and out.stderr.splitlines() == [
+            f"zerorun: error: --nodes {args[1]}: partition debug has 2 nodes, so the job could never start (SLURM "
+            "would queue it pending for ever: PartitionConfig)"], out.stderr
     assert not (tmp_path / "too-many").exists() and slurm_cluster.jobs() == before
+    # a node drained for maintenance: queued as before, to wait for it (a review of the first fix, sbatch
+    # --test-only, which refused it)
+    slurm_cluster.run("scontrol", "update", f"nodename={slurm_cluster.nodes[-1]}", "state=drain", "reason=maint")
+    try:
+        out = zerorun(slurm_cluster, tmp_path, "submit", TINY, "--nodes", "2", f"log.dir={tmp_path / 'drained'}",
+                      "--", "--hold")
+        assert out.returncode == 0 and "zerorun: submitted job " in out.stdout, out.stderr
+        slurm_cluster.run("scancel", out.stdout.split("submitted job ")[1].split(":")[0], check=False)
+    finally:
+        slurm_cluster.run("scontrol", "update", f"nodename={slurm_cluster.nodes[-1]}", "state=resume", check=False)
     out = zerorun(slurm_cluster, tmp_path, "attach", "987654")
     assert out.returncode == 2 and out.stderr.startswith("zerorun: error: job 987654: unknown to SLURM")
     assert len(out.stderr.splitlines()) == 1

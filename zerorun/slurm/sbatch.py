@@ -135,6 +135,35 @@ def ranks_per_node(procs_flag: int | None, gpus: int | None, recipe) -> tuple[in
     return procs, source
 
 
+def check_partition_size(nodes: int, groups: list[list[str]], partition: str | None = None) -> None:
+    """Refuse a job that asks for more nodes than its partition has (sbatch's ``-p`` after ``--``, else
+    ``partition``, else the default one): SLURM queues it all the same, pending for ever with the reason
+    ``PartitionConfig``, and nothing said so (a review). Drained or down nodes count: a job waiting for them is
+    queued as before. Nothing is checked where ``scontrol`` cannot say (not on PATH, no answer, several partitions).
+
+    Raises:
+        ZerorunError: ``nodes`` above the partition's ``TotalNodes``.
+    """
+    import shutil
+    import subprocess
+
+    asked = next((v for _, v in option_values(groups, "--partition", "-p")), None) or partition  # the last wins
+    if shutil.which("scontrol") is None or (asked is not None and "," in asked):
+        return
+    try:
+        text = subprocess.run(["scontrol", "show", "partition", "-o", *([asked] if asked else [])],
+                              capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    lines = [line for line in text.splitlines() if asked or " Default=YES" in line]
+    name, total = (re.search(rf"(?:^|\s){key}=(\S+)", lines[0]) if lines else None
+                   for key in ("PartitionName", "TotalNodes"))
+    if name and total and total.group(1).isdigit() and nodes > int(total.group(1)):
+        raise ZerorunError(f"--nodes {nodes}: partition {name.group(1)} has {total.group(1)} node"
+                           f"{'s' * (total.group(1) != '1')}, so the job could never start (SLURM would queue it "
+                           "pending for ever: PartitionConfig)")
+
+
 def _gpus(n: int) -> str:
     return f"{n} GPU{'s' * (n != 1)}"
 

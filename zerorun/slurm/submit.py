@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from zerorun import runfolder
 from zerorun.errors import ZerorunError
 from zerorun.slurm.jobs import one_line, remember
-from zerorun.slurm.sbatch import gpus_asked, ranks_per_node, refuse_array, signal_directive
+from zerorun.slurm.sbatch import check_partition_size, gpus_asked, ranks_per_node, refuse_array, signal_directive
 
 SCRIPT_NAME = "submit.sbatch"
 _SBATCH_TIMEOUT_S = 120.0
@@ -306,6 +306,8 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
     if not dry_run and sbatch is None:
         raise ZerorunError("sbatch: not found on PATH (zerorun submit needs SLURM's client commands; "
                            "--dry-run writes the script without them)")
+    if not dry_run:
+        check_partition_size(options.nodes, group_args(options.sbatch_args), options.partition)
     run_dir = os.path.abspath(new_run_dir(recipe.log.dir, recipe.name, uuid.uuid4().hex))
     text = render_script(recipe=recipe, recipe_path=recipe_path, overrides=overrides, options=options,
                          run_dir=run_dir, workdir=os.getcwd(), command=command)
@@ -316,21 +318,19 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
         out.write(f"# zerorun: wrote {script}; submit it with: sbatch {shlex.quote(script)}\n")
         out.flush()
         return None, run_dir
-    # a job the cluster can never run (more nodes than the partition has) was queued, pending for ever without a
-    # word (a review): sbatch --test-only asks slurmctld whether and when it could start, and queues nothing
-    for args in (["--test-only"], ["--parsable"]):
-        try:
-            done = subprocess.run([sbatch, *args, script], capture_output=True, text=True, timeout=_SBATCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise ZerorunError(f"sbatch: no answer in {_SBATCH_TIMEOUT_S:.0f} s (is slurmctld up?); "
-                               f"script: {script}") from None
-        job_id = done.stdout.strip().split(";")[0] if done.returncode == 0 else ""
-        if done.returncode != 0 or (args == ["--parsable"] and not job_id):  # nothing queued: no run folder left
-            shutil.rmtree(run_dir, ignore_errors=True)
-            for folder in reversed(made[:-1]):  # the parents submit made, when nothing else is in them
-                _rmdir(folder)
-            raise ZerorunError(f"sbatch refused the job: {one_line(done.stderr or done.stdout)} (nothing was "
-                               "queued and no run folder kept; --dry-run writes the script without submitting it)")
+    try:
+        done = subprocess.run([sbatch, "--parsable", script], capture_output=True, text=True,
+                              timeout=_SBATCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ZerorunError(f"sbatch: no answer in {_SBATCH_TIMEOUT_S:.0f} s (is slurmctld up?); "
+                           f"script: {script}") from None
+    job_id = done.stdout.strip().split(";")[0] if done.returncode == 0 else ""
+    if not job_id:  # nothing was queued: leave no run folder behind (a timeout above may have queued it)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for folder in reversed(made[:-1]):  # the parents submit made, when nothing else is in them
+            _rmdir(folder)
+        raise ZerorunError(f"sbatch refused the job: {one_line(done.stderr or done.stdout)} (nothing was queued "
+                           "and no run folder kept; --dry-run writes the script without submitting it)")
     remember(job_id, run_dir, in_run_dir=True)
     out.write(f"zerorun: submitted job {job_id}: {recipe.name} on {options.nodes} node"
               f"{'s' * (options.nodes != 1)}; run dir {run_dir}\n"
