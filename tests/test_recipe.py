@@ -384,10 +384,6 @@ def test_an_optimizer_without_weight_decay_takes_the_recipes_default(tmp_path):
     (["zero.stage=2", "zero.quantize_grads=int8", "runtime=ddp"], r"zero\.quantize_grads: .* the ddp baseline does "
                                                                    r"not take it$"),
     (["zero.stage=2", "zero.quantize_grads=int2"], r"zero\.quantize_grads: Input should be 'int8' or 'int4'"),
-    # a review: accepted without effect, where zero.units at stage 0 is refused
-    (["zero.stage=0", "zero.quantize_block=64"], r"zero\.quantize_block: elements per scale of zero\.quantize_weights "
-                                                 r"and zero\.quantize_grads, and neither is set: set one of them, or "
-                                                 r"remove it$"),
 ])
 def test_zero_plus_plus_settings_are_checked_when_the_recipe_is_read(tmp_path, overrides, message):
     """ZeRO++'s switches (docs/across-nodes.md): each refusal one line naming its field, before any launch."""
@@ -396,4 +392,6 @@ def test_zero_plus_plus_settings_are_checked_when_the_recipe_is_read(tmp_path, o
     recipe = load_recipe(good(tmp_path), ["zero.stage=3", "zero.hierarchy=2", "zero.quantize_weights=int8"])
     assert (recipe.zero.hierarchy, recipe.zero.quantize_weights, recipe.zero.quantize_block) == (2, "int8", 256)
     assert load_recipe(good(tmp_path), ["zero.stage=1", "zero.quantize_grads=int4"]).zero.quantize_grads == "int4"
-    assert load_recipe(good(tmp_path), ["zero.quantize_block=256"]).zero.quantize_block == 256  # a resolved recipe's
+    # zero.quantize_block without quantization is taken, unused: bench's flat variant runs beside qwz with one block
+    # size (a review of a refusal of it: the flat combination failed)
+    assert load_recipe(good(tmp_path), ["zero.stage=0", "zero.quantize_block=64"]).zero.quantize_block == 64

@@ -93,10 +93,6 @@ def _check_zero_plus_plus(recipe, where: Callable[..., str]) -> None:
                else "stage 0 all-reduces them as DDP does: set zero.stage 1, 2 or 3")
         raise ZerorunError(f"{where('zero', 'quantize_grads')}: quantizes the gradients' reduce-scatter of zerorun's "
                            f"zero.stage 1-3; {why}")
-    default = type(z).model_fields["quantize_block"].default  # a resolved recipe holds it: not an error
-    if z.quantize_block != default and z.quantize_weights is None and z.quantize_grads is None:
-        raise ZerorunError(f"{where('zero', 'quantize_block')}: elements per scale of zero.quantize_weights and "
-                           "zero.quantize_grads, and neither is set: set one of them, or remove it")
     if z.hierarchy is not None and z.offload_params != "none":
         raise ZerorunError(f"{where('zero', 'hierarchy')}: keeps a secondary shard of the parameters in memory; "
                            "zero.offload_params disk keeps them on disk: use one of them")
