@@ -308,22 +308,39 @@ def test_a_job_never_saves_beside_checkpoints_it_does_not_continue(tmp_path):
 
 def test_a_step_folder_holding_what_no_save_writes_is_not_replaced(tmp_path):
     """A review: a save of step 10 removed a user's notes kept in step-00000010 without a word (exit 0), and a file
-    of that name was replaced, its set-aside copy left behind. A save's own names (an unfinished save's) may go."""
+    of that name was replaced, its set-aside copy left behind. Refused before the job now, for the steps it would
+    save or prune only (a review of the first version refused a resume beside a file consolidated into an older
+    step the job would never touch). A save's own names (an unfinished save's) may go."""
     folder = tmp_path / "ckpt"
     (folder / "step-00000020").mkdir(parents=True)
     for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "zerorun.json"):  # a save cut before its marker
         (folder / "step-00000020" / name).write_text("x")
-    recipe = load_recipe(TINY, [f"checkpoint.dir={folder}", "checkpoint.every=10"])
+    recipe = load_recipe(TINY, [f"checkpoint.dir={folder}", "checkpoint.every=10", "train.steps=40"])
     check_save_folder(recipe)
     (folder / "step-00000010").mkdir()
     (folder / "step-00000010" / "notes.txt").write_text("precious")
     with pytest.raises(ZerorunError) as e:
         check_save_folder(recipe)
     assert str(e.value) == (f"checkpoint.dir {folder}: step-00000010 holds notes.txt, which a save of that step would "
-                            "remove (it holds what no checkpoint does): move it out, or give this job another "
+                            "replace (it holds what no checkpoint does): move it out, or give this job another "
                             "checkpoint.dir")
+    (folder / "step-00000050").write_text("x")  # past train.steps: never saved
     (folder / "step-00000010" / "notes.txt").unlink()
     (folder / "step-00000010").rmdir()
     (folder / "step-00000010").write_text("x")
-    with pytest.raises(ZerorunError, match=r"step-00000010 is a file, which a save of that step would remove"):
+    with pytest.raises(ZerorunError, match=r"step-00000010 is a file, which a save of that step would replace"):
         check_save_folder(recipe)
+    # resumed from step 30 of this folder: steps 5, 10 and 20 are neither saved again nor pruned (keep 10)
+    (folder / "step-00000010").unlink()
+    done = _complete(folder, 30, 1.0)
+    (folder / "step-00000005").mkdir()
+    (folder / "step-00000005" / "model.safetensors").write_text("x")  # zerorun consolidate's output, kept there
+    resumed = load_recipe(TINY, [f"checkpoint.dir={folder}", "checkpoint.every=10", "train.steps=40",
+                                 "checkpoint.keep=10"])
+    resumed.checkpoint.resume = done
+    check_save_folder(resumed)
+    resumed.checkpoint.keep = 1  # step 40's save prunes every older complete one, step 5 not among them
+    check_save_folder(resumed)
+    (folder / "step-00000030" / "notes.txt").write_text("x")
+    with pytest.raises(ZerorunError, match=r"step-00000030 holds notes\.txt, which checkpoint\.keep 1 would prune"):
+        check_save_folder(resumed)

@@ -141,10 +141,10 @@ def check_save_folder(recipe) -> None:
     from zerorun.checkpoint.files import list_complete
 
     ckpt = recipe.checkpoint
-    foreign = _not_ours(ckpt.dir) if ckpt.dir else None
+    foreign = _not_ours(ckpt.dir, _steps_at_risk(recipe)) if ckpt.dir else None
     if foreign:
-        raise ZerorunError(f"checkpoint.dir {ckpt.dir}: {foreign}, which a save of that step would remove (it holds "
-                           "what no checkpoint does): move it out, or give this job another checkpoint.dir")
+        raise ZerorunError(f"checkpoint.dir {ckpt.dir}: {foreign} (it holds what no checkpoint does): move it out, "
+                           "or give this job another checkpoint.dir")
     found = list_complete(ckpt.dir) if ckpt.dir else []
     if not found or (ckpt.resume and os.path.dirname(os.path.realpath(ckpt.resume)) == os.path.realpath(ckpt.dir)):
         return  # the resumed checkpoint (through a link to it too) is one of the folder's
@@ -163,26 +163,44 @@ def check_save_folder(recipe) -> None:
 _SAVED = re.compile(r"\.metadata|__\d+_\d+\.distcp|zerorun\.json|COMPLETE")
 
 
-def _not_ours(folder: str) -> str | None:
-    """A ``step-N`` entry of ``folder`` that a save of step N would replace, holding what no save writes: a file
-    of that name, or a file of another name inside (a save had removed a user's notes, without a word: a review).
-    Returns it in words, or None."""
+def _steps_at_risk(recipe) -> dict[int, str]:
+    """The steps whose ``step-N`` entries this job would replace (the ``checkpoint.every``-th after the step it
+    resumes from, and the last) or remove (the complete checkpoints ``checkpoint.keep`` prunes once they are
+    saved), with what would do it. A SIGTERM's save of another step is not foreseen."""
+    from zerorun.checkpoint.files import STEP_DIR, list_complete
+
+    ckpt, steps = recipe.checkpoint, recipe.train.steps
+    named = STEP_DIR.fullmatch(os.path.basename(os.path.realpath(ckpt.resume))) if ckpt.resume else None
+    start = int(named.group(1)) if named else 0  # a save's folder is named for its step (the resume checks it)
+    first = (start // ckpt.every + 1) * ckpt.every if ckpt.every else steps
+    saves = {s: "which a save of that step would replace" for s in [*range(first, steps, ckpt.every or steps), steps]
+             if s > start}
+    older = [step for _, step, _ in list_complete(ckpt.dir) if step not in saves]
+    kept = max(ckpt.keep - len(saves), 0)  # the newest checkpoint.keep complete ones stay
+    pruned = {step: f"which checkpoint.keep {ckpt.keep} would prune" for step in older[:len(older) - kept]}
+    return {**pruned, **saves}
+
+
+def _not_ours(folder: str, steps: dict[int, str]) -> str | None:
+    """A ``step-N`` entry of ``folder`` among ``steps`` (:func:`_steps_at_risk`) holding what no save writes: a
+    file of that name, or a file of another name inside (a save had removed a user's notes without a word: a
+    review). Returns it in words, or None."""
     from zerorun.checkpoint.files import STEP_DIR
 
     try:
-        names = sorted(n for n in os.listdir(folder) if STEP_DIR.fullmatch(n))
+        names = sorted(n for n in os.listdir(folder) if (m := STEP_DIR.fullmatch(n)) and int(m.group(1)) in steps)
     except OSError:  # not made yet, or unreadable: the save says so itself
         return None
     for name in names:
-        path = os.path.join(folder, name)
+        path, why = os.path.join(folder, name), steps[int(STEP_DIR.fullmatch(name).group(1))]
         if not os.path.isdir(path):
-            return f"{name} is a file"
+            return f"{name} is a file, {why}"
         try:
             other = next((n for n in sorted(os.listdir(path)) if not _SAVED.fullmatch(n)), None)
         except OSError:
             continue
         if other is not None:
-            return f"{name} holds {other}"
+            return f"{name} holds {other}, {why}"
     return None
 
 
