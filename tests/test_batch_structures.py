@@ -74,6 +74,11 @@ def test_every_container_of_a_batch_keeps_its_type_on_the_device():
     assert batches[1].x.dtype == torch.float32  # the batch itself is not changed
     assert [type(m) for m in moved] == [type(b) for b in batches[:6]] + [dict, list]
     assert to_device(Moves(x), torch.device("cpu")).t.dtype == torch.float64  # its own .to, as accelerate calls
+    # a review: a PackedSequence (a named tuple with a .to of its own) was rebuilt field by field, its
+    # batch_sizes moved too (ValueError off the CPU); the meta device stands for a GPU here
+    packed = torch.nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(2, 2)])
+    moved = to_device({"seq": packed}, torch.device("meta"))["seq"]
+    assert type(moved) is type(packed) and moved.data.is_meta and moved.batch_sizes.device.type == "cpu"
 
 
 def _cast(batch):
@@ -134,6 +139,15 @@ DATA = textwrap.dedent("""\
 
     def as_encoding(samples):
         return collections.UserDict({"x": torch.stack([s.x for s in samples])})
+
+
+    class Holder:
+        def __init__(self):
+            self.x = torch.ones(2)
+
+
+    def as_object(samples):
+        return Holder()
     """)
 
 
@@ -151,6 +165,16 @@ def test_a_collate_may_return_a_dataclass_or_a_mapping(module):
     for name in ("as_dataclass", "as_encoding"):
         _, _, collate = build_datasets(DataSpec(kind="module", module=module, factory="dataclasses_", collate=name))
         assert torch.equal(collate(samples)["x"] if name == "as_encoding" else collate(samples).x, torch.ones(2, 2))
+
+
+def test_a_collate_returning_what_cannot_be_moved_is_one_line(module):
+    """A review: a plain object holding tensors as attributes passed the check (its tensors found) but was not
+    moved to the device (a device mismatch in forward on a GPU); before the first fix it was refused in one line."""
+    _, _, collate = build_datasets(DataSpec(kind="module", module=module, factory="dataclasses_", collate="as_object"))
+    with pytest.raises(UserCodeError, match=r"data\.collate 'as_object' returned Holder, an object whose tensors "
+                                            r"zerorun cannot move to the device: return tuples, lists, dicts or "
+                                            r"dataclasses of tensors, or give it a \.to\(device\) method$"):
+        collate([])
 
 
 def test_samples_torch_cannot_collate_and_an_iterable_dataset_are_one_line_each(module):
@@ -176,6 +200,8 @@ def test_only_integer_sequences_count_as_tokens():
                   Encoding({"mask": torch.ones(4, 16, dtype=torch.bool), "ids": ids}), (features, ids)):
         assert tokens_in(batch, next_token=False) == 64, type(batch)
     assert tokens_in({"input_ids": ids}, next_token=True) == 60
+    mask = torch.ones(4, 16, dtype=torch.long)  # a BatchEncoding's input_ids, whatever comes first (a review)
+    assert tokens_in(Encoding({"attention_mask": mask, "input_ids": ids[:, :8]}), next_token=False) == 32
     for batch in ((labels,), (features, labels), {"x": features}, torch.zeros(4, 3, 8, 8)):
         assert tokens_in(batch, next_token=False) == 0
 
@@ -191,8 +217,21 @@ def test_a_file_is_one_module_whichever_field_or_import_names_it(tmp_path):
     call_factory(str(tmp_path / "both.py"), "make", {}, field="data.kwargs")
     assert load_module(str(tmp_path / "both.py")).STATE == {"scale": 2.0}
     assert load_module(str(tmp_path / "helpers.py")) is both.helpers  # imported by the user's code first
+    (tmp_path / "user.py").write_text("import both\n")  # the user's own import of a file zerorun loaded
+    assert load_module(str(tmp_path / "user.py")).both is both
     (tmp_path / "both.py").write_text("STATE = {'new': 1}\n")  # changed since: executed again
     assert load_module(str(tmp_path / "both.py")).STATE == {"new": 1}
+
+
+def test_a_sibling_folders_import_of_the_same_name_gets_its_own_file(tmp_path):
+    """A review of the first version, which registered a loaded file under its plain name: model.module a/net.py,
+    and b/data.py's `import net` (b/net.py) got a's."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "netx.py").write_text(f"WHO = {folder!r}\n")
+    (tmp_path / "b" / "datax.py").write_text("import netx\n")
+    assert load_module(str(tmp_path / "a" / "netx.py")).WHO == "a"
+    assert load_module(str(tmp_path / "b" / "datax.py")).netx.WHO == "b"
 
 
 def test_a_loss_that_needs_no_gradient_names_the_model_file():

@@ -178,3 +178,6 @@ def test_a_resumed_or_restarted_job_says_so(tmp_path, capsys):
     assert "; validation loss 4.7302 at step 40; metrics:" in lines[0], lines
     fresh, _ = load_run(write_run(tmp_path / "fresh", three_rank_events()))
     assert (fresh.resumed_step, fresh.restarts) == (None, 0)
+    # a SLURM requeue resumes into the same run folder with no restart event: still the job's own start (a review)
+    requeued = events[:9] + [Event("log", 0, T0 + 22, {"message": "resumed", "resumed_step": 40})]
+    assert load_run(write_run(tmp_path / "requeued", requeued))[0].resumed_step == 16

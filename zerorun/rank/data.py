@@ -4,6 +4,7 @@ micro-batches a rank trains on, resumable at a checkpoint's data position."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -138,8 +139,11 @@ def collate_of(spec: DataSpec, module: Any) -> Callable[[list], Any]:
             frame = raised_at(e)  # the user's line, not torch's below it (a torch.stack in the function)
             at = f" (at {frame.filename}:{frame.lineno} in {frame.name})" if frame else ""
             raise UserCodeError(f"{where} raised {type(e).__name__}: {e}{at}") from None
-        if not tensors_in(batch):  # Note [Batch structures] in zero/trees.py: a dataclass, a BatchEncoding too
-            raise UserCodeError(f"{where} returned {type(batch).__name__}, not a batch holding tensors")
+        if not tensors_in(batch, attributes=False):  # Note [Batch structures]: a dataclass, a BatchEncoding too
+            held = ("an object whose tensors zerorun cannot move to the device: return tuples, lists, dicts or "
+                    "dataclasses of tensors, or give it a .to(device) method") if tensors_in(batch) else \
+                "not a batch holding tensors"  # a plain object's attributes are not walked by to_device
+            raise UserCodeError(f"{where} returned {type(batch).__name__}, {held}")
         return batch
 
     return collate
@@ -166,13 +170,9 @@ def stacked(samples: list) -> Any:
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor in it on ``device`` (``non_blocking``: asynchronous from pinned memory), its
-    containers' types kept (Note [Batch structures] in zero/trees.py); another object with a ``.to`` method is
-    moved by it, as accelerate's ``send_to_device`` does."""
-    def other(obj: Any) -> Any:
-        move = getattr(obj, "to", None)
-        return move(device) if callable(move) and not isinstance(obj, type) else obj
-
-    return map_tensors(lambda t: t.to(device, non_blocking=True), batch, other)
+    containers' types kept (Note [Batch structures] in zero/trees.py); an object with a ``.to`` method of its own
+    (``PackedSequence``, ``BatchEncoding``) is moved by it, as accelerate's ``send_to_device`` does."""
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch, lambda obj: obj.to(device))
 
 
 def tokens_in(batch: Any, next_token: bool) -> int:
@@ -180,7 +180,7 @@ def tokens_in(batch: Any, next_token: bool) -> int:
     its first integer tensor of two or more dimensions (batch x sequence); 0 where it holds none (a regression's
     float features, an image batch, are not tokens). ``next_token`` (text and Hugging Face data): each sequence of
     ``T + 1`` ids trains ``T`` targets."""
-    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     if not isinstance(ids, torch.Tensor):
         ids = next((t for t in tensors_in(batch) if t.dim() >= 2 and not (
             t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)), None)

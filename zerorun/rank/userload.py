@@ -4,8 +4,10 @@ where in the user's code an error was raised (:func:`raised_at`)."""
 from __future__ import annotations
 
 import importlib
-import inspect
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import inspect
 import os
 import sys
 import traceback
@@ -49,12 +51,15 @@ def load_module(spec: str) -> Any:
 # other by its name (its folder is on ``sys.path``). Each was executed again per load, as a module of its own: state
 # the data factory set at module level was missing in the model's copy (a KeyError in forward), and classes of one
 # copy were not those of the other (a review). A file is now one module per process: the one it became the first
-# time, under ``zerorun_user_<name>`` and, where that name is free, its plain name too, so that the user's own
-# ``import model`` finds the same module (and a file the user's code imported first is taken as it is).
+# time (``zerorun_user_<name>``), which a later load returns; a file the user's code imported first is taken as it
+# is; and the user's own ``import model`` that Python resolves to a file zerorun loaded gets that module
+# (:class:`_LoadedFiles`, asked first for top-level names of such files only). Registering the file under its plain
+# name instead gave a sibling folder's ``import net`` another folder's ``net.py`` (a review of that).
 def _import_file(path: str) -> Any:
-    """The module of the ``.py`` file at ``path`` (a real path), executed the first time only."""
+    """The module of the ``.py`` file at ``path`` (a real path), executed the first time only (again where the
+    file changed since: a long-lived process, tests)."""
     stem = os.path.splitext(os.path.basename(path))[0]
-    stamp = os.stat(path).st_mtime_ns  # a file changed since (a long-lived process: tests) is executed again
+    stamp = os.stat(path).st_mtime_ns
     known = _FILES.get(path, (None, None))
     if known[1] == stamp:
         return known[0]
@@ -67,21 +72,37 @@ def _import_file(path: str) -> Any:
         name += "_"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
-    free = stem not in sys.modules or sys.modules[stem] is known[0]
-    names = [name] + ([stem] if stem.isidentifier() and free else [])
-    for n in names:
-        sys.modules[n] = module
+    sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
     except BaseException:
-        for n in names:
-            sys.modules.pop(n, None)
+        sys.modules.pop(name, None)
         raise
     _FILES[path] = (module, stamp)
+    if not any(isinstance(f, _LoadedFiles) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LoadedFiles())
     return module
 
 
 _FILES: dict[str, tuple[Any, int]] = {}  # real path -> (its module, the file's mtime then): Note [One module per file]
+
+
+class _LoadedFiles(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Note [One module per file]: ``import NAME`` of a top-level name that Python's own path search resolves to
+    a file :func:`_import_file` loaded gets that module, not a second execution of the file."""
+
+    def find_spec(self, name, path=None, target=None):
+        if path is not None or not any(os.path.basename(p)[:-3] == name for p in _FILES):
+            return None  # a submodule, or no file of that name: Python's own finders, untouched
+        found = importlib.machinery.PathFinder.find_spec(name)
+        origin = os.path.realpath(found.origin) if found is not None and found.origin else None
+        return importlib.util.spec_from_loader(name, self, origin=origin) if origin in _FILES else None
+
+    def create_module(self, spec):
+        return _FILES[spec.origin][0]
+
+    def exec_module(self, module) -> None:
+        pass  # executed once already
 
 
 def _file_of(module: Any) -> str | None:

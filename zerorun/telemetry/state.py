@@ -163,8 +163,8 @@ class JobState:
             self.restarts += 1
             if integer(d, "resume_step") is not None:  # None: a script's, unknown
                 self._restart(integer(d, "resume_step"), e.time)
-        elif e.kind == "log" and integer(d, "resumed_step") is not None and not self.restarts:  # the job's start
-            self.resumed_step = integer(d, "resumed_step")
+        elif e.kind == "log" and integer(d, "resumed_step") is not None and self.progress is None:  # the job's
+            self.resumed_step = integer(d, "resumed_step")  # start, not a restart's or a SLURM requeue's
         elif e.kind == "checkpoint":
             self.checkpoints.append({"rank": e.rank, **d})
         elif e.kind == "finish":

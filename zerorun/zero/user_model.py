@@ -152,8 +152,9 @@ class UserModel:
             if q.dtype != dtype or q.requires_grad == trainable:  # a review: stage 2 trained nothing, exit 0
                 what = f"was cast to {q.dtype}" if q.dtype != dtype else "holds other memory than the engine's"
                 raise RuntimeError(
-                    f"parameter {name!r} {what} after zerorun.initialize (a model.half(), .to() or p.data = ... in "
-                    f"the model): the engine keeps it as {dtype} in its flat buffers, so the step's updates would "
+                    f"parameter {name!r} {what} after zerorun.initialize (a model.half(), .to(), an RNN's "
+                    "flatten_parameters() or p.data = ... in the model): the engine keeps it as "
+                    f"{dtype} in its flat buffers, so the step's updates would "
                     "not reach it, or be undone. Choose the parameters' dtype with precision (bf16, fp16), cast "
                     "inputs or activations in forward instead, and write values in place (with torch.no_grad(): "
                     "p.copy_(values))")
