@@ -2,6 +2,7 @@
 zerorun's frame below it (a new user's stage-3 run placed a dtype error of their forward in zerorun's parameter
 guard, and at stage 2 in torch's Linear.forward)."""
 
+import os
 import pytest
 import torch
 import torch.nn as nn
@@ -53,3 +54,26 @@ def test_a_ranks_warning_is_one_line_naming_the_users_place_only():
     assert one_line_warning("kept", UserWarning, zerorun.zero.build.__file__, 64) == "UserWarning: kept\n"
     assert one_line_warning("old API", FutureWarning, __file__, 7) == f"FutureWarning: old API (at {__file__}:7)\n"
 
+
+
+def test_the_base_interpreters_libraries_count_as_the_users_in_a_venv(monkeypatch):
+    """A new user's review: in a venv made with --system-site-packages the test above failed: the base interpreter's
+    site-packages lies inside its standard library's folder, which the venv's own paths (its purelib) do not name,
+    so transformers' frames counted as Python's own and an error was placed in the wrong frame."""
+    import sysconfig
+
+    from zerorun.rank.userload import below_the_user
+
+    real = sysconfig.get_paths
+
+    def venv_paths(*args, **kwargs):
+        paths = dict(real(*args, **kwargs))
+        if not kwargs.get("vars"):
+            paths["purelib"] = paths["platlib"] = "/tmp/some-venv/lib/python3/site-packages"
+        return paths
+
+    monkeypatch.setattr(sysconfig, "get_paths", venv_paths)
+    stdlib = real()["stdlib"]
+    assert not below_the_user(os.path.join(stdlib, "site-packages", "transformers", "configuration_utils.py"))
+    assert not below_the_user(os.path.join(stdlib, "dist-packages", "yaml", "parser.py"))
+    assert below_the_user(os.path.join(stdlib, "json", "decoder.py"))

@@ -218,6 +218,9 @@ def below_the_user(path: str) -> bool:
     packages = [sys.modules.get("torch"), zerorun]
     skip = tuple(os.path.dirname(m.__file__) + os.sep for m in packages if m is not None and m.__file__)
     paths = sysconfig.get_paths()
-    installed = (os.path.join(paths["purelib"], ""), os.path.join(paths["platlib"], ""))
-    return path.startswith(skip) or (path.startswith(os.path.join(paths["stdlib"], ""))
-                                     and not path.startswith(installed))
+    # a venv's site-packages, and its base interpreter's (--system-site-packages: inside that one's stdlib folder,
+    # which this venv's paths do not name: a new user's review), or Debian's dist-packages
+    installed = {"site-packages", "dist-packages"} & set(path.split(os.sep))
+    stdlib = {os.path.join(p, "") for p in (paths["stdlib"], sysconfig.get_paths(vars={"installed_base": sys.base_prefix,
+                                                                                      "base": sys.base_prefix})["stdlib"])}
+    return path.startswith(skip) or (path.startswith(tuple(stdlib)) and not installed)
