@@ -62,6 +62,8 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (["train.optimizer.name=Adamm"], r"^override 'train.optimizer.name=Adamm': train\.optimizer\.name: unknown optimizer"),
     (["train.optimizer.name=AdamWW"], r"unknown optimizer 'AdamWW': not a class in torch\.optim \(did you mean "
                                       r"'AdamW'\?\)$"),  # as field typos are (found by review)
+    (["train.optimizer.name=adamw"], r"\(did you mean 'AdamW'\?\)$"),  # was 'Adam' (a new user's review)
+    (["train.optimizer.name=sgd"], r"\(did you mean 'SGD'\?\)$"),  # was nothing
     (["train.optimizer.name=LBFGS"], r"optimizer LBFGS is not elementwise"),
     (["train.optimizer.momentum=0.9"], r"train\.optimizer\.momentum: AdamW has no argument 'momentum'"),
     (["train.optimizer.betas=[0.9]"], r"train\.optimizer: AdamW\(.*betas=\[0\.9\]\) refused these values: "

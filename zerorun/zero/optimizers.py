@@ -61,7 +61,8 @@ def optimizer_class(optimizer: str | type) -> type:
 
             names = [n for n, c in vars(torch.optim).items() if isinstance(c, type)
                      and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer]
-            near = difflib.get_close_matches(optimizer, names, n=1)
+            lower = {n.lower(): n for n in names}  # 'adamw' was told 'Adam', 'sgd' nothing (a new user's review)
+            near = [lower[m] for m in difflib.get_close_matches(optimizer.lower(), lower, n=1)]
             raise ValueError(f"unknown optimizer {optimizer!r}: not a class in torch.optim"
                              + (f" (did you mean {near[0]!r}?)" if near else ""))
         return cls
