@@ -180,3 +180,17 @@ def test_consolidate_output_errors_are_one_line_and_leave_nothing(tmp_path):
              "--max-shard-size -5MB: give a positive whole number and a unit, as 5GB, 500MB or 2GiB")):
         result = zerorun("consolidate", *args, cwd=ROOT)
         assert result.returncode == 2 and result.stderr.splitlines() == [f"zerorun: error: {line}"], result.stderr
+
+
+def test_consolidate_of_a_job_that_saved_nothing_says_why(tmp_path):
+    """A new user's review: `zerorun consolidate runs/gpt-stdlib/checkpoints` after the default job (which saves
+    none) was 'no such checkpoint directory', and a run's own folder 'not a checkpoint', with no way on."""
+    out = zerorun("consolidate", str(tmp_path / "checkpoints"), "--out", "m.pt", cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        f"zerorun: error: {tmp_path / 'checkpoints'}: no such checkpoint directory (a job saves checkpoints only "
+        "with checkpoint.every or checkpoint.dir set)"], out.stderr
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    out = zerorun("consolidate", str(tmp_path / "run"), "--out", "m.pt", cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        f"zerorun: error: {tmp_path / 'run'}: not a checkpoint (no zerorun.json, .metadata or .distcp file in it) (a "
+        f"run's folder: its checkpoints are in {tmp_path / 'run'}/checkpoints)"], out.stderr

@@ -340,3 +340,19 @@ def test_a_rank_crash_caused_by_the_recipe_is_reported_as_the_recipe_error(tmp_p
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr == ("zerorun: error: override 'train.optimizer.bogus=1': train.optimizer.bogus: AdamW has no "
                           "argument 'bogus'\n"), out.stderr
+
+
+def test_the_getting_started_example_of_your_own_model_and_data(tmp_path):
+    """docs/getting-started.md's "Your own model and data" (recipes/examples/regression.*: a new user's review
+    found no such example): it trains, run from another folder, and stage 3 gives stage 0's losses."""
+    recipe = os.path.join(ROOT, "recipes/examples/regression.yaml")
+    losses = {}
+    for stage in (0, 3):
+        out = zerorun("train", recipe, f"zero.stage={stage}", "train.steps=20", "log.every=1",
+                      f"log.dir={tmp_path / str(stage)}", "--no-dashboard", cwd=str(tmp_path))
+        assert out.returncode == 0, out.stdout + out.stderr
+        [metrics] = (tmp_path / str(stage)).glob("regression/*/metrics.jsonl")
+        events = [json.loads(line) for line in metrics.read_text().splitlines()]
+        losses[stage] = [e["loss"] for e in events if e["event"] == "step" and e["rank"] == 0]
+    assert len(losses[0]) == 20 and losses[0][-1] < losses[0][0]
+    assert losses[3] == pytest.approx(losses[0], rel=1e-5)

@@ -43,11 +43,7 @@ def read_meta(path: str) -> dict[str, Any]:
         ZerorunError: no such folder, a folder of checkpoints (naming its newest complete one), one with no
             checkpoint file, no ``COMPLETE`` marker (half-written), unreadable or malformed JSON.
     """
-    if os.path.isfile(path):  # a file of a checkpoint (a shard), or a consolidated one
-        raise ZerorunError(f"{path}: a file, not a checkpoint folder: give the step-N folder that holds it, or the "
-                           "folder of step-N folders")
-    if not os.path.isdir(path):
-        raise ZerorunError(f"{path}: no such checkpoint directory")
+    _check_folder(path)
     if not os.path.isfile(os.path.join(path, MARKER)):
         raise ZerorunError(_not_complete(path))
     meta_path = os.path.join(path, META)
@@ -81,6 +77,18 @@ def _marker(path: str) -> dict[str, Any]:
     return marker if isinstance(marker, dict) else {}
 
 
+def _check_folder(path: str) -> None:
+    """Raises ZerorunError unless ``path`` is a folder: a file (a checkpoint's shard, a consolidated one) or nothing,
+    in one line (the default folder of a job that saved nothing, most often: a new user's review)."""
+    if os.path.isfile(path):
+        raise ZerorunError(f"{path}: a file, not a checkpoint folder: give the step-N folder that holds it, or the "
+                           "folder of step-N folders")
+    if not os.path.isdir(path):
+        saved = " (a job saves checkpoints only with checkpoint.every or checkpoint.dir set)" if \
+            os.path.basename(path) == "checkpoints" else ""
+        raise ZerorunError(f"{path}: no such checkpoint directory{saved}")
+
+
 def _not_complete(path: str) -> str:
     """Why the folder ``path``, which has no ``COMPLETE`` marker, is no checkpoint to load, in one line."""
     names = os.listdir(path)
@@ -90,7 +98,8 @@ def _not_complete(path: str) -> str:
             f"pass one of its step-N folders, e.g. the newest complete one, {newest}" if newest else
             f"none of its step-N folders is complete (each lacks its {MARKER} marker)")
     if not any(n in (META, ".metadata") or n.endswith(".distcp") for n in names):
-        return f"{path}: not a checkpoint (no {META}, .metadata or .distcp file in it)"
+        inside = f" (a run's folder: its checkpoints are in {path}/checkpoints)" if "checkpoints" in names else ""
+        return f"{path}: not a checkpoint (no {META}, .metadata or .distcp file in it){inside}"
     return f"{path}: not a complete checkpoint (no {MARKER} marker: its save did not finish)"
 
 
@@ -150,11 +159,7 @@ def resolve(path: str) -> str:
         ZerorunError: missing folder, or a folder of checkpoints none of which is complete.
     """
     path = os.path.abspath(os.path.expanduser(path))
-    if os.path.isfile(path):  # a file of a checkpoint (a shard), or a consolidated one
-        raise ZerorunError(f"{path}: a file, not a checkpoint folder: give the step-N folder that holds it, or the "
-                           "folder of step-N folders")
-    if not os.path.isdir(path):
-        raise ZerorunError(f"{path}: no such checkpoint directory")
+    _check_folder(path)
     if not os.path.exists(os.path.join(path, META)) and any(STEP_DIR.fullmatch(n) for n in os.listdir(path)):
         found = latest(path)
         if found is None:
