@@ -282,6 +282,9 @@ def test_resume_takes_an_optional_path():
     assert optional_value(["train", "r.yaml", "--resume", "--dry-run"], "--resume", "latest")[2] == "--resume=latest"
     assert optional_value(["train", "r.yaml", "--resume", "ck/step-3"], "--resume", "latest")[2:] == ["--resume",
                                                                                                       "ck/step-3"]
+    # before the recipe: the recipe is not the checkpoint (a new user's review: "Missing argument 'RECIPE'")
+    assert optional_value(["train", "--resume", "r.yaml"], "--resume", "latest") == ["train", "--resume=latest",
+                                                                                      "r.yaml"]
 
 
 def test_library_save_and_load_take_optional_arguments_and_refuse_bad_ones(ranks, tmp_path):

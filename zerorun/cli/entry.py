@@ -17,12 +17,15 @@ def _err(message: str) -> None:
 
 def optional_value(argv: list[str], option: str, default: str) -> list[str]:
     """``argv`` with ``option`` given ``default`` where it has no value of its own (typer options always take
-    one): at the end, before another option, or before a ``FIELD=VALUE`` override that is not a path."""
+    one): at the end, before another option, before a ``FIELD=VALUE`` override that is not a path, or before a
+    recipe (``zerorun train --resume r.yaml`` took the recipe for the checkpoint, then said "Missing argument
+    'RECIPE'": a new user's review)."""
     out = list(argv)
     for i, arg in enumerate(out):
         if arg == option:
             nxt = out[i + 1] if i + 1 < len(out) else None
-            if nxt is None or nxt.startswith("-") or ("=" in nxt and not os.path.exists(nxt)):
+            if nxt is None or nxt.startswith("-") or ("=" in nxt and not os.path.exists(nxt)) or nxt.endswith(
+                    (".yaml", ".yml")):
                 out[i] = f"{option}={default}"
     return out
 
