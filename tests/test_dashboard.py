@@ -198,6 +198,7 @@ def test_steps_skipped_on_an_fp16_overflow_are_said(tmp_path):
         view.event(e)
     view.close()
     steps = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert "tok/s" in steps[0]
     assert "  skipped 1 (fp16 overflow, loss scale 32768)" in steps[0] and "  skipped 8 (fp16 overflow, loss scale " \
         "256)" in steps[-1], steps
     assert re.search(r"skipped steps\s+8 of 8 \(fp16 overflow: the model was not updated at them\)", out.getvalue())
@@ -218,6 +219,18 @@ def test_live_view_on_a_terminal_and_summary_at_close():
     assert "eval step 40: validation loss 2.5000" in text  # milestones go to the scrollback too
     assert "zerorun · gpt-stdlib · summary" in text and re.search(r"node2\s+2\s+stopped\s+40\s+450 MiB", text)
     assert isinstance(open_view(state, io.StringIO(), dashboard=True), PlainView)
+
+
+def test_a_step_of_no_token_ids_shows_no_tokens_per_second():
+    """A new user's review: a regression's step lines said '0.0 tok/s' (its batches hold no token ids)."""
+    out = io.StringIO()
+    view = open_view(JobState(name="tiny", world_size=1, steps=8, started=T0), out, dashboard=True)
+    e = step_event(0, 1)
+    e.data.update(tokens_per_s=0.0, job_tokens_per_s=0.0)
+    view.event(e)
+    view.close()
+    [line] = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert "samples/s" in line and "tok/s" not in line, line
 
 
 def test_the_live_views_lines_above_it_are_not_broken_into_lines():

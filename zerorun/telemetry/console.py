@@ -202,7 +202,7 @@ class PlainView:
         if number(d, "step_time_s"):
             parts.append(f"{number(d, 'step_time_s') * 1e3:.0f} ms/step")
         for key, unit in (("job_samples_per_s", "samples/s"), ("job_tokens_per_s", "tok/s")):
-            if number(d, key) is not None:
+            if number(d, key) is not None and (number(d, key) or unit != "tok/s"):  # no token ids: no tok/s
                 parts.append(f"{human_rate(number(d, key))} {unit}")
         if number(d, "rss_bytes") is not None:
             parts.append(f"rss {human_bytes(number(d, 'rss_bytes'))}")
