@@ -211,7 +211,6 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
     act = _activations(layout, setup, notes)
     if not layout.exact and not layout.units:
         notes.append("stage 3's gathered units not counted: pass --largest-layer")
-
     fused = "_fused" if layout.shape and layout.shape.get("fused_attention") else ""
     if act is not None:
         act["fused_attention"] = bool(fused)
@@ -254,9 +253,9 @@ def estimate(layout: Layout, setup: Setup) -> Estimate:
         notes.append("gradients accumulate in fp32 (zero.grad_accum_dtype; unset: fp32 when grad_accum_steps > 1 "
                      "under bf16/fp16), counted in grads: a buffer of the whole model beside them at stages 0-1 "
                      "(Ψ x 4 bytes), the rank's gradient partition kept in fp32 at stages 2-3 (Ψ/N x 4 bytes)")
-    rec = _recommend(setup, layout, rows, act_for, group)
     notes += stage3_assumptions(layout, setup.ranks, setup.precision.param_bytes)
-    return Estimate(_setup_info(setup, layout), _params_info(layout), rows, act, rec, notes)
+    return Estimate(_setup_info(setup, layout), _params_info(layout), rows, act,
+                    _recommend(setup, layout, rows, act_for, group), notes)
 
 
 def stage3_assumptions(layout: Layout, world_size: int, param_bytes: int) -> list[str]:

@@ -272,6 +272,15 @@ def _rmdir(folder: str) -> None:
         pass
 
 
+def _refuse_env_overrides(overrides: list[str]) -> None:
+    """Raises ZerorunError for a ``launch.env`` override: the script repeats the overrides, so its values would be
+    written into it."""
+    for item in overrides:
+        if item.split("=", 1)[0].strip().startswith("launch.env"):
+            raise ZerorunError(f"override {item.split('=', 1)[0]!r}: its values would be written into the batch "
+                               "script; set launch.env in the recipe or in an environment file (.zerorun_env)")
+
+
 def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dry_run: bool = False,
            command: list[str] | None = None, out=None) -> tuple[str | None, str]:
     """Make the run folder, write ``recipe.yaml`` and ``submit.sbatch`` into it and submit the script with
@@ -290,10 +299,7 @@ def submit(recipe_path: str, overrides: list[str], options: SubmitOptions, *, dr
     from zerorun.recipe import load_recipe, masked_yaml
 
     out = out or sys.stdout
-    for item in overrides:  # the script repeats the overrides: launch.env's values would be written into it
-        if item.split("=", 1)[0].strip().startswith("launch.env"):
-            raise ZerorunError(f"override {item.split('=', 1)[0]!r}: its values would be written into the batch "
-                               "script; set launch.env in the recipe or in an environment file (.zerorun_env)")
+    _refuse_env_overrides(overrides)
     recipe = load_recipe(recipe_path, overrides, check_optimizer=False)
     if options.resume not in (None, "latest") and not os.path.exists(options.resume):
         raise ZerorunError(f"--resume {options.resume}: no such checkpoint")

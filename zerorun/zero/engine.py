@@ -31,7 +31,7 @@ from zerorun.zero.param_writes import DifferingWrites, ParamWrites
 from zerorun.zero.policy import POLICIES
 from zerorun.zero.precision import DTYPES, DynamicLossScaler, cast_and_report, cast_inputs, is_wide
 from zerorun.zero.reducer import GradReducer
-from zerorun.zero.user_model import UserModel, spoiled_by
+from zerorun.zero.user_model import UserModel, parameter_slots, spoiled_by
 
 __all__ = ["ZeroConfig", "ZeroEngine", "default_param_groups", "resolve_optimizer"]
 
@@ -118,11 +118,7 @@ class ZeroEngine(UserModel):
         self.writes = ParamWrites(self.buffers) if self.stage < 3 else None
         self.reducer.rider = DifferingWrites(self) if self.policy.gather_after_step else None
         self._micro_step = 0
-        # Note [The user's model stays the user's]: the parameter objects and their trainability are fixed here
-        self._param_slots = [(mod, key, f"{mname}.{key}" if mname else key, p, p.requires_grad, p.dtype,
-                              p.data_ptr() if self.stage < 3 and p.requires_grad else None)  # a view of its buffer
-                             for mname, mod in model.named_modules() for key, p in mod._parameters.items()
-                             if p is not None]
+        self._param_slots = parameter_slots(model, pointers=self.stage < 3)  # Note [The user's model stays ...]
 
     def _cast(self, model: nn.Module) -> None:
         """Cast ``model`` to the precision (Note [Mixed precision]); rank 0 warns once naming the parameters left in

@@ -88,6 +88,15 @@ def zero_grad_on_some_ranks() -> RuntimeError:
                         "(after a backward that raised on every rank), then begin the step again")
 
 
+def parameter_slots(model: nn.Module, pointers: bool) -> list[tuple]:
+    """Note [The user's model stays the user's]: each parameter's ``(module, key, name, object, requires_grad,
+    dtype, data pointer)``, as :meth:`UserModel.check_parameters` holds them from ``initialize`` on (the pointer,
+    with ``pointers``: a trainable parameter's, a view of its flat buffer at stages 0-2; else None)."""
+    return [(mod, key, f"{mname}.{key}" if mname else key, p, p.requires_grad, p.dtype,
+             p.data_ptr() if pointers and p.requires_grad else None)
+            for mname, mod in model.named_modules() for key, p in mod._parameters.items() if p is not None]
+
+
 class UserModel:
     """Mixed into :class:`~zerorun.zero.engine.ZeroEngine` (which provides ``_param_slots``, ``buffers``,
     ``comm``, ``masters`` and the slice accessors)."""
