@@ -118,7 +118,8 @@ class ZeroEngine(UserModel):
         self.writes = ParamWrites(self.buffers) if self.stage < 3 else None
         self.reducer.rider = DifferingWrites(self) if self.policy.gather_after_step else None
         self._micro_step = 0
-        self._param_slots = parameter_slots(model, pointers=self.stage < 3)  # Note [The user's model stays ...]
+        # Note [The user's model stays the user's]: the parameter objects, trainability and dtypes are fixed here
+        self._param_slots = parameter_slots(model, pointers=self.stage < 3)
 
     def _cast(self, model: nn.Module) -> None:
         """Cast ``model`` to the precision (Note [Mixed precision]); rank 0 warns once naming the parameters left in
