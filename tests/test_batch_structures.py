@@ -43,6 +43,14 @@ class Encoding(collections.UserDict):
         self.n_sequences = n_sequences
 
 
+class TopLevelOnly(collections.UserDict):
+    """As transformers' ``BatchEncoding``: a mapping whose own ``.to`` moves its top-level tensors only, in place."""
+
+    def to(self, device):
+        self.data = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.data.items()}
+        return self
+
+
 class Moves:
     """An object of the user's with a ``.to`` of its own."""
 
@@ -79,6 +87,12 @@ def test_every_container_of_a_batch_keeps_its_type_on_the_device():
     packed = torch.nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(2, 2)])
     moved = to_device({"seq": packed}, torch.device("meta"))["seq"]
     assert type(moved) is type(packed) and moved.data.is_meta and moved.batch_sizes.device.type == "cpu"
+    # a review of that: a BatchEncoding was handed to its own .to, which left its nested tensors on the CPU and
+    # changed the user's batch in place; a mapping is walked
+    encoding = TopLevelOnly({"input_ids": x, "pixels": [y], "extra": {"m": y}})
+    moved = to_device(encoding, torch.device("meta"))
+    assert type(moved) is TopLevelOnly and moved["pixels"][0].is_meta and moved["extra"]["m"].is_meta
+    assert not encoding["input_ids"].is_meta
 
 
 def _cast(batch):
@@ -221,6 +235,18 @@ def test_a_file_is_one_module_whichever_field_or_import_names_it(tmp_path):
     assert load_module(str(tmp_path / "user.py")).both is both
     (tmp_path / "both.py").write_text("STATE = {'new': 1}\n")  # changed since: executed again
     assert load_module(str(tmp_path / "both.py")).STATE == {"new": 1}
+
+
+def test_a_reload_of_a_loaded_file_runs_it_again(tmp_path):
+    """A review: after the user's own import of a file zerorun loaded, importlib.reload returned it unchanged."""
+    import importlib
+
+    (tmp_path / "reloaded.py").write_text("VERSION = 1\n")
+    (tmp_path / "uses.py").write_text("import reloaded\n")
+    module = load_module(str(tmp_path / "reloaded.py"))
+    assert load_module(str(tmp_path / "uses.py")).reloaded is module
+    (tmp_path / "reloaded.py").write_text("VERSION = 2\n")
+    assert importlib.reload(module) is module and module.VERSION == 2
 
 
 def test_a_sibling_folders_import_of_the_same_name_gets_its_own_file(tmp_path):

@@ -273,7 +273,7 @@ def test_bench_jobs_save_no_checkpoints():
         assert r.checkpoint.dir is None and r.checkpoint.every == 0
 
 
-def test_resume_takes_an_optional_path():
+def test_resume_takes_an_optional_path(tmp_path):
     from zerorun.cli import optional_value
 
     assert optional_value(["train", "r.yaml", "--resume"], "--resume", "latest") == ["train", "r.yaml",
@@ -285,6 +285,11 @@ def test_resume_takes_an_optional_path():
     # before the recipe: the recipe is not the checkpoint (a new user's review: "Missing argument 'RECIPE'")
     assert optional_value(["train", "--resume", "r.yaml"], "--resume", "latest") == ["train", "--resume=latest",
                                                                                       "r.yaml"]
+    assert optional_value(["train", "--resume", "R.YML"], "--resume", "latest")[1] == "--resume=latest"
+    # a checkpoint folder whose name ends in .yml stays the value (a review)
+    (tmp_path / "ck.yml").mkdir()
+    assert optional_value(["train", "r.yaml", "--resume", str(tmp_path / "ck.yml")], "--resume", "latest")[2] == \
+        "--resume"
 
 
 def test_library_save_and_load_take_optional_arguments_and_refuse_bad_ones(ranks, tmp_path):

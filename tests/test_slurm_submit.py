@@ -356,3 +356,34 @@ def test_estimate_for_nodes_equals_the_same_hostfile(capsys, monkeypatch, tmp_pa
         results.append(json.loads(capsys.readouterr().out))
     assert results[0] == results[1]
     assert results[0]["setup"]["world_size"] == 16 and results[0]["setup"]["nodes"] == 2
+
+
+def test_the_partition_checked_is_the_one_sbatch_takes(tmp_path, monkeypatch):
+    """A review: a job asking for more nodes than its partition has is refused (it pended for ever); the first fix
+    checked the first -p where sbatch takes the last, and ignored $SBATCH_PARTITION, which sbatch reads before the
+    script's #SBATCH lines. A fake scontrol: 'small' (1 node, the default) and 'big' (4 nodes)."""
+    from zerorun.slurm.sbatch import check_partition_size
+    from zerorun.slurm.submit import group_args
+
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\n"
+                    'small="PartitionName=small AllowGroups=ALL Default=YES TotalNodes=1 State=UP"\n'
+                    'big="PartitionName=big AllowGroups=ALL Default=NO TotalNodes=4 State=UP"\n'
+                    'case "$4" in small) echo "$small";; big) echo "$big";; "") echo "$small"; echo "$big";; '
+                    '*) echo "Partition $4 not found"; exit 1;; esac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("SBATCH_PARTITION", raising=False)
+    refused = "--nodes 2: partition small has 1 node, so the job could never start"
+    with pytest.raises(ZerorunError, match=refused):
+        check_partition_size(2, [])  # the default partition
+    with pytest.raises(ZerorunError, match=refused):
+        check_partition_size(2, group_args(["-p", "big", "-p", "small"]))
+    check_partition_size(2, group_args(["-p", "small", "-p", "big"]))  # the last -p is sbatch's
+    check_partition_size(2, [], "big")
+    check_partition_size(2, [], "nosuch")  # sbatch's own refusal says it
+    check_partition_size(2, group_args(["--partition=small,big"]))  # several: not checked
+    monkeypatch.setenv("SBATCH_PARTITION", "big")  # before the script's #SBATCH lines
+    check_partition_size(2, group_args(["-p", "small"]), "small")
+    with pytest.raises(ZerorunError, match=r"--nodes 5: partition big has 4 nodes"):
+        check_partition_size(5, [])

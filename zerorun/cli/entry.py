@@ -24,8 +24,8 @@ def optional_value(argv: list[str], option: str, default: str) -> list[str]:
     for i, arg in enumerate(out):
         if arg == option:
             nxt = out[i + 1] if i + 1 < len(out) else None
-            if nxt is None or nxt.startswith("-") or ("=" in nxt and not os.path.exists(nxt)) or nxt.endswith(
-                    (".yaml", ".yml")):
+            if nxt is None or nxt.startswith("-") or ("=" in nxt and not os.path.exists(nxt)) or (
+                    nxt.lower().endswith((".yaml", ".yml")) and not os.path.isdir(nxt)):
                 out[i] = f"{option}={default}"
     return out
 

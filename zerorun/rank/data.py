@@ -171,7 +171,7 @@ def stacked(samples: list) -> Any:
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor in it on ``device`` (``non_blocking``: asynchronous from pinned memory), its
     containers' types kept (Note [Batch structures] in zero/trees.py); an object with a ``.to`` method of its own
-    (``PackedSequence``, ``BatchEncoding``) is moved by it, as accelerate's ``send_to_device`` does."""
+    that is no mapping (``PackedSequence``) is moved by it, as accelerate's ``send_to_device`` does."""
     return map_tensors(lambda t: t.to(device, non_blocking=True), batch, lambda obj: obj.to(device))
 
 

@@ -79,8 +79,10 @@ def _import_file(path: str) -> Any:
         sys.modules.pop(name, None)
         raise
     _FILES[path] = (module, stamp)
-    if not any(isinstance(f, _LoadedFiles) for f in sys.meta_path):
-        sys.meta_path.insert(0, _LoadedFiles())
+    if not any(isinstance(f, _LoadedFiles) for f in sys.meta_path):  # after the built-in and frozen modules' finders
+        finders = [type(f) for f in sys.meta_path]
+        at = finders.index(importlib.machinery.PathFinder) if importlib.machinery.PathFinder in finders else 0
+        sys.meta_path.insert(at, _LoadedFiles())
     return module
 
 
@@ -98,11 +100,18 @@ class _LoadedFiles(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         origin = os.path.realpath(found.origin) if found is not None and found.origin else None
         return importlib.util.spec_from_loader(name, self, origin=origin) if origin in _FILES else None
 
+    handed: set[int] = set()  # modules create_module gave an import, executed once already
+
     def create_module(self, spec):
-        return _FILES[spec.origin][0]
+        module = _FILES[spec.origin][0]
+        self.handed.add(id(module))
+        return module
 
     def exec_module(self, module) -> None:
-        pass  # executed once already
+        if id(module) in self.handed:  # an import: the module as it is
+            self.handed.discard(id(module))
+        else:  # importlib.reload: the file's code again, in it (a review: reload returned it unchanged)
+            importlib.machinery.SourceFileLoader(module.__name__, module.__spec__.origin).exec_module(module)
 
 
 def _file_of(module: Any) -> str | None:

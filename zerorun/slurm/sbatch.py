@@ -22,6 +22,7 @@ step boundary and stop (zerorun/rank/stopsignal.py), with the whole rest of the 
 
 from __future__ import annotations
 
+import os
 import re
 
 from zerorun.errors import ZerorunError
@@ -136,8 +137,8 @@ def ranks_per_node(procs_flag: int | None, gpus: int | None, recipe) -> tuple[in
 
 
 def check_partition_size(nodes: int, groups: list[list[str]], partition: str | None = None) -> None:
-    """Refuse a job that asks for more nodes than its partition has (sbatch's ``-p`` after ``--``, else
-    ``partition``, else the default one): SLURM queues it all the same, pending for ever with the reason
+    """Refuse a job that asks for more nodes than its partition has (``$SBATCH_PARTITION``, else the last of
+    sbatch's ``-p`` after ``--``, else ``partition``, else the default one, as sbatch reads them): SLURM queues it all the same, pending for ever with the reason
     ``PartitionConfig``, and nothing said so (a review). Drained or down nodes count: a job waiting for them is
     queued as before. Nothing is checked where ``scontrol`` cannot say (not on PATH, no answer, several partitions).
 
@@ -147,7 +148,8 @@ def check_partition_size(nodes: int, groups: list[list[str]], partition: str | N
     import shutil
     import subprocess
 
-    asked = next((v for _, v in option_values(groups, "--partition", "-p")), None) or partition  # the last wins
+    given = [v for _, v in option_values(groups, "--partition", "-p")]  # #SBATCH lines: the last one wins; sbatch's
+    asked = os.environ.get("SBATCH_PARTITION") or (given[-1] if given else partition)  # environment before them
     if shutil.which("scontrol") is None or (asked is not None and "," in asked):
         return
     try:

@@ -9,7 +9,8 @@ all of them, keeping each container's type: a named tuple was rebuilt as ``type(
 ``TypeError`` on the rank), and a ``BatchEncoding`` or a dataclass was refused as "not a batch holding tensors"
 (a review of the data path). An object with a ``.to`` method of its own is moved by it, as accelerate's
 ``send_to_device`` does: a ``PackedSequence`` keeps its ``batch_sizes`` on the CPU, which a walk of its fields would
-move too (a review of that).
+move too (a review of that); but a mapping is walked, since ``BatchEncoding.to`` moves its top-level tensors only
+(a review of that).
 """
 
 from __future__ import annotations
@@ -55,15 +56,15 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any,
     [Batch structures]): lists, tuples and named tuples; mappings (``dict``, ``OrderedDict``, ``defaultdict``,
     ``UserDict``: a shallow copy with each value replaced; a plain ``dict`` where the mapping cannot be copied or
     written); dataclass instances (a shallow copy, each field replaced, frozen ones too). With ``own``, an object
-    with a ``.to`` method of its own is ``own(obj)`` instead, containers included (``PackedSequence``, whose
-    ``batch_sizes`` stay on the CPU; ``BatchEncoding``). Anything else is ``obj`` itself. ``obj`` is not
-    changed (but by ``own``)."""
+    with a ``.to`` method of its own that is no mapping is ``own(obj)`` instead (``PackedSequence``, whose
+    ``batch_sizes`` stay on the CPU); a mapping is walked (``BatchEncoding``: its ``.to`` moves its top-level
+    tensors only, in place). Anything else is ``obj`` itself. ``obj`` is not changed (but by ``own``)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if _depth > _DEPTH:
         return obj
-    if own is not None and callable(getattr(obj, "to", None)) and not isinstance(obj, type):
-        return own(obj)
+    if own is not None and callable(getattr(obj, "to", None)) and not isinstance(obj, (type, Mapping)):
+        return own(obj)  # a mapping is walked: BatchEncoding.to moves its top-level tensors only (a review)
 
     def walk(value: Any) -> Any:
         return map_tensors(fn, value, own, _depth + 1)
