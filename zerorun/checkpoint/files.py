@@ -17,6 +17,8 @@ from zerorun.errors import ZerorunError
 
 MARKER = "COMPLETE"
 META = "zerorun.json"
+#: every name a save writes into a step folder: DCP's metadata and data files, META, MARKER
+SAVED = re.compile(rf"\.metadata|__\d+_\d+\.distcp|{re.escape(META)}|{MARKER}")
 FORMAT = 1
 STEP_DIR = re.compile(r"step-(\d+)")  # fullmatch
 

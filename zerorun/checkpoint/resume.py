@@ -42,14 +42,14 @@ def default_dir(recipe) -> str:
 
 def _incomplete(root: str) -> int:
     """Saves under ``root`` that never completed: ``step-N`` folders without their marker, ``.step-N.<job>.tmp``."""
-    from zerorun.checkpoint.files import MARKER
+    from zerorun.checkpoint.files import MARKER, STEP_DIR
 
     try:
         names = os.listdir(root)
     except OSError:
         return 0
     return sum(1 for n in names if re.fullmatch(r"\.step-\d+(\.[\w-]+)?\.tmp", n) or
-               (re.fullmatch(r"step-\d+", n) and not os.path.isfile(os.path.join(root, n, MARKER))))
+               (STEP_DIR.fullmatch(n) and not os.path.isfile(os.path.join(root, n, MARKER))))
 
 
 def prepare_resume(recipe, resume: str | None, say: Callable[[str], None] | None = None) -> bool:
@@ -159,10 +159,6 @@ def check_save_folder(recipe) -> None:
                        f"its own (checkpoint.dir={free}), or remove {them} first")
 
 
-#: the names a save writes into a step folder (DCP's metadata and data files, zerorun.json, the COMPLETE marker)
-_SAVED = re.compile(r"\.metadata|__\d+_\d+\.distcp|zerorun\.json|COMPLETE")
-
-
 def _steps_at_risk(recipe) -> dict[int, str]:
     """The steps whose ``step-N`` entries this job would replace (the ``checkpoint.every``-th after the step it
     resumes from, and the last) or remove (the complete checkpoints ``checkpoint.keep`` prunes once they are
@@ -185,7 +181,7 @@ def _not_ours(folder: str, steps: dict[int, str]) -> str | None:
     """A ``step-N`` entry of ``folder`` among ``steps`` (:func:`_steps_at_risk`) holding what no save writes: a
     file of that name, or a file of another name inside (a save had removed a user's notes without a word: a
     review). Returns it in words, or None."""
-    from zerorun.checkpoint.files import STEP_DIR
+    from zerorun.checkpoint.files import SAVED, STEP_DIR
 
     try:
         names = sorted(n for n in os.listdir(folder) if (m := STEP_DIR.fullmatch(n)) and int(m.group(1)) in steps)
@@ -196,7 +192,7 @@ def _not_ours(folder: str, steps: dict[int, str]) -> str | None:
         if not os.path.isdir(path):
             return f"{name} is a file, {why}"
         try:
-            other = next((n for n in sorted(os.listdir(path)) if not _SAVED.fullmatch(n)), None)
+            other = next((n for n in sorted(os.listdir(path)) if not SAVED.fullmatch(n)), None)
         except OSError:
             continue
         if other is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerorun.estimate.layout import PERSISTENT, Layout
+from zerorun.estimate.layout import Layout
 from zerorun.estimate.states import _pad, _stage_buffers
 from zerorun.estimate.policies import Precision
 
@@ -116,7 +116,7 @@ def working_set(layout: Layout, stage: int, world_size: int, precision: Precisio
     def padded(u) -> int:
         return sum(_pad(n, N) for n in u.trainable + u.frozen)
 
-    sizes = sorted((padded(u) for u in layout.units if u.name not in ("<root>", PERSISTENT) and not u.outer),
+    sizes = sorted((padded(u) for u in layout.listed_units),
                    reverse=True)
     root = sum(padded(u) for u in layout.units if u.name == "<root>")
     outer = sum(padded(u) for u in layout.units if u.outer and not u.embedding)  # Note [Outer units]

@@ -122,8 +122,7 @@ def kept_units(layout: Layout, world_size: int, default: int) -> set[str]:
     nbytes, cap = sum(_padded_bytes(u, world_size, default) for u in units), layout.keep_root_bytes
     if not (0 < cap and nbytes <= cap):
         return set()
-    listed = [u for u in layout.units if u.name not in ("<root>", PERSISTENT) and not u.outer
-              and _padded_bytes(u, world_size, default)]
+    listed = [u for u in layout.listed_units if _padded_bytes(u, world_size, default)]
     last = [u.name for u in listed[-1:] if nbytes + _padded_bytes(u, world_size, default) <= cap]
     return {u.name for u in units} | set(last)
 

@@ -80,10 +80,15 @@ class Layout:
     keep_root_bytes: int = 0
 
     @property
+    def listed_units(self) -> list[UnitCount]:
+        """The listed stage-3 units (not the root, an outer or the persistent unit), in the model's order."""
+        return [u for u in self.units if u.name not in ("<root>", PERSISTENT) and not u.outer]
+
+    @property
     def largest_unit(self) -> UnitCount | None:
-        """The listed stage-3 unit of the most bytes (not the root, an outer or the persistent unit; a float64
-        unit holds twice a float32 one of as many elements), or ``None``."""
-        inner = [u for u in self.units if u.name not in ("<root>", PERSISTENT) and not u.outer]
+        """The listed stage-3 unit of the most bytes (a float64 unit holds twice a float32 one of as many
+        elements), or ``None``."""
+        inner = self.listed_units
         default = PRECISIONS[self.precision or "fp32"].param_bytes
         return max(inner, key=lambda u: u.nbytes(default)) if inner else None
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from zerorun.estimate.activations import activation_bytes, working_set
 from zerorun.estimate.communication import traffic
 from zerorun.estimate.hierarchy import gradient_group, group_size, kept_units, secondary_bytes
-from zerorun.estimate.layout import PERSISTENT, Layout
+from zerorun.estimate.layout import Layout
 from zerorun.estimate.states import _optimizer_slices, model_states
 from zerorun.estimate.policies import OFFLOADS, OptimizerModel, Precision, grad_accum_bytes
 from zerorun.estimate.sizes import format_bytes
@@ -265,7 +265,7 @@ def stage3_assumptions(layout: Layout, world_size: int, param_bytes: int) -> lis
     order (Note [Kept from forward to backward] in zero/stage3_outer.py: the run keeps the one its forward ends
     with), and units holding frozen parameters only taken as gathered in forward only (no gradient through them)."""
     notes = []
-    listed = [u for u in layout.units if u.name not in ("<root>", PERSISTENT) and not u.outer]
+    listed = layout.listed_units
     last = [u.name for u in listed if u.name in kept_units(layout, world_size, param_bytes)]
     if last:
         notes.append(f"stage 3 sent: counts {last[0]} as the unit the forward ends with, kept into backward (the last "

@@ -21,9 +21,10 @@ from zerorun.telemetry.events import Event, parse_line
 _RANK_LINE = re.compile(r"^\[rank (\d+)\]")
 #: a rank's last words before an abort: C++'s std::terminate (gloo's "what():  [enforce fail at pair.cc:446] ...
 #: Received data size doesn't match expected size"), CPython's "Fatal Python error: ..."; a leading [file:line] goes
-_LAST_WORDS = re.compile(r"^\[rank (\d+)\]:?\s+(?:what\(\):\s+(?:\[[^\]]*\]\s*)?(.+)|(Fatal Python error: .+))")
+_WORDS = r"(?:what\(\):\s+(?:\[[^\]]*\]\s*)?(.+)|(Fatal Python error: .+))"
+_LAST_WORDS = re.compile(r"^\[rank (\d+)\]:?\s+" + _WORDS)
 #: the same written by C++ straight to the rank's standard error, with no rank in front (gloo's abort: a review)
-_NODE_LAST_WORDS = re.compile(r"^\s*(?:what\(\):\s+(?:\[[^\]]*\]\s*)?(.+)|(Fatal Python error: .+))")
+_NODE_LAST_WORDS = re.compile(r"^\s*" + _WORDS)
 #: what a node's torchrun prints when it gets a signal itself (SLURM's scancel or time limit signals every process)
 _AGENT_SIGNALLED = re.compile(r"Received (?:Signals\.)?\w+ death signal, shutting down workers")
 

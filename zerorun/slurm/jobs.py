@@ -143,7 +143,8 @@ def one_line(text: str) -> str:
     return "; ".join(lines) or "(no message)"
 
 
-def _field(text: str, key: str) -> str | None:
+def field(text: str, key: str) -> str | None:
+    """The value of ``key=`` in scontrol's one-line ``Key=Value`` output (values with spaces are not read)."""
     m = re.search(rf"(?:^|\s){key}=(\S+)", text)
     return m.group(1) if m else None
 
@@ -158,13 +159,13 @@ def _local_time(value: str | None) -> float | None:
 def parse_job(job_id: str, text: str) -> JobInfo:
     """A :class:`JobInfo` from ``scontrol show job -o JOBID``'s one line of ``Key=Value`` fields (values with
     spaces, such as ``Command=``, are not read)."""
-    reason = _field(text, "Reason")
-    nodes = _field(text, "NodeList")
-    restarts = _field(text, "Restarts") or "0"
-    return JobInfo(job_id, _field(text, "JobState") or "UNKNOWN", None if reason in (None, "None") else reason,
-                   _field(text, "ExitCode") or "0:0", None if nodes in (None, "(null)") else nodes,
-                   _local_time(_field(text, "SubmitTime")), int(restarts) if restarts.isdigit() else 0,
-                   _local_time(_field(text, "StartTime")))
+    reason = field(text, "Reason")
+    nodes = field(text, "NodeList")
+    restarts = field(text, "Restarts") or "0"
+    return JobInfo(job_id, field(text, "JobState") or "UNKNOWN", None if reason in (None, "None") else reason,
+                   field(text, "ExitCode") or "0:0", None if nodes in (None, "(null)") else nodes,
+                   _local_time(field(text, "SubmitTime")), int(restarts) if restarts.isdigit() else 0,
+                   _local_time(field(text, "StartTime")))
 
 
 def job_info(job_id: str) -> JobInfo | None:

@@ -157,13 +157,13 @@ def check_partition_size(nodes: int, groups: list[list[str]], partition: str | N
                               capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return
+    from zerorun.slurm.jobs import field
+
     lines = [line for line in text.splitlines() if asked or " Default=YES" in line]
-    name, total = (re.search(rf"(?:^|\s){key}=(\S+)", lines[0]) if lines else None
-                   for key in ("PartitionName", "TotalNodes"))
-    if name and total and total.group(1).isdigit() and nodes > int(total.group(1)):
-        raise ZerorunError(f"--nodes {nodes}: partition {name.group(1)} has {total.group(1)} node"
-                           f"{'s' * (total.group(1) != '1')}, so the job could never start (SLURM would queue it "
-                           "pending for ever: PartitionConfig)")
+    name, total = (field(lines[0], key) if lines else None for key in ("PartitionName", "TotalNodes"))
+    if name and total and total.isdigit() and nodes > int(total):
+        raise ZerorunError(f"--nodes {nodes}: partition {name} has {total} node{'s' * (total != '1')}, so the job "
+                           "could never start (SLURM would queue it pending for ever: PartitionConfig)")
 
 
 def _gpus(n: int) -> str:
