@@ -336,3 +336,16 @@ def test_one_file_for_model_and_data_trains_alike_at_stages_0_and_3(tmp_path):
         losses[stage] = [e["loss"] for e in events if e["event"] == "step" and e["rank"] == 0]
     assert len(losses[0]) == 3
     assert losses[3] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_a_built_in_module_is_not_taken_for_a_loaded_file_of_its_name(tmp_path):
+    """A review: the finder of loaded files came first on sys.meta_path, so a user file named like a built-in module
+    not yet imported (pwd.py, gc.py) replaced that module for every later `import`; Python itself finds the
+    built-in first."""
+    import sys
+
+    name = next(m for m in sys.builtin_module_names if m not in sys.modules and m.isidentifier())
+    (tmp_path / f"{name}.py").write_text("WHO = 'user'\n")
+    assert load_module(str(tmp_path / f"{name}.py")).WHO == "user"
+    imported = __import__(name)
+    assert not hasattr(imported, "WHO") and imported.__spec__.origin == "built-in", imported

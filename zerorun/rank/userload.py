@@ -80,8 +80,8 @@ def _import_file(path: str) -> Any:
         raise
     _FILES[path] = (module, stamp)
     if not any(isinstance(f, _LoadedFiles) for f in sys.meta_path):  # after the built-in and frozen modules' finders
-        finders = [type(f) for f in sys.meta_path]
-        at = finders.index(importlib.machinery.PathFinder) if importlib.machinery.PathFinder in finders else 0
+        path_finder = importlib.machinery.PathFinder  # on sys.meta_path as the class itself
+        at = sys.meta_path.index(path_finder) if path_finder in sys.meta_path else len(sys.meta_path)
         sys.meta_path.insert(at, _LoadedFiles())
     return module
 
